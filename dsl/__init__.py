@@ -1,0 +1,1 @@
+"""The `.omni` language: grammar, AST and parser (installed as `omniflow.dsl`)."""

@@ -1,0 +1,1 @@
+"""Triton kernels, one per file, each with a torch reference (installed as `omniflow.kernels`)."""
