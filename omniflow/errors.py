@@ -84,3 +84,7 @@ class PlacementError(OmniflowError):
 
 class DeviceSpecError(OmniflowError):
     """A `--devices` inventory string could not be understood."""
+
+
+class ChannelError(OmniflowError):
+    """A data-plane channel failed: peer closed or died, timeout, or a payload bigger than its slot."""

@@ -1,0 +1,29 @@
+# The two commands of the README, each doing its own set-up in a local virtualenv.
+#   make demo   compile the default pipeline (graphs/omni_chat.omni) and print its plan
+#   make test   run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEVICES ?= 2xH200
+
+.PHONY: demo test lint setup
+
+setup: $(VENV)/.ready
+
+# torch is installed first and pinned: on CPU machines torch==2.13.0 is a CPU build, and
+# the project's own `torch>=2.1` then adds nothing.
+$(VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(VENV)/bin/omniflow compile graphs/omni_chat.omni --devices $(DEVICES)
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -1,0 +1,36 @@
+"""Named adapters: model-specific transition functions that an edge applies on the way.
+
+The compiler checks an edge's `adapter=` against this table (types in and out); the
+runtime imports the implementation by its dotted path when it links the plan. A dotted
+name outside the namespaces listed here is taken as a user function, resolved at link time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    in_type: str
+    out_type: str
+    impl: str  # "module:function"
+    doc: str
+
+
+ADAPTERS: dict[str, AdapterSpec] = {
+    "qwen_omni.thinker_to_talker": AdapterSpec(
+        "hidden",
+        "hidden",
+        "omniflow.models.qwen_omni:thinker_to_talker",
+        "thinker hidden states and token embeddings -> talker input embeddings",
+    ),
+    "qwen_omni.talker_to_code2wav": AdapterSpec(
+        "codes",
+        "codes",
+        "omniflow.models.qwen_omni:talker_to_code2wav",
+        "talker codec tokens -> token2wav codes (drops control tokens)",
+    ),
+}
+
+NAMESPACES = frozenset(name.split(".")[0] for name in ADAPTERS)

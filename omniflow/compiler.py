@@ -1,0 +1,48 @@
+"""The compiler's phases as named functions: parse -> build -> passes -> lower.
+
+compile_file("x.omni", devices="2xH200")    # -> Plan
+load_graph("x.omni")                        # -> Graph (parsed and built, no passes)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omniflow.devices import parse_devices
+from omniflow.dsl.parser import parse
+from omniflow.errors import OmniflowError
+from omniflow.ir.build import build
+from omniflow.ir.graph import Graph
+from omniflow.passes.pipeline import Target, run_passes
+from omniflow.plan import Plan, lower
+
+
+def read_source(path: str | Path) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise OmniflowError(f"cannot read {path}: {err}") from err
+
+
+def graph_from_source(text: str, path: str = "<string>") -> Graph:
+    return build(parse(text, path))
+
+
+def load_graph(path: str | Path) -> Graph:
+    return graph_from_source(read_source(path), str(path))
+
+
+def optimize(graph: Graph, devices: str = "cpu") -> Graph:
+    return run_passes(graph, Target(tuple(parse_devices(devices))))
+
+
+def compile_graph(graph: Graph, devices: str = "cpu") -> Plan:
+    return lower(optimize(graph, devices))
+
+
+def compile_source(text: str, path: str = "<string>", devices: str = "cpu") -> Plan:
+    return compile_graph(graph_from_source(text, path), devices)
+
+
+def compile_file(path: str | Path, devices: str = "cpu") -> Plan:
+    return compile_graph(load_graph(path), devices)

@@ -1,0 +1,173 @@
+"""Stage kinds: the ports each kind of stage has and the parameters it accepts.
+
+This table is the single source the build phase checks programs against, the printer
+lists in hints, and the backends implement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omniflow.ir.values import Auto, Param, Ref
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A stage parameter: accepted Python types, default, and whether it must be given."""
+
+    types: tuple[type, ...]
+    default: object = None
+    required: bool = False
+    choices: tuple[object, ...] = ()
+
+
+@dataclass(frozen=True)
+class StageKind:
+    name: str
+    doc: str
+    inputs: dict[str, tuple[str, ...]]
+    outputs: dict[str, str]
+    params: dict[str, ParamSpec] = field(default_factory=dict)
+    needs_model: bool = True
+
+
+_INT = (int,)
+_FLOAT = (float, int)
+_STR = (str,)
+
+COMMON_PARAMS: dict[str, ParamSpec] = {
+    "model": ParamSpec(_STR),
+    "component": ParamSpec(_STR),
+    "max_batch": ParamSpec(_INT, 8),
+    "replicas": ParamSpec(_INT, 1),
+    "dtype": ParamSpec(_STR, "bfloat16", choices=("bfloat16", "float16", "float32")),
+    "backend": ParamSpec(
+        _STR, "auto", choices=("auto", "transformers", "diffusers", "vllm", "python")
+    ),
+    "memory": ParamSpec(_STR),  # an explicit budget such as "20GiB" overrides the estimate
+}
+
+_SAMPLING = {
+    "max_tokens": ParamSpec(_INT, 2048),
+    "temperature": ParamSpec(_FLOAT, 1.0),
+    "top_p": ParamSpec(_FLOAT, 1.0),
+    "top_k": ParamSpec(_INT, -1),
+    "repetition_penalty": ParamSpec(_FLOAT, 1.0),
+    "seed": ParamSpec(_INT),
+    "stop": ParamSpec((list,)),
+}
+
+
+def _kind(name, doc, inputs, outputs, params=None, needs_model=True) -> StageKind:
+    return StageKind(name, doc, inputs, outputs, {**COMMON_PARAMS, **(params or {})}, needs_model)
+
+
+KINDS: dict[str, StageKind] = {
+    k.name: k
+    for k in (
+        _kind(
+            "ar",
+            "autoregressive model: prefill then token-by-token decode with a KV cache",
+            {
+                "prompt": ("chat", "text", "tokens"),
+                "embeds": ("hidden",),
+                "voice": ("text", "audio"),
+                "image": ("image",),
+                "audio": ("audio",),
+                "video": ("video",),
+                "kv": ("kv",),
+            },
+            {"text": "text", "tokens": "tokens", "hidden": "hidden", "codes": "codes", "kv": "kv"},
+            {
+                **_SAMPLING,
+                "max_len": ParamSpec(_INT, 4096),
+                "role": ParamSpec(_STR, "both", choices=("both", "prefill", "decode")),
+            },
+        ),
+        _kind(
+            "encoder",
+            "one forward pass from text, image or audio to hidden states",
+            {"prompt": ("chat", "text", "tokens"), "image": ("image",), "audio": ("audio",)},
+            {"hidden": "hidden"},
+            {"max_len": ParamSpec(_INT, 1024)},
+        ),
+        _kind(
+            "diffusion",
+            "step-wise denoiser (prepare, denoise step, scheduler step) with optional guidance",
+            {"cond": ("hidden",), "image": ("image",), "kv": ("kv",)},
+            {"latents": "latents"},
+            {
+                "steps": ParamSpec(_INT, 50),
+                "guidance": ParamSpec(_FLOAT, 1.0),
+                "cfg": ParamSpec((Ref,)),  # the input whose value is the unconditional companion
+                "height": ParamSpec(_INT, 1024),
+                "width": ParamSpec(_INT, 1024),
+                "frames": ParamSpec(_INT, 1),
+                "seed": ParamSpec(_INT),
+            },
+        ),
+        _kind(
+            "vae",
+            "latent decoder to pixels",
+            {"latents": ("latents",)},
+            {"image": "image", "video": "video"},
+        ),
+        _kind(
+            "vocoder",
+            "codec frames to waveform, decoded in chunks with left context",
+            {"codes": ("codes",), "hidden": ("hidden",)},
+            {"audio": "audio"},
+            {"max_len": ParamSpec(_INT, 4096)},
+        ),
+        _kind(
+            "python",
+            "a user function `f(batch) -> batch` (or a generator of chunks) given by dotted path",
+            {},
+            {},
+            {
+                "fn": ParamSpec((Ref, str), required=True),
+                "inputs": ParamSpec(_STR, "in:tokens"),
+                "outputs": ParamSpec(_STR, "out:tokens"),
+            },
+            needs_model=False,
+        ),
+    )
+}
+
+# Edge attributes a flow may carry; `rate` and `format` belong to an output instead.
+EDGE_ATTRS: dict[str, ParamSpec] = {
+    "stream": ParamSpec((bool,), False),
+    "whole": ParamSpec((bool,), False),
+    "chunk": ParamSpec((int, Auto, list)),
+    "context": ParamSpec(_INT, 0),
+    "credits": ParamSpec(_INT),
+    "adapter": ParamSpec((Ref,)),
+}
+OUTPUT_ATTRS: dict[str, ParamSpec] = {
+    "rate": ParamSpec(_INT),
+    "format": ParamSpec(_STR, choices=("wav", "pcm", "flac", "mp3", "png", "jpeg")),
+}
+
+
+def parse_port_list(text: str) -> dict[str, str]:
+    """`"prompt:text, audio"` -> {"prompt": "text", "audio": "audio"} (a bare type names its port)."""
+    ports = {}
+    for item in (p.strip() for p in text.split(",")):
+        if item:
+            name, _, typ = item.partition(":")
+            ports[name.strip()] = (typ or name).strip()
+    return ports
+
+
+def stage_ports(
+    kind: str, params: dict[str, object]
+) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
+    """Input ports (accepted types) and output ports (type) of a stage of `kind`."""
+    spec = KINDS[kind]
+    if kind != "python":
+        return spec.inputs, spec.outputs
+    ins = params.get("inputs", spec.params["inputs"].default)
+    outs = params.get("outputs", spec.params["outputs"].default)
+    if isinstance(ins, Param) or isinstance(outs, Param):
+        raise TypeError("python stage ports cannot come from a parameter")
+    return {k: (v,) for k, v in parse_port_list(ins).items()}, parse_port_list(outs)

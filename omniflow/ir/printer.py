@@ -1,0 +1,91 @@
+"""Printing a Graph: a readable listing (`str(graph)`) and `.omni` source (`to_dsl`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from omniflow.ir.values import AUTO, format_value
+
+if TYPE_CHECKING:
+    from omniflow.ir.graph import Edge, Graph, Node
+
+
+def _call_args(params: dict) -> str:
+    return ", ".join(f"{k}={format_value(v)}" for k, v in params.items())
+
+
+def _edge_attrs(edge: Edge) -> list[str]:
+    attrs = []
+    if edge.chunk is AUTO:
+        attrs.append("stream")
+    elif edge.chunk is not None:
+        attrs += ["stream", f"chunk={format_value(edge.chunk)}"]
+    if edge.context:
+        attrs.append(f"context={edge.context}")
+    if edge.credits is not None:
+        attrs.append(f"credits={edge.credits}")
+    if edge.adapter:
+        attrs.append(f"adapter={edge.adapter}")
+    return attrs
+
+
+def _flow(graph: Graph, edge: Edge) -> str:
+    src = graph.node(edge.src)
+    dst = graph.node(edge.dst)
+    text = edge.src if src.op == "input" else f"{edge.src}.{edge.src_port}"
+    if edge.maps:
+        text += f" -> map({' | '.join(str(op) for op in edge.maps)})"
+    attrs = _edge_attrs(edge)
+    if dst.op == "output":
+        text += f" -> output {dst.name}"
+        attrs += [f"{k}={format_value(v)}" for k, v in dst.params.items()]
+    else:
+        text += f" -> {edge.dst}.{edge.dst_port}"
+    return text + (f" [{', '.join(attrs)}]" if attrs else "")
+
+
+def to_dsl(graph: Graph) -> str:
+    lines = [f"pipeline {graph.name} {{"]
+    if graph.model:
+        lines.append(f"  model {format_value(graph.model)}")
+    lines += [f"  param {k} = {format_value(v)}" for k, v in graph.params.items()]
+    for node in graph.stages:
+        device = f" @ {node.device}" if node.device else ""
+        lines.append(f"  stage {node.name} = {node.op}({_call_args(node.params)}){device}")
+    for node in graph.inputs:
+        default = node.params.get("default")
+        tail = "" if default is None else f" = {format_value(default)}"
+        lines.append(f"  input {node.name}: {node.params['type']}{tail}")
+    lines += [f"  {_flow(graph, e)}" for e in graph.edges]
+    lines += [f"  {c.kind} {', '.join(c.stages)}" for c in graph.constraints]
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+def _meta(node_or_edge: Node | Edge) -> str:
+    shown = {k: v for k, v in node_or_edge.meta.items() if isinstance(v, (str, int, float, list))}
+    return ("  # " + " ".join(f"{k}={v}" for k, v in shown.items())) if shown else ""
+
+
+def format_graph(graph: Graph) -> str:
+    """A listing in topological order: one line per node, then one per edge."""
+    head = f"graph {graph.name}"
+    if graph.model:
+        head += f"  model={graph.model}"
+    if graph.params:
+        head += "  params: " + ", ".join(f"{k}={format_value(v)}" for k, v in graph.params.items())
+    lines = [head]
+    for node in graph.topo_order():
+        if node.op == "input":
+            body = f"input  {node.name}: {node.params['type']}"
+        elif node.op == "output":
+            body = f"output {node.name}" + (f"({_call_args(node.params)})" if node.params else "")
+        else:
+            body = f"stage  {node.name} = {node.op}({_call_args(node.params)})"
+            body += f" @ {node.device}" if node.device else ""
+        lines.append(f"  {body}{_meta(node)}")
+    for edge in graph.edges:
+        extra = " ".join(_edge_attrs(edge))
+        maps = f" map({' | '.join(str(op) for op in edge.maps)})" if edge.maps else ""
+        lines.append(f"  edge   {edge.name} : {edge.type}{maps} {extra}".rstrip() + _meta(edge))
+    lines += [f"  {c.kind} {', '.join(c.stages)}" for c in graph.constraints]
+    return "\n".join(lines)

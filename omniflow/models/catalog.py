@@ -1,0 +1,1033 @@
+"""Where a stage's model configuration comes from: never the network.
+
+`load_component_config(model, component)` finds the configuration of one component of a
+model (the thinker of an omni model, the VAE of a diffusion pipeline, a plain LM) and
+returns a `ComponentConfig`: its family, a flat HF-style config dict, a dtype and where it
+came from. Resolution order:
+
+1. `model` is a local directory: its `config.json` (transformers; a multi-part model's
+   component is picked out of it by name) or `model_index.json` + `<component>/config.json`
+   (diffusers).
+2. The local Hugging Face hub cache (`HF_HUB_CACHE`, `HF_HOME/hub` or
+   `~/.cache/huggingface/hub`): `models--org--name/snapshots/<rev>/`, read as in 1.
+3. The builtin catalog below: the published config.json files of the models omniflow's
+   example pipelines use, reduced to the keys that decide shapes and sizes.
+
+Both directory sources also count parameters that no architecture formula covers (vision
+and audio towers, vocoders, projections) from the checkpoint's safetensors headers, without
+loading a weight; the builtin catalog carries those counts instead.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import math
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omniflow.errors import ModelConfigError
+
+FAMILIES = (
+    "decoder_lm",
+    "moe_lm",
+    "vision_encoder",
+    "audio_encoder",
+    "text_encoder",
+    "dit",
+    "vae",
+    "vocoder",
+)
+LM_FAMILIES = ("decoder_lm", "moe_lm", "text_encoder")
+BUILTIN_SOURCE = "builtin catalog"
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class ComponentConfig:
+    """One component of a model, as the compiler's shape and cost passes see it.
+
+    `config` holds HF-style keys (hidden_size, num_hidden_layers, num_attention_heads,
+    num_key_value_heads, head_dim, intermediate_size, vocab_size, tie_word_embeddings,
+    num_experts, num_experts_per_tok, moe_intermediate_size, ...; diffusers keys for DiT and
+    VAE). Two keys are omniflow's own: `num_parameters` (the component's parameter count,
+    where no formula covers it) and `extra_parameters` (name -> count of modules that ride
+    along with an LM component but are not its decoder, e.g. a thinker's audio tower).
+    """
+
+    model: str
+    component: str | None
+    family: str
+    config: dict[str, Any] = field(hash=False)
+    dtype: str = "bfloat16"
+    source: str = BUILTIN_SOURCE
+
+    @property
+    def hidden_size(self) -> int | None:
+        """Width of the hidden states the component emits (None for VAEs and vocoders).
+
+        LMs and text encoders: hidden_size; vision encoders: the merger's out_hidden_size;
+        audio encoders: output_dim; DiTs: the transformer's inner width.
+        """
+        c = self.config
+        if self.family in LM_FAMILIES:
+            return c["hidden_size"]
+        if self.family == "vision_encoder":
+            return c.get("out_hidden_size") or c.get("hidden_size")
+        if self.family == "audio_encoder":
+            return c.get("output_dim") or c.get("d_model")
+        if self.family == "dit":
+            return c["num_attention_heads"] * c["attention_head_dim"]
+        return None
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Output vocabulary of an LM (a codec LM's codebook vocabulary); None otherwise."""
+        return self.config.get("vocab_size") if self.family in LM_FAMILIES else None
+
+    @property
+    def num_code_groups(self) -> int | None:
+        """Codebooks per codec frame: emitted by a codec LM, consumed by a vocoder."""
+        return self.config.get("num_code_groups") or self.config.get("num_quantizers")
+
+    @property
+    def num_codebooks(self) -> int | None:
+        """Alias of `num_code_groups`."""
+        return self.num_code_groups
+
+    @property
+    def sample_rate(self) -> int | None:
+        """Output audio sample rate of a vocoder."""
+        c = self.config
+        return c.get("output_sample_rate") or c.get("sample_rate") or c.get("sampling_rate")
+
+    @property
+    def samples_per_frame(self) -> int | None:
+        """Audio samples a vocoder emits per codec frame (its total upsampling)."""
+        return samples_per_frame(self.config) if self.family == "vocoder" else None
+
+    @property
+    def frame_rate(self) -> float | None:
+        """Codec frames per second of audio (sample_rate / samples_per_frame)."""
+        rate, per_frame = self.sample_rate, self.samples_per_frame
+        return rate / per_frame if rate and per_frame else None
+
+    @property
+    def latent_channels(self) -> int | None:
+        """Channels of the (unpacked) latent a DiT denoises and a VAE decodes."""
+        c = self.config
+        if self.family == "dit":
+            return c.get("out_channels") or c["in_channels"] // c.get("patch_size", 1) ** 2
+        if self.family == "vae":
+            return c.get("z_dim") or c.get("latent_channels")
+        return None
+
+    @property
+    def vae_scale_factor(self) -> int | None:
+        """Pixels per latent position along each side (a DiT's comes from its pipeline's VAE)."""
+        if self.family == "vae":
+            return vae_scale_factor(self.config)
+        return self.config.get("vae_scale_factor") if self.family == "dit" else None
+
+    @property
+    def patch_size(self) -> int | None:
+        """Latent positions per DiT token along each side, or a ViT's pixel patch size."""
+        return self.config.get("patch_size")
+
+    def image_tokens(self, height: int, width: int) -> int:
+        """Image tokens a DiT processes for one height x width image."""
+        side = self.vae_scale_factor * self.patch_size
+        return (height // side) * (width // side)
+
+
+def samples_per_frame(config: Mapping[str, Any]) -> int | None:
+    """Total upsampling of a vocoder config, in any of the layouts the catalog knows."""
+    if config.get("decode_upsample_rate"):
+        return config["decode_upsample_rate"]
+    if "upsample_rates" in config:
+        return math.prod(config["upsample_rates"]) * math.prod(config.get("upsampling_ratios", ()))
+    if "bigvgan_config" in config:
+        # Qwen2.5-Omni token2wav: the DiT emits `repeats` mel frames per code, BigVGAN upsamples.
+        mel_per_code = config["dit_config"].get("repeats", 1)
+        return mel_per_code * math.prod(config["bigvgan_config"]["upsample_rates"])
+    return None
+
+
+def vae_scale_factor(config: Mapping[str, Any]) -> int | None:
+    """Spatial downsampling of a VAE config (diffusers AutoencoderKL or AutoencoderKLQwenImage)."""
+    if "temperal_downsample" in config:
+        return 2 ** len(config["temperal_downsample"])
+    if "block_out_channels" in config:
+        return 2 ** (len(config["block_out_channels"]) - 1)
+    return None
+
+
+def known_models() -> list[str]:
+    """Model ids the builtin catalog knows, sorted."""
+    return sorted(_BUILTIN)
+
+
+def builtin_files(model: str) -> dict[str, dict[str, Any]]:
+    """A copy of the config files the builtin catalog holds for `model`, keyed by repo path."""
+    name = _builtin_name(model)
+    if name is None:
+        raise ModelConfigError(
+            f"'{model}' is not in the builtin catalog" + _did_you_mean(model, known_models())
+        )
+    return copy.deepcopy(_BUILTIN[name])
+
+
+def load_component_config(model: str, component: str | None = None) -> ComponentConfig:
+    """Find `component` of `model` in a local directory, the HF cache or the builtin catalog.
+
+    `component` None means the whole model and is only valid for single-part models. Model
+    ids are matched case-insensitively. Raises ModelConfigError naming the known models or
+    the model's components (with a did-you-mean) when nothing matches.
+    """
+    model = model.strip().rstrip("/")
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return _load(str(path), component, _DirFiles(path), f"local: {path}")
+    builtin = _builtin_name(model)
+    snapshot = _cached_snapshot(model)
+    if snapshot is not None:
+        name, root = snapshot
+        fallback = _BuiltinFiles(builtin) if builtin else None
+        return _load(name, component, _DirFiles(root, fallback), f"hf-cache: {root}")
+    if builtin is not None:
+        return _load(builtin, component, _BuiltinFiles(builtin), BUILTIN_SOURCE)
+    raise ModelConfigError(
+        f"unknown model '{model}': not a local directory, not in the Hugging Face cache "
+        f"({hub_cache_dir()}), not in the builtin catalog (known: {', '.join(known_models())})"
+        + _did_you_mean(model, known_models())
+    )
+
+
+# --- where files come from ---------------------------------------------------------------
+
+
+class _DirFiles:
+    """A model directory (local or an HF cache snapshot): json files and checkpoint counts."""
+
+    def __init__(self, root: Path, fallback: _BuiltinFiles | None = None):
+        self.root = root
+        self.fallback = fallback
+
+    def json(self, rel: str) -> dict[str, Any] | None:
+        path = self.root / rel
+        if not path.is_file():
+            return None
+        with path.open(encoding="utf-8") as f:
+            return json.load(f)
+
+    def count(self, component: str | None, name: str, rel_dir: str, prefixes: tuple[str, ...]):
+        counted = count_checkpoint_parameters(self.root / rel_dir, prefixes)
+        if counted is None and self.fallback is not None:
+            return self.fallback.count(component, name, rel_dir, prefixes)
+        return counted
+
+
+class _BuiltinFiles:
+    """The builtin catalog's copy of a model's config files and its parameter counts."""
+
+    def __init__(self, model: str):
+        self.model = model
+
+    def json(self, rel: str) -> dict[str, Any] | None:
+        return _BUILTIN[self.model].get(rel)
+
+    def count(self, component: str | None, name: str, rel_dir: str, prefixes: tuple[str, ...]):
+        return _BUILTIN_COUNTS.get((self.model, component), {}).get(name)
+
+
+_Files = _DirFiles | _BuiltinFiles
+
+
+def count_checkpoint_parameters(directory: Path, prefixes: tuple[str, ...] = ("",)) -> int | None:
+    """Parameters in the safetensors files of `directory` whose names start with a prefix.
+
+    Reads only each file's JSON header. None when the directory holds no safetensors file.
+    When a `*.safetensors.index.json` is present only the files its weight_map names count,
+    so stray duplicate checkpoints are not counted twice.
+    """
+    if not directory.is_dir():
+        return None
+    indexed = set()
+    for index in directory.glob("*.safetensors.index.json"):
+        indexed |= set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+    files = [directory / f for f in sorted(indexed)] or sorted(directory.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for path in files:
+        with path.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        total += sum(
+            math.prod(info["shape"])
+            for name, info in header.items()
+            if name != "__metadata__" and name.startswith(prefixes)
+        )
+    return total
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache directory, as huggingface_hub resolves it."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "huggingface" / "hub"
+
+
+def _cached_snapshot(model: str) -> tuple[str, Path] | None:
+    """(canonical id, snapshot dir) of `model` in the hub cache, matched case-insensitively."""
+    cache = hub_cache_dir()
+    if not cache.is_dir():
+        return None
+    wanted = "models--" + model.replace("/", "--").lower()
+    repo = next((d for d in cache.iterdir() if d.name.lower() == wanted), None)
+    if repo is None:
+        return None
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    pinned = snapshots / ref.read_text().strip() if ref.is_file() else None
+    if pinned is not None and _has_config(pinned):
+        chosen = pinned
+    else:
+        # Without refs/main (a hand-made cache), the most recently written snapshot is current.
+        candidates = [s for s in snapshots.glob("*") if _has_config(s)]
+        if not candidates:
+            return None
+        chosen = max(candidates, key=lambda s: s.stat().st_mtime)
+    return repo.name.removeprefix("models--").replace("--", "/"), chosen
+
+
+def _has_config(snapshot: Path) -> bool:
+    return (snapshot / "config.json").is_file() or (snapshot / "model_index.json").is_file()
+
+
+def _builtin_name(model: str) -> str | None:
+    return next((name for name in _BUILTIN if name.lower() == model.lower()), None)
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    lowered = {c.lower(): c for c in choices}
+    close = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.6)
+    return f"; did you mean '{lowered[close[0]]}'?" if close else ""
+
+
+# --- picking a component out of a model's config files ----------------------------------
+
+
+@dataclass(frozen=True)
+class _Part:
+    """How one component of a multi-part transformers model sits in its config files.
+
+    `path` descends from the file's root to the component's dims; a step ending in '?' is
+    optional (Qwen2.5-VL keeps its text dims at the root in older exports). The flat config
+    is every level along the path merged, deeper levels winning, but sub-config dicts of
+    upper levels are dropped except those named in `keep`. `class_level` is the level whose
+    `tie_word_embeddings` the owning transformers class reads. `weights` are checkpoint
+    name prefixes of the whole component, `extras` of modules counted beside an LM's formula.
+    """
+
+    family: str
+    path: tuple[str, ...]
+    file: str = "config.json"
+    class_level: int | None = None
+    keep: tuple[str, ...] = ()
+    weights: tuple[str, ...] = ("",)
+    extras: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    dtype: str | None = None
+
+
+_THINKER_TOWERS = {"audio_tower": ("thinker.audio_tower.",), "visual": ("thinker.visual.",)}
+
+# Keyed by the root config's model_type.
+_PARTS: dict[str, dict[str, _Part]] = {
+    "qwen2_5_omni": {
+        "thinker": _Part(
+            "decoder_lm",
+            ("thinker_config", "text_config"),
+            class_level=1,
+            keep=("audio_config", "vision_config"),
+            extras=_THINKER_TOWERS,
+        ),
+        "talker": _Part(
+            "decoder_lm",
+            ("talker_config",),
+            extras={"thinker_to_talker_proj": ("talker.thinker_to_talker_proj.",)},
+            # The talker emits one code per step from a single codebook.
+            defaults={"num_code_groups": 1},
+        ),
+        "token2wav": _Part(
+            "vocoder",
+            ("token2wav_config",),
+            weights=("token2wav.",),
+            defaults={"sample_rate": 24000, "num_code_groups": 1},
+            # transformers runs token2wav in float32 whatever the checkpoint's dtype.
+            dtype="float32",
+        ),
+    },
+    "qwen3_omni_moe": {
+        "thinker": _Part(
+            "moe_lm",
+            ("thinker_config", "text_config"),
+            class_level=1,
+            keep=("audio_config", "vision_config"),
+            extras=_THINKER_TOWERS,
+        ),
+        "talker": _Part(
+            "moe_lm",
+            ("talker_config", "text_config"),
+            class_level=1,
+            keep=("code_predictor_config",),
+            extras={
+                "text_projection": ("talker.text_projection.",),
+                "hidden_projection": ("talker.hidden_projection.",),
+            },
+        ),
+        "code2wav": _Part(
+            "vocoder", ("code2wav_config",), weights=("code2wav.",), defaults={"sample_rate": 24000}
+        ),
+    },
+    "qwen2_5_vl": {
+        "visual": _Part("vision_encoder", ("vision_config",), weights=("visual.", "model.visual.")),
+        "language_model": _Part("decoder_lm", ("text_config?",), class_level=0),
+    },
+    "qwen3_tts": {
+        "talker": _Part(
+            "decoder_lm",
+            ("talker_config",),
+            extras={
+                "text_embedding": ("talker.model.text_embedding.",),
+                "text_projection": ("talker.text_projection.",),
+                # Only the voice-cloning (Base) checkpoints carry a speaker encoder.
+                "speaker_encoder": ("speaker_encoder.",),
+            },
+        ),
+        "code2wav": _Part(
+            "vocoder",
+            ("decoder_config",),
+            file="speech_tokenizer/config.json",
+            weights=("decoder.",),
+        ),
+    },
+}
+
+# Key spellings normalised to the catalog's.
+_ALIASES = {"num_local_experts": "num_experts"}
+
+
+def _load(model: str, component: str | None, files: _Files, source: str) -> ComponentConfig:
+    index = files.json("model_index.json")
+    if index is not None:
+        return _load_diffusers(model, component, files, index, source)
+    root = files.json("config.json")
+    if root is None:
+        raise ModelConfigError(f"model '{model}' has neither config.json nor model_index.json")
+    parts = _PARTS.get(root.get("model_type", ""))
+    if parts is None:
+        if component is not None:
+            raise ModelConfigError(
+                f"model '{model}' is a single-part model; it has no component '{component}' "
+                "(leave component unset to use the whole model)"
+            )
+        family = _lm_family(root, model)
+        return _finish(model, None, family, dict(root), files, {}, _dtype_of(root), source)
+    part = parts.get(_require_component(model, component, sorted(parts)))
+    levels = _levels(files, part, model)
+    config = _flatten(levels, part)
+    counts = dict(part.extras) if part.family in LM_FAMILIES else {"num_parameters": part.weights}
+    rel_dir = str(Path(part.file).parent)
+    requests = {name: (rel_dir, prefixes) for name, prefixes in counts.items()}
+    dtype = part.dtype or _dtype_of(*levels)
+    return _finish(model, component, part.family, config, files, requests, dtype, source)
+
+
+def _load_diffusers(model, component, files, index, source) -> ComponentConfig:
+    available = sorted(
+        name
+        for name, entry in index.items()
+        if isinstance(entry, list) and files.json(f"{name}/config.json") is not None
+    )
+    component = _require_component(model, component, available)
+    config = dict(files.json(f"{component}/config.json"))
+    class_name = config.get("_class_name")
+    if class_name is None:
+        return _load_text_encoder(model, component, config, files, source)
+    if class_name.startswith("Autoencoder"):
+        family = "vae"
+    elif "Transformer" in class_name:
+        family = "dit"
+        vae = files.json("vae/config.json")
+        scale = vae_scale_factor(vae) if vae else None
+        if scale is not None:
+            config.setdefault("vae_scale_factor", scale)
+    else:
+        raise ModelConfigError(
+            f"model '{model}': component '{component}' is a {class_name}, which omniflow "
+            "cannot estimate (known: DiT transformers, autoencoders, transformers text encoders)"
+        )
+    requests = {"num_parameters": (component, ("",))}
+    return _finish(model, component, family, config, files, requests, _dtype_of(config), source)
+
+
+def _load_text_encoder(model, component, root, files, source) -> ComponentConfig:
+    """A transformers model a diffusers pipeline runs as its prompt encoder.
+
+    The pipeline loads the whole model, so a multi-part one (Qwen-Image's Qwen2.5-VL) is its
+    language part plus every other part counted as an extra.
+    """
+    parts = _PARTS.get(root.get("model_type", ""))
+    if parts is None:
+        _lm_family(root, model)
+        return _finish(model, component, "text_encoder", root, files, {}, _dtype_of(root), source)
+    text = parts["language_model"]
+    levels = [root, *_descend(root, text.path, model)]
+    extras = {name: (component, part.weights) for name, part in parts.items() if part is not text}
+    config = _flatten(levels, text)
+    return _finish(model, component, "text_encoder", config, files, extras, _dtype_of(root), source)
+
+
+def _finish(model, component, family, config, files, requests, dtype, source) -> ComponentConfig:
+    for old, new in _ALIASES.items():
+        if old in config:
+            config.setdefault(new, config.pop(old))
+    extras = {}
+    for name, (rel_dir, prefixes) in requests.items():
+        counted = files.count(component, name, "" if rel_dir == "." else rel_dir, prefixes)
+        if not counted:
+            continue
+        if name == "num_parameters":
+            config["num_parameters"] = counted
+        else:
+            extras[name] = counted
+    if extras:
+        config["extra_parameters"] = extras
+    for key, value in _BUILTIN_FACTS.get((model, component), {}).items():
+        config.setdefault(key, value)
+    return ComponentConfig(model, component, family, config, dtype, source)
+
+
+def _require_component(model: str, component: str | None, available: list[str]) -> str:
+    if component is None:
+        raise ModelConfigError(
+            f"model '{model}' has several components; name one of: {', '.join(available)}"
+        )
+    if component not in available:
+        raise ModelConfigError(
+            f"model '{model}' has no component '{component}'; its components are: "
+            f"{', '.join(available)}" + _did_you_mean(component, available)
+        )
+    return component
+
+
+def _levels(files: _Files, part: _Part, model: str) -> list[dict[str, Any]]:
+    root = files.json(part.file)
+    if root is None:
+        raise ModelConfigError(f"model '{model}' has no {part.file}")
+    return [root, *_descend(root, part.path, model)]
+
+
+def _descend(root: dict[str, Any], path: tuple[str, ...], model: str) -> list[dict[str, Any]]:
+    levels, node = [], root
+    for step in path:
+        key = step.rstrip("?")
+        if key in node:
+            node = node[key]
+            levels.append(node)
+        elif not step.endswith("?"):
+            raise ModelConfigError(f"model '{model}': config has no '{key}' section")
+    return levels
+
+
+def _flatten(levels: list[dict[str, Any]], part: _Part) -> dict[str, Any]:
+    *upper, deepest = levels
+    config: dict[str, Any] = dict(part.defaults)
+    for level in upper:
+        config.update((k, v) for k, v in level.items() if not isinstance(v, dict) or k in part.keep)
+    config.update(deepest)
+    if part.family in LM_FAMILIES:
+        owner = levels[len(levels) - 1 if part.class_level is None else part.class_level]
+        # transformers' default when the owning config does not say.
+        config["tie_word_embeddings"] = owner.get("tie_word_embeddings", False)
+    return config
+
+
+def _lm_family(config: Mapping[str, Any], model: str) -> str:
+    if not all(k in config for k in ("hidden_size", "num_hidden_layers", "vocab_size")):
+        raise ModelConfigError(
+            f"model '{model}' ({config.get('model_type', 'no model_type')}) is not a decoder "
+            "language model omniflow can size: its config lacks hidden_size, "
+            "num_hidden_layers or vocab_size"
+        )
+    experts = config.get("num_experts") or config.get("num_local_experts") or 0
+    return "moe_lm" if experts > 0 else "decoder_lm"
+
+
+def _dtype_of(*levels: Mapping[str, Any]) -> str:
+    for level in reversed(levels):
+        stated = level.get("torch_dtype") or level.get("dtype")
+        if isinstance(stated, str) and stated.removeprefix("torch.") in _DTYPES:
+            return stated.removeprefix("torch.")
+    return "bfloat16"
+
+
+# --- the builtin catalog ------------------------------------------------------------------
+#
+# Each entry is a model's published config files, reduced to the keys omniflow reads, keyed
+# by their path in the model repository. Dimensions are copied from the config.json files
+# published on the Hugging Face Hub (as best known; transformers 5.x defaults agree where
+# the architecture ships there). Counts in _BUILTIN_COUNTS cover what no formula in
+# omniflow.models.costs does; tests/models re-derive every count that an installed class
+# can reproduce.
+
+# Qwen/Qwen2.5-7B-Instruct config.json; the thinker of Qwen2.5-Omni-7B and the language
+# model of Qwen2.5-VL-7B (hence Qwen-Image's text encoder) share these dims.
+_QWEN25_7B_TEXT = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+}
+
+# vision_config of Qwen/Qwen2.5-VL-7B-Instruct; Qwen2.5-Omni-7B's ViT is the same network.
+_QWEN25_VIT = {
+    "depth": 32,
+    "hidden_size": 1280,
+    "intermediate_size": 3420,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "window_size": 112,
+    "out_hidden_size": 3584,
+    "fullatt_block_indexes": [7, 15, 23, 31],
+    "hidden_act": "silu",
+}
+
+# Qwen/Qwen2.5-VL-7B-Instruct config.json (text dims at the root, as published); Qwen-Image
+# ships the same model as text_encoder/config.json.
+_QWEN25_VL_7B = {
+    "model_type": "qwen2_5_vl",
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    **_QWEN25_7B_TEXT,
+    "max_position_embeddings": 128000,
+    "vision_config": {"model_type": "qwen2_5_vl", **_QWEN25_VIT},
+    "torch_dtype": "bfloat16",
+}
+
+# Qwen/Qwen3-Omni-30B-A3B-Instruct: the audio encoder (AuT) and ViT of the thinker.
+_QWEN3_OMNI_AUDIO = {
+    "model_type": "qwen3_omni_moe_audio_encoder",
+    "num_mel_bins": 128,
+    "encoder_layers": 32,
+    "encoder_attention_heads": 20,
+    "encoder_ffn_dim": 5120,
+    "d_model": 1280,
+    "max_source_positions": 1500,
+    "n_window": 50,
+    "n_window_infer": 800,
+    "conv_chunksize": 500,
+    "downsample_hidden_size": 480,
+    "output_dim": 2048,
+}
+_QWEN3_OMNI_VISION = {
+    "model_type": "qwen3_omni_moe_vision_encoder",
+    "depth": 27,
+    "hidden_size": 1152,
+    "hidden_act": "gelu_pytorch_tanh",
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 2048,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [8, 16, 24],
+}
+
+# Qwen/Qwen3-TTS-12Hz-1.7B-{CustomVoice,Base} config.json talker_config, and the 12 Hz
+# speech tokenizer's speech_tokenizer/config.json (its decoder is the code2wav stage).
+_QWEN3_TTS_TALKER = {
+    "model_type": "qwen3_tts_talker",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "vocab_size": 3072,
+    "text_vocab_size": 151936,
+    "text_hidden_size": 2048,
+    "num_code_groups": 16,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "position_id_per_seconds": 13,
+    "code_predictor_config": {
+        "model_type": "qwen3_tts_talker_code_predictor",
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "attention_bias": False,
+        "vocab_size": 2048,
+        "num_code_groups": 16,
+        "rms_norm_eps": 1e-6,
+    },
+}
+_QWEN3_TTS_TOKENIZER = {
+    "model_type": "qwen3_tts_tokenizer_12hz",
+    "input_sample_rate": 24000,
+    "output_sample_rate": 24000,
+    "decode_upsample_rate": 1920,
+    "encode_downsample_rate": 1920,
+    "encoder_valid_num_quantizers": 16,
+    "decoder_config": {
+        "attention_bias": False,
+        "latent_dim": 1024,
+        "codebook_dim": 512,
+        "codebook_size": 2048,
+        "decoder_dim": 1536,
+        "hidden_act": "silu",
+        "hidden_size": 512,
+        "intermediate_size": 1024,
+        "layer_scale_initial_scale": 0.01,
+        "head_dim": 64,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_hidden_layers": 8,
+        "num_quantizers": 16,
+        "num_semantic_quantizers": 1,
+        "rms_norm_eps": 1e-5,
+        "sliding_window": 72,
+        "upsample_rates": [8, 5, 4, 3],
+        "upsampling_ratios": [2, 2],
+    },
+}
+
+
+def _qwen3_tts(variant: str, extra: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return {
+        "config.json": {
+            "model_type": "qwen3_tts",
+            "architectures": ["Qwen3TTSForConditionalGeneration"],
+            "tts_model_type": variant,
+            "tts_model_size": "1b7",
+            "tokenizer_type": "qwen3_tts_tokenizer_12hz",
+            "talker_config": _QWEN3_TTS_TALKER,
+            "torch_dtype": "bfloat16",
+            **extra,
+        },
+        "speech_tokenizer/config.json": _QWEN3_TTS_TOKENIZER,
+    }
+
+
+_BUILTIN: dict[str, dict[str, dict[str, Any]]] = {
+    # Qwen/Qwen2.5-0.5B-Instruct config.json.
+    "Qwen/Qwen2.5-0.5B-Instruct": {
+        "config.json": {
+            "model_type": "qwen2",
+            "architectures": ["Qwen2ForCausalLM"],
+            "hidden_size": 896,
+            "intermediate_size": 4864,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "vocab_size": 151936,
+            "max_position_embeddings": 32768,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "hidden_act": "silu",
+            "tie_word_embeddings": True,
+            "torch_dtype": "bfloat16",
+        }
+    },
+    "Qwen/Qwen2.5-7B-Instruct": {
+        "config.json": {
+            "model_type": "qwen2",
+            "architectures": ["Qwen2ForCausalLM"],
+            **_QWEN25_7B_TEXT,
+            "torch_dtype": "bfloat16",
+        }
+    },
+    "Qwen/Qwen2.5-VL-7B-Instruct": {"config.json": _QWEN25_VL_7B},
+    # Qwen/Qwen2.5-Omni-7B config.json: a Qwen2.5-7B thinker with Whisper-style audio
+    # encoder and the Qwen2.5-VL ViT, a talker LM over an 8448-code vocabulary, and
+    # token2wav (a flow-matching DiT to mel, then BigVGAN to 24 kHz audio).
+    "Qwen/Qwen2.5-Omni-7B": {
+        "config.json": {
+            "model_type": "qwen2_5_omni",
+            "architectures": ["Qwen2_5OmniModel"],
+            "enable_audio_output": True,
+            "thinker_config": {
+                "model_type": "qwen2_5_omni_thinker",
+                "tie_word_embeddings": False,
+                "text_config": {"model_type": "qwen2_5_omni_text", **_QWEN25_7B_TEXT},
+                "audio_config": {
+                    "model_type": "qwen2_5_omni_audio_encoder",
+                    "num_mel_bins": 128,
+                    "encoder_layers": 32,
+                    "encoder_attention_heads": 20,
+                    "encoder_ffn_dim": 5120,
+                    "d_model": 1280,
+                    "max_source_positions": 1500,
+                    "n_window": 100,
+                    "output_dim": 3584,
+                },
+                "vision_config": {"model_type": "qwen2_5_omni_vision_encoder", **_QWEN25_VIT},
+            },
+            "talker_config": {
+                "model_type": "qwen2_5_omni_talker",
+                "embedding_size": 3584,
+                "spatial_merge_size": 2,
+                "hidden_size": 896,
+                "intermediate_size": 18944,
+                "num_hidden_layers": 24,
+                "num_attention_heads": 12,
+                "num_key_value_heads": 4,
+                "head_dim": 128,
+                "vocab_size": 8448,
+                "max_position_embeddings": 32768,
+                "rms_norm_eps": 1e-6,
+                "rope_theta": 1000000.0,
+                "tie_word_embeddings": False,
+            },
+            "token2wav_config": {
+                "model_type": "qwen2_5_omni_token2wav",
+                "dit_config": {
+                    "hidden_size": 1024,
+                    "num_hidden_layers": 22,
+                    "num_attention_heads": 16,
+                    "head_dim": 64,
+                    "ff_mult": 2,
+                    "emb_dim": 512,
+                    "repeats": 2,
+                    "num_embeds": 8193,
+                    "mel_dim": 80,
+                    "block_size": 24,
+                    "look_ahead_layers": [10],
+                    "look_backward_layers": [0, 20],
+                },
+                "bigvgan_config": {
+                    "mel_dim": 80,
+                    "upsample_initial_channel": 1536,
+                    "resblock_kernel_sizes": [3, 7, 11],
+                    "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
+                    "upsample_rates": [5, 3, 2, 2, 2, 2],
+                    "upsample_kernel_sizes": [11, 7, 4, 4, 4, 4],
+                },
+            },
+            "torch_dtype": "bfloat16",
+        }
+    },
+    # Qwen/Qwen3-Omni-30B-A3B-Instruct config.json: a Qwen3-30B-A3B-like MoE thinker with
+    # an audio encoder and ViT, an MoE talker (3B total, ~0.3B active) with a 5-layer code
+    # predictor for 16 codebooks, and a causal ConvNet code2wav (12.5 Hz codes, 24 kHz).
+    "Qwen/Qwen3-Omni-30B-A3B-Instruct": {
+        "config.json": {
+            "model_type": "qwen3_omni_moe",
+            "architectures": ["Qwen3OmniMoeForConditionalGeneration"],
+            "enable_audio_output": True,
+            "thinker_config": {
+                "model_type": "qwen3_omni_moe_thinker",
+                "tie_word_embeddings": False,
+                "text_config": {
+                    "model_type": "qwen3_omni_moe_text",
+                    "hidden_size": 2048,
+                    "intermediate_size": 768,
+                    "moe_intermediate_size": 768,
+                    "num_hidden_layers": 48,
+                    "num_attention_heads": 32,
+                    "num_key_value_heads": 4,
+                    "head_dim": 128,
+                    "num_experts": 128,
+                    "num_experts_per_tok": 8,
+                    "decoder_sparse_step": 1,
+                    "mlp_only_layers": [],
+                    "norm_topk_prob": True,
+                    "attention_bias": False,
+                    "vocab_size": 152064,
+                    "max_position_embeddings": 65536,
+                    "rms_norm_eps": 1e-6,
+                    "rope_theta": 1000000,
+                },
+                "audio_config": _QWEN3_OMNI_AUDIO,
+                "vision_config": _QWEN3_OMNI_VISION,
+            },
+            "talker_config": {
+                "model_type": "qwen3_omni_moe_talker",
+                "tie_word_embeddings": False,
+                "spatial_merge_size": 2,
+                "num_code_groups": 16,
+                "thinker_hidden_size": 2048,
+                "accept_hidden_layer": 24,
+                "text_config": {
+                    "model_type": "qwen3_omni_moe_talker_text",
+                    "hidden_size": 1024,
+                    "intermediate_size": 2048,
+                    "moe_intermediate_size": 384,
+                    "shared_expert_intermediate_size": 768,
+                    "num_hidden_layers": 20,
+                    "num_attention_heads": 16,
+                    "num_key_value_heads": 2,
+                    "head_dim": 128,
+                    "num_experts": 128,
+                    "num_experts_per_tok": 6,
+                    "decoder_sparse_step": 1,
+                    "mlp_only_layers": [],
+                    "norm_topk_prob": True,
+                    "attention_bias": False,
+                    "vocab_size": 3072,
+                    "max_position_embeddings": 65536,
+                    "rms_norm_eps": 1e-6,
+                    "rope_theta": 1000000,
+                },
+                "code_predictor_config": {
+                    "model_type": "qwen3_omni_moe_talker_code_predictor",
+                    "hidden_size": 1024,
+                    "intermediate_size": 3072,
+                    "num_hidden_layers": 5,
+                    "num_attention_heads": 16,
+                    "num_key_value_heads": 8,
+                    "head_dim": 128,
+                    "attention_bias": False,
+                    "vocab_size": 2048,
+                    "num_code_groups": 16,
+                    "rms_norm_eps": 1e-6,
+                },
+            },
+            "code2wav_config": {
+                "codebook_size": 2048,
+                "hidden_size": 1024,
+                "intermediate_size": 3072,
+                "num_hidden_layers": 8,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 16,
+                "attention_bias": False,
+                "sliding_window": 72,
+                "layer_scale_initial_scale": 0.01,
+                "rms_norm_eps": 1e-5,
+                "num_quantizers": 16,
+                "upsample_rates": [8, 5, 4, 3],
+                "upsampling_ratios": [2, 2],
+                "decoder_dim": 1536,
+            },
+            "torch_dtype": "bfloat16",
+        }
+    },
+    "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice": _qwen3_tts("custom_voice", {}),
+    "Qwen/Qwen3-TTS-12Hz-1.7B-Base": _qwen3_tts(
+        "base", {"speaker_encoder_config": {"enc_dim": 2048, "sample_rate": 24000}}
+    ),
+    # Qwen/Qwen-Image (diffusers): Qwen2.5-VL-7B text encoder, a 60-layer 20B MMDiT over
+    # 2x2-packed 16-channel latents, and a Wan-style causal-3D VAE with 8x spatial scale.
+    "Qwen/Qwen-Image": {
+        "model_index.json": {
+            "_class_name": "QwenImagePipeline",
+            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+            "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+            "tokenizer": ["transformers", "Qwen2Tokenizer"],
+            "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+            "vae": ["diffusers", "AutoencoderKLQwenImage"],
+        },
+        "text_encoder/config.json": _QWEN25_VL_7B,
+        "transformer/config.json": {
+            "_class_name": "QwenImageTransformer2DModel",
+            "patch_size": 2,
+            "in_channels": 64,
+            "out_channels": 16,
+            "num_layers": 60,
+            "attention_head_dim": 128,
+            "num_attention_heads": 24,
+            "joint_attention_dim": 3584,
+            "guidance_embeds": False,
+            "axes_dims_rope": [16, 56, 56],
+        },
+        "vae/config.json": {
+            "_class_name": "AutoencoderKLQwenImage",
+            "base_dim": 96,
+            "z_dim": 16,
+            "dim_mult": [1, 2, 4, 4],
+            "num_res_blocks": 2,
+            "attn_scales": [],
+            "temperal_downsample": [False, True, True],
+            "dropout": 0.0,
+        },
+    },
+}
+
+# Parameter counts the formulas in omniflow.models.costs do not cover, keyed by
+# (model, component). Unless said otherwise each was counted by instantiating the
+# transformers 5.24 / diffusers 0.42 class at the dims above under torch.device("meta")
+# (tests/models/test_costs.py re-counts them).
+_QWEN25_VIT_PARAMS = 676_550_144  # Qwen2_5_VisionTransformerPretrainedModel
+_BUILTIN_COUNTS: dict[tuple[str, str | None], dict[str, int]] = {
+    ("Qwen/Qwen2.5-Omni-7B", "thinker"): {
+        "audio_tower": 639_647_232,  # Qwen2_5OmniAudioEncoder
+        "visual": _QWEN25_VIT_PARAMS,  # Qwen2_5OmniVisionEncoder
+    },
+    ("Qwen/Qwen2.5-Omni-7B", "talker"): {
+        "thinker_to_talker_proj": 3584 * 896 + 896,  # Linear(embedding_size, hidden_size)
+    },
+    ("Qwen/Qwen2.5-Omni-7B", "token2wav"): {
+        "num_parameters": 449_051_264,  # Qwen2_5OmniToken2WavModel: DiT 333.6M + BigVGAN 115.4M
+    },
+    ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "thinker"): {
+        "audio_tower": 647_927_168,  # Qwen3OmniMoeAudioEncoder
+        "visual": 538_631_408,  # Qwen3OmniMoeVisionEncoder
+    },
+    ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "talker"): {
+        # Two ResizeMLPs thinker_hidden(2048) -> intermediate_size(2048) -> hidden(1024), biased.
+        "text_projection": 2048 * 2048 + 2048 + 2048 * 1024 + 1024,
+        "hidden_projection": 2048 * 2048 + 2048 + 2048 * 1024 + 1024,
+    },
+    ("Qwen/Qwen2.5-VL-7B-Instruct", "visual"): {"num_parameters": _QWEN25_VIT_PARAMS},
+    ("Qwen/Qwen-Image", "text_encoder"): {"visual": _QWEN25_VIT_PARAMS},
+    ("Qwen/Qwen-Image", "vae"): {"num_parameters": 126_892_531},  # AutoencoderKLQwenImage
+}
+# Qwen3-TTS is not in transformers; these follow the qwen_tts reference implementation.
+for _variant in ("CustomVoice", "Base"):
+    _BUILTIN_COUNTS[(f"Qwen/Qwen3-TTS-12Hz-1.7B-{_variant}", "talker")] = {
+        "text_embedding": 151936 * 2048,  # Embedding(text_vocab_size, text_hidden_size)
+        # ResizeMLP text_hidden(2048) -> text_hidden(2048) -> hidden(2048), biased.
+        "text_projection": 2 * (2048 * 2048 + 2048),
+    }
+# The voice-cloning speaker encoder is an ECAPA-TDNN with the same modules as transformers'
+# Qwen2.5-Omni ECAPA_TimeDelayNet (76 tensors); counted with that class at mel_dim=128,
+# enc_dim=2048, channels [512, 512, 512, 512, 1536], res2net scale 8, SE/attention 128.
+_BUILTIN_COUNTS[("Qwen/Qwen3-TTS-12Hz-1.7B-Base", "talker")]["speaker_encoder"] = 12_001_088
+
+# Facts a component's config files do not state but shape and cost estimates need.
+_BUILTIN_FACTS: dict[tuple[str, str | None], dict[str, Any]] = {
+    # Measured with torch.utils.flop_counter over 100 codes on CPU (10 ODE steps with
+    # classifier-free guidance, then BigVGAN): 5.43e10 DiT + 3.83e9 BigVGAN per code.
+    ("Qwen/Qwen2.5-Omni-7B", "token2wav"): {"flops_per_frame": 5.81e10},
+    # Measured with torch.utils.flop_counter decoding 16x16..64x64 latents: exactly linear.
+    ("Qwen/Qwen-Image", "vae"): {"flops_per_position": 6.879e8},
+    # QwenImagePipeline's default max_sequence_length for the prompt.
+    ("Qwen/Qwen-Image", "transformer"): {"max_text_len": 512},
+}

@@ -1,0 +1,674 @@
+"""Memory and compute estimates for one stage, from its component's configuration.
+
+`estimate_cost(cfg, max_batch=, max_len=)` returns a `StageCost`: parameters, weight bytes,
+KV-cache bytes, a peak activation workspace and FLOPs per item. Parameter counts come from
+architecture formulas where omniflow has one (decoder and MoE LMs, text encoders, the
+Qwen-Image MMDiT, diffusers' AutoencoderKL, the Qwen3 code2wav ConvNet family); each is
+exact against the transformers / diffusers classes (tests/models instantiates them). Other
+components use the count the catalog carries (`num_parameters`, from a checkpoint header
+or the builtin catalog) and modules riding along with an LM (`extra_parameters`).
+
+What `max_len` means depends on the family:
+
+- decoder/MoE LMs: tokens per sequence (the KV cache length);
+- text, vision and audio encoders: tokens (or patches, audio frames) per input;
+- DiT: image tokens per image (`ComponentConfig.image_tokens(height, width)`);
+- VAE: latent positions per image ((height / scale) * (width / scale));
+- vocoders: codec frames per request; a forward covers at most `VOCODER_FORWARD_FRAMES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from omniflow.errors import ModelConfigError
+from omniflow.models.catalog import LM_FAMILIES, ComponentConfig
+
+DTYPE_BYTES = {
+    "float64": 8,
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+}
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_DTYPE_ALIASES |= {"half": "float16", "fp8": "float8_e4m3fn"}
+
+# Prompt tokens one prefill forward may hold when the caller does not say: batched prompts
+# up to this many tokens, or one full-length prompt if that is longer.
+PREFILL_TOKENS = 8192
+# Text tokens a DiT attends to beside the image when neither caller nor config says.
+DIT_TEXT_TOKENS = 512
+# Frames one vocoder forward decodes: the reference chunked_decode's 300-frame chunk plus
+# its 25 frames of left context (Qwen3 code2wav, Qwen3-TTS, Qwen2.5-Omni token2wav).
+VOCODER_FORWARD_FRAMES = 325
+# Sampling reads the logits in float32.
+_LOGIT_BYTES = 4
+# Live activation buffers of the widest vocoder/VAE stage: input kept for the residual,
+# activation output, conv output.
+_CONV_BUFFERS = 3
+# Fallback activation of a vocoder without a structural formula, in elements per output
+# sample: BigVGAN-style decoders hold ~24 channels per sample at every upsampling stage,
+# with up to ~5 live buffers (multi-receptive-field branches summed).
+_VOCODER_ELEMENTS_PER_SAMPLE = 128
+# Fallback activation of a VAE without a formula, in buffers of its full-resolution stage.
+_VAE_FULL_RES_BUFFERS = 4
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage replica's memory and compute at its maximum batch.
+
+    params: every parameter the stage loads (an LM component includes the modules listed in
+        its config's `extra_parameters`, e.g. a thinker's audio and vision towers).
+    active_params: distinct parameters one item touches (MoE: only the routed experts and
+        the shared expert; LMs: without the input embedding lookup; a codec LM: per frame,
+        its code predictor included).
+    params_source: "formula", "formula+counts" (formula plus counted extras) or "count"
+        (the config's `num_parameters`).
+    weight_bytes: params x bytes of the dtype.
+    kv_bytes_per_token: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes for
+        decoder/MoE LMs; 0 for everything else (a codec LM's per-frame code-predictor cache
+        is transient and lives in activation_bytes' margin).
+    kv_cache_bytes: max_batch x max_len x kv_bytes_per_token.
+    activation_bytes: peak workspace at max_batch; see each family's estimator.
+    flops_per_item: forward FLOPs per `item` (2 per multiply-accumulate).
+    item: the unit of flops_per_item: "token", "denoising step of one image", "image",
+        or "codec frame".
+    """
+
+    params: int
+    active_params: int
+    params_source: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_cache_bytes: int
+    activation_bytes: int
+    flops_per_item: float
+    item: str
+
+    @property
+    def total_bytes(self) -> int:
+        """Weights + KV cache + activations."""
+        return self.weight_bytes + self.kv_cache_bytes + self.activation_bytes
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name ("bfloat16", "torch.float16", "fp32", ...)."""
+    name = dtype.removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        raise ModelConfigError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPE_BYTES)})")
+    return DTYPE_BYTES[name]
+
+
+def count_parameters(cfg: ComponentConfig) -> int:
+    """Parameters the component loads (see StageCost.params)."""
+    return _estimator(cfg).params
+
+
+def estimate_cost(
+    cfg: ComponentConfig,
+    *,
+    max_batch: int,
+    max_len: int,
+    dtype: str | None = None,
+    prefill_tokens: int | None = None,
+    context_len: int | None = None,
+) -> StageCost:
+    """Estimate one stage replica serving `cfg` at `max_batch` items of `max_len` each.
+
+    `dtype` overrides the component's own (weights, KV cache and activations alike).
+    `prefill_tokens` (LMs) is the most prompt tokens one prefill forward holds; default:
+    max(max_len, PREFILL_TOKENS), capped at max_batch x max_len. `context_len` (DiT) is the
+    text tokens per image; default: the config's max_text_len, else DIT_TEXT_TOKENS.
+    """
+    if max_batch < 1 or max_len < 1:
+        raise ModelConfigError(f"max_batch and max_len must be >= 1, got {max_batch}, {max_len}")
+    est = _estimator(cfg)
+    nbytes = dtype_bytes(dtype or cfg.dtype)
+    shape = _Shape(max_batch, max_len, nbytes, prefill_tokens, context_len)
+    kv_per_token = est.kv_bytes_per_token(nbytes)
+    return StageCost(
+        params=est.params,
+        active_params=est.active,
+        params_source=est.source,
+        weight_bytes=est.params * nbytes,
+        kv_bytes_per_token=kv_per_token,
+        kv_cache_bytes=max_batch * max_len * kv_per_token,
+        activation_bytes=int(est.activation_bytes(shape)),
+        flops_per_item=float(est.flops(shape)),
+        item=est.item,
+    )
+
+
+@dataclass(frozen=True)
+class _Shape:
+    batch: int
+    length: int
+    nbytes: int
+    prefill_tokens: int | None
+    context_len: int | None
+
+
+class _Estimator:
+    """A family's parameter count plus its activation and FLOP rules."""
+
+    item = "token"
+
+    def __init__(self, cfg: ComponentConfig, params: int, active: int, source: str):
+        self.cfg = cfg
+        self.c = cfg.config
+        self.params = params
+        self.active = active
+        self.source = source
+
+    def kv_bytes_per_token(self, nbytes: int) -> int:
+        return 0
+
+    def activation_bytes(self, s: _Shape) -> float:
+        raise NotImplementedError
+
+    def flops(self, s: _Shape) -> float:
+        raise NotImplementedError
+
+
+def _estimator(cfg: ComponentConfig) -> _Estimator:
+    family = cfg.family
+    if family in LM_FAMILIES:
+        return _LM(cfg)
+    if family in ("vision_encoder", "audio_encoder"):
+        return _Encoder(cfg)
+    if family == "dit":
+        return _DiT(cfg)
+    if family == "vae":
+        return _VAE(cfg)
+    if family == "vocoder":
+        return _Vocoder(cfg)
+    raise ModelConfigError(f"{_name(cfg)}: no cost rules for family '{family}'")
+
+
+def _name(cfg: ComponentConfig) -> str:
+    return f"{cfg.model}" + (f" [{cfg.component}]" if cfg.component else "")
+
+
+def _counted(cfg: ComponentConfig, what: str) -> int:
+    """The config's parameter count, for components no formula covers."""
+    if not cfg.config.get("num_parameters"):
+        raise ModelConfigError(
+            f"{_name(cfg)}: no parameter formula for {what} and no parameter count: the model "
+            "directory has no safetensors checkpoint and the builtin catalog has no count "
+            "(set config['num_parameters'])"
+        )
+    return cfg.config["num_parameters"]
+
+
+# --- shared formula pieces -------------------------------------------------------------
+
+
+def _linear(n_in: int, n_out: int, bias: bool = False) -> int:
+    return n_in * n_out + (n_out if bias else 0)
+
+
+def _gated_mlp(hidden: int, inter: int, bias: bool = False) -> int:
+    """gate_proj, up_proj, down_proj (SwiGLU)."""
+    return 2 * _linear(hidden, inter, bias) + _linear(inter, hidden, bias)
+
+
+def _conv(c_in: int, c_out: int, kernel: int, groups: int = 1, bias: bool = True) -> int:
+    """Conv or transposed conv weights: c_in x c_out x kernel (kernel = all spatial taps)."""
+    return c_in * c_out * kernel // groups + (c_out if bias else 0)
+
+
+def _head_dim(c: Mapping[str, Any]) -> int:
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+
+def _kv_heads(c: Mapping[str, Any]) -> int:
+    return c.get("num_key_value_heads") or c["num_attention_heads"]
+
+
+def _token_workspace(width: int, q_dim: int, kv_dim: int, ffn: int) -> int:
+    """Elements one token holds in a transformer layer, counted as if all were live at once.
+
+    Residual + normed input (2 x width), q / k / v / attention output, and gate, up and
+    their product in the MLP (3 x ffn). Attention is assumed fused (SDPA or flash): no
+    L x L score matrix.
+    """
+    return 2 * width + 2 * q_dim + 2 * kv_dim + 3 * ffn
+
+
+def _attention_flops(layers: int, q_dim: int, context: int) -> float:
+    """QK^T and AV for one query over `context` keys, all layers: 2 matmuls x 2 FLOPs/MAC."""
+    return 4.0 * layers * q_dim * context
+
+
+# --- decoder LMs (dense and MoE), text encoders, codec LMs ---------------------------------
+
+
+def _attention_biases(c: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(q/k/v bias, o bias). Qwen2-family attention biases q, k and v but never o;
+    Llama/Qwen3-style `attention_bias` applies to all four projections."""
+    if "qkv_bias" in c:
+        return c["qkv_bias"], False
+    if c.get("model_type", "").startswith("qwen2"):
+        return True, False
+    bias = c.get("attention_bias", False)
+    return bias, bias
+
+
+def _has_qk_norm(c: Mapping[str, Any]) -> bool:
+    """Qwen3-family attention RMS-normalises q and k per head (one head_dim weight each)."""
+    return c.get("use_qk_norm", c.get("model_type", "").startswith("qwen3"))
+
+
+def _lm_attention(c: Mapping[str, Any]) -> int:
+    hidden, hd = c["hidden_size"], _head_dim(c)
+    q_dim, kv_dim = c["num_attention_heads"] * hd, _kv_heads(c) * hd
+    qkv_bias, o_bias = _attention_biases(c)
+    params = _linear(hidden, q_dim, qkv_bias) + 2 * _linear(hidden, kv_dim, qkv_bias)
+    params += _linear(q_dim, hidden, o_bias)
+    return params + (2 * hd if _has_qk_norm(c) else 0)
+
+
+def _is_sparse(c: Mapping[str, Any], layer: int) -> bool:
+    """transformers' MoE layer rule (Qwen2-MoE, Qwen3-MoE, Qwen3-Omni)."""
+    return (
+        c.get("num_experts", 0) > 0
+        and layer not in (c.get("mlp_only_layers") or [])
+        and (layer + 1) % c.get("decoder_sparse_step", 1) == 0
+    )
+
+
+def _lm_mlp(c: Mapping[str, Any], layer: int) -> tuple[int, int]:
+    """(params, active params per token) of one layer's MLP or MoE block."""
+    hidden = c["hidden_size"]
+    if not _is_sparse(c, layer):
+        dense = _gated_mlp(hidden, c["intermediate_size"], c.get("mlp_bias", False))
+        return dense, dense
+    expert = _gated_mlp(hidden, c["moe_intermediate_size"])
+    router = hidden * c["num_experts"]
+    shared = 0
+    if c.get("shared_expert_intermediate_size"):
+        # Qwen2-MoE-style shared expert and its sigmoid gate Linear(hidden, 1).
+        shared = _gated_mlp(hidden, c["shared_expert_intermediate_size"]) + hidden
+    fixed = router + shared
+    return c["num_experts"] * expert + fixed, c["num_experts_per_tok"] * expert + fixed
+
+
+def _decoder_stack(c: Mapping[str, Any]) -> tuple[int, int]:
+    """(params, active params per token) of the layers and final norm, without embeddings."""
+    hidden = c["hidden_size"]
+    per_layer = _lm_attention(c) + 2 * hidden  # attention + input/post-attention RMSNorms
+    params = active = hidden
+    for layer in range(c["num_hidden_layers"]):
+        mlp, mlp_active = _lm_mlp(c, layer)
+        params += per_layer + mlp
+        active += per_layer + mlp_active
+    return params, active
+
+
+def _code_predictor(c: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(params, active params, MACs) per codec frame of a Qwen3 codec talker's code predictor.
+
+    A small dense LM that predicts codebooks 1..G-1 of each frame from the talker's hidden
+    state: G-1 code embeddings of the talker's width, G-1 heads, and a projection when the
+    talker is wider than the predictor. Per frame it runs over G positions (the talker
+    hidden plus G-1 codes) and applies one head per predicted code, so its MACs exceed its
+    parameters.
+    """
+    cp = {"model_type": c.get("model_type", ""), **c["code_predictor_config"]}
+    groups = c.get("num_code_groups") or cp["num_code_groups"]
+    talker, width, vocab = c["hidden_size"], cp["hidden_size"], cp["vocab_size"]
+    stack, stack_active = _decoder_stack(cp)
+    projection = _linear(talker, width, bias=True) if talker != width else 0
+    heads = (groups - 1) * width * vocab
+    params = stack + projection + heads + (groups - 1) * vocab * talker
+    active = stack_active + projection + heads
+    return params, active, groups * (stack_active + projection) + heads
+
+
+class _LM(_Estimator):
+    """Decoder LMs (dense or MoE), text encoders and codec LMs.
+
+    Params: embeddings (vocab x embedding_size) + layers [q/k/v/o with the family's biases,
+    q/k norms for Qwen3, gated MLP or experts + router (+ shared expert), two RMSNorms] +
+    final norm + lm_head unless tied + a code predictor if the config has one + the config's
+    extra_parameters. FLOPs per token: 2 x active params (the lm_head included except for
+    text encoders, which stop at hidden states; a codec LM's code predictor per its
+    G positions) + attention over max_len keys.
+    """
+
+    def __init__(self, cfg: ComponentConfig):
+        c = cfg.config
+        hidden, vocab = c["hidden_size"], c["vocab_size"]
+        stack, active = _decoder_stack(c)
+        head = 0 if c.get("tie_word_embeddings") else hidden * vocab
+        params = vocab * c.get("embedding_size", hidden) + stack + head
+        if cfg.family != "text_encoder":
+            active += hidden * vocab
+        self.macs = active
+        if "code_predictor_config" in c:
+            predictor, predictor_active, predictor_macs = _code_predictor(c)
+            params, active = params + predictor, active + predictor_active
+            self.macs += predictor_macs
+        extras = sum(c.get("extra_parameters", {}).values())
+        super().__init__(cfg, params + extras, active, "formula+counts" if extras else "formula")
+        self.item = "codec frame" if "code_predictor_config" in c else "token"
+        self.q_dim = c["num_attention_heads"] * _head_dim(c)
+        self.kv_dim = _kv_heads(c) * _head_dim(c)
+
+    def kv_bytes_per_token(self, nbytes: int) -> int:
+        if self.cfg.family == "text_encoder":
+            return 0
+        return 2 * self.c["num_hidden_layers"] * self.kv_dim * nbytes
+
+    def _ffn_width(self) -> int:
+        """MLP width one token occupies: routed experts' plus shared expert's for MoE."""
+        c = self.c
+        if c.get("num_experts", 0) > 0:
+            routed = c["num_experts_per_tok"] * c["moe_intermediate_size"]
+            return routed + c.get("shared_expert_intermediate_size", 0)
+        return c["intermediate_size"]
+
+    def activation_bytes(self, s: _Shape) -> float:
+        """One forward's layer workspace plus float32 logits for the batch.
+
+        LMs: the larger of a prefill of `prefill_tokens` and a decode step of max_batch
+        tokens (logits of the last position only, as generate() computes them). Text
+        encoders: all max_batch x max_len prompt tokens at once, no logits.
+        """
+        hidden = self.c["hidden_size"]
+        per_token = _token_workspace(hidden, self.q_dim, self.kv_dim, self._ffn_width())
+        if self.cfg.family == "text_encoder":
+            return s.batch * s.length * per_token * s.nbytes
+        prefill = s.prefill_tokens or max(s.length, PREFILL_TOKENS)
+        tokens = max(min(prefill, s.batch * s.length), s.batch)
+        return tokens * per_token * s.nbytes + s.batch * self.c["vocab_size"] * _LOGIT_BYTES
+
+    def flops(self, s: _Shape) -> float:
+        attention = _attention_flops(self.c["num_hidden_layers"], self.q_dim, s.length)
+        return 2.0 * self.macs + attention
+
+
+# --- vision and audio encoders ----------------------------------------------------------
+
+
+class _Encoder(_Estimator):
+    """Vision and audio towers: the catalog's parameter count (no formula).
+
+    FLOPs per token: 2 x params (every weight is a linear applied once per token; the patch
+    and conv stems are a small share) + attention over the input's max_len tokens.
+    Activations: max_batch x max_len tokens of layer workspace.
+    """
+
+    def __init__(self, cfg: ComponentConfig):
+        params = _counted(cfg, cfg.family.replace("_", " "))
+        super().__init__(cfg, params, params, "count")
+        c = self.c
+        self.width = c.get("hidden_size") or c["d_model"]
+        self.layers = c.get("depth") or c["encoder_layers"]
+        self.ffn = c.get("intermediate_size") or c["encoder_ffn_dim"]
+
+    def activation_bytes(self, s: _Shape) -> float:
+        per_token = _token_workspace(self.width, self.width, self.width, self.ffn)
+        return s.batch * s.length * per_token * s.nbytes
+
+    def flops(self, s: _Shape) -> float:
+        return 2.0 * self.params + _attention_flops(self.layers, self.width, s.length)
+
+
+# --- diffusion transformers -------------------------------------------------------------
+
+
+class _DiT(_Estimator):
+    """The Qwen-Image MMDiT (diffusers QwenImageTransformer2DModel), exactly.
+
+    Two streams share joint attention: image tokens go through img_in, img_mod, to_q/k/v,
+    to_out, img_mlp; text tokens through txt_norm, txt_in, txt_mod, add_q/k/v, to_add_out,
+    txt_mlp. Modulations apply once per image (to the timestep embedding). FLOPs per
+    denoising step of one image: 2 x (image tokens x image-stream weights + text tokens x
+    text-stream weights + per-image weights) + joint attention over image + text tokens.
+    Activations: max_batch x (image + text tokens) x (residual, normed, q/k/v/out and the
+    4x MLP hidden before and after GELU = 14 x width) elements. A CFG pair counts as two in
+    max_batch.
+    """
+
+    item = "denoising step of one image"
+
+    def __init__(self, cfg: ComponentConfig):
+        c = cfg.config
+        width = c["num_attention_heads"] * c["attention_head_dim"]
+        self.width, self.layers = width, c["num_layers"]
+        if c.get("_class_name") != "QwenImageTransformer2DModel":
+            # Other DiTs: the catalog's count, every weight applied to every token.
+            params = _counted(cfg, f"DiT class {c.get('_class_name')}")
+            self.image_token = self.text_token = params
+            self.per_image = 0
+            super().__init__(cfg, params, params, "count")
+            return
+        patch, joint = c["patch_size"], c["joint_attention_dim"]
+        out = c.get("out_channels") or c["in_channels"]
+        # Per stream per block: 4 biased width x width projections, q/k RMSNorms, GELU MLP.
+        stream = 4 * _linear(width, width, True) + 2 * c["attention_head_dim"]
+        stream += _linear(width, 4 * width, True) + _linear(4 * width, width, True)
+        modulation = _linear(width, 6 * width, True)
+        timestep = _linear(256, width, True) + _linear(width, width, True)
+        if c.get("use_additional_t_cond"):
+            timestep += 2 * width
+        self.image_token = _linear(c["in_channels"], width, True) + self.layers * stream
+        self.image_token += _linear(width, patch * patch * out, True)
+        self.text_token = joint + _linear(joint, width, True) + self.layers * stream
+        self.per_image = timestep + self.layers * 2 * modulation + _linear(width, 2 * width, True)
+        params = self.image_token + self.text_token + self.per_image
+        super().__init__(cfg, params, params, "formula")
+
+    def _text_tokens(self, s: _Shape) -> int:
+        return s.context_len or self.c.get("max_text_len") or DIT_TEXT_TOKENS
+
+    def activation_bytes(self, s: _Shape) -> float:
+        tokens = s.length + self._text_tokens(s)
+        return s.batch * tokens * 14 * self.width * s.nbytes
+
+    def flops(self, s: _Shape) -> float:
+        text = self._text_tokens(s)
+        macs = s.length * self.image_token + text * self.text_token + self.per_image
+        tokens = s.length + text
+        return 2.0 * macs + _attention_flops(self.layers, self.width, tokens) * tokens
+
+
+# --- VAEs -------------------------------------------------------------------------------
+
+
+def _resnet(c_in: int, c_out: int) -> int:
+    """diffusers ResnetBlock2D without time embedding: 2 GroupNorms, 2 3x3 convs, 1x1 shortcut."""
+    shortcut = _conv(c_in, c_out, 1) if c_in != c_out else 0
+    return 2 * c_in + _conv(c_in, c_out, 9) + 2 * c_out + _conv(c_out, c_out, 9) + shortcut
+
+
+def _mid_block(channels: int, attention: bool) -> int:
+    """UNetMidBlock2D: two resnets around one single-head attention (GroupNorm, q, k, v, out)."""
+    attn = 2 * channels + 4 * _linear(channels, channels, True) if attention else 0
+    return 2 * _resnet(channels, channels) + attn
+
+
+def _autoencoder_kl(c: Mapping[str, Any]) -> tuple[int, list[tuple[int, int]]]:
+    """diffusers AutoencoderKL: (params, decoder pieces as (params, area factor)).
+
+    The area factor is the number of output positions per latent position at which the
+    piece runs during decode (1 at latent resolution, 4 after one 2x upsampling, ...).
+    """
+    chans, per_block = list(c["block_out_channels"]), c["layers_per_block"]
+    z, attention = c["latent_channels"], c.get("mid_block_add_attention", True)
+    encoder = _conv(c["in_channels"], chans[0], 9)
+    prev = chans[0]
+    for i, out in enumerate(chans):
+        encoder += sum(_resnet(prev if j == 0 else out, out) for j in range(per_block))
+        if i < len(chans) - 1:
+            encoder += _conv(out, out, 9)  # Downsample2D
+        prev = out
+    encoder += _mid_block(chans[-1], attention) + 2 * chans[-1] + _conv(chans[-1], 2 * z, 9)
+    quant = _conv(2 * z, 2 * z, 1) if c.get("use_quant_conv", True) else 0
+    post_quant = _conv(z, z, 1) if c.get("use_post_quant_conv", True) else 0
+    pieces = [(post_quant, 1), (_conv(z, chans[-1], 9) + _mid_block(chans[-1], attention), 1)]
+    prev = chans[-1]
+    for i, out in enumerate(reversed(chans)):
+        resnets = sum(_resnet(prev if j == 0 else out, out) for j in range(per_block + 1))
+        pieces.append((resnets, 4**i))
+        if i < len(chans) - 1:
+            pieces.append((_conv(out, out, 9), 4 ** (i + 1)))  # Upsample2D's conv, after 2x nearest
+        prev = out
+    pieces.append((2 * chans[0] + _conv(chans[0], c["out_channels"], 9), 4 ** (len(chans) - 1)))
+    return encoder + quant + sum(p for p, _ in pieces), pieces
+
+
+def _block_types_supported(c: Mapping[str, Any]) -> bool:
+    down = set(c.get("down_block_types", ())) <= {"DownEncoderBlock2D"}
+    return down and set(c.get("up_block_types", ())) <= {"UpDecoderBlock2D"}
+
+
+class _VAE(_Estimator):
+    """A VAE decoding max_batch images of max_len latent positions each.
+
+    diffusers AutoencoderKL (with the standard Down/UpDecoderBlock2D): exact parameters;
+    decode FLOPs = 2 x each decoder piece's weights x the positions it runs at, plus the
+    mid-block attention over all latent positions. Other VAEs: the catalog's count, and
+    FLOPs of `flops_per_position` x positions when the catalog measured it, else the lower
+    bound 2 x params x positions. Activations: the full-resolution decoder stage's
+    `_VAE_FULL_RES_BUFFERS` feature maps (channels x pixels).
+    """
+
+    item = "image"
+
+    def __init__(self, cfg: ComponentConfig):
+        c = cfg.config
+        self.pieces: list[tuple[int, int]] | None = None
+        if c.get("_class_name") == "AutoencoderKL" and _block_types_supported(c):
+            params, self.pieces = _autoencoder_kl(c)
+            super().__init__(cfg, params, params, "formula")
+        else:
+            params = _counted(cfg, f"VAE class {c.get('_class_name')}")
+            super().__init__(cfg, params, params, "count")
+        self.scale = cfg.vae_scale_factor or 1
+        if "block_out_channels" in c:
+            self.full_res_channels = c["block_out_channels"][0]
+        else:
+            self.full_res_channels = c["base_dim"] * c["dim_mult"][0]
+
+    def activation_bytes(self, s: _Shape) -> float:
+        pixels = s.length * self.scale**2
+        return s.batch * pixels * self.full_res_channels * _VAE_FULL_RES_BUFFERS * s.nbytes
+
+    def flops(self, s: _Shape) -> float:
+        if self.pieces is not None:
+            macs = sum(p * area for p, area in self.pieces) * s.length
+            mid = self.c["block_out_channels"][-1]
+            attention = _attention_flops(1, mid, s.length) * s.length
+            return 2.0 * macs + (attention if self.c.get("mid_block_add_attention", True) else 0)
+        per_position = self.c.get("flops_per_position") or 2.0 * self.params
+        return per_position * s.length
+
+
+# --- vocoders ---------------------------------------------------------------------------
+
+
+def _snake_decoder(c: Mapping[str, Any], width: int) -> tuple[list[tuple[int, float]], int]:
+    """Upsampling tail shared by Qwen3-Omni's code2wav and Qwen3-TTS's tokenizer decoder.
+
+    Returns pieces as (params, positions per codec frame at which their MACs run) and the
+    peak elements per frame of any stage. Transposed convs run at their input positions,
+    convs at their output positions; SnakeBeta (alpha, beta) and norms count no MACs.
+    """
+    pieces: list[tuple[int, float]] = []
+    positions, peak = 1, 0
+    for ratio in c.get("upsampling_ratios", ()):
+        pieces.append((_conv(width, width, ratio), positions))
+        positions *= ratio
+        convnext = _conv(width, width, 7, groups=width) + 2 * width
+        convnext += _linear(width, 4 * width, True) + _linear(4 * width, width, True) + width
+        pieces.append((convnext, positions))
+        peak = max(peak, 4 * width * positions)
+    dim = c["decoder_dim"]
+    pieces.append((_conv(width, dim, 7), positions))
+    peak = max(peak, dim * positions)
+    for i, rate in enumerate(c["upsample_rates"]):
+        c_in, c_out = dim // 2**i, dim // 2 ** (i + 1)
+        pieces.append((2 * c_in + _conv(c_in, c_out, 2 * rate), positions))
+        positions *= rate
+        residual = 2 * c_out + _conv(c_out, c_out, 7) + 2 * c_out + _conv(c_out, c_out, 1)
+        pieces.append((3 * residual, positions))  # dilations 1, 3, 9
+        peak = max(peak, c_out * positions)
+    last = dim // 2 ** len(c["upsample_rates"])
+    pieces.append((2 * last + _conv(last, 1, 7), positions))
+    return pieces, peak
+
+
+def _code2wav(c: Mapping[str, Any]) -> tuple[list[tuple[int, float]], int]:
+    """Qwen3-Omni Code2Wav and Qwen3-TTS's 12 Hz tokenizer decoder: (pieces, peak elements).
+
+    Codes enter through summed embeddings (Qwen3-Omni) or a split residual VQ with 1x1
+    projections and a causal conv (Qwen3-TTS, whose transformer is narrower and projects
+    in and out); then a sliding-window transformer with layer scales and the ConvNet tail.
+    """
+    hidden = c["hidden_size"]
+    bias = c.get("attention_bias", False)
+    q_dim, kv_dim = c["num_attention_heads"] * _head_dim(c), _kv_heads(c) * _head_dim(c)
+    attention = _linear(hidden, q_dim, bias) + 2 * _linear(hidden, kv_dim, bias)
+    attention += _linear(q_dim, hidden, bias)
+    layer = attention + _gated_mlp(hidden, c["intermediate_size"]) + 4 * hidden  # 2 norms, 2 scales
+    transformer = c["num_hidden_layers"] * layer + hidden
+    codebooks = c["num_quantizers"] * c["codebook_size"]
+    if "codebook_dim" in c:
+        half, width = c["codebook_dim"] // 2, c["latent_dim"]
+        lookups = codebooks * (half + 1)  # embedding_sum + cluster_usage per codebook
+        front = 2 * 2 * c["codebook_dim"] * half + _conv(c["codebook_dim"], width, 3)
+        transformer += _linear(width, hidden, True) + _linear(hidden, width, True)
+    else:
+        width = hidden
+        lookups, front = codebooks * hidden, 0
+    tail, peak = _snake_decoder(c, width)
+    return [(lookups, 0), (front + transformer, 1), *tail], peak
+
+
+class _Vocoder(_Estimator):
+    """Codec frames to waveform.
+
+    Qwen3 code2wav family: exact parameters; FLOPs per frame = 2 x each piece's weights x
+    its positions per frame + sliding-window attention; activations = the widest stage's
+    peak elements per frame x `_CONV_BUFFERS`. Others (Qwen2.5-Omni token2wav): the
+    catalog's count and measured `flops_per_frame`, else the lower bound 2 x params; their
+    activations use `_VOCODER_ELEMENTS_PER_SAMPLE`. A forward decodes at most
+    VOCODER_FORWARD_FRAMES frames per request.
+    """
+
+    item = "codec frame"
+
+    def __init__(self, cfg: ComponentConfig):
+        c = cfg.config
+        self.pieces: list[tuple[int, float]] | None = None
+        if "upsampling_ratios" in c and "decoder_dim" in c:
+            self.pieces, self.peak = _code2wav(c)
+            params = sum(p for p, _ in self.pieces)
+            super().__init__(cfg, params, params, "formula")
+        else:
+            params = _counted(cfg, "this vocoder")
+            super().__init__(cfg, params, params, "count")
+            self.peak = _VOCODER_ELEMENTS_PER_SAMPLE * (cfg.samples_per_frame or 1)
+
+    def activation_bytes(self, s: _Shape) -> float:
+        frames = min(s.length, VOCODER_FORWARD_FRAMES)
+        buffers = _CONV_BUFFERS if self.pieces is not None else 1
+        return s.batch * frames * self.peak * buffers * s.nbytes
+
+    def flops(self, s: _Shape) -> float:
+        if self.pieces is None:
+            return self.c.get("flops_per_frame") or 2.0 * self.params
+        c = self.c
+        window = min(c.get("sliding_window") or s.length, s.length)
+        q_dim = c["num_attention_heads"] * _head_dim(c)
+        macs = sum(p * positions for p, positions in self.pieces)
+        return 2.0 * macs + _attention_flops(c["num_hidden_layers"], q_dim, window)

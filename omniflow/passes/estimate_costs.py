@@ -1,0 +1,71 @@
+"""Pass: memory and compute estimates per stage, from its model config.
+
+`meta["cost"]` is the StageCost of one replica at its effective batch (doubled on the path
+of a classifier-free-guidance companion), `meta["need"]` the bytes its budget must cover:
+weights + KV cache + activations, or the explicit `memory=` the program gives.
+"""
+
+from __future__ import annotations
+
+from omniflow.devices import parse_size
+from omniflow.ir.graph import INPUT, Graph, Node
+from omniflow.ir.values import Ref
+from omniflow.models.costs import estimate_cost
+from omniflow.passes.infer_types import param_value
+from omniflow.passes.pipeline import Target
+
+
+def cfg_path(graph: Graph) -> set[str]:
+    """Stages that process the unconditional companion too: from its partner input to the guided stage."""
+    doubled: set[str] = set()
+    for guided in graph.stages:
+        companion = guided.params.get("cfg")
+        if not isinstance(companion, Ref):
+            continue
+        kind = graph.node(companion.dotted).params["type"]
+        partners = [
+            a
+            for a in graph.ancestors(guided.name)
+            if graph.node(a).op == INPUT and graph.node(a).params["type"] == kind
+        ]
+        reach = set().union(*(graph.descendants(p) for p in partners))
+        doubled |= {
+            n
+            for n in reach & (graph.ancestors(guided.name) | {guided.name})
+            if graph.node(n).is_stage
+        }
+    return doubled
+
+
+def _sequence_length(graph: Graph, node: Node) -> int:
+    """Tokens one request keeps live in this stage: its KV length, image tokens or frames."""
+    if node.op == "diffusion":
+        cfg = node.meta["config"]
+        patch = cfg.vae_scale_factor * cfg.patch_size
+        return (param_value(graph, node, "height") // patch) * (
+            param_value(graph, node, "width") // patch
+        )
+    if node.op == "vae":
+        return 1
+    return param_value(graph, node, "max_len")
+
+
+def estimate_costs(graph: Graph, target: Target) -> Graph:
+    graph = graph.copy()
+    doubled = cfg_path(graph)
+    for node in graph.stages:
+        if node.op == "python":
+            node.meta["need"] = 0
+            continue
+        batch = param_value(graph, node, "max_batch") * (2 if node.name in doubled else 1)
+        cost = estimate_cost(
+            node.meta["config"],
+            max_batch=batch,
+            max_len=_sequence_length(graph, node),
+            dtype=param_value(graph, node, "dtype"),
+        )
+        node.meta["batch"] = batch
+        node.meta["cost"] = cost
+        explicit = param_value(graph, node, "memory")
+        node.meta["need"] = parse_size(explicit) if explicit else cost.total_bytes
+    return graph

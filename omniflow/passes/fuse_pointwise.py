@@ -1,0 +1,35 @@
+"""Pass: pointwise fusion. Each edge's `map(...)` chain becomes one fused kernel
+(`omniflow.kernels.pointwise`: generated Triton on GPUs, torch elsewhere) that reads each
+element once and writes it once, instead of one kernel and one temporary per op.
+
+The kernel runs on the side of the hop where fewer bytes cross: in the producer's executor
+when the chain shrinks items (pcm16 halves float32 audio), else in the consumer's.
+"""
+
+from __future__ import annotations
+
+from omniflow.ir.graph import Graph
+from omniflow.ir.types import TensorSpec
+from omniflow.passes.pipeline import Target
+
+
+def fuse_pointwise(graph: Graph, target: Target) -> Graph:
+    graph = graph.copy()
+    for edge in graph.edges:
+        if not edge.maps:
+            continue
+        src = graph.node(edge.src)
+        before: TensorSpec = src.meta["out"][edge.src_port].step
+        after: TensorSpec = edge.meta["item"]
+        shrinks = after.item_bytes() <= before.item_bytes()
+        side = edge.src if shrinks else edge.dst
+        edge.meta["pointwise"] = {
+            "kernel": "fused_" + "_".join(op.name for op in edge.maps),
+            "ops": [str(op) for op in edge.maps],
+            "in_dtype": before.dtype,
+            "out_dtype": after.dtype,
+            "runs_in": graph.node(side).meta["executor"],
+            "launches": 1,
+            "launches_unfused": len(edge.maps),
+        }
+    return graph

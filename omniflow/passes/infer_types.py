@@ -1,0 +1,113 @@
+"""Pass: type/shape inference. Every output port gets `meta["out"][port] = PortSpec`, and every
+edge `meta["item"]`: the dtype and shape of one streamed step after the edge's adapter and
+map chain, and `meta["max_steps"]`: how many steps one request may send on it.
+
+Dims come from the stage's model config and its parameters at their default values; a
+request that overrides a size-changing parameter beyond its default is checked at run time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omniflow.errors import GraphError
+from omniflow.ir.graph import INPUT, INPUT_PORT, Graph, Node
+from omniflow.ir.kinds import KINDS, stage_ports
+from omniflow.ir.types import TensorSpec
+from omniflow.ir.values import resolve
+from omniflow.kernels.pointwise_ops import chain_out_dtype
+from omniflow.passes.pipeline import Target
+
+# Upper bound of UTF-8 bytes one decoded token can produce.
+TEXT_BYTES_PER_TOKEN = 16
+
+
+@dataclass(frozen=True)
+class PortSpec:
+    step: TensorSpec  # one step of the stream (the whole value for one-shot stages)
+    max_steps: int
+
+    def __str__(self) -> str:
+        return f"{self.step} x{self.max_steps}"
+
+
+# What a request may send on an input, and what a python stage emits per step, by type.
+DEFAULT_SPECS: dict[str, PortSpec] = {
+    "text": PortSpec(TensorSpec("utf8", (64 * 1024,)), 1),
+    "chat": PortSpec(TensorSpec("utf8", (256 * 1024,)), 1),
+    "tokens": PortSpec(TensorSpec("int64", (8192,)), 1),
+    "hidden": PortSpec(TensorSpec("float32", (1, 1024)), 4096),
+    "codes": PortSpec(TensorSpec("int64", (16,)), 4096),
+    "latents": PortSpec(TensorSpec("float32", (16, 128, 128)), 1),
+    "image": PortSpec(TensorSpec("uint8", (1024, 1024, 3)), 1),
+    "audio": PortSpec(TensorSpec("float32", (24000 * 60,)), 1),
+    "video": PortSpec(TensorSpec("uint8", (81, 480, 832, 3)), 1),
+    "kv": PortSpec(TensorSpec("bfloat16", (1, 2, 8, 128)), 4096),
+}
+
+
+def param_value(graph: Graph, node: Node, key: str):
+    """A stage parameter's value with pipeline parameters at their defaults."""
+    return resolve(node.params.get(key, KINDS[node.op].params[key].default), graph.params)
+
+
+def _stage_spec(graph: Graph, node: Node, port: str) -> PortSpec:
+    cfg = node.meta["config"]
+    dtype = param_value(graph, node, "dtype")
+    value = lambda key: param_value(graph, node, key)  # noqa: E731
+    if node.op == "ar":
+        max_tokens = value("max_tokens")
+        cfgd = cfg.config
+        layers, kv_heads = (
+            cfgd["num_hidden_layers"],
+            cfgd.get("num_key_value_heads", cfgd["num_attention_heads"]),
+        )
+        head_dim = cfgd.get("head_dim") or cfg.hidden_size // cfgd["num_attention_heads"]
+        return {
+            "text": PortSpec(TensorSpec("utf8", (TEXT_BYTES_PER_TOKEN,)), max_tokens),
+            "tokens": PortSpec(TensorSpec("int64", (1,)), max_tokens),
+            "hidden": PortSpec(TensorSpec(dtype, (1, cfg.hidden_size)), max_tokens),
+            "codes": PortSpec(TensorSpec("int64", (cfg.num_codebooks,)), max_tokens),
+            "kv": PortSpec(TensorSpec(dtype, (layers, 2, kv_heads, head_dim)), value("max_len")),
+        }[port]
+    if node.op == "encoder":
+        return PortSpec(TensorSpec(dtype, (value("max_len"), cfg.hidden_size)), 1)
+    if node.op == "diffusion":
+        scale = cfg.vae_scale_factor
+        shape = (cfg.latent_channels, value("height") // scale, value("width") // scale)
+        frames = value("frames")
+        return PortSpec(TensorSpec("float32", ((frames,) if frames > 1 else ()) + shape), 1)
+    if node.op == "vae":
+        producer = next(e for e in graph.in_edges(node.name) if e.dst_port == "latents")
+        *frames, _, h, w = producer.meta["item"].shape
+        scale = cfg.vae_scale_factor
+        return PortSpec(TensorSpec("float32", (*frames, h * scale, w * scale, 3)), 1)
+    if node.op == "vocoder":
+        return PortSpec(TensorSpec("float32", (cfg.samples_per_frame,)), value("max_len"))
+    raise GraphError(f"no shape rule for {node.op}.{port}", node.span)
+
+
+def _out_spec(graph: Graph, node: Node, port: str) -> PortSpec:
+    if node.op == INPUT:
+        return DEFAULT_SPECS[node.params["type"]]
+    if node.op == "python":
+        return DEFAULT_SPECS[stage_ports("python", node.params)[1][port]]
+    return _stage_spec(graph, node, port)
+
+
+def infer_types(graph: Graph, target: Target) -> Graph:
+    graph = graph.copy()
+    for node in graph.topo_order():
+        outs = {INPUT_PORT: None} if node.op == INPUT else node.ports()[1]
+        node.meta["out"] = {
+            port: _out_spec(graph, node, port) for port in outs if node.op != "output"
+        }
+        for edge in graph.out_edges(node.name):
+            spec = node.meta["out"][edge.src_port]
+            step = spec.step
+            if edge.maps:
+                ops = [(op.name, op.args) for op in edge.maps]
+                step = TensorSpec(chain_out_dtype(step.dtype, ops), step.shape)
+            edge.meta["item"] = step
+            edge.meta["max_steps"] = spec.max_steps
+    return graph

@@ -1,0 +1,63 @@
+"""The ordered pass pipeline: runs each pass, times it, lints after it, names it in errors."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from omniflow.devices import Device, GiB
+from omniflow.errors import OmniflowError, PassError
+from omniflow.ir.graph import Graph
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the passes compile for: the device inventory and the knobs they share."""
+
+    devices: tuple[Device, ...]
+    # Per executor process on a GPU: CUDA context, allocator slack, kernels.
+    process_overhead: int = 1 * GiB
+    # Fraction of each device's memory left unassigned as a safety margin.
+    reserve: float = 0.05
+    overrides: dict = field(default_factory=dict)
+
+
+Pass = Callable[[Graph, Target], Graph]
+
+
+def default_passes() -> list[Pass]:
+    from omniflow.passes.estimate_costs import estimate_costs
+    from omniflow.passes.fuse_pointwise import fuse_pointwise
+    from omniflow.passes.fuse_stages import fuse_stages
+    from omniflow.passes.infer_types import infer_types
+    from omniflow.passes.place import place
+    from omniflow.passes.plan_buffers import plan_buffers
+    from omniflow.passes.resolve_models import resolve_models
+    from omniflow.passes.size_chunks import size_chunks
+
+    return [
+        resolve_models,
+        infer_types,
+        estimate_costs,
+        place,
+        fuse_stages,
+        fuse_pointwise,
+        size_chunks,
+        plan_buffers,
+    ]
+
+
+def run_passes(graph: Graph, target: Target, passes: list[Pass] | None = None) -> Graph:
+    """Run `passes` in order; each gets the previous result. Records per-pass seconds."""
+    times: dict[str, float] = {}
+    for p in passes if passes is not None else default_passes():
+        start = time.perf_counter()
+        try:
+            graph = p(graph, target)
+            graph.lint()
+        except OmniflowError as err:
+            raise PassError(p.__name__, err) from err
+        times[p.__name__] = time.perf_counter() - start
+    graph.meta["pass_times"] = times
+    return graph

@@ -1,0 +1,189 @@
+"""Pass: placement. Every stage gets a device (`meta["device"]`, one per replica in
+`meta["devices"]`) and an explicit memory budget in bytes (`meta["budget"]`), so nobody
+writes a memory fraction by hand.
+
+Stages are placed largest first, honoring pins and colocate/separate constraints. A stage
+prefers the device of a neighbour it exchanges per-token streams with (so stage fusion can
+remove the hop), then the device left least full. What a device has beyond the stages'
+needs is shared out as budget in proportion to their KV caches (more concurrent requests),
+or to their needs when no stage there has one. A pipeline that cannot fit fails here,
+naming the stage, the bytes it needs and the bytes available.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from omniflow.devices import Device, GiB, parse_devices
+from omniflow.errors import PlacementError
+from omniflow.ir.graph import Graph, Node
+from omniflow.passes.infer_types import param_value
+from omniflow.passes.pipeline import Target
+
+# A stream whose chunks are at most this many steps hands off per token: worth colocating.
+PER_TOKEN_CHUNK = 4
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def _groups(graph: Graph) -> list[list[Node]]:
+    """Stages that must share a device (colocate constraints), as lists; singletons included."""
+    parent = {n.name: n.name for n in graph.stages}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            x = parent[x]
+        return x
+
+    for c in graph.constraints:
+        if c.kind == "colocate":
+            for other in c.stages[1:]:
+                parent[find(other)] = find(c.stages[0])
+    groups = defaultdict(list)
+    for node in graph.stages:
+        groups[find(node.name)].append(node)
+    return list(groups.values())
+
+
+def _need_text(node: Node) -> str:
+    cost = node.meta.get("cost")
+    if cost is None or "memory" in node.params:
+        return gib(node.meta["need"])
+    return (
+        f"{gib(node.meta['need'])} (weights {gib(cost.weight_bytes)} + KV cache {gib(cost.kv_cache_bytes)}"
+        f" + activations {gib(cost.activation_bytes)}, batch {node.meta['batch']})"
+    )
+
+
+class _Placer:
+    def __init__(self, graph: Graph, target: Target):
+        self.graph = graph
+        self.target = target
+        self.devices: dict[str, Device] = {d.name: d for d in target.devices}
+        self.capacity = {d.name: int(d.memory * (1 - target.reserve)) for d in target.devices}
+        self.used: dict[str, int] = defaultdict(int)
+        self.where: dict[str, list[str]] = {}
+        self.separate = defaultdict(set)
+        for c in graph.constraints:
+            if c.kind == "separate":
+                for a in c.stages:
+                    self.separate[a] |= set(c.stages) - {a}
+
+    def _charge(self, node: Node, device: str) -> int:
+        return node.meta["need"] + (
+            self.target.process_overhead if self.devices[device].is_gpu else 0
+        )
+
+    def _pinned_device(self, node: Node) -> str | None:
+        pin = node.device
+        if pin is None or pin == "cuda":
+            return None
+        if pin == "cpu" and "cpu" not in self.devices:
+            self.devices["cpu"] = parse_devices("cpu")[0]
+            self.capacity["cpu"] = int(self.devices["cpu"].memory * (1 - self.target.reserve))
+        if pin not in self.devices:
+            raise PlacementError(
+                f"stage '{node.name}' is pinned to {pin}, but the devices are {', '.join(self.devices)}"
+            )
+        return pin
+
+    def _candidates(self, group: list[Node], taken: set[str]) -> list[str]:
+        pins = {p for p in map(self._pinned_device, group) if p}
+        if len(pins) > 1:
+            raise PlacementError(
+                f"colocated stages {', '.join(n.name for n in group)} are pinned to different devices"
+            )
+        names = list(pins) or [
+            d
+            for d, dev in self.devices.items()
+            if (dev.is_gpu or not any(x.is_gpu for x in self.target.devices))
+        ]
+        if any(n.device == "cuda" for n in group):
+            names = [d for d in names if self.devices[d].is_gpu]
+        avoid = set().union(*(self.separate[n.name] for n in group))
+        return [
+            d
+            for d in names
+            if d not in taken and not any(d in self.where.get(s, ()) for s in avoid)
+        ]
+
+    def _affinity(self, group: list[Node], device: str) -> int:
+        names = {n.name for n in group}
+        score = 0
+        for edge in self.graph.edges:
+            small = isinstance(edge.chunk, int) and edge.chunk <= PER_TOKEN_CHUNK
+            for mine, other in ((edge.src, edge.dst), (edge.dst, edge.src)):
+                if small and mine in names and device in self.where.get(other, ()):
+                    score += 1
+        return score
+
+    def place_group(self, group: list[Node], taken: set[str]) -> str:
+        candidates = self._candidates(group, taken)
+        if not candidates:
+            raise PlacementError(
+                f"no device left for {', '.join(n.name for n in group)}: "
+                "pins, separate constraints and replicas exclude every device"
+            )
+        fits = [
+            d
+            for d in candidates
+            if self.used[d] + sum(self._charge(n, d) for n in group) <= self.capacity[d]
+        ]
+        if not fits:
+            self._fail(group, candidates)
+        best = max(fits, key=lambda d: (self._affinity(group, d), -self.used[d] / self.capacity[d]))
+        for n in group:
+            self.used[best] += self._charge(n, best)
+            self.where.setdefault(n.name, []).append(best)
+        return best
+
+    def _fail(self, group: list[Node], candidates: list[str]) -> None:
+        roomiest = max(candidates, key=lambda d: self.capacity[d] - self.used[d])
+        free = self.capacity[roomiest] - self.used[roomiest]
+        there = [s for s, ds in self.where.items() if roomiest in ds]
+        held = f"; {', '.join(there)} already hold {gib(self.used[roomiest])}" if there else ""
+        who = group[0] if len(group) == 1 else None
+        need = _need_text(who) if who else gib(sum(self._charge(n, roomiest) for n in group))
+        name = (
+            f"stage '{who.name}'" if who else f"colocated stages {', '.join(n.name for n in group)}"
+        )
+        raise PlacementError(
+            f"{name} needs {need}, but the roomiest device {roomiest} has {gib(free)} free "
+            f"(of {gib(self.capacity[roomiest])} usable{held}); add devices, lower max_batch/max_len, "
+            "or give the stage an explicit memory=... budget"
+        )
+
+    def budgets(self) -> None:
+        for device in self.capacity:
+            here = [self.graph.node(s) for s, ds in self.where.items() if device in ds]
+            slack = self.capacity[device] - self.used[device]
+            weight = {
+                n.name: n.meta["cost"].kv_cache_bytes if "cost" in n.meta else 0 for n in here
+            }
+            if not any(weight.values()):
+                weight = {n.name: n.meta["need"] for n in here}
+            total = sum(weight.values()) or 1
+            for n in here:
+                n.meta["budget"] = self._charge(n, device) + slack * weight[n.name] // total
+
+
+def place(graph: Graph, target: Target) -> Graph:
+    graph = graph.copy()
+    placer = _Placer(graph, target)
+    groups = sorted(
+        _groups(graph),
+        key=lambda g: (not any(n.device for n in g), -sum(n.meta["need"] for n in g)),
+    )
+    for group in groups:
+        replicas = max(param_value(graph, n, "replicas") for n in group)
+        taken: set[str] = set()
+        for _ in range(replicas):
+            taken.add(placer.place_group(group, taken))
+    placer.budgets()
+    for node in graph.stages:
+        node.meta["devices"] = placer.where[node.name]
+        node.meta["device"] = placer.where[node.name][0]
+    graph.meta["device_usage"] = {d: (placer.used[d], placer.capacity[d]) for d in placer.capacity}
+    return graph

@@ -1,0 +1,86 @@
+"""Pass: chunk sizing. Every streamed edge gets `meta["schedule"]`, the chunk sizes (in
+steps) its producer sends, the last repeating. `chunk=N` is [N]; `chunk=auto` is derived
+from the stages' cost estimates:
+
+- steady chunk: the smallest n for which the consumer's fixed per-call overhead is at most
+  10 % of a call and re-decoded left context at most half of it (n >= context);
+- first chunk: the smallest n for which decoding a chunk takes no longer than producing the
+  next (doubled) one, so the consumer never starves; then sizes double up to steady.
+
+Small first chunks give a low time to first packet; large steady chunks, throughput.
+"""
+
+from __future__ import annotations
+
+import math
+
+from omniflow.ir.graph import OUTPUT, Edge, Graph, Node
+from omniflow.ir.values import AUTO
+from omniflow.passes.pipeline import Target
+
+# Fixed cost of one consumer call: a cross-process hop plus a forward's launch overhead.
+CALL_OVERHEAD_S = {"gpu": 2e-3, "cpu": 1e-3}
+# Past this many steps a chunk buys little throughput but delays every packet behind it.
+MAX_STEADY = 64
+OVERHEAD_SHARE = 0.10
+
+
+def _device(target: Target, node: Node):
+    return next((d for d in target.devices if d.name == node.meta.get("device")), target.devices[0])
+
+
+def step_seconds(target: Target, node: Node) -> float:
+    """Seconds one request waits per step of `node` at full batch (memory- or compute-bound)."""
+    cost = node.meta.get("cost")
+    if cost is None:
+        return 1e-3
+    dev = _device(target, node)
+    batch = node.meta["batch"]
+    return max(cost.weight_bytes / dev.bandwidth, cost.flops_per_item * batch / dev.flops)
+
+
+def item_seconds(target: Target, node: Node) -> float:
+    """Seconds of compute per item for the consumer (one frame, one token)."""
+    cost = node.meta.get("cost")
+    return cost.flops_per_item / _device(target, node).flops if cost else 1e-5
+
+
+def auto_schedule(target: Target, producer: Node, consumer: Node, context: int) -> list[int]:
+    overhead = CALL_OVERHEAD_S["gpu" if _device(target, consumer).is_gpu else "cpu"]
+    per_item = max(item_seconds(target, consumer), 1e-9)
+    per_step = step_seconds(target, producer)
+    steady = math.ceil((1 - OVERHEAD_SHARE) / OVERHEAD_SHARE * overhead / per_item) - context
+    steady = min(MAX_STEADY, max(steady, context, 1))
+    # Decode chunk n (with context) within the time the producer makes the next 2n steps.
+    denom = 2 * per_step - per_item
+    first = steady if denom <= 0 else max(1, math.ceil((overhead + per_item * context) / denom))
+    schedule = [min(first, steady)]
+    while schedule[-1] < steady:
+        schedule.append(min(schedule[-1] * 2, steady))
+    return schedule
+
+
+def _schedule(graph: Graph, target: Target, edge: Edge) -> list[int]:
+    if isinstance(edge.chunk, int):
+        return [edge.chunk]
+    if isinstance(edge.chunk, list):
+        return list(edge.chunk)
+    src, dst = graph.node(edge.src), graph.node(edge.dst)
+    if dst.op == OUTPUT or not src.is_stage:
+        return _calls(graph, src)  # to a client, every call's output goes out as soon as it exists
+    return auto_schedule(target, src, dst, edge.context)
+
+
+def _calls(graph: Graph, node: Node) -> list[int]:
+    """Steps one call of `node` emits: a chunk consumer emits what each input chunk gives."""
+    fed = [e for e in graph.in_edges(node.name) if e.stream and e.meta.get("schedule")]
+    return fed[0].meta["schedule"] if node.op == "vocoder" and fed else [1]
+
+
+def size_chunks(graph: Graph, target: Target) -> Graph:
+    graph = graph.copy()
+    for node in graph.topo_order():
+        for edge in graph.out_edges(node.name):
+            edge.meta["schedule"] = _schedule(graph, target, edge) if edge.stream else None
+        edge.meta["auto"] = edge.chunk is AUTO
+    return graph

@@ -1,0 +1,205 @@
+"""The `Plan`: what the compiler hands the runtime, and `lower`, which makes one from a
+fully annotated Graph. A plan is plain data, versioned and JSON-serializable; pipeline
+parameter references stay symbolic (`{"$param": name}`) so each request can override them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from omniflow.errors import OmniflowError
+from omniflow.ir.graph import Graph
+from omniflow.ir.values import Auto, Param, Ref
+
+PLAN_VERSION = 1
+
+
+@dataclass
+class StagePlan:
+    name: str
+    kind: str
+    executor: str
+    devices: list[str]
+    params: dict
+    model: str | None
+    component: str | None
+    budget_bytes: int
+    need_bytes: int
+    weight_bytes: int = 0
+    kv_cache_bytes: int = 0
+    activation_bytes: int = 0
+    flops_per_item: float = 0.0
+    batch: int = 1
+
+
+@dataclass
+class ExecutorPlan:
+    name: str
+    devices: list[str]
+    stages: list[str]
+    reasons: list[str]
+
+
+@dataclass
+class ChannelPlan:
+    name: str
+    src: str
+    src_port: str
+    dst: str
+    dst_port: str
+    type: str
+    kind: str  # "local" (same executor: references) or "shm" (a ring)
+    src_executor: str
+    dst_executor: str
+    item_dtype: str
+    item_shape: list[int]
+    max_steps: int
+    schedule: list[int] | None  # None: the whole output in one message
+    context: int = 0
+    adapter: str | None = None
+    maps: list[str] = field(default_factory=list)
+    pointwise: dict | None = None
+    slots: int = 0
+    slot_bytes: int = 0
+    ring_bytes: int = 0
+    credits: int = 0
+
+
+@dataclass
+class PortPlan:
+    name: str
+    type: str
+    default: object = None
+    attrs: dict = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    version: int
+    pipeline: str
+    model: str | None
+    params: dict
+    devices: list[dict]
+    executors: list[ExecutorPlan]
+    stages: list[StagePlan]
+    inputs: list[PortPlan]
+    outputs: list[PortPlan]
+    channels: list[ChannelPlan]
+    shm_bytes: int = 0
+    warnings: list[str] = field(default_factory=list)
+    pass_seconds: dict = field(default_factory=dict)
+
+    def to_json(self, indent: int = 2) -> str:
+        return msgspec.json.format(msgspec.json.encode(self).decode(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Plan:
+        try:
+            plan = msgspec.json.decode(text, type=cls)
+        except msgspec.DecodeError as err:
+            raise OmniflowError(f"not a valid plan: {err}") from err
+        if plan.version != PLAN_VERSION:
+            raise OmniflowError(
+                f"plan version {plan.version} is not supported (this omniflow reads {PLAN_VERSION})"
+            )
+        return plan
+
+    def stage(self, name: str) -> StagePlan:
+        return next(s for s in self.stages if s.name == name)
+
+
+def plain(value):
+    """IR values as JSON data: parameters and names become tagged objects."""
+    if isinstance(value, Param):
+        return {"$param": value.name}
+    if isinstance(value, Ref):
+        return {"$ref": value.dotted}
+    if isinstance(value, Auto):
+        return "auto"
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value
+
+
+def lower(graph: Graph) -> Plan:
+    """A Graph that has been through every pass -> its Plan."""
+    stages = []
+    for node in graph.topo_order():
+        if not node.is_stage:
+            continue
+        cost = node.meta.get("cost")
+        params = {k: plain(v) for k, v in node.params.items() if k not in ("model", "component")}
+        stages.append(
+            StagePlan(
+                node.name,
+                node.op,
+                node.meta["executor"],
+                node.meta["devices"],
+                params,
+                node.params.get("model", graph.model) if node.op != "python" else None,
+                node.params.get("component"),
+                node.meta["budget"],
+                node.meta["need"],
+                weight_bytes=cost.weight_bytes if cost else 0,
+                kv_cache_bytes=cost.kv_cache_bytes if cost else 0,
+                activation_bytes=cost.activation_bytes if cost else 0,
+                flops_per_item=cost.flops_per_item if cost else 0.0,
+                batch=node.meta.get("batch", 1),
+            )
+        )
+    channels = []
+    for e in graph.edges:
+        ch, item = e.meta["channel"], e.meta["item"]
+        channels.append(
+            ChannelPlan(
+                e.name,
+                e.src,
+                e.src_port,
+                e.dst,
+                e.dst_port,
+                e.type,
+                ch["kind"],
+                graph.node(e.src).meta["executor"],
+                graph.node(e.dst).meta["executor"],
+                item.dtype,
+                list(item.shape),
+                e.meta["max_steps"],
+                e.meta["schedule"],
+                e.context,
+                e.adapter,
+                [str(op) for op in e.maps],
+                e.meta.get("pointwise"),
+                ch["slots"],
+                ch["slot_bytes"],
+                ch["ring_bytes"],
+                ch.get("credits", 0),
+            )
+        )
+    return Plan(
+        version=PLAN_VERSION,
+        pipeline=graph.name,
+        model=graph.model,
+        params={k: plain(v) for k, v in graph.params.items()},
+        devices=[
+            {"name": d, "used_bytes": u, "usable_bytes": c}
+            for d, (u, c) in graph.meta["device_usage"].items()
+        ],
+        executors=[
+            ExecutorPlan(x["name"], x["devices"], x["stages"], x["reasons"])
+            for x in graph.meta["executors"]
+        ],
+        stages=stages,
+        inputs=[
+            PortPlan(n.name, n.params["type"], plain(n.params.get("default"))) for n in graph.inputs
+        ],
+        outputs=[
+            PortPlan(n.name, graph.in_edges(n.name)[0].type, attrs=dict(n.params))
+            for n in graph.outputs
+        ],
+        channels=channels,
+        shm_bytes=graph.meta["shm_bytes"],
+        warnings=list(graph.meta.get("warnings", [])),
+        pass_seconds=dict(graph.meta.get("pass_times", {})),
+    )

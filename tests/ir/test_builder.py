@@ -1,0 +1,120 @@
+"""The Python graph API builds the same graphs as the .omni files, and reports errors at
+the Python line that caused them."""
+
+from pathlib import Path
+
+import pytest
+
+from omniflow import Pipeline, auto, param
+from omniflow.compiler import load_graph
+from omniflow.errors import GraphError
+
+GRAPHS = Path(__file__).parents[2] / "graphs"
+
+
+def omni_chat():
+    p = Pipeline("omni_chat", model="Qwen/Qwen2.5-Omni-7B")
+    p.param("max_tokens", 2048)
+    p.param("temperature", 0.0)
+    thinker = p.stage(
+        "thinker",
+        "ar",
+        component="thinker",
+        max_batch=32,
+        max_tokens=param("max_tokens"),
+        temperature=param("temperature"),
+    )
+    talker = p.stage("talker", "ar", component="talker", max_batch=32)
+    code2wav = p.stage("code2wav", "vocoder", component="token2wav", max_batch=64)
+    p.flow(p.input("prompt", "chat"), thinker)
+    p.flow(thinker.hidden, talker, stream=True, chunk=1, adapter="qwen_omni.thinker_to_talker")
+    p.flow(talker.codes, code2wav, stream=True, chunk=auto, context=25)
+    p.flow(
+        code2wav.audio,
+        p.output("audio"),
+        maps=[("gain", 0.9), ("clamp", -1, 1), "pcm16"],
+        stream=True,
+        rate=24000,
+    )
+    p.flow(thinker.text, p.output("text"), stream=True)
+    return p
+
+
+def tts():
+    p = Pipeline("tts", model="Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice")
+    max_tokens = p.param("max_tokens", 2048)
+    lm = p.stage("codec_lm", "ar", component="talker", max_batch=16, max_tokens=max_tokens)
+    decoder = p.stage("decoder", "vocoder", component="code2wav", max_batch=32)
+    p.flow(p.input("text", "text"), lm)
+    p.flow(p.input("voice", "text", default="Vivian"), lm.voice)
+    p.flow(lm.codes, decoder, stream=True, chunk=auto, context=25)
+    p.flow(
+        decoder.audio, p.output("audio"), maps=[("clamp", -1, 1), "pcm16"], stream=True, rate=24000
+    )
+    return p
+
+
+def text_to_image():
+    p = Pipeline("text_to_image", model="Qwen/Qwen-Image")
+    steps, scale = p.param("steps", 50), p.param("guidance_scale", 4.0)
+    height, width = p.param("height", 1024), p.param("width", 1024)
+    encoder = p.stage("encoder", "encoder", component="text_encoder", max_batch=16)
+    negative = p.input("negative_prompt", "text", default=" ")
+    dit = p.stage(
+        "dit",
+        "diffusion",
+        component="transformer",
+        max_batch=8,
+        steps=steps,
+        guidance=scale,
+        cfg=negative,
+        height=height,
+        width=width,
+    )
+    vae = p.stage("vae", "vae", component="vae", max_batch=8)
+    p.flow(p.input("prompt", "text"), encoder)
+    p.flow(encoder.hidden, dit)
+    p.flow(dit.latents, vae)
+    p.flow(vae.image, p.output("image"), maps=["denorm", "to_uint8"])
+    return p
+
+
+def image_understanding():
+    p = Pipeline("image_understanding", model="Qwen/Qwen2.5-VL-7B-Instruct")
+    p.param("max_tokens", 512)
+    vision = p.stage("vision", "encoder", component="visual", max_batch=16)
+    llm = p.stage(
+        "llm", "ar", component="language_model", max_batch=32, max_tokens=param("max_tokens")
+    )
+    p.flow(p.input("image", "image"), vision)
+    p.flow(p.input("prompt", "chat"), llm)
+    p.flow(vision.hidden, llm.embeds)
+    p.flow(llm.text, p.output("text"), stream=True)
+    return p
+
+
+@pytest.mark.parametrize(
+    "make", [omni_chat, tts, text_to_image, image_understanding], ids=lambda f: f.__name__
+)
+def test_python_api_builds_the_same_graph(make):
+    assert make().build() == load_graph(GRAPHS / f"{make.__name__}.omni")
+
+
+def test_python_api_differences_are_seen():
+    p = omni_chat()
+    p.colocate(*(p.stage("extra", "ar"),))
+    with pytest.raises(GraphError):
+        p.build()
+
+
+def test_python_api_errors_point_at_the_python_line():
+    p = Pipeline("broken", model="Qwen/Qwen2.5-0.5B-Instruct")
+    lm = p.stage("lm", "ar")
+    p.flow(p.input("prompt", "chat"), lm)
+    p.flow(lm.txt, p.output("text"))  # the bad line
+    with pytest.raises(GraphError) as info:
+        p.build()
+    err = info.value
+    assert err.span.path == __file__
+    assert "p.flow(lm.txt" in err.span.line_text
+    assert "did you mean 'text'?" in err.render()

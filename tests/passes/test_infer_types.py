@@ -1,0 +1,35 @@
+from omniflow.ir.types import TensorSpec
+from tests.passes.helpers import run_until
+
+
+def _edge(graph, name):
+    return next(e for e in graph.edges if e.name == name)
+
+
+def test_ar_ports_take_their_dims_from_the_model_config():
+    graph = run_until("infer_types", "omni_chat")
+    out = graph.node("thinker").meta["out"]
+    assert out["hidden"].step == TensorSpec("bfloat16", (1, 3584))
+    assert out["hidden"].max_steps == 2048  # the max_tokens parameter's default
+    assert out["tokens"].step == TensorSpec("int64", (1,))
+
+
+def test_map_chain_changes_the_item_dtype():
+    graph = run_until("infer_types", "omni_chat")
+    edge = _edge(graph, "code2wav.audio->audio.in")
+    assert graph.node("code2wav").meta["out"]["audio"].step.dtype == "float32"
+    assert edge.meta["item"].dtype == "int16"
+    assert edge.meta["item"].shape == graph.node("code2wav").meta["out"]["audio"].step.shape
+
+
+def test_image_shapes_follow_height_width_and_vae_scale():
+    graph = run_until("infer_types", "text_to_image")
+    latents = _edge(graph, "dit.latents->vae.latents").meta["item"]
+    image = _edge(graph, "vae.image->image.in").meta["item"]
+    assert latents.shape == (16, 128, 128)
+    assert image == TensorSpec("uint8", (1024, 1024, 3))
+
+
+def test_codec_frames_carry_every_codebook():
+    graph = run_until("infer_types", "tts")
+    assert _edge(graph, "codec_lm.codes->decoder.codes").meta["item"] == TensorSpec("int64", (16,))

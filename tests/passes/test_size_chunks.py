@@ -1,0 +1,49 @@
+from omniflow.passes.size_chunks import MAX_STEADY
+from tests.passes.helpers import run_until
+
+
+def _schedule(graph, name):
+    return next(e for e in graph.edges if e.name == name).meta["schedule"]
+
+
+def test_fixed_chunks_and_whole_edges():
+    graph = run_until("size_chunks", "omni_chat")
+    assert _schedule(graph, "thinker.hidden->talker.embeds") == [1]
+    assert _schedule(graph, "prompt.out->thinker.prompt") is None
+    assert _schedule(graph, "thinker.text->text.in") == [1]
+
+
+def test_auto_ramps_from_a_small_first_chunk_to_a_steady_one():
+    graph = run_until("size_chunks", "omni_chat")
+    schedule = _schedule(graph, "talker.codes->code2wav.codes")
+    assert schedule == sorted(schedule) and schedule[0] < schedule[-1]
+    assert schedule[-1] >= 25  # no smaller than the left context it re-decodes
+    assert schedule[-1] <= MAX_STEADY
+    assert all(b <= 2 * a for a, b in zip(schedule, schedule[1:], strict=False))
+
+
+def test_a_vocoder_streams_out_what_each_chunk_decodes():
+    graph = run_until("size_chunks", "omni_chat")
+    assert _schedule(graph, "code2wav.audio->audio.in") == _schedule(
+        graph, "talker.codes->code2wav.codes"
+    )
+
+
+def test_a_slower_producer_allows_a_smaller_first_chunk():
+    gpu = _schedule(
+        run_until("size_chunks", "tts", devices="2xH200"), "codec_lm.codes->decoder.codes"
+    )
+    slow = _schedule(
+        run_until("size_chunks", "tts", devices="2xL4"), "codec_lm.codes->decoder.codes"
+    )
+    assert slow[0] <= gpu[0]
+
+
+def test_explicit_lists_are_kept():
+    src = (
+        'pipeline p { model "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"\n stage lm = ar(component="talker")\n'
+        ' stage dec = vocoder(component="code2wav")\n input x: text -> lm\n'
+        " lm.codes -> dec [stream, chunk=[2, 10, 25], context=25]\n dec.audio -> output a }"
+    )
+    graph = run_until("size_chunks", src)
+    assert _schedule(graph, "lm.codes->dec.codes") == [2, 10, 25]

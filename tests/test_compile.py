@@ -1,0 +1,113 @@
+"""`omniflow compile`: golden printouts of every example's plan, JSON plans, exit codes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omniflow.cli import main
+from omniflow.compiler import compile_file
+from omniflow.plan import Plan
+
+ROOT = Path(__file__).parents[1]
+EXAMPLES = sorted((ROOT / "graphs").glob("*.omni"))
+GOLDEN = ROOT / "tests" / "golden"
+
+
+def _cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_plan_printout_matches_golden(path, capsys):
+    """Regenerate after an intended change with OMNIFLOW_UPDATE_GOLDEN=1."""
+    code, out, err = _cli(
+        capsys, "compile", str(path.relative_to(ROOT)), "--devices", "2xH200", "--width", "160"
+    )
+    assert code == 0, err
+    golden = GOLDEN / f"{path.stem}.txt"
+    if os.environ.get("OMNIFLOW_UPDATE_GOLDEN"):
+        golden.write_text(out)
+    assert out == golden.read_text()
+
+
+def test_omni_chat_plan_has_budgets_and_a_fused_executor():
+    plan = compile_file(ROOT / "graphs/omni_chat.omni", devices="2xH200")
+    assert {s.name for s in plan.stages} == {"thinker", "talker", "code2wav"}
+    assert all(s.budget_bytes >= s.need_bytes > 0 for s in plan.stages)
+    assert ["thinker", "talker"] in [x.stages for x in plan.executors]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_plan_json_round_trips(path):
+    plan = compile_file(path, devices="2xH200")
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    data = json.loads(plan.to_json())
+    assert data["version"] == 1 and data["pipeline"] == path.stem
+
+
+def test_json_flag_and_output_file(tmp_path, capsys):
+    out_file = tmp_path / "plan.json"
+    code, out, _ = _cli(
+        capsys, "compile", "graphs/tts.omni", "--devices", "2xH200", "--json", "-o", str(out_file)
+    )
+    assert code == 0
+    assert json.loads(out) == json.loads(out_file.read_text())
+    params = json.loads(out)["stages"][0]["params"]
+    assert params["max_tokens"] == {"$param": "max_tokens"}  # requests may override it
+
+
+def test_compile_error_exits_1_with_location_caret_and_hint(tmp_path, capsys):
+    bad = tmp_path / "typo.omni"
+    text = (
+        (ROOT / "graphs/omni_chat.omni")
+        .read_text()
+        .replace("-> talker   [stream", "-> talkr   [stream")
+    )
+    bad.write_text(text)
+    code, out, err = _cli(capsys, "compile", str(bad))
+    assert code == 1 and out == ""
+    line_no = next(i for i, ln in enumerate(text.splitlines(), 1) if "talkr" in ln)
+    col = text.splitlines()[line_no - 1].index("talkr") + 1
+    lines = err.splitlines()
+    assert lines[0] == f"{bad}:{line_no}:{col}: error: unknown stage 'talkr'"
+    assert lines[2].strip() == "^^^^^" and lines[2].index("^") == lines[1].index("talkr")
+    assert lines[3] == "hint: did you mean 'talker'?"
+
+
+def test_placement_failure_exits_1_naming_the_stage(capsys):
+    code, _, err = _cli(capsys, "compile", "graphs/omni_chat.omni", "--devices", "cuda:0=8GiB")
+    assert code == 1
+    assert "pass 'place' failed: stage 'thinker' needs" in err
+
+
+@pytest.mark.parametrize("argv", [["compile"], ["compile", "missing.omni"], ["frobnicate"], []])
+def test_usage_errors_exit_2(argv, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
+
+
+def test_bad_device_list_is_a_compile_error(capsys):
+    code, _, err = _cli(capsys, "compile", "graphs/tts.omni", "--devices", "3xTPU")
+    assert code == 1 and "unknown accelerator 'TPU'" in err
+
+
+def test_console_script_runs():
+    result = subprocess.run(
+        [sys.executable, "-m", "omniflow.cli", "compile", "graphs/tts.omni", "--devices", "2xH200"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "pipeline tts: stages" in result.stdout
