@@ -9,19 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from omniflow.devices import parse_devices
-from omniflow.dsl.parser import parse
-from omniflow.errors import OmniflowError
+from omniflow.dsl.parser import parse, parse_file
 from omniflow.ir.build import build
 from omniflow.ir.graph import Graph
 from omniflow.passes.pipeline import Target, run_passes
 from omniflow.plan import Plan, lower
-
-
-def read_source(path: str | Path) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise OmniflowError(f"cannot read {path}: {err}") from err
 
 
 def graph_from_source(text: str, path: str = "<string>") -> Graph:
@@ -29,7 +21,7 @@ def graph_from_source(text: str, path: str = "<string>") -> Graph:
 
 
 def load_graph(path: str | Path) -> Graph:
-    return graph_from_source(read_source(path), str(path))
+    return build(parse_file(path))
 
 
 def optimize(graph: Graph, devices: str = "cpu") -> Graph:

@@ -397,6 +397,7 @@ class _Builder:
         }
         for name, stage in cfg_inputs.items():
             self.cfg(name, stage)
+        reaching = g.reaching_outputs()
         for node in g.nodes:
             if node.op == INPUT and not g.out_edges(node.name) and node.name not in cfg_inputs:
                 raise GraphError(
@@ -406,7 +407,7 @@ class _Builder:
                 )
             if node.is_stage and not g.in_edges(node.name):
                 raise GraphError(f"stage '{node.name}' has no input", node.span)
-            if node.is_stage and not any(g.node(d).op == OUTPUT for d in g.descendants(node.name)):
+            if node.is_stage and node.name not in reaching:
                 raise GraphError(
                     f"stage '{node.name}' reaches no output",
                     node.span,

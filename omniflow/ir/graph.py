@@ -7,8 +7,7 @@ ignores `meta` and source spans, so a graph equals its own `to_dsl()` round trip
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
@@ -144,8 +143,17 @@ class Graph:
         return edge
 
     def copy(self) -> Graph:
-        """A deep copy: passes return new graphs instead of mutating their input."""
-        return copy.deepcopy(self)
+        """A copy with its own params and meta dicts: passes return new graphs instead of
+        mutating their input. Values inside meta are shared, so passes replace them, never
+        change them in place."""
+        other = Graph(self.name, self.model, self.params)
+        other.constraints = list(self.constraints)
+        other.meta = dict(self.meta)
+        for node in self.nodes:
+            other.add_node(replace(node, params=dict(node.params), meta=dict(node.meta)))
+        for edge in self.edges:
+            other.add_edge(replace(edge, meta=dict(edge.meta)))
+        return other
 
     # --- queries -------------------------------------------------------------------
     def node(self, name: str) -> Node:
@@ -200,6 +208,14 @@ class Graph:
     def descendants(self, name: str) -> set[str]:
         return nx.descendants(self._g, name)
 
+    def reaching_outputs(self) -> set[str]:
+        """Names of the nodes from which some output can be reached."""
+        reach: set[str] = set()
+        for out in self.outputs:
+            if out.name not in reach:
+                reach |= nx.ancestors(self._g, out.name) | {out.name}
+        return reach
+
     # --- invariants ----------------------------------------------------------------
     def lint(self) -> Graph:
         """Check the graph's invariants; raise LintError naming the first bad node."""
@@ -225,10 +241,11 @@ class Graph:
         cycle = self.find_cycle()
         if cycle:
             raise LintError(cycle[0], "is on a cycle: " + " -> ".join(cycle))
+        reaching = self.reaching_outputs()
         for node in self.stages:
             if not self.in_edges(node.name):
                 raise LintError(node.name, "has no input")
-            if not any(d.op == OUTPUT for d in map(self.node, self.descendants(node.name))):
+            if node.name not in reaching:
                 raise LintError(node.name, "reaches no output")
         return self
 

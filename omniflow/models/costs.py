@@ -6,7 +6,12 @@ architecture formulas where omniflow has one (decoder and MoE LMs, text encoders
 Qwen-Image MMDiT, diffusers' AutoencoderKL, the Qwen3 code2wav ConvNet family); each is
 exact against the transformers / diffusers classes (tests/models instantiates them). Other
 components use the count the catalog carries (`num_parameters`, from a checkpoint header
-or the builtin catalog) and modules riding along with an LM (`extra_parameters`).
+or the builtin catalog), and LM components add the modules riding along with them
+(`extra_parameters`).
+
+FLOPs are 2 per multiply-accumulate of a matmul or conv weight (biases, norms, gates and
+activations are not charged, as torch's FlopCounterMode does not charge them), plus the
+attention score and value products.
 
 What `max_len` means depends on the family:
 
@@ -48,8 +53,8 @@ DIT_TEXT_TOKENS = 512
 VOCODER_FORWARD_FRAMES = 325
 # Sampling reads the logits in float32.
 _LOGIT_BYTES = 4
-# Live activation buffers of the widest vocoder/VAE stage: input kept for the residual,
-# activation output, conv output.
+# Live buffers of a ConvNet's widest stage: the input kept for the residual, the
+# activation's output and the conv's output.
 _CONV_BUFFERS = 3
 # Fallback activation of a vocoder without a structural formula, in elements per output
 # sample: BigVGAN-style decoders hold ~24 channels per sample at every upsampling stage,
@@ -73,12 +78,12 @@ class StageCost:
     weight_bytes: params x bytes of the dtype.
     kv_bytes_per_token: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes for
         decoder/MoE LMs; 0 for everything else (a codec LM's per-frame code-predictor cache
-        is transient and lives in activation_bytes' margin).
+        is transient).
     kv_cache_bytes: max_batch x max_len x kv_bytes_per_token.
     activation_bytes: peak workspace at max_batch; see each family's estimator.
-    flops_per_item: forward FLOPs per `item` (2 per multiply-accumulate).
-    item: the unit of flops_per_item: "token", "denoising step of one image", "image",
-        or "codec frame".
+    flops_per_item: forward FLOPs per `item`.
+    item: the unit of flops_per_item: "token", "codec frame", "denoising step of one
+        image" or "image".
     """
 
     params: int
@@ -108,7 +113,7 @@ def dtype_bytes(dtype: str) -> int:
 
 def count_parameters(cfg: ComponentConfig) -> int:
     """Parameters the component loads (see StageCost.params)."""
-    return _estimator(cfg).params
+    return _estimator(cfg).count.params
 
 
 def estimate_cost(
@@ -134,16 +139,100 @@ def estimate_cost(
     shape = _Shape(max_batch, max_len, nbytes, prefill_tokens, context_len)
     kv_per_token = est.kv_bytes_per_token(nbytes)
     return StageCost(
-        params=est.params,
-        active_params=est.active,
+        params=est.count.params,
+        active_params=est.count.active,
         params_source=est.source,
-        weight_bytes=est.params * nbytes,
+        weight_bytes=est.count.params * nbytes,
         kv_bytes_per_token=kv_per_token,
         kv_cache_bytes=max_batch * max_len * kv_per_token,
         activation_bytes=int(est.activation_bytes(shape)),
         flops_per_item=float(est.flops(shape)),
         item=est.item,
     )
+
+
+# --- counting pieces ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Count:
+    """Parameters, the share one item touches, and multiply-accumulates per application.
+
+    Only matmul and conv weights carry MACs; biases, norms, layer scales, SnakeBeta and
+    lookup tables are parameters without MACs.
+    """
+
+    params: int = 0
+    active: int = 0
+    macs: int = 0
+
+    def __add__(self, other: _Count) -> _Count:
+        return _Count(
+            self.params + other.params, self.active + other.active, self.macs + other.macs
+        )
+
+    def __mul__(self, n: int) -> _Count:
+        return _Count(self.params * n, self.active * n, self.macs * n)
+
+    __rmul__ = __mul__
+
+
+_NONE = _Count()
+
+
+def _total(counts) -> _Count:
+    return sum(counts, _NONE)
+
+
+def _elementwise(n: int) -> _Count:
+    """Per-channel weights: norms, layer scales, SnakeBeta alpha/beta, biases."""
+    return _Count(n, n, 0)
+
+
+def _table(n: int) -> _Count:
+    """A lookup table (embeddings, codebooks): loaded, but no item multiplies it."""
+    return _Count(n, 0, 0)
+
+
+def _linear(n_in: int, n_out: int, bias: bool = False) -> _Count:
+    w = n_in * n_out
+    return _Count(w, w, w) + (_elementwise(n_out) if bias else _NONE)
+
+
+def _conv(c_in: int, c_out: int, taps: int, groups: int = 1, bias: bool = True) -> _Count:
+    """A conv or transposed conv with `taps` kernel positions (MACs per position it runs at)."""
+    return _linear(c_in * taps // groups, c_out, bias)
+
+
+def _gated_mlp(hidden: int, inter: int, bias: bool = False) -> _Count:
+    """gate_proj, up_proj, down_proj (SwiGLU)."""
+    return 2 * _linear(hidden, inter, bias) + _linear(inter, hidden, bias)
+
+
+def _head_dim(c: Mapping[str, Any]) -> int:
+    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+
+def _kv_heads(c: Mapping[str, Any]) -> int:
+    return c.get("num_key_value_heads") or c["num_attention_heads"]
+
+
+def _token_workspace(width: int, q_dim: int, kv_dim: int, ffn: int) -> int:
+    """Elements one token holds in a transformer layer, counted as if all were live at once.
+
+    Residual + normed input (2 x width), q / k / v / attention output, and gate, up and
+    their product in the MLP (3 x ffn). Attention is assumed fused (SDPA or flash): no
+    L x L score matrix.
+    """
+    return 2 * width + 2 * q_dim + 2 * kv_dim + 3 * ffn
+
+
+def _attention_flops(layers: int, q_dim: int, context: int) -> float:
+    """QK^T and AV for one query over `context` keys, all layers: 2 matmuls x 2 FLOPs/MAC."""
+    return 4.0 * layers * q_dim * context
+
+
+# --- estimators ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -160,11 +249,10 @@ class _Estimator:
 
     item = "token"
 
-    def __init__(self, cfg: ComponentConfig, params: int, active: int, source: str):
+    def __init__(self, cfg: ComponentConfig, count: _Count, source: str):
         self.cfg = cfg
         self.c = cfg.config
-        self.params = params
-        self.active = active
+        self.count = count
         self.source = source
 
     def kv_bytes_per_token(self, nbytes: int) -> int:
@@ -196,55 +284,17 @@ def _name(cfg: ComponentConfig) -> str:
     return f"{cfg.model}" + (f" [{cfg.component}]" if cfg.component else "")
 
 
-def _counted(cfg: ComponentConfig, what: str) -> int:
-    """The config's parameter count, for components no formula covers."""
-    if not cfg.config.get("num_parameters"):
+def _counted(cfg: ComponentConfig, what: str) -> _Count:
+    """The config's parameter count, for components no formula covers; every weight is
+    taken as touched once per item position."""
+    n = cfg.config.get("num_parameters")
+    if not n:
         raise ModelConfigError(
             f"{_name(cfg)}: no parameter formula for {what} and no parameter count: the model "
             "directory has no safetensors checkpoint and the builtin catalog has no count "
             "(set config['num_parameters'])"
         )
-    return cfg.config["num_parameters"]
-
-
-# --- shared formula pieces -------------------------------------------------------------
-
-
-def _linear(n_in: int, n_out: int, bias: bool = False) -> int:
-    return n_in * n_out + (n_out if bias else 0)
-
-
-def _gated_mlp(hidden: int, inter: int, bias: bool = False) -> int:
-    """gate_proj, up_proj, down_proj (SwiGLU)."""
-    return 2 * _linear(hidden, inter, bias) + _linear(inter, hidden, bias)
-
-
-def _conv(c_in: int, c_out: int, kernel: int, groups: int = 1, bias: bool = True) -> int:
-    """Conv or transposed conv weights: c_in x c_out x kernel (kernel = all spatial taps)."""
-    return c_in * c_out * kernel // groups + (c_out if bias else 0)
-
-
-def _head_dim(c: Mapping[str, Any]) -> int:
-    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-
-
-def _kv_heads(c: Mapping[str, Any]) -> int:
-    return c.get("num_key_value_heads") or c["num_attention_heads"]
-
-
-def _token_workspace(width: int, q_dim: int, kv_dim: int, ffn: int) -> int:
-    """Elements one token holds in a transformer layer, counted as if all were live at once.
-
-    Residual + normed input (2 x width), q / k / v / attention output, and gate, up and
-    their product in the MLP (3 x ffn). Attention is assumed fused (SDPA or flash): no
-    L x L score matrix.
-    """
-    return 2 * width + 2 * q_dim + 2 * kv_dim + 3 * ffn
-
-
-def _attention_flops(layers: int, q_dim: int, context: int) -> float:
-    """QK^T and AV for one query over `context` keys, all layers: 2 matmuls x 2 FLOPs/MAC."""
-    return 4.0 * layers * q_dim * context
+    return _Count(n, n, n)
 
 
 # --- decoder LMs (dense and MoE), text encoders, codec LMs ---------------------------------
@@ -266,13 +316,13 @@ def _has_qk_norm(c: Mapping[str, Any]) -> bool:
     return c.get("use_qk_norm", c.get("model_type", "").startswith("qwen3"))
 
 
-def _lm_attention(c: Mapping[str, Any]) -> int:
+def _lm_attention(c: Mapping[str, Any]) -> _Count:
     hidden, hd = c["hidden_size"], _head_dim(c)
     q_dim, kv_dim = c["num_attention_heads"] * hd, _kv_heads(c) * hd
     qkv_bias, o_bias = _attention_biases(c)
-    params = _linear(hidden, q_dim, qkv_bias) + 2 * _linear(hidden, kv_dim, qkv_bias)
-    params += _linear(q_dim, hidden, o_bias)
-    return params + (2 * hd if _has_qk_norm(c) else 0)
+    count = _linear(hidden, q_dim, qkv_bias) + 2 * _linear(hidden, kv_dim, qkv_bias)
+    count += _linear(q_dim, hidden, o_bias)
+    return count + (_elementwise(2 * hd) if _has_qk_norm(c) else _NONE)
 
 
 def _is_sparse(c: Mapping[str, Any], layer: int) -> bool:
@@ -284,52 +334,53 @@ def _is_sparse(c: Mapping[str, Any], layer: int) -> bool:
     )
 
 
-def _lm_mlp(c: Mapping[str, Any], layer: int) -> tuple[int, int]:
-    """(params, active params per token) of one layer's MLP or MoE block."""
+def _lm_mlp(c: Mapping[str, Any], layer: int) -> _Count:
+    """One layer's MLP, or its MoE block: all experts loaded, top-k of them touched."""
     hidden = c["hidden_size"]
     if not _is_sparse(c, layer):
-        dense = _gated_mlp(hidden, c["intermediate_size"], c.get("mlp_bias", False))
-        return dense, dense
+        return _gated_mlp(hidden, c["intermediate_size"], c.get("mlp_bias", False))
     expert = _gated_mlp(hidden, c["moe_intermediate_size"])
-    router = hidden * c["num_experts"]
-    shared = 0
+    routed = _Count(
+        c["num_experts"] * expert.params,
+        c["num_experts_per_tok"] * expert.active,
+        c["num_experts_per_tok"] * expert.macs,
+    )
+    router = _linear(hidden, c["num_experts"])
     if c.get("shared_expert_intermediate_size"):
         # Qwen2-MoE-style shared expert and its sigmoid gate Linear(hidden, 1).
-        shared = _gated_mlp(hidden, c["shared_expert_intermediate_size"]) + hidden
-    fixed = router + shared
-    return c["num_experts"] * expert + fixed, c["num_experts_per_tok"] * expert + fixed
+        shared = _gated_mlp(hidden, c["shared_expert_intermediate_size"]) + _linear(hidden, 1)
+        return routed + router + shared
+    return routed + router
 
 
-def _decoder_stack(c: Mapping[str, Any]) -> tuple[int, int]:
-    """(params, active params per token) of the layers and final norm, without embeddings."""
+def _decoder_stack(c: Mapping[str, Any]) -> _Count:
+    """The layers and the final norm, without embeddings or head."""
     hidden = c["hidden_size"]
-    per_layer = _lm_attention(c) + 2 * hidden  # attention + input/post-attention RMSNorms
-    params = active = hidden
-    for layer in range(c["num_hidden_layers"]):
-        mlp, mlp_active = _lm_mlp(c, layer)
-        params += per_layer + mlp
-        active += per_layer + mlp_active
-    return params, active
+    norms = _elementwise(2 * hidden)  # input and post-attention RMSNorms
+    layers = _total(
+        _lm_attention(c) + _lm_mlp(c, layer) + norms for layer in range(c["num_hidden_layers"])
+    )
+    return layers + _elementwise(hidden)
 
 
-def _code_predictor(c: Mapping[str, Any]) -> tuple[int, int, int]:
-    """(params, active params, MACs) per codec frame of a Qwen3 codec talker's code predictor.
+def _code_predictor(c: Mapping[str, Any]) -> _Count:
+    """A Qwen3 codec talker's code predictor, per codec frame.
 
     A small dense LM that predicts codebooks 1..G-1 of each frame from the talker's hidden
     state: G-1 code embeddings of the talker's width, G-1 heads, and a projection when the
     talker is wider than the predictor. Per frame it runs over G positions (the talker
-    hidden plus G-1 codes) and applies one head per predicted code, so its MACs exceed its
-    parameters.
+    hidden plus G-1 codes) and applies each head once, so its MACs exceed its parameters.
     """
     cp = {"model_type": c.get("model_type", ""), **c["code_predictor_config"]}
     groups = c.get("num_code_groups") or cp["num_code_groups"]
     talker, width, vocab = c["hidden_size"], cp["hidden_size"], cp["vocab_size"]
-    stack, stack_active = _decoder_stack(cp)
-    projection = _linear(talker, width, bias=True) if talker != width else 0
-    heads = (groups - 1) * width * vocab
-    params = stack + projection + heads + (groups - 1) * vocab * talker
-    active = stack_active + projection + heads
-    return params, active, groups * (stack_active + projection) + heads
+    per_position = _decoder_stack(cp)
+    if talker != width:
+        per_position += _linear(talker, width, bias=True)
+    heads = (groups - 1) * _linear(width, vocab)
+    embeddings = _table((groups - 1) * vocab * talker)
+    frame = _Count(per_position.params, per_position.active, groups * per_position.macs)
+    return frame + heads + embeddings
 
 
 class _LM(_Estimator):
@@ -338,27 +389,25 @@ class _LM(_Estimator):
     Params: embeddings (vocab x embedding_size) + layers [q/k/v/o with the family's biases,
     q/k norms for Qwen3, gated MLP or experts + router (+ shared expert), two RMSNorms] +
     final norm + lm_head unless tied + a code predictor if the config has one + the config's
-    extra_parameters. FLOPs per token: 2 x active params (the lm_head included except for
-    text encoders, which stop at hidden states; a codec LM's code predictor per its
-    G positions) + attention over max_len keys.
+    extra_parameters. FLOPs per token (per frame for a codec LM): 2 x MACs of the active
+    weights (the lm_head included except for text encoders, which stop at hidden states;
+    a codec LM's code predictor over its G positions) + attention over max_len keys.
     """
 
     def __init__(self, cfg: ComponentConfig):
         c = cfg.config
         hidden, vocab = c["hidden_size"], c["vocab_size"]
-        stack, active = _decoder_stack(c)
-        head = 0 if c.get("tie_word_embeddings") else hidden * vocab
-        params = vocab * c.get("embedding_size", hidden) + stack + head
-        if cfg.family != "text_encoder":
-            active += hidden * vocab
-        self.macs = active
+        head = _linear(hidden, vocab)
+        if cfg.family == "text_encoder":
+            head = _table(head.params)
+        if c.get("tie_word_embeddings"):
+            head = _Count(0, head.active, head.macs)
+        count = _table(vocab * c.get("embedding_size", hidden)) + _decoder_stack(c) + head
         if "code_predictor_config" in c:
-            predictor, predictor_active, predictor_macs = _code_predictor(c)
-            params, active = params + predictor, active + predictor_active
-            self.macs += predictor_macs
+            count += _code_predictor(c)
+            self.item = "codec frame"
         extras = sum(c.get("extra_parameters", {}).values())
-        super().__init__(cfg, params + extras, active, "formula+counts" if extras else "formula")
-        self.item = "codec frame" if "code_predictor_config" in c else "token"
+        super().__init__(cfg, count + _table(extras), "formula+counts" if extras else "formula")
         self.q_dim = c["num_attention_heads"] * _head_dim(c)
         self.kv_dim = _kv_heads(c) * _head_dim(c)
 
@@ -392,7 +441,7 @@ class _LM(_Estimator):
 
     def flops(self, s: _Shape) -> float:
         attention = _attention_flops(self.c["num_hidden_layers"], self.q_dim, s.length)
-        return 2.0 * self.macs + attention
+        return 2.0 * self.count.macs + attention
 
 
 # --- vision and audio encoders ----------------------------------------------------------
@@ -401,14 +450,13 @@ class _LM(_Estimator):
 class _Encoder(_Estimator):
     """Vision and audio towers: the catalog's parameter count (no formula).
 
-    FLOPs per token: 2 x params (every weight is a linear applied once per token; the patch
-    and conv stems are a small share) + attention over the input's max_len tokens.
+    FLOPs per token: 2 x params (every weight taken as a linear applied once per token; the
+    patch and conv stems are a small share) + attention over the input's max_len tokens.
     Activations: max_batch x max_len tokens of layer workspace.
     """
 
     def __init__(self, cfg: ComponentConfig):
-        params = _counted(cfg, cfg.family.replace("_", " "))
-        super().__init__(cfg, params, params, "count")
+        super().__init__(cfg, _counted(cfg, cfg.family.replace("_", " ")), "count")
         c = self.c
         self.width = c.get("hidden_size") or c["d_model"]
         self.layers = c.get("depth") or c["encoder_layers"]
@@ -419,7 +467,7 @@ class _Encoder(_Estimator):
         return s.batch * s.length * per_token * s.nbytes
 
     def flops(self, s: _Shape) -> float:
-        return 2.0 * self.params + _attention_flops(self.layers, self.width, s.length)
+        return 2.0 * self.count.macs + _attention_flops(self.layers, self.width, s.length)
 
 
 # --- diffusion transformers -------------------------------------------------------------
@@ -428,44 +476,43 @@ class _Encoder(_Estimator):
 class _DiT(_Estimator):
     """The Qwen-Image MMDiT (diffusers QwenImageTransformer2DModel), exactly.
 
-    Two streams share joint attention: image tokens go through img_in, img_mod, to_q/k/v,
-    to_out, img_mlp; text tokens through txt_norm, txt_in, txt_mod, add_q/k/v, to_add_out,
-    txt_mlp. Modulations apply once per image (to the timestep embedding). FLOPs per
-    denoising step of one image: 2 x (image tokens x image-stream weights + text tokens x
-    text-stream weights + per-image weights) + joint attention over image + text tokens.
+    Two streams share joint attention: image tokens go through img_in, to_q/k/v, to_out,
+    img_mlp and proj_out; text tokens through txt_norm, txt_in, add_q/k/v, to_add_out and
+    txt_mlp. The timestep embedding, img_mod / txt_mod and norm_out apply once per image.
+    FLOPs per denoising step of one image: 2 x (image tokens x image-stream MACs + text
+    tokens x text-stream MACs + per-image MACs) + joint attention over image + text tokens.
     Activations: max_batch x (image + text tokens) x (residual, normed, q/k/v/out and the
     4x MLP hidden before and after GELU = 14 x width) elements. A CFG pair counts as two in
-    max_batch.
+    max_batch. Other DiT classes: the catalog's count, every weight applied to every token.
     """
 
     item = "denoising step of one image"
 
     def __init__(self, cfg: ComponentConfig):
         c = cfg.config
-        width = c["num_attention_heads"] * c["attention_head_dim"]
-        self.width, self.layers = width, c["num_layers"]
+        self.width = c["num_attention_heads"] * c["attention_head_dim"]
+        self.layers = c.get("num_layers", 0)
         if c.get("_class_name") != "QwenImageTransformer2DModel":
-            # Other DiTs: the catalog's count, every weight applied to every token.
-            params = _counted(cfg, f"DiT class {c.get('_class_name')}")
-            self.image_token = self.text_token = params
-            self.per_image = 0
-            super().__init__(cfg, params, params, "count")
+            count = _counted(cfg, f"DiT class {c.get('_class_name')}")
+            self.image_token = self.text_token = count
+            self.per_image = _NONE
+            super().__init__(cfg, count, "count")
             return
+        width, layers = self.width, self.layers
         patch, joint = c["patch_size"], c["joint_attention_dim"]
         out = c.get("out_channels") or c["in_channels"]
         # Per stream per block: 4 biased width x width projections, q/k RMSNorms, GELU MLP.
-        stream = 4 * _linear(width, width, True) + 2 * c["attention_head_dim"]
+        stream = 4 * _linear(width, width, True) + _elementwise(2 * c["attention_head_dim"])
         stream += _linear(width, 4 * width, True) + _linear(4 * width, width, True)
-        modulation = _linear(width, 6 * width, True)
+        self.image_token = _linear(c["in_channels"], width, True) + layers * stream
+        self.image_token += _linear(width, patch * patch * out, True)
+        self.text_token = _elementwise(joint) + _linear(joint, width, True) + layers * stream
         timestep = _linear(256, width, True) + _linear(width, width, True)
         if c.get("use_additional_t_cond"):
-            timestep += 2 * width
-        self.image_token = _linear(c["in_channels"], width, True) + self.layers * stream
-        self.image_token += _linear(width, patch * patch * out, True)
-        self.text_token = joint + _linear(joint, width, True) + self.layers * stream
-        self.per_image = timestep + self.layers * 2 * modulation + _linear(width, 2 * width, True)
-        params = self.image_token + self.text_token + self.per_image
-        super().__init__(cfg, params, params, "formula")
+            timestep += _table(2 * width)
+        modulation = 2 * _linear(width, 6 * width, True)
+        self.per_image = timestep + layers * modulation + _linear(width, 2 * width, True)
+        super().__init__(cfg, self.image_token + self.text_token + self.per_image, "formula")
 
     def _text_tokens(self, s: _Shape) -> int:
         return s.context_len or self.c.get("max_text_len") or DIT_TEXT_TOKENS
@@ -476,54 +523,62 @@ class _DiT(_Estimator):
 
     def flops(self, s: _Shape) -> float:
         text = self._text_tokens(s)
-        macs = s.length * self.image_token + text * self.text_token + self.per_image
+        macs = s.length * self.image_token.macs + text * self.text_token.macs
         tokens = s.length + text
-        return 2.0 * macs + _attention_flops(self.layers, self.width, tokens) * tokens
+        attention = _attention_flops(self.layers, self.width, tokens) * tokens
+        return 2.0 * (macs + self.per_image.macs) + attention
 
 
 # --- VAEs -------------------------------------------------------------------------------
 
 
-def _resnet(c_in: int, c_out: int) -> int:
+def _resnet(c_in: int, c_out: int) -> _Count:
     """diffusers ResnetBlock2D without time embedding: 2 GroupNorms, 2 3x3 convs, 1x1 shortcut."""
-    shortcut = _conv(c_in, c_out, 1) if c_in != c_out else 0
-    return 2 * c_in + _conv(c_in, c_out, 9) + 2 * c_out + _conv(c_out, c_out, 9) + shortcut
+    shortcut = _conv(c_in, c_out, 1) if c_in != c_out else _NONE
+    norms = _elementwise(2 * c_in + 2 * c_out)
+    return norms + _conv(c_in, c_out, 9) + _conv(c_out, c_out, 9) + shortcut
 
 
-def _mid_block(channels: int, attention: bool) -> int:
+def _mid_block(channels: int, attention: bool) -> _Count:
     """UNetMidBlock2D: two resnets around one single-head attention (GroupNorm, q, k, v, out)."""
-    attn = 2 * channels + 4 * _linear(channels, channels, True) if attention else 0
-    return 2 * _resnet(channels, channels) + attn
+    resnets = 2 * _resnet(channels, channels)
+    if not attention:
+        return resnets
+    return resnets + _elementwise(2 * channels) + 4 * _linear(channels, channels, True)
 
 
-def _autoencoder_kl(c: Mapping[str, Any]) -> tuple[int, list[tuple[int, int]]]:
-    """diffusers AutoencoderKL: (params, decoder pieces as (params, area factor)).
+def _autoencoder_kl(c: Mapping[str, Any]) -> tuple[_Count, list[tuple[_Count, int]]]:
+    """diffusers AutoencoderKL: (encoder + quant conv, decoder pieces as (count, area)).
 
-    The area factor is the number of output positions per latent position at which the
-    piece runs during decode (1 at latent resolution, 4 after one 2x upsampling, ...).
+    The area is the number of output positions per latent position at which the piece
+    runs during decode (1 at latent resolution, 4 after one 2x upsampling, ...).
     """
     chans, per_block = list(c["block_out_channels"]), c["layers_per_block"]
     z, attention = c["latent_channels"], c.get("mid_block_add_attention", True)
     encoder = _conv(c["in_channels"], chans[0], 9)
     prev = chans[0]
     for i, out in enumerate(chans):
-        encoder += sum(_resnet(prev if j == 0 else out, out) for j in range(per_block))
+        encoder += _total(_resnet(prev if j == 0 else out, out) for j in range(per_block))
         if i < len(chans) - 1:
             encoder += _conv(out, out, 9)  # Downsample2D
         prev = out
-    encoder += _mid_block(chans[-1], attention) + 2 * chans[-1] + _conv(chans[-1], 2 * z, 9)
-    quant = _conv(2 * z, 2 * z, 1) if c.get("use_quant_conv", True) else 0
-    post_quant = _conv(z, z, 1) if c.get("use_post_quant_conv", True) else 0
-    pieces = [(post_quant, 1), (_conv(z, chans[-1], 9) + _mid_block(chans[-1], attention), 1)]
+    encoder += _mid_block(chans[-1], attention)
+    encoder += _elementwise(2 * chans[-1]) + _conv(chans[-1], 2 * z, 9)
+    if c.get("use_quant_conv", True):
+        encoder += _conv(2 * z, 2 * z, 1)
+    pieces = [(_conv(z, chans[-1], 9) + _mid_block(chans[-1], attention), 1)]
+    if c.get("use_post_quant_conv", True):
+        pieces.append((_conv(z, z, 1), 1))
     prev = chans[-1]
     for i, out in enumerate(reversed(chans)):
-        resnets = sum(_resnet(prev if j == 0 else out, out) for j in range(per_block + 1))
+        resnets = _total(_resnet(prev if j == 0 else out, out) for j in range(per_block + 1))
         pieces.append((resnets, 4**i))
         if i < len(chans) - 1:
-            pieces.append((_conv(out, out, 9), 4 ** (i + 1)))  # Upsample2D's conv, after 2x nearest
+            pieces.append((_conv(out, out, 9), 4 ** (i + 1)))  # Upsample2D: 2x nearest, conv
         prev = out
-    pieces.append((2 * chans[0] + _conv(chans[0], c["out_channels"], 9), 4 ** (len(chans) - 1)))
-    return encoder + quant + sum(p for p, _ in pieces), pieces
+    full_res = _elementwise(2 * chans[0]) + _conv(chans[0], c["out_channels"], 9)
+    pieces.append((full_res, 4 ** (len(chans) - 1)))
+    return encoder, pieces
 
 
 def _block_types_supported(c: Mapping[str, Any]) -> bool:
@@ -535,7 +590,7 @@ class _VAE(_Estimator):
     """A VAE decoding max_batch images of max_len latent positions each.
 
     diffusers AutoencoderKL (with the standard Down/UpDecoderBlock2D): exact parameters;
-    decode FLOPs = 2 x each decoder piece's weights x the positions it runs at, plus the
+    decode FLOPs = 2 x each decoder piece's MACs x the positions it runs at, plus the
     mid-block attention over all latent positions. Other VAEs: the catalog's count, and
     FLOPs of `flops_per_position` x positions when the catalog measured it, else the lower
     bound 2 x params x positions. Activations: the full-resolution decoder stage's
@@ -546,13 +601,12 @@ class _VAE(_Estimator):
 
     def __init__(self, cfg: ComponentConfig):
         c = cfg.config
-        self.pieces: list[tuple[int, int]] | None = None
+        self.pieces: list[tuple[_Count, int]] | None = None
         if c.get("_class_name") == "AutoencoderKL" and _block_types_supported(c):
-            params, self.pieces = _autoencoder_kl(c)
-            super().__init__(cfg, params, params, "formula")
+            encoder, self.pieces = _autoencoder_kl(c)
+            super().__init__(cfg, encoder + _total(p for p, _ in self.pieces), "formula")
         else:
-            params = _counted(cfg, f"VAE class {c.get('_class_name')}")
-            super().__init__(cfg, params, params, "count")
+            super().__init__(cfg, _counted(cfg, f"VAE class {c.get('_class_name')}"), "count")
         self.scale = cfg.vae_scale_factor or 1
         if "block_out_channels" in c:
             self.full_res_channels = c["block_out_channels"][0]
@@ -564,50 +618,51 @@ class _VAE(_Estimator):
         return s.batch * pixels * self.full_res_channels * _VAE_FULL_RES_BUFFERS * s.nbytes
 
     def flops(self, s: _Shape) -> float:
-        if self.pieces is not None:
-            macs = sum(p * area for p, area in self.pieces) * s.length
-            mid = self.c["block_out_channels"][-1]
-            attention = _attention_flops(1, mid, s.length) * s.length
-            return 2.0 * macs + (attention if self.c.get("mid_block_add_attention", True) else 0)
-        per_position = self.c.get("flops_per_position") or 2.0 * self.params
-        return per_position * s.length
+        if self.pieces is None:
+            return (self.c.get("flops_per_position") or 2.0 * self.count.macs) * s.length
+        macs = sum(p.macs * area for p, area in self.pieces) * s.length
+        attention = 0.0
+        if self.c.get("mid_block_add_attention", True):
+            attention = _attention_flops(1, self.c["block_out_channels"][-1], s.length) * s.length
+        return 2.0 * macs + attention
 
 
 # --- vocoders ---------------------------------------------------------------------------
 
 
-def _snake_decoder(c: Mapping[str, Any], width: int) -> tuple[list[tuple[int, float]], int]:
+def _snake_decoder(c: Mapping[str, Any], width: int) -> tuple[list[tuple[_Count, int]], int]:
     """Upsampling tail shared by Qwen3-Omni's code2wav and Qwen3-TTS's tokenizer decoder.
 
-    Returns pieces as (params, positions per codec frame at which their MACs run) and the
+    Returns pieces as (count, positions per codec frame at which its MACs run) and the
     peak elements per frame of any stage. Transposed convs run at their input positions,
-    convs at their output positions; SnakeBeta (alpha, beta) and norms count no MACs.
+    convs at their output positions.
     """
-    pieces: list[tuple[int, float]] = []
+    pieces: list[tuple[_Count, int]] = []
     positions, peak = 1, 0
     for ratio in c.get("upsampling_ratios", ()):
         pieces.append((_conv(width, width, ratio), positions))
         positions *= ratio
-        convnext = _conv(width, width, 7, groups=width) + 2 * width
-        convnext += _linear(width, 4 * width, True) + _linear(4 * width, width, True) + width
-        pieces.append((convnext, positions))
+        convnext = _conv(width, width, 7, groups=width) + _elementwise(2 * width)  # + LayerNorm
+        convnext += _linear(width, 4 * width, True) + _linear(4 * width, width, True)
+        pieces.append((convnext + _elementwise(width), positions))  # + gamma
         peak = max(peak, 4 * width * positions)
     dim = c["decoder_dim"]
     pieces.append((_conv(width, dim, 7), positions))
     peak = max(peak, dim * positions)
     for i, rate in enumerate(c["upsample_rates"]):
         c_in, c_out = dim // 2**i, dim // 2 ** (i + 1)
-        pieces.append((2 * c_in + _conv(c_in, c_out, 2 * rate), positions))
+        pieces.append((_elementwise(2 * c_in) + _conv(c_in, c_out, 2 * rate), positions))
         positions *= rate
-        residual = 2 * c_out + _conv(c_out, c_out, 7) + 2 * c_out + _conv(c_out, c_out, 1)
-        pieces.append((3 * residual, positions))  # dilations 1, 3, 9
+        # Three residual units (dilations 1, 3, 9): SnakeBeta, conv k7, SnakeBeta, conv k1.
+        unit = _elementwise(4 * c_out) + _conv(c_out, c_out, 7) + _conv(c_out, c_out, 1)
+        pieces.append((3 * unit, positions))
         peak = max(peak, c_out * positions)
     last = dim // 2 ** len(c["upsample_rates"])
-    pieces.append((2 * last + _conv(last, 1, 7), positions))
+    pieces.append((_elementwise(2 * last) + _conv(last, 1, 7), positions))
     return pieces, peak
 
 
-def _code2wav(c: Mapping[str, Any]) -> tuple[list[tuple[int, float]], int]:
+def _code2wav(c: Mapping[str, Any]) -> tuple[list[tuple[_Count, int]], int]:
     """Qwen3-Omni Code2Wav and Qwen3-TTS's 12 Hz tokenizer decoder: (pieces, peak elements).
 
     Codes enter through summed embeddings (Qwen3-Omni) or a split residual VQ with 1x1
@@ -619,56 +674,58 @@ def _code2wav(c: Mapping[str, Any]) -> tuple[list[tuple[int, float]], int]:
     q_dim, kv_dim = c["num_attention_heads"] * _head_dim(c), _kv_heads(c) * _head_dim(c)
     attention = _linear(hidden, q_dim, bias) + 2 * _linear(hidden, kv_dim, bias)
     attention += _linear(q_dim, hidden, bias)
-    layer = attention + _gated_mlp(hidden, c["intermediate_size"]) + 4 * hidden  # 2 norms, 2 scales
-    transformer = c["num_hidden_layers"] * layer + hidden
+    # Two RMSNorms and two layer scales per layer.
+    layer = attention + _gated_mlp(hidden, c["intermediate_size"]) + _elementwise(4 * hidden)
+    transformer = c["num_hidden_layers"] * layer + _elementwise(hidden)
     codebooks = c["num_quantizers"] * c["codebook_size"]
     if "codebook_dim" in c:
-        half, width = c["codebook_dim"] // 2, c["latent_dim"]
-        lookups = codebooks * (half + 1)  # embedding_sum + cluster_usage per codebook
-        front = 2 * 2 * c["codebook_dim"] * half + _conv(c["codebook_dim"], width, 3)
+        dim, width = c["codebook_dim"], c["latent_dim"]
+        # Semantic and acoustic RVQs: half-width codebooks (an embedding_sum plus a
+        # cluster_usage entry per code) between 1x1 projections; decoding runs only the
+        # output projections, the input ones serve encoding.
+        front = _table(codebooks * (dim // 2 + 1) + 2 * dim * (dim // 2))
+        front += 2 * _conv(dim // 2, dim, 1, bias=False) + _conv(dim, width, 3)
         transformer += _linear(width, hidden, True) + _linear(hidden, width, True)
     else:
         width = hidden
-        lookups, front = codebooks * hidden, 0
+        front = _table(codebooks * hidden)
     tail, peak = _snake_decoder(c, width)
-    return [(lookups, 0), (front + transformer, 1), *tail], peak
+    return [(front + transformer, 1), *tail], peak
 
 
 class _Vocoder(_Estimator):
     """Codec frames to waveform.
 
-    Qwen3 code2wav family: exact parameters; FLOPs per frame = 2 x each piece's weights x
-    its positions per frame + sliding-window attention; activations = the widest stage's
-    peak elements per frame x `_CONV_BUFFERS`. Others (Qwen2.5-Omni token2wav): the
-    catalog's count and measured `flops_per_frame`, else the lower bound 2 x params; their
-    activations use `_VOCODER_ELEMENTS_PER_SAMPLE`. A forward decodes at most
-    VOCODER_FORWARD_FRAMES frames per request.
+    Qwen3 code2wav family: exact parameters; FLOPs per frame = 2 x each piece's MACs x its
+    positions per frame + sliding-window attention; activations = the widest stage's peak
+    elements per frame x `_CONV_BUFFERS`. Others (Qwen2.5-Omni token2wav): the catalog's
+    count and measured `flops_per_frame`, else the lower bound 2 x params; activations from
+    `_VOCODER_ELEMENTS_PER_SAMPLE`. A forward decodes at most VOCODER_FORWARD_FRAMES frames
+    per request.
     """
 
     item = "codec frame"
 
     def __init__(self, cfg: ComponentConfig):
         c = cfg.config
-        self.pieces: list[tuple[int, float]] | None = None
+        self.pieces: list[tuple[_Count, int]] | None = None
         if "upsampling_ratios" in c and "decoder_dim" in c:
-            self.pieces, self.peak = _code2wav(c)
-            params = sum(p for p, _ in self.pieces)
-            super().__init__(cfg, params, params, "formula")
+            self.pieces, peak = _code2wav(c)
+            self.elements_per_frame = peak * _CONV_BUFFERS
+            super().__init__(cfg, _total(p for p, _ in self.pieces), "formula")
         else:
-            params = _counted(cfg, "this vocoder")
-            super().__init__(cfg, params, params, "count")
-            self.peak = _VOCODER_ELEMENTS_PER_SAMPLE * (cfg.samples_per_frame or 1)
+            super().__init__(cfg, _counted(cfg, "this vocoder"), "count")
+            self.elements_per_frame = _VOCODER_ELEMENTS_PER_SAMPLE * (cfg.samples_per_frame or 1)
 
     def activation_bytes(self, s: _Shape) -> float:
         frames = min(s.length, VOCODER_FORWARD_FRAMES)
-        buffers = _CONV_BUFFERS if self.pieces is not None else 1
-        return s.batch * frames * self.peak * buffers * s.nbytes
+        return s.batch * frames * self.elements_per_frame * s.nbytes
 
     def flops(self, s: _Shape) -> float:
         if self.pieces is None:
-            return self.c.get("flops_per_frame") or 2.0 * self.params
+            return self.c.get("flops_per_frame") or 2.0 * self.count.macs
         c = self.c
         window = min(c.get("sliding_window") or s.length, s.length)
         q_dim = c["num_attention_heads"] * _head_dim(c)
-        macs = sum(p * positions for p, positions in self.pieces)
+        macs = sum(p.macs * positions for p, positions in self.pieces)
         return 2.0 * macs + _attention_flops(c["num_hidden_layers"], q_dim, window)

@@ -110,13 +110,13 @@ class _Placer:
         ]
 
     def _affinity(self, group: list[Node], device: str) -> int:
-        names = {n.name for n in group}
+        """Per-token streams between `group` and stages already on `device`."""
         score = 0
-        for edge in self.graph.edges:
-            small = isinstance(edge.chunk, int) and edge.chunk <= PER_TOKEN_CHUNK
-            for mine, other in ((edge.src, edge.dst), (edge.dst, edge.src)):
-                if small and mine in names and device in self.where.get(other, ()):
-                    score += 1
+        for node in group:
+            for edge in self.graph.in_edges(node.name) + self.graph.out_edges(node.name):
+                other = edge.src if edge.dst == node.name else edge.dst
+                small = isinstance(edge.chunk, int) and edge.chunk <= PER_TOKEN_CHUNK
+                score += small and device in self.where.get(other, ())
         return score
 
     def place_group(self, group: list[Node], taken: set[str]) -> str:

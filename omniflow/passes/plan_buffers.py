@@ -34,7 +34,7 @@ def _concurrency(graph: Graph, edge: Edge) -> int:
 
 def plan_buffers(graph: Graph, target: Target) -> Graph:
     graph = graph.copy()
-    warnings = graph.meta.setdefault("warnings", [])
+    warnings = graph.meta["warnings"] = list(graph.meta.get("warnings", []))
     total = 0
     for edge in graph.edges:
         src, dst = graph.node(edge.src), graph.node(edge.dst)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 
 from omniflow.ir.graph import OUTPUT, Edge, Graph, Node
-from omniflow.ir.values import AUTO
 from omniflow.passes.pipeline import Target
 
 # Fixed cost of one consumer call: a cross-process hop plus a forward's launch overhead.
@@ -82,5 +81,4 @@ def size_chunks(graph: Graph, target: Target) -> Graph:
     for node in graph.topo_order():
         for edge in graph.out_edges(node.name):
             edge.meta["schedule"] = _schedule(graph, target, edge) if edge.stream else None
-        edge.meta["auto"] = edge.chunk is AUTO
     return graph

@@ -1,0 +1,41 @@
+"""Typed messages of the data plane: what a channel's doorbell carries.
+
+A producer rings the consumer with a `Doorbell` (which slot, the caller's `ChunkMeta`, and a
+`TensorHeader` per tensor); the consumer hands the slot back with a `Credit`. All are
+msgspec Structs encoded as msgpack arrays, so a doorbell is a few dozen bytes and never
+involves pickle.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ChunkMeta(msgspec.Struct, frozen=True, array_like=True):
+    """What the caller says about one chunk: its request, its index, and whether it ends the stream."""
+
+    request_id: str
+    chunk: int = 0
+    eos: bool = False
+
+
+class TensorHeader(msgspec.Struct, frozen=True, array_like=True):
+    """One tensor in a slot: dtype name (`torch.<dtype>` without the prefix), shape, byte offset."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+
+
+class Doorbell(msgspec.Struct, frozen=True, array_like=True):
+    """Producer -> consumer: slot `slot` holds these tensors for this chunk."""
+
+    slot: int
+    meta: ChunkMeta
+    tensors: tuple[TensorHeader, ...]
+
+
+class Credit(msgspec.Struct, frozen=True, array_like=True):
+    """Consumer -> producer: slot `slot` is free again."""
+
+    slot: int
