@@ -203,3 +203,18 @@ def lower(graph: Graph) -> Plan:
         warnings=list(graph.meta.get("warnings", [])),
         pass_seconds=dict(graph.meta.get("pass_times", {})),
     )
+
+
+def resolve_params(params: dict, defaults: dict, overrides: dict | None = None) -> dict:
+    """A stage's parameters for one request: `{"$param": name}` replaced by the request's
+    override of that pipeline parameter, or its default."""
+    values = {**defaults, **(overrides or {})}
+
+    def value(v):
+        if isinstance(v, dict) and "$param" in v:
+            return values[v["$param"]]
+        if isinstance(v, list):
+            return [value(x) for x in v]
+        return v
+
+    return {k: value(v) for k, v in params.items()}

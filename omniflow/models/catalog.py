@@ -103,6 +103,8 @@ class ComponentConfig:
     @property
     def sample_rate(self) -> int | None:
         """Output audio sample rate of a vocoder."""
+        if self.family != "vocoder":
+            return None
         c = self.config
         return c.get("output_sample_rate") or c.get("sample_rate") or c.get("sampling_rate")
 
@@ -239,7 +241,8 @@ class _BuiltinFiles:
         self.model = model
 
     def json(self, rel: str) -> dict[str, Any] | None:
-        return _BUILTIN[self.model].get(rel)
+        # A copy: callers own the ComponentConfig.config they get back.
+        return copy.deepcopy(_BUILTIN[self.model].get(rel))
 
     def count(self, component: str | None, name: str, rel_dir: str, prefixes: tuple[str, ...]):
         return _BUILTIN_COUNTS.get((self.model, component), {}).get(name)
@@ -423,8 +426,15 @@ _PARTS: dict[str, dict[str, _Part]] = {
     },
 }
 
-# Key spellings normalised to the catalog's.
-_ALIASES = {"num_local_experts": "num_experts"}
+# Key spellings normalised to the catalog's (transformers' attribute_map for MoE and
+# GPT-2-style configs).
+_ALIASES = {
+    "num_local_experts": "num_experts",
+    "n_embd": "hidden_size",
+    "n_layer": "num_hidden_layers",
+    "n_head": "num_attention_heads",
+    "n_positions": "max_position_embeddings",
+}
 
 
 def _load(model: str, component: str | None, files: _Files, source: str) -> ComponentConfig:
@@ -436,18 +446,21 @@ def _load(model: str, component: str | None, files: _Files, source: str) -> Comp
         raise ModelConfigError(f"model '{model}' has neither config.json nor model_index.json")
     parts = _PARTS.get(root.get("model_type", ""))
     if parts is None:
+        root = _normalised(root)
         if component is not None:
             raise ModelConfigError(
                 f"model '{model}' is a single-part model; it has no component '{component}' "
                 "(leave component unset to use the whole model)"
             )
         family = _lm_family(root, model)
-        return _finish(model, None, family, dict(root), files, {}, _dtype_of(root), source)
+        # Counted too, for architectures the LM formula does not cover.
+        whole = {"num_parameters": ("", ("",))}
+        return _finish(model, None, family, root, files, whole, _dtype_of(root), source)
     part = parts.get(_require_component(model, component, sorted(parts)))
     levels = _levels(files, part, model)
     config = _flatten(levels, part)
     counts = dict(part.extras) if part.family in LM_FAMILIES else {"num_parameters": part.weights}
-    rel_dir = str(Path(part.file).parent)
+    rel_dir = os.path.dirname(part.file)
     requests = {name: (rel_dir, prefixes) for name, prefixes in counts.items()}
     dtype = part.dtype or _dtype_of(*levels)
     return _finish(model, component, part.family, config, files, requests, dtype, source)
@@ -489,8 +502,11 @@ def _load_text_encoder(model, component, root, files, source) -> ComponentConfig
     """
     parts = _PARTS.get(root.get("model_type", ""))
     if parts is None:
-        _lm_family(root, model)
-        return _finish(model, component, "text_encoder", root, files, {}, _dtype_of(root), source)
+        _lm_family(_normalised(root), model)
+        whole = {"num_parameters": (component, ("",))}
+        return _finish(
+            model, component, "text_encoder", root, files, whole, _dtype_of(root), source
+        )
     text = parts["language_model"]
     levels = [root, *_descend(root, text.path, model)]
     extras = {name: (component, part.weights) for name, part in parts.items() if part is not text}
@@ -498,13 +514,19 @@ def _load_text_encoder(model, component, root, files, source) -> ComponentConfig
     return _finish(model, component, "text_encoder", config, files, extras, _dtype_of(root), source)
 
 
-def _finish(model, component, family, config, files, requests, dtype, source) -> ComponentConfig:
+def _normalised(config: dict[str, Any]) -> dict[str, Any]:
+    config = dict(config)
     for old, new in _ALIASES.items():
         if old in config:
             config.setdefault(new, config.pop(old))
+    return config
+
+
+def _finish(model, component, family, config, files, requests, dtype, source) -> ComponentConfig:
+    config = _normalised(config)
     extras = {}
     for name, (rel_dir, prefixes) in requests.items():
-        counted = files.count(component, name, "" if rel_dir == "." else rel_dir, prefixes)
+        counted = files.count(component, name, rel_dir, prefixes)
         if not counted:
             continue
         if name == "num_parameters":
@@ -570,8 +592,7 @@ def _lm_family(config: Mapping[str, Any], model: str) -> str:
             "language model omniflow can size: its config lacks hidden_size, "
             "num_hidden_layers or vocab_size"
         )
-    experts = config.get("num_experts") or config.get("num_local_experts") or 0
-    return "moe_lm" if experts > 0 else "decoder_lm"
+    return "moe_lm" if config.get("num_experts", 0) > 0 else "decoder_lm"
 
 
 def _dtype_of(*levels: Mapping[str, Any]) -> str:

@@ -51,6 +51,10 @@ DIT_TEXT_TOKENS = 512
 # Frames one vocoder forward decodes: the reference chunked_decode's 300-frame chunk plus
 # its 25 frames of left context (Qwen3 code2wav, Qwen3-TTS, Qwen2.5-Omni token2wav).
 VOCODER_FORWARD_FRAMES = 325
+# model_type prefixes of Llama-layout decoders (q/k/v/o attention, gated MLP or experts,
+# RMSNorms), which the LM formula covers; the linear-attention hybrids among them it does not.
+_DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_HYBRID_TYPES = ("qwen3_next", "qwen3_5")
 # Sampling reads the logits in float32.
 _LOGIT_BYTES = 4
 # Live buffers of a ConvNet's widest stage: the input kept for the residual, the
@@ -209,12 +213,17 @@ def _gated_mlp(hidden: int, inter: int, bias: bool = False) -> _Count:
     return 2 * _linear(hidden, inter, bias) + _linear(inter, hidden, bias)
 
 
-def _head_dim(c: Mapping[str, Any]) -> int:
-    return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+def _attention_dims(c: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(head_dim, q width, k/v width) of a transformer config."""
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    return head_dim, c["num_attention_heads"] * head_dim, kv_heads * head_dim
 
 
-def _kv_heads(c: Mapping[str, Any]) -> int:
-    return c.get("num_key_value_heads") or c["num_attention_heads"]
+def _attention(hidden: int, q_dim: int, kv_dim: int, qkv_bias: bool, o_bias: bool) -> _Count:
+    """q, k, v and o projections."""
+    qkv = _linear(hidden, q_dim, qkv_bias) + 2 * _linear(hidden, kv_dim, qkv_bias)
+    return qkv + _linear(q_dim, hidden, o_bias)
 
 
 def _token_workspace(width: int, q_dim: int, kv_dim: int, ffn: int) -> int:
@@ -317,12 +326,9 @@ def _has_qk_norm(c: Mapping[str, Any]) -> bool:
 
 
 def _lm_attention(c: Mapping[str, Any]) -> _Count:
-    hidden, hd = c["hidden_size"], _head_dim(c)
-    q_dim, kv_dim = c["num_attention_heads"] * hd, _kv_heads(c) * hd
-    qkv_bias, o_bias = _attention_biases(c)
-    count = _linear(hidden, q_dim, qkv_bias) + 2 * _linear(hidden, kv_dim, qkv_bias)
-    count += _linear(q_dim, hidden, o_bias)
-    return count + (_elementwise(2 * hd) if _has_qk_norm(c) else _NONE)
+    head_dim, q_dim, kv_dim = _attention_dims(c)
+    count = _attention(c["hidden_size"], q_dim, kv_dim, *_attention_biases(c))
+    return count + (_elementwise(2 * head_dim) if _has_qk_norm(c) else _NONE)
 
 
 def _is_sparse(c: Mapping[str, Any], layer: int) -> bool:
@@ -386,16 +392,23 @@ def _code_predictor(c: Mapping[str, Any]) -> _Count:
 class _LM(_Estimator):
     """Decoder LMs (dense or MoE), text encoders and codec LMs.
 
-    Params: embeddings (vocab x embedding_size) + layers [q/k/v/o with the family's biases,
-    q/k norms for Qwen3, gated MLP or experts + router (+ shared expert), two RMSNorms] +
-    final norm + lm_head unless tied + a code predictor if the config has one + the config's
-    extra_parameters. FLOPs per token (per frame for a codec LM): 2 x MACs of the active
-    weights (the lm_head included except for text encoders, which stop at hidden states;
-    a codec LM's code predictor over its G positions) + attention over max_len keys.
+    Llama-layout model types (`_DECODER_TYPES`) are counted by formula; others use the
+    config's `num_parameters` (a checkpoint count), every weight taken as touched per token.
+    Formula params: embeddings (vocab x embedding_size) + layers [q/k/v/o with the family's
+    biases, q/k norms for Qwen3, gated MLP or experts + router (+ shared expert), two
+    RMSNorms] + final norm + lm_head unless tied + a code predictor if the config has one +
+    the config's extra_parameters. FLOPs per token (per frame for a codec LM): 2 x MACs of
+    the active weights (the lm_head included except for text encoders, which stop at hidden
+    states; a codec LM's code predictor over its G positions) + attention over max_len keys.
     """
 
     def __init__(self, cfg: ComponentConfig):
         c = cfg.config
+        _, self.q_dim, self.kv_dim = _attention_dims(c)
+        model_type = c.get("model_type", "")
+        if not model_type.startswith(_DECODER_TYPES) or model_type.startswith(_HYBRID_TYPES):
+            super().__init__(cfg, _counted(cfg, f"model_type '{model_type}'"), "count")
+            return
         hidden, vocab = c["hidden_size"], c["vocab_size"]
         head = _linear(hidden, vocab)
         if cfg.family == "text_encoder":
@@ -408,8 +421,6 @@ class _LM(_Estimator):
             self.item = "codec frame"
         extras = sum(c.get("extra_parameters", {}).values())
         super().__init__(cfg, count + _table(extras), "formula+counts" if extras else "formula")
-        self.q_dim = c["num_attention_heads"] * _head_dim(c)
-        self.kv_dim = _kv_heads(c) * _head_dim(c)
 
     def kv_bytes_per_token(self, nbytes: int) -> int:
         if self.cfg.family == "text_encoder":
@@ -420,9 +431,12 @@ class _LM(_Estimator):
         """MLP width one token occupies: routed experts' plus shared expert's for MoE."""
         c = self.c
         if c.get("num_experts", 0) > 0:
-            routed = c["num_experts_per_tok"] * c["moe_intermediate_size"]
+            # Mixtral-style configs size their experts with intermediate_size.
+            expert = c.get("moe_intermediate_size") or c["intermediate_size"]
+            routed = c["num_experts_per_tok"] * expert
             return routed + c.get("shared_expert_intermediate_size", 0)
-        return c["intermediate_size"]
+        # GPT-2-style configs leave the MLP width implicit at 4 x hidden.
+        return c.get("intermediate_size") or 4 * c["hidden_size"]
 
     def activation_bytes(self, s: _Shape) -> float:
         """One forward's layer workspace plus float32 logits for the batch.
@@ -457,10 +471,16 @@ class _Encoder(_Estimator):
 
     def __init__(self, cfg: ComponentConfig):
         super().__init__(cfg, _counted(cfg, cfg.family.replace("_", " ")), "count")
-        c = self.c
-        self.width = c.get("hidden_size") or c["d_model"]
-        self.layers = c.get("depth") or c["encoder_layers"]
-        self.ffn = c.get("intermediate_size") or c["encoder_ffn_dim"]
+        self.width = self._first("hidden_size", "d_model")
+        self.layers = self._first("depth", "encoder_layers", "num_hidden_layers")
+        self.ffn = self._first("intermediate_size", "encoder_ffn_dim")
+
+    def _first(self, *keys: str) -> int:
+        """The first of `keys` the config sets: vision and audio towers name dims differently."""
+        for key in keys:
+            if self.c.get(key):
+                return self.c[key]
+        raise ModelConfigError(f"{_name(self.cfg)}: config sets none of {', '.join(keys)}")
 
     def activation_bytes(self, s: _Shape) -> float:
         per_token = _token_workspace(self.width, self.width, self.width, self.ffn)
@@ -501,8 +521,9 @@ class _DiT(_Estimator):
         width, layers = self.width, self.layers
         patch, joint = c["patch_size"], c["joint_attention_dim"]
         out = c.get("out_channels") or c["in_channels"]
-        # Per stream per block: 4 biased width x width projections, q/k RMSNorms, GELU MLP.
-        stream = 4 * _linear(width, width, True) + _elementwise(2 * c["attention_head_dim"])
+        # Per stream per block: biased q/k/v/out projections, q/k RMSNorms, GELU MLP.
+        stream = _attention(width, width, width, True, True)
+        stream += _elementwise(2 * c["attention_head_dim"])
         stream += _linear(width, 4 * width, True) + _linear(4 * width, width, True)
         self.image_token = _linear(c["in_channels"], width, True) + layers * stream
         self.image_token += _linear(width, patch * patch * out, True)
@@ -671,9 +692,8 @@ def _code2wav(c: Mapping[str, Any]) -> tuple[list[tuple[_Count, int]], int]:
     """
     hidden = c["hidden_size"]
     bias = c.get("attention_bias", False)
-    q_dim, kv_dim = c["num_attention_heads"] * _head_dim(c), _kv_heads(c) * _head_dim(c)
-    attention = _linear(hidden, q_dim, bias) + 2 * _linear(hidden, kv_dim, bias)
-    attention += _linear(q_dim, hidden, bias)
+    _, q_dim, kv_dim = _attention_dims(c)
+    attention = _attention(hidden, q_dim, kv_dim, bias, bias)  # no q/k norms
     # Two RMSNorms and two layer scales per layer.
     layer = attention + _gated_mlp(hidden, c["intermediate_size"]) + _elementwise(4 * hidden)
     transformer = c["num_hidden_layers"] * layer + _elementwise(hidden)
@@ -726,6 +746,6 @@ class _Vocoder(_Estimator):
             return self.c.get("flops_per_frame") or 2.0 * self.count.macs
         c = self.c
         window = min(c.get("sliding_window") or s.length, s.length)
-        q_dim = c["num_attention_heads"] * _head_dim(c)
+        _, q_dim, _ = _attention_dims(c)
         macs = sum(p.macs * positions for p, positions in self.pieces)
         return 2.0 * macs + _attention_flops(c["num_hidden_layers"], q_dim, window)

@@ -26,6 +26,7 @@ def fuse_pointwise(graph: Graph, target: Target) -> Graph:
         edge.meta["pointwise"] = {
             "kernel": "fused_" + "_".join(op.name for op in edge.maps),
             "ops": [str(op) for op in edge.maps],
+            "chain": [{"name": op.name, "args": list(op.args)} for op in edge.maps],
             "in_dtype": before.dtype,
             "out_dtype": after.dtype,
             "runs_in": graph.node(side).meta["executor"],

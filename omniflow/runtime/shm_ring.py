@@ -15,9 +15,11 @@ by name):
   into the slot, the only copy; the consumer's tensors are views of its mapping.
 - Doorbell: a connected AF_UNIX SOCK_SEQPACKET socket in the abstract namespace, named like
   the segment (it leaves nothing on disk). The producer sends a `Doorbell`, the consumer
-  returns a `Credit`; both are msgspec structs of a few dozen bytes. A waiter spins for
-  `SPIN_S` then blocks in the kernel. A peer that closes its end — or dies, since the
-  kernel closes its sockets — ends the other side's wait at once with ChannelError.
+  returns a `Credit`; both are msgspec structs of a few dozen bytes. A waiter polls for
+  `SPIN_S`, yielding the CPU between polls, then blocks in the kernel. A peer that closes
+  its end — or dies, since the kernel closes its sockets — ends the other side's wait at
+  once with ChannelError. (Both ends must share a network namespace, which owns abstract
+  socket names.)
 - Lifetimes: the creator owns the name and unlinks it on `close()`, when garbage collected,
   or at interpreter exit; `cleanup_stale_segments()` removes segments whose creator was
   killed. The mapping is never unmapped explicitly: torch views hold a reference to it, so it
@@ -247,11 +249,8 @@ class _ShmEndpoint(_Endpoint):
     def __init__(
         self, name: str, mm: mmap.mmap, listener: socket.socket | None, sock: socket.socket | None
     ):
-        magic, slots, slot_bytes, _pid = _HEADER.unpack_from(mm)
-        if magic != _MAGIC or len(mm) != _HEADER_BYTES + slots * slot_bytes:
-            raise ChannelError(
-                f"/dev/shm/{name} is not an omniflow ring (or is a different version)"
-            )
+        """Use `create` (which passes the listening socket: this end owns the name) or `attach`."""
+        _magic, slots, slot_bytes, _pid = _HEADER.unpack_from(mm)
         self.name, self.slots, self.slot_bytes, self.size = name, slots, slot_bytes, len(mm)
         self._mm = mm
         self._listener = listener
@@ -272,6 +271,9 @@ class _ShmEndpoint(_Endpoint):
         slot_bytes = _align(slot_bytes)
         name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
         size = _HEADER_BYTES + slots * slot_bytes
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind("\0" + name)
+        listener.listen(1)
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             # Commit the pages now: a full /dev/shm then fails here, instead of as a SIGBUS on
@@ -279,14 +281,12 @@ class _ShmEndpoint(_Endpoint):
             os.posix_fallocate(fd, 0, size)
             mm = _map(fd, size)
         except OSError as e:
+            listener.close()
             _unlink_quietly(name)
             raise ChannelError(f"cannot allocate a {size}-byte ring in {SHM_DIR}: {e}") from e
         finally:
             os.close(fd)
         _HEADER.pack_into(mm, 0, _MAGIC, slots, slot_bytes, os.getpid())
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        listener.bind("\0" + name)
-        listener.listen(1)
         return cls(name, mm, listener, None)
 
     @classmethod
@@ -297,9 +297,13 @@ class _ShmEndpoint(_Endpoint):
         except FileNotFoundError:
             raise ChannelError(f"no ring segment {SHM_DIR / name}") from None
         try:
-            mm = _map(fd, os.fstat(fd).st_size)
+            size = os.fstat(fd).st_size
+            mm = _map(fd, size) if size >= _HEADER_BYTES else None
         finally:
             os.close(fd)
+        magic, slots, slot_bytes, _pid = _HEADER.unpack_from(mm) if mm else (b"", 0, 0, 0)
+        if magic != _MAGIC or size != _HEADER_BYTES + slots * slot_bytes:
+            raise ChannelError(f"{SHM_DIR / name} is not an omniflow ring (or of another version)")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.connect("\0" + name)
@@ -392,6 +396,11 @@ class _ShmEndpoint(_Endpoint):
             return torch.empty(shape, dtype=dtype)  # no bytes to share; frombuffer refuses count 0
         flat = torch.frombuffer(self._mm, dtype=dtype, count=count, offset=offset)
         return flat if len(shape) == 1 else flat.view(shape)
+
+    def fileno(self) -> int:
+        """What an event loop polls for this end: the doorbell socket, or until the peer has
+        attached, the listener (readable when the peer connects)."""
+        return (self._sock or self._listener).fileno()
 
     def _slot_offset(self, slot: int) -> int:
         return _HEADER_BYTES + slot * self.slot_bytes

@@ -1,0 +1,565 @@
+"""The engine: the front of a running plan. It launches the executors, links their channels,
+accepts requests, streams their outputs back, cancels, and survives executor deaths.
+
+One I/O thread (`_Core`) owns every socket, ring end and process handle; callers talk to it
+through a queue and a waker, and get their outputs through per-request queues. The same
+`Engine` runs the plan's executors as processes (`mode="process"`: shared-memory rings,
+zmq control) or as threads of this process (`mode="inprocess"`: in-process channels).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import queue
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from omniflow.errors import OmniflowError
+from omniflow.plan import ChannelPlan, Plan
+from omniflow.runtime import protocol
+from omniflow.runtime.executor import Executor, serve
+from omniflow.runtime.links import Inbound, Outbound, Waker, wait
+from omniflow.runtime.requests import check_params, prepare_inputs, stage_params
+from omniflow.runtime.shm_ring import ShmConsumer, ShmProducer, local_channel
+from omniflow.runtime.values import concat
+
+FRONTEND = "frontend"
+LINK_TIMEOUT_S = 300.0
+TICK_S = 0.05
+
+
+class EngineError(OmniflowError):
+    """The engine cannot run the plan (an executor failed to start, or the engine is closed)."""
+
+
+class RequestFailed(OmniflowError):
+    """A request failed in a stage, or its executor died; the message says where and why."""
+
+
+class RequestCancelled(OmniflowError):
+    """The request was cancelled before it finished."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One piece of one output of a request, in order; `final` marks the output's end."""
+
+    request_id: str
+    output: str
+    value: object
+    index: int
+    final: bool
+
+
+@dataclass
+class _Request:
+    id: str
+    inputs: dict
+    params: dict
+    deliver: object  # callable(item) -> None, thread-safe
+    open_outputs: set[str] = field(default_factory=set)
+    indexes: dict[str, int] = field(default_factory=dict)
+
+
+class _ThreadControl:
+    """An in-process executor's end of the control plane: a queue in, a callback out."""
+
+    def __init__(self, name: str, to_engine):
+        self.name = name
+        self.inbox: deque = deque()
+        self.waker = Waker()
+        self.to_engine = to_engine
+
+    def fileno(self) -> int:
+        return self.waker.fd
+
+    def pending(self) -> bool:
+        return bool(self.inbox)
+
+    def receive(self) -> list:
+        messages = []
+        while self.inbox:
+            messages.append(self.inbox.popleft())
+        return messages
+
+    def send(self, message) -> None:
+        self.to_engine(self.name, message)
+
+    def put(self, message) -> None:
+        self.inbox.append(message)
+        self.waker.poke()
+
+    def close(self) -> None:
+        self.waker.close()
+
+
+class _Core:
+    """Everything the I/O thread owns."""
+
+    def __init__(self, plan: Plan, mode: str, backends: str):
+        self.plan = plan
+        self.mode = mode
+        self.backends = backends
+        self.waker = Waker()
+        self.commands: deque = deque()
+        self.requests: dict[str, _Request] = {}
+        self.inbound: dict[str, Inbound] = {}
+        self.outbound: dict[str, Outbound] = {}
+        self.executors = [x.name for x in plan.executors]
+        self.stages_of = {x.name: x.stages for x in plan.executors}
+        self.input_channels = [c for c in plan.channels if c.src_executor == FRONTEND]
+        self.output_channels = [c for c in plan.channels if c.dst_executor == FRONTEND]
+        self.ring_names: dict[str, str] = {}
+        self.closed = False
+        self.log_dir = Path(tempfile.mkdtemp(prefix="omniflow-logs-"))
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.threads: dict[str, tuple[threading.Thread, _ThreadControl]] = {}
+        self.replies: deque = deque()  # (executor, message) from in-process executors
+        if mode == "process":
+            self.context = zmq.Context()
+            self.router = self.context.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.address = f"ipc://{self.log_dir}/control"
+            self.router.bind(self.address)
+
+    # --- control plane ------------------------------------------------------------------------
+    def send(self, executor: str, message: protocol.Message) -> None:
+        if self.mode == "process":
+            self.router.send_multipart([executor.encode(), protocol.encode(message)])
+        else:
+            self.threads[executor][1].put(message)
+
+    def broadcast(self, message: protocol.Message) -> None:
+        for name in self.executors:
+            self.send(name, message)
+
+    def _thread_reply(self, executor: str, message) -> None:
+        self.replies.append((executor, message))
+        self.waker.poke()
+
+    def receive(self) -> list[tuple[str, protocol.Message]]:
+        got = []
+        if self.mode == "process":
+            while self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                identity, data = self.router.recv_multipart()
+                got.append((identity.decode(), protocol.decode(data)))
+        else:
+            while self.replies:
+                got.append(self.replies.popleft())
+        return got
+
+    # --- launching and linking ------------------------------------------------------------------
+    def start(self) -> None:
+        if self.mode == "process":
+            self.link(set(self.executors))
+        else:
+            self.start_threads()
+
+    def spawn(self, name: str) -> None:
+        config = {
+            "plan": self.plan.to_json(indent=0),
+            "executor": name,
+            "control": self.address,
+            "backends": self.backends,
+        }
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the child keeps it)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "omniflow.runtime.executor"],
+            stdin=subprocess.PIPE,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            close_fds=True,
+        )
+        log.close()
+        proc.stdin.write(json.dumps(config).encode())
+        proc.stdin.close()
+        self.processes[name] = proc
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        path = self.log_dir / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def link(self, fresh: set[str]) -> None:
+        """Start the executors in `fresh` and (re)connect every channel that touches them."""
+        survivors = [n for n in self.executors if n not in fresh]
+        for dead in fresh:
+            if survivors:
+                for name in survivors:
+                    self.send(name, protocol.Reset(dead))
+        self.frontend_reset(fresh)
+        for name in fresh:
+            self.spawn(name)
+        waiting = set(
+            self.executors
+        )  # every executor answers Hello: the fresh on start, survivors on Reset
+        self.await_replies(waiting, protocol.Hello, fresh)
+        connects = {}
+        for name in self.executors:
+            rings = {
+                c.name: self.ring_names[c.name]
+                for c in self.plan.channels
+                if c.src_executor == name
+                and c.dst_executor != name
+                and (name in fresh or c.dst_executor in fresh)
+            }
+            if rings or name in fresh:
+                connects[name] = rings
+        for name, rings in connects.items():
+            self.send(name, protocol.Connect(rings))
+        for channel in self.input_channels:
+            if channel.dst_executor in fresh:
+                old = self.outbound.pop(channel.name, None)
+                if old is not None:
+                    old.close()
+                self.outbound[channel.name] = Outbound(
+                    channel, ShmProducer.attach(self.ring_names[channel.name])
+                )
+        self.await_replies(set(connects), protocol.Linked, fresh)
+
+    def frontend_reset(self, fresh: set[str]) -> None:
+        """Re-create the rings that executors in `fresh` feed into the frontend."""
+        for channel in self.output_channels:
+            if channel.src_executor in fresh:
+                old = self.inbound.pop(channel.name, None)
+                if old is not None:
+                    old.close()
+                ring = ShmConsumer.create(channel.slots, channel.slot_bytes)
+                self.inbound[channel.name] = Inbound(channel, ring)
+                self.ring_names[channel.name] = ring.name
+        for channel in self.input_channels:
+            if channel.dst_executor in fresh and channel.name in self.outbound:
+                self.outbound.pop(channel.name).close()
+
+    def await_replies(self, names: set[str], kind: type, fresh: set[str]) -> None:
+        deadline = time.monotonic() + LINK_TIMEOUT_S
+        pending = set(names)
+        while pending:
+            for name, message in self.receive():
+                if isinstance(message, protocol.Hello):
+                    self.ring_names.update(message.rings)
+                if isinstance(message, kind):
+                    pending.discard(name)
+                else:
+                    self.on_message(name, message)
+            for name in fresh:
+                proc = self.processes.get(name)
+                if proc is not None and proc.poll() is not None:
+                    raise EngineError(
+                        f"executor '{name}' (stages {', '.join(self.stages_of[name])}) exited with "
+                        f"code {proc.returncode} while starting:\n{self.log_tail(name)}"
+                    )
+            if time.monotonic() > deadline:
+                raise EngineError(
+                    f"executors {', '.join(sorted(pending))} did not answer within {LINK_TIMEOUT_S:.0f} s"
+                )
+            if pending:
+                self.wait_for_work(TICK_S)
+
+    def start_threads(self) -> None:
+        """In-process mode: executors as threads, every cross-executor channel an in-process one."""
+        executors = {}
+        for name in self.executors:
+            control = _ThreadControl(name, self._thread_reply)
+            executors[name] = Executor(self.plan, name, self.backends, waker=control.waker)
+            self.threads[name] = (None, control)
+        wakers = {name: ex.waker for name, ex in executors.items()} | {FRONTEND: self.waker}
+        for channel in self.plan.channels:
+            if channel.src_executor == channel.dst_executor:
+                continue
+            producer, consumer = local_channel(channel.slots, channel.slot_bytes, channel.name)
+            outbound = Outbound(channel, producer, peer=wakers[channel.dst_executor])
+            inbound = Inbound(channel, consumer, peer=wakers[channel.src_executor])
+            (
+                self.outbound
+                if channel.src_executor == FRONTEND
+                else executors[channel.src_executor].outbound
+            )[channel.name] = outbound
+            (
+                self.inbound
+                if channel.dst_executor == FRONTEND
+                else executors[channel.dst_executor].inbound
+            )[channel.name] = inbound
+        for name, executor in executors.items():
+            control = self.threads[name][1]
+            thread = threading.Thread(
+                target=serve, args=(executor, control), name=f"omniflow-{name}", daemon=True
+            )
+            self.threads[name] = (thread, control)
+            thread.start()
+
+    # --- serving ----------------------------------------------------------------------------------
+    def submit(self, request: _Request) -> None:
+        self.requests[request.id] = request
+        request.open_outputs = {c.dst for c in self.output_channels}
+        params = {s.name: stage_params(self.plan, s, request.params) for s in self.plan.stages}
+        self.broadcast(protocol.Start(request.id, params))
+        for channel in self.input_channels:
+            self.outbound[channel.name].send(request.id, 0, request.inputs[channel.src], True)
+
+    def cancel(self, request_id: str, error: OmniflowError) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        self.broadcast(protocol.Cancel(request_id))
+        for outbound in self.outbound.values():
+            outbound.drop({request_id})
+        request.deliver(error)
+
+    def on_message(self, executor: str, message: protocol.Message) -> None:
+        if isinstance(message, protocol.Failed):
+            self.cancel(
+                message.request_id,
+                RequestFailed(f"stage '{message.stage}' failed: {message.error}"),
+            )
+
+    def pump(self) -> bool:
+        moved = False
+        for inbound in self.inbound.values():
+            channel = inbound.channel
+            for rid, _index, value, end, release in inbound.receive():
+                moved = True
+                owned = value.clone() if hasattr(value, "clone") else value
+                release()
+                self.deliver(rid, channel, owned, end)
+        for outbound in self.outbound.values():
+            outbound.flush()
+        return moved
+
+    def deliver(self, request_id: str, channel: ChannelPlan, value, end: bool) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        index = request.indexes.get(channel.dst, 0)
+        if value is not None or end:
+            request.deliver(Chunk(request_id, channel.dst, value, index, end))
+            request.indexes[channel.dst] = index + 1
+        if end:
+            request.open_outputs.discard(channel.dst)
+            if not request.open_outputs:
+                del self.requests[request_id]
+                request.deliver(None)
+
+    def check_executors(self) -> None:
+        if self.mode == "process":
+            dead = {n for n, p in self.processes.items() if p.poll() is not None}
+        else:
+            dead = {n for n, (t, _) in self.threads.items() if t is not None and not t.is_alive()}
+        if not dead:
+            return
+        for name in dead:
+            code = self.processes[name].returncode if name in self.processes else "thread ended"
+            error = RequestFailed(
+                f"executor '{name}' (stages {', '.join(self.stages_of[name])}) died "
+                f"(exit code {code}); the request was lost"
+            )
+            for request_id in list(self.requests):
+                self.cancel(request_id, error)
+        if self.mode == "process":
+            self.link(dead)
+
+    def wait_for_work(self, timeout: float) -> None:
+        fds = [(self.waker.fd, select.POLLIN)]
+        if self.mode == "process":
+            if self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                return
+            fds.append((self.router.getsockopt(zmq.FD), select.POLLIN))
+        fds += [
+            (fd, select.POLLIN) for i in self.inbound.values() if (fd := i.fileno()) is not None
+        ]
+        fds += [
+            (fd, select.POLLIN)
+            for o in self.outbound.values()
+            if o.outbox and (fd := o.fileno()) is not None
+        ]
+        wait(fds, timeout)
+        self.waker.drain()
+
+    def run_commands(self) -> None:
+        while self.commands:
+            command, arg = self.commands.popleft()
+            if command == "submit":
+                self.submit(arg)
+            elif command == "cancel":
+                self.cancel(arg, RequestCancelled(f"request {arg} was cancelled"))
+            elif command == "close":
+                self.closed = True
+
+    def serve(self) -> None:
+        while not self.closed:
+            self.run_commands()
+            for name, message in self.receive():
+                self.on_message(name, message)
+            moved = self.pump()
+            self.check_executors()
+            if not moved and not self.commands:
+                self.wait_for_work(TICK_S)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        for request_id in list(self.requests):
+            self.cancel(request_id, EngineError("the engine was closed"))
+        self.broadcast(protocol.Shutdown())
+        for proc in self.processes.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for thread, control in self.threads.values():
+            if thread is not None:
+                thread.join(timeout=10)
+            control.close()
+        for link in [*self.inbound.values(), *self.outbound.values()]:
+            link.close()
+        if self.mode == "process":
+            self.router.close()
+            self.context.term()
+        self.waker.close()
+
+
+class Engine:
+    """A running plan. Use as a context manager; `generate`, `stream`, `cancel`, `close`."""
+
+    def __init__(self, plan: Plan, mode: str = "process", backends: str = "auto"):
+        if mode not in ("process", "inprocess"):
+            raise EngineError(f"unknown mode '{mode}'; use 'process' or 'inprocess'")
+        self.plan = plan
+        self._core = _Core(plan, mode, backends)
+        self._ids = itertools.count()
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._core.start()
+            except BaseException as err:  # reported to the constructor, which raises it
+                failure.append(err)
+                started.set()
+                self._core.closed = True
+                self._core.shutdown()
+                return
+            started.set()
+            self._core.serve()
+
+        self._thread = threading.Thread(target=run, name="omniflow-engine", daemon=True)
+        self._thread.start()
+        started.wait()
+        if failure:
+            raise failure[0]
+
+    # --- requests ------------------------------------------------------------------------------------
+    def _submit(self, inputs: dict, params: dict | None, request_id: str | None, deliver) -> str:
+        if self._core.closed:
+            raise EngineError("the engine is closed")
+        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        request = _Request(
+            request_id, prepare_inputs(self.plan, inputs), check_params(self.plan, params), deliver
+        )
+        self._command("submit", request)
+        return request_id
+
+    def _command(self, command: str, arg) -> None:
+        self._core.commands.append((command, arg))
+        self._core.waker.poke()
+
+    def stream_sync(
+        self, inputs: dict, params: dict | None = None, request_id: str | None = None
+    ) -> Iterator[Chunk]:
+        """Output chunks as they are produced, from this thread."""
+        items: queue.SimpleQueue = queue.SimpleQueue()
+        self._submit(inputs, params, request_id, items.put)
+        while (item := items.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    async def stream(
+        self, inputs: dict, params: dict | None = None, request_id: str | None = None
+    ) -> AsyncIterator[Chunk]:
+        """Output chunks as they are produced; cancelling the consumer cancels the request."""
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue = asyncio.Queue()
+        rid = self._submit(
+            inputs,
+            params,
+            request_id,
+            lambda item: loop.call_soon_threadsafe(items.put_nowait, item),
+        )
+        finished = False
+        try:
+            while (item := await items.get()) is not None:
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+            finished = True
+        finally:
+            if not finished:
+                self.cancel(rid)
+
+    def generate(
+        self, inputs: dict, params: dict | None = None, request_id: str | None = None
+    ) -> dict:
+        """Run one request to the end; every output, whole."""
+        parts: dict[str, list] = {}
+        types = {
+            c.dst: c.type
+            for c in self.plan.channels
+            if c.dst in {o.name for o in self.plan.outputs}
+        }
+        for chunk in self.stream_sync(inputs, params, request_id):
+            if chunk.value is not None:
+                parts.setdefault(chunk.output, []).append(chunk.value)
+        return {name: concat(types[name], values) for name, values in parts.items()}
+
+    def cancel(self, request_id: str) -> None:
+        self._command("cancel", request_id)
+
+    # --- lifetime --------------------------------------------------------------------------------------
+    @property
+    def executor_pids(self) -> dict[str, int]:
+        return {name: proc.pid for name, proc in self._core.processes.items()}
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._command("close", None)
+            self._thread.join(timeout=30)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def launch(source, mode: str = "process", devices: str = "cpu", backends: str = "auto") -> Engine:
+    """An engine for a `.omni` file, a plan JSON file, a Graph, or a Plan."""
+    from omniflow.compiler import compile_file, compile_graph
+    from omniflow.ir.graph import Graph
+
+    if isinstance(source, Plan):
+        plan = source
+    elif isinstance(source, Graph):
+        plan = compile_graph(source, devices)
+    elif str(source).endswith(".json"):
+        plan = Plan.from_json(Path(source).read_bytes())
+    else:
+        plan = compile_file(source, devices)
+    return Engine(plan, mode, backends)
+
+
+__all__ = ["Chunk", "Engine", "EngineError", "RequestCancelled", "RequestFailed", "launch"]

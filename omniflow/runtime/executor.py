@@ -1,0 +1,370 @@
+"""Executors: the processes (or, in-process, threads) that run a plan's stages.
+
+`StageRunner` is one stage's continuous-batching scheduler: every loop turn it steps up to
+`max_batch` of the requests that are ready, so a request waiting for its next chunk never
+holds up the others. `Executor` runs the stages of one plan executor: it drains its inbound
+channels into the runners, steps them in topological order, passes outputs to fused stages
+by reference and to other executors through their rings, and obeys the engine's control
+messages. Run as `python -m omniflow.runtime.executor` it reads its config as JSON on stdin.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import sys
+import time
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass
+
+import zmq
+
+from omniflow.ir.kinds import KINDS
+from omniflow.plan import ChannelPlan, Plan, resolve_params
+from omniflow.runtime import protocol
+from omniflow.runtime.backends import load_backend
+from omniflow.runtime.edges import StreamWriter, apply_maps
+from omniflow.runtime.links import Inbound, Outbound, Waker, wait
+from omniflow.runtime.shm_ring import ShmConsumer, ShmProducer
+from omniflow.runtime.stage import Backend, Call, InputStream, StageSpec
+
+# How long a finished or cancelled request's late chunks are recognised and dropped.
+TOMBSTONE_S = 120.0
+IDLE_WAIT_S = 0.05
+
+
+@dataclass
+class Event:
+    """What a runner step produced for the loop to route: an output, an end, or a failure."""
+
+    request_id: str
+    stage: str
+    port: str | None = None
+    value: object = None
+    finished: bool = False
+    error: str | None = None
+
+
+class StageRunner:
+    def __init__(self, spec: StageSpec, backend: Backend, max_batch: int):
+        self.spec = spec
+        self.name = spec.plan.name
+        self.backend = backend
+        self.max_batch = max_batch
+        self.calls: dict[str, Call] = {}
+        self.tombstones: dict[str, float] = {}
+
+    def _call(self, request_id: str) -> Call | None:
+        if request_id in self.tombstones:
+            return None
+        call = self.calls.get(request_id)
+        if call is None:
+            streams = {port: InputStream(typ) for port, typ in self.spec.inputs.items()}
+            call = self.calls[request_id] = Call(request_id, None, streams)
+        return call
+
+    def start(self, request_id: str, params: dict) -> None:
+        call = self._call(request_id)
+        if call is not None:
+            call.params = params
+
+    def feed(self, request_id: str, port: str, value, end: bool, release=None) -> None:
+        call = self._call(request_id)
+        if call is None:
+            if release is not None:
+                release()
+            return
+        call.inputs[port].push(value, end, release)
+
+    def step(self) -> list[Event]:
+        ready = [c for c in self.calls.values() if c.params is not None and self.backend.ready(c)]
+        if not ready:
+            return []
+        batch = ready[: self.max_batch]
+        try:
+            self.backend.step(batch)
+        except Exception as err:  # a batched forward cannot say whose input broke it
+            for call in batch:
+                call.fail(err)
+        events = []
+        for call in batch:
+            for stream in call.inputs.values():
+                stream.release_spent()
+            events += [
+                Event(call.request_id, self.name, port, value) for port, value in call.emitted
+            ]
+            call.emitted.clear()
+            if call.error is not None:
+                events.append(Event(call.request_id, self.name, error=_describe(call.error)))
+                self.drop(call.request_id)
+            elif call.finished:
+                events.append(Event(call.request_id, self.name, finished=True))
+                self.drop(call.request_id)
+        # Requests further back in line go first next time: `calls` keeps arrival order.
+        for call in batch:
+            if call.request_id in self.calls:
+                self.calls[call.request_id] = self.calls.pop(call.request_id)
+        return events
+
+    def drop(self, request_id: str) -> None:
+        self.tombstones[request_id] = time.monotonic()
+        call = self.calls.pop(request_id, None)
+        if call is not None:
+            for stream in call.inputs.values():
+                stream.release_spent(everything=True)
+            self.backend.drop(call)
+
+    def drop_all(self) -> None:
+        for request_id in list(self.calls):
+            self.drop(request_id)
+
+    def purge(self, now: float) -> None:
+        self.tombstones = {r: t for r, t in self.tombstones.items() if now - t < TOMBSTONE_S}
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+class Executor:
+    """The stages of one plan executor, their channels, and the loop that drives them."""
+
+    def __init__(self, plan: Plan, name: str, backends: str = "auto", waker: Waker | None = None):
+        self.plan = plan
+        self.name = name
+        self.waker = waker or Waker()
+        stages = [s for s in plan.stages if s.executor == name]
+        self.runners: dict[str, StageRunner] = {}
+        for stage in stages:
+            spec = StageSpec.from_channels(stage, plan.channels)
+            device = stage.devices[0] if stage.devices else "cpu"
+            max_batch = resolve_params(stage.params, plan.params).get(
+                "max_batch", KINDS[stage.kind].params["max_batch"].default
+            )
+            self.runners[stage.name] = StageRunner(
+                spec, load_backend(spec, device, backends), max_batch
+            )
+        self.inbound: dict[str, Inbound] = {}
+        self.outbound: dict[str, Outbound] = {}
+        self.writers: dict[tuple[str, str], list[StreamWriter]] = defaultdict(list)
+        for channel in plan.channels:
+            if channel.src in self.runners:
+                self.writers[channel.src, channel.src_port].append(
+                    StreamWriter(channel, self._sender(channel))
+                )
+
+    # --- channels -----------------------------------------------------------------------
+    def in_channels(self) -> list[ChannelPlan]:
+        """Channels from another executor (or the frontend) into this one."""
+        return [
+            c for c in self.plan.channels if c.dst in self.runners and c.src_executor != self.name
+        ]
+
+    def out_channels(self) -> list[ChannelPlan]:
+        return [
+            c for c in self.plan.channels if c.src in self.runners and c.dst_executor != self.name
+        ]
+
+    def _sender(self, channel: ChannelPlan):
+        if channel.dst in self.runners:
+            runner = self.runners[channel.dst]
+            return lambda rid, index, value, end: runner.feed(
+                rid, channel.dst_port, apply_maps(channel, value, "dst"), end
+            )
+        return lambda rid, index, value, end: self.outbound[channel.name].send(
+            rid, index, value, end
+        )
+
+    def create_inbound(self, channels: list[ChannelPlan]) -> dict[str, str]:
+        """Create a shared-memory ring for each channel (this executor consumes it); their names."""
+        names = {}
+        for channel in channels:
+            old = self.inbound.pop(channel.name, None)
+            if old is not None:
+                old.close()
+            ring = ShmConsumer.create(channel.slots, channel.slot_bytes)
+            self.inbound[channel.name] = Inbound(channel, ring)
+            names[channel.name] = ring.name
+        return names
+
+    def attach_outbound(self, rings: dict[str, str]) -> None:
+        by_name = {c.name: c for c in self.plan.channels}
+        for channel_name, ring_name in rings.items():
+            old = self.outbound.pop(channel_name, None)
+            if old is not None:
+                old.close()
+            self.outbound[channel_name] = Outbound(
+                by_name[channel_name], ShmProducer.attach(ring_name)
+            )
+
+    # --- one turn of the loop -----------------------------------------------------------------
+    def pump(self) -> bool:
+        """Receive what has arrived, step every stage once, send what can go. True if anything moved."""
+        moved = False
+        for inbound in list(self.inbound.values()):
+            channel = inbound.channel
+            runner = self.runners[channel.dst]
+            for rid, _index, value, end, release in inbound.receive():
+                runner.feed(rid, channel.dst_port, apply_maps(channel, value, "dst"), end, release)
+                moved = True
+        for runner in self.runners.values():
+            for event in runner.step():
+                moved = True
+                self.route(event)
+        for outbound in self.outbound.values():
+            outbound.flush()
+        return moved
+
+    def route(self, event: Event) -> None:
+        if event.port is not None:
+            for writer in self.writers.get((event.stage, event.port), ()):
+                writer.write(event.request_id, event.value)
+        elif event.finished:
+            for (stage, _port), writers in self.writers.items():
+                if stage == event.stage:
+                    for writer in writers:
+                        writer.end(event.request_id)
+            self.report(protocol.Finished(event.request_id, event.stage))
+        else:
+            self.cancel(event.request_id)
+            self.report(protocol.Failed(event.request_id, event.stage, event.error))
+
+    def report(self, message: protocol.Message) -> None:
+        """Overridden by the process loop to send to the engine."""
+
+    def start(self, message: protocol.Start) -> None:
+        for stage, params in message.params.items():
+            if stage in self.runners:
+                self.runners[stage].start(message.request_id, params)
+
+    def cancel(self, request_id: str) -> None:
+        for runner in self.runners.values():
+            runner.drop(request_id)
+        for writers in self.writers.values():
+            for writer in writers:
+                writer.drop(request_id)
+        for outbound in self.outbound.values():
+            outbound.drop({request_id})
+
+    def reset(self, peer: str) -> dict[str, str]:
+        """After `peer` died: drop every request; re-create the rings it fed us."""
+        for runner in self.runners.values():
+            runner.drop_all()
+        for writers in self.writers.values():
+            for writer in writers:
+                writer.pending.clear()
+        for outbound in self.outbound.values():
+            outbound.drop()
+        for channel_name in [n for n, o in self.outbound.items() if o.channel.dst_executor == peer]:
+            self.outbound.pop(channel_name).close()
+        return self.create_inbound([c for c in self.in_channels() if c.src_executor == peer])
+
+    def poll_fds(self) -> list[tuple[int, int]]:
+        fds = [(self.waker.fd, select.POLLIN)]
+        fds += [
+            (fd, select.POLLIN) for i in self.inbound.values() if (fd := i.fileno()) is not None
+        ]
+        fds += [
+            (fd, select.POLLIN)
+            for o in self.outbound.values()
+            if o.outbox and (fd := o.fileno()) is not None
+        ]
+        return fds
+
+    def busy(self) -> bool:
+        """Whether a stage could step right now without new input."""
+        return any(
+            r.backend.ready(c)
+            for r in self.runners.values()
+            for c in r.calls.values()
+            if c.params is not None
+        )
+
+    def close(self) -> None:
+        for link in [*self.inbound.values(), *self.outbound.values()]:
+            link.close()
+        for runner in self.runners.values():
+            runner.drop_all()
+            runner.backend.close()
+
+
+class ZmqControl:
+    """The executor's end of the control plane in process mode: a DEALER to the engine's ROUTER."""
+
+    def __init__(self, address: str, identity: str):
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.IDENTITY, identity.encode())
+        self.socket.setsockopt(zmq.LINGER, 1000)
+        self.socket.connect(address)
+
+    def fileno(self) -> int:
+        return self.socket.getsockopt(zmq.FD)
+
+    def pending(self) -> bool:
+        return bool(self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+    def receive(self) -> list[protocol.Message]:
+        messages = []
+        while self.pending():
+            messages.append(protocol.decode(self.socket.recv()))
+        return messages
+
+    def send(self, message: protocol.Message) -> None:
+        self.socket.send(protocol.encode(message))
+
+    def close(self) -> None:
+        self.socket.close()
+        self.context.term()
+
+
+def serve(executor: Executor, control) -> None:
+    """The executor loop: obey control messages, pump channels and stages, sleep when idle."""
+    executor.report = control.send
+    running = True
+    last_purge = time.monotonic()
+    while running:
+        for message in control.receive():
+            if isinstance(message, protocol.Start):
+                executor.start(message)
+            elif isinstance(message, protocol.Cancel):
+                executor.cancel(message.request_id)
+            elif isinstance(message, protocol.Connect):
+                executor.attach_outbound(message.rings)
+                control.send(protocol.Linked(executor.name))
+            elif isinstance(message, protocol.Reset):
+                control.send(protocol.Hello(executor.name, executor.reset(message.peer)))
+            elif isinstance(message, protocol.Shutdown):
+                running = False
+        if not running:
+            break
+        moved = executor.pump()
+        now = time.monotonic()
+        if now - last_purge > 10:
+            for runner in executor.runners.values():
+                runner.purge(now)
+            last_purge = now
+        if not moved and not executor.busy() and not control.pending():
+            executor.waker.drain()
+            wait([(control.fileno(), select.POLLIN), *executor.poll_fds()], IDLE_WAIT_S)
+    executor.close()
+
+
+def main() -> None:
+    config = json.loads(sys.stdin.read())
+    control = ZmqControl(config["control"], config["executor"])
+    try:
+        executor = Executor(Plan.from_json(config["plan"]), config["executor"], config["backends"])
+        control.send(protocol.Hello(executor.name, executor.create_inbound(executor.in_channels())))
+    except Exception:
+        traceback.print_exc()
+        sys.exit(3)
+    try:
+        serve(executor, control)
+    finally:
+        control.close()
+
+
+if __name__ == "__main__":
+    main()

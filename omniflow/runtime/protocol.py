@@ -1,0 +1,68 @@
+"""The control plane's typed messages (msgspec, msgpack on the wire; never pickle).
+
+Linking: each executor creates shared-memory rings for the cross-process channels it
+consumes and says `Hello` with their names; the engine tells every producer where to attach
+(`Connect`), and each answers `Linked`. Serving: `Start` carries a request's per-stage
+parameters, `Cancel` withdraws it, `Finished`/`Failed` report a stage's end of it. After an
+executor dies, `Reset` makes the survivors drop every request and re-create the rings that
+the dead one fed, and linking runs again for its replacement.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Hello(msgspec.Struct, tag=True):
+    executor: str
+    rings: dict[str, str]  # channel name -> ring name this executor created (it consumes them)
+
+
+class Connect(msgspec.Struct, tag=True):
+    rings: dict[str, str]  # channel name -> ring name to attach to as producer
+
+
+class Linked(msgspec.Struct, tag=True):
+    executor: str
+
+
+class Start(msgspec.Struct, tag=True):
+    request_id: str
+    params: dict[str, dict]  # stage -> its resolved parameters
+
+
+class Cancel(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class Reset(msgspec.Struct, tag=True):
+    peer: str  # the executor that died
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class Finished(msgspec.Struct, tag=True):
+    request_id: str
+    stage: str
+
+
+class Failed(msgspec.Struct, tag=True):
+    request_id: str
+    stage: str
+    error: str
+
+
+Message = Hello | Connect | Linked | Start | Cancel | Reset | Shutdown | Finished | Failed
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)

@@ -1,0 +1,162 @@
+"""What a stage sees of one request (`Call`) and what every backend implements (`Backend`).
+
+The runtime feeds a Call's input streams as chunks arrive, asks the backend which calls are
+`ready`, and hands it batches of up to `max_batch` ready calls to `step`. A step consumes
+input, `emit`s output steps and eventually `finish`es the call. Backends never see
+channels, rings or processes: the same backend runs under the reference interpreter, in
+process, and in an executor process.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+
+from omniflow.plan import ChannelPlan, StagePlan
+from omniflow.runtime.values import concat
+
+
+@dataclass(frozen=True)
+class PortSpec:
+    """An output port's item: dtype and shape of one step, as the plan sized it."""
+
+    type: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """A stage as its backend sees it: the plan entry plus its ports' types and shapes."""
+
+    plan: StagePlan
+    inputs: dict[str, str]  # port -> type
+    outputs: dict[str, PortSpec]
+    contexts: dict[str, int]  # input port -> left context its edge declares
+
+    @classmethod
+    def from_channels(cls, stage: StagePlan, channels: list[ChannelPlan]) -> StageSpec:
+        ins = {c.dst_port: c.type for c in channels if c.dst == stage.name}
+        outs = {
+            c.src_port: PortSpec(c.type, c.item_dtype, tuple(c.item_shape))
+            for c in channels
+            if c.src == stage.name
+        }
+        contexts = {c.dst_port: c.context for c in channels if c.dst == stage.name}
+        return cls(stage, ins, outs, contexts)
+
+
+class Wait:
+    """Yielded by a generator stage that needs more input on `port` before it can go on."""
+
+    def __init__(self, port: str):
+        self.port = port
+
+
+@dataclass
+class InputStream:
+    """The chunks of one input port that have arrived and not been consumed yet.
+
+    A chunk may be a view into a channel's shared memory: its `release` frees the slot. Taken
+    chunks are released after the step that took them (`release_spent`), so backends must
+    copy what they keep across steps.
+    """
+
+    type: str
+    chunks: deque = field(default_factory=deque)
+    releases: list = field(default_factory=list)
+    spent: list = field(default_factory=list)
+    ended: bool = False
+
+    def push(self, value, end: bool, release=None) -> None:
+        if value is not None:
+            self.chunks.append(value)
+        if release is not None:
+            self.releases.append(release)
+        self.ended = self.ended or end
+
+    def available(self) -> bool:
+        return bool(self.chunks)
+
+    def take(self):
+        """Everything available as one chunk (None if nothing is)."""
+        self.spent += self.releases
+        self.releases = []
+        if not self.chunks:
+            return None
+        value = concat(self.type, list(self.chunks))
+        self.chunks.clear()
+        return value
+
+    def release_spent(self, everything: bool = False) -> None:
+        for release in self.spent + (self.releases if everything else []):
+            release()
+        self.spent = []
+        if everything:
+            self.releases = []
+            self.chunks.clear()
+
+
+@dataclass
+class Call:
+    """One request at one stage: its parameters, input streams, outputs and private state."""
+
+    request_id: str
+    params: dict
+    inputs: dict[str, InputStream]
+    state: dict = field(default_factory=dict)
+    emitted: list[tuple[str, object]] = field(default_factory=list)
+    finished: bool = False
+    error: BaseException | None = None
+
+    def emit(self, port: str, value) -> None:
+        """Send `value` (one or more steps) downstream on `port`."""
+        self.emitted.append((port, value))
+
+    def finish(self) -> None:
+        """This stage is done with the request: every output stream ends."""
+        self.finished = True
+
+    def fail(self, error: BaseException) -> None:
+        """This request failed here; the runtime reports it with the stage's name."""
+        self.error = error
+
+    def inputs_ended(self) -> bool:
+        return all(s.ended for s in self.inputs.values())
+
+    def read(self, port: str):
+        """`chunk = yield from call.read(port)`: the next available chunk, None at end of stream."""
+        stream = self.inputs[port]
+        while not stream.available() and not stream.ended:
+            yield Wait(port)
+        return stream.take()
+
+    def read_all(self, port: str):
+        """`value = yield from call.read_all(port)`: the whole stream once it has ended."""
+        stream = self.inputs[port]
+        while not stream.ended:
+            yield Wait(port)
+        return stream.take()
+
+
+class Backend(ABC):
+    """A stage implementation. Construct = load weights; one instance serves every request."""
+
+    def __init__(self, spec: StageSpec, device: str):
+        self.spec = spec
+        self.device = device
+
+    @abstractmethod
+    def ready(self, call: Call) -> bool:
+        """Whether a step would make progress on `call` now."""
+
+    @abstractmethod
+    def step(self, calls: list[Call]) -> None:
+        """Advance each call by one step (one batched forward, where the backend batches)."""
+
+    def drop(self, call: Call) -> None:  # noqa: B027 (optional hook)
+        """Forget per-request state (the call finished, failed or was cancelled)."""
+
+    def close(self) -> None:  # noqa: B027 (optional hook)
+        """Release what loading took (devices, files)."""

@@ -1,0 +1,45 @@
+"""Port values on the wire: every value travels as one tensor, and steps concatenate.
+
+A tensor port's chunk is a tensor whose first dim counts steps (n steps x item shape).
+Text is a str and travels as its UTF-8 bytes; chat (a list of messages) as UTF-8 JSON.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+TEXT_TYPES = ("text", "chat")
+
+
+def encode(port_type: str, value) -> torch.Tensor:
+    """A port value as one tensor (text as uint8 UTF-8 bytes)."""
+    if port_type == "text":
+        return torch.frombuffer(bytearray(value.encode("utf-8")), dtype=torch.uint8)
+    if port_type == "chat":
+        return torch.frombuffer(bytearray(json.dumps(value).encode("utf-8")), dtype=torch.uint8)
+    return value
+
+
+def decode(port_type: str, tensor: torch.Tensor):
+    """The inverse of `encode`; tensors come back as they are (callers copy if they keep them)."""
+    if port_type == "text":
+        return bytes(tensor.numpy()).decode("utf-8")
+    if port_type == "chat":
+        return json.loads(bytes(tensor.numpy()).decode("utf-8"))
+    return tensor
+
+
+def concat(port_type: str, chunks: list):
+    """Join chunks of one stream in order (text by concatenation, tensors along dim 0)."""
+    if port_type in TEXT_TYPES:
+        return "".join(chunks) if port_type == "text" else chunks[-1]
+    if len(chunks) == 1:
+        return chunks[0]
+    return torch.cat(chunks)
+
+
+def steps(port_type: str, value) -> int:
+    """How many steps a chunk holds (a text chunk counts as one)."""
+    return 1 if port_type in TEXT_TYPES else int(value.shape[0]) if value.dim() else 1
