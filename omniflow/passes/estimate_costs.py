@@ -11,7 +11,7 @@ from omniflow.devices import parse_size
 from omniflow.ir.graph import INPUT, Graph, Node
 from omniflow.ir.values import Ref
 from omniflow.models.costs import estimate_cost
-from omniflow.passes.infer_types import param_value
+from omniflow.passes.infer_types import param_value, stage_dtype
 from omniflow.passes.pipeline import Target
 
 
@@ -45,8 +45,9 @@ def _sequence_length(graph: Graph, node: Node) -> int:
         return (param_value(graph, node, "height") // patch) * (
             param_value(graph, node, "width") // patch
         )
-    if node.op == "vae":
-        return 1
+    if node.op == "vae":  # latent positions per image: the item its producer sends
+        latents = next(e for e in graph.in_edges(node.name) if e.dst_port == "latents").meta["item"]
+        return latents.shape[-1] * latents.shape[-2]
     return param_value(graph, node, "max_len")
 
 
@@ -62,7 +63,7 @@ def estimate_costs(graph: Graph, target: Target) -> Graph:
             node.meta["config"],
             max_batch=batch,
             max_len=_sequence_length(graph, node),
-            dtype=param_value(graph, node, "dtype"),
+            dtype=stage_dtype(graph, node),
         )
         node.meta["batch"] = batch
         node.meta["cost"] = cost

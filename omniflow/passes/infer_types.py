@@ -51,9 +51,14 @@ def param_value(graph: Graph, node: Node, key: str):
     return resolve(node.params.get(key, KINDS[node.op].params[key].default), graph.params)
 
 
+def stage_dtype(graph: Graph, node: Node) -> str:
+    """The dtype the program asks for, else the model's own (token2wav runs in float32)."""
+    return param_value(graph, node, "dtype") if "dtype" in node.params else node.meta["config"].dtype
+
+
 def _stage_spec(graph: Graph, node: Node, port: str) -> PortSpec:
     cfg = node.meta["config"]
-    dtype = param_value(graph, node, "dtype")
+    dtype = stage_dtype(graph, node)
     value = lambda key: param_value(graph, node, key)  # noqa: E731
     if node.op == "ar":
         max_tokens = value("max_tokens")

@@ -14,6 +14,7 @@ import itertools
 import json
 import queue
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,12 @@ from omniflow.runtime import protocol
 from omniflow.runtime.executor import Executor, serve
 from omniflow.runtime.links import Inbound, Outbound, Waker, wait
 from omniflow.runtime.requests import check_params, prepare_inputs, stage_params
-from omniflow.runtime.shm_ring import ShmConsumer, ShmProducer, local_channel
+from omniflow.runtime.shm_ring import (
+    ShmConsumer,
+    ShmProducer,
+    cleanup_stale_segments,
+    local_channel,
+)
 from omniflow.runtime.values import concat
 
 FRONTEND = "frontend"
@@ -128,6 +134,7 @@ class _Core:
         self.processes: dict[str, subprocess.Popen] = {}
         self.threads: dict[str, tuple[threading.Thread, _ThreadControl]] = {}
         self.replies: deque = deque()  # (executor, message) from in-process executors
+        self.inspections: tuple[dict, queue.SimpleQueue] | None = None
         if mode == "process":
             self.context = zmq.Context()
             self.router = self.context.socket(zmq.ROUTER)
@@ -163,6 +170,7 @@ class _Core:
 
     # --- launching and linking ------------------------------------------------------------------
     def start(self) -> None:
+        cleanup_stale_segments()  # what an earlier engine that was killed left behind
         if self.mode == "process":
             self.link(set(self.executors))
         else:
@@ -369,6 +377,7 @@ class _Core:
             for request_id in list(self.requests):
                 self.cancel(request_id, error)
         if self.mode == "process":
+            cleanup_stale_segments()  # the rings the dead executor had created
             self.link(dead)
 
     def wait_for_work(self, timeout: float) -> None:
@@ -395,6 +404,9 @@ class _Core:
                 self.submit(arg)
             elif command == "cancel":
                 self.cancel(arg, RequestCancelled(f"request {arg} was cancelled"))
+            elif command == "inspect":
+                self.inspections = ({}, arg)
+                self.broadcast(protocol.Inspect())
             elif command == "close":
                 self.closed = True
 
@@ -457,6 +469,7 @@ class Engine:
 
         self._thread = threading.Thread(target=run, name="omniflow-engine", daemon=True)
         self._thread.start()
+        _exit_cleanly_on_sigterm()
         started.wait()
         if failure:
             raise failure[0]
@@ -529,6 +542,17 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         self._command("cancel", request_id)
 
+    def inspect(self, timeout: float = 10.0) -> dict[str, protocol.Inspection]:
+        """Every executor's live state (and the frontend's): for tests, debugging, metrics."""
+        reply: queue.SimpleQueue = queue.SimpleQueue()
+        self._command("inspect", reply)
+        try:
+            return reply.get(timeout=timeout)
+        except queue.Empty:
+            raise EngineError(
+                f"executors did not answer an inspection within {timeout} s"
+            ) from None
+
     # --- lifetime --------------------------------------------------------------------------------------
     @property
     def executor_pids(self) -> dict[str, int]:
@@ -544,6 +568,16 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """SIGTERM kills a Python process without unwinding, which would leave the frontend's
+    rings in /dev/shm; unless the program chose its own handler, make it a SystemExit."""
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
 
 def launch(source, mode: str = "process", devices: str = "cpu", backends: str = "auto") -> Engine:

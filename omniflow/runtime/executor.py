@@ -10,8 +10,11 @@ messages. Run as `python -m omniflow.runtime.executor` it reads its config as JS
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import select
+import signal
 import sys
 import time
 import traceback
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from omniflow.errors import ChannelError
 from omniflow.ir.kinds import KINDS
 from omniflow.plan import ChannelPlan, Plan, resolve_params
 from omniflow.runtime import protocol
@@ -202,19 +206,46 @@ class Executor:
     def pump(self) -> bool:
         """Receive what has arrived, step every stage once, send what can go. True if anything moved."""
         moved = False
-        for inbound in list(self.inbound.values()):
+        for name, inbound in list(self.inbound.items()):
             channel = inbound.channel
             runner = self.runners[channel.dst]
-            for rid, _index, value, end, release in inbound.receive():
-                runner.feed(rid, channel.dst_port, apply_maps(channel, value, "dst"), end, release)
-                moved = True
+            try:
+                for rid, _index, value, end, release in inbound.receive():
+                    runner.feed(
+                        rid, channel.dst_port, apply_maps(channel, value, "dst"), end, release
+                    )
+                    moved = True
+            except ChannelError:
+                self.inbound.pop(name).close()  # its producer is gone; the engine re-links us
         for runner in self.runners.values():
-            for event in runner.step():
-                moved = True
-                self.route(event)
-        for outbound in self.outbound.values():
-            outbound.flush()
+            if not self.congested(runner):
+                for event in runner.step():
+                    moved = True
+                    self.route(event)
+        for name, outbound in list(self.outbound.items()):
+            try:
+                outbound.flush()
+            except ChannelError:
+                self.outbound.pop(name).close()
         return moved
+
+    def congested(self, runner: StageRunner) -> bool:
+        """Backpressure: a stage waits while a ring it feeds has no credit for what it sent."""
+        return any(o.outbox for o in self.outbound.values() if o.channel.src == runner.name)
+
+    def inspect(self) -> protocol.Inspection:
+        held = sum(
+            len(s.releases) + len(s.spent)
+            for r in self.runners.values()
+            for c in r.calls.values()
+            for s in c.inputs.values()
+        )
+        return protocol.Inspection(
+            self.name,
+            {name: list(r.calls) for name, r in self.runners.items()},
+            held,
+            sum(len(o.outbox) for o in self.outbound.values()),
+        )
 
     def route(self, event: Event) -> None:
         if event.port is not None:
@@ -335,6 +366,8 @@ def serve(executor: Executor, control) -> None:
                 control.send(protocol.Linked(executor.name))
             elif isinstance(message, protocol.Reset):
                 control.send(protocol.Hello(executor.name, executor.reset(message.peer)))
+            elif isinstance(message, protocol.Inspect):
+                control.send(executor.inspect())
             elif isinstance(message, protocol.Shutdown):
                 running = False
         if not running:
@@ -351,7 +384,19 @@ def serve(executor: Executor, control) -> None:
     executor.close()
 
 
+def _die_with_parent() -> None:
+    """Have the kernel send SIGTERM if the engine dies, and turn SIGTERM into a clean exit
+    (rings closed, segments unlinked)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    if os.getppid() == 1:  # the engine died before prctl took effect
+        sys.exit(0)
+
+
 def main() -> None:
+    _die_with_parent()
     config = json.loads(sys.stdin.read())
     control = ZmqControl(config["control"], config["executor"])
     try:

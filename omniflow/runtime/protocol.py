@@ -54,7 +54,33 @@ class Failed(msgspec.Struct, tag=True):
     error: str
 
 
-Message = Hello | Connect | Linked | Start | Cancel | Reset | Shutdown | Finished | Failed
+class Inspect(msgspec.Struct, tag=True):
+    pass
+
+
+class Inspection(msgspec.Struct, tag=True):
+    """An executor's live state: requests each stage holds, ring slots it has not released,
+    chunks waiting in its outboxes for credits."""
+
+    executor: str
+    calls: dict[str, list[str]]
+    held_slots: int
+    queued_chunks: int
+
+
+Message = (
+    Hello
+    | Connect
+    | Linked
+    | Start
+    | Cancel
+    | Reset
+    | Shutdown
+    | Finished
+    | Failed
+    | Inspect
+    | Inspection
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

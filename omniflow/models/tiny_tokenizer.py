@@ -1,0 +1,196 @@
+"""The offline tokenizer of omniflow's tiny checkpoints.
+
+Nothing can be downloaded here, so no real Qwen tokenizer is available. This module trains
+a small byte-level BPE with the `tokenizers` library on a built-in text, with exactly the
+normalizer, pre-tokenizer and decoder of Qwen2's tokenizer, and wraps it as transformers'
+`Qwen2Tokenizer` (a `PreTrainedTokenizerFast`) with Qwen's chat special tokens, in Qwen's
+order, right after the learned vocabulary, and a ChatML chat template. Two flavours differ
+only in special-token names and the template's media placeholders: `"qwen"` (Qwen2.5 and
+Qwen2.5-VL names) and `"omni"` (Qwen2.5-Omni names, plus the named audio/image/video token
+attributes its processor reads).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import Qwen2Tokenizer
+
+# Every word of the Qwen-Image prompt template occurs here, so the template's system prefix
+# tokenizes to the 34 tokens that QwenImagePipeline drops (`prompt_template_encode_start_idx`),
+# as it does with the real Qwen tokenizer. The default system prompts, chat role names and
+# the prompts the tests use are here too, so they tokenize to whole words.
+CORPUS = """\
+system
+user
+assistant
+You are Qwen, created by Alibaba Cloud. You are a helpful assistant.
+You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of \
+perceiving auditory and visual inputs, as well as generating text and speech.
+Describe the image by detailing the color, shape, size, texture, quantity, text, spatial \
+relationships of the objects and background:
+Hello! How are you today? I am fine, thank you. What can I do for you?
+Tell me a short story about a robot who learns to sing.
+Once upon a time there was a small robot. It lived in a quiet town by the sea, and every \
+morning it listened to the birds. One day it tried to sing, and the whole town came to hear.
+A photo of a red cat sitting on a blue chair in the sun, high quality, detailed.
+A watercolor painting of a mountain lake at sunrise, with green trees and white clouds.
+The quick brown fox jumps over the lazy dog. She sells sea shells by the sea shore.
+Please read this sentence aloud in a calm and friendly voice.
+Good morning, and welcome to the show. The weather today is warm with a light wind.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 12 24 100 2025 3.14 50% $20.
+Questions and answers: who, what, where, when, why, how? Yes, no, maybe; it depends.
+"""
+
+# Qwen2.5's special tokens in its order (ids 151643.. in the real vocabulary).
+QWEN_SPECIALS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+# Qwen2.5-Omni renames some of the same ids for audio and media.
+OMNI_SPECIALS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|AUDIO|>",
+    "<|audio_bos|>",
+    "<|audio_eos|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_bos|>",
+    "<|vision_eos|>",
+    "<|vision_pad|>",
+    "<|IMAGE|>",
+    "<|VIDEO|>",
+)
+# The named token attributes Qwen2_5OmniProcessor reads from its tokenizer.
+OMNI_NAMED_TOKENS = {
+    "image_token": "<|IMAGE|>",
+    "audio_token": "<|AUDIO|>",
+    "video_token": "<|VIDEO|>",
+    "vision_bos_token": "<|vision_bos|>",
+    "vision_eos_token": "<|vision_eos|>",
+    "audio_bos_token": "<|audio_bos|>",
+    "audio_eos_token": "<|audio_eos|>",
+}
+
+QWEN_SYSTEM_PROMPT = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+# Qwen2.5-Omni only speaks when the system prompt is this one.
+OMNI_SYSTEM_PROMPT = (
+    "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of "
+    "perceiving auditory and visual inputs, as well as generating text and speech."
+)
+
+# ChatML; list contents may mix text with media parts, each rendered as its placeholder.
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\n@SYSTEM@<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}"
+    "{% elif part['type'] == 'image' %}@IMAGE@"
+    "{% elif part['type'] == 'video' %}@VIDEO@"
+    "{% elif part['type'] == 'audio' %}@AUDIO@"
+    "{% endif %}"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_PLACEHOLDERS = {
+    "qwen": {
+        "@SYSTEM@": QWEN_SYSTEM_PROMPT,
+        "@IMAGE@": "<|vision_start|><|image_pad|><|vision_end|>",
+        "@VIDEO@": "<|vision_start|><|video_pad|><|vision_end|>",
+        # Qwen2.5 has no audio input.
+        "@AUDIO@": "",
+    },
+    "omni": {
+        "@SYSTEM@": OMNI_SYSTEM_PROMPT,
+        "@IMAGE@": "<|vision_bos|><|IMAGE|><|vision_eos|>",
+        "@VIDEO@": "<|vision_bos|><|VIDEO|><|vision_eos|>",
+        "@AUDIO@": "<|audio_bos|><|AUDIO|><|audio_eos|>",
+    },
+}
+FLAVOURS = tuple(_PLACEHOLDERS)
+# Enough room for every word of CORPUS to become one token.
+_BPE_VOCAB_SIZE = 2048
+
+
+def chat_template(flavour: str) -> str:
+    """The jinja chat template of a tokenizer flavour."""
+    template = _CHAT_TEMPLATE
+    for marker, text in _PLACEHOLDERS[flavour].items():
+        template = template.replace(marker, text)
+    return template
+
+
+def specials(flavour: str) -> tuple[str, ...]:
+    """The special tokens of a flavour, in id order after the learned vocabulary."""
+    return OMNI_SPECIALS if flavour == "omni" else QWEN_SPECIALS
+
+
+def build_tokenizer(flavour: str = "qwen") -> Qwen2Tokenizer:
+    """Train the tiny BPE and wrap it as a Qwen2Tokenizer of the given flavour.
+
+    Deterministic: training is single-pass over a fixed text and the trainer breaks ties
+    by pair order, so every call returns the same vocabulary and merges.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    if flavour not in _PLACEHOLDERS:
+        raise ValueError(f"unknown tokenizer flavour '{flavour}' (known: {', '.join(FLAVOURS)})")
+    bpe = Tokenizer(models.BPE())
+    bpe.normalizer = normalizers.NFC()
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = BpeTrainer(
+        vocab_size=_BPE_VOCAB_SIZE,
+        min_frequency=1,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    bpe.decoder = decoders.ByteLevel()
+    vocab = bpe.get_vocab()
+    # The trained model exposes its merges only through its JSON form.
+    merges = [tuple(pair) for pair in json.loads(bpe.to_str())["model"]["merges"]]
+    # Special tokens sit in the vocabulary at fixed ids right after the learned tokens, in
+    # Qwen's order, rather than wherever add_tokens would append them.
+    names = specials(flavour)
+    vocab.update({token: len(vocab) + i for i, token in enumerate(names)})
+    named = OMNI_NAMED_TOKENS if flavour == "omni" else {}
+    return Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        extra_special_tokens=list(names[1:]),
+        errors="replace",
+        model_max_length=32768,
+        chat_template=chat_template(flavour),
+        **named,
+    )

@@ -1,0 +1,40 @@
+"""Python stages the runtime tests run in executor processes (imported there by dotted path).
+
+Delays come from OMNIFLOW_TEST_DELAY (seconds per step), set by a test before it launches.
+"""
+
+import os
+import time
+
+import torch
+
+
+def _delay() -> float:
+    return float(os.environ.get("OMNIFLOW_TEST_DELAY", "0"))
+
+
+def counter(call):
+    """`n` (text: a count) -> tokens 0..n-1, one step at a time."""
+    text = yield from call.read_all("n")
+    for i in range(int(text.split()[0])):
+        call.emit("out", torch.tensor([[i]], dtype=torch.int64))
+        time.sleep(_delay())
+        yield
+
+
+def double(call):
+    """tokens -> tokens x 2, chunk by chunk, `_delay()` per step."""
+    while (chunk := (yield from call.read("in"))) is not None:
+        time.sleep(_delay() * chunk.shape[0])
+        call.emit("out", chunk * 2)
+        yield
+
+
+def fail_on_boom(batch):
+    """text -> text; a prompt containing 'boom' raises."""
+    out = []
+    for item in batch:
+        if "boom" in item["in"]:
+            raise ValueError(f"boom in {item['in']!r}")
+        out.append({"out": item["in"].upper()})
+    return out
