@@ -53,7 +53,9 @@ def param_value(graph: Graph, node: Node, key: str):
 
 def stage_dtype(graph: Graph, node: Node) -> str:
     """The dtype the program asks for, else the model's own (token2wav runs in float32)."""
-    return param_value(graph, node, "dtype") if "dtype" in node.params else node.meta["config"].dtype
+    return (
+        param_value(graph, node, "dtype") if "dtype" in node.params else node.meta["config"].dtype
+    )
 
 
 def _stage_spec(graph: Graph, node: Node, port: str) -> PortSpec:

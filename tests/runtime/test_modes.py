@@ -13,10 +13,24 @@ from omniflow.runtime.interpreter import Interpreter
 
 GRAPHS = Path(__file__).parents[2] / "graphs"
 REQUESTS = {
-    "omni_chat": [({"prompt": "hello"}, None), ({"prompt": [{"role": "user", "content": "tell me more"}]}, {"max_tokens": 3})],
+    "omni_chat": [
+        ({"prompt": "hello"}, None),
+        ({"prompt": [{"role": "user", "content": "tell me more"}]}, {"max_tokens": 3}),
+    ],
     "tts": [({"text": "good morning"}, None), ({"text": "hi", "voice": "Ethan"}, None)],
-    "text_to_image": [({"prompt": "a red cube"}, {"steps": 3}), ({"prompt": "a cat", "negative_prompt": "blur"}, {"steps": 2})],
-    "image_understanding": [({"prompt": "what is this?", "image": torch.arange(48, dtype=torch.uint8).reshape(4, 4, 3)}, None)],
+    "text_to_image": [
+        ({"prompt": "a red cube"}, {"steps": 3}),
+        ({"prompt": "a cat", "negative_prompt": "blur"}, {"steps": 2}),
+    ],
+    "image_understanding": [
+        (
+            {
+                "prompt": "what is this?",
+                "image": torch.arange(48, dtype=torch.uint8).reshape(4, 4, 3),
+            },
+            None,
+        )
+    ],
 }
 
 
