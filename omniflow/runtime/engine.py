@@ -28,7 +28,7 @@ from pathlib import Path
 
 import zmq
 
-from omniflow.errors import OmniflowError
+from omniflow.errors import ChannelError, OmniflowError
 from omniflow.plan import ChannelPlan, Plan
 from omniflow.runtime import protocol
 from omniflow.runtime.executor import Executor, serve
@@ -333,18 +333,34 @@ class _Core:
                 message.request_id,
                 RequestFailed(f"stage '{message.stage}' failed: {message.error}"),
             )
+        elif isinstance(message, protocol.Inspection) and self.inspections is not None:
+            found, reply = self.inspections
+            found[executor] = message
+            if len(found) == len(self.executors):
+                self.inspections = None
+                reply.put({**found, FRONTEND: self.inspect_frontend()})
+
+    def inspect_frontend(self) -> protocol.Inspection:
+        queued = sum(len(o.outbox) for o in self.outbound.values())
+        return protocol.Inspection(FRONTEND, {FRONTEND: list(self.requests)}, 0, queued)
 
     def pump(self) -> bool:
         moved = False
-        for inbound in self.inbound.values():
+        for name, inbound in list(self.inbound.items()):
             channel = inbound.channel
-            for rid, _index, value, end, release in inbound.receive():
-                moved = True
-                owned = value.clone() if hasattr(value, "clone") else value
-                release()
-                self.deliver(rid, channel, owned, end)
-        for outbound in self.outbound.values():
-            outbound.flush()
+            try:
+                for rid, _index, value, end, release in inbound.receive():
+                    moved = True
+                    owned = value.clone() if hasattr(value, "clone") else value
+                    release()
+                    self.deliver(rid, channel, owned, end)
+            except ChannelError:
+                self.inbound.pop(name).close()  # its executor died: check_executors re-links
+        for name, outbound in list(self.outbound.items()):
+            try:
+                outbound.flush()
+            except ChannelError:
+                self.outbound.pop(name).close()
         return moved
 
     def deliver(self, request_id: str, channel: ChannelPlan, value, end: bool) -> None:
@@ -411,15 +427,24 @@ class _Core:
                 self.closed = True
 
     def serve(self) -> None:
-        while not self.closed:
-            self.run_commands()
-            for name, message in self.receive():
-                self.on_message(name, message)
-            moved = self.pump()
-            self.check_executors()
-            if not moved and not self.commands:
-                self.wait_for_work(TICK_S)
-        self.shutdown()
+        try:
+            while not self.closed:
+                self.run_commands()
+                for name, message in self.receive():
+                    self.on_message(name, message)
+                moved = self.pump()
+                self.check_executors()
+                if not moved and not self.commands:
+                    self.wait_for_work(TICK_S)
+        except Exception as err:  # no request may hang on a dead engine
+            for request_id in list(self.requests):
+                self.cancel(
+                    request_id, EngineError(f"the engine failed: {type(err).__name__}: {err}")
+                )
+            raise
+        finally:
+            self.closed = True
+            self.shutdown()
 
     def shutdown(self) -> None:
         for request_id in list(self.requests):

@@ -77,15 +77,34 @@ class FunctionBackend(Backend):
 
     def step(self, calls: list[Call]) -> None:
         batch = [{port: s.take() for port, s in call.inputs.items()} for call in calls]
-        results = self.fn(batch)
-        if len(results) != len(calls):
-            raise OmniflowError(
-                f"stage function returned {len(results)} results for {len(calls)} requests"
-            )
+        try:
+            results = self._call(batch)
+        except Exception:
+            if len(calls) == 1:
+                raise
+            # Find whose input fails: one request at a time, so the others still succeed.
+            for call, item in zip(calls, batch, strict=True):
+                try:
+                    self._finish(call, self._call([item])[0])
+                except Exception as err:
+                    call.fail(err)
+            return
         for call, result in zip(calls, results, strict=True):
-            for port, value in result.items():
-                call.emit(port, value)
-            call.finish()
+            self._finish(call, result)
+
+    def _call(self, batch: list[dict]) -> list[dict]:
+        results = self.fn(batch)
+        if len(results) != len(batch):
+            raise OmniflowError(
+                f"stage function returned {len(results)} results for {len(batch)} requests"
+            )
+        return results
+
+    @staticmethod
+    def _finish(call: Call, result: dict) -> None:
+        for port, value in result.items():
+            call.emit(port, value)
+        call.finish()
 
 
 def function_backend(spec: StageSpec, device: str, fn: Callable) -> Backend:

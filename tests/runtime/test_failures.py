@@ -1,0 +1,185 @@
+"""The runtime under stress: stage exceptions, killed executors, cancellation,
+backpressure, and shutdown — none may hang, lose other requests, or leak shared memory."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from omniflow.compiler import compile_source
+from omniflow.runtime.engine import Engine, RequestCancelled, RequestFailed
+from omniflow.runtime.shm_ring import SEGMENT_PREFIX, SHM_DIR
+
+ROOT = Path(__file__).parents[2]
+
+CHAIN = """pipeline chain {{
+  stage src = python(fn=tests.runtime.stages.counter, inputs="n:text", outputs="out:tokens", max_batch={batch})
+  stage dst = python(fn=tests.runtime.stages.double, inputs="in:tokens", outputs="out:tokens", max_batch={batch})
+  input n: text -> src
+  src.out -> dst [stream, chunk={chunk}, credits={credits}]
+  dst.out -> output out [stream]
+}}"""
+
+
+def chain(chunk=8, credits=2, batch=4):
+    return compile_source(CHAIN.format(chunk=chunk, credits=credits, batch=batch), "chain.omni")
+
+
+def segments() -> set[str]:
+    return {p.name for p in SHM_DIR.glob(SEGMENT_PREFIX + "*")}
+
+
+@pytest.fixture
+def no_leaks():
+    """Fails the test if it leaves any omniflow shared-memory segment behind."""
+    before = segments()
+    yield
+    deadline = time.monotonic() + 5
+    while segments() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert segments() - before == set()
+
+
+def wait_until(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_a_failing_stage_fails_only_its_request(no_leaks):
+    plan = compile_source(
+        """pipeline p {
+          stage up = python(fn=tests.runtime.stages.fail_on_boom, inputs="in:text", outputs="out:text")
+          input prompt: text -> up
+          up.out -> output out
+        }""",
+        "p.omni",
+    )
+    with Engine(plan, "process") as engine:
+        results, errors = {}, {}
+
+        def run(text):
+            try:
+                results[text] = engine.generate({"prompt": text})["out"]
+            except RequestFailed as err:
+                errors[text] = str(err)
+
+        threads = [
+            threading.Thread(target=run, args=(t,)) for t in ("fine", "boom now", "also fine")
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    assert results == {"fine": "FINE", "also fine": "ALSO FINE"}, errors
+    assert errors["boom now"] == "stage 'up' failed: ValueError: boom in 'boom now'"
+
+
+def test_killed_executor_fails_its_requests_fast_restarts_and_leaks_nothing(no_leaks, monkeypatch):
+    monkeypatch.setenv("OMNIFLOW_TEST_DELAY", "0.01")
+    with Engine(chain(), "process") as engine:
+        stream = engine.stream_sync({"n": "400"})
+        next(stream)  # the request is streaming
+        killed = engine.executor_pids["dst"]
+        os.kill(killed, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RequestFailed) as info:
+            for _ in stream:
+                pass
+        assert time.monotonic() - start < 2.0
+        assert "executor 'dst' (stages dst) died" in str(info.value)
+        monkeypatch.setenv("OMNIFLOW_TEST_DELAY", "0")
+        out = engine.generate({"n": "20"})["out"]
+        assert out.flatten().tolist() == [2 * i for i in range(20)]
+        assert engine.executor_pids["dst"] != killed
+
+
+def test_cancel_reaches_every_stage_and_empties_the_rings(no_leaks, monkeypatch):
+    monkeypatch.setenv("OMNIFLOW_TEST_DELAY", "0.005")
+    with Engine(chain(), "process") as engine:
+        stream = engine.stream_sync({"n": "2000"}, request_id="victim")
+        next(stream)
+        engine.cancel("victim")
+        with pytest.raises(RequestCancelled):
+            for _ in stream:
+                pass
+
+        def idle():
+            state = engine.inspect()
+            return all(
+                not any(i.calls.values()) and i.held_slots == 0 and i.queued_chunks == 0
+                for i in state.values()
+            )
+
+        wait_until(idle, timeout=3.0)
+        assert engine.generate({"n": "5"})["out"].flatten().tolist() == [0, 2, 4, 6, 8]
+
+
+def test_backpressure_bounds_memory_and_loses_nothing(no_leaks, monkeypatch):
+    monkeypatch.setenv("OMNIFLOW_TEST_DELAY", "0.0002")
+    plan = chain(chunk=8, credits=2, batch=1)
+    ring = next(c for c in plan.channels if c.name == "src.out->dst.in")
+    with Engine(plan, "process") as engine:
+        shm_bytes = sum((SHM_DIR / s).stat().st_size for s in segments())
+        peak_queue = 0
+        stream = engine.stream_sync({"n": "3000"})
+        values = []
+        for i, chunk in enumerate(stream):
+            if chunk.value is not None:
+                values += chunk.value.flatten().tolist()
+            if i % 50 == 0:
+                peak_queue = max(
+                    peak_queue, max(x.queued_chunks for x in engine.inspect().values())
+                )
+                assert sum((SHM_DIR / s).stat().st_size for s in segments()) == shm_bytes
+    assert values == [2 * i for i in range(3000)]
+    assert ring.slots == 2
+    # A stage stops while a ring it feeds lacks credit, so at most one step's output waits:
+    # dst takes in at most its ring's slots of 8-step chunks per step, and sends one-step
+    # chunks to the client.
+    assert peak_queue <= ring.slots * 8
+
+
+SCRIPT = """
+import sys, time
+from omniflow.compiler import compile_source
+from omniflow.runtime.engine import Engine
+plan = compile_source({source!r}, "chain.omni")
+engine = Engine(plan, "process")
+print("ready", *engine.executor_pids.values(), flush=True)
+try:
+    while True:
+        time.sleep(0.1)
+finally:
+    engine.close()
+"""
+
+
+@pytest.mark.parametrize(
+    "how", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["term", "int", "kill"]
+)
+def test_engine_process_ending_leaves_no_segment_and_no_executor(how, no_leaks):
+    source = CHAIN.format(chunk=8, credits=2, batch=2)
+    script = textwrap.dedent(SCRIPT.format(source=source))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    words = proc.stdout.readline().split()
+    assert words[0] == "ready"
+    children = [int(w) for w in words[1:]]
+    proc.send_signal(how)
+    proc.wait(timeout=20)
+    wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), timeout=10)
+    if how == signal.SIGKILL:
+        # The killed engine cannot unlink its own rings; the janitor (run by every engine
+        # start, as here) removes what dead processes left.
+        from omniflow.runtime.shm_ring import cleanup_stale_segments
+
+        cleanup_stale_segments()
