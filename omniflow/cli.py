@@ -15,7 +15,7 @@ def _compile(args: argparse.Namespace) -> int:
     from omniflow.compiler import compile_file
     from omniflow.report import render_plan
 
-    plan = compile_file(args.path, devices=args.devices)
+    plan = compile_file(args.path, devices=args.devices, tiny=args.tiny)
     text = plan.to_json()
     if args.output:
         Path(args.output).write_text(text + "\n", encoding="utf-8")
@@ -41,6 +41,9 @@ def make_parser() -> argparse.ArgumentParser:
     comp.add_argument("-o", "--output", help="also write the plan JSON to this file")
     comp.add_argument(
         "--json", action="store_true", help="print the plan as JSON instead of tables"
+    )
+    comp.add_argument(
+        "--tiny", action="store_true", help="use the built-in tiny models of the same architectures"
     )
     comp.add_argument("--timings", action="store_true", help="print how long each pass took")
     comp.add_argument("--width", type=int, default=None, help=argparse.SUPPRESS)

@@ -131,6 +131,8 @@ def lower(graph: Graph) -> Plan:
             continue
         cost = node.meta.get("cost")
         params = {k: plain(v) for k, v in node.params.items() if k not in ("model", "component")}
+        if "cfg_input" in node.meta:  # stages on a guidance path get the companion's value
+            params["cfg"] = {"$ref": node.meta["cfg_input"]}
         stages.append(
             StagePlan(
                 node.name,
@@ -205,14 +207,20 @@ def lower(graph: Graph) -> Plan:
     )
 
 
-def resolve_params(params: dict, defaults: dict, overrides: dict | None = None) -> dict:
+def resolve_params(
+    params: dict, defaults: dict, overrides: dict | None = None, inputs: dict | None = None
+) -> dict:
     """A stage's parameters for one request: `{"$param": name}` replaced by the request's
-    override of that pipeline parameter, or its default."""
+    override of that pipeline parameter (or its default), `{"$ref": input}` by the value of
+    that input of the request (a guidance companion)."""
     values = {**defaults, **(overrides or {})}
+    inputs = inputs or {}
 
     def value(v):
         if isinstance(v, dict) and "$param" in v:
             return values[v["$param"]]
+        if isinstance(v, dict) and v.get("$ref") in inputs:
+            return inputs[v["$ref"]]
         if isinstance(v, list):
             return [value(x) for x in v]
         return v

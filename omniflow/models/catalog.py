@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from omniflow.errors import ModelConfigError
+from omniflow.models.resolve import TINY_SCHEME, model_path
 
 FAMILIES = (
     "decoder_lm",
@@ -192,6 +193,10 @@ def load_component_config(model: str, component: str | None = None) -> Component
     the model's components (with a did-you-mean) when nothing matches.
     """
     model = model.strip().rstrip("/")
+    if model.startswith(TINY_SCHEME):
+        return _load(
+            model, component, _DirFiles(Path(model_path(model))), f"tiny: {model_path(model)}"
+        )
     path = Path(model).expanduser()
     if path.is_dir():
         return _load(str(path), component, _DirFiles(path), f"local: {path}")

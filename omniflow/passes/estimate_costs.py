@@ -15,9 +15,10 @@ from omniflow.passes.infer_types import param_value, stage_dtype
 from omniflow.passes.pipeline import Target
 
 
-def cfg_path(graph: Graph) -> set[str]:
-    """Stages that process the unconditional companion too: from its partner input to the guided stage."""
-    doubled: set[str] = set()
+def cfg_path(graph: Graph) -> dict[str, str]:
+    """Stages that process an unconditional companion too (from its partner input to the
+    guided stage), each mapped to the companion input's name."""
+    doubled: dict[str, str] = {}
     for guided in graph.stages:
         companion = guided.params.get("cfg")
         if not isinstance(companion, Ref):
@@ -29,11 +30,9 @@ def cfg_path(graph: Graph) -> set[str]:
             if graph.node(a).op == INPUT and graph.node(a).params["type"] == kind
         ]
         reach = set().union(*(graph.descendants(p) for p in partners))
-        doubled |= {
-            n
-            for n in reach & (graph.ancestors(guided.name) | {guided.name})
-            if graph.node(n).is_stage
-        }
+        for name in reach & (graph.ancestors(guided.name) | {guided.name}):
+            if graph.node(name).is_stage:
+                doubled[name] = companion.dotted
     return doubled
 
 
@@ -59,6 +58,8 @@ def estimate_costs(graph: Graph, target: Target) -> Graph:
             node.meta["need"] = 0
             continue
         batch = param_value(graph, node, "max_batch") * (2 if node.name in doubled else 1)
+        if node.name in doubled:
+            node.meta["cfg_input"] = doubled[node.name]
         cost = estimate_cost(
             node.meta["config"],
             max_batch=batch,

@@ -1,15 +1,43 @@
 """Choosing a stage's backend: stand-ins on request, `python` stages' own functions, and the
-model backends by kind."""
+model backends by stage kind and the stage's `backend=` parameter.
+
+Model backends live in `omniflow.backends` and are imported only when a stage needs them,
+so an executor never imports diffusers to run a language model.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+
 from omniflow.errors import OmniflowError
-from omniflow.runtime.python_backend import python_backend
+from omniflow.runtime.python_backend import import_function, python_backend
 from omniflow.runtime.stage import Backend, StageSpec
 from omniflow.runtime.standins import standin_backend
 
 # "auto": each stage's own backend; "standin": deterministic stand-ins for every model stage.
 CHOICES = ("auto", "standin")
+
+# (stage kind, backend name) -> "module:class"; the first listed for a kind is its default.
+MODEL_BACKENDS: dict[tuple[str, str], str] = {
+    ("ar", "transformers"): "omniflow.backends.transformers_ar:TransformersAR",
+    ("ar", "vllm"): "omniflow.backends.vllm_ar:VllmAR",
+    ("encoder", "transformers"): "omniflow.backends.encoders:TextEncoder",
+    ("diffusion", "diffusers"): "omniflow.backends.diffusion:DiffusionSteps",
+    ("vae", "diffusers"): "omniflow.backends.diffusion:VaeDecode",
+    ("vocoder", "transformers"): "omniflow.backends.vocoders:Vocoder",
+}
+
+
+def backend_name(spec: StageSpec) -> str:
+    """The backend a model stage runs on: the one it asks for, else vLLM for AR stages where
+    it is installed, else the kind's default."""
+    kind = spec.plan.kind
+    asked = spec.plan.params.get("backend", "auto")
+    if asked != "auto":
+        return asked
+    if kind == "ar" and importlib.util.find_spec("vllm") is not None:
+        return "vllm"
+    return next(name for k, name in MODEL_BACKENDS if k == kind)
 
 
 def load_backend(spec: StageSpec, device: str, choice: str = "auto") -> Backend:
@@ -19,7 +47,11 @@ def load_backend(spec: StageSpec, device: str, choice: str = "auto") -> Backend:
         return standin_backend(spec, device)
     if spec.plan.kind == "python":
         return python_backend(spec, device)
-    raise OmniflowError(
-        f"stage '{spec.plan.name}': no model backend for kind '{spec.plan.kind}' is installed; "
-        "run with backends='standin' to use deterministic stand-ins"
-    )
+    name = backend_name(spec)
+    target = MODEL_BACKENDS.get((spec.plan.kind, name))
+    if target is None:
+        usable = [b for k, b in MODEL_BACKENDS if k == spec.plan.kind]
+        raise OmniflowError(
+            f"stage '{spec.plan.name}': no '{name}' backend for {spec.plan.kind} stages; use {', '.join(usable)}"
+        )
+    return import_function(target)(spec, device)

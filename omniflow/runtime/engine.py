@@ -313,7 +313,10 @@ class _Core:
     def submit(self, request: _Request) -> None:
         self.requests[request.id] = request
         request.open_outputs = {c.dst for c in self.output_channels}
-        params = {s.name: stage_params(self.plan, s, request.params) for s in self.plan.stages}
+        params = {
+            s.name: stage_params(self.plan, s, request.params, request.inputs)
+            for s in self.plan.stages
+        }
         self.broadcast(protocol.Start(request.id, params))
         for channel in self.input_channels:
             self.outbound[channel.name].send(request.id, 0, request.inputs[channel.src], True)

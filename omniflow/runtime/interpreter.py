@@ -28,16 +28,15 @@ class Interpreter:
     def run(self, inputs: dict, params: dict | None = None, request_id: str = "ref") -> dict:
         plan = self.plan
         overrides = check_params(plan, params)
-        values: dict[tuple[str, str], object] = {
-            (name, "out"): v for name, v in prepare_inputs(plan, inputs).items()
-        }
+        given = prepare_inputs(plan, inputs)
+        values: dict[tuple[str, str], object] = {(name, "out"): v for name, v in given.items()}
         for stage in plan.stages:  # the plan lists stages in topological order
             spec = self.specs[stage.name]
             into = [c for c in plan.channels if c.dst == stage.name]
             streams = {c.dst_port: InputStream(c.type) for c in into}
             for c in into:
                 streams[c.dst_port].push(self._through(c, values[c.src, c.src_port]), end=True)
-            call = Call(request_id, stage_params(plan, stage, overrides), streams)
+            call = Call(request_id, stage_params(plan, stage, overrides, given), streams)
             produced = defaultdict(list)
             backend = self.backends[stage.name]
             while not call.finished:

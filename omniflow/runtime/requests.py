@@ -72,5 +72,5 @@ def check_params(plan: Plan, params: dict | None) -> dict:
     return params
 
 
-def stage_params(plan: Plan, stage: StagePlan, overrides: dict) -> dict:
-    return resolve_params(stage.params, plan.params, overrides)
+def stage_params(plan: Plan, stage: StagePlan, overrides: dict, inputs: dict) -> dict:
+    return resolve_params(stage.params, plan.params, overrides, inputs)
