@@ -183,3 +183,21 @@ def test_engine_process_ending_leaves_no_segment_and_no_executor(how, no_leaks):
         from omniflow.runtime.shm_ring import cleanup_stale_segments
 
         cleanup_stale_segments()
+
+
+def test_downstream_starts_on_the_first_chunk_and_short_requests_overtake_long_ones(monkeypatch):
+    monkeypatch.setenv("OMNIFLOW_TEST_DELAY", "0.02")
+    with Engine(chain(chunk=8), "process") as engine:
+        start = time.monotonic()
+        long_stream = engine.stream_sync({"n": "40"})  # 40 steps x 20 ms upstream
+        first = next(long_stream)
+        first_at = time.monotonic() - start
+        short = engine.generate({"n": "3"})  # submitted while the long one streams
+        short_done_at = time.monotonic() - start
+        rest = [c for c in long_stream]
+        long_done_at = time.monotonic() - start
+    assert first.value.flatten().tolist() == [0]
+    assert first_at < long_done_at / 2  # the consumer got chunk one long before the producer ended
+    assert short["out"].flatten().tolist() == [0, 2, 4]
+    assert short_done_at < long_done_at  # a request waiting for chunks does not hold up another
+    assert rest[-1].final
