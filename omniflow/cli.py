@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -24,6 +25,56 @@ def _compile(args: argparse.Namespace) -> int:
     else:
         render_plan(plan, Console(width=args.width, highlight=False), timings=args.timings)
     return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    from omniflow.compiler import compile_file
+    from omniflow.media import png_bytes, wav_bytes
+    from omniflow.runtime.engine import Engine
+
+    plan = compile_file(args.path, devices=args.devices, tiny=args.tiny)
+    inputs = dict(_key_value(item) for item in args.input)
+    params = {k: json.loads(v) for k, v in map(_key_value, args.param)}
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    backends = "standin" if args.standin else "auto"
+    with Engine(plan, args.mode, backends=backends) as engine:
+        outputs = engine.generate(inputs, params)
+    for port in plan.outputs:
+        value = outputs.get(port.name)
+        if value is None:
+            continue
+        if port.type in ("text", "chat"):
+            path, data = out_dir / f"{port.name}.txt", str(value).encode()
+        elif port.type == "audio":
+            path, data = (
+                out_dir / f"{port.name}.wav",
+                wav_bytes(value, port.attrs.get("rate", 24000)),
+            )
+        elif port.type == "image":
+            path, data = out_dir / f"{port.name}.png", png_bytes(value)
+        else:
+            path, data = out_dir / f"{port.name}.pt", _tensor_bytes(value)
+        path.write_bytes(data)
+        print(f"{port.name}: {path}" + (f"  {value!r}" if port.type == "text" else ""))
+    return 0
+
+
+def _key_value(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise OmniflowError(f"expected NAME=VALUE, not '{item}'")
+    return key, value
+
+
+def _tensor_bytes(value) -> bytes:
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -48,12 +99,30 @@ def make_parser() -> argparse.ArgumentParser:
     comp.add_argument("--timings", action="store_true", help="print how long each pass took")
     comp.add_argument("--width", type=int, default=None, help=argparse.SUPPRESS)
     comp.set_defaults(run=_compile)
+    run = sub.add_parser("run", help="run one request through a pipeline and write its outputs")
+    run.add_argument("path", help="the .omni file")
+    run.add_argument("--devices", default="cpu")
+    run.add_argument(
+        "--tiny", action="store_true", help="use the built-in tiny models of the same architectures"
+    )
+    run.add_argument(
+        "--standin", action="store_true", help="deterministic stand-in stages instead of models"
+    )
+    run.add_argument("--mode", default="process", choices=("process", "inprocess"))
+    run.add_argument(
+        "--input", action="append", default=[], metavar="NAME=VALUE", help="a text input"
+    )
+    run.add_argument(
+        "--param", action="append", default=[], metavar="NAME=JSON", help="a parameter override"
+    )
+    run.add_argument("--out", default="out", help="folder for the outputs (text, WAV, PNG)")
+    run.set_defaults(run=_run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    if args.command == "compile" and not Path(args.path).is_file():
+    if not Path(args.path).is_file():
         print(f"omniflow: error: no such file: {args.path}", file=sys.stderr)
         return 2
     try:
