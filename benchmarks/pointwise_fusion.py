@@ -32,7 +32,9 @@ CHAINS = {
 def as_torch_function(chain) -> callable:
     """The chain as a plain function of torch ops (what torch.compile can trace and fuse)."""
     out = chain_out_dtype("float32", list(chain))
-    return eval(f"lambda x: ({chain_expression(chain)}).to(torch.{out})", {**_TORCH_NS, "torch": torch})  # noqa: S307
+    return eval(
+        f"lambda x: ({chain_expression(chain)}).to(torch.{out})", {**_TORCH_NS, "torch": torch}
+    )  # noqa: S307
 
 
 def _time_ms(fn, x, iters: int) -> float:
