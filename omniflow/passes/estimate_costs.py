@@ -8,32 +8,10 @@ weights + KV cache + activations, or the explicit `memory=` the program gives.
 from __future__ import annotations
 
 from omniflow.devices import parse_size
-from omniflow.ir.graph import INPUT, Graph, Node
-from omniflow.ir.values import Ref
+from omniflow.ir.graph import Graph, Node
 from omniflow.models.costs import estimate_cost
-from omniflow.passes.infer_types import param_value, stage_dtype
+from omniflow.passes.infer_types import cfg_path, param_value, stage_dtype
 from omniflow.passes.pipeline import Target
-
-
-def cfg_path(graph: Graph) -> dict[str, str]:
-    """Stages that process an unconditional companion too (from its partner input to the
-    guided stage), each mapped to the companion input's name."""
-    doubled: dict[str, str] = {}
-    for guided in graph.stages:
-        companion = guided.params.get("cfg")
-        if not isinstance(companion, Ref):
-            continue
-        kind = graph.node(companion.dotted).params["type"]
-        partners = [
-            a
-            for a in graph.ancestors(guided.name)
-            if graph.node(a).op == INPUT and graph.node(a).params["type"] == kind
-        ]
-        reach = set().union(*(graph.descendants(p) for p in partners))
-        for name in reach & (graph.ancestors(guided.name) | {guided.name}):
-            if graph.node(name).is_stage:
-                doubled[name] = companion.dotted
-    return doubled
 
 
 def _sequence_length(graph: Graph, node: Node) -> int:

@@ -14,7 +14,7 @@ from omniflow.errors import GraphError
 from omniflow.ir.graph import INPUT, INPUT_PORT, Graph, Node
 from omniflow.ir.kinds import KINDS, stage_ports
 from omniflow.ir.types import TensorSpec
-from omniflow.ir.values import resolve
+from omniflow.ir.values import Ref, resolve
 from omniflow.kernels.pointwise_ops import chain_out_dtype
 from omniflow.passes.pipeline import Target
 
@@ -78,7 +78,10 @@ def _stage_spec(graph: Graph, node: Node, port: str) -> PortSpec:
             "kv": PortSpec(TensorSpec(dtype, (layers, 2, kv_heads, head_dim)), value("max_len")),
         }[port]
     if node.op == "encoder":
-        return PortSpec(TensorSpec(dtype, (value("max_len"), cfg.hidden_size)), 1)
+        # Each step is one prompt's embeddings after a length header position; a stage on a
+        # guidance path sends two steps (the prompt and its companion).
+        steps = 2 if node.name in cfg_path(graph) else 1
+        return PortSpec(TensorSpec(dtype, (1 + value("max_len"), cfg.hidden_size)), steps)
     if node.op == "diffusion":
         scale = cfg.vae_scale_factor
         shape = (cfg.latent_channels, value("height") // scale, value("width") // scale)
@@ -92,6 +95,27 @@ def _stage_spec(graph: Graph, node: Node, port: str) -> PortSpec:
     if node.op == "vocoder":
         return PortSpec(TensorSpec("float32", (cfg.samples_per_frame,)), value("max_len"))
     raise GraphError(f"no shape rule for {node.op}.{port}", node.span)
+
+
+def cfg_path(graph: Graph) -> dict[str, str]:
+    """Stages that process an unconditional companion too (from its partner input to the
+    guided stage), each mapped to the companion input's name."""
+    doubled: dict[str, str] = {}
+    for guided in graph.stages:
+        companion = guided.params.get("cfg")
+        if not isinstance(companion, Ref):
+            continue
+        kind = graph.node(companion.dotted).params["type"]
+        partners = [
+            a
+            for a in graph.ancestors(guided.name)
+            if graph.node(a).op == INPUT and graph.node(a).params["type"] == kind
+        ]
+        reach = set().union(*(graph.descendants(p) for p in partners))
+        for name in reach & (graph.ancestors(guided.name) | {guided.name}):
+            if graph.node(name).is_stage:
+                doubled[name] = companion.dotted
+    return doubled
 
 
 def _out_spec(graph: Graph, node: Node, port: str) -> PortSpec:

@@ -33,7 +33,7 @@ from omniflow.plan import ChannelPlan, Plan
 from omniflow.runtime import protocol
 from omniflow.runtime.executor import Executor, serve
 from omniflow.runtime.links import Inbound, Outbound, Waker, wait
-from omniflow.runtime.requests import check_params, prepare_inputs, stage_params
+from omniflow.runtime.requests import RequestFailed, check_params, prepare_inputs, stage_params
 from omniflow.runtime.shm_ring import (
     ShmConsumer,
     ShmProducer,
@@ -49,10 +49,6 @@ TICK_S = 0.05
 
 class EngineError(OmniflowError):
     """The engine cannot run the plan (an executor failed to start, or the engine is closed)."""
-
-
-class RequestFailed(OmniflowError):
-    """A request failed in a stage, or its executor died; the message says where and why."""
 
 
 class RequestCancelled(OmniflowError):

@@ -30,6 +30,7 @@ from omniflow.runtime import protocol
 from omniflow.runtime.backends import load_backend
 from omniflow.runtime.edges import StreamWriter, apply_maps
 from omniflow.runtime.links import Inbound, Outbound, Waker, wait
+from omniflow.runtime.requests import describe
 from omniflow.runtime.shm_ring import ShmConsumer, ShmProducer
 from omniflow.runtime.stage import Backend, Call, InputStream, StageSpec
 
@@ -100,7 +101,7 @@ class StageRunner:
             ]
             call.emitted.clear()
             if call.error is not None:
-                events.append(Event(call.request_id, self.name, error=_describe(call.error)))
+                events.append(Event(call.request_id, self.name, error=describe(call.error)))
                 self.drop(call.request_id)
             elif call.finished:
                 events.append(Event(call.request_id, self.name, finished=True))
@@ -125,10 +126,6 @@ class StageRunner:
 
     def purge(self, now: float) -> None:
         self.tombstones = {r: t for r, t in self.tombstones.items() if now - t < TOMBSTONE_S}
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
 
 
 class Executor:

@@ -12,7 +12,13 @@ from omniflow.errors import OmniflowError
 from omniflow.plan import Plan
 from omniflow.runtime.backends import load_backend
 from omniflow.runtime.edges import apply_maps
-from omniflow.runtime.requests import check_params, prepare_inputs, stage_params
+from omniflow.runtime.requests import (
+    RequestFailed,
+    check_params,
+    describe,
+    prepare_inputs,
+    stage_params,
+)
 from omniflow.runtime.stage import Call, InputStream, StageSpec
 from omniflow.runtime.values import concat
 
@@ -45,6 +51,9 @@ class Interpreter:
                         f"stage '{stage.name}' waits for input that will never come"
                     )
                 backend.step([call])
+                if call.error is not None:
+                    backend.drop(call)
+                    raise RequestFailed(f"stage '{stage.name}' failed: {describe(call.error)}")
                 for port, value in call.emitted:
                     produced[port].append(value)
                 call.emitted.clear()

@@ -12,6 +12,14 @@ class RequestError(OmniflowError):
     """A request does not fit the pipeline (unknown or missing input, bad parameter)."""
 
 
+class RequestFailed(OmniflowError):
+    """A request failed in a stage, or its executor died; the message says where and why."""
+
+
+def describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
 def prepare_inputs(plan: Plan, inputs: dict) -> dict:
     """Every input of the pipeline with its value: given, else its default; type-checked."""
     known = {i.name: i for i in plan.inputs}

@@ -58,6 +58,7 @@ def text_to_image():
     p = Pipeline("text_to_image", model="Qwen/Qwen-Image")
     steps, scale = p.param("steps", 50), p.param("guidance_scale", 4.0)
     height, width = p.param("height", 1024), p.param("width", 1024)
+    seed = p.param("seed", 0)
     encoder = p.stage("encoder", "encoder", component="text_encoder", max_batch=16)
     negative = p.input("negative_prompt", "text", default=" ")
     dit = p.stage(
@@ -70,6 +71,7 @@ def text_to_image():
         cfg=negative,
         height=height,
         width=width,
+        seed=seed,
     )
     vae = p.stage("vae", "vae", component="vae", max_batch=8)
     p.flow(p.input("prompt", "text"), encoder)

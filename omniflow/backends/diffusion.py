@@ -1,0 +1,355 @@
+"""The diffusers stage backends: step-wise denoising (`DiffusionSteps`) and latent decoding
+(`VaeDecode`), and what they share with the text encoder (`omniflow.backends.encoders`):
+loading some parts of a diffusers pipeline, and the layout prompt embeddings travel in.
+
+Supported pipelines: Qwen-Image (`QwenImagePipeline`). Each stage loads the pipeline with
+only its own parts and calls the pipeline's own helpers (prompt encoding, latent
+preparation and packing, the resolution-dependent timestep shift), so a request gives what
+the pipeline's `__call__` gives for the same prompt, seed and settings.
+
+`DiffusionSteps` runs one denoising step of every request it is handed per `step()`:
+
+- prepare (a request's first step): its conditioning is copied out of the input chunk; its
+  latents are drawn from its own `torch.Generator` seeded with `seed` (0 when the request
+  gives none, so every mode agrees) by the pipeline's `prepare_latents`; its scheduler is
+  its own copy of the pipeline's, set to the pipeline's sigmas and shift `mu`.
+  `FlowMatchEulerDiscreteScheduler` keeps a step index, so a shared one would advance once
+  per request and step every request with the wrong sigma.
+- denoise: one transformer forward per image size over every request in the batch (the
+  transformer's RoPE takes one image shape per forward, so sizes cannot mix). Each request
+  brings its conditional row and, under guidance, its unconditional row — two rows of the
+  same forward — each row with its own timestep: the transformer embeds a timestep vector,
+  so requests at different steps batch together. Text rows are zero-padded to the longest
+  and masked when their lengths differ.
+- scheduler step: per request, on its own scheduler, after Qwen-Image's true classifier-free
+  guidance (`guidance` > 1 and a negative prompt): `uncond + guidance * (cond - uncond)`,
+  rescaled to the conditional prediction's norm.
+
+After its last step a request emits `latents` `[1, C, H/8, W/8]` (the plan's item
+`[C, H/8, W/8]`): unpacked from the transformer's 2x2 patches, still normalised — the VAE
+stage applies the VAE's latent statistics. `VaeDecode` decodes every request of a batch
+that shares a latent size in one forward and emits `image` `[1, H, W, 3]` in [-1, 1].
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKLQwenImage, DiffusionPipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+from omniflow.errors import OmniflowError
+from omniflow.ir.kinds import KINDS
+from omniflow.models.resolve import model_path
+from omniflow.models.tiny_recipes import quiet
+from omniflow.runtime.stage import Backend, Call, StageSpec
+
+SUPPORTED_PIPELINES = ("QwenImagePipeline",)
+# An unseeded request still draws the same noise in every mode and every run.
+DEFAULT_SEED = 0
+# Prompt lengths travel as two base-256 digits: integers up to 256 are exact in bfloat16.
+_DIGIT = 256
+
+
+class DiffusersBackendError(OmniflowError):
+    """A diffusers stage cannot load its model or cannot serve a request."""
+
+
+def load_pipeline(spec: StageSpec, device: str, parts: tuple[str, ...]):
+    """The stage's diffusers pipeline with only `parts` loaded, on `device`.
+
+    The stage's `component` must be the first of `parts`: the pipeline's helpers reach
+    their models by those attribute names.
+    """
+    plan = spec.plan
+    if plan.model is None:
+        raise DiffusersBackendError(f"stage '{plan.name}' names no model")
+    if plan.component is not None and plan.component != parts[0]:
+        raise DiffusersBackendError(
+            f"stage '{plan.name}': a diffusers {plan.kind} stage runs the pipeline's "
+            f"'{parts[0]}', not '{plan.component}'"
+        )
+    path = model_path(plan.model)
+    index = _model_index(plan, path)
+    skipped = {
+        name: None
+        for name, entry in index.items()
+        if not name.startswith("_") and isinstance(entry, list) and name not in parts
+    }
+    dtype = plan.params.get("dtype")
+    with quiet():
+        pipe = DiffusionPipeline.from_pretrained(
+            path, torch_dtype=getattr(torch, dtype) if dtype else None, **skipped
+        )
+    return pipe.to(device)
+
+
+def _model_index(plan, path: str) -> dict:
+    index_file = Path(path) / "model_index.json"
+    try:
+        index = json.loads(index_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise DiffusersBackendError(
+            f"stage '{plan.name}': '{plan.model}' is not a diffusers pipeline directory "
+            f"(cannot read {index_file}: {err})"
+        ) from err
+    name = index.get("_class_name")
+    if name not in SUPPORTED_PIPELINES:
+        raise DiffusersBackendError(
+            f"stage '{plan.name}': '{plan.model}' is a {name}; the diffusers backend runs "
+            f"{', '.join(SUPPORTED_PIPELINES)}"
+        )
+    return index
+
+
+def pack_prompts(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Prompt embeddings `[n_i, H]` (prompt, then negative prompt) as one `hidden` value
+    `[k, 1 + max n_i, H]`: per row a header (`[0, 0]` = n % 256, `[0, 1]` = n // 256, the
+    rest zero) then the embeddings, zero-padded."""
+    longest = max(r.shape[0] for r in rows)
+    out = rows[0].new_zeros(len(rows), 1 + longest, rows[0].shape[1])
+    for i, row in enumerate(rows):
+        n = row.shape[0]
+        out[i, 0, 0], out[i, 0, 1] = n % _DIGIT, n // _DIGIT
+        out[i, 1 : 1 + n] = row
+    return out
+
+
+def unpack_prompts(hidden: torch.Tensor) -> list[torch.Tensor]:
+    """`pack_prompts`' inverse: each row's embeddings `[n_i, H]`, copied out of `hidden`."""
+    if hidden.dim() != 3 or not 1 <= hidden.shape[0] <= 2 or hidden.shape[1] < 2:
+        raise DiffusersBackendError(
+            f"conditioning of shape {list(hidden.shape)} is not the diffusers text encoder's "
+            "[1 or 2, 1 + tokens, hidden] layout"
+        )
+    lengths = (hidden[:, 0, 0].double() + _DIGIT * hidden[:, 0, 1].double()).round().long()
+    if not all(1 <= n < hidden.shape[1] for n in lengths.tolist()):
+        raise DiffusersBackendError(
+            f"conditioning headers give {lengths.tolist()} tokens for rows of "
+            f"{hidden.shape[1] - 1}: not the diffusers text encoder's layout"
+        )
+    return [hidden[i, 1 : 1 + n].clone() for i, n in enumerate(lengths.tolist())]
+
+
+def _param(call: Call, kind: str, key: str):
+    value = call.params.get(key)
+    return KINDS[kind].params[key].default if value is None else value
+
+
+@dataclass
+class _Denoising:
+    """One request's state between steps."""
+
+    prompts: list[torch.Tensor]  # [tokens, H]: the prompt's, then the negative prompt's
+    guidance: float
+    height: int
+    width: int
+    generator: torch.Generator
+    scheduler: object
+    timesteps: torch.Tensor
+    latents: torch.Tensor  # packed, [1, patches, C * 4]
+    index: int = 0
+
+    @property
+    def guided(self) -> bool:
+        return self.guidance > 1 and len(self.prompts) == 2
+
+
+class DiffusionSteps(Backend):
+    """The denoising loop of a diffusers pipeline, one step per `step()`, batched across
+    requests at any step."""
+
+    def __init__(self, spec: StageSpec, device: str):
+        super().__init__(spec, device)
+        unknown = set(spec.inputs) - {"cond"}
+        if unknown:
+            raise DiffusersBackendError(
+                f"stage '{spec.plan.name}': the diffusers denoiser takes only 'cond' "
+                f"(text conditioning), not {', '.join(sorted(unknown))}"
+            )
+        self.pipe = load_pipeline(spec, device, ("transformer", "scheduler"))
+        self.transformer = self.pipe.transformer
+        if self.transformer.config.guidance_embeds:
+            raise DiffusersBackendError(
+                f"stage '{spec.plan.name}': guidance-distilled transformers "
+                "(guidance_embeds=True) are not supported"
+            )
+        # The pipeline derives this from the VAE, which this stage does not load.
+        self.pipe.vae_scale_factor = _vae_scale_factor(model_path(spec.plan.model))
+        # Image pixels per side of one transformer patch: sizes must be multiples of it.
+        self.patch_pixels = self.pipe.vae_scale_factor * 2
+
+    def ready(self, call: Call) -> bool:
+        return "denoising" in call.state or call.inputs["cond"].ended
+
+    def step(self, calls: list[Call]) -> None:
+        with torch.no_grad():
+            running = [c for c in calls if "denoising" in c.state or self._prepare(c)]
+            groups = defaultdict(list)
+            for call in running:
+                state = call.state["denoising"]
+                groups[state.height, state.width].append(call)
+            for group in groups.values():
+                self._denoise(group)
+
+    def drop(self, call: Call) -> None:
+        call.state.pop("denoising", None)
+
+    def _prepare(self, call: Call) -> bool:
+        """Set up `call`'s latents and scheduler; False (and the call failed) if it cannot run."""
+        try:
+            hidden = call.inputs["cond"].take()
+            if hidden is None:
+                raise DiffusersBackendError("no conditioning arrived")
+            prompts = [p.to(self.device, self.transformer.dtype) for p in unpack_prompts(hidden)]
+            steps, height, width = (
+                _param(call, "diffusion", k) for k in ("steps", "height", "width")
+            )
+            guidance = float(_param(call, "diffusion", "guidance"))
+            self._check(steps, height, width)
+        except DiffusersBackendError as err:
+            call.fail(err)
+            return False
+        seed = call.params.get("seed")
+        generator = torch.Generator().manual_seed(DEFAULT_SEED if seed is None else seed)
+        latents = self.pipe.prepare_latents(
+            1,
+            self.transformer.config.in_channels // 4,
+            height,
+            width,
+            self.transformer.dtype,
+            self.device,
+            generator,
+        )
+        scheduler = self.pipe.scheduler.__class__.from_config(self.pipe.scheduler.config)
+        config = scheduler.config
+        mu = calculate_shift(
+            latents.shape[1],
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
+        timesteps, _ = retrieve_timesteps(
+            scheduler, steps, self.device, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu
+        )
+        scheduler.set_begin_index(0)
+        call.state["denoising"] = _Denoising(
+            prompts, guidance, height, width, generator, scheduler, timesteps, latents
+        )
+        return True
+
+    def _check(self, steps, height, width) -> None:
+        if not isinstance(steps, int) or steps < 1:
+            raise DiffusersBackendError(f"steps must be a positive integer, not {steps!r}")
+        for name, size in (("height", height), ("width", width)):
+            if not isinstance(size, int) or size < self.patch_pixels or size % self.patch_pixels:
+                raise DiffusersBackendError(
+                    f"{name} must be a positive multiple of {self.patch_pixels} "
+                    f"(VAE scale x patch size), not {size!r}"
+                )
+
+    def _denoise(self, calls: list[Call]) -> None:
+        """One transformer forward over the rows of `calls` (one image size), then each
+        request's guidance and scheduler step."""
+        states = [c.state["denoising"] for c in calls]
+        rows = [(s, p) for s in states for p in (s.prompts if s.guided else s.prompts[:1])]
+        lengths = [p.shape[0] for _, p in rows]
+        text = rows[0][1].new_zeros(len(rows), max(lengths), rows[0][1].shape[1])
+        mask = torch.zeros(len(rows), max(lengths), dtype=torch.long, device=text.device)
+        for i, (_, prompt) in enumerate(rows):
+            text[i, : prompt.shape[0]] = prompt
+            mask[i, : prompt.shape[0]] = 1
+        timesteps = torch.stack([s.timesteps[s.index] for s, _ in rows])
+        height, width = (
+            states[0].height // self.patch_pixels,
+            states[0].width // self.patch_pixels,
+        )
+        noise = self.transformer(
+            hidden_states=torch.cat([s.latents for s, _ in rows]),
+            timestep=timesteps.to(states[0].latents.dtype) / 1000,
+            guidance=None,
+            # The pipeline passes no mask when no token is padding; neither do we.
+            encoder_hidden_states_mask=None if mask.all() else mask,
+            encoder_hidden_states=text,
+            img_shapes=[[(1, height, width)]] * len(rows),
+            return_dict=False,
+        )[0]
+        row = 0
+        for call, state in zip(calls, states, strict=True):
+            prediction = noise[row : row + 1]
+            if state.guided:
+                prediction = _true_cfg(prediction, noise[row + 1 : row + 2], state.guidance)
+            row += 2 if state.guided else 1
+            state.latents = state.scheduler.step(
+                prediction,
+                state.timesteps[state.index],
+                state.latents,
+                generator=state.generator,
+                return_dict=False,
+            )[0]
+            state.index += 1
+            if state.index == len(state.timesteps):
+                latents = self.pipe._unpack_latents(
+                    state.latents, state.height, state.width, self.pipe.vae_scale_factor
+                )
+                call.emit("latents", latents[:, :, 0].float())
+                call.finish()
+
+
+def _true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """Qwen-Image's true classifier-free guidance, as its pipeline computes it."""
+    combined = uncond + scale * (cond - uncond)
+    cond_norm = torch.norm(cond, dim=-1, keepdim=True)
+    noise_norm = torch.norm(combined, dim=-1, keepdim=True)
+    return combined * (cond_norm / noise_norm)
+
+
+def _vae_scale_factor(path: str) -> int:
+    """Qwen-Image's VAE scale factor, `2 ** len(temperal_downsample)`, from the VAE's config."""
+    config = AutoencoderKLQwenImage.load_config(path, subfolder="vae")
+    return 2 ** len(config["temperal_downsample"])
+
+
+class VaeDecode(Backend):
+    """Latents to pixels with the pipeline's VAE, batched across requests of one size."""
+
+    def __init__(self, spec: StageSpec, device: str):
+        super().__init__(spec, device)
+        if set(spec.outputs) - {"image"}:
+            raise DiffusersBackendError(
+                f"stage '{spec.plan.name}': the diffusers VAE decodes images only"
+            )
+        self.vae = load_pipeline(spec, device, ("vae",)).vae
+        config = self.vae.config
+        shape = (1, config.z_dim, 1, 1, 1)
+        self.mean = torch.tensor(config.latents_mean).view(shape).to(device, self.vae.dtype)
+        # The pipeline divides by the reciprocal of the std; so do we, for the same bits.
+        self.inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(device, self.vae.dtype)
+
+    def ready(self, call: Call) -> bool:
+        return call.inputs["latents"].ended
+
+    def step(self, calls: list[Call]) -> None:
+        groups = defaultdict(list)
+        for call in calls:
+            latents = call.inputs["latents"].take()
+            if latents is None or latents.dim() != 4 or latents.shape[0] != 1:
+                shape = None if latents is None else list(latents.shape)
+                call.fail(DiffusersBackendError(f"expected latents [1, C, h, w], got {shape}"))
+                continue
+            groups[tuple(latents.shape)].append((call, latents))
+        with torch.no_grad():
+            for group in groups.values():
+                latents = torch.cat([lat for _, lat in group]).to(self.device, self.vae.dtype)
+                latents = latents[:, :, None] / self.inv_std + self.mean
+                images = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
+                images = images.permute(0, 2, 3, 1).float()
+                for i, (call, _) in enumerate(group):
+                    call.emit("image", images[i : i + 1].contiguous())
+                    call.finish()

@@ -1,0 +1,85 @@
+"""Encoder stage backends: `TextEncoder`, a diffusers pipeline's own prompt encoding.
+
+For Qwen-Image the pipeline's `encode_prompt` does the work: the prompt goes into the
+pipeline's chat template, the Qwen2.5-VL text encoder's last hidden states are taken, the
+template's system-prefix tokens are dropped, and each prompt keeps its own length, at most
+the stage's `max_len` tokens (1024 unless the program says otherwise; the pipeline's
+`__call__` cuts at 512, so only longer prompts differ from its default). One forward
+encodes every prompt of a batch; on a guidance path (`call.params["cfg"]`, the negative
+prompt's text) it encodes the negative prompt too, whatever the guidance scale — this stage
+does not see it.
+
+What a request emits on `hidden`, in the text encoder's dtype, is one value
+`[k, 1 + n, H]` (`pack_prompts` in `omniflow.backends.diffusion` writes it and
+`unpack_prompts` reads it):
+
+- k = 1 (the prompt) or 2 (the prompt, then the negative prompt on a guidance path);
+- n is the longer of the two prompts' token counts;
+- row i, position 0 is a header: `[i, 0, 0]` = n_i % 256 and `[i, 0, 1]` = n_i // 256,
+  n_i being that prompt's token count (small integers, exact in every float dtype); the
+  rest of the header is zero;
+- row i, positions 1 .. n_i are its embeddings, and the positions after them are zero.
+
+The denoiser turns the header back into each row's length and the attention mask its
+transformer needs when rows of different lengths share a forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omniflow.backends.diffusion import DiffusersBackendError, load_pipeline, pack_prompts
+from omniflow.ir.kinds import KINDS
+from omniflow.runtime.stage import Backend, Call, StageSpec
+
+
+class TextEncoder(Backend):
+    """A diffusers pipeline's text encoder: prompt (and negative prompt) to embeddings."""
+
+    def __init__(self, spec: StageSpec, device: str):
+        super().__init__(spec, device)
+        name = spec.plan.name
+        if spec.inputs != {"prompt": "text"}:
+            given = ", ".join(f"{p}: {t}" for p, t in spec.inputs.items())
+            raise DiffusersBackendError(
+                f"stage '{name}': the diffusers text encoder takes one text prompt, not {given}"
+            )
+        self.pipe = load_pipeline(spec, device, ("text_encoder", "tokenizer"))
+        self.max_len = spec.plan.params.get("max_len", KINDS["encoder"].params["max_len"].default)
+        if not 1 <= self.max_len <= self.pipe.tokenizer_max_length:
+            raise DiffusersBackendError(
+                f"stage '{name}': max_len must be 1..{self.pipe.tokenizer_max_length} "
+                f"for this pipeline, not {self.max_len}"
+            )
+
+    def ready(self, call: Call) -> bool:
+        return call.inputs_ended()
+
+    def step(self, calls: list[Call]) -> None:
+        texts: list[str] = []
+        owners: list[tuple[Call, range]] = []
+        for call in calls:
+            negative = call.params.get("cfg")
+            if negative is not None and not isinstance(negative, str):
+                kind = type(negative).__name__
+                call.fail(
+                    DiffusersBackendError(
+                        f"the guidance companion must be a text (a negative prompt), not {kind}"
+                    )
+                )
+                continue
+            # An empty text stream is the empty prompt.
+            mine = [call.inputs["prompt"].take() or ""]
+            mine += [] if negative is None else [negative]
+            owners.append((call, range(len(texts), len(texts) + len(mine))))
+            texts += mine
+        if not texts:
+            return
+        with torch.no_grad():
+            embeds, mask = self.pipe.encode_prompt(
+                texts, device=self.device, max_sequence_length=self.max_len
+            )
+        lengths = [embeds.shape[1]] * len(texts) if mask is None else mask.sum(dim=1).tolist()
+        for call, rows in owners:
+            call.emit("hidden", pack_prompts([embeds[i, : lengths[i]] for i in rows]))
+            call.finish()
