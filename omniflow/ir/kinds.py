@@ -82,6 +82,7 @@ KINDS: dict[str, StageKind] = {
                 **_SAMPLING,
                 "max_len": ParamSpec(_INT, 4096),
                 "role": ParamSpec(_STR, "both", choices=("both", "prefill", "decode")),
+                "speaker": ParamSpec(_STR),
             },
         ),
         _kind(
@@ -117,7 +118,7 @@ KINDS: dict[str, StageKind] = {
             "codec frames to waveform, decoded in chunks with left context",
             {"codes": ("codes",), "hidden": ("hidden",)},
             {"audio": "audio"},
-            {"max_len": ParamSpec(_INT, 4096)},
+            {"max_len": ParamSpec(_INT, 4096), "speaker": ParamSpec(_STR), "seed": ParamSpec(_INT)},
         ),
         _kind(
             "python",

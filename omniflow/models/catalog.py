@@ -7,7 +7,7 @@ came from. Resolution order:
 
 1. `model` is a local directory: its `config.json` (transformers; a multi-part model's
    component is picked out of it by name) or `model_index.json` + `<component>/config.json`
-   (diffusers).
+   (diffusers pipelines, and multi-part speech models such as tiny:tts).
 2. The local Hugging Face hub cache (`HF_HUB_CACHE`, `HF_HOME/hub` or
    `~/.cache/huggingface/hub`): `models--org--name/snapshots/<rev>/`, read as in 1.
 3. The builtin catalog below: the published config.json files of the models omniflow's
@@ -150,6 +150,8 @@ class ComponentConfig:
 
 def samples_per_frame(config: Mapping[str, Any]) -> int | None:
     """Total upsampling of a vocoder config, in any of the layouts the catalog knows."""
+    if config.get("samples_per_frame"):
+        return config["samples_per_frame"]
     if config.get("decode_upsample_rate"):
         return config["decode_upsample_rate"]
     if "upsample_rates" in config:
@@ -431,6 +433,11 @@ _PARTS: dict[str, dict[str, _Part]] = {
     },
 }
 
+# model_type of the audio codecs transformers ships; in a multi-part model they are the vocoder.
+CODEC_TYPES = ("dac", "mimi", "encodec")
+# Keys of a multi-part model's model_index.json that its parts' configs may lack.
+_INDEX_FACTS = ("num_code_groups", "sample_rate", "samples_per_frame")
+
 # Key spellings normalised to the catalog's (transformers' attribute_map for MoE and
 # GPT-2-style configs).
 _ALIASES = {
@@ -480,6 +487,8 @@ def _load_diffusers(model, component, files, index, source) -> ComponentConfig:
     component = _require_component(model, component, available)
     config = dict(files.json(f"{component}/config.json"))
     class_name = config.get("_class_name")
+    if class_name is None and not str(index.get("_class_name", "")).endswith("Pipeline"):
+        return _load_speech_part(model, component, config, index, files, source)
     if class_name is None:
         return _load_text_encoder(model, component, config, files, source)
     if class_name.startswith("Autoencoder"):
@@ -495,6 +504,23 @@ def _load_diffusers(model, component, files, index, source) -> ComponentConfig:
             f"model '{model}': component '{component}' is a {class_name}, which omniflow "
             "cannot estimate (known: DiT transformers, autoencoders, transformers text encoders)"
         )
+    requests = {"num_parameters": (component, ("",))}
+    return _finish(model, component, family, config, files, requests, _dtype_of(config), source)
+
+
+def _load_speech_part(model, component, config, index, files, source) -> ComponentConfig:
+    """A transformers part of a multi-part model that is not a diffusers pipeline (tiny:tts:
+    a codec LM and its codec). A codec is the vocoder, any other part a language model; the
+    index's audio facts (codebooks per frame, sample rate, samples per frame) fill in what
+    the part's own config does not say.
+    """
+    for key in _INDEX_FACTS:
+        if key in index:
+            config.setdefault(key, index[key])
+    if config.get("model_type") in CODEC_TYPES:
+        family = "vocoder"
+    else:
+        family = _lm_family(_normalised(config), model)
     requests = {"num_parameters": (component, ("",))}
     return _finish(model, component, family, config, files, requests, _dtype_of(config), source)
 

@@ -16,6 +16,8 @@ def omni_chat():
     p = Pipeline("omni_chat", model="Qwen/Qwen2.5-Omni-7B")
     p.param("max_tokens", 2048)
     p.param("temperature", 0.0)
+    p.param("speaker", "Chelsie")
+    p.param("seed", 0)
     thinker = p.stage(
         "thinker",
         "ar",
@@ -24,8 +26,11 @@ def omni_chat():
         max_tokens=param("max_tokens"),
         temperature=param("temperature"),
     )
-    talker = p.stage("talker", "ar", component="talker", max_batch=32)
-    code2wav = p.stage("code2wav", "vocoder", component="token2wav", max_batch=64)
+    speaker = param("speaker")
+    talker = p.stage("talker", "ar", component="talker", max_batch=32, speaker=speaker)
+    code2wav = p.stage(
+        "code2wav", "vocoder", component="token2wav", max_batch=64, speaker=speaker, seed=param("seed")
+    )
     p.flow(p.input("prompt", "chat"), thinker)
     p.flow(thinker.hidden, talker, stream=True, chunk=1, adapter="qwen_omni.thinker_to_talker")
     p.flow(talker.codes, code2wav, stream=True, chunk=auto, context=25)

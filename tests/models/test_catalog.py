@@ -125,6 +125,24 @@ def test_shape_facts_of_the_tts_model():
     )
 
 
+def test_tiny_tts_parts_are_a_codec_lm_and_its_codec():
+    """tiny:tts is a model index of transformers parts, not a diffusers pipeline: its talker
+    is a decoder LM, its DAC the vocoder, and the index supplies the audio facts."""
+    talker = load_component_config("tiny:tts", "talker")
+    assert talker.family == "decoder_lm"
+    assert (talker.hidden_size, talker.vocab_size, talker.num_codebooks) == (64, 896, 1)
+    code2wav = load_component_config("tiny:tts", "code2wav")
+    assert code2wav.family == "vocoder"
+    assert (code2wav.sample_rate, code2wav.samples_per_frame, code2wav.num_codebooks) == (
+        24000,
+        1920,
+        1,
+    )
+    assert code2wav.frame_rate == 12.5
+    assert (code2wav.dtype, code2wav.config["num_parameters"]) == ("float32", 212_305)
+    assert estimate_cost(code2wav, max_batch=2, max_len=64).total_bytes > 0
+
+
 def test_shape_facts_of_the_image_models():
     dit = load_component_config("Qwen/Qwen-Image", "transformer")
     assert (dit.latent_channels, dit.vae_scale_factor, dit.patch_size) == (16, 8, 2)

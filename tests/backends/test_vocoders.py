@@ -1,0 +1,457 @@
+"""The vocoder backend on the tiny checkpoints' real decoders (DAC, Qwen2.5-Omni token2wav)
+and on tiny random Mimi and EnCodec codecs: streamed decoding with left context and
+lookahead gives the whole-utterance decode, batched forwards give what requests give one
+by one, bad requests fail alone, and the runtime's TTS audio is `reference_tts`'s.
+
+Tolerances, and the errors measured on 2 CPU cores (max |streamed - whole|, waveforms of
+std ~0.3 clamped to +-1):
+- DAC, 9 frames of lookahead and 25 of context (its reach is 9 each way): 1.4e-5. The
+  arithmetic is the same; windows of other lengths take other conv kernels' summation
+  orders through ~30 layers of unit-scale activations. Tolerance 1e-4 (Mimi too).
+- token2wav, two DiT blocks (24 codes) of context and lookahead: 9.5e-5 against
+  `Qwen2_5OmniForConditionalGeneration.generate`'s waveform (its own DiT pass order alone
+  gives 9e-6). The DiT is not local (each of its 36 passes looks one block each way), so
+  this is truncation, not rounding. Tolerance 5e-4. One block of lookahead (Qwen's own
+  streaming setting) is measured too: 9.3e-3.
+- batched vs one by one: up to 1.5e-5 (DAC), the same rounding; padding that leaked into
+  kept samples would show as errors of 0.1 to 1 (see the decode without lookahead).
+  Tolerance 1e-4.
+"""
+
+import asyncio
+import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from omniflow.backends.vocoders import Vocoder, VocoderError
+from omniflow.compiler import compile_file, compile_source
+from omniflow.models.tiny import build_tiny, reference_omni_generate, reference_tts
+from omniflow.plan import StagePlan
+from omniflow.runtime.engine import Engine
+from omniflow.runtime.interpreter import Interpreter
+from omniflow.runtime.stage import Call, InputStream, PortSpec, StageSpec
+
+torch.set_num_threads(1)
+
+GRAPHS = Path(__file__).parents[2] / "graphs"
+DAC_TOLERANCE = 1e-4
+TOKEN2WAV_TOLERANCE = 5e-4
+BATCH_TOLERANCE = 1e-4
+# The compiler's ramp for these edges (graphs/tts.omni, graphs/omni_chat.omni).
+RAMP = [2, 4, 8, 16, 32, 64]
+TTS_TEXTS = ["Good morning, how are you today?", "Hi."]
+TTS_PROGRAM = """
+pipeline tts_codes {
+  model "tiny:tts"
+  stage codec_lm = python(fn=tests.backends.test_vocoders.codes_from_text, inputs="text:text",
+                          outputs="codes:codes")
+  stage decoder  = vocoder(component="code2wav", max_batch=8)
+  input text: text -> codec_lm
+  codec_lm.codes -> decoder [stream, chunk=auto, context=25]
+  decoder.audio -> output audio [stream, rate=24000]
+}
+"""
+
+
+@functools.cache
+def tts_reference(text: str):
+    return reference_tts(build_tiny("tts"), text, max_new_tokens=60)
+
+
+def codes_from_text(call):
+    """Stands where the codec LM stage goes: emits, one frame a step, the codes that
+    `reference_tts` generated for a text, passed in as the request's text (space-separated
+    numbers), so that the executor running it needs no model."""
+    text = yield from call.read_all("text")
+    for code in text.split():
+        call.emit("codes", torch.tensor([[int(code)]]))
+        yield
+
+
+def stage_spec(plan, name: str) -> StageSpec:
+    return StageSpec.from_channels(plan.stage(name), plan.channels)
+
+
+def codec_spec(model: str, samples_per_frame: int) -> StageSpec:
+    plan = StagePlan("decoder", "vocoder", "x", ["cpu"], {}, model, "code2wav", 0, 0)
+    audio = PortSpec("audio", "float32", (samples_per_frame,))
+    return StageSpec(plan, {"codes": "codes"}, {"audio": audio}, {"codes": 25})
+
+
+def run(backend, requests, log=None):
+    """Step `requests` [(codes [n, Q], schedule, params)] through `backend` together: each
+    round every request receives its next chunk, then one step takes every ready request.
+    Returns each request's audio [frames, samples] (or its error). `log` receives, for each
+    step, its decoder forwards, each as the (start, end, keep_start, keep_end) of its windows.
+    """
+    calls = [
+        Call(f"r{i}", params, {"codes": InputStream("codes")})
+        for i, (_, _, params) in enumerate(requests)
+    ]
+    sent, out, step_log = [0] * len(calls), [[] for _ in calls], []
+    decode = backend.decoder.decode
+
+    def logging_decode(windows, frames):
+        step_log.append([(w.start, w.end, w.keep_start, w.keep_end) for w in windows])
+        return decode(windows, frames)
+
+    backend.decoder.decode = logging_decode
+    try:
+        for round_ in range(10_000):
+            live = [i for i, c in enumerate(calls) if not c.finished and c.error is None]
+            if not live:
+                break
+            for i in live:
+                codes, schedule, _ = requests[i]
+                stream = calls[i].inputs["codes"]
+                if not stream.ended:
+                    n = schedule[min(round_, len(schedule) - 1)]
+                    chunk = codes[sent[i] : sent[i] + n]
+                    sent[i] += n
+                    stream.push(chunk if len(chunk) else None, sent[i] >= len(codes))
+            step_log.clear()
+            backend.step([calls[i] for i in live if backend.ready(calls[i])])
+            if log is not None:
+                log.append(list(step_log))
+            for i in live:
+                out[i] += [value for port, value in calls[i].emitted if port == "audio"]
+                calls[i].emitted.clear()
+    finally:
+        del backend.decoder.decode
+    per_frame = backend.decoder.samples_per_frame
+    return [
+        call.error if call.error else (torch.cat(o) if o else torch.zeros(0, per_frame))
+        for call, o in zip(calls, out, strict=True)
+    ]
+
+
+def windows(log) -> list:
+    return sorted(w for step in log for forward in step for w in forward)
+
+
+def max_error(audio: torch.Tensor, whole: torch.Tensor) -> float:
+    assert audio.dtype == torch.float32 and audio.shape[0] * audio.shape[1] == whole.numel()
+    return float((audio.reshape(-1) - whole.reshape(-1)).abs().max())
+
+
+# --- DAC (tiny:tts code2wav) ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tts_plan():
+    return compile_file(GRAPHS / "tts.omni", devices="cpu", tiny=True)
+
+
+@pytest.fixture(scope="module")
+def dac(tts_plan):
+    return Vocoder(stage_spec(tts_plan, "decoder"), "cpu")
+
+
+def test_dac_reach_and_shape_come_from_the_model(dac):
+    # DAC's decoder convolutions are symmetric: 9 frames either way, measured.
+    assert (dac.decoder.samples_per_frame, dac.decoder.num_codebooks) == (1920, 1)
+    assert (dac.decoder.reach.context, dac.decoder.reach.lookahead) == (9, 9)
+    assert (dac.context, dac.decoder.lookahead) == (25, 9)
+
+
+@pytest.mark.parametrize("schedule", [RAMP, [1], [25]])
+def test_dac_stream_equals_the_whole_decode(dac, schedule):
+    ref = tts_reference(TTS_TEXTS[0])
+    codes = ref.codes[:, None]
+    log = []
+    (audio,) = run(dac, [(codes, schedule, {})], log)
+    assert max_error(audio, ref.waveform) < DAC_TOLERANCE
+    # Audio starts once the first frame's lookahead has arrived, and no later.
+    first_step = next(i for i, step in enumerate(log) if step)
+    arrived = sum(schedule[min(i, len(schedule) - 1)] for i in range(first_step + 1))
+    assert arrived > dac.decoder.lookahead
+    assert sum(schedule[min(i, len(schedule) - 1)] for i in range(first_step)) <= 9
+
+
+def test_dac_without_lookahead_is_not_its_whole_decode(dac):
+    """What the lookahead buys: DAC decoded causally is far off near every chunk's end."""
+    ref = tts_reference(TTS_TEXTS[0])
+    (audio,) = run(dac, [(ref.codes[:, None], RAMP, {"lookahead": 0})])
+    assert max_error(audio, ref.waveform) > 0.1
+
+
+def test_dac_batches_requests_of_different_lengths_in_one_forward(dac):
+    g = torch.Generator().manual_seed(1)
+    requests = [
+        (torch.randint(0, 128, (70, 1), generator=g), RAMP, {}),
+        (torch.randint(0, 128, (23, 1), generator=g), [5, 3], {}),
+        (torch.randint(0, 128, (41, 1), generator=g), [1, 9, 2], {}),
+    ]
+    log = []
+    together = run(dac, requests, log)
+    alone = [run(dac, [r])[0] for r in requests]
+    for a, b in zip(together, alone, strict=True):
+        assert float((a - b).abs().max()) < BATCH_TOLERANCE
+    # Windows of several lengths in a step, yet one forward each step.
+    assert max(len(step) for step in log) == 1
+    assert any(len({end - start for start, end, _, _ in step[0]}) > 1 for step in log if step)
+
+
+def test_dac_whole_short_utterances_of_other_lengths_take_their_own_forward(dac):
+    """A window that is a whole utterance cannot be padded on either side without changing
+    its kept samples; it shares a forward only with windows of its own length."""
+    g = torch.Generator().manual_seed(2)
+    requests = [(torch.randint(0, 128, (n, 1), generator=g), [n], {}) for n in (6, 11, 11)]
+    log = []
+    together = run(dac, requests, log)
+    assert [[len(forward) for forward in step] for step in log] == [[2, 1]]
+    for (codes, _, _), audio in zip(requests, together, strict=True):
+        with torch.no_grad():
+            whole = dac.decoder.model.decode(audio_codes=codes.T[None]).audio_values
+        assert max_error(audio, whole) < BATCH_TOLERANCE
+
+
+def test_bad_codes_fail_their_request_alone(dac):
+    good = torch.randint(0, 128, (12, 1))
+    requests = [
+        (good, [4], {}),
+        (good + 704, [4], {}),  # token ids with the codec offset still on
+        (torch.zeros(4, 3, dtype=torch.int64), [4], {}),  # three codebooks for a one-codebook codec
+        (torch.zeros(4, 1), [4], {}),  # floats
+        (good, [4], {"lookahead": -1}),
+    ]
+    ok, offset, codebooks, floats, lookahead = run(dac, requests)
+    assert ok.shape == (12, 1920)
+    assert isinstance(offset, VocoderError) and "codec offset" in str(offset)
+    assert isinstance(codebooks, VocoderError) and "codebooks" in str(codebooks)
+    assert isinstance(floats, VocoderError) and "integers" in str(floats)
+    assert isinstance(lookahead, VocoderError) and "whole number of frames" in str(lookahead)
+
+
+def test_an_empty_stream_finishes_without_audio(dac):
+    (audio,) = run(dac, [(torch.zeros(0, 1, dtype=torch.int64), [1], {})])
+    assert audio.shape == (0, 1920)
+
+
+def test_plan_and_model_must_agree(tts_plan):
+    spec = stage_spec(tts_plan, "decoder")
+    wrong = dataclasses.replace(spec, outputs={"audio": PortSpec("audio", "float32", (480,))})
+    with pytest.raises(VocoderError, match="1920 samples per frame"):
+        Vocoder(wrong, "cpu")
+    talker = dataclasses.replace(spec, plan=dataclasses.replace(spec.plan, component="talker"))
+    with pytest.raises(VocoderError, match="qwen3, not a codec"):
+        Vocoder(talker, "cpu")
+
+
+# --- token2wav (tiny:qwen2.5-omni) -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def omni_plan():
+    return compile_file(GRAPHS / "omni_chat.omni", devices="cpu", tiny=True)
+
+
+@pytest.fixture(scope="module")
+def token2wav(omni_plan):
+    return Vocoder(stage_spec(omni_plan, "code2wav"), "cpu")
+
+
+@pytest.fixture(scope="module")
+def omni_reference():
+    """Codes and waveform of Qwen2.5-Omni's own generate (talker codes, token2wav with the
+    global RNG seeded with 0)."""
+    return reference_omni_generate(
+        build_tiny("qwen2.5-omni"),
+        "Tell me a short story.",
+        max_new_tokens=4,
+        talker_max_new_tokens=80,
+    )
+
+
+def test_token2wav_windows_follow_the_dit_blocks(token2wav):
+    decoder = token2wav.decoder
+    # 24-mel-frame DiT blocks are 12 codes; two blocks of context (of the edge's 25) and of
+    # lookahead; BigVGAN reaches 12 mel frames (6 codes) each way.
+    assert (decoder.samples_per_frame, decoder.unit) == (480, 12)
+    assert (token2wav.context, decoder.lookahead) == (24, 24)
+    assert (decoder.reach.context, decoder.reach.lookahead) == (6, 6)
+
+
+def test_token2wav_stream_matches_the_models_generate(token2wav, omni_reference):
+    codes = omni_reference.codec_ids[:, None]
+    assert len(codes) >= 48  # several DiT blocks
+    log = []
+    (streamed,) = run(token2wav, [(codes, RAMP, {"seed": 0})], log)
+    error = max_error(streamed, omni_reference.waveform)
+    assert error < TOKEN2WAV_TOLERANCE
+    # The grid makes the waveform independent of how the codes were chunked: other chunks
+    # decode the very same windows (batched otherwise, so equal up to rounding).
+    other_log = []
+    (other,) = run(token2wav, [(codes, [7, 1, 30], {"seed": 0})], other_log)
+    assert windows(other_log) == windows(log)
+    assert float((other - streamed).abs().max()) < BATCH_TOLERANCE
+    # One block of lookahead (Qwen's streaming default) costs a hundred times the error.
+    (short,) = run(token2wav, [(codes, RAMP, {"seed": 0, "lookahead": 12})])
+    short_error = max_error(short, omni_reference.waveform)
+    assert 10 * error < short_error < 0.05
+    print(
+        f"token2wav streamed vs whole: {error:.2e}; with one block of lookahead {short_error:.2e}"
+    )
+
+
+def test_token2wav_batches_requests_and_keeps_their_own_noise_and_speaker(token2wav):
+    g = torch.Generator().manual_seed(3)
+    requests = [
+        (torch.randint(0, 128, (50, 1), generator=g), RAMP, {"seed": 1}),
+        (torch.randint(0, 128, (30, 1), generator=g), [15], {"seed": 2, "speaker": "Ethan"}),
+        (torch.randint(0, 128, (9, 1), generator=g), [4], {"seed": 1, "guidance": 0.0}),
+    ]
+    log = []
+    together = run(token2wav, requests, log)
+    alone = [run(token2wav, [r])[0] for r in requests]
+    for a, b in zip(together, alone, strict=True):
+        assert float((a - b).abs().max()) < BATCH_TOLERANCE
+    assert max(len(step) for step in log) == 1
+    # The same codes with another seed or speaker sound different.
+    codes = requests[0][0][:12]
+    base, seed, speaker = run(
+        token2wav,
+        [
+            (codes, [12], {"seed": 1}),
+            (codes, [12], {"seed": 2}),
+            (codes, [12], {"seed": 1, "speaker": "Ethan"}),
+        ],
+    )
+    assert not torch.allclose(base, seed) and not torch.allclose(base, speaker)
+
+
+def test_token2wav_rejects_unknown_speakers_and_step_counts(token2wav):
+    codes = torch.zeros(3, 1, dtype=torch.int64)
+    speaker, steps = run(
+        token2wav, [(codes, [3], {"speaker": "Nobody"}), (codes, [3], {"steps": 1})]
+    )
+    assert isinstance(speaker, VocoderError) and "Chelsie, Ethan" in str(speaker)
+    assert isinstance(steps, VocoderError) and "steps" in str(steps)
+
+
+# --- Mimi and EnCodec (tiny random codecs) ----------------------------------------------------
+
+
+def save_codec(directory: Path, model, samples_per_frame: int) -> str:
+    """A codec with random codebooks (the classes' init leaves them zero) in tiny:tts's layout."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith(("embed_sum", "embed", "embed_avg")):
+                buffer.copy_(torch.randn(buffer.shape, generator=g))
+    model.save_pretrained(directory / "code2wav")
+    index = {
+        "code2wav": ["transformers", type(model).__name__],
+        "samples_per_frame": samples_per_frame,
+    }
+    (directory / "model_index.json").write_text(json.dumps(index))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def mimi(tmp_path_factory):
+    from transformers import MimiConfig, MimiModel
+
+    config = MimiConfig(
+        hidden_size=32,
+        num_filters=8,
+        upsampling_ratios=[8, 6, 5, 4],
+        codebook_size=64,
+        codebook_dim=16,
+        num_quantizers=2,
+        upsample_groups=32,
+        vector_quantization_hidden_dimension=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        sliding_window=16,
+    )
+    torch.manual_seed(0)
+    root = save_codec(tmp_path_factory.mktemp("mimi"), MimiModel(config), 1920)
+    return Vocoder(codec_spec(root, 1920), "cpu")
+
+
+@pytest.fixture(scope="module")
+def encodec(tmp_path_factory):
+    from transformers import EncodecConfig, EncodecModel
+
+    config = EncodecConfig(
+        hidden_size=16,
+        num_filters=4,
+        upsampling_ratios=[8, 5, 4, 2],
+        codebook_size=64,
+        codebook_dim=16,
+        target_bandwidths=[1.5],
+        num_lstm_layers=1,
+    )
+    torch.manual_seed(0)
+    root = save_codec(tmp_path_factory.mktemp("encodec"), EncodecModel(config), 320)
+    return Vocoder(codec_spec(root, 320), "cpu")
+
+
+def test_mimi_is_causal_and_streams_exactly(mimi):
+    decoder = mimi.decoder
+    assert (decoder.samples_per_frame, decoder.num_codebooks, decoder.lookahead) == (1920, 2, 0)
+    assert decoder.reach.context <= mimi.context  # its transformer's window fits the context
+    codes = torch.randint(0, 64, (60, 2), generator=torch.Generator().manual_seed(4))
+    (streamed,) = run(mimi, [(codes, RAMP, {})])
+    with torch.no_grad():
+        whole = decoder.model.decode(codes.T[None]).audio_values
+    assert max_error(streamed, whole) < DAC_TOLERANCE
+
+
+def test_encodec_batches_exactly_though_its_lstm_never_forgets(encodec):
+    decoder = encodec.decoder
+    assert (decoder.samples_per_frame, decoder.num_codebooks, decoder.lookahead) == (320, 3, 0)
+    # The LSTM carries every earlier frame: no finite context, so left padding is never used.
+    assert decoder.reach.context == math.inf
+    g = torch.Generator().manual_seed(5)
+    requests = [
+        (torch.randint(0, 64, (40, 2), generator=g), RAMP, {}),
+        (torch.randint(0, 64, (17, 2), generator=g), [3], {}),
+    ]
+    together = run(encodec, requests)
+    alone = [run(encodec, [r])[0] for r in requests]
+    for a, b in zip(together, alone, strict=True):
+        assert float((a - b).abs().max()) < BATCH_TOLERANCE
+
+
+# --- TTS in the runtime ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tts_program():
+    return compile_source(TTS_PROGRAM, "tts_codes.omni", devices="cpu")
+
+
+def as_text(codes: torch.Tensor) -> str:
+    return " ".join(str(int(code)) for code in codes)
+
+
+async def run_concurrently(engine: Engine, texts: list[str]) -> list[torch.Tensor]:
+    async def one(text):
+        chunks = [c.value async for c in engine.stream({"text": text}) if c.value is not None]
+        return torch.cat(chunks)
+
+    return await asyncio.gather(*(one(text) for text in texts))
+
+
+@pytest.mark.parametrize("runner", ["interpreter", "inprocess", "process"])
+def test_tts_audio_is_the_reference_waveform(runner, tts_program):
+    references = [tts_reference(text) for text in TTS_TEXTS]
+    texts = [as_text(ref.codes) for ref in references]
+    if runner == "interpreter":
+        interpreter = Interpreter(tts_program)
+        audio = [interpreter.run({"text": text})["audio"] for text in texts]
+    else:
+        with Engine(tts_program, runner) as engine:
+            audio = asyncio.run(run_concurrently(engine, texts))
+    for got, ref in zip(audio, references, strict=True):
+        assert max_error(got, ref.waveform) < DAC_TOLERANCE
