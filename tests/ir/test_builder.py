@@ -29,7 +29,12 @@ def omni_chat():
     speaker = param("speaker")
     talker = p.stage("talker", "ar", component="talker", max_batch=32, speaker=speaker)
     code2wav = p.stage(
-        "code2wav", "vocoder", component="token2wav", max_batch=64, speaker=speaker, seed=param("seed")
+        "code2wav",
+        "vocoder",
+        component="token2wav",
+        max_batch=64,
+        speaker=speaker,
+        seed=param("seed"),
     )
     p.flow(p.input("prompt", "chat"), thinker)
     p.flow(thinker.hidden, talker, stream=True, chunk=1, adapter="qwen_omni.thinker_to_talker")
