@@ -1,12 +1,14 @@
 # The two commands of the README, each doing its own set-up in a local virtualenv.
-#   make demo   compile the default pipeline (graphs/omni_chat.omni) and print its plan
+#   make demo   run the default pipeline (graphs/omni_chat.omni) on tiny built-in models:
+#               one chat request, its text and audio written to out/
+#   make plan   compile the default pipeline for 2 H200s and print its plan
 #   make test   run the test suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DEVICES ?= 2xH200
 
-.PHONY: demo test lint setup
+.PHONY: demo plan test lint setup
 
 setup: $(VENV)/.ready
 
@@ -20,6 +22,10 @@ $(VENV)/.ready: pyproject.toml
 	touch $@
 
 demo: setup
+	$(VENV)/bin/omniflow run graphs/omni_chat.omni --tiny --input prompt="Hello! Who are you?" \
+		--param max_tokens=24 --out out
+
+plan: setup
 	$(VENV)/bin/omniflow compile graphs/omni_chat.omni --devices $(DEVICES)
 
 test: setup

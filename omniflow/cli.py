@@ -56,7 +56,10 @@ def _run(args: argparse.Namespace) -> int:
         else:
             path, data = out_dir / f"{port.name}.pt", _tensor_bytes(value)
         path.write_bytes(data)
-        print(f"{port.name}: {path}" + (f"  {value!r}" if port.type == "text" else ""))
+        shown = (
+            f"  {value[:120]!r}{'...' if len(value) > 120 else ''}" if port.type == "text" else ""
+        )
+        print(f"{port.name}: {path}{shown}")
     return 0
 
 

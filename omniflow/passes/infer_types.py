@@ -18,8 +18,9 @@ from omniflow.ir.values import Ref, resolve
 from omniflow.kernels.pointwise_ops import chain_out_dtype
 from omniflow.passes.pipeline import Target
 
-# Upper bound of UTF-8 bytes one decoded token can produce.
-TEXT_BYTES_PER_TOKEN = 16
+# UTF-8 bytes one text step may carry: a long token plus characters held back (an
+# incomplete UTF-8 sequence, a possible stop string) from earlier steps.
+TEXT_BYTES_PER_TOKEN = 64
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,14 @@ def _stage_spec(graph: Graph, node: Node, port: str) -> PortSpec:
             cfgd.get("num_key_value_heads", cfgd["num_attention_heads"]),
         )
         head_dim = cfgd.get("head_dim") or cfg.hidden_size // cfgd["num_attention_heads"]
+        if (
+            port == "hidden"
+            and str(cfgd.get("model_type", "")).startswith("qwen2_5_omni")
+            and node.params.get("component") == "thinker"
+        ):
+            # One item per position the thinker feeds (prompt, then its tokens but the last):
+            # hidden state, input embedding and role, for the talker (models/qwen_omni.py).
+            return PortSpec(TensorSpec(dtype, (3, cfg.hidden_size)), value("max_len") + max_tokens)
         return {
             "text": PortSpec(TensorSpec("utf8", (TEXT_BYTES_PER_TOKEN,)), max_tokens),
             "tokens": PortSpec(TensorSpec("int64", (1,)), max_tokens),

@@ -6,8 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from omniflow.adapters import ADAPTERS
 from omniflow.kernels.pointwise import fused
-from omniflow.plan import ChannelPlan
+from omniflow.plan import ChannelPlan, Plan
 from omniflow.runtime.values import TEXT_TYPES, concat, steps
 
 # send(request_id, chunk_index, value or None, end_of_stream)
@@ -34,6 +35,20 @@ def apply_maps(channel: ChannelPlan, value, side: str):
     return fused(value, map_chain(channel))
 
 
+def load_adapter(channel: ChannelPlan, plan: Plan) -> Callable | None:
+    """The edge's adapter: its implementation is a factory, called once with the StagePlan
+    the edge leaves (None for a pipeline input), that returns the function applied to each
+    chunk."""
+    if channel.adapter is None:
+        return None
+    from omniflow.runtime.python_backend import import_function
+
+    spec = ADAPTERS.get(channel.adapter)
+    make = import_function(spec.impl if spec else channel.adapter)
+    source = next((s for s in plan.stages if s.name == channel.src), None)
+    return make(source)
+
+
 @dataclass
 class _Pending:
     parts: list = field(default_factory=list)
@@ -45,9 +60,10 @@ class StreamWriter:
     """Accumulates each request's steps on one edge and sends chunks of the scheduled sizes
     (the whole stream at once for a whole-output edge); the last chunk carries end-of-stream."""
 
-    def __init__(self, channel: ChannelPlan, send: Send):
+    def __init__(self, channel: ChannelPlan, send: Send, adapter: Callable | None = None):
         self.channel = channel
         self.send = send
+        self.adapter = adapter
         self.pending: dict[str, _Pending] = {}
 
     def _target(self, index: int) -> int | None:
@@ -79,5 +95,7 @@ class StreamWriter:
         self.pending.pop(request_id, None)
 
     def _send(self, request_id: str, p: _Pending, value, end: bool) -> None:
+        if value is not None and self.adapter is not None:
+            value = self.adapter(value)
         self.send(request_id, p.index, apply_maps(self.channel, value, "src"), end)
         p.index += 1

@@ -387,7 +387,7 @@ class _Core:
             code = self.processes[name].returncode if name in self.processes else "thread ended"
             error = RequestFailed(
                 f"executor '{name}' (stages {', '.join(self.stages_of[name])}) died "
-                f"(exit code {code}); the request was lost"
+                f"(exit code {code}); the request was lost" + _last_words(self.log_tail(name, 6))
             )
             for request_id in list(self.requests):
                 self.cancel(request_id, error)
@@ -592,6 +592,10 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _last_words(log: str) -> str:
+    return f"; its log ends:\n{log}" if log.strip() else ""
 
 
 def _exit_cleanly_on_sigterm() -> None:

@@ -28,7 +28,7 @@ from omniflow.ir.kinds import KINDS
 from omniflow.plan import ChannelPlan, Plan, resolve_params
 from omniflow.runtime import protocol
 from omniflow.runtime.backends import load_backend
-from omniflow.runtime.edges import StreamWriter, apply_maps
+from omniflow.runtime.edges import StreamWriter, apply_maps, load_adapter
 from omniflow.runtime.links import Inbound, Outbound, Waker, wait
 from omniflow.runtime.requests import describe
 from omniflow.runtime.shm_ring import ShmConsumer, ShmProducer
@@ -152,7 +152,7 @@ class Executor:
         for channel in plan.channels:
             if channel.src in self.runners:
                 self.writers[channel.src, channel.src_port].append(
-                    StreamWriter(channel, self._sender(channel))
+                    StreamWriter(channel, self._sender(channel), load_adapter(channel, plan))
                 )
 
     # --- channels -----------------------------------------------------------------------

@@ -11,7 +11,7 @@ from collections import defaultdict
 from omniflow.errors import OmniflowError
 from omniflow.plan import Plan
 from omniflow.runtime.backends import load_backend
-from omniflow.runtime.edges import apply_maps
+from omniflow.runtime.edges import apply_maps, load_adapter
 from omniflow.runtime.requests import (
     RequestFailed,
     check_params,
@@ -30,6 +30,7 @@ class Interpreter:
         self.backends = {
             name: load_backend(spec, "cpu", backends) for name, spec in self.specs.items()
         }
+        self.adapters = {c.name: load_adapter(c, plan) for c in plan.channels}
 
     def run(self, inputs: dict, params: dict | None = None, request_id: str = "ref") -> dict:
         plan = self.plan
@@ -68,6 +69,8 @@ class Interpreter:
             if c.dst in {o.name for o in plan.outputs}
         }
 
-    @staticmethod
-    def _through(channel, value):
+    def _through(self, channel, value):
+        adapter = self.adapters[channel.name]
+        if value is not None and adapter is not None:
+            value = adapter(value)
         return apply_maps(channel, apply_maps(channel, value, "src"), "dst")

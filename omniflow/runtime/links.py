@@ -97,9 +97,31 @@ class Outbound:
         return None if isinstance(self.endpoint, LocalProducer) else self.endpoint.fileno()
 
     def send(self, request_id: str, index: int, value, end: bool) -> None:
-        tensors = () if value is None else (_wire(encode(self.channel.type, value)),)
-        self.outbox.append((tensors, ChunkMeta(request_id, index, end)))
+        pieces = (
+            [()]
+            if value is None
+            else [(p,) for p in self._fit(_wire(encode(self.channel.type, value)))]
+        )
+        for i, tensors in enumerate(pieces):
+            self.outbox.append(
+                (tensors, ChunkMeta(request_id, index, end and i == len(pieces) - 1))
+            )
         self.flush()
+
+    def _fit(self, wire: torch.Tensor) -> list[torch.Tensor]:
+        """Text longer than a slot travels as several messages, cut between characters (text
+        concatenates, so nothing changes for the reader); anything else must fit its slot."""
+        limit = self.endpoint.slot_bytes
+        if self.channel.type != "text" or wire.numel() <= limit:
+            return [wire]
+        pieces, start = [], 0
+        while start < len(wire):
+            end = min(start + limit, len(wire))
+            while end < len(wire) and (int(wire[end]) & 0xC0) == 0x80:  # a UTF-8 continuation byte
+                end -= 1
+            pieces.append(wire[start:end])
+            start = end
+        return pieces
 
     def flush(self) -> bool:
         """Put what credits allow; True when the outbox is empty."""

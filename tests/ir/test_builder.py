@@ -38,7 +38,14 @@ def omni_chat():
     )
     p.flow(p.input("prompt", "chat"), thinker)
     p.flow(thinker.hidden, talker, stream=True, chunk=1, adapter="qwen_omni.thinker_to_talker")
-    p.flow(talker.codes, code2wav, stream=True, chunk=auto, context=25)
+    p.flow(
+        talker.codes,
+        code2wav,
+        stream=True,
+        chunk=auto,
+        context=25,
+        adapter="qwen_omni.talker_to_code2wav",
+    )
     p.flow(
         code2wav.audio,
         p.output("audio"),

@@ -9,9 +9,13 @@ def _edge(graph, name):
 def test_ar_ports_take_their_dims_from_the_model_config():
     graph = run_until("infer_types", "omni_chat")
     out = graph.node("thinker").meta["out"]
-    assert out["hidden"].step == TensorSpec("bfloat16", (1, 3584))
-    assert out["hidden"].max_steps == 2048  # the max_tokens parameter's default
+    # Per position: hidden state, input embedding and role, for the talker's adapter; the
+    # prompt's positions stream too (max_len 4096 + max_tokens 2048).
+    assert out["hidden"].step == TensorSpec("bfloat16", (3, 3584))
+    assert out["hidden"].max_steps == 4096 + 2048
     assert out["tokens"].step == TensorSpec("int64", (1,))
+    assert graph.node("talker").meta["out"]["hidden"].step == TensorSpec("bfloat16", (1, 896))
+    assert graph.node("talker").meta["out"]["tokens"].max_steps == 2048  # max_tokens
 
 
 def test_map_chain_changes_the_item_dtype():

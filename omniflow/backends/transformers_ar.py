@@ -1,0 +1,610 @@
+"""The transformers backend of `ar` stages: `TransformersAR`, continuous batching over a
+Hugging Face decoder with per-request sampling, streaming tokens, text, hidden states and
+codec tokens.
+
+What it owns:
+
+- Loading: `load_component` picks the model-specific half of the backend (a `Component`):
+  `CausalLM` for a plain causal LM (`AutoModelForCausalLM`), or, for Qwen2.5-Omni, the
+  thinker or the talker from `omniflow.models.qwen_omni`. Each loads through
+  `from_pretrained` on the checkpoint directory, in the checkpoint's dtype (or the stage's
+  `dtype=`), in eval mode, then moves to the stage's device.
+- The batched KV cache. Every running request is one row of a single `DynamicCache`; rows
+  are left-padded to a common length and an attention mask says which columns of each row
+  hold its own positions, while explicit position ids give each row its true positions.
+  A new request is prefilled alone (one forward over its prompt, the same computation as
+  `generate` on that request) and then joins: its cache is left-padded (or the others are)
+  and concatenated. A decode step is ONE forward over every row; a row that is not advancing
+  this step (a talker waiting for its next conditioning row) gets a masked dummy column, so
+  nothing is copied per step beyond what `DynamicCache` itself does. Finished rows leave by
+  row selection, and columns no remaining row uses are cut off. Joining and leaving copy
+  the cache once; stacking per-request caches every step would copy it every token.
+- Sampling per request: temperature (0 = greedy), top-k, top-p, repetition penalty (over
+  the prompt and the output, as transformers applies it), a per-request `torch.Generator`
+  seeded with `seed`, `max_tokens`, stop token ids and stop strings, the model's EOS ids
+  and suppressed ids. Missing parameters come from the model's generation defaults, else
+  from the `ar` kind's defaults.
+- Streaming: per generated token, `tokens` `[1, 1]` int64, `codes` `[1, Q]` (codec LMs),
+  `hidden` (the component says what: the last hidden state `[1, 1, H]` for a plain LM), and
+  `text` pieces from `TextStream`, which never splits a UTF-8 character and holds back what
+  could still become a stop string.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from omniflow.errors import OmniflowError
+from omniflow.ir.kinds import KINDS
+from omniflow.models.resolve import model_path
+from omniflow.runtime.stage import Backend, Call, StageSpec
+
+# Where a request's decoding state lives in `call.state`.
+_STATE = "ar"
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens")
+
+
+class ARBackendError(OmniflowError):
+    """An `ar` stage cannot load its model, or a request cannot run on it."""
+
+
+# --- model-specific halves -------------------------------------------------------------------
+
+
+@dataclass
+class Prompt:
+    """What a request's prefill feeds the decoder."""
+
+    embeds: torch.Tensor  # [L, E] input embeddings
+    context: list[int]  # ids the repetition penalty counts as already seen
+
+
+class Component(ABC):
+    """The model-specific half of the backend: how a request's inputs become decoder inputs,
+    and what its `hidden` output carries. Subclasses set the attributes in `__init__`."""
+
+    inputs: dict[str, tuple[str, ...]]  # input port -> types it accepts
+    required: frozenset[str]
+    outputs: frozenset[str]
+    model: torch.nn.Module
+    decoder: torch.nn.Module  # forward(inputs_embeds, attention_mask, position_ids, cache, ...)
+    head: torch.nn.Module
+    embed: torch.nn.Module
+    tokenizer = None
+    eos_ids: frozenset[int]
+    suppress: tuple[int, ...] = ()
+    defaults: dict  # sampling defaults of the model (subset of _SAMPLING_KEYS)
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def project(self, embeds: torch.Tensor) -> torch.Tensor:
+        """Input embeddings -> what the decoder stack takes."""
+        return embeds
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden).float()
+
+    def receive(self, call: Call) -> None:  # noqa: B027 (optional hook)
+        """Take streamed input that has arrived (a talker's conditioning)."""
+
+    def has_news(self, call: Call) -> bool:
+        """Whether streamed input is waiting to be taken."""
+        return False
+
+    @abstractmethod
+    def can_start(self, call: Call) -> bool:
+        """Whether the request's prompt (or first conditioning) is complete."""
+
+    @abstractmethod
+    def prompt(self, call: Call) -> Prompt:
+        """What the request's prefill feeds the decoder (raises ARBackendError if it cannot)."""
+
+    def can_step(self, seq: Sequence) -> bool:
+        return True
+
+    def step_embeds(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[n, E]: the input embedding of each sequence's next decode step."""
+        ids = torch.tensor([s.last for s in seqs], device=self.embed.weight.device)
+        return self.embed(ids)
+
+    def hidden_value(self, hidden: torch.Tensor, embeds: torch.Tensor, prompt: bool):
+        """The `hidden` output of one forward of one request, from its last-layer hidden
+        states `[L, H]` and input embeddings `[L, E]` at the positions it fed: by default the
+        last position's hidden state (the one its new token was sampled from), `[1, 1, H]`."""
+        return hidden[-1:, None].clone()
+
+
+class CausalLM(Component):
+    """A decoder-only text LM: its prompt is a chat (through the tokenizer's chat
+    template), a text or token ids; each step feeds the token sampled last."""
+
+    inputs = {"prompt": ("chat", "text", "tokens")}
+    required = frozenset({"prompt"})
+    outputs = frozenset({"tokens", "text", "hidden"})
+
+    def __init__(self, model, tokenizer):
+        self.model = model
+        self.decoder = model.get_decoder()
+        self.head = model.get_output_embeddings()
+        self.embed = model.get_input_embeddings()
+        self.tokenizer = tokenizer
+        config = model.generation_config
+        self.eos_ids = frozenset(_as_ids(config.eos_token_id))
+        self.suppress = tuple(config.suppress_tokens or ())
+        self.defaults = generation_defaults(config)
+
+    def can_start(self, call: Call) -> bool:
+        return call.inputs["prompt"].ended
+
+    def prompt(self, call: Call) -> Prompt:
+        stream = call.inputs["prompt"]
+        ids = prompt_ids(self.tokenizer, stream.take(), stream.type, self.head.out_features)
+        tensor = torch.tensor(ids, device=self.embed.weight.device)
+        return Prompt(self.embed(tensor), ids)
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def generation_defaults(config) -> dict:
+    """Sampling defaults a transformers `GenerationConfig` sets (`do_sample=False`: greedy)."""
+    defaults = {
+        key: getattr(config, key)
+        for key in ("temperature", "top_p", "top_k", "repetition_penalty")
+        if getattr(config, key) is not None
+    }
+    if config.do_sample is False:
+        defaults["temperature"] = 0.0
+    return defaults
+
+
+def prompt_ids(tokenizer, value, port_type: str, vocab_size: int) -> list[int]:
+    """Token ids of a prompt: a chat through the chat template (with the generation prompt),
+    a text as it tokenizes, token ids as given."""
+    if port_type == "tokens":
+        ids = [int(i) for i in torch.as_tensor(value).reshape(-1).tolist()]
+    elif port_type == "text":
+        ids = tokenizer(value).input_ids
+    else:
+        for message in value:
+            content = message.get("content")
+            if isinstance(content, list) and any(p.get("type") != "text" for p in content):
+                kinds = sorted({p.get("type") for p in content} - {"text"})
+                raise ARBackendError(
+                    f"this stage takes text-only chats; a message has {', '.join(map(str, kinds))} parts"
+                )
+        text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text).input_ids
+    if not ids:
+        raise ARBackendError("the prompt is empty")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise ARBackendError(
+            f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})"
+        )
+    return ids
+
+
+def load_component(spec: StageSpec, device: str) -> Component:
+    """The stage's model, loaded the way a real checkpoint loads, as a `Component`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from omniflow.models.tiny_recipes import quiet
+
+    plan = spec.plan
+    path = model_path(plan.model)
+    dtype = plan.params.get("dtype")
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else "auto"
+    try:
+        with quiet():
+            model_type = AutoConfig.from_pretrained(path).model_type
+            if model_type == "qwen2_5_omni":
+                from omniflow.models import qwen_omni
+
+                return qwen_omni.load(path, plan.component, device, dtype)
+            if plan.component is not None:
+                raise ARBackendError(
+                    f"{plan.model} ({model_type}) has no component '{plan.component}' this backend knows"
+                )
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise ARBackendError(f"cannot load {plan.model}: {err}") from err
+    return CausalLM(model.to(device).eval(), tokenizer)
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """One request's sampling parameters, checked."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    max_tokens: int
+    seed: int | None
+    stop_ids: frozenset[int]
+    stop_strings: tuple[str, ...]
+
+    @classmethod
+    def of(cls, params: dict, defaults: dict) -> Sampling:
+        value = {k: defaults[k] if params.get(k) is None else params[k] for k in _SAMPLING_KEYS}
+        stop = params.get("stop") or []
+        if not isinstance(stop, list) or not all(
+            isinstance(s, (str, int)) and not isinstance(s, bool) for s in stop
+        ):
+            raise ARBackendError(f"stop must be a list of strings and token ids, not {stop!r}")
+        sampling = cls(
+            float(value["temperature"]),
+            float(value["top_p"]),
+            int(value["top_k"]),
+            float(value["repetition_penalty"]),
+            int(value["max_tokens"]),
+            params.get("seed"),
+            frozenset(s for s in stop if isinstance(s, int)),
+            tuple(s for s in stop if isinstance(s, str) and s),
+        )
+        problems = [
+            f"{name} {got!r} ({rule})"
+            for name, got, ok, rule in (
+                ("temperature", sampling.temperature, sampling.temperature >= 0, ">= 0"),
+                ("top_p", sampling.top_p, 0 < sampling.top_p <= 1, "in (0, 1]"),
+                ("top_k", sampling.top_k, sampling.top_k == -1 or sampling.top_k > 0, "-1 or > 0"),
+                (
+                    "repetition_penalty",
+                    sampling.repetition_penalty,
+                    sampling.repetition_penalty > 0,
+                    "> 0",
+                ),
+                ("max_tokens", sampling.max_tokens, sampling.max_tokens >= 1, ">= 1"),
+            )
+            if not ok
+        ]
+        seed = sampling.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            problems.append(f"seed {seed!r} (an integer)")
+        if problems:
+            raise ARBackendError(f"bad sampling parameters: {'; '.join(problems)}")
+        return sampling
+
+
+def _warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Temperature, then top-k, then top-p, as transformers' logits warpers do."""
+    logits = logits / sampling.temperature
+    if 0 < sampling.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, sampling.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, -float("inf"))
+    if sampling.top_p < 1:
+        ordered, order = torch.sort(logits)
+        cumulative = ordered.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - sampling.top_p
+        drop[-1] = False  # the most likely token always stays
+        logits = logits.masked_fill(drop.scatter(0, order, drop), -float("inf"))
+    return logits
+
+
+# --- streaming text ----------------------------------------------------------------------------
+
+
+class TextStream:
+    """Incremental detokenization of one request's tokens.
+
+    Decodes a window of recent tokens (as vLLM does, so tokenizers whose text for a token
+    depends on the one before still decode right) and releases text only when it does not
+    end in an incomplete UTF-8 sequence (U+FFFD). With stop strings, the last
+    `len(longest stop) - 1` characters are held back until they cannot start one; a stop
+    string cuts the text before it. The pieces concatenate to the decoded full text.
+    """
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]):
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # window start; tokens already turned into text
+        self.text = ""
+        self.sent = 0
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _catch_up(self, final: bool) -> None:
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            start = max(0, len(self.text) - self.hold)
+            self.text += after[len(before) :]
+            self.prefix, self.read = self.read, len(self.ids)
+            found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            if found:
+                self.text = self.text[: min(found)]
+                self.stopped = True
+
+    def _release(self, upto: int) -> str:
+        piece = self.text[self.sent : max(self.sent, upto)]
+        self.sent += len(piece)
+        return piece
+
+    def add(self, token: int) -> str:
+        """Take a token; the text that can go out now."""
+        self.ids.append(token)
+        self._catch_up(final=False)
+        return self._release(len(self.text) if self.stopped else len(self.text) - self.hold)
+
+    def close(self) -> str:
+        """The rest of the text, incomplete characters and all (the request ended)."""
+        if not self.stopped:
+            self._catch_up(final=True)
+        return self._release(len(self.text))
+
+
+# --- the backend ---------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One running request: its sampling state and where it stands."""
+
+    call: Call
+    sampling: Sampling
+    generator: torch.Generator | None
+    seen: torch.Tensor | None  # [V] bool: ids the repetition penalty applies to
+    text: TextStream | None
+    length: int = 0  # its positions in the KV cache
+    generated: int = 0
+    last: int = -1  # the id sampled last
+
+
+class TransformersAR(Backend):
+    """An `ar` stage on transformers: continuous batching with one KV cache row per request."""
+
+    def __init__(self, spec: StageSpec, device: str):
+        super().__init__(spec, device)
+        self.component = load_component(spec, device)
+        name, c = spec.plan.name, self.component
+        wrong = {p: t for p, t in spec.inputs.items() if t not in c.inputs.get(p, ())}
+        missing = c.required - set(spec.inputs)
+        extra = set(spec.outputs) - c.outputs
+        if wrong or missing or extra:
+            takes = "; ".join(f"{p}: {'|'.join(t)}" for p, t in c.inputs.items())
+            raise ARBackendError(
+                f"stage '{name}': {type(c).__name__} takes inputs ({takes}) with "
+                f"{', '.join(sorted(c.required))} required, and outputs {', '.join(sorted(c.outputs))}; "
+                f"the plan gives inputs {dict(spec.inputs)} and outputs {sorted(spec.outputs)}"
+            )
+        from transformers.cache_utils import DynamicLayer
+
+        # Rows are joined, cut and masked column by column, which needs every layer to keep
+        # every position (no sliding window, no recurrent state).
+        other = {
+            type(layer).__name__
+            for layer in c.new_cache().layers
+            if type(layer) is not DynamicLayer
+        }
+        if other:
+            raise ARBackendError(
+                f"stage '{name}': {spec.plan.model} has {', '.join(sorted(other))} cache layers; "
+                "this backend batches full-attention layers only"
+            )
+        kind = KINDS["ar"].params
+        self.defaults = {key: kind[key].default for key in _SAMPLING_KEYS} | c.defaults
+        self.capacity = max(1, spec.plan.batch)
+        self.rows: list[Sequence] = []
+        self.cache = None  # one row per entry of self.rows
+        self.mask: torch.Tensor | None = None  # [rows, columns]: a row's own cache columns
+
+    # --- the contract ---------------------------------------------------------------------------
+    def ready(self, call: Call) -> bool:
+        if call.error is not None:
+            return False
+        if self.component.has_news(call):
+            return True
+        seq = call.state.get(_STATE)
+        if seq is None:
+            return self.component.can_start(call) and len(self.rows) < self.capacity
+        return self.component.can_step(seq)
+
+    @torch.inference_mode()
+    def step(self, calls: list[Call]) -> None:
+        starting, stepping = [], []
+        for call in calls:
+            self.component.receive(call)
+            seq = call.state.get(_STATE)
+            if call.error is not None:
+                continue
+            if seq is None:
+                if (
+                    self.component.can_start(call)
+                    and len(self.rows) + len(starting) < self.capacity
+                ):
+                    starting.append(call)
+            elif self.component.can_step(seq):
+                stepping.append(seq)
+        if stepping:
+            self._decode(stepping)
+        for call in starting:  # after the decode step, so new rows get no dummy column
+            self._prefill(call)
+
+    def drop(self, call: Call) -> None:
+        seq = call.state.pop(_STATE, None)
+        if seq is not None and any(s is seq for s in self.rows):
+            self._evict([seq])
+
+    def close(self) -> None:
+        self.rows, self.cache, self.mask = [], None, None
+        del self.component
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    # --- prefill and decode -----------------------------------------------------------------------
+    def _forward(self, embeds, mask, positions, cache) -> torch.Tensor:
+        out = self.component.decoder(
+            inputs_embeds=self.component.project(embeds),
+            attention_mask=mask.long(),
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+        )
+        return out.last_hidden_state
+
+    def _prefill(self, call: Call) -> None:
+        component = self.component
+        try:
+            sampling = Sampling.of(call.params or {}, self.defaults)
+            if sampling.stop_strings and component.tokenizer is None:
+                raise ARBackendError("stop strings need a tokenizer, and this model has none")
+            prompt = component.prompt(call)
+        except OmniflowError as err:
+            call.fail(err)
+            return
+        vocab = component.head.out_features
+        seen = None
+        if sampling.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
+            seen[prompt.context] = True
+        generator = None
+        if sampling.temperature > 0:
+            seed = (
+                sampling.seed
+                if sampling.seed is not None
+                else int.from_bytes(os.urandom(8), "little") >> 1
+            )
+            generator = torch.Generator(self.device).manual_seed(seed)
+        text = None
+        if component.tokenizer is not None and (
+            "text" in self.spec.outputs or sampling.stop_strings
+        ):
+            text = TextStream(component.tokenizer, sampling.stop_strings)
+        seq = Sequence(call, sampling, generator, seen, text, length=prompt.embeds.shape[0])
+        call.state[_STATE] = seq
+        cache = component.new_cache()
+        length = seq.length
+        hidden = self._forward(
+            prompt.embeds[None],
+            torch.ones(1, length, dtype=torch.bool, device=self.device),
+            torch.arange(length, device=self.device)[None],
+            cache,
+        )[0]
+        value = None
+        if "hidden" in self.spec.outputs:
+            value = component.hidden_value(hidden, prompt.embeds, prompt=True)
+        self._advance([seq], hidden[-1:], [value])
+        if not call.finished:
+            self._join(seq, cache)
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        """One forward over every row; the rows of `seqs` advance, the others idle."""
+        where = {id(s): i for i, s in enumerate(self.rows)}
+        active = torch.tensor([where[id(s)] for s in seqs], device=self.device)
+        inputs = self.component.step_embeds(seqs)
+        embeds = inputs.new_zeros(len(self.rows), 1, inputs.shape[-1])
+        embeds[active, 0] = inputs
+        column = torch.zeros(len(self.rows), 1, dtype=torch.bool, device=self.device)
+        column[active] = True
+        mask = torch.cat([self.mask, column], dim=1)
+        positions = torch.tensor([[s.length] for s in self.rows], device=self.device)
+        hidden = self._forward(embeds, mask, positions, self.cache)[active, 0]
+        self.mask = mask
+        values = [None] * len(seqs)
+        for i, seq in enumerate(seqs):
+            seq.length += 1
+            if "hidden" in self.spec.outputs:
+                values[i] = self.component.hidden_value(
+                    hidden[i : i + 1], inputs[i : i + 1], prompt=False
+                )
+        self._advance(seqs, hidden, values)
+        self._evict([s for s in seqs if s.call.finished])
+
+    def _advance(self, seqs: list[Sequence], hidden: torch.Tensor, values: list) -> None:
+        """Sample each sequence's next token from its last hidden state, and emit it."""
+        logits = self.component.logits(hidden)
+        if self.component.suppress:
+            logits[:, list(self.component.suppress)] = -float("inf")
+        chosen = []
+        for row, seq in zip(logits, seqs, strict=True):
+            sampling = seq.sampling
+            if seq.seen is not None:
+                penalty = sampling.repetition_penalty
+                row = torch.where(seq.seen, torch.where(row < 0, row * penalty, row / penalty), row)
+            if seq.generator is None:
+                chosen.append(row.argmax())
+            else:
+                probs = _warp(row, sampling).softmax(-1)
+                chosen.append(torch.multinomial(probs, 1, generator=seq.generator)[0])
+        for seq, token, value in zip(seqs, torch.stack(chosen).tolist(), values, strict=True):
+            self._emit(seq, token, value)
+
+    def _emit(self, seq: Sequence, token: int, value) -> None:
+        call, sampling, outputs = seq.call, seq.sampling, self.spec.outputs
+        seq.generated += 1
+        seq.last = token
+        if seq.seen is not None:
+            seq.seen[token] = True
+        if "tokens" in outputs:
+            call.emit("tokens", torch.tensor([[token]]))
+        if "codes" in outputs:
+            call.emit("codes", torch.tensor([[token]]))
+        if value is not None:
+            call.emit("hidden", value)
+        ended = token in self.component.eos_ids or token in sampling.stop_ids
+        if seq.text is not None:
+            piece = "" if ended else seq.text.add(token)
+            ended = ended or seq.text.stopped or seq.generated >= sampling.max_tokens
+            if ended:
+                piece += seq.text.close()
+            if piece and "text" in outputs:
+                call.emit("text", piece)
+        if ended or seq.generated >= sampling.max_tokens:
+            call.finish()
+
+    # --- the batched cache -------------------------------------------------------------------------
+    def _join(self, seq: Sequence, cache) -> None:
+        self.rows.append(seq)
+        own = torch.ones(1, seq.length, dtype=torch.bool, device=self.device)
+        if self.cache is None:
+            self.cache, self.mask = cache, own
+            return
+        width = max(self.mask.shape[1], seq.length)
+        for mine, new in zip(self.cache.layers, cache.layers, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(new.keys, width)])
+            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(new.values, width)])
+        self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(own, width)])
+
+    def _evict(self, gone: list[Sequence]) -> None:
+        if not gone:
+            return
+        keep = [i for i, s in enumerate(self.rows) if all(s is not g for g in gone)]
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.cache = self.mask = None
+            return
+        rows = torch.tensor(keep, device=self.device)
+        mask = self.mask.index_select(0, rows)
+        columns = mask.any(dim=0).nonzero().squeeze(1)
+        self.mask = mask.index_select(1, columns)
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, rows).index_select(2, columns)
+            layer.values = layer.values.index_select(0, rows).index_select(2, columns)
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad the sequence dim (dim 1 of a [B, T] mask, dim 2 of [B, heads, T, d] states) on the left."""
+    missing = width - (t.shape[1] if t.dim() == 2 else t.shape[2])
+    if missing == 0:
+        return t
+    return F.pad(t, (missing, 0) if t.dim() == 2 else (0, 0, missing, 0))

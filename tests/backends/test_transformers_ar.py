@@ -1,0 +1,282 @@
+"""The transformers `ar` backend on tiny:qwen2, driven step by step: continuous batching
+gives each request what it gets alone (and what transformers' `generate` gives), with one
+decoder forward per decode step; seeded sampling is per request; max_tokens, EOS, stop
+ids and stop strings end requests; streamed text never splits a character and adds up to
+the decoded tokens."""
+
+import itertools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from omniflow.backends.transformers_ar import ARBackendError, TextStream, TransformersAR
+from omniflow.compiler import compile_source
+from omniflow.models.tiny import build_tiny
+from omniflow.models.tiny_recipes import quiet
+from omniflow.runtime.interpreter import Interpreter
+from omniflow.runtime.stage import Call, InputStream, StageSpec
+
+torch.set_num_threads(1)
+
+SOURCE = """
+pipeline chat {
+  model "tiny:qwen2"
+  param max_tokens = 12
+  param temperature = 0.0
+  stage lm = ar(max_batch=4, max_tokens=$max_tokens, temperature=$temperature)
+  input prompt: chat -> lm
+  lm.text -> output text [stream]
+  lm.tokens -> output tokens [stream]
+  lm.hidden -> output hidden [stream]
+}
+"""
+# Prompts of different lengths; greedy, the third ends with EOS after 4 tokens and the
+# fourth after 10 (found by search), the others run to max_tokens.
+PROMPTS = [
+    "Tell me a short story.",
+    "hi",
+    "short long what tell hello the what blue",
+    "red hello short short cat small hello world short what big",
+]
+EOS_AFTER = {2: 4, 3: 10}
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return compile_source(SOURCE, devices="cpu")
+
+
+@pytest.fixture(scope="module")
+def backend(plan):
+    stage = plan.stage("lm")
+    return TransformersAR(StageSpec.from_channels(stage, plan.channels), "cpu")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(build_tiny("qwen2"))
+
+
+def request(prompt: str, **params) -> Call:
+    stream = InputStream("chat")
+    stream.push([{"role": "user", "content": prompt}], end=True)
+    return Call(
+        f"r{next(_ids)}", {"max_tokens": 12, "temperature": 0.0} | params, {"prompt": stream}
+    )
+
+
+class Outputs:
+    """What one request emitted, and its text after each step."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.pieces: list[str] = []
+        self.hidden: list[torch.Tensor] = []
+        self.text_by_step: list[tuple[int, str]] = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def run(
+    backend,
+    calls: list[Call],
+    joins: list[int] | None = None,
+    held: dict[int, set[int]] | None = None,
+    cancel: dict[int, int] | None = None,
+) -> list[Outputs]:
+    """Step the backend until every call has finished: call i is first offered at step
+    joins[i], is left out of the steps in held[i] (as a runner with more ready requests
+    than max_batch leaves some out), and is dropped before step cancel[i]. Checks that no
+    request is left behind in the batched cache."""
+    joins = joins or [0] * len(calls)
+    held, cancel = held or {}, cancel or {}
+    outs = {c.request_id: Outputs() for c in calls}
+    live: list[Call] = []
+    for step in itertools.count():
+        live += [c for c, at in zip(calls, joins, strict=True) if at == step]
+        for i, at in cancel.items():
+            if at == step and calls[i] in live:
+                backend.drop(calls[i])
+                live.remove(calls[i])
+        offered = [c for c in live if step not in held.get(calls.index(c), ())]
+        ready = [c for c in offered if backend.ready(c)]
+        if not live and step > max(joins):
+            break
+        backend.step(ready)
+        for call in ready:
+            out = outs[call.request_id]
+            for port, value in call.emitted:
+                if port == "tokens":
+                    out.tokens.append(int(value))
+                elif port == "text":
+                    out.pieces.append(value)
+                else:
+                    out.hidden.append(value)
+            call.emitted.clear()
+            out.text_by_step.append((len(out.tokens), out.text))
+            if call.finished or call.error is not None:
+                backend.drop(call)
+                live.remove(call)
+    assert backend.rows == [] and backend.cache is None
+    return [outs[c.request_id] for c in calls]
+
+
+def alone(backend, prompt: str, **params) -> Outputs:
+    return run(backend, [request(prompt, **params)])[0]
+
+
+def test_greedy_matches_transformers_generate(backend, tokenizer):
+    with quiet():
+        model = AutoModelForCausalLM.from_pretrained(build_tiny("qwen2")).eval()
+    for prompt in PROMPTS[:3]:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        want = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :]
+        got = alone(backend, prompt)
+        assert got.tokens == want.tolist()
+        assert got.text == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_continuous_batching_matches_each_request_alone(backend):
+    singles = [alone(backend, p) for p in PROMPTS]
+    batched = run(backend, [request(p) for p in PROMPTS], joins=[0, 0, 2, 5])
+    for i, (one, many) in enumerate(zip(singles, batched, strict=True)):
+        assert many.tokens == one.tokens
+        assert many.text == one.text
+        assert len(many.hidden) == len(many.tokens)
+        for a, b in zip(many.hidden, one.hidden, strict=True):
+            assert a.shape == (1, 1, 64) and a.dtype == torch.float32
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert len(one.tokens) == EOS_AFTER.get(i, 12)
+
+
+def test_rows_left_out_of_a_step_and_dropped_rows_change_nothing(backend):
+    singles = [alone(backend, p) for p in PROMPTS]
+    # Request 0 sits out steps 3, 4 and 7 and request 3 steps 6 to 8 (their rows idle in
+    # the others' forwards); request 1 is cancelled before step 4.
+    batched = run(
+        backend,
+        [request(p) for p in PROMPTS],
+        joins=[0, 0, 1, 2],
+        held={0: {3, 4, 7}, 3: {6, 7, 8}},
+        cancel={1: 4},
+    )
+    for i in (0, 2, 3):
+        assert batched[i].tokens == singles[i].tokens
+    assert batched[1].tokens == singles[1].tokens[:4]  # steps 0 to 3
+
+
+def test_one_decoder_forward_per_decode_step(backend):
+    decoder = backend.component.decoder
+    calls = []
+    forward = decoder.forward
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["inputs_embeds"].shape[:2])
+        return forward(*args, **kwargs)
+
+    decoder.forward = counting
+    try:
+        batch = [request(PROMPTS[i], max_tokens=6) for i in (0, 1, 3)]
+        backend.step(batch)  # three prefills, each a forward over its own prompt
+        assert [n for n, _ in calls] == [1, 1, 1]
+        assert len({length for _, length in calls}) == 3
+        for _ in range(5):
+            calls.clear()
+            backend.step([c for c in batch if not c.finished])
+            assert calls == [(3, 1)]  # one forward, every request's next token
+    finally:
+        del decoder.forward
+    assert all(c.finished for c in batch)
+    for call in batch:
+        backend.drop(call)
+    assert backend.rows == []
+
+
+def test_seeded_sampling_is_per_request(backend):
+    params = {"temperature": 1.0, "top_p": 0.95, "top_k": 200, "max_tokens": 16}
+    first = alone(backend, PROMPTS[0], seed=7, **params)
+    assert alone(backend, PROMPTS[0], seed=7, **params).tokens == first.tokens
+    # Sharing a batch with other sampled requests does not change a request's draws.
+    together = run(
+        backend,
+        [request(PROMPTS[0], seed=7, **params), request(PROMPTS[1], seed=3, **params)],
+        joins=[0, 1],
+    )
+    assert together[0].tokens == first.tokens
+    assert alone(backend, PROMPTS[0], seed=8, **params).tokens != first.tokens
+    assert first.tokens != alone(backend, PROMPTS[0], max_tokens=16).tokens  # it did sample
+
+
+def test_max_tokens_eos_and_stop_ids_end_requests(backend):
+    assert len(alone(backend, PROMPTS[0], max_tokens=3).tokens) == 3
+    eos = alone(backend, PROMPTS[2], max_tokens=40)
+    assert len(eos.tokens) == 4 and eos.tokens[-1] in backend.component.eos_ids
+    full = alone(backend, PROMPTS[0])
+    stop_id = full.tokens[5]
+    stopped = alone(backend, PROMPTS[0], stop=[stop_id])
+    assert stopped.tokens == full.tokens[: full.tokens.index(stop_id) + 1]
+
+
+def test_stop_strings_cut_the_text(backend, tokenizer):
+    full = alone(backend, PROMPTS[0], max_tokens=16)
+    stop = full.text[6:9]
+    cut = alone(backend, PROMPTS[0], max_tokens=16, stop=["no such text", stop])
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert len(cut.tokens) < len(full.tokens)
+    assert cut.tokens == full.tokens[: len(cut.tokens)]
+    # The text that went out before the stop string was complete never held part of it.
+    assert all(stop not in text for _, text in cut.text_by_step)
+
+
+def test_streamed_text_adds_up_and_never_splits_a_character(backend, tokenizer):
+    for prompt in PROMPTS:
+        out = alone(backend, prompt, max_tokens=24)
+        assert out.text == tokenizer.decode(out.tokens, skip_special_tokens=True)
+        for count, text in out.text_by_step[:-1]:
+            assert out.text.startswith(text)
+            assert not text.endswith("\ufffd")
+            assert tokenizer.decode(out.tokens[:count], skip_special_tokens=True).startswith(text)
+
+
+def test_text_stream_holds_incomplete_utf8(tokenizer):
+    text = "héllo wörld ✓ 你好 — ok"
+    ids = tokenizer(text).input_ids
+    assert len(ids) > len(text.split())  # multi-byte characters span several tokens
+    stream = TextStream(tokenizer, ())
+    pieces = [stream.add(i) for i in ids]
+    assert "" in pieces  # a character's first bytes wait for the rest
+    pieces.append(stream.close())
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_bad_parameters_fail_only_their_request(backend):
+    bad = request(PROMPTS[0], temperature=-1.0)
+    media = Call("media", {}, {"prompt": InputStream("chat")})
+    media.inputs["prompt"].push(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
+        end=True,
+    )
+    good = request(PROMPTS[1], max_tokens=2)
+    backend.step([bad, media, good])
+    assert isinstance(bad.error, ARBackendError) and "temperature" in str(bad.error)
+    assert isinstance(media.error, ARBackendError) and "image" in str(media.error)
+    assert good.error is None and good.emitted
+    for call in (bad, media, good):
+        backend.drop(call)
+    assert backend.rows == []
+
+
+def test_runs_in_a_plan_under_the_interpreter(plan, backend):
+    out = Interpreter(plan).run({"prompt": PROMPTS[1]}, {"max_tokens": 8})
+    want = alone(backend, PROMPTS[1], max_tokens=8)
+    assert out["tokens"].reshape(-1).tolist() == want.tokens
+    assert out["text"] == want.text
+    assert out["hidden"].shape == (8, 1, 64)
