@@ -19,6 +19,7 @@ import json
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +197,8 @@ def quiet() -> Iterator[None]:
 # --- qwen2 ---------------------------------------------------------------------------------
 
 
-def _build_qwen2(out: Path) -> Iterator[str]:
+def _build_qwen2(out: Path, heads: tuple[int, int] = (4, 2)) -> Iterator[str]:
+    """`heads`: attention and key/value heads over the same 64-wide projections."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     yield "tokenizer"
@@ -213,7 +215,7 @@ def _build_qwen2(out: Path) -> Iterator[str]:
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
-        **_TEXT_DIMS,
+        **{**_TEXT_DIMS, "num_attention_heads": heads[0], "num_key_value_heads": heads[1]},
     )
     model = seed_weights(Qwen2ForCausalLM(config), "qwen2")
     _silence_rows(model.lm_head.weight, len(tokenizer))
@@ -564,6 +566,12 @@ RECIPES: dict[str, Recipe] = {
             "Qwen2ForCausalLM: 2-layer, 64-wide Qwen2.5-style chat LM with tied embeddings",
             ("tokenizer", "model", "save"),
             _build_qwen2,
+        ),
+        Recipe(
+            "qwen2-wide-heads",
+            "the qwen2 weights split into 2 attention heads of 32 (vLLM's CPU attention needs >= 32)",
+            ("tokenizer", "model", "save"),
+            partial(_build_qwen2, heads=(2, 1)),
         ),
         Recipe(
             "qwen2.5-omni",

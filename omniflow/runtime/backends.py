@@ -29,13 +29,15 @@ MODEL_BACKENDS: dict[tuple[str, str], str] = {
 
 
 def backend_name(spec: StageSpec) -> str:
-    """The backend a model stage runs on: the one it asks for, else vLLM for AR stages where
-    it is installed, else the kind's default."""
+    """The backend a model stage runs on: the one it asks for, else vLLM for plain text
+    generation where it is installed (a prompt in, tokens and text out: vLLM does not expose
+    hidden states or take embeddings), else the kind's default."""
     kind = spec.plan.kind
     asked = spec.plan.params.get("backend", "auto")
     if asked != "auto":
         return asked
-    if kind == "ar" and importlib.util.find_spec("vllm") is not None:
+    plain_lm = set(spec.inputs) <= {"prompt"} and set(spec.outputs) <= {"tokens", "text"}
+    if kind == "ar" and plain_lm and importlib.util.find_spec("vllm") is not None:
         return "vllm"
     return next(name for k, name in MODEL_BACKENDS if k == kind)
 
