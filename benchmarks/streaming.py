@@ -1,0 +1,136 @@
+"""Claim: streaming edges give a first audio packet after a small fraction of a request's
+end-to-end time, and concurrent serving multiplies throughput over the monolithic model.
+
+On the omni chat pipeline (thinker -> talker -> code2wav) with the same weights, measures
+time to first audio packet (TTFP) and end-to-end latency (E2E) at concurrency 1, 4 and 10,
+for (a) the compiled plan with streaming edges (chunk=auto), (b) the same pipeline with
+whole-output edges, and (c) the HF transformers model's own generate, one request at a
+time. Prints ratios measured side by side in one run.
+
+    python benchmarks/streaming.py              # tiny models, CPU
+    python benchmarks/streaming.py --devices 1xH200 --model-dir DIR   # a GPU and bigger weights
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from omniflow.compiler import compile_graph, graph_from_source
+from omniflow.models.resolve import model_path, use_tiny_models
+from omniflow.runtime.engine import Engine
+
+GRAPH = Path(__file__).parents[1] / "graphs" / "omni_chat.omni"
+PROMPTS = [f"Tell me about topic number {i}, briefly." for i in range(10)]
+
+
+def whole_edges(text: str) -> str:
+    """The same pipeline with every edge carrying whole outputs (no streaming)."""
+    text = re.sub(r"\[stream, chunk=1, (adapter=[\w.]+)\]", r"[\1]", text)
+    text = text.replace("[stream, chunk=auto, context=25]", "")
+    return text.replace("[stream, rate=24000]", "[rate=24000]").replace(
+        "output text [stream]", "output text"
+    )
+
+
+def plan_for(text: str, devices: str, model: str | None, audio_tokens: int):
+    graph = graph_from_source(text, str(GRAPH))
+    graph = graph.copy() if model else use_tiny_models(graph)
+    if model:
+        graph.model = model
+    # Random weights rarely say end-of-speech: bound the talker so every variant does equal work.
+    graph.node("talker").params["max_tokens"] = audio_tokens
+    return compile_graph(graph, devices)
+
+
+def run_engine(
+    engine: Engine, concurrency: int, max_tokens: int
+) -> tuple[list[float], list[float], float]:
+    ttfp, e2e = [None] * concurrency, [None] * concurrency
+
+    def one(i: int) -> None:
+        start = time.perf_counter()
+        for chunk in engine.stream_sync({"prompt": PROMPTS[i]}, {"max_tokens": max_tokens}):
+            if chunk.output == "audio" and chunk.value is not None and ttfp[i] is None:
+                ttfp[i] = time.perf_counter() - start
+        e2e[i] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return ttfp, e2e, time.perf_counter() - start
+
+
+def run_monolithic(
+    model_dir: str, concurrency: int, max_tokens: int, audio_tokens: int
+) -> tuple[list[float], list[float], float]:
+    """The HF model's own generate, one request after another (audio arrives at the end)."""
+    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+
+    from omniflow.models.tiny import omni_prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir).eval()
+    eos = [
+        model.config.talker_config.tts_codec_pad_token_id,
+        model.config.talker_config.tts_codec_end_token_id,
+    ]
+    start, done = time.perf_counter(), []
+    for i in range(concurrency):
+        model.generate(omni_prompt_ids(tokenizer, PROMPTS[i]), thinker_max_new_tokens=max_tokens,
+                       thinker_do_sample=False, talker_do_sample=False, talker_eos_token_id=eos,
+                       talker_max_new_tokens=audio_tokens)  # fmt: skip
+        done.append(time.perf_counter() - start)
+    return done, done, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--devices", default="cpu")
+    parser.add_argument("--model-dir", help="a Qwen2.5-Omni checkpoint (default: the tiny one)")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--audio-tokens", type=int, default=64, help="codec tokens per request")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 10])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    text = GRAPH.read_text()
+    variants = {
+        "streaming": plan_for(text, args.devices, args.model_dir, args.audio_tokens),
+        "whole": plan_for(whole_edges(text), args.devices, args.model_dir, args.audio_tokens),
+    }
+    model_dir = args.model_dir or model_path("tiny:qwen2.5-omni")
+    rows = {}
+    for name, plan in variants.items():
+        with Engine(plan, "process") as engine:
+            run_engine(engine, 1, args.max_tokens)  # warm up
+            for c in args.concurrency:
+                rows[name, c] = run_engine(engine, c, args.max_tokens)
+    for c in args.concurrency:
+        rows["hf sequential", c] = run_monolithic(model_dir, c, args.max_tokens, args.audio_tokens)
+    print(
+        f"{'variant':>14} {'conc':>4} {'TTFP ms':>9} {'E2E ms':>9} {'TTFP/E2E':>9} {'req/s':>7} {'vs hf':>7}"
+    )
+    for c in args.concurrency:
+        base = c / rows["hf sequential", c][2]
+        for name in ("streaming", "whole", "hf sequential"):
+            ttfp, e2e, wall = rows[name, c]
+            t, e = statistics.median(ttfp) * 1e3, statistics.median(e2e) * 1e3
+            print(
+                f"{name:>14} {c:>4} {t:>9.1f} {e:>9.1f} {t / e:>8.1%} {c / wall:>7.2f} {(c / wall) / base:>6.2f}x"
+            )
+    print(
+        "(medians over the concurrent requests; TTFP = first audio chunk; vs hf = throughput ratio)"
+    )
+
+
+if __name__ == "__main__":
+    main()
