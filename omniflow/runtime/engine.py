@@ -32,7 +32,7 @@ from omniflow.errors import ChannelError, OmniflowError
 from omniflow.plan import ChannelPlan, Plan
 from omniflow.runtime import protocol
 from omniflow.runtime.executor import Executor, serve
-from omniflow.runtime.links import Inbound, Outbound, Waker, wait
+from omniflow.runtime.links import Inbound, Outbound, Waker, link_fds, wait
 from omniflow.runtime.requests import RequestFailed, check_params, prepare_inputs, stage_params
 from omniflow.runtime.shm_ring import (
     ShmConsumer,
@@ -401,14 +401,7 @@ class _Core:
             if self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                 return
             fds.append((self.router.getsockopt(zmq.FD), select.POLLIN))
-        fds += [
-            (fd, select.POLLIN) for i in self.inbound.values() if (fd := i.fileno()) is not None
-        ]
-        fds += [
-            (fd, select.POLLIN)
-            for o in self.outbound.values()
-            if o.outbox and (fd := o.fileno()) is not None
-        ]
+        fds += link_fds(self.inbound.values(), self.outbound.values())
         wait(fds, timeout)
         self.waker.drain()
 

@@ -29,7 +29,7 @@ from omniflow.plan import ChannelPlan, Plan, resolve_params
 from omniflow.runtime import protocol
 from omniflow.runtime.backends import load_backend
 from omniflow.runtime.edges import StreamWriter, apply_maps, load_adapter
-from omniflow.runtime.links import Inbound, Outbound, Waker, wait
+from omniflow.runtime.links import Inbound, Outbound, Waker, link_fds, wait
 from omniflow.runtime.requests import describe
 from omniflow.runtime.shm_ring import ShmConsumer, ShmProducer
 from omniflow.runtime.stage import Backend, Call, InputStream, StageSpec
@@ -289,16 +289,8 @@ class Executor:
         return self.create_inbound([c for c in self.in_channels() if c.src_executor == peer])
 
     def poll_fds(self) -> list[tuple[int, int]]:
-        fds = [(self.waker.fd, select.POLLIN)]
-        fds += [
-            (fd, select.POLLIN) for i in self.inbound.values() if (fd := i.fileno()) is not None
-        ]
-        fds += [
-            (fd, select.POLLIN)
-            for o in self.outbound.values()
-            if o.outbox and (fd := o.fileno()) is not None
-        ]
-        return fds
+        own = [(self.waker.fd, select.POLLIN)]
+        return own + link_fds(self.inbound.values(), self.outbound.values())
 
     def busy(self) -> bool:
         """Whether a stage could step right now without new input."""

@@ -48,6 +48,15 @@ def wait(fds: list[tuple[int, int]], timeout_s: float) -> None:
     poller.poll(max(0, int(timeout_s * 1000)))
 
 
+def link_fds(inbound, outbound) -> list[tuple[int, int]]:
+    """What a node's loop polls for its links: every inbound ring, and the outbound rings
+    that hold chunks waiting for credits."""
+    fds = [(fd, select.POLLIN) for i in inbound if (fd := i.fileno()) is not None]
+    return fds + [
+        (fd, select.POLLIN) for o in outbound if o.outbox and (fd := o.fileno()) is not None
+    ]
+
+
 class Inbound:
     def __init__(self, channel: ChannelPlan, endpoint: Consumer, peer: Waker | None = None):
         self.channel = channel
