@@ -80,6 +80,20 @@ def _tensor_bytes(value) -> bytes:
     return buffer.getvalue()
 
 
+def _models(args: argparse.Namespace) -> int:
+    from omniflow.models.tiny import TINY_MODELS, build_tiny, is_complete, tiny_cache_dir
+
+    if args.models_command == "list":
+        for name, description in TINY_MODELS.items():
+            built = "built" if is_complete(tiny_cache_dir() / name, name) else "not built"
+            print(f"{name:18} {built:10} {description}")
+        return 0
+    if args.name not in TINY_MODELS:
+        raise OmniflowError(f"unknown tiny model '{args.name}'; built-in: {', '.join(TINY_MODELS)}")
+    print(build_tiny(args.name, args.out, progress=True))
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omniflow", description="Compile and serve .omni pipelines."
@@ -120,12 +134,25 @@ def make_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--out", default="out", help="folder for the outputs (text, WAV, PNG)")
     run.set_defaults(run=_run)
+    models = sub.add_parser(
+        "models", help="tiny random-weight checkpoints of the real architectures"
+    )
+    verbs = models.add_subparsers(dest="models_command", required=True)
+    verbs.add_parser("list", help="the built-in tiny models and whether they are built")
+    build = verbs.add_parser(
+        "build-tiny", help="build (or reuse) a tiny checkpoint and print its folder"
+    )
+    build.add_argument("name")
+    build.add_argument(
+        "--out", help="folder to build into (default: the cache, $OMNIFLOW_CACHE/tiny/NAME)"
+    )
+    models.set_defaults(run=_models)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
-    if not Path(args.path).is_file():
+    if getattr(args, "path", None) and not Path(args.path).is_file():
         print(f"omniflow: error: no such file: {args.path}", file=sys.stderr)
         return 2
     try:

@@ -56,3 +56,17 @@ def test_media_encoders_round_trip():
     assert torch.equal(
         torch.tensor(list(image.getdata()), dtype=torch.uint8).reshape(2, 3, 3), pixels[0]
     )
+
+
+def test_models_cli_lists_and_builds_tiny_checkpoints(tmp_path, capsys):
+    assert main(["models", "list"]) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in ("qwen2", "qwen2.5-omni", "text-to-image", "tts"))
+    assert main(["models", "build-tiny", "qwen2", "--out", str(tmp_path / "lm")]) == 0
+    assert capsys.readouterr().out.strip().endswith(str(tmp_path / "lm"))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "lm")
+    assert model.config.model_type == "qwen2"
+    assert main(["models", "build-tiny", "qwen7"]) == 1
+    assert "unknown tiny model 'qwen7'" in capsys.readouterr().err
