@@ -24,6 +24,7 @@ What `max_len` means depends on the family:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -253,7 +254,7 @@ class _Shape:
     context_len: int | None
 
 
-class _Estimator:
+class _Estimator(ABC):
     """A family's parameter count plus its activation and FLOP rules."""
 
     item = "token"
@@ -267,11 +268,13 @@ class _Estimator:
     def kv_bytes_per_token(self, nbytes: int) -> int:
         return 0
 
+    @abstractmethod
     def activation_bytes(self, s: _Shape) -> float:
-        raise NotImplementedError
+        """Peak workspace bytes at the stage's batch."""
 
+    @abstractmethod
     def flops(self, s: _Shape) -> float:
-        raise NotImplementedError
+        """FLOPs per item (`item` says what an item is)."""
 
 
 def _estimator(cfg: ComponentConfig) -> _Estimator:
