@@ -14,8 +14,12 @@ from dataclasses import dataclass
 class AdapterSpec:
     in_type: str
     out_type: str
-    impl: str  # "module:function"
+    impl: str  # "module:function" — a factory called with the source StagePlan
     doc: str
+    # What the adapter needs its source `hidden` port to send per step: this many rows of
+    # the hidden size, and (if `with_prompt`) a step for every prompt position too.
+    source_rows: int = 1
+    with_prompt: bool = False
 
 
 ADAPTERS: dict[str, AdapterSpec] = {
@@ -24,6 +28,9 @@ ADAPTERS: dict[str, AdapterSpec] = {
         "hidden",
         "omniflow.models.qwen_omni:thinker_to_talker",
         "thinker hidden states and token embeddings -> talker input embeddings",
+        # Per position: hidden state, input embedding and a prompt/reply role row.
+        source_rows=3,
+        with_prompt=True,
     ),
     "qwen_omni.talker_to_code2wav": AdapterSpec(
         "codes",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omniflow.adapters import ADAPTERS
 from omniflow.errors import GraphError
 from omniflow.ir.graph import INPUT, INPUT_PORT, Graph, Node
 from omniflow.ir.kinds import KINDS, stage_ports
@@ -71,14 +72,10 @@ def _stage_spec(graph: Graph, node: Node, port: str) -> PortSpec:
             cfgd.get("num_key_value_heads", cfgd["num_attention_heads"]),
         )
         head_dim = cfgd.get("head_dim") or cfg.hidden_size // cfgd["num_attention_heads"]
-        if (
-            port == "hidden"
-            and str(cfgd.get("model_type", "")).startswith("qwen2_5_omni")
-            and node.params.get("component") == "thinker"
-        ):
-            # One item per position the thinker feeds (prompt, then its tokens but the last):
-            # hidden state, input embedding and role, for the talker (models/qwen_omni.py).
-            return PortSpec(TensorSpec(dtype, (3, cfg.hidden_size)), value("max_len") + max_tokens)
+        if port == "hidden" and (needs := _adapter_needs(graph, node)) is not None:
+            rows, with_prompt = needs
+            steps = max_tokens + (value("max_len") if with_prompt else 0)
+            return PortSpec(TensorSpec(dtype, (rows, cfg.hidden_size)), steps)
         return {
             "text": PortSpec(TensorSpec("utf8", (TEXT_BYTES_PER_TOKEN,)), max_tokens),
             "tokens": PortSpec(TensorSpec("int64", (1,)), max_tokens),
@@ -125,6 +122,19 @@ def cfg_path(graph: Graph) -> dict[str, str]:
             if graph.node(name).is_stage:
                 doubled[name] = companion.dotted
     return doubled
+
+
+def _adapter_needs(graph: Graph, node: Node) -> tuple[int, bool] | None:
+    """(rows, with_prompt) that the adapters on a stage's `hidden` edges ask it to send."""
+    specs = {
+        ADAPTERS[e.adapter]
+        for e in graph.out_edges(node.name)
+        if e.src_port == "hidden" and e.adapter in ADAPTERS
+    }
+    needs = {(s.source_rows, s.with_prompt) for s in specs} - {(1, False)}
+    if len(needs) > 1:
+        raise GraphError(f"adapters on {node.name}.hidden ask for different items", node.span)
+    return next(iter(needs), None)
 
 
 def _out_spec(graph: Graph, node: Node, port: str) -> PortSpec:
