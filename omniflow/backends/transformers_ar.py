@@ -5,10 +5,11 @@ codec tokens.
 What it owns:
 
 - Loading: `load_component` picks the model-specific half of the backend (a `Component`):
-  `CausalLM` for a plain causal LM (`AutoModelForCausalLM`), or, for Qwen2.5-Omni, the
-  thinker or the talker from `omniflow.models.qwen_omni`. Each loads through
-  `from_pretrained` on the checkpoint directory, in the checkpoint's dtype (or the stage's
-  `dtype=`), in eval mode, then moves to the stage's device.
+  `CausalLM` for a plain causal LM (`AutoModelForCausalLM`), for Qwen2.5-Omni the
+  thinker or the talker from `omniflow.models.qwen_omni`, or, for a TTS checkpoint whose
+  `model_index.json` names its parts, the codec LM from `omniflow.models.qwen_tts`. Each
+  loads through `from_pretrained` on the checkpoint directory, in the checkpoint's dtype
+  (or the stage's `dtype=`), in eval mode, then moves to the stage's device.
 - The batched KV cache. Every running request is one row of a single `DynamicCache`; rows
   are left-padded to a common length and an attention mask says which columns of each row
   hold its own positions, while explicit position ids give each row its true positions.
@@ -115,6 +116,11 @@ class Component(ABC):
         ids = torch.tensor([s.last for s in seqs], device=self.embed.weight.device)
         return self.embed(ids)
 
+    def code(self, token: int) -> torch.Tensor | None:
+        """The `codes` output `[1, Q]` of a sampled token (None: emit none): by default the
+        token id as sampled."""
+        return torch.tensor([[token]])
+
     def hidden_value(self, hidden: torch.Tensor, embeds: torch.Tensor, prompt: bool):
         """The `hidden` output of one forward of one request, from its last-layer hidden
         states `[L, H]` and input embeddings `[L, E]` at the positions it fed: by default the
@@ -208,6 +214,11 @@ def load_component(spec: StageSpec, device: str) -> Component:
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else "auto"
     try:
         with quiet():
+            from omniflow.models import qwen_tts
+
+            index = qwen_tts.read_index(path)
+            if index is not None:  # parts in subfolders: a TTS codec LM
+                return qwen_tts.load(path, index, plan.component, device, dtype)
             model_type = AutoConfig.from_pretrained(path).model_type
             if model_type == "qwen2_5_omni":
                 from omniflow.models import qwen_omni
@@ -557,8 +568,8 @@ class TransformersAR(Backend):
             seq.seen[token] = True
         if "tokens" in outputs:
             call.emit("tokens", torch.tensor([[token]]))
-        if "codes" in outputs:
-            call.emit("codes", torch.tensor([[token]]))
+        if "codes" in outputs and (code := self.component.code(token)) is not None:
+            call.emit("codes", code)
         if value is not None:
             call.emit("hidden", value)
         ended = token in self.component.eos_ids or token in sampling.stop_ids
