@@ -39,6 +39,11 @@ def one_of(choices) -> str:
     return ", ".join(str(c) for c in choices)
 
 
+def suggest(name: str, choices, label: str) -> str:
+    """The closest choice to `name` if one is close, else every choice under `label`."""
+    return did_you_mean(name, choices) or f"{label}: {one_of(choices)}"
+
+
 class _Builder:
     def __init__(self, program: ast.Pipeline):
         self.program = program
@@ -75,7 +80,7 @@ class _Builder:
             raise GraphError(
                 f"unknown {what} '{attr.key}'",
                 attr.span,
-                did_you_mean(attr.key, specs) or f"valid: {one_of(specs)}",
+                suggest(attr.key, specs, "valid"),
             )
         spec = specs[attr.key]
         span = attr.value_span or attr.span
@@ -141,7 +146,7 @@ class _Builder:
             raise GraphError(
                 f"unknown stage kind '{s.kind}'",
                 s.kind_span,
-                did_you_mean(s.kind, KINDS) or f"kinds: {one_of(KINDS)}",
+                suggest(s.kind, KINDS, "kinds"),
             )
         kind = KINDS[s.kind]
         params = {}
@@ -168,7 +173,7 @@ class _Builder:
                         raise GraphError(
                             f"unknown port type '{typ}' for port '{port}'",
                             s.span,
-                            did_you_mean(typ, PORT_TYPES) or f"types: {one_of(PORT_TYPES)}",
+                            suggest(typ, PORT_TYPES, "types"),
                         )
         if s.device is not None and not _DEVICE.match(s.device):
             raise GraphError(
@@ -182,7 +187,7 @@ class _Builder:
             raise GraphError(
                 f"unknown type '{i.type}'",
                 i.type_span,
-                did_you_mean(i.type, PORT_TYPES) or f"types: {one_of(PORT_TYPES)}",
+                suggest(i.type, PORT_TYPES, "types"),
             )
         params = {"type": i.type}
         if i.default is not None:
@@ -214,7 +219,7 @@ class _Builder:
             raise GraphError(
                 f"'{node.name}' has no output port '{ref.port}'",
                 ref.span,
-                did_you_mean(ref.port, outs) or f"outputs: {one_of(outs)}",
+                suggest(ref.port, outs, "outputs"),
             )
         return node, ref.port
 
@@ -239,7 +244,7 @@ class _Builder:
             raise GraphError(
                 f"'{node.name}' has no input port '{ref.port}'",
                 ref.span,
-                did_you_mean(ref.port, ins) or f"inputs: {one_of(ins)}",
+                suggest(ref.port, ins, "inputs"),
             )
         if port is None or typ not in ins[port]:
             src = flow.source
@@ -269,7 +274,7 @@ class _Builder:
                 raise GraphError(
                     f"unknown map op '{op.name}'",
                     op.span,
-                    did_you_mean(op.name, OPS) or f"ops: {one_of(OPS)}",
+                    suggest(op.name, OPS, "ops"),
                 )
             want = OPS[op.name].args
             if len(op.args) != len(want):
@@ -321,7 +326,7 @@ class _Builder:
             raise GraphError(
                 f"unknown adapter '{name}'",
                 flow.span,
-                did_you_mean(name, adapters.ADAPTERS) or f"adapters: {one_of(adapters.ADAPTERS)}",
+                suggest(name, adapters.ADAPTERS, "adapters"),
             )
         spec = adapters.ADAPTERS.get(name)
         if spec is None:
@@ -421,7 +426,7 @@ class _Builder:
             raise GraphError(
                 f"cfg names '{name}', which is not an input",
                 self.arg_spans[stage.name, "cfg"],
-                did_you_mean(name, inputs) or f"inputs: {one_of(inputs)}",
+                suggest(name, inputs, "inputs"),
             )
         companion = g.node(name)
         if g.out_edges(name):
