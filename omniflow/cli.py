@@ -127,7 +127,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--mode", default="process", choices=("process", "inprocess"))
     run.add_argument(
-        "--input", action="append", default=[], metavar="NAME=VALUE", help="a text input"
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a text input, or an image input's file path",
     )
     run.add_argument(
         "--param", action="append", default=[], metavar="NAME=JSON", help="a parameter override"

@@ -1,4 +1,6 @@
-"""Encoder stage backends: `TextEncoder`, a diffusers pipeline's own prompt encoding.
+"""The text encoder backend of `encoder` stages: `TextEncoder`, a diffusers pipeline's own
+prompt encoding (`backend="diffusers"`; an encoder of images runs on
+`omniflow.backends.vision`).
 
 For Qwen-Image the pipeline's `encode_prompt` does the work: the prompt goes into the
 pipeline's chat template, the Qwen2.5-VL text encoder's last hidden states are taken, the

@@ -6,13 +6,15 @@ What it owns:
 
 - Loading: `load_component` picks the model-specific half of the backend (a `Component`):
   `CausalLM` for a plain causal LM (`AutoModelForCausalLM`), for Qwen2.5-Omni the
-  thinker or the talker from `omniflow.models.qwen_omni`, or, for a TTS checkpoint whose
+  thinker or the talker from `omniflow.models.qwen_omni`, for Qwen2.5-VL the language
+  model from `omniflow.models.qwen_vl`, or, for a TTS checkpoint whose
   `model_index.json` names its parts, the codec LM from `omniflow.models.qwen_tts`. Each
   loads through `from_pretrained` on the checkpoint directory, in the checkpoint's dtype
   (or the stage's `dtype=`), in eval mode, then moves to the stage's device.
 - The batched KV cache. Every running request is one row of a single `DynamicCache`; rows
   are left-padded to a common length and an attention mask says which columns of each row
-  hold its own positions, while explicit position ids give each row its true positions.
+  hold its own positions, while explicit position ids give each row its true positions
+  (0, 1, 2, ... unless the component's `Prompt` says otherwise: multimodal RoPE).
   A new request is prefilled alone (one forward over its prompt, the same computation as
   `generate` on that request) and then joins: its cache is left-padded (or the others are)
   and concatenated. A decode step is ONE forward over every row; a row that is not advancing
@@ -59,10 +61,18 @@ class ARBackendError(OmniflowError):
 
 @dataclass
 class Prompt:
-    """What a request's prefill feeds the decoder."""
+    """What a request's prefill feeds the decoder.
+
+    Position ids default to 0 .. L-1 for the prompt and the cache length for each decode
+    step. A model whose positions are not those (Qwen2.5-VL's multimodal RoPE gives an
+    image's tokens 3-D positions) sets `positions` and the offset every decode position
+    gets on top of the cache length.
+    """
 
     embeds: torch.Tensor  # [L, E] input embeddings
     context: list[int]  # ids the repetition penalty counts as already seen
+    positions: torch.Tensor | None = None  # the prefill's position ids, [1, L] or [3, 1, L]
+    position_offset: int = 0  # decode position = cache length + this
 
 
 class Component(ABC):
@@ -224,6 +234,10 @@ def load_component(spec: StageSpec, device: str) -> Component:
                 from omniflow.models import qwen_omni
 
                 return qwen_omni.load(path, plan.component, device, dtype)
+            if model_type == "qwen2_5_vl":
+                from omniflow.models import qwen_vl
+
+                return qwen_vl.load(path, plan.component, device, dtype)
             if plan.component is not None:
                 raise ARBackendError(
                     f"{plan.model} ({model_type}) has no component '{plan.component}' this backend knows"
@@ -377,6 +391,7 @@ class Sequence:
     seen: torch.Tensor | None  # [V] bool: ids the repetition penalty applies to
     text: TextStream | None
     length: int = 0  # its positions in the KV cache
+    position_offset: int = 0  # its next position id minus `length`
     generated: int = 0
     last: int = -1  # the id sampled last
 
@@ -501,14 +516,19 @@ class TransformersAR(Backend):
             "text" in self.spec.outputs or sampling.stop_strings
         ):
             text = TextStream(component.tokenizer, sampling.stop_strings)
-        seq = Sequence(call, sampling, generator, seen, text, length=prompt.embeds.shape[0])
+        length = prompt.embeds.shape[0]
+        seq = Sequence(
+            call, sampling, generator, seen, text, length, position_offset=prompt.position_offset
+        )
         call.state[_STATE] = seq
         cache = component.new_cache()
-        length = seq.length
+        positions = prompt.positions
+        if positions is None:
+            positions = torch.arange(length, device=self.device)[None]
         hidden = self._forward(
             prompt.embeds[None],
             torch.ones(1, length, dtype=torch.bool, device=self.device),
-            torch.arange(length, device=self.device)[None],
+            positions,
             cache,
         )[0]
         value = None
@@ -528,7 +548,9 @@ class TransformersAR(Backend):
         column = torch.zeros(len(self.rows), 1, dtype=torch.bool, device=self.device)
         column[active] = True
         mask = torch.cat([self.mask, column], dim=1)
-        positions = torch.tensor([[s.length] for s in self.rows], device=self.device)
+        positions = torch.tensor(
+            [[s.length + s.position_offset] for s in self.rows], device=self.device
+        )
         hidden = self._forward(embeds, mask, positions, self.cache)[active, 0]
         self.mask = mask
         values = [None] * len(seqs)

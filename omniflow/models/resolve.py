@@ -16,6 +16,8 @@ TINY_SCHEME = "tiny:"
 TINY_COUNTERPARTS: dict[str, str] = {
     "Qwen/Qwen2.5-Omni-7B": "tiny:qwen2.5-omni",
     "Qwen/Qwen2.5-Omni-3B": "tiny:qwen2.5-omni",
+    "Qwen/Qwen2.5-VL-7B-Instruct": "tiny:qwen2.5-vl",
+    "Qwen/Qwen2.5-VL-3B-Instruct": "tiny:qwen2.5-vl",
     "Qwen/Qwen-Image": "tiny:text-to-image",
     "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice": "tiny:tts",
     "Qwen/Qwen3-TTS-12Hz-1.7B-Base": "tiny:tts",

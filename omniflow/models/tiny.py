@@ -10,8 +10,9 @@ through the same `from_pretrained(local_dir)` path as a real checkpoint.
   counts as complete only with its manifest (written last), so an interrupted build is
   never mistaken for a complete one.
 - `TINY_MODELS`, `list_tiny()` name what can be built.
-- `reference_omni_generate` and `reference_tts` run each speech model unsplit, the way
-  its own code does, as the oracle that omniflow's staged pipelines are compared against.
+- `reference_omni_generate`, `reference_vl_generate` and `reference_tts` run each model
+  unsplit, the way its own code does, as the oracle that omniflow's staged pipelines are
+  compared against.
   For `text-to-image` the reference is the diffusers pipeline's own `__call__`.
 """
 
@@ -285,6 +286,61 @@ def reference_omni_generate(
     codec_ids = codes[: int(ends[0]) if len(ends) else len(codes)]
     text = tokenizer.decode(text_ids, skip_special_tokens=True)
     return OmniReference(text_ids, text, codec_ids, waveform)
+
+
+class VLReference(NamedTuple):
+    """What `reference_vl_generate` returns: the generated ids (prompt excluded), (n,)
+    int64, the image's patch grid `image_grid_thw` (1, 3), and the ids decoded."""
+
+    text_ids: torch.Tensor
+    image_grid_thw: torch.Tensor
+    text: str
+
+
+@torch.no_grad()
+def reference_vl_generate(
+    model_dir: str | Path, prompt_text: str, image, max_new_tokens: int = 16
+) -> VLReference:
+    """Qwen2.5-VL's own `generate` on one image and one user turn, greedy.
+
+    `image` is what the image processor takes (a PIL image, a uint8 [H, W, 3] array or
+    tensor) or a path, opened with PIL as RGB. The inputs are what `Qwen2_5_VLProcessor`
+    makes, which cannot be constructed without torchvision: the image processor's pixel
+    patches and grid; the chat template on `[image, text]`, its `<|image_pad|>` repeated
+    once per merged patch; `mm_token_type_ids` 1 on those tokens, 0 elsewhere.
+    """
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+    with quiet():
+        processor = AutoImageProcessor.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir).eval()
+    if isinstance(image, (str, Path)):
+        with Image.open(image) as opened:
+            image = opened.convert("RGB")
+    elif isinstance(image, torch.Tensor):
+        image = image.numpy()
+    pixels = processor(images=[image], return_tensors="pt")
+    grid = pixels["image_grid_thw"]
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt_text}]}
+    ]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    placeholder = tokenizer.convert_ids_to_tokens(model.config.image_token_id)
+    tokens = int(grid.prod()) // processor.merge_size**2
+    inputs = tokenizer(text.replace(placeholder, placeholder * tokens), return_tensors="pt")
+    with quiet():
+        sequences = model.generate(
+            **inputs,
+            pixel_values=pixels["pixel_values"],
+            image_grid_thw=grid,
+            mm_token_type_ids=(inputs.input_ids == model.config.image_token_id).int(),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    text_ids = sequences[0, inputs.input_ids.shape[1] :]
+    return VLReference(text_ids, grid, tokenizer.decode(text_ids, skip_special_tokens=True))
 
 
 def read_tts_index(model_dir: str | Path) -> dict:

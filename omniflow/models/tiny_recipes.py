@@ -387,6 +387,68 @@ def _build_omni(out: Path) -> Iterator[str]:
     model.save_pretrained(out)
 
 
+# --- qwen2.5-vl ----------------------------------------------------------------------------
+
+# Qwen2.5-VL's published preprocessor_config.json: images are resized to between 4 and
+# 16384 merged 28 x 28 patches.
+_VL_MIN_PIXELS = 56 * 56
+_VL_MAX_PIXELS = 28 * 28 * 16384
+
+
+def _qwen_vl_config(tokenizer, **text: Any):
+    """A tiny Qwen2_5_VLConfig over the qwen tokenizer; `text` adds text-config keys."""
+    from transformers import Qwen2_5_VLConfig
+
+    ids = _special_ids(tokenizer)
+    return Qwen2_5_VLConfig(
+        text_config={
+            **_TEXT_DIMS,
+            "vocab_size": _round_up(len(tokenizer), 64),
+            "rope_parameters": _MROPE,
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+            **text,
+        },
+        vision_config={**_VISION_DIMS, "out_hidden_size": _TEXT_DIMS["hidden_size"]},
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+
+
+def _build_qwen_vl(out: Path) -> Iterator[str]:
+    from transformers import (
+        GenerationConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    yield "tokenizer"
+    tokenizer = build_tokenizer("qwen")
+    ids = _special_ids(tokenizer)
+    tokenizer.save_pretrained(out)
+    # The PIL image processor saves as `Qwen2VLImageProcessor`, as the real checkpoint's
+    # does; the processor that would bundle it with the tokenizer needs torchvision.
+    Qwen2VLImageProcessorPil(min_pixels=_VL_MIN_PIXELS, max_pixels=_VL_MAX_PIXELS).save_pretrained(
+        out
+    )
+
+    yield "model"
+    config = _qwen_vl_config(tokenizer, bos_token_id=ids["<|endoftext|>"])
+    model = seed_weights(Qwen2_5_VLForConditionalGeneration(config), "qwen2.5-vl")
+    _silence_rows(model.lm_head.weight, len(tokenizer))
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        do_sample=False,
+    )
+
+    yield "save"
+    model.save_pretrained(out)
+
+
 # --- text-to-image -------------------------------------------------------------------------
 
 # Qwen-Image's published scheduler_config.json.
@@ -413,30 +475,15 @@ def _build_text_to_image(out: Path) -> Iterator[str]:
         QwenImagePipeline,
         QwenImageTransformer2DModel,
     )
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
     yield "tokenizer"
     tokenizer = build_tokenizer("qwen")
-    ids = _special_ids(tokenizer)
 
     yield "text_encoder"
-    text_config = {
-        **_TEXT_DIMS,
-        "vocab_size": _round_up(len(tokenizer), 64),
-        "rope_parameters": _MROPE,
-        "eos_token_id": ids["<|im_end|>"],
-        "pad_token_id": ids["<|endoftext|>"],
-    }
-    encoder_config = Qwen2_5_VLConfig(
-        text_config=text_config,
-        vision_config={**_VISION_DIMS, "out_hidden_size": _TEXT_DIMS["hidden_size"]},
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
     text_encoder = seed_weights(
-        Qwen2_5_VLForConditionalGeneration(encoder_config), "text-to-image/text_encoder"
+        Qwen2_5_VLForConditionalGeneration(_qwen_vl_config(tokenizer)),
+        "text-to-image/text_encoder",
     )
 
     yield "transformer"
@@ -579,6 +626,13 @@ RECIPES: dict[str, Recipe] = {
             "talker and token2wav (DiT + BigVGAN), with spk_dict.pt",
             ("tokenizer", "model", "weights", "speakers", "save"),
             _build_omni,
+        ),
+        Recipe(
+            "qwen2.5-vl",
+            "Qwen2_5_VLForConditionalGeneration: vision tower (2 blocks, 14 px patches) and "
+            "a 2-layer, 64-wide decoder with multimodal RoPE, with its image processor",
+            ("tokenizer", "model", "save"),
+            _build_qwen_vl,
         ),
         Recipe(
             "text-to-image",

@@ -21,7 +21,8 @@ CHOICES = ("auto", "standin")
 MODEL_BACKENDS: dict[tuple[str, str], str] = {
     ("ar", "transformers"): "omniflow.backends.transformers_ar:TransformersAR",
     ("ar", "vllm"): "omniflow.backends.vllm_ar:VllmAR",
-    ("encoder", "transformers"): "omniflow.backends.encoders:TextEncoder",
+    ("encoder", "diffusers"): "omniflow.backends.encoders:TextEncoder",
+    ("encoder", "transformers"): "omniflow.backends.vision:VisionEncoder",
     ("diffusion", "diffusers"): "omniflow.backends.diffusion:DiffusionSteps",
     ("vae", "diffusers"): "omniflow.backends.diffusion:VaeDecode",
     ("vocoder", "transformers"): "omniflow.backends.vocoders:Vocoder",
@@ -31,11 +32,15 @@ MODEL_BACKENDS: dict[tuple[str, str], str] = {
 def backend_name(spec: StageSpec) -> str:
     """The backend a model stage runs on: the one it asks for, else vLLM for plain text
     generation where it is installed (a prompt in, tokens and text out: vLLM does not expose
-    hidden states or take embeddings), else the kind's default."""
+    hidden states or take embeddings), else for an encoder the vision tower of a
+    transformers checkpoint when its input is an image and a diffusers pipeline's text
+    encoder when it is a prompt, else the kind's default."""
     kind = spec.plan.kind
     asked = spec.plan.params.get("backend", "auto")
     if asked != "auto":
         return asked
+    if kind == "encoder":
+        return "transformers" if "image" in spec.inputs else "diffusers"
     plain_lm = set(spec.inputs) <= {"prompt"} and set(spec.outputs) <= {"tokens", "text"}
     if kind == "ar" and plain_lm and importlib.util.find_spec("vllm") is not None:
         return "vllm"

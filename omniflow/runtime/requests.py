@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from omniflow.errors import OmniflowError
@@ -53,6 +55,11 @@ def _check(name: str, port_type: str, value):
         ):
             raise RequestError(f"input '{name}' must be a list of {{role, content}} messages")
         return value
+    if port_type == "image" and isinstance(value, (str, os.PathLike)):
+        if not os.fspath(value):
+            raise RequestError(f"input '{name}' is an empty path")
+        # Absolute, so it names the same file in whichever process opens it.
+        return os.path.abspath(value)
     try:
         return torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as err:

@@ -2,6 +2,8 @@
 
 A tensor port's chunk is a tensor whose first dim counts steps (n steps x item shape).
 Text is a str and travels as its UTF-8 bytes; chat (a list of messages) as UTF-8 JSON.
+An image port's value may also be a str, the path of an image file the stage reads: it
+travels as its UTF-8 bytes, a 1-D uint8 tensor, which no image is (images are `[H, W, 3]`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ TEXT_TYPES = ("text", "chat")
 
 
 def encode(port_type: str, value) -> torch.Tensor:
-    """A port value as one tensor (text as uint8 UTF-8 bytes)."""
-    if port_type == "text":
+    """A port value as one tensor (text and image paths as uint8 UTF-8 bytes)."""
+    if port_type == "text" or (port_type == "image" and isinstance(value, str)):
         return torch.frombuffer(bytearray(value.encode("utf-8")), dtype=torch.uint8)
     if port_type == "chat":
         return torch.frombuffer(bytearray(json.dumps(value).encode("utf-8")), dtype=torch.uint8)
@@ -26,6 +28,10 @@ def decode(port_type: str, tensor: torch.Tensor):
     """The inverse of `encode`; tensors come back as they are (callers copy if they keep them)."""
     if port_type == "text":
         return bytes(tensor.numpy()).decode("utf-8")
+    if port_type == "image" and tensor.dim() == 1 and tensor.dtype == torch.uint8:
+        # Not strict: a malformed image sent as 1-D bytes becomes a path the stage cannot
+        # open, which fails that request there, not the process that decodes it.
+        return bytes(tensor.numpy()).decode("utf-8", errors="replace")
     if port_type == "chat":
         return json.loads(bytes(tensor.numpy()).decode("utf-8"))
     return tensor

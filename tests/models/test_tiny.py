@@ -25,6 +25,7 @@ from omniflow.models.tiny import (
     read_tts_index,
     reference_omni_generate,
     reference_tts,
+    reference_vl_generate,
 )
 from omniflow.models.tiny_recipes import portable_uniform, quiet
 
@@ -72,7 +73,7 @@ def _manifest(directory):
 
 
 def test_registry_names_every_required_model():
-    assert {"qwen2.5-omni", "qwen2", "text-to-image", "tts"} <= set(list_tiny())
+    assert {"qwen2.5-omni", "qwen2", "qwen2.5-vl", "text-to-image", "tts"} <= set(list_tiny())
     assert list_tiny() == sorted(TINY_MODELS)
     assert all(desc and "\n" not in desc for desc in TINY_MODELS.values())
     with pytest.raises(KeyError, match="did you mean 'qwen2'"):
@@ -90,7 +91,7 @@ def test_builds_into_the_cache_and_reuses_it(cache, built):
     assert {p: p.stat().st_mtime_ns for p in directory.rglob("*")} == before
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen2.5-omni", "text-to-image", "tts"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen2.5-omni", "qwen2.5-vl", "text-to-image", "tts"])
 def test_rebuilding_gives_identical_bytes(built, tmp_path, name):
     again = build_tiny(name, tmp_path / name)
     assert _manifest(again)["files"] == _manifest(built[name])["files"]
@@ -281,6 +282,58 @@ def test_omni_prompt_uses_the_speaking_system_prompt(built):
     text = tokenizer.decode(omni_prompt_ids(tokenizer, "Hi")[0])
     assert text.startswith("<|im_start|>system\nYou are Qwen, a virtual human")
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+# --- qwen2.5-vl -------------------------------------------------------------------------
+
+
+def test_qwen_vl_loads_through_the_auto_classes(built):
+    from transformers import (
+        AutoConfig,
+        AutoImageProcessor,
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+        Qwen2_5_VLForConditionalGeneration,
+    )
+
+    directory = built["qwen2.5-vl"]
+    config = AutoConfig.from_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    processor = AutoImageProcessor.from_pretrained(directory)
+    assert config.model_type == "qwen2_5_vl"
+    assert len(tokenizer) <= config.text_config.vocab_size
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>")}
+    assert ids == {
+        "<|vision_start|>": config.vision_start_token_id,
+        "<|image_pad|>": config.image_token_id,
+    }
+    content = [{"type": "image"}, {"type": "text", "text": "Hi"}]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False)
+    assert "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>" in text
+    # The real checkpoint's patching and size limits (min_pixels, max_pixels).
+    assert (processor.patch_size, processor.merge_size, processor.temporal_patch_size) == (14, 2, 2)
+    assert (processor.size["shortest_edge"], processor.size["longest_edge"]) == (3136, 12845056)
+    with quiet():
+        model = AutoModelForImageTextToText.from_pretrained(directory)
+    assert isinstance(model, Qwen2_5_VLForConditionalGeneration)
+    assert not any(module.training for module in model.modules())
+    assert sum(p.numel() for p in model.parameters()) == 248_032
+    assert sum(p.numel() for p in model.model.visual.parameters()) == 83_616
+
+
+def test_reference_vl_generate_is_deterministic_and_sees_the_image(built):
+    directory = built["qwen2.5-vl"]
+    images = torch.randint(0, 256, (2, 56, 84, 3), generator=torch.Generator().manual_seed(0))
+    image = images[0].to(torch.uint8)
+    first = reference_vl_generate(directory, "What is this?", image, max_new_tokens=8)
+    second = reference_vl_generate(directory, "What is this?", image, max_new_tokens=8)
+    assert first.text_ids.dtype == torch.int64 and len(first.text_ids) == 8
+    assert first.image_grid_thw.tolist() == [[1, 4, 6]]  # 56 x 84 px: 4 x 6 patches of 14
+    assert torch.equal(first.text_ids, second.text_ids) and first.text == second.text
+    other = reference_vl_generate(
+        directory, "What is this?", images[1].to(torch.uint8), max_new_tokens=8
+    )
+    assert not torch.equal(other.text_ids, first.text_ids)
 
 
 # --- text-to-image ----------------------------------------------------------------------

@@ -29,7 +29,9 @@ REQUESTS = {
                 "image": torch.arange(48, dtype=torch.uint8).reshape(4, 4, 3),
             },
             None,
-        )
+        ),
+        # An image file's path travels as its bytes; stand-ins never open it.
+        ({"prompt": "and this?", "image": "/images/cat.png"}, None),
     ],
 }
 
