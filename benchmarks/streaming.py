@@ -8,7 +8,11 @@ whole-output edges, and (c) the HF transformers model's own generate, one reques
 time. Prints ratios measured side by side in one run.
 
     python benchmarks/streaming.py              # tiny models, CPU
-    python benchmarks/streaming.py --devices 1xH200 --model-dir DIR   # a GPU and bigger weights
+    python benchmarks/streaming.py --devices 1xH200 --scaled 0.5   # real widths, half the layers
+    python benchmarks/streaming.py --devices 1xH200 --model-dir DIR  # any Qwen2.5-Omni checkpoint
+
+`--scaled DEPTH` builds (once, under $OMNIFLOW_CACHE/scaled/) a random-weight Qwen2.5-Omni at
+the real model's widths with DEPTH x its layer counts (`omniflow.models.scaled`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 
 from omniflow.compiler import compile_graph, graph_from_source
 from omniflow.models.resolve import model_path, use_tiny_models
+from omniflow.models.scaled import scaled_checkpoint
 from omniflow.runtime.engine import Engine
 
 GRAPH = Path(__file__).parents[1] / "graphs" / "omni_chat.omni"
@@ -70,38 +75,68 @@ def run_engine(
     return ttfp, e2e, time.perf_counter() - start
 
 
-def run_monolithic(
-    model_dir: str, concurrency: int, max_tokens: int, audio_tokens: int
-) -> tuple[list[float], list[float], float]:
-    """The HF model's own generate, one request after another (audio arrives at the end)."""
+def monolithic_latencies(
+    model_dir: str, device: str, n: int, max_tokens: int, audio_tokens: int
+) -> list[float]:
+    """Seconds per request of the HF model's own generate (audio arrives at the end), for the
+    first `n` prompts after one warm-up request."""
     from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
     from omniflow.models.tiny import omni_prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir).eval()
+    model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype="auto")
+    model = model.to(device).eval()
     eos = [
         model.config.talker_config.tts_codec_pad_token_id,
         model.config.talker_config.tts_codec_end_token_id,
     ]
-    start, done = time.perf_counter(), []
-    for i in range(concurrency):
-        model.generate(omni_prompt_ids(tokenizer, PROMPTS[i]), thinker_max_new_tokens=max_tokens,
+    latencies = []
+    for i in [0, *range(n)]:
+        ids = omni_prompt_ids(tokenizer, PROMPTS[i]).to(device)
+        start = time.perf_counter()
+        model.generate(ids, thinker_max_new_tokens=max_tokens,
                        thinker_do_sample=False, talker_do_sample=False, talker_eos_token_id=eos,
                        talker_max_new_tokens=audio_tokens)  # fmt: skip
-        done.append(time.perf_counter() - start)
-    return done, done, time.perf_counter() - start
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        latencies.append(time.perf_counter() - start)
+    return latencies[1:]
+
+
+def sequential(latencies: list[float], concurrency: int) -> tuple[list[float], list[float], float]:
+    """`concurrency` requests served one at a time: each waits for those before it. Past the
+    measured requests, their latencies repeat in turn."""
+    done, clock = [], 0.0
+    for i in range(concurrency):
+        clock += latencies[i % len(latencies)]
+        done.append(clock)
+    return done, done, clock
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", default="cpu")
     parser.add_argument("--model-dir", help="a Qwen2.5-Omni checkpoint (default: the tiny one)")
+    parser.add_argument(
+        "--scaled",
+        type=float,
+        metavar="DEPTH",
+        help="a random-weight Qwen2.5-Omni at real widths and DEPTH x layers",
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--audio-tokens", type=int, default=64, help="codec tokens per request")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 10])
+    parser.add_argument(
+        "--baseline-requests",
+        type=int,
+        help="requests the sequential baseline measures (default: the largest concurrency)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
+    device = "cuda" if args.devices != "cpu" else "cpu"
+    if args.scaled:
+        args.model_dir = str(scaled_checkpoint(args.scaled, device))
     text = GRAPH.read_text()
     variants = {
         "streaming": plan_for(text, args.devices, args.model_dir, args.audio_tokens),
@@ -114,8 +149,12 @@ def main() -> None:
             run_engine(engine, 1, args.max_tokens)  # warm up
             for c in args.concurrency:
                 rows[name, c] = run_engine(engine, c, args.max_tokens)
+    measured = args.baseline_requests or max(args.concurrency)
+    latencies = monolithic_latencies(
+        model_dir, device, measured, args.max_tokens, args.audio_tokens
+    )
     for c in args.concurrency:
-        rows["hf sequential", c] = run_monolithic(model_dir, c, args.max_tokens, args.audio_tokens)
+        rows["hf sequential", c] = sequential(latencies, c)
     print(
         f"{'variant':>14} {'conc':>4} {'TTFP ms':>9} {'E2E ms':>9} {'TTFP/E2E':>9} {'req/s':>7} {'vs hf':>7}"
     )
@@ -128,7 +167,8 @@ def main() -> None:
                 f"{name:>14} {c:>4} {t:>9.1f} {e:>9.1f} {t / e:>8.1%} {c / wall:>7.2f} {(c / wall) / base:>6.2f}x"
             )
     print(
-        "(medians over the concurrent requests; TTFP = first audio chunk; vs hf = throughput ratio)"
+        "(medians over the concurrent requests; TTFP = first audio chunk; vs hf = throughput ratio;"
+        f" hf sequential = {len(latencies)} measured requests served back to back)"
     )
 
 

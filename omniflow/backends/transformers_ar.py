@@ -613,7 +613,7 @@ class TransformersAR(Backend):
             self.cache, self.mask = cache, own
             return
         width = max(self.mask.shape[1], seq.length)
-        for mine, new in zip(self.cache.layers, cache.layers, strict=True):
+        for mine, new in zip(_filled(self.cache), _filled(cache), strict=True):
             mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(new.keys, width)])
             mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(new.values, width)])
         self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(own, width)])
@@ -630,9 +630,15 @@ class TransformersAR(Backend):
         mask = self.mask.index_select(0, rows)
         columns = mask.any(dim=0).nonzero().squeeze(1)
         self.mask = mask.index_select(1, columns)
-        for layer in self.cache.layers:
+        for layer in _filled(self.cache):
             layer.keys = layer.keys.index_select(0, rows).index_select(2, columns)
             layer.values = layer.values.index_select(0, rows).index_select(2, columns)
+
+
+def _filled(cache) -> list:
+    """The cache layers that hold states: some transformers versions size a composite model's
+    cache by another part's layer count, and the layers no forward reaches stay empty."""
+    return [layer for layer in cache.layers if layer.keys is not None]
 
 
 def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -18,9 +18,10 @@ remembers every frame, so its stream only approximates it.
 
 Token2wav's DiT is not local: each of its passes attends one 24-mel-frame block (12 codes)
 back and one ahead, and a sample takes 36 passes (10 RK4 steps), so influence keeps
-spreading. It is decoded on a fixed grid of one-block units, each unit in its own window
-starting on a block boundary, so its waveform does not depend on how the codes happened to
-be chunked: the reference interpreter and every runtime mode agree, whatever the timing.
+spreading. It is decoded in windows on a fixed grid of one-block units — one unit, then two, then
+four at a time (`WINDOW_UNITS`) — each starting on a block boundary, so its waveform does
+not depend on how the codes happened to be chunked: the reference interpreter and every
+runtime mode agree, whatever the timing.
 Two blocks of context and of lookahead bring the stream within about 1e-4 of the
 whole-utterance decode; one block of lookahead (Qwen's own streaming setting) within about
 1e-2 (tests/backends/test_vocoders.py measures both). Its initial noise is drawn per
@@ -49,7 +50,6 @@ import torch
 from transformers import AutoModel, Qwen2_5OmniConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniToken2WavModel,
-    RungeKutta4ODESolver,
 )
 from transformers.utils import cached_file
 
@@ -137,6 +137,11 @@ def probe(
                 break
     return per_frame, Reach(context, lookahead, min_frames)
 
+
+# Window sizes on a unit grid, in units, the last one repeating: one unit first, for an early
+# first packet, then wider windows, which re-decode their context and lookahead less often
+# (a one-unit token2wav window decodes 60 codes to keep 12; a four-unit one 96 to keep 48).
+WINDOW_UNITS = (1, 2, 4)
 
 # --- per-request streams and their windows ----------------------------------------------------
 
@@ -416,6 +421,8 @@ class Token2Wav(Decoder):
         guidance = torch.tensor([w.stream.state["guidance"] for w in windows], device=device)
         guidance = guidance[:, None, None]
         positions = torch.cat([position, position])
+        # The same for every pass: it depends on the positions and the hidden dtype only.
+        rotary = self.dit.rotary_embed(code_embed, positions)
 
         def velocity(time: torch.Tensor, mel: torch.Tensor) -> torch.Tensor:
             """The guided DiT prediction (Qwen2_5OmniToken2WavDiTModel.forward, batched)."""
@@ -424,7 +431,6 @@ class Token2Wav(Decoder):
             hidden = self.dit.input_embed.proj(
                 torch.cat((hidden, conditioning, code_embed, cond), dim=-1)
             )
-            rotary = self.dit.rotary_embed(hidden, positions)
             for layer in self.dit.transformer_blocks:
                 hidden = layer(
                     hidden, time_embedding, position_embeddings=rotary, block_diff=block_diff
@@ -437,8 +443,33 @@ class Token2Wav(Decoder):
         # Qwen2_5OmniToken2WavDiTModel.sample's time points, sway coefficient -1.
         time = torch.linspace(0, 1, steps, device=device, dtype=noise.dtype)
         time = time - (torch.cos(torch.pi / 2 * time) - 1 + time)
-        mel = RungeKutta4ODESolver(velocity, noise).integrate(time)[-1]
+        mel = runge_kutta4(velocity, noise, time)
         return self.bigvgan(mel.permute(0, 2, 1)).reshape(rows, -1)
+
+
+def _window_units(start: int) -> int:
+    """The units of the window that starts at unit `start` on the grid WINDOW_UNITS lays."""
+    boundary = 0
+    for units in WINDOW_UNITS[:-1]:
+        if start < boundary + units:
+            return units
+        boundary += units
+    return WINDOW_UNITS[-1]
+
+
+def runge_kutta4(velocity: Callable, value: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+    """The value at `time[-1]`: transformers' `RungeKutta4ODESolver.integrate(time)[-1]`,
+    operation for operation, without its per-step comparisons of device tensors on the host,
+    which wait for the GPU each step and keep it from running ahead of the host."""
+    third = 1 / 3
+    for start, end in zip(time[:-1], time[1:], strict=True):
+        step = end - start
+        k1 = velocity(start, value)
+        k2 = velocity(start + step * third, value + step * k1 * third)
+        k3 = velocity(start + step * (2 / 3), value + step * (k2 - k1 * third))
+        k4 = velocity(end, value + step * (k1 - k2 + k3))
+        value = value + (k1 + 3 * (k2 + k3) + k4) * step / 8
+    return value
 
 
 def _codes(mel_frames: float, repeats: int) -> float:
@@ -554,7 +585,11 @@ class Vocoder(Backend):
             lookahead = decoder.lookahead if lookahead is None else lookahead
             if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
                 raise VocoderError(f"lookahead must be a whole number of frames, not {lookahead!r}")
-            stream = _Stream(decoder.open(call), lookahead, torch.zeros(0, 0, dtype=torch.int64))
+            stream = _Stream(
+                decoder.open(call),
+                lookahead,
+                torch.zeros(0, 0, dtype=torch.int64, device=self.device),
+            )
             call.state["stream"] = stream
         chunk = call.inputs[self.port].take()
         if chunk is None or not len(chunk):
@@ -589,8 +624,13 @@ class Vocoder(Backend):
         if unit is None:
             spans = [(done, ready)] if ready > done else []
         else:
-            stop = arrived if ended else ready - unit + 1
-            spans = [(k, min(k + unit, arrived)) for k in range(done, stop, unit)]
+            spans = []
+            while done < arrived:
+                end = done + unit * _window_units(done // unit)
+                if end > ready and not ended:
+                    break
+                spans.append((done, min(end, arrived)))
+                done = end
         return [
             Window(stream, max(0, k0 - self.context), min(arrived, k1 + stream.lookahead), k0, k1)
             for k0, k1 in spans

@@ -90,6 +90,9 @@ class StageRunner:
         try:
             self.backend.step(batch)
         except Exception as err:  # a batched forward cannot say whose input broke it
+            # The requests hear the error; the log keeps where it came from.
+            print(f"stage '{self.name}': a step of {len(batch)} requests failed:", file=sys.stderr)
+            traceback.print_exc()
             for call in batch:
                 call.fail(err)
         events = []

@@ -8,7 +8,7 @@ std ~0.3 clamped to +-1):
 - DAC, 9 frames of lookahead and 25 of context (its reach is 9 each way): 1.4e-5. The
   arithmetic is the same; windows of other lengths take other conv kernels' summation
   orders through ~30 layers of unit-scale activations. Tolerance 1e-4 (Mimi too).
-- token2wav, two DiT blocks (24 codes) of context and lookahead: 9.5e-5 against
+- token2wav, two DiT blocks (24 codes) of context and lookahead: 6.8e-5 against
   `Qwen2_5OmniForConditionalGeneration.generate`'s waveform (its own DiT pass order alone
   gives 9e-6). The DiT is not local (each of its 36 passes looks one block each way), so
   this is truncation, not rounding. Tolerance 5e-4. One block of lookahead (Qwen's own
@@ -284,6 +284,12 @@ def test_token2wav_stream_matches_the_models_generate(token2wav, omni_reference)
     (streamed,) = run(token2wav, [(codes, RAMP, {"seed": 0})], log)
     error = max_error(streamed, omni_reference.waveform)
     assert error < TOKEN2WAV_TOLERANCE
+    # Windows keep one DiT block (12 codes), then two, then four at a time, back to back.
+    kept = [(keep_start, keep_end) for _, _, keep_start, keep_end in windows(log)]
+    sizes, grid = [end - start for start, end in kept], [12, 24] + [48] * len(kept)
+    assert sizes[:-1] == grid[: len(sizes) - 1] and sizes[-1] <= grid[len(sizes) - 1]
+    assert len(sizes) >= 3
+    assert all(a[1] == b[0] for a, b in zip(kept, kept[1:])) and kept[-1][1] == len(codes)
     # The grid makes the waveform independent of how the codes were chunked: other chunks
     # decode the very same windows (batched otherwise, so equal up to rounding).
     other_log = []

@@ -1,0 +1,169 @@
+"""Real-size random-weight Qwen2.5-Omni checkpoints, for measuring on a GPU without weights.
+
+`scaled_omni_config(depth)` is the published Qwen2.5-Omni-7B configuration (every width,
+head count and vocabulary size of the builtin catalog's copy) on the tiny recipe's
+tokenizer and special ids, with each stack's layer count multiplied by `depth` (1.0 = the
+real model). `build_scaled_omni(out, depth, device)` initialises it on `device` in bf16
+the way transformers initialises an untrained model, saves it with `save_pretrained`, and
+the result loads through exactly the path a real checkpoint does; `MANIFEST`, written
+last, marks a finished build. `scaled_checkpoint(depth)` builds one once into the cache.
+
+Random weights would end text and speech at random points, so the output heads' rows of
+every id that ends or pads (and of ids the next stage cannot take) are zeroed: a request
+then runs to its token limits, and every system measured on the checkpoint does the same
+work.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omniflow.errors import ModelConfigError
+from omniflow.models.catalog import builtin_files
+from omniflow.models.tiny_recipes import (
+    _omni_config,
+    _silence_rows,
+    _speaker_map,
+    build_tokenizer,
+    quiet,
+)
+
+REAL_OMNI = "Qwen/Qwen2.5-Omni-7B"
+# Written last: a directory without it is an interrupted build.
+MANIFEST = "omniflow_scaled.json"
+# The real talker's codec vocabulary: 8192 codes, then pad, bos, eos at 8292..8294 and
+# mask at 8296; token2wav embeds the codes (and one more id: num_embeds is 8193).
+_CODES = 8192
+_CODEC_SPECIALS = {
+    "tts_codec_pad_token_id": 8292,
+    "tts_codec_start_token_id": 8293,
+    "tts_codec_end_token_id": 8294,
+    "tts_codec_mask_token_id": 8296,
+}
+# Multimodal RoPE of a 128-dim head: 64 frequency pairs over (time, height, width).
+_MROPE = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]}
+_SIZES = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "embedding_size",
+    "d_model",
+    "encoder_attention_heads",
+    "encoder_ffn_dim",
+    "output_dim",
+    "num_heads",
+    "out_hidden_size",
+    "ff_mult",
+    "emb_dim",
+    "num_embeds",
+    "upsample_initial_channel",
+    "resblock_kernel_sizes",
+    "resblock_dilation_sizes",
+    "upsample_rates",
+    "upsample_kernel_sizes",
+)
+# Set by the tiny recipe, left at the class defaults by the real config: the speaker encoder.
+_DEFAULTED = (
+    "enc_emb_dim",
+    "enc_dim",
+    "enc_channels",
+    "enc_attention_channels",
+    "enc_se_channels",
+)
+_DEPTHS = ("num_hidden_layers", "encoder_layers", "depth")
+# Layer indexes that must stay inside a scaled stack.
+_INDEXES = ("fullatt_block_indexes", "look_ahead_layers", "look_backward_layers")
+
+
+def scaled_omni_config(depth: float = 1.0) -> tuple[Any, dict[str, int], Any]:
+    """(Qwen2_5OmniConfig, speaker bos ids, tokenizer) at real widths and `depth` x layers."""
+    from transformers import Qwen2_5OmniConfig
+
+    if not 0 < depth <= 1:
+        raise ModelConfigError(f"depth must be in (0, 1], not {depth}")
+    tokenizer = build_tokenizer("omni")
+    with quiet():  # the tiny config's ids warn against its tiny vocabularies
+        tiny, speaker_bos = _omni_config(tokenizer)
+    config = tiny.to_dict()
+    real = builtin_files(REAL_OMNI)["config.json"]
+    parts = {
+        ("thinker_config", "text_config"): real["thinker_config"]["text_config"],
+        ("thinker_config", "audio_config"): real["thinker_config"]["audio_config"],
+        ("thinker_config", "vision_config"): real["thinker_config"]["vision_config"],
+        ("talker_config",): real["talker_config"],
+        ("token2wav_config", "dit_config"): real["token2wav_config"]["dit_config"],
+        ("token2wav_config", "bigvgan_config"): real["token2wav_config"]["bigvgan_config"],
+    }
+    for path, source in parts.items():
+        target = config
+        for key in path:
+            target = target[key]
+        target.update(_scaled(source, depth))
+        target.pop("layer_types", None)  # derived from the layer count again
+        for key in _DEFAULTED:
+            target.pop(key, None)
+        if "rope_parameters" in target and "mrope_section" in target["rope_parameters"]:
+            target["rope_parameters"] = dict(_MROPE)
+    config["talker_config"].update(_CODEC_SPECIALS)
+    config.pop("transformers_version", None)
+    return Qwen2_5OmniConfig(**config), speaker_bos, tokenizer
+
+
+def _scaled(source: dict[str, Any], depth: float) -> dict[str, Any]:
+    out = {key: copy.deepcopy(source[key]) for key in _SIZES if key in source}
+    for key in _DEPTHS:
+        if key in source:
+            out[key] = max(1, round(source[key] * depth))
+            layers, real_layers = out[key], source[key]
+    for key in _INDEXES:
+        if key in source:
+            out[key] = sorted(
+                {min(layers - 1, round(i * layers / real_layers)) for i in source[key]}
+            )
+    return out
+
+
+def build_scaled_omni(out: str | Path, depth: float = 1.0, device: str = "cuda") -> Path:
+    """Build and save a random-weight Qwen2.5-Omni at real widths; returns the directory."""
+    from transformers import Qwen2_5OmniForConditionalGeneration, WhisperFeatureExtractor
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config, speaker_bos, tokenizer = scaled_omni_config(depth)
+    tokenizer.save_pretrained(out)
+    WhisperFeatureExtractor(feature_size=128, return_attention_mask=True).save_pretrained(out)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with quiet(), torch.device(device):
+            model = Qwen2_5OmniForConditionalGeneration(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    _silence_rows(model.thinker.lm_head.weight, len(tokenizer))
+    _silence_rows(model.talker.codec_head.weight, _CODES)
+    with torch.no_grad():
+        model.thinker.lm_head.weight[config.thinker_config.text_config.eos_token_id] = 0
+    torch.save(_speaker_map(speaker_bos, config.token2wav_config.dit_config), out / "spk_dict.pt")
+    model.config.torch_dtype = torch.bfloat16
+    model.save_pretrained(out)
+    (out / MANIFEST).write_text(json.dumps({"model": REAL_OMNI, "depth": depth}))
+    return out
+
+
+def scaled_checkpoint(depth: float, device: str = "cuda") -> Path:
+    """The scaled checkpoint of `depth` under `$OMNIFLOW_CACHE/scaled/`, built on first use."""
+    from omniflow.models.tiny import tiny_cache_dir
+
+    out = tiny_cache_dir().parent / "scaled" / f"qwen2.5-omni-{depth:g}"
+    if not (out / MANIFEST).exists():
+        print(f"building {out} ...", flush=True)
+        build_scaled_omni(out, depth, device)
+    return out
