@@ -46,5 +46,6 @@ def test_streamed_three_stage_audio_equals_the_monolithic_generate():
     assert sum(c.output == "audio" and c.value is not None for c in chunks) > 1  # it streamed
     want = reference.waveform.reshape(-1).float()
     assert audio.shape == want.shape
-    # token2wav decoded in windows with two blocks of context and lookahead: measured 9.5e-5.
-    torch.testing.assert_close(audio, want, atol=5e-4, rtol=0)
+    # token2wav decodes in windows with two DiT blocks of context and lookahead, which
+    # truncates its non-local DiT: measured 4.9e-5 of the waveform's peak.
+    assert float((audio - want).abs().max()) < 1e-4 * float(want.abs().max())
