@@ -197,9 +197,25 @@ def quiet() -> Iterator[None]:
 # --- qwen2 ---------------------------------------------------------------------------------
 
 
+def _chat_lm(model, tokenizer):
+    """A Qwen chat LM's head and generation defaults: it emits only the tokenizer's ids, ends
+    at <|im_end|> or <|endoftext|>, and decodes greedily."""
+    from transformers import GenerationConfig
+
+    ids = _special_ids(tokenizer)
+    _silence_rows(model.lm_head.weight, len(tokenizer))
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+        pad_token_id=ids["<|endoftext|>"],
+        do_sample=False,
+    )
+    return model
+
+
 def _build_qwen2(out: Path, heads: tuple[int, int] = (4, 2)) -> Iterator[str]:
     """`heads`: attention and key/value heads over the same 64-wide projections."""
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     yield "tokenizer"
     tokenizer = build_tokenizer("qwen")
@@ -217,14 +233,7 @@ def _build_qwen2(out: Path, heads: tuple[int, int] = (4, 2)) -> Iterator[str]:
         pad_token_id=ids["<|endoftext|>"],
         **{**_TEXT_DIMS, "num_attention_heads": heads[0], "num_key_value_heads": heads[1]},
     )
-    model = seed_weights(Qwen2ForCausalLM(config), "qwen2")
-    _silence_rows(model.lm_head.weight, len(tokenizer))
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-        pad_token_id=ids["<|endoftext|>"],
-        do_sample=False,
-    )
+    model = _chat_lm(seed_weights(Qwen2ForCausalLM(config), "qwen2"), tokenizer)
 
     yield "save"
     model.save_pretrained(out)
@@ -419,7 +428,6 @@ def _qwen_vl_config(tokenizer, **text: Any):
 
 def _build_qwen_vl(out: Path) -> Iterator[str]:
     from transformers import (
-        GenerationConfig,
         Qwen2_5_VLForConditionalGeneration,
         Qwen2VLImageProcessorPil,
     )
@@ -436,13 +444,8 @@ def _build_qwen_vl(out: Path) -> Iterator[str]:
 
     yield "model"
     config = _qwen_vl_config(tokenizer, bos_token_id=ids["<|endoftext|>"])
-    model = seed_weights(Qwen2_5_VLForConditionalGeneration(config), "qwen2.5-vl")
-    _silence_rows(model.lm_head.weight, len(tokenizer))
-    model.generation_config = GenerationConfig(
-        bos_token_id=ids["<|endoftext|>"],
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
-        pad_token_id=ids["<|endoftext|>"],
-        do_sample=False,
+    model = _chat_lm(
+        seed_weights(Qwen2_5_VLForConditionalGeneration(config), "qwen2.5-vl"), tokenizer
     )
 
     yield "save"
