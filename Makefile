@@ -23,7 +23,7 @@ $(VENV)/.ready: pyproject.toml
 
 demo: setup
 	$(VENV)/bin/omniflow run graphs/omni_chat.omni --tiny --input prompt="Hello! Who are you?" \
-		--param max_tokens=24 --out out
+		--param max_tokens=24 --param max_audio_tokens=240 --out out
 
 plan: setup
 	$(VENV)/bin/omniflow compile graphs/omni_chat.omni --devices $(DEVICES)
