@@ -18,16 +18,16 @@ remembers every frame, so its stream only approximates it.
 
 Token2wav's DiT is not local: each of its passes attends one 24-mel-frame block (12 codes)
 back and one ahead, and a sample takes 36 passes (10 RK4 steps), so influence keeps
-spreading. It is decoded in windows on a fixed grid of one-block units — one unit, then two, then
-four at a time (`WINDOW_UNITS`) — each starting on a block boundary, so its waveform does
-not depend on how the codes happened to be chunked: the reference interpreter and every
-runtime mode agree, whatever the timing.
-Two blocks of context and of lookahead bring the stream within about 1e-4 of the
-whole-utterance decode; one block of lookahead (Qwen's own streaming setting) within about
-1e-2 (tests/backends/test_vocoders.py measures both). Its initial noise is drawn per
-arriving frame from a generator seeded with the request's `seed`: the numbers one
-`torch.randn` over the whole utterance draws after `torch.manual_seed(seed)`, so every
-window slices the same fixed noise.
+spreading. It is decoded in windows on a fixed grid of one-block units — one unit, then two,
+then four at a time (`WINDOW_BLOCKS` in the model catalog, which the compiler sizes the
+edge's chunks by) — each starting on a block boundary, so its waveform does not depend on
+how the codes happened to be chunked: the reference interpreter and every runtime mode
+agree, whatever the timing. Two blocks of context and of lookahead bring the stream within
+about 1e-4 of the whole-utterance decode; one block of lookahead (Qwen's own streaming
+setting) within about 1e-2 (tests/backends/test_vocoders.py measures both). Its initial
+noise is drawn per arriving frame from a generator seeded with the request's `seed`: the
+numbers one `torch.randn` over the whole utterance draws after `torch.manual_seed(seed)`, so
+every window slices the same fixed noise.
 
 Batching. A step decodes every ready window of every request in one forward, padded to
 the longest. Padding never reaches kept samples: a window is padded on the right only if
@@ -54,7 +54,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 from transformers.utils import cached_file
 
 from omniflow.errors import OmniflowError
-from omniflow.models.catalog import CODEC_TYPES
+from omniflow.models.catalog import CODEC_TYPES, WINDOW_BLOCKS, block_grid
 from omniflow.models.resolve import model_path
 from omniflow.models.tiny_recipes import quiet
 from omniflow.runtime.stage import Backend, Call, StageSpec
@@ -137,11 +137,6 @@ def probe(
                 break
     return per_frame, Reach(context, lookahead, min_frames)
 
-
-# Window sizes on a unit grid, in units, the last one repeating: one unit first, for an early
-# first packet, then wider windows, which re-decode their context and lookahead less often
-# (a one-unit token2wav window decodes 60 codes to keep 12; a four-unit one 96 to keep 48).
-WINDOW_UNITS = (1, 2, 4)
 
 # --- per-request streams and their windows ----------------------------------------------------
 
@@ -342,17 +337,14 @@ class Token2Wav(Decoder):
             mel_samples, mel_reach = probe(
                 lambda mel: self.bigvgan(mel.to(device)), example, change
             )
-        # Codes per DiT block: windows start on block boundaries, as blocks sit in the whole
-        # utterance; one more block than a DiT pass sees each way is the default reach.
-        unit = self.block_size // math.gcd(self.block_size, self.repeats)
-        ahead = (len(dit_config.look_ahead_layers) + 1) * self.block_size
+        unit, lookahead = block_grid({"dit_config": dit_config.to_dict()})
         super().__init__(
             samples_per_frame=mel_samples * self.repeats,
             num_codebooks=1,
             # DiTCodecEmbedding holds num_embeds + 1 rows.
             codebook_size=dit_config.num_embeds + 1,
             reach=Reach(*(_codes(mel, self.repeats) for mel in dataclasses.astuple(mel_reach))),
-            lookahead=math.ceil(ahead / self.repeats),
+            lookahead=lookahead,
             unit=unit,
         )
 
@@ -448,13 +440,13 @@ class Token2Wav(Decoder):
 
 
 def _window_units(start: int) -> int:
-    """The units of the window that starts at unit `start` on the grid WINDOW_UNITS lays."""
+    """The units of the window that starts at unit `start` on the grid WINDOW_BLOCKS lays."""
     boundary = 0
-    for units in WINDOW_UNITS[:-1]:
+    for units in WINDOW_BLOCKS[:-1]:
         if start < boundary + units:
             return units
         boundary += units
-    return WINDOW_UNITS[-1]
+    return WINDOW_BLOCKS[-1]
 
 
 def runge_kutta4(velocity: Callable, value: torch.Tensor, time: torch.Tensor) -> torch.Tensor:

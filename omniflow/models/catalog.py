@@ -163,6 +163,37 @@ def samples_per_frame(config: Mapping[str, Any]) -> int | None:
     return None
 
 
+# A block-grid vocoder decodes windows of these many blocks, the last repeating: one block
+# first, for an early first packet, then wider windows, which re-decode their context and
+# lookahead less often (a one-block token2wav window decodes 60 codes to keep 12; a
+# four-block one 96 to keep 48).
+WINDOW_BLOCKS = (1, 2, 4)
+
+
+def block_grid(config: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(codes per block, codes of lookahead) of a vocoder that decodes on a grid of blocks, or
+    None for a frame-local codec. Qwen2.5-Omni token2wav's DiT attends within blocks of mel
+    frames and, in its look-ahead layers, one block ahead: windows start on block boundaries
+    (as blocks sit in the whole utterance) and see one block more ahead than its passes do."""
+    dit = config.get("dit_config")
+    if dit is None:
+        return None
+    block, repeats = dit["block_size"], dit["repeats"]
+    ahead = (len(dit["look_ahead_layers"]) + 1) * block
+    return block // math.gcd(block, repeats), math.ceil(ahead / repeats)
+
+
+def vocoder_windows(config: Mapping[str, Any]) -> tuple[list[int], list[int]] | None:
+    """For a block-grid vocoder, (codes each window keeps, codes that must arrive before each
+    window can decode), the last of each repeating; None for a frame-local codec."""
+    grid = block_grid(config)
+    if grid is None:
+        return None
+    unit, lookahead = grid
+    kept = [unit * blocks for blocks in WINDOW_BLOCKS]
+    return kept, [kept[0] + lookahead, *kept[1:]]
+
+
 def vae_scale_factor(config: Mapping[str, Any]) -> int | None:
     """Spatial downsampling of a VAE config (diffusers AutoencoderKL or AutoencoderKLQwenImage)."""
     if "temperal_downsample" in config:

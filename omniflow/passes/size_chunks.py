@@ -8,6 +8,11 @@ from the stages' cost estimates:
   next (doubled) one, so the consumer never starves; then sizes double up to steady.
 
 Small first chunks give a low time to first packet; large steady chunks, throughput.
+
+A vocoder that decodes on a grid of blocks (Qwen2.5-Omni token2wav) cannot use codes before
+a whole window and its lookahead exist, so its input edge's schedule is what each of its
+windows needs to arrive (`vocoder_windows` in the model catalog: 36, 24, then 48 codes for
+token2wav) and its output's is what each window keeps (12, 24, 48).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import math
 
 from omniflow.ir.graph import OUTPUT, Edge, Graph, Node
+from omniflow.models.catalog import vocoder_windows
 from omniflow.passes.pipeline import Target
 
 # Fixed cost of one consumer call: a cross-process hop plus a forward's launch overhead.
@@ -67,11 +73,23 @@ def _schedule(graph: Graph, target: Target, edge: Edge) -> list[int]:
     src, dst = graph.node(edge.src), graph.node(edge.dst)
     if dst.op == OUTPUT or not src.is_stage:
         return _calls(graph, src)  # to a client, every call's output goes out as soon as it exists
+    windows = _windows(dst)
+    if windows is not None:
+        return windows[1]
     return auto_schedule(target, src, dst, edge.context)
 
 
+def _windows(node: Node) -> tuple[list[int], list[int]] | None:
+    config = node.meta.get("config")
+    return vocoder_windows(config.config) if node.op == "vocoder" and config else None
+
+
 def _calls(graph: Graph, node: Node) -> list[int]:
-    """Steps one call of `node` emits: a chunk consumer emits what each input chunk gives."""
+    """Steps one call of `node` emits: a chunk consumer emits what each input chunk gives, a
+    block-grid vocoder what each of its windows keeps."""
+    windows = _windows(node)
+    if windows is not None:
+        return windows[0]
     fed = [e for e in graph.in_edges(node.name) if e.stream and e.meta.get("schedule")]
     return fed[0].meta["schedule"] if node.op == "vocoder" and fed else [1]
 

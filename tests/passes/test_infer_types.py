@@ -15,7 +15,7 @@ def test_ar_ports_take_their_dims_from_the_model_config():
     assert out["hidden"].max_steps == 4096 + 2048
     assert out["tokens"].step == TensorSpec("int64", (1,))
     assert graph.node("talker").meta["out"]["hidden"].step == TensorSpec("bfloat16", (1, 896))
-    assert graph.node("talker").meta["out"]["tokens"].max_steps == 2048  # max_tokens
+    assert graph.node("talker").meta["out"]["tokens"].max_steps == 4096  # $max_audio_tokens
 
 
 def test_map_chain_changes_the_item_dtype():

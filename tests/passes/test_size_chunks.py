@@ -14,8 +14,8 @@ def test_fixed_chunks_and_whole_edges():
 
 
 def test_auto_ramps_from_a_small_first_chunk_to_a_steady_one():
-    graph = run_until("size_chunks", "omni_chat")
-    schedule = _schedule(graph, "talker.codes->code2wav.codes")
+    graph = run_until("size_chunks", "tts")
+    schedule = _schedule(graph, "codec_lm.codes->decoder.codes")
     assert schedule == sorted(schedule) and schedule[0] < schedule[-1]
     assert schedule[-1] >= 25  # no smaller than the left context it re-decodes
     assert schedule[-1] <= MAX_STEADY
@@ -23,10 +23,17 @@ def test_auto_ramps_from_a_small_first_chunk_to_a_steady_one():
 
 
 def test_a_vocoder_streams_out_what_each_chunk_decodes():
-    graph = run_until("size_chunks", "omni_chat")
-    assert _schedule(graph, "code2wav.audio->audio.in") == _schedule(
-        graph, "talker.codes->code2wav.codes"
+    graph = run_until("size_chunks", "tts")
+    assert _schedule(graph, "decoder.audio->audio.in") == _schedule(
+        graph, "codec_lm.codes->decoder.codes"
     )
+
+
+def test_a_block_grid_vocoder_gets_each_window_when_it_can_decode():
+    # token2wav: 12-code DiT blocks, 24 codes of lookahead, windows of 1, 2, then 4 blocks.
+    graph = run_until("size_chunks", "omni_chat")
+    assert _schedule(graph, "talker.codes->code2wav.codes") == [36, 24, 48]
+    assert _schedule(graph, "code2wav.audio->audio.in") == [12, 24, 48]
 
 
 def test_a_slower_producer_allows_a_smaller_first_chunk():
