@@ -83,6 +83,14 @@ def _tensor_bytes(value) -> bytes:
 def _models(args: argparse.Namespace) -> int:
     from omniflow.models.tiny import TINY_MODELS, build_tiny, is_complete, tiny_cache_dir
 
+    if args.models_command == "build-scaled":
+        from omniflow.models.scaled import build_scaled_omni, scaled_checkpoint
+
+        if args.out:
+            print(build_scaled_omni(args.out, args.depth, args.device))
+        else:
+            print(scaled_checkpoint(args.depth, args.device))
+        return 0
     if args.models_command == "list":
         for name, description in TINY_MODELS.items():
             built = "built" if is_complete(tiny_cache_dir() / name, name) else "not built"
@@ -149,6 +157,17 @@ def make_parser() -> argparse.ArgumentParser:
     build.add_argument("name")
     build.add_argument(
         "--out", help="folder to build into (default: the cache, $OMNIFLOW_CACHE/tiny/NAME)"
+    )
+    scaled = verbs.add_parser(
+        "build-scaled",
+        help="build a random-weight Qwen2.5-Omni at the real model's widths, for GPU measurements",
+    )
+    scaled.add_argument(
+        "--depth", type=float, default=1.0, help="fraction of the real layer counts (default 1)"
+    )
+    scaled.add_argument("--device", default="cuda", help="where to initialise it (default cuda)")
+    scaled.add_argument(
+        "--out", help="folder to build into (default: $OMNIFLOW_CACHE/scaled/qwen2.5-omni-DEPTH)"
     )
     models.set_defaults(run=_models)
     return parser

@@ -44,3 +44,13 @@ def test_depth_scales_every_stack_and_keeps_layer_indexes_inside_it():
 def test_depth_outside_zero_to_one_is_refused(depth):
     with pytest.raises(ModelConfigError, match="depth"):
         scaled_omni_config(depth)
+
+
+def test_cli_refuses_a_bad_depth_before_building(tmp_path, capsys):
+    from omniflow.cli import main
+
+    out = tmp_path / "scaled"
+    assert (
+        main(["models", "build-scaled", "--depth", "2", "--device", "cpu", "--out", str(out)]) == 1
+    )
+    assert "depth must be in (0, 1]" in capsys.readouterr().err and not out.exists()
