@@ -135,9 +135,9 @@ def build_scaled_omni(out: str | Path, depth: float = 1.0, device: str = "cuda")
     """Build and save a random-weight Qwen2.5-Omni at real widths; returns the directory."""
     from transformers import Qwen2_5OmniForConditionalGeneration, WhisperFeatureExtractor
 
+    config, speaker_bos, tokenizer = scaled_omni_config(depth)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config, speaker_bos, tokenizer = scaled_omni_config(depth)
     tokenizer.save_pretrained(out)
     WhisperFeatureExtractor(feature_size=128, return_attention_mask=True).save_pretrained(out)
     previous = torch.get_default_dtype()
