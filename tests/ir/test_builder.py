@@ -15,6 +15,7 @@ GRAPHS = Path(__file__).parents[2] / "graphs"
 def omni_chat():
     p = Pipeline("omni_chat", model="Qwen/Qwen2.5-Omni-7B")
     p.param("max_tokens", 2048)
+    p.param("max_audio_tokens", 4096)
     p.param("temperature", 0.0)
     p.param("speaker", "Chelsie")
     p.param("seed", 0)
@@ -27,7 +28,14 @@ def omni_chat():
         temperature=param("temperature"),
     )
     speaker = param("speaker")
-    talker = p.stage("talker", "ar", component="talker", max_batch=32, speaker=speaker)
+    talker = p.stage(
+        "talker",
+        "ar",
+        component="talker",
+        max_batch=32,
+        max_tokens=param("max_audio_tokens"),
+        speaker=speaker,
+    )
     code2wav = p.stage(
         "code2wav",
         "vocoder",
