@@ -6,14 +6,20 @@ edge fused (one executor) and once with every edge a process boundary (one execu
 stage), side by side in one run. Per-hop overhead = (unfused - fused) / (stage-to-stage
 edges). Both variants also pay the frontend's two hops (input in, output out).
 
+Besides latency it reports the CPU time a request costs every process of the run (this one,
+with the engine's I/O thread, and the executors): work off a request's critical path does
+not lengthen it while cores are free, but it is still what a busy server runs out of.
+
     python benchmarks/hop_overhead.py [--requests 300]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from pathlib import Path
 
 from omniflow.compiler import compile_source
 from omniflow.runtime.engine import Engine
@@ -32,17 +38,31 @@ def chain(n: int, fused: bool) -> str:
     return "\n".join(lines)
 
 
-def measure(n: int, fused: bool, requests: int) -> tuple[float, int]:
+def cpu_seconds(pids: list[int]) -> float:
+    """Time these processes (every thread of them) have run on a CPU, from the scheduler's
+    nanosecond counters."""
+    total = 0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            total += int((task / "schedstat").read_text().split()[0])
+    return total / 1e9
+
+
+def measure(n: int, fused: bool, requests: int) -> tuple[float, float, int]:
+    """Median request latency (µs), CPU time per request (µs), executors."""
     plan = compile_source(chain(n, fused), "chain.omni")
     with Engine(plan, "process") as engine:
         for _ in range(20):
             engine.generate({"x": [1]})
+        pids = [os.getpid(), *engine.executor_pids.values()]
+        cpu_before = cpu_seconds(pids)
         times = []
         for _ in range(requests):
             start = time.perf_counter()
             engine.generate({"x": [1]})
             times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6, len(plan.executors)
+        cpu = (cpu_seconds(pids) - cpu_before) / requests
+    return statistics.median(times) * 1e6, cpu * 1e6, len(plan.executors)
 
 
 def main() -> None:
@@ -50,17 +70,21 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300)
     args = parser.parse_args()
     print(
-        f"{'stages':>6} {'fused µs':>9} {'exec':>4} {'unfused µs':>11} {'exec':>4} {'unfused/fused':>14} {'per hop µs':>11}"
+        f"{'stages':>6} {'fused µs':>9} {'cpu µs':>7} {'exec':>4} {'unfused µs':>11} {'cpu µs':>7}"
+        f" {'exec':>4} {'unfused/fused':>14} {'per hop µs':>11} {'per hop cpu µs':>15}"
     )
     for n in (1, 2, 4, 8):
-        fused, fx = measure(n, True, args.requests)
-        unfused, ux = measure(n, False, args.requests)
+        fused, fused_cpu, fx = measure(n, True, args.requests)
+        unfused, unfused_cpu, ux = measure(n, False, args.requests)
         hop = (unfused - fused) / (n - 1) if n > 1 else float("nan")
+        hop_cpu = (unfused_cpu - fused_cpu) / (n - 1) if n > 1 else float("nan")
         print(
-            f"{n:>6} {fused:>9.0f} {fx:>4} {unfused:>11.0f} {ux:>4} {unfused / fused:>14.2f} {hop:>11.0f}"
+            f"{n:>6} {fused:>9.0f} {fused_cpu:>7.0f} {fx:>4} {unfused:>11.0f} {unfused_cpu:>7.0f}"
+            f" {ux:>4} {unfused / fused:>14.2f} {hop:>11.0f} {hop_cpu:>15.0f}"
         )
     print(
-        f"(median request latency of {args.requests} one-token requests; 'per hop' = extra latency per process boundary)"
+        f"(median request latency of {args.requests} one-token requests; 'cpu' = CPU time per "
+        "request of this process and the executors; 'per hop' = extra per process boundary)"
     )
 
 

@@ -5,6 +5,10 @@ One I/O thread (`_Core`) owns every socket, ring end and process handle; callers
 through a queue and a waker, and get their outputs through per-request queues. The same
 `Engine` runs the plan's executors as processes (`mode="process"`: shared-memory rings,
 zmq control) or as threads of this process (`mode="inprocess"`: in-process channels).
+
+A request's `Start` goes to each executor's start queue, which the executor reads only when
+the request's first chunk reaches it (protocol.py): queued before the request's input enters
+a ring, it is there by the time the executor needs it, and it wakes no one.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import queue
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,7 +36,7 @@ import zmq
 from omniflow.errors import ChannelError, OmniflowError
 from omniflow.plan import ChannelPlan, Plan
 from omniflow.runtime import protocol
-from omniflow.runtime.executor import Executor, serve
+from omniflow.runtime.executor import ZMQ_POLLIN, Executor, serve
 from omniflow.runtime.links import Inbound, Outbound, Waker, link_fds, wait
 from omniflow.runtime.requests import RequestFailed, check_params, prepare_inputs, stage_params
 from omniflow.runtime.shm_ring import (
@@ -77,11 +82,13 @@ class _Request:
 
 
 class _ThreadControl:
-    """An in-process executor's end of the control plane: a queue in, a callback out."""
+    """An in-process executor's end of the control plane: a queue in, a callback out, and the
+    start queue (appended to without a poke)."""
 
     def __init__(self, name: str, to_engine):
         self.name = name
         self.inbox: deque = deque()
+        self.starts: deque = deque()
         self.waker = Waker()
         self.to_engine = to_engine
 
@@ -96,6 +103,10 @@ class _ThreadControl:
         while self.inbox:
             messages.append(self.inbox.popleft())
         return messages
+
+    def queued_starts(self) -> Iterator[protocol.Start]:
+        while self.starts:
+            yield self.starts.popleft()
 
     def send(self, message) -> None:
         self.to_engine(self.name, message)
@@ -128,6 +139,8 @@ class _Core:
         self.closed = False
         self.log_dir = Path(tempfile.mkdtemp(prefix="omniflow-logs-"))
         self.processes: dict[str, subprocess.Popen] = {}
+        self.start_queues: dict[str, socket.socket] = {}  # process mode: our end of each
+        self.next_check = 0.0  # when check_executors runs next
         self.threads: dict[str, tuple[threading.Thread, _ThreadControl]] = {}
         self.replies: deque = deque()  # (executor, message) from in-process executors
         self.inspections: tuple[dict, queue.SimpleQueue] | None = None
@@ -137,6 +150,7 @@ class _Core:
             self.router.setsockopt(zmq.LINGER, 0)
             self.address = f"ipc://{self.log_dir}/control"
             self.router.bind(self.address)
+            self.router_fd = self.router.getsockopt(zmq.FD)
 
     # --- control plane ------------------------------------------------------------------------
     def send(self, executor: str, message: protocol.Message) -> None:
@@ -149,6 +163,21 @@ class _Core:
         for name in self.executors:
             self.send(name, message)
 
+    def send_start(self, executor: str, message: protocol.Start) -> None:
+        """Queue a Start where the executor looks when the request's first chunk reaches it;
+        one that does not fit goes over zmq, which wakes the executor as any message does."""
+        if self.mode == "inprocess":
+            self.threads[executor][1].starts.append(message)
+            return
+        data = protocol.encode(message)
+        if len(data) <= protocol.QUEUED_START_MAX_BYTES:
+            try:
+                self.start_queues[executor].send(data)
+                return
+            except OSError:  # full (or the executor is gone: check_executors sees to that)
+                pass
+        self.send(executor, message)
+
     def _thread_reply(self, executor: str, message) -> None:
         self.replies.append((executor, message))
         self.waker.poke()
@@ -156,7 +185,7 @@ class _Core:
     def receive(self) -> list[tuple[str, protocol.Message]]:
         got = []
         if self.mode == "process":
-            while self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while self.router.getsockopt(zmq.EVENTS) & ZMQ_POLLIN:
                 identity, data = self.router.recv_multipart()
                 got.append((identity.decode(), protocol.decode(data)))
         else:
@@ -173,21 +202,32 @@ class _Core:
             self.start_threads()
 
     def spawn(self, name: str) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)  # a full queue must not stall the engine: send_start falls back
+        old = self.start_queues.pop(name, None)
+        if old is not None:
+            old.close()
+        self.start_queues[name] = ours
         config = {
             "plan": self.plan.to_json(indent=0),
             "executor": name,
             "control": self.address,
             "backends": self.backends,
+            "start_queue_fd": theirs.fileno(),
         }
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the child keeps it)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "omniflow.runtime.executor"],
-            stdin=subprocess.PIPE,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            close_fds=True,
-        )
-        log.close()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "omniflow.runtime.executor"],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                close_fds=True,
+                pass_fds=(theirs.fileno(),),
+            )
+        finally:
+            log.close()
+            theirs.close()
         proc.stdin.write(json.dumps(config).encode())
         proc.stdin.close()
         self.processes[name] = proc
@@ -313,7 +353,10 @@ class _Core:
             s.name: stage_params(self.plan, s, request.params, request.inputs)
             for s in self.plan.stages
         }
-        self.broadcast(protocol.Start(request.id, params))
+        # Before the input goes out: an executor finds the Start queued when the input reaches it.
+        for name in self.executors:
+            start = protocol.Start(request.id, {s: params[s] for s in self.stages_of[name]})
+            self.send_start(name, start)
         for channel in self.input_channels:
             self.outbound[channel.name].send(request.id, 0, request.inputs[channel.src], True)
 
@@ -398,12 +441,12 @@ class _Core:
     def wait_for_work(self, timeout: float) -> None:
         fds = [(self.waker.fd, select.POLLIN)]
         if self.mode == "process":
-            if self.router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if self.router.getsockopt(zmq.EVENTS) & ZMQ_POLLIN:
                 return
-            fds.append((self.router.getsockopt(zmq.FD), select.POLLIN))
+            fds.append((self.router_fd, select.POLLIN))
         fds += link_fds(self.inbound.values(), self.outbound.values())
-        wait(fds, timeout)
-        self.waker.drain()
+        if self.waker.fd in wait(fds, timeout):
+            self.waker.drain()
 
     def run_commands(self) -> None:
         while self.commands:
@@ -425,7 +468,9 @@ class _Core:
                 for name, message in self.receive():
                     self.on_message(name, message)
                 moved = self.pump()
-                self.check_executors()
+                if time.monotonic() >= self.next_check:  # not every turn: a syscall per executor
+                    self.check_executors()
+                    self.next_check = time.monotonic() + TICK_S
                 if not moved and not self.commands:
                     self.wait_for_work(TICK_S)
         except Exception as err:  # no request may hang on a dead engine
@@ -452,7 +497,7 @@ class _Core:
             if thread is not None:
                 thread.join(timeout=10)
             control.close()
-        for link in [*self.inbound.values(), *self.outbound.values()]:
+        for link in [*self.inbound.values(), *self.outbound.values(), *self.start_queues.values()]:
             link.close()
         if self.mode == "process":
             self.router.close()

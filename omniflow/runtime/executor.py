@@ -6,6 +6,12 @@ holds up the others. `Executor` runs the stages of one plan executor: it drains 
 channels into the runners, steps them in topological order, passes outputs to fused stages
 by reference and to other executors through their rings, and obeys the engine's control
 messages. Run as `python -m omniflow.runtime.executor` it reads its config as JSON on stdin.
+
+The loop turns while a stage may have a request ready and otherwise sleeps until a ring,
+the control socket or the waker has something for it. A request that goes well costs an
+executor a wake-up per chunk that finds it asleep and no control message: its `Start` waits
+on the start queue until its first chunk arrives (protocol.py), and the engine sees its end
+on the output rings.
 """
 
 from __future__ import annotations
@@ -15,10 +21,12 @@ import json
 import os
 import select
 import signal
+import socket
 import sys
 import time
 import traceback
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import zmq
@@ -59,6 +67,10 @@ class StageRunner:
         self.max_batch = max_batch
         self.calls: dict[str, Call] = {}
         self.tombstones: dict[str, float] = {}
+        # Whether a step could find a call ready: something reached the stage since its last
+        # step (a chunk, a Start, a dropped call's freed room), or that step left calls behind.
+        # False lets the loop sleep without asking the backend about every call again.
+        self.maybe_ready = False
 
     def _call(self, request_id: str) -> Call | None:
         if request_id in self.tombstones:
@@ -73,17 +85,23 @@ class StageRunner:
         call = self._call(request_id)
         if call is not None:
             call.params = params
+            self.maybe_ready = True
 
-    def feed(self, request_id: str, port: str, value, end: bool, release=None) -> None:
+    def feed(self, request_id: str, port: str, value, end: bool, release=None) -> bool:
+        """Queue a chunk on the request's input; True if the request still lacks its Start."""
         call = self._call(request_id)
         if call is None:
             if release is not None:
                 release()
-            return
+            return False
         call.inputs[port].push(value, end, release)
+        self.maybe_ready = True
+        return call.params is None
 
     def step(self) -> list[Event]:
+        """Step up to `max_batch` ready requests; what they produced."""
         ready = [c for c in self.calls.values() if c.params is not None and self.backend.ready(c)]
+        self.maybe_ready = False
         if not ready:
             return []
         batch = ready[: self.max_batch]
@@ -113,6 +131,7 @@ class StageRunner:
         for call in batch:
             if call.request_id in self.calls:
                 self.calls[call.request_id] = self.calls.pop(call.request_id)
+        self.maybe_ready = bool(self.calls)
         return events
 
     def drop(self, request_id: str) -> None:
@@ -122,6 +141,7 @@ class StageRunner:
             for stream in call.inputs.values():
                 stream.release_spent(everything=True)
             self.backend.drop(call)
+            self.maybe_ready = bool(self.calls)
 
     def drop_all(self) -> None:
         for request_id in list(self.calls):
@@ -204,30 +224,38 @@ class Executor:
 
     # --- one turn of the loop -----------------------------------------------------------------
     def pump(self) -> bool:
-        """Receive what has arrived, step every stage once, send what can go. True if anything moved."""
-        moved = False
-        for name, inbound in list(self.inbound.items()):
-            channel = inbound.channel
-            runner = self.runners[channel.dst]
-            try:
-                for rid, _index, value, end, release in inbound.receive():
-                    runner.feed(
-                        rid, channel.dst_port, apply_maps(channel, value, "dst"), end, release
-                    )
-                    moved = True
-            except ChannelError:
-                self.inbound.pop(name).close()  # its producer is gone; the engine re-links us
-        for runner in self.runners.values():
-            if not self.congested(runner):
-                for event in runner.step():
-                    moved = True
-                    self.route(event)
+        """One turn: receive every chunk that has arrived, put the chunks that waited for credits,
+        then step every stage once, in topological order (a fused stage sees its upstream's output
+        in the same turn; outputs to other executors go out as they are produced). True if
+        another turn could do more: a stage may have a request ready."""
+        self.receive()
         for name, outbound in list(self.outbound.items()):
             try:
                 outbound.flush()
             except ChannelError:
                 self.outbound.pop(name).close()
-        return moved
+        for runner in self.runners.values():
+            if not self.congested(runner):
+                for event in runner.step():
+                    self.route(event)
+        # A congested stage waits for credits, which wake the loop.
+        return any(r.maybe_ready and not self.congested(r) for r in self.runners.values())
+
+    def receive(self) -> None:
+        """Feed every chunk waiting in the inbound rings to its stage."""
+        unstarted = set()  # requests whose first chunk came before their Start was read
+        for name, inbound in list(self.inbound.items()):
+            channel = inbound.channel
+            runner = self.runners[channel.dst]
+            try:
+                for rid, _index, value, end, release in inbound.receive():
+                    value = apply_maps(channel, value, "dst")
+                    if runner.feed(rid, channel.dst_port, value, end, release):
+                        unstarted.add(rid)
+            except ChannelError:
+                self.inbound.pop(name).close()  # its producer is gone; the engine re-links us
+        if unstarted:
+            self.take_queued_starts(unstarted)
 
     def congested(self, runner: StageRunner) -> bool:
         """Backpressure: a stage waits while a ring it feeds has no credit for what it sent."""
@@ -256,13 +284,26 @@ class Executor:
                 if stage == event.stage:
                     for writer in writers:
                         writer.end(event.request_id)
-            self.report(protocol.Finished(event.request_id, event.stage))
         else:
             self.cancel(event.request_id)
             self.report(protocol.Failed(event.request_id, event.stage, event.error))
 
     def report(self, message: protocol.Message) -> None:
-        """Overridden by the process loop to send to the engine."""
+        """Overridden by the loop (`serve`) to send to the engine."""
+
+    def queued_starts(self) -> Iterator[protocol.Start]:
+        """Overridden by the loop (`serve`): the Starts waiting on this executor's start queue,
+        oldest first, read as they are asked for."""
+        return iter(())
+
+    def take_queued_starts(self, until: set[str] | None = None) -> None:
+        """Start the requests queued so far, or only until those in `until` have started."""
+        for message in self.queued_starts():
+            self.start(message)
+            if until is not None:
+                until.discard(message.request_id)
+                if not until:
+                    return
 
     def start(self, message: protocol.Start) -> None:
         for stage, params in message.params.items():
@@ -295,15 +336,6 @@ class Executor:
         own = [(self.waker.fd, select.POLLIN)]
         return own + link_fds(self.inbound.values(), self.outbound.values())
 
-    def busy(self) -> bool:
-        """Whether a stage could step right now without new input."""
-        return any(
-            r.backend.ready(c)
-            for r in self.runners.values()
-            for c in r.calls.values()
-            if c.params is not None
-        )
-
     def close(self) -> None:
         for link in [*self.inbound.values(), *self.outbound.values()]:
             link.close()
@@ -312,21 +344,29 @@ class Executor:
             runner.backend.close()
 
 
-class ZmqControl:
-    """The executor's end of the control plane in process mode: a DEALER to the engine's ROUTER."""
+# zmq's flag enums make `events & zmq.POLLIN` cost microseconds; the loop asks every turn.
+ZMQ_POLLIN = int(zmq.POLLIN)
 
-    def __init__(self, address: str, identity: str):
+
+class ZmqControl:
+    """The executor's end of the control plane in process mode: a DEALER to the engine's ROUTER,
+    and the start queue (a Unix socket the engine handed over at spawn, never polled)."""
+
+    def __init__(self, address: str, identity: str, start_queue_fd: int):
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, identity.encode())
         self.socket.setsockopt(zmq.LINGER, 1000)
         self.socket.connect(address)
+        self.fd = self.socket.getsockopt(zmq.FD)
+        self.start_queue = socket.socket(fileno=start_queue_fd)
+        self.start_queue.setblocking(False)
 
     def fileno(self) -> int:
-        return self.socket.getsockopt(zmq.FD)
+        return self.fd
 
     def pending(self) -> bool:
-        return bool(self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        return bool(self.socket.getsockopt(zmq.EVENTS) & ZMQ_POLLIN)
 
     def receive(self) -> list[protocol.Message]:
         messages = []
@@ -334,10 +374,21 @@ class ZmqControl:
             messages.append(protocol.decode(self.socket.recv()))
         return messages
 
+    def queued_starts(self) -> Iterator[protocol.Start]:
+        while True:
+            try:
+                data = self.start_queue.recv(protocol.QUEUED_START_MAX_BYTES)
+            except BlockingIOError:
+                return
+            if not data:  # the engine is gone; the kernel ends this process too
+                return
+            yield protocol.decode(data)
+
     def send(self, message: protocol.Message) -> None:
         self.socket.send(protocol.encode(message))
 
     def close(self) -> None:
+        self.start_queue.close()
         self.socket.close()
         self.context.term()
 
@@ -345,13 +396,18 @@ class ZmqControl:
 def serve(executor: Executor, control) -> None:
     """The executor loop: obey control messages, pump channels and stages, sleep when idle."""
     executor.report = control.send
+    executor.queued_starts = control.queued_starts
     running = True
     last_purge = time.monotonic()
+    check_control = True
     while running:
-        for message in control.receive():
-            if isinstance(message, protocol.Start):
+        for message in control.receive() if check_control else ():
+            if isinstance(message, protocol.Start):  # one that did not fit the start queue
                 executor.start(message)
             elif isinstance(message, protocol.Cancel):
+                # The engine queued the request's Start before it sent the Cancel: take it
+                # now, or it would start the request after the Cancel dropped it.
+                executor.take_queued_starts()
                 executor.cancel(message.request_id)
             elif isinstance(message, protocol.Connect):
                 executor.attach_outbound(message.rings)
@@ -364,15 +420,24 @@ def serve(executor: Executor, control) -> None:
                 running = False
         if not running:
             break
-        moved = executor.pump()
+        more_to_do = executor.pump()
         now = time.monotonic()
         if now - last_purge > 10:
             for runner in executor.runners.values():
                 runner.purge(now)
             last_purge = now
-        if not moved and not executor.busy() and not control.pending():
+        if more_to_do or control.pending():
+            check_control = True
+            continue
+        ready = wait([(control.fileno(), select.POLLIN), *executor.poll_fds()], IDLE_WAIT_S)
+        # Nothing was pending before the wait, so a message since would have made its fd ready;
+        # the turn after a wake-up by data skips asking (one that arrives meanwhile is seen by
+        # the next turn or the check before the next wait).
+        check_control = control.fileno() in ready
+        if executor.waker.fd in ready:
+            # Drained after the wait, before the turn that handles what the pokes announced: a
+            # poke during that turn leaves the next wait nothing to sleep through.
             executor.waker.drain()
-            wait([(control.fileno(), select.POLLIN), *executor.poll_fds()], IDLE_WAIT_S)
     executor.close()
 
 
@@ -390,7 +455,7 @@ def _die_with_parent() -> None:
 def main() -> None:
     _die_with_parent()
     config = json.loads(sys.stdin.read())
-    control = ZmqControl(config["control"], config["executor"])
+    control = ZmqControl(config["control"], config["executor"], config["start_queue_fd"])
     try:
         executor = Executor(Plan.from_json(config["plan"]), config["executor"], config["backends"])
         control.send(protocol.Hello(executor.name, executor.create_inbound(executor.in_channels())))

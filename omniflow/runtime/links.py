@@ -40,12 +40,12 @@ class Waker:
         os.close(self.fd)
 
 
-def wait(fds: list[tuple[int, int]], timeout_s: float) -> None:
-    """Block until one of (fd, events) is ready, or `timeout_s` passes."""
+def wait(fds: list[tuple[int, int]], timeout_s: float) -> set[int]:
+    """Block until one of (fd, events) is ready, or `timeout_s` passes; the fds that are ready."""
     poller = select.poll()
     for fd, events in fds:
         poller.register(fd, events)
-    poller.poll(max(0, int(timeout_s * 1000)))
+    return {fd for fd, _events in poller.poll(max(0, int(timeout_s * 1000)))}
 
 
 def link_fds(inbound, outbound) -> list[tuple[int, int]]:
@@ -154,5 +154,8 @@ class Outbound:
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
-    """What a ring can copy: a contiguous CPU tensor (a GPU tensor is copied to host here)."""
+    """What a ring can copy: a contiguous CPU tensor without autograd history (a GPU tensor is
+    copied to host here)."""
+    if tensor.is_cpu and tensor.is_contiguous() and not tensor.requires_grad:
+        return tensor  # most chunks: three dispatcher calls saved
     return tensor.detach().to("cpu").contiguous()

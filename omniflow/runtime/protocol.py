@@ -2,10 +2,13 @@
 
 Linking: each executor creates shared-memory rings for the cross-process channels it
 consumes and says `Hello` with their names; the engine tells every producer where to attach
-(`Connect`), and each answers `Linked`. Serving: `Start` carries a request's per-stage
-parameters, `Cancel` withdraws it, `Finished`/`Failed` report a stage's end of it. After an
-executor dies, `Reset` makes the survivors drop every request and re-create the rings that
-the dead one fed, and linking runs again for its replacement.
+(`Connect`), and each answers `Linked`. Serving: `Start` carries a request's parameters for
+the stages of one executor, `Cancel` withdraws the request, `Failed` reports that a stage
+failed it. A request that goes well costs no control message after its `Start`, and the
+`Start` does not wake the executor: it waits on a queue of its own that the executor reads
+when the request's first chunk (or a `Cancel`) reaches it (engine.py, executor.py). After
+an executor dies, `Reset` makes the survivors drop every request and re-create the rings
+that the dead one fed, and linking runs again for its replacement.
 """
 
 from __future__ import annotations
@@ -43,11 +46,6 @@ class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-class Finished(msgspec.Struct, tag=True):
-    request_id: str
-    stage: str
-
-
 class Failed(msgspec.Struct, tag=True):
     request_id: str
     stage: str
@@ -69,18 +67,13 @@ class Inspection(msgspec.Struct, tag=True):
 
 
 Message = (
-    Hello
-    | Connect
-    | Linked
-    | Start
-    | Cancel
-    | Reset
-    | Shutdown
-    | Finished
-    | Failed
-    | Inspect
-    | Inspection
+    Hello | Connect | Linked | Start | Cancel | Reset | Shutdown | Failed | Inspect | Inspection
 )
+
+# The start queue is a Unix socket of whole messages (SOCK_SEQPACKET); a Start bigger than
+# this (a parameter that holds a large input) goes over zmq instead, as does one that finds
+# the queue full.
+QUEUED_START_MAX_BYTES = 64 * 1024
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

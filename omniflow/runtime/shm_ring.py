@@ -12,7 +12,8 @@ Shared-memory ring (`ShmProducer` / `ShmConsumer`; either role may create, the o
 by name):
 - Memory: one segment `/dev/shm/omniflow-<creator pid>-<hex>`, allocated and committed once —
   a control header (geometry, creator pid) then the slots. `put` copies the tensors' bytes
-  into the slot, the only copy; the consumer's tensors are views of its mapping.
+  into the slot, the only copy (a small contiguous CPU tensor with one `memmove`, anything
+  else with torch's `copy_`); the consumer's tensors are views of its mapping.
 - Doorbell: a connected AF_UNIX SOCK_SEQPACKET socket in the abstract namespace, named like
   the segment (it leaves nothing on disk). The producer sends a `Doorbell`, the consumer
   returns a `Credit`; both are msgspec structs of a few dozen bytes. A waiter polls for
@@ -35,6 +36,7 @@ called from any thread, and `close()` wakes a waiter blocked on the same endpoin
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
@@ -70,6 +72,10 @@ MAX_SLOTS = 512
 # on a small machine it never starves the very peer it waits for (a pure busy spin cut
 # 4 KiB streaming to a fifth on 2 cores).
 SPIN_S = 100e-6
+# Up to this size `put` copies a contiguous CPU tensor with one memmove: a tensor view of the
+# slot for torch's copy_ costs several microseconds to make, which is most of a small put.
+# Larger copies go through copy_, which uses several threads.
+MEMMOVE_MAX_BYTES = 64 * 1024
 
 _ALIGN = 64
 _HEADER = struct.Struct("<8sQQQ")  # magic, slots, slot bytes, creator pid
@@ -434,6 +440,7 @@ class ShmProducer(_ShmEndpoint, Producer):
     def __init__(self, *args):
         super().__init__(*args)
         self._free = deque(range(self.slots))
+        self._mapping = ctypes.c_char.from_buffer(self._mm)  # for memmove; close() drops it
 
     def _put(
         self, tensors: tuple[torch.Tensor, ...], meta: ChunkMeta, deadline: _Deadline | None
@@ -448,8 +455,12 @@ class ShmProducer(_ShmEndpoint, Producer):
             self._free.append(_CREDIT.decode(message).slot)
         slot = self._free.popleft()
         base = self._slot_offset(slot)
+        mapping = self._mapping  # held while copying: a close() from another thread cannot unmap
         for t, offset in zip(tensors, offsets, strict=True):
-            self._view(base + offset, t.dtype, t.shape).copy_(t)
+            if t.is_cpu and t.nbytes <= MEMMOVE_MAX_BYTES and t.is_contiguous():
+                ctypes.memmove(ctypes.addressof(mapping) + base + offset, t.data_ptr(), t.nbytes)
+            else:
+                self._view(base + offset, t.dtype, t.shape).copy_(t)
         headers = tuple(
             TensorHeader(_DTYPE_NAMES[t.dtype], tuple(t.shape), offset)
             for t, offset in zip(tensors, offsets, strict=True)
@@ -461,6 +472,10 @@ class ShmProducer(_ShmEndpoint, Producer):
             if not sent:
                 self._free.appendleft(slot)
         return sent
+
+    def close(self) -> None:
+        super().close()
+        self._mapping = None
 
 
 class ShmConsumer(_ShmEndpoint, Consumer):

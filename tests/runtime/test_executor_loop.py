@@ -1,0 +1,135 @@
+"""The executor loop's contract, turn by turn: `pump()` says whether another turn could do
+more, so the loop sleeps only when nothing is left; a request's Start is taken from the start
+queue when its first chunk arrives; a stage that lacks credits waits without spinning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omniflow.compiler import compile_source
+from omniflow.runtime import protocol
+from omniflow.runtime.engine import Engine
+from omniflow.runtime.executor import Executor
+from omniflow.runtime.links import Inbound, Outbound
+from omniflow.runtime.messages import ChunkMeta
+from omniflow.runtime.shm_ring import local_channel
+
+IDENTITY = "python(fn=omniflow.runtime.builtin_stages.identity, max_batch=1)"
+CHAIN = f"""pipeline chain {{
+  stage a = {IDENTITY}
+  stage b = {IDENTITY}
+  stage c = {IDENTITY}
+  input x: tokens -> a
+  a.out -> b.in [stream, chunk=8]
+  b.out -> c.in [stream, chunk=8]
+  c.out -> output y [stream]
+}}"""
+PARAMS = {"b": {"fn": "omniflow.runtime.builtin_stages.identity", "max_batch": 1}}
+
+
+class Harness:
+    """Executor `b` of the chain alone, its rings in-process: we feed its input and read its
+    output, and hold its start queue."""
+
+    def __init__(self, out_slots: int = 4):
+        plan = compile_source(CHAIN, "chain.omni")
+        self.executor = Executor(plan, "b")
+        into = next(c for c in plan.channels if c.dst == "b")
+        out = next(c for c in plan.channels if c.src == "b")
+        self.input, consumer = local_channel(into.slots, into.slot_bytes)
+        producer, self.output = local_channel(out_slots, out.slot_bytes)
+        self.executor.inbound[into.name] = Inbound(into, consumer)
+        self.executor.outbound[out.name] = Outbound(out, producer)
+        self.start_queue: list[protocol.Start] = []
+        self.starts_read = 0
+        self.executor.queued_starts = self._queued_starts
+
+    def _queued_starts(self):
+        while self.start_queue:
+            self.starts_read += 1
+            yield self.start_queue.pop(0)
+
+    def send(self, request_id: str, value: int) -> None:
+        self.input.put(torch.tensor([[value]]), ChunkMeta(request_id, 0, eos=True))
+
+    def turns(self, limit: int = 20) -> int:
+        """Pump until the executor says nothing is left to do; how many turns that took."""
+        for turn in range(1, limit + 1):
+            if not self.executor.pump():
+                return turn
+        raise AssertionError(f"the executor still had work after {limit} turns")
+
+    def received(self) -> list[tuple[str, list, bool]]:
+        got = []
+        while (item := self.output.try_get()) is not None:
+            got.append((item.meta.request_id, item.tensors[0].flatten().tolist(), item.meta.eos))
+            item.release()
+        return got
+
+
+def test_a_request_starts_from_the_queue_when_its_chunk_arrives_and_then_the_loop_may_sleep():
+    h = Harness()
+    h.start_queue.append(protocol.Start("r1", PARAMS))
+    assert not h.executor.pump()  # nothing arrived: the queue is not even read
+    assert h.starts_read == 0
+    h.send("r1", 7)
+    h.turns()
+    assert h.starts_read == 1
+    assert h.received() == [("r1", [7], True)]
+    assert not h.executor.runners["b"].calls
+    assert not h.executor.pump()
+
+
+def test_reading_the_queue_stops_at_the_start_the_chunk_needs():
+    h = Harness()
+    h.start_queue += [protocol.Start(r, PARAMS) for r in ("r1", "r2", "r3")]
+    h.send("r2", 5)
+    h.turns()
+    # r1 and r2 were read (in queue order), r3 waits for its own chunk.
+    assert h.starts_read == 2
+    assert [s.request_id for s in h.start_queue] == ["r3"]
+    assert h.received() == [("r2", [5], True)]
+    h.send("r1", 4)
+    h.send("r3", 6)
+    h.turns()
+    assert sorted(h.received()) == [("r1", [4], True), ("r3", [6], True)]
+
+
+def test_a_chunk_whose_start_is_not_queued_waits_for_it_without_spinning():
+    h = Harness()
+    h.send("r1", 3)
+    assert not h.executor.pump()  # nothing can run: the loop may sleep
+    assert h.received() == []
+    h.executor.start(protocol.Start("r1", PARAMS))  # as when it comes over zmq
+    h.turns()
+    assert h.received() == [("r1", [3], True)]
+
+
+def test_a_stage_without_credit_lets_the_loop_sleep_and_resumes_when_credit_returns():
+    h = Harness(out_slots=1)
+    for i in range(3):
+        h.start_queue.append(protocol.Start(f"r{i}", PARAMS))
+        h.send(f"r{i}", i)
+        h.turns()
+    # r0 fills the output ring, r1 waits in the outbox, and the stage stops there: r2 waits.
+    state = h.executor.inspect()
+    assert state.queued_chunks == 1 and state.calls == {"b": ["r2"]}
+    assert not h.executor.pump()
+    got = []
+    while len(got) < 3:
+        got += h.received()  # frees the slot: a credit
+        h.turns()
+    assert got == [(f"r{i}", [i], True) for i in range(3)]
+
+
+@pytest.mark.parametrize("queued", [True, False], ids=["start-queue", "zmq"])
+def test_a_start_too_big_for_the_queue_goes_over_zmq(queued, monkeypatch):
+    if not queued:
+        monkeypatch.setattr(protocol, "QUEUED_START_MAX_BYTES", 0)
+    plan = compile_source(CHAIN, "chain.omni")
+    with Engine(plan, "process") as engine:
+        for i in range(5):
+            assert engine.generate({"x": [[i]]})["y"].flatten().tolist() == [i]
+        state = engine.inspect()
+    assert all(not any(i.calls.values()) for i in state.values())
