@@ -70,10 +70,10 @@ def pipe():
     return pipe
 
 
-def reference(pipe, inputs: dict, params: dict, seed: int = 0) -> torch.Tensor:
-    """The pipeline's own `__call__` for one request, as uint8 pixels [1, H, W, 3]."""
+def pipeline_call(pipe, inputs: dict, params: dict, output_type: str, seed: int = 0):
+    """The pipeline's own `__call__` for one request: its `.images` in `output_type`."""
     with quiet():
-        images = pipe(
+        return pipe(
             inputs["prompt"],
             negative_prompt=inputs.get("negative_prompt", " "),
             true_cfg_scale=params["guidance_scale"],
@@ -81,9 +81,13 @@ def reference(pipe, inputs: dict, params: dict, seed: int = 0) -> torch.Tensor:
             height=params["height"],
             width=params["width"],
             generator=torch.Generator().manual_seed(seed),
-            output_type="np",
+            output_type=output_type,
         ).images
-    return to_uint8(torch.from_numpy(images))
+
+
+def reference(pipe, inputs: dict, params: dict, seed: int = 0) -> torch.Tensor:
+    """The pipeline's own `__call__` for one request, as uint8 pixels [1, H, W, 3]."""
+    return to_uint8(torch.from_numpy(pipeline_call(pipe, inputs, params, "np", seed)))
 
 
 @pytest.fixture(scope="module")
@@ -221,17 +225,7 @@ def test_latents_match_the_pipeline_latents(stages, pipe):
     requests = {str(i): r for i, r in enumerate(REQUESTS)}
     for name, call in stages.alone(requests).items():
         inputs, params = requests[name]
-        with quiet():
-            packed = pipe(
-                inputs["prompt"],
-                negative_prompt=inputs.get("negative_prompt", " "),
-                true_cfg_scale=params["guidance_scale"],
-                num_inference_steps=params["steps"],
-                height=params["height"],
-                width=params["width"],
-                generator=torch.Generator().manual_seed(0),
-                output_type="latent",
-            ).images
+        packed = pipeline_call(pipe, inputs, params, "latent")
         want = pipe._unpack_latents(packed, params["height"], params["width"], 8)[:, :, 0]
         torch.testing.assert_close(output(call, "latents"), want, rtol=0, atol=1e-5)
 
