@@ -5,19 +5,25 @@ parameter references stay symbolic (`{"$param": name}`) so each request can over
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import msgspec
 
 from omniflow.errors import OmniflowError
 from omniflow.ir.graph import Graph
-from omniflow.ir.values import Auto, Param, Ref
+from omniflow.ir.kinds import KINDS, SEED, SEED_PARAM
+from omniflow.ir.values import Auto, Param, Ref, resolve
 
 PLAN_VERSION = 1
 
 
 @dataclass
 class StagePlan:
+    """One stage. `params`: the per-request template (`{"$param": p}` and `{"$seed": stage}`
+    resolve at admission); `settings`: what its backend loads with, every parameter the
+    program gives resolved to its compiled value, and its `max_batch`."""
+
     name: str
     kind: str
     executor: str
@@ -32,6 +38,7 @@ class StagePlan:
     activation_bytes: int = 0
     flops_per_item: float = 0.0
     batch: int = 1
+    settings: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -76,6 +83,16 @@ class PortPlan:
 
 
 @dataclass
+class ParamLimit:
+    """The numbers a request may give a pipeline parameter: `low <= value <= high` (None:
+    unbounded); `why` says where `high` comes from when the plan was compiled for it."""
+
+    low: int | float | None
+    high: int | float | None
+    why: str = ""
+
+
+@dataclass
 class Plan:
     version: int
     pipeline: str
@@ -88,6 +105,7 @@ class Plan:
     outputs: list[PortPlan]
     channels: list[ChannelPlan]
     shm_bytes: int = 0
+    limits: dict[str, ParamLimit] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     pass_seconds: dict = field(default_factory=dict)
 
@@ -131,6 +149,8 @@ def lower(graph: Graph) -> Plan:
             continue
         cost = node.meta.get("cost")
         params = {k: plain(v) for k, v in node.params.items() if k not in ("model", "component")}
+        if SEED_PARAM in KINDS[node.op].params and SEED_PARAM not in params:
+            params[SEED_PARAM] = {"$seed": node.name}  # its own stream of the request's seed
         if "cfg_input" in node.meta:  # stages on a guidance path get the companion's value
             params["cfg"] = {"$ref": node.meta["cfg_input"]}
         stages.append(
@@ -149,6 +169,7 @@ def lower(graph: Graph) -> Plan:
                 activation_bytes=cost.activation_bytes if cost else 0,
                 flops_per_item=cost.flops_per_item if cost else 0.0,
                 batch=node.meta.get("batch", 1),
+                settings=load_settings(graph, node),
             )
         )
     channels = []
@@ -202,9 +223,44 @@ def lower(graph: Graph) -> Plan:
         ],
         channels=channels,
         shm_bytes=graph.meta["shm_bytes"],
+        limits=param_limits(graph),
         warnings=list(graph.meta.get("warnings", [])),
         pass_seconds=dict(graph.meta.get("pass_times", {})),
     )
+
+
+def load_settings(graph: Graph, node) -> dict:
+    """The stage's parameters at their compiled values (the request's seed excepted)."""
+    settings = {
+        key: plain(resolve(value, graph.params))
+        for key, value in node.params.items()
+        if key not in ("model", "component")
+        and not (isinstance(value, Param) and value.name not in graph.params)
+    }
+    settings.setdefault("max_batch", KINDS[node.op].params["max_batch"].default)
+    return settings
+
+
+def param_limits(graph: Graph) -> dict[str, ParamLimit]:
+    """Per parameter a request may set, the tightest bounds of the stage parameters it feeds;
+    a `planned` one (memory and buffers were sized from it) is bounded by the compiled value."""
+    bounds = {name: [-math.inf, math.inf, ""] for name in graph.params}
+    bounds[SEED_PARAM] = [SEED.low, SEED.high, ""]
+    for node in graph.stages:
+        for key, value in node.params.items():
+            spec = KINDS[node.op].params.get(key)
+            if not isinstance(value, Param) or spec is None:
+                continue
+            bound = bounds[value.name]
+            bound[0] = max(bound[0], spec.low)
+            high = graph.params[value.name] if spec.planned else spec.high
+            if high < bound[1]:
+                why = f"stage '{node.name}' was compiled for {key}={high}" if spec.planned else ""
+                bound[1:] = high, why
+    return {
+        name: ParamLimit(*(None if math.isinf(b) else b for b in (low, high)), why)
+        for name, (low, high, why) in bounds.items()
+    }
 
 
 def resolve_params(

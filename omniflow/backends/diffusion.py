@@ -81,7 +81,7 @@ def load_pipeline(spec: StageSpec, device: str, parts: tuple[str, ...]):
         for name, entry in index.items()
         if not name.startswith("_") and isinstance(entry, list) and name not in parts
     }
-    dtype = plan.params.get("dtype")
+    dtype = plan.settings.get("dtype")
     with quiet():
         pipe = DiffusionPipeline.from_pretrained(
             path, torch_dtype=getattr(torch, dtype) if dtype else None, **skipped

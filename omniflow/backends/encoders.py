@@ -47,7 +47,7 @@ class TextEncoder(Backend):
                 f"stage '{name}': the diffusers text encoder takes one text prompt, not {given}"
             )
         self.pipe = load_pipeline(spec, device, ("text_encoder", "tokenizer"))
-        self.max_len = spec.plan.params.get("max_len", KINDS["encoder"].params["max_len"].default)
+        self.max_len = spec.plan.settings.get("max_len", KINDS["encoder"].params["max_len"].default)
         if not 1 <= self.max_len <= self.pipe.tokenizer_max_length:
             raise DiffusersBackendError(
                 f"stage '{name}': max_len must be 1..{self.pipe.tokenizer_max_length} "

@@ -220,7 +220,7 @@ def load_component(spec: StageSpec, device: str) -> Component:
 
     plan = spec.plan
     path = model_path(plan.model)
-    dtype = plan.params.get("dtype")
+    dtype = plan.settings.get("dtype")
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else "auto"
     try:
         with quiet():

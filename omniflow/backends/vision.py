@@ -121,7 +121,7 @@ def _load_tower(spec: StageSpec, device: str):
             f"'{_COMPONENT}', not '{plan.component}'"
         )
     path = model_path(plan.model)
-    dtype = plan.params.get("dtype")
+    dtype = plan.settings.get("dtype")
     try:
         with quiet():
             model_type = AutoConfig.from_pretrained(path).model_type
@@ -170,7 +170,7 @@ class VisionEncoder(Backend):
                 f"stage '{name}': the vision encoder takes one image input, not {given}"
             )
         self.tower, self.processor = _load_tower(spec, device)
-        max_len = spec.plan.params.get("max_len", KINDS["encoder"].params["max_len"].default)
+        max_len = spec.plan.settings.get("max_len", KINDS["encoder"].params["max_len"].default)
         # The largest image that gives at most max_len embeddings, one per merged patch.
         patch = self.processor.patch_size * self.processor.merge_size
         size = self.processor.size

@@ -232,7 +232,7 @@ def _start_engine(spec: StageSpec, device: str):
     on_cpu = kind == "cpu"
     args = EngineArgs(
         model=path,
-        dtype=plan.params.get("dtype", "auto"),
+        dtype=plan.settings.get("dtype", "auto"),
         max_model_len=_max_len(plan, path),
         max_num_seqs=max(1, plan.batch),
         kv_cache_memory_bytes=plan.kv_cache_bytes or _DEFAULT_KV_BYTES,
@@ -262,8 +262,8 @@ def _start_engine(spec: StageSpec, device: str):
 
 def _max_len(plan, path: str) -> int:
     """The stage's `max_len`, or the kind's default capped at the model's context length."""
-    if "max_len" in plan.params:
-        return int(plan.params["max_len"])
+    if "max_len" in plan.settings:
+        return int(plan.settings["max_len"])
     from transformers import AutoConfig
 
     default = KINDS["ar"].params["max_len"].default

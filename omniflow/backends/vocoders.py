@@ -9,12 +9,17 @@ Streaming. Each step decodes *windows*: the frames it may now emit (the kept fra
 to `context` frames before them (the edge's left context) and `lookahead` frames after
 them, and emits only the kept frames' audio, one row of `samples_per_frame` samples per
 frame. A frame is kept once its lookahead has arrived; at end of stream all the rest is.
-How far a decoder looks is measured when it loads, not assumed (`probe`: change one frame
-of a random input, see which output samples change), and the default lookahead is what it
-measures: causal codecs (Mimi, EnCodec) need none, DAC's symmetric convolutions as many
-frames ahead as behind (9 on tiny:tts). A decoder that looks no farther than the context
-and lookahead streams exactly its whole-utterance decode, up to rounding; EnCodec's LSTM
-remembers every frame, so its stream only approximates it.
+How far a decoder looks follows from its architecture: when it loads, its real modules are
+walked in forward order (kernel sizes, strides, paddings and dilations of its convolutions,
+its anti-aliasing filters' lengths, attention windows) through the interval arithmetic of
+receptive_field.py, in exact integers. Measuring it instead (change a frame, see which
+samples change) would depend on the machine: at a field's edges the influence is small
+enough that float rounding decides whether it shows. One decode at load checks that the
+samples per frame are those the walk found. A codec's default lookahead is its reach:
+causal codecs (Mimi, EnCodec) need none, DAC's symmetric convolutions as many frames ahead
+as behind (9 on tiny:tts). A decoder that looks no farther than the context and lookahead
+streams exactly its whole-utterance decode, up to rounding; EnCodec's LSTM remembers every
+frame, so its stream only approximates it.
 
 Token2wav's DiT is not local: each of its passes attends one 24-mel-frame block (12 codes)
 back and one ahead, and a sample takes 36 passes (10 RK4 steps), so influence keeps
@@ -35,7 +40,8 @@ its kept frames end at least the decoder's lookahead reach before its end, else 
 left only if they start at least its context reach after its start, and never if it is
 shorter than the decoder's `min_frames`; a window that allows none of these (a whole short
 utterance) goes in a forward of windows of its own length. Token2wav's DiT masks padding
-out of attention exactly; the rule covers its BigVGAN.
+out of attention exactly; the rule covers its BigVGAN, which reaches 18 mel frames (9 codes)
+each way on tiny:qwen2.5-omni.
 """
 
 from __future__ import annotations
@@ -47,22 +53,37 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 
 import torch
+from torch import nn
 from transformers import AutoModel, Qwen2_5OmniConfig
+from transformers.models.dac.modeling_dac import DacDecoder
+from transformers.models.encodec.modeling_encodec import (
+    EncodecConv1d,
+    EncodecConvTranspose1d,
+    EncodecLSTM,
+    EncodecResnetBlock,
+)
+from transformers.models.mimi.modeling_mimi import (
+    MimiConv1d,
+    MimiConvTranspose1d,
+    MimiDecoderModel,
+    MimiResnetBlock,
+)
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+    Qwen2_5OmniAMPBlock,
+    Qwen2_5OmniAntiAliasedActivation1d,
+    Qwen2_5OmniToken2WavBigVGANModel,
     Qwen2_5OmniToken2WavModel,
 )
 from transformers.utils import cached_file
 
+from omniflow.backends import receptive_field
+from omniflow.backends.receptive_field import Field
 from omniflow.errors import OmniflowError
 from omniflow.models.catalog import CODEC_TYPES, WINDOW_BLOCKS, block_grid
 from omniflow.models.resolve import model_path
 from omniflow.models.tiny_recipes import quiet
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
-# How far `probe` looks, in frames; a decoder that reaches farther counts as unbounded.
-PROBE_FRAMES = 128
-# Relative difference `probe` takes for rounding when it compares inputs of other lengths.
-ROUNDING = 1e-4
 # Qwen2_5OmniForConditionalGeneration.generate's default speaker.
 DEFAULT_SPEAKER = "Chelsie"
 
@@ -73,13 +94,12 @@ class VocoderError(OmniflowError):
 
 @dataclasses.dataclass(frozen=True)
 class Reach:
-    """How far a decoder looks, measured by `probe`.
+    """How far a decoder looks, from its architecture (`field_reach`).
 
     `context` and `lookahead`: frames of input before and after an output frame that its
-    samples depend on (math.inf: farther than the probe looked). `min_frames`: the
-    shortest input that decodes as the beginning of any longer one; shorter inputs differ
-    (EnCodec's reflect padding, given fewer samples than it reflects, pads them with zeros
-    first), so they are never padded.
+    samples depend on (math.inf: unbounded). `min_frames`: the shortest input that decodes as
+    the beginning of any longer one; shorter inputs differ (EnCodec's reflect padding, given
+    no more samples than it reflects, pads them with zeros first), so they are never padded.
     """
 
     context: float
@@ -87,55 +107,127 @@ class Reach:
     min_frames: float = 1
 
 
-def probe(
-    decode: Callable[[torch.Tensor], torch.Tensor],
-    example: Callable[[int], torch.Tensor],
-    change: Callable[[torch.Tensor, int], torch.Tensor],
-) -> tuple[int, Reach]:
-    """Samples per input frame and reach of `decode`, measured on random inputs.
+def field_reach(field: Field) -> Reach:
+    """The reach of a decoder whose waveform input frame 0 influences within `field`."""
+    return Reach(receptive_field.context(field), receptive_field.lookahead(field), field.min_frames)
 
-    `example(n)` is a random input of n frames (frames on the last dim), `change(x, i)` a
-    copy of `x` with frame i changed, and `decode` maps an input to `[1, samples]`. The
-    samples that change with the middle frame show how far one frame's influence goes:
-    samples before it depend on it as lookahead, samples after it as context. The input
-    doubles until the change stays clear of both ends.
-    """
-    half = 8
-    while True:
-        frames = 2 * half + 1
-        x = example(frames)
-        before, after = decode(x).reshape(-1), decode(change(x, half)).reshape(-1)
-        if before.numel() % frames:
-            raise VocoderError(
-                f"{frames} frames decode to {before.numel()} samples: not a whole number of "
-                "samples per frame, so audio cannot be emitted one row per frame"
-            )
-        per_frame = before.numel() // frames
-        changed = (before != after).nonzero()
-        if not len(changed):  # the decoder ignores its input
-            lookahead = context = 0
-            break
-        first, last = int(changed[0]), int(changed[-1]) + 1
-        # A change within the outermost frames may go on beyond them (samples there can
-        # stay equal by chance, where an LSTM's influence fades below rounding).
-        at_start, at_end = first < per_frame, last > before.numel() - per_frame
-        lookahead = math.inf if at_start else max(0, math.ceil(half - first / per_frame))
-        context = math.inf if at_end else max(0, math.ceil(last / per_frame - half - 1))
-        if not (at_start or at_end) or half >= PROBE_FRAMES:
-            break
-        half *= 2
-    min_frames = math.inf
-    if lookahead < math.inf:
-        x = example(PROBE_FRAMES)
-        for n in range(lookahead + 1, PROBE_FRAMES):
-            kept = (n - lookahead) * per_frame
-            short, long = decode(x[..., :n])[..., :kept], decode(x[..., : n + 1])[..., :kept]
-            # Inputs of other lengths take other kernels' summation orders: equal up to
-            # rounding, which stays far below 1e-4 of the peak where the reach is respected.
-            if torch.allclose(short, long, rtol=0, atol=ROUNDING * float(short.abs().max())):
-                min_frames = n
-                break
-    return per_frame, Reach(context, lookahead, min_frames)
+
+def checked_samples_per_frame(field: Field, decode: Callable[[int], torch.Tensor]) -> int:
+    """`field.per_frame`, once `decode(frames)` (the waveform of that many frames) agrees: the
+    architecture walked is the one that runs."""
+    frames = field.min_frames
+    samples = decode(frames).numel()
+    if samples != frames * field.per_frame:
+        raise VocoderError(
+            f"{frames} frames decode to {samples} samples, not the {field.per_frame} per frame "
+            "that the decoder's layers make"
+        )
+    return field.per_frame
+
+
+# --- receptive fields of the decoders' modules, walked in their forward order ----------------
+
+
+def bigvgan_field(model: Qwen2_5OmniToken2WavBigVGANModel) -> Field:
+    """Mel frame 0's field in the waveform of Qwen2.5-Omni's BigVGAN (its mel preprocessing and
+    the final clamp are elementwise)."""
+    field = receptive_field.conv1d(Field(0, 0), model.conv_pre)
+    blocks = model.num_residual_blocks
+    for index, (upsample,) in enumerate(model.ups):
+        field = receptive_field.conv_transpose1d(field, upsample)
+        parallel = model.resblocks[index * blocks : (index + 1) * blocks]  # averaged
+        field = receptive_field.union(*(_amp_block_field(field, block) for block in parallel))
+    field = _anti_aliased_field(field, model.activation_post)
+    return receptive_field.conv1d(field, model.conv_post)
+
+
+def _amp_block_field(field: Field, block: Qwen2_5OmniAMPBlock) -> Field:
+    acts1, acts2 = block.activations[::2], block.activations[1::2]
+    for conv1, conv2, act1, act2 in zip(block.convs1, block.convs2, acts1, acts2, strict=True):
+        branch = receptive_field.conv1d(_anti_aliased_field(field, act1), conv1)
+        branch = receptive_field.conv1d(_anti_aliased_field(branch, act2), conv2)
+        field = receptive_field.union(field, branch)
+    return field
+
+
+def _anti_aliased_field(field: Field, activation: Qwen2_5OmniAntiAliasedActivation1d) -> Field:
+    """Upsampling filter, elementwise SnakeBeta, downsampling filter; their replicate padding
+    and trimming only move positions."""
+    up, down = activation.upsample, activation.downsample
+    field = receptive_field.shift(field, up.pad)
+    field = receptive_field.conv_transpose(field, up.filter.shape[-1], up.stride)
+    field = receptive_field.shift(field, -up.pad_left)
+    return receptive_field.conv(field, down.filter.shape[-1], down.stride, down.pad_left)
+
+
+def codec_field(model) -> Field:
+    """Frame 0's field in the waveform of a DAC, Mimi or EnCodec model's decoder. Frames enter
+    them through codebook lookups and 1x1 projections, which act frame by frame."""
+    if model.config.model_type == "dac":
+        return _dac_field(model.decoder)
+    if model.config.model_type == "mimi":
+        return _mimi_field(model.decoder)
+    return _seanet_field(Field(0, 0), model.decoder.layers)
+
+
+def _dac_field(decoder: DacDecoder) -> Field:
+    field = receptive_field.conv1d(Field(0, 0), decoder.conv1)
+    for block in decoder.block:  # Snake and tanh are elementwise
+        field = receptive_field.conv_transpose1d(field, block.conv_t1)
+        for unit in (block.res_unit1, block.res_unit2, block.res_unit3):
+            branch = receptive_field.conv1d(receptive_field.conv1d(field, unit.conv1), unit.conv2)
+            field = receptive_field.union(field, branch)
+    return receptive_field.conv1d(field, decoder.conv2)
+
+
+def _mimi_field(decoder: MimiDecoderModel) -> Field:
+    field = Field(0, 0)
+    if decoder.upsample is not None:
+        field = _seanet_conv_transpose_field(field, decoder.upsample)
+    for layer in decoder.decoder_transformer.layers:
+        field = receptive_field.causal_attention(field, layer.self_attn.sliding_window)
+    return _seanet_field(field, decoder.decoder_seanet.layers)
+
+
+def _seanet_field(field: Field, layers) -> Field:
+    """Through SEANet layers (Mimi's and EnCodec's decoders and their residual blocks)."""
+    for layer in layers:
+        if isinstance(layer, (MimiConv1d, EncodecConv1d)):
+            field = _seanet_conv_field(field, layer)
+        elif isinstance(layer, (MimiConvTranspose1d, EncodecConvTranspose1d)):
+            field = _seanet_conv_transpose_field(field, layer)
+        elif isinstance(layer, (MimiResnetBlock, EncodecResnetBlock)):
+            shortcut = _seanet_field(field, [layer.shortcut])
+            field = receptive_field.union(shortcut, _seanet_field(field, layer.block))
+        elif isinstance(layer, EncodecLSTM):
+            field = receptive_field.recurrent(field)
+        elif not isinstance(layer, (nn.ELU, nn.Identity)):
+            raise VocoderError(f"no receptive field for the decoder layer {type(layer).__name__}")
+    return field
+
+
+def _seanet_conv_field(field: Field, layer: MimiConv1d | EncodecConv1d) -> Field:
+    conv = layer.conv
+    kernel, stride, dilation = conv.kernel_size[0], conv.stride[0], conv.dilation[0]
+    # Padded as the forward pads: all on the left if causal, else evenly, the odd one left.
+    total = (kernel - 1) * dilation + 1 - stride
+    left = total if layer.causal else total - total // 2
+    if layer.pad_mode == "reflect":
+        # `_pad1d` zero-pads inputs no longer than the padding before reflecting them (plus up
+        # to stride - 1 positions on the right, which `pad_for_conv1d` adds).
+        field = receptive_field.needs_more_than(field, max(left, total - left + stride - 1))
+    return receptive_field.conv(field, kernel, stride, left, dilation)
+
+
+def _seanet_conv_transpose_field(
+    field: Field, layer: MimiConvTranspose1d | EncodecConvTranspose1d
+) -> Field:
+    conv = layer.conv
+    total = conv.kernel_size[0] - conv.stride[0]
+    # The forward trims this much on the right (all of it if causal), the rest on the left.
+    right = math.ceil(total * layer.trim_right_ratio) if layer.causal else total // 2
+    field = receptive_field.conv_transpose1d(field, conv)
+    return receptive_field.shift(field, right - total)
 
 
 # --- per-request streams and their windows ----------------------------------------------------
@@ -251,33 +343,31 @@ class CodecDecoder(Decoder):
         config = model.config
         self.kind = config.model_type
         if self.kind == "encodec":
-            if config.chunk_length is not None or config.audio_channels != 1:
+            # (time_group_norm normalizes over the whole utterance: no finite reach.)
+            if (
+                config.chunk_length is not None
+                or config.audio_channels != 1
+                or config.norm_type != "weight_norm"
+            ):
                 raise VocoderError(
-                    "only mono EnCodec models that decode in one chunk (24 kHz) are supported"
+                    "only mono, weight-normed EnCodec models that decode in one chunk (24 kHz) "
+                    "are supported"
                 )
             bandwidth = max(config.target_bandwidths)
             num_codebooks = model.quantizer.get_num_quantizers_for_bandwidth(bandwidth)
         else:
             num_codebooks = config.n_codebooks if self.kind == "dac" else config.num_quantizers
-        generator = torch.Generator().manual_seed(0)
-        size = config.codebook_size
+        field = codec_field(model)
 
-        def example(frames: int) -> torch.Tensor:
-            return torch.randint(0, size, (1, num_codebooks, frames), generator=generator)
-
-        def change(codes: torch.Tensor, frame: int) -> torch.Tensor:
-            codes = codes.clone()
-            codes[..., frame] = (codes[..., frame] + 1) % size
-            return codes
+        def decode(frames: int) -> torch.Tensor:
+            return self._run(
+                torch.zeros(1, num_codebooks, frames, dtype=torch.int64, device=device)
+            )
 
         with torch.inference_mode():
-            per_frame, reach = probe(lambda c: self._run(c.to(device)), example, change)
-        if reach.lookahead == math.inf:
-            raise VocoderError(
-                f"this {self.kind} decoder looks more than {PROBE_FRAMES} frames ahead: "
-                "it cannot be streamed"
-            )
-        super().__init__(per_frame, num_codebooks, size, reach, reach.lookahead)
+            per_frame = checked_samples_per_frame(field, decode)
+        reach = field_reach(field)
+        super().__init__(per_frame, num_codebooks, config.codebook_size, reach, reach.lookahead)
 
     def _run(self, codes: torch.Tensor) -> torch.Tensor:
         """codes `[B, Q, T]` -> audio `[B, T * samples_per_frame]`."""
@@ -322,28 +412,21 @@ class Token2Wav(Decoder):
         speakers = torch.load(cached_file(root, "spk_dict.pt"), weights_only=True)
         with torch.inference_mode():
             self.speakers = {name: self._speaker(value) for name, value in speakers.items()}
-        generator = torch.Generator().manual_seed(0)
+        field = bigvgan_field(self.bigvgan)
 
-        def example(frames: int) -> torch.Tensor:
-            # Log-mel values around -4, where speech's sit.
-            return torch.randn(1, self.mel_dim, frames, generator=generator) - 4.0
-
-        def change(mel: torch.Tensor, frame: int) -> torch.Tensor:
-            mel = mel.clone()
-            mel[..., frame] += 1.0
-            return mel
+        def decode(frames: int) -> torch.Tensor:
+            return self.bigvgan(torch.zeros(1, self.mel_dim, frames, device=device))
 
         with torch.inference_mode():
-            mel_samples, mel_reach = probe(
-                lambda mel: self.bigvgan(mel.to(device)), example, change
-            )
+            mel_samples = checked_samples_per_frame(field, decode)
+        mel_reach = dataclasses.astuple(field_reach(field))
         unit, lookahead = block_grid({"dit_config": dit_config.to_dict()})
         super().__init__(
             samples_per_frame=mel_samples * self.repeats,
             num_codebooks=1,
             # DiTCodecEmbedding holds num_embeds + 1 rows.
             codebook_size=dit_config.num_embeds + 1,
-            reach=Reach(*(_codes(mel, self.repeats) for mel in dataclasses.astuple(mel_reach))),
+            reach=Reach(*(_codes(mel, self.repeats) for mel in mel_reach)),
             lookahead=lookahead,
             unit=unit,
         )

@@ -7,6 +7,7 @@ GraphError that points at the offending source span and, where it helps, suggest
 from __future__ import annotations
 
 import difflib
+import math
 import re
 
 from omniflow import adapters
@@ -22,7 +23,15 @@ from omniflow.ir.graph import (
     MapOp,
     Node,
 )
-from omniflow.ir.kinds import EDGE_ATTRS, KINDS, OUTPUT_ATTRS, ParamSpec, parse_port_list
+from omniflow.ir.kinds import (
+    EDGE_ATTRS,
+    KINDS,
+    OUTPUT_ATTRS,
+    SEED,
+    SEED_PARAM,
+    ParamSpec,
+    parse_port_list,
+)
 from omniflow.ir.types import PORT_TYPES, TENSOR_TYPES
 from omniflow.ir.values import AUTO, Param, Ref
 from omniflow.kernels.pointwise_ops import OPS
@@ -33,6 +42,15 @@ _DEVICE = re.compile(r"^(cpu|cuda)(:\d+)?$")
 def did_you_mean(name: str, choices) -> str | None:
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
     return f"did you mean '{close[0]}'?" if close else None
+
+
+def bounds_text(spec: ParamSpec) -> str:
+    """`between 1 and 1048576`, `at least 0`: a number's bounds in words."""
+    if spec.high == math.inf:
+        return f"at least {spec.low:g}"
+    if spec.low == -math.inf:
+        return f"at most {spec.high:g}"
+    return f"between {spec.low:g} and {spec.high:g}"
 
 
 def one_of(choices) -> str:
@@ -49,7 +67,7 @@ class _Builder:
         self.program = program
         self.models = program.models
         self.graph = Graph(program.name)
-        self.param_names = {p.name for p in program.params}
+        self.param_names = {p.name for p in program.params} | {SEED_PARAM}
         self.arg_spans: dict[tuple[str, str], Span] = {}
 
     # --- values ----------------------------------------------------------------------
@@ -89,7 +107,8 @@ class _Builder:
             raise GraphError(f"'{attr.key}' needs a value", attr.span, f"write `{attr.key}=...`")
         value = self.value(value, span)
         if isinstance(value, Param):
-            default = next(p.default for p in self.program.params if p.name == value.name)
+            declared = [p.default for p in self.program.params if p.name == value.name]
+            default = declared[0] if declared else SEED.low  # the built-in seed
             self._check_type(attr.key, spec, self.value(default, span), span)
         else:
             self._check_type(attr.key, spec, value, span)
@@ -111,6 +130,8 @@ class _Builder:
                 span,
                 did_you_mean(str(value), [str(c) for c in spec.choices]),
             )
+        if isinstance(value, (int, float)) and not spec.low <= value <= spec.high:
+            raise GraphError(f"'{key}' must be {bounds_text(spec)}, not {value!r}", span)
 
     # --- declarations --------------------------------------------------------------------
     def declarations(self) -> None:

@@ -6,6 +6,7 @@ lists in hints, and the backends implement.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from omniflow.ir.values import Auto, Param, Ref
@@ -13,12 +14,19 @@ from omniflow.ir.values import Auto, Param, Ref
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """A stage parameter: accepted Python types, default, and whether it must be given."""
+    """A stage parameter: accepted Python types, default, and whether it must be given.
+
+    `low`/`high` bound a number (inclusive). `planned`: the compiler sizes memory and buffers
+    from this value, so a request may lower it but never raise it above what was compiled.
+    """
 
     types: tuple[type, ...]
     default: object = None
     required: bool = False
     choices: tuple[object, ...] = ()
+    low: float = -math.inf
+    high: float = math.inf
+    planned: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,13 +55,22 @@ COMMON_PARAMS: dict[str, ParamSpec] = {
     "memory": ParamSpec(_STR),  # an explicit budget such as "20GiB" overrides the estimate
 }
 
+# A request's seed: what `random.getrandbits(63)` draws, so it fits every generator's seed.
+SEED_BITS = 63
+SEED = ParamSpec(_INT, low=0, high=(1 << SEED_BITS) - 1)
+# The parameter every program has without declaring it: the request's seed.
+SEED_PARAM = "seed"
+# Bounds that keep the compiler's arithmetic finite for any program.
+_LENGTH = {"low": 1, "high": 1 << 20, "planned": True}
+_PIXELS = {"low": 16, "high": 16384, "planned": True}
+
 _SAMPLING = {
-    "max_tokens": ParamSpec(_INT, 2048),
-    "temperature": ParamSpec(_FLOAT, 1.0),
-    "top_p": ParamSpec(_FLOAT, 1.0),
-    "top_k": ParamSpec(_INT, -1),
-    "repetition_penalty": ParamSpec(_FLOAT, 1.0),
-    "seed": ParamSpec(_INT),
+    "max_tokens": ParamSpec(_INT, 2048, **_LENGTH),
+    "temperature": ParamSpec(_FLOAT, 1.0, low=0, high=100),
+    "top_p": ParamSpec(_FLOAT, 1.0, low=0, high=1),
+    "top_k": ParamSpec(_INT, -1, low=-1),
+    "repetition_penalty": ParamSpec(_FLOAT, 1.0, low=0, high=100),
+    "seed": SEED,
     "stop": ParamSpec((list,)),
 }
 
@@ -80,7 +97,7 @@ KINDS: dict[str, StageKind] = {
             {"text": "text", "tokens": "tokens", "hidden": "hidden", "codes": "codes", "kv": "kv"},
             {
                 **_SAMPLING,
-                "max_len": ParamSpec(_INT, 4096),
+                "max_len": ParamSpec(_INT, 4096, **_LENGTH),
                 "role": ParamSpec(_STR, "both", choices=("both", "prefill", "decode")),
                 "speaker": ParamSpec(_STR),
             },
@@ -90,7 +107,7 @@ KINDS: dict[str, StageKind] = {
             "one forward pass from text, image or audio to hidden states",
             {"prompt": ("chat", "text", "tokens"), "image": ("image",), "audio": ("audio",)},
             {"hidden": "hidden"},
-            {"max_len": ParamSpec(_INT, 1024)},
+            {"max_len": ParamSpec(_INT, 1024, **_LENGTH)},
         ),
         _kind(
             "diffusion",
@@ -98,13 +115,13 @@ KINDS: dict[str, StageKind] = {
             {"cond": ("hidden",), "image": ("image",), "kv": ("kv",)},
             {"latents": "latents"},
             {
-                "steps": ParamSpec(_INT, 50),
-                "guidance": ParamSpec(_FLOAT, 1.0),
+                "steps": ParamSpec(_INT, 50, low=1, high=1000),
+                "guidance": ParamSpec(_FLOAT, 1.0, low=0, high=100),
                 "cfg": ParamSpec((Ref,)),  # the input whose value is the unconditional companion
-                "height": ParamSpec(_INT, 1024),
-                "width": ParamSpec(_INT, 1024),
-                "frames": ParamSpec(_INT, 1),
-                "seed": ParamSpec(_INT),
+                "height": ParamSpec(_INT, 1024, **_PIXELS),
+                "width": ParamSpec(_INT, 1024, **_PIXELS),
+                "frames": ParamSpec(_INT, 1, **_LENGTH),
+                "seed": SEED,
             },
         ),
         _kind(
@@ -118,7 +135,7 @@ KINDS: dict[str, StageKind] = {
             "codec frames to waveform, decoded in chunks with left context",
             {"codes": ("codes",), "hidden": ("hidden",)},
             {"audio": "audio"},
-            {"max_len": ParamSpec(_INT, 4096), "speaker": ParamSpec(_STR), "seed": ParamSpec(_INT)},
+            {"max_len": ParamSpec(_INT, 4096, **_LENGTH), "speaker": ParamSpec(_STR), "seed": SEED},
         ),
         _kind(
             "python",

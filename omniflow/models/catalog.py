@@ -234,7 +234,7 @@ def load_component_config(model: str, component: str | None = None) -> Component
     if path.is_dir():
         return _load(str(path), component, _DirFiles(path), f"local: {path}")
     builtin = _builtin_name(model)
-    snapshot = _cached_snapshot(model)
+    snapshot = cached_snapshot(model)
     if snapshot is not None:
         name, root = snapshot
         fallback = _BuiltinFiles(builtin) if builtin else None
@@ -327,7 +327,7 @@ def hub_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "huggingface" / "hub"
 
 
-def _cached_snapshot(model: str) -> tuple[str, Path] | None:
+def cached_snapshot(model: str) -> tuple[str, Path] | None:
     """(canonical id, snapshot dir) of `model` in the hub cache, matched case-insensitively."""
     cache = hub_cache_dir()
     if not cache.is_dir():

@@ -36,7 +36,7 @@ def backend_name(spec: StageSpec) -> str:
     transformers checkpoint when its input is an image and a diffusers pipeline's text
     encoder when it is a prompt, else the kind's default."""
     kind = spec.plan.kind
-    asked = spec.plan.params.get("backend", "auto")
+    asked = spec.plan.settings.get("backend", "auto")
     if asked != "auto":
         return asked
     if kind == "encoder":

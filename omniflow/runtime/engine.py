@@ -27,18 +27,20 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 
 from omniflow.errors import ChannelError, OmniflowError
+from omniflow.ir.kinds import SEED_PARAM
 from omniflow.plan import ChannelPlan, Plan
 from omniflow.runtime import protocol
-from omniflow.runtime.executor import ZMQ_POLLIN, Executor, serve
+from omniflow.runtime.executor import STARTUP_ERROR, ZMQ_POLLIN, Executor, serve
 from omniflow.runtime.links import Inbound, Outbound, Waker, link_fds, wait
-from omniflow.runtime.requests import RequestFailed, check_params, prepare_inputs, stage_params
+from omniflow.runtime.preflight import preflight
+from omniflow.runtime.requests import Admitted, RequestFailed, Voice, admit, stage_params
 from omniflow.runtime.shm_ring import (
     ShmConsumer,
     ShmProducer,
@@ -74,8 +76,7 @@ class Chunk:
 @dataclass
 class _Request:
     id: str
-    inputs: dict
-    params: dict
+    admitted: Admitted
     deliver: object  # callable(item) -> None, thread-safe
     open_outputs: set[str] = field(default_factory=set)
     indexes: dict[str, int] = field(default_factory=dict)
@@ -122,10 +123,13 @@ class _ThreadControl:
 class _Core:
     """Everything the I/O thread owns."""
 
-    def __init__(self, plan: Plan, mode: str, backends: str):
+    def __init__(
+        self, plan: Plan, mode: str, backends: str, on_loaded: Callable[[protocol.Loaded], None]
+    ):
         self.plan = plan
         self.mode = mode
         self.backends = backends
+        self.on_loaded = on_loaded
         self.waker = Waker()
         self.commands: deque = deque()
         self.requests: dict[str, _Request] = {}
@@ -232,6 +236,13 @@ class _Core:
         proc.stdin.close()
         self.processes[name] = proc
 
+    def startup_failure(self, name: str, code: int) -> str:
+        what = f"executor '{name}' (stages {', '.join(self.stages_of[name])})"
+        for line in reversed(self.log_tail(name).splitlines()):
+            if line.startswith(STARTUP_ERROR):
+                return f"{what} could not start: {line.removeprefix(STARTUP_ERROR)}"
+        return f"{what} exited with code {code} while starting:\n{self.log_tail(name)}"
+
     def log_tail(self, name: str, lines: int = 15) -> str:
         path = self.log_dir / f"{name}.log"
         text = path.read_text(errors="replace") if path.exists() else ""
@@ -302,10 +313,7 @@ class _Core:
             for name in fresh:
                 proc = self.processes.get(name)
                 if proc is not None and proc.poll() is not None:
-                    raise EngineError(
-                        f"executor '{name}' (stages {', '.join(self.stages_of[name])}) exited with "
-                        f"code {proc.returncode} while starting:\n{self.log_tail(name)}"
-                    )
+                    raise EngineError(self.startup_failure(name, proc.returncode))
             if time.monotonic() > deadline:
                 raise EngineError(
                     f"executors {', '.join(sorted(pending))} did not answer within {LINK_TIMEOUT_S:.0f} s"
@@ -318,7 +326,13 @@ class _Core:
         executors = {}
         for name in self.executors:
             control = _ThreadControl(name, self._thread_reply)
-            executors[name] = Executor(self.plan, name, self.backends, waker=control.waker)
+            executors[name] = Executor(
+                self.plan,
+                name,
+                self.backends,
+                waker=control.waker,
+                on_loaded=lambda loaded, name=name: self.on_message(name, loaded),
+            )
             self.threads[name] = (None, control)
         wakers = {name: ex.waker for name, ex in executors.items()} | {FRONTEND: self.waker}
         for channel in self.plan.channels:
@@ -349,16 +363,15 @@ class _Core:
     def submit(self, request: _Request) -> None:
         self.requests[request.id] = request
         request.open_outputs = {c.dst for c in self.output_channels}
-        params = {
-            s.name: stage_params(self.plan, s, request.params, request.inputs)
-            for s in self.plan.stages
-        }
+        params = {s.name: stage_params(s, request.admitted) for s in self.plan.stages}
         # Before the input goes out: an executor finds the Start queued when the input reaches it.
         for name in self.executors:
             start = protocol.Start(request.id, {s: params[s] for s in self.stages_of[name]})
             self.send_start(name, start)
         for channel in self.input_channels:
-            self.outbound[channel.name].send(request.id, 0, request.inputs[channel.src], True)
+            self.outbound[channel.name].send(
+                request.id, 0, request.admitted.inputs[channel.src], True
+            )
 
     def cancel(self, request_id: str, error: OmniflowError) -> None:
         request = self.requests.pop(request_id, None)
@@ -370,7 +383,9 @@ class _Core:
         request.deliver(error)
 
     def on_message(self, executor: str, message: protocol.Message) -> None:
-        if isinstance(message, protocol.Failed):
+        if isinstance(message, protocol.Loaded):
+            self.on_loaded(message)
+        elif isinstance(message, protocol.Failed):
             self.cancel(
                 message.request_id,
                 RequestFailed(f"stage '{message.stage}' failed: {message.error}"),
@@ -505,14 +520,35 @@ class _Core:
         self.waker.close()
 
 
-class Engine:
-    """A running plan. Use as a context manager; `generate`, `stream`, `cancel`, `close`."""
+class Outputs(dict):
+    """A request's outputs by name, whole; `seed` is the seed that replays it."""
 
-    def __init__(self, plan: Plan, mode: str = "process", backends: str = "auto"):
+    seed: int
+
+
+class Engine:
+    """A running plan. Use as a context manager; `generate`, `stream`, `cancel`, `close`.
+
+    Before any executor starts, the plan is checked against this machine (`preflight`:
+    devices, models, speakers) unless the caller did so and passes its `voices`;
+    `on_loaded` hears of each stage whose model has loaded.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        mode: str = "process",
+        backends: str = "auto",
+        voices: tuple[Voice, ...] | None = None,
+        on_loaded: Callable[[protocol.Loaded], None] = lambda loaded: None,
+    ):
         if mode not in ("process", "inprocess"):
             raise EngineError(f"unknown mode '{mode}'; use 'process' or 'inprocess'")
         self.plan = plan
-        self._core = _Core(plan, mode, backends)
+        if voices is None:
+            voices = () if backends == "standin" else preflight(plan)
+        self.voices = voices
+        self._core = _Core(plan, mode, backends, on_loaded)
         self._ids = itertools.count()
         started = threading.Event()
         failure: list[BaseException] = []
@@ -541,11 +577,14 @@ class Engine:
         if self._core.closed:
             raise EngineError("the engine is closed")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        request = _Request(
-            request_id, prepare_inputs(self.plan, inputs), check_params(self.plan, params), deliver
-        )
+        request = _Request(request_id, self.admit(inputs, params), deliver)
         self._command("submit", request)
         return request_id
+
+    def admit(self, inputs: dict, params: dict | None = None) -> Admitted:
+        """The request checked against the plan (RequestError if it does not fit); its
+        `params` hold every parameter, the seed included, so passing them back replays it."""
+        return admit(self.plan, inputs, params, self.voices)
 
     def _command(self, command: str, arg) -> None:
         self._core.commands.append((command, arg))
@@ -588,8 +627,9 @@ class Engine:
 
     def generate(
         self, inputs: dict, params: dict | None = None, request_id: str | None = None
-    ) -> dict:
-        """Run one request to the end; every output, whole."""
+    ) -> Outputs:
+        """Run one request to the end; every output, whole, and its seed."""
+        params = self.admit(inputs, params).params
         parts: dict[str, list] = {}
         types = {
             c.dst: c.type
@@ -599,7 +639,9 @@ class Engine:
         for chunk in self.stream_sync(inputs, params, request_id):
             if chunk.value is not None:
                 parts.setdefault(chunk.output, []).append(chunk.value)
-        return {name: concat(types[name], values) for name, values in parts.items()}
+        outputs = Outputs((name, concat(types[name], values)) for name, values in parts.items())
+        outputs.seed = params[SEED_PARAM]
+        return outputs
 
     def cancel(self, request_id: str) -> None:
         self._command("cancel", request_id)
@@ -662,4 +704,12 @@ def launch(source, mode: str = "process", devices: str = "cpu", backends: str = 
     return Engine(plan, mode, backends)
 
 
-__all__ = ["Chunk", "Engine", "EngineError", "RequestCancelled", "RequestFailed", "launch"]
+__all__ = [
+    "Chunk",
+    "Engine",
+    "EngineError",
+    "Outputs",
+    "RequestCancelled",
+    "RequestFailed",
+    "launch",
+]

@@ -26,14 +26,13 @@ import sys
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import zmq
 
-from omniflow.errors import ChannelError
-from omniflow.ir.kinds import KINDS
-from omniflow.plan import ChannelPlan, Plan, resolve_params
+from omniflow.errors import ChannelError, OmniflowError
+from omniflow.plan import ChannelPlan, Plan
 from omniflow.runtime import protocol
 from omniflow.runtime.backends import load_backend
 from omniflow.runtime.edges import StreamWriter, apply_maps, load_adapter
@@ -154,7 +153,14 @@ class StageRunner:
 class Executor:
     """The stages of one plan executor, their channels, and the loop that drives them."""
 
-    def __init__(self, plan: Plan, name: str, backends: str = "auto", waker: Waker | None = None):
+    def __init__(
+        self,
+        plan: Plan,
+        name: str,
+        backends: str = "auto",
+        waker: Waker | None = None,
+        on_loaded: Callable[[protocol.Loaded], None] = lambda loaded: None,
+    ):
         self.plan = plan
         self.name = name
         self.waker = waker or Waker()
@@ -163,12 +169,12 @@ class Executor:
         for stage in stages:
             spec = StageSpec.from_channels(stage, plan.channels)
             device = stage.devices[0] if stage.devices else "cpu"
-            max_batch = resolve_params(stage.params, plan.params).get(
-                "max_batch", KINDS[stage.kind].params["max_batch"].default
-            )
+            max_batch = stage.settings["max_batch"]
+            began = time.monotonic()
             self.runners[stage.name] = StageRunner(
                 spec, load_backend(spec, device, backends), max_batch
             )
+            on_loaded(protocol.Loaded(stage.name, time.monotonic() - began))
         self.inbound: dict[str, Inbound] = {}
         self.outbound: dict[str, Outbound] = {}
         self.writers: dict[tuple[str, str], list[StreamWriter]] = defaultdict(list)
@@ -452,13 +458,25 @@ def _die_with_parent() -> None:
         sys.exit(0)
 
 
+# Marks the line of an executor's log that says why it could not start.
+STARTUP_ERROR = "omniflow executor cannot start: "
+
+
 def main() -> None:
     _die_with_parent()
     config = json.loads(sys.stdin.read())
     control = ZmqControl(config["control"], config["executor"], config["start_queue_fd"])
     try:
-        executor = Executor(Plan.from_json(config["plan"]), config["executor"], config["backends"])
+        executor = Executor(
+            Plan.from_json(config["plan"]),
+            config["executor"],
+            config["backends"],
+            on_loaded=control.send,
+        )
         control.send(protocol.Hello(executor.name, executor.create_inbound(executor.in_channels())))
+    except OmniflowError as err:  # a model or stage it cannot load: the engine reports this line
+        print(f"{STARTUP_ERROR}{err}", flush=True)
+        sys.exit(3)
     except Exception:
         traceback.print_exc()
         sys.exit(3)

@@ -12,13 +12,7 @@ from omniflow.errors import OmniflowError
 from omniflow.plan import Plan
 from omniflow.runtime.backends import load_backend
 from omniflow.runtime.edges import apply_maps, load_adapter
-from omniflow.runtime.requests import (
-    RequestFailed,
-    check_params,
-    describe,
-    prepare_inputs,
-    stage_params,
-)
+from omniflow.runtime.requests import RequestFailed, admit, describe, stage_params
 from omniflow.runtime.stage import Call, InputStream, StageSpec
 from omniflow.runtime.values import concat
 
@@ -34,16 +28,17 @@ class Interpreter:
 
     def run(self, inputs: dict, params: dict | None = None, request_id: str = "ref") -> dict:
         plan = self.plan
-        overrides = check_params(plan, params)
-        given = prepare_inputs(plan, inputs)
-        values: dict[tuple[str, str], object] = {(name, "out"): v for name, v in given.items()}
+        request = admit(plan, inputs, params)
+        values: dict[tuple[str, str], object] = {
+            (name, "out"): v for name, v in request.inputs.items()
+        }
         for stage in plan.stages:  # the plan lists stages in topological order
             spec = self.specs[stage.name]
             into = [c for c in plan.channels if c.dst == stage.name]
             streams = {c.dst_port: InputStream(c.type) for c in into}
             for c in into:
                 streams[c.dst_port].push(self._through(c, values[c.src, c.src_port]), end=True)
-            call = Call(request_id, stage_params(plan, stage, overrides, given), streams)
+            call = Call(request_id, stage_params(stage, request), streams)
             produced = defaultdict(list)
             backend = self.backends[stage.name]
             while not call.finished:

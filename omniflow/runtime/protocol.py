@@ -1,6 +1,6 @@
 """The control plane's typed messages (msgspec, msgpack on the wire; never pickle).
 
-Linking: each executor creates shared-memory rings for the cross-process channels it
+Linking: each executor says `Loaded` as each of its stages' models loads, then creates shared-memory rings for the cross-process channels it
 consumes and says `Hello` with their names; the engine tells every producer where to attach
 (`Connect`), and each answers `Linked`. Serving: `Start` carries a request's parameters for
 the stages of one executor, `Cancel` withdraws the request, `Failed` reports that a stage
@@ -19,6 +19,13 @@ import msgspec
 class Hello(msgspec.Struct, tag=True):
     executor: str
     rings: dict[str, str]  # channel name -> ring name this executor created (it consumes them)
+
+
+class Loaded(msgspec.Struct, tag=True):
+    """A stage's model is loaded (sent while the executor starts, before its Hello)."""
+
+    stage: str
+    seconds: float
 
 
 class Connect(msgspec.Struct, tag=True):
@@ -67,7 +74,17 @@ class Inspection(msgspec.Struct, tag=True):
 
 
 Message = (
-    Hello | Connect | Linked | Start | Cancel | Reset | Shutdown | Failed | Inspect | Inspection
+    Hello
+    | Loaded
+    | Connect
+    | Linked
+    | Start
+    | Cancel
+    | Reset
+    | Shutdown
+    | Failed
+    | Inspect
+    | Inspection
 )
 
 # The start queue is a Unix socket of whole messages (SOCK_SEQPACKET); a Start bigger than

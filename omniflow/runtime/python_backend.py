@@ -113,7 +113,7 @@ def function_backend(spec: StageSpec, device: str, fn: Callable) -> Backend:
 
 
 def python_backend(spec: StageSpec, device: str) -> Backend:
-    fn = spec.plan.params["fn"]
+    fn = spec.plan.settings["fn"]
     return function_backend(
         spec, device, import_function(fn["$ref"] if isinstance(fn, dict) else fn)
     )

@@ -1,13 +1,32 @@
-"""Checking a request against a plan: its inputs (with defaults) and parameter overrides."""
+"""Admission: a request checked against its plan before any stage sees it.
+
+`admit` resolves a request once -- every input's value (given, else its default), every
+pipeline parameter's value, and its seed -- and refuses, with a `RequestError` that says
+what to change, anything the plan was not compiled for: unknown or missing inputs and
+parameters, wrong types, numbers outside the plan's limits, image files that cannot be
+read, payloads larger than their ring's slot, speakers the models do not have. It runs in
+the caller's thread and touches no executor, so a bad request costs microseconds and
+never reaches a stage.
+
+Seeds. Every request has one: the `seed` parameter if given, else the pipeline's declared
+default, else a random one (reported back so the request can be replayed). A stage that
+names `$seed` gets it as is; every other sampling stage gets its own stream derived from
+it (`stage_seed`), so one number replays the whole pipeline.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import random
+from dataclasses import dataclass
 
 import torch
 
 from omniflow.errors import OmniflowError
+from omniflow.ir.kinds import SEED_BITS, SEED_PARAM
 from omniflow.plan import Plan, StagePlan, resolve_params
+from omniflow.runtime.values import encode
 
 
 class RequestError(OmniflowError):
@@ -22,8 +41,48 @@ def describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def prepare_inputs(plan: Plan, inputs: dict) -> dict:
-    """Every input of the pipeline with its value: given, else its default; type-checked."""
+@dataclass(frozen=True)
+class Admitted:
+    """A request that fits its plan: every input's value and every parameter's, the seed
+    included."""
+
+    inputs: dict
+    params: dict
+
+    @property
+    def seed(self) -> int:
+        return self.params[SEED_PARAM]
+
+
+@dataclass(frozen=True)
+class Voice:
+    """A request value that must name one of a model's speakers: the pipeline parameter or
+    input `name` (`is_input`), and the speakers the model it reaches has."""
+
+    name: str
+    is_input: bool
+    speakers: tuple[str, ...]
+
+
+def admit(
+    plan: Plan, inputs: dict, params: dict | None = None, voices: tuple[Voice, ...] = ()
+) -> Admitted:
+    """The request resolved against `plan`, or a RequestError naming what does not fit."""
+    values = _check_params(plan, dict(params or {}))
+    given = _prepare_inputs(plan, inputs)
+    for voice in voices:
+        value = (given if voice.is_input else values).get(voice.name)
+        if value is not None and value not in voice.speakers:
+            what = "input" if voice.is_input else "parameter"
+            raise RequestError(
+                f"{what} '{voice.name}': unknown speaker {value!r}; "
+                f"the model has {', '.join(voice.speakers)}"
+            )
+    return Admitted(given, values)
+
+
+def _prepare_inputs(plan: Plan, inputs: dict) -> dict:
+    """Every input of the pipeline with its value: given, else its default; checked."""
     known = {i.name: i for i in plan.inputs}
     unknown = set(inputs) - set(known)
     if unknown:
@@ -38,11 +97,19 @@ def prepare_inputs(plan: Plan, inputs: dict) -> dict:
             value = port.default
         else:
             raise RequestError(f"missing input '{name}' ({port.type})")
-        values[name] = _check(name, port.type, value)
+        values[name] = _check_input(name, port.type, value)
+    for channel in plan.channels:
+        if channel.src in values and channel.kind != "local" and channel.type != "text":
+            size = encode(channel.type, values[channel.src]).nbytes
+            if size > channel.slot_bytes:
+                raise RequestError(
+                    f"input '{channel.src}' is {size} bytes; the plan's buffer for it holds "
+                    f"{channel.slot_bytes} bytes per message"
+                )
     return values
 
 
-def _check(name: str, port_type: str, value):
+def _check_input(name: str, port_type: str, value):
     if port_type == "text":
         if not isinstance(value, str):
             raise RequestError(f"input '{name}' must be a string")
@@ -56,10 +123,13 @@ def _check(name: str, port_type: str, value):
             raise RequestError(f"input '{name}' must be a list of {{role, content}} messages")
         return value
     if port_type == "image" and isinstance(value, (str, os.PathLike)):
-        if not os.fspath(value):
+        path = os.fspath(value)
+        if not path:
             raise RequestError(f"input '{name}' is an empty path")
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise RequestError(f"input '{name}': no readable image file at '{path}'")
         # Absolute, so it names the same file in whichever process opens it.
-        return os.path.abspath(value)
+        return os.path.abspath(path)
     try:
         return torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as err:
@@ -68,15 +138,14 @@ def _check(name: str, port_type: str, value):
         ) from err
 
 
-def check_params(plan: Plan, params: dict | None) -> dict:
-    """Parameter overrides of a request: only declared pipeline parameters, of the default's type."""
-    params = dict(params or {})
-    for name, value in params.items():
-        if name not in plan.params:
+def _check_params(plan: Plan, overrides: dict) -> dict:
+    """Every pipeline parameter's value for this request (overrides checked), and the seed."""
+    for name, value in overrides.items():
+        if name not in plan.limits:
             raise RequestError(
-                f"unknown parameter '{name}'; the pipeline has {', '.join(plan.params) or 'none'}"
+                f"unknown parameter '{name}'; the pipeline has {', '.join(plan.limits)}"
             )
-        default = plan.params[name]
+        default = plan.params.get(name, 0 if name == SEED_PARAM else None)
         numeric = isinstance(default, float) and isinstance(value, int)
         if isinstance(value, bool) != isinstance(default, bool) or not (
             isinstance(value, type(default)) or numeric
@@ -84,8 +153,40 @@ def check_params(plan: Plan, params: dict | None) -> dict:
             raise RequestError(
                 f"parameter '{name}' must be {type(default).__name__}, not {value!r}"
             )
+        _check_limit(plan, name, value)
+    values = {**plan.params, **overrides}
+    values.setdefault(SEED_PARAM, random.getrandbits(SEED_BITS))
+    return values
+
+
+def _check_limit(plan: Plan, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    limit = plan.limits[name]
+    if value != value:  # NaN, which every comparison lets through
+        raise RequestError(f"parameter '{name}' must be a number, not NaN")
+    if limit.low is not None and value < limit.low:
+        raise RequestError(f"parameter '{name}' must be at least {limit.low:g}, not {value!r}")
+    if limit.high is not None and value > limit.high:
+        if limit.why:
+            raise RequestError(
+                f"parameter '{name}' = {value!r} is above {limit.high:g}: {limit.why} and its "
+                f"memory and buffers were sized for that; recompile with a larger default "
+                f"(`param {name} = {value!r}`)"
+            )
+        raise RequestError(f"parameter '{name}' must be at most {limit.high:g}, not {value!r}")
+
+
+def stage_seed(seed: int, stage: str) -> int:
+    """A stage's own seed, drawn from the request's: independent streams per stage."""
+    digest = hashlib.blake2b(f"{seed}/{stage}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> (64 - SEED_BITS)
+
+
+def stage_params(stage: StagePlan, request: Admitted) -> dict:
+    """`stage`'s parameters for one admitted request, every reference resolved."""
+    params = resolve_params(stage.params, request.params, inputs=request.inputs)
+    derived = stage.params.get(SEED_PARAM)
+    if isinstance(derived, dict) and "$seed" in derived:
+        params[SEED_PARAM] = stage_seed(request.seed, derived["$seed"])
     return params
-
-
-def stage_params(plan: Plan, stage: StagePlan, overrides: dict, inputs: dict) -> dict:
-    return resolve_params(stage.params, plan.params, overrides, inputs)

@@ -28,7 +28,7 @@ TALKER_MAX_TOKENS = 48
 SOURCE = f"""
 pipeline omni_ar {{
   model "tiny:qwen2.5-omni"
-  param max_tokens = 16
+  param max_tokens = 24
   param speaker = "Chelsie"
   stage thinker = ar(component="thinker", max_batch=4, max_tokens=$max_tokens, temperature=0.0)
   # Greedy; the repetition penalty is the talker's default (1.05), as in generate().

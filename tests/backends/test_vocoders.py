@@ -28,7 +28,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from omniflow.backends.vocoders import Vocoder, VocoderError
+from omniflow.backends.receptive_field import Field
+from omniflow.backends.vocoders import (
+    Vocoder,
+    VocoderError,
+    bigvgan_field,
+    codec_field,
+    field_reach,
+)
 from omniflow.compiler import compile_file, compile_source
 from omniflow.models.tiny import build_tiny, reference_omni_generate, reference_tts
 from omniflow.plan import StagePlan
@@ -153,7 +160,10 @@ def dac(tts_plan):
 
 
 def test_dac_reach_and_shape_come_from_the_model(dac):
-    # DAC's decoder convolutions are symmetric: 9 frames either way, measured.
+    # DAC's decoder, walked: conv1 (kernel 7) reaches 3 frames each way; each block's
+    # transposed conv (kernel 2s, stride s = 10, 8, 6, 4, padding ceil(s/2)) upsamples it and
+    # its residual units (kernel 7, dilations 1, 3, 9) add 39 positions each way; conv2 3 more.
+    # Frame 0 reaches samples -15452..17371, 1920 per frame: 9 frames either way (8.05, 9.05).
     assert (dac.decoder.samples_per_frame, dac.decoder.num_codebooks) == (1920, 1)
     assert (dac.decoder.reach.context, dac.decoder.reach.lookahead) == (9, 9)
     assert (dac.context, dac.decoder.lookahead) == (25, 9)
@@ -271,10 +281,16 @@ def omni_reference():
 def test_token2wav_windows_follow_the_dit_blocks(token2wav):
     decoder = token2wav.decoder
     # 24-mel-frame DiT blocks are 12 codes; two blocks of context (of the edge's 25) and of
-    # lookahead; BigVGAN reaches 12 mel frames (6 codes) each way.
+    # lookahead. BigVGAN, walked: conv_pre (kernel 7) reaches 3 mel frames each way; each of
+    # its six transposed convs (kernel 11, 7, 4, 4, 4, 4 at stride 5, 3, 2, 2, 2, 2) is followed
+    # by an AMP block of three residual branches, each two anti-aliased activations (5
+    # positions each way: 12-tap filters at 2x) and two kernel-3 convs (dilation 1, 3 or 5,
+    # then 1), 42 positions each way in all; then one more activation and conv_post (kernel
+    # 7). Mel frame 0 reaches samples -4237..4476, 240 per mel frame: 18 mel frames either
+    # way (17.7, 18.7), 9 codes of 2 mel frames.
     assert (decoder.samples_per_frame, decoder.unit) == (480, 12)
     assert (token2wav.context, decoder.lookahead) == (24, 24)
-    assert (decoder.reach.context, decoder.reach.lookahead) == (6, 6)
+    assert (decoder.reach.context, decoder.reach.lookahead) == (9, 9)
 
 
 def test_token2wav_stream_matches_the_models_generate(token2wav, omni_reference):
@@ -406,6 +422,11 @@ def encodec(tmp_path_factory):
 def test_mimi_is_causal_and_streams_exactly(mimi):
     decoder = mimi.decoder
     assert (decoder.samples_per_frame, decoder.num_codebooks, decoder.lookahead) == (1920, 2, 0)
+    # Causal throughout. Frame 0 reaches 3 positions past its own at the transformer's 2x
+    # rate (upsampling kernel 4), the 16-position window 15 more, the SEANet's first conv
+    # (kernel 7) 6 more; its transposed convs (kernel 2r, stride r = 8, 6, 5, 4) and kernel-3
+    # convs take that to sample 25395, in frame 13 of 1920 samples.
+    assert (decoder.reach.context, decoder.reach.lookahead) == (13, 0)
     assert decoder.reach.context <= mimi.context  # its transformer's window fits the context
     codes = torch.randint(0, 64, (60, 2), generator=torch.Generator().manual_seed(4))
     (streamed,) = run(mimi, [(codes, RAMP, {})])
@@ -418,7 +439,8 @@ def test_encodec_batches_exactly_though_its_lstm_never_forgets(encodec):
     decoder = encodec.decoder
     assert (decoder.samples_per_frame, decoder.num_codebooks, decoder.lookahead) == (320, 3, 0)
     # The LSTM carries every earlier frame: no finite context, so left padding is never used.
-    assert decoder.reach.context == math.inf
+    # Its first conv reflects 6 frames, so inputs of fewer than 7 are never padded.
+    assert (decoder.reach.context, decoder.reach.min_frames) == (math.inf, 7)
     g = torch.Generator().manual_seed(5)
     requests = [
         (torch.randint(0, 64, (40, 2), generator=g), RAMP, {}),
@@ -428,6 +450,40 @@ def test_encodec_batches_exactly_though_its_lstm_never_forgets(encodec):
     alone = [run(encodec, [r])[0] for r in requests]
     for a, b in zip(together, alone, strict=True):
         assert float((a - b).abs().max()) < BATCH_TOLERANCE
+
+
+# --- reach: what the architecture says against what a decode shows ---------------------------
+
+
+@pytest.mark.parametrize("name", ["dac", "token2wav", "mimi", "encodec"])
+def test_no_sample_outside_the_field_depends_on_the_frame(name, request):
+    """Changing input frame 24 of 48 leaves every sample outside the frame's field exactly as
+    it was: they are computed from equal numbers. The reach the change shows may fall short of
+    the architecture's (influence at the field's edges can vanish in rounding, by how much
+    depends on the machine), never exceed it."""
+    decoder = request.getfixturevalue(name).decoder
+    frames, frame = 48, 24
+    g = torch.Generator().manual_seed(6)
+    if name == "token2wav":  # the BigVGAN, mel frames in
+        field, decode = bigvgan_field(decoder.bigvgan), decoder.bigvgan
+        x = torch.randn(1, decoder.mel_dim, frames, generator=g) - 4.0
+        y = x.clone()
+        y[..., frame] += 1.0
+    else:
+        field, decode = codec_field(decoder.model), decoder._run
+        x = torch.randint(0, decoder.codebook_size, (1, decoder.num_codebooks, frames), generator=g)
+        y = x.clone()
+        y[..., frame] = (y[..., frame] + 1) % decoder.codebook_size
+    with torch.no_grad():
+        before, after = decode(x).reshape(-1), decode(y).reshape(-1)
+    assert before.numel() == frames * field.per_frame
+    relative = torch.arange(before.numel()) - frame * field.per_frame
+    outside = (relative < field.first) | (relative > field.last)
+    assert torch.equal(before[outside], after[outside])
+    changed = relative[before != after]
+    seen = field_reach(Field(int(changed.min()), int(changed.max()), field.per_frame))
+    reach = field_reach(field)
+    assert seen.context <= reach.context and seen.lookahead <= reach.lookahead
 
 
 # --- TTS in the runtime ---------------------------------------------------------------------

@@ -17,8 +17,8 @@ def omni_chat():
     p.param("max_tokens", 2048)
     p.param("max_audio_tokens", 4096)
     p.param("temperature", 0.0)
+    p.param("audio_temperature", 0.9)
     p.param("speaker", "Chelsie")
-    p.param("seed", 0)
     thinker = p.stage(
         "thinker",
         "ar",
@@ -34,6 +34,7 @@ def omni_chat():
         component="talker",
         max_batch=32,
         max_tokens=param("max_audio_tokens"),
+        temperature=param("audio_temperature"),
         speaker=speaker,
     )
     code2wav = p.stage(
@@ -42,7 +43,6 @@ def omni_chat():
         component="token2wav",
         max_batch=64,
         speaker=speaker,
-        seed=param("seed"),
     )
     p.flow(p.input("prompt", "chat"), thinker)
     p.flow(thinker.hidden, talker, stream=True, chunk=1, adapter="qwen_omni.thinker_to_talker")
@@ -83,7 +83,6 @@ def text_to_image():
     p = Pipeline("text_to_image", model="Qwen/Qwen-Image")
     steps, scale = p.param("steps", 50), p.param("guidance_scale", 4.0)
     height, width = p.param("height", 1024), p.param("width", 1024)
-    seed = p.param("seed", 0)
     encoder = p.stage("encoder", "encoder", component="text_encoder", max_batch=16)
     negative = p.input("negative_prompt", "text", default=" ")
     dit = p.stage(
@@ -96,7 +95,7 @@ def text_to_image():
         cfg=negative,
         height=height,
         width=width,
-        seed=seed,
+        seed=param("seed"),  # the request's own seed: no declaration needed
     )
     vae = p.stage("vae", "vae", component="vae", max_batch=8)
     p.flow(p.input("prompt", "text"), encoder)

@@ -12,6 +12,7 @@ from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 
 GRAPHS = Path(__file__).parents[2] / "graphs"
+IMAGE_FILE = str(GRAPHS / "image_understanding.omni")
 REQUESTS = {
     "omni_chat": [
         ({"prompt": "hello"}, None),
@@ -30,8 +31,9 @@ REQUESTS = {
             },
             None,
         ),
-        # An image file's path travels as its bytes; stand-ins never open it.
-        ({"prompt": "and this?", "image": "/images/cat.png"}, None),
+        # An image file's path travels as its bytes; stand-ins never open it, but admission
+        # checks that it names a readable file.
+        ({"prompt": "and this?", "image": IMAGE_FILE}, None),
     ],
 }
 

@@ -1,0 +1,118 @@
+"""What the frontend checks before any executor starts: that the plan's devices exist on
+this machine, that every model it names can be loaded here, and which speakers those
+models have (so admission can refuse an unknown one without asking a stage).
+
+Each check fails in seconds with an error that names what is missing and the ways to
+provide it; without them a missing model would surface as an executor's traceback after
+its other stages had spent their time loading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from omniflow.errors import OmniflowError
+from omniflow.models.catalog import cached_snapshot
+from omniflow.models.resolve import TINY_SCHEME, model_path
+from omniflow.plan import Plan
+from omniflow.runtime.requests import Voice
+
+HUB_TIMEOUT_S = 10.0
+
+
+class PreflightError(OmniflowError):
+    """The plan cannot run on this machine as it stands (a device or a model is missing)."""
+
+
+def preflight(plan: Plan) -> tuple[Voice, ...]:
+    """Check the plan against this machine; the speaker-valued request fields it has."""
+    check_devices(plan)
+    paths = {model: locate_model(model) for model in {s.model for s in plan.stages if s.model}}
+    return plan_voices(plan, paths)
+
+
+def check_devices(plan: Plan) -> None:
+    wanted = sorted({d for s in plan.stages for d in s.devices if d.startswith("cuda")})
+    if not wanted:
+        return
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [d for d in wanted if int(d.partition(":")[2] or 0) >= have]
+    if missing:
+        found = f"only {have} CUDA device(s)" if have else "no CUDA device"
+        raise PreflightError(
+            f"the plan places stages on {', '.join(missing)} but this machine has {found}; "
+            "compile it for this machine's devices (e.g. --devices cpu)"
+        )
+
+
+def locate_model(model: str) -> str:
+    """Where `model` loads from: a tiny checkpoint (built on first use), a local folder, the
+    Hugging Face cache, or the hub when it can be reached (the executor downloads it)."""
+    if model.startswith(TINY_SCHEME) or Path(model).expanduser().is_dir():
+        return model_path(model)
+    snapshot = cached_snapshot(model)
+    if snapshot is not None:
+        return str(snapshot[1])
+    reason = _hub_unreachable(model)
+    if reason is None:
+        return model
+    raise PreflightError(
+        f"model '{model}' is not on this machine and cannot be downloaded ({reason}); "
+        f"provide it in one of these ways: run with --tiny (the built-in tiny model of the "
+        f"same architecture, random weights); download it where there is network "
+        f"(`huggingface-cli download {model}`) and copy the Hugging Face cache here "
+        f"(HF_HOME); or name a local checkpoint folder as the model in the .omni file"
+    )
+
+
+def _hub_unreachable(model: str) -> str | None:
+    """Why the hub cannot give `model` now, or None if it can."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return "HF_HUB_OFFLINE is set"
+    import huggingface_hub
+
+    try:
+        huggingface_hub.model_info(model, timeout=HUB_TIMEOUT_S)
+    except huggingface_hub.errors.RepositoryNotFoundError:
+        return "the hub has no such model"
+    except Exception as err:  # no network, a proxy, a gated repo: the hub cannot serve it here
+        return f"the hub is unreachable: {type(err).__name__}"
+    return None
+
+
+def model_speakers(path: str) -> tuple[str, ...] | None:
+    """The speakers of the checkpoint at `path`, or None if it has none or is not local."""
+    root = Path(path)
+    if (root / "spk_dict.pt").is_file():  # Qwen2.5-Omni: one entry per speaker
+        import torch
+
+        return tuple(torch.load(root / "spk_dict.pt", weights_only=True))
+    index = root / "model_index.json"  # Qwen3-TTS: the speakers' codec tokens
+    if index.is_file():
+        speakers = json.loads(index.read_text(encoding="utf-8")).get("speakers")
+        return tuple(speakers) if speakers else None
+    return None
+
+
+def plan_voices(plan: Plan, paths: dict[str, str]) -> tuple[Voice, ...]:
+    """The pipeline parameters (`speaker=$p`) and inputs (into a `voice` port) whose values
+    name a speaker of the model they reach."""
+    voices = []
+    for stage in plan.stages:
+        speakers = model_speakers(paths[stage.model]) if stage.model else None
+        if not speakers:
+            continue
+        speaker = stage.params.get("speaker")
+        if isinstance(speaker, dict) and "$param" in speaker:
+            voices.append(Voice(speaker["$param"], False, speakers))
+        inputs = {i.name for i in plan.inputs}
+        voices += [
+            Voice(c.src, True, speakers)
+            for c in plan.channels
+            if c.dst == stage.name and c.dst_port == "voice" and c.src in inputs
+        ]
+    return tuple(dict.fromkeys(voices))
