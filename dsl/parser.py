@@ -347,6 +347,9 @@ _TERMINAL_WORDS = {
     "PARAM_REF": "a parameter reference",
 }
 _OPENERS = {"LBRACE": "RBRACE", "LPAR": "RPAR", "LSQB": "RSQB"}
+_STATEMENT_KEYWORDS = frozenset(
+    {"PIPELINE", "MODEL", "PARAM", "STAGE", "INPUT", "COLOCATE", "SEPARATE"}
+)
 _MAX_LISTED = 4
 
 _ONE_PIPELINE = "a .omni file holds one `pipeline name { ... }` block"
@@ -433,7 +436,7 @@ def _unexpected_token(
         double = source.span(token.line, token.column, token.column + 2)
         return ParseError("unexpected '=>'", double, _ARROW)
     message = f"unexpected {_describe(token)}{_expected_clause(expected)}"
-    return ParseError(message, span, _token_hint(token, history, expected))
+    return ParseError(message, span, _token_hint(token, source, history, expected))
 
 
 def _second_pipeline(span: Span, history: list[Token], expected: set[str]) -> ParseError:
@@ -452,10 +455,12 @@ def _second_pipeline(span: Span, history: list[Token], expected: set[str]) -> Pa
     )
 
 
-def _token_hint(token: Token, history: list[Token], expected: set[str]) -> str | None:
+def _token_hint(
+    token: Token, source: _Source, history: list[Token], expected: set[str]
+) -> str | None:
     """The most likely mistake behind an unexpected token, if it looks like a common one."""
     opener = _unclosed(history)
-    if token.type in _OPENERS.values() and opener and token.type != _OPENERS[opener.type]:
+    if opener and _left_open(opener, token, source, expected):
         return _unclosed_hint(opener)
     tail = [recent.type for recent in history[-2:]]
     for keyword, form in _FORMS.items():
@@ -467,6 +472,24 @@ def _token_hint(token: Token, history: list[Token], expected: set[str]) -> str |
     if token.type in _LITERAL_TYPES and "NAME" in expected and named:
         return "stage arguments and edge attributes are named: write `key=value`"
     return None
+
+
+def _left_open(opener: Token, token: Token, source: _Source, expected: set[str]) -> bool:
+    """Whether `token` shows that `opener` was never closed: it closes another kind of
+    bracket, or it begins the next statement where the closing bracket could come."""
+    closer = _OPENERS[opener.type]
+    if token.type in _OPENERS.values():
+        return token.type != closer
+    return closer in expected and _starts_statement(token, source)
+
+
+def _starts_statement(token: Token, source: _Source) -> bool:
+    """A keyword that begins a statement, or a name followed by '->' or '.' (a flow's
+    source); never an argument or attribute key, which a missing ',' would explain."""
+    if token.type in _STATEMENT_KEYWORDS:
+        return True
+    rest = source.text[token.end_pos :].lstrip()
+    return token.type == "NAME" and rest.startswith(("->", "."))
 
 
 def _unexpected_end(source: _Source, history: list[Token], expected: set[str]) -> ParseError:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
 
-from omniflow.errors import OmniflowError
+from omniflow.errors import OmniflowError, SourceError
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -19,7 +20,10 @@ def _compile(args: argparse.Namespace) -> int:
     plan = compile_file(args.path, devices=args.devices, tiny=args.tiny)
     text = plan.to_json()
     if args.output:
-        Path(args.output).write_text(text + "\n", encoding="utf-8")
+        try:
+            Path(args.output).write_text(text + "\n", encoding="utf-8")
+        except OSError as err:
+            raise UsageError(f"cannot write the plan to {args.output}: {err.strerror}") from err
     if args.json:
         sys.stdout.write(text + "\n")
     else:
@@ -29,55 +33,31 @@ def _compile(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from omniflow.compiler import compile_file
-    from omniflow.media import png_bytes, wav_bytes
-    from omniflow.runtime.engine import Engine
+    from omniflow.run_once import run_once
 
-    plan = compile_file(args.path, devices=args.devices, tiny=args.tiny)
     inputs = dict(_key_value(item) for item in args.input)
-    params = {k: json.loads(v) for k, v in map(_key_value, args.param)}
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    params = {k: _param_value(v) for k, v in map(_key_value, args.param)}
+    plan = compile_file(args.path, devices=args.devices, tiny=args.tiny)
     backends = "standin" if args.standin else "auto"
-    with Engine(plan, args.mode, backends=backends) as engine:
-        outputs = engine.generate(inputs, params)
-    for port in plan.outputs:
-        value = outputs.get(port.name)
-        if value is None:
-            continue
-        if port.type in ("text", "chat"):
-            path, data = out_dir / f"{port.name}.txt", str(value).encode()
-        elif port.type == "audio":
-            path, data = (
-                out_dir / f"{port.name}.wav",
-                wav_bytes(value, port.attrs.get("rate", 24000)),
-            )
-        elif port.type == "image":
-            path, data = out_dir / f"{port.name}.png", png_bytes(value)
-        else:
-            path, data = out_dir / f"{port.name}.pt", _tensor_bytes(value)
-        path.write_bytes(data)
-        shown = (
-            f"  {value[:120]!r}{'...' if len(value) > 120 else ''}" if port.type == "text" else ""
-        )
-        print(f"{port.name}: {path}{shown}")
-    return 0
+    console = Console(stderr=True, highlight=False)
+    return run_once(
+        plan, inputs, params, Path(args.out), mode=args.mode, backends=backends, console=console
+    )
 
 
 def _key_value(item: str) -> tuple[str, str]:
     key, sep, value = item.partition("=")
-    if not sep:
-        raise OmniflowError(f"expected NAME=VALUE, not '{item}'")
+    if not sep or not key:
+        raise UsageError(f"expected NAME=VALUE, not '{item}'")
     return key, value
 
 
-def _tensor_bytes(value) -> bytes:
-    import io
-
-    import torch
-
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
+def _param_value(text: str):
+    """A `--param` value: JSON (`3`, `0.5`, `true`, `"x"`), else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _models(args: argparse.Namespace) -> int:
@@ -105,6 +85,9 @@ def _models(args: argparse.Namespace) -> int:
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omniflow", description="Compile and serve .omni pipelines."
+    )
+    parser.add_argument(
+        "--debug", action="store_true", help="show Python tracebacks (also: OMNIFLOW_DEBUG=1)"
     )
     sub = parser.add_subparsers(dest="command", required=True)
     comp = sub.add_parser("compile", help="compile a .omni file to a plan and print it")
@@ -142,7 +125,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="a text input, or an image input's file path",
     )
     run.add_argument(
-        "--param", action="append", default=[], metavar="NAME=JSON", help="a parameter override"
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a parameter override (JSON, else a string): --param steps=4 --param speaker=Ethan",
     )
     run.add_argument("--out", default="out", help="folder for the outputs (text, WAV, PNG)")
     run.set_defaults(run=_run)
@@ -173,16 +160,41 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class UsageError(OmniflowError):
+    """A command line that cannot be carried out as written."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("OMNIFLOW_DEBUG", "") not in ("", "0")
     if getattr(args, "path", None) and not Path(args.path).is_file():
         print(f"omniflow: error: no such file: {args.path}", file=sys.stderr)
         return 2
     try:
         return args.run(args)
-    except OmniflowError as err:
-        print(err, file=sys.stderr)
-        return 1
+    except KeyboardInterrupt:
+        print("omniflow: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if debug:
+            raise
+        print(_one_message(err), file=sys.stderr)
+        return 2 if isinstance(err, UsageError) else 1
+
+
+def _one_message(err: Exception) -> str:
+    """What a user reads instead of a traceback."""
+    if isinstance(err, SourceError):
+        return str(err)  # already `file:line:col: error: ...` with the line and a caret
+    if isinstance(err, OmniflowError):
+        return f"omniflow: error: {err}"
+    if isinstance(err, OSError):
+        where = f": {err.filename}" if err.filename else ""
+        return f"omniflow: error: {err.strerror or err}{where}"
+    return (
+        f"omniflow: internal error: {type(err).__name__}: {err}\n"
+        "this is a bug in omniflow; rerun with --debug (or OMNIFLOW_DEBUG=1) for the traceback"
+    )
 
 
 if __name__ == "__main__":

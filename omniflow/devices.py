@@ -15,6 +15,15 @@ from omniflow.errors import DeviceSpecError
 
 GiB = 1 << 30
 
+# Bounds on an inventory, so that a slip such as `1000000xH200` fails at once instead of
+# building a million devices. omniflow serves from one host; these are far above any host.
+MAX_GPUS_PER_ENTRY = 64  # the N of one `NxMODEL` entry: 1 to this
+MAX_DEVICES = 1024  # all entries together
+MAX_GPU_INDEX = MAX_DEVICES - 1  # the N of `cuda:N`
+# A device's `=SIZE`: less than a MiB holds no stage; more than 64 TiB is no one host's memory.
+MIN_MEMORY = 1 << 20
+MAX_MEMORY = 64 << 40
+
 
 @dataclass(frozen=True)
 class Accelerator:
@@ -54,11 +63,34 @@ class Device:
 
 
 def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*([\d.]+)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*", text)
+    """`80GiB`, `512MiB`, `1.5TB` or a bare number of GiB, in bytes (MIN_MEMORY to MAX_MEMORY)."""
+    m = re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*", text)
     if not m:
-        raise DeviceSpecError(f"cannot read memory size '{text}'; write e.g. 80GiB or 512MiB")
+        raise DeviceSpecError(
+            f"cannot read memory size '{_shown(text)}'; write e.g. 80GiB or 512MiB"
+        )
     scale = {"GiB": GiB, "GB": 10**9, "MiB": 1 << 20, "MB": 10**6, "TiB": 1 << 40, "TB": 10**12}
-    return int(float(m.group(1)) * scale[m.group(2) or "GiB"])
+    size = float(m.group(1)) * scale[m.group(2) or "GiB"]  # hundreds of digits give inf
+    if not MIN_MEMORY <= size <= MAX_MEMORY:
+        raise DeviceSpecError(
+            f"memory size '{_shown(text)}' is out of range; write {MIN_MEMORY >> 20}MiB to "
+            f"{MAX_MEMORY >> 40}TiB, e.g. 80GiB"
+        )
+    return int(size)
+
+
+def _shown(text: str) -> str:
+    """`text` cut to a length an error message can quote, on one line."""
+    short = text if len(text) <= 40 else f"{text[:37]}..."
+    return short.encode("unicode_escape").decode("ascii")
+
+
+def _capped_int(text: str, cap: int) -> int:
+    """int(text), except that a number with more digits than `cap` is cap + 1 (or -cap - 1):
+    one thousands of digits long, which int() refuses, is never converted."""
+    if len(text.lstrip("+-").lstrip("0")) > len(str(cap)):
+        return -cap - 1 if text.startswith("-") else cap + 1
+    return int(text)
 
 
 def _cpu(memory: int | None) -> Device:
@@ -92,34 +124,83 @@ def _detected_gpu(index: int) -> Device | None:
 
 def parse_devices(spec: str) -> list[Device]:
     """Parse a `--devices` string into devices, GPUs numbered in the order given."""
-    devices: list[Device] = []
-    gpu_index = 0
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            raise DeviceSpecError(f"empty entry in device list '{spec}'")
-        name, _, size = part.partition("=")
-        memory = parse_size(size) if size else None
-        count_model = re.fullmatch(r"(\d+)\s*x\s*([A-Za-z0-9-]+)", name)
-        if count_model:
-            count, model = int(count_model.group(1)), count_model.group(2).upper()
-            if model not in ACCELERATORS:
-                raise DeviceSpecError(
-                    f"unknown accelerator '{count_model.group(2)}'; known: {', '.join(ACCELERATORS)}"
-                )
-            for _ in range(count):
-                devices.append(_gpu(gpu_index, model, memory))
-                gpu_index += 1
+    if not spec.strip():
+        raise DeviceSpecError("no devices given; write e.g. cpu, 2xH200 or cuda:0=80GiB")
+    inventory = _Inventory(spec)
+    for entry in spec.split(","):
+        inventory.add(entry.strip())
+    return inventory.devices
+
+
+class _Inventory:
+    """The devices parsed so far, and the index the next GPU without one gets."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+        self.devices: list[Device] = []
+        self.names: set[str] = set()
+        self.next_gpu = 0
+
+    def add(self, entry: str) -> None:
+        if not entry:
+            raise DeviceSpecError(
+                f"empty entry in device list '{_shown(self.spec)}'; separate entries with one comma"
+            )
+        name, has_size, size = (part.strip() for part in entry.partition("="))
+        memory = parse_size(size) if has_size else None
+        if m := re.fullmatch(r"([+-]?\d+)\s*x\s*([A-Za-z0-9-]+)", name):
+            self._add_accelerators(entry, m.group(1), m.group(2), memory)
         elif name == "cpu":
-            devices.append(_cpu(memory))
+            self._append(_cpu(memory))
         elif m := re.fullmatch(r"cuda(?::(\d+))?", name):
-            index = int(m.group(1)) if m.group(1) else gpu_index
-            devices.append((None if memory else _detected_gpu(index)) or _gpu(index, None, memory))
-            gpu_index = index + 1
+            index = _capped_int(m.group(1), MAX_GPU_INDEX) if m.group(1) else self.next_gpu
+            self._add_gpu(entry, index, None, memory)
         else:
             raise DeviceSpecError(
-                f"unknown device '{name}'; use cpu, cuda:N, NxMODEL (e.g. 2xH200), optionally =SIZE"
+                f"unknown device '{_shown(name)}'; use cpu, cuda:N, NxMODEL (e.g. 2xH200), optionally =SIZE"
             )
-    names = [d.name for d in devices]
-    if len(set(names)) != len(names):
-        raise DeviceSpecError(f"a device is listed twice in '{spec}'")
-    return devices
+
+    def _add_accelerators(
+        self, entry: str, count_text: str, model_text: str, memory: int | None
+    ) -> None:
+        model = model_text.upper()
+        if model not in ACCELERATORS:
+            raise DeviceSpecError(
+                f"unknown accelerator '{_shown(model_text)}'; known: {', '.join(ACCELERATORS)}"
+            )
+        count = _capped_int(count_text, MAX_GPUS_PER_ENTRY)
+        if count < 1:
+            raise DeviceSpecError(
+                f"'{_shown(entry)}': the number of GPUs must be at least 1; write e.g. 1x{model}"
+            )
+        if count > MAX_GPUS_PER_ENTRY:
+            raise DeviceSpecError(
+                f"'{_shown(entry)}': one entry gives at most {MAX_GPUS_PER_ENTRY} GPUs; write e.g. 8x{model}"
+            )
+        self._check_room(count)
+        for _ in range(count):
+            self._add_gpu(entry, self.next_gpu, model, memory)
+
+    def _add_gpu(self, entry: str, index: int, model: str | None, memory: int | None) -> None:
+        if index > MAX_GPU_INDEX:
+            raise DeviceSpecError(
+                f"'{_shown(entry)}': GPU indexes run from 0 to {MAX_GPU_INDEX}; number GPUs from cuda:0"
+            )
+        detected = None if model or memory else _detected_gpu(index)
+        self._append(detected or _gpu(index, model, memory))
+        self.next_gpu = index + 1
+
+    def _append(self, device: Device) -> None:
+        if device.name in self.names:
+            raise DeviceSpecError(
+                f"{device.name} is listed twice in '{_shown(self.spec)}'; list each device once"
+            )
+        self._check_room(1)
+        self.devices.append(device)
+        self.names.add(device.name)
+
+    def _check_room(self, count: int) -> None:
+        if len(self.devices) + count > MAX_DEVICES:
+            raise DeviceSpecError(
+                f"'{_shown(self.spec)}' lists more than {MAX_DEVICES} devices; list at most {MAX_DEVICES}"
+            )

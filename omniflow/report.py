@@ -1,12 +1,21 @@
-"""Human-readable tables of a Plan (what `omniflow compile` prints), rendered with rich."""
+"""Human-readable tables of a Plan (what `omniflow compile` prints), rendered with rich.
+
+The tables fit 80 columns, the width rich assumes when stdout is not a terminal: names
+(stages, executors, edges, kernels) never wrap, other text wraps only at spaces, and what
+would not fit beside the rest gets a table of its own instead of a narrow column: why each
+executor holds its stages, each edge's buffer, the fused pointwise kernels.
+"""
 
 from __future__ import annotations
 
 from rich import box
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 
-from omniflow.plan import Plan
+from omniflow.plan import ChannelPlan, Plan
+
+_UNBOUNDED = 1 << 20  # columns, to measure what a table needs at the least
 
 
 def human_bytes(n: int) -> str:
@@ -16,60 +25,132 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _table(title: str, *columns: str) -> Table:
-    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
+def _table(title: str | None, *columns: str, wrap: tuple[str, ...] = ()) -> Table:
+    """A table whose `wrap` columns wrap at spaces; every other column stays on one line."""
+    table = Table(
+        title=title,
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+    )
     for col in columns:
-        table.add_column(col, overflow="fold")
+        table.add_column(col, no_wrap=col not in wrap, overflow="fold")
     return table
 
 
-def plan_tables(plan: Plan) -> list[Table]:
-    stages = _table(
+def _stages(plan: Plan) -> Table:
+    # Executors are not repeated here: the executors table lists each one's stages.
+    table = _table(
         f"pipeline {plan.pipeline}: stages",
         "stage",
         "kind",
         "device",
-        "executor",
         "weights",
         "kv cache",
         "activations",
         "budget",
+        wrap=("device",),
     )
     for s in plan.stages:
-        stages.add_row(
+        table.add_row(
             s.name,
             s.kind,
-            ",".join(s.devices),
-            s.executor,
+            ", ".join(s.devices),
             human_bytes(s.weight_bytes),
             human_bytes(s.kv_cache_bytes),
             human_bytes(s.activation_bytes),
             human_bytes(s.budget_bytes),
         )
-    executors = _table("executors", "executor", "device", "stages", "why")
+    return table
+
+
+def _executors(plan: Plan) -> Table:
+    table = _table("executors", "executor", "device", "stages", wrap=("device", "stages"))
     for x in plan.executors:
-        executors.add_row(x.name, ",".join(x.devices), ", ".join(x.stages), "\n".join(x.reasons))
-    channels = _table("edges", "edge", "type", "item", "kind", "chunk schedule", "buffer")
+        table.add_row(x.name, ", ".join(x.devices), ", ".join(x.stages))
+    return table
+
+
+def _reasons(plan: Plan) -> Table:
+    """Why each executor holds its stages, a row per reason: the reasons name edges, too
+    long for a column beside the executors' devices and stages. Each row repeats the
+    executor, so a reason that wraps is not read as the start of the next."""
+    table = _table(None, "executor", "why", wrap=("why",))
+    for x in plan.executors:
+        for reason in x.reasons:
+            table.add_row(x.name, reason)
+    return table
+
+
+def _schedule(c: ChannelPlan) -> str:
+    return "whole" if c.schedule is None else ", ".join(map(str, c.schedule)) + " ..."
+
+
+def _buffer(c: ChannelPlan) -> str:
+    if c.kind == "local":
+        return "reference"
+    return f"{c.slots} x {human_bytes(c.slot_bytes)} = {human_bytes(c.ring_bytes)}"
+
+
+def _edges(plan: Plan) -> Table:
+    table = _table(
+        "edges", "edge", "type", "item", "chunk schedule", wrap=("item", "chunk schedule")
+    )
     for c in plan.channels:
-        schedule = "whole" if c.schedule is None else ", ".join(map(str, c.schedule)) + " ..."
         item = f"{c.item_dtype}[{', '.join(map(str, c.item_shape))}]"
+        table.add_row(c.name, c.type, item, _schedule(c))
+    return table
+
+
+def _buffers(plan: Plan) -> Table:
+    table = _table("buffers", "edge", "kind", "buffer", wrap=("buffer",))
+    for c in plan.channels:
+        table.add_row(c.name, c.kind, _buffer(c))
+    return table
+
+
+def _kernels(plan: Plan) -> Table:
+    table = _table("fused pointwise kernels", "edge", "kernel", "dtypes", "runs in")
+    for c in plan.channels:
         if c.pointwise:
-            item += f"\n{c.pointwise['kernel']} ({c.pointwise['in_dtype']}->{c.pointwise['out_dtype']}) in {c.pointwise['runs_in']}"
-        buffer = (
-            "reference"
-            if c.kind == "local"
-            else f"{c.slots} x {human_bytes(c.slot_bytes)} = {human_bytes(c.ring_bytes)}"
-        )
-        channels.add_row(c.name, c.type, item, c.kind, schedule, buffer)
-    devices = _table("devices", "device", "assigned", "usable")
+            p = c.pointwise
+            table.add_row(c.name, p["kernel"], f"{p['in_dtype']}->{p['out_dtype']}", p["runs_in"])
+    return table
+
+
+def _devices(plan: Plan) -> Table:
+    table = _table("devices", "device", "assigned", "usable")
     for d in plan.devices:
-        devices.add_row(d["name"], human_bytes(d["used_bytes"]), human_bytes(d["usable_bytes"]))
-    return [stages, executors, channels, devices]
+        table.add_row(d["name"], human_bytes(d["used_bytes"]), human_bytes(d["usable_bytes"]))
+    return table
+
+
+def plan_tables(plan: Plan) -> list[Table]:
+    tables = [_stages(plan), _executors(plan), _reasons(plan), _edges(plan), _buffers(plan)]
+    if any(c.pointwise for c in plan.channels):
+        tables.append(_kernels(plan))
+    return [*tables, _devices(plan)]
+
+
+def _fit(table: Table, console: Console) -> Table:
+    """`table`, its longest names allowed to fold when they cannot stay whole beside the
+    other columns' longest words: a long name cut once reads better than short values
+    (shapes, sizes) cut into pieces, which is what rich would fold instead."""
+    unbounded = console.options.update_width(_UNBOUNDED)  # rich clamps to the width given
+    if Measurement.get(console, unbounded, table).minimum > console.width:
+        names = [column for column in table.columns if column.no_wrap]
+        widest = max(names, key=lambda column: max(map(len, map(str, column.cells))), default=None)
+        if widest is not None:
+            widest.no_wrap = False
+    return table
 
 
 def render_plan(plan: Plan, console: Console, timings: bool = False) -> None:
     for table in plan_tables(plan):
-        console.print(table)
+        console.print(_fit(table, console))
+        console.print()
     console.print(
         f"shared memory: {human_bytes(plan.shm_bytes)} in "
         f"{sum(c.kind == 'shm' for c in plan.channels)} rings"

@@ -4,13 +4,17 @@ import json
 import os
 import subprocess
 import sys
+import time
+from io import StringIO
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from omniflow.cli import main
-from omniflow.compiler import compile_file
+from omniflow.compiler import compile_file, compile_source
 from omniflow.plan import Plan
+from omniflow.report import render_plan
 
 ROOT = Path(__file__).parents[1]
 EXAMPLES = sorted((ROOT / "graphs").glob("*.omni"))
@@ -34,6 +38,55 @@ def test_plan_printout_matches_golden(path, capsys):
     if os.environ.get("OMNIFLOW_UPDATE_GOLDEN"):
         golden.write_text(out)
     assert out == golden.read_text()
+
+
+def _plan_words(plan: Plan) -> set[str]:
+    """Names a reader looks for in the printout: each must appear whole on one line."""
+    return (
+        {s.name for s in plan.stages}
+        | {x.name for x in plan.executors}
+        | {c.name for c in plan.channels}
+        | {c.pointwise["kernel"] for c in plan.channels if c.pointwise}
+        | {d["name"] for d in plan.devices}
+    )
+
+
+def _words(printout: str) -> set[str]:
+    return {word for word in printout.split() if set(word) != {"─"}}  # rules vary in length
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_piped_printout_fits_80_columns_without_splitting_words(path, capsys, monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)  # piped, rich then assumes 80 columns
+    code, narrow, err = _cli(capsys, "compile", str(path), "--devices", "2xH200")
+    assert code == 0, err
+    _, wide, _ = _cli(capsys, "compile", str(path), "--devices", "2xH200", "--width", "1000")
+    lines = narrow.splitlines()
+    assert max(map(len, lines)) <= 80, narrow
+    # A word cut in two leaves pieces that no line of the unwrapped printout holds.
+    assert _words(narrow) <= _words(wide), narrow
+    for word in _plan_words(compile_file(path, devices="2xH200")):
+        assert any(word in line for line in lines), f"'{word}' is split or missing:\n{narrow}"
+
+
+LONG_NAMES = """pipeline p {
+  model "Qwen/Qwen2.5-7B-Instruct"
+  stage first_language_model = ar(max_batch=8)
+  stage second_language_model = ar(max_batch=8)
+  input user_prompt: chat -> first_language_model
+  first_language_model.hidden -> second_language_model [stream, chunk=1]
+  second_language_model.text -> output answer_text [stream]
+}"""
+
+
+def test_names_too_long_to_fit_fold_rather_than_the_values_beside_them():
+    out = StringIO()
+    render_plan(
+        compile_source(LONG_NAMES, devices="2xH200"), Console(file=out, width=80, highlight=False)
+    )
+    lines = out.getvalue().splitlines()
+    assert max(map(len, lines)) <= 80
+    assert any("bfloat16[1, 3584]" in line for line in lines)  # the item stays whole
 
 
 def test_omni_chat_plan_has_budgets_and_a_fused_executor():
@@ -101,6 +154,13 @@ def test_bad_device_list_is_a_compile_error(capsys):
     assert code == 1 and "unknown accelerator 'TPU'" in err
 
 
+def test_a_huge_device_count_fails_at_once(capsys):
+    start = time.perf_counter()
+    code, _, err = _cli(capsys, "compile", "graphs/tts.omni", "--devices", "1000000xH200")
+    assert code == 1 and "one entry gives at most 64 GPUs" in err
+    assert time.perf_counter() - start < 5  # it used to run for minutes
+
+
 def test_console_script_runs():
     result = subprocess.run(
         [sys.executable, "-m", "omniflow.cli", "compile", "graphs/tts.omni", "--devices", "2xH200"],
@@ -111,3 +171,8 @@ def test_console_script_runs():
     )
     assert result.returncode == 0, result.stderr
     assert "pipeline tts: stages" in result.stdout
+
+
+def test_the_language_guide_shows_omni_chat_as_it_is():
+    guide = (ROOT / "docs/language.md").read_text()
+    assert f"```\n{(ROOT / 'graphs/omni_chat.omni').read_text()}```" in guide

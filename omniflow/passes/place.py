@@ -143,7 +143,8 @@ class _Placer:
         roomiest = max(candidates, key=lambda d: self.capacity[d] - self.used[d])
         free = self.capacity[roomiest] - self.used[roomiest]
         there = [s for s, ds in self.where.items() if roomiest in ds]
-        held = f"; {', '.join(there)} already hold {gib(self.used[roomiest])}" if there else ""
+        verb = "holds" if len(there) == 1 else "hold"
+        held = f"; {', '.join(there)} already {verb} {gib(self.used[roomiest])}" if there else ""
         who = group[0] if len(group) == 1 else None
         need = _need_text(who) if who else gib(sum(self._charge(n, roomiest) for n in group))
         name = (

@@ -318,6 +318,8 @@ class _Core:
                 raise EngineError(
                     f"executors {', '.join(sorted(pending))} did not answer within {LINK_TIMEOUT_S:.0f} s"
                 )
+            if self.closed:
+                raise EngineError("the engine was closed while its executors started")
             if pending:
                 self.wait_for_work(TICK_S)
 
@@ -568,7 +570,13 @@ class Engine:
         self._thread = threading.Thread(target=run, name="omniflow-engine", daemon=True)
         self._thread.start()
         _exit_cleanly_on_sigterm()
-        started.wait()
+        try:
+            started.wait()
+        except BaseException:  # Ctrl-C while the models load: stop the executors, then go
+            self._core.closed = True
+            self._core.waker.poke()
+            self._thread.join()
+            raise
         if failure:
             raise failure[0]
 

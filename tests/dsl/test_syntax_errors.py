@@ -42,6 +42,29 @@ CASES = [
         "'(' opened at line 2",
     ),
     (body("stage x = ar(a=1]"), "2:17", "unexpected ']'", "'(' opened at line 2, column 13"),
+    # A bracket left open shows where the next statement begins.
+    (
+        body('stage a = ar(component="thinker"', "stage b = ar()"),
+        "3:1",
+        "unexpected 'stage', expected ')' or ','",
+        "the '(' opened at line 2, column 13 is not closed",
+    ),
+    (
+        body('stage a = ar(component="thinker"', "a.text -> output t"),
+        "3:1",
+        "unexpected 'a', expected ')' or ','",
+        "'(' opened at line 2, column 13",
+    ),
+    (
+        body("a -> map(gain(0.9)", "b -> c"),
+        "3:1",
+        "unexpected 'b'",
+        "'(' opened at line 2, column 9",
+    ),
+    (body("a -> b [stream", "b -> c"), "3:1", "unexpected 'b'", "'[' opened at line 2, column 8"),
+    (body("param x = [1, 2", "param y = 3"), "3:1", "'param'", "'[' opened at line 2, column 11"),
+    # ...but a key on the next line says a ',' is missing, not a bracket.
+    (body("stage x = ar(a=1", "b=2)"), "3:1", "unexpected 'b', expected ')' or ','", None),
     (body('stage x = ar("thinker")'), "2:14", 'string "thinker", expected a name or', "key=value"),
     (body("a -> b [5]"), "2:9", "unexpected '5', expected a name", "key=value"),
     (body("a -> b [stream"), "3:1", "expected ',', '=' or ']'", "'[' opened at line 2, column 8"),

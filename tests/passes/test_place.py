@@ -71,3 +71,31 @@ def test_a_pipeline_that_cannot_fit_names_stage_and_bytes():
 def test_pin_to_a_missing_device_is_an_error():
     with pytest.raises(PassError, match="pinned to cuda:5, but the devices are cuda:0, cuda:1"):
         run_until("place", two_lms(dev_a="@ cuda:5"), devices="2xH200")
+
+
+def chain_of_budgeted_stages(names: str) -> str:
+    """Stages of 10 GiB each (11 GiB with a GPU process's overhead), in a line."""
+    stages = "\n".join(f'  stage {n} = ar(memory="10GiB")' for n in names)
+    flows = "\n".join(
+        f"  {a}.hidden -> {b} [stream, chunk=1]" for a, b in zip(names, names[1:], strict=False)
+    )
+    return f"""pipeline p {{
+  model "Qwen/Qwen2.5-7B-Instruct"
+{stages}
+  input x: chat -> {names[0]}
+{flows}
+  {names[-1]}.text -> output t
+}}"""
+
+
+@pytest.mark.parametrize(
+    ("names", "devices", "held"),
+    [
+        ("ab", "cuda:0=16GiB", "a already holds 11.0 GiB"),
+        ("abc", "cuda:0=24GiB", "a, b already hold 22.0 GiB"),
+    ],
+)
+def test_a_placement_failure_says_what_the_device_already_holds(names, devices, held):
+    with pytest.raises(PassError) as info:
+        run_until("place", chain_of_budgeted_stages(names), devices=devices)
+    assert held in str(info.value.cause)
