@@ -17,7 +17,7 @@ def _compile(args: argparse.Namespace) -> int:
     from omniflow.compiler import compile_file
     from omniflow.report import render_plan
 
-    plan = compile_file(args.path, devices=args.devices, tiny=args.tiny)
+    plan = compile_file(args.path, devices=args.devices, tiny=args.tiny, progress=True)
     text = plan.to_json()
     if args.output:
         try:
@@ -37,7 +37,7 @@ def _run(args: argparse.Namespace) -> int:
 
     inputs = dict(_key_value(item) for item in args.input)
     params = {k: _param_value(v) for k, v in map(_key_value, args.param)}
-    plan = compile_file(args.path, devices=args.devices, tiny=args.tiny)
+    plan = compile_file(args.path, devices=args.devices, tiny=args.tiny, progress=True)
     backends = "standin" if args.standin else "auto"
     console = Console(stderr=True, highlight=False)
     return run_once(

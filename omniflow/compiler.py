@@ -12,7 +12,7 @@ from omniflow.devices import parse_devices
 from omniflow.dsl.parser import parse, parse_file
 from omniflow.ir.build import build
 from omniflow.ir.graph import Graph
-from omniflow.models.resolve import use_tiny_models
+from omniflow.models.resolve import model_path, use_tiny_models
 from omniflow.passes.pipeline import Target, run_passes
 from omniflow.plan import Plan, lower
 
@@ -37,7 +37,14 @@ def compile_source(text: str, path: str = "<string>", devices: str = "cpu") -> P
     return compile_graph(graph_from_source(text, path), devices)
 
 
-def compile_file(path: str | Path, devices: str = "cpu", tiny: bool = False) -> Plan:
-    """`tiny`: swap every model for its built-in tiny counterpart (same architecture)."""
+def compile_file(
+    path: str | Path, devices: str = "cpu", tiny: bool = False, progress: bool = False
+) -> Plan:
+    """`tiny`: swap every model for its built-in tiny counterpart (same architecture), built
+    on first use (`progress`: with a progress bar)."""
     graph = load_graph(path)
-    return compile_graph(use_tiny_models(graph) if tiny else graph, devices)
+    if tiny:
+        graph = use_tiny_models(graph)
+        for model in sorted({graph.model, *(s.params.get("model") for s in graph.stages)} - {None}):
+            model_path(model, progress=progress)
+    return compile_graph(graph, devices)

@@ -173,10 +173,12 @@ def _progress_bar(recipe: Recipe, enabled: bool) -> Iterator[Callable[[str], Non
     if not enabled:
         yield lambda label: None
         return
+    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
-    with Progress(*columns, transient=False) as bar:
+    # On stderr: stdout may be a plan's JSON or a checkpoint's path that a script reads.
+    with Progress(*columns, console=Console(stderr=True), transient=False) as bar:
         task = bar.add_task(f"tiny {recipe.name}", total=len(recipe.parts))
         started = 0
 

@@ -133,9 +133,10 @@ def test_a_truncated_file_makes_the_build_incomplete(tmp_path):
     assert not is_complete(directory, "qwen2")
 
 
-def test_progress_bar_is_drawn(tmp_path, capsys):
+def test_progress_bar_is_drawn_on_stderr(tmp_path, capsys):
     build_tiny("qwen2", tmp_path / "qwen2", progress=True)
-    assert "tiny qwen2" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "tiny qwen2" in err and not out  # stdout stays for what a script reads
 
 
 def test_portable_weights_are_pinned():

@@ -38,3 +38,8 @@ def fail_on_boom(batch):
             raise ValueError(f"boom in {item['in']!r}")
         out.append({"out": item["in"].upper()})
     return out
+
+
+def silent(batch):
+    """text -> nothing: a stage whose output stream ends without a value."""
+    return [{} for _ in batch]
