@@ -14,8 +14,8 @@ import time
 
 from omniflow.compiler import optimize
 from omniflow.dsl.parser import parse
-from omniflow.ir.build import build
-from omniflow.plan import lower
+from omniflow.ir.from_ast import build
+from omniflow.lower import lower
 
 
 def generate(n: int) -> str:

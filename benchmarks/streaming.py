@@ -12,7 +12,7 @@ time. Prints ratios measured side by side in one run.
     python benchmarks/streaming.py --devices 1xH200 --model-dir DIR  # any Qwen2.5-Omni checkpoint
 
 `--scaled DEPTH` builds (once, under $OMNIFLOW_CACHE/scaled/) a random-weight Qwen2.5-Omni at
-the real model's widths with DEPTH x its layer counts (`omniflow.models.scaled`).
+the real model's widths with DEPTH x its layer counts (`omniflow.checkpoints.scaled`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
+from omniflow.checkpoints.scaled import scaled_checkpoint
 from omniflow.compiler import compile_graph, graph_from_source
 from omniflow.models.resolve import model_path, use_tiny_models
-from omniflow.models.scaled import scaled_checkpoint
 from omniflow.runtime.engine import Engine
 
 GRAPH = Path(__file__).parents[1] / "graphs" / "omni_chat.omni"
@@ -39,9 +39,7 @@ def whole_edges(text: str) -> str:
     """The same pipeline with every edge carrying whole outputs (no streaming)."""
     text = re.sub(r"\[stream, chunk=1, (adapter=[\w.]+)\]", r"[\1]", text)
     text = text.replace("[stream, chunk=auto, context=25]", "")
-    return text.replace("[stream, rate=24000]", "[rate=24000]").replace(
-        "output text [stream]", "output text"
-    )
+    return re.sub(r"(output \w+) \[stream\]", r"\1", text)
 
 
 def plan_for(text: str, devices: str, model: str | None, audio_tokens: int):
@@ -82,7 +80,7 @@ def monolithic_latencies(
     first `n` prompts after one warm-up request."""
     from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
-    from omniflow.models.tiny import omni_prompt_ids
+    from omniflow.checkpoints.tiny import omni_prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype="auto")

@@ -20,10 +20,11 @@ from types import SimpleNamespace
 import torch
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
-from omniflow.backends import vocoders
-from omniflow.backends.vocoders import Token2Wav, Window, _Stream, runge_kutta4
+from omniflow.backends.models import qwen_omni_token2wav
+from omniflow.backends.models.qwen_omni_token2wav import Token2Wav, runge_kutta4
+from omniflow.backends.vocoders import Window, _Stream
+from omniflow.checkpoints.scaled import scaled_checkpoint
 from omniflow.models.resolve import model_path
-from omniflow.models.scaled import scaled_checkpoint
 
 SOLVERS = {
     "transformers": lambda f, value, time: RungeKutta4ODESolver(f, value).integrate(time)[-1],
@@ -63,10 +64,10 @@ def main() -> None:
         windows = [Window(stream, 0, args.frames, 0, args.frames) for _ in range(rows)]
         results = {}
         for name, solver in SOLVERS.items():
-            vocoders.runge_kutta4 = solver
+            qwen_omni_token2wav.runge_kutta4 = solver
             timed_decode(decoder, windows, args.frames, 1)  # warm up
             results[name] = timed_decode(decoder, windows, args.frames, args.repeats)
-        vocoders.runge_kutta4 = runge_kutta4
+        qwen_omni_token2wav.runge_kutta4 = runge_kutta4
         (old, old_audio), (new, new_audio) = results["transformers"], results["sync-free"]
         diff = float((old_audio - new_audio).abs().max())
         print(f"{rows:>8} {old * 1e3:>16.1f} {new * 1e3:>13.1f} {old / new:>8.2f}x {diff:>9.1e}")

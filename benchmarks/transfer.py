@@ -42,7 +42,8 @@ import msgspec
 import numpy as np
 import torch
 
-from omniflow.runtime.messages import ChunkMeta
+from omniflow.dtypes import dtype_name, torch_dtype
+from omniflow.runtime.doorbells import ChunkMeta
 from omniflow.runtime.shm_ring import ShmConsumer, ShmProducer, local_channel
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -76,7 +77,7 @@ def _omni_serialize(tensor: torch.Tensor) -> bytes:
     # vLLM's MsgpackEncoder puts the tensor's bytes in an aux buffer next to (dtype, shape,
     # index); OmniSerializer copies each buffer to bytes and prefixes a length table.
     raw = tensor.flatten().contiguous().view(torch.uint8).numpy()
-    main = _MSGPACK.encode((str(tensor.dtype).removeprefix("torch."), list(tensor.shape), 1))
+    main = _MSGPACK.encode((dtype_name(tensor.dtype), list(tensor.shape), 1))
     buffers = [main, bytes(memoryview(raw))]
     header = struct.pack("<BI", 1, len(buffers)) + b"".join(
         struct.pack("<I", len(b)) for b in buffers
@@ -92,9 +93,7 @@ def _omni_deserialize(data: bytes) -> torch.Tensor:
         buffers.append(data[offset : offset + length])
         offset += length
     dtype, shape, index = msgspec.msgpack.decode(buffers[0])
-    return (
-        torch.frombuffer(buffers[index], dtype=torch.uint8).view(getattr(torch, dtype)).view(shape)
-    )
+    return torch.frombuffer(buffers[index], dtype=torch.uint8).view(torch_dtype(dtype)).view(shape)
 
 
 def _shm_write_bytes(payload: bytes, name: str) -> dict:

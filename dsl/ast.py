@@ -1,7 +1,7 @@
 """The `.omni` abstract syntax tree: plain dataclasses, each node carrying its source span.
 
-The parser produces these; `omniflow.ir.build` turns them into a `Graph`. Nothing here
-resolves names or checks types: that is the build phase's job.
+The parser produces these; `omniflow.ir.from_ast.build` turns them into a `Graph`. Nothing
+here resolves names or checks types: that is the build phase's job.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ def parse(text: str, path: str = "<string>") -> ast.Pipeline:
     source = _Source(text, path)
     tree, tokens = _parse_tree(source)
     try:
-        return _Builder(source, tokens).transform(tree)
+        return _AstBuilder(source, tokens).transform(tree)
     except VisitError as e:
         raise e.orig_exc from None
 
@@ -159,7 +159,7 @@ _CONSTANTS = {"TRUE": True, "FALSE": False, "AUTO": ast.AUTO}
 
 
 @v_args(meta=True)
-class _Builder(Transformer):
+class _AstBuilder(Transformer):
     """lark tree -> AST. Statement spans cover the statement's part on its first line."""
 
     def __init__(self, source: _Source, tokens: list[Token]):

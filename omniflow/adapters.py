@@ -26,7 +26,7 @@ ADAPTERS: dict[str, AdapterSpec] = {
     "qwen_omni.thinker_to_talker": AdapterSpec(
         "hidden",
         "hidden",
-        "omniflow.models.qwen_omni:thinker_to_talker",
+        "omniflow.backends.models.qwen_omni:thinker_to_talker",
         "thinker hidden states and token embeddings -> talker input embeddings",
         # Per position: hidden state, input embedding and a prompt/reply role row.
         source_rows=3,
@@ -35,7 +35,7 @@ ADAPTERS: dict[str, AdapterSpec] = {
     "qwen_omni.talker_to_code2wav": AdapterSpec(
         "codes",
         "codes",
-        "omniflow.models.qwen_omni:talker_to_code2wav",
+        "omniflow.backends.models.qwen_omni:talker_to_code2wav",
         "talker codec tokens -> token2wav codes (drops control tokens)",
     ),
 }

@@ -61,10 +61,10 @@ def _param_value(text: str):
 
 
 def _models(args: argparse.Namespace) -> int:
-    from omniflow.models.tiny import TINY_MODELS, build_tiny, is_complete, tiny_cache_dir
+    from omniflow.checkpoints.tiny import TINY_MODELS, build_tiny, is_complete, tiny_cache_dir
 
     if args.models_command == "build-scaled":
-        from omniflow.models.scaled import build_scaled_omni, scaled_checkpoint
+        from omniflow.checkpoints.scaled import build_scaled_omni, scaled_checkpoint
 
         if args.out:
             print(build_scaled_omni(args.out, args.depth, args.device))

@@ -10,11 +10,12 @@ from pathlib import Path
 
 from omniflow.devices import parse_devices
 from omniflow.dsl.parser import parse, parse_file
-from omniflow.ir.build import build
+from omniflow.ir.from_ast import build
 from omniflow.ir.graph import Graph
+from omniflow.lower import lower
 from omniflow.models.resolve import model_path, use_tiny_models
 from omniflow.passes.pipeline import Target, run_passes
-from omniflow.plan import Plan, lower
+from omniflow.plan import Plan
 
 
 def graph_from_source(text: str, path: str = "<string>") -> Graph:

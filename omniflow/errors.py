@@ -88,3 +88,7 @@ class DeviceSpecError(OmniflowError):
 
 class ChannelError(OmniflowError):
     """A data-plane channel failed: peer closed or died, timeout, or a payload bigger than its slot."""
+
+
+class PayloadTooLarge(ChannelError):
+    """One chunk does not fit its channel's slot: it fails that chunk's request, not the channel."""

@@ -69,7 +69,7 @@ def _stages(plan: Plan) -> Table:
 def _executors(plan: Plan) -> Table:
     table = _table("executors", "executor", "device", "stages", wrap=("device", "stages"))
     for x in plan.executors:
-        table.add_row(x.name, ", ".join(x.devices), ", ".join(x.stages))
+        table.add_row(x.name, ", ".join(x.devices), ", ".join(x.stage_names))
     return table
 
 

@@ -25,9 +25,9 @@ from omniflow.errors import OmniflowError
 from omniflow.media import png_bytes, wav_bytes
 from omniflow.plan import Plan, PortPlan
 from omniflow.runtime.engine import Engine
+from omniflow.runtime.port_values import concat
 from omniflow.runtime.preflight import preflight
 from omniflow.runtime.requests import admit
-from omniflow.runtime.values import concat
 
 DEFAULT_RATE = 24000
 

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from omniflow.cli import main
 from omniflow.compiler import compile_file, compile_source
-from omniflow.plan import Plan
+from omniflow.plan import PLAN_VERSION, Plan
 from omniflow.report import render_plan
 
 ROOT = Path(__file__).parents[1]
@@ -93,7 +93,7 @@ def test_omni_chat_plan_has_budgets_and_a_fused_executor():
     plan = compile_file(ROOT / "graphs/omni_chat.omni", devices="2xH200")
     assert {s.name for s in plan.stages} == {"thinker", "talker", "code2wav"}
     assert all(s.budget_bytes >= s.need_bytes > 0 for s in plan.stages)
-    assert ["thinker", "talker"] in [x.stages for x in plan.executors]
+    assert ["thinker", "talker"] in [x.stage_names for x in plan.executors]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
@@ -102,7 +102,7 @@ def test_plan_json_round_trips(path):
     again = Plan.from_json(plan.to_json())
     assert again == plan
     data = json.loads(plan.to_json())
-    assert data["version"] == 1 and data["pipeline"] == path.stem
+    assert data["version"] == PLAN_VERSION and data["pipeline"] == path.stem
 
 
 def test_json_flag_and_output_file(tmp_path, capsys):
@@ -176,3 +176,8 @@ def test_console_script_runs():
 def test_the_language_guide_shows_omni_chat_as_it_is():
     guide = (ROOT / "docs/language.md").read_text()
     assert f"```\n{(ROOT / 'graphs/omni_chat.omni').read_text()}```" in guide
+
+
+def test_an_audio_output_gets_its_vocoders_sample_rate():
+    plan = compile_file(ROOT / "graphs/omni_chat.omni", devices="2xH200")
+    assert next(o for o in plan.outputs if o.name == "audio").attrs["rate"] == 24000

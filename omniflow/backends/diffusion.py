@@ -21,9 +21,12 @@ the pipeline's `__call__` gives for the same prompt, seed and settings.
   same forward — each row with its own timestep: the transformer embeds a timestep vector,
   so requests at different steps batch together. Text rows are zero-padded to the longest
   and masked when their lengths differ.
-- scheduler step: per request, on its own scheduler, after Qwen-Image's true classifier-free
-  guidance (`guidance` > 1 and a negative prompt): `uncond + guidance * (cond - uncond)`,
-  rescaled to the conditional prediction's norm.
+- scheduler step: per request, Qwen-Image's true classifier-free guidance (`guidance` > 1
+  and a negative prompt): `uncond + guidance * (cond - uncond)`, rescaled to the conditional
+  prediction's norm, then its scheduler's step. The flow-matching Euler step is one update,
+  `x + (sigma_next - sigma) * v`, so both run as one fused kernel
+  (`omniflow.kernels.cfg_euler`) on the request's sigmas; a stochastic scheduler keeps its
+  own step, which draws noise from the request's generator.
 
 After its last step a request emits `latents` `[1, C, H/8, W/8]` (the plan's item
 `[C, H/8, W/8]`): unpacked from the transformer's 2x2 patches, still normalised — the VAE
@@ -40,13 +43,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers import AutoencoderKLQwenImage, DiffusionPipeline
+from diffusers import AutoencoderKLQwenImage, DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
 from omniflow.errors import OmniflowError
+from omniflow.hf_logging import quiet
 from omniflow.ir.kinds import KINDS
+from omniflow.kernels.cfg_euler import cfg_euler_step, guide
 from omniflow.models.resolve import model_path
-from omniflow.models.tiny_recipes import quiet
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 SUPPORTED_PIPELINES = ("QwenImagePipeline",)
@@ -282,17 +286,33 @@ class DiffusionSteps(Backend):
         )[0]
         row = 0
         for call, state in zip(calls, states, strict=True):
-            prediction = noise[row : row + 1]
-            if state.guided:
-                prediction = _true_cfg(prediction, noise[row + 1 : row + 2], state.guidance)
+            cond = noise[row : row + 1]
+            uncond = noise[row + 1 : row + 2] if state.guided else None
             row += 2 if state.guided else 1
-            state.latents = state.scheduler.step(
-                prediction,
-                state.timesteps[state.index],
-                state.latents,
-                generator=state.generator,
-                return_dict=False,
-            )[0]
+            scheduler = state.scheduler
+            if _plain_euler(scheduler):
+                # The scheduler's own step is `x + (sigma_next - sigma) * v`; one kernel does
+                # it together with the guidance (cfg_euler_step gives its bits off CUDA).
+                sigmas = scheduler.sigmas[state.index : state.index + 2]
+                state.latents = cfg_euler_step(
+                    state.latents,
+                    cond,
+                    uncond,
+                    state.guidance,
+                    sigmas[1:] - sigmas[:1],
+                    rescale="norm",
+                )
+            else:
+                prediction = cond
+                if uncond is not None:
+                    prediction = guide(cond, uncond, state.guidance, rescale="norm")
+                state.latents = scheduler.step(
+                    prediction,
+                    state.timesteps[state.index],
+                    state.latents,
+                    generator=state.generator,
+                    return_dict=False,
+                )[0]
             state.index += 1
             if state.index == len(state.timesteps):
                 latents = self.pipe._unpack_latents(
@@ -302,12 +322,12 @@ class DiffusionSteps(Backend):
                 call.finish()
 
 
-def _true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-    """Qwen-Image's true classifier-free guidance, as its pipeline computes it."""
-    combined = uncond + scale * (cond - uncond)
-    cond_norm = torch.norm(cond, dim=-1, keepdim=True)
-    noise_norm = torch.norm(combined, dim=-1, keepdim=True)
-    return combined * (cond_norm / noise_norm)
+def _plain_euler(scheduler) -> bool:
+    """Whether `scheduler.step` is the deterministic flow-matching Euler update (not the
+    stochastic variant, which draws noise from the request's generator)."""
+    return isinstance(scheduler, FlowMatchEulerDiscreteScheduler) and not scheduler.config.get(
+        "stochastic_sampling", False
+    )
 
 
 def _vae_scale_factor(path: str) -> int:

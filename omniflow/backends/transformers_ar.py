@@ -4,13 +4,14 @@ codec tokens.
 
 What it owns:
 
-- Loading: `load_component` picks the model-specific half of the backend (a `Component`):
-  `CausalLM` for a plain causal LM (`AutoModelForCausalLM`), for Qwen2.5-Omni the
-  thinker or the talker from `omniflow.models.qwen_omni`, for Qwen2.5-VL the language
-  model from `omniflow.models.qwen_vl`, or, for a TTS checkpoint whose
-  `model_index.json` names its parts, the codec LM from `omniflow.models.qwen_tts`. Each
-  loads through `from_pretrained` on the checkpoint directory, in the checkpoint's dtype
-  (or the stage's `dtype=`), in eval mode, then moves to the stage's device.
+- Loading: `load_component` picks the model-specific half of the backend (a `Component`)
+  by the checkpoint's architecture, from the registry of model modules
+  (`omniflow.backends.registry.ARCHITECTURES`): for Qwen2.5-Omni the thinker or the talker
+  (`omniflow.backends.models.qwen_omni`), for Qwen2.5-VL the language model (`qwen_vl`), for
+  tiny:tts, whose `model_index.json` names its parts, the codec LM (`qwen_tts`); any other
+  checkpoint is a plain causal LM (`CausalLM`, `AutoModelForCausalLM`). Each loads through
+  `from_pretrained` on the checkpoint directory, in the checkpoint's dtype (or the stage's
+  `dtype=`), in eval mode, then moves to the stage's device.
 - The batched KV cache. Every running request is one row of a single `DynamicCache`; rows
   are left-padded to a common length and an attention mask says which columns of each row
   hold its own positions, while explicit position ids give each row its true positions
@@ -42,14 +43,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from omniflow.backends.checkpoint_files import architecture
+from omniflow.backends.registry import architecture_loader
+from omniflow.backends.sampling_params import Sampling, kind_defaults
+from omniflow.dtypes import torch_dtype
 from omniflow.errors import OmniflowError
-from omniflow.ir.kinds import KINDS
+from omniflow.hf_logging import quiet
 from omniflow.models.resolve import model_path
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 # Where a request's decoding state lives in `call.state`.
 _STATE = "ar"
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens")
 
 
 class ARBackendError(OmniflowError):
@@ -89,7 +93,7 @@ class Component(ABC):
     tokenizer = None
     eos_ids: frozenset[int]
     suppress: tuple[int, ...] = ()
-    defaults: dict  # sampling defaults of the model (subset of _SAMPLING_KEYS)
+    defaults: dict  # sampling defaults of the model (subset of SAMPLING_KEYS)
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -213,34 +217,24 @@ def prompt_ids(tokenizer, value, port_type: str, vocab_size: int) -> list[int]:
 
 
 def load_component(spec: StageSpec, device: str) -> Component:
-    """The stage's model, loaded the way a real checkpoint loads, as a `Component`."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from omniflow.models.tiny_recipes import quiet
+    """The stage's model, loaded the way a real checkpoint loads, as a `Component`: the one
+    its architecture registers (`omniflow.backends.registry.ARCHITECTURES`), else a
+    `CausalLM`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     plan = spec.plan
     path = model_path(plan.model)
     dtype = plan.settings.get("dtype")
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else "auto"
+    dtype = torch_dtype(dtype) if isinstance(dtype, str) else "auto"
     try:
         with quiet():
-            from omniflow.models import qwen_tts
-
-            index = qwen_tts.read_index(path)
-            if index is not None:  # parts in subfolders: a TTS codec LM
-                return qwen_tts.load(path, index, plan.component, device, dtype)
-            model_type = AutoConfig.from_pretrained(path).model_type
-            if model_type == "qwen2_5_omni":
-                from omniflow.models import qwen_omni
-
-                return qwen_omni.load(path, plan.component, device, dtype)
-            if model_type == "qwen2_5_vl":
-                from omniflow.models import qwen_vl
-
-                return qwen_vl.load(path, plan.component, device, dtype)
+            kind = architecture(path)
+            loader = architecture_loader("ar", "transformers", kind)
+            if loader is not None:
+                return loader(path, plan.component, device, dtype)
             if plan.component is not None:
                 raise ARBackendError(
-                    f"{plan.model} ({model_type}) has no component '{plan.component}' this backend knows"
+                    f"{plan.model} ({kind}) has no component '{plan.component}' this backend knows"
                 )
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -250,61 +244,6 @@ def load_component(spec: StageSpec, device: str) -> Component:
 
 
 # --- sampling ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """One request's sampling parameters, checked."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    repetition_penalty: float
-    max_tokens: int
-    seed: int | None
-    stop_ids: frozenset[int]
-    stop_strings: tuple[str, ...]
-
-    @classmethod
-    def of(cls, params: dict, defaults: dict) -> Sampling:
-        value = {k: defaults[k] if params.get(k) is None else params[k] for k in _SAMPLING_KEYS}
-        stop = params.get("stop") or []
-        if not isinstance(stop, list) or not all(
-            isinstance(s, (str, int)) and not isinstance(s, bool) for s in stop
-        ):
-            raise ARBackendError(f"stop must be a list of strings and token ids, not {stop!r}")
-        sampling = cls(
-            float(value["temperature"]),
-            float(value["top_p"]),
-            int(value["top_k"]),
-            float(value["repetition_penalty"]),
-            int(value["max_tokens"]),
-            params.get("seed"),
-            frozenset(s for s in stop if isinstance(s, int)),
-            tuple(s for s in stop if isinstance(s, str) and s),
-        )
-        problems = [
-            f"{name} {got!r} ({rule})"
-            for name, got, ok, rule in (
-                ("temperature", sampling.temperature, sampling.temperature >= 0, ">= 0"),
-                ("top_p", sampling.top_p, 0 < sampling.top_p <= 1, "in (0, 1]"),
-                ("top_k", sampling.top_k, sampling.top_k == -1 or sampling.top_k > 0, "-1 or > 0"),
-                (
-                    "repetition_penalty",
-                    sampling.repetition_penalty,
-                    sampling.repetition_penalty > 0,
-                    "> 0",
-                ),
-                ("max_tokens", sampling.max_tokens, sampling.max_tokens >= 1, ">= 1"),
-            )
-            if not ok
-        ]
-        seed = sampling.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            problems.append(f"seed {seed!r} (an integer)")
-        if problems:
-            raise ARBackendError(f"bad sampling parameters: {'; '.join(problems)}")
-        return sampling
 
 
 def _warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -427,8 +366,7 @@ class TransformersAR(Backend):
                 f"stage '{name}': {spec.plan.model} has {', '.join(sorted(other))} cache layers; "
                 "this backend batches full-attention layers only"
             )
-        kind = KINDS["ar"].params
-        self.defaults = {key: kind[key].default for key in _SAMPLING_KEYS} | c.defaults
+        self.defaults = kind_defaults() | c.defaults
         self.capacity = max(1, spec.plan.batch)
         self.rows: list[Sequence] = []
         self.cache = None  # one row per entry of self.rows
@@ -491,7 +429,7 @@ class TransformersAR(Backend):
     def _prefill(self, call: Call) -> None:
         component = self.component
         try:
-            sampling = Sampling.of(call.params or {}, self.defaults)
+            sampling = Sampling.of(call.params or {}, self.defaults, ARBackendError)
             if sampling.stop_strings and component.tokenizer is None:
                 raise ARBackendError("stop strings need a tokenizer, and this model has none")
             prompt = component.prompt(call)

@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import torch
 
+from omniflow.backends.checkpoint_files import architecture
+from omniflow.dtypes import torch_dtype
 from omniflow.errors import OmniflowError
+from omniflow.hf_logging import quiet
 from omniflow.ir.kinds import KINDS
 from omniflow.models.resolve import model_path
 from omniflow.runtime.stage import Backend, Call, StageSpec
@@ -110,9 +113,7 @@ def read_image(value):
 def _load_tower(spec: StageSpec, device: str):
     """The stage's vision tower, alone, and the checkpoint's image processor."""
     import transformers
-    from transformers import AutoConfig, AutoImageProcessor
-
-    from omniflow.models.tiny_recipes import quiet
+    from transformers import AutoImageProcessor
 
     plan = spec.plan
     if plan.component not in (None, _COMPONENT):
@@ -124,7 +125,7 @@ def _load_tower(spec: StageSpec, device: str):
     dtype = plan.settings.get("dtype")
     try:
         with quiet():
-            model_type = AutoConfig.from_pretrained(path).model_type
+            model_type = architecture(path)
             if model_type not in _TOWERS:
                 raise VisionBackendError(
                     f"stage '{plan.name}': {plan.model} is a {model_type} checkpoint; the "
@@ -134,7 +135,7 @@ def _load_tower(spec: StageSpec, device: str):
             tower, info = getattr(transformers, name).from_pretrained(
                 path,
                 key_mapping={prefix: ""},
-                dtype=getattr(torch, dtype) if dtype else "auto",
+                dtype=torch_dtype(dtype) if dtype else "auto",
                 output_loading_info=True,
             )
             processor = AutoImageProcessor.from_pretrained(path)

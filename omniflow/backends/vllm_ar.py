@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omniflow.backends.sampling_params import SAMPLING_KEYS, Sampling, kind_defaults
 from omniflow.errors import OmniflowError
 from omniflow.ir.kinds import KINDS
 from omniflow.models.resolve import model_path
@@ -44,7 +45,6 @@ from omniflow.runtime.stage import Backend, Call, StageSpec
 _STATE = "vllm"
 _OUTPUTS = frozenset({"tokens", "text"})
 _PROMPT_TYPES = ("chat", "text", "tokens")
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens")
 # The KV cache when the plan has no estimate for it.
 _DEFAULT_KV_BYTES = 1 << 30
 
@@ -140,28 +140,18 @@ class VllmAR(Backend):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        value = {
-            k: self.defaults[k] if params.get(k) is None else params[k] for k in _SAMPLING_KEYS
-        }
-        stop = params.get("stop") or []
-        if not isinstance(stop, list) or not all(
-            isinstance(s, (str, int)) and not isinstance(s, bool) for s in stop
-        ):
-            raise VllmBackendError(f"stop must be a list of strings and token ids, not {stop!r}")
-        seed = params.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise VllmBackendError(f"seed must be an integer, not {seed!r}")
+        sampling = Sampling.of(params, self.defaults, VllmBackendError)
         return SamplingParams(
-            temperature=float(value["temperature"]),
-            top_p=float(value["top_p"]),
-            top_k=int(value["top_k"]),
-            repetition_penalty=float(value["repetition_penalty"]),
-            max_tokens=int(value["max_tokens"]),
-            seed=seed,
-            stop=[s for s in stop if isinstance(s, str) and s],
-            stop_token_ids=[s for s in stop if isinstance(s, int)],
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            repetition_penalty=sampling.repetition_penalty,
+            max_tokens=sampling.max_tokens,
+            seed=sampling.seed,
+            stop=list(sampling.stop_strings),
+            stop_token_ids=sorted(sampling.stop_ids),
             # Without a text output the detokenizer only matters for stop strings.
-            detokenize="text" in self.spec.outputs or any(isinstance(s, str) for s in stop),
+            detokenize="text" in self.spec.outputs or bool(sampling.stop_strings),
             output_kind=RequestOutputKind.DELTA,
         )
 
@@ -293,10 +283,9 @@ def _check_head_size(plan, model_config, on_cpu: bool) -> None:
 def _sampling_defaults(model_config) -> dict:
     """The `ar` kind's sampling defaults, overridden by the model's generation config as vLLM
     reads it; `do_sample: false` there means greedy, as transformers' `generate` has it."""
-    kind = KINDS["ar"].params
-    defaults = {key: kind[key].default for key in _SAMPLING_KEYS}
+    defaults = kind_defaults()
     defaults.update(
-        (k, v) for k, v in model_config.get_diff_sampling_param().items() if k in _SAMPLING_KEYS
+        (k, v) for k, v in model_config.get_diff_sampling_param().items() if k in SAMPLING_KEYS
     )
     if model_config.try_get_generation_config().get("do_sample") is False:
         defaults["temperature"] = 0.0

@@ -1,9 +1,10 @@
 """Vocoder stages: codec frames in, waveform out, decoded while the frames stream in.
 
-`Vocoder` is the ("vocoder", "transformers") backend. It picks a `Decoder` by the
-component's architecture -- Qwen2.5-Omni's token2wav (`Token2Wav`: a flow-matching DiT from
-codes to mel, BigVGAN from mel to waveform) or an audio codec that transformers ships
-(`CodecDecoder`: DAC, Mimi, EnCodec) -- and streams every one of them the same way.
+`Vocoder` is the ("vocoder", "transformers") backend. It loads a `Decoder` by the
+component's architecture, from the registry of model-specific code
+(`omniflow.backends.registry.ARCHITECTURES`) -- Qwen2.5-Omni's token2wav
+(`omniflow.backends.models.qwen_omni_token2wav`) or an audio codec that transformers ships
+(`CodecDecoder`, here: DAC, Mimi, EnCodec) -- and streams every one of them the same way.
 
 Streaming. Each step decodes *windows*: the frames it may now emit (the kept frames), up
 to `context` frames before them (the edge's left context) and `lookahead` frames after
@@ -21,40 +22,29 @@ as behind (9 on tiny:tts). A decoder that looks no farther than the context and 
 streams exactly its whole-utterance decode, up to rounding; EnCodec's LSTM remembers every
 frame, so its stream only approximates it.
 
-Token2wav's DiT is not local: each of its passes attends one 24-mel-frame block (12 codes)
-back and one ahead, and a sample takes 36 passes (10 RK4 steps), so influence keeps
-spreading. It is decoded in windows on a fixed grid of one-block units — one unit, then two,
-then four at a time (`WINDOW_BLOCKS` in the model catalog, which the compiler sizes the
-edge's chunks by) — each starting on a block boundary, so its waveform does not depend on
-how the codes happened to be chunked: the reference interpreter and every runtime mode
-agree, whatever the timing. Two blocks of context and of lookahead bring the stream within
-about 1e-4 of the whole-utterance decode; one block of lookahead (Qwen's own streaming
-setting) within about 1e-2 (tests/backends/test_vocoders.py measures both). Its initial
-noise is drawn per arriving frame from a generator seeded with the request's `seed`: the
-numbers one `torch.randn` over the whole utterance draws after `torch.manual_seed(seed)`, so
-every window slices the same fixed noise.
+A decoder that is not local decodes on a fixed grid of `unit` frames instead, windows of
+one unit, then two, then four (`WINDOW_BLOCKS` in the model catalog, which the compiler
+sizes the edge's chunks by), each starting on a unit boundary, so its waveform does not
+depend on how the codes happened to be chunked (token2wav: see its module).
 
 Batching. A step decodes every ready window of every request in one forward, padded to
 the longest. Padding never reaches kept samples: a window is padded on the right only if
 its kept frames end at least the decoder's lookahead reach before its end, else on the
 left only if they start at least its context reach after its start, and never if it is
 shorter than the decoder's `min_frames`; a window that allows none of these (a whole short
-utterance) goes in a forward of windows of its own length. Token2wav's DiT masks padding
-out of attention exactly; the rule covers its BigVGAN, which reaches 18 mel frames (9 codes)
-each way on tiny:qwen2.5-omni.
+utterance) goes in a forward of windows of its own length.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 
 import torch
 from torch import nn
-from transformers import AutoModel, Qwen2_5OmniConfig
+from transformers import AutoModel
 from transformers.models.dac.modeling_dac import DacDecoder
 from transformers.models.encodec.modeling_encodec import (
     EncodecConv1d,
@@ -68,24 +58,16 @@ from transformers.models.mimi.modeling_mimi import (
     MimiDecoderModel,
     MimiResnetBlock,
 )
-from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
-    Qwen2_5OmniAMPBlock,
-    Qwen2_5OmniAntiAliasedActivation1d,
-    Qwen2_5OmniToken2WavBigVGANModel,
-    Qwen2_5OmniToken2WavModel,
-)
-from transformers.utils import cached_file
 
 from omniflow.backends import receptive_field
+from omniflow.backends.checkpoint_files import INDEX, part_architecture, parts, read_json
 from omniflow.backends.receptive_field import Field
+from omniflow.backends.registry import ARCHITECTURES, architecture_loader
 from omniflow.errors import OmniflowError
-from omniflow.models.catalog import CODEC_TYPES, WINDOW_BLOCKS, block_grid
+from omniflow.hf_logging import quiet
+from omniflow.models.catalog import WINDOW_BLOCKS
 from omniflow.models.resolve import model_path
-from omniflow.models.tiny_recipes import quiet
 from omniflow.runtime.stage import Backend, Call, StageSpec
-
-# Qwen2_5OmniForConditionalGeneration.generate's default speaker.
-DEFAULT_SPEAKER = "Chelsie"
 
 
 class VocoderError(OmniflowError):
@@ -125,49 +107,7 @@ def checked_samples_per_frame(field: Field, decode: Callable[[int], torch.Tensor
     return field.per_frame
 
 
-# --- receptive fields of the decoders' modules, walked in their forward order ----------------
-
-
-def bigvgan_field(model: Qwen2_5OmniToken2WavBigVGANModel) -> Field:
-    """Mel frame 0's field in the waveform of Qwen2.5-Omni's BigVGAN (its mel preprocessing and
-    the final clamp are elementwise)."""
-    field = receptive_field.conv1d(Field(0, 0), model.conv_pre)
-    blocks = model.num_residual_blocks
-    for index, (upsample,) in enumerate(model.ups):
-        field = receptive_field.conv_transpose1d(field, upsample)
-        parallel = model.resblocks[index * blocks : (index + 1) * blocks]  # averaged
-        field = receptive_field.union(*(_amp_block_field(field, block) for block in parallel))
-    field = _anti_aliased_field(field, model.activation_post)
-    return receptive_field.conv1d(field, model.conv_post)
-
-
-def _amp_block_field(field: Field, block: Qwen2_5OmniAMPBlock) -> Field:
-    acts1, acts2 = block.activations[::2], block.activations[1::2]
-    for conv1, conv2, act1, act2 in zip(block.convs1, block.convs2, acts1, acts2, strict=True):
-        branch = receptive_field.conv1d(_anti_aliased_field(field, act1), conv1)
-        branch = receptive_field.conv1d(_anti_aliased_field(branch, act2), conv2)
-        field = receptive_field.union(field, branch)
-    return field
-
-
-def _anti_aliased_field(field: Field, activation: Qwen2_5OmniAntiAliasedActivation1d) -> Field:
-    """Upsampling filter, elementwise SnakeBeta, downsampling filter; their replicate padding
-    and trimming only move positions."""
-    up, down = activation.upsample, activation.downsample
-    field = receptive_field.shift(field, up.pad)
-    field = receptive_field.conv_transpose(field, up.filter.shape[-1], up.stride)
-    field = receptive_field.shift(field, -up.pad_left)
-    return receptive_field.conv(field, down.filter.shape[-1], down.stride, down.pad_left)
-
-
-def codec_field(model) -> Field:
-    """Frame 0's field in the waveform of a DAC, Mimi or EnCodec model's decoder. Frames enter
-    them through codebook lookups and 1x1 projections, which act frame by frame."""
-    if model.config.model_type == "dac":
-        return _dac_field(model.decoder)
-    if model.config.model_type == "mimi":
-        return _mimi_field(model.decoder)
-    return _seanet_field(Field(0, 0), model.decoder.layers)
+# --- receptive fields of the codecs' decoders, walked in their forward order -----------------
 
 
 def _dac_field(decoder: DacDecoder) -> Field:
@@ -335,29 +275,20 @@ class Decoder(ABC):
 
 
 class CodecDecoder(Decoder):
-    """The decoder of a transformers audio codec (DAC, Mimi, EnCodec) from its codes."""
+    """The decoder of a transformers audio codec, from its codes; a subclass per codec says
+    how many codebooks it reads, how far its decoder looks and how it is called.
 
-    def __init__(self, model, device: str):
-        self.model = model.to(device).eval()
+    Registered by the codec's `model_type`; loads the codec at `root`, or its part
+    `component` where the checkpoint's index names it (tiny:tts's code2wav)."""
+
+    def __init__(self, root: str, component: str | None, device: str):
+        index = read_json(root, INDEX)
+        subfolder = component if index is not None and component in parts(index) else ""
+        with quiet():
+            self.model = AutoModel.from_pretrained(root, subfolder=subfolder).to(device).eval()
         self.device = device
-        config = model.config
-        self.kind = config.model_type
-        if self.kind == "encodec":
-            # (time_group_norm normalizes over the whole utterance: no finite reach.)
-            if (
-                config.chunk_length is not None
-                or config.audio_channels != 1
-                or config.norm_type != "weight_norm"
-            ):
-                raise VocoderError(
-                    "only mono, weight-normed EnCodec models that decode in one chunk (24 kHz) "
-                    "are supported"
-                )
-            bandwidth = max(config.target_bandwidths)
-            num_codebooks = model.quantizer.get_num_quantizers_for_bandwidth(bandwidth)
-        else:
-            num_codebooks = config.n_codebooks if self.kind == "dac" else config.num_quantizers
-        field = codec_field(model)
+        num_codebooks = self._num_codebooks()
+        field = self.field()
 
         def decode(frames: int) -> torch.Tensor:
             return self._run(
@@ -367,159 +298,80 @@ class CodecDecoder(Decoder):
         with torch.inference_mode():
             per_frame = checked_samples_per_frame(field, decode)
         reach = field_reach(field)
-        super().__init__(per_frame, num_codebooks, config.codebook_size, reach, reach.lookahead)
+        codebook_size = self.model.config.codebook_size
+        super().__init__(per_frame, num_codebooks, codebook_size, reach, reach.lookahead)
+
+    @abstractmethod
+    def _num_codebooks(self) -> int:
+        """Codebooks per frame the decoder reads."""
+
+    @abstractmethod
+    def field(self) -> Field:
+        """Frame 0's field in the waveform. Frames enter a codec's decoder through codebook
+        lookups and 1x1 projections, which act frame by frame."""
+
+    @abstractmethod
+    def _waveform(self, codes: torch.Tensor) -> torch.Tensor:
+        """The codec's own decode of codes `[B, Q, T]`."""
 
     def _run(self, codes: torch.Tensor) -> torch.Tensor:
         """codes `[B, Q, T]` -> audio `[B, T * samples_per_frame]`."""
-        if self.kind == "dac":
-            audio = self.model.decode(audio_codes=codes).audio_values
-        elif self.kind == "mimi":
-            audio = self.model.decode(codes).audio_values
-        else:
-            audio = self.model.decode(codes[None], [None]).audio_values
-        return audio.reshape(len(codes), -1)
+        return self._waveform(codes).reshape(len(codes), -1)
 
     def decode(self, windows: list[Window], frames: int) -> torch.Tensor:
         return self._run(padded(windows, frames, Window.codes, self.device).transpose(1, 2))
 
 
-class Token2Wav(Decoder):
-    """Qwen2.5-Omni token2wav: a flow-matching DiT samples mel (`repeats` frames per code)
-    with classifier-free guidance, BigVGAN turns mel into waveform.
+class DacCodec(CodecDecoder):
+    """DAC (tiny:tts's code2wav): symmetric convolutions, looking as far ahead as back."""
 
-    It runs the model's own modules; the sampling loop is written out here (transformers'
-    `sample` draws its noise from the global RNG and cannot batch requests): per-request
-    noise and speakers, padded rows masked out of attention, speaker encodings computed once
-    per speaker instead of once per DiT pass. Request parameters: `speaker` (default
-    Chelsie), `seed` (0), `steps` (10 ODE steps), `guidance` (0.5).
-    """
+    def _num_codebooks(self) -> int:
+        return self.model.config.n_codebooks
 
-    def __init__(self, root: str, device: str):
-        with quiet():
-            config = Qwen2_5OmniConfig.from_pretrained(root).token2wav_config
-            # The checkpoint holds the whole omni model; its token2wav weights sit under
-            # `token2wav.`. transformers runs token2wav in float32 whatever the checkpoint's dtype.
-            model = Qwen2_5OmniToken2WavModel.from_pretrained(
-                root, config=config, key_mapping={r"^token2wav\.": ""}, dtype=torch.float32
+    def field(self) -> Field:
+        return _dac_field(self.model.decoder)
+
+    def _waveform(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.model.decode(audio_codes=codes).audio_values
+
+
+class MimiCodec(CodecDecoder):
+    """Mimi: a sliding-window causal transformer, then causal SEANet convolutions."""
+
+    def _num_codebooks(self) -> int:
+        return self.model.config.num_quantizers
+
+    def field(self) -> Field:
+        return _mimi_field(self.model.decoder)
+
+    def _waveform(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.model.decode(codes).audio_values
+
+
+class EncodecCodec(CodecDecoder):
+    """EnCodec, mono and decoded in one chunk: SEANet convolutions and an LSTM that
+    remembers every frame."""
+
+    def _num_codebooks(self) -> int:
+        config = self.model.config
+        # (time_group_norm normalizes over the whole utterance: no finite reach.)
+        if (
+            config.chunk_length is not None
+            or config.audio_channels != 1
+            or config.norm_type != "weight_norm"
+        ):
+            raise VocoderError(
+                "only mono, weight-normed EnCodec models that decode in one chunk (24 kHz) "
+                "are supported"
             )
-        self.model = model.to(device).eval()
-        self.device = device
-        self.dit = model.code2wav_dit_model
-        self.bigvgan = model.code2wav_bigvgan_model
-        dit_config = config.dit_config
-        self.repeats, self.mel_dim = dit_config.repeats, dit_config.mel_dim
-        self.block_size = dit_config.block_size
-        speakers = torch.load(cached_file(root, "spk_dict.pt"), weights_only=True)
-        with torch.inference_mode():
-            self.speakers = {name: self._speaker(value) for name, value in speakers.items()}
-        field = bigvgan_field(self.bigvgan)
+        bandwidth = max(config.target_bandwidths)
+        return self.model.quantizer.get_num_quantizers_for_bandwidth(bandwidth)
 
-        def decode(frames: int) -> torch.Tensor:
-            return self.bigvgan(torch.zeros(1, self.mel_dim, frames, device=device))
+    def field(self) -> Field:
+        return _seanet_field(Field(0, 0), self.model.decoder.layers)
 
-        with torch.inference_mode():
-            mel_samples = checked_samples_per_frame(field, decode)
-        mel_reach = dataclasses.astuple(field_reach(field))
-        unit, lookahead = block_grid({"dit_config": dit_config.to_dict()})
-        super().__init__(
-            samples_per_frame=mel_samples * self.repeats,
-            num_codebooks=1,
-            # DiTCodecEmbedding holds num_embeds + 1 rows.
-            codebook_size=dit_config.num_embeds + 1,
-            reach=Reach(*(_codes(mel, self.repeats) for mel in mel_reach)),
-            lookahead=lookahead,
-            unit=unit,
-        )
-
-    def _speaker(self, entry: dict) -> dict:
-        """What one speaker conditions every DiT pass with, with and without guidance."""
-        encoder = self.dit.input_embed.spk_encoder
-        ref_mel = entry["ref_mel"].float().to(self.device)
-        return {
-            "cond": entry["cond"].float().reshape(-1).to(self.device),
-            "ref": encoder(ref_mel)[0],
-            "ref_dropped": encoder(torch.zeros_like(ref_mel))[0],
-        }
-
-    def open(self, call: Call) -> dict:
-        params = call.params
-        name = params.get("speaker") or (
-            DEFAULT_SPEAKER if DEFAULT_SPEAKER in self.speakers else next(iter(self.speakers))
-        )
-        if name not in self.speakers:
-            raise VocoderError(f"unknown speaker '{name}'; known: {', '.join(self.speakers)}")
-        steps = 10 if params.get("steps") is None else params["steps"]
-        if not isinstance(steps, int) or steps < 2:
-            raise VocoderError(f"steps must be an integer of at least 2, not {steps!r}")
-        guidance = params.get("guidance")
-        seed = params.get("seed")
-        return {
-            "speaker": self.speakers[name],
-            "steps": steps,
-            "guidance": 0.5 if guidance is None else float(guidance),
-            "noise": torch.Generator().manual_seed(0 if seed is None else int(seed)),
-        }
-
-    def side(self, state: dict, frames: int) -> torch.Tensor:
-        # Frame by frame, so the numbers do not depend on how the frames were chunked.
-        draws = [
-            torch.randn(self.repeats, self.mel_dim, generator=state["noise"]) for _ in range(frames)
-        ]
-        return torch.stack(draws)
-
-    def group(self, state: dict) -> Hashable:
-        return state["steps"]
-
-    def decode(self, windows: list[Window], frames: int) -> torch.Tensor:
-        device, rows = self.device, len(windows)
-        codes = padded(windows, frames, lambda w: w.codes()[:, 0], device)
-        noise = padded(windows, frames, Window.side, device).reshape(rows, -1, self.mel_dim)
-        length = noise.shape[1]
-        # Mel positions relative to each window's start; padding gets a block of its own far
-        # from every real one, so look-back/ahead attention never reaches it.
-        offsets = torch.tensor([w.offset * self.repeats for w in windows], device=device)
-        lengths = torch.tensor([w.frames * self.repeats for w in windows], device=device)
-        position = torch.arange(length, device=device)[None] - offsets[:, None]
-        real = (position >= 0) & (position < lengths[:, None])
-        block = torch.where(real, position.div(self.block_size, rounding_mode="floor"), 1 << 30)
-        block = torch.cat([block, block])
-        block_diff = (block[:, None, :] - block[:, :, None])[:, None]
-        block_diff = block_diff.expand(-1, self.dit.num_attention_heads, -1, -1)
-        speakers = [w.stream.state["speaker"] for w in windows]
-        conditioning = torch.stack(
-            [s["ref"] for s in speakers] + [s["ref_dropped"] for s in speakers]
-        )[:, None].expand(-1, length, -1)
-        cond = torch.stack([s["cond"] for s in speakers])[:, None].expand(-1, length, -1)
-        cond = torch.cat([cond, torch.zeros_like(cond)])
-        embed = self.dit.text_embed
-        code_embed = torch.cat([embed(codes), embed(codes, drop_code=True)])
-        guidance = torch.tensor([w.stream.state["guidance"] for w in windows], device=device)
-        guidance = guidance[:, None, None]
-        positions = torch.cat([position, position])
-        # The same for every pass: it depends on the positions and the hidden dtype only.
-        rotary = self.dit.rotary_embed(code_embed, positions)
-
-        def velocity(time: torch.Tensor, mel: torch.Tensor) -> torch.Tensor:
-            """The guided DiT prediction (Qwen2_5OmniToken2WavDiTModel.forward, batched)."""
-            time_embedding = self.dit.time_embed(time.repeat(2 * rows))
-            hidden = torch.cat([mel, mel])
-            hidden = self.dit.input_embed.proj(
-                torch.cat((hidden, conditioning, code_embed, cond), dim=-1)
-            )
-            for layer in self.dit.transformer_blocks:
-                hidden = layer(
-                    hidden, time_embedding, position_embeddings=rotary, block_diff=block_diff
-                )
-            hidden = self.dit.norm_out(hidden, time_embedding)
-            guided, dropped = self.dit.proj_out(hidden).chunk(2)
-            return guided + (guided - dropped) * guidance
-
-        steps = windows[0].stream.state["steps"]
-        # Qwen2_5OmniToken2WavDiTModel.sample's time points, sway coefficient -1.
-        time = torch.linspace(0, 1, steps, device=device, dtype=noise.dtype)
-        time = time - (torch.cos(torch.pi / 2 * time) - 1 + time)
-        mel = runge_kutta4(velocity, noise, time)
-        return self.bigvgan(mel.permute(0, 2, 1)).reshape(rows, -1)
+    def _waveform(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.model.decode(codes[None], [None]).audio_values
 
 
 def _window_units(start: int) -> int:
@@ -532,64 +384,18 @@ def _window_units(start: int) -> int:
     return WINDOW_BLOCKS[-1]
 
 
-def runge_kutta4(velocity: Callable, value: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
-    """The value at `time[-1]`: transformers' `RungeKutta4ODESolver.integrate(time)[-1]`,
-    operation for operation, without its per-step comparisons of device tensors on the host,
-    which wait for the GPU each step and keep it from running ahead of the host."""
-    third = 1 / 3
-    for start, end in zip(time[:-1], time[1:], strict=True):
-        step = end - start
-        k1 = velocity(start, value)
-        k2 = velocity(start + step * third, value + step * k1 * third)
-        k3 = velocity(start + step * (2 / 3), value + step * (k2 - k1 * third))
-        k4 = velocity(end, value + step * (k1 - k2 + k3))
-        value = value + (k1 + 3 * (k2 + k3) + k4) * step / 8
-    return value
-
-
-def _codes(mel_frames: float, repeats: int) -> float:
-    """Mel frames as the codes that cover them."""
-    return mel_frames if mel_frames == math.inf else math.ceil(mel_frames / repeats)
-
-
-def _read_json(root: str, name: str, subfolder: str = "") -> dict | None:
-    path = cached_file(
-        root,
-        name,
-        subfolder=subfolder,
-        _raise_exceptions_for_missing_entries=False,
-        _raise_exceptions_for_connection_errors=False,
-    )
-    if path is None:
-        return None
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
 def load_decoder(model: str, component: str | None, device: str) -> Decoder:
-    """The decoder of `model`'s `component`, chosen by the component's architecture."""
+    """The decoder of `model`'s `component`, the one its architecture registers."""
     root = model_path(model)
-    index = _read_json(root, "model_index.json")
-    if index is not None and isinstance(index.get(component), list):
-        part = _read_json(root, "config.json", component) or {}
-        if part.get("model_type") in CODEC_TYPES:
-            with quiet():
-                return CodecDecoder(AutoModel.from_pretrained(root, subfolder=component), device)
+    kind = part_architecture(root, component)
+    loader = architecture_loader("vocoder", "transformers", kind)
+    if loader is None:
+        known = ", ".join(ARCHITECTURES["vocoder", "transformers"])
         raise VocoderError(
-            f"{model} [{component}] is a {part.get('model_type', 'model without a config')}, "
-            f"not a codec omniflow can decode ({', '.join(CODEC_TYPES)})"
+            f"{model} [{component}] is a {kind or 'model without a config'}, not a codec or "
+            f"vocoder omniflow can decode ({known})"
         )
-    config = _read_json(root, "config.json") or {}
-    kind = config.get("model_type")
-    if kind == "qwen2_5_omni" and component == "token2wav":
-        return Token2Wav(root, device)
-    if kind in CODEC_TYPES and component in (None, kind):
-        with quiet():
-            return CodecDecoder(AutoModel.from_pretrained(root), device)
-    raise VocoderError(
-        f"no vocoder for {model} [{component}] ({kind or 'no config.json'}); supported: "
-        f"Qwen2.5-Omni token2wav and the {', '.join(CODEC_TYPES)} codecs"
-    )
+    return loader(root, component, device)
 
 
 # --- the backend --------------------------------------------------------------------------

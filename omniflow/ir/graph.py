@@ -14,7 +14,7 @@ import networkx as nx
 from omniflow.errors import LintError, Span
 from omniflow.ir.kinds import KINDS, stage_ports
 from omniflow.ir.types import PORT_TYPES
-from omniflow.ir.values import format_value
+from omniflow.ir.values import format_value, resolve
 
 INPUT, OUTPUT = "input", "output"
 # The single port of an input node (out) and of an output node (in).
@@ -118,7 +118,8 @@ class Constraint:
 
 
 class Graph:
-    """A pipeline as a dataflow graph. Build it with `omniflow.ir.build` or `omniflow.Pipeline`."""
+    """A pipeline as a dataflow graph. Build it with `omniflow.ir.from_ast.build` or
+    `omniflow.Pipeline`."""
 
     def __init__(self, name: str, model: str | None = None, params: dict | None = None):
         self.name = name
@@ -207,6 +208,11 @@ class Graph:
 
     def descendants(self, name: str) -> set[str]:
         return nx.descendants(self._g, name)
+
+    def param_value(self, node: Node, key: str):
+        """A stage parameter's value as compiled: what the program gives (else its kind's
+        default), with pipeline parameters at their defaults."""
+        return resolve(node.params.get(key, KINDS[node.op].params[key].default), self.params)
 
     def reaching_outputs(self) -> set[str]:
         """Names of the nodes from which some output can be reached."""

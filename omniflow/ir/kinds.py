@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from omniflow.dtypes import STAGE_DTYPES
 from omniflow.ir.values import Auto, Param, Ref
 
 
@@ -48,7 +49,7 @@ COMMON_PARAMS: dict[str, ParamSpec] = {
     "component": ParamSpec(_STR),
     "max_batch": ParamSpec(_INT, 8),
     "replicas": ParamSpec(_INT, 1),
-    "dtype": ParamSpec(_STR, "bfloat16", choices=("bfloat16", "float16", "float32")),
+    "dtype": ParamSpec(_STR, "bfloat16", choices=STAGE_DTYPES),
     "backend": ParamSpec(
         _STR, "auto", choices=("auto", "transformers", "diffusers", "vllm", "python")
     ),

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omniflow.dtypes import dtype_bytes
+
 PORT_TYPES: tuple[str, ...] = (
     "text",
     "chat",
@@ -23,22 +25,6 @@ PORT_TYPES: tuple[str, ...] = (
 
 # Port types carried as tensors; text and chat travel as UTF-8 bytes.
 TENSOR_TYPES = frozenset(PORT_TYPES) - {"text", "chat"}
-
-DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8": 1,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "uint8": 1,
-    "bool": 1,
-}
-
-
-def dtype_bytes(dtype: str) -> int:
-    return DTYPE_BYTES[dtype]
 
 
 @dataclass(frozen=True)

@@ -10,28 +10,40 @@ came from. Resolution order:
    (diffusers pipelines, and multi-part speech models such as tiny:tts).
 2. The local Hugging Face hub cache (`HF_HUB_CACHE`, `HF_HOME/hub` or
    `~/.cache/huggingface/hub`): `models--org--name/snapshots/<rev>/`, read as in 1.
-3. The builtin catalog below: the published config.json files of the models omniflow's
-   example pipelines use, reduced to the keys that decide shapes and sizes.
+3. The builtin catalog, one JSON file per model under `configs/` (package data): the
+   model's published config files, reduced to the keys that decide shapes and sizes and
+   keyed by their path in the model repository (`files`), as copied from the Hugging Face
+   Hub; the parameter counts no formula in `omniflow.models.costs` covers
+   (`parameter_counts`, by component); facts a component's config does not state but shape
+   and cost estimates need (`facts`); and where each number comes from (`about`, `notes`).
+   tests/models re-derives every count that an installed class can reproduce.
 
 Both directory sources also count parameters that no architecture formula covers (vision
 and audio towers, vocoders, projections) from the checkpoint's safetensors headers, without
 loading a weight; the builtin catalog carries those counts instead.
+
+What a component's config says comes first; the catalog's facts, and the architecture
+defaults below (`_PARTS`: e.g. token2wav's 24 kHz, which its config does not state), fill
+in only what it leaves out.
 """
 
 from __future__ import annotations
 
 import copy
-import difflib
+import functools
 import json
 import math
 import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from omniflow.dtypes import STAGE_DTYPES, canonical_dtype
 from omniflow.errors import ModelConfigError
+from omniflow.hints import did_you_mean
 from omniflow.models.resolve import TINY_SCHEME, model_path
 
 FAMILIES = (
@@ -46,7 +58,7 @@ FAMILIES = (
 )
 LM_FAMILIES = ("decoder_lm", "moe_lm", "text_encoder")
 BUILTIN_SOURCE = "builtin catalog"
-_DTYPES = ("bfloat16", "float16", "float32")
+CONFIGS = resources.files("omniflow.models") / "configs"
 
 
 @dataclass(frozen=True)
@@ -205,7 +217,7 @@ def vae_scale_factor(config: Mapping[str, Any]) -> int | None:
 
 def known_models() -> list[str]:
     """Model ids the builtin catalog knows, sorted."""
-    return sorted(_BUILTIN)
+    return sorted(_catalog())
 
 
 def builtin_files(model: str) -> dict[str, dict[str, Any]]:
@@ -213,9 +225,9 @@ def builtin_files(model: str) -> dict[str, dict[str, Any]]:
     name = _builtin_name(model)
     if name is None:
         raise ModelConfigError(
-            f"'{model}' is not in the builtin catalog" + _did_you_mean(model, known_models())
+            _hinted(f"'{model}' is not in the builtin catalog", model, known_models())
         )
-    return copy.deepcopy(_BUILTIN[name])
+    return copy.deepcopy(_catalog()[name]["files"])
 
 
 def load_component_config(model: str, component: str | None = None) -> ComponentConfig:
@@ -242,9 +254,12 @@ def load_component_config(model: str, component: str | None = None) -> Component
     if builtin is not None:
         return _load(builtin, component, _BuiltinFiles(builtin), BUILTIN_SOURCE)
     raise ModelConfigError(
-        f"unknown model '{model}': not a local directory, not in the Hugging Face cache "
-        f"({hub_cache_dir()}), not in the builtin catalog (known: {', '.join(known_models())})"
-        + _did_you_mean(model, known_models())
+        _hinted(
+            f"unknown model '{model}': not a local directory, not in the Hugging Face cache "
+            f"({hub_cache_dir()}), not in the builtin catalog (known: {', '.join(known_models())})",
+            model,
+            known_models(),
+        )
     )
 
 
@@ -280,10 +295,10 @@ class _BuiltinFiles:
 
     def json(self, rel: str) -> dict[str, Any] | None:
         # A copy: callers own the ComponentConfig.config they get back.
-        return copy.deepcopy(_BUILTIN[self.model].get(rel))
+        return copy.deepcopy(_catalog()[self.model]["files"].get(rel))
 
     def count(self, component: str | None, name: str, rel_dir: str, prefixes: tuple[str, ...]):
-        return _BUILTIN_COUNTS.get((self.model, component), {}).get(name)
+        return _builtin_counts(self.model, component).get(name)
 
 
 _Files = _DirFiles | _BuiltinFiles
@@ -355,13 +370,13 @@ def _has_config(snapshot: Path) -> bool:
 
 
 def _builtin_name(model: str) -> str | None:
-    return next((name for name in _BUILTIN if name.lower() == model.lower()), None)
+    return next((name for name in _catalog() if name.lower() == model.lower()), None)
 
 
-def _did_you_mean(word: str, choices: list[str]) -> str:
-    lowered = {c.lower(): c for c in choices}
-    close = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=0.6)
-    return f"; did you mean '{lowered[close[0]]}'?" if close else ""
+def _hinted(message: str, name: str, known: list[str]) -> str:
+    """`message`, then the known name closest to `name` (ids match case-insensitively)."""
+    hint = did_you_mean(name, known, ignore_case=True)
+    return f"{message}; {hint}" if hint else message
 
 
 # --- picking a component out of a model's config files ----------------------------------
@@ -597,7 +612,7 @@ def _finish(model, component, family, config, files, requests, dtype, source) ->
             extras[name] = counted
     if extras:
         config["extra_parameters"] = extras
-    for key, value in _BUILTIN_FACTS.get((model, component), {}).items():
+    for key, value in _builtin_facts(model, component).items():
         config.setdefault(key, value)
     return ComponentConfig(model, component, family, config, dtype, source)
 
@@ -609,8 +624,12 @@ def _require_component(model: str, component: str | None, available: list[str]) 
         )
     if component not in available:
         raise ModelConfigError(
-            f"model '{model}' has no component '{component}'; its components are: "
-            f"{', '.join(available)}" + _did_you_mean(component, available)
+            _hinted(
+                f"model '{model}' has no component '{component}'; its components are: "
+                f"{', '.join(available)}",
+                component,
+                available,
+            )
         )
     return component
 
@@ -660,457 +679,29 @@ def _lm_family(config: Mapping[str, Any], model: str) -> str:
 def _dtype_of(*levels: Mapping[str, Any]) -> str:
     for level in reversed(levels):
         stated = level.get("torch_dtype") or level.get("dtype")
-        if isinstance(stated, str) and stated.removeprefix("torch.") in _DTYPES:
-            return stated.removeprefix("torch.")
+        if isinstance(stated, str) and canonical_dtype(stated) in STAGE_DTYPES:
+            return canonical_dtype(stated)
     return "bfloat16"
 
 
 # --- the builtin catalog ------------------------------------------------------------------
-#
-# Each entry is a model's published config files, reduced to the keys omniflow reads, keyed
-# by their path in the model repository. Dimensions are copied from the config.json files
-# published on the Hugging Face Hub (as best known; transformers 5.x defaults agree where
-# the architecture ships there). Counts in _BUILTIN_COUNTS cover what no formula in
-# omniflow.models.costs does; tests/models re-derive every count that an installed class
-# can reproduce.
-
-# Qwen/Qwen2.5-7B-Instruct config.json; the thinker of Qwen2.5-Omni-7B and the language
-# model of Qwen2.5-VL-7B (hence Qwen-Image's text encoder) share these dims.
-_QWEN25_7B_TEXT = {
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "vocab_size": 152064,
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-}
-
-# vision_config of Qwen/Qwen2.5-VL-7B-Instruct; Qwen2.5-Omni-7B's ViT is the same network.
-_QWEN25_VIT = {
-    "depth": 32,
-    "hidden_size": 1280,
-    "intermediate_size": 3420,
-    "num_heads": 16,
-    "in_channels": 3,
-    "patch_size": 14,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-    "window_size": 112,
-    "out_hidden_size": 3584,
-    "fullatt_block_indexes": [7, 15, 23, 31],
-    "hidden_act": "silu",
-}
-
-# Qwen/Qwen2.5-VL-7B-Instruct config.json (text dims at the root, as published); Qwen-Image
-# ships the same model as text_encoder/config.json.
-_QWEN25_VL_7B = {
-    "model_type": "qwen2_5_vl",
-    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-    **_QWEN25_7B_TEXT,
-    "max_position_embeddings": 128000,
-    "vision_config": {"model_type": "qwen2_5_vl", **_QWEN25_VIT},
-    "torch_dtype": "bfloat16",
-}
-
-# Qwen/Qwen3-Omni-30B-A3B-Instruct: the audio encoder (AuT) and ViT of the thinker.
-_QWEN3_OMNI_AUDIO = {
-    "model_type": "qwen3_omni_moe_audio_encoder",
-    "num_mel_bins": 128,
-    "encoder_layers": 32,
-    "encoder_attention_heads": 20,
-    "encoder_ffn_dim": 5120,
-    "d_model": 1280,
-    "max_source_positions": 1500,
-    "n_window": 50,
-    "n_window_infer": 800,
-    "conv_chunksize": 500,
-    "downsample_hidden_size": 480,
-    "output_dim": 2048,
-}
-_QWEN3_OMNI_VISION = {
-    "model_type": "qwen3_omni_moe_vision_encoder",
-    "depth": 27,
-    "hidden_size": 1152,
-    "hidden_act": "gelu_pytorch_tanh",
-    "intermediate_size": 4304,
-    "num_heads": 16,
-    "in_channels": 3,
-    "patch_size": 16,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-    "out_hidden_size": 2048,
-    "num_position_embeddings": 2304,
-    "deepstack_visual_indexes": [8, 16, 24],
-}
-
-# Qwen/Qwen3-TTS-12Hz-1.7B-{CustomVoice,Base} config.json talker_config, and the 12 Hz
-# speech tokenizer's speech_tokenizer/config.json (its decoder is the code2wav stage).
-_QWEN3_TTS_TALKER = {
-    "model_type": "qwen3_tts_talker",
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "vocab_size": 3072,
-    "text_vocab_size": 151936,
-    "text_hidden_size": 2048,
-    "num_code_groups": 16,
-    "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000,
-    "position_id_per_seconds": 13,
-    "code_predictor_config": {
-        "model_type": "qwen3_tts_talker_code_predictor",
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 5,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "attention_bias": False,
-        "vocab_size": 2048,
-        "num_code_groups": 16,
-        "rms_norm_eps": 1e-6,
-    },
-}
-_QWEN3_TTS_TOKENIZER = {
-    "model_type": "qwen3_tts_tokenizer_12hz",
-    "input_sample_rate": 24000,
-    "output_sample_rate": 24000,
-    "decode_upsample_rate": 1920,
-    "encode_downsample_rate": 1920,
-    "encoder_valid_num_quantizers": 16,
-    "decoder_config": {
-        "attention_bias": False,
-        "latent_dim": 1024,
-        "codebook_dim": 512,
-        "codebook_size": 2048,
-        "decoder_dim": 1536,
-        "hidden_act": "silu",
-        "hidden_size": 512,
-        "intermediate_size": 1024,
-        "layer_scale_initial_scale": 0.01,
-        "head_dim": 64,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 16,
-        "num_hidden_layers": 8,
-        "num_quantizers": 16,
-        "num_semantic_quantizers": 1,
-        "rms_norm_eps": 1e-5,
-        "sliding_window": 72,
-        "upsample_rates": [8, 5, 4, 3],
-        "upsampling_ratios": [2, 2],
-    },
-}
 
 
-def _qwen3_tts(variant: str, extra: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    return {
-        "config.json": {
-            "model_type": "qwen3_tts",
-            "architectures": ["Qwen3TTSForConditionalGeneration"],
-            "tts_model_type": variant,
-            "tts_model_size": "1b7",
-            "tokenizer_type": "qwen3_tts_tokenizer_12hz",
-            "talker_config": _QWEN3_TTS_TALKER,
-            "torch_dtype": "bfloat16",
-            **extra,
-        },
-        "speech_tokenizer/config.json": _QWEN3_TTS_TOKENIZER,
-    }
+@functools.cache
+def _catalog() -> dict[str, dict[str, Any]]:
+    """The builtin catalog's entries (configs/*.json), by model id."""
+    entries = {}
+    for path in sorted(CONFIGS.iterdir(), key=lambda p: p.name):
+        if path.name.endswith(".json"):
+            entry = json.loads(path.read_text(encoding="utf-8"))
+            entries[entry["model"]] = entry
+    return entries
 
 
-_BUILTIN: dict[str, dict[str, dict[str, Any]]] = {
-    # Qwen/Qwen2.5-0.5B-Instruct config.json.
-    "Qwen/Qwen2.5-0.5B-Instruct": {
-        "config.json": {
-            "model_type": "qwen2",
-            "architectures": ["Qwen2ForCausalLM"],
-            "hidden_size": 896,
-            "intermediate_size": 4864,
-            "num_hidden_layers": 24,
-            "num_attention_heads": 14,
-            "num_key_value_heads": 2,
-            "vocab_size": 151936,
-            "max_position_embeddings": 32768,
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 1000000.0,
-            "hidden_act": "silu",
-            "tie_word_embeddings": True,
-            "torch_dtype": "bfloat16",
-        }
-    },
-    "Qwen/Qwen2.5-7B-Instruct": {
-        "config.json": {
-            "model_type": "qwen2",
-            "architectures": ["Qwen2ForCausalLM"],
-            **_QWEN25_7B_TEXT,
-            "torch_dtype": "bfloat16",
-        }
-    },
-    "Qwen/Qwen2.5-VL-7B-Instruct": {"config.json": _QWEN25_VL_7B},
-    # Qwen/Qwen2.5-Omni-7B config.json: a Qwen2.5-7B thinker with Whisper-style audio
-    # encoder and the Qwen2.5-VL ViT, a talker LM over an 8448-code vocabulary, and
-    # token2wav (a flow-matching DiT to mel, then BigVGAN to 24 kHz audio).
-    "Qwen/Qwen2.5-Omni-7B": {
-        "config.json": {
-            "model_type": "qwen2_5_omni",
-            "architectures": ["Qwen2_5OmniModel"],
-            "enable_audio_output": True,
-            "thinker_config": {
-                "model_type": "qwen2_5_omni_thinker",
-                "tie_word_embeddings": False,
-                "text_config": {"model_type": "qwen2_5_omni_text", **_QWEN25_7B_TEXT},
-                "audio_config": {
-                    "model_type": "qwen2_5_omni_audio_encoder",
-                    "num_mel_bins": 128,
-                    "encoder_layers": 32,
-                    "encoder_attention_heads": 20,
-                    "encoder_ffn_dim": 5120,
-                    "d_model": 1280,
-                    "max_source_positions": 1500,
-                    "n_window": 100,
-                    "output_dim": 3584,
-                },
-                "vision_config": {"model_type": "qwen2_5_omni_vision_encoder", **_QWEN25_VIT},
-            },
-            "talker_config": {
-                "model_type": "qwen2_5_omni_talker",
-                "embedding_size": 3584,
-                "spatial_merge_size": 2,
-                "hidden_size": 896,
-                "intermediate_size": 18944,
-                "num_hidden_layers": 24,
-                "num_attention_heads": 12,
-                "num_key_value_heads": 4,
-                "head_dim": 128,
-                "vocab_size": 8448,
-                "max_position_embeddings": 32768,
-                "rms_norm_eps": 1e-6,
-                "rope_theta": 1000000.0,
-                "tie_word_embeddings": False,
-            },
-            "token2wav_config": {
-                "model_type": "qwen2_5_omni_token2wav",
-                "dit_config": {
-                    "hidden_size": 1024,
-                    "num_hidden_layers": 22,
-                    "num_attention_heads": 16,
-                    "head_dim": 64,
-                    "ff_mult": 2,
-                    "emb_dim": 512,
-                    "repeats": 2,
-                    "num_embeds": 8193,
-                    "mel_dim": 80,
-                    "block_size": 24,
-                    "look_ahead_layers": [10],
-                    "look_backward_layers": [0, 20],
-                },
-                "bigvgan_config": {
-                    "mel_dim": 80,
-                    "upsample_initial_channel": 1536,
-                    "resblock_kernel_sizes": [3, 7, 11],
-                    "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
-                    "upsample_rates": [5, 3, 2, 2, 2, 2],
-                    "upsample_kernel_sizes": [11, 7, 4, 4, 4, 4],
-                },
-            },
-            "torch_dtype": "bfloat16",
-        }
-    },
-    # Qwen/Qwen3-Omni-30B-A3B-Instruct config.json: a Qwen3-30B-A3B-like MoE thinker with
-    # an audio encoder and ViT, an MoE talker (3B total, ~0.3B active) with a 5-layer code
-    # predictor for 16 codebooks, and a causal ConvNet code2wav (12.5 Hz codes, 24 kHz).
-    "Qwen/Qwen3-Omni-30B-A3B-Instruct": {
-        "config.json": {
-            "model_type": "qwen3_omni_moe",
-            "architectures": ["Qwen3OmniMoeForConditionalGeneration"],
-            "enable_audio_output": True,
-            "thinker_config": {
-                "model_type": "qwen3_omni_moe_thinker",
-                "tie_word_embeddings": False,
-                "text_config": {
-                    "model_type": "qwen3_omni_moe_text",
-                    "hidden_size": 2048,
-                    "intermediate_size": 768,
-                    "moe_intermediate_size": 768,
-                    "num_hidden_layers": 48,
-                    "num_attention_heads": 32,
-                    "num_key_value_heads": 4,
-                    "head_dim": 128,
-                    "num_experts": 128,
-                    "num_experts_per_tok": 8,
-                    "decoder_sparse_step": 1,
-                    "mlp_only_layers": [],
-                    "norm_topk_prob": True,
-                    "attention_bias": False,
-                    "vocab_size": 152064,
-                    "max_position_embeddings": 65536,
-                    "rms_norm_eps": 1e-6,
-                    "rope_theta": 1000000,
-                },
-                "audio_config": _QWEN3_OMNI_AUDIO,
-                "vision_config": _QWEN3_OMNI_VISION,
-            },
-            "talker_config": {
-                "model_type": "qwen3_omni_moe_talker",
-                "tie_word_embeddings": False,
-                "spatial_merge_size": 2,
-                "num_code_groups": 16,
-                "thinker_hidden_size": 2048,
-                "accept_hidden_layer": 24,
-                "text_config": {
-                    "model_type": "qwen3_omni_moe_talker_text",
-                    "hidden_size": 1024,
-                    "intermediate_size": 2048,
-                    "moe_intermediate_size": 384,
-                    "shared_expert_intermediate_size": 768,
-                    "num_hidden_layers": 20,
-                    "num_attention_heads": 16,
-                    "num_key_value_heads": 2,
-                    "head_dim": 128,
-                    "num_experts": 128,
-                    "num_experts_per_tok": 6,
-                    "decoder_sparse_step": 1,
-                    "mlp_only_layers": [],
-                    "norm_topk_prob": True,
-                    "attention_bias": False,
-                    "vocab_size": 3072,
-                    "max_position_embeddings": 65536,
-                    "rms_norm_eps": 1e-6,
-                    "rope_theta": 1000000,
-                },
-                "code_predictor_config": {
-                    "model_type": "qwen3_omni_moe_talker_code_predictor",
-                    "hidden_size": 1024,
-                    "intermediate_size": 3072,
-                    "num_hidden_layers": 5,
-                    "num_attention_heads": 16,
-                    "num_key_value_heads": 8,
-                    "head_dim": 128,
-                    "attention_bias": False,
-                    "vocab_size": 2048,
-                    "num_code_groups": 16,
-                    "rms_norm_eps": 1e-6,
-                },
-            },
-            "code2wav_config": {
-                "codebook_size": 2048,
-                "hidden_size": 1024,
-                "intermediate_size": 3072,
-                "num_hidden_layers": 8,
-                "num_attention_heads": 16,
-                "num_key_value_heads": 16,
-                "attention_bias": False,
-                "sliding_window": 72,
-                "layer_scale_initial_scale": 0.01,
-                "rms_norm_eps": 1e-5,
-                "num_quantizers": 16,
-                "upsample_rates": [8, 5, 4, 3],
-                "upsampling_ratios": [2, 2],
-                "decoder_dim": 1536,
-            },
-            "torch_dtype": "bfloat16",
-        }
-    },
-    "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice": _qwen3_tts("custom_voice", {}),
-    "Qwen/Qwen3-TTS-12Hz-1.7B-Base": _qwen3_tts(
-        "base", {"speaker_encoder_config": {"enc_dim": 2048, "sample_rate": 24000}}
-    ),
-    # Qwen/Qwen-Image (diffusers): Qwen2.5-VL-7B text encoder, a 60-layer 20B MMDiT over
-    # 2x2-packed 16-channel latents, and a Wan-style causal-3D VAE with 8x spatial scale.
-    "Qwen/Qwen-Image": {
-        "model_index.json": {
-            "_class_name": "QwenImagePipeline",
-            "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-            "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
-            "tokenizer": ["transformers", "Qwen2Tokenizer"],
-            "transformer": ["diffusers", "QwenImageTransformer2DModel"],
-            "vae": ["diffusers", "AutoencoderKLQwenImage"],
-        },
-        "text_encoder/config.json": _QWEN25_VL_7B,
-        "transformer/config.json": {
-            "_class_name": "QwenImageTransformer2DModel",
-            "patch_size": 2,
-            "in_channels": 64,
-            "out_channels": 16,
-            "num_layers": 60,
-            "attention_head_dim": 128,
-            "num_attention_heads": 24,
-            "joint_attention_dim": 3584,
-            "guidance_embeds": False,
-            "axes_dims_rope": [16, 56, 56],
-        },
-        "vae/config.json": {
-            "_class_name": "AutoencoderKLQwenImage",
-            "base_dim": 96,
-            "z_dim": 16,
-            "dim_mult": [1, 2, 4, 4],
-            "num_res_blocks": 2,
-            "attn_scales": [],
-            "temperal_downsample": [False, True, True],
-            "dropout": 0.0,
-        },
-    },
-}
+def _builtin_counts(model: str, component: str | None) -> dict[str, int]:
+    return _catalog()[model].get("parameter_counts", {}).get(component or "", {})
 
-# Parameter counts the formulas in omniflow.models.costs do not cover, keyed by
-# (model, component). Unless said otherwise each was counted by instantiating the
-# transformers 5.24 / diffusers 0.42 class at the dims above under torch.device("meta")
-# (tests/models/test_costs.py re-counts them).
-_QWEN25_VIT_PARAMS = 676_550_144  # Qwen2_5_VisionTransformerPretrainedModel
-_BUILTIN_COUNTS: dict[tuple[str, str | None], dict[str, int]] = {
-    ("Qwen/Qwen2.5-Omni-7B", "thinker"): {
-        "audio_tower": 639_647_232,  # Qwen2_5OmniAudioEncoder
-        "visual": _QWEN25_VIT_PARAMS,  # Qwen2_5OmniVisionEncoder
-    },
-    ("Qwen/Qwen2.5-Omni-7B", "talker"): {
-        "thinker_to_talker_proj": 3584 * 896 + 896,  # Linear(embedding_size, hidden_size)
-    },
-    ("Qwen/Qwen2.5-Omni-7B", "token2wav"): {
-        "num_parameters": 449_051_264,  # Qwen2_5OmniToken2WavModel: DiT 333.6M + BigVGAN 115.4M
-    },
-    ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "thinker"): {
-        "audio_tower": 647_927_168,  # Qwen3OmniMoeAudioEncoder
-        "visual": 538_631_408,  # Qwen3OmniMoeVisionEncoder
-    },
-    ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "talker"): {
-        # Two ResizeMLPs thinker_hidden(2048) -> intermediate_size(2048) -> hidden(1024), biased.
-        "text_projection": 2048 * 2048 + 2048 + 2048 * 1024 + 1024,
-        "hidden_projection": 2048 * 2048 + 2048 + 2048 * 1024 + 1024,
-    },
-    ("Qwen/Qwen2.5-VL-7B-Instruct", "visual"): {"num_parameters": _QWEN25_VIT_PARAMS},
-    ("Qwen/Qwen-Image", "text_encoder"): {"visual": _QWEN25_VIT_PARAMS},
-    ("Qwen/Qwen-Image", "vae"): {"num_parameters": 126_892_531},  # AutoencoderKLQwenImage
-}
-# Qwen3-TTS is not in transformers; these follow the qwen_tts reference implementation.
-for _variant in ("CustomVoice", "Base"):
-    _BUILTIN_COUNTS[(f"Qwen/Qwen3-TTS-12Hz-1.7B-{_variant}", "talker")] = {
-        "text_embedding": 151936 * 2048,  # Embedding(text_vocab_size, text_hidden_size)
-        # ResizeMLP text_hidden(2048) -> text_hidden(2048) -> hidden(2048), biased.
-        "text_projection": 2 * (2048 * 2048 + 2048),
-    }
-# The voice-cloning speaker encoder is an ECAPA-TDNN with the same modules as transformers'
-# Qwen2.5-Omni ECAPA_TimeDelayNet (76 tensors); counted with that class at mel_dim=128,
-# enc_dim=2048, channels [512, 512, 512, 512, 1536], res2net scale 8, SE/attention 128.
-_BUILTIN_COUNTS[("Qwen/Qwen3-TTS-12Hz-1.7B-Base", "talker")]["speaker_encoder"] = 12_001_088
 
-# Facts a component's config files do not state but shape and cost estimates need.
-_BUILTIN_FACTS: dict[tuple[str, str | None], dict[str, Any]] = {
-    # Measured with torch.utils.flop_counter over 100 codes on CPU (10 ODE steps with
-    # classifier-free guidance, then BigVGAN): 5.43e10 DiT + 3.83e9 BigVGAN per code.
-    ("Qwen/Qwen2.5-Omni-7B", "token2wav"): {"flops_per_frame": 5.81e10},
-    # Measured with torch.utils.flop_counter decoding 16x16..64x64 latents: exactly linear.
-    ("Qwen/Qwen-Image", "vae"): {"flops_per_position": 6.879e8},
-    # QwenImagePipeline's default max_sequence_length for the prompt.
-    ("Qwen/Qwen-Image", "transformer"): {"max_text_len": 512},
-}
+def _builtin_facts(model: str, component: str | None) -> dict[str, Any]:
+    entry = _catalog().get(model, {})
+    return entry.get("facts", {}).get(component or "", {})

@@ -29,20 +29,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from omniflow.dtypes import dtype_bytes
 from omniflow.errors import ModelConfigError
 from omniflow.models.catalog import LM_FAMILIES, ComponentConfig
-
-DTYPE_BYTES = {
-    "float64": 8,
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int8": 1,
-}
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}
-_DTYPE_ALIASES |= {"half": "float16", "fp8": "float8_e4m3fn"}
 
 # Prompt tokens one prefill forward may hold when the caller does not say: batched prompts
 # up to this many tokens, or one full-length prompt if that is longer.
@@ -107,15 +96,6 @@ class StageCost:
         return self.weight_bytes + self.kv_cache_bytes + self.activation_bytes
 
 
-def dtype_bytes(dtype: str) -> int:
-    """Bytes per element of a dtype name ("bfloat16", "torch.float16", "fp32", ...)."""
-    name = dtype.removeprefix("torch.")
-    name = _DTYPE_ALIASES.get(name, name)
-    if name not in DTYPE_BYTES:
-        raise ModelConfigError(f"unknown dtype '{dtype}' (known: {', '.join(DTYPE_BYTES)})")
-    return DTYPE_BYTES[name]
-
-
 def count_parameters(cfg: ComponentConfig) -> int:
     """Parameters the component loads (see StageCost.params)."""
     return _estimator(cfg).count.params
@@ -140,7 +120,10 @@ def estimate_cost(
     if max_batch < 1 or max_len < 1:
         raise ModelConfigError(f"max_batch and max_len must be >= 1, got {max_batch}, {max_len}")
     est = _estimator(cfg)
-    nbytes = dtype_bytes(dtype or cfg.dtype)
+    try:
+        nbytes = dtype_bytes(dtype or cfg.dtype)
+    except ValueError as err:  # the dtype came from the model config or the stage: theirs
+        raise ModelConfigError(str(err)) from None
     shape = _Shape(max_batch, max_len, nbytes, prefill_tokens, context_len)
     kv_per_token = est.kv_bytes_per_token(nbytes)
     return StageCost(

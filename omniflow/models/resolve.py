@@ -3,6 +3,10 @@ the built-in tiny random-weight checkpoints of the real architectures, built on 
 
 `use_tiny_models(graph)` swaps every model the examples name for its tiny counterpart, so a
 real pipeline runs on any machine, through the same loading code as the real weights.
+
+`model_path` is the one place production code reaches the checkpoint builders
+(`omniflow.checkpoints`): it imports them lazily, to build a `tiny:` model on first use.
+Nothing else outside tests, benchmarks and the `omniflow models` command imports them.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ TINY_COUNTERPARTS: dict[str, str] = {
 def model_path(model: str, progress: bool = False) -> str:
     """What `from_pretrained` should load for `model` (building a tiny checkpoint if needed)."""
     if model.startswith(TINY_SCHEME):
-        from omniflow.models.tiny import TINY_MODELS, build_tiny
+        from omniflow.checkpoints.tiny import TINY_MODELS, build_tiny
 
         name = model.removeprefix(TINY_SCHEME)
         if name not in TINY_MODELS:

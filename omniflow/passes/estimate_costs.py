@@ -10,8 +10,7 @@ from __future__ import annotations
 from omniflow.devices import parse_size
 from omniflow.ir.graph import Graph, Node
 from omniflow.models.costs import estimate_cost
-from omniflow.passes.infer_types import cfg_path, param_value, stage_dtype
-from omniflow.passes.pipeline import Target
+from omniflow.passes.common import Target, cfg_path, stage_dtype
 
 
 def _sequence_length(graph: Graph, node: Node) -> int:
@@ -19,13 +18,13 @@ def _sequence_length(graph: Graph, node: Node) -> int:
     if node.op == "diffusion":
         cfg = node.meta["config"]
         patch = cfg.vae_scale_factor * cfg.patch_size
-        return (param_value(graph, node, "height") // patch) * (
-            param_value(graph, node, "width") // patch
+        return (graph.param_value(node, "height") // patch) * (
+            graph.param_value(node, "width") // patch
         )
     if node.op == "vae":  # latent positions per image: the item its producer sends
         latents = next(e for e in graph.in_edges(node.name) if e.dst_port == "latents").meta["item"]
         return latents.shape[-1] * latents.shape[-2]
-    return param_value(graph, node, "max_len")
+    return graph.param_value(node, "max_len")
 
 
 def estimate_costs(graph: Graph, target: Target) -> Graph:
@@ -35,7 +34,7 @@ def estimate_costs(graph: Graph, target: Target) -> Graph:
         if node.op == "python":
             node.meta["need"] = 0
             continue
-        batch = param_value(graph, node, "max_batch") * (2 if node.name in doubled else 1)
+        batch = graph.param_value(node, "max_batch") * (2 if node.name in doubled else 1)
         if node.name in doubled:
             node.meta["cfg_input"] = doubled[node.name]
         cost = estimate_cost(
@@ -46,6 +45,6 @@ def estimate_costs(graph: Graph, target: Target) -> Graph:
         )
         node.meta["batch"] = batch
         node.meta["cost"] = cost
-        explicit = param_value(graph, node, "memory")
+        explicit = graph.param_value(node, "memory")
         node.meta["need"] = parse_size(explicit) if explicit else cost.total_bytes
     return graph

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from omniflow.ir.graph import Graph
 from omniflow.ir.types import TensorSpec
-from omniflow.passes.pipeline import Target
+from omniflow.passes.common import Target
 
 
 def fuse_pointwise(graph: Graph, target: Target) -> Graph:

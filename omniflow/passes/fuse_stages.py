@@ -9,11 +9,8 @@ the reason each was formed and why its neighbours were kept apart.
 from __future__ import annotations
 
 from omniflow.ir.graph import Edge, Graph
-from omniflow.passes.infer_types import param_value
-from omniflow.passes.pipeline import Target
-from omniflow.passes.place import PER_TOKEN_CHUNK
-
-FRONTEND = "frontend"
+from omniflow.passes.common import PER_TOKEN_CHUNK, DisjointSets, Target
+from omniflow.plan import FRONTEND
 
 
 def _fusable(graph: Graph, edge: Edge) -> bool:
@@ -24,7 +21,7 @@ def _fusable(graph: Graph, edge: Edge) -> bool:
         and isinstance(edge.chunk, int)
         and edge.chunk <= PER_TOKEN_CHUNK
         and src.meta["devices"] == dst.meta["devices"]
-        and param_value(graph, src, "replicas") == param_value(graph, dst, "replicas") == 1
+        and graph.param_value(src, "replicas") == graph.param_value(dst, "replicas") == 1
     )
 
 
@@ -41,23 +38,13 @@ def split_reason(graph: Graph, edge: Edge) -> str:
 
 def fuse_stages(graph: Graph, target: Target) -> Graph:
     graph = graph.copy()
-    group = {n.name: n.name for n in graph.stages}
-
-    def find(x: str) -> str:
-        while group[x] != x:
-            x = group[x]
-        return x
-
+    groups = DisjointSets(n.name for n in graph.stages)
     reasons: dict[str, list[str]] = {}
     for edge in graph.edges:
         if _fusable(graph, edge):
-            group[find(edge.dst)] = find(edge.src)
-    members: dict[str, list[str]] = {}
-    for node in graph.topo_order():
-        if node.is_stage:
-            members.setdefault(find(node.name), []).append(node.name)
+            groups.union(edge.src, edge.dst)
     executors = []
-    for names in members.values():
+    for names in groups.sets(n.name for n in graph.topo_order() if n.is_stage):
         name = "+".join(names)
         for n in names:
             graph.node(n).meta["executor"] = name

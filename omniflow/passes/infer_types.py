@@ -1,6 +1,9 @@
-"""Pass: type/shape inference. Every output port gets `meta["out"][port] = PortSpec`, and every
+"""Pass: type/shape inference. Every output port gets `meta["out"][port] = PortSteps`, and every
 edge `meta["item"]`: the dtype and shape of one streamed step after the edge's adapter and
-map chain, and `meta["max_steps"]`: how many steps one request may send on it.
+map chain, and `meta["max_steps"]`: how many steps one request may send on it. Every
+pipeline output gets `meta["attrs"]`, the attributes the compiler derives for it: an audio
+output a vocoder makes, the vocoder's sample rate (`rate`), which a `rate=` in the program
+must match.
 
 Dims come from the stage's model config and its parameters at their default values; a
 request that overrides a size-changing parameter beyond its default is checked at run time.
@@ -12,12 +15,12 @@ from dataclasses import dataclass
 
 from omniflow.adapters import ADAPTERS
 from omniflow.errors import GraphError
-from omniflow.ir.graph import INPUT, INPUT_PORT, Graph, Node
-from omniflow.ir.kinds import KINDS, stage_ports
+from omniflow.ir.graph import INPUT, INPUT_PORT, OUTPUT, Graph, Node
+from omniflow.ir.kinds import stage_ports
 from omniflow.ir.types import TensorSpec
-from omniflow.ir.values import Ref, resolve
+from omniflow.ir.values import resolve
 from omniflow.kernels.pointwise_ops import chain_out_dtype
-from omniflow.passes.pipeline import Target
+from omniflow.passes.common import Target, cfg_path, stage_dtype
 
 # UTF-8 bytes one text step may carry: a long token plus characters held back (an
 # incomplete UTF-8 sequence, a possible stop string) from earlier steps.
@@ -25,7 +28,9 @@ TEXT_BYTES_PER_TOKEN = 64
 
 
 @dataclass(frozen=True)
-class PortSpec:
+class PortSteps:
+    """What one request sends on an output port: steps of one spec, at most `max_steps`."""
+
     step: TensorSpec  # one step of the stream (the whole value for one-shot stages)
     max_steps: int
 
@@ -34,36 +39,24 @@ class PortSpec:
 
 
 # What a request may send on an input, and what a python stage emits per step, by type.
-DEFAULT_SPECS: dict[str, PortSpec] = {
-    "text": PortSpec(TensorSpec("utf8", (64 * 1024,)), 1),
-    "chat": PortSpec(TensorSpec("utf8", (256 * 1024,)), 1),
-    "tokens": PortSpec(TensorSpec("int64", (8192,)), 1),
-    "hidden": PortSpec(TensorSpec("float32", (1, 1024)), 4096),
-    "codes": PortSpec(TensorSpec("int64", (16,)), 4096),
-    "latents": PortSpec(TensorSpec("float32", (16, 128, 128)), 1),
-    "image": PortSpec(TensorSpec("uint8", (1024, 1024, 3)), 1),
-    "audio": PortSpec(TensorSpec("float32", (24000 * 60,)), 1),
-    "video": PortSpec(TensorSpec("uint8", (81, 480, 832, 3)), 1),
-    "kv": PortSpec(TensorSpec("bfloat16", (1, 2, 8, 128)), 4096),
+DEFAULT_SPECS: dict[str, PortSteps] = {
+    "text": PortSteps(TensorSpec("utf8", (64 * 1024,)), 1),
+    "chat": PortSteps(TensorSpec("utf8", (256 * 1024,)), 1),
+    "tokens": PortSteps(TensorSpec("int64", (8192,)), 1),
+    "hidden": PortSteps(TensorSpec("float32", (1, 1024)), 4096),
+    "codes": PortSteps(TensorSpec("int64", (16,)), 4096),
+    "latents": PortSteps(TensorSpec("float32", (16, 128, 128)), 1),
+    "image": PortSteps(TensorSpec("uint8", (1024, 1024, 3)), 1),
+    "audio": PortSteps(TensorSpec("float32", (24000 * 60,)), 1),
+    "video": PortSteps(TensorSpec("uint8", (81, 480, 832, 3)), 1),
+    "kv": PortSteps(TensorSpec("bfloat16", (1, 2, 8, 128)), 4096),
 }
 
 
-def param_value(graph: Graph, node: Node, key: str):
-    """A stage parameter's value with pipeline parameters at their defaults."""
-    return resolve(node.params.get(key, KINDS[node.op].params[key].default), graph.params)
-
-
-def stage_dtype(graph: Graph, node: Node) -> str:
-    """The dtype the program asks for, else the model's own (token2wav runs in float32)."""
-    return (
-        param_value(graph, node, "dtype") if "dtype" in node.params else node.meta["config"].dtype
-    )
-
-
-def _stage_spec(graph: Graph, node: Node, port: str) -> PortSpec:
+def _stage_spec(graph: Graph, node: Node, port: str) -> PortSteps:
     cfg = node.meta["config"]
     dtype = stage_dtype(graph, node)
-    value = lambda key: param_value(graph, node, key)  # noqa: E731
+    value = lambda key: graph.param_value(node, key)  # noqa: E731
     if node.op == "ar":
         max_tokens = value("max_tokens")
         cfgd = cfg.config
@@ -75,53 +68,32 @@ def _stage_spec(graph: Graph, node: Node, port: str) -> PortSpec:
         if port == "hidden" and (needs := _adapter_needs(graph, node)) is not None:
             rows, with_prompt = needs
             steps = max_tokens + (value("max_len") if with_prompt else 0)
-            return PortSpec(TensorSpec(dtype, (rows, cfg.hidden_size)), steps)
+            return PortSteps(TensorSpec(dtype, (rows, cfg.hidden_size)), steps)
         return {
-            "text": PortSpec(TensorSpec("utf8", (TEXT_BYTES_PER_TOKEN,)), max_tokens),
-            "tokens": PortSpec(TensorSpec("int64", (1,)), max_tokens),
-            "hidden": PortSpec(TensorSpec(dtype, (1, cfg.hidden_size)), max_tokens),
-            "codes": PortSpec(TensorSpec("int64", (cfg.num_codebooks,)), max_tokens),
-            "kv": PortSpec(TensorSpec(dtype, (layers, 2, kv_heads, head_dim)), value("max_len")),
+            "text": PortSteps(TensorSpec("utf8", (TEXT_BYTES_PER_TOKEN,)), max_tokens),
+            "tokens": PortSteps(TensorSpec("int64", (1,)), max_tokens),
+            "hidden": PortSteps(TensorSpec(dtype, (1, cfg.hidden_size)), max_tokens),
+            "codes": PortSteps(TensorSpec("int64", (cfg.num_codebooks,)), max_tokens),
+            "kv": PortSteps(TensorSpec(dtype, (layers, 2, kv_heads, head_dim)), value("max_len")),
         }[port]
     if node.op == "encoder":
         # Each step is one prompt's embeddings after a length header position; a stage on a
         # guidance path sends two steps (the prompt and its companion).
         steps = 2 if node.name in cfg_path(graph) else 1
-        return PortSpec(TensorSpec(dtype, (1 + value("max_len"), cfg.hidden_size)), steps)
+        return PortSteps(TensorSpec(dtype, (1 + value("max_len"), cfg.hidden_size)), steps)
     if node.op == "diffusion":
         scale = cfg.vae_scale_factor
         shape = (cfg.latent_channels, value("height") // scale, value("width") // scale)
         frames = value("frames")
-        return PortSpec(TensorSpec("float32", ((frames,) if frames > 1 else ()) + shape), 1)
+        return PortSteps(TensorSpec("float32", ((frames,) if frames > 1 else ()) + shape), 1)
     if node.op == "vae":
         producer = next(e for e in graph.in_edges(node.name) if e.dst_port == "latents")
         *frames, _, h, w = producer.meta["item"].shape
         scale = cfg.vae_scale_factor
-        return PortSpec(TensorSpec("float32", (*frames, h * scale, w * scale, 3)), 1)
+        return PortSteps(TensorSpec("float32", (*frames, h * scale, w * scale, 3)), 1)
     if node.op == "vocoder":
-        return PortSpec(TensorSpec("float32", (cfg.samples_per_frame,)), value("max_len"))
+        return PortSteps(TensorSpec("float32", (cfg.samples_per_frame,)), value("max_len"))
     raise GraphError(f"no shape rule for {node.op}.{port}", node.span)
-
-
-def cfg_path(graph: Graph) -> dict[str, str]:
-    """Stages that process an unconditional companion too (from its partner input to the
-    guided stage), each mapped to the companion input's name."""
-    doubled: dict[str, str] = {}
-    for guided in graph.stages:
-        companion = guided.params.get("cfg")
-        if not isinstance(companion, Ref):
-            continue
-        kind = graph.node(companion.dotted).params["type"]
-        partners = [
-            a
-            for a in graph.ancestors(guided.name)
-            if graph.node(a).op == INPUT and graph.node(a).params["type"] == kind
-        ]
-        reach = set().union(*(graph.descendants(p) for p in partners))
-        for name in reach & (graph.ancestors(guided.name) | {guided.name}):
-            if graph.node(name).is_stage:
-                doubled[name] = companion.dotted
-    return doubled
 
 
 def _adapter_needs(graph: Graph, node: Node) -> tuple[int, bool] | None:
@@ -137,7 +109,7 @@ def _adapter_needs(graph: Graph, node: Node) -> tuple[int, bool] | None:
     return next(iter(needs), None)
 
 
-def _out_spec(graph: Graph, node: Node, port: str) -> PortSpec:
+def _out_spec(graph: Graph, node: Node, port: str) -> PortSteps:
     if node.op == INPUT:
         return DEFAULT_SPECS[node.params["type"]]
     if node.op == "python":
@@ -145,13 +117,36 @@ def _out_spec(graph: Graph, node: Node, port: str) -> PortSpec:
     return _stage_spec(graph, node, port)
 
 
+def _output_attrs(graph: Graph, output: Node) -> dict:
+    """What the compiler knows of an output beyond its type: the sample rate of audio that
+    a vocoder makes, from its model config. A `rate=` the program writes must agree."""
+    (edge,) = graph.in_edges(output.name)
+    producer = graph.node(edge.src)
+    if edge.type != "audio" or producer.op != "vocoder":
+        return {}
+    cfg = producer.meta["config"]
+    rate = cfg.sample_rate
+    if rate is None:
+        return {}
+    written = resolve(output.params.get("rate"), graph.params)
+    if written is not None and written != rate:
+        raise GraphError(
+            f"output '{output.name}' says rate={written}, but stage '{producer.name}' "
+            f"({cfg.model} [{cfg.component}]) makes {rate} Hz audio",
+            output.span,
+            f"leave rate= out (the compiler takes it from the vocoder) or write rate={rate}",
+        )
+    return {"rate": rate}
+
+
 def infer_types(graph: Graph, target: Target) -> Graph:
     graph = graph.copy()
     for node in graph.topo_order():
+        if node.op == OUTPUT:
+            node.meta["attrs"] = _output_attrs(graph, node)
+            continue
         outs = {INPUT_PORT: None} if node.op == INPUT else node.ports()[1]
-        node.meta["out"] = {
-            port: _out_spec(graph, node, port) for port in outs if node.op != "output"
-        }
+        node.meta["out"] = {port: _out_spec(graph, node, port) for port in outs}
         for edge in graph.out_edges(node.name):
             spec = node.meta["out"][edge.src_port]
             step = spec.step

@@ -4,38 +4,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from omniflow.devices import Device, GiB
 from omniflow.errors import OmniflowError, PassError
 from omniflow.ir.graph import Graph
+from omniflow.passes.common import Target
+from omniflow.passes.estimate_costs import estimate_costs
+from omniflow.passes.fuse_pointwise import fuse_pointwise
+from omniflow.passes.fuse_stages import fuse_stages
+from omniflow.passes.infer_types import infer_types
+from omniflow.passes.place import place
+from omniflow.passes.plan_buffers import plan_buffers
+from omniflow.passes.resolve_models import resolve_models
+from omniflow.passes.size_chunks import size_chunks
 
-
-@dataclass(frozen=True)
-class Target:
-    """What the passes compile for: the device inventory and the knobs they share."""
-
-    devices: tuple[Device, ...]
-    # Per executor process on a GPU: CUDA context, allocator slack, kernels.
-    process_overhead: int = 1 * GiB
-    # Fraction of each device's memory left unassigned as a safety margin.
-    reserve: float = 0.05
-    overrides: dict = field(default_factory=dict)
-
+__all__ = ["Pass", "Target", "default_passes", "run_passes"]
 
 Pass = Callable[[Graph, Target], Graph]
 
 
 def default_passes() -> list[Pass]:
-    from omniflow.passes.estimate_costs import estimate_costs
-    from omniflow.passes.fuse_pointwise import fuse_pointwise
-    from omniflow.passes.fuse_stages import fuse_stages
-    from omniflow.passes.infer_types import infer_types
-    from omniflow.passes.place import place
-    from omniflow.passes.plan_buffers import plan_buffers
-    from omniflow.passes.resolve_models import resolve_models
-    from omniflow.passes.size_chunks import size_chunks
-
     return [
         resolve_models,
         infer_types,

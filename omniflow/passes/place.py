@@ -17,11 +17,7 @@ from collections import defaultdict
 from omniflow.devices import Device, GiB, parse_devices
 from omniflow.errors import PlacementError
 from omniflow.ir.graph import Graph, Node
-from omniflow.passes.infer_types import param_value
-from omniflow.passes.pipeline import Target
-
-# A stream whose chunks are at most this many steps hands off per token: worth colocating.
-PER_TOKEN_CHUNK = 4
+from omniflow.passes.common import PER_TOKEN_CHUNK, DisjointSets, Target
 
 
 def gib(n: int) -> str:
@@ -30,21 +26,15 @@ def gib(n: int) -> str:
 
 def _groups(graph: Graph) -> list[list[Node]]:
     """Stages that must share a device (colocate constraints), as lists; singletons included."""
-    parent = {n.name: n.name for n in graph.stages}
-
-    def find(x: str) -> str:
-        while parent[x] != x:
-            x = parent[x]
-        return x
-
+    together = DisjointSets(n.name for n in graph.stages)
     for c in graph.constraints:
         if c.kind == "colocate":
             for other in c.stages[1:]:
-                parent[find(other)] = find(c.stages[0])
-    groups = defaultdict(list)
-    for node in graph.stages:
-        groups[find(node.name)].append(node)
-    return list(groups.values())
+                together.union(c.stages[0], other)
+    return [
+        [graph.node(name) for name in names]
+        for names in together.sets(n.name for n in graph.stages)
+    ]
 
 
 def _need_text(node: Node) -> str:
@@ -178,7 +168,7 @@ def place(graph: Graph, target: Target) -> Graph:
         key=lambda g: (not any(n.device for n in g), -sum(n.meta["need"] for n in g)),
     )
     for group in groups:
-        replicas = max(param_value(graph, n, "replicas") for n in group)
+        replicas = max(graph.param_value(n, "replicas") for n in group)
         taken: set[str] = set()
         for _ in range(replicas):
             taken.add(placer.place_group(group, taken))

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from omniflow.devices import GiB
 from omniflow.ir.graph import Edge, Graph
-from omniflow.passes.infer_types import param_value
-from omniflow.passes.pipeline import Target
+from omniflow.passes.common import Target
 
 DEFAULT_CREDITS = 2
 SLOT_ALIGN = 64
@@ -28,7 +27,7 @@ def _concurrency(graph: Graph, edge: Edge) -> int:
     for name in (edge.dst, edge.src):
         node = graph.node(name)
         if node.is_stage:
-            return param_value(graph, node, "max_batch") * param_value(graph, node, "replicas")
+            return graph.param_value(node, "max_batch") * graph.param_value(node, "replicas")
     return 1
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from omniflow.ir.graph import Graph
 from omniflow.models.catalog import load_component_config
-from omniflow.passes.pipeline import Target
+from omniflow.passes.common import Target
 
 
 def resolve_models(graph: Graph, target: Target) -> Graph:

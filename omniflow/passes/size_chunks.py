@@ -21,7 +21,7 @@ import math
 
 from omniflow.ir.graph import OUTPUT, Edge, Graph, Node
 from omniflow.models.catalog import vocoder_windows
-from omniflow.passes.pipeline import Target
+from omniflow.passes.common import Target
 
 # Fixed cost of one consumer call: a cross-process hop plus a forward's launch overhead.
 CALL_OVERHEAD_S = {"gpu": 2e-3, "cpu": 1e-3}

@@ -1,5 +1,9 @@
-"""Edge-side work common to every mode: chunking a producer's steps by the edge's schedule,
-and applying the edge's fused map chain on the side the compiler chose."""
+"""One edge's value path, shared by every program loop and the reference interpreter so they
+cannot disagree: where values leave (`leaving`: the edge's adapter, then its fused map
+chain if the compiler put it on the producer's side), how a producer's steps are cut into
+the edge's scheduled chunks (`StreamWriter`), and where they arrive (`arriving`: the map
+chain if it runs on the consumer's side).
+"""
 
 from __future__ import annotations
 
@@ -8,34 +12,45 @@ from dataclasses import dataclass, field
 
 from omniflow.adapters import ADAPTERS
 from omniflow.kernels.pointwise import fused
-from omniflow.plan import ChannelPlan, Plan
-from omniflow.runtime.values import TEXT_TYPES, concat, steps
+from omniflow.plan import ChannelPlan, StagePlan
+from omniflow.runtime.port_values import TEXT_TYPES, concat, steps
 
 # send(request_id, chunk_index, value or None, end_of_stream)
 Send = Callable[[str, int, object, bool], None]
+Transform = Callable[[object], object]
 
 
-def map_chain(channel: ChannelPlan) -> tuple:
-    return (
-        tuple((op["name"], tuple(op["args"])) for op in channel.pointwise["chain"])
-        if channel.pointwise
-        else ()
-    )
+def _identity(value):
+    return value
 
 
-def apply_maps(channel: ChannelPlan, value, side: str):
-    """Run the edge's fused map chain on `value` if it belongs on `side` ("src" or "dst")."""
-    if value is None or not channel.pointwise:
-        return value
-    runs_in = channel.src_executor if side == "src" else channel.dst_executor
-    if channel.pointwise["runs_in"] != runs_in or (
-        side == "dst" and channel.src_executor == runs_in
-    ):
-        return value
-    return fused(value, map_chain(channel))
+def _maps(channel: ChannelPlan, program: str) -> Transform:
+    """The edge's fused map chain if it runs in `program`, else nothing."""
+    if not channel.pointwise or channel.pointwise["runs_in"] != program:
+        return _identity
+    chain = tuple((op["name"], tuple(op["args"])) for op in channel.pointwise["chain"])
+    return lambda value: value if value is None else fused(value, chain)
 
 
-def load_adapter(channel: ChannelPlan, plan: Plan) -> Callable | None:
+def leaving(channel: ChannelPlan, source: StagePlan | None) -> Transform:
+    """What happens to a value as it leaves its producer: the adapter, then the maps that
+    run on the producer's side. `source` is the producing stage (None for an input)."""
+    maps = _maps(channel, channel.src_executor)
+    adapter = load_adapter(channel, source)
+    if adapter is None:
+        return maps
+    return lambda value: value if value is None else maps(adapter(value))
+
+
+def arriving(channel: ChannelPlan) -> Transform:
+    """What happens to a value as it reaches its consumer: the maps, if they run there and
+    not already where the value left (a fused edge)."""
+    if channel.src_executor == channel.dst_executor:
+        return _identity
+    return _maps(channel, channel.dst_executor)
+
+
+def load_adapter(channel: ChannelPlan, source: StagePlan | None) -> Transform | None:
     """The edge's adapter: its implementation is a factory, called once with the StagePlan
     the edge leaves (None for a pipeline input), that returns the function applied to each
     chunk."""
@@ -44,9 +59,7 @@ def load_adapter(channel: ChannelPlan, plan: Plan) -> Callable | None:
     from omniflow.runtime.python_backend import import_function
 
     spec = ADAPTERS.get(channel.adapter)
-    make = import_function(spec.impl if spec else channel.adapter)
-    source = next((s for s in plan.stages if s.name == channel.src), None)
-    return make(source)
+    return import_function(spec.impl if spec else channel.adapter)(source)
 
 
 @dataclass
@@ -58,12 +71,13 @@ class _Pending:
 
 class StreamWriter:
     """Accumulates each request's steps on one edge and sends chunks of the scheduled sizes
-    (the whole stream at once for a whole-output edge); the last chunk carries end-of-stream."""
+    (the whole stream at once for a whole-output edge), each through `leave`; the last
+    chunk carries the end of the stream."""
 
-    def __init__(self, channel: ChannelPlan, send: Send, adapter: Callable | None = None):
+    def __init__(self, channel: ChannelPlan, send: Send, leave: Transform = _identity):
         self.channel = channel
         self.send = send
-        self.adapter = adapter
+        self.leave = leave
         self.pending: dict[str, _Pending] = {}
 
     def _target(self, index: int) -> int | None:
@@ -91,11 +105,14 @@ class StreamWriter:
         value = concat(self.channel.type, p.parts) if p.parts else None
         self._send(request_id, p, value, True)
 
-    def drop(self, request_id: str) -> None:
-        self.pending.pop(request_id, None)
+    def drop(self, request_id: str | None = None) -> None:
+        """Forget a request's pending steps (every request's, if None)."""
+        if request_id is None:
+            self.pending.clear()
+        else:
+            self.pending.pop(request_id, None)
 
     def _send(self, request_id: str, p: _Pending, value, end: bool) -> None:
-        if value is not None and self.adapter is not None:
-            value = self.adapter(value)
-        self.send(request_id, p.index, apply_maps(self.channel, value, "src"), end)
+        index = p.index
         p.index += 1
+        self.send(request_id, index, self.leave(value), end)

@@ -1,28 +1,23 @@
-"""The engine: the front of a running plan. It launches the executors, links their channels,
-accepts requests, streams their outputs back, cancels, and survives executor deaths.
+"""The engine: the front of a running plan. Its I/O thread (`_Core`) runs the frontend's
+program on the same loop every executor runs, reaches the executors through a transport
+(processes or threads: transport.py), keeps the requests in flight, and restarts executors
+that die. Callers talk to it through a command queue and a waker, and get their outputs
+through per-request queues.
 
-One I/O thread (`_Core`) owns every socket, ring end and process handle; callers talk to it
-through a queue and a waker, and get their outputs through per-request queues. The same
-`Engine` runs the plan's executors as processes (`mode="process"`: shared-memory rings,
-zmq control) or as threads of this process (`mode="inprocess"`: in-process channels).
-
-A request's `Start` goes to each executor's start queue, which the executor reads only when
-the request's first chunk reaches it (protocol.py): queued before the request's input enters
-a ring, it is there by the time the executor needs it, and it wakes no one.
+A request is admitted in the caller's thread (requests.py); then its `Start` goes to each
+executor's start queue, which the executor reads only when the request's first chunk
+reaches it (control.py), and its inputs go into the frontend loop, which chunks, adapts and
+maps them onto their channels like any stage output. Chunks of the pipeline's outputs come
+back through the frontend loop's sink.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import queue
-import select
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -31,31 +26,17 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import zmq
-
-from omniflow.errors import ChannelError, OmniflowError
+from omniflow.errors import OmniflowError
 from omniflow.ir.kinds import SEED_PARAM
-from omniflow.plan import ChannelPlan, Plan
-from omniflow.runtime import protocol
-from omniflow.runtime.executor import STARTUP_ERROR, ZMQ_POLLIN, Executor, serve
-from omniflow.runtime.links import Inbound, Outbound, Waker, link_fds, wait
+from omniflow.plan import FRONTEND, Plan
+from omniflow.runtime import control
+from omniflow.runtime.loop import ProgramLoop
+from omniflow.runtime.port_values import concat
 from omniflow.runtime.preflight import preflight
 from omniflow.runtime.requests import Admitted, RequestFailed, Voice, admit, stage_params
-from omniflow.runtime.shm_ring import (
-    ShmConsumer,
-    ShmProducer,
-    cleanup_stale_segments,
-    local_channel,
-)
-from omniflow.runtime.values import concat
-
-FRONTEND = "frontend"
-LINK_TIMEOUT_S = 300.0
-TICK_S = 0.05
-
-
-class EngineError(OmniflowError):
-    """The engine cannot run the plan (an executor failed to start, or the engine is closed)."""
+from omniflow.runtime.shm_ring import cleanup_stale_segments
+from omniflow.runtime.transport import TICK_S, TRANSPORTS, EngineError
+from omniflow.runtime.wakeup import Waker, wait
 
 
 class RequestCancelled(OmniflowError):
@@ -64,407 +45,111 @@ class RequestCancelled(OmniflowError):
 
 @dataclass(frozen=True)
 class Chunk:
-    """One piece of one output of a request, in order; `final` marks the output's end."""
+    """One piece of one output of a request, in order; `end` marks the output's end."""
 
     request_id: str
     output: str
     value: object
     index: int
-    final: bool
+    end: bool
 
 
 @dataclass
 class _Request:
     id: str
     admitted: Admitted
-    deliver: object  # callable(item) -> None, thread-safe
+    deliver: Callable  # (item) -> None, thread-safe
     open_outputs: set[str] = field(default_factory=set)
     indexes: dict[str, int] = field(default_factory=dict)
 
 
-class _ThreadControl:
-    """An in-process executor's end of the control plane: a queue in, a callback out, and the
-    start queue (appended to without a poke)."""
-
-    def __init__(self, name: str, to_engine):
-        self.name = name
-        self.inbox: deque = deque()
-        self.starts: deque = deque()
-        self.waker = Waker()
-        self.to_engine = to_engine
-
-    def fileno(self) -> int:
-        return self.waker.fd
-
-    def pending(self) -> bool:
-        return bool(self.inbox)
-
-    def receive(self) -> list:
-        messages = []
-        while self.inbox:
-            messages.append(self.inbox.popleft())
-        return messages
-
-    def queued_starts(self) -> Iterator[protocol.Start]:
-        while self.starts:
-            yield self.starts.popleft()
-
-    def send(self, message) -> None:
-        self.to_engine(self.name, message)
-
-    def put(self, message) -> None:
-        self.inbox.append(message)
-        self.waker.poke()
-
-    def close(self) -> None:
-        self.waker.close()
-
-
 class _Core:
-    """Everything the I/O thread owns."""
+    """Everything the I/O thread owns: the frontend's program loop, the transport to the
+    executors, and the requests in flight."""
 
     def __init__(
-        self, plan: Plan, mode: str, backends: str, on_loaded: Callable[[protocol.Loaded], None]
+        self, plan: Plan, mode: str, backends: str, on_loaded: Callable[[control.Loaded], None]
     ):
         self.plan = plan
-        self.mode = mode
-        self.backends = backends
         self.on_loaded = on_loaded
         self.waker = Waker()
         self.commands: deque = deque()
         self.requests: dict[str, _Request] = {}
-        self.inbound: dict[str, Inbound] = {}
-        self.outbound: dict[str, Outbound] = {}
-        self.executors = [x.name for x in plan.executors]
-        self.stages_of = {x.name: x.stages for x in plan.executors}
-        self.input_channels = [c for c in plan.channels if c.src_executor == FRONTEND]
-        self.output_channels = [c for c in plan.channels if c.dst_executor == FRONTEND]
-        self.ring_names: dict[str, str] = {}
         self.closed = False
-        self.log_dir = Path(tempfile.mkdtemp(prefix="omniflow-logs-"))
-        self.processes: dict[str, subprocess.Popen] = {}
-        self.start_queues: dict[str, socket.socket] = {}  # process mode: our end of each
         self.next_check = 0.0  # when check_executors runs next
-        self.threads: dict[str, tuple[threading.Thread, _ThreadControl]] = {}
-        self.replies: deque = deque()  # (executor, message) from in-process executors
         self.inspections: tuple[dict, queue.SimpleQueue] | None = None
-        if mode == "process":
-            self.context = zmq.Context()
-            self.router = self.context.socket(zmq.ROUTER)
-            self.router.setsockopt(zmq.LINGER, 0)
-            self.address = f"ipc://{self.log_dir}/control"
-            self.router.bind(self.address)
-            self.router_fd = self.router.getsockopt(zmq.FD)
+        self.frontend = ProgramLoop(plan.program(FRONTEND), waker=self.waker, sink=self.deliver)
+        self.frontend.report = lambda message: self.on_message(FRONTEND, message)
+        self.transport = TRANSPORTS[mode](plan, self.frontend, backends, self.on_message)
 
-    # --- control plane ------------------------------------------------------------------------
-    def send(self, executor: str, message: protocol.Message) -> None:
-        if self.mode == "process":
-            self.router.send_multipart([executor.encode(), protocol.encode(message)])
-        else:
-            self.threads[executor][1].put(message)
-
-    def broadcast(self, message: protocol.Message) -> None:
-        for name in self.executors:
-            self.send(name, message)
-
-    def send_start(self, executor: str, message: protocol.Start) -> None:
-        """Queue a Start where the executor looks when the request's first chunk reaches it;
-        one that does not fit goes over zmq, which wakes the executor as any message does."""
-        if self.mode == "inprocess":
-            self.threads[executor][1].starts.append(message)
-            return
-        data = protocol.encode(message)
-        if len(data) <= protocol.QUEUED_START_MAX_BYTES:
-            try:
-                self.start_queues[executor].send(data)
-                return
-            except OSError:  # full (or the executor is gone: check_executors sees to that)
-                pass
-        self.send(executor, message)
-
-    def _thread_reply(self, executor: str, message) -> None:
-        self.replies.append((executor, message))
-        self.waker.poke()
-
-    def receive(self) -> list[tuple[str, protocol.Message]]:
-        got = []
-        if self.mode == "process":
-            while self.router.getsockopt(zmq.EVENTS) & ZMQ_POLLIN:
-                identity, data = self.router.recv_multipart()
-                got.append((identity.decode(), protocol.decode(data)))
-        else:
-            while self.replies:
-                got.append(self.replies.popleft())
-        return got
-
-    # --- launching and linking ------------------------------------------------------------------
     def start(self) -> None:
         cleanup_stale_segments()  # what an earlier engine that was killed left behind
-        if self.mode == "process":
-            self.link(set(self.executors))
-        else:
-            self.start_threads()
+        self.transport.start()
 
-    def spawn(self, name: str) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        ours.setblocking(False)  # a full queue must not stall the engine: send_start falls back
-        old = self.start_queues.pop(name, None)
-        if old is not None:
-            old.close()
-        self.start_queues[name] = ours
-        config = {
-            "plan": self.plan.to_json(indent=0),
-            "executor": name,
-            "control": self.address,
-            "backends": self.backends,
-            "start_queue_fd": theirs.fileno(),
-        }
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the child keeps it)
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "omniflow.runtime.executor"],
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                close_fds=True,
-                pass_fds=(theirs.fileno(),),
-            )
-        finally:
-            log.close()
-            theirs.close()
-        proc.stdin.write(json.dumps(config).encode())
-        proc.stdin.close()
-        self.processes[name] = proc
-
-    def startup_failure(self, name: str, code: int) -> str:
-        what = f"executor '{name}' (stages {', '.join(self.stages_of[name])})"
-        for line in reversed(self.log_tail(name).splitlines()):
-            if line.startswith(STARTUP_ERROR):
-                return f"{what} could not start: {line.removeprefix(STARTUP_ERROR)}"
-        return f"{what} exited with code {code} while starting:\n{self.log_tail(name)}"
-
-    def log_tail(self, name: str, lines: int = 15) -> str:
-        path = self.log_dir / f"{name}.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def link(self, fresh: set[str]) -> None:
-        """Start the executors in `fresh` and (re)connect every channel that touches them."""
-        survivors = [n for n in self.executors if n not in fresh]
-        for dead in fresh:
-            if survivors:
-                for name in survivors:
-                    self.send(name, protocol.Reset(dead))
-        self.frontend_reset(fresh)
-        for name in fresh:
-            self.spawn(name)
-        waiting = set(
-            self.executors
-        )  # every executor answers Hello: the fresh on start, survivors on Reset
-        self.await_replies(waiting, protocol.Hello, fresh)
-        connects = {}
-        for name in self.executors:
-            rings = {
-                c.name: self.ring_names[c.name]
-                for c in self.plan.channels
-                if c.src_executor == name
-                and c.dst_executor != name
-                and (name in fresh or c.dst_executor in fresh)
-            }
-            if rings or name in fresh:
-                connects[name] = rings
-        for name, rings in connects.items():
-            self.send(name, protocol.Connect(rings))
-        for channel in self.input_channels:
-            if channel.dst_executor in fresh:
-                old = self.outbound.pop(channel.name, None)
-                if old is not None:
-                    old.close()
-                self.outbound[channel.name] = Outbound(
-                    channel, ShmProducer.attach(self.ring_names[channel.name])
-                )
-        self.await_replies(set(connects), protocol.Linked, fresh)
-
-    def frontend_reset(self, fresh: set[str]) -> None:
-        """Re-create the rings that executors in `fresh` feed into the frontend."""
-        for channel in self.output_channels:
-            if channel.src_executor in fresh:
-                old = self.inbound.pop(channel.name, None)
-                if old is not None:
-                    old.close()
-                ring = ShmConsumer.create(channel.slots, channel.slot_bytes)
-                self.inbound[channel.name] = Inbound(channel, ring)
-                self.ring_names[channel.name] = ring.name
-        for channel in self.input_channels:
-            if channel.dst_executor in fresh and channel.name in self.outbound:
-                self.outbound.pop(channel.name).close()
-
-    def await_replies(self, names: set[str], kind: type, fresh: set[str]) -> None:
-        deadline = time.monotonic() + LINK_TIMEOUT_S
-        pending = set(names)
-        while pending:
-            for name, message in self.receive():
-                if isinstance(message, protocol.Hello):
-                    self.ring_names.update(message.rings)
-                if isinstance(message, kind):
-                    pending.discard(name)
-                else:
-                    self.on_message(name, message)
-            for name in fresh:
-                proc = self.processes.get(name)
-                if proc is not None and proc.poll() is not None:
-                    raise EngineError(self.startup_failure(name, proc.returncode))
-            if time.monotonic() > deadline:
-                raise EngineError(
-                    f"executors {', '.join(sorted(pending))} did not answer within {LINK_TIMEOUT_S:.0f} s"
-                )
-            if self.closed:
-                raise EngineError("the engine was closed while its executors started")
-            if pending:
-                self.wait_for_work(TICK_S)
-
-    def start_threads(self) -> None:
-        """In-process mode: executors as threads, every cross-executor channel an in-process one."""
-        executors = {}
-        for name in self.executors:
-            control = _ThreadControl(name, self._thread_reply)
-            executors[name] = Executor(
-                self.plan,
-                name,
-                self.backends,
-                waker=control.waker,
-                on_loaded=lambda loaded, name=name: self.on_message(name, loaded),
-            )
-            self.threads[name] = (None, control)
-        wakers = {name: ex.waker for name, ex in executors.items()} | {FRONTEND: self.waker}
-        for channel in self.plan.channels:
-            if channel.src_executor == channel.dst_executor:
-                continue
-            producer, consumer = local_channel(channel.slots, channel.slot_bytes, channel.name)
-            outbound = Outbound(channel, producer, peer=wakers[channel.dst_executor])
-            inbound = Inbound(channel, consumer, peer=wakers[channel.src_executor])
-            (
-                self.outbound
-                if channel.src_executor == FRONTEND
-                else executors[channel.src_executor].outbound
-            )[channel.name] = outbound
-            (
-                self.inbound
-                if channel.dst_executor == FRONTEND
-                else executors[channel.dst_executor].inbound
-            )[channel.name] = inbound
-        for name, executor in executors.items():
-            control = self.threads[name][1]
-            thread = threading.Thread(
-                target=serve, args=(executor, control), name=f"omniflow-{name}", daemon=True
-            )
-            self.threads[name] = (thread, control)
-            thread.start()
-
-    # --- serving ----------------------------------------------------------------------------------
+    # --- requests -------------------------------------------------------------------------------
     def submit(self, request: _Request) -> None:
         self.requests[request.id] = request
-        request.open_outputs = {c.dst for c in self.output_channels}
-        params = {s.name: stage_params(s, request.admitted) for s in self.plan.stages}
-        # Before the input goes out: an executor finds the Start queued when the input reaches it.
-        for name in self.executors:
-            start = protocol.Start(request.id, {s: params[s] for s in self.stages_of[name]})
-            self.send_start(name, start)
-        for channel in self.input_channels:
-            self.outbound[channel.name].send(
-                request.id, 0, request.admitted.inputs[channel.src], True
-            )
+        request.open_outputs = {o.name for o in self.plan.outputs}
+        # Before the inputs go out: an executor finds the Start queued when they reach it.
+        for program in self.plan.executors:
+            params = {s.name: stage_params(s, request.admitted) for s in program.stages}
+            self.transport.send_start(program.name, control.Start(request.id, params))
+        self.frontend.inject(request.id, request.admitted.inputs)
 
     def cancel(self, request_id: str, error: OmniflowError) -> None:
         request = self.requests.pop(request_id, None)
         if request is None:
             return
-        self.broadcast(protocol.Cancel(request_id))
-        for outbound in self.outbound.values():
-            outbound.drop({request_id})
+        self.transport.broadcast(control.Cancel(request_id))
+        self.frontend.cancel(request_id)
         request.deliver(error)
 
-    def on_message(self, executor: str, message: protocol.Message) -> None:
-        if isinstance(message, protocol.Loaded):
-            self.on_loaded(message)
-        elif isinstance(message, protocol.Failed):
-            self.cancel(
-                message.request_id,
-                RequestFailed(f"stage '{message.stage}' failed: {message.error}"),
-            )
-        elif isinstance(message, protocol.Inspection) and self.inspections is not None:
-            found, reply = self.inspections
-            found[executor] = message
-            if len(found) == len(self.executors):
-                self.inspections = None
-                reply.put({**found, FRONTEND: self.inspect_frontend()})
-
-    def inspect_frontend(self) -> protocol.Inspection:
-        queued = sum(len(o.outbox) for o in self.outbound.values())
-        return protocol.Inspection(FRONTEND, {FRONTEND: list(self.requests)}, 0, queued)
-
-    def pump(self) -> bool:
-        moved = False
-        for name, inbound in list(self.inbound.items()):
-            channel = inbound.channel
-            try:
-                for rid, _index, value, end, release in inbound.receive():
-                    moved = True
-                    owned = value.clone() if hasattr(value, "clone") else value
-                    release()
-                    self.deliver(rid, channel, owned, end)
-            except ChannelError:
-                self.inbound.pop(name).close()  # its executor died: check_executors re-links
-        for name, outbound in list(self.outbound.items()):
-            try:
-                outbound.flush()
-            except ChannelError:
-                self.outbound.pop(name).close()
-        return moved
-
-    def deliver(self, request_id: str, channel: ChannelPlan, value, end: bool) -> None:
+    def deliver(self, request_id: str, output: str, value, end: bool) -> None:
+        """The frontend loop's sink: a chunk of one of a request's outputs."""
         request = self.requests.get(request_id)
         if request is None:
             return
-        index = request.indexes.get(channel.dst, 0)
+        index = request.indexes.get(output, 0)
         if value is not None or end:
-            request.deliver(Chunk(request_id, channel.dst, value, index, end))
-            request.indexes[channel.dst] = index + 1
+            request.deliver(Chunk(request_id, output, value, index, end))
+            request.indexes[output] = index + 1
         if end:
-            request.open_outputs.discard(channel.dst)
+            request.open_outputs.discard(output)
             if not request.open_outputs:
                 del self.requests[request_id]
                 request.deliver(None)
 
+    def on_message(self, executor: str, message: control.Message) -> None:
+        if isinstance(message, control.Loaded):
+            self.on_loaded(message)
+        elif isinstance(message, control.Failed):
+            self.cancel(
+                message.request_id,
+                RequestFailed(f"stage '{message.stage}' failed: {message.error}"),
+            )
+        elif isinstance(message, control.Inspection) and self.inspections is not None:
+            found, reply = self.inspections
+            found[executor] = message
+            if len(found) == len(self.transport.names):
+                self.inspections = None
+                frontend = self.frontend.inspect()
+                frontend.calls = {FRONTEND: list(self.requests)}
+                reply.put({**found, FRONTEND: frontend})
+
+    # --- supervision ----------------------------------------------------------------------------
     def check_executors(self) -> None:
-        if self.mode == "process":
-            dead = {n for n, p in self.processes.items() if p.poll() is not None}
-        else:
-            dead = {n for n, (t, _) in self.threads.items() if t is not None and not t.is_alive()}
+        dead = self.transport.dead()
         if not dead:
             return
-        for name in dead:
-            code = self.processes[name].returncode if name in self.processes else "thread ended"
+        for name, how in dead.items():
             error = RequestFailed(
-                f"executor '{name}' (stages {', '.join(self.stages_of[name])}) died "
-                f"(exit code {code}); the request was lost" + _last_words(self.log_tail(name, 6))
+                f"{self.transport.describe(name)} died ({how}); the request was lost"
             )
             for request_id in list(self.requests):
                 self.cancel(request_id, error)
-        if self.mode == "process":
-            cleanup_stale_segments()  # the rings the dead executor had created
-            self.link(dead)
+        self.transport.restart(set(dead))
 
-    def wait_for_work(self, timeout: float) -> None:
-        fds = [(self.waker.fd, select.POLLIN)]
-        if self.mode == "process":
-            if self.router.getsockopt(zmq.EVENTS) & ZMQ_POLLIN:
-                return
-            fds.append((self.router_fd, select.POLLIN))
-        fds += link_fds(self.inbound.values(), self.outbound.values())
-        if self.waker.fd in wait(fds, timeout):
-            self.waker.drain()
-
+    # --- the I/O loop ---------------------------------------------------------------------------
     def run_commands(self) -> None:
         while self.commands:
             command, arg = self.commands.popleft()
@@ -474,21 +159,28 @@ class _Core:
                 self.cancel(arg, RequestCancelled(f"request {arg} was cancelled"))
             elif command == "inspect":
                 self.inspections = ({}, arg)
-                self.broadcast(protocol.Inspect())
+                self.transport.broadcast(control.Inspect())
             elif command == "close":
                 self.closed = True
+
+    def wait_for_work(self, timeout: float) -> None:
+        if self.transport.pending():
+            return
+        ready = wait([*self.frontend.poll_fds(), *self.transport.poll_fds()], timeout)
+        if self.waker.fd in ready:
+            self.waker.drain()
 
     def serve(self) -> None:
         try:
             while not self.closed:
                 self.run_commands()
-                for name, message in self.receive():
+                for name, message in self.transport.receive():
                     self.on_message(name, message)
-                moved = self.pump()
+                self.frontend.pump()
                 if time.monotonic() >= self.next_check:  # not every turn: a syscall per executor
                     self.check_executors()
                     self.next_check = time.monotonic() + TICK_S
-                if not moved and not self.commands:
+                if not self.commands:
                     self.wait_for_work(TICK_S)
         except Exception as err:  # no request may hang on a dead engine
             for request_id in list(self.requests):
@@ -503,22 +195,9 @@ class _Core:
     def shutdown(self) -> None:
         for request_id in list(self.requests):
             self.cancel(request_id, EngineError("the engine was closed"))
-        self.broadcast(protocol.Shutdown())
-        for proc in self.processes.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for thread, control in self.threads.values():
-            if thread is not None:
-                thread.join(timeout=10)
-            control.close()
-        for link in [*self.inbound.values(), *self.outbound.values(), *self.start_queues.values()]:
-            link.close()
-        if self.mode == "process":
-            self.router.close()
-            self.context.term()
+        self.transport.broadcast(control.Shutdown())
+        self.transport.close()
+        self.frontend.close()
         self.waker.close()
 
 
@@ -542,10 +221,10 @@ class Engine:
         mode: str = "process",
         backends: str = "auto",
         voices: tuple[Voice, ...] | None = None,
-        on_loaded: Callable[[protocol.Loaded], None] = lambda loaded: None,
+        on_loaded: Callable[[control.Loaded], None] = lambda loaded: None,
     ):
-        if mode not in ("process", "inprocess"):
-            raise EngineError(f"unknown mode '{mode}'; use 'process' or 'inprocess'")
+        if mode not in TRANSPORTS:
+            raise EngineError(f"unknown mode '{mode}'; use {' or '.join(map(repr, TRANSPORTS))}")
         self.plan = plan
         if voices is None:
             voices = () if backends == "standin" else preflight(plan)
@@ -573,7 +252,7 @@ class Engine:
         try:
             started.wait()
         except BaseException:  # Ctrl-C while the models load: stop the executors, then go
-            self._core.closed = True
+            self._core.closed = self._core.transport.closing = True
             self._core.waker.poke()
             self._thread.join()
             raise
@@ -654,7 +333,7 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         self._command("cancel", request_id)
 
-    def inspect(self, timeout: float = 10.0) -> dict[str, protocol.Inspection]:
+    def inspect(self, timeout: float = 10.0) -> dict[str, control.Inspection]:
         """Every executor's live state (and the frontend's): for tests, debugging, metrics."""
         reply: queue.SimpleQueue = queue.SimpleQueue()
         self._command("inspect", reply)
@@ -668,7 +347,7 @@ class Engine:
     # --- lifetime --------------------------------------------------------------------------------------
     @property
     def executor_pids(self) -> dict[str, int]:
-        return {name: proc.pid for name, proc in self._core.processes.items()}
+        return self._core.transport.pids
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -680,10 +359,6 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _last_words(log: str) -> str:
-    return f"; its log ends:\n{log}" if log.strip() else ""
 
 
 def _exit_cleanly_on_sigterm() -> None:

@@ -25,8 +25,8 @@ import torch
 
 from omniflow.errors import OmniflowError
 from omniflow.ir.kinds import SEED_BITS, SEED_PARAM
-from omniflow.plan import Plan, StagePlan, resolve_params
-from omniflow.runtime.values import encode
+from omniflow.plan import Plan, StagePlan
+from omniflow.runtime.port_values import encode
 
 
 class RequestError(OmniflowError):
@@ -184,9 +184,19 @@ def stage_seed(seed: int, stage: str) -> int:
 
 
 def stage_params(stage: StagePlan, request: Admitted) -> dict:
-    """`stage`'s parameters for one admitted request, every reference resolved."""
-    params = resolve_params(stage.params, request.params, inputs=request.inputs)
-    derived = stage.params.get(SEED_PARAM)
-    if isinstance(derived, dict) and "$seed" in derived:
-        params[SEED_PARAM] = stage_seed(request.seed, derived["$seed"])
-    return params
+    """`stage`'s parameters for one admitted request: `{"$param": p}` replaced by the value
+    of parameter p, `{"$seed": stage}` by the stage's own seed, `{"$ref": input}` by the
+    value of that input (a guidance companion)."""
+
+    def value(v):
+        if isinstance(v, dict) and "$param" in v:
+            return request.params[v["$param"]]
+        if isinstance(v, dict) and "$seed" in v:
+            return stage_seed(request.seed, v["$seed"])
+        if isinstance(v, dict) and v.get("$ref") in request.inputs:
+            return request.inputs[v["$ref"]]
+        if isinstance(v, list):
+            return [value(x) for x in v]
+        return v
+
+    return {k: value(v) for k, v in stage.params.items()}

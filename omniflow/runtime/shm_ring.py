@@ -57,8 +57,9 @@ from pathlib import Path
 import msgspec
 import torch
 
-from omniflow.errors import ChannelError
-from omniflow.runtime.messages import ChunkMeta, Credit, Doorbell, TensorHeader
+from omniflow.dtypes import dtype_name, torch_dtype
+from omniflow.errors import ChannelError, PayloadTooLarge
+from omniflow.runtime.doorbells import ChunkMeta, Credit, Doorbell, TensorHeader
 
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "omniflow-"
@@ -82,10 +83,6 @@ _HEADER = struct.Struct("<8sQQQ")  # magic, slots, slot bytes, creator pid
 _HEADER_BYTES = 4096
 _MAGIC = b"OMNIRNG1"
 _MAX_MESSAGE = 16384
-_DTYPES = {
-    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
-}
-_DTYPE_NAMES = {d: name for name, d in _DTYPES.items()}
 _ENCODER = msgspec.msgpack.Encoder()
 _DOORBELL = msgspec.msgpack.Decoder(Doorbell)
 _CREDIT = msgspec.msgpack.Decoder(Credit)
@@ -102,14 +99,15 @@ def _as_tuple(tensors: Tensors) -> tuple[torch.Tensor, ...]:
     return (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
 
 
-def _layout(tensors: tuple[torch.Tensor, ...], slot_bytes: int, channel: object) -> list[int]:
-    """Byte offsets of the tensors in a slot (64-byte aligned); raises if they do not fit."""
+def slot_layout(tensors: tuple[torch.Tensor, ...], slot_bytes: int, channel: object) -> list[int]:
+    """Byte offsets of the tensors in a slot (64-byte aligned); PayloadTooLarge if they do
+    not fit."""
     offsets, end = [], 0
     for t in tensors:
         offsets.append(_align(end))
         end = offsets[-1] + t.nbytes
     if end > slot_bytes:
-        raise ChannelError(
+        raise PayloadTooLarge(
             f"{channel}: a payload of {end} bytes ({len(tensors)} tensor(s)) does not fit a "
             f"{slot_bytes}-byte slot; the buffer plan sized this ring for smaller chunks"
         )
@@ -445,7 +443,7 @@ class ShmProducer(_ShmEndpoint, Producer):
     def _put(
         self, tensors: tuple[torch.Tensor, ...], meta: ChunkMeta, deadline: _Deadline | None
     ) -> bool:
-        offsets = _layout(tensors, self.slot_bytes, self)
+        offsets = slot_layout(tensors, self.slot_bytes, self)
         if self._connection(deadline) is None:
             return False
         while not self._free:
@@ -462,7 +460,7 @@ class ShmProducer(_ShmEndpoint, Producer):
             else:
                 self._view(base + offset, t.dtype, t.shape).copy_(t)
         headers = tuple(
-            TensorHeader(_DTYPE_NAMES[t.dtype], tuple(t.shape), offset)
+            TensorHeader(dtype_name(t.dtype), tuple(t.shape), offset)
             for t, offset in zip(tensors, offsets, strict=True)
         )
         sent = False
@@ -491,7 +489,7 @@ class ShmConsumer(_ShmEndpoint, Consumer):
         bell = _DOORBELL.decode(message)
         base = self._slot_offset(bell.slot)
         tensors = tuple(
-            self._view(base + h.offset, _DTYPES[h.dtype], h.shape) for h in bell.tensors
+            self._view(base + h.offset, torch_dtype(h.dtype), h.shape) for h in bell.tensors
         )
         return Received(bell.meta, tensors, partial(self._release, bell.slot))
 
@@ -576,7 +574,7 @@ class LocalProducer(_LocalEndpoint, Producer):
     def _put(
         self, tensors: tuple[torch.Tensor, ...], meta: ChunkMeta, deadline: _Deadline | None
     ) -> bool:
-        _layout(tensors, self.slot_bytes, self)
+        slot_layout(tensors, self.slot_bytes, self)
         if self._closed or self._ring.consumer_closed:
             raise self._broken()
         slot = _take(

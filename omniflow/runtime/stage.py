@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from omniflow.plan import ChannelPlan, StagePlan
-from omniflow.runtime.values import concat
+from omniflow.runtime.port_values import concat
 
 
 @dataclass(frozen=True)

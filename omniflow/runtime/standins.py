@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 
+from omniflow.dtypes import torch_dtype
 from omniflow.runtime.python_backend import function_backend
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
@@ -35,7 +36,7 @@ def _pattern(shape: tuple[int, ...], key: int, dtype: str) -> torch.Tensor:
     for d in shape:
         n *= d
     x = torch.arange(n, dtype=torch.float64) * 0.001 + (key % 10007) * 0.01
-    return torch.sin(x).reshape(shape).to(getattr(torch, dtype))
+    return torch.sin(x).reshape(shape).to(torch_dtype(dtype))
 
 
 def _param(call: Call, spec: StageSpec, key: str, default):

@@ -12,9 +12,9 @@ import torch
 from diffusers import DiffusionPipeline
 
 from omniflow.backends.diffusion import DiffusersBackendError, pack_prompts, unpack_prompts
+from omniflow.checkpoints.tiny import build_tiny
 from omniflow.compiler import compile_file, compile_source
-from omniflow.models.tiny import build_tiny
-from omniflow.models.tiny_recipes import quiet
+from omniflow.hf_logging import quiet
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import admit, stage_params

@@ -5,8 +5,8 @@ speaker and seed) on tiny:qwen2.5-omni."""
 import pytest
 import torch
 
+from omniflow.checkpoints.tiny import build_tiny, reference_omni_generate
 from omniflow.compiler import compile_source
-from omniflow.models.tiny import build_tiny, reference_omni_generate
 from omniflow.runtime.engine import Engine
 
 torch.set_num_threads(1)
@@ -35,7 +35,7 @@ def test_streamed_three_stage_audio_equals_the_monolithic_generate():
         build_tiny("qwen2.5-omni"), prompt, max_new_tokens=6, talker_max_new_tokens=48
     )
     plan = compile_source(SOURCE, "omni_audio.omni", devices="cpu")
-    assert [x.stages for x in plan.executors] == [["thinker", "talker"], ["code2wav"]]
+    assert [x.stage_names for x in plan.executors] == [["thinker", "talker"], ["code2wav"]]
     with Engine(plan, "process") as engine:
         chunks = list(engine.stream_sync({"prompt": prompt}, {"max_tokens": 6}))
     text = "".join(c.value for c in chunks if c.output == "text" and c.value)

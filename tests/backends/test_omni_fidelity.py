@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from omniflow.backends.models.qwen_omni import talker_to_code2wav, thinker_to_talker
 from omniflow.backends.transformers_ar import TransformersAR
+from omniflow.checkpoints.tiny import build_tiny, reference_omni_generate
 from omniflow.compiler import compile_source
-from omniflow.models.qwen_omni import talker_to_code2wav, thinker_to_talker
-from omniflow.models.tiny import build_tiny, reference_omni_generate
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import RequestFailed

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from omniflow.backends.transformers_ar import ARBackendError, TextStream, TransformersAR
+from omniflow.checkpoints.tiny import build_tiny
 from omniflow.compiler import compile_source
-from omniflow.models.tiny import build_tiny
-from omniflow.models.tiny_recipes import quiet
+from omniflow.hf_logging import quiet
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.stage import Call, InputStream, StageSpec
 

@@ -28,16 +28,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from omniflow.backends.models.qwen_omni_token2wav import bigvgan_field
 from omniflow.backends.receptive_field import Field
-from omniflow.backends.vocoders import (
-    Vocoder,
-    VocoderError,
-    bigvgan_field,
-    codec_field,
-    field_reach,
-)
+from omniflow.backends.vocoders import Vocoder, VocoderError, field_reach
+from omniflow.checkpoints.tiny import build_tiny, reference_omni_generate, reference_tts
 from omniflow.compiler import compile_file, compile_source
-from omniflow.models.tiny import build_tiny, reference_omni_generate, reference_tts
 from omniflow.plan import StagePlan
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
@@ -470,7 +465,7 @@ def test_no_sample_outside_the_field_depends_on_the_frame(name, request):
         y = x.clone()
         y[..., frame] += 1.0
     else:
-        field, decode = codec_field(decoder.model), decoder._run
+        field, decode = decoder.field(), decoder._run
         x = torch.randint(0, decoder.codebook_size, (1, decoder.num_codebooks, frames), generator=g)
         y = x.clone()
         y[..., frame] = (y[..., frame] + 1) % decoder.codebook_size

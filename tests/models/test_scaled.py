@@ -3,10 +3,10 @@
 import pytest
 import torch
 
+from omniflow.checkpoints.scaled import REAL_OMNI, scaled_omni_config
 from omniflow.errors import ModelConfigError
 from omniflow.models.catalog import load_component_config
 from omniflow.models.costs import count_parameters
-from omniflow.models.scaled import REAL_OMNI, scaled_omni_config
 
 
 def _parts(depth: float) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""Tests of omniflow.models.tiny: the tiny offline checkpoints and their references.
+"""Tests of omniflow.checkpoints.tiny: the tiny offline checkpoints and their references.
 
 Each checkpoint is built once into a temporary cache, then loaded through the
 ordinary from_pretrained paths (AutoConfig, AutoModel*, AutoTokenizer, DiffusionPipeline)
@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from omniflow.models.tiny import (
+from omniflow.checkpoints.tiny import (
     MANIFEST,
     TINY_MODELS,
     build_tiny,
@@ -27,7 +27,8 @@ from omniflow.models.tiny import (
     reference_tts,
     reference_vl_generate,
 )
-from omniflow.models.tiny_recipes import portable_uniform, quiet
+from omniflow.checkpoints.tiny_recipes import portable_uniform
+from omniflow.hf_logging import quiet
 
 pytestmark = pytest.mark.timeout(120)
 

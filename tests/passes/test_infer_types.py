@@ -1,5 +1,8 @@
+import pytest
+
+from omniflow.errors import PassError
 from omniflow.ir.types import TensorSpec
-from tests.passes.helpers import run_until
+from tests.passes.helpers import GRAPHS, run_until
 
 
 def _edge(graph, name):
@@ -37,3 +40,26 @@ def test_image_shapes_follow_height_width_and_vae_scale():
 def test_codec_frames_carry_every_codebook():
     graph = run_until("infer_types", "tts")
     assert _edge(graph, "codec_lm.codes->decoder.codes").meta["item"] == TensorSpec("int64", (16,))
+
+
+def test_audio_outputs_take_the_sample_rate_of_their_vocoder():
+    # token2wav's config does not state its rate (the catalog knows it: 24 kHz); Qwen3-TTS's
+    # speech tokenizer config does (output_sample_rate). Neither program writes rate=.
+    for example in ("omni_chat", "tts"):
+        graph = run_until("infer_types", example)
+        assert "rate" not in graph.node("audio").params
+        assert graph.node("audio").meta["attrs"] == {"rate": 24000}
+    assert graph.node("codec_lm").meta["out"]  # stages keep their port specs
+    assert run_until("infer_types", "omni_chat").node("text").meta["attrs"] == {}
+
+
+def test_a_written_rate_must_be_the_vocoders():
+    source = (GRAPHS / "tts.omni").read_text()
+    agreeing = source.replace("output audio [stream]", "output audio [stream, rate=24000]")
+    assert run_until("infer_types", agreeing).node("audio").meta["attrs"] == {"rate": 24000}
+    wrong = source.replace("output audio [stream]", "output audio [stream, rate=16000]")
+    with pytest.raises(PassError, match="pass 'infer_types'") as info:
+        run_until("infer_types", wrong)
+    message = str(info.value)
+    assert "output 'audio' says rate=16000, but stage 'decoder'" in message
+    assert "makes 24000 Hz audio" in message

@@ -43,3 +43,13 @@ def fail_on_boom(batch):
 def silent(batch):
     """text -> nothing: a stage whose output stream ends without a value."""
     return [{} for _ in batch]
+
+
+def widen(call):
+    """tokens -> tokens; a request whose first token is 99 emits one step far wider than the
+    channel's item (a payload no ring slot planned for)."""
+    while (chunk := (yield from call.read("in"))) is not None:
+        call.emit(
+            "out", torch.zeros(1, 1 << 20, dtype=torch.int64) if int(chunk[0, 0]) == 99 else chunk
+        )
+        yield

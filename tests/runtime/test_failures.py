@@ -200,4 +200,23 @@ def test_downstream_starts_on_the_first_chunk_and_short_requests_overtake_long_o
     assert first_at < long_done_at / 2  # the consumer got chunk one long before the producer ended
     assert short["out"].flatten().tolist() == [0, 2, 4]
     assert short_done_at < long_done_at  # a request waiting for chunks does not hold up another
-    assert rest[-1].final
+    assert rest[-1].end
+
+
+def test_a_payload_too_big_for_its_slot_fails_only_its_request(no_leaks):
+    plan = compile_source(
+        """pipeline p {
+          stage up = python(fn=tests.runtime.stages.widen, inputs="in:tokens", outputs="out:tokens")
+          stage down = python(fn=tests.runtime.stages.double, inputs="in:tokens", outputs="out:tokens")
+          input x: tokens -> up
+          up.out -> down [stream, chunk=8]
+          down.out -> output y
+        }""",
+        "p.omni",
+    )
+    with Engine(plan, "process") as engine:
+        pids = engine.executor_pids
+        with pytest.raises(RequestFailed, match="does not fit a .*-byte slot"):
+            engine.generate({"x": [[99]]})
+        assert engine.generate({"x": [[3]]})["y"].flatten().tolist() == [6]
+        assert engine.executor_pids == pids  # no executor died for it

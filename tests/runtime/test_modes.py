@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from omniflow.compiler import compile_file
+from omniflow.compiler import compile_file, compile_source
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 
@@ -62,14 +62,14 @@ def test_modes_match_the_interpreter(example, mode):
             assert_same(engine.generate(inputs, params), want)
 
 
-def test_stream_delivers_every_output_in_order_with_one_final_chunk():
+def test_stream_delivers_every_output_in_order_with_one_end_chunk():
     plan = compile_file(GRAPHS / "omni_chat.omni", devices="2xH200")
     with Engine(plan, "process", backends="standin") as engine:
         chunks = list(engine.stream_sync({"prompt": "stream please"}, {"max_tokens": 40}))
     for output in ("text", "audio"):
         mine = [c for c in chunks if c.output == output]
         assert [c.index for c in mine] == list(range(len(mine)))
-        assert [c.final for c in mine] == [False] * (len(mine) - 1) + [True]
+        assert [c.end for c in mine] == [False] * (len(mine) - 1) + [True]
     audio = [c.value.shape[0] for c in chunks if c.output == "audio" and c.value is not None]
     schedule = next(c.schedule for c in plan.channels if c.name == "code2wav.audio->audio.in")
     # Chunks follow the schedule (the last one may be short); text streams token by token.
@@ -93,3 +93,33 @@ def test_async_stream_from_several_concurrent_requests():
         results = asyncio.run(main(engine))
     for text, audio in zip(texts, results, strict=True):
         assert torch.equal(audio, reference.run({"text": text})["audio"])
+
+
+IDENTITY = 'python(fn=omniflow.runtime.builtin_stages.identity, inputs="in:{}", outputs="out:{}")'
+MAPS = f"""pipeline maps {{
+  stage a = {IDENTITY.format("audio", "audio")}
+  stage b = {IDENTITY.format("audio", "image")}
+  stage c = {IDENTITY.format("image", "image")}
+  input x: audio -> map(gain(0.5) | clamp(-1, 1)) -> a
+  a.out -> map(gain(2.0)) -> b.in [stream, chunk=1]
+  b.out -> map(denorm | to_uint8) -> c.in [stream, chunk=8]
+  c.out -> map(gain(0.5)) -> output y [stream]
+}}"""
+
+
+@pytest.mark.parametrize("mode", ["inprocess", "process"])
+def test_map_chains_run_once_in_every_position(mode):
+    plan = compile_source(MAPS, "maps.omni")
+    runs_in = {c.name: (c.kind, c.pointwise["runs_in"]) for c in plan.channels}
+    assert runs_in == {
+        "x.out->a.in": ("shm", "frontend"),  # the frontend, on the input side
+        "a.out->b.in": ("local", "a+b"),  # a fused edge
+        "b.out->c.in": ("shm", "a+b"),  # an executor, on its way out
+        "c.out->y.in": ("shm", "frontend"),  # the frontend, on the output side
+    }
+    x = torch.tensor([[0.5], [-0.25], [1.0], [0.1]])
+    # x/2 clamped, doubled, [-1, 1] -> [0, 255], halved.
+    want = torch.floor((x.clamp(-1, 1) + 1) * 0.5 * 255 + 0.5) * 0.5
+    assert torch.equal(Interpreter(plan).run({"x": x})["y"], want)
+    with Engine(plan, mode) as engine:
+        assert torch.equal(engine.generate({"x": x})["y"], want)

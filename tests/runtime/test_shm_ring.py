@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from omniflow.errors import ChannelError
-from omniflow.runtime.messages import ChunkMeta
+from omniflow.runtime.doorbells import ChunkMeta
 from omniflow.runtime.shm_ring import (
     SEGMENT_PREFIX,
     SHM_DIR,
@@ -161,7 +161,7 @@ def _stream(producer, n: int):
     blocked = 0
     for i in range(n):
         chunk = (torch.full((256,), i, dtype=torch.int32), torch.tensor([i, blocked]))
-        meta = ChunkMeta("stream", i, eos=i == n - 1)
+        meta = ChunkMeta("stream", i, end=i == n - 1)
         if not producer.try_put(chunk, meta):
             blocked += 1
             producer.put(chunk, meta)
@@ -209,9 +209,9 @@ def test_round_trip_through_a_peer(kind, peers):
     samples = _samples()
     chunks = [(t,) for t in samples] + [tuple(samples)]
     for i, chunk in enumerate(chunks):
-        out.put(chunk, ChunkMeta("req-1", i, eos=i == len(chunks) - 1))
+        out.put(chunk, ChunkMeta("req-1", i, end=i == len(chunks) - 1))
         with back.get(timeout=30) as item:
-            assert item.meta == ChunkMeta("req-1", i, eos=i == len(chunks) - 1)
+            assert item.meta == ChunkMeta("req-1", i, end=i == len(chunks) - 1)
             assert len(item.tensors) == len(chunk)
             for sent, got in zip(chunk, item.tensors, strict=True):
                 assert _same(sent, got), (sent, got)
@@ -243,7 +243,7 @@ def test_backpressure_blocks_a_fast_producer_without_loss(kind, peers):
     for i in range(n):
         with consumer.get(timeout=30) as item:
             values, (index, blocked) = item.tensors
-            assert item.meta == ChunkMeta("stream", i, eos=i == n - 1)
+            assert item.meta == ChunkMeta("stream", i, end=i == n - 1)
             assert index == i and bool((values == i).all())
             waits = int(blocked)
         if i % 100 == 0:
@@ -346,7 +346,7 @@ def test_close_wakes_a_producer_blocked_on_credits(kind, pair):
 def test_consumer_drains_what_was_put_before_the_producer_closed(kind, pair):
     producer, consumer = pair(kind, 4, 64)
     for i in range(3):
-        producer.put(torch.full((2,), i), ChunkMeta("r", i, eos=i == 2))
+        producer.put(torch.full((2,), i), ChunkMeta("r", i, end=i == 2))
     with consumer.get(timeout=5):
         pass  # a credit the producer never reads before closing
     producer.close()

@@ -112,6 +112,6 @@ class Pipeline:
         )
 
     def build(self) -> Graph:
-        from omniflow.ir.build import build
+        from omniflow.ir.from_ast import build
 
         return build(self._ast)

@@ -3,8 +3,8 @@
 The checkpoint (Qwen3-TTS's layout, as `tiny:tts` mirrors it) is a directory of parts
 named by `model_index.json`: the codec LM (`talker/`, a causal LM with its tokenizer) and
 the codec decoder (`code2wav/`, run by a vocoder stage). The index also gives the codec-token
-layout and the speakers. This reproduces the unsplit pipeline (`omniflow.models.tiny.
-reference_tts`):
+layout and the speakers. This reproduces the unsplit pipeline
+(`omniflow.checkpoints.tiny.reference_tts`):
 
 - the prompt is `text_template.format(text=...)` tokenized, then the voice's speaker
   token, then codec bos;
@@ -16,32 +16,20 @@ reference_tts`):
 
 from __future__ import annotations
 
-import json
-
 import torch
 
+from omniflow.backends.checkpoint_files import INDEX, read_json
 from omniflow.backends.transformers_ar import ARBackendError, CausalLM, Prompt
 from omniflow.runtime.stage import Call
 
-INDEX = "model_index.json"
 _LAYOUT = ("codec_token_offset", "codebook_size", "codec_bos_token_id", "speakers")
 
 
-def read_index(path: str) -> dict | None:
-    """The checkpoint's `model_index.json`, or None if it has none."""
-    from transformers.utils import cached_file
-
-    found = cached_file(path, INDEX, _raise_exceptions_for_missing_entries=False)
-    if found is None:
-        return None
-    with open(found, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def load(path: str, index: dict, component: str | None, device: str, dtype) -> CausalLM:
-    """The codec LM part `component` of the indexed checkpoint at `path`."""
+def load(path: str, component: str | None, device: str, dtype) -> CausalLM:
+    """The codec LM part `component` of the checkpoint of parts at `path`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    index = read_json(path, INDEX) or {}
     lms = [
         name
         for name, part in index.items()

@@ -3,7 +3,7 @@
 A recipe writes one checkpoint directory with the same `save_pretrained` calls a real
 checkpoint's authors use, so loading it goes through exactly the code path that loads the
 real model. Weights are random but seeded in a way that gives the same bytes on every
-machine (`seed_weights`). `omniflow.models.tiny` runs recipes into its cache atomically;
+machine (`seed_weights`). `omniflow.checkpoints.tiny` runs recipes into its cache atomically;
 this module only knows what goes into the directory.
 
 Layout facts that users of a checkpoint need (special-token ids, codec-token offsets,
@@ -12,9 +12,7 @@ speaker tokens) are written into the checkpoint's own config files, never only k
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib.util
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -26,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omniflow.models.tiny_tokenizer import build_tokenizer
+from omniflow.checkpoints.tiny_tokenizer import build_tokenizer
 
 # Bump when any recipe's output changes, so cached checkpoints are rebuilt.
 RECIPE_VERSION = 1
@@ -162,36 +160,6 @@ def _special_ids(tokenizer) -> dict[str, int]:
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-@contextlib.contextmanager
-def quiet() -> Iterator[None]:
-    """Silence transformers' and diffusers' logging and progress bars for a block.
-
-    Building and loading the tiny checkpoints is not news: without this every load prints
-    weight-loading bars, and Qwen2.5-Omni's talker config warns on every construction that
-    it names thinker-vocabulary ids (its text and vision tokens) outside its own codec
-    vocabulary, which the real config does too.
-    """
-    import transformers.utils.logging as transformers_logging
-
-    libs = [transformers_logging]
-    # Only the text-to-image recipe needs diffusers; the others build without it.
-    if importlib.util.find_spec("diffusers") is not None:
-        import diffusers.utils.logging as diffusers_logging
-
-        libs.append(diffusers_logging)
-    saved = [(lib, lib.get_verbosity(), lib.is_progress_bar_enabled()) for lib in libs]
-    for lib, _, _ in saved:
-        lib.set_verbosity_error()
-        lib.disable_progress_bar()
-    try:
-        yield
-    finally:
-        for lib, verbosity, bars in saved:
-            lib.set_verbosity(verbosity)
-            if bars:
-                lib.enable_progress_bar()
 
 
 # --- qwen2 ---------------------------------------------------------------------------------

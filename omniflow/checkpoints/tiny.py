@@ -19,7 +19,6 @@ through the same `from_pretrained(local_dir)` path as a real checkpoint.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import hashlib
 import importlib.metadata
 import json
@@ -32,13 +31,14 @@ from typing import NamedTuple
 
 import torch
 
-from omniflow.models.tiny_recipes import (
+from omniflow.checkpoints.tiny_recipes import (
     RECIPE_VERSION,
     RECIPES,
     TTS_INDEX,
     Recipe,
-    quiet,
 )
+from omniflow.hf_logging import quiet
+from omniflow.hints import did_you_mean
 
 TINY_MODELS: dict[str, str] = {name: recipe.description for name, recipe in RECIPES.items()}
 # Written last into a finished checkpoint: what built it and every file's size and hash.
@@ -101,9 +101,11 @@ def is_complete(directory: str | Path, name: str) -> bool:
 
 def _recipe(name: str) -> Recipe:
     if name not in RECIPES:
-        close = difflib.get_close_matches(name, list(RECIPES), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise KeyError(f"unknown tiny model '{name}' (known: {', '.join(list_tiny())}){hint}")
+        hint = did_you_mean(name, RECIPES)
+        raise KeyError(
+            f"unknown tiny model '{name}' (known: {', '.join(list_tiny())})"
+            + (f"; {hint}" if hint else "")
+        )
     return RECIPES[name]
 
 

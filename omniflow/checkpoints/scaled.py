@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 
-from omniflow.errors import ModelConfigError
-from omniflow.models.catalog import builtin_files
-from omniflow.models.tiny_recipes import (
+from omniflow.checkpoints.tiny_recipes import (
     _omni_config,
     _silence_rows,
     _speaker_map,
     build_tokenizer,
-    quiet,
 )
+from omniflow.errors import ModelConfigError
+from omniflow.hf_logging import quiet
+from omniflow.models.catalog import builtin_files
 
 REAL_OMNI = "Qwen/Qwen2.5-Omni-7B"
 # Written last: a directory without it is an interrupted build.
@@ -160,7 +160,7 @@ def build_scaled_omni(out: str | Path, depth: float = 1.0, device: str = "cuda")
 
 def scaled_checkpoint(depth: float, device: str = "cuda") -> Path:
     """The scaled checkpoint of `depth` under `$OMNIFLOW_CACHE/scaled/`, built on first use."""
-    from omniflow.models.tiny import tiny_cache_dir
+    from omniflow.checkpoints.tiny import tiny_cache_dir
 
     out = tiny_cache_dir().parent / "scaled" / f"qwen2.5-omni-{depth:g}"
     if not (out / MANIFEST).exists():

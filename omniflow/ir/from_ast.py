@@ -6,13 +6,13 @@ GraphError that points at the offending source span and, where it helps, suggest
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 
 from omniflow import adapters
 from omniflow.dsl import ast
 from omniflow.errors import GraphError, Span
+from omniflow.hints import did_you_mean, one_of, suggest
 from omniflow.ir.graph import (
     INPUT,
     OUTPUT,
@@ -39,11 +39,6 @@ from omniflow.kernels.pointwise_ops import OPS
 _DEVICE = re.compile(r"^(cpu|cuda)(:\d+)?$")
 
 
-def did_you_mean(name: str, choices) -> str | None:
-    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f"did you mean '{close[0]}'?" if close else None
-
-
 def bounds_text(spec: ParamSpec) -> str:
     """`between 1 and 1048576`, `at least 0`: a number's bounds in words."""
     if spec.high == math.inf:
@@ -53,16 +48,9 @@ def bounds_text(spec: ParamSpec) -> str:
     return f"between {spec.low:g} and {spec.high:g}"
 
 
-def one_of(choices) -> str:
-    return ", ".join(str(c) for c in choices)
+class _GraphBuilder:
+    """One program's build: declarations first, then flows, then whole-graph checks."""
 
-
-def suggest(name: str, choices, label: str) -> str:
-    """The closest choice to `name` if one is close, else every choice under `label`."""
-    return did_you_mean(name, choices) or f"{label}: {one_of(choices)}"
-
-
-class _Builder:
     def __init__(self, program: ast.Pipeline):
         self.program = program
         self.models = program.models
@@ -465,7 +453,7 @@ class _Builder:
 
 def build(program: ast.Pipeline) -> Graph:
     """Resolve names and check types of a parsed program; return its lint-clean Graph."""
-    builder = _Builder(program)
+    builder = _GraphBuilder(program)
     builder.declarations()
     for flow in program.flows:
         builder.flow(flow)

@@ -47,5 +47,7 @@ def concat(port_type: str, chunks: list):
 
 
 def steps(port_type: str, value) -> int:
-    """How many steps a chunk holds (a text chunk counts as one)."""
-    return 1 if port_type in TEXT_TYPES else int(value.shape[0]) if value.dim() else 1
+    """How many steps a chunk holds (a text chunk, or an image given as a path, counts as one)."""
+    if port_type in TEXT_TYPES or not isinstance(value, torch.Tensor) or not value.dim():
+        return 1
+    return int(value.shape[0])

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from omniflow.compiler import compile_source
-from omniflow.runtime import protocol
+from omniflow.runtime import control
+from omniflow.runtime.doorbells import ChunkMeta
 from omniflow.runtime.engine import Engine
-from omniflow.runtime.executor import Executor
-from omniflow.runtime.links import Inbound, Outbound
-from omniflow.runtime.messages import ChunkMeta
+from omniflow.runtime.link import Inbound, Outbound
+from omniflow.runtime.loop import ProgramLoop
 from omniflow.runtime.shm_ring import local_channel
 
 IDENTITY = "python(fn=omniflow.runtime.builtin_stages.identity, max_batch=1)"
@@ -29,19 +29,19 @@ PARAMS = {"b": {"fn": "omniflow.runtime.builtin_stages.identity", "max_batch": 1
 
 
 class Harness:
-    """Executor `b` of the chain alone, its rings in-process: we feed its input and read its
-    output, and hold its start queue."""
+    """The program of executor `b` of the chain, alone, its rings in-process: we feed its
+    input and read its output, and hold its start queue."""
 
     def __init__(self, out_slots: int = 4):
         plan = compile_source(CHAIN, "chain.omni")
-        self.executor = Executor(plan, "b")
-        into = next(c for c in plan.channels if c.dst == "b")
-        out = next(c for c in plan.channels if c.src == "b")
+        program = plan.program("b")
+        self.executor = ProgramLoop(program)
+        (into,), (out,) = program.inbound, program.outbound
         self.input, consumer = local_channel(into.slots, into.slot_bytes)
         producer, self.output = local_channel(out_slots, out.slot_bytes)
-        self.executor.inbound[into.name] = Inbound(into, consumer)
-        self.executor.outbound[out.name] = Outbound(out, producer)
-        self.start_queue: list[protocol.Start] = []
+        self.executor.links.set_inbound(Inbound(into, consumer))
+        self.executor.links.set_outbound(Outbound(out, producer))
+        self.start_queue: list[control.Start] = []
         self.starts_read = 0
         self.executor.queued_starts = self._queued_starts
 
@@ -51,7 +51,7 @@ class Harness:
             yield self.start_queue.pop(0)
 
     def send(self, request_id: str, value: int) -> None:
-        self.input.put(torch.tensor([[value]]), ChunkMeta(request_id, 0, eos=True))
+        self.input.put(torch.tensor([[value]]), ChunkMeta(request_id, 0, end=True))
 
     def turns(self, limit: int = 20) -> int:
         """Pump until the executor says nothing is left to do; how many turns that took."""
@@ -63,14 +63,14 @@ class Harness:
     def received(self) -> list[tuple[str, list, bool]]:
         got = []
         while (item := self.output.try_get()) is not None:
-            got.append((item.meta.request_id, item.tensors[0].flatten().tolist(), item.meta.eos))
+            got.append((item.meta.request_id, item.tensors[0].flatten().tolist(), item.meta.end))
             item.release()
         return got
 
 
 def test_a_request_starts_from_the_queue_when_its_chunk_arrives_and_then_the_loop_may_sleep():
     h = Harness()
-    h.start_queue.append(protocol.Start("r1", PARAMS))
+    h.start_queue.append(control.Start("r1", PARAMS))
     assert not h.executor.pump()  # nothing arrived: the queue is not even read
     assert h.starts_read == 0
     h.send("r1", 7)
@@ -83,7 +83,7 @@ def test_a_request_starts_from_the_queue_when_its_chunk_arrives_and_then_the_loo
 
 def test_reading_the_queue_stops_at_the_start_the_chunk_needs():
     h = Harness()
-    h.start_queue += [protocol.Start(r, PARAMS) for r in ("r1", "r2", "r3")]
+    h.start_queue += [control.Start(r, PARAMS) for r in ("r1", "r2", "r3")]
     h.send("r2", 5)
     h.turns()
     # r1 and r2 were read (in queue order), r3 waits for its own chunk.
@@ -101,7 +101,7 @@ def test_a_chunk_whose_start_is_not_queued_waits_for_it_without_spinning():
     h.send("r1", 3)
     assert not h.executor.pump()  # nothing can run: the loop may sleep
     assert h.received() == []
-    h.executor.start(protocol.Start("r1", PARAMS))  # as when it comes over zmq
+    h.executor.start(control.Start("r1", PARAMS))  # as when it comes over zmq
     h.turns()
     assert h.received() == [("r1", [3], True)]
 
@@ -109,7 +109,7 @@ def test_a_chunk_whose_start_is_not_queued_waits_for_it_without_spinning():
 def test_a_stage_without_credit_lets_the_loop_sleep_and_resumes_when_credit_returns():
     h = Harness(out_slots=1)
     for i in range(3):
-        h.start_queue.append(protocol.Start(f"r{i}", PARAMS))
+        h.start_queue.append(control.Start(f"r{i}", PARAMS))
         h.send(f"r{i}", i)
         h.turns()
     # r0 fills the output ring, r1 waits in the outbox, and the stage stops there: r2 waits.
@@ -126,7 +126,7 @@ def test_a_stage_without_credit_lets_the_loop_sleep_and_resumes_when_credit_retu
 @pytest.mark.parametrize("queued", [True, False], ids=["start-queue", "zmq"])
 def test_a_start_too_big_for_the_queue_goes_over_zmq(queued, monkeypatch):
     if not queued:
-        monkeypatch.setattr(protocol, "QUEUED_START_MAX_BYTES", 0)
+        monkeypatch.setattr(control, "QUEUED_START_MAX_BYTES", 0)
     plan = compile_source(CHAIN, "chain.omni")
     with Engine(plan, "process") as engine:
         for i in range(5):

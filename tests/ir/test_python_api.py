@@ -59,7 +59,6 @@ def omni_chat():
         p.output("audio"),
         maps=[("gain", 0.9), ("clamp", -1, 1), "pcm16"],
         stream=True,
-        rate=24000,
     )
     p.flow(thinker.text, p.output("text"), stream=True)
     return p
@@ -73,9 +72,7 @@ def tts():
     p.flow(p.input("text", "text"), lm)
     p.flow(p.input("voice", "text", default="Vivian"), lm.voice)
     p.flow(lm.codes, decoder, stream=True, chunk=auto, context=25)
-    p.flow(
-        decoder.audio, p.output("audio"), maps=[("clamp", -1, 1), "pcm16"], stream=True, rate=24000
-    )
+    p.flow(decoder.audio, p.output("audio"), maps=[("clamp", -1, 1), "pcm16"], stream=True)
     return p
 
 

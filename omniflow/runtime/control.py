@@ -46,7 +46,7 @@ class Cancel(msgspec.Struct, tag=True):
 
 
 class Reset(msgspec.Struct, tag=True):
-    peer: str  # the executor that died
+    peers: list[str]  # the executors that died
 
 
 class Shutdown(msgspec.Struct, tag=True):

@@ -16,7 +16,7 @@ class ChunkMeta(msgspec.Struct, frozen=True, array_like=True):
 
     request_id: str
     chunk: int = 0
-    eos: bool = False
+    end: bool = False
 
 
 class TensorHeader(msgspec.Struct, frozen=True, array_like=True):

@@ -1,0 +1,261 @@
+"""Qwen2.5-Omni's token2wav as a decoder of the vocoder backend (`omniflow.backends.vocoders`):
+a flow-matching DiT from codes to mel, then BigVGAN from mel to waveform.
+
+Token2wav's DiT is not local: each of its passes attends one 24-mel-frame block (12 codes)
+back and one ahead, and a sample takes 36 passes (10 RK4 steps), so influence keeps
+spreading. It is decoded in windows on a fixed grid of one-block units — one unit, then two,
+then four at a time (`WINDOW_BLOCKS` in the model catalog, which the compiler sizes the
+edge's chunks by) — each starting on a block boundary, so its waveform does not depend on
+how the codes happened to be chunked: the reference interpreter and every runtime mode
+agree, whatever the timing. Two blocks of context and of lookahead bring the stream within
+about 1e-4 of the whole-utterance decode; one block of lookahead (Qwen's own streaming
+setting) within about 1e-2 (tests/backends/test_vocoders.py measures both). Its initial
+noise is drawn per arriving frame from a generator seeded with the request's `seed`: the
+numbers one `torch.randn` over the whole utterance draws after `torch.manual_seed(seed)`, so
+every window slices the same fixed noise.
+
+The DiT masks padding out of attention exactly; the vocoder backend's padding rule covers
+the BigVGAN, which reaches 18 mel frames (9 codes) each way on tiny:qwen2.5-omni.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Hashable
+
+import torch
+from transformers import Qwen2_5OmniConfig
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+    Qwen2_5OmniAMPBlock,
+    Qwen2_5OmniAntiAliasedActivation1d,
+    Qwen2_5OmniToken2WavBigVGANModel,
+    Qwen2_5OmniToken2WavModel,
+)
+from transformers.utils import cached_file
+
+from omniflow.backends import receptive_field
+from omniflow.backends.receptive_field import Field
+from omniflow.backends.vocoders import (
+    Decoder,
+    Reach,
+    VocoderError,
+    Window,
+    checked_samples_per_frame,
+    field_reach,
+    padded,
+)
+from omniflow.hf_logging import quiet
+from omniflow.models.catalog import block_grid
+from omniflow.runtime.stage import Call
+
+COMPONENT = "token2wav"
+# Qwen2_5OmniForConditionalGeneration.generate's default speaker.
+DEFAULT_SPEAKER = "Chelsie"
+
+
+def load(root: str, component: str | None, device: str) -> Token2Wav:
+    """The token2wav of the Qwen2.5-Omni checkpoint at `root`."""
+    if component != COMPONENT:
+        raise VocoderError(
+            f"Qwen2.5-Omni's vocoder is its '{COMPONENT}', not '{component}'; "
+            f'use component="{COMPONENT}" (the thinker and talker run on ar stages)'
+        )
+    return Token2Wav(root, device)
+
+
+# --- BigVGAN's receptive field, walked in its forward order ----------------------------------
+
+
+def bigvgan_field(model: Qwen2_5OmniToken2WavBigVGANModel) -> Field:
+    """Mel frame 0's field in the waveform of Qwen2.5-Omni's BigVGAN (its mel preprocessing and
+    the final clamp are elementwise)."""
+    field = receptive_field.conv1d(Field(0, 0), model.conv_pre)
+    blocks = model.num_residual_blocks
+    for index, (upsample,) in enumerate(model.ups):
+        field = receptive_field.conv_transpose1d(field, upsample)
+        parallel = model.resblocks[index * blocks : (index + 1) * blocks]  # averaged
+        field = receptive_field.union(*(_amp_block_field(field, block) for block in parallel))
+    field = _anti_aliased_field(field, model.activation_post)
+    return receptive_field.conv1d(field, model.conv_post)
+
+
+def _amp_block_field(field: Field, block: Qwen2_5OmniAMPBlock) -> Field:
+    acts1, acts2 = block.activations[::2], block.activations[1::2]
+    for conv1, conv2, act1, act2 in zip(block.convs1, block.convs2, acts1, acts2, strict=True):
+        branch = receptive_field.conv1d(_anti_aliased_field(field, act1), conv1)
+        branch = receptive_field.conv1d(_anti_aliased_field(branch, act2), conv2)
+        field = receptive_field.union(field, branch)
+    return field
+
+
+def _anti_aliased_field(field: Field, activation: Qwen2_5OmniAntiAliasedActivation1d) -> Field:
+    """Upsampling filter, elementwise SnakeBeta, downsampling filter; their replicate padding
+    and trimming only move positions."""
+    up, down = activation.upsample, activation.downsample
+    field = receptive_field.shift(field, up.pad)
+    field = receptive_field.conv_transpose(field, up.filter.shape[-1], up.stride)
+    field = receptive_field.shift(field, -up.pad_left)
+    return receptive_field.conv(field, down.filter.shape[-1], down.stride, down.pad_left)
+
+
+# --- the decoder -------------------------------------------------------------------------
+
+
+class Token2Wav(Decoder):
+    """Qwen2.5-Omni token2wav: a flow-matching DiT samples mel (`repeats` frames per code)
+    with classifier-free guidance, BigVGAN turns mel into waveform.
+
+    It runs the model's own modules; the sampling loop is written out here (transformers'
+    `sample` draws its noise from the global RNG and cannot batch requests): per-request
+    noise and speakers, padded rows masked out of attention, speaker encodings computed once
+    per speaker instead of once per DiT pass. Request parameters: `speaker` (default
+    Chelsie), `seed` (0), `steps` (10 ODE steps), `guidance` (0.5).
+    """
+
+    def __init__(self, root: str, device: str):
+        with quiet():
+            config = Qwen2_5OmniConfig.from_pretrained(root).token2wav_config
+            # The checkpoint holds the whole omni model; its token2wav weights sit under
+            # `token2wav.`. transformers runs token2wav in float32 whatever the checkpoint's dtype.
+            model = Qwen2_5OmniToken2WavModel.from_pretrained(
+                root, config=config, key_mapping={r"^token2wav\.": ""}, dtype=torch.float32
+            )
+        self.model = model.to(device).eval()
+        self.device = device
+        self.dit = model.code2wav_dit_model
+        self.bigvgan = model.code2wav_bigvgan_model
+        dit_config = config.dit_config
+        self.repeats, self.mel_dim = dit_config.repeats, dit_config.mel_dim
+        self.block_size = dit_config.block_size
+        speakers = torch.load(cached_file(root, "spk_dict.pt"), weights_only=True)
+        with torch.inference_mode():
+            self.speakers = {name: self._speaker(value) for name, value in speakers.items()}
+        field = bigvgan_field(self.bigvgan)
+
+        def decode(frames: int) -> torch.Tensor:
+            return self.bigvgan(torch.zeros(1, self.mel_dim, frames, device=device))
+
+        with torch.inference_mode():
+            mel_samples = checked_samples_per_frame(field, decode)
+        mel_reach = dataclasses.astuple(field_reach(field))
+        unit, lookahead = block_grid({"dit_config": dit_config.to_dict()})
+        super().__init__(
+            samples_per_frame=mel_samples * self.repeats,
+            num_codebooks=1,
+            # DiTCodecEmbedding holds num_embeds + 1 rows.
+            codebook_size=dit_config.num_embeds + 1,
+            reach=Reach(*(_codes(mel, self.repeats) for mel in mel_reach)),
+            lookahead=lookahead,
+            unit=unit,
+        )
+
+    def _speaker(self, entry: dict) -> dict:
+        """What one speaker conditions every DiT pass with, with and without guidance."""
+        encoder = self.dit.input_embed.spk_encoder
+        ref_mel = entry["ref_mel"].float().to(self.device)
+        return {
+            "cond": entry["cond"].float().reshape(-1).to(self.device),
+            "ref": encoder(ref_mel)[0],
+            "ref_dropped": encoder(torch.zeros_like(ref_mel))[0],
+        }
+
+    def open(self, call: Call) -> dict:
+        params = call.params
+        name = params.get("speaker") or (
+            DEFAULT_SPEAKER if DEFAULT_SPEAKER in self.speakers else next(iter(self.speakers))
+        )
+        if name not in self.speakers:
+            raise VocoderError(f"unknown speaker '{name}'; known: {', '.join(self.speakers)}")
+        steps = 10 if params.get("steps") is None else params["steps"]
+        if not isinstance(steps, int) or steps < 2:
+            raise VocoderError(f"steps must be an integer of at least 2, not {steps!r}")
+        guidance = params.get("guidance")
+        seed = params.get("seed")
+        return {
+            "speaker": self.speakers[name],
+            "steps": steps,
+            "guidance": 0.5 if guidance is None else float(guidance),
+            "noise": torch.Generator().manual_seed(0 if seed is None else int(seed)),
+        }
+
+    def side(self, state: dict, frames: int) -> torch.Tensor:
+        # Frame by frame, so the numbers do not depend on how the frames were chunked.
+        draws = [
+            torch.randn(self.repeats, self.mel_dim, generator=state["noise"]) for _ in range(frames)
+        ]
+        return torch.stack(draws)
+
+    def group(self, state: dict) -> Hashable:
+        return state["steps"]
+
+    def decode(self, windows: list[Window], frames: int) -> torch.Tensor:
+        device, rows = self.device, len(windows)
+        codes = padded(windows, frames, lambda w: w.codes()[:, 0], device)
+        noise = padded(windows, frames, Window.side, device).reshape(rows, -1, self.mel_dim)
+        length = noise.shape[1]
+        # Mel positions relative to each window's start; padding gets a block of its own far
+        # from every real one, so look-back/ahead attention never reaches it.
+        offsets = torch.tensor([w.offset * self.repeats for w in windows], device=device)
+        lengths = torch.tensor([w.frames * self.repeats for w in windows], device=device)
+        position = torch.arange(length, device=device)[None] - offsets[:, None]
+        real = (position >= 0) & (position < lengths[:, None])
+        block = torch.where(real, position.div(self.block_size, rounding_mode="floor"), 1 << 30)
+        block = torch.cat([block, block])
+        block_diff = (block[:, None, :] - block[:, :, None])[:, None]
+        block_diff = block_diff.expand(-1, self.dit.num_attention_heads, -1, -1)
+        speakers = [w.stream.state["speaker"] for w in windows]
+        conditioning = torch.stack(
+            [s["ref"] for s in speakers] + [s["ref_dropped"] for s in speakers]
+        )[:, None].expand(-1, length, -1)
+        cond = torch.stack([s["cond"] for s in speakers])[:, None].expand(-1, length, -1)
+        cond = torch.cat([cond, torch.zeros_like(cond)])
+        embed = self.dit.text_embed
+        code_embed = torch.cat([embed(codes), embed(codes, drop_code=True)])
+        guidance = torch.tensor([w.stream.state["guidance"] for w in windows], device=device)
+        guidance = guidance[:, None, None]
+        positions = torch.cat([position, position])
+        # The same for every pass: it depends on the positions and the hidden dtype only.
+        rotary = self.dit.rotary_embed(code_embed, positions)
+
+        def velocity(time: torch.Tensor, mel: torch.Tensor) -> torch.Tensor:
+            """The guided DiT prediction (Qwen2_5OmniToken2WavDiTModel.forward, batched)."""
+            time_embedding = self.dit.time_embed(time.repeat(2 * rows))
+            hidden = torch.cat([mel, mel])
+            hidden = self.dit.input_embed.proj(
+                torch.cat((hidden, conditioning, code_embed, cond), dim=-1)
+            )
+            for layer in self.dit.transformer_blocks:
+                hidden = layer(
+                    hidden, time_embedding, position_embeddings=rotary, block_diff=block_diff
+                )
+            hidden = self.dit.norm_out(hidden, time_embedding)
+            guided, dropped = self.dit.proj_out(hidden).chunk(2)
+            return guided + (guided - dropped) * guidance
+
+        steps = windows[0].stream.state["steps"]
+        # Qwen2_5OmniToken2WavDiTModel.sample's time points, sway coefficient -1.
+        time = torch.linspace(0, 1, steps, device=device, dtype=noise.dtype)
+        time = time - (torch.cos(torch.pi / 2 * time) - 1 + time)
+        mel = runge_kutta4(velocity, noise, time)
+        return self.bigvgan(mel.permute(0, 2, 1)).reshape(rows, -1)
+
+
+def runge_kutta4(velocity: Callable, value: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+    """The value at `time[-1]`: transformers' `RungeKutta4ODESolver.integrate(time)[-1]`,
+    operation for operation, without its per-step comparisons of device tensors on the host,
+    which wait for the GPU each step and keep it from running ahead of the host."""
+    third = 1 / 3
+    for start, end in zip(time[:-1], time[1:], strict=True):
+        step = end - start
+        k1 = velocity(start, value)
+        k2 = velocity(start + step * third, value + step * k1 * third)
+        k3 = velocity(start + step * (2 / 3), value + step * (k2 - k1 * third))
+        k4 = velocity(end, value + step * (k1 - k2 + k3))
+        value = value + (k1 + 3 * (k2 + k3) + k4) * step / 8
+    return value
+
+
+def _codes(mel_frames: float, repeats: int) -> float:
+    """Mel frames as the codes that cover them."""
+    return mel_frames if mel_frames == math.inf else math.ceil(mel_frames / repeats)

@@ -1,0 +1,41 @@
+"""Keeping the Hugging Face libraries quiet while omniflow loads or builds models.
+
+Model backends and the tiny-checkpoint builders both load through transformers and
+diffusers, which report every load on their own; `quiet()` is the one switch for that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """Silence transformers' and diffusers' logging and progress bars for a block.
+
+    Loading a stage's model or building a tiny checkpoint is not news: without this every
+    load prints weight-loading bars, and Qwen2.5-Omni's talker config warns on every
+    construction that it names thinker-vocabulary ids (its text and vision tokens) outside
+    its own codec vocabulary, which the real config does too.
+    """
+    import transformers.utils.logging as transformers_logging
+
+    libs = [transformers_logging]
+    # Only diffusers pipelines need diffusers; everything else runs without it.
+    if importlib.util.find_spec("diffusers") is not None:
+        import diffusers.utils.logging as diffusers_logging
+
+        libs.append(diffusers_logging)
+    saved = [(lib, lib.get_verbosity(), lib.is_progress_bar_enabled()) for lib in libs]
+    for lib, _, _ in saved:
+        lib.set_verbosity_error()
+        lib.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for lib, verbosity, bars in saved:
+            lib.set_verbosity(verbosity)
+            if bars:
+                lib.enable_progress_bar()

@@ -1,0 +1,80 @@
+"""What several passes share, so that no pass imports another: the `Target` they compile
+for, the stage facts more than one pass reads, and the disjoint sets that group stages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+from omniflow.devices import Device, GiB
+from omniflow.ir.graph import INPUT, Graph, Node
+from omniflow.ir.values import Ref
+
+# A stream whose chunks are at most this many steps hands off per token: placement keeps
+# its ends on one device and stage fusion puts them in one process.
+PER_TOKEN_CHUNK = 4
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the passes compile for: the device inventory and the knobs they share."""
+
+    devices: tuple[Device, ...]
+    # Per executor process on a GPU: CUDA context, allocator slack, kernels.
+    process_overhead: int = 1 * GiB
+    # Fraction of each device's memory left unassigned as a safety margin.
+    reserve: float = 0.05
+    overrides: dict = field(default_factory=dict)
+
+
+def stage_dtype(graph: Graph, node: Node) -> str:
+    """The dtype the program asks for, else the model's own (token2wav runs in float32)."""
+    if "dtype" in node.params:
+        return graph.param_value(node, "dtype")
+    return node.meta["config"].dtype
+
+
+def cfg_path(graph: Graph) -> dict[str, str]:
+    """Stages that process an unconditional companion too (from its partner input to the
+    guided stage), each mapped to the companion input's name."""
+    doubled: dict[str, str] = {}
+    for guided in graph.stages:
+        companion = guided.params.get("cfg")
+        if not isinstance(companion, Ref):
+            continue
+        kind = graph.node(companion.dotted).params["type"]
+        partners = [
+            a
+            for a in graph.ancestors(guided.name)
+            if graph.node(a).op == INPUT and graph.node(a).params["type"] == kind
+        ]
+        reach = set().union(*(graph.descendants(p) for p in partners))
+        for name in reach & (graph.ancestors(guided.name) | {guided.name}):
+            if graph.node(name).is_stage:
+                doubled[name] = companion.dotted
+    return doubled
+
+
+class DisjointSets:
+    """Union-find over a fixed set of items: which stages must end up together."""
+
+    def __init__(self, items: Iterable[Hashable]):
+        self._parent = {item: item for item in items}
+
+    def find(self, item: Hashable) -> Hashable:
+        """The representative of `item`'s set."""
+        while self._parent[item] != item:
+            item = self._parent[item]
+        return item
+
+    def union(self, keep: Hashable, join: Hashable) -> None:
+        """Merge `join`'s set into `keep`'s (whose representative stays)."""
+        self._parent[self.find(join)] = self.find(keep)
+
+    def sets(self, order: Iterable[Hashable]) -> list[list[Hashable]]:
+        """Every set, its members and the sets themselves in the order of `order`."""
+        members: dict[Hashable, list[Hashable]] = {}
+        for item in order:
+            members.setdefault(self.find(item), []).append(item)
+        return list(members.values())

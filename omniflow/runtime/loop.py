@@ -1,0 +1,345 @@
+"""The one loop that runs any program -- an executor's or the frontend's.
+
+`StageRunner` is one stage's continuous-batching scheduler: every turn it steps up to
+`max_batch` of the requests that are ready, so a request waiting for its next chunk never
+holds up the others. `ProgramLoop` runs a `Program`: it drains its inbound channels into
+its stages (or, for channels into pipeline outputs, hands the chunks to its `sink`), steps
+the stages in topological order, passes outputs along local channels by reference and to
+other programs through their rings. The frontend's program has no stages: the engine
+`inject`s a request's inputs into it, and its sink delivers outputs to the request.
+
+Whoever drives the loop (the executor's `serve`, the engine's I/O thread) calls `pump`
+until it says nothing is left to do, then sleeps on `poll_fds`. A request's parameters
+arrive as a `Start`, read from the start queue only when the request's first chunk
+reaches the loop (control.py), so a request that goes well wakes a loop once per chunk.
+"""
+
+from __future__ import annotations
+
+import select
+import sys
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from omniflow.backends.registry import load_backend
+from omniflow.errors import ChannelError, PayloadTooLarge
+from omniflow.plan import ChannelPlan, Program
+from omniflow.runtime import control
+from omniflow.runtime.edges import StreamWriter, arriving, leaving
+from omniflow.runtime.link import Links
+from omniflow.runtime.requests import describe
+from omniflow.runtime.stage import Backend, Call, InputStream, StageSpec
+from omniflow.runtime.wakeup import Waker
+
+# How long a finished or cancelled request's late chunks are recognised and dropped.
+TOMBSTONE_S = 120.0
+
+# sink(request_id, output, value or None, end): a chunk of a pipeline output, owned by the
+# sink (copied out of its ring).
+Sink = Callable[[str, str, object, bool], None]
+
+
+@dataclass
+class Event:
+    """What a runner step produced for the loop to route: an output, an end, or a failure."""
+
+    request_id: str
+    stage: str
+    port: str | None = None
+    value: object = None
+    end: bool = False
+    error: str | None = None
+
+
+class StageRunner:
+    def __init__(self, spec: StageSpec, backend: Backend, max_batch: int):
+        self.spec = spec
+        self.name = spec.plan.name
+        self.backend = backend
+        self.max_batch = max_batch
+        self.calls: dict[str, Call] = {}
+        self.tombstones: dict[str, float] = {}
+        # Whether a step could find a call ready: something reached the stage since its last
+        # step (a chunk, a Start, a dropped call's freed room), or that step left calls behind.
+        # False lets the loop sleep without asking the backend about every call again.
+        self.maybe_ready = False
+
+    def _call(self, request_id: str) -> Call | None:
+        if request_id in self.tombstones:
+            return None
+        call = self.calls.get(request_id)
+        if call is None:
+            streams = {port: InputStream(typ) for port, typ in self.spec.inputs.items()}
+            call = self.calls[request_id] = Call(request_id, None, streams)
+        return call
+
+    def start(self, request_id: str, params: dict) -> None:
+        call = self._call(request_id)
+        if call is not None:
+            call.params = params
+            self.maybe_ready = True
+
+    def feed(self, request_id: str, port: str, value, end: bool, release=None) -> bool:
+        """Queue a chunk on the request's input; True if the request still lacks its Start."""
+        call = self._call(request_id)
+        if call is None:
+            if release is not None:
+                release()
+            return False
+        call.inputs[port].push(value, end, release)
+        self.maybe_ready = True
+        return call.params is None
+
+    def step(self) -> list[Event]:
+        """Step up to `max_batch` ready requests; what they produced."""
+        ready = [c for c in self.calls.values() if c.params is not None and self.backend.ready(c)]
+        self.maybe_ready = False
+        if not ready:
+            return []
+        batch = ready[: self.max_batch]
+        try:
+            self.backend.step(batch)
+        except Exception as err:  # a batched forward cannot say whose input broke it
+            # The requests hear the error; the log keeps where it came from.
+            print(f"stage '{self.name}': a step of {len(batch)} requests failed:", file=sys.stderr)
+            traceback.print_exc()
+            for call in batch:
+                call.fail(err)
+        events = []
+        for call in batch:
+            for stream in call.inputs.values():
+                stream.release_spent()
+            events += [
+                Event(call.request_id, self.name, port, value) for port, value in call.emitted
+            ]
+            call.emitted.clear()
+            if call.error is not None:
+                events.append(Event(call.request_id, self.name, error=describe(call.error)))
+                self.drop(call.request_id)
+            elif call.finished:
+                events.append(Event(call.request_id, self.name, end=True))
+                self.drop(call.request_id)
+        # Requests further back in line go first next time: `calls` keeps arrival order.
+        for call in batch:
+            if call.request_id in self.calls:
+                self.calls[call.request_id] = self.calls.pop(call.request_id)
+        self.maybe_ready = bool(self.calls)
+        return events
+
+    def drop(self, request_id: str) -> None:
+        self.tombstones[request_id] = time.monotonic()
+        call = self.calls.pop(request_id, None)
+        if call is not None:
+            for stream in call.inputs.values():
+                stream.release_spent(everything=True)
+            self.backend.drop(call)
+            self.maybe_ready = bool(self.calls)
+
+    def drop_all(self) -> None:
+        for request_id in list(self.calls):
+            self.drop(request_id)
+
+    def purge(self, now: float) -> None:
+        self.tombstones = {r: t for r, t in self.tombstones.items() if now - t < TOMBSTONE_S}
+
+
+class ProgramLoop:
+    """Runs one program: its stages, its channel ends (`links`), and the writers that chunk
+    each stage output (or, in the frontend, each input) onto its channels."""
+
+    def __init__(
+        self,
+        program: Program,
+        backends: str = "auto",
+        waker: Waker | None = None,
+        on_loaded: Callable[[control.Loaded], None] = lambda loaded: None,
+        sink: Sink | None = None,
+    ):
+        self.program = program
+        self.name = program.name
+        self.waker = waker or Waker()
+        self.sink = sink
+        self.links = Links()
+        channels = [*program.inbound, *program.outbound, *program.local]
+        self.runners: dict[str, StageRunner] = {}
+        for stage in program.stages:
+            began = time.monotonic()
+            spec = StageSpec.from_channels(stage, channels)
+            device = stage.devices[0] if stage.devices else "cpu"
+            self.runners[stage.name] = StageRunner(
+                spec, load_backend(spec, device, backends), stage.settings["max_batch"]
+            )
+            on_loaded(control.Loaded(stage.name, time.monotonic() - began))
+        self.arrive = {c.name: arriving(c) for c in [*program.inbound, *program.local]}
+        stages = {s.name: s for s in program.stages}
+        self.writers: dict[tuple[str, str], list[StreamWriter]] = defaultdict(list)
+        for channel in [*program.outbound, *program.local]:
+            self.writers[channel.src, channel.src_port].append(
+                StreamWriter(
+                    channel, self._sender(channel), leaving(channel, stages.get(channel.src))
+                )
+            )
+
+    # --- overridden by whoever drives the loop ----------------------------------------------
+    def report(self, message: control.Message) -> None:
+        """Tell the engine (a stage failed a request)."""
+
+    def queued_starts(self) -> Iterator[control.Start]:
+        """The Starts waiting on this program's start queue, oldest first, read as they are
+        asked for."""
+        return iter(())
+
+    # --- channels -----------------------------------------------------------------------------
+    def _sender(self, channel: ChannelPlan):
+        if channel not in self.program.local:
+            return lambda rid, index, value, end: self._send_out(channel, rid, index, value, end)
+        arrive = self.arrive[channel.name]
+        if channel.dst in self.runners:
+            runner = self.runners[channel.dst]
+            return lambda rid, index, value, end: runner.feed(
+                rid, channel.dst_port, arrive(value), end
+            )
+        return lambda rid, index, value, end: self.sink(rid, channel.dst, arrive(value), end)
+
+    def _send_out(self, channel: ChannelPlan, rid: str, index: int, value, end: bool) -> None:
+        outbound = self.links.outbound.get(channel.name)
+        if outbound is None:  # its consumer died; the request fails with it
+            return
+        try:
+            outbound.send(rid, index, value, end)
+        except PayloadTooLarge as err:
+            self.fail(rid, channel.src if channel.src in self.runners else self.name, str(err))
+
+    # --- one turn -----------------------------------------------------------------------------
+    def pump(self) -> bool:
+        """One turn: receive every chunk that has arrived, put the chunks that waited for
+        credits, then step every stage once, in topological order (a stage downstream of a
+        local channel sees its upstream's output in the same turn). True if another turn
+        could do more: a stage may have a request ready."""
+        self.receive()
+        for name, outbound in list(self.links.outbound.items()):
+            try:
+                outbound.flush()
+            except ChannelError:
+                self.links.outbound.pop(name).close()
+        for runner in self.runners.values():
+            if not self.congested(runner):
+                for event in runner.step():
+                    self.route(event)
+        # A congested stage waits for credits, which wake the loop.
+        return any(r.maybe_ready and not self.congested(r) for r in self.runners.values())
+
+    def receive(self) -> None:
+        """Feed every chunk waiting in the inbound rings to its stage (or the sink)."""
+        unstarted = set()  # requests whose first chunk came before their Start was read
+        for name, inbound in list(self.links.inbound.items()):
+            channel = inbound.channel
+            arrive = self.arrive[name]
+            runner = self.runners.get(channel.dst)
+            try:
+                for rid, value, end, release in inbound.receive():
+                    value = arrive(value)
+                    if runner is None:
+                        owned = value.clone() if hasattr(value, "clone") else value
+                        release()
+                        self.sink(rid, channel.dst, owned, end)
+                    elif runner.feed(rid, channel.dst_port, value, end, release):
+                        unstarted.add(rid)
+            except ChannelError:
+                self.links.inbound.pop(name).close()  # its producer is gone: it is re-linked
+        if unstarted:
+            self.take_queued_starts(unstarted)
+
+    def congested(self, runner: StageRunner) -> bool:
+        """Backpressure: a stage waits while a ring it feeds has no credit for what it sent."""
+        return any(o.outbox for o in self.links.outbound.values() if o.channel.src == runner.name)
+
+    def route(self, event: Event) -> None:
+        if event.port is not None:
+            for writer in self.writers.get((event.stage, event.port), ()):
+                writer.write(event.request_id, event.value)
+        elif event.end:
+            for (stage, _port), writers in self.writers.items():
+                if stage == event.stage:
+                    for writer in writers:
+                        writer.end(event.request_id)
+        else:
+            self.fail(event.request_id, event.stage, event.error)
+
+    def fail(self, request_id: str, stage: str, error: str) -> None:
+        self.cancel(request_id)
+        self.report(control.Failed(request_id, stage, error))
+
+    # --- requests -----------------------------------------------------------------------------
+    def inject(self, request_id: str, inputs: dict) -> None:
+        """A request's inputs, whole, onto the channels that leave them (the frontend)."""
+        for (source, _port), writers in self.writers.items():
+            if source in inputs:
+                for writer in writers:
+                    writer.write(request_id, inputs[source])
+                    writer.end(request_id)
+
+    def take_queued_starts(self, until: set[str] | None = None) -> None:
+        """Start the requests queued so far, or only until those in `until` have started."""
+        for message in self.queued_starts():
+            self.start(message)
+            if until is not None:
+                until.discard(message.request_id)
+                if not until:
+                    return
+
+    def start(self, message: control.Start) -> None:
+        for stage, params in message.params.items():
+            if stage in self.runners:
+                self.runners[stage].start(message.request_id, params)
+
+    def cancel(self, request_id: str) -> None:
+        for runner in self.runners.values():
+            runner.drop(request_id)
+        for writers in self.writers.values():
+            for writer in writers:
+                writer.drop(request_id)
+        for outbound in self.links.outbound.values():
+            outbound.drop({request_id})
+
+    def reset(self, peers: list[str]) -> dict[str, str]:
+        """After `peers` died: drop every request; new rings for the channels they wrote to
+        this program (their replacements attach to them)."""
+        for runner in self.runners.values():
+            runner.drop_all()
+        for writers in self.writers.values():
+            for writer in writers:
+                writer.drop()
+        for outbound in self.links.outbound.values():
+            outbound.drop()
+        return self.links.relink(self.program.inbound, peers)
+
+    def purge(self, now: float) -> None:
+        for runner in self.runners.values():
+            runner.purge(now)
+
+    def inspect(self) -> control.Inspection:
+        held = sum(
+            len(s.releases) + len(s.spent)
+            for r in self.runners.values()
+            for c in r.calls.values()
+            for s in c.inputs.values()
+        )
+        return control.Inspection(
+            self.name,
+            {name: list(r.calls) for name, r in self.runners.items()},
+            held,
+            sum(len(o.outbox) for o in self.links.outbound.values()),
+        )
+
+    def poll_fds(self) -> list[tuple[int, int]]:
+        return [(self.waker.fd, select.POLLIN), *self.links.poll_fds()]
+
+    def close(self) -> None:
+        self.links.close()
+        for runner in self.runners.values():
+            runner.drop_all()
+            runner.backend.close()

@@ -1,0 +1,33 @@
+"""How a loop sleeps and is woken: an eventfd per loop that anyone with work for it pokes,
+and one poll over that, its channels' doorbells and its control socket."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+
+
+class Waker:
+    """An eventfd a loop polls; anything that has work for the loop pokes it."""
+
+    def __init__(self):
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def poke(self) -> None:
+        os.eventfd_write(self.fd, 1)
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def wait(fds: list[tuple[int, int]], timeout_s: float) -> set[int]:
+    """Block until one of (fd, events) is ready, or `timeout_s` passes; the fds that are ready."""
+    poller = select.poll()
+    for fd, events in fds:
+        poller.register(fd, events)
+    return {fd for fd, _events in poller.poll(max(0, int(timeout_s * 1000)))}

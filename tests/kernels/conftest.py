@@ -1,0 +1,50 @@
+"""Triton kernels run on the CPU in Triton's interpreter, in a fresh Python.
+
+`TRITON_INTERPRET=1` must be set before `triton` is imported: `triton.jit` picks an
+interpreted or a compiled function when it decorates, and Triton decorates its own library
+(`tl.rand`, `tl.cumsum`, ...) on import. This process may already hold compiled kernels (the
+diffusion backend imports `cfg_euler`, and GPU tests need them compiled), so
+`interpret(job, *args)` calls `job`, a module-level function of a test file, in a
+subprocess with the variable set, and returns its result. Arguments and results travel by
+`torch.save` (tensors, numbers, None, and lists, tuples and dicts of them). Each call costs
+a Python start (about a second): run all of a file's kernel cases in one job.
+"""
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+_RUNNER = """
+import importlib.util, sys, torch
+path, name, args, result = sys.argv[1:]
+spec = importlib.util.spec_from_file_location("interpreted_job", path)
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+torch.save(getattr(module, name)(*torch.load(args)), result)
+"""
+
+
+@pytest.fixture(scope="session")
+def interpret(tmp_path_factory):
+    pytest.importorskip("triton")
+
+    def run(job, *args):
+        folder = tmp_path_factory.mktemp(job.__name__)
+        torch.save(args, folder / "args.pt")
+        command = [sys.executable, "-c", _RUNNER, inspect.getfile(job), job.__name__]
+        done = subprocess.run(
+            [*command, str(folder / "args.pt"), str(folder / "result.pt")],
+            env={**os.environ, "TRITON_INTERPRET": "1"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode:
+            pytest.fail(f"{job.__name__} under TRITON_INTERPRET=1 failed:\n{done.stderr}")
+        return torch.load(folder / "result.pt")
+
+    return run
