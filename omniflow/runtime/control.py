@@ -63,6 +63,23 @@ class Inspect(msgspec.Struct, tag=True):
     pass
 
 
+class Profile(msgspec.Struct, tag=True):
+    """Start recording events (`capacity` per executor), or stop and answer `Profiled`."""
+
+    on: bool
+    capacity: int = 1 << 16
+
+
+class Profiled(msgspec.Struct, tag=True):
+    """An executor's recorded events (events.py): names, request ids, packed int64 rows."""
+
+    executor: str
+    names: list[str]
+    requests: list[str]
+    rows: bytes
+    dropped: int = 0
+
+
 class Inspection(msgspec.Struct, tag=True):
     """An executor's live state: requests each stage holds, ring slots it has not released,
     chunks waiting in its outboxes for credits."""
@@ -85,6 +102,8 @@ Message = (
     | Failed
     | Inspect
     | Inspection
+    | Profile
+    | Profiled
 )
 
 # The start queue is a Unix socket of whole messages (SOCK_SEQPACKET); a Start bigger than

@@ -78,6 +78,7 @@ class _Core:
         self.closed = False
         self.next_check = 0.0  # when check_executors runs next
         self.inspections: tuple[dict, queue.SimpleQueue] | None = None
+        self.profiles: tuple[dict, queue.SimpleQueue] | None = None
         self.frontend = ProgramLoop(plan.program(FRONTEND), waker=self.waker, sink=self.deliver)
         self.frontend.report = lambda message: self.on_message(FRONTEND, message)
         self.transport = TRANSPORTS[mode](plan, self.frontend, backends, self.on_message)
@@ -127,6 +128,12 @@ class _Core:
                 message.request_id,
                 RequestFailed(f"stage '{message.stage}' failed: {message.error}"),
             )
+        elif isinstance(message, control.Profiled) and self.profiles is not None:
+            found, reply = self.profiles
+            found[executor] = message
+            if len(found) == len(self.transport.names):
+                self.profiles = None
+                reply.put([*found.values(), self.frontend_profile(False)])
         elif isinstance(message, control.Inspection) and self.inspections is not None:
             found, reply = self.inspections
             found[executor] = message
@@ -135,6 +142,10 @@ class _Core:
                 frontend = self.frontend.inspect()
                 frontend.calls = {FRONTEND: list(self.requests)}
                 reply.put({**found, FRONTEND: frontend})
+
+    def frontend_profile(self, on: bool, capacity: int = 1 << 16) -> control.Profiled | None:
+        recorded = self.frontend.profile(on, capacity)
+        return None if recorded is None else control.Profiled(FRONTEND, **vars(recorded))
 
     # --- supervision ----------------------------------------------------------------------------
     def check_executors(self) -> None:
@@ -158,8 +169,16 @@ class _Core:
             elif command == "cancel":
                 self.cancel(arg, RequestCancelled(f"request {arg} was cancelled"))
             elif command == "inspect":
-                self.inspections = ({}, arg)
+                self.inspections = ({}, arg[0])
                 self.transport.broadcast(control.Inspect())
+            elif command == "profile":
+                on, capacity, reply = arg
+                self.transport.broadcast(control.Profile(on, capacity))
+                if on:
+                    self.frontend_profile(True, capacity)
+                    reply.put([])
+                else:
+                    self.profiles = ({}, reply)
             elif command == "close":
                 self.closed = True
 
@@ -335,14 +354,25 @@ class Engine:
 
     def inspect(self, timeout: float = 10.0) -> dict[str, control.Inspection]:
         """Every executor's live state (and the frontend's): for tests, debugging, metrics."""
+        return self._ask("inspect", (), "answer an inspection", timeout)
+
+    # --- profiling -----------------------------------------------------------------------------------
+    def start_profile(self, capacity: int = 1 << 16) -> None:
+        """Every executor (and the frontend) starts recording events: up to `capacity` each,
+        the oldest overwritten beyond that."""
+        self._ask("profile", (True, capacity), "start profiling")
+
+    def stop_profile(self, timeout: float = 30.0) -> list[control.Profiled]:
+        """Stop recording; what every executor and the frontend recorded (events.py)."""
+        return self._ask("profile", (False, 0), "hand over their events", timeout)
+
+    def _ask(self, command: str, arg: tuple, what: str, timeout: float = 10.0):
         reply: queue.SimpleQueue = queue.SimpleQueue()
-        self._command("inspect", reply)
+        self._command(command, (*arg, reply))
         try:
             return reply.get(timeout=timeout)
         except queue.Empty:
-            raise EngineError(
-                f"executors did not answer an inspection within {timeout} s"
-            ) from None
+            raise EngineError(f"executors did not {what} within {timeout} s") from None
 
     # --- lifetime --------------------------------------------------------------------------------------
     @property

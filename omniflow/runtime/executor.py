@@ -25,7 +25,7 @@ import zmq
 
 from omniflow.errors import OmniflowError
 from omniflow.plan import Program
-from omniflow.runtime import control
+from omniflow.runtime import control, events
 from omniflow.runtime.loop import ProgramLoop
 from omniflow.runtime.wakeup import wait
 
@@ -126,7 +126,10 @@ def serve(loop: ProgramLoop, end: ControlEnd) -> None:
         if more_to_do or end.pending():
             check_control = True
             continue
+        slept = time.monotonic_ns()
         ready = wait([(end.fileno(), select.POLLIN), *loop.poll_fds()], IDLE_WAIT_S)
+        if loop.recorder is not None:
+            loop.recorder.add(events.WAIT, None, None, slept, time.monotonic_ns() - slept)
         # Nothing was pending before the wait, so a message since would have made its fd ready;
         # the turn after a wake-up by data skips asking (one that arrives meanwhile is seen by
         # the next turn or the check before the next wait).
@@ -154,6 +157,10 @@ def _obey(loop: ProgramLoop, end: ControlEnd, message: control.Message) -> bool:
         end.send(control.Hello(loop.name, loop.reset(message.peers)))
     elif isinstance(message, control.Inspect):
         end.send(loop.inspect())
+    elif isinstance(message, control.Profile):
+        recorded = loop.profile(message.on, message.capacity)
+        if recorded is not None:
+            end.send(control.Profiled(loop.name, **vars(recorded)))
     elif isinstance(message, control.Shutdown):
         return False
     return True

@@ -47,8 +47,8 @@ class Inbound:
     def fileno(self) -> int | None:
         return None if isinstance(self.endpoint, LocalConsumer) else self.endpoint.fileno()
 
-    def receive(self) -> Iterator[tuple[str, object, bool, Callable[[], None]]]:
-        """Every chunk waiting now: (request_id, value or None, end, release)."""
+    def receive(self) -> Iterator[tuple[str, int, object, bool, Callable[[], None]]]:
+        """Every chunk waiting now: (request_id, chunk index, value or None, end, release)."""
         while (got := self.endpoint.try_get()) is not None:
             meta = got.meta
             release = self._releaser(got)
@@ -56,7 +56,7 @@ class Inbound:
             if self.channel.type in TEXT_TYPES:
                 release()  # decoding copied the bytes out
                 release = _noop
-            yield meta.request_id, value, meta.end, release
+            yield meta.request_id, meta.chunk, value, meta.end, release
 
     def _releaser(self, got) -> Callable[[], None]:
         if self.peer is None:

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 from omniflow.backends.registry import load_backend
 from omniflow.errors import ChannelError, PayloadTooLarge
 from omniflow.plan import ChannelPlan, Program
-from omniflow.runtime import control
+from omniflow.runtime import control, events
 from omniflow.runtime.edges import StreamWriter, arriving, leaving
+from omniflow.runtime.events import RecordedEvents, Recorder
 from omniflow.runtime.link import Links
+from omniflow.runtime.port_values import nbytes, steps
 from omniflow.runtime.requests import describe
 from omniflow.runtime.stage import Backend, Call, InputStream, StageSpec
 from omniflow.runtime.wakeup import Waker
@@ -66,6 +68,7 @@ class StageRunner:
         # step (a chunk, a Start, a dropped call's freed room), or that step left calls behind.
         # False lets the loop sleep without asking the backend about every call again.
         self.maybe_ready = False
+        self.recorder: Recorder | None = None
 
     def _call(self, request_id: str) -> Call | None:
         if request_id in self.tombstones:
@@ -81,6 +84,8 @@ class StageRunner:
         if call is not None:
             call.params = params
             self.maybe_ready = True
+            if self.recorder is not None:
+                self.recorder.add(events.START, self.name, request_id, time.monotonic_ns())
 
     def feed(self, request_id: str, port: str, value, end: bool, release=None) -> bool:
         """Queue a chunk on the request's input; True if the request still lacks its Start."""
@@ -100,6 +105,7 @@ class StageRunner:
         if not ready:
             return []
         batch = ready[: self.max_batch]
+        began = time.monotonic_ns()
         try:
             self.backend.step(batch)
         except Exception as err:  # a batched forward cannot say whose input broke it
@@ -108,6 +114,8 @@ class StageRunner:
             traceback.print_exc()
             for call in batch:
                 call.fail(err)
+        if self.recorder is not None:
+            self._record(batch, began)
         events = []
         for call in batch:
             for stream in call.inputs.values():
@@ -128,6 +136,14 @@ class StageRunner:
                 self.calls[call.request_id] = self.calls.pop(call.request_id)
         self.maybe_ready = bool(self.calls)
         return events
+
+    def _record(self, batch: list[Call], began: int) -> None:
+        took = time.monotonic_ns() - began
+        self.recorder.add(events.STEP, self.name, None, began, took, len(batch))
+        for call in batch:
+            out = sum(steps(self.spec.outputs[p].type, v) for p, v in call.emitted)
+            ended = call.finished or call.error is not None
+            self.recorder.add(events.CALL, self.name, call.request_id, began, took, out, ended)
 
     def drop(self, request_id: str) -> None:
         self.tombstones[request_id] = time.monotonic()
@@ -162,6 +178,7 @@ class ProgramLoop:
         self.name = program.name
         self.waker = waker or Waker()
         self.sink = sink
+        self.recorder: Recorder | None = None
         self.links = Links()
         channels = [*program.inbound, *program.outbound, *program.local]
         self.runners: dict[str, StageRunner] = {}
@@ -208,10 +225,15 @@ class ProgramLoop:
         outbound = self.links.outbound.get(channel.name)
         if outbound is None:  # its consumer died; the request fails with it
             return
+        began = time.monotonic_ns()
         try:
             outbound.send(rid, index, value, end)
         except PayloadTooLarge as err:
             self.fail(rid, channel.src if channel.src in self.runners else self.name, str(err))
+            return
+        if self.recorder is not None:
+            took = time.monotonic_ns() - began
+            self.recorder.add(events.SEND, channel.name, rid, began, took, nbytes(value), index)
 
     # --- one turn -----------------------------------------------------------------------------
     def pump(self) -> bool:
@@ -240,7 +262,11 @@ class ProgramLoop:
             arrive = self.arrive[name]
             runner = self.runners.get(channel.dst)
             try:
-                for rid, value, end, release in inbound.receive():
+                for rid, index, value, end, release in inbound.receive():
+                    if self.recorder is not None:
+                        self.recorder.add(
+                            events.RECV, name, rid, time.monotonic_ns(), 0, nbytes(value), index
+                        )
                     value = arrive(value)
                     if runner is None:
                         owned = value.clone() if hasattr(value, "clone") else value
@@ -320,6 +346,19 @@ class ProgramLoop:
     def purge(self, now: float) -> None:
         for runner in self.runners.values():
             runner.purge(now)
+
+    # --- profiling ----------------------------------------------------------------------------
+    def profile(self, on: bool, capacity: int = 1 << 16) -> RecordedEvents | None:
+        """Start recording (a fresh buffer), or stop and return what was recorded."""
+        if on:
+            names = [*self.runners, *(c.name for c in self.program.inbound + self.program.outbound)]
+            self.recorder = Recorder(names, capacity)
+        recorded = None if on or self.recorder is None else self.recorder.dump()
+        if not on:
+            self.recorder = None
+        for runner in self.runners.values():
+            runner.recorder = self.recorder
+        return recorded
 
     def inspect(self) -> control.Inspection:
         held = sum(

@@ -51,3 +51,12 @@ def steps(port_type: str, value) -> int:
     if port_type in TEXT_TYPES or not isinstance(value, torch.Tensor) or not value.dim():
         return 1
     return int(value.shape[0])
+
+
+def nbytes(value) -> int:
+    """The bytes a chunk carries (text as UTF-8; 0 for None)."""
+    if value is None:
+        return 0
+    if isinstance(value, torch.Tensor):
+        return value.nbytes
+    return len(str(value).encode("utf-8"))
