@@ -80,14 +80,35 @@ class Profiled(msgspec.Struct, tag=True):
     dropped: int = 0
 
 
+class StageTotals(msgspec.Struct, array_like=True):
+    """A stage's counters since its executor started: steps, their time, and the calls they
+    advanced (calls / steps is the mean batch size)."""
+
+    steps: int = 0
+    step_ns: int = 0
+    calls: int = 0
+
+
+class ChannelTotals(msgspec.Struct, array_like=True):
+    """An outbound channel's counters since its executor started, and what waits now:
+    chunks put, their bytes and the time putting them took; chunks queued for credits."""
+
+    chunks: int = 0
+    bytes: int = 0
+    put_ns: int = 0
+    queued: int = 0
+
+
 class Inspection(msgspec.Struct, tag=True):
     """An executor's live state: requests each stage holds, ring slots it has not released,
-    chunks waiting in its outboxes for credits."""
+    chunks waiting in its outboxes for credits, and its stages' and channels' counters."""
 
     executor: str
     calls: dict[str, list[str]]
     held_slots: int
     queued_chunks: int
+    stages: dict[str, StageTotals] = {}
+    channels: dict[str, ChannelTotals] = {}
 
 
 Message = (

@@ -69,6 +69,7 @@ class StageRunner:
         # False lets the loop sleep without asking the backend about every call again.
         self.maybe_ready = False
         self.recorder: Recorder | None = None
+        self.totals = control.StageTotals()
 
     def _call(self, request_id: str) -> Call | None:
         if request_id in self.tombstones:
@@ -114,8 +115,12 @@ class StageRunner:
             traceback.print_exc()
             for call in batch:
                 call.fail(err)
+        took = time.monotonic_ns() - began
+        self.totals.steps += 1
+        self.totals.step_ns += took
+        self.totals.calls += len(batch)
         if self.recorder is not None:
-            self._record(batch, began)
+            self._record(batch, began, took)
         events = []
         for call in batch:
             for stream in call.inputs.values():
@@ -137,8 +142,7 @@ class StageRunner:
         self.maybe_ready = bool(self.calls)
         return events
 
-    def _record(self, batch: list[Call], began: int) -> None:
-        took = time.monotonic_ns() - began
+    def _record(self, batch: list[Call], began: int, took: int) -> None:
         self.recorder.add(events.STEP, self.name, None, began, took, len(batch))
         for call in batch:
             out = sum(steps(self.spec.outputs[p].type, v) for p, v in call.emitted)
@@ -179,6 +183,7 @@ class ProgramLoop:
         self.waker = waker or Waker()
         self.sink = sink
         self.recorder: Recorder | None = None
+        self.channel_totals = {c.name: control.ChannelTotals() for c in program.outbound}
         self.links = Links()
         channels = [*program.inbound, *program.outbound, *program.local]
         self.runners: dict[str, StageRunner] = {}
@@ -231,9 +236,13 @@ class ProgramLoop:
         except PayloadTooLarge as err:
             self.fail(rid, channel.src if channel.src in self.runners else self.name, str(err))
             return
+        took, size = time.monotonic_ns() - began, nbytes(value)
+        totals = self.channel_totals[channel.name]
+        totals.chunks += 1
+        totals.bytes += size
+        totals.put_ns += took
         if self.recorder is not None:
-            took = time.monotonic_ns() - began
-            self.recorder.add(events.SEND, channel.name, rid, began, took, nbytes(value), index)
+            self.recorder.add(events.SEND, channel.name, rid, began, took, size, index)
 
     # --- one turn -----------------------------------------------------------------------------
     def pump(self) -> bool:
@@ -367,11 +376,16 @@ class ProgramLoop:
             for c in r.calls.values()
             for s in c.inputs.values()
         )
+        for name, totals in self.channel_totals.items():
+            outbound = self.links.outbound.get(name)
+            totals.queued = len(outbound.outbox) if outbound is not None else 0
         return control.Inspection(
             self.name,
             {name: list(r.calls) for name, r in self.runners.items()},
             held,
             sum(len(o.outbox) for o in self.links.outbound.values()),
+            {name: r.totals for name, r in self.runners.items()},
+            self.channel_totals,
         )
 
     def poll_fds(self) -> list[tuple[int, int]]:

@@ -133,3 +133,20 @@ def test_a_start_too_big_for_the_queue_goes_over_zmq(queued, monkeypatch):
             assert engine.generate({"x": [[i]]})["y"].flatten().tolist() == [i]
         state = engine.inspect()
     assert all(not any(i.calls.values()) for i in state.values())
+
+
+@pytest.mark.parametrize("mode", ["inprocess", "process"])
+def test_inspection_counts_steps_and_bytes_per_stage_and_channel(mode):
+    plan = compile_source(CHAIN, "chain.omni")
+    with Engine(plan, mode) as engine:
+        for i in range(3):
+            engine.generate({"x": [[i], [i]]})
+        state = engine.inspect()
+    stages = {name: t for x in state.values() for name, t in x.stages.items()}
+    channels = {name: t for x in state.values() for name, t in x.channels.items()}
+    assert set(stages) == {"a", "b", "c"}
+    assert all(t.calls >= 3 and t.steps >= 1 and t.step_ns > 0 for t in stages.values())
+    assert set(channels) == {c.name for c in plan.channels if c.kind != "local"}
+    # Two int64 tokens per request entered and left; nothing waits for credits now.
+    assert channels["x.out->a.in"].bytes == channels["c.out->y.in"].bytes == 3 * 2 * 8
+    assert all(t.queued == 0 and t.chunks >= 3 for t in channels.values())
