@@ -20,14 +20,6 @@ AUTO = Auto()
 
 
 @dataclass(frozen=True)
-class ParamRef:
-    """`$name`: the value of a pipeline parameter, overridable per request."""
-
-    name: str
-    span: Span = field(compare=False)
-
-
-@dataclass(frozen=True)
 class Name:
     """A bare or dotted identifier used as a value (`qwen_omni.thinker_to_talker`, `negative_prompt`)."""
 
@@ -35,7 +27,8 @@ class Name:
     span: Span = field(compare=False)
 
 
-# A value is a str, int, float, bool, AUTO, ParamRef, Name, or a list of values.
+# A value is a str, int, float, bool, AUTO, Param (omniflow.ir.values: `$name`, the one
+# parameter reference from here to the plan), Name, or a list of values.
 Value = object
 
 

@@ -19,6 +19,7 @@ from lark.exceptions import LarkError, UnexpectedCharacters, UnexpectedToken, Vi
 from lark.lexer import PatternStr
 
 from omniflow.errors import ParseError, Span
+from omniflow.ir.values import Param
 
 from . import ast
 
@@ -295,7 +296,7 @@ class _AstBuilder(Transformer):
         if token.type == "FLOAT":
             return self._float(token)
         if token.type == "PARAM_REF":
-            return ast.ParamRef(token[1:], self._src.token_span(token))
+            return Param(token[1:], self._src.token_span(token))
         return _CONSTANTS[token.type]
 
     def _string(self, token: Token) -> str:

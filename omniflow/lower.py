@@ -1,7 +1,7 @@
 """The lower phase: a Graph that has been through every pass -> its `Plan`.
 
 Everything the runtime needs is decided here, once: each stage's load-time settings at their
-compiled values, the per-request parameter template (`{"$param": p}`, `{"$seed": stage}` for
+compiled values, the per-request parameter template (`Param`, `StageSeed` for
 a sampling stage that names no seed of its own), the limits a request's parameters must keep
 to, and one `Program` per executor -- the frontend's too -- holding its stages and the
 channels it reads, writes and keeps local. Nothing at run time reads the IR's kind table.
@@ -13,7 +13,7 @@ import math
 
 from omniflow.ir.graph import Graph
 from omniflow.ir.kinds import KINDS, SEED, SEED_PARAM
-from omniflow.ir.values import Auto, Param, Ref, resolve
+from omniflow.ir.values import Auto, InputRef, Param, Ref, StageSeed, resolve
 from omniflow.plan import (
     FRONTEND,
     PLAN_VERSION,
@@ -27,11 +27,11 @@ from omniflow.plan import (
 
 
 def plain(value):
-    """IR values as JSON data: parameters and names become tagged objects."""
+    """IR values as plan data: a parameter reference stays one, a name becomes its text."""
     if isinstance(value, Param):
-        return {"$param": value.name}
+        return Param(value.name)
     if isinstance(value, Ref):
-        return {"$ref": value.dotted}
+        return value.dotted
     if isinstance(value, Auto):
         return "auto"
     if isinstance(value, (list, tuple)):
@@ -48,9 +48,9 @@ def lower(graph: Graph) -> Plan:
         cost = node.meta.get("cost")
         params = {k: plain(v) for k, v in node.params.items() if k not in ("model", "component")}
         if SEED_PARAM in KINDS[node.op].params and SEED_PARAM not in params:
-            params[SEED_PARAM] = {"$seed": node.name}  # its own stream of the request's seed
+            params[SEED_PARAM] = StageSeed(node.name)  # its own stream of the request's seed
         if "cfg_input" in node.meta:  # stages on a guidance path get the companion's value
-            params["cfg"] = {"$ref": node.meta["cfg_input"]}
+            params["cfg"] = InputRef(node.meta["cfg_input"])
         stages.append(
             StagePlan(
                 node.name,

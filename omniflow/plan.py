@@ -5,8 +5,8 @@ channels (which the reference interpreter and the printed tables read) it holds 
 self-contained `Program` per executor, the frontend's included: the stages it runs with
 their load-time settings resolved, the channels it reads and writes with their chunk
 schedules, adapters, map chains and ring sizes. An executor is handed its program and
-nothing else. Per-request values stay symbolic in a stage's `params` (`{"$param": name}`,
-`{"$seed": stage}`, `{"$ref": input}`) until a request is admitted.
+nothing else. Per-request values stay symbolic in a stage's `params` (`Param`, `StageSeed`,
+`InputRef` from `omniflow.ir.values`, tagged objects in JSON) until a request is admitted.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from omniflow.errors import OmniflowError
+from omniflow.ir.values import PlanValue
 
 PLAN_VERSION = 2
 # The program that holds the pipeline's inputs and outputs: the engine's own.
@@ -24,15 +25,15 @@ FRONTEND = "frontend"
 
 @dataclass
 class StagePlan:
-    """One stage. `params`: the per-request template (`{"$param": p}` and `{"$seed": stage}`
-    resolve at admission); `settings`: what its backend loads with, every parameter the
-    program gives resolved to its compiled value, and its `max_batch`."""
+    """One stage. `params`: the per-request template (its references resolve at admission);
+    `settings`: what its backend loads with, every parameter the program gives resolved to
+    its compiled value, and its `max_batch`."""
 
     name: str
     kind: str
     executor: str
     devices: list[str]
-    params: dict
+    params: dict[str, PlanValue]
     model: str | None
     component: str | None
     budget_bytes: int

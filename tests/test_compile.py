@@ -113,7 +113,7 @@ def test_json_flag_and_output_file(tmp_path, capsys):
     assert code == 0
     assert json.loads(out) == json.loads(out_file.read_text())
     params = json.loads(out)["stages"][0]["params"]
-    assert params["max_tokens"] == {"$param": "max_tokens"}  # requests may override it
+    assert params["max_tokens"] == {"type": "param", "name": "max_tokens"}  # per request
 
 
 def test_compile_error_exits_1_with_location_caret_and_hint(tmp_path, capsys):

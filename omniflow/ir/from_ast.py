@@ -60,14 +60,14 @@ class _GraphBuilder:
 
     # --- values ----------------------------------------------------------------------
     def value(self, v, span: Span):
-        if isinstance(v, ast.ParamRef):
+        if isinstance(v, Param):
             if v.name not in self.param_names:
                 raise GraphError(
                     f"unknown parameter '${v.name}'",
                     v.span,
                     did_you_mean(v.name, self.param_names) or self._declare_hint(v.name),
                 )
-            return Param(v.name)
+            return Param(v.name)  # resolved: the span stays with the source
         if isinstance(v, ast.Name):
             return Ref(v.dotted)
         if isinstance(v, ast.Auto):
@@ -133,7 +133,7 @@ class _GraphBuilder:
         for p in self.program.params:
             if p.name in self.graph.params:
                 raise GraphError(f"parameter '{p.name}' is declared twice", p.span)
-            if isinstance(p.default, (ast.ParamRef, ast.Name)):
+            if isinstance(p.default, (Param, ast.Name)):
                 raise GraphError(f"parameter '{p.name}' needs a literal default", p.span)
             self.graph.params[p.name] = self.value(p.default, p.span)
         for s in self.program.stages:

@@ -12,14 +12,15 @@ import sys
 from omniflow.dsl import ast
 from omniflow.errors import Span
 from omniflow.ir.graph import Graph
+from omniflow.ir.values import Param
 
 # Attributes whose string values name something (an adapter, an input, a function).
 _NAME_KEYS = frozenset({"adapter", "cfg", "fn"})
 
 
-def param(name: str) -> ast.ParamRef:
+def param(name: str) -> Param:
     """A reference to a pipeline parameter, for stage arguments: `max_tokens=param("max_tokens")`."""
-    return ast.ParamRef(name, _caller_span())
+    return Param(name, _caller_span())
 
 
 auto = ast.AUTO
@@ -66,10 +67,10 @@ class Pipeline:
             return None
         return value
 
-    def param(self, name: str, default) -> ast.ParamRef:
+    def param(self, name: str, default) -> Param:
         span = _caller_span()
         self._ast.params.append(ast.ParamDecl(name, default, span))
-        return ast.ParamRef(name, span)
+        return Param(name, span)
 
     def stage(self, name: str, kind: str, device: str | None = None, **params) -> _Handle:
         span = _caller_span()

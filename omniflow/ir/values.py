@@ -1,8 +1,20 @@
-"""Values that stage parameters and edge attributes hold besides plain literals."""
+"""Values that stage parameters and edge attributes hold besides plain literals.
+
+`Param` is the one parameter reference from the parser through the IR into the plan: the
+parser makes it (with the source span of `$name`), the build phase keeps it (without the
+span, so graphs compare by meaning), and a plan's stage parameters carry it until each
+request is admitted. In a plan it travels as a tagged JSON object, as do the two other
+per-request references the lower phase adds: `StageSeed` (a stage's own stream of the
+request's seed) and `InputRef` (the value of one of the request's inputs).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import msgspec
+
+from omniflow.errors import Span
 
 
 @dataclass(frozen=True)
@@ -16,14 +28,38 @@ class Auto:
 AUTO = Auto()
 
 
-@dataclass(frozen=True)
-class Param:
-    """A reference to a pipeline parameter; a request may override its value."""
+class Param(msgspec.Struct, frozen=True, tag="param", omit_defaults=True, eq=False):
+    """`$name`: a reference to a pipeline parameter; a request may override its value.
+    Equal by name: where the parser saw it (`span`) is not part of its meaning."""
 
     name: str
+    span: Span | None = None
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Param) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash((Param, self.name))
 
     def __repr__(self) -> str:
         return f"${self.name}"
+
+
+class StageSeed(msgspec.Struct, frozen=True, tag="seed"):
+    """The seed of stage `stage`: its own stream of the request's seed."""
+
+    stage: str
+
+
+class InputRef(msgspec.Struct, frozen=True, tag="input"):
+    """The value of the request's input `input` (a guidance companion)."""
+
+    input: str
+
+
+# What a plan's stage parameter may hold: a literal (a list holds literals), or a reference
+# resolved per request.
+PlanValue = bool | int | float | str | list | Param | StageSeed | InputRef | None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from omniflow.errors import OmniflowError
+from omniflow.ir.values import Param
 from omniflow.models.catalog import cached_snapshot
 from omniflow.models.resolve import TINY_SCHEME, model_path
 from omniflow.plan import Plan
@@ -107,8 +108,8 @@ def plan_voices(plan: Plan, paths: dict[str, str]) -> tuple[Voice, ...]:
         if not speakers:
             continue
         speaker = stage.params.get("speaker")
-        if isinstance(speaker, dict) and "$param" in speaker:
-            voices.append(Voice(speaker["$param"], False, speakers))
+        if isinstance(speaker, Param):
+            voices.append(Voice(speaker.name, False, speakers))
         inputs = {i.name for i in plan.inputs}
         voices += [
             Voice(c.src, True, speakers)

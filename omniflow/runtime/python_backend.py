@@ -113,7 +113,4 @@ def function_backend(spec: StageSpec, device: str, fn: Callable) -> Backend:
 
 
 def python_backend(spec: StageSpec, device: str) -> Backend:
-    fn = spec.plan.settings["fn"]
-    return function_backend(
-        spec, device, import_function(fn["$ref"] if isinstance(fn, dict) else fn)
-    )
+    return function_backend(spec, device, import_function(spec.plan.settings["fn"]))

@@ -25,6 +25,7 @@ import torch
 
 from omniflow.errors import OmniflowError
 from omniflow.ir.kinds import SEED_BITS, SEED_PARAM
+from omniflow.ir.values import InputRef, Param, StageSeed
 from omniflow.plan import Plan, StagePlan
 from omniflow.runtime.port_values import encode
 
@@ -184,19 +185,16 @@ def stage_seed(seed: int, stage: str) -> int:
 
 
 def stage_params(stage: StagePlan, request: Admitted) -> dict:
-    """`stage`'s parameters for one admitted request: `{"$param": p}` replaced by the value
-    of parameter p, `{"$seed": stage}` by the stage's own seed, `{"$ref": input}` by the
-    value of that input (a guidance companion)."""
+    """`stage`'s parameters for one admitted request: each reference replaced by the value
+    of the parameter, the stage's own seed, or the value of the input it names."""
 
     def value(v):
-        if isinstance(v, dict) and "$param" in v:
-            return request.params[v["$param"]]
-        if isinstance(v, dict) and "$seed" in v:
-            return stage_seed(request.seed, v["$seed"])
-        if isinstance(v, dict) and v.get("$ref") in request.inputs:
-            return request.inputs[v["$ref"]]
-        if isinstance(v, list):
-            return [value(x) for x in v]
+        if isinstance(v, Param):
+            return request.params[v.name]
+        if isinstance(v, StageSeed):
+            return stage_seed(request.seed, v.stage)
+        if isinstance(v, InputRef):
+            return request.inputs[v.input]
         return v
 
     return {k: value(v) for k, v in stage.params.items()}

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from omniflow.compiler import compile_source
+from omniflow.ir.values import StageSeed
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import stage_seed
@@ -48,7 +49,7 @@ def reference(plan):
 
 
 def test_every_sampling_stage_gets_its_own_stream_of_the_request_seed(plan):
-    assert [s.params["seed"] for s in plan.stages] == [{"$seed": s.name} for s in plan.stages]
+    assert [s.params["seed"] for s in plan.stages] == [StageSeed(s.name) for s in plan.stages]
     seeds = {stage_seed(11, s.name) for s in plan.stages}
     assert len(seeds) == 3 and stage_seed(11, "talker") != stage_seed(12, "talker")
 

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from omniflow import dsl
+from omniflow.ir.values import Param
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 EXAMPLES = sorted(GRAPHS.glob("*.omni"))
@@ -62,8 +63,8 @@ def name(dotted: str) -> dsl.ast.Name:
     return dsl.ast.Name(dotted, span=None)  # spans are not compared
 
 
-def ref(param: str) -> dsl.ast.ParamRef:
-    return dsl.ast.ParamRef(param, span=None)
+def ref(param: str) -> Param:
+    return Param(param)
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
