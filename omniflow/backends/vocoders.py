@@ -22,13 +22,16 @@ as behind (9 on tiny:tts). A decoder that looks no farther than the context and 
 streams exactly its whole-utterance decode, up to rounding; EnCodec's LSTM remembers every
 frame, so its stream only approximates it.
 
-A decoder that is not local decodes on a fixed grid of `unit` frames instead, windows of
-one unit, then two, then four (`WINDOW_BLOCKS` in the model catalog, which the compiler
-sizes the edge's chunks by), each starting on a unit boundary, so its waveform does not
-depend on how the codes happened to be chunked (token2wav: see its module).
+Windows lie on a grid, so a request's waveform does not depend on how its codes happened
+to be timed: a decoder that is not local on one of `unit` frames, windows of one unit,
+then two, then four (`WINDOW_BLOCKS` in the model catalog, which the compiler sizes the
+edge's chunks by; token2wav: see its module); a local codec on the boundaries of the chunks
+its edge was planned to carry. On a whole-output edge every ready frame is one window.
 
-Batching. A step decodes every ready window of every request in one forward, padded to
-the longest. Padding never reaches kept samples: a window is padded on the right only if
+Batching. A step decodes the ready windows of its requests together, one window per
+request in each forward, padded to the longest: a request alone decodes each window at its
+own length, so the same seed gives the same bits in every run mode. Padding never reaches
+kept samples: a window is padded on the right only if
 its kept frames end at least the decoder's lookahead reach before its end, else on the
 left only if they start at least its context reach after its start, and never if it is
 shorter than the decoder's `min_frames`; a window that allows none of these (a whole short
@@ -374,6 +377,27 @@ class EncodecCodec(CodecDecoder):
         return self.model.decode(codes[None], [None]).audio_values
 
 
+def _grid(unit: int | None, schedule: list[int] | None) -> Callable[[int], int] | None:
+    """Where the window that starts at frame `done` ends: on the decoder's grid of units if
+    it has one, else on the boundaries of the chunks the edge was planned to carry. Either
+    way a request's windows do not depend on when its frames happened to arrive, so the
+    same codes decode to the same bits however the run was timed. None (a whole-output
+    edge): every ready frame in one window."""
+    if unit is not None:
+        return lambda done: done + unit * _window_units(done // unit)
+    if schedule is None:
+        return None
+
+    def chunk_end(done: int) -> int:
+        edge, chunk = 0, 0
+        while edge <= done:
+            edge += schedule[min(chunk, len(schedule) - 1)]
+            chunk += 1
+        return edge
+
+    return chunk_end
+
+
 def _window_units(start: int) -> int:
     """The units of the window that starts at unit `start` on the grid WINDOW_BLOCKS lays."""
     boundary = 0
@@ -430,6 +454,7 @@ class Vocoder(Backend):
         align = self.decoder.unit or 1
         context = spec.contexts.get(self.port, 0)
         self.context = context - context % align
+        self.grid_end = _grid(self.decoder.unit, spec.schedules.get(self.port))
 
     def ready(self, call: Call) -> bool:
         stream = call.inputs[self.port]
@@ -500,14 +525,14 @@ class Vocoder(Backend):
         return stream
 
     def _windows(self, stream: _Stream, ended: bool) -> list[Window]:
-        arrived, done, unit = stream.arrived, stream.emitted, self.decoder.unit
+        arrived, done = stream.arrived, stream.emitted
         ready = arrived if ended else arrived - stream.lookahead
-        if unit is None:
+        if self.grid_end is None:
             spans = [(done, ready)] if ready > done else []
         else:
             spans = []
             while done < arrived:
-                end = done + unit * _window_units(done // unit)
+                end = self.grid_end(done)
                 if end > ready and not ended:
                     break
                 spans.append((done, min(end, arrived)))
@@ -536,12 +561,15 @@ class Vocoder(Backend):
 
     def _forwards(self, windows: list[Window]) -> list[tuple[int, list[Window]]]:
         """Split windows into forwards, (frames, windows at their offsets): one padded to the
-        longest window, and for the windows that padding would reach, more of their own."""
+        longest window, and for the windows that padding would reach, more of their own. A
+        forward holds one window per request: a request alone then decodes each window at
+        its own length, so its audio is the same bits however its frames were timed."""
         reach, forwards = self.decoder.reach, []
         while windows:
-            frames = max(w.frames for w in windows)
-            batch, rest = [], []
-            for w in windows:
+            firsts = list({id(w.stream): w for w in reversed(windows)}.values())
+            frames = max(w.frames for w in firsts)
+            batch, rest = [], [w for w in windows if w not in firsts]
+            for w in reversed(firsts):
                 pad = frames - w.frames
                 long_enough = w.frames >= reach.min_frames
                 if pad == 0 or long_enough and w.end - w.keep_end >= reach.lookahead:

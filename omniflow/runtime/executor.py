@@ -181,6 +181,10 @@ def main() -> None:
     _die_with_parent()
     config = json.loads(sys.stdin.read())
     program = Program.from_json(config["program"])
+    if config.get("torch_threads"):
+        import torch
+
+        torch.set_num_threads(config["torch_threads"])
     end = ZmqControl(config["control"], program.name, config["start_queue_fd"])
     try:
         loop = ProgramLoop(program, config["backends"], on_loaded=end.send)

@@ -34,6 +34,7 @@ class StageSpec:
     inputs: dict[str, str]  # port -> type
     outputs: dict[str, PortSpec]
     contexts: dict[str, int]  # input port -> left context its edge declares
+    schedules: dict[str, list[int] | None] = field(default_factory=dict)  # input port -> chunks
 
     @classmethod
     def from_channels(cls, stage: StagePlan, channels: list[ChannelPlan]) -> StageSpec:
@@ -43,8 +44,9 @@ class StageSpec:
             for c in channels
             if c.src == stage.name
         }
-        contexts = {c.dst_port: c.context for c in channels if c.dst == stage.name}
-        return cls(stage, ins, outs, contexts)
+        into = [c for c in channels if c.dst == stage.name]
+        contexts = {c.dst_port: c.context for c in into}
+        return cls(stage, ins, outs, contexts, {c.dst_port: c.schedule for c in into})
 
 
 class Wait:

@@ -167,6 +167,9 @@ class ProcessTransport(Transport):
             "control": self.address,
             "backends": self.backends,
             "start_queue_fd": theirs.fileno(),
+            # The engine's torch threads: reductions split by thread count round differently,
+            # and a seed must replay a request bit for bit in every run mode.
+            "torch_threads": _torch_threads(),
         }
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the child keeps it)
         try:
@@ -391,6 +394,12 @@ class ThreadTransport(Transport):
             thread.join(timeout=10)
         for end in self.controls.values():
             end.close()
+
+
+def _torch_threads() -> int | None:
+    """This process's torch thread count, if it uses torch (never imports it itself)."""
+    torch = sys.modules.get("torch")
+    return None if torch is None else torch.get_num_threads()
 
 
 def _last_words(log: str) -> str:
