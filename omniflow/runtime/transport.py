@@ -118,6 +118,10 @@ class ProcessTransport(Transport):
         self.context = zmq.Context()
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        # A restarted executor reconnects under its old name, maybe before zmq has noticed
+        # that the dead one's connection closed: without handover the newcomer would be
+        # refused and never heard.
+        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.address = f"ipc://{self.log_dir}/control"
         self.router.bind(self.address)
         self.router_fd = self.router.getsockopt(zmq.FD)
