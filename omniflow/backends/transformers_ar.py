@@ -49,6 +49,7 @@ from omniflow.backends.sampling_params import Sampling, kind_defaults
 from omniflow.dtypes import torch_dtype
 from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
+from omniflow.kernels.sampling import sample
 from omniflow.models.resolve import model_path
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
@@ -246,6 +247,50 @@ def load_component(spec: StageSpec, device: str) -> Component:
 # --- sampling ----------------------------------------------------------------------------------
 
 
+def _sample_row_by_row(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """transformers' own sampling, row by row: what `generate` draws from each request's
+    generator (the CPU path, token-identical to the HF models)."""
+    chosen = []
+    for row, seq in zip(logits, seqs, strict=True):
+        sampling = seq.sampling
+        if seq.seen is not None:
+            penalty = sampling.repetition_penalty
+            row = torch.where(seq.seen, torch.where(row < 0, row * penalty, row / penalty), row)
+        if seq.generator is None:
+            chosen.append(row.argmax())
+        else:
+            probs = _warp(row, sampling).softmax(-1)
+            chosen.append(torch.multinomial(probs, 1, generator=seq.generator)[0])
+    return torch.stack(chosen).tolist()
+
+
+def _sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    """The whole batch in one pass of the fused sampler (omniflow.kernels.sampling): the same
+    filters as `_warp`, each request's draws from its (seed, step) stream; only the ids come
+    back to the host."""
+    seen = None
+    if any(s.seen is not None for s in seqs):
+        blank = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
+        seen = torch.stack([blank if s.seen is None else s.seen for s in seqs])
+
+    def rows(values: list) -> torch.Tensor:
+        return torch.tensor(values, device=logits.device)
+
+    ids = sample(
+        logits.float(),
+        temperature=rows(
+            [s.sampling.temperature if s.generator is not None else 0.0 for s in seqs]
+        ),
+        top_k=rows([s.sampling.top_k for s in seqs]),
+        top_p=rows([s.sampling.top_p for s in seqs]),
+        repetition_penalty=rows([s.sampling.repetition_penalty for s in seqs]),
+        seed=rows([s.seed for s in seqs]),
+        step=rows([s.generated for s in seqs]),
+        seen=seen,
+    )
+    return ids.tolist()
+
+
 def _warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Temperature, then top-k, then top-p, as transformers' logits warpers do."""
     logits = logits / sampling.temperature
@@ -333,6 +378,7 @@ class Sequence:
     position_offset: int = 0  # its next position id minus `length`
     generated: int = 0
     last: int = -1  # the id sampled last
+    seed: int = 0  # the GPU sampler's stream: (seed, generated) picks each draw
 
 
 class TransformersAR(Backend):
@@ -442,12 +488,12 @@ class TransformersAR(Backend):
             seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
             seen[prompt.context] = True
         generator = None
+        seed = (
+            sampling.seed
+            if sampling.seed is not None
+            else int.from_bytes(os.urandom(8), "little") >> 1
+        )
         if sampling.temperature > 0:
-            seed = (
-                sampling.seed
-                if sampling.seed is not None
-                else int.from_bytes(os.urandom(8), "little") >> 1
-            )
             generator = torch.Generator(self.device).manual_seed(seed)
         text = None
         if component.tokenizer is not None and (
@@ -456,7 +502,14 @@ class TransformersAR(Backend):
             text = TextStream(component.tokenizer, sampling.stop_strings)
         length = prompt.embeds.shape[0]
         seq = Sequence(
-            call, sampling, generator, seen, text, length, position_offset=prompt.position_offset
+            call,
+            sampling,
+            generator,
+            seen,
+            text,
+            length,
+            position_offset=prompt.position_offset,
+            seed=seed,
         )
         call.state[_STATE] = seq
         cache = component.new_cache()
@@ -506,18 +559,11 @@ class TransformersAR(Backend):
         logits = self.component.logits(hidden)
         if self.component.suppress:
             logits[:, list(self.component.suppress)] = -float("inf")
-        chosen = []
-        for row, seq in zip(logits, seqs, strict=True):
-            sampling = seq.sampling
-            if seq.seen is not None:
-                penalty = sampling.repetition_penalty
-                row = torch.where(seq.seen, torch.where(row < 0, row * penalty, row / penalty), row)
-            if seq.generator is None:
-                chosen.append(row.argmax())
-            else:
-                probs = _warp(row, sampling).softmax(-1)
-                chosen.append(torch.multinomial(probs, 1, generator=seq.generator)[0])
-        for seq, token, value in zip(seqs, torch.stack(chosen).tolist(), values, strict=True):
+        if logits.is_cuda:
+            ids = _sample_on_device(logits, seqs)
+        else:
+            ids = _sample_row_by_row(logits, seqs)
+        for seq, token, value in zip(seqs, ids, values, strict=True):
             self._emit(seq, token, value)
 
     def _emit(self, seq: Sequence, token: int, value) -> None:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from omniflow.backends import transformers_ar
 from omniflow.backends.transformers_ar import ARBackendError, TextStream, TransformersAR
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.compiler import compile_source
@@ -280,3 +281,39 @@ def test_runs_in_a_plan_under_the_interpreter(plan, backend):
     assert out["tokens"].reshape(-1).tolist() == want.tokens
     assert out["text"] == want.text
     assert out["hidden"].shape == (8, 1, 64)
+
+
+@pytest.fixture(scope="module")
+def cuda_backend(plan):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    stage = plan.stage("lm")
+    return TransformersAR(StageSpec.from_channels(stage, plan.channels), "cuda:0")
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_fused_sampler_is_greedy_where_asked_and_replays_its_seeds(
+    cuda_backend, monkeypatch
+):
+    """On CUDA a decode step samples the whole batch in one kernel pass: temperature 0 gives
+    the tokens transformers' own row-by-row path gives on the same device (prompts batched
+    at different lengths, 64 steps), a seed replays its draws alone or in a batch, and
+    another seed draws otherwise."""
+
+    def greedy():
+        return [o.tokens for o in run(cuda_backend, [request(p, max_tokens=64) for p in PROMPTS],
+                                      joins=[0, 1, 1, 3])]  # fmt: skip
+
+    fused = greedy()
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers_ar, "_sample_on_device", transformers_ar._sample_row_by_row)
+        assert fused == greedy()
+    sampled = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1}
+    first = alone(cuda_backend, PROMPTS[0], seed=7, max_tokens=32, **sampled)
+    together = run(
+        cuda_backend,
+        [request(PROMPTS[0], seed=7, max_tokens=32, **sampled), request(PROMPTS[1], seed=3)],
+        joins=[0, 1],
+    )
+    assert together[0].tokens == first.tokens
+    assert alone(cuda_backend, PROMPTS[0], seed=8, max_tokens=32, **sampled).tokens != first.tokens
