@@ -236,6 +236,9 @@ class ProgramLoop:
         except PayloadTooLarge as err:
             self.fail(rid, channel.src if channel.src in self.runners else self.name, str(err))
             return
+        except ChannelError:  # its consumer died: the engine fails its requests and re-links us
+            self.links.outbound.pop(channel.name).close()
+            return
         took, size = time.monotonic_ns() - began, nbytes(value)
         totals = self.channel_totals[channel.name]
         totals.chunks += 1
@@ -370,12 +373,16 @@ class ProgramLoop:
         return recorded
 
     def inspect(self) -> control.Inspection:
-        held = sum(
-            len(s.releases) + len(s.spent)
-            for r in self.runners.values()
-            for c in r.calls.values()
-            for s in c.inputs.values()
-        )
+        inbound = {(c.dst, c.dst_port): c.name for c in self.program.inbound}
+        by_channel = dict.fromkeys(inbound.values(), 0)
+        held = 0
+        for name, runner in self.runners.items():
+            for call in runner.calls.values():
+                for port, stream in call.inputs.items():
+                    slots = len(stream.releases) + len(stream.spent)
+                    held += slots
+                    if (name, port) in inbound:
+                        by_channel[inbound[name, port]] += slots
         for name, totals in self.channel_totals.items():
             outbound = self.links.outbound.get(name)
             totals.queued = len(outbound.outbox) if outbound is not None else 0
@@ -386,6 +393,7 @@ class ProgramLoop:
             sum(len(o.outbox) for o in self.links.outbound.values()),
             {name: r.totals for name, r in self.runners.items()},
             self.channel_totals,
+            by_channel,
         )
 
     def poll_fds(self) -> list[tuple[int, int]]:

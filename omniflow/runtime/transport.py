@@ -48,6 +48,14 @@ class EngineError(OmniflowError):
     """The engine cannot run the plan (an executor failed to start, or the engine is closed)."""
 
 
+class _SurvivorDied(Exception):
+    """An executor that was to re-link died meanwhile."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
 class Transport(ABC):
     """The engine's side of its executors: start and link them, send them control messages,
     hear theirs, notice deaths, restart."""
@@ -204,8 +212,15 @@ class ProcessTransport(Transport):
         }
 
     def restart(self, names: set[str]) -> None:
-        cleanup_stale_segments()  # the rings the dead executors had created
-        self.link(names)
+        """Start replacements for `names` and re-link; one more executor that dies while
+        that goes on (a survivor whose peer vanished under it) joins the restart."""
+        while True:
+            cleanup_stale_segments()  # the rings the dead executors had created
+            try:
+                self.link(names)
+                return
+            except _SurvivorDied as died:
+                names = names | {died.name}
 
     def log_tail(self, name: str, lines: int = 15) -> str:
         path = self.log_dir / f"{name}.log"
@@ -263,10 +278,13 @@ class ProcessTransport(Transport):
                     pending.discard(name)
                 else:
                     self.on_message(name, message)
-            for name in fresh:
+            for name in pending:
                 proc = self.processes.get(name)
-                if proc is not None and proc.poll() is not None:
+                if proc is None or proc.poll() is None:
+                    continue
+                if name in fresh:
                     raise EngineError(self.startup_failure(name, proc.returncode))
+                raise _SurvivorDied(name)
             if time.monotonic() > deadline:
                 raise EngineError(
                     f"executors {', '.join(sorted(pending))} did not answer within "
