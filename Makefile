@@ -1,14 +1,16 @@
 # The two commands of the README, each doing its own set-up in a local virtualenv.
-#   make demo   run the default pipeline (graphs/omni_chat.omni) on tiny built-in models:
-#               one chat request, its text and audio written to out/
+#   make serve  serve the default pipeline (graphs/omni_chat.omni) on tiny built-in models
+#               over an OpenAI-compatible HTTP API at http://127.0.0.1:$(PORT)/v1
+#   make demo   one chat request through the same pipeline, its text and audio written to out/
 #   make plan   compile the default pipeline for 2 H200s and print its plan
 #   make test   run the test suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DEVICES ?= 2xH200
+PORT ?= 8091
 
-.PHONY: demo plan test lint setup
+.PHONY: serve demo plan test lint setup
 
 setup: $(VENV)/.ready
 
@@ -21,8 +23,11 @@ $(VENV)/.ready: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
+serve: setup
+	$(VENV)/bin/omniflow run graphs/omni_chat.omni --tiny --port $(PORT)
+
 demo: setup
-	$(VENV)/bin/omniflow run graphs/omni_chat.omni --tiny --input prompt="Hello! Who are you?" \
+	$(VENV)/bin/omniflow run graphs/omni_chat.omni --once --tiny --input prompt="Hello! Who are you?" \
 		--param max_tokens=24 --param max_audio_tokens=240 --out out
 
 plan: setup

@@ -17,7 +17,16 @@ def _compile(args: argparse.Namespace) -> int:
     from omniflow.compiler import compile_file
     from omniflow.report import render_plan
 
-    plan = compile_file(args.path, devices=args.devices, tiny=args.tiny, progress=True)
+    snapshots = None
+    if args.viz:
+        from omniflow.profiler.viz import PassSnapshots
+
+        snapshots = PassSnapshots()
+    plan = compile_file(
+        args.path, devices=args.devices, tiny=args.tiny, progress=True, on_pass=snapshots
+    )
+    if snapshots is not None:
+        _write_viz(args, snapshots, plan.pipeline)
     text = plan.to_json()
     if args.output:
         try:
@@ -32,16 +41,28 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if not (args.once or args.input or args.out is not None):  # --input and --out imply --once
+        from omniflow.server.launch import serve
+
+        return serve(args)
     from omniflow.compiler import compile_file
     from omniflow.run_once import run_once
 
+    if len(args.paths) != 1:
+        raise UsageError("--once runs one pipeline: omniflow run PIPELINE.omni --once ...")
     inputs = dict(_key_value(item) for item in args.input)
     params = {k: _param_value(v) for k, v in map(_key_value, args.param)}
-    plan = compile_file(args.path, devices=args.devices, tiny=args.tiny, progress=True)
+    plan = compile_file(args.paths[0], devices=args.devices, tiny=args.tiny, progress=True)
     backends = "standin" if args.standin else "auto"
     console = Console(stderr=True, highlight=False)
     return run_once(
-        plan, inputs, params, Path(args.out), mode=args.mode, backends=backends, console=console
+        plan,
+        inputs,
+        params,
+        Path(args.out or "out"),
+        mode=args.mode,
+        backends=backends,
+        console=console,
     )
 
 
@@ -82,6 +103,35 @@ def _models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_viz(args: argparse.Namespace, snapshots, pipeline: str) -> None:
+    from omniflow.profiler.viz import write_viz
+
+    try:
+        write_viz(snapshots, args.viz, pipeline, args.devices)
+    except OSError as err:
+        raise UsageError(f"cannot write {args.viz}: {err.strerror}") from err
+    print(f"omniflow: the passes, drawn: {args.viz}", file=sys.stderr)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    """`omniflow profile TRACE.json -o report.html`: a trace's self-contained HTML report."""
+    from omniflow.profiler.report import load_trace, write_report
+
+    try:
+        trace = load_trace(args.path)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise UsageError(f"{args.path} is not a JSON trace: {err}") from err
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise UsageError(f"{args.path} is not a Chrome trace (no traceEvents)")
+    out = Path(args.output) if args.output else Path(args.path).with_suffix(".html")
+    try:
+        write_report(trace, out)
+    except OSError as err:
+        raise UsageError(f"cannot write the report to {out}: {err.strerror}") from err
+    print(f"omniflow: report: {out} ({out.stat().st_size / 1024:.0f} KiB)", file=sys.stderr)
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omniflow", description="Compile and serve .omni pipelines."
@@ -105,10 +155,21 @@ def make_parser() -> argparse.ArgumentParser:
         "--tiny", action="store_true", help="use the built-in tiny models of the same architectures"
     )
     comp.add_argument("--timings", action="store_true", help="print how long each pass took")
+    comp.add_argument(
+        "--viz", metavar="OUT.html", help="also draw the graph after each pass into this HTML file"
+    )
     comp.add_argument("--width", type=int, default=None, help=argparse.SUPPRESS)
     comp.set_defaults(run=_compile)
-    run = sub.add_parser("run", help="run one request through a pipeline and write its outputs")
-    run.add_argument("path", help="the .omni file")
+    run = sub.add_parser(
+        "run",
+        help="serve pipelines over an OpenAI-compatible HTTP API (--once: one request to files)",
+        description="Serve pipelines over an OpenAI-compatible HTTP API (docs/server.md); with "
+        "no pipeline, graphs/omni_chat.omni on the tiny models. --once runs one request and "
+        "writes its outputs as files.",
+    )
+    run.add_argument(
+        "paths", nargs="*", metavar="PIPELINE", help=".omni files or plan JSON files to serve"
+    )
     run.add_argument("--devices", default="cpu")
     run.add_argument(
         "--tiny", action="store_true", help="use the built-in tiny models of the same architectures"
@@ -118,21 +179,78 @@ def make_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("--mode", default="process", choices=("process", "inprocess"))
     run.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a parameter value (JSON, else a string): --param steps=4 --param speaker=Ethan; "
+        "served, it is the requests' default ([PIPELINE.]NAME=VALUE)",
+    )
+    serving = run.add_argument_group("serving")
+    serving.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serving.add_argument(
+        "--port", type=int, default=8091, help="port to listen on (default 8091; 0: any free one)"
+    )
+    serving.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (also: OMNIFLOW_API_KEY)",
+    )
+    serving.add_argument(
+        "--protect-metrics", action="store_true", help="/metrics needs the API key too"
+    )
+    serving.add_argument(
+        "--max-in-flight",
+        action="append",
+        default=[],
+        metavar="[PIPELINE=]N",
+        help="requests admitted at once (default: the plan's capacity); beyond it: 503",
+    )
+    serving.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=32 << 20,
+        help="largest request body (default 32 MiB); beyond it: 413",
+    )
+    serving.add_argument(
+        "--allow-remote-media",
+        action="store_true",
+        help="let requests name http(s) URLs for images and audio (off: data: URIs and files)",
+    )
+    serving.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGINT/SIGTERM, seconds to wait for requests in flight (default 30)",
+    )
+    serving.add_argument(
+        "--log-stats", action="store_true", help="print per-request stats tables after each"
+    )
+    serving.add_argument(
+        "--log-stats-json", metavar="FILE", help="append per-request stats as JSON lines to FILE"
+    )
+    serving.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    once = run.add_argument_group("one request (--once)")
+    once.add_argument(
+        "--once",
+        action="store_true",
+        help="run one request and write its outputs as files (--input and --out imply it)",
+    )
+    once.add_argument(
         "--input",
         action="append",
         default=[],
         metavar="NAME=VALUE",
         help="a text input, or an image input's file path",
     )
-    run.add_argument(
-        "--param",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="a parameter override (JSON, else a string): --param steps=4 --param speaker=Ethan",
-    )
-    run.add_argument("--out", default="out", help="folder for the outputs (text, WAV, PNG)")
+    once.add_argument("--out", default=None, help="folder for the outputs (default out/)")
     run.set_defaults(run=_run)
+    prof = sub.add_parser(
+        "profile", help="make a self-contained HTML report of a profile's trace (trace.json)"
+    )
+    prof.add_argument("path", metavar="TRACE.json", help="a trace written by a profile")
+    prof.add_argument("-o", "--output", help="the report's path (default: TRACE.html)")
+    prof.set_defaults(run=_profile)
     models = sub.add_parser(
         "models", help="tiny random-weight checkpoints of the real architectures"
     )
@@ -167,9 +285,10 @@ class UsageError(OmniflowError):
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     debug = args.debug or os.environ.get("OMNIFLOW_DEBUG", "") not in ("", "0")
-    if getattr(args, "path", None) and not Path(args.path).is_file():
-        print(f"omniflow: error: no such file: {args.path}", file=sys.stderr)
-        return 2
+    for path in [getattr(args, "path", None), *getattr(args, "paths", [])]:
+        if path and not Path(path).is_file():
+            print(f"omniflow: error: no such file: {path}", file=sys.stderr)
+            return 2
     try:
         return args.run(args)
     except KeyboardInterrupt:

@@ -14,7 +14,7 @@ from omniflow.ir.from_ast import build
 from omniflow.ir.graph import Graph
 from omniflow.lower import lower
 from omniflow.models.resolve import model_path, use_tiny_models
-from omniflow.passes.pipeline import Target, run_passes
+from omniflow.passes.pipeline import PassHook, Target, run_passes
 from omniflow.plan import Plan
 
 
@@ -26,12 +26,13 @@ def load_graph(path: str | Path) -> Graph:
     return build(parse_file(path))
 
 
-def optimize(graph: Graph, devices: str = "cpu") -> Graph:
-    return run_passes(graph, Target(tuple(parse_devices(devices))))
+def optimize(graph: Graph, devices: str = "cpu", on_pass: PassHook | None = None) -> Graph:
+    return run_passes(graph, Target(tuple(parse_devices(devices))), on_pass=on_pass)
 
 
-def compile_graph(graph: Graph, devices: str = "cpu") -> Plan:
-    return lower(optimize(graph, devices))
+def compile_graph(graph: Graph, devices: str = "cpu", on_pass: PassHook | None = None) -> Plan:
+    """`on_pass`: told of each pass as it finishes (run_passes)."""
+    return lower(optimize(graph, devices, on_pass))
 
 
 def compile_source(text: str, path: str = "<string>", devices: str = "cpu") -> Plan:
@@ -39,7 +40,11 @@ def compile_source(text: str, path: str = "<string>", devices: str = "cpu") -> P
 
 
 def compile_file(
-    path: str | Path, devices: str = "cpu", tiny: bool = False, progress: bool = False
+    path: str | Path,
+    devices: str = "cpu",
+    tiny: bool = False,
+    progress: bool = False,
+    on_pass: PassHook | None = None,
 ) -> Plan:
     """`tiny`: swap every model for its built-in tiny counterpart (same architecture), built
     on first use (`progress`: with a progress bar)."""
@@ -48,4 +53,4 @@ def compile_file(
         graph = use_tiny_models(graph)
         for model in sorted({graph.model, *(s.params.get("model") for s in graph.stages)} - {None}):
             model_path(model, progress=progress)
-    return compile_graph(graph, devices)
+    return compile_graph(graph, devices, on_pass)

@@ -1,13 +1,25 @@
-"""Turning pipeline outputs into files people can open: WAV audio and PNG images."""
+"""Pipeline outputs as files people open, and files people send as pipeline inputs.
+
+Audio is encoded and decoded with soundfile (libsndfile: WAV, FLAC), images with Pillow
+(PNG, JPEG, WebP). An audio output is mono int16 or float samples in [-1, 1]; an image is
+a uint8 `[H, W, 3]` tensor (leading singleton dims are dropped).
+"""
 
 from __future__ import annotations
 
 import io
-import struct
-import wave
-import zlib
 
+import numpy as np
 import torch
+
+AUDIO_FORMATS = ("wav", "flac", "pcm")  # pcm: raw little-endian 16-bit samples, no header
+IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
+AUDIO_MIME = {"wav": "audio/wav", "flac": "audio/flac", "pcm": "audio/pcm"}
+IMAGE_MIME = {"png": "image/png", "jpeg": "image/jpeg", "jpg": "image/jpeg", "webp": "image/webp"}
+
+
+class MediaError(ValueError):
+    """Bytes that do not decode as the image or audio they claim to be."""
 
 
 def pcm16(audio: torch.Tensor) -> torch.Tensor:
@@ -18,35 +30,65 @@ def pcm16(audio: torch.Tensor) -> torch.Tensor:
     return torch.floor(flat.float().clamp(-1, 1) * 32767 + 0.5).to(torch.int16)
 
 
-def wav_bytes(audio: torch.Tensor, rate: int) -> bytes:
-    """A mono 16-bit WAV file of `audio`."""
+def audio_bytes(audio: torch.Tensor, rate: int, fmt: str = "wav") -> bytes:
+    """Mono 16-bit audio as a `fmt` file (`wav`, `flac`) or raw `pcm` samples."""
+    samples = pcm16(audio).numpy()
+    if fmt == "pcm":
+        return samples.astype("<i2").tobytes()
+    import soundfile
+
     buffer = io.BytesIO()
-    with wave.open(buffer, "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes(pcm16(audio).numpy().tobytes())
+    soundfile.write(buffer, samples, rate, format=fmt.upper(), subtype="PCM_16")
+    return buffer.getvalue()
+
+
+def wav_bytes(audio: torch.Tensor, rate: int) -> bytes:
+    """A mono 16-bit WAV file of `audio` (a zero-length one is still a valid WAV)."""
+    return audio_bytes(audio, rate, "wav")
+
+
+def streaming_wav_header(rate: int) -> bytes:
+    """The header of a mono 16-bit WAV whose length is not known yet: soundfile's header for
+    an empty file, its RIFF and data sizes set to the maximum, as streamed WAVs do."""
+    header = bytearray(wav_bytes(torch.zeros(0, dtype=torch.int16), rate))
+    header[4:8] = b"\xff\xff\xff\xff"
+    header[-4:] = b"\xff\xff\xff\xff"  # the empty file ends with the data chunk's size
+    return bytes(header)
+
+
+def decode_audio(data: bytes) -> tuple[torch.Tensor, int]:
+    """An audio file's samples (float32, mono: channels averaged) and its sample rate."""
+    import soundfile
+
+    try:
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+    except (RuntimeError, soundfile.LibsndfileError, TypeError, ValueError) as err:
+        raise MediaError(f"not an audio file soundfile can read: {err}") from err
+    return torch.from_numpy(np.ascontiguousarray(samples.mean(axis=1))), int(rate)
+
+
+def image_bytes(image: torch.Tensor, fmt: str = "png") -> bytes:
+    """A uint8 `[..., H, W, 3]` image as a PNG, JPEG or WebP file."""
+    from PIL import Image
+
+    pixels = image.reshape(image.shape[-3:]).to(torch.uint8).contiguous().numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buffer, format=IMAGE_FORMATS[fmt])
     return buffer.getvalue()
 
 
 def png_bytes(image: torch.Tensor) -> bytes:
     """A PNG of an [H, W, 3] uint8 image (leading singleton dims are dropped)."""
-    pixels = image.reshape(image.shape[-3:]).to(torch.uint8).contiguous()
-    height, width, _ = pixels.shape
-    rows = b"".join(b"\x00" + pixels[y].numpy().tobytes() for y in range(height))
+    return image_bytes(image, "png")
 
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(data))
-            + kind
-            + data
-            + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-        )
 
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(rows))
-        + chunk(b"IEND", b"")
-    )
+def decode_image(data: bytes) -> torch.Tensor:
+    """An image file (any format Pillow reads) as a uint8 `[H, W, 3]` RGB tensor."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            rgb = image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as err:
+        raise MediaError(f"not an image file Pillow can read: {err}") from err
+    return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())

@@ -20,6 +20,8 @@ EXAMPLES = {
     "text_to_image": (["prompt=a red boat"], ["steps=2", "height=32", "width=32"], ["image.png"]),
     "image_understanding": (["image={image}", "prompt=What is this?"], ["max_tokens=4"],
                             ["text.txt"]),
+    "image_edit": (["image={image}", "prompt=Make the cat blue."],
+                   ["steps=2", "height=32", "width=32"], ["edited.png"]),
 }  # fmt: skip
 
 
@@ -34,7 +36,7 @@ def test_example_runs_on_tiny_models(name, tmp_path):
     pixels = torch.randint(0, 256, (40, 56, 3), generator=torch.Generator().manual_seed(0))
     Image.fromarray(pixels.to(torch.uint8).numpy()).save(image)
     inputs, params, files = EXAMPLES[name]
-    args = ["run", str(GRAPHS / f"{name}.omni"), "--tiny", "--out", str(tmp_path / "out")]
+    args = ["run", "--once", str(GRAPHS / f"{name}.omni"), "--tiny", "--out", str(tmp_path / "out")]
     args += [a for i in inputs for a in ("--input", i.format(image=image))]
     args += [a for p in params for a in ("--param", p)]
     assert main(args) == 0

@@ -11,7 +11,7 @@ from omniflow.media import pcm16, png_bytes, wav_bytes
 
 
 def test_run_writes_text_and_a_playable_wav(tmp_path, capsys):
-    code = main(["run", "graphs/omni_chat.omni", "--devices", "2xH200", "--standin", "--input", "prompt=hello",
+    code = main(["run", "--once", "graphs/omni_chat.omni", "--devices", "2xH200", "--standin", "--input", "prompt=hello",
                  "--out", str(tmp_path)])  # fmt: skip
     assert code == 0
     text = (tmp_path / "text.txt").read_text()
@@ -22,7 +22,7 @@ def test_run_writes_text_and_a_playable_wav(tmp_path, capsys):
 
 
 def test_run_writes_a_png_with_parameter_overrides(tmp_path):
-    code = main(["run", "graphs/text_to_image.omni", "--devices", "2xH200", "--standin", "--mode", "inprocess",
+    code = main(["run", "--once", "graphs/text_to_image.omni", "--devices", "2xH200", "--standin", "--mode", "inprocess",
                  "--input", "prompt=a cat", "--param", "steps=2", "--out", str(tmp_path)])  # fmt: skip
     assert code == 0
     image = Image.open(tmp_path / "image.png")
@@ -33,6 +33,7 @@ def test_bad_request_is_a_clean_error(tmp_path, capsys):
     code = main(
         [
             "run",
+            "--once",
             "graphs/tts.omni",
             "--standin",
             "--devices",

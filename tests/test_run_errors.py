@@ -40,7 +40,7 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     return code, out, err
 
 
-# (argv after "run", what the one error line says); none of them may start an executor.
+# (argv after "run --once", what the one error line says); none of them may start an executor.
 MISTAKES = [
     (["omni_chat", "--input", "prompt=hi", "--param", "speaker=Bob"],
      "unknown speaker 'Bob'; the model has Chelsie, Ethan"),
@@ -67,7 +67,7 @@ MISTAKES = [
 def test_a_mistake_is_one_line_before_any_work_and_writes_nothing(argv, message, tmp_path, capsys):
     out = tmp_path / "out"
     name, *rest = argv
-    args = ["run", str(GRAPHS / f"{name}.omni"), "--tiny", "--out", str(out), *rest]
+    args = ["run", "--once", str(GRAPHS / f"{name}.omni"), "--tiny", "--out", str(out), *rest]
     start = time.perf_counter()
     code, _, err = run(capsys, *args)
     assert code == 1
@@ -78,7 +78,7 @@ def test_a_mistake_is_one_line_before_any_work_and_writes_nothing(argv, message,
 
 
 def test_param_values_are_json_else_text(tmp_path, capsys):
-    code, out, _ = run(capsys, "run", str(GRAPHS / "omni_chat.omni"), "--standin", "--devices", "2xH200", "--input",
+    code, out, _ = run(capsys, "run", "--once", str(GRAPHS / "omni_chat.omni"), "--standin", "--devices", "2xH200", "--input",
                        "prompt=hi", "--param", "speaker=Ethan", "--param", "max_tokens=3",
                        "--param", "seed=7", "--out", str(tmp_path))  # fmt: skip
     assert code == 0
@@ -87,7 +87,7 @@ def test_param_values_are_json_else_text(tmp_path, capsys):
 
 def test_the_seed_is_reported_and_replays_the_request(tmp_path, capsys):
     def once(*extra):
-        code, _, err = run(capsys, "run", str(GRAPHS / "tts.omni"), "--tiny", "--mode", "inprocess",
+        code, _, err = run(capsys, "run", "--once", str(GRAPHS / "tts.omni"), "--tiny", "--mode", "inprocess",
                            "--input", "text=Good morning.", "--param", "max_tokens=24",
                            "--out", str(tmp_path), *extra)  # fmt: skip
         assert code == 0
@@ -102,7 +102,7 @@ def test_the_seed_is_reported_and_replays_the_request(tmp_path, capsys):
 def test_an_empty_output_is_a_valid_file_and_the_run_says_so(tmp_path, capsys):
     source = tmp_path / "silent.omni"
     source.write_text(SILENT)
-    code, _, err = run(capsys, "run", str(source), "--mode", "inprocess", "--input", "text=hi",
+    code, _, err = run(capsys, "run", "--once", str(source), "--mode", "inprocess", "--input", "text=hi",
                        "--out", str(tmp_path / "out"))  # fmt: skip
     assert code == 0
     assert "audio: " in err and "empty" in err
@@ -118,7 +118,7 @@ def test_a_missing_model_names_it_and_the_ways_to_provide_it_within_seconds(
     source = tmp_path / "chat.omni"
     source.write_text(OFFLINE_MODEL)
     start = time.perf_counter()
-    code, _, err = run(capsys, "run", str(source), "--input", "prompt=hi", "--out",
+    code, _, err = run(capsys, "run", "--once", str(source), "--input", "prompt=hi", "--out",
                        str(tmp_path / "out"))  # fmt: skip
     assert code == 1 and time.perf_counter() - start < 10
     assert "model 'Qwen/Qwen2.5-0.5B-Instruct' is not on this machine" in err
@@ -127,7 +127,7 @@ def test_a_missing_model_names_it_and_the_ways_to_provide_it_within_seconds(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_gpu_plan_on_a_machine_without_gpus_is_a_clear_error(tmp_path, capsys):
-    code, _, err = run(capsys, "run", str(GRAPHS / "omni_chat.omni"), "--tiny", "--devices",
+    code, _, err = run(capsys, "run", "--once", str(GRAPHS / "omni_chat.omni"), "--tiny", "--devices",
                        "2xH200", "--input", "prompt=hi", "--out", str(tmp_path / "out"))  # fmt: skip
     assert code == 1 and "this machine has no CUDA device" in err
     assert "--devices cpu" in err and not (tmp_path / "out").exists()
@@ -136,7 +136,7 @@ def test_a_gpu_plan_on_a_machine_without_gpus_is_a_clear_error(tmp_path, capsys)
 def test_unwritable_plan_path_and_bad_key_value_are_usage_errors(capsys):
     code, _, err = run(capsys, "compile", str(GRAPHS / "tts.omni"), "-o", "/nonexistent/dir/p.json")
     assert code == 2 and "cannot write the plan to /nonexistent/dir/p.json" in err
-    code, _, err = run(capsys, "run", str(GRAPHS / "tts.omni"), "--input", "text")
+    code, _, err = run(capsys, "run", "--once", str(GRAPHS / "tts.omni"), "--input", "text")
     assert code == 2 and "expected NAME=VALUE, not 'text'" in err
 
 
@@ -170,7 +170,7 @@ def _alive(pid: int) -> bool:
 @pytest.mark.slow
 def test_ctrl_c_cancels_cleanly_and_leaves_nothing_behind(tmp_path):
     proc = subprocess.Popen(
-        [sys.executable, "-m", "omniflow.cli", "run", str(GRAPHS / "omni_chat.omni"), "--tiny",
+        [sys.executable, "-m", "omniflow.cli", "run", "--once", str(GRAPHS / "omni_chat.omni"), "--tiny",
          "--input", "prompt=Tell me a long story.", "--out", str(tmp_path / "out")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -2,25 +2,35 @@
 (`VaeDecode`), and what they share with the text encoder (`omniflow.backends.encoders`):
 loading some parts of a diffusers pipeline, and the layout prompt embeddings travel in.
 
-Supported pipelines: Qwen-Image (`QwenImagePipeline`). Each stage loads the pipeline with
-only its own parts and calls the pipeline's own helpers (prompt encoding, latent
-preparation and packing, the resolution-dependent timestep shift), so a request gives what
-the pipeline's `__call__` gives for the same prompt, seed and settings.
+Supported pipelines: Qwen-Image (`QwenImagePipeline`) and Qwen-Image-Edit
+(`QwenImageEditPipeline`). Each stage loads the pipeline with only its own parts and calls
+the pipeline's own helpers (prompt encoding, input-image encoding, latent preparation and
+packing, the resolution-dependent timestep shift), so a request gives what the pipeline's
+`__call__` gives for the same prompt, image, seed and settings.
+
+An edit pipeline conditions on an input image twice, both times resized as its `__call__`
+resizes it (`condition_image`: about 1024 x 1024 pixels at the image's aspect ratio, sides
+multiples of 32, whatever the output size): the text encoder sees it through the
+pipeline's Qwen2VLProcessor (`omniflow.backends.encoders`), and the denoiser encodes it with
+the pipeline's VAE and attends to those latents, packed beside the noise latents along the
+sequence. `load_processor` loads that processor without torchvision.
 
 `DiffusionSteps` runs one denoising step of every request it is handed per `step()`:
 
 - prepare (a request's first step): its conditioning is copied out of the input chunk; its
   latents are drawn from its own `torch.Generator` seeded with `seed` (0 when the request
-  gives none, so every mode agrees) by the pipeline's `prepare_latents`; its scheduler is
-  its own copy of the pipeline's, set to the pipeline's sigmas and shift `mu`.
+  gives none, so every mode agrees) by the pipeline's `prepare_latents`, which for an edit
+  also VAE-encodes the input image (the latent distribution's mode: no draw); its scheduler
+  is its own copy of the pipeline's, set to the pipeline's sigmas and shift `mu`.
   `FlowMatchEulerDiscreteScheduler` keeps a step index, so a shared one would advance once
   per request and step every request with the wrong sigma.
-- denoise: one transformer forward per image size over every request in the batch (the
-  transformer's RoPE takes one image shape per forward, so sizes cannot mix). Each request
-  brings its conditional row and, under guidance, its unconditional row — two rows of the
-  same forward — each row with its own timestep: the transformer embeds a timestep vector,
-  so requests at different steps batch together. Text rows are zero-padded to the longest
-  and masked when their lengths differ.
+- denoise: one transformer forward per image size (and input-image size) over every
+  request in the batch (the transformer's RoPE takes one set of image shapes per forward, so
+  sizes cannot mix). Each request brings its conditional row and, under guidance, its
+  unconditional row — two rows of the same forward — each row with its own timestep: the
+  transformer embeds a timestep vector, so requests at different steps batch together. Text
+  rows are zero-padded to the longest and masked when their lengths differ. An edit's rows
+  are its noise latents then its input image's latents; the prediction is the noise part.
 - scheduler step: per request, Qwen-Image's true classifier-free guidance (`guidance` > 1
   and a negative prompt): `uncond + guidance * (cond - uncond)`, rescaled to the conditional
   prediction's norm, then its scheduler's step. The flow-matching Euler step is one update,
@@ -45,7 +55,11 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKLQwenImage, DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+from PIL import Image
+from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
 
+from omniflow.backends.vision import VisionBackendError, read_image
 from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
 from omniflow.ir.kinds import KINDS
@@ -53,7 +67,13 @@ from omniflow.kernels.cfg_euler import cfg_euler_step, guide
 from omniflow.models.resolve import model_path
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
-SUPPORTED_PIPELINES = ("QwenImagePipeline",)
+SUPPORTED_PIPELINES = ("QwenImagePipeline", "QwenImageEditPipeline")
+# Pipelines that condition on an input image (an `image` input on the encoder and denoiser).
+EDIT_PIPELINES = ("QwenImageEditPipeline",)
+# QwenImageEditPipeline.__call__ resizes the input image to about this many pixels.
+CONDITION_AREA = 1024 * 1024
+# Qwen2VLProcessor refuses images whose sides differ by more than this factor.
+MAX_ASPECT = 200
 # An unseeded request still draws the same noise in every mode and every run.
 DEFAULT_SEED = 0
 # Prompt lengths travel as two base-256 digits: integers up to 256 are exact in bfloat16.
@@ -85,12 +105,70 @@ def load_pipeline(spec: StageSpec, device: str, parts: tuple[str, ...]):
         for name, entry in index.items()
         if not name.startswith("_") and isinstance(entry, list) and name not in parts
     }
+    loaded = {}
+    if "processor" in parts and "processor" in index:
+        loaded["processor"] = load_processor(Path(path) / "processor")
     dtype = plan.settings.get("dtype")
     with quiet():
         pipe = DiffusionPipeline.from_pretrained(
-            path, torch_dtype=getattr(torch, dtype) if dtype else None, **skipped
+            path, torch_dtype=getattr(torch, dtype) if dtype else None, **skipped, **loaded
         )
     return pipe.to(device)
+
+
+class _ImageProcessor(Qwen2VLProcessor):
+    """Qwen2VLProcessor without its video processor. transformers checks the class of every
+    part a processor is given, and the video processor's base class needs torchvision, which
+    omniflow does not require; the pipelines never pass videos, so none is given, and the
+    check skips the missing part. Everything else is Qwen2VLProcessor's own code."""
+
+    def check_argument_for_proper_class(self, argument_name, argument):
+        if argument is None:
+            return None
+        return super().check_argument_for_proper_class(argument_name, argument)
+
+
+def load_processor(directory: str | Path) -> Qwen2VLProcessor:
+    """An edit pipeline's Qwen2VLProcessor from its folder (the tokenizer and the image
+    processor), for `from_pretrained(..., processor=...)`: diffusers' own loading of it
+    needs torchvision (see `_ImageProcessor`)."""
+    with quiet():
+        return _ImageProcessor(
+            image_processor=AutoImageProcessor.from_pretrained(directory),
+            tokenizer=AutoTokenizer.from_pretrained(directory),
+        )
+
+
+def edits(spec: StageSpec, pipe) -> bool:
+    """Whether `pipe` conditions on an input image; a stage of it must take one exactly
+    when it does."""
+    conditions = type(pipe).__name__ in EDIT_PIPELINES
+    if conditions != ("image" in spec.inputs):
+        what = "conditions on an input image" if conditions else "takes no input image"
+        raise DiffusersBackendError(
+            f"stage '{spec.plan.name}': {spec.plan.model} is a {type(pipe).__name__}, which "
+            f"{what}: {'connect' if conditions else 'disconnect'} the stage's 'image' input"
+        )
+    return conditions
+
+
+def condition_image(pipe, value) -> Image.Image:
+    """A request's input image as an edit pipeline's `__call__` conditions on it: opened (a
+    path, or a uint8 `[H, W, 3]` tensor), as RGB, resized by the pipeline's image processor
+    to about CONDITION_AREA pixels at its own aspect ratio, sides multiples of 32."""
+    try:
+        image = read_image(value)
+    except VisionBackendError as err:
+        raise DiffusersBackendError(str(err)) from err
+    if not isinstance(image, Image.Image):
+        image = Image.fromarray(image)
+    width, height, _ = calculate_dimensions(CONDITION_AREA, image.width / image.height)
+    if min(width, height) < 32 or max(width, height) > MAX_ASPECT * min(width, height):
+        raise DiffusersBackendError(
+            f"an input image of {image.width} x {image.height} pixels is too narrow: its sides "
+            f"may differ by a factor of at most {MAX_ASPECT}"
+        )
+    return pipe.image_processor.resize(image, height, width)
 
 
 def _model_index(plan, path: str) -> dict:
@@ -157,6 +235,9 @@ class _Denoising:
     scheduler: object
     timesteps: torch.Tensor
     latents: torch.Tensor  # packed, [1, patches, C * 4]
+    # (frames, rows, columns) of transformer patches: the output's, then an edit's input image's.
+    shapes: tuple[tuple[int, int, int], ...]
+    image_latents: torch.Tensor | None = None  # an edit's input image, packed as `latents`
     index: int = 0
 
     @property
@@ -170,34 +251,38 @@ class DiffusionSteps(Backend):
 
     def __init__(self, spec: StageSpec, device: str):
         super().__init__(spec, device)
-        unknown = set(spec.inputs) - {"cond"}
-        if unknown:
+        name = spec.plan.name
+        unknown = set(spec.inputs) - {"cond", "image"}
+        if unknown or "cond" not in spec.inputs:
+            given = ", ".join(sorted(spec.inputs)) or "nothing"
             raise DiffusersBackendError(
-                f"stage '{spec.plan.name}': the diffusers denoiser takes only 'cond' "
-                f"(text conditioning), not {', '.join(sorted(unknown))}"
+                f"stage '{name}': the diffusers denoiser takes 'cond' (text conditioning) and, "
+                f"for an edit pipeline, 'image', not {given}"
             )
-        self.pipe = load_pipeline(spec, device, ("transformer", "scheduler"))
+        # An edit's input image is VAE-encoded here, as the pipeline's prepare_latents does.
+        parts = ("transformer", "scheduler") + (("vae",) if "image" in spec.inputs else ())
+        self.pipe = load_pipeline(spec, device, parts)
+        self.edits = edits(spec, self.pipe)
         self.transformer = self.pipe.transformer
         if self.transformer.config.guidance_embeds:
             raise DiffusersBackendError(
-                f"stage '{spec.plan.name}': guidance-distilled transformers "
+                f"stage '{name}': guidance-distilled transformers "
                 "(guidance_embeds=True) are not supported"
             )
-        # The pipeline derives this from the VAE, which this stage does not load.
+        # The pipeline derives this from the VAE, which this stage may not load.
         self.pipe.vae_scale_factor = _vae_scale_factor(model_path(spec.plan.model))
         # Image pixels per side of one transformer patch: sizes must be multiples of it.
         self.patch_pixels = self.pipe.vae_scale_factor * 2
 
     def ready(self, call: Call) -> bool:
-        return "denoising" in call.state or call.inputs["cond"].ended
+        return "denoising" in call.state or call.inputs_ended()
 
     def step(self, calls: list[Call]) -> None:
         with torch.no_grad():
             running = [c for c in calls if "denoising" in c.state or self._prepare(c)]
             groups = defaultdict(list)
             for call in running:
-                state = call.state["denoising"]
-                groups[state.height, state.width].append(call)
+                groups[call.state["denoising"].shapes].append(call)
             for group in groups.values():
                 self._denoise(group)
 
@@ -216,20 +301,25 @@ class DiffusionSteps(Backend):
             )
             guidance = float(_param(call, "diffusion", "guidance"))
             self._check(steps, height, width)
+            image = condition_image(self.pipe, call.inputs["image"].take()) if self.edits else None
         except DiffusersBackendError as err:
             call.fail(err)
             return False
         seed = call.params.get("seed")
         generator = torch.Generator().manual_seed(DEFAULT_SEED if seed is None else seed)
-        latents = self.pipe.prepare_latents(
-            1,
-            self.transformer.config.in_channels // 4,
-            height,
-            width,
-            self.transformer.dtype,
-            self.device,
-            generator,
-        )
+        shapes = ((1, height // self.patch_pixels, width // self.patch_pixels),)
+        size = (1, self.transformer.config.in_channels // 4, height, width)
+        dtype = self.transformer.dtype
+        if image is None:
+            latents = self.pipe.prepare_latents(*size, dtype, self.device, generator)
+            image_latents = None
+        else:
+            pixels = self.pipe.image_processor.preprocess(image, image.height, image.width)
+            latents, image_latents = self.pipe.prepare_latents(
+                pixels.unsqueeze(2), *size, dtype, self.device, generator
+            )
+            patch = self.patch_pixels
+            shapes += ((1, image.height // patch, image.width // patch),)
         scheduler = self.pipe.scheduler.__class__.from_config(self.pipe.scheduler.config)
         config = scheduler.config
         mu = calculate_shift(
@@ -244,7 +334,16 @@ class DiffusionSteps(Backend):
         )
         scheduler.set_begin_index(0)
         call.state["denoising"] = _Denoising(
-            prompts, guidance, height, width, generator, scheduler, timesteps, latents
+            prompts,
+            guidance,
+            height,
+            width,
+            generator,
+            scheduler,
+            timesteps,
+            latents,
+            shapes,
+            image_latents,
         )
         return True
 
@@ -259,8 +358,8 @@ class DiffusionSteps(Backend):
                 )
 
     def _denoise(self, calls: list[Call]) -> None:
-        """One transformer forward over the rows of `calls` (one image size), then each
-        request's guidance and scheduler step."""
+        """One transformer forward over the rows of `calls` (one set of image shapes), then
+        each request's guidance and scheduler step."""
         states = [c.state["denoising"] for c in calls]
         rows = [(s, p) for s in states for p in (s.prompts if s.guided else s.prompts[:1])]
         lengths = [p.shape[0] for _, p in rows]
@@ -270,20 +369,21 @@ class DiffusionSteps(Backend):
             text[i, : prompt.shape[0]] = prompt
             mask[i, : prompt.shape[0]] = 1
         timesteps = torch.stack([s.timesteps[s.index] for s, _ in rows])
-        height, width = (
-            states[0].height // self.patch_pixels,
-            states[0].width // self.patch_pixels,
-        )
+        latents = [s.latents for s, _ in rows]
+        if states[0].image_latents is not None:
+            latents = [torch.cat([s.latents, s.image_latents], dim=1) for s, _ in rows]
         noise = self.transformer(
-            hidden_states=torch.cat([s.latents for s, _ in rows]),
+            hidden_states=torch.cat(latents),
             timestep=timesteps.to(states[0].latents.dtype) / 1000,
             guidance=None,
             # The pipeline passes no mask when no token is padding; neither do we.
             encoder_hidden_states_mask=None if mask.all() else mask,
             encoder_hidden_states=text,
-            img_shapes=[[(1, height, width)]] * len(rows),
+            img_shapes=[list(states[0].shapes)] * len(rows),
             return_dict=False,
         )[0]
+        # An edit's rows end with its input image's latents: the prediction is the rest.
+        noise = noise[:, : states[0].latents.shape[1]]
         row = 0
         for call, state in zip(calls, states, strict=True):
             cond = noise[row : row + 1]

@@ -11,6 +11,13 @@ encodes every prompt of a batch; on a guidance path (`call.params["cfg"]`, the n
 prompt's text) it encodes the negative prompt too, whatever the guidance scale — this stage
 does not see it.
 
+Qwen-Image-Edit's stage also takes the request's input `image`: its template puts the
+image before the prompt, and its Qwen2VLProcessor shows the image, resized as the
+pipeline's `__call__` resizes it (`condition_image`), to the text encoder, for the prompt
+and the negative prompt alike. The image's tokens are kept in the embeddings, and the
+pipeline cuts nothing, so a request whose embeddings outgrow the plan's item (the image's
+tokens plus `max_len`) fails rather than be cut.
+
 What a request emits on `hidden`, in the text encoder's dtype, is one value
 `[k, 1 + n, H]` (`pack_prompts` in `omniflow.backends.diffusion` writes it and
 `unpack_prompts` reads it):
@@ -30,58 +37,87 @@ from __future__ import annotations
 
 import torch
 
-from omniflow.backends.diffusion import DiffusersBackendError, load_pipeline, pack_prompts
+from omniflow.backends.diffusion import (
+    DiffusersBackendError,
+    condition_image,
+    edits,
+    load_pipeline,
+    pack_prompts,
+)
 from omniflow.ir.kinds import KINDS
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 
 class TextEncoder(Backend):
-    """A diffusers pipeline's text encoder: prompt (and negative prompt) to embeddings."""
+    """A diffusers pipeline's text encoder: prompt (and negative prompt), with an edit
+    pipeline's input image, to embeddings."""
 
     def __init__(self, spec: StageSpec, device: str):
         super().__init__(spec, device)
         name = spec.plan.name
-        if spec.inputs != {"prompt": "text"}:
+        if spec.inputs not in ({"prompt": "text"}, {"prompt": "text", "image": "image"}):
             given = ", ".join(f"{p}: {t}" for p, t in spec.inputs.items())
             raise DiffusersBackendError(
-                f"stage '{name}': the diffusers text encoder takes one text prompt, not {given}"
+                f"stage '{name}': the diffusers text encoder takes one text prompt (and, for an "
+                f"edit pipeline, an image), not {given}"
             )
-        self.pipe = load_pipeline(spec, device, ("text_encoder", "tokenizer"))
+        self.pipe = load_pipeline(spec, device, ("text_encoder", "tokenizer", "processor"))
+        self.edits = edits(spec, self.pipe)
         self.max_len = spec.plan.settings.get("max_len", KINDS["encoder"].params["max_len"].default)
         if not 1 <= self.max_len <= self.pipe.tokenizer_max_length:
             raise DiffusersBackendError(
                 f"stage '{name}': max_len must be 1..{self.pipe.tokenizer_max_length} "
                 f"for this pipeline, not {self.max_len}"
             )
+        # Embeddings a request may emit: the plan's item, less its header row.
+        self.max_rows = spec.outputs["hidden"].shape[0] - 1
 
     def ready(self, call: Call) -> bool:
         return call.inputs_ended()
 
     def step(self, calls: list[Call]) -> None:
         texts: list[str] = []
+        images: list = []
         owners: list[tuple[Call, range]] = []
         for call in calls:
             negative = call.params.get("cfg")
-            if negative is not None and not isinstance(negative, str):
-                kind = type(negative).__name__
-                call.fail(
-                    DiffusersBackendError(
-                        f"the guidance companion must be a text (a negative prompt), not {kind}"
+            try:
+                if negative is not None and not isinstance(negative, str):
+                    raise DiffusersBackendError(
+                        "the guidance companion must be a text (a negative prompt), not "
+                        f"{type(negative).__name__}"
                     )
+                image = (
+                    condition_image(self.pipe, call.inputs["image"].take()) if self.edits else None
                 )
+            except DiffusersBackendError as err:
+                call.fail(err)
                 continue
             # An empty text stream is the empty prompt.
             mine = [call.inputs["prompt"].take() or ""]
             mine += [] if negative is None else [negative]
             owners.append((call, range(len(texts), len(texts) + len(mine))))
             texts += mine
+            images += [image] * len(mine)
         if not texts:
             return
         with torch.no_grad():
             embeds, mask = self.pipe.encode_prompt(
-                texts, device=self.device, max_sequence_length=self.max_len
+                texts,
+                device=self.device,
+                max_sequence_length=self.max_len,
+                **({"image": images} if self.edits else {}),
             )
         lengths = [embeds.shape[1]] * len(texts) if mask is None else mask.sum(dim=1).tolist()
         for call, rows in owners:
+            longest = max(lengths[i] for i in rows)
+            if longest > self.max_rows:
+                call.fail(
+                    DiffusersBackendError(
+                        f"the prompt and image make {longest} embeddings; the stage was planned "
+                        f"for {self.max_rows} (raise its max_len)"
+                    )
+                )
+                continue
             call.emit("hidden", pack_prompts([embeds[i, : lengths[i]] for i in rows]))
             call.finish()

@@ -64,14 +64,15 @@ def backend_name(spec: StageSpec) -> str:
     """The backend a model stage runs on: the one it asks for, else vLLM for plain text
     generation where it is installed (a prompt in, tokens and text out: vLLM does not expose
     hidden states or take embeddings), else for an encoder the vision tower of a
-    transformers checkpoint when its input is an image and a diffusers pipeline's text
-    encoder when it is a prompt, else the kind's default."""
+    transformers checkpoint when its one input is an image and a diffusers pipeline's text
+    encoder when it has a prompt (an edit pipeline's also takes the image), else the kind's
+    default."""
     kind = spec.plan.kind
     asked = spec.plan.settings.get("backend", "auto")
     if asked != "auto":
         return asked
     if kind == "encoder":
-        return "transformers" if "image" in spec.inputs else "diffusers"
+        return "transformers" if set(spec.inputs) == {"image"} else "diffusers"
     plain_lm = set(spec.inputs) <= {"prompt"} and set(spec.outputs) <= {"tokens", "text"}
     if kind == "ar" and plain_lm and importlib.util.find_spec("vllm") is not None:
         return "vllm"

@@ -13,7 +13,10 @@ through the same `from_pretrained(local_dir)` path as a real checkpoint.
 - `reference_omni_generate`, `reference_vl_generate` and `reference_tts` run each model
   unsplit, the way its own code does, as the oracle that omniflow's staged pipelines are
   compared against.
-  For `text-to-image` the reference is the diffusers pipeline's own `__call__`.
+  For `text-to-image` and `image-edit` the reference is the diffusers pipeline's own
+  `__call__` (the edit pipeline given the processor that
+  `omniflow.backends.diffusion.load_processor` builds: diffusers' loading of it needs
+  torchvision).
 """
 
 from __future__ import annotations

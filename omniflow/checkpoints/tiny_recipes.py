@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omniflow.checkpoints.tiny_tokenizer import build_tokenizer
+from omniflow.checkpoints.tiny_tokenizer import EDIT_CORPUS, build_tokenizer
 
 # Bump when any recipe's output changes, so cached checkpoints are rebuilt.
 RECIPE_VERSION = 1
@@ -439,22 +439,15 @@ _LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075]
 _LATENTS_STD = [2.8184, 1.4541, 2.3275, 2.6558]
 
 
-def _build_text_to_image(out: Path) -> Iterator[str]:
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+def _qwen_image_models(recipe: str, tokenizer) -> Generator[str, None, tuple[Any, Any, Any]]:
+    """Qwen-Image's text encoder, transformer and VAE, tiny, seeded under `recipe`; yields
+    each part's label before building it and returns the three models."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLForConditionalGeneration
-
-    yield "tokenizer"
-    tokenizer = build_tokenizer("qwen")
 
     yield "text_encoder"
     text_encoder = seed_weights(
-        Qwen2_5_VLForConditionalGeneration(_qwen_vl_config(tokenizer)),
-        "text-to-image/text_encoder",
+        Qwen2_5_VLForConditionalGeneration(_qwen_vl_config(tokenizer)), f"{recipe}/text_encoder"
     )
 
     yield "transformer"
@@ -470,7 +463,7 @@ def _build_text_to_image(out: Path) -> Iterator[str]:
         # RoPE dims per (frame, height, width) axis sum to the head dim, as (16, 56, 56).
         axes_dims_rope=(4, 6, 6),
     )
-    seed_weights(transformer, "text-to-image/transformer")
+    seed_weights(transformer, f"{recipe}/transformer")
 
     yield "vae"
     vae = AutoencoderKLQwenImage(
@@ -482,7 +475,16 @@ def _build_text_to_image(out: Path) -> Iterator[str]:
         latents_mean=_LATENTS_MEAN,
         latents_std=_LATENTS_STD,
     )
-    seed_weights(vae, "text-to-image/vae")
+    seed_weights(vae, f"{recipe}/vae")
+    return text_encoder, transformer, vae
+
+
+def _build_text_to_image(out: Path) -> Iterator[str]:
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    yield "tokenizer"
+    tokenizer = build_tokenizer("qwen")
+    text_encoder, transformer, vae = yield from _qwen_image_models("text-to-image", tokenizer)
 
     yield "save"
     pipeline = QwenImagePipeline(
@@ -493,6 +495,52 @@ def _build_text_to_image(out: Path) -> Iterator[str]:
         transformer=transformer,
     )
     pipeline.save_pretrained(out)
+
+
+# --- image-edit ----------------------------------------------------------------------------
+
+# Where QwenImageEditPipeline keeps its Qwen2VLProcessor: a folder of the tokenizer and the
+# image processor, as in the published checkpoint.
+EDIT_PROCESSOR = "processor"
+
+
+def _build_image_edit(out: Path) -> Iterator[str]:
+    """QwenImageEditPipeline: Qwen-Image's parts, plus the processor that shows the text
+    encoder the input image.
+
+    diffusers saves every part but the processor: Qwen2VLProcessor cannot be constructed
+    without torchvision (its video processor's class check), which omniflow does not
+    require. So the pipeline is saved without it, and the processor's folder and index entry
+    are written as the real checkpoint has them: the tokenizer and Qwen2.5-VL's image
+    processor in `processor/`, `"processor": ["transformers", "Qwen2VLProcessor"]`.
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline
+    from transformers import Qwen2VLImageProcessorPil
+
+    yield "tokenizer"
+    tokenizer = build_tokenizer("qwen", EDIT_CORPUS)
+    text_encoder, transformer, vae = yield from _qwen_image_models("image-edit", tokenizer)
+
+    yield "processor"
+    tokenizer.save_pretrained(out / EDIT_PROCESSOR)
+    # Saved as `Qwen2VLImageProcessor`, as for qwen2.5-vl.
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=_VL_MIN_PIXELS, max_pixels=_VL_MAX_PIXELS)
+    image_processor.save_pretrained(out / EDIT_PROCESSOR)
+
+    yield "save"
+    pipeline = QwenImageEditPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**_QWEN_IMAGE_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        processor=None,
+        transformer=transformer,
+    )
+    pipeline.save_pretrained(out)
+    index_file = out / "model_index.json"
+    index = json.loads(index_file.read_text(encoding="utf-8"))
+    index[EDIT_PROCESSOR] = ["transformers", "Qwen2VLProcessor"]
+    index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 # --- tts -----------------------------------------------------------------------------------
@@ -611,6 +659,13 @@ RECIPES: dict[str, Recipe] = {
             "AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler",
             ("tokenizer", "text_encoder", "transformer", "vae", "save"),
             _build_text_to_image,
+        ),
+        Recipe(
+            "image-edit",
+            "QwenImageEditPipeline: the text-to-image parts (its own weights) and the "
+            "Qwen2VLProcessor that shows the text encoder the input image",
+            ("tokenizer", "text_encoder", "transformer", "vae", "processor", "save"),
+            _build_image_edit,
         ),
         Recipe(
             "tts",

@@ -44,6 +44,18 @@ Numbers: 0 1 2 3 4 5 6 7 8 9 10 12 24 100 2025 3.14 50% $20.
 Questions and answers: who, what, where, when, why, how? Yes, no, maybe; it depends.
 """
 
+# Qwen-Image-Edit's prompt-template system prompt, and edit instructions the tests use. The
+# image-edit checkpoint's tokenizer also learns these, so the template's prefix tokenizes to
+# the 64 tokens QwenImageEditPipeline drops, as it does with the real tokenizer; the other
+# checkpoints' vocabulary stays as it is.
+EDIT_CORPUS = """\
+Describe the key features of the input image (color, shape, size, texture, objects, \
+background), then explain how the user's text instruction should alter or modify the image. \
+Generate a new image that meets the user's requirements while maintaining consistency with \
+the original input where appropriate.
+Make the cat blue. Turn the sky into a sunset. Add a hat to the dog. Remove the background.
+"""
+
 # Qwen2.5's special tokens in its order (ids 151643.. in the real vocabulary).
 QWEN_SPECIALS = (
     "<|endoftext|>",
@@ -148,8 +160,9 @@ def specials(flavour: str) -> tuple[str, ...]:
     return OMNI_SPECIALS if flavour == "omni" else QWEN_SPECIALS
 
 
-def build_tokenizer(flavour: str = "qwen") -> Qwen2Tokenizer:
-    """Train the tiny BPE and wrap it as a Qwen2Tokenizer of the given flavour.
+def build_tokenizer(flavour: str = "qwen", extra_corpus: str = "") -> Qwen2Tokenizer:
+    """Train the tiny BPE on CORPUS (and `extra_corpus` after it) and wrap it as a
+    Qwen2Tokenizer of the given flavour.
 
     Deterministic: training is single-pass over a fixed text and the trainer breaks ties
     by pair order, so every call returns the same vocabulary and merges.
@@ -175,7 +188,7 @@ def build_tokenizer(flavour: str = "qwen") -> Qwen2Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
+    bpe.train_from_iterator((CORPUS + extra_corpus).splitlines(), trainer=trainer)
     bpe.decoder = decoders.ByteLevel()
     vocab = bpe.get_vocab()
     # The trained model exposes its merges only through its JSON form.

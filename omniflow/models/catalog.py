@@ -23,8 +23,9 @@ and audio towers, vocoders, projections) from the checkpoint's safetensors heade
 loading a weight; the builtin catalog carries those counts instead.
 
 What a component's config says comes first; the catalog's facts, and the architecture
-defaults below (`_PARTS`: e.g. token2wav's 24 kHz, which its config does not state), fill
-in only what it leaves out.
+defaults below (`_PARTS`: e.g. token2wav's 24 kHz, which its config does not state;
+`_PIPELINE_FACTS`: e.g. the size of the image an edit pipeline conditions on), fill in only
+what it leaves out.
 """
 
 from __future__ import annotations
@@ -484,6 +485,23 @@ CODEC_TYPES = ("dac", "mimi", "encodec")
 # Keys of a multi-part model's model_index.json that its parts' configs may lack.
 _INDEX_FACTS = ("num_code_groups", "sample_rate", "samples_per_frame")
 
+# What a diffusers pipeline's own code decides that no component config states, by pipeline
+# class (model_index.json's `_class_name`), then component; it fills in what a config leaves
+# out, for every checkpoint of the class (a local one, a tiny one, the builtin catalog's).
+_PIPELINE_FACTS: dict[str, dict[str, dict[str, Any]]] = {
+    # QwenImageEditPipeline.__call__ resizes the input image to about 1024 x 1024 pixels at
+    # its own aspect ratio (`calculate_dimensions(1024 * 1024, ratio)`: sides multiples of
+    # 32), whatever the output size. The text encoder sees it through Qwen2VLProcessor as
+    # one token per 28 x 28 pixels (its smart_resize: 1369 for a square image) and the
+    # transformer as VAE latents in 2 x 2 patches, one token per 16 x 16 pixels (4096),
+    # beside the noise latents. Each count is the most over every aspect ratio the processor
+    # accepts (up to 200:1); tests/models/test_catalog.py re-derives both.
+    "QwenImageEditPipeline": {
+        "text_encoder": {"condition_image_tokens": 1675},
+        "transformer": {"condition_image_tokens": 4920},
+    },
+}
+
 # Key spellings normalised to the catalog's (transformers' attribute_map for MoE and
 # GPT-2-style configs).
 _ALIASES = {
@@ -525,6 +543,14 @@ def _load(model: str, component: str | None, files: _Files, source: str) -> Comp
 
 
 def _load_diffusers(model, component, files, index, source) -> ComponentConfig:
+    cfg = _load_diffusers_part(model, component, files, index, source)
+    facts = _PIPELINE_FACTS.get(index.get("_class_name"), {}).get(cfg.component, {})
+    for key, value in facts.items():
+        cfg.config.setdefault(key, value)
+    return cfg
+
+
+def _load_diffusers_part(model, component, files, index, source) -> ComponentConfig:
     available = sorted(
         name
         for name, entry in index.items()

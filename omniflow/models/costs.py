@@ -7,7 +7,8 @@ Qwen-Image MMDiT, diffusers' AutoencoderKL, the Qwen3 code2wav ConvNet family); 
 exact against the transformers / diffusers classes (tests/models instantiates them). Other
 components use the count the catalog carries (`num_parameters`, from a checkpoint header
 or the builtin catalog), and LM components add the modules riding along with them
-(`extra_parameters`).
+(`extra_parameters`). `with_encoder(cost, encoder)` adds a model a stage runs once per
+request besides its own (an edit pipeline's denoiser encoding the input image with the VAE).
 
 FLOPs are 2 per multiply-accumulate of a matmul or conv weight (biases, norms, gates and
 activations are not charged, as torch's FlopCounterMode does not charge them), plus the
@@ -17,7 +18,8 @@ What `max_len` means depends on the family:
 
 - decoder/MoE LMs: tokens per sequence (the KV cache length);
 - text, vision and audio encoders: tokens (or patches, audio frames) per input;
-- DiT: image tokens per image (`ComponentConfig.image_tokens(height, width)`);
+- DiT: image tokens per image (`ComponentConfig.image_tokens(height, width)`, plus an edit
+  pipeline's input-image tokens);
 - VAE: latent positions per image ((height / scale) * (width / scale));
 - vocoders: codec frames per request; a forward covers at most `VOCODER_FORWARD_FRAMES`.
 """
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from omniflow.dtypes import dtype_bytes
@@ -94,6 +96,24 @@ class StageCost:
     def total_bytes(self) -> int:
         """Weights + KV cache + activations."""
         return self.weight_bytes + self.kv_cache_bytes + self.activation_bytes
+
+
+def with_encoder(cost: StageCost, encoder: StageCost) -> StageCost:
+    """`cost` for a stage that also runs `encoder` once per request, before and apart from its
+    own forwards (an edit pipeline's denoiser VAE-encoding its input image): both weights,
+    the larger of the two workspaces (they are never live at once), and the stage's own FLOPs
+    per item (the encoder's are once per request, not per item)."""
+    if encoder.params_source == "formula" or cost.params_source == "count":
+        source = cost.params_source
+    else:
+        source = "formula+counts"
+    return replace(
+        cost,
+        params=cost.params + encoder.params,
+        params_source=source,
+        weight_bytes=cost.weight_bytes + encoder.weight_bytes,
+        activation_bytes=max(cost.activation_bytes, encoder.activation_bytes),
+    )
 
 
 def count_parameters(cfg: ComponentConfig) -> int:

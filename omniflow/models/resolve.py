@@ -23,6 +23,7 @@ TINY_COUNTERPARTS: dict[str, str] = {
     "Qwen/Qwen2.5-VL-7B-Instruct": "tiny:qwen2.5-vl",
     "Qwen/Qwen2.5-VL-3B-Instruct": "tiny:qwen2.5-vl",
     "Qwen/Qwen-Image": "tiny:text-to-image",
+    "Qwen/Qwen-Image-Edit": "tiny:image-edit",
     "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice": "tiny:tts",
     "Qwen/Qwen3-TTS-12Hz-1.7B-Base": "tiny:tts",
     "Qwen/Qwen2.5-0.5B-Instruct": "tiny:qwen2",

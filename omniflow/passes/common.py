@@ -1,5 +1,6 @@
 """What several passes share, so that no pass imports another: the `Target` they compile
-for, the stage facts more than one pass reads, and the disjoint sets that group stages.
+for, the stage facts more than one pass reads (a stage's dtype, the guidance path, the
+tokens an input image adds), and the disjoint sets that group stages.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
 from omniflow.devices import Device, GiB
+from omniflow.errors import GraphError
 from omniflow.ir.graph import INPUT, Graph, Node
 from omniflow.ir.values import Ref
 
@@ -33,6 +35,33 @@ def stage_dtype(graph: Graph, node: Node) -> str:
     if "dtype" in node.params:
         return graph.param_value(node, "dtype")
     return node.meta["config"].dtype
+
+
+def takes_image(graph: Graph, node: Node) -> bool:
+    """Whether anything flows into the stage's `image` port."""
+    return any(e.dst_port == "image" for e in graph.in_edges(node.name))
+
+
+def condition_image_tokens(graph: Graph, node: Node) -> int:
+    """Tokens a pipeline's text encoder or DiT spends on the input image it is conditioned on
+    (an edit pipeline's): the count its config carries (`condition_image_tokens`, from the
+    catalog); 0 for a model conditioned on no image, or for a vision tower (there the image
+    is the whole input, bounded by `max_len`). A GraphError when the stage's image port and
+    its model disagree."""
+    cfg = node.meta["config"]
+    if cfg.family not in ("text_encoder", "dit"):
+        return 0
+    tokens = cfg.config.get("condition_image_tokens")
+    if takes_image(graph, node) != (tokens is not None):
+        what, fix = (
+            ("is not conditioned on an input image", "leave its image port unconnected")
+            if tokens is None
+            else ("is conditioned on an input image", "connect one to its image port")
+        )
+        raise GraphError(
+            f"stage '{node.name}': {cfg.model} [{cfg.component}] {what}", node.span, fix
+        )
+    return tokens or 0
 
 
 def cfg_path(graph: Graph) -> dict[str, str]:

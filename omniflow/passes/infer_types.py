@@ -7,6 +7,9 @@ must match.
 
 Dims come from the stage's model config and its parameters at their default values; a
 request that overrides a size-changing parameter beyond its default is checked at run time.
+An edit pipeline's text encoder also keeps the input image's tokens in its output, as many
+as the catalog says its pipeline can make (`condition_image_tokens`); a stage whose model
+conditions on no image cannot take one.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from omniflow.ir.kinds import stage_ports
 from omniflow.ir.types import TensorSpec
 from omniflow.ir.values import resolve
 from omniflow.kernels.pointwise_ops import chain_out_dtype
-from omniflow.passes.common import Target, cfg_path, stage_dtype
+from omniflow.passes.common import Target, cfg_path, condition_image_tokens, stage_dtype
 
 # UTF-8 bytes one text step may carry: a long token plus characters held back (an
 # incomplete UTF-8 sequence, a possible stop string) from earlier steps.
@@ -77,11 +80,14 @@ def _stage_spec(graph: Graph, node: Node, port: str) -> PortSteps:
             "kv": PortSteps(TensorSpec(dtype, (layers, 2, kv_heads, head_dim)), value("max_len")),
         }[port]
     if node.op == "encoder":
-        # Each step is one prompt's embeddings after a length header position; a stage on a
+        # Each step is one prompt's embeddings after a length header position (an edit
+        # pipeline's text encoder keeps the input image's tokens among them); a stage on a
         # guidance path sends two steps (the prompt and its companion).
         steps = 2 if node.name in cfg_path(graph) else 1
-        return PortSteps(TensorSpec(dtype, (1 + value("max_len"), cfg.hidden_size)), steps)
+        rows = 1 + condition_image_tokens(graph, node) + value("max_len")
+        return PortSteps(TensorSpec(dtype, (rows, cfg.hidden_size)), steps)
     if node.op == "diffusion":
+        condition_image_tokens(graph, node)  # an image input needs a DiT conditioned on one
         scale = cfg.vae_scale_factor
         shape = (cfg.latent_channels, value("height") // scale, value("width") // scale)
         frames = value("frames")

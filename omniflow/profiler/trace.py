@@ -5,6 +5,12 @@ channels and one for its loop's sleeps. A stage step is a slice whose args name 
 the requests in it and what each emitted. A chunk is a slice on the channels track where it
 was put and another where it was taken, joined by a flow arrow. Timestamps are the hosts's
 monotonic clock in microseconds, shared by every executor of the host.
+
+Counters, derived from the same events when the trace is made (nothing more is recorded):
+per channel, the chunks put and not yet taken (in its ring or waiting in the producer's
+outbox for credits), on the producer's process; per stage, the requests it holds (started,
+not ended), on its executor's process. Given the plan, the trace carries it in `otherData`
+so a report can be made from the trace file alone (`omniflow profile`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import msgspec
+
+from omniflow.plan import Plan
 from omniflow.runtime import events
 from omniflow.runtime.control import Profiled
 from omniflow.runtime.events import RecordedEvents
@@ -20,23 +29,78 @@ from omniflow.runtime.events import RecordedEvents
 LOOP_TRACK, CHANNEL_TRACK = 0, 1
 
 
-def chrome_trace(profiles: list[Profiled], pipeline: str = "") -> dict:
-    """Every executor's events in one trace (dict ready for `json.dump`)."""
+def chrome_trace(
+    profiles: list[Profiled], pipeline: str | Plan = "", plan: Plan | None = None
+) -> dict:
+    """Every executor's events in one trace (dict ready for `json.dump`). `pipeline` names
+    the pipeline, or is its plan; a plan (either way) goes into `otherData["plan"]`."""
+    if isinstance(pipeline, Plan):
+        pipeline, plan = pipeline.pipeline, pipeline
     trace: list[dict] = []
     received: set[tuple] = set()
     for pid, profile in enumerate(sorted(profiles, key=lambda p: p.executor), start=1):
         trace += _process(pid, profile, received)
-    return {
-        "traceEvents": trace,
-        "displayTimeUnit": "ms",
-        "otherData": {"pipeline": pipeline, "clock": "monotonic"},
-    }
+    trace += counters(trace)
+    other: dict = {"pipeline": pipeline or (plan.pipeline if plan else ""), "clock": "monotonic"}
+    other["dropped"] = {p.executor: p.dropped for p in profiles if p.dropped}
+    if plan is not None:
+        other["plan"] = msgspec.to_builtins(plan)
+    return {"traceEvents": trace, "displayTimeUnit": "ms", "otherData": other}
 
 
-def write_trace(profiles: list[Profiled], path: str | Path, pipeline: str = "") -> Path:
+def write_trace(
+    profiles: list[Profiled], path: str | Path, pipeline: str | Plan = "", plan: Plan | None = None
+) -> Path:
     path = Path(path)
-    path.write_text(json.dumps(chrome_trace(profiles, pipeline)), encoding="utf-8")
+    path.write_text(json.dumps(chrome_trace(profiles, pipeline, plan)), encoding="utf-8")
     return path
+
+
+def counters(trace: list[dict]) -> list[dict]:
+    """Counter events ("ph": "C") from a trace's slices: each channel's chunks in flight
+    (put, not yet taken) on its producer's process, each stage's requests held (from its
+    `start` instant, or its first step, to the step that ended the request)."""
+    changes: list[tuple[float, int, str, str, int]] = []  # ts, pid, name, arg, +1/-1
+    put_by: dict[tuple, int] = {}
+    taken: set[tuple] = set()
+    track_names = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in trace
+        if e["ph"] == "M" and e["name"] == "thread_name"
+    }
+    held: dict[tuple[str, str], int] = {}  # (stage, request) -> pid, while held
+    for e in sorted((e for e in trace if e["ph"] in "Xi"), key=lambda e: e["ts"]):
+        name, pid = e["name"], e["pid"]
+        if e["ph"] == "X" and name.startswith(("put ", "take ")):
+            verb, channel = name.split(" ", 1)
+            key = (channel, e["args"]["request"], e["args"]["chunk"])
+            if verb == "put":
+                put_by[key] = pid
+                changes.append((e["ts"], pid, f"in flight {channel}", "chunks", 1))
+            elif key in put_by and key not in taken:
+                taken.add(key)
+                changes.append((e["ts"], put_by[key], f"in flight {channel}", "chunks", -1))
+        elif e["ph"] == "i" and name.startswith("start "):
+            stage = track_names.get((pid, e["tid"]))
+            key = (stage, name[len("start ") :])
+            if stage is not None and key not in held:
+                held[key] = pid
+                changes.append((e["ts"], pid, f"requests {stage}", "held", 1))
+        elif e["ph"] == "X" and name.endswith(" step"):
+            stage = name[: -len(" step")]
+            for call in e["args"].get("calls", ()):
+                key = (stage, call["request"])
+                if key not in held:
+                    held[key] = pid
+                    changes.append((e["ts"], pid, f"requests {stage}", "held", 1))
+                if call["ended"] and held.get(key) is not None:
+                    held[key] = None
+                    changes.append((e["ts"] + e["dur"], pid, f"requests {stage}", "held", -1))
+    out, level = [], defaultdict(int)
+    for ts, pid, name, arg, delta in sorted(changes, key=lambda c: c[0]):
+        level[pid, name] += delta
+        out.append({"ph": "C", "name": name, "pid": pid, "ts": ts, "args": {arg: level[pid, name]}})
+    return out
 
 
 def _process(pid: int, profile: Profiled, received: set[tuple]) -> list[dict]:

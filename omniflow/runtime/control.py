@@ -101,7 +101,8 @@ class ChannelTotals(msgspec.Struct, array_like=True):
 
 class Inspection(msgspec.Struct, tag=True):
     """An executor's live state: requests each stage holds, ring slots it has not released,
-    chunks waiting in its outboxes for credits, and its stages' and channels' counters."""
+    chunks waiting in its outboxes for credits, and its stages' and channels' counters;
+    `held`: the slots its stages hold per inbound channel (counted when inspected)."""
 
     executor: str
     calls: dict[str, list[str]]
@@ -109,6 +110,7 @@ class Inspection(msgspec.Struct, tag=True):
     queued_chunks: int
     stages: dict[str, StageTotals] = {}
     channels: dict[str, ChannelTotals] = {}
+    held: dict[str, int] = {}
 
 
 Message = (

@@ -173,6 +173,9 @@ def _die_with_parent() -> None:
     pr_set_pdeathsig = 1
     libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # A terminal's Ctrl-C reaches the whole process group: the engine decides what it means
+    # (cancel, shut down) and tells its executors; one killed by it would be a lost request.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.getppid() == 1:  # the engine died before prctl took effect
         sys.exit(0)
 

@@ -18,10 +18,17 @@ TEXT_TYPES = ("text", "chat")
 def encode(port_type: str, value) -> torch.Tensor:
     """A port value as one tensor (text and image paths as uint8 UTF-8 bytes)."""
     if port_type == "text" or (port_type == "image" and isinstance(value, str)):
-        return torch.frombuffer(bytearray(value.encode("utf-8")), dtype=torch.uint8)
+        return _bytes(value.encode("utf-8"))
     if port_type == "chat":
-        return torch.frombuffer(bytearray(json.dumps(value).encode("utf-8")), dtype=torch.uint8)
+        return _bytes(json.dumps(value).encode("utf-8"))
     return value
+
+
+def _bytes(data: bytes) -> torch.Tensor:
+    # frombuffer refuses an empty buffer; the empty text is a value all the same.
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def decode(port_type: str, tensor: torch.Tensor):

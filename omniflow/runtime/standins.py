@@ -96,10 +96,12 @@ def encoder(spec: StageSpec, call: Call):
 
 
 def diffusion(spec: StageSpec, call: Call):
-    """`steps` denoising steps from seeded noise towards the conditioning's mean, one per step()."""
+    """`steps` denoising steps from noise seeded by the conditioning (and an edit's input
+    image) towards the conditioning's mean, one per step()."""
     cond = yield from call.read_all("cond")
+    images = [(yield from call.read_all("image"))] if "image" in call.inputs else []
     out = spec.outputs["latents"]
-    x = _pattern(out.shape, seed_of(cond), "float32")
+    x = _pattern(out.shape, seed_of(cond, *images), "float32")
     target = cond.float().mean()
     for _ in range(_param(call, spec, "steps", 50)):
         x = x * 0.5 + target * 0.5

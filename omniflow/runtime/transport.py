@@ -388,7 +388,9 @@ class ThreadTransport(Transport):
             thread.start()
 
     def send(self, executor: str, message: control.Message) -> None:
-        self.controls[executor].put(message)
+        end = self.controls.get(executor)
+        if end is not None:  # None: its stages never finished loading
+            end.put(message)
 
     def send_start(self, executor: str, message: control.Start) -> None:
         self.controls[executor].starts.append(message)

@@ -116,8 +116,38 @@ def image_understanding():
     return p
 
 
+def image_edit():
+    p = Pipeline("image_edit", model="Qwen/Qwen-Image-Edit")
+    steps, scale = p.param("steps", 50), p.param("guidance_scale", 4.0)
+    height, width = p.param("height", 1024), p.param("width", 1024)
+    encoder = p.stage("encoder", "encoder", component="text_encoder", max_batch=16)
+    dit = p.stage(
+        "dit",
+        "diffusion",
+        component="transformer",
+        max_batch=8,
+        steps=steps,
+        guidance=scale,
+        cfg=p.input("negative_prompt", "text", default=" "),
+        height=height,
+        width=width,
+        seed=param("seed"),
+    )
+    vae = p.stage("vae", "vae", component="vae", max_batch=8)
+    image = p.input("image", "image")
+    p.flow(image, encoder.image)
+    p.flow(p.input("prompt", "text"), encoder.prompt)
+    p.flow(image, dit.image)  # the denoiser encodes the input image itself
+    p.flow(encoder.hidden, dit.cond)
+    p.flow(dit.latents, vae)
+    p.flow(vae.image, p.output("edited"), maps=["denorm", "to_uint8"])
+    return p
+
+
 @pytest.mark.parametrize(
-    "make", [omni_chat, tts, text_to_image, image_understanding], ids=lambda f: f.__name__
+    "make",
+    [omni_chat, tts, text_to_image, image_understanding, image_edit],
+    ids=lambda f: f.__name__,
 )
 def test_python_api_builds_the_same_graph(make):
     assert make().build() == load_graph(GRAPHS / f"{make.__name__}.omni")

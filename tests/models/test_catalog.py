@@ -64,6 +64,9 @@ BUILTIN = [
     ("Qwen/Qwen-Image", "text_encoder", "text_encoder"),
     ("Qwen/Qwen-Image", "transformer", "dit"),
     ("Qwen/Qwen-Image", "vae", "vae"),
+    ("Qwen/Qwen-Image-Edit", "text_encoder", "text_encoder"),
+    ("Qwen/Qwen-Image-Edit", "transformer", "dit"),
+    ("Qwen/Qwen-Image-Edit", "vae", "vae"),
     ("Qwen/Qwen2.5-VL-7B-Instruct", "visual", "vision_encoder"),
     ("Qwen/Qwen2.5-VL-7B-Instruct", "language_model", "decoder_lm"),
     ("Qwen/Qwen2.5-0.5B-Instruct", None, "decoder_lm"),
@@ -155,6 +158,47 @@ def test_shape_facts_of_the_image_models():
     assert encoder.config["extra_parameters"] == {"visual": 676_550_144}
     visual = load_component_config("Qwen/Qwen2.5-VL-7B-Instruct", "visual")
     assert (visual.hidden_size, visual.patch_size) == (3584, 14)
+
+
+def test_the_edit_pipeline_conditions_on_as_many_image_tokens_as_its_input_image_makes():
+    """The input image as QwenImageEditPipeline resizes it (calculate_dimensions: about
+    CONDITION_AREA pixels, sides multiples of 32) makes at most the catalog's tokens for
+    every aspect ratio its Qwen2VLProcessor accepts, and exactly as many for some, for the
+    real checkpoint and the tiny one alike."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from omniflow.backends.diffusion import CONDITION_AREA, MAX_ASPECT
+
+    processor = builtin_files("Qwen/Qwen-Image-Edit")["processor/preprocessor_config.json"]
+    factor = processor["patch_size"] * processor["merge_size"]
+    dit = load_component_config("Qwen/Qwen-Image-Edit", "transformer")
+    side = dit.vae_scale_factor * dit.patch_size
+    # The result only changes where sqrt(area * ratio) or sqrt(area / ratio) crosses a half
+    # multiple of 32: one ratio between each two such points covers every result.
+    edges = sorted(
+        {32 * (k + 0.5) for k in range(1000)}
+        | {CONDITION_AREA / (32 * (k + 0.5)) for k in range(1000)}
+    )
+    tokens = patches = 0
+    for low, high in zip(edges[:-1], edges[1:], strict=True):
+        ratio = ((low + high) / 2) ** 2 / CONDITION_AREA
+        width, height, _ = calculate_dimensions(CONDITION_AREA, ratio)
+        if min(width, height) < 32 or max(width, height) > MAX_ASPECT * min(width, height):
+            continue
+        h, w = smart_resize(height, width, factor, processor["min_pixels"], processor["max_pixels"])
+        tokens = max(tokens, (h // factor) * (w // factor))
+        patches = max(patches, (height // side) * (width // side))
+    for model in ("Qwen/Qwen-Image-Edit", "tiny:image-edit"):
+        encoder = load_component_config(model, "text_encoder")
+        assert encoder.config["condition_image_tokens"] == tokens == 1675
+        transformer = load_component_config(model, "transformer")
+        assert transformer.config["condition_image_tokens"] == patches == 4920
+    # Qwen-Image conditions on no image.
+    assert (
+        "condition_image_tokens"
+        not in load_component_config("Qwen/Qwen-Image", "transformer").config
+    )
 
 
 def test_every_example_graph_resolves():

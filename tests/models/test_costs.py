@@ -124,10 +124,10 @@ def _qwen25_vl(part: str, model: str = "Qwen/Qwen2.5-VL-7B-Instruct", path: str 
     }[part]
 
 
-def _diffusers(cls_name: str, component: str):
+def _diffusers(cls_name: str, component: str, model: str = "Qwen/Qwen-Image"):
     import diffusers
 
-    config = dict(_root("Qwen/Qwen-Image", f"{component}/config.json"))
+    config = dict(_root(model, f"{component}/config.json"))
     config.pop("_class_name")
     return getattr(diffusers, cls_name)(**config)
 
@@ -164,6 +164,15 @@ PUBLISHED = {
         "QwenImageTransformer2DModel", "transformer"
     ),
     ("Qwen/Qwen-Image", "vae"): lambda: _diffusers("AutoencoderKLQwenImage", "vae"),
+    ("Qwen/Qwen-Image-Edit", "text_encoder"): lambda: _qwen25_vl(
+        "whole", "Qwen/Qwen-Image-Edit", "text_encoder/config.json"
+    ),
+    ("Qwen/Qwen-Image-Edit", "transformer"): lambda: _diffusers(
+        "QwenImageTransformer2DModel", "transformer", "Qwen/Qwen-Image-Edit"
+    ),
+    ("Qwen/Qwen-Image-Edit", "vae"): lambda: _diffusers(
+        "AutoencoderKLQwenImage", "vae", "Qwen/Qwen-Image-Edit"
+    ),
 }
 
 

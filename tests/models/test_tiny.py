@@ -92,7 +92,9 @@ def test_builds_into_the_cache_and_reuses_it(cache, built):
     assert {p: p.stat().st_mtime_ns for p in directory.rglob("*")} == before
 
 
-@pytest.mark.parametrize("name", ["qwen2", "qwen2.5-omni", "qwen2.5-vl", "text-to-image", "tts"])
+@pytest.mark.parametrize(
+    "name", ["qwen2", "qwen2.5-omni", "qwen2.5-vl", "text-to-image", "image-edit", "tts"]
+)
 def test_rebuilding_gives_identical_bytes(built, tmp_path, name):
     again = build_tiny(name, tmp_path / name)
     assert _manifest(again)["files"] == _manifest(built[name])["files"]
@@ -372,6 +374,39 @@ def test_text_to_image_pipeline_runs_identically(built):
     pipe = pipes[0]
     prefix = pipe.prompt_template_encode.split("{}")[0]
     assert len(pipe.tokenizer(prefix).input_ids) == pipe.prompt_template_encode_start_idx == 34
+
+
+def test_image_edit_pipeline_loads_with_its_processor(built):
+    """The edit pipeline loads as diffusers loads it, given the processor (its own loading
+    needs torchvision); tests/backends/test_image_edit.py runs it."""
+    from diffusers import DiffusionPipeline, QwenImageEditPipeline
+    from PIL import Image
+
+    from omniflow.backends.diffusion import load_processor
+
+    directory = built["image-edit"]
+    index = json.loads((directory / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageEditPipeline"
+    assert index["processor"] == ["transformers", "Qwen2VLProcessor"]
+    with quiet():
+        pipe = DiffusionPipeline.from_pretrained(
+            directory, processor=load_processor(directory / "processor")
+        )
+    assert isinstance(pipe, QwenImageEditPipeline)
+    # The pipeline drops the first 64 prompt-template tokens: the system prefix and the
+    # user turn's start, as many as with the real tokenizer; the image's tokens stay.
+    prefix = pipe.prompt_template_encode.split("<|vision_start|>")[0]
+    tokenizer = pipe.processor.tokenizer
+    assert len(tokenizer(prefix).input_ids) == pipe.prompt_template_encode_start_idx == 64
+    # The processor expands the image placeholder to one token per 28 x 28 pixels.
+    inputs = pipe.processor(
+        text=[pipe.prompt_template_encode.format("Make the cat blue.")],
+        images=[Image.new("RGB", (84, 56))],
+        return_tensors="pt",
+    )
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 6]]
+    image_pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert int((inputs["input_ids"] == image_pad).sum()) == 6
 
 
 # --- tts --------------------------------------------------------------------------------

@@ -24,3 +24,18 @@ def test_an_explicit_memory_budget_overrides_the_estimate():
         " input x: chat -> lm\n lm.text -> output t }"
     )
     assert run_until("estimate_costs", src).node("lm").meta["need"] == 3 * GiB
+
+
+def test_an_edit_pays_for_its_input_image():
+    edit = run_until("estimate_costs", "image_edit")
+    plain = run_until("estimate_costs", "text_to_image")
+    dit, vae = edit.node("dit").meta["cost"], plain.node("vae").meta["cost"]
+    # The denoiser loads the VAE that encodes the input image beside the transformer...
+    assert dit.params == plain.node("dit").meta["cost"].params + vae.params
+    assert dit.weight_bytes == plain.node("dit").meta["cost"].weight_bytes + vae.weight_bytes
+    # ... and 8 requests' conditional and unconditional rows attend over 64 x 64 output
+    # tokens, up to 4920 input-image tokens and all 1675 + 1024 the encoder can send.
+    assert dit.activation_bytes == 16 * (4096 + 4920 + 1675 + 1024) * 14 * 3072 * 2
+    # The text encoder's sequence holds the image's tokens too.
+    encoder = edit.node("encoder").meta["cost"].activation_bytes
+    assert encoder * 1024 == plain.node("encoder").meta["cost"].activation_bytes * (1675 + 1024)

@@ -63,3 +63,31 @@ def test_a_written_rate_must_be_the_vocoders():
     message = str(info.value)
     assert "output 'audio' says rate=16000, but stage 'decoder'" in message
     assert "makes 24000 Hz audio" in message
+
+
+def test_an_edit_encoder_keeps_the_input_images_tokens():
+    graph = run_until("infer_types", "image_edit")
+    # A length header, the most tokens the pipeline's input image makes, then max_len.
+    hidden = _edge(graph, "encoder.hidden->dit.cond").meta["item"]
+    assert hidden == TensorSpec("bfloat16", (1 + 1675 + 1024, 3584))
+    assert _edge(graph, "dit.latents->vae.latents").meta["item"].shape == (16, 128, 128)
+    assert _edge(graph, "image.out->dit.image").meta["item"] == TensorSpec("uint8", (1024, 1024, 3))
+
+
+def test_a_stage_takes_an_image_exactly_when_its_model_is_conditioned_on_one():
+    source = (GRAPHS / "text_to_image.omni").read_text()
+    with_image = source.replace(
+        "  input negative_prompt", "  input photo: image -> dit.image\n  input negative_prompt"
+    )
+    with pytest.raises(PassError, match="pass 'infer_types'") as info:
+        run_until("infer_types", with_image)
+    message = str(info.value)
+    assert "stage 'dit': Qwen/Qwen-Image [transformer] is not conditioned on an input" in message
+    assert "leave its image port unconnected" in message
+    source = (GRAPHS / "image_edit.omni").read_text()
+    without_image = source.replace("  image          -> dit.image\n", "")
+    with pytest.raises(PassError) as info:
+        run_until("infer_types", without_image)
+    message = str(info.value)
+    assert "stage 'dit': Qwen/Qwen-Image-Edit [transformer] is conditioned on an input" in message
+    assert "connect one to its image port" in message

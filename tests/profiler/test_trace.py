@@ -1,6 +1,7 @@
 """A profile of real requests through executor processes is a valid Chrome trace: one process
 per executor, a track per stage, every chunk's put joined to its take by a flow arrow that
-goes forward in time, request ids and sizes in the args."""
+goes forward in time, request ids and sizes in the args, counters of chunks in flight and
+requests held, and the plan in `otherData`."""
 
 import json
 from collections import Counter
@@ -8,6 +9,7 @@ from collections import Counter
 import pytest
 
 from omniflow.compiler import compile_source
+from omniflow.plan import Plan
 from omniflow.profiler.trace import chrome_trace, write_trace
 from omniflow.runtime.engine import Engine
 
@@ -50,7 +52,7 @@ def test_every_event_is_well_formed_and_every_flow_ends_after_it_starts(profiled
     plan, ids, profiles = profiled
     events = chrome_trace(profiles, plan.pipeline)["traceEvents"]
     for e in events:
-        assert e["ph"] in "XMsfi" and isinstance(e["pid"], int)
+        assert e["ph"] in "XMsfiC" and isinstance(e["pid"], int)
         if e["ph"] == "X":
             assert e["dur"] > 0 and e["ts"] > 0
     starts = {e["id"]: e["ts"] for e in events if e["ph"] == "s"}
@@ -71,3 +73,25 @@ def test_steps_name_their_batch_and_the_trace_file_loads(profiled, tmp_path):
     assert {c["request"] for s in steps for c in s["args"]["calls"]} == set(ids)
     path = write_trace(profiles, tmp_path / "trace.json", plan.pipeline)
     assert json.loads(path.read_text())["otherData"]["pipeline"] == "chain"
+
+
+def test_counters_never_go_negative_and_return_to_zero(profiled):
+    plan, _ids, profiles = profiled
+    counters = [e for e in chrome_trace(profiles)["traceEvents"] if e["ph"] == "C"]
+    last: dict = {}
+    for e in counters:
+        (value,) = e["args"].values()
+        assert value >= 0
+        last[e["pid"], e["name"]] = value
+    names = {name for _pid, name in last}
+    shared = {c.name for c in plan.channels if c.kind != "local"}
+    assert names == {f"in flight {c}" for c in shared} | {f"requests {s.name}" for s in plan.stages}
+    assert set(last.values()) == {0}  # every chunk was taken, every request ended
+
+
+def test_the_plan_travels_in_the_trace(profiled, tmp_path):
+    plan, _ids, profiles = profiled
+    path = write_trace(profiles, tmp_path / "trace.json", plan)
+    other = json.loads(path.read_text())["otherData"]
+    assert other["pipeline"] == "chain"
+    assert Plan.from_json(json.dumps(other["plan"])) == plan

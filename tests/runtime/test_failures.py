@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from omniflow.compiler import compile_source
+from omniflow.errors import OmniflowError
 from omniflow.runtime.engine import Engine, RequestCancelled, RequestFailed
 from omniflow.runtime.shm_ring import SEGMENT_PREFIX, SHM_DIR
 
@@ -241,3 +242,21 @@ def test_a_payload_too_big_for_its_slot_fails_only_its_request(no_leaks):
             engine.generate({"x": [[99]]})
         assert engine.generate({"x": [[3]]})["y"].flatten().tolist() == [6]
         assert engine.executor_pids == pids  # no executor died for it
+
+
+@pytest.mark.parametrize("mode", ["inprocess", "process"])
+def test_a_stage_that_cannot_load_is_one_clear_error(mode):
+    plan = compile_source(
+        """pipeline p {
+          stage ok = python(fn=omniflow.runtime.builtin_stages.identity)
+          stage broken = python(fn=tests.runtime.stages.no_such_function)
+          input x: tokens -> ok
+          ok.out -> broken.in [stream, chunk=8]
+          broken.out -> output y
+        }""",
+        "p.omni",
+    )
+    with pytest.raises(
+        OmniflowError, match="cannot import 'tests.runtime.stages.no_such_function'"
+    ):
+        Engine(plan, mode)

@@ -23,6 +23,16 @@ REQUESTS = {
         ({"prompt": "a red cube"}, {"steps": 3}),
         ({"prompt": "a cat", "negative_prompt": "blur"}, {"steps": 2}),
     ],
+    "image_edit": [
+        (
+            {
+                "prompt": "make it blue",
+                "image": torch.arange(48, dtype=torch.uint8).reshape(4, 4, 3),
+            },
+            {"steps": 3},
+        ),
+        ({"prompt": "and this", "negative_prompt": "blur", "image": IMAGE_FILE}, {"steps": 2}),
+    ],
     "image_understanding": [
         (
             {
@@ -123,3 +133,18 @@ def test_map_chains_run_once_in_every_position(mode):
     assert torch.equal(Interpreter(plan).run({"x": x})["y"], want)
     with Engine(plan, mode) as engine:
         assert torch.equal(engine.generate({"x": x})["y"], want)
+
+
+@pytest.mark.parametrize("mode", ["inprocess", "process"])
+def test_an_empty_text_input_is_a_value(mode):
+    plan = compile_source(
+        """pipeline echo {
+          stage up = python(fn=tests.runtime.stages.fail_on_boom, inputs="in:text", outputs="out:text")
+          input prompt: text -> up
+          up.out -> output out
+        }""",
+        "echo.omni",
+    )
+    with Engine(plan, mode) as engine:
+        assert engine.generate({"prompt": ""}) == {"out": ""}
+        assert engine.generate({"prompt": "still here"})["out"] == "STILL HERE"

@@ -1,0 +1,299 @@
+"""Claims: the HTTP server adds little to a request (goal: <= 2 ms to its end-to-end time
+and <= 1 ms to its time to first packet), and streamed edges bring the first audio packet
+forward; plus the serving figures vLLM-Omni's benchmarks print (TTFP, E2E, real-time
+factor, audio and request throughput: mean, median, p90, p99) at concurrency 1, 4 and 10.
+
+Three parts, in one run (from the repository root: the overhead part serves the test
+suite's python-stage pipeline, tests/server/probe.omni):
+
+- overhead: the same short requests, one at a time, through `engine.stream` in this
+  process and over HTTP (SSE) to `omniflow run` serving the same pipeline, each with its
+  own executor process; a python stage, so the pipeline itself costs almost nothing;
+- load: omni chat (streamed SSE, text and audio) and TTS (streamed speech) over HTTP at
+  concurrency 1, 4 and 10;
+- streaming: omni chat as written against the same pipeline with its audio path's edges
+  whole (`omni_chat_whole`: the vocoder decodes once the talker has finished), at
+  concurrency 1 and 4.
+
+    python benchmarks/serve.py [--tiny] [--devices cpu] [--requests 200] [--parts overhead,load,streaming]
+    python benchmarks/serve.py --url http://127.0.0.1:8091 --parts load   # a running server
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+GRAPHS = ROOT / "graphs"
+PROBE = ROOT / "tests" / "server" / "probe.omni"
+RATE = 24000
+CHAT = {"max_tokens": 24, "max_audio_tokens": 240}
+TTS = {"max_tokens": 96}
+
+
+# --- statistics ------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q
+    low, high = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+
+
+def summary(values: list[float]) -> str:
+    if not values:
+        return "       -        -        -        -"
+    return (
+        f"{statistics.fmean(values):8.1f} {statistics.median(values):8.1f} "
+        f"{percentile(values, 0.9):8.1f} {percentile(values, 0.99):8.1f}"
+    )
+
+
+# --- servers ---------------------------------------------------------------------------------
+class Server:
+    def __init__(self, args: list[str]):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "omniflow.cli", "run", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            cwd=ROOT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        for line in self.proc.stdout:
+            if line.startswith("omniflow: ready at "):
+                self.base = line.split(" at ", 1)[1].strip()
+                return
+        raise RuntimeError(f"the server exited {self.proc.wait()}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def whole_audio_variant(folder: Path) -> Path:
+    """graphs/omni_chat.omni with its talker -> vocoder -> audio edges whole."""
+    text = (GRAPHS / "omni_chat.omni").read_text()
+    text = text.replace("pipeline omni_chat", "pipeline omni_chat_whole")
+    text = text.replace("[stream, chunk=auto, context=25, ", "[")
+    text = text.replace("-> output audio [stream]", "-> output audio")
+    path = folder / "omni_chat_whole.omni"
+    path.write_text(text)
+    return path
+
+
+# --- one request over HTTP -------------------------------------------------------------------
+async def chat_request(client: httpx.AsyncClient, model: str, seed: int, extra: dict) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": "Tell me about the sea."}],
+            "modalities": ["text", "audio"], "audio": {"format": "pcm16"}, "stream": True,
+            "seed": seed, **extra}  # fmt: skip
+    began = time.perf_counter()
+    first_text = first_audio = None
+    audio_bytes = 0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            if not event["choices"]:
+                continue
+            delta = event["choices"][0]["delta"]
+            now = time.perf_counter()
+            if delta.get("content") and first_text is None:
+                first_text = now
+            if (audio := delta.get("audio")) and audio.get("data"):
+                first_audio = first_audio or now
+                audio_bytes += len(base64.b64decode(audio["data"]))
+    return _timings(began, first_text, first_audio, audio_bytes / 2 / RATE)
+
+
+async def speech_request(client: httpx.AsyncClient, model: str, seed: int, extra: dict) -> dict:
+    body = {"model": model, "input": "Good morning, and welcome to the show.",
+            "response_format": "pcm", "stream": True, "seed": seed, **extra}  # fmt: skip
+    began = time.perf_counter()
+    first_audio = None
+    audio_bytes = 0
+    async with client.stream("POST", "/v1/audio/speech", json=body) as reply:
+        reply.raise_for_status()
+        async for data in reply.aiter_raw():
+            if data:
+                first_audio = first_audio or time.perf_counter()
+                audio_bytes += len(data)
+    return _timings(began, None, first_audio, audio_bytes / 2 / RATE)
+
+
+def _timings(began, first_text, first_audio, audio_s) -> dict:
+    ended = time.perf_counter()
+    return {
+        "e2e": (ended - began) * 1e3,
+        "ttft": None if first_text is None else (first_text - began) * 1e3,
+        "ttfp": None if first_audio is None else (first_audio - began) * 1e3,
+        "audio_s": audio_s,
+        "rtf": (ended - began) / audio_s if audio_s else None,
+    }
+
+
+async def load(base: str, request, model: str, extra: dict, concurrency: int, total: int):
+    """`total` requests from `concurrency` clients; (results, wall seconds)."""
+    results = []
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(total):
+        queue.put_nowait(i)
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+
+        async def worker():
+            while not queue.empty():
+                i = queue.get_nowait()
+                results.append(await request(client, model, 1000 + i, extra))
+
+        began = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results, time.perf_counter() - began
+
+
+def report_load(title: str, results: list[dict], wall: float) -> None:
+    audio = sum(r["audio_s"] for r in results)
+    print(f"\n{title}: {len(results)} requests in {wall:.1f} s; "
+          f"request throughput {len(results) / wall:.2f} req/s, "
+          f"audio throughput {audio / wall:.2f} s of audio per s")  # fmt: skip
+    print(f"{'metric':18} {'mean':>8} {'median':>8} {'p90':>8} {'p99':>8}")
+    for key, label in (("ttfp", "TTFP ms"), ("ttft", "TTFT ms"), ("e2e", "E2E ms")):
+        values = [r[key] for r in results if r[key] is not None]
+        if values:
+            print(f"{label:18} {summary(values)}")
+    rtf = [r["rtf"] for r in results if r["rtf"] is not None]
+    if rtf:
+        print(f"{'RTF':18} " + " ".join(f"{v:8.3f}" for v in (
+            statistics.fmean(rtf), statistics.median(rtf), percentile(rtf, 0.9),
+            percentile(rtf, 0.99))))  # fmt: skip
+
+
+# --- parts -----------------------------------------------------------------------------------
+def overhead(requests: int) -> None:
+    """The same short request through engine.stream here and over HTTP (SSE), alternating
+    one and the other so that both see the same machine."""
+    from omniflow.compiler import compile_file
+    from omniflow.runtime.engine import Engine
+
+    text = "one two three four five six seven eight"
+    body = {"model": "probe", "messages": [{"role": "user", "content": text}], "stream": True}
+
+    async def in_process(engine) -> tuple[float, float]:
+        began = time.perf_counter()
+        first = None
+        async for chunk in engine.stream({"prompt": text}):
+            if chunk.value is not None and first is None:
+                first = time.perf_counter()
+        return (first - began) * 1e3, (time.perf_counter() - began) * 1e3
+
+    async def over_http(client: httpx.AsyncClient) -> tuple[float, float]:
+        began = time.perf_counter()
+        first = None
+        async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+            async for line in reply.aiter_lines():
+                if first is None and '"content": "' in line and '"content": ""' not in line:
+                    first = time.perf_counter()
+        return (first - began) * 1e3, (time.perf_counter() - began) * 1e3
+
+    async def alternate(engine, base: str) -> tuple[list, list]:
+        here, http = [], []
+        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+            for i in range(requests + 20):  # the first 20 of each warm up
+                a, b = await in_process(engine), await over_http(client)
+                if i >= 20:
+                    here.append(a)
+                    http.append(b)
+        return here, http
+
+    server = Server([str(PROBE)])
+    try:
+        with Engine(compile_file(PROBE), "process") as engine:
+            here, http = asyncio.run(alternate(engine, server.base))
+    finally:
+        server.stop()
+    print(f"\noverhead: {requests} 8-word requests each way, alternating, python-stage pipeline")
+    print(
+        f"{'path':16} {'first chunk ms: median':>24} {'p90':>7} {'end ms: median':>16} {'p90':>7}"
+    )
+    for name, rows in (("engine.stream", here), ("HTTP SSE", http)):
+        first, end = [r[0] for r in rows], [r[1] for r in rows]
+        print(f"{name:16} {statistics.median(first):24.3f} {percentile(first, 0.9):7.3f}"
+              f" {statistics.median(end):16.3f} {percentile(end, 0.9):7.3f}")  # fmt: skip
+    added_first = statistics.median([b[0] - a[0] for a, b in zip(here, http, strict=True)])
+    added_end = statistics.median([b[1] - a[1] for a, b in zip(here, http, strict=True)])
+    print(f"HTTP adds (median of paired differences): {added_first:.3f} ms to the first chunk, "
+          f"{added_end:.3f} ms end to end")  # fmt: skip
+
+
+def serving(base: str | None, parts: set[str], tiny: bool, devices: str) -> None:
+    server = None
+    with tempfile.TemporaryDirectory() as folder:
+        if base is None:
+            pipelines = [str(GRAPHS / "omni_chat.omni"), str(GRAPHS / "tts.omni")]
+            if "streaming" in parts:
+                pipelines.append(str(whole_audio_variant(Path(folder))))
+            server = Server([*pipelines, *(["--tiny"] if tiny else []), "--devices", devices])
+            base = server.base
+        try:
+            if "load" in parts:
+                for concurrency in (1, 4, 10):
+                    total = max(8, 2 * concurrency)
+                    for name, request, model, extra in (
+                        ("omni chat", chat_request, "omni_chat", CHAT),
+                        ("tts", speech_request, "tts", TTS),
+                    ):
+                        asyncio.run(load(base, request, model, extra, 1, 1))  # warm-up
+                        results, wall = asyncio.run(
+                            load(base, request, model, extra, concurrency, total)
+                        )
+                        report_load(f"{name}, concurrency {concurrency}", results, wall)
+            if "streaming" in parts:
+                for concurrency in (1, 4):
+                    for model in ("omni_chat", "omni_chat_whole"):
+                        asyncio.run(load(base, chat_request, model, CHAT, 1, 1))
+                        results, wall = asyncio.run(
+                            load(base, chat_request, model, CHAT, concurrency, 8)
+                        )
+                        report_load(f"{model}, concurrency {concurrency}", results, wall)
+        finally:
+            if server is not None:
+                server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", help="a running server (load part only); default: start one")
+    parser.add_argument("--tiny", action="store_true", default=True)
+    parser.add_argument("--real", dest="tiny", action="store_false", help="the graphs' models")
+    parser.add_argument("--devices", default="cpu")
+    parser.add_argument("--requests", type=int, default=200, help="overhead part: requests")
+    parser.add_argument("--parts", default="overhead,load,streaming")
+    args = parser.parse_args()
+    parts = set(re.split(r"[, ]+", args.parts))
+    print(f"omniflow serving benchmark, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs")
+    if "overhead" in parts and args.url is None:
+        overhead(args.requests)
+    if parts & {"load", "streaming"}:
+        serving(args.url, parts, args.tiny, args.devices)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,620 @@
+"""The ASGI app: routes, auth, the body limit, errors in OpenAI's schema, metrics.
+
+`Server` holds what every handler needs (the served pipelines by model id, the config,
+the metrics, the stats log); `create_app(server)` makes the FastAPI app. A request goes:
+parse and check (400s name the field) -> route by `model` (404 naming the served ones;
+400 when that pipeline does not answer this endpoint) -> admit against the plan
+(`engine.admit`: 400 naming the bound) -> take an admission slot (503 + Retry-After at
+once when none is free) -> run, whole or streamed. A client that goes away cancels its
+request in every stage; its slot is released when its handler ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from functools import partial
+
+import anyio
+import msgspec
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from omniflow.runtime.requests import RequestError
+from omniflow.server import chat, images, media_in, speech
+from omniflow.server.errors import APIError, bad_request, error_body
+from omniflow.server.log_stats import StatsLog
+from omniflow.server.metrics import Metrics
+from omniflow.server.protocol import (
+    ChatCompletionRequest,
+    ImageGenerationRequest,
+    SpeechRequest,
+    parse_json,
+    validation_error,
+)
+from omniflow.server.run import Run
+from omniflow.server.served import ENDPOINTS, Served
+
+log = logging.getLogger("omniflow.server")
+CLIENT_GONE = 499  # the status metrics record for a request whose client went away
+OPEN_PATHS = ("/health",)
+DOC_PATHS = ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8091
+    api_key: str | None = None
+    protect_metrics: bool = False
+    max_body_bytes: int = 32 << 20
+    max_media_bytes: int = 20 << 20
+    allow_remote_media: bool = False
+    drain_timeout_s: float = 30.0
+
+
+class Server:
+    def __init__(
+        self,
+        served: list[Served],
+        config: ServerConfig,
+        metrics: Metrics,
+        stats_log: StatsLog | None = None,
+    ):
+        self.served = {s.name: s for s in served}
+        self.config = config
+        self.metrics = metrics
+        self.stats_log = stats_log or StatsLog(None, None)
+        self.draining = False
+        self.started = time.time()
+
+    @property
+    def in_flight(self) -> int:
+        return sum(s.inflight for s in self.served.values())
+
+    def start_draining(self) -> None:
+        self.draining = True
+        for s in self.served.values():
+            s.draining = True
+
+    def route(self, model, capability: str) -> Served:
+        names = ", ".join(self.served)
+        if model is None or model == "":
+            if len(self.served) != 1:
+                raise APIError(
+                    404,
+                    f"no 'model' given and this server serves several: {names}; name one",
+                    param="model",
+                    code="model_not_found",
+                )
+            served = next(iter(self.served.values()))
+        elif not isinstance(model, str) or model not in self.served:
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; served: {names}",
+                param="model",
+                code="model_not_found",
+            )
+        else:
+            served = self.served[model]
+        if capability not in served.capabilities:
+            able = [s.name for s in self.served.values() if capability in s.capabilities]
+            hint = f"; for {ENDPOINTS[capability]} use {', '.join(able)}" if able else ""
+            raise bad_request(f"{served.describe()}{hint}", param="model", code="unsupported")
+        return served
+
+    def admit(self, served: Served, inputs: dict, params) -> object:
+        """The request checked against the plan (`engine.admit`): a 400 naming what does not
+        fit; `param` names the request field that set the parameter, where one did."""
+        for port in served.inputs_of("text"):
+            if inputs.get(port.name) == "":  # the runtime cannot send an empty text
+                if port.default is None:
+                    raise bad_request(
+                        f"input '{port.name}' of pipeline '{served.name}' must not be empty",
+                        param=port.name,
+                    )
+                inputs[port.name] = port.default
+        try:
+            return served.engine.admit(inputs, params.result())
+        except RequestError as err:
+            message = str(err)
+            found = re.search(r"parameter '([^']+)'", message)
+            param = params.source.get(found.group(1), found.group(1)) if found else None
+            raise bad_request(message, param=param, code="invalid_value") from None
+
+    async def fetch_media(self, url: str, where: str) -> bytes:
+        return await media_in.fetch(
+            url,
+            where,
+            allow_remote=self.config.allow_remote_media,
+            max_bytes=self.config.max_media_bytes,
+        )
+
+    def finish(self, run: Run | None, model: str, endpoint: str, status: int, began: float):
+        metrics = self.metrics
+        metrics.observe_request(model, endpoint, status, time.perf_counter() - began)
+        if run is None or status == CLIENT_GONE:
+            return
+        timeline, name = run.timeline, run.served.name
+        if status < 400:
+            if (ttft := timeline.seconds(timeline.first_text)) is not None:
+                metrics.ttft.labels(name).observe(ttft)
+            if (ttfp := timeline.seconds(timeline.first_audio)) is not None:
+                metrics.ttfp.labels(name).observe(ttfp)
+            if timeline.audio_seconds and timeline.ended is not None:
+                metrics.rtf.labels(name).observe(
+                    (timeline.ended - timeline.began) / timeline.audio_seconds
+                )
+        metrics.audio_seconds.labels(name).inc(timeline.audio_seconds)
+        metrics.text_tokens.labels(name).inc(timeline.text_tokens)
+        stats = run.served.stats.take(run.request_id)
+        if self.stats_log.enabled and timeline.ended is not None:
+            self.stats_log.log(run, endpoint, status, stats)
+
+
+# --- responses that hold an admission slot ----------------------------------------------------
+class HeldStream(StreamingResponse):
+    """A streamed reply that releases its slots and records its metrics when it ends, however
+    it ends, and that stops (cancelling its request) as soon as its client goes away."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_end: Callable, **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_end = on_end
+
+    async def __call__(self, scope, receive, send) -> None:
+        status = CLIENT_GONE
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream() -> None:
+                    nonlocal status
+                    await self.stream_response(send)
+                    status = self.status_code
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        except OSError:
+            pass  # the client went away while we were sending
+        finally:
+            await self.on_end(status)
+
+
+async def until_disconnect(request: Request, work):
+    """`await work`, unless the client goes away first: then `work` is cancelled (and with it
+    the request in every stage) and ClientDisconnect is raised."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled() or not task.done():
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientDisconnect()
+    return task.result()
+
+
+# --- the app ------------------------------------------------------------------------------------
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(
+        title="omniflow",
+        summary="OpenAI-compatible serving of .omni pipelines",
+        version="0.1.0",
+    )
+    server.app = app
+
+    def observed(endpoint: str, handler):
+        async def run(request: Request) -> Response:
+            began = time.perf_counter()
+            context = {"model": "-", "began": began}
+            try:
+                response = await handler(request, context)
+            except APIError as err:
+                server.finish(context.get("run"), context["model"], endpoint, err.status, began)
+                raise
+            except ClientDisconnect:
+                server.finish(context.get("run"), context["model"], endpoint, CLIENT_GONE, began)
+                return Response(status_code=CLIENT_GONE)
+            if not isinstance(response, HeldStream):
+                server.finish(
+                    context.get("run"), context["model"], endpoint, response.status_code, began
+                )
+            return response
+
+        return run
+
+    def held(context, slot, endpoint: str, body, media_type: str, headers=None) -> HeldStream:
+        run = context["run"]
+
+        run.start()
+
+        async def on_end(status: int) -> None:
+            await run.close()
+            slot.release()
+            if run.error is not None and status != CLIENT_GONE:
+                status = run.error.status
+            server.finish(run, context["model"], endpoint, status, context["began"])
+
+        return HeldStream(body, on_end, media_type=media_type, headers=headers)
+
+    async def whole(request: Request, context, slot, work):
+        try:
+            return await until_disconnect(request, work)
+        finally:
+            slot.release()
+
+    # --- POST /v1/chat/completions -----------------------------------------------------------
+    async def chat_completions(request: Request, context) -> Response:
+        body = parse_json(await request.body())
+        served = server.route(body.get("model"), "chat")
+        context["model"] = served.name
+        job = await chat.parse(server, served, body)
+        admitted = server.admit(served, job.inputs, job.params)
+        slot = served.acquire()
+        run = context["run"] = chat.make_run(job, admitted, chat.new_id(), context["began"])
+        headers = {"x-omniflow-seed": str(run.seed), "x-request-id": run.request_id}
+        if job.request.stream:
+            headers["Cache-Control"] = "no-cache"
+            return held(context, slot, ENDPOINTS["chat"], chat.events(job, run),
+                        "text/event-stream", headers)  # fmt: skip
+        reply = await whole(request, context, slot, chat.answer(job, run))
+        return JSONResponse(reply, headers=headers)
+
+    # --- POST /v1/audio/speech ------------------------------------------------------------------
+    async def audio_speech(request: Request, context) -> Response:
+        body = parse_json(await request.body())
+        served = server.route(body.get("model"), "speech")
+        context["model"] = served.name
+        job = speech.parse(served, body)
+        admitted = server.admit(served, job.inputs, job.params)
+        slot = served.acquire()
+        run = context["run"] = Run(
+            served, admitted, chat.new_id().replace("chatcmpl", "speech"), {job.audio_port.name},
+            context["began"],
+        )  # fmt: skip
+        headers = {"x-omniflow-seed": str(run.seed), "x-request-id": run.request_id}
+        if job.stream:
+            return held(context, slot, ENDPOINTS["speech"],
+                        _ended_on_error(run, speech.streamed(job, run)), job.media_type, headers)  # fmt: skip
+        data = await whole(request, context, slot, speech.whole(job, run))
+        return Response(data, media_type=job.media_type, headers=headers)
+
+    # --- POST /v1/images/generations and /v1/images/edits ---------------------------------------
+    async def image_reply(request: Request, context, served, job) -> Response:
+        asked = job.requests()
+        admitted = [
+            server.admit(served, inputs, _Fixed(params, job.params)) for inputs, params in asked
+        ]
+        slot = served.acquire(len(admitted))
+        prefix = chat.new_id().replace("chatcmpl", "img")
+        runs = [
+            Run(served, a, f"{prefix}-{i}", {job.image_port.name}, context["began"])
+            for i, a in enumerate(admitted)
+        ]
+        context["run"] = runs[0]
+        reply = await whole(request, context, slot, images.answer(job, runs))
+        for run in runs[1:]:
+            served.stats.take(run.request_id)
+        return JSONResponse(reply, headers={"x-omniflow-seed": str(runs[0].seed)})
+
+    async def images_generations(request: Request, context) -> Response:
+        body = parse_json(await request.body())
+        served = server.route(body.get("model"), "images")
+        context["model"] = served.name
+        return await image_reply(request, context, served, images.parse_generation(served, body))
+
+    async def images_edits(request: Request, context) -> Response:
+        kind = request.headers.get("content-type", "")
+        if not kind.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+            raise bad_request(
+                "an edit is a multipart/form-data request (fields and an 'image' file)",
+                code="invalid_content_type",
+            )
+        try:
+            form = await request.form(max_files=4, max_fields=64)
+        except ClientDisconnect:
+            raise
+        except Exception as err:  # python-multipart's errors for a malformed body
+            raise bad_request(f"the multipart body does not parse: {err}") from None
+        try:
+            model = form.get("model")
+            served = server.route(model if isinstance(model, str) else None, "edits")
+            context["model"] = served.name
+            job = await images.parse_edit(server, served, form)
+        finally:
+            await form.close()
+        return await image_reply(request, context, served, job)
+
+    # --- GET endpoints -------------------------------------------------------------------------
+    async def list_models(request: Request, context) -> Response:
+        created = int(server.started)
+        data = [
+            {
+                "id": s.name,
+                "object": "model",
+                "created": created,
+                "owned_by": "omniflow",
+                "root": s.plan.model,
+                "endpoints": [ENDPOINTS[c] for c in s.capabilities],
+                "max_in_flight": s.limit,
+            }
+            for s in server.served.values()
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(request: Request, context) -> Response:
+        if server.draining:
+            return JSONResponse(
+                {"status": "draining"}, status_code=503, headers={"Retry-After": "5"}
+            )
+        return JSONResponse({"status": "ok", "models": list(server.served)})
+
+    def metrics_endpoint(request: Request) -> Response:
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    def inspect(request: Request) -> Response:
+        """Every served pipeline's live engine state (`engine.inspect()`): the requests each
+        stage holds, ring slots held, chunks queued. For tests and debugging."""
+        out = {}
+        for name, s in server.served.items():
+            try:
+                found = s.engine.inspect(timeout=5)
+            except Exception as err:
+                out[name] = {"error": str(err)}
+                continue
+            out[name] = {
+                "in_flight": s.inflight,
+                "limit": s.limit,
+                "executors": {e: msgspec.to_builtins(i) for e, i in found.items()},
+            }
+        return JSONResponse(out)
+
+    posts = {
+        ENDPOINTS["chat"]: (chat_completions, ChatCompletionRequest, "Chat: text and audio"),
+        ENDPOINTS["speech"]: (audio_speech, SpeechRequest, "Text to speech"),
+        ENDPOINTS["images"]: (images_generations, ImageGenerationRequest, "Text to image"),
+        ENDPOINTS["edits"]: (images_edits, None, "Image edit (multipart)"),
+    }
+    for path, (handler, _, summary) in posts.items():
+        app.add_api_route(path, observed(path, handler), methods=["POST"], summary=summary)
+    app.add_api_route("/v1/models", observed("/v1/models", list_models), methods=["GET"])
+    app.add_api_route("/health", observed("/health", health), methods=["GET"])
+    app.add_api_route("/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/debug/inspect", inspect, methods=["GET"], include_in_schema=False)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        return validation_error(err.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        message = {404: f"no route {request.url.path}", 405: "method not allowed"}.get(
+            err.status_code, str(err.detail)
+        )
+        return JSONResponse(
+            error_body(err.status_code, message), status_code=err.status_code, headers=err.headers
+        )
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, err: Exception) -> JSONResponse:
+        log.exception("internal error in %s", request.url.path)
+        return JSONResponse(
+            error_body(500, f"internal error: {type(err).__name__}: {err}"), status_code=500
+        )
+
+    app.add_middleware(Guard, server=server)
+    app.openapi = partial(_openapi, app, posts, server)
+    return app
+
+
+class _Fixed:
+    """Parameters already resolved (an image's own seed), with the sources of the job's."""
+
+    def __init__(self, values: dict, params):
+        self.values = values
+        self.source = params.source
+
+    def result(self) -> dict:
+        return self.values
+
+
+async def _ended_on_error(run: Run, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A streamed body that ends early (its status recorded) when the pipeline fails."""
+    try:
+        async for data in body:
+            yield data
+    except APIError as err:
+        run.error = err
+
+
+# --- auth and body size ---------------------------------------------------------------------
+class BodyTooLarge(Exception):
+    pass
+
+
+class Guard:
+    """Pure ASGI middleware: `Authorization: Bearer KEY` (compared in constant time) on every
+    path but /health (and /metrics unless --protect-metrics), and the body size limit (413)."""
+
+    def __init__(self, app, server: Server):
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        config = self.server.config
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if config.api_key and self._protected(scope["path"]):
+            given = headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if not (
+                scheme.lower() == "bearer"
+                and hmac.compare_digest(token.strip().encode(), config.api_key.encode())
+            ):
+                await _send_error(
+                    send,
+                    APIError(
+                        401,
+                        "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                        code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"},
+                    ),
+                )
+                return
+        limit = config.max_body_bytes
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            await _send_error(send, _too_large(limit))
+            return
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge
+            return message
+
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except BodyTooLarge:
+            if not started:
+                await _send_error(send, _too_large(limit))
+
+    def _protected(self, path: str) -> bool:
+        if path in OPEN_PATHS or path in DOC_PATHS:
+            return False
+        return not (path == "/metrics" and not self.server.config.protect_metrics)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the body is over this server's limit of {limit} bytes", code="too_large")
+
+
+async def _send_error(send, err: APIError) -> None:
+    response = err.response()
+    await send(
+        {"type": "http.response.start", "status": err.status, "headers": response.raw_headers}
+    )
+    await send({"type": "http.response.body", "body": response.body})
+
+
+# --- the OpenAPI schema -----------------------------------------------------------------------
+def _openapi(app: FastAPI, posts: dict, server: Server) -> dict:
+    """FastAPI's schema with our request bodies (the handlers read raw bodies, to check
+    them against the pipeline: FastAPI cannot see their models); `model` lists the served
+    pipelines that answer each endpoint."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(
+        title=app.title, version=app.version, summary=app.summary, routes=app.routes
+    )
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    error = {
+        "description": "an error, in OpenAI's schema",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
+    components["Error"] = {
+        "type": "object",
+        "properties": {
+            "error": {
+                "type": "object",
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": ["string", "null"]},
+                    "code": {"type": ["string", "null"]},
+                },
+                "required": ["message", "type", "param", "code"],
+            }
+        },
+        "required": ["error"],
+    }
+    capability = {path: name for name, path in ENDPOINTS.items()}
+    for path, (_, model, _) in posts.items():
+        operation = schema["paths"][path]["post"]
+        names = [s.name for s in server.served.values() if capability[path] in s.capabilities]
+        served = {"type": "string", "enum": names} if names else {"type": "string"}
+        if model is None:
+            content = {"multipart/form-data": {"schema": _edit_schema(served)}}
+        else:
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            body["properties"]["model"] = served
+            for param, default in _served_params(server, capability[path]).items():
+                body["properties"].setdefault(param, _json_type(default))
+            body["additionalProperties"] = False
+            if len(server.served) > 1:
+                body.setdefault("required", []).append("model")
+            components[model.__name__] = body
+            content = {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+            }
+        operation["requestBody"] = {"required": True, "content": content}
+        operation["responses"] = {
+            "200": {"description": "the reply"},
+            **{str(code): error for code in (400, 401, 404, 413, 503)},
+        }
+    app.openapi_schema = schema
+    return schema
+
+
+def _served_params(server: Server, capability: str) -> dict:
+    """The parameters of the pipelines that answer `capability`, with their defaults: a
+    request may set them at the top level."""
+    found = {}
+    for s in server.served.values():
+        if capability in s.capabilities:
+            found.update({k: s.plan.params.get(k, 0) for k in s.plan.limits})
+    return found
+
+
+def _json_type(default) -> dict:
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array"}
+    return {"type": kind.get(type(default), "string"), "description": "a pipeline parameter"}
+
+
+def _edit_schema(served: dict) -> dict:
+    fields = {
+        name: {"type": {str: "string", int: "string", float: "string", bool: "string",
+                        dict: "string"}[kind]}
+        for name, kind in images.EDIT_FIELDS.items()
+    }  # fmt: skip
+    fields["model"] = served
+    fields["image"] = {"type": "string", "format": "binary"}
+    fields["mask"] = {"type": "string", "format": "binary"}
+    return {"type": "object", "properties": fields, "required": ["model", "image", "prompt"]}

@@ -1,0 +1,375 @@
+"""`POST /v1/chat/completions`: messages in, text and audio out, whole or as SSE.
+
+The chat messages become the pipeline's `chat` input; an image part (`image_url`) becomes
+its image input and an audio part (`input_audio`, `audio_url`) its audio input, each
+replaced in the chat by a placeholder part (`{"type": "image"}`), so a pipeline without
+such an input answers 400 instead of failing in a stage. `modalities` picks the outputs
+(default: every text and audio output the pipeline has); `audio.voice` sets the speaker;
+the sampling fields reach the pipeline's parameters (params.py); `stop` is the pipeline's
+`stop` parameter if it declares one, else the server cuts the text at the first stop
+string and ends the request there.
+
+Streaming sends each chunk as the engine yields it: text as `delta.content`, audio as
+`delta.audio.data` (base64 16-bit PCM, or a WAV whose header comes with the first
+chunk), so the first audio delta leaves when the pipeline's first audio chunk arrives.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+
+import torch
+
+from omniflow.media import MediaError, audio_bytes, decode_audio, decode_image, streaming_wav_header
+from omniflow.runtime.port_values import concat
+from omniflow.server import media_in
+from omniflow.server.errors import APIError, bad_request
+from omniflow.server.params import Params, is_no_op
+from omniflow.server.protocol import (
+    AudioURLPart,
+    ChatCompletionRequest,
+    ImagePart,
+    InputAudioPart,
+    TextPart,
+    merge_extra_body,
+    validate,
+)
+from omniflow.server.run import Run
+
+CHAT_AUDIO_FORMATS = {"wav": "wav", "pcm16": "pcm", "pcm": "pcm", "flac": "flac"}
+STREAM_AUDIO_FORMATS = ("wav", "pcm16", "pcm")
+MAX_STOPS = 4
+AUDIO_LIFETIME_S = 3600  # `expires_at`: nothing is kept, but OpenAI's schema has the field
+
+
+class ChatJob:
+    """A chat request resolved against its pipeline: inputs, parameters, what to answer."""
+
+    def __init__(self, served, inputs: dict, params: Params, request: ChatCompletionRequest):
+        self.served = served
+        self.inputs = inputs
+        self.params = params
+        self.request = request
+        self.text_port = next(iter(served.outputs_of("text")), None)
+        self.audio_port = next(iter(served.outputs_of("audio")), None)
+        self.want_text = self.want_audio = False
+        self.audio_format = "wav"
+        self.stops: list[str] = []
+
+    @property
+    def outputs(self) -> set[str]:
+        wanted = set()
+        if self.want_text:
+            wanted.add(self.text_port.name)
+        if self.want_audio:
+            wanted.add(self.audio_port.name)
+        return wanted
+
+
+async def parse(server, served, body: dict) -> ChatJob:
+    body = merge_extra_body(body)
+    request = validate(ChatCompletionRequest, body)
+    params = Params(served)
+    inputs: dict = {}
+    await _messages(server, served, request, inputs)
+    job = ChatJob(served, inputs, params, request)
+    _modalities(job)
+    _audio_options(job)
+    stream = bool(request.stream)
+    if stream and job.want_audio and job.audio_format not in ("wav", "pcm"):
+        raise bad_request(
+            f"streamed audio is {' or '.join(STREAM_AUDIO_FORMATS)}, not '{request.audio.format}'",
+            param="audio.format",
+        )
+    if request.n is not None and not is_no_op("n", request.n):
+        raise bad_request("'n' must be 1: a chat request has one answer here", param="n")
+    for name in ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed"):
+        if not params.take(name, getattr(request, name)):
+            raise params.unknown([name])
+    _stops(job)
+    if request.sampling_params_list is not None:
+        params.sampling_params_list(request.sampling_params_list)
+    extras = dict(request.model_extra or {})
+    for name in list(extras):  # a field naming one of the pipeline's text inputs fills it
+        port = served.input_named(name, "text")
+        if port is not None and port.name not in inputs and port != served.chat_input:
+            inputs[port.name] = _text_field(name, extras.pop(name))
+    params.take_all(extras)
+    return job
+
+
+def _text_field(name: str, value) -> str:
+    if not isinstance(value, str):
+        raise bad_request(f"'{name}' must be a string", param=name)
+    return value
+
+
+async def _messages(server, served, request: ChatCompletionRequest, inputs: dict) -> None:
+    chat, images, audios = [], [], []
+    for i, message in enumerate(request.messages):
+        where = f"messages[{i}]"
+        if message.tool_calls or message.role == "tool":
+            raise bad_request(
+                f"'{where}': tool calls are not supported by this server", param=where
+            )
+        if message.audio is not None:
+            raise bad_request(
+                f"'{where}.audio': this server keeps no audio between requests; send the "
+                "assistant's transcript as 'content'",
+                param=f"{where}.audio",
+            )
+        content = message.content
+        if isinstance(content, list):
+            content = await _parts(server, content, where, images, audios)
+        entry = {"role": "system" if message.role == "developer" else message.role}
+        entry["content"] = "" if content is None else content
+        if message.name is not None:
+            entry["name"] = message.name
+        chat.append(entry)
+    inputs[served.chat_input.name] = chat
+    _media_input(server, served, inputs, images, "image", "image_url")
+    _media_input(server, served, inputs, audios, "audio", "input_audio")
+
+
+async def _parts(server, parts, where: str, images: list, audios: list):
+    out = []
+    for j, part in enumerate(parts):
+        at = f"{where}.content[{j}]"
+        if isinstance(part, TextPart):
+            out.append({"type": "text", "text": part.text})
+        elif isinstance(part, ImagePart):
+            url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+            data = await server.fetch_media(url, f"{at}.image_url")
+            try:
+                images.append(decode_image(data))
+            except MediaError as err:
+                raise bad_request(f"'{at}.image_url': {err}", param=f"{at}.image_url") from None
+            out.append({"type": "image"})
+        elif isinstance(part, (InputAudioPart, AudioURLPart)):
+            if isinstance(part, InputAudioPart):
+                data = media_in._base64(
+                    part.input_audio.data, f"{at}.input_audio.data", server.config.max_media_bytes
+                )
+                field = f"{at}.input_audio"
+            else:
+                url = part.audio_url if isinstance(part.audio_url, str) else part.audio_url.url
+                field = f"{at}.audio_url"
+                data = await server.fetch_media(url, field)
+            try:
+                audios.append(decode_audio(data))
+            except MediaError as err:
+                raise bad_request(f"'{field}': {err}", param=field) from None
+            out.append({"type": "audio"})
+        else:
+            raise bad_request(
+                f"'{at}': video parts are not supported by the served pipelines", param=at
+            )
+    if all(p["type"] == "text" for p in out):
+        return "\n".join(p["text"] for p in out)
+    return out
+
+
+def _media_input(server, served, inputs: dict, values: list, port_type: str, part: str) -> None:
+    if not values:
+        return
+    ports = served.inputs_of(port_type)
+    if not ports:
+        able = [
+            s.name
+            for s in server.served.values()
+            if s.inputs_of(port_type) and "chat" in s.capabilities
+        ]
+        hint = f"; pipelines here that do: {', '.join(able)}" if able else ""
+        raise bad_request(
+            f"pipeline '{served.name}' takes no {port_type} input (its inputs: "
+            f"{', '.join(f'{p.name} ({p.type})' for p in served.plan.inputs)}), so a chat "
+            f"message cannot carry {part} parts{hint}",
+            param="messages",
+        )
+    if len(values) > len(ports):
+        raise bad_request(
+            f"pipeline '{served.name}' takes {len(ports)} {port_type}(s) per request; the "
+            f"messages carry {len(values)}",
+            param="messages",
+        )
+    for port, value in zip(ports, values, strict=False):
+        inputs[port.name] = value[0] if port_type == "audio" else value
+
+
+def _modalities(job: ChatJob) -> None:
+    served, modalities = job.served, job.request.modalities
+    if modalities is None:
+        job.want_text = job.text_port is not None
+        job.want_audio = job.audio_port is not None
+        return
+    if not modalities:
+        raise bad_request("'modalities' must name at least one of text, audio", param="modalities")
+    for modality in modalities:
+        port = {"text": job.text_port, "audio": job.audio_port}.get(modality)
+        if port is None:
+            raise bad_request(
+                f"'modalities' asks for {modality}; {served.describe()}", param="modalities"
+            )
+    job.want_text = "text" in modalities
+    job.want_audio = "audio" in modalities
+
+
+def _audio_options(job: ChatJob) -> None:
+    audio = job.request.audio
+    if audio is None:
+        return
+    if audio.format is not None:
+        if audio.format not in CHAT_AUDIO_FORMATS:
+            raise bad_request(
+                f"'audio.format' {audio.format!r} is not supported; use one of "
+                f"{', '.join(CHAT_AUDIO_FORMATS)}",
+                param="audio.format",
+            )
+        job.audio_format = CHAT_AUDIO_FORMATS[audio.format]
+    if audio.voice is not None:
+        set_voice(job.served, job.params, job.inputs, audio.voice, "audio.voice")
+
+
+def set_voice(served, params: Params, inputs: dict, voice: str, where: str) -> None:
+    """A voice goes to the pipeline's `speaker` or `voice` parameter, else its `voice` input."""
+    for name in ("speaker", "voice"):
+        if name in served.plan.limits:
+            params.set(name, voice, where)
+            return
+    if served.input_named("voice", "text") is not None:
+        inputs["voice"] = voice
+        return
+    raise bad_request(
+        f"'{where}': pipeline '{served.name}' has no voice to choose (no 'speaker' or 'voice' "
+        "parameter or input)",
+        param=where,
+    )
+
+
+def _stops(job: ChatJob) -> None:
+    stop = job.request.stop
+    if stop is None:
+        return
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > MAX_STOPS or not all(stops):
+        raise bad_request(f"'stop' takes up to {MAX_STOPS} non-empty strings", param="stop")
+    if "stop" in job.served.plan.limits:
+        job.params.set("stop", stops, "stop")
+    else:
+        job.stops = stops
+
+
+# --- answering ------------------------------------------------------------------------------
+def make_run(job: ChatJob, admitted, request_id: str, began: float) -> Run:
+    max_tokens = admitted.params.get("max_tokens")
+    return Run(
+        job.served,
+        admitted,
+        request_id,
+        job.outputs,
+        began,
+        stops=job.stops,
+        max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+    )
+
+
+async def answer(job: ChatJob, run: Run) -> dict:
+    """The whole reply, as `chat.completion`."""
+    texts, audio = [], []
+    async for output, value in run.chunks():
+        (texts if job.want_text and output == job.text_port.name else audio).append(value)
+    text = "".join(texts) if job.want_text else None
+    message: dict = {"role": "assistant", "content": text}
+    if job.want_audio:
+        samples = concat("audio", audio) if audio else torch.zeros(0, dtype=torch.int16)
+        data = audio_bytes(samples, run.timeline.rate, job.audio_format)
+        message["audio"] = {
+            "id": f"audio_{run.request_id}",
+            "data": base64.b64encode(data).decode(),
+            "expires_at": int(time.time()) + AUDIO_LIFETIME_S,
+            "transcript": text or "",
+        }
+    return {
+        "id": run.request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": job.served.name,
+        "choices": [
+            {"index": 0, "message": message, "finish_reason": run.finish_reason, "logprobs": None}
+        ],
+        "usage": _usage(run),
+        "seed": run.seed,
+    }
+
+
+async def events(job: ChatJob, run: Run):
+    """The reply as Server-Sent Events (`data: {...}` lines, then `data: [DONE]`)."""
+    created = int(time.time())
+    audio_id = f"audio_{run.request_id}"
+    sent_header = False
+
+    def chunk(delta: dict, finish=None, **extra) -> bytes:
+        body = {
+            "id": run.request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": job.served.name,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+            **extra,
+        }
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    try:
+        async for output, value in run.chunks():
+            if job.text_port is not None and output == job.text_port.name:
+                yield chunk({"content": value})
+                continue
+            data = audio_bytes(value, run.timeline.rate, "pcm")
+            if job.audio_format == "wav" and not sent_header:
+                data = streaming_wav_header(run.timeline.rate) + data
+                sent_header = True
+            yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode()}})
+    except APIError as err:  # the stream has begun: the error is its last event
+        run.error = err
+        yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+        return
+    final: dict = {}
+    if job.want_audio:
+        final["audio"] = {
+            "id": audio_id,
+            "expires_at": int(time.time()) + AUDIO_LIFETIME_S,
+            "transcript": "",
+        }
+        if not sent_header and job.audio_format == "wav":  # no audio came: still a valid WAV
+            final["audio"]["data"] = base64.b64encode(
+                streaming_wav_header(run.timeline.rate)
+            ).decode()
+    yield chunk(final, finish=run.finish_reason, seed=run.seed)
+    include_usage = job.request.stream_options and job.request.stream_options.include_usage
+    if include_usage:
+        body = {
+            "id": run.request_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": job.served.name,
+            "choices": [],
+            "usage": _usage(run),
+        }
+        yield b"data: " + json.dumps(body).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+def _usage(run: Run) -> dict:
+    """Completion tokens are the text chunks the pipeline produced (one per token); the
+    engine does not report the prompt's token count, so it is 0."""
+    tokens = run.timeline.text_tokens
+    return {"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens}
+
+
+def new_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex[:24]}"

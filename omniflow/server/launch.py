@@ -1,0 +1,392 @@
+"""`omniflow run [PIPELINE ...]`: compile, check, start every pipeline's engine, then serve
+them over HTTP until SIGINT or SIGTERM.
+
+Everything that can fail without loading a model fails first, as one line: the port
+(bound before anything loads), the pipeline files, names served twice, `--param` and
+`--max-in-flight` values, devices, models and speakers (`preflight`). Then the engines
+start, all at once, each stage's load reported as it finishes.
+
+Stopping: the first SIGINT or SIGTERM stops admitting (503 with Retry-After, /health
+503) and waits for the requests in flight, up to `--drain-timeout`; a second one stops at
+once. Then the engines close (their executors exit and unlink their rings), and the
+command exits 0.
+
+Executors ignore a terminal's Ctrl-C (SIGINT is blocked in the threads that start them,
+and a blocked signal stays blocked in the processes they spawn), so Ctrl-C drains the
+server instead of killing its stages under the requests in flight; they still stop with
+the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from omniflow.errors import OmniflowError
+from omniflow.plan import Plan
+from omniflow.server.app import Server, ServerConfig, create_app
+from omniflow.server.log_stats import StatsLog
+from omniflow.server.metrics import Metrics
+from omniflow.server.served import ENDPOINTS, Served, capacity
+
+DEFAULT_PIPELINE = "graphs/omni_chat.omni"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class ServeError(OmniflowError):
+    """The server cannot start as asked (port, pipelines, flags)."""
+
+
+def default_pipeline() -> Path:
+    for candidate in (Path(DEFAULT_PIPELINE), REPO_ROOT / DEFAULT_PIPELINE):
+        if candidate.is_file():
+            return candidate
+    raise ServeError(
+        f"no pipeline given and {DEFAULT_PIPELINE} is not here; name a .omni file or a plan "
+        "JSON: omniflow run PIPELINE.omni"
+    )
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before any model loads (a busy port fails in a second)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as err:
+        raise ServeError(f"--host {host}: {err.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as err:
+        sock.close()
+        raise ServeError(
+            f"cannot listen on {host}:{port}: {err.strerror}; pick another --port"
+        ) from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def load_plan(path: str, devices: str, tiny: bool) -> Plan:
+    if path.endswith(".json"):
+        try:
+            return Plan.from_json(Path(path).read_bytes())
+        except OSError as err:
+            raise ServeError(f"cannot read plan {path}: {err.strerror}") from None
+    from omniflow.compiler import compile_file
+
+    return compile_file(path, devices=devices, tiny=tiny, progress=True)
+
+
+def param_defaults(items: list[str], plans: list[Plan], voices: dict) -> dict[str, dict]:
+    """`--param [PIPELINE.]NAME=VALUE`: the values a pipeline's requests start from (JSON,
+    else the text). Without a pipeline prefix it applies to every served pipeline that
+    declares NAME. Checked against each plan now."""
+    from omniflow.runtime.requests import RequestError, admit
+
+    by_name = {p.pipeline: p for p in plans}
+    out: dict[str, dict] = {name: {} for name in by_name}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ServeError(f"--param: expected [PIPELINE.]NAME=VALUE, not '{item}'")
+        target, dot, rest = key.partition(".")
+        if dot and target in by_name:
+            key, targets = rest, [by_name[target]]
+        else:
+            targets = [p for p in plans if key in p.limits]
+        if not targets or key not in targets[0].limits:
+            raise ServeError(f"--param {item}: no served pipeline has a parameter '{key}'")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        for plan in targets:
+            out[plan.pipeline][key] = value
+    for name, values in out.items():
+        plan = by_name[name]
+        stand_ins = {  # the inputs a request must give, so that only parameters are checked
+            p.name: "x" if p.type in ("text", "chat") else [0]
+            for p in plan.inputs
+            if p.default is None
+        }
+        try:
+            admit(plan, stand_ins, values, voices[name])
+        except RequestError as err:
+            raise ServeError(f"--param for pipeline '{name}': {err}") from None
+    return out
+
+
+def admission_limits(items: list[str], plans: list[Plan]) -> dict[str, int]:
+    """`--max-in-flight [PIPELINE=]N`; by default each plan's capacity."""
+    limits = {p.pipeline: capacity(p) for p in plans}
+    for item in items:
+        target, _, text = item.rpartition("=")
+        if target and target not in limits:
+            raise ServeError(
+                f"--max-in-flight {item}: no served pipeline '{target}' ({', '.join(limits)})"
+            )
+        if not text.isdigit() or int(text) < 1:
+            raise ServeError(f"--max-in-flight {item}: expected a count of at least 1")
+        for name in [target] if target else list(limits):
+            limits[name] = int(text)
+    return limits
+
+
+def start_engines(plans: list[Plan], voices: dict, mode: str, backends: str, console: Console):
+    """Every plan's engine, started at once (with executor processes; one after the other
+    with threads); SIGINT blocked in their threads (so in their executors) and an
+    interrupt here stops those already started."""
+    from omniflow.runtime.engine import Engine
+
+    engines, errors = {}, {}
+
+    def loaded(pipeline: str, message) -> None:
+        console.print(f"loaded {pipeline}/{message.stage} in {message.seconds:.1f} s")
+
+    def build(plan: Plan) -> None:
+        try:
+            engines[plan.pipeline] = Engine(
+                plan,
+                mode,
+                backends,
+                voices=voices[plan.pipeline],
+                on_loaded=lambda message: loaded(plan.pipeline, message),
+            )
+        except BaseException as err:  # reported below, in the main thread
+            errors[plan.pipeline] = err
+
+    def build_all() -> None:  # in one process, one at a time: model imports are not
+        for plan in plans:  # thread-safe (transformers' lazy modules)
+            build(plan)
+
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        threads = [
+            threading.Thread(target=build, args=(p,), name=f"start-{p.pipeline}", daemon=True)
+            for p in plans
+        ]
+        if mode == "inprocess":
+            threads = [threading.Thread(target=build_all, name="start", daemon=True)]
+        for thread in threads:
+            thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    try:
+        for thread in threads:
+            while thread.is_alive():
+                thread.join(0.1)
+    except KeyboardInterrupt:
+        close_engines(dict(engines))
+        raise
+    if errors:
+        close_engines(engines)
+        raise next(iter(errors.values()))
+    return engines
+
+
+def close_engines(engines: dict) -> None:
+    threads = [threading.Thread(target=e.close, daemon=True) for e in engines.values()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+
+def _remove_own_segments() -> None:
+    """Rings this process created and an engine that never finished starting left behind."""
+    from omniflow.runtime.shm_ring import SEGMENT_PREFIX, SHM_DIR
+
+    for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}{os.getpid()}-*"):
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """During start-up, SIGTERM stops like Ctrl-C does (by default it would kill the
+    process without unwinding, leaving the engines' rings behind)."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def serve(args) -> int:
+    console = Console(stderr=True, highlight=False)
+    paths = list(args.paths) or [str(default_pipeline())]
+    tiny = args.tiny or not args.paths
+    api_key = args.api_key or os.environ.get("OMNIFLOW_API_KEY") or None
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        protect_metrics=args.protect_metrics,
+        max_body_bytes=args.max_body_bytes,
+        max_media_bytes=min(args.max_body_bytes, 64 << 20),
+        allow_remote_media=args.allow_remote_media,
+        drain_timeout_s=args.drain_timeout,
+    )
+    sock = bind(args.host, args.port)
+    engines: dict = {}
+    try:
+        with _sigterm_interrupts():
+            plans = [load_plan(path, args.devices, tiny) for path in paths]
+            names = [p.pipeline for p in plans]
+            twice = sorted({n for n in names if names.count(n) > 1})
+            if twice:
+                raise ServeError(
+                    f"pipeline name {', '.join(twice)} is served twice; each is served under "
+                    "its name, so rename one"
+                )
+            backends = "standin" if args.standin else "auto"
+            voices = {p.pipeline: () if args.standin else _preflight(p) for p in plans}
+            defaults = param_defaults(args.param, plans, voices)
+            limits = admission_limits(args.max_in_flight, plans)
+            engines = start_engines(plans, voices, args.mode, backends, console)
+        metrics = Metrics()
+        served = [
+            Served(
+                p.pipeline,
+                p,
+                engines[p.pipeline],
+                limits[p.pipeline],
+                metrics,
+                defaults[p.pipeline],
+            )
+            for p in plans
+        ]
+        stats_log = StatsLog(console if args.log_stats else None, args.log_stats_json)
+        server = Server(served, config, metrics, stats_log)
+        app = create_app(server)
+        port = sock.getsockname()[1]
+        _print_ready(console, server, args.host, port)
+        _run_uvicorn(app, server, sock, console, access_log=args.access_log)
+    finally:
+        sock.close()
+        close_engines(engines)
+        _remove_own_segments()
+    console.print("omniflow: stopped")
+    return 0
+
+
+def _preflight(plan: Plan):
+    from omniflow.runtime.preflight import preflight
+
+    return preflight(plan)
+
+
+def _print_ready(console: Console, server: Server, host: str, port: int) -> None:
+    for s in server.served.values():
+        outputs = ", ".join(
+            f"{o.name} ({o.type}{', ' + str(o.attrs['rate']) + ' Hz' if o.attrs.get('rate') else ''})"
+            for o in s.plan.outputs
+        )
+        endpoints = ", ".join(f"POST {ENDPOINTS[c]}" for c in s.capabilities) or "no endpoint"
+        console.print(f"[bold]{s.name}[/]: {endpoints} · up to {s.limit} in flight", soft_wrap=True)
+        executors = ", ".join(f"{p.name} ({', '.join(p.devices)})" for p in s.plan.executors)
+        console.print(f"  executors: {executors}", soft_wrap=True)
+        inputs = ", ".join(f"{p.name} ({p.type})" for p in s.plan.inputs)
+        console.print(f"  inputs: {inputs} · outputs: {outputs}", soft_wrap=True)
+    shown = "localhost" if host in ("0.0.0.0", "::") else host
+    base = f"http://{shown}:{port}"
+    console.print(f"omniflow: serving {', '.join(server.served)} at {base}/v1", soft_wrap=True)
+    console.print(
+        f"  health: {base}/health · metrics: {base}/metrics · API docs: {base}/docs",
+        soft_wrap=True,
+    )
+    example = _curl(server, base)
+    if example:
+        console.print(f"  try: {example}", soft_wrap=True, markup=False)
+    print(f"omniflow: ready at {base}", flush=True)  # stdout: what scripts wait for
+
+
+def _curl(server: Server, base: str) -> str | None:
+    auth = ' -H "Authorization: Bearer $OMNIFLOW_API_KEY"' if server.config.api_key else ""
+    for s in server.served.values():
+        if "chat" in s.capabilities:
+            body = {"model": s.name, "messages": [{"role": "user", "content": "Hello!"}]}
+            if "max_tokens" in s.plan.limits:
+                body["max_tokens"] = 16
+            path = ENDPOINTS["chat"]
+        elif "speech" in s.capabilities:
+            body, path = {"model": s.name, "input": "Hello!"}, ENDPOINTS["speech"]
+        elif "images" in s.capabilities:
+            body, path = {"model": s.name, "prompt": "a red boat"}, ENDPOINTS["images"]
+        else:
+            continue
+        return (
+            f"curl {base}{path}{auth} -H 'Content-Type: application/json' "
+            f"-d {shlex.quote(json.dumps(body))}"
+        )
+    return None
+
+
+def _run_uvicorn(app, server: Server, sock: socket.socket, console: Console, access_log: bool):
+    import uvicorn
+
+    class Uvicorn(uvicorn.Server):
+        """uvicorn, stopping our way: drain on the first signal, stop on the second, and no
+        re-raised signal afterwards (the engines still have to close)."""
+
+        drain_deadline: float | None = None
+        announced = False
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {
+                s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)
+            }
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.drain_deadline is None:
+                server.start_draining()
+                self.drain_deadline = time.monotonic() + server.config.drain_timeout_s
+            else:
+                self.should_exit = self.force_exit = True
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.drain_deadline is not None and not self.should_exit:
+                if not self.announced:
+                    self.announced = True
+                    console.print(
+                        f"omniflow: stopping: {server.in_flight} request(s) in flight, waiting up "
+                        f"to {server.config.drain_timeout_s:g} s (again to stop now)",
+                        soft_wrap=True,
+                    )
+                if server.in_flight == 0 or time.monotonic() >= self.drain_deadline:
+                    self.should_exit = True
+            return await super().on_tick(counter)
+
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=access_log,
+        lifespan="off",
+        timeout_graceful_shutdown=2,
+        timeout_keep_alive=5,
+    )
+    Uvicorn(config).run(sockets=[sock])  # uvloop and httptools where installed

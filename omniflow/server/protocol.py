@@ -1,0 +1,217 @@
+"""The request bodies the server takes, as pydantic models: they check types (strictly: no
+`"7"` for a number in JSON) and give the OpenAPI schema (`/openapi.json`) that clients and
+the schema fuzzer read.
+
+Top-level objects allow fields beyond these (`extra="allow"`): those are checked against
+the served pipeline's parameters (params.py), reaching it or answered with a 400 naming
+them. Nested objects (messages, parts, `audio`, `stream_options`) forbid unknown fields.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from omniflow.server.errors import bad_request
+
+
+class _Top(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class _Nested(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class URL(_Nested):
+    url: str = Field(description="a data: URI, a local file path (or file:// URL), or http(s)")
+    detail: str | None = None
+
+
+class TextPart(_Nested):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Nested):
+    type: Literal["image_url"]
+    image_url: URL | str
+
+
+class InputAudio(_Nested):
+    data: str = Field(description="base64 audio file bytes")
+    format: str | None = Field(None, description="wav, flac, ... (read from the bytes)")
+
+
+class InputAudioPart(_Nested):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class AudioURLPart(_Nested):
+    type: Literal["audio_url"]
+    audio_url: URL | str
+
+
+class VideoURLPart(_Nested):
+    type: Literal["video_url"]
+    video_url: URL | str
+
+
+Part = Annotated[
+    TextPart | ImagePart | InputAudioPart | AudioURLPart | VideoURLPart,
+    Field(discriminator="type"),
+]
+
+
+class AudioRef(_Nested):
+    id: str
+
+
+class Message(_Nested):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[Part] | None = None
+    name: str | None = None
+    audio: AudioRef | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[dict] | None = None
+    refusal: str | None = None
+
+
+class AudioOptions(_Nested):
+    voice: str | None = Field(None, description="the pipeline's speaker (or voice)")
+    format: str | None = Field(None, description="wav (default), pcm16, flac")
+
+
+class StreamOptions(_Nested):
+    include_usage: bool | None = None
+
+
+class ChatCompletionRequest(_Top):
+    """OpenAI chat completions; pipeline parameters may also be given at the top level or in
+    `extra_body`."""
+
+    model: str | None = None
+    messages: list[Message] = Field(min_length=1)
+    modalities: list[Literal["text", "audio", "image"]] | None = None
+    audio: AudioOptions | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    extra_body: dict | None = None
+    sampling_params_list: list[dict] | dict | None = None
+
+
+class SpeechRequest(_Top):
+    """OpenAI text to speech; Qwen TTS fields (`task_type`, `language`, `instructions`,
+    `max_new_tokens`) reach the pipeline's parameters where it declares them."""
+
+    model: str | None = None
+    input: str
+    voice: str | None = None
+    response_format: str | None = Field(None, description="wav (default), pcm, flac")
+    speed: float | None = None
+    stream: bool | None = None
+    extra_body: dict | None = None
+
+
+class ImageGenerationRequest(_Top):
+    """OpenAI (DALL-E style) image generation; every diffusion sampling field at the top."""
+
+    model: str | None = None
+    prompt: str
+    negative_prompt: str | None = None
+    size: str | None = Field(None, description='"WIDTHxHEIGHT", e.g. "512x512"')
+    n: int | None = Field(None, ge=1, le=10)
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    seed: int | None = None
+    response_format: str | None = Field(None, description="b64_json")
+    output_format: str | None = Field(None, description="png (default), jpeg, webp")
+    extra_body: dict | None = None
+
+
+def parse_json(body: bytes) -> dict:
+    """A request body as a JSON object, or a 400 saying why not (NaN and Infinity, which
+    Python's json would take, are not JSON)."""
+
+    def no_constants(name):
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        value = json.loads(body, parse_constant=no_constants)
+    except (ValueError, RecursionError) as err:
+        raise bad_request(f"the body is not valid JSON: {err}", code="invalid_json") from None
+    if not isinstance(value, dict):
+        raise bad_request(
+            f"the body must be a JSON object, not {type(value).__name__}", code="invalid_json"
+        )
+    return value
+
+
+def merge_extra_body(body: dict) -> dict:
+    """A nested `extra_body` object merged into the request, as the OpenAI SDK does when it
+    sends one (a field given both ways must agree)."""
+    extra = body.get("extra_body")
+    if extra is None:
+        return body
+    if not isinstance(extra, dict):
+        raise bad_request("'extra_body' must be an object", param="extra_body")
+    merged = {k: v for k, v in body.items() if k != "extra_body"}
+    for key, value in extra.items():
+        if key in merged and merged[key] != value:
+            raise bad_request(
+                f"'{key}' is given at the top level and in 'extra_body' with different values",
+                param=f"extra_body.{key}",
+            )
+        merged[key] = value
+    return merged
+
+
+def validate(model: type[BaseModel], body: dict):
+    """`body` as `model`, or a 400 naming the first field that does not fit."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as err:
+        raise validation_error(err.errors()) from None
+    except RecursionError:
+        raise bad_request("the body is nested too deeply") from None
+
+
+def validation_error(errors) -> Exception:
+    first = errors[0]
+    where = _location(first.get("loc", ()))
+    message = first.get("msg", "invalid")
+    if first.get("type") == "extra_forbidden":
+        message = "unknown field"
+    elif first.get("type") == "missing":
+        message = "required field is missing"
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return bad_request(f"'{where}': {message}{more}", param=where or None)
+
+
+def _location(loc) -> str:
+    parts = [p for p in loc if p not in ("body",)]
+    text = ""
+    for part in parts:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif not _is_variant_tag(part):
+            text += f".{part}" if text else str(part)
+    return text
+
+
+def _is_variant_tag(part) -> bool:
+    """pydantic names union members in error locations (`list[...]`, `str`, `text`...)."""
+    return isinstance(part, str) and (
+        "[" in part or part in ("str", "int", "float", "bool", "dict", "list", "URL")
+    )

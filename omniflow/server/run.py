@@ -1,0 +1,180 @@
+"""One admitted request running on its pipeline's engine, as an HTTP handler consumes it.
+
+`Run.chunks()` yields `(output, value)` as the engine produces them, only for the outputs
+the request asked for; once all of those have ended it stops (and so cancels what the
+pipeline would still produce for outputs nobody reads). Text passes through the request's
+stop strings, if any: the text is cut before the first, and the request ends there.
+Closing the iterator early, or cancelling its task (a client that went away), cancels the
+request in every stage (`engine.stream`'s contract). It keeps the request's timeline for
+the metrics and `--log-stats`: time to first token and first audio packet, end to end,
+tokens, seconds of audio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import torch
+
+from omniflow.runtime.engine import RequestCancelled
+from omniflow.runtime.requests import Admitted, RequestFailed
+from omniflow.runtime.transport import EngineError
+from omniflow.server.errors import APIError
+
+DEFAULT_RATE = 24000
+
+
+@dataclass
+class Timeline:
+    began: float  # perf_counter when the HTTP request arrived
+    first_text: float | None = None
+    first_audio: float | None = None
+    ended: float | None = None
+    text_tokens: int = 0
+    audio_samples: int = 0
+    rate: int = DEFAULT_RATE
+
+    def seconds(self, at: float | None) -> float | None:
+        return None if at is None else at - self.began
+
+    @property
+    def audio_seconds(self) -> float:
+        return self.audio_samples / self.rate if self.rate else 0.0
+
+
+class StopScanner:
+    """Text with the request's stop strings cut out: `feed` returns what may be sent now
+    (holding back a tail that could be the start of a stop string) and whether a stop
+    string was found; `flush` returns the tail at the end."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        cut = max(0, len(self.pending) - self.hold)
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+@dataclass
+class Run:
+    served: object  # Served
+    admitted: Admitted
+    request_id: str
+    outputs: set[str]  # the outputs the request asked for
+    began: float
+    stops: list[str] = field(default_factory=list)
+    max_tokens: int | None = None  # for finish_reason "length"
+
+    def __post_init__(self):
+        self.types = {o.name: o.type for o in self.served.plan.outputs}
+        rates = [o.attrs.get("rate") for o in self.served.plan.outputs if o.type == "audio"]
+        self.timeline = Timeline(
+            self.began, rate=int(rates[0]) if rates and rates[0] else DEFAULT_RATE
+        )
+        self.finish_reason = "stop"
+        self.stopped = False
+        self.error: APIError | None = None  # how a streamed reply ended, if not well
+        self._iterator: AsyncIterator | None = None
+        self._first: asyncio.Future | None = None
+
+    @property
+    def seed(self) -> int:
+        return self.admitted.seed
+
+    def start(self) -> None:
+        """Submit the request now (its first chunk is fetched by a task of its own), so that
+        the pipeline starts while the reply's headers are still being sent."""
+        self._iterator = self._chunks()
+        self._first = asyncio.ensure_future(self._iterator.__anext__())
+
+    async def chunks(self) -> AsyncIterator[tuple[str, object]]:
+        """`(output, value)` pairs as the pipeline produces them (see the module doc)."""
+        if self._first is None:
+            self.start()
+        try:
+            try:
+                yield await self._first
+            except StopAsyncIteration:
+                return
+            async for item in self._iterator:
+                yield item
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """End the request if it is still running (idempotent)."""
+        if self._first is not None and not self._first.done():
+            self._first.cancel()
+            await asyncio.gather(self._first, return_exceptions=True)
+        if self._iterator is not None:
+            await self._iterator.aclose()
+
+    async def _chunks(self) -> AsyncIterator[tuple[str, object]]:
+        engine = self.served.engine
+        scanner = StopScanner(self.stops)
+        open_outputs = set(self.outputs)
+        stream = engine.stream(self.admitted.inputs, self.admitted.params, self.request_id)
+        try:
+            async with aclosing(stream) as chunks:
+                async for chunk in chunks:
+                    if chunk.output not in open_outputs:
+                        continue
+                    if chunk.value is not None:
+                        value = chunk.value
+                        if self.types[chunk.output] == "text":
+                            self.timeline.text_tokens += 1
+                            if self.timeline.first_text is None:
+                                self.timeline.first_text = time.perf_counter()
+                            value, self.stopped = scanner.feed(value)
+                        elif self.types[chunk.output] == "audio":
+                            if self.timeline.first_audio is None:
+                                self.timeline.first_audio = time.perf_counter()
+                            self.timeline.audio_samples += _samples(value)
+                        if value != "":
+                            yield chunk.output, value
+                        if self.stopped:
+                            break
+                    if chunk.end:
+                        if self.types[chunk.output] == "text" and (tail := scanner.flush()):
+                            yield chunk.output, tail
+                        open_outputs.discard(chunk.output)
+                        if not open_outputs:
+                            break
+        except RequestFailed as err:
+            raise APIError(500, str(err), code="pipeline_failed") from None
+        except RequestCancelled as err:
+            raise APIError(503, str(err), code="cancelled") from None
+        except EngineError as err:
+            raise APIError(
+                503, f"the pipeline is not running: {err}", code="engine_closed"
+            ) from None
+        finally:
+            self.timeline.ended = time.perf_counter()
+        if (
+            not self.stopped
+            and self.max_tokens is not None
+            and self.timeline.text_tokens >= self.max_tokens
+        ):
+            self.finish_reason = "length"
+
+
+def _samples(value) -> int:
+    return int(value.numel()) if isinstance(value, torch.Tensor) else 0

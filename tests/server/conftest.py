@@ -1,0 +1,162 @@
+"""Real `omniflow run` server processes on free local ports, for real clients.
+
+`served` is the one server most tests share (started once per session): every example
+pipeline on the tiny models, plus two python-stage pipelines (tests/server/probe.omni,
+edit.omni), with small request defaults (`--param`) so that fuzzed requests stay short.
+`start_server(...)` starts another, for a test module that needs other flags; every
+server is stopped with SIGTERM at the end and must exit 0 leaving no shared memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).parents[2]
+GRAPHS = ROOT / "graphs"
+HERE = Path(__file__).parent
+SHM = Path("/dev/shm")
+START_TIMEOUT_S = 180
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], env: dict | None = None):
+        self.args = args
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "omniflow.cli", "run", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            start_new_session=True,  # its own process group, as a terminal would give it
+            text=True,
+        )
+        self.base = self._wait_ready()
+        self.url = f"{self.base}/v1"
+
+    def _wait_ready(self) -> str:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 1.0)
+            if ready:
+                line = self.proc.stdout.readline()
+                if line.startswith("omniflow: ready at "):
+                    return line.split(" at ", 1)[1].strip()
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited {self.proc.returncode}: {self.stderr()}")
+        self.proc.kill()
+        raise RuntimeError(f"the server did not start in {START_TIMEOUT_S} s: {self.stderr()}")
+
+    def stderr(self) -> str:
+        try:
+            return self.proc.communicate(timeout=10)[1]
+        except subprocess.TimeoutExpired:
+            return "(still running)"
+
+    def pids(self) -> set[int]:
+        """The server and its executor processes."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
+        return {self.proc.pid, *map(int, out.stdout.split())}
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> tuple[int, str]:
+        pids = self.pids()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise
+        wait_until(lambda: not any(map(alive, pids)), timeout=10)
+        return self.proc.returncode, err
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.base, **{"timeout": 60, **kwargs})
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def segments_of(pids: set[int]) -> list[str]:
+    return [p.name for p in SHM.glob("omniflow-*") if int(p.name.split("-")[1]) in pids]
+
+
+def run_async(make_coroutine):
+    """`asyncio.run(make_coroutine())` in a thread of its own: immune to an event loop some
+    other test left running in this one."""
+    result = {}
+
+    def run() -> None:
+        try:
+            result["value"] = asyncio.run(make_coroutine())
+        except BaseException as err:  # re-raised in the caller's thread
+            result["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def wait_until(condition, timeout: float = 5.0, step: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(step)
+
+
+SMALL = ["--param", "max_tokens=6", "--param", "max_audio_tokens=60", "--param", "steps=2",
+         "--param", "text_to_image.height=32", "--param", "text_to_image.width=32"]  # fmt: skip
+PIPELINES = [str(GRAPHS / f"{name}.omni") for name in
+             ("omni_chat", "tts", "text_to_image", "image_understanding")] + [
+    str(HERE / "probe.omni"), str(HERE / "edit.omni")]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory):
+    """The shared server: every example pipeline (tiny) plus probe and edit, its executors
+    threads of one process (they start in seconds; executor processes are tested with a
+    server of their own, test_load.py)."""
+    stats = tmp_path_factory.mktemp("stats") / "stats.jsonl"
+    server = ServerProcess(
+        [*PIPELINES, "--tiny", "--mode", "inprocess", *SMALL, "--log-stats-json", str(stats)]
+    )
+    server.stats_path = stats
+    yield server
+    pids = server.pids()
+    code, err = server.stop()
+    assert code == 0, err
+    assert "Traceback" not in err, err
+    assert segments_of(pids) == []
+
+
+@pytest.fixture
+def start_server():
+    started = []
+
+    def start(*args: str, env: dict | None = None) -> ServerProcess:
+        server = ServerProcess(list(args), env)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        if server.proc.poll() is None:
+            server.stop()

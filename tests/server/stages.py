@@ -1,0 +1,58 @@
+"""Python stages the server tests serve (imported by dotted path in executor processes).
+
+`words` answers a chat with the last user message's words, one per step; a message
+containing `crash` kills its executor, `fail` fails its request, `many N` emits N words
+one every 5 ms (a request that lasts until it is cancelled), `wait S` answers `done` after
+S seconds. Waiting yields (other requests take their turns), it never sleeps the loop.
+`edit` inverts an image.
+"""
+
+import os
+import time
+
+import torch
+
+
+def _text(message) -> str:
+    content = message.get("content") or ""
+    if isinstance(content, list):
+        return " ".join(p.get("text", "") for p in content)
+    return content
+
+
+def words(call):
+    chat = yield from call.read_all("prompt")
+    text = _text(chat[-1])
+    if "crash" in text:
+        os._exit(3)
+    if "fail" in text:
+        raise ValueError("failing as asked")
+    parts = text.split()
+    if len(parts) == 2 and parts[0] == "many":
+        for i in range(int(parts[1])):
+            call.emit("text", f"w{i} ")
+            yield from _pause(0.005)
+        return
+    if len(parts) == 2 and parts[0] == "wait":
+        yield from _pause(float(parts[1]))
+        parts = ["done"]
+    for word in parts:
+        call.emit("text", word + " ")
+        yield
+
+
+def _pause(seconds: float):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        yield
+
+
+def edit(batch):
+    """An image and a prompt -> the image inverted (the prompt must not be empty)."""
+    out = []
+    for item in batch:
+        if not item["prompt"].strip():
+            raise ValueError("empty prompt")
+        image = item["image"]
+        out.append({"out": (255 - image.to(torch.uint8))[None]})
+    return out

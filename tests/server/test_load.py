@@ -1,0 +1,218 @@
+"""A server with executor processes under load, faults and shutdown: auth, body limit, a
+burst beyond the admission limit, 100 clients going away mid-stream, executor crashes,
+draining on SIGTERM, Ctrl-C from a terminal. Nothing hangs, nothing leaks."""
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import HERE, run_async, segments_of, wait_until
+
+KEY = "s3cret-key"
+LIMIT = 100
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CHAT = "/v1/chat/completions"
+
+
+def ask(text: str, **extra) -> dict:
+    return {"model": "probe", "messages": [{"role": "user", "content": text}], **extra}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.server.conftest import ServerProcess
+
+    server = ServerProcess(
+        [
+            str(HERE / "probe.omni"),
+            "--api-key",
+            KEY,
+            "--max-in-flight",
+            str(LIMIT),
+            "--max-body-bytes",
+            "65536",
+            "--drain-timeout",
+            "20",
+        ]  # fmt: skip
+    )
+    yield server
+    if server.proc.poll() is None:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with server.client(headers=AUTH) as client:
+        yield client
+
+
+def inspect(http) -> dict:
+    return http.get("/debug/inspect").json()["probe"]
+
+
+def idle(http) -> bool:
+    state = inspect(http)
+    calls = [c for e in state["executors"].values() for c in e["calls"].values()]
+    return state["in_flight"] == 0 and not any(calls)
+
+
+def rss_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])
+
+
+def test_the_api_key_is_required_except_on_health_and_metrics(server):
+    with server.client() as anonymous:
+        reply = anonymous.post(CHAT, json=ask("hi"))
+        assert reply.status_code == 401 and reply.headers["www-authenticate"] == "Bearer"
+        assert reply.json()["error"]["code"] == "invalid_api_key"
+        wrong = anonymous.post(CHAT, json=ask("hi"), headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        basic = anonymous.post(CHAT, json=ask("hi"), headers={"Authorization": f"Basic {KEY}"})
+        assert basic.status_code == 401
+        assert anonymous.get("/v1/models").status_code == 401
+        assert anonymous.get("/health").status_code == 200
+        assert anonymous.get("/metrics").status_code == 200
+        assert anonymous.post(CHAT, json=ask("hi"), headers=AUTH).status_code == 200
+
+
+def test_a_body_over_the_limit_is_413(http):
+    big = ask("x" * 70000)
+    reply = http.post(CHAT, json=big)
+    assert reply.status_code == 413 and "65536 bytes" in reply.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        data = json.dumps(big).encode()
+        for i in range(0, len(data), 8192):
+            yield data[i : i + 8192]
+
+    reply = http.post(CHAT, content=chunks(), headers={"content-type": "application/json"})
+    assert reply.status_code == 413
+    assert http.post(CHAT, json=ask("small")).status_code == 200
+
+
+def test_a_burst_beyond_the_limit_gets_200_or_503_at_once(http, server):
+    rss_before = rss_kib(server.proc.pid)
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=4 * LIMIT, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.base, headers=AUTH, timeout=60,
+                                     limits=limits) as client:  # fmt: skip
+            return await asyncio.gather(
+                *(client.post(CHAT, json=ask("wait 3")) for _ in range(3 * LIMIT))
+            )
+
+    replies = run_async(burst)
+    statuses = [r.status_code for r in replies]
+    assert len(statuses) == 3 * LIMIT and set(statuses) <= {200, 503}
+    assert statuses.count(200) >= 1 and statuses.count(503) >= LIMIT
+    busy = next(r for r in replies if r.status_code == 503)
+    assert busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == "server_busy"
+    assert all(r.json()["choices"][0]["message"]["content"] == "done " for r in replies
+               if r.status_code == 200)  # fmt: skip
+    wait_until(lambda: idle(http), timeout=5)
+    assert rss_kib(server.proc.pid) < rss_before + 200 * 1024  # bounded: not per request
+
+
+def test_a_hundred_clients_going_away_mid_stream_free_their_slots_within_a_second(http, server):
+    async def go_away(client: httpx.AsyncClient) -> None:
+        async with client.stream("POST", CHAT, json=ask("many 100000", stream=True)) as reply:
+            assert reply.status_code == 200
+            async for line in reply.aiter_lines():
+                if '"content": "w' in line:
+                    return  # mid-stream: leaving the block closes the connection
+
+    async def hundred() -> None:
+        limits = httpx.Limits(max_connections=2 * LIMIT, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.base, headers=AUTH, timeout=60,
+                                     limits=limits) as client:  # fmt: skip
+            await asyncio.gather(*(go_away(client) for _ in range(LIMIT)))
+
+    run_async(hundred)
+    wait_until(lambda: idle(http), timeout=1.0)
+
+
+def test_a_client_that_gives_up_on_a_whole_reply_cancels_it(http, server):
+    with server.client(headers=AUTH, timeout=0.5) as impatient, pytest.raises(httpx.ReadTimeout):
+        impatient.post(CHAT, json=ask("many 100000"))
+    wait_until(lambda: idle(http), timeout=1.0)
+
+
+def test_a_failing_stage_is_a_500_naming_it_and_the_server_goes_on(http):
+    reply = http.post(CHAT, json=ask("please fail"))
+    assert reply.status_code == 500
+    assert "stage 'talk' failed: ValueError: failing as asked" in reply.json()["error"]["message"]
+    assert http.post(CHAT, json=ask("fine")).status_code == 200
+
+
+def test_an_executor_crash_ends_its_requests_clearly_and_the_next_succeeds(http):
+    pids = set(inspect(http)["executors"])
+    reply = http.post(CHAT, json=ask("crash now"))
+    assert reply.status_code == 500
+    assert "executor 'talk'" in reply.json()["error"]["message"]
+    with http.stream("POST", CHAT, json=ask("crash again", stream=True)) as streamed:
+        assert streamed.status_code == 200
+        events = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "died" in json.loads(events[-2])["error"]["message"]
+    wait_until(lambda: http.post(CHAT, json=ask("back again")).status_code == 200, timeout=30)
+    assert set(inspect(http)["executors"]) == pids
+    assert http.get("/health").status_code == 200
+
+
+def test_fuzzed_requests_kill_no_executor(http, server):
+    from tests.server.fuzz import fuzz
+
+    pids = server.pids()
+    fuzz(server.base, examples=10, headers=AUTH)
+    assert server.pids() == pids  # no executor died (and none was restarted)
+
+
+def in_background(server, text: str) -> tuple[threading.Thread, dict]:
+    """A request sent from another thread; its reply lands in the dict."""
+    result = {}
+
+    def send() -> None:
+        with server.client(headers=AUTH) as client:
+            result["reply"] = client.post(CHAT, json=ask(text))
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread, result
+
+
+def test_sigterm_drains_then_stops_leaving_nothing_behind(http, server):
+    pids = server.pids()
+    thread, result = in_background(server, "wait 2")
+    wait_until(lambda: inspect(http)["in_flight"] == 1, timeout=10)
+    server.proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: http.get("/health").status_code == 503, timeout=5)
+    refused = http.post(CHAT, json=ask("too late"))
+    assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
+    assert refused.headers["retry-after"]
+    thread.join(30)
+    assert result["reply"].status_code == 200
+    assert result["reply"].json()["choices"][0]["message"]["content"] == "done "
+    code, err = server.stop(timeout=30)
+    assert code == 0 and "Traceback" not in err
+    assert segments_of(pids) == []
+
+
+def test_ctrl_c_in_a_terminal_drains_with_the_executors_alive(start_server):
+    server = start_server(str(HERE / "probe.omni"), env={"OMNIFLOW_API_KEY": KEY})
+    pids = server.pids()
+    assert len(pids) == 2  # the server and its executor
+    thread, result = in_background(server, "wait 1.5")
+    time.sleep(0.5)
+    os.killpg(server.proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole process group
+    thread.join(30)
+    assert result["reply"].status_code == 200
+    code, err = server.stop(timeout=30)
+    assert code == 0 and "Traceback" not in err and "stopped" in err
+    assert segments_of(pids) == []
