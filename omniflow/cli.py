@@ -41,7 +41,8 @@ def _compile(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if not (args.once or args.input or args.out is not None):  # --input and --out imply --once
+    if not (args.once or args.input or args.out is not None or args.profile is not None):
+        # --input, --out and --profile imply --once
         from omniflow.server.launch import serve
 
         return serve(args)
@@ -63,6 +64,7 @@ def _run(args: argparse.Namespace) -> int:
         mode=args.mode,
         backends=backends,
         console=console,
+        profile=None if args.profile is None else Path(args.profile),
     )
 
 
@@ -244,6 +246,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="a text input, or an image input's file path",
     )
     once.add_argument("--out", default=None, help="folder for the outputs (default out/)")
+    once.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="record the request's events; write DIR/trace.json and DIR/report.html",
+    )
     run.set_defaults(run=_run)
     prof = sub.add_parser(
         "profile", help="make a self-contained HTML report of a profile's trace (trace.json)"

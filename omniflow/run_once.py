@@ -10,6 +10,7 @@ the real-time factor (E2E over the audio's duration).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import sys
@@ -24,6 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from omniflow.errors import OmniflowError
 from omniflow.media import png_bytes, wav_bytes
 from omniflow.plan import Plan, PortPlan
+from omniflow.profiler.capture import profile_to
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.port_values import concat
 from omniflow.runtime.preflight import preflight
@@ -74,8 +76,11 @@ def run_once(
     mode: str = "process",
     backends: str = "auto",
     console: Console,
+    profile: Path | None = None,
 ) -> int:
-    check_out_dir(out_dir)
+    for folder in (out_dir, profile):
+        if folder is not None:
+            check_out_dir(folder)
     request = admit(plan, inputs, params)
     voices = () if backends == "standin" else preflight(plan)
     request = admit(plan, inputs, request.params, voices)
@@ -84,7 +89,8 @@ def run_once(
     live = next((o.name for o in plan.outputs if o.type == "text"), None)  # shown as it comes
     with _loading(plan, console) as on_loaded:
         engine = Engine(plan, mode, backends, voices=voices, on_loaded=on_loaded)
-    with engine:
+    recording = contextlib.nullcontext() if profile is None else profile_to(profile, engine)
+    with engine, recording as profiled:
         timeline = Timeline()
         for chunk in engine.stream_sync(request.inputs, request.params):
             if chunk.value is None:
@@ -109,6 +115,8 @@ def run_once(
         if port.type == "audio" and value is not None:
             audio_seconds += value.numel() / _rate(port)
     console.print(_summary(request.seed, timeline, audio_seconds), soft_wrap=True)
+    if profiled is not None:
+        console.print(f"profile: {profiled.trace}, {profiled.report}", soft_wrap=True)
     return 0
 
 

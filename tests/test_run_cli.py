@@ -1,8 +1,10 @@
 """`omniflow run`: one request through a real engine, outputs written as files people open."""
 
 import io
+import json
 import wave
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -54,9 +56,7 @@ def test_media_encoders_round_trip():
     assert wav_bytes(samples, 16000)[:4] == b"RIFF"
     pixels = torch.arange(2 * 3 * 3, dtype=torch.uint8).reshape(1, 2, 3, 3)
     image = Image.open(io.BytesIO(png_bytes(pixels)))
-    assert torch.equal(
-        torch.tensor(list(image.getdata()), dtype=torch.uint8).reshape(2, 3, 3), pixels[0]
-    )
+    assert torch.equal(torch.from_numpy(np.asarray(image)), pixels[0])
 
 
 def test_models_cli_lists_and_builds_tiny_checkpoints(tmp_path, capsys):
@@ -71,3 +71,15 @@ def test_models_cli_lists_and_builds_tiny_checkpoints(tmp_path, capsys):
     assert model.config.model_type == "qwen2"
     assert main(["models", "build-tiny", "qwen7"]) == 1
     assert "unknown tiny model 'qwen7'" in capsys.readouterr().err
+
+
+def test_profile_writes_a_trace_and_a_report_of_the_request(tmp_path, capsys):
+    code = main(["run", "graphs/tts.omni", "--once", "--devices", "2xH200", "--standin",
+                 "--input", "text=hello there", "--out", str(tmp_path / "out"),
+                 "--profile", str(tmp_path / "prof")])  # fmt: skip
+    assert code == 0
+    trace = json.loads((tmp_path / "prof" / "trace.json").read_text())
+    steps = {e["name"] for e in trace["traceEvents"] if e["name"].endswith(" step")}
+    assert steps == {"codec_lm step", "decoder step"}
+    assert (tmp_path / "prof" / "report.html").read_text().lstrip().lower().startswith("<!doctype")
+    assert "profile: " in capsys.readouterr().err

@@ -27,8 +27,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
+from omniflow.profiler.dashboard import URLS as DASHBOARD_URLS
+from omniflow.profiler.dashboard import Dashboard
 from omniflow.runtime.requests import RequestError
 from omniflow.server import chat, images, media_in, speech
 from omniflow.server.errors import APIError, bad_request, error_body
@@ -86,7 +88,7 @@ class Server:
         for s in self.served.values():
             s.draining = True
 
-    def route(self, model, capability: str) -> Served:
+    def route(self, model, capability: str | None) -> Served:
         names = ", ".join(self.served)
         if model is None or model == "":
             if len(self.served) != 1:
@@ -106,7 +108,7 @@ class Server:
             )
         else:
             served = self.served[model]
-        if capability not in served.capabilities:
+        if capability is not None and capability not in served.capabilities:
             able = [s.name for s in self.served.values() if capability in s.capabilities]
             hint = f"; for {ENDPOINTS[capability]} use {', '.join(able)}" if able else ""
             raise bad_request(f"{served.describe()}{hint}", param="model", code="unsupported")
@@ -213,6 +215,15 @@ async def until_disconnect(request: Request, work):
 
 
 # --- the app ------------------------------------------------------------------------------------
+def _sync(handler: Callable[[Request], Response]):
+    """A plain (thread-pool) endpoint of `handler(request)`."""
+
+    def endpoint(request: Request) -> Response:
+        return handler(request)
+
+    return endpoint
+
+
 def create_app(server: Server) -> FastAPI:
     app = FastAPI(
         title="omniflow",
@@ -387,6 +398,32 @@ def create_app(server: Server) -> FastAPI:
             }
         return JSONResponse(out)
 
+    dashboards: dict[str, Dashboard] = {}
+
+    def dashboard_of(request: Request) -> Dashboard:
+        """The dashboard of the pipeline `?model=` names (the only one, if one is served)."""
+        served = server.route(request.query_params.get("model"), None)
+        if served.name not in dashboards:
+            query = f"?model={served.name}"
+            urls = {key: url + query for key, url in DASHBOARD_URLS.items()}
+            dashboards[served.name] = Dashboard(served.engine, urls)
+        return dashboards[served.name]
+
+    def found(value, respond):
+        if value is None:
+            raise APIError(404, "no profile has been stopped yet: POST /stop_profile first")
+        return respond(value)
+
+    # Plain functions: inspecting and stopping a profile block, so they take pool threads.
+    dashboard_routes = [
+        ("/dashboard", "GET", lambda r: HTMLResponse(dashboard_of(r).page())),
+        ("/dashboard.json", "GET", lambda r: JSONResponse(dashboard_of(r).snapshot())),
+        ("/start_profile", "POST", lambda r: JSONResponse(dashboard_of(r).start_profile())),
+        ("/stop_profile", "POST", lambda r: JSONResponse(dashboard_of(r).stop_profile())),
+        ("/profile/trace.json", "GET", lambda r: found(dashboard_of(r).trace(), JSONResponse)),
+        ("/profile/report.html", "GET", lambda r: found(dashboard_of(r).report(), HTMLResponse)),
+    ]
+
     posts = {
         ENDPOINTS["chat"]: (chat_completions, ChatCompletionRequest, "Chat: text and audio"),
         ENDPOINTS["speech"]: (audio_speech, SpeechRequest, "Text to speech"),
@@ -399,6 +436,8 @@ def create_app(server: Server) -> FastAPI:
     app.add_api_route("/health", observed("/health", health), methods=["GET"])
     app.add_api_route("/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False)
     app.add_api_route("/debug/inspect", inspect, methods=["GET"], include_in_schema=False)
+    for path, method, handler in dashboard_routes:
+        app.add_api_route(path, _sync(handler), methods=[method], include_in_schema=False)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:

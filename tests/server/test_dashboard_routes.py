@@ -1,0 +1,30 @@
+"""The live dashboard and profiling on a running server: the page and its JSON snapshot,
+a profile started and stopped while requests are served, its trace and report."""
+
+import httpx
+
+
+def test_the_dashboard_and_a_profile_taken_while_serving(served):
+    with served.client() as client:
+        page = client.get("/dashboard", params={"model": "probe"})
+        assert page.status_code == 200 and "<html" in page.text.lower()
+        snapshot = client.get("/dashboard.json", params={"model": "probe"}).json()
+        assert snapshot and "profile" in snapshot
+        assert client.get("/profile/trace.json", params={"model": "probe"}).status_code == 404
+        assert client.post("/start_profile", params={"model": "probe"}).status_code == 200
+        chat = {"model": "probe", "messages": [{"role": "user", "content": "two words"}]}
+        for _ in range(3):
+            assert client.post("/v1/chat/completions", json=chat).status_code == 200
+        assert client.post("/stop_profile", params={"model": "probe"}).status_code == 200
+        trace = client.get("/profile/trace.json", params={"model": "probe"}).json()
+        steps = [e for e in trace["traceEvents"] if e["name"] == "talk step"]
+        assert len({c["request"] for s in steps for c in s["args"]["calls"]}) == 3
+        report = client.get("/profile/report.html", params={"model": "probe"})
+        assert report.status_code == 200 and "<html" in report.text.lower()
+        unknown = client.get("/dashboard", params={"model": "nope"})
+        assert unknown.status_code == 404 and "served:" in unknown.json()["error"]["message"]
+
+
+def test_dashboard_routes_are_not_in_the_openapi_schema(served):
+    schema = httpx.get(f"{served.base}/openapi.json").json()
+    assert not any(p.startswith(("/dashboard", "/profile", "/st")) for p in schema["paths"])
