@@ -63,6 +63,14 @@ class Inspect(msgspec.Struct, tag=True):
     pass
 
 
+class RequestStats(msgspec.Struct, tag=True):
+    """One request's per-stage and per-channel tables from one executor (tallies.py)."""
+
+    request_id: str
+    stages: dict[str, dict[str, float]]
+    edges: dict[str, dict[str, float]]
+
+
 class Profile(msgspec.Struct, tag=True):
     """Start recording events (`capacity` per executor), or stop and answer `Profiled`."""
 
@@ -127,6 +135,7 @@ Message = (
     | Inspection
     | Profile
     | Profiled
+    | RequestStats
 )
 
 # The start queue is a Unix socket of whole messages (SOCK_SEQPACKET); a Start bigger than

@@ -12,11 +12,13 @@ import msgspec
 
 
 class ChunkMeta(msgspec.Struct, frozen=True, array_like=True):
-    """What the caller says about one chunk: its request, its index, and whether it ends the stream."""
+    """What the caller says about one chunk: its request, its index, whether it ends the
+    stream, and when it was handed to the channel (monotonic ns, one clock per host)."""
 
     request_id: str
     chunk: int = 0
     end: bool = False
+    sent: int = 0
 
 
 class TensorHeader(msgspec.Struct, frozen=True, array_like=True):

@@ -61,6 +61,8 @@ class _Request:
     deliver: Callable  # (item) -> None, thread-safe
     open_outputs: set[str] = field(default_factory=set)
     indexes: dict[str, int] = field(default_factory=dict)
+    awaiting_stats: set[str] = field(default_factory=set)  # executors yet to send its tables
+    stats: dict[str, dict] = field(default_factory=lambda: {"stages": {}, "edges": {}})
 
 
 class _Core:
@@ -68,10 +70,16 @@ class _Core:
     executors, and the requests in flight."""
 
     def __init__(
-        self, plan: Plan, mode: str, backends: str, on_loaded: Callable[[control.Loaded], None]
+        self,
+        plan: Plan,
+        mode: str,
+        backends: str,
+        on_loaded: Callable[[control.Loaded], None],
+        on_stats: Callable[[control.RequestStats], None] | None,
     ):
         self.plan = plan
         self.on_loaded = on_loaded
+        self.on_stats = on_stats
         self.waker = Waker()
         self.commands: deque = deque()
         self.requests: dict[str, _Request] = {}
@@ -79,9 +87,12 @@ class _Core:
         self.next_check = 0.0  # when check_executors runs next
         self.inspections: tuple[dict, queue.SimpleQueue] | None = None
         self.profiles: tuple[dict, queue.SimpleQueue] | None = None
-        self.frontend = ProgramLoop(plan.program(FRONTEND), waker=self.waker, sink=self.deliver)
+        stats = on_stats is not None
+        self.frontend = ProgramLoop(
+            plan.program(FRONTEND), waker=self.waker, sink=self.deliver, request_stats=stats
+        )
         self.frontend.report = lambda message: self.on_message(FRONTEND, message)
-        self.transport = TRANSPORTS[mode](plan, self.frontend, backends, self.on_message)
+        self.transport = TRANSPORTS[mode](plan, self.frontend, backends, self.on_message, stats)
 
     def start(self) -> None:
         cleanup_stale_segments()  # what an earlier engine that was killed left behind
@@ -91,6 +102,8 @@ class _Core:
     def submit(self, request: _Request) -> None:
         self.requests[request.id] = request
         request.open_outputs = {o.name for o in self.plan.outputs}
+        if self.on_stats is not None:
+            request.awaiting_stats = {p.name for p in self.plan.executors}
         # Before the inputs go out: an executor finds the Start queued when they reach it.
         for program in self.plan.executors:
             params = {s.name: stage_params(s, request.admitted) for s in program.stages}
@@ -116,13 +129,27 @@ class _Core:
             request.indexes[output] = index + 1
         if end:
             request.open_outputs.discard(output)
-            if not request.open_outputs:
-                del self.requests[request_id]
-                request.deliver(None)
+            self.maybe_done(request)
+
+    def maybe_done(self, request: _Request) -> None:
+        """Every output has ended and every executor has sent its tables (if asked for)."""
+        if request.open_outputs or request.awaiting_stats:
+            return
+        del self.requests[request.id]
+        if self.on_stats is not None:
+            _merge(request.stats, self.frontend.tallies.take(request.id))
+            self.on_stats(control.RequestStats(request.id, **request.stats))
+        request.deliver(None)
 
     def on_message(self, executor: str, message: control.Message) -> None:
         if isinstance(message, control.Loaded):
             self.on_loaded(message)
+        elif isinstance(message, control.RequestStats):
+            request = self.requests.get(message.request_id)
+            if request is not None:
+                _merge(request.stats, message)
+                request.awaiting_stats.discard(executor)
+                self.maybe_done(request)
         elif isinstance(message, control.Failed):
             self.cancel(
                 message.request_id,
@@ -220,6 +247,14 @@ class _Core:
         self.waker.close()
 
 
+def _merge(tables: dict[str, dict], stats: control.RequestStats) -> None:
+    """One executor's share of a request's tables into the whole (a channel's row has a
+    sending side and a receiving side, from two executors)."""
+    for name, rows in (("stages", stats.stages), ("edges", stats.edges)):
+        for key, row in rows.items():
+            tables[name].setdefault(key, {}).update(row)
+
+
 class Outputs(dict):
     """A request's outputs by name, whole; `seed` is the seed that replays it."""
 
@@ -231,7 +266,9 @@ class Engine:
 
     Before any executor starts, the plan is checked against this machine (`preflight`:
     devices, models, speakers) unless the caller did so and passes its `voices`;
-    `on_loaded` hears of each stage whose model has loaded.
+    `on_loaded` hears of each stage whose model has loaded. With `on_stats`, every executor
+    keeps per-request tables (tallies.py) and each request's reach `on_stats` (from the I/O
+    thread) before its last chunk reaches the caller.
     """
 
     def __init__(
@@ -241,6 +278,7 @@ class Engine:
         backends: str = "auto",
         voices: tuple[Voice, ...] | None = None,
         on_loaded: Callable[[control.Loaded], None] = lambda loaded: None,
+        on_stats: Callable[[control.RequestStats], None] | None = None,
     ):
         if mode not in TRANSPORTS:
             raise EngineError(f"unknown mode '{mode}'; use {' or '.join(map(repr, TRANSPORTS))}")
@@ -248,7 +286,7 @@ class Engine:
         if voices is None:
             voices = () if backends == "standin" else preflight(plan)
         self.voices = voices
-        self._core = _Core(plan, mode, backends, on_loaded)
+        self._core = _Core(plan, mode, backends, on_loaded, on_stats)
         self._ids = itertools.count()
         started = threading.Event()
         failure: list[BaseException] = []

@@ -190,7 +190,12 @@ def main() -> None:
         torch.set_num_threads(config["torch_threads"])
     end = ZmqControl(config["control"], program.name, config["start_queue_fd"])
     try:
-        loop = ProgramLoop(program, config["backends"], on_loaded=end.send)
+        loop = ProgramLoop(
+            program,
+            config["backends"],
+            on_loaded=end.send,
+            request_stats=config.get("request_stats", False),
+        )
         end.send(control.Hello(loop.name, loop.links.create_rings(program.inbound)))
     except OmniflowError as err:  # a model or stage it cannot load: the engine reports this line
         print(f"{STARTUP_ERROR}{err}", flush=True)

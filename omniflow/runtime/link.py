@@ -17,6 +17,7 @@ socket, or for in-process channels None (the peer pokes the loop's `Waker` inste
 from __future__ import annotations
 
 import select
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -47,8 +48,8 @@ class Inbound:
     def fileno(self) -> int | None:
         return None if isinstance(self.endpoint, LocalConsumer) else self.endpoint.fileno()
 
-    def receive(self) -> Iterator[tuple[str, int, object, bool, Callable[[], None]]]:
-        """Every chunk waiting now: (request_id, chunk index, value or None, end, release)."""
+    def receive(self) -> Iterator[tuple[ChunkMeta, object, Callable[[], None]]]:
+        """Every chunk waiting now: (its meta, value or None, release)."""
         while (got := self.endpoint.try_get()) is not None:
             meta = got.meta
             release = self._releaser(got)
@@ -56,7 +57,7 @@ class Inbound:
             if self.channel.type in TEXT_TYPES:
                 release()  # decoding copied the bytes out
                 release = _noop
-            yield meta.request_id, meta.chunk, value, meta.end, release
+            yield meta, value, release
 
     def _releaser(self, got) -> Callable[[], None]:
         if self.peer is None:
@@ -91,10 +92,10 @@ class Outbound:
             pieces = [(p,) for p in self._fit(_wire(encode(self.channel.type, value)))]
             for tensors in pieces:
                 slot_layout(tensors, self.endpoint.slot_bytes, self.channel.name)
+        sent = time.monotonic_ns()
         for i, tensors in enumerate(pieces):
-            self.outbox.append(
-                (tensors, ChunkMeta(request_id, index, end and i == len(pieces) - 1))
-            )
+            last = end and i == len(pieces) - 1
+            self.outbox.append((tensors, ChunkMeta(request_id, index, last, sent)))
         self.flush()
 
     def _fit(self, wire: torch.Tensor) -> list[torch.Tensor]:

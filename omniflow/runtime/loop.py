@@ -34,6 +34,7 @@ from omniflow.runtime.link import Links
 from omniflow.runtime.port_values import nbytes, steps
 from omniflow.runtime.requests import describe
 from omniflow.runtime.stage import Backend, Call, InputStream, StageSpec
+from omniflow.runtime.tallies import Tallies
 from omniflow.runtime.wakeup import Waker
 
 # How long a finished or cancelled request's late chunks are recognised and dropped.
@@ -69,6 +70,7 @@ class StageRunner:
         # False lets the loop sleep without asking the backend about every call again.
         self.maybe_ready = False
         self.recorder: Recorder | None = None
+        self.tallies: Tallies | None = None
         self.totals = control.StageTotals()
 
     def _call(self, request_id: str) -> Call | None:
@@ -97,6 +99,8 @@ class StageRunner:
             return False
         call.inputs[port].push(value, end, release)
         self.maybe_ready = True
+        if self.tallies is not None and value is not None:
+            self.tallies.fed(request_id, self.name, steps(self.spec.inputs[port], value))
         return call.params is None
 
     def step(self) -> list[Event]:
@@ -121,6 +125,8 @@ class StageRunner:
         self.totals.calls += len(batch)
         if self.recorder is not None:
             self._record(batch, began, took)
+        if self.tallies is not None:
+            self._tally(batch, took)
         events = []
         for call in batch:
             for stream in call.inputs.values():
@@ -149,6 +155,10 @@ class StageRunner:
             ended = call.finished or call.error is not None
             self.recorder.add(events.CALL, self.name, call.request_id, began, took, out, ended)
 
+    def _tally(self, batch: list[Call], took: int) -> None:
+        out = [_steps_out(self.spec, call) for call in batch]
+        self.tallies.step(self.name, [c.request_id for c in batch], took / 1e9, out)
+
     def drop(self, request_id: str) -> None:
         self.tombstones[request_id] = time.monotonic()
         call = self.calls.pop(request_id, None)
@@ -166,6 +176,15 @@ class StageRunner:
         self.tombstones = {r: t for r, t in self.tombstones.items() if now - t < TOMBSTONE_S}
 
 
+def _steps_out(spec: StageSpec, call: Call) -> int:
+    """The steps a call emitted this step: the most on any one port (a thinker's text and
+    hidden states are the same tokens)."""
+    per_port: dict[str, int] = defaultdict(int)
+    for port, value in call.emitted:
+        per_port[port] += steps(spec.outputs[port].type, value)
+    return max(per_port.values(), default=0)
+
+
 class ProgramLoop:
     """Runs one program: its stages, its channel ends (`links`), and the writers that chunk
     each stage output (or, in the frontend, each input) onto its channels."""
@@ -177,6 +196,7 @@ class ProgramLoop:
         waker: Waker | None = None,
         on_loaded: Callable[[control.Loaded], None] = lambda loaded: None,
         sink: Sink | None = None,
+        request_stats: bool = False,
     ):
         self.program = program
         self.name = program.name
@@ -195,6 +215,11 @@ class ProgramLoop:
                 spec, load_backend(spec, device, backends), stage.settings["max_batch"]
             )
             on_loaded(control.Loaded(stage.name, time.monotonic() - began))
+        self.tallies = (
+            Tallies(list(self.runners), lambda stats: self.report(stats)) if request_stats else None
+        )
+        for runner in self.runners.values():
+            runner.tallies = self.tallies
         self.arrive = {c.name: arriving(c) for c in [*program.inbound, *program.local]}
         stages = {s.name: s for s in program.stages}
         self.writers: dict[tuple[str, str], list[StreamWriter]] = defaultdict(list)
@@ -246,6 +271,8 @@ class ProgramLoop:
         totals.put_ns += took
         if self.recorder is not None:
             self.recorder.add(events.SEND, channel.name, rid, began, took, size, index)
+        if self.tallies is not None:
+            self.tallies.sent(rid, channel.name, size, took / 1e9)
 
     # --- one turn -----------------------------------------------------------------------------
     def pump(self) -> bool:
@@ -274,12 +301,18 @@ class ProgramLoop:
             arrive = self.arrive[name]
             runner = self.runners.get(channel.dst)
             try:
-                for rid, index, value, end, release in inbound.receive():
+                for meta, value, release in inbound.receive():
+                    rid, end, taken = meta.request_id, meta.end, time.monotonic_ns()
                     if self.recorder is not None:
                         self.recorder.add(
-                            events.RECV, name, rid, time.monotonic_ns(), 0, nbytes(value), index
+                            events.RECV, name, rid, taken, 0, nbytes(value), meta.chunk
                         )
                     value = arrive(value)
+                    if self.tallies is not None:
+                        arrived = time.monotonic_ns()
+                        self.tallies.received(
+                            rid, name, (arrived - taken) / 1e9, (taken - meta.sent) / 1e9
+                        )
                     if runner is None:
                         owned = value.clone() if hasattr(value, "clone") else value
                         release()
@@ -304,6 +337,8 @@ class ProgramLoop:
                 if stage == event.stage:
                     for writer in writers:
                         writer.end(event.request_id)
+            if self.tallies is not None:  # after its last chunks went out
+                self.tallies.ended(event.request_id, event.stage)
         else:
             self.fail(event.request_id, event.stage, event.error)
 
@@ -335,6 +370,8 @@ class ProgramLoop:
                 self.runners[stage].start(message.request_id, params)
 
     def cancel(self, request_id: str) -> None:
+        if self.tallies is not None:
+            self.tallies.drop(request_id)
         for runner in self.runners.values():
             runner.drop(request_id)
         for writers in self.writers.values():

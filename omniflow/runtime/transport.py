@@ -60,11 +60,19 @@ class Transport(ABC):
     """The engine's side of its executors: start and link them, send them control messages,
     hear theirs, notice deaths, restart."""
 
-    def __init__(self, plan: Plan, frontend: ProgramLoop, backends: str, on_message: OnMessage):
+    def __init__(
+        self,
+        plan: Plan,
+        frontend: ProgramLoop,
+        backends: str,
+        on_message: OnMessage,
+        request_stats: bool = False,
+    ):
         self.plan = plan
         self.frontend = frontend
         self.backends = backends
         self.on_message = on_message
+        self.request_stats = request_stats
         self.names = [p.name for p in plan.executors]
         self.stages_of = {p.name: p.stage_names for p in plan.executors}
         self.closing = False
@@ -117,8 +125,8 @@ class Transport(ABC):
 
 
 class ProcessTransport(Transport):
-    def __init__(self, plan: Plan, frontend: ProgramLoop, backends: str, on_message: OnMessage):
-        super().__init__(plan, frontend, backends, on_message)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.log_dir = Path(tempfile.mkdtemp(prefix="omniflow-logs-"))
         self.processes: dict[str, subprocess.Popen] = {}
         self.start_queues: dict[str, socket.socket] = {}
@@ -182,6 +190,7 @@ class ProcessTransport(Transport):
             # The engine's torch threads: reductions split by thread count round differently,
             # and a seed must replay a request bit for bit in every run mode.
             "torch_threads": _torch_threads(),
+            "request_stats": self.request_stats,
         }
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the child keeps it)
         try:
@@ -352,8 +361,8 @@ class ThreadTransport(Transport):
     executor thread that dies takes the engine down with it (no restart): this transport is
     for debugging."""
 
-    def __init__(self, plan: Plan, frontend: ProgramLoop, backends: str, on_message: OnMessage):
-        super().__init__(plan, frontend, backends, on_message)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.controls: dict[str, ThreadControl] = {}
         self.threads: dict[str, threading.Thread] = {}
         self.replies: deque = deque()
@@ -371,6 +380,7 @@ class ThreadTransport(Transport):
                 self.backends,
                 waker=self.controls[name].waker,
                 on_loaded=lambda loaded, name=name: self.on_message(name, loaded),
+                request_stats=self.request_stats,
             )
         loops[self.frontend.name] = self.frontend
         crossing = [c for c in self.plan.channels if c.src_executor != c.dst_executor]

@@ -143,10 +143,18 @@ def admission_limits(items: list[str], plans: list[Plan]) -> dict[str, int]:
     return limits
 
 
-def start_engines(plans: list[Plan], voices: dict, mode: str, backends: str, console: Console):
+def start_engines(
+    plans: list[Plan],
+    voices: dict,
+    mode: str,
+    backends: str,
+    console: Console,
+    stats: dict | None = None,
+):
     """Every plan's engine, started at once (with executor processes; one after the other
     with threads); SIGINT blocked in their threads (so in their executors) and an
-    interrupt here stops those already started."""
+    interrupt here stops those already started. With `stats` (pipeline -> its stats hook,
+    filled in once the pipelines are served), the engines keep per-request tables."""
     from omniflow.runtime.engine import Engine
 
     engines, errors = {}, {}
@@ -162,6 +170,7 @@ def start_engines(plans: list[Plan], voices: dict, mode: str, backends: str, con
                 backends,
                 voices=voices[plan.pipeline],
                 on_loaded=lambda message: loaded(plan.pipeline, message),
+                on_stats=None if stats is None else lambda tables: stats[plan.pipeline](tables),
             )
         except BaseException as err:  # reported below, in the main thread
             errors[plan.pipeline] = err
@@ -258,7 +267,8 @@ def serve(args) -> int:
             voices = {p.pipeline: () if args.standin else _preflight(p) for p in plans}
             defaults = param_defaults(args.param, plans, voices)
             limits = admission_limits(args.max_in_flight, plans)
-            engines = start_engines(plans, voices, args.mode, backends, console)
+            stats = {} if args.log_stats or args.log_stats_json else None
+            engines = start_engines(plans, voices, args.mode, backends, console, stats)
         metrics = Metrics()
         served = [
             Served(
@@ -271,6 +281,8 @@ def serve(args) -> int:
             )
             for p in plans
         ]
+        if stats is not None:
+            stats.update({s.name: s.stats for s in served})
         stats_log = StatsLog(console if args.log_stats else None, args.log_stats_json)
         server = Server(served, config, metrics, stats_log)
         app = create_app(server)

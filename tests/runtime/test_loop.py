@@ -150,3 +150,22 @@ def test_inspection_counts_steps_and_bytes_per_stage_and_channel(mode):
     # Two int64 tokens per request entered and left; nothing waits for credits now.
     assert channels["x.out->a.in"].bytes == channels["c.out->y.in"].bytes == 3 * 2 * 8
     assert all(t.queued == 0 and t.chunks >= 3 for t in channels.values())
+
+
+@pytest.mark.parametrize("mode", ["inprocess", "process"])
+def test_request_stats_reach_the_caller_before_its_last_chunk(mode):
+    plan = compile_source(CHAIN, "chain.omni")
+    tables = []
+    with Engine(plan, mode, on_stats=tables.append) as engine:
+        for i in range(2):
+            engine.generate({"x": [[i], [i], [i]]}, request_id=f"r{i}")
+            assert [t.request_id for t in tables] == [f"r{k}" for k in range(i + 1)]
+    stats = tables[-1]
+    assert set(stats.stages) == {"a", "b", "c"}
+    assert all(s["num_tokens_in"] == s["num_tokens_out"] == 3 for s in stats.stages.values())
+    assert set(stats.edges) == {c.name for c in plan.channels}
+    # Every channel between programs has its sending and its receiving side.
+    for name in (c.name for c in plan.channels if c.kind != "local"):
+        row = stats.edges[name]
+        assert row["size_kbytes"] == 3 * 8 / 1024 and row["tx_time_ms"] > 0
+        assert row["in_flight_time_ms"] >= 0 and "rx_decode_time_ms" in row

@@ -94,6 +94,13 @@ def test_the_log_stats_json_has_a_line_per_request(http, served):
     mine = [line for line in lines if line["request_id"] == request_id]
     assert len(mine) == 1 and mine[0]["model"] == "probe" and mine[0]["status"] == 200
     assert mine[0]["e2e"]["e2e_total_tokens"] == 3 and mine[0]["e2e"]["e2e_total_ms"] > 0
+    # The runtime's tables: the stage's steps and the hand-offs on both of its channels.
+    talk = mine[0]["stages"]["talk"]
+    assert talk["num_tokens_out"] == 3 and talk["batch_size"] >= 1 and talk["stage_gen_time_ms"] > 0
+    assert set(mine[0]["edges"]) == {"prompt.out->talk.prompt", "talk.text->text.in"}
+    for edge in mine[0]["edges"].values():
+        assert edge["size_kbytes"] > 0 and edge["tx_time_ms"] > 0 and edge["in_flight_time_ms"] >= 0
+    assert mine[0]["e2e"]["transfers_total_kbytes"] > 0
 
 
 # --- the runtime's hook, in process -------------------------------------------------------
