@@ -156,12 +156,12 @@ def report_data(trace: dict) -> dict:
             break
     owners = []
     for name in components:
-        if name in profile.channels:
-            owners.append({"owner": name, "kind": "edge"})
-        elif name.endswith(" (waiting)"):
-            owners.append({"owner": name[: -len(" (waiting)")], "kind": "waiting"})
-        else:
-            owners.append({"owner": name, "kind": "steps"})
+        # kind: "steps" (a stage's own), "edge" (handing chunks over), "waiting" (a stage, or
+        # an input's edge, waiting), "unrecorded" (before its executor's events begin)
+        owner, kind = analysis.component_owner(name)
+        edge = owner in profile.channels
+        kind = "edge" if edge and kind == "steps" else kind
+        owners.append({"owner": owner, "kind": kind, "edge": edge})
     plan = profile.plan
     graph = plan_graph(plan) if plan is not None else _bare_graph(profile)
     complete = [r for r in requests if r.complete]
@@ -202,6 +202,12 @@ def _bare_graph(profile: Profile) -> dict:
     edges = [
         {"id": c.name, "from": c.src, "to": c.dst, "label": [], "cls": "shm"}
         for c in profile.channels.values()
+    ]
+    # A stage no recorded channel feeds is fed by reference inside its executor (inferred).
+    edges += [
+        {"id": f"{src}->{dst}", "from": src, "to": dst, "label": ["by reference"], "cls": "local"}
+        for dst, srcs in profile.feeds.items()
+        for src in srcs
     ]
     return {"clusters": [], "nodes": nodes, "edges": edges}
 

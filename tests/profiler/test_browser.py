@@ -17,6 +17,7 @@ from omniflow.profiler import Dashboard
 from omniflow.profiler.report import write_report
 from omniflow.runtime.engine import Engine
 from tests.profiler.helpers import SPLIT
+from tests.profiler.test_analysis import two_requests
 
 GRAPHS = Path(__file__).parents[2] / "graphs"
 
@@ -67,6 +68,24 @@ def test_the_report_draws_the_plan_and_a_waterfall_per_request(split_profile, tm
     assert options and all("r1" in o for o in options)
     assert f"{len(options)} requests matching" in page.text_content("#summary-scope")
     assert "is bound by" in page.text_content("#summary-text")
+    only_the_page_loaded(page, url)
+
+
+def test_the_report_of_a_partly_recorded_profile(tmp_path, open_page):
+    # Executor a+b began recording after r0 had gone through it (tests/profiler/test_analysis):
+    # r0's path has time no event explains, which the page says, and the edge table counts
+    # the chunks whose put was not recorded.
+    trace = two_requests(late_ab=400).trace()
+    url = write_report(trace, tmp_path / "report.html").as_uri()
+    page = open_page(url)
+    page.wait_for_function("() => window.omniflowReport && window.omniflowReport.waterfall")
+    subtitle = page.text_content("#subtitle")
+    assert "1 request began before every executor on its path was recording" in subtitle
+    page.evaluate("window.omniflowReport.pick('r0')")
+    assert "bound by time the profile did not record" in page.text_content("#summary-text")
+    assert "b (unrecorded)" in page.text_content("#summary-legend")
+    headers = page.eval_on_selector_all("#edges th", "hs => hs.map(h => h.textContent)")
+    assert {"chunks put", "taken", "never taken", "put unrecorded"} <= set(headers)
     only_the_page_loaded(page, url)
 
 

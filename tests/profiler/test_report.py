@@ -50,6 +50,8 @@ def test_the_tables_agree_with_the_events(split_profile):
     puts = [e for e in trace["traceEvents"] if e["name"].startswith("put ")]
     for e in data["edges"]:
         assert e["chunks"] == sum(p["name"] == f"put {e['edge']}" for p in puts)
+        # Every executor recorded from before the first request to after the last one.
+        assert e["put_only"] == e["take_only"] == 0
         if e["kind"] == "local":
             assert e["chunks"] == 0  # references inside an executor record nothing
     assert data["lanes"] == [s.name for s in plan.stages]

@@ -21,11 +21,20 @@
   // --- header ------------------------------------------------------------------------------
   const complete = requests.filter((r) => r.ok);
   const dropped = Object.entries(D.dropped || {}).map(([e, n]) => `${e} dropped ${n} events`);
+  // Requests whose E2E path has time no event explains (their route is cut short there).
+  const unrecordedKinds = new Set(D.owners.flatMap((o, i) => (o.kind === "unrecorded" ? [i] : [])));
+  const partlyRecorded = (r) => {
+    const flat = r.cpE || [];
+    for (let i = 0; i < flat.length; i += 2) if (unrecordedKinds.has(flat[i])) return true;
+    return false;
+  };
+  const partly = requests.filter(partlyRecorded).length;
   document.getElementById("subtitle").textContent = [
     `${requests.length} requests (${complete.length} complete)`,
     `profile of ${O.us(D.window_us)}`,
     `executors: ${D.executors.join(", ")}`,
     D.has_plan ? null : "the trace has no plan: graph from its events only",
+    partly ? `${partly} request${partly > 1 ? "s" : ""} began before every executor on ${partly > 1 ? "their" : "its"} path was recording` : null,
     ...dropped,
   ].filter(Boolean).join(" · ");
 
@@ -58,13 +67,17 @@
     if (!flat) return;
     for (let i = 0; i < flat.length; i += 2) into[flat[i]] = (into[flat[i]] || 0) + flat[i + 1];
   }
+  // Time before an executor's events begin (it started recording after the request did, or
+  // its ring overwrote them) belongs to no stage or edge: it is one owner of its own.
+  const UNRECORDED = "time the profile did not record";
   function owners(totals) {
     const by = {};
     totals.forEach((v, i) => {
       if (!v) return;
       const o = D.owners[i];
-      const entry = by[o.owner] || (by[o.owner] = { owner: o.owner, edge: o.kind === "edge", steps: 0, waiting: 0, edgeTime: 0, total: 0 });
-      if (o.kind === "steps") entry.steps += v; else if (o.kind === "waiting") entry.waiting += v; else entry.edgeTime += v;
+      const name = o.kind === "unrecorded" ? UNRECORDED : o.owner;
+      const entry = by[name] || (by[name] = { owner: name, edge: !!o.edge, unrecorded: o.kind === "unrecorded", steps: 0, waiting: 0, edgeTime: 0, total: 0 });
+      if (o.kind === "steps") entry.steps += v; else if (o.kind === "waiting") entry.waiting += v; else if (o.kind === "edge") entry.edgeTime += v;
       entry.total += v;
     });
     return Object.values(by).sort((a, b) => b.total - a.total);
@@ -78,7 +91,8 @@
     const top = ranked[0];
     const share = (v) => `${Math.round((100 * v) / all)}%`;
     let why;
-    if (top.edge) why = `${share(top.total)} of ${what} is spent handing chunks over the edge ${top.owner}`;
+    if (top.unrecorded) why = `${share(top.total)} of ${what} passed before the events of an executor on the path begin (it started recording after the request did, or its ring overwrote them)`;
+    else if (top.edge) why = `${share(top.total)} of ${what} is spent handing chunks over the edge ${top.owner}${top.waiting ? ` (${share(top.waiting)} waiting for the rest of the input)` : ""}`;
     else {
       const parts = [];
       if (top.steps) parts.push(`${share(top.steps)} its steps`);
@@ -89,6 +103,8 @@
   }
   function routeText(list) {
     const count = new Map();
+    const whole = list.filter((r) => r.ok && !partlyRecorded(r));
+    if (whole.length) list = whole;
     for (const r of list) {
       if (!r.ok) continue;
       const key = JSON.stringify([r.route, r.last]);
@@ -136,9 +152,8 @@
   }
   function componentColor(i) {
     const o = D.owners[i];
-    const lane = lanes.indexOf(o.owner);
-    if (o.kind === "edge") return "#98a2b3";
-    const base = O.color(lane);
+    if (o.kind === "unrecorded") return "#e4e7ec";
+    const base = o.edge ? "#98a2b3" : O.color(lanes.indexOf(o.owner));
     return o.kind === "waiting" ? base + "66" : base;
   }
 
@@ -326,7 +341,9 @@
   document.getElementById("edge-table").append(O.table([
     { key: "edge", label: "edge", left: true }, { key: "kind", label: "buffer", left: true, fmt: (v, r) => (v === "local" ? "local reference" : `ring ${r.slots}×${O.bytes(r.slot_bytes)}`) },
     { key: "schedule", label: "schedule", left: true, fmt: (v) => (v ? v.slice(0, 4).join(",") + (v.length > 4 ? "…" : "") : "whole") },
-    { key: "chunks", label: "chunks" }, { key: "bytes", label: "bytes", fmt: O.bytes },
+    { key: "chunks", label: "chunks put" }, { key: "taken", label: "taken" },
+    { key: "put_only", label: "never taken" }, { key: "take_only", label: "put unrecorded" },
+    { key: "bytes", label: "bytes", fmt: O.bytes },
     { key: "put_mean_us", label: "put mean", fmt: O.us }, { key: "put_p99_us", label: "put p99", fmt: O.us },
     { key: "handoff_p50_us", label: "hand-off p50", fmt: O.us }, { key: "handoff_p99_us", label: "hand-off p99", fmt: O.us },
     { key: "peak_in_flight", label: "peak in flight" },
