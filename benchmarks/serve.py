@@ -17,6 +17,12 @@ suite's python-stage pipeline, tests/server/probe.omni):
 
     python benchmarks/serve.py [--tiny] [--devices cpu] [--requests 200] [--parts overhead,load,streaming]
     python benchmarks/serve.py --url http://127.0.0.1:8091 --parts load   # a running server
+    python benchmarks/serve.py --devices 1xH200 --scaled 1 --parts overhead,load,streaming
+
+`--scaled DEPTH` serves omni chat on a random-weight Qwen2.5-Omni at the real model's widths
+and DEPTH x its layers (`omniflow.checkpoints.scaled`, built once into the cache) instead of
+the tiny models; the TTS pipeline is left out then (it has no scaled checkpoint). The talker
+is bounded to `CHAT["max_audio_tokens"]` codes, since random weights rarely end speech.
 """
 
 from __future__ import annotations
@@ -85,15 +91,22 @@ class Server:
         self.proc.wait(60)
 
 
-def whole_audio_variant(folder: Path) -> Path:
-    """graphs/omni_chat.omni with its talker -> vocoder -> audio edges whole."""
+def omni_chat_variants(folder: Path, whole: bool, model: str | None) -> list[Path]:
+    """graphs/omni_chat.omni, on `model` (a checkpoint folder) when given, and with `whole`
+    also `omni_chat_whole`: the same with its talker -> vocoder -> audio edges whole."""
     text = (GRAPHS / "omni_chat.omni").read_text()
-    text = text.replace("pipeline omni_chat", "pipeline omni_chat_whole")
-    text = text.replace("[stream, chunk=auto, context=25, ", "[")
-    text = text.replace("-> output audio [stream]", "-> output audio")
-    path = folder / "omni_chat_whole.omni"
-    path.write_text(text)
-    return path
+    if model is not None:
+        text = re.sub(r'model "[^"]+"', f"model {json.dumps(model)}", text, count=1)
+    variants = {"omni_chat": text}
+    if whole:
+        text = text.replace("pipeline omni_chat", "pipeline omni_chat_whole")
+        text = text.replace("[stream, chunk=auto, context=25, ", "[")
+        variants["omni_chat_whole"] = text.replace("-> output audio [stream]", "-> output audio")
+    paths = []
+    for name, source in variants.items():
+        paths.append(folder / f"{name}.omni")
+        paths[-1].write_text(source)
+    return paths
 
 
 # --- one request over HTTP -------------------------------------------------------------------
@@ -243,26 +256,35 @@ def overhead(requests: int) -> None:
           f"{added_end:.3f} ms end to end")  # fmt: skip
 
 
-def serving(base: str | None, parts: set[str], tiny: bool, devices: str) -> None:
+def serving(
+    base: str | None, parts: set[str], tiny: bool, devices: str, scaled: float | None
+) -> None:
     server = None
+    model = None
+    if scaled:
+        from omniflow.checkpoints.scaled import scaled_checkpoint
+
+        model = str(scaled_checkpoint(scaled, "cuda" if devices != "cpu" else "cpu"))
     with tempfile.TemporaryDirectory() as folder:
         if base is None:
-            pipelines = [str(GRAPHS / "omni_chat.omni"), str(GRAPHS / "tts.omni")]
-            if "streaming" in parts:
-                pipelines.append(str(whole_audio_variant(Path(folder))))
-            server = Server([*pipelines, *(["--tiny"] if tiny else []), "--devices", devices])
+            chats = omni_chat_variants(Path(folder), "streaming" in parts, model)
+            pipelines = [str(p) for p in chats] + ([] if model else [str(GRAPHS / "tts.omni")])
+            flags = ["--tiny"] if tiny and not model else []
+            server = Server([*pipelines, *flags, "--devices", devices])
             base = server.base
         try:
             if "load" in parts:
                 for concurrency in (1, 4, 10):
                     total = max(8, 2 * concurrency)
-                    for name, request, model, extra in (
+                    for name, request, served, extra in (
                         ("omni chat", chat_request, "omni_chat", CHAT),
                         ("tts", speech_request, "tts", TTS),
                     ):
-                        asyncio.run(load(base, request, model, extra, 1, 1))  # warm-up
+                        if served == "tts" and model:
+                            continue
+                        asyncio.run(load(base, request, served, extra, 1, 1))  # warm-up
                         results, wall = asyncio.run(
-                            load(base, request, model, extra, concurrency, total)
+                            load(base, request, served, extra, concurrency, total)
                         )
                         report_load(f"{name}, concurrency {concurrency}", results, wall)
             if "streaming" in parts:
@@ -286,13 +308,19 @@ def main() -> None:
     parser.add_argument("--devices", default="cpu")
     parser.add_argument("--requests", type=int, default=200, help="overhead part: requests")
     parser.add_argument("--parts", default="overhead,load,streaming")
+    parser.add_argument(
+        "--scaled",
+        type=float,
+        metavar="DEPTH",
+        help="omni chat on a real-width random-weight model",
+    )
     args = parser.parse_args()
     parts = set(re.split(r"[, ]+", args.parts))
     print(f"omniflow serving benchmark, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs")
     if "overhead" in parts and args.url is None:
         overhead(args.requests)
     if parts & {"load", "streaming"}:
-        serving(args.url, parts, args.tiny, args.devices)
+        serving(args.url, parts, args.tiny, args.devices, args.scaled)
 
 
 if __name__ == "__main__":

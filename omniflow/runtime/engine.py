@@ -86,7 +86,7 @@ class _Core:
         self.closed = False
         self.next_check = 0.0  # when check_executors runs next
         self.inspections: tuple[dict, queue.SimpleQueue] | None = None
-        self.profiles: tuple[dict, queue.SimpleQueue] | None = None
+        self.profiles: tuple[dict, queue.SimpleQueue, bool] | None = None
         stats = on_stats is not None
         self.frontend = ProgramLoop(
             plan.program(FRONTEND), waker=self.waker, sink=self.deliver, request_stats=stats
@@ -156,11 +156,11 @@ class _Core:
                 RequestFailed(f"stage '{message.stage}' failed: {message.error}"),
             )
         elif isinstance(message, control.Profiled) and self.profiles is not None:
-            found, reply = self.profiles
+            found, reply, on = self.profiles
             found[executor] = message
             if len(found) == len(self.transport.names):
                 self.profiles = None
-                reply.put([*found.values(), self.frontend_profile(False)])
+                reply.put([] if on else [*found.values(), self.frontend_profile(False)])
         elif isinstance(message, control.Inspection) and self.inspections is not None:
             found, reply = self.inspections
             found[executor] = message
@@ -203,9 +203,10 @@ class _Core:
                 self.transport.broadcast(control.Profile(on, capacity))
                 if on:
                     self.frontend_profile(True, capacity)
-                    reply.put([])
+                if self.transport.names:
+                    self.profiles = ({}, reply, on)
                 else:
-                    self.profiles = ({}, reply)
+                    reply.put([] if on else [self.frontend_profile(False)])
             elif command == "close":
                 self.closed = True
 
@@ -397,7 +398,7 @@ class Engine:
     # --- profiling -----------------------------------------------------------------------------------
     def start_profile(self, capacity: int = 1 << 16) -> None:
         """Every executor (and the frontend) starts recording events: up to `capacity` each,
-        the oldest overwritten beyond that."""
+        the oldest overwritten beyond that. Returns once every executor records."""
         self._ask("profile", (True, capacity), "start profiling")
 
     def stop_profile(self, timeout: float = 30.0) -> list[control.Profiled]:

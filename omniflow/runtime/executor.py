@@ -158,9 +158,13 @@ def _obey(loop: ProgramLoop, end: ControlEnd, message: control.Message) -> bool:
     elif isinstance(message, control.Inspect):
         end.send(loop.inspect())
     elif isinstance(message, control.Profile):
+        # Answered when starting too: the engine's start_profile returns once every executor
+        # records, so that a request sent after it is recorded from its first chunk.
         recorded = loop.profile(message.on, message.capacity)
-        if recorded is not None:
-            end.send(control.Profiled(loop.name, **vars(recorded)))
+        events = (
+            vars(recorded) if recorded is not None else {"names": [], "requests": [], "rows": b""}
+        )
+        end.send(control.Profiled(loop.name, **events))
     elif isinstance(message, control.Shutdown):
         return False
     return True
