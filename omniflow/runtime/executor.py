@@ -158,9 +158,11 @@ def _obey(loop: ProgramLoop, end: ControlEnd, message: control.Message) -> bool:
     elif isinstance(message, control.Inspect):
         end.send(loop.inspect())
     elif isinstance(message, control.Profile):
-        recorded = loop.profile(message.on, message.capacity)
-        if recorded is not None:
-            end.send(control.Profiled(loop.name, **vars(recorded)))
+        # Answered either way: the engine waits until every executor records (or has
+        # handed over what it recorded; nothing, if it was restarted meanwhile).
+        recorded = loop.profile(message.on, message.capacity, message.gpu)
+        answer = vars(recorded) if recorded is not None else {}
+        end.send(control.Profiled(loop.name, **answer))
     elif isinstance(message, control.Shutdown):
         return False
     return True

@@ -40,13 +40,7 @@ def profile(mode: str, requests: int, concurrency: int = 4, tokens=lambda i: 4 +
     plan = compile_source(SPLIT, "split.omni")
     with Engine(plan, mode) as engine:
         engine.generate({"x": [[0]]})  # warm, not profiled
-        engine.start_profile(1 << 18)
-        # start_profile returns once the frontend records, but an executor turns its recorder
-        # on only when it reads the Profile message, and a request's first chunk (shared
-        # memory) can reach it before that message (zmq) does: the request's first steps there
-        # would go unrecorded. Control messages keep their order, so once every executor has
-        # answered an inspection, every one is recording.
-        engine.inspect()
+        engine.start_profile(1 << 18)  # returns once every executor records
 
         def one(i: int) -> None:
             engine.generate({"x": [[i + k] for k in range(tokens(i))]}, request_id=f"r{i}")
