@@ -126,7 +126,8 @@ def profile_overhead(plan, concurrency: list[int], max_tokens: int, rounds: int)
 
             def run(c=c) -> dict[str, list[float]]:
                 ttfp, e2e, _wall = run_engine(engine, c, max_tokens)
-                return {"TTFP": ttfp, "E2E": e2e}
+                # A request whose talker said no audio has no TTFP.
+                return {"TTFP": [t for t in ttfp if t is not None], "E2E": e2e}
 
             samples, _recorded = interleaved(engine, run, rounds)
             for metric, off, on in ratio_rows(samples):
