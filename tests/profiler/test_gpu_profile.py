@@ -71,8 +71,9 @@ def test_a_gpu_stage_adds_its_cuda_kernels_on_the_profiles_clock():
     pid = next(
         e["pid"] for e in trace if e["name"] == "process_name" and e["args"]["name"] == gpu.executor
     )
-    kernels = [e for e in trace if e["pid"] == pid and e["tid"] == GPU_TRACK and e["ph"] == "X"]
-    steps = [e for e in trace if e["pid"] == pid and e["name"] == "a step"]
+    slices = [e for e in trace if e["ph"] == "X" and e["pid"] == pid]  # counters have no track
+    kernels = [e for e in slices if e["tid"] == GPU_TRACK]
+    steps = [e for e in slices if e["name"] == "a step"]
     assert kernels and steps
     # Same clock: every kernel runs while the stage's steps are being recorded, after the
     # first step that launched one began and before the last step's end.
