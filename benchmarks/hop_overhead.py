@@ -11,6 +11,11 @@ with the engine's I/O thread, and the executors): work off a request's critical 
 not lengthen it while cores are free, but it is still what a busy server runs out of.
 
     python benchmarks/hop_overhead.py [--requests 300]
+    python benchmarks/hop_overhead.py --profile [--rounds 20]   # profiling on vs off
+
+`--profile` measures instead what profiling costs (issue: <= 2 % of request latency): the
+same chains, each on one engine, in rounds alternating profiled and not
+(`profile_overhead.py`), and the profiled/unprofiled latency ratio.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import os
 import statistics
 import time
 from pathlib import Path
+
+from profile_overhead import interleaved, off_cost_ns, ratio_rows
 
 from omniflow.compiler import compile_source
 from omniflow.runtime.engine import Engine
@@ -65,10 +72,51 @@ def measure(n: int, fused: bool, requests: int) -> tuple[float, float, int]:
     return statistics.median(times) * 1e6, cpu * 1e6, len(plan.executors)
 
 
+def timed_requests(engine: Engine, requests: int) -> dict[str, list[float]]:
+    times = []
+    for _ in range(requests):
+        start = time.perf_counter()
+        engine.generate({"x": [1]})
+        times.append(time.perf_counter() - start)
+    return {"latency": times}
+
+
+def profile_overhead(rounds: int, per_round: int) -> None:
+    print(
+        f"{'stages':>6} {'exec':>4} {'off µs':>8} {'on µs':>8} {'on/off':>7}"
+        f" {'events/req':>10} {'off-site cost ns':>16} {'of latency':>10}"
+    )
+    for n in (1, 4, 8):
+        for fused in (True, False):
+            plan = compile_source(chain(n, fused), "chain.omni")
+            with Engine(plan, "process") as engine:
+                timed_requests(engine, 20)  # warm up
+                samples, recorded = interleaved(
+                    engine, lambda e=engine: timed_requests(e, per_round), rounds
+                )
+            ((_, off, on),) = ratio_rows(samples)
+            per_request = recorded / (rounds * per_round)
+            bound = off_cost_ns(per_request)
+            print(
+                f"{n:>6} {len(plan.executors):>4} {off * 1e6:>8.0f} {on * 1e6:>8.0f}"
+                f" {on / off:>7.3f} {per_request:>10.1f} {bound:>16.0f} {bound / (off * 1e9):>10.4%}"
+            )
+    print(
+        f"(median latency of {rounds} x {per_round} one-token requests each way, rounds "
+        "alternating on/off; 'off-site cost' bounds what the recording sites cost a loop "
+        "that is not profiled: one `is not None` test per event a profiled request records)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--profile", action="store_true", help="measure profiling on vs off")
+    parser.add_argument("--rounds", type=int, default=20, help="with --profile: rounds each way")
     args = parser.parse_args()
+    if args.profile:
+        profile_overhead(args.rounds, max(1, args.requests // args.rounds))
+        return
     print(
         f"{'stages':>6} {'fused µs':>9} {'cpu µs':>7} {'exec':>4} {'unfused µs':>11} {'cpu µs':>7}"
         f" {'exec':>4} {'unfused/fused':>14} {'per hop µs':>11} {'per hop cpu µs':>15}"

@@ -11,6 +11,11 @@ time. Prints ratios measured side by side in one run.
     python benchmarks/streaming.py --devices 1xH200 --scaled 0.5   # real widths, half the layers
     python benchmarks/streaming.py --devices 1xH200 --model-dir DIR  # any Qwen2.5-Omni checkpoint
 
+    python benchmarks/streaming.py --profile [--rounds 6]   # profiling on vs off
+
+`--profile` measures instead what profiling costs the streaming plan: TTFP and E2E at each
+concurrency, in rounds alternating profiled and not on one engine (`profile_overhead.py`).
+
 `--scaled DEPTH` builds (once, under $OMNIFLOW_CACHE/scaled/) a random-weight Qwen2.5-Omni at
 the real model's widths with DEPTH x its layer counts (`omniflow.checkpoints.scaled`).
 """
@@ -25,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from profile_overhead import interleaved, ratio_rows
 
 from omniflow.checkpoints.scaled import scaled_checkpoint
 from omniflow.compiler import compile_graph, graph_from_source
@@ -112,6 +118,23 @@ def sequential(latencies: list[float], concurrency: int) -> tuple[list[float], l
     return done, done, clock
 
 
+def profile_overhead(plan, concurrency: list[int], max_tokens: int, rounds: int) -> None:
+    print(f"{'conc':>4} {'metric':>6} {'off ms':>9} {'on ms':>9} {'on/off':>7}")
+    with Engine(plan, "process") as engine:
+        run_engine(engine, 1, max_tokens)  # warm up
+        for c in concurrency:
+
+            def run(c=c) -> dict[str, list[float]]:
+                ttfp, e2e, _wall = run_engine(engine, c, max_tokens)
+                # A request whose talker said no audio has no TTFP.
+                return {"TTFP": [t for t in ttfp if t is not None], "E2E": e2e}
+
+            samples, _recorded = interleaved(engine, run, rounds)
+            for metric, off, on in ratio_rows(samples):
+                print(f"{c:>4} {metric:>6} {off * 1e3:>9.1f} {on * 1e3:>9.1f} {on / off:>7.3f}")
+    print(f"(medians of {rounds} rounds each way, alternating profiled and not)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", default="cpu")
@@ -130,12 +153,18 @@ def main() -> None:
         type=int,
         help="requests the sequential baseline measures (default: the largest concurrency)",
     )
+    parser.add_argument("--profile", action="store_true", help="measure profiling on vs off")
+    parser.add_argument("--rounds", type=int, default=6, help="with --profile: rounds each way")
     args = parser.parse_args()
     torch.set_num_threads(1)
     device = "cuda" if args.devices != "cpu" else "cpu"
     if args.scaled:
         args.model_dir = str(scaled_checkpoint(args.scaled, device))
     text = GRAPH.read_text()
+    if args.profile:
+        plan = plan_for(text, args.devices, args.model_dir, args.audio_tokens)
+        profile_overhead(plan, args.concurrency, args.max_tokens, args.rounds)
+        return
     variants = {
         "streaming": plan_for(text, args.devices, args.model_dir, args.audio_tokens),
         "whole": plan_for(whole_edges(text), args.devices, args.model_dir, args.audio_tokens),

@@ -51,6 +51,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if len(args.paths) != 1:
         raise UsageError("--once runs one pipeline: omniflow run PIPELINE.omni --once ...")
+    if args.profile_gpu and args.profile is None:
+        raise UsageError("--profile-gpu adds to a profile: give --profile DIR too")
     inputs = dict(_key_value(item) for item in args.input)
     params = {k: _param_value(v) for k, v in map(_key_value, args.param)}
     plan = compile_file(args.paths[0], devices=args.devices, tiny=args.tiny, progress=True)
@@ -65,6 +67,7 @@ def _run(args: argparse.Namespace) -> int:
         backends=backends,
         console=console,
         profile=None if args.profile is None else Path(args.profile),
+        profile_gpu=args.profile_gpu,
     )
 
 
@@ -251,6 +254,11 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="record the request's events; write DIR/trace.json and DIR/report.html",
+    )
+    once.add_argument(
+        "--profile-gpu",
+        action="store_true",
+        help="with --profile: add the CUDA kernel timeline of the GPU stages (torch profiler)",
     )
     run.set_defaults(run=_run)
     prof = sub.add_parser(

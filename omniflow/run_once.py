@@ -27,6 +27,7 @@ from omniflow.media import png_bytes, wav_bytes
 from omniflow.plan import Plan, PortPlan
 from omniflow.profiler.capture import profile_to
 from omniflow.runtime.engine import Engine
+from omniflow.runtime.gpu_timeline import gpu_executors
 from omniflow.runtime.port_values import concat
 from omniflow.runtime.preflight import preflight
 from omniflow.runtime.requests import admit
@@ -77,10 +78,13 @@ def run_once(
     backends: str = "auto",
     console: Console,
     profile: Path | None = None,
+    profile_gpu: bool = False,
 ) -> int:
     for folder in (out_dir, profile):
         if folder is not None:
             check_out_dir(folder)
+    if profile_gpu:
+        gpu_executors(plan)  # before any model loads: a plan with no GPU stage says so now
     request = admit(plan, inputs, params)
     voices = () if backends == "standin" else preflight(plan)
     request = admit(plan, inputs, request.params, voices)
@@ -89,7 +93,11 @@ def run_once(
     live = next((o.name for o in plan.outputs if o.type == "text"), None)  # shown as it comes
     with _loading(plan, console) as on_loaded:
         engine = Engine(plan, mode, backends, voices=voices, on_loaded=on_loaded)
-    recording = contextlib.nullcontext() if profile is None else profile_to(profile, engine)
+    recording = (
+        contextlib.nullcontext()
+        if profile is None
+        else profile_to(profile, engine, gpu=profile_gpu)
+    )
     with engine, recording as profiled:
         timeline = Timeline()
         for chunk in engine.stream_sync(request.inputs, request.params):

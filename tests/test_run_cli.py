@@ -5,6 +5,7 @@ import json
 import wave
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -83,3 +84,13 @@ def test_profile_writes_a_trace_and_a_report_of_the_request(tmp_path, capsys):
     assert steps == {"codec_lm step", "decoder step"}
     assert (tmp_path / "prof" / "report.html").read_text().lstrip().lower().startswith("<!doctype")
     assert "profile: " in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU profile where there is none")
+def test_profile_gpu_without_cuda_says_so_before_running(tmp_path, capsys):
+    code = main(["run", "graphs/tts.omni", "--once", "--devices", "2xH200", "--standin",
+                 "--input", "text=hello", "--out", str(tmp_path / "out"),
+                 "--profile", str(tmp_path / "prof"), "--profile-gpu"])  # fmt: skip
+    assert code == 1
+    assert "--profile-gpu needs CUDA" in capsys.readouterr().err
+    assert not (tmp_path / "prof" / "trace.json").exists()

@@ -31,14 +31,20 @@ class ProfileFiles:
 
 @contextmanager
 def profile_to(
-    directory: str | Path, engine, *, capacity: int = 1 << 16, report: bool = True
+    directory: str | Path,
+    engine,
+    *,
+    capacity: int = 1 << 16,
+    report: bool = True,
+    gpu: bool = False,
 ) -> Iterator[ProfileFiles]:
-    """Record every executor's events (up to `capacity` each, the oldest overwritten beyond)
-    while the block runs; then write the trace and, with `report`, the report into
-    `directory` (made if missing). A block that raises still leaves its trace."""
+    """Record every executor's events (up to `capacity` each, the oldest overwritten beyond;
+    with `gpu`, the GPU stages' CUDA kernels too) while the block runs; then write the trace
+    and, with `report`, the report into `directory` (made if missing). A block that raises
+    still leaves its trace."""
     directory = Path(directory)
     files = ProfileFiles(directory / TRACE_FILE, directory / REPORT_FILE if report else None)
-    engine.start_profile(capacity)
+    engine.start_profile(capacity, gpu)
     try:
         yield files
     except BaseException:

@@ -172,10 +172,10 @@ class Dashboard:
             "trace": self._trace is not None,
         }
 
-    def start_profile(self) -> dict:
+    def start_profile(self, gpu: bool = False) -> dict:
         """POST /start_profile: every executor starts recording (a profile already running
-        starts over)."""
-        self.engine.start_profile(self.capacity)
+        starts over); with `gpu`, the GPU stages' kernel timeline too."""
+        self.engine.start_profile(self.capacity, gpu)
         with self._lock:
             self._profiling_since = time.monotonic()
             return self._profile_state()

@@ -1,7 +1,8 @@
 """Recorded events -> Chrome trace-event JSON, which Perfetto UI and chrome://tracing open.
 
 One process per executor (the frontend too), one track per stage, one for the program's
-channels and one for its loop's sleeps. A stage step is a slice whose args name its batch:
+channels and one for its loop's sleeps; with a GPU profile, one more for each GPU
+executor's CUDA kernels (gpu_timeline.py puts them on the same clock). A stage step is a slice whose args name its batch:
 the requests in it and what each emitted. A chunk is a slice on the channels track where it
 was put and another where it was taken, joined by a flow arrow. Timestamps are the hosts's
 monotonic clock in microseconds, shared by every executor of the host.
@@ -26,7 +27,7 @@ from omniflow.runtime import events
 from omniflow.runtime.control import Profiled
 from omniflow.runtime.events import RecordedEvents
 
-LOOP_TRACK, CHANNEL_TRACK = 0, 1
+LOOP_TRACK, CHANNEL_TRACK, GPU_TRACK = 0, 1, 2
 
 
 def chrome_trace(
@@ -109,6 +110,11 @@ def _process(pid: int, profile: Profiled, received: set[tuple]) -> list[dict]:
     tracks = {LOOP_TRACK: "loop", CHANNEL_TRACK: "channels"}
     track_of: dict[str, int] = {}
     out = [_meta(pid, 0, "process_name", profile.executor)]
+    if profile.kernels:
+        devices = sorted({device for *_, device in profile.kernels})
+        tracks[GPU_TRACK] = f"gpu {', '.join(map(str, devices))}: kernels"
+        for name, start, dur, device in profile.kernels:
+            out.append(_slice(pid, GPU_TRACK, name, start / 1e3, dur, {"device": device}))
     calls: dict[tuple[str, int], list] = defaultdict(list)
     rows = recorded.events()
     for t, _dur, kind, what, request, n, m in rows:

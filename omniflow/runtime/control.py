@@ -72,20 +72,25 @@ class RequestStats(msgspec.Struct, tag=True):
 
 
 class Profile(msgspec.Struct, tag=True):
-    """Start recording events (`capacity` per executor), or stop and answer `Profiled`."""
+    """Start recording events (`capacity` per executor; with `gpu`, the torch profiler's
+    kernel timeline too where the executor's stages run on CUDA), or stop. Either way the
+    executor answers `Profiled`: empty when starting (it records from then on)."""
 
     on: bool
     capacity: int = 1 << 16
+    gpu: bool = False
 
 
 class Profiled(msgspec.Struct, tag=True):
-    """An executor's recorded events (events.py): names, request ids, packed int64 rows."""
+    """An executor's recorded events (events.py): names, request ids, packed int64 rows;
+    `kernels`: its GPU timeline (gpu_timeline.py), on the same clock."""
 
     executor: str
-    names: list[str]
-    requests: list[str]
-    rows: bytes
+    names: list[str] = []
+    requests: list[str] = []
+    rows: bytes = b""
     dropped: int = 0
+    kernels: list[tuple[str, int, int, int]] = []  # name, start ns, duration ns, device
 
 
 class StageTotals(msgspec.Struct, array_like=True):

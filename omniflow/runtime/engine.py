@@ -30,6 +30,7 @@ from omniflow.errors import OmniflowError
 from omniflow.ir.kinds import SEED_PARAM
 from omniflow.plan import FRONTEND, Plan
 from omniflow.runtime import control
+from omniflow.runtime.gpu_timeline import gpu_executors
 from omniflow.runtime.loop import ProgramLoop
 from omniflow.runtime.port_values import concat
 from omniflow.runtime.preflight import preflight
@@ -86,6 +87,7 @@ class _Core:
         self.closed = False
         self.next_check = 0.0  # when check_executors runs next
         self.inspections: tuple[dict, queue.SimpleQueue] | None = None
+        # (answers so far, reply queue, starting): every executor answers a Profile message
         self.profiles: tuple[dict, queue.SimpleQueue, bool] | None = None
         stats = on_stats is not None
         self.frontend = ProgramLoop(
@@ -199,13 +201,13 @@ class _Core:
                 self.inspections = ({}, arg[0])
                 self.transport.broadcast(control.Inspect())
             elif command == "profile":
-                on, capacity, reply = arg
-                self.transport.broadcast(control.Profile(on, capacity))
+                on, capacity, gpu, reply = arg
+                self.transport.broadcast(control.Profile(on, capacity, gpu))
                 if on:
                     self.frontend_profile(True, capacity)
                 if self.transport.names:
                     self.profiles = ({}, reply, on)
-                else:
+                else:  # every stage runs in the frontend: nobody else to wait for
                     reply.put([] if on else [self.frontend_profile(False)])
             elif command == "close":
                 self.closed = True
@@ -396,14 +398,19 @@ class Engine:
         return self._ask("inspect", (), "answer an inspection", timeout)
 
     # --- profiling -----------------------------------------------------------------------------------
-    def start_profile(self, capacity: int = 1 << 16) -> None:
+    def start_profile(self, capacity: int = 1 << 16, gpu: bool = False) -> None:
         """Every executor (and the frontend) starts recording events: up to `capacity` each,
-        the oldest overwritten beyond that. Returns once every executor records."""
-        self._ask("profile", (True, capacity), "start profiling")
+        the oldest overwritten beyond that. Returns once every executor records (a request
+        submitted after it is recorded whole), so setting up the buffers costs no request.
+        With `gpu`, executors whose stages run on CUDA add the torch profiler's kernel
+        timeline (gpu_timeline.py); a plan with no such stage raises ProfileError."""
+        if gpu:
+            gpu_executors(self.plan)  # raises when there is none
+        self._ask("profile", (True, capacity, gpu), "start profiling")
 
     def stop_profile(self, timeout: float = 30.0) -> list[control.Profiled]:
         """Stop recording; what every executor and the frontend recorded (events.py)."""
-        return self._ask("profile", (False, 0), "hand over their events", timeout)
+        return self._ask("profile", (False, 0, False), "hand over their events", timeout)
 
     def _ask(self, command: str, arg: tuple, what: str, timeout: float = 10.0):
         reply: queue.SimpleQueue = queue.SimpleQueue()

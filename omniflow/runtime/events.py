@@ -2,8 +2,9 @@
 them, chunks handed to and taken from channels, and the loop's sleeps.
 
 A `Recorder` is one pre-allocated buffer of int64 fields (a ring of `capacity` events: the
-oldest are overwritten), so recording an event stores seven integers and allocates nothing
-that grows. Times are `time.monotonic_ns()`, one clock for every process of a host, so the
+oldest are overwritten), so recording an event packs seven integers into it with one
+`struct.pack_into` call (a third cheaper than seven item stores) and allocates nothing that
+grows. Times are `time.monotonic_ns()`, one clock for every process of a host, so the
 events of all executors merge into one timeline. Names (stages, channels) and request ids
 are interned once into small tables. A loop that is not profiled has no recorder and pays
 one `is None` test per site.
@@ -12,7 +13,8 @@ one `is None` test per site.
 from __future__ import annotations
 
 import array
-from dataclasses import dataclass
+import struct
+from dataclasses import dataclass, field
 
 FIELDS = 7  # t, dur, kind, what, request, n, m
 
@@ -32,7 +34,8 @@ class Recorder:
         self.names = list(names)
         self.index = {name: i for i, name in enumerate(self.names)}
         self.capacity = capacity
-        self.buffer = array.array("q", bytes(8 * FIELDS * capacity))
+        self.buffer = array.array("q", [0]) * (FIELDS * capacity)
+        self.pack = struct.Struct(f"{FIELDS}q").pack_into
         self.count = 0
         self.requests: list[str] = []
         self.request_index: dict[str, int] = {}
@@ -47,16 +50,17 @@ class Recorder:
     def add(
         self, kind: int, what: str | None, request: str | None, t: int, dur: int = 0, n=0, m=0
     ) -> None:
-        base = (self.count % self.capacity) * FIELDS
-        buffer = self.buffer
-        buffer[base] = t
-        buffer[base + 1] = dur
-        buffer[base + 2] = kind
-        buffer[base + 3] = -1 if what is None else self.index[what]
-        buffer[base + 4] = NO_REQUEST if request is None else self.request(request)
-        buffer[base + 5] = n
-        buffer[base + 6] = m
-        self.count += 1
+        count = self.count
+        self.count = count + 1
+        if request is None:
+            rid = NO_REQUEST
+        else:
+            rid = self.request_index.get(request)
+            if rid is None:
+                rid = self.request(request)
+        what_index = -1 if what is None else self.index[what]
+        offset = (count % self.capacity) * 8 * FIELDS
+        self.pack(self.buffer, offset, t, dur, kind, what_index, rid, n, m)
 
     def dump(self) -> RecordedEvents:
         """Every event still in the buffer, oldest first."""
@@ -76,6 +80,7 @@ class RecordedEvents:
     requests: list[str]
     rows: bytes
     dropped: int = 0
+    kernels: list[tuple[str, int, int, int]] = field(default_factory=list)  # gpu_timeline.py
 
     def events(self) -> list[tuple[int, ...]]:
         values = array.array("q")

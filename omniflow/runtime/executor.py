@@ -158,13 +158,11 @@ def _obey(loop: ProgramLoop, end: ControlEnd, message: control.Message) -> bool:
     elif isinstance(message, control.Inspect):
         end.send(loop.inspect())
     elif isinstance(message, control.Profile):
-        # Answered when starting too: the engine's start_profile returns once every executor
-        # records, so that a request sent after it is recorded from its first chunk.
-        recorded = loop.profile(message.on, message.capacity)
-        events = (
-            vars(recorded) if recorded is not None else {"names": [], "requests": [], "rows": b""}
-        )
-        end.send(control.Profiled(loop.name, **events))
+        # Answered either way: the engine waits until every executor records (or has
+        # handed over what it recorded; nothing, if it was restarted meanwhile).
+        recorded = loop.profile(message.on, message.capacity, message.gpu)
+        answer = vars(recorded) if recorded is not None else {}
+        end.send(control.Profiled(loop.name, **answer))
     elif isinstance(message, control.Shutdown):
         return False
     return True

@@ -30,6 +30,7 @@ from omniflow.plan import ChannelPlan, Program
 from omniflow.runtime import control, events
 from omniflow.runtime.edges import StreamWriter, arriving, leaving
 from omniflow.runtime.events import RecordedEvents, Recorder
+from omniflow.runtime.gpu_timeline import KernelTimeline, on_cuda
 from omniflow.runtime.link import Links
 from omniflow.runtime.port_values import nbytes, steps
 from omniflow.runtime.requests import describe
@@ -203,6 +204,7 @@ class ProgramLoop:
         self.waker = waker or Waker()
         self.sink = sink
         self.recorder: Recorder | None = None
+        self.timeline: KernelTimeline | None = None  # with a GPU profile (gpu_timeline.py)
         self.channel_totals = {c.name: control.ChannelTotals() for c in program.outbound}
         self.links = Links()
         channels = [*program.inbound, *program.outbound, *program.local]
@@ -397,14 +399,24 @@ class ProgramLoop:
             runner.purge(now)
 
     # --- profiling ----------------------------------------------------------------------------
-    def profile(self, on: bool, capacity: int = 1 << 16) -> RecordedEvents | None:
-        """Start recording (a fresh buffer), or stop and return what was recorded."""
+    def profile(
+        self, on: bool, capacity: int = 1 << 16, gpu: bool = False
+    ) -> RecordedEvents | None:
+        """Start recording (a fresh buffer; with `gpu`, the kernel timeline too if this
+        program's stages run on CUDA), or stop and return what was recorded."""
         if on:
             names = [*self.runners, *(c.name for c in self.program.inbound + self.program.outbound)]
             self.recorder = Recorder(names, capacity)
+            if gpu and on_cuda(self.program) and self.timeline is None:
+                self.timeline = KernelTimeline("cuda")
+                self.timeline.start()
         recorded = None if on or self.recorder is None else self.recorder.dump()
         if not on:
             self.recorder = None
+            if self.timeline is not None:
+                kernels, self.timeline = self.timeline.stop(), None
+                if recorded is not None:
+                    recorded.kernels = kernels
         for runner in self.runners.values():
             runner.recorder = self.recorder
         return recorded

@@ -31,6 +31,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 
 from omniflow.profiler.dashboard import URLS as DASHBOARD_URLS
 from omniflow.profiler.dashboard import Dashboard
+from omniflow.runtime.gpu_timeline import ProfileError
 from omniflow.runtime.requests import RequestError
 from omniflow.server import chat, images, media_in, speech
 from omniflow.server.errors import APIError, bad_request, error_body
@@ -215,6 +216,12 @@ async def until_disconnect(request: Request, work):
 
 
 # --- the app ------------------------------------------------------------------------------------
+class StartProfile(msgspec.Struct, forbid_unknown_fields=True):
+    """POST /start_profile's body."""
+
+    gpu: bool = False
+
+
 def _sync(handler: Callable[[Request], Response]):
     """A plain (thread-pool) endpoint of `handler(request)`."""
 
@@ -418,7 +425,6 @@ def create_app(server: Server) -> FastAPI:
     dashboard_routes = [
         ("/dashboard", "GET", lambda r: HTMLResponse(dashboard_of(r).page())),
         ("/dashboard.json", "GET", lambda r: JSONResponse(dashboard_of(r).snapshot())),
-        ("/start_profile", "POST", lambda r: JSONResponse(dashboard_of(r).start_profile())),
         ("/stop_profile", "POST", lambda r: JSONResponse(dashboard_of(r).stop_profile())),
         ("/profile/trace.json", "GET", lambda r: found(dashboard_of(r).trace(), JSONResponse)),
         ("/profile/report.html", "GET", lambda r: found(dashboard_of(r).report(), HTMLResponse)),
@@ -438,6 +444,22 @@ def create_app(server: Server) -> FastAPI:
     app.add_api_route("/debug/inspect", inspect, methods=["GET"], include_in_schema=False)
     for path, method, handler in dashboard_routes:
         app.add_api_route(path, _sync(handler), methods=[method], include_in_schema=False)
+
+    async def start_profile(request: Request) -> Response:
+        """POST /start_profile, its body optional: {"gpu": true} adds the GPU stages' CUDA
+        kernel timeline (a plan without any is a 400 saying so)."""
+        try:
+            options = msgspec.json.decode(await request.body() or b"{}", type=StartProfile)
+        except msgspec.MsgspecError as err:
+            raise APIError(400, f'POST /start_profile takes {{"gpu": bool}}: {err}') from None
+        dashboard = dashboard_of(request)
+        try:
+            state = await anyio.to_thread.run_sync(partial(dashboard.start_profile, options.gpu))
+        except ProfileError as err:
+            raise APIError(400, str(err), param="gpu") from None
+        return JSONResponse(state)
+
+    app.add_api_route("/start_profile", start_profile, methods=["POST"], include_in_schema=False)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:

@@ -40,7 +40,7 @@ def profile(mode: str, requests: int, concurrency: int = 4, tokens=lambda i: 4 +
     plan = compile_source(SPLIT, "split.omni")
     with Engine(plan, mode) as engine:
         engine.generate({"x": [[0]]})  # warm, not profiled
-        engine.start_profile(1 << 18)
+        engine.start_profile(1 << 18)  # returns once every executor records
 
         def one(i: int) -> None:
             engine.generate({"x": [[i + k] for k in range(tokens(i))]}, request_id=f"r{i}")

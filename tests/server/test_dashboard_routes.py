@@ -28,3 +28,15 @@ def test_the_dashboard_and_a_profile_taken_while_serving(served):
 def test_dashboard_routes_are_not_in_the_openapi_schema(served):
     schema = httpx.get(f"{served.base}/openapi.json").json()
     assert not any(p.startswith(("/dashboard", "/profile", "/st")) for p in schema["paths"])
+
+
+def test_start_profile_takes_a_gpu_field_and_says_why_a_cpu_pipeline_cannot(served):
+    with served.client() as client:
+        url, model = "/start_profile", {"model": "probe"}
+        refused = client.post(url, params=model, json={"gpu": True})
+        assert refused.status_code == 400
+        assert "on the CPU" in refused.json()["error"]["message"]
+        unknown = client.post(url, params=model, json={"gpu": True, "kernels": 1})
+        assert unknown.status_code == 400 and "kernels" in unknown.json()["error"]["message"]
+        assert client.post(url, params=model, json={"gpu": False}).status_code == 200
+        assert client.post("/stop_profile", params=model).status_code == 200

@@ -1,0 +1,97 @@
+"""The GPU half of a profile (`--profile-gpu`): the torch profiler's CUDA kernel timeline of
+one executor, on the clock every other event of the profile uses.
+
+Clock alignment. The events of events.py are stamped with `time.monotonic_ns()`. The torch
+profiler (kineto) stamps its events in Unix-epoch nanoseconds: its approximate clock (the
+CPU's time-stamp counter) is calibrated against the system clock, and CUPTI's GPU
+timestamps are converted onto that same host clock before they reach kineto, so kernels and
+CPU ops share it. Mapping one onto the other therefore needs one offset, wall clock minus
+monotonic clock. It is read as a monotonic reading, a wall-clock reading, a monotonic
+reading; the pair from the narrowest of a few tries is kept (the error is at most half that
+window, a fraction of a microsecond), once when the profile starts and once when it stops.
+Their mean is the offset: a wall clock slewed by NTP in between moves it by half the drift,
+not all of it.
+"""
+
+from __future__ import annotations
+
+import time
+
+from omniflow.errors import OmniflowError
+from omniflow.plan import Plan, Program
+
+Kernel = tuple[str, int, int, int]  # name, start (monotonic ns), duration ns, device index
+
+
+class ProfileError(OmniflowError):
+    """A profile was asked for that this plan or machine cannot record."""
+
+
+def on_cuda(program: Program) -> bool:
+    return any(d.startswith("cuda") for d in program.devices)
+
+
+def gpu_executors(plan: Plan) -> list[str]:
+    """The executors whose stages run on CUDA; ProfileError when there is none (a kernel
+    timeline needs a GPU stage) or when this torch has no CUDA."""
+    found = [p.name for p in plan.executors if on_cuda(p)]
+    if not found:
+        raise ProfileError(
+            "--profile-gpu records the CUDA kernels of GPU stages, and this plan places every "
+            f"stage on the CPU (compiled for devices {', '.join(d['name'] for d in plan.devices)}); "
+            "profile without it, or compile with --devices for a GPU"
+        )
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ProfileError(
+            "--profile-gpu needs CUDA, and this torch sees no CUDA device "
+            f"(torch {torch.__version__})"
+        )
+    return found
+
+
+def clock_offset(tries: int = 5) -> tuple[int, int]:
+    """(wall minus monotonic ns, window ns) from the narrowest of `tries` readings."""
+    best = None
+    for _ in range(tries):
+        before = time.monotonic_ns()
+        wall = time.time_ns()
+        after = time.monotonic_ns()
+        if best is None or after - before < best[1]:
+            best = (wall - (before + after) // 2, after - before)
+    return best
+
+
+class KernelTimeline:
+    """The torch profiler over this process, from `start` to `stop`. `devices` picks the
+    activity: "cuda" records the GPU's kernels, memory copies and sets (what the kernel
+    track shows); "cpu" records torch's CPU ops, which is how a machine without CUDA tests
+    the merge (same profiler, same clock)."""
+
+    def __init__(self, devices: str = "cuda"):
+        from torch.profiler import ProfilerActivity, profile
+
+        activity = ProfilerActivity.CUDA if devices == "cuda" else ProfilerActivity.CPU
+        self.device_type = devices.upper()
+        self.profiler = profile(activities=[activity])
+        self.offset_at_start = 0
+
+    def start(self) -> None:
+        self.profiler.start()
+        self.offset_at_start = clock_offset()[0]
+
+    def stop(self) -> list[Kernel]:
+        """The events recorded, oldest first, their start on the monotonic clock."""
+        if self.device_type == "CUDA":
+            import torch
+
+            torch.cuda.synchronize()  # kernels still queued would be missing
+        offset = (self.offset_at_start + clock_offset()[0]) // 2
+        self.profiler.stop()
+        found = [
+            (e.name(), e.start_ns() - offset, e.duration_ns(), e.device_index())
+            for e in self.profiler.profiler.kineto_results.events()
+            if e.device_type().name == self.device_type
+        ]
+        return sorted(found, key=lambda k: k[1])
