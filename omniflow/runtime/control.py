@@ -13,7 +13,24 @@ that the dead one fed, and linking runs again for its replacement.
 
 from __future__ import annotations
 
+from bisect import bisect_left
+
 import msgspec
+
+# The upper bounds of the always-on histograms' buckets (Prometheus `le`: a value lands in
+# the first bucket whose bound is >= it; one more bucket counts the rest). `/metrics`
+# exports them as they are (server/metrics.py). Times in ns, so the hot path bisects ints.
+BATCH_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+STEP_NS_BOUNDS = tuple(
+    int(s * 1e9) for s in (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
+)
+HANDOFF_NS_BOUNDS = tuple(
+    int(s * 1e9) for s in (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1)
+)
+
+
+def _buckets(bounds: tuple) -> list[int]:
+    return [0] * (len(bounds) + 1)
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -95,11 +112,22 @@ class Profiled(msgspec.Struct, tag=True):
 
 class StageTotals(msgspec.Struct, array_like=True):
     """A stage's counters since its executor started: steps, their time, and the calls they
-    advanced (calls / steps is the mean batch size)."""
+    advanced (calls / steps is the mean batch size); steps counted by batch size and by
+    time (buckets of BATCH_BOUNDS and STEP_NS_BOUNDS)."""
 
     steps: int = 0
     step_ns: int = 0
     calls: int = 0
+    batches: list[int] = msgspec.field(default_factory=lambda: _buckets(BATCH_BOUNDS))
+    times: list[int] = msgspec.field(default_factory=lambda: _buckets(STEP_NS_BOUNDS))
+
+    def add(self, batch: int, took_ns: int) -> None:
+        """One step of `batch` calls that took `took_ns` (fixed arrays: nothing grows)."""
+        self.steps += 1
+        self.step_ns += took_ns
+        self.calls += batch
+        self.batches[bisect_left(BATCH_BOUNDS, batch)] += 1
+        self.times[bisect_left(STEP_NS_BOUNDS, took_ns)] += 1
 
 
 class ChannelTotals(msgspec.Struct, array_like=True):
@@ -112,10 +140,25 @@ class ChannelTotals(msgspec.Struct, array_like=True):
     queued: int = 0
 
 
+class HandoffTotals(msgspec.Struct, array_like=True):
+    """An inbound channel's hand-offs since its executor started (its consumer's side):
+    chunks counted by the time from their put to their take (buckets of HANDOFF_NS_BOUNDS),
+    and that time summed."""
+
+    times: list[int] = msgspec.field(default_factory=lambda: _buckets(HANDOFF_NS_BOUNDS))
+    ns: int = 0
+
+    def add(self, took_ns: int) -> None:
+        self.ns += took_ns
+        self.times[bisect_left(HANDOFF_NS_BOUNDS, took_ns)] += 1
+
+
 class Inspection(msgspec.Struct, tag=True):
     """An executor's live state: requests each stage holds, ring slots it has not released,
-    chunks waiting in its outboxes for credits, and its stages' and channels' counters;
-    `held`: the slots its stages hold per inbound channel (counted when inspected)."""
+    chunks waiting in its outboxes for credits, and its stages' and outbound channels'
+    counters; `held`: the slots its stages hold per inbound channel (counted when
+    inspected); `handoffs`: its inbound channels' hand-off times (a channel's two ends live
+    in two executors, hence a table of their own)."""
 
     executor: str
     calls: dict[str, list[str]]
@@ -124,6 +167,7 @@ class Inspection(msgspec.Struct, tag=True):
     stages: dict[str, StageTotals] = {}
     channels: dict[str, ChannelTotals] = {}
     held: dict[str, int] = {}
+    handoffs: dict[str, HandoffTotals] = {}
 
 
 Message = (

@@ -121,9 +121,7 @@ class StageRunner:
             for call in batch:
                 call.fail(err)
         took = time.monotonic_ns() - began
-        self.totals.steps += 1
-        self.totals.step_ns += took
-        self.totals.calls += len(batch)
+        self.totals.add(len(batch), took)
         if self.recorder is not None:
             self._record(batch, began, took)
         if self.tallies is not None:
@@ -206,6 +204,7 @@ class ProgramLoop:
         self.recorder: Recorder | None = None
         self.timeline: KernelTimeline | None = None  # with a GPU profile (gpu_timeline.py)
         self.channel_totals = {c.name: control.ChannelTotals() for c in program.outbound}
+        self.handoffs = {c.name: control.HandoffTotals() for c in program.inbound}
         self.links = Links()
         channels = [*program.inbound, *program.outbound, *program.local]
         self.runners: dict[str, StageRunner] = {}
@@ -302,9 +301,11 @@ class ProgramLoop:
             channel = inbound.channel
             arrive = self.arrive[name]
             runner = self.runners.get(channel.dst)
+            handoffs = self.handoffs[name]
             try:
                 for meta, value, release in inbound.receive():
                     rid, end, taken = meta.request_id, meta.end, time.monotonic_ns()
+                    handoffs.add(taken - meta.sent)
                     if self.recorder is not None:
                         self.recorder.add(
                             events.RECV, name, rid, taken, 0, nbytes(value), meta.chunk
@@ -443,6 +444,7 @@ class ProgramLoop:
             {name: r.totals for name, r in self.runners.items()},
             self.channel_totals,
             by_channel,
+            self.handoffs,
         )
 
     def poll_fds(self) -> list[tuple[int, int]]:

@@ -8,7 +8,7 @@ with rich (`--log-stats`) and/or appended as one JSON line (`--log-stats-json FI
 - per edge: `size_kbytes`, `tx_time_ms`, `rx_decode_time_ms`, `in_flight_time_ms`.
 
 The stage and edge tables come from the engines, started with `on_stats` for this
-(`PipelineStats.request_done`); a request they reported nothing for prints its e2e row only.
+(`PipelineStats`); a request they reported nothing for prints its e2e row only.
 """
 
 from __future__ import annotations

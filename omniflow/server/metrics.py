@@ -1,38 +1,44 @@
-"""Prometheus metrics of the server (`GET /metrics`), and the hook the runtime feeds.
+"""Prometheus metrics of the server (`GET /metrics`), and the hook for per-request tables.
 
-Three sources feed the series:
+Two sources feed the series:
 
 - the HTTP layer, for every request: requests by model, endpoint and status; latency, time
   to first token (TTFT), time to first audio packet (TTFP) and real-time factor (RTF)
   histograms; requests in flight and the admission limit;
 - `engine.inspect()`, read at scrape time: how many requests each stage holds (queue
-  depth); each stage's steps, their time and the requests they advanced (their ratio is the
-  mean batch size); each edge's chunks, bytes and put time, chunks waiting for credits,
-  and ring slots held (occupancy);
-- `PipelineStats`, the hook the runtime calls as it runs (one per served pipeline): each
-  stage step (batch size, step time histograms), each hand-off on an edge (time
-  histogram), and per-request stage and edge tables for `--log-stats`. Until the engine
-  calls it, those series exist (with their HELP text) and stay empty.
+  depth); each stage's steps as histograms of their batch size and time (the `--log-stats`
+  names: `batch_size`, `stage_gen_time`); each edge's chunks, bytes and put time, chunks
+  waiting for credits, ring slots held (occupancy), and a histogram of its chunks' time
+  from put to take (hand-off: `in_flight_time`). The executors count those histograms
+  into fixed buckets as they run (control.py); a scrape only reads them.
+
+`PipelineStats` (one per served pipeline) keeps each request's per-stage and per-edge
+tables, which the engine hands over under `--log-stats`, until the request's HTTP handler
+takes them.
 
 Every series has a `model` label: the served pipeline's name.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.utils import floatToGoString
 
 from omniflow.plan import FRONTEND
+from omniflow.runtime.control import BATCH_BOUNDS, HANDOFF_NS_BOUNDS, STEP_NS_BOUNDS
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 RTF_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 4, 8, 16)
-STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
-HANDOFF_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1)
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 INSPECT_TIMEOUT_S = 2.0  # a scrape does not wait longer for the executors' answer
 
 
@@ -101,28 +107,6 @@ class Metrics:
             ["model"],
             registry=r,
         )
-        # Fed by PipelineStats (the runtime's hook).
-        self.stage_batch = Histogram(
-            "omniflow_stage_batch_size",
-            "Requests in one step of a stage, per step (runtime stats hook)",
-            ["model", "stage"],
-            buckets=BATCH_BUCKETS,
-            registry=r,
-        )
-        self.stage_step = Histogram(
-            "omniflow_stage_step_duration_seconds",
-            "Duration of one step of a stage, the whole batch (runtime stats hook)",
-            ["model", "stage"],
-            buckets=STEP_BUCKETS,
-            registry=r,
-        )
-        self.edge_handoff = Histogram(
-            "omniflow_edge_handoff_seconds",
-            "Time from a chunk's write on an edge to its read by the consumer (runtime stats hook)",
-            ["model", "edge"],
-            buckets=HANDOFF_BUCKETS,
-            registry=r,
-        )
         self.served: dict[str, object] = {}  # model -> Served, for the inspection collector
         r.register(_InspectionCollector(self))
 
@@ -152,18 +136,15 @@ class _InspectionCollector:
                 "Requests a stage holds now (admitted to it, not finished), from engine.inspect()",
                 labels=stage,
             ),
-            "steps": CounterMetricFamily(
-                "omniflow_stage_steps", "Steps a stage has run, from engine.inspect()", labels=stage
-            ),
-            "step_s": CounterMetricFamily(
-                "omniflow_stage_step_seconds",
-                "Time a stage's steps took, from engine.inspect()",
+            "batch": HistogramMetricFamily(
+                "omniflow_stage_batch_size",
+                "Requests in one step of a stage (batch_size), per step, from engine.inspect()",
                 labels=stage,
             ),
-            "batched": CounterMetricFamily(
-                "omniflow_stage_batched_requests",
-                "Requests a stage's steps advanced, summed over steps (over steps: the mean "
-                "batch size), from engine.inspect()",
+            "gen": HistogramMetricFamily(
+                "omniflow_stage_gen_time_seconds",
+                "Time one step of a stage took, the whole batch (stage_gen_time), per step, "
+                "from engine.inspect()",
                 labels=stage,
             ),
             "chunks": CounterMetricFamily(
@@ -197,6 +178,12 @@ class _InspectionCollector:
                 "Fraction of an edge's ring slots its consumer holds now, from engine.inspect()",
                 labels=edge,
             ),
+            "in_flight": HistogramMetricFamily(
+                "omniflow_edge_in_flight_time_seconds",
+                "Time from a chunk's put on an edge between executors to its consumer's take "
+                "(the hand-off: in_flight_time), per chunk, from engine.inspect()",
+                labels=edge,
+            ),
             "requests": GaugeMetricFamily(
                 "omniflow_engine_requests",
                 "Requests a served pipeline's engine holds now, from engine.inspect()",
@@ -223,19 +210,37 @@ class _InspectionCollector:
                     else:
                         families["depth"].add_metric([model, name], len(calls))
                 for name, totals in getattr(inspection, "stages", {}).items():
-                    families["steps"].add_metric([model, name], totals.steps)
-                    families["step_s"].add_metric([model, name], totals.step_ns / 1e9)
-                    families["batched"].add_metric([model, name], totals.calls)
+                    families["batch"].add_metric(
+                        [model, name], _cumulative(BATCH_BOUNDS, totals.batches), totals.calls
+                    )
+                    families["gen"].add_metric(
+                        [model, name],
+                        _cumulative(STEP_NS_BOUNDS, totals.times, 1e-9),
+                        totals.step_ns / 1e9,
+                    )
                 for name, totals in getattr(inspection, "channels", {}).items():
                     families["chunks"].add_metric([model, name], totals.chunks)
                     families["bytes"].add_metric([model, name], totals.bytes)
                     families["put_s"].add_metric([model, name], totals.put_ns / 1e9)
                     families["queued"].add_metric([model, name], totals.queued)
+                for name, totals in getattr(inspection, "handoffs", {}).items():
+                    families["in_flight"].add_metric(
+                        [model, name],
+                        _cumulative(HANDOFF_NS_BOUNDS, totals.times, 1e-9),
+                        totals.ns / 1e9,
+                    )
                 for name, held in getattr(inspection, "held", {}).items():
                     families["held"].add_metric([model, name], held)
                     if slots.get(name):
                         families["occupancy"].add_metric([model, name], held / slots[name])
         yield from families.values()
+
+
+def _cumulative(bounds: tuple, counts: list[int], scale: float = 1) -> list[tuple[str, int]]:
+    """Per-bucket counts (the last one: beyond every bound) as Prometheus buckets: each
+    bound (times `scale`, so ns become seconds) with the count at or below it."""
+    les = [floatToGoString(bound * scale) for bound in bounds] + ["+Inf"]
+    return list(zip(les, itertools.accumulate(counts), strict=True))
 
 
 @dataclass
@@ -247,96 +252,27 @@ class RequestStats:
 
 
 class PipelineStats:
-    """The runtime's stats hook for one served pipeline. The engine calls these methods (from
-    any thread) as it runs; each feeds the Prometheus series above and, where a request id
-    is given, that request's tables for `--log-stats`:
-
-    - `stage_step(stage, batch_size, seconds, request_ids=(), tokens_in=0, tokens_out=0)`:
-      one step of a stage over a batch;
-    - `edge_transfer(edge, nbytes, seconds, request_id=None, decode_seconds=0.0,
-      in_flight_seconds=0.0)`: one chunk handed over an edge (`seconds`: from its write
-      to its read);
-    - `request_done(request_id, stages, edges)`: a request's whole tables at once, for an
-      engine that keeps them itself (keys as `--log-stats` prints them).
-
-    Calling the object with an event whose class is named `StageStep`, `EdgeTransfer` or
-    `RequestStats` and whose fields are those arguments does the same,
-    so the engine can hand over its own message structs unchanged.
-    """
+    """Per-request tables of one served pipeline, for `--log-stats`: the engine calls the
+    object with each request's `control.RequestStats` (from its I/O thread) before the
+    request's last chunk; the request's HTTP handler `take`s them when it ends."""
 
     KEEP = 4096  # requests whose tables wait for their HTTP request to take them
 
-    def __init__(self, metrics: Metrics, model: str):
-        self.metrics = metrics
-        self.model = model
+    def __init__(self):
         self._lock = threading.Lock()
         self._requests: OrderedDict[str, RequestStats] = OrderedDict()
 
-    def __call__(self, event) -> None:
-        handler = {
-            "StageStep": self.stage_step,
-            "EdgeTransfer": self.edge_transfer,
-            "RequestStats": self.request_done,
-        }.get(type(event).__name__)
-        if handler is None:
-            return
-        fields = getattr(event, "__struct_fields__", None) or vars(event)
-        handler(**{name: getattr(event, name) for name in fields})
-
-    def stage_step(
-        self,
-        stage: str,
-        batch_size: int,
-        seconds: float,
-        request_ids=(),
-        tokens_in: int = 0,
-        tokens_out: int = 0,
-    ) -> None:
-        self.metrics.stage_batch.labels(self.model, stage).observe(batch_size)
-        self.metrics.stage_step.labels(self.model, stage).observe(seconds)
-        for request_id in request_ids:
-            row = self._row(request_id, "stages", stage)
-            row["batch_size"] = max(row.get("batch_size", 0), batch_size)
-            row["num_tokens_in"] = row.get("num_tokens_in", 0) + tokens_in
-            row["num_tokens_out"] = row.get("num_tokens_out", 0) + tokens_out
-            row["stage_gen_time_ms"] = row.get("stage_gen_time_ms", 0.0) + seconds * 1e3
-
-    def edge_transfer(
-        self,
-        edge: str,
-        nbytes: int,
-        seconds: float,
-        request_id: str | None = None,
-        decode_seconds: float = 0.0,
-        in_flight_seconds: float = 0.0,
-    ) -> None:
-        self.metrics.edge_handoff.labels(self.model, edge).observe(seconds)
-        if request_id is not None:
-            row = self._row(request_id, "edges", edge)
-            row["size_kbytes"] = row.get("size_kbytes", 0.0) + nbytes / 1024
-            row["tx_time_ms"] = row.get("tx_time_ms", 0.0) + seconds * 1e3
-            row["rx_decode_time_ms"] = row.get("rx_decode_time_ms", 0.0) + decode_seconds * 1e3
-            row["in_flight_time_ms"] = row.get("in_flight_time_ms", 0.0) + in_flight_seconds * 1e3
-
-    def request_done(self, request_id: str, stages: dict, edges: dict) -> None:
+    def __call__(self, stats) -> None:
         with self._lock:
-            stats = self._stats(request_id)
-            stats.stages.update({k: dict(v) for k, v in stages.items()})
-            stats.edges.update({k: dict(v) for k, v in edges.items()})
+            kept = self._requests.get(stats.request_id)
+            if kept is None:
+                kept = self._requests[stats.request_id] = RequestStats()
+                while len(self._requests) > self.KEEP:
+                    self._requests.popitem(last=False)
+            kept.stages.update({k: dict(v) for k, v in stats.stages.items()})
+            kept.edges.update({k: dict(v) for k, v in stats.edges.items()})
 
     def take(self, request_id: str) -> RequestStats:
         """A finished request's tables (empty where the runtime reported nothing)."""
         with self._lock:
             return self._requests.pop(request_id, None) or RequestStats()
-
-    def _stats(self, request_id: str) -> RequestStats:
-        stats = self._requests.get(request_id)
-        if stats is None:
-            stats = self._requests[request_id] = RequestStats()
-            while len(self._requests) > self.KEEP:
-                self._requests.popitem(last=False)
-        return stats
-
-    def _row(self, request_id: str, table: str, name: str) -> dict:
-        with self._lock:
-            return getattr(self._stats(request_id), table).setdefault(name, {})

@@ -48,7 +48,7 @@ class Served:
     draining: bool = False
 
     def __post_init__(self):
-        self.stats = PipelineStats(self.metrics, self.name)
+        self.stats = PipelineStats()
         self.metrics.admission_limit.labels(self.name).set(self.limit)
         self.metrics.in_flight.labels(self.name).set(0)
         self.metrics.served[self.name] = self

@@ -1,17 +1,17 @@
 """`GET /metrics` (Prometheus text) and `--log-stats`: request series from the HTTP layer,
-stage and edge series from `engine.inspect()`, and the runtime stats hook's series and
-per-request tables."""
+stage and edge series (their histograms included) from `engine.inspect()`, and the
+per-request tables the engine hands to the stats hook."""
 
 import json
 import re
-from dataclasses import dataclass
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
+from omniflow.runtime.control import RequestStats
 from omniflow.server.log_stats import StatsLog
-from omniflow.server.metrics import Metrics, PipelineStats
+from omniflow.server.metrics import PipelineStats
 from omniflow.server.run import Timeline
 
 
@@ -68,20 +68,70 @@ def test_stage_and_edge_series_come_from_the_engine(http):
     found = samples(http.get("/metrics").text)
     assert value(found, "omniflow_engine_up", model="omni_chat") == 1
     assert ("omniflow_stage_queue_depth", (("model", "omni_chat"), ("stage", "talker"))) in found
-    assert value(found, "omniflow_stage_steps_total", model="omni_chat", stage="thinker") > 0
-    assert (
-        value(found, "omniflow_stage_batched_requests_total", model="omni_chat", stage="thinker")
-        > 0
-    )
+    thinker = {"model": "omni_chat", "stage": "thinker"}
+    assert value(found, "omniflow_stage_gen_time_seconds_count", **thinker) > 0
+    assert value(found, "omniflow_stage_batch_size_sum", **thinker) > 0
     edge = "code2wav.audio->audio.in"
     assert value(found, "omniflow_edge_bytes_total", model="omni_chat", edge=edge) > 0
     assert value(found, "omniflow_edge_chunks_total", model="omni_chat", edge=edge) > 0
 
 
+def histogram(found: dict, name: str, **labels) -> dict[str, float]:
+    """A histogram's cumulative buckets by `le`, with its `count` and `sum`."""
+    out = {
+        "count": value(found, f"{name}_count", **labels),
+        "sum": value(found, f"{name}_sum", **labels),
+    }
+    for (sample, pairs), v in found.items():
+        kept = dict(pairs)
+        le = kept.pop("le", None)
+        if sample == f"{name}_bucket" and kept == labels:
+            out[le] = v
+    return out
+
+
+def test_step_and_hand_off_histograms_grow_with_the_requests(http):
+    """Requests one at a time: every step of `talk` has a batch of one, each chunk on an edge
+    is counted once by its producer (chunks) and once by its consumer (hand-off times)."""
+    before = samples(http.get("/metrics").text)
+    requests = 3
+    for _ in range(requests):
+        reply = http.post("/v1/chat/completions", json={"model": "probe", "messages": [
+            {"role": "user", "content": "a b c"}]})  # fmt: skip
+        assert reply.status_code == 200
+    after = samples(http.get("/metrics").text)
+
+    def grew(name: str, **labels) -> dict[str, float]:
+        now, then = histogram(after, name, **labels), histogram(before, name, **labels)
+        return {key: v - then.get(key, 0.0) for key, v in now.items()}
+
+    talk = {"model": "probe", "stage": "talk"}
+    batch, gen = (
+        grew("omniflow_stage_batch_size", **talk),
+        grew("omniflow_stage_gen_time_seconds", **talk),
+    )
+    assert batch["count"] >= 3 * requests  # a word per step
+    assert gen["count"] == batch["count"] == batch["+Inf"] == gen["+Inf"]
+    assert batch["1.0"] == batch["count"] and batch["sum"] == batch["count"]
+    assert gen["sum"] > 0
+    for edge in ("prompt.out->talk.prompt", "talk.text->text.in"):
+        handoff = grew("omniflow_edge_in_flight_time_seconds", model="probe", edge=edge)
+        chunks = value(after, "omniflow_edge_chunks_total", model="probe", edge=edge) - value(
+            before, "omniflow_edge_chunks_total", model="probe", edge=edge
+        )
+        assert handoff["count"] == handoff["+Inf"] == chunks >= requests, edge
+        assert handoff["sum"] > 0, edge
+    for buckets in (histogram(after, "omniflow_stage_gen_time_seconds", **talk),
+                    histogram(after, "omniflow_edge_in_flight_time_seconds", model="probe",
+                              edge="talk.text->text.in")):  # fmt: skip
+        cumulative = [v for key, v in buckets.items() if key not in ("count", "sum")]
+        assert cumulative == sorted(cumulative) and len(cumulative) > 5
+
+
 def test_every_series_has_help_text(http):
     text = http.get("/metrics").text
-    for name in ("omniflow_stage_batch_size", "omniflow_stage_step_duration_seconds",
-                 "omniflow_edge_handoff_seconds", "omniflow_ring_occupancy_ratio",
+    for name in ("omniflow_stage_batch_size", "omniflow_stage_gen_time_seconds",
+                 "omniflow_edge_in_flight_time_seconds", "omniflow_ring_occupancy_ratio",
                  "omniflow_edge_put_seconds", "omniflow_stage_queue_depth"):  # fmt: skip
         assert re.search(rf"^# HELP {name}(_total)? \S", text, re.M), name
 
@@ -103,41 +153,21 @@ def test_the_log_stats_json_has_a_line_per_request(http, served):
     assert mine[0]["e2e"]["transfers_total_kbytes"] > 0
 
 
-# --- the runtime's hook, in process -------------------------------------------------------
-@dataclass
-class StageStep:  # the shape of an event the engine may hand over as is
-    stage: str
-    batch_size: int
-    seconds: float
-    request_ids: tuple = ()
-    tokens_in: int = 0
-    tokens_out: int = 0
-
-
-def test_the_stats_hook_feeds_histograms_and_per_request_tables():
-    metrics = Metrics()
-    hook = PipelineStats(metrics, "chat")
-    hook(StageStep("thinker", 2, 0.004, ("r1", "r2"), tokens_out=1))
-    hook.stage_step("thinker", 1, 0.002, ["r1"], tokens_out=1)
-    hook.edge_transfer("thinker.text->text.in", 2048, 0.0001, "r1", in_flight_seconds=0.0002)
-    found = samples(metrics.render().decode())
-    assert value(found, "omniflow_stage_batch_size_count", model="chat", stage="thinker") == 2
-    assert value(found, "omniflow_stage_batch_size_sum", model="chat", stage="thinker") == 3
-    assert value(found, "omniflow_edge_handoff_seconds_count", model="chat",
-                 edge="thinker.text->text.in") == 1  # fmt: skip
+# --- the per-request tables, in process ----------------------------------------------------
+def test_the_stats_hook_keeps_each_request_s_tables_until_taken():
+    hook = PipelineStats()
+    hook(RequestStats("r1", {"thinker": {"batch_size": 2}}, {}))
+    hook(RequestStats("r1", {}, {"thinker.text->text.in": {"size_kbytes": 2.0}}))  # 2nd executor
     stats = hook.take("r1")
-    assert stats.stages["thinker"]["batch_size"] == 2
-    assert stats.stages["thinker"]["num_tokens_out"] == 2
-    assert stats.stages["thinker"]["stage_gen_time_ms"] == pytest.approx(6.0)
+    assert stats.stages == {"thinker": {"batch_size": 2}}
     assert stats.edges["thinker.text->text.in"]["size_kbytes"] == 2.0
     assert hook.take("r1").stages == {}  # taken once
 
 
 def test_log_stats_prints_the_tables_and_writes_json(tmp_path):
-    metrics = Metrics()
-    hook = PipelineStats(metrics, "chat")
-    hook.stage_step("thinker", 1, 0.002, ["r1"], tokens_in=5, tokens_out=3)
-    hook.edge_transfer("a->b", 1024, 0.001, "r1")
+    hook = PipelineStats()
+    stage = {"batch_size": 1, "num_tokens_in": 5, "num_tokens_out": 3, "stage_gen_time_ms": 2.0}
+    hook(RequestStats("r1", {"thinker": stage}, {"a->b": {"size_kbytes": 1.0, "tx_time_ms": 1.0}}))
 
     class Run:
         request_id, seed = "r1", 7
