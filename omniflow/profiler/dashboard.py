@@ -172,10 +172,13 @@ class Dashboard:
             "trace": self._trace is not None,
         }
 
-    def start_profile(self, gpu: bool = False) -> dict:
+    def start_profile(
+        self, gpu: bool = False, stages: list[str] | None = None, requests: list[str] | None = None
+    ) -> dict:
         """POST /start_profile: every executor starts recording (a profile already running
-        starts over); with `gpu`, the GPU stages' kernel timeline too."""
-        self.engine.start_profile(self.capacity, gpu)
+        starts over); with `gpu`, the GPU stages' kernel timeline too; only `stages` and the
+        requests whose ids start with one of `requests`, where given."""
+        self.engine.start_profile(self.capacity, gpu, stages, requests)
         with self._lock:
             self._profiling_since = time.monotonic()
             return self._profile_state()

@@ -90,12 +90,15 @@ class RequestStats(msgspec.Struct, tag=True):
 
 class Profile(msgspec.Struct, tag=True):
     """Start recording events (`capacity` per executor; with `gpu`, the torch profiler's
-    kernel timeline too where the executor's stages run on CUDA), or stop. Either way the
+    kernel timeline too where the executor's stages run on CUDA; only `stages` and the
+    requests whose ids start with one of `requests`, where given), or stop. Either way the
     executor answers `Profiled`: empty when starting (it records from then on)."""
 
     on: bool
     capacity: int = 1 << 16
     gpu: bool = False
+    stages: list[str] | None = None
+    requests: list[str] = []
 
 
 class Profiled(msgspec.Struct, tag=True):

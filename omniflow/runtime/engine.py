@@ -30,7 +30,7 @@ from omniflow.errors import OmniflowError
 from omniflow.ir.kinds import SEED_PARAM
 from omniflow.plan import FRONTEND, Plan
 from omniflow.runtime import control
-from omniflow.runtime.gpu_timeline import gpu_executors
+from omniflow.runtime.gpu_timeline import ProfileError, gpu_executors
 from omniflow.runtime.loop import ProgramLoop
 from omniflow.runtime.port_values import concat
 from omniflow.runtime.preflight import preflight
@@ -162,7 +162,9 @@ class _Core:
             found[executor] = message
             if len(found) == len(self.transport.names):
                 self.profiles = None
-                reply.put([] if on else [*found.values(), self.frontend_profile(False)])
+                reply.put(
+                    [] if on else [*found.values(), self.frontend_profile(control.Profile(False))]
+                )
         elif isinstance(message, control.Inspection) and self.inspections is not None:
             found, reply = self.inspections
             found[executor] = message
@@ -172,8 +174,8 @@ class _Core:
                 frontend.calls = {FRONTEND: list(self.requests)}
                 reply.put({**found, FRONTEND: frontend})
 
-    def frontend_profile(self, on: bool, capacity: int = 1 << 16) -> control.Profiled | None:
-        recorded = self.frontend.profile(on, capacity)
+    def frontend_profile(self, ask: control.Profile) -> control.Profiled | None:
+        recorded = self.frontend.profile(ask)
         return None if recorded is None else control.Profiled(FRONTEND, **vars(recorded))
 
     # --- supervision ----------------------------------------------------------------------------
@@ -201,14 +203,15 @@ class _Core:
                 self.inspections = ({}, arg[0])
                 self.transport.broadcast(control.Inspect())
             elif command == "profile":
-                on, capacity, gpu, reply = arg
-                self.transport.broadcast(control.Profile(on, capacity, gpu))
+                ask, reply = arg
+                on = ask.on
+                self.transport.broadcast(ask)
                 if on:
-                    self.frontend_profile(True, capacity)
+                    self.frontend_profile(ask)
                 if self.transport.names:
                     self.profiles = ({}, reply, on)
                 else:  # every stage runs in the frontend: nobody else to wait for
-                    reply.put([] if on else [self.frontend_profile(False)])
+                    reply.put([] if on else [self.frontend_profile(control.Profile(False))])
             elif command == "close":
                 self.closed = True
 
@@ -398,19 +401,39 @@ class Engine:
         return self._ask("inspect", (), "answer an inspection", timeout)
 
     # --- profiling -----------------------------------------------------------------------------------
-    def start_profile(self, capacity: int = 1 << 16, gpu: bool = False) -> None:
+    def start_profile(
+        self,
+        capacity: int = 1 << 16,
+        gpu: bool = False,
+        stages: list[str] | None = None,
+        requests: list[str] | None = None,
+    ) -> None:
         """Every executor (and the frontend) starts recording events: up to `capacity` each,
         the oldest overwritten beyond that. Returns once every executor records (a request
         submitted after it is recorded whole), so setting up the buffers costs no request.
         With `gpu`, executors whose stages run on CUDA add the torch profiler's kernel
-        timeline (gpu_timeline.py); a plan with no such stage raises ProfileError."""
+        timeline (gpu_timeline.py); a plan with no such stage raises ProfileError.
+        `stages` records only those stages (their steps, and the chunks on the channels
+        into and out of them); `requests` only the requests whose ids start with one of
+        these prefixes (a whole id is its own prefix). A stage the plan lacks is a
+        ProfileError."""
+        if stages is not None:
+            known = [s.name for s in self.plan.stages]
+            unknown = [s for s in stages if s not in known]
+            if unknown:
+                raise ProfileError(
+                    f"no stage {', '.join(map(repr, unknown))} in pipeline "
+                    f"'{self.plan.pipeline}'; its stages: {', '.join(known)}",
+                    param="stages",
+                )
         if gpu:
             gpu_executors(self.plan)  # raises when there is none
-        self._ask("profile", (True, capacity, gpu), "start profiling")
+        start = control.Profile(True, capacity, gpu, stages, list(requests or ()))
+        self._ask("profile", (start,), "start profiling")
 
     def stop_profile(self, timeout: float = 30.0) -> list[control.Profiled]:
         """Stop recording; what every executor and the frontend recorded (events.py)."""
-        return self._ask("profile", (False, 0, False), "hand over their events", timeout)
+        return self._ask("profile", (control.Profile(False),), "hand over their events", timeout)
 
     def _ask(self, command: str, arg: tuple, what: str, timeout: float = 10.0):
         reply: queue.SimpleQueue = queue.SimpleQueue()

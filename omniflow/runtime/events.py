@@ -8,6 +8,11 @@ grows. Times are `time.monotonic_ns()`, one clock for every process of a host, s
 events of all executors merge into one timeline. Names (stages, channels) and request ids
 are interned once into small tables. A loop that is not profiled has no recorder and pays
 one `is None` test per site.
+
+A profile may be narrowed (`engine.start_profile(stages=..., requests=...)`): the recorder
+knows only the names it records (an event about another is dropped by the same table
+look-up that interns it), and decides once per request id, when it first sees it, whether
+it starts with one of the prefixes asked for.
 """
 
 from __future__ import annotations
@@ -27,12 +32,18 @@ WAIT = 5  # the loop slept: dur=how long
 START = 6  # a request's parameters reached the loop: what=stage
 KIND_NAMES = {STEP: "step", CALL: "call", SEND: "send", RECV: "recv", WAIT: "wait", START: "start"}
 NO_REQUEST = -1
+SKIPPED = -2  # a request the profile does not record
 
 
 class Recorder:
-    def __init__(self, names: list[str], capacity: int = 1 << 16):
+    """`names`: the stages and channels to record (events of others are dropped);
+    `requests`: request id prefixes to record (empty: every request)."""
+
+    def __init__(self, names: list[str], capacity: int = 1 << 16, requests: tuple[str, ...] = ()):
         self.names = list(names)
-        self.index = {name: i for i, name in enumerate(self.names)}
+        self.index: dict[str | None, int] = {name: i for i, name in enumerate(self.names)}
+        self.index[None] = -1  # an event about no stage or channel (the loop's sleeps)
+        self.prefixes = tuple(requests)
         self.capacity = capacity
         self.buffer = array.array("q", [0]) * (FIELDS * capacity)
         self.pack = struct.Struct(f"{FIELDS}q").pack_into
@@ -43,24 +54,35 @@ class Recorder:
     def request(self, request_id: str) -> int:
         index = self.request_index.get(request_id)
         if index is None:
-            index = self.request_index[request_id] = len(self.requests)
-            self.requests.append(request_id)
+            if self.prefixes and not request_id.startswith(self.prefixes):
+                index = SKIPPED
+            else:
+                index = len(self.requests)
+                self.requests.append(request_id)
+            self.request_index[request_id] = index
         return index
 
     def add(
         self, kind: int, what: str | None, request: str | None, t: int, dur: int = 0, n=0, m=0
-    ) -> None:
-        count = self.count
-        self.count = count + 1
+    ) -> bool:
+        """Record an event; False if the profile does not record its stage, channel or
+        request."""
         if request is None:
             rid = NO_REQUEST
         else:
             rid = self.request_index.get(request)
             if rid is None:
                 rid = self.request(request)
-        what_index = -1 if what is None else self.index[what]
+            if rid == SKIPPED:
+                return False
+        what_index = self.index.get(what)
+        if what_index is None:
+            return False
+        count = self.count
+        self.count = count + 1
         offset = (count % self.capacity) * 8 * FIELDS
         self.pack(self.buffer, offset, t, dur, kind, what_index, rid, n, m)
+        return True
 
     def dump(self) -> RecordedEvents:
         """Every event still in the buffer, oldest first."""

@@ -160,7 +160,7 @@ def _obey(loop: ProgramLoop, end: ControlEnd, message: control.Message) -> bool:
     elif isinstance(message, control.Profile):
         # Answered either way: the engine waits until every executor records (or has
         # handed over what it recorded; nothing, if it was restarted meanwhile).
-        recorded = loop.profile(message.on, message.capacity, message.gpu)
+        recorded = loop.profile(message)
         answer = vars(recorded) if recorded is not None else {}
         end.send(control.Profiled(loop.name, **answer))
     elif isinstance(message, control.Shutdown):

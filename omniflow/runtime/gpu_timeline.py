@@ -24,7 +24,12 @@ Kernel = tuple[str, int, int, int]  # name, start (monotonic ns), duration ns, d
 
 
 class ProfileError(OmniflowError):
-    """A profile was asked for that this plan or machine cannot record."""
+    """A profile was asked for that this plan or machine cannot record; `param`: the option
+    at fault (the server's 400 names it)."""
+
+    def __init__(self, message: str, param: str = "gpu"):
+        super().__init__(message)
+        self.param = param
 
 
 def on_cuda(program: Program) -> bool:

@@ -148,11 +148,15 @@ class StageRunner:
         return events
 
     def _record(self, batch: list[Call], began: int, took: int) -> None:
-        self.recorder.add(events.STEP, self.name, None, began, took, len(batch))
+        recorded = False  # the step of a batch of requests the profile leaves out is too
         for call in batch:
             out = sum(steps(self.spec.outputs[p].type, v) for p, v in call.emitted)
             ended = call.finished or call.error is not None
-            self.recorder.add(events.CALL, self.name, call.request_id, began, took, out, ended)
+            recorded |= self.recorder.add(
+                events.CALL, self.name, call.request_id, began, took, out, ended
+            )
+        if recorded:
+            self.recorder.add(events.STEP, self.name, None, began, took, len(batch))
 
     def _tally(self, batch: list[Call], took: int) -> None:
         out = [_steps_out(self.spec, call) for call in batch]
@@ -400,19 +404,25 @@ class ProgramLoop:
             runner.purge(now)
 
     # --- profiling ----------------------------------------------------------------------------
-    def profile(
-        self, on: bool, capacity: int = 1 << 16, gpu: bool = False
-    ) -> RecordedEvents | None:
-        """Start recording (a fresh buffer; with `gpu`, the kernel timeline too if this
-        program's stages run on CUDA), or stop and return what was recorded."""
-        if on:
-            names = [*self.runners, *(c.name for c in self.program.inbound + self.program.outbound)]
-            self.recorder = Recorder(names, capacity)
-            if gpu and on_cuda(self.program) and self.timeline is None:
+    def profile(self, ask: control.Profile) -> RecordedEvents | None:
+        """Start recording (a fresh buffer of `ask.capacity` events; with `ask.gpu`, the
+        kernel timeline too if this program's stages run on CUDA), or stop and return what
+        was recorded. With `ask.stages`, only those stages and the channels into and out of
+        them are recorded (a program with none of them records nothing); with
+        `ask.requests`, only the requests whose ids start with one of them."""
+        if ask.on:
+            stages = ask.stages
+            wanted = set(self.runners if stages is None else stages)
+            channels = self.program.inbound + self.program.outbound
+            names = [s for s in self.runners if s in wanted] + [
+                c.name for c in channels if stages is None or {c.src, c.dst} & wanted
+            ]
+            self.recorder = Recorder(names, ask.capacity, tuple(ask.requests)) if names else None
+            if ask.gpu and names and on_cuda(self.program) and self.timeline is None:
                 self.timeline = KernelTimeline("cuda")
                 self.timeline.start()
-        recorded = None if on or self.recorder is None else self.recorder.dump()
-        if not on:
+        recorded = None if ask.on or self.recorder is None else self.recorder.dump()
+        if not ask.on:
             self.recorder = None
             if self.timeline is not None:
                 kernels, self.timeline = self.timeline.stop(), None

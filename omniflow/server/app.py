@@ -217,9 +217,11 @@ async def until_disconnect(request: Request, work):
 
 # --- the app ------------------------------------------------------------------------------------
 class StartProfile(msgspec.Struct, forbid_unknown_fields=True):
-    """POST /start_profile's body."""
+    """POST /start_profile's body (`engine.start_profile`'s options)."""
 
     gpu: bool = False
+    stages: list[str] | None = None
+    requests: list[str] | None = None
 
 
 def _sync(handler: Callable[[Request], Response]):
@@ -447,16 +449,22 @@ def create_app(server: Server) -> FastAPI:
 
     async def start_profile(request: Request) -> Response:
         """POST /start_profile, its body optional: {"gpu": true} adds the GPU stages' CUDA
-        kernel timeline (a plan without any is a 400 saying so)."""
+        kernel timeline (a plan without any is a 400 saying so); {"stages": [...]} and
+        {"requests": [...]} (id prefixes) narrow what is recorded (an unknown stage: 400)."""
         try:
             options = msgspec.json.decode(await request.body() or b"{}", type=StartProfile)
         except msgspec.MsgspecError as err:
-            raise APIError(400, f'POST /start_profile takes {{"gpu": bool}}: {err}') from None
+            raise APIError(
+                400,
+                'POST /start_profile takes {"gpu": bool, "stages": [str], "requests": [str]}: '
+                f"{err}",
+            ) from None
         dashboard = dashboard_of(request)
+        start = partial(dashboard.start_profile, options.gpu, options.stages, options.requests)
         try:
-            state = await anyio.to_thread.run_sync(partial(dashboard.start_profile, options.gpu))
+            state = await anyio.to_thread.run_sync(start)
         except ProfileError as err:
-            raise APIError(400, str(err), param="gpu") from None
+            raise APIError(400, str(err), param=err.param) from None
         return JSONResponse(state)
 
     app.add_api_route("/start_profile", start_profile, methods=["POST"], include_in_schema=False)

@@ -40,3 +40,26 @@ def test_start_profile_takes_a_gpu_field_and_says_why_a_cpu_pipeline_cannot(serv
         assert unknown.status_code == 400 and "kernels" in unknown.json()["error"]["message"]
         assert client.post(url, params=model, json={"gpu": False}).status_code == 200
         assert client.post("/stop_profile", params=model).status_code == 200
+
+
+def test_start_profile_narrows_to_stages_and_request_id_prefixes(served):
+    model = {"model": "probe"}
+    chat = {**model, "messages": [{"role": "user", "content": "two words"}]}
+
+    def talk_steps(client, narrowed: dict) -> list[dict]:
+        assert client.post("/start_profile", params=model, json=narrowed).status_code == 200
+        ids = {client.post("/v1/chat/completions", json=chat).headers["x-request-id"]}
+        ids.add(client.post("/v1/chat/completions", json=chat).headers["x-request-id"])
+        assert client.post("/stop_profile", params=model).status_code == 200
+        trace = client.get("/profile/trace.json", params=model).json()
+        steps = [e for e in trace["traceEvents"] if e["name"] == "talk step"]
+        assert {c["request"] for s in steps for c in s["args"]["calls"]} <= ids
+        return steps
+
+    with served.client() as client:
+        assert talk_steps(client, {"stages": ["talk"], "requests": ["chatcmpl-"]})
+        assert talk_steps(client, {"requests": ["img-"]}) == []  # no chat request matches
+        refused = client.post("/start_profile", params=model, json={"stages": ["talker"]})
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["param"] == "stages" and "its stages: talk" in error["message"]
