@@ -1,11 +1,14 @@
 """Recorded events -> Chrome trace-event JSON, which Perfetto UI and chrome://tracing open.
 
 One process per executor (the frontend too), one track per stage, one for the program's
-channels and one for its loop's sleeps; with a GPU profile, one more for each GPU
-executor's CUDA kernels (gpu_timeline.py puts them on the same clock). A stage step is a slice whose args name its batch:
-the requests in it and what each emitted. A chunk is a slice on the channels track where it
-was put and another where it was taken, joined by a flow arrow. Timestamps are the hosts's
-monotonic clock in microseconds, shared by every executor of the host.
+channels and one for its loop's sleeps; with a GPU profile, one more for each GPU executor's
+CUDA kernels (gpu_timeline.py puts them on the same clock); on the frontend, one for
+admission: per request, `admit` (checking it against the plan) then `queued` (until its
+inputs go out). A stage step is a slice whose args name its batch: the requests in it and
+what each emitted. A chunk is a slice on the channels track where it was put and another
+where it was taken, joined by a flow arrow; its pass through an edge's adapter or map chain
+is a slice (`adapt ...`, `map ...`) on the channels track where that ran. Timestamps are the
+host's monotonic clock in microseconds, shared by every executor of the host.
 
 Counters, derived from the same events when the trace is made (nothing more is recorded):
 per channel, the chunks put and not yet taken (in its ring or waiting in the producer's
@@ -27,7 +30,7 @@ from omniflow.runtime import events
 from omniflow.runtime.control import Profiled
 from omniflow.runtime.events import RecordedEvents
 
-LOOP_TRACK, CHANNEL_TRACK, GPU_TRACK = 0, 1, 2
+LOOP_TRACK, CHANNEL_TRACK, GPU_TRACK, ADMISSION_TRACK = 0, 1, 2, 3
 
 
 def chrome_trace(
@@ -117,6 +120,8 @@ def _process(pid: int, profile: Profiled, received: set[tuple]) -> list[dict]:
             out.append(_slice(pid, GPU_TRACK, name, start / 1e3, dur, {"device": device}))
     calls: dict[tuple[str, int], list] = defaultdict(list)
     rows = recorded.events()
+    if any(kind == events.ADMIT for _t, _dur, kind, *_ in rows):
+        tracks[ADMISSION_TRACK] = "admission"
     for t, _dur, kind, what, request, n, m in rows:
         if kind == events.CALL:
             calls[names[what], t].append(
@@ -127,7 +132,7 @@ def _process(pid: int, profile: Profiled, received: set[tuple]) -> list[dict]:
         rid = requests[request] if request >= 0 else None
         ts = t / 1e3
         if kind in (events.STEP, events.START):
-            tid = track_of.setdefault(name, len(tracks) + len(track_of))
+            tid = track_of.setdefault(name, max(tracks) + 1 + len(track_of))
             if kind == events.STEP:
                 args = {"batch": n, "calls": calls.get((name, t), [])}
                 out.append(_slice(pid, tid, f"{name} step", ts, dur, args))
@@ -147,6 +152,14 @@ def _process(pid: int, profile: Profiled, received: set[tuple]) -> list[dict]:
                 out.append(_flow("f", pid, flow, ts, name))
         elif kind == events.WAIT:
             out.append(_slice(pid, LOOP_TRACK, "idle", ts, dur, {}))
+        elif kind == events.ADAPT:
+            verb = "adapt" if m == events.ADAPTER else "map"
+            args = {"request": rid, "chunk": n}
+            out.append(_slice(pid, CHANNEL_TRACK, f"{verb} {name}", ts, dur, args))
+        elif kind == events.ADMIT:  # n: the admission check, the rest of dur: queued
+            args = {"request": rid}
+            out.append(_slice(pid, ADMISSION_TRACK, f"admit {rid}", ts, n, args))
+            out.append(_slice(pid, ADMISSION_TRACK, f"queued {rid}", ts + n / 1e3, dur - n, args))
     for tid, track in [*tracks.items(), *((t, n) for n, t in track_of.items())]:
         out.append(_meta(pid, tid, "thread_name", track))
     return out

@@ -2,17 +2,22 @@
 cannot disagree: where values leave (`leaving`: the edge's adapter, then its fused map
 chain if the compiler put it on the producer's side), how a producer's steps are cut into
 the edge's scheduled chunks (`StreamWriter`), and where they arrive (`arriving`: the map
-chain if it runs on the consumer's side).
+chain if it runs on the consumer's side). While a loop is profiled, each chunk's pass
+through an adapter or map chain is recorded (`transformed`); an edge without either is the
+`identity` and records nothing.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omniflow.adapters import ADAPTERS
 from omniflow.kernels.pointwise import fused
 from omniflow.plan import ChannelPlan, StagePlan
+from omniflow.runtime import events
+from omniflow.runtime.events import Recorder
 from omniflow.runtime.port_values import TEXT_TYPES, concat, steps
 
 # send(request_id, chunk_index, value or None, end_of_stream)
@@ -20,14 +25,14 @@ Send = Callable[[str, int, object, bool], None]
 Transform = Callable[[object], object]
 
 
-def _identity(value):
+def identity(value):
     return value
 
 
 def _maps(channel: ChannelPlan, program: str) -> Transform:
     """The edge's fused map chain if it runs in `program`, else nothing."""
     if not channel.pointwise or channel.pointwise["runs_in"] != program:
-        return _identity
+        return identity
     chain = tuple((op["name"], tuple(op["args"])) for op in channel.pointwise["chain"])
     return lambda value: value if value is None else fused(value, chain)
 
@@ -46,8 +51,25 @@ def arriving(channel: ChannelPlan) -> Transform:
     """What happens to a value as it reaches its consumer: the maps, if they run there and
     not already where the value left (a fused edge)."""
     if channel.src_executor == channel.dst_executor:
-        return _identity
+        return identity
     return _maps(channel, channel.dst_executor)
+
+
+def transformed(
+    recorder: Recorder,
+    transform: Transform,
+    value,
+    channel: str,
+    request_id: str,
+    index: int,
+    how: int,
+):
+    """`transform(value)`, its time recorded as an ADAPT event (`how`: events.ADAPTER or
+    events.MAPS)."""
+    began = time.monotonic_ns()
+    value = transform(value)
+    recorder.add(events.ADAPT, channel, request_id, began, time.monotonic_ns() - began, index, how)
+    return value
 
 
 def load_adapter(channel: ChannelPlan, source: StagePlan | None) -> Transform | None:
@@ -74,11 +96,13 @@ class StreamWriter:
     (the whole stream at once for a whole-output edge), each through `leave`; the last
     chunk carries the end of the stream."""
 
-    def __init__(self, channel: ChannelPlan, send: Send, leave: Transform = _identity):
+    def __init__(self, channel: ChannelPlan, send: Send, leave: Transform = identity):
         self.channel = channel
         self.send = send
         self.leave = leave
         self.pending: dict[str, _Pending] = {}
+        self.recorder: Recorder | None = None  # while its loop is profiled
+        self.how = events.ADAPTER if channel.adapter else events.MAPS  # what `leave` runs
 
     def _target(self, index: int) -> int | None:
         schedule = self.channel.schedule
@@ -115,4 +139,10 @@ class StreamWriter:
     def _send(self, request_id: str, p: _Pending, value, end: bool) -> None:
         index = p.index
         p.index += 1
-        self.send(request_id, index, self.leave(value), end)
+        if self.recorder is None or self.leave is identity or value is None:
+            value = self.leave(value)
+        else:
+            value = transformed(
+                self.recorder, self.leave, value, self.channel.name, request_id, index, self.how
+            )
+        self.send(request_id, index, value, end)

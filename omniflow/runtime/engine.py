@@ -29,7 +29,7 @@ from pathlib import Path
 from omniflow.errors import OmniflowError
 from omniflow.ir.kinds import SEED_PARAM
 from omniflow.plan import FRONTEND, Plan
-from omniflow.runtime import control
+from omniflow.runtime import control, events
 from omniflow.runtime.gpu_timeline import ProfileError, gpu_executors
 from omniflow.runtime.loop import ProgramLoop
 from omniflow.runtime.port_values import concat
@@ -63,6 +63,8 @@ class _Request:
     open_outputs: set[str] = field(default_factory=set)
     indexes: dict[str, int] = field(default_factory=dict)
     awaiting_stats: set[str] = field(default_factory=set)  # executors yet to send its tables
+    arrived: int = 0  # monotonic ns when it reached the engine (profiled: events.ADMIT)
+    admit_ns: int = 0  # how long checking it against the plan took
     stats: dict[str, dict] = field(default_factory=lambda: {"stages": {}, "edges": {}})
 
 
@@ -110,6 +112,11 @@ class _Core:
         for program in self.plan.executors:
             params = {s.name: stage_params(s, request.admitted) for s in program.stages}
             self.transport.send_start(program.name, control.Start(request.id, params))
+        if self.frontend.recorder is not None:
+            queued = time.monotonic_ns() - request.arrived
+            self.frontend.recorder.add(
+                events.ADMIT, None, request.id, request.arrived, queued, request.admit_ns
+            )
         self.frontend.inject(request.id, request.admitted.inputs)
 
     def cancel(self, request_id: str, error: OmniflowError) -> None:
@@ -327,7 +334,10 @@ class Engine:
         if self._core.closed:
             raise EngineError("the engine is closed")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
-        request = _Request(request_id, self.admit(inputs, params), deliver)
+        arrived = time.monotonic_ns()
+        admitted = self.admit(inputs, params)
+        admit_ns = time.monotonic_ns() - arrived
+        request = _Request(request_id, admitted, deliver, arrived=arrived, admit_ns=admit_ns)
         self._command("submit", request)
         return request_id
 

@@ -1,5 +1,6 @@
 """What a program loop records while it is profiled: stage steps, each request's share of
-them, chunks handed to and taken from channels, and the loop's sleeps.
+them, chunks handed to and taken from channels, chunks through edges' adapters and map
+chains, the loop's sleeps, and (the frontend) each request's admission and queueing.
 
 A `Recorder` is one pre-allocated buffer of int64 fields (a ring of `capacity` events: the
 oldest are overwritten), so recording an event packs seven integers into it with one
@@ -30,7 +31,22 @@ SEND = 3  # a chunk onto a channel: what=channel, n=bytes, m=chunk index, dur=ti
 RECV = 4  # a chunk taken from a channel: what=channel, n=bytes, m=chunk index
 WAIT = 5  # the loop slept: dur=how long
 START = 6  # a request's parameters reached the loop: what=stage
-KIND_NAMES = {STEP: "step", CALL: "call", SEND: "send", RECV: "recv", WAIT: "wait", START: "start"}
+# A request at the frontend, recorded as its inputs begin to go out (their puts follow):
+# t=its arrival at the engine, n=ns its admission check took (in the caller's thread),
+# dur=until then (the rest: waiting for the I/O thread, and its Starts sent).
+ADMIT = 7
+ADAPT = 8  # a chunk through an edge's adapter or map chain: what=channel, n=chunk, m=ADAPTER/MAPS
+KIND_NAMES = {
+    STEP: "step",
+    CALL: "call",
+    SEND: "send",
+    RECV: "recv",
+    WAIT: "wait",
+    START: "start",
+    ADMIT: "admit",
+    ADAPT: "adapt",
+}
+ADAPTER, MAPS = 1, 2  # an ADAPT event's m: the adapter (then any maps of that side), maps only
 NO_REQUEST = -1
 SKIPPED = -2  # a request the profile does not record
 

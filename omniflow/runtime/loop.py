@@ -28,7 +28,7 @@ from omniflow.backends.registry import load_backend
 from omniflow.errors import ChannelError, PayloadTooLarge
 from omniflow.plan import ChannelPlan, Program
 from omniflow.runtime import control, events
-from omniflow.runtime.edges import StreamWriter, arriving, leaving
+from omniflow.runtime.edges import StreamWriter, arriving, identity, leaving, transformed
 from omniflow.runtime.events import RecordedEvents, Recorder
 from omniflow.runtime.gpu_timeline import KernelTimeline, on_cuda
 from omniflow.runtime.link import Links
@@ -310,11 +310,18 @@ class ProgramLoop:
                 for meta, value, release in inbound.receive():
                     rid, end, taken = meta.request_id, meta.end, time.monotonic_ns()
                     handoffs.add(taken - meta.sent)
-                    if self.recorder is not None:
+                    if self.recorder is None:
+                        value = arrive(value)
+                    else:
                         self.recorder.add(
                             events.RECV, name, rid, taken, 0, nbytes(value), meta.chunk
                         )
-                    value = arrive(value)
+                        if arrive is not identity and value is not None:
+                            value = transformed(
+                                self.recorder, arrive, value, name, rid, meta.chunk, events.MAPS
+                            )
+                        else:
+                            value = arrive(value)
                     if self.tallies is not None:
                         arrived = time.monotonic_ns()
                         self.tallies.received(
@@ -430,6 +437,9 @@ class ProgramLoop:
                     recorded.kernels = kernels
         for runner in self.runners.values():
             runner.recorder = self.recorder
+        for writers in self.writers.values():
+            for writer in writers:
+                writer.recorder = self.recorder
         return recorded
 
     def inspect(self) -> control.Inspection:
