@@ -167,19 +167,30 @@ def _alive(pid: int) -> bool:
     return True
 
 
+TICKING = """pipeline ticking {
+  stage src = python(fn=tests.runtime.stages.ticker, inputs="n:text", outputs="out:text")
+  input n: text -> src
+  src.out -> output text [stream]
+}
+"""
+
+
 @pytest.mark.slow
 def test_ctrl_c_cancels_cleanly_and_leaves_nothing_behind(tmp_path):
+    # A reply that would stream for hours (a tick every 50 ms), so the interrupt always lands
+    # mid-request however loaded the machine is.
+    (tmp_path / "ticking.omni").write_text(TICKING)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "omniflow.cli", "run", "--once", str(GRAPHS / "omni_chat.omni"), "--tiny",
-         "--input", "prompt=Tell me a long story.", "--out", str(tmp_path / "out")],
+        [sys.executable, "-m", "omniflow.cli", "run", "--once", str(tmp_path / "ticking.omni"),
+         "--input", "n=1000000", "--out", str(tmp_path / "out")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMNIFLOW_TEST_DELAY": "0.05"},
     )  # fmt: skip
-    # Interrupt once the reply streams (the thinker's first text reached the terminal).
+    # Interrupt once the reply streams (the first tick reached the terminal).
     assert proc.stdout.read(1)
     children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
     pids = {proc.pid, *map(int, children.stdout.split())}
-    assert len(pids) == 3  # the frontend and its two executors
+    assert len(pids) == 2  # the frontend and its executor
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130

@@ -53,3 +53,12 @@ def widen(call):
             "out", torch.zeros(1, 1 << 20, dtype=torch.int64) if int(chunk[0, 0]) == 99 else chunk
         )
         yield
+
+
+def ticker(call):
+    """`n` (text: a count) -> the text "tick " n times, one step at a time, `_delay()` each."""
+    text = yield from call.read_all("n")
+    for _ in range(int(text.split()[0])):
+        call.emit("out", "tick ")
+        time.sleep(_delay())
+        yield
