@@ -10,6 +10,11 @@ time. Prints ratios measured side by side in one run.
     python benchmarks/streaming.py              # tiny models, CPU
     python benchmarks/streaming.py --devices 1xH200 --scaled 0.5   # real widths, half the layers
     python benchmarks/streaming.py --devices 1xH200 --model-dir DIR  # any Qwen2.5-Omni checkpoint
+    python benchmarks/streaming.py --devices 1xH200 --scaled 1 --decode eager graphs  # before/after
+
+`--decode` runs each variant once per decode mode of the AR stages ("auto": graphs on CUDA,
+eager on CPU; "eager": the dynamic cache; "graphs": static cache + CUDA graphs), so one
+table holds the eager and the graph-captured pipeline side by side.
 
     python benchmarks/streaming.py --profile [--rounds 6]   # profiling on vs off
 
@@ -48,13 +53,16 @@ def whole_edges(text: str) -> str:
     return re.sub(r"(output \w+) \[stream\]", r"\1", text)
 
 
-def plan_for(text: str, devices: str, model: str | None, audio_tokens: int):
+def plan_for(text: str, devices: str, model: str | None, audio_tokens: int, decode: str):
     graph = graph_from_source(text, str(GRAPH))
     graph = graph.copy() if model else use_tiny_models(graph)
     if model:
         graph.model = model
     # Random weights rarely say end-of-speech: bound the talker so every variant does equal work.
     graph.node("talker").params["max_tokens"] = audio_tokens
+    if decode != "auto":
+        for name in ("thinker", "talker"):
+            graph.node(name).params["decode"] = decode
     return compile_graph(graph, devices)
 
 
@@ -149,6 +157,10 @@ def main() -> None:
     parser.add_argument("--audio-tokens", type=int, default=64, help="codec tokens per request")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 10])
     parser.add_argument(
+        "--decode", nargs="+", default=["auto"], choices=["auto", "eager", "static", "graphs"]
+    )
+    parser.add_argument("--variants", nargs="+", default=["streaming", "whole"])
+    parser.add_argument(
         "--baseline-requests",
         type=int,
         help="requests the sequential baseline measures (default: the largest concurrency)",
@@ -162,20 +174,34 @@ def main() -> None:
         args.model_dir = str(scaled_checkpoint(args.scaled, device))
     text = GRAPH.read_text()
     if args.profile:
-        plan = plan_for(text, args.devices, args.model_dir, args.audio_tokens)
+        plan = plan_for(text, args.devices, args.model_dir, args.audio_tokens, args.decode[0])
         profile_overhead(plan, args.concurrency, args.max_tokens, args.rounds)
         return
-    variants = {
-        "streaming": plan_for(text, args.devices, args.model_dir, args.audio_tokens),
-        "whole": plan_for(whole_edges(text), args.devices, args.model_dir, args.audio_tokens),
-    }
+    sources = {"streaming": text, "whole": whole_edges(text)}
+    variants = {}
+    for decode in args.decode:
+        for variant in args.variants:
+            name = variant if len(args.decode) == 1 else f"{variant} {decode}"
+            variants[name] = plan_for(
+                sources[variant], args.devices, args.model_dir, args.audio_tokens, decode
+            )
     model_dir = args.model_dir or model_path("tiny:qwen2.5-omni")
     rows = {}
     for name, plan in variants.items():
+        start = time.perf_counter()
         with Engine(plan, "process") as engine:
             run_engine(engine, 1, args.max_tokens)  # warm up
+            print(
+                f"{name}: engine up and one request served in {time.perf_counter() - start:.1f} s",
+                flush=True,
+            )
             for c in args.concurrency:
-                rows[name, c] = run_engine(engine, c, args.max_tokens)
+                rows[name, c] = ttfp, e2e, wall = run_engine(engine, c, args.max_tokens)
+                print(
+                    f"  {name} at {c}: TTFP {statistics.median(ttfp) * 1e3:.1f} ms, "
+                    f"E2E {statistics.median(e2e) * 1e3:.1f} ms, {c / wall:.2f} req/s",
+                    flush=True,
+                )
     measured = args.baseline_requests or max(args.concurrency)
     latencies = monolithic_latencies(
         model_dir, device, measured, args.max_tokens, args.audio_tokens
@@ -183,15 +209,15 @@ def main() -> None:
     for c in args.concurrency:
         rows["hf sequential", c] = sequential(latencies, c)
     print(
-        f"{'variant':>14} {'conc':>4} {'TTFP ms':>9} {'E2E ms':>9} {'TTFP/E2E':>9} {'req/s':>7} {'vs hf':>7}"
+        f"{'variant':>16} {'conc':>4} {'TTFP ms':>9} {'E2E ms':>9} {'TTFP/E2E':>9} {'req/s':>7} {'vs hf':>7}"
     )
     for c in args.concurrency:
         base = c / rows["hf sequential", c][2]
-        for name in ("streaming", "whole", "hf sequential"):
+        for name in (*variants, "hf sequential"):
             ttfp, e2e, wall = rows[name, c]
             t, e = statistics.median(ttfp) * 1e3, statistics.median(e2e) * 1e3
             print(
-                f"{name:>14} {c:>4} {t:>9.1f} {e:>9.1f} {t / e:>8.1%} {c / wall:>7.2f} {(c / wall) / base:>6.2f}x"
+                f"{name:>16} {c:>4} {t:>9.1f} {e:>9.1f} {t / e:>8.1%} {c / wall:>7.2f} {(c / wall) / base:>6.2f}x"
             )
     print(
         "(medians over the concurrent requests; TTFP = first audio chunk; vs hf = throughput ratio;"

@@ -345,6 +345,20 @@ class Params:
         # The weight at or below which top-p drops a token, as a share of the total (0: off).
         self.budget = torch.where(self.top_p < 1, 1 - self.top_p, 0).float()
 
+    @classmethod
+    def of_buffers(
+        cls, *, temperature, top_k, top_p, budget, repetition_penalty, seed, step
+    ) -> Params:
+        """Params over `[B]` tensors the caller owns, kept as they are (no copies): a decode
+        loop replayed from a CUDA graph keeps its parameters in static buffers and updates
+        them in place. Each must already have its field's dtype (`budget` float32, as
+        `__init__` derives it from top_p)."""
+        params = cls.__new__(cls)
+        params.temperature, params.top_k, params.top_p = temperature, top_k, top_p
+        params.penalty, params.seed, params.step = repetition_penalty, seed, step
+        params.budget = budget
+        return params
+
 
 def _rows(value, rows: int, dtype: torch.dtype, device, name: str) -> torch.Tensor:
     if not torch.is_tensor(value):
@@ -376,22 +390,29 @@ def sample_triton(
     *,
     with_mask: bool = False,
     block: int = BLOCK,
+    out: torch.Tensor | None = None,
+    scratch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run the Triton kernel: ids `[B]` int64 and, with `with_mask`, the kept set `[B, V]`
     (for greedy rows, the chosen token). Any device Triton can run on, including the CPU
-    under `TRITON_INTERPRET=1`."""
+    under `TRITON_INTERPRET=1`. `out` (`[B]` int64) and `scratch` (`[B, 5 V]` float32,
+    contiguous) are buffers to use instead of fresh ones: a CUDA graph captures the call
+    with its buffers fixed."""
     _check(logits, seen)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
     device = logits.device
-    ids = torch.empty(rows, dtype=torch.int64, device=device)
+    ids = torch.empty(rows, dtype=torch.int64, device=device) if out is None else out
     # Without `with_mask` the kernel writes no mask; `ids` only fills the argument.
     mask = torch.empty(rows, vocab, dtype=torch.bool, device=device) if with_mask else ids
     if seen is not None and seen.stride(-1) != 1:
         seen = seen.contiguous()
     # Per row: its scores and two generations of candidates' scores and ids (20 bytes a token).
-    scratch = torch.empty(rows, 5 * vocab, dtype=torch.float32, device=device)
+    if scratch is None:
+        scratch = torch.empty(rows, 5 * vocab, dtype=torch.float32, device=device)
+    elif scratch.shape != (rows, 5 * vocab) or not scratch.is_contiguous():
+        raise SamplingError(f"scratch must be a contiguous float32 [{rows}, {5 * vocab}]")
     if rows:
         _sample_kernel[(rows,)](
             logits,

@@ -28,6 +28,14 @@ What it owns:
   seeded with `seed`, `max_tokens`, stop token ids and stop strings, the model's EOS ids
   and suppressed ids. Missing parameters come from the model's generation defaults, else
   from the `ar` kind's defaults.
+- Decode on a static cache (`decode`: "graphs", the default on CUDA, or "static"): every
+  request owns a slot of a KV cache pre-allocated at load, sized from the stage's budget
+  (`cache_columns`), and a decode step is replayed from a CUDA graph captured at load for
+  its batch and length buckets (`omniflow.backends.static_decode`); prefill stays eager
+  (the same forward as above, whose cache is then copied into the request's slot). The
+  step's inputs, sampling parameters and seen masks live on the device; a step writes
+  which rows advance and reads back the sampled ids. `decode="eager"` (the default on
+  CPU) is the batched `DynamicCache` path above, token-identical to `generate`.
 - Streaming: per generated token, `tokens` `[1, 1]` int64, `codes` `[1, Q]` (codec LMs),
   `hidden` (the component says what: the last hidden state `[1, 1, H]` for a plain LM), and
   `text` pieces from `TextStream`, which never splits a UTF-8 character and holds back what
@@ -43,12 +51,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from omniflow.backends import static_decode
 from omniflow.backends.checkpoint_files import architecture
 from omniflow.backends.registry import architecture_loader
 from omniflow.backends.sampling_params import Sampling, kind_defaults
 from omniflow.dtypes import torch_dtype
 from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
+from omniflow.ir.kinds import KINDS
 from omniflow.kernels.sampling import sample
 from omniflow.models.resolve import model_path
 from omniflow.runtime.stage import Backend, Call, StageSpec
@@ -127,9 +137,18 @@ class Component(ABC):
         return True
 
     def step_embeds(self, seqs: list[Sequence]) -> torch.Tensor:
-        """[n, E]: the input embedding of each sequence's next decode step."""
+        """[n, E]: the input embedding of each sequence's next decode step: the embedding of
+        the id it sampled last, plus `step_extra`'s row if the component has one."""
         ids = torch.tensor([s.last for s in seqs], device=self.embed.weight.device)
-        return self.embed(ids)
+        embeds = self.embed(ids)
+        extra = self.step_extra(seqs)
+        return embeds if extra is None else embeds + extra
+
+    def step_extra(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """[n, E] added to each sequence's last-id embedding in its next decode step, or None
+        (nothing added). The static decode path calls only this, so a component whose step
+        inputs are not this sum overrides `step_embeds` and decodes eagerly."""
+        return None
 
     def code(self, token: int) -> torch.Tensor | None:
         """The `codes` output `[1, Q]` of a sampled token (None: emit none): by default the
@@ -141,6 +160,12 @@ class Component(ABC):
         states `[L, H]` and input embeddings `[L, E]` at the positions it fed: by default the
         last position's hidden state (the one its new token was sampled from), `[1, 1, H]`."""
         return hidden[-1:, None].clone()
+
+    def hidden_rows(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """The `hidden` outputs of one decode step of n requests, from their last hidden
+        states `[n, H]` and input embeddings `[n, E]`: row i's value is `[i : i + 1]`, the
+        same as `hidden_value` of that row alone."""
+        return hidden[:, None].clone()
 
 
 class CausalLM(Component):
@@ -379,14 +404,15 @@ class Sequence:
     generated: int = 0
     last: int = -1  # the id sampled last
     seed: int = 0  # the GPU sampler's stream: (seed, generated) picks each draw
+    slot: int = -1  # on the static path: its slot (= its row) in the static cache
 
 
 class TransformersAR(Backend):
     """An `ar` stage on transformers: continuous batching with one KV cache row per request."""
 
-    def __init__(self, spec: StageSpec, device: str):
+    def __init__(self, spec: StageSpec, device: str, component: Component | None = None):
         super().__init__(spec, device)
-        self.component = load_component(spec, device)
+        self.component = load_component(spec, device) if component is None else component
         name, c = spec.plan.name, self.component
         wrong = {p: t for p, t in spec.inputs.items() if t not in c.inputs.get(p, ())}
         missing = c.required - set(spec.inputs)
@@ -417,6 +443,37 @@ class TransformersAR(Backend):
         self.rows: list[Sequence] = []
         self.cache = None  # one row per entry of self.rows
         self.mask: torch.Tensor | None = None  # [rows, columns]: a row's own cache columns
+        self.decode, self.static = self._static_decoder()
+
+    def _static_decoder(self) -> tuple[str, static_decode.StaticDecoder | None]:
+        """The decode mode ("eager", "static" or "graphs") and, unless eager, the static
+        cache (graphs captured for "graphs"). "auto" is "graphs" on CUDA where the model
+        supports it, else "eager"."""
+        plan, c = self.spec.plan, self.component
+        mode = plan.settings.get("decode", KINDS["ar"].params["decode"].default)
+        cuda = torch.device(self.device).type == "cuda"
+        why = static_decode.unsupported(c.decoder)
+        if why is None and type(c).step_embeds is not Component.step_embeds:
+            why = f"{type(c).__name__} builds its own step inputs"
+        if mode == "auto":
+            mode = "graphs" if cuda and why is None else "eager"
+        if mode == "eager":
+            return mode, None
+        if why is not None:
+            raise ARBackendError(f"stage '{plan.name}': decode='{mode}' cannot run: {why}")
+        if mode == "graphs" and not cuda:
+            raise ARBackendError(
+                f"stage '{plan.name}': decode='graphs' needs a CUDA device, not {self.device}"
+            )
+        decoder = static_decode.StaticDecoder(
+            c,
+            slots=self.capacity,
+            columns=cache_columns(plan, static_decode.kv_bytes_per_token(c.decoder)),
+            device=self.device,
+            capture=mode == "graphs",
+            extra=type(c).step_extra is not Component.step_extra,
+        )
+        return mode, decoder
 
     # --- the contract ---------------------------------------------------------------------------
     def ready(self, call: Call) -> bool:
@@ -446,7 +503,7 @@ class TransformersAR(Backend):
             elif self.component.can_step(seq):
                 stepping.append(seq)
         if stepping:
-            self._decode(stepping)
+            (self._decode_static if self.static else self._decode)(stepping)
         for call in starting:  # after the decode step, so new rows get no dummy column
             self._prefill(call)
 
@@ -457,6 +514,9 @@ class TransformersAR(Backend):
 
     def close(self) -> None:
         self.rows, self.cache, self.mask = [], None, None
+        if self.static is not None:
+            self.static.close()
+            self.static = None
         del self.component
         if self.device.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -479,6 +539,13 @@ class TransformersAR(Backend):
             if sampling.stop_strings and component.tokenizer is None:
                 raise ARBackendError("stop strings need a tokenizer, and this model has none")
             prompt = component.prompt(call)
+            length = prompt.embeds.shape[0]
+            if self.static and length + sampling.max_tokens - 1 > self.static.columns:
+                raise ARBackendError(
+                    f"a prompt of {length} positions and max_tokens {sampling.max_tokens} "
+                    f"need {length + sampling.max_tokens - 1} cache columns; stage "
+                    f"'{self.spec.plan.name}' has {self.static.columns} per request"
+                )
         except OmniflowError as err:
             call.fail(err)
             return
@@ -500,7 +567,6 @@ class TransformersAR(Backend):
             "text" in self.spec.outputs or sampling.stop_strings
         ):
             text = TextStream(component.tokenizer, sampling.stop_strings)
-        length = prompt.embeds.shape[0]
         seq = Sequence(
             call,
             sampling,
@@ -527,7 +593,7 @@ class TransformersAR(Backend):
             value = component.hidden_value(hidden, prompt.embeds, prompt=True)
         self._advance([seq], hidden[-1:], [value])
         if not call.finished:
-            self._join(seq, cache)
+            (self._join_static if self.static else self._join)(seq, cache)
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """One forward over every row; the rows of `seqs` advance, the others idle."""
@@ -545,13 +611,31 @@ class TransformersAR(Backend):
         hidden = self._forward(embeds, mask, positions, self.cache)[active, 0]
         self.mask = mask
         values = [None] * len(seqs)
-        for i, seq in enumerate(seqs):
+        if "hidden" in self.spec.outputs:
+            rows = self.component.hidden_rows(hidden, inputs)
+            values = [rows[i : i + 1] for i in range(len(seqs))]
+        for seq in seqs:
             seq.length += 1
-            if "hidden" in self.spec.outputs:
-                values[i] = self.component.hidden_value(
-                    hidden[i : i + 1], inputs[i : i + 1], prompt=False
-                )
         self._advance(seqs, hidden, values)
+        self._evict([s for s in seqs if s.call.finished])
+
+    def _decode_static(self, seqs: list[Sequence]) -> None:
+        """One step of the static decoder over every row (a graph replay on "graphs"); the
+        rows of `seqs` advance. Only the sampled ids come back to the host."""
+        slots = [s.slot for s in seqs]
+        ids = self.static.step(
+            len(self.rows),
+            slots,
+            max(s.length for s in seqs),
+            self.component.step_extra(seqs) if self.static.has_extra else None,
+        )
+        values = [None] * len(seqs)
+        if "hidden" in self.spec.outputs:
+            rows = self.component.hidden_rows(*self.static.outputs(slots))
+            values = [rows[i : i + 1] for i in range(len(seqs))]
+        for seq, value in zip(seqs, values, strict=True):
+            seq.length += 1
+            self._emit(seq, ids[seq.slot], value)
         self._evict([s for s in seqs if s.call.finished])
 
     def _advance(self, seqs: list[Sequence], hidden: torch.Tensor, values: list) -> None:
@@ -602,8 +686,44 @@ class TransformersAR(Backend):
             mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(new.values, width)])
         self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(own, width)])
 
+    def _join_static(self, seq: Sequence, cache) -> None:
+        """Copy a prefilled request's cache into the next free slot (its row)."""
+        seq.slot = len(self.rows)
+        self.rows.append(seq)
+        layers = _filled(cache)
+        sampling = seq.sampling
+        self.static.join(
+            seq.slot,
+            torch.stack([layer.keys[0] for layer in layers]),
+            torch.stack([layer.values[0] for layer in layers]),
+            {
+                "length": seq.length,
+                "offset": seq.position_offset,
+                "last": seq.last,
+                "step": seq.generated,
+                "temperature": sampling.temperature if seq.generator is not None else 0.0,
+                "top_k": sampling.top_k,
+                "top_p": sampling.top_p,
+                "repetition_penalty": sampling.repetition_penalty,
+                "seed": seq.seed,
+                "seen": seq.seen,
+            },
+        )
+        seq.seen = None  # from here on, the slot's seen mask (updated by the step)
+
     def _evict(self, gone: list[Sequence]) -> None:
         if not gone:
+            return
+        if self.static is not None:
+            for seq in gone:  # the last row moves into each hole: rows stay compact
+                last = self.rows[-1]
+                if last is not seq:
+                    self.static.move(last.slot, seq.slot, last.length)
+                    last.slot = seq.slot
+                    self.rows[seq.slot] = last
+                else:
+                    self.static.free(seq.slot)
+                self.rows.pop()
             return
         keep = [i for i, s in enumerate(self.rows) if all(s is not g for g in gone)]
         self.rows = [self.rows[i] for i in keep]
@@ -617,6 +737,25 @@ class TransformersAR(Backend):
         for layer in _filled(self.cache):
             layer.keys = layer.keys.index_select(0, rows).index_select(2, columns)
             layer.values = layer.values.index_select(0, rows).index_select(2, columns)
+
+
+def cache_columns(plan, bytes_per_token: int) -> int:
+    """Columns (positions) of the static cache per request: what one request may fill, its
+    prompt (up to the stage's `max_len`) plus its `max_tokens`, rounded up to the length
+    quantum; fewer where the stage's budget, less its weights and activations, cannot hold
+    that for `max_batch` requests (no fewer than one quantum)."""
+    params = KINDS["ar"].params
+    settings = plan.settings
+    quantum = static_decode.COLUMN_QUANTUM
+    wanted = settings.get("max_len", params["max_len"].default) + settings.get(
+        "max_tokens", params["max_tokens"].default
+    )
+    columns = -(-wanted // quantum) * quantum
+    room = plan.budget_bytes - plan.weight_bytes - plan.activation_bytes
+    if plan.budget_bytes > 0:
+        fits = room // (max(1, plan.batch) * bytes_per_token) // quantum * quantum
+        columns = max(quantum, min(columns, fits))
+    return columns
 
 
 def _filled(cache) -> list:

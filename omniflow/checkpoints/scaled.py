@@ -17,6 +17,7 @@ work.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -167,3 +168,93 @@ def scaled_checkpoint(depth: float, device: str = "cuda") -> Path:
         print(f"building {out} ...", flush=True)
         build_scaled_omni(out, depth, device)
     return out
+
+
+def scaled_stage(part: str, depth: float = 1.0, device: str = "cuda"):
+    """One AR stage of the scaled model as the transformers backend's `Component`, its
+    random bf16 weights made in memory on `device` (no checkpoint is written): what a GPU
+    test or `benchmarks/stage_steps.py` needs of the real-size model without ~20 GB on disk.
+
+    "thinker": the real `OmniThinker` (text prompts, `hidden` items for the talker).
+    "talker": the talker's decoder, head and input projection under `ScaledTalker`, which
+    takes token-id prompts (embedded by the talker's own table) and adds a fixed text-side
+    row to every step's input, as the real talker adds the thinker's row; it never ends
+    before max_tokens. Its step is the real talker's; what it skips is receiving streamed
+    conditioning."""
+    from transformers import (
+        Qwen2_5OmniTalkerForConditionalGeneration,
+        Qwen2_5OmniThinkerForConditionalGeneration,
+    )
+
+    from omniflow.backends.models.qwen_omni import OmniThinker
+
+    config, _, tokenizer = scaled_omni_config(depth)
+    classes = {
+        "thinker": (Qwen2_5OmniThinkerForConditionalGeneration, config.thinker_config),
+        "talker": (Qwen2_5OmniTalkerForConditionalGeneration, config.talker_config),
+    }
+    if part not in classes:
+        raise ModelConfigError(f"no AR stage '{part}'; use thinker or talker")
+    cls, part_config = classes[part]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with quiet(), torch.device(device):
+            model = cls(part_config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    if part == "thinker":
+        _silence_rows(model.lm_head.weight, len(tokenizer))
+        with torch.no_grad():
+            model.lm_head.weight[part_config.text_config.eos_token_id] = 0
+        return OmniThinker(model, tokenizer)
+    _silence_rows(model.codec_head.weight, _CODES)
+    return _scaled_talker_class()(model)
+
+
+@functools.cache
+def _scaled_talker_class():
+    from omniflow.backends.models.qwen_omni import _talker_defaults
+    from omniflow.backends.transformers_ar import Component, Prompt
+
+    class ScaledTalker(Component):
+        """The talker's decode step on token-id prompts (see `scaled_stage`)."""
+
+        inputs = {"prompt": ("tokens",)}
+        required = frozenset({"prompt"})
+        outputs = frozenset({"codes", "tokens", "hidden"})
+
+        def __init__(self, model):
+            config = model.config
+            self.model = model
+            self.decoder = model.model
+            self.head = model.codec_head
+            self.embed = model.get_input_embeddings()
+            self.eos_ids = frozenset()
+            self.suppress = (config.tts_codec_start_token_id,)
+            self.defaults = _talker_defaults()
+            weight = self.embed.weight
+            self.text_row = torch.randn(
+                weight.shape[1], generator=torch.Generator().manual_seed(0)
+            ).to(weight.device, weight.dtype)
+
+        def project(self, embeds):
+            return self.model.thinker_to_talker_proj(embeds)
+
+        def can_start(self, call) -> bool:
+            return call.inputs["prompt"].ended
+
+        def prompt(self, call) -> Prompt:
+            ids = torch.as_tensor(call.inputs["prompt"].take()).reshape(-1)
+            return Prompt(self.embed(ids.to(self.embed.weight.device)), ids.tolist())
+
+        def step_extra(self, seqs):
+            return torch.stack([self.text_row for _ in seqs])
+
+    return ScaledTalker
+
+
+def __getattr__(name: str):
+    if name == "ScaledTalker":  # defined on first use: it needs the backend's classes
+        return _scaled_talker_class()
+    raise AttributeError(name)

@@ -101,6 +101,10 @@ KINDS: dict[str, StageKind] = {
                 "max_len": ParamSpec(_INT, 4096, **_LENGTH),
                 "role": ParamSpec(_STR, "both", choices=("both", "prefill", "decode")),
                 "speaker": ParamSpec(_STR),
+                # How the transformers backend decodes: "graphs" (a static KV cache and
+                # CUDA graphs captured at load), "static" (the same step, eager), "eager"
+                # (a dynamic cache); "auto" is "graphs" on CUDA, "eager" on CPU.
+                "decode": ParamSpec(_STR, "auto", choices=("auto", "graphs", "static", "eager")),
             },
         ),
         _kind(

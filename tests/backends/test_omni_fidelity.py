@@ -6,7 +6,9 @@ one request at a time and several at once.
 
 The plan here is the thinker and talker of graphs/omni_chat.omni with text, tokens and
 codes as outputs (the codes through `qwen_omni.talker_to_code2wav`, as token2wav gets
-them); the code2wav stage belongs to the vocoder backend's tests."""
+them); the code2wav stage belongs to the vocoder backend's tests. The same holds on the
+static-cache decode path (`decode="static"`: the step CUDA graphs capture, run eagerly);
+on a GPU, graph replay gives that path's codes."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -73,6 +75,18 @@ def plan():
     return compile_source(SOURCE, devices="cpu")
 
 
+def decoding(decode: str, devices: str = "cpu"):
+    """The plan with both stages on the `decode` path."""
+    source = SOURCE.replace("= ar(", f'= ar(decode="{decode}", ')
+    assert source.count(f'decode="{decode}"') == 2
+    return compile_source(source, devices=devices)
+
+
+@pytest.fixture(scope="module")
+def static_plan():
+    return decoding("static")
+
+
 def run_case(run, case) -> dict:
     prompt, max_tokens, speaker = case
     return run({"prompt": prompt}, {"max_tokens": max_tokens, "speaker": speaker})
@@ -89,8 +103,9 @@ def assert_matches(out: dict, ref) -> None:
     assert len(raw) == min(len(ref.codec_ids) + 1, TALKER_MAX_TOKENS)
 
 
-def test_interpreter_matches_generate(plan, references):
-    interpreter = Interpreter(plan)
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_interpreter_matches_generate(plan, static_plan, references, decode):
+    interpreter = Interpreter(plan if decode == "eager" else static_plan)
     outs = [run_case(interpreter.run, case) for case in CASES]
     for out, ref in zip(outs, references, strict=True):
         assert_matches(out, ref)
@@ -99,9 +114,10 @@ def test_interpreter_matches_generate(plan, references):
     assert len(references[2].codec_ids) == TALKER_MAX_TOKENS
 
 
-@pytest.mark.parametrize("mode", ["inprocess", "process"])
-def test_engine_matches_generate(plan, references, mode):
-    with Engine(plan, mode) as engine:
+@pytest.mark.parametrize("mode", ["inprocess", "process", "inprocess-static"])
+def test_engine_matches_generate(plan, static_plan, references, mode):
+    mode, _, decode = mode.partition("-")
+    with Engine(static_plan if decode else plan, mode) as engine:
         for case, ref in zip(CASES, references, strict=True):
             assert_matches(run_case(engine.generate, case), ref)
         # All at once: the stages batch them, rows joining and leaving at different steps.
@@ -111,10 +127,15 @@ def test_engine_matches_generate(plan, references, mode):
             assert_matches(out, ref)
 
 
-def test_talker_rows_waiting_for_the_thinker_idle_in_the_batch(plan, references):
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_talker_rows_waiting_for_the_thinker_idle_in_the_batch(
+    plan, static_plan, references, decode
+):
     """The stages driven directly, the edge's adapter applied as the runtime applies it:
     each talker request gets its thinker rows at its own pace, so in most steps some rows
-    wait (masked dummy columns in the others' forward) and still give generate's codes."""
+    wait (masked dummy columns in the others' forward; on the static path, rows computed
+    and not advanced) and still give generate's codes."""
+    plan = plan if decode == "eager" else static_plan
     thinker, talker = (
         TransformersAR(StageSpec.from_channels(plan.stage(name), plan.channels), "cpu")
         for name in ("thinker", "talker")
@@ -186,3 +207,22 @@ def test_talker_needs_the_adapter_and_a_known_speaker(plan):
         RequestFailed, match="unknown speaker 'Nobody'; this model has Chelsie, Ethan"
     ):
         Interpreter(plan).run({"prompt": "hi"}, {"max_tokens": 3, "speaker": "Nobody"})
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_graph_replay_gives_the_static_steps_codes():
+    """Thinker and talker on cuda:0: replaying their captured graphs gives the text and codec
+    ids of the same static steps run eagerly, one request at a time and all at once."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    runs = {}
+    for decode in ("static", "graphs"):
+        with Engine(decoding(decode, "1xH200"), "inprocess") as engine:
+            alone = [run_case(engine.generate, case) for case in CASES]
+            with ThreadPoolExecutor(len(CASES)) as pool:
+                together = list(pool.map(lambda case: run_case(engine.generate, case), CASES))
+        runs[decode] = [
+            (out["tokens"].reshape(-1).tolist(), out["codec_tokens"].reshape(-1).tolist())
+            for out in alone + together
+        ]
+    assert runs["graphs"] == runs["static"]

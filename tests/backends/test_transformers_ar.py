@@ -2,8 +2,12 @@
 gives each request what it gets alone (and what transformers' `generate` gives), with one
 decoder forward per decode step; seeded sampling is per request; max_tokens, EOS, stop
 ids and stop strings end requests; streamed text never splits a character and adds up to
-the decoded tokens."""
+the decoded tokens. Every test of the `backend` fixture runs on both decode paths: the
+dynamic cache ("eager", the CPU default) and the static cache ("static": the step that
+CUDA graphs capture, run eagerly). On a GPU, graph replay gives what the eager static
+step gives, and nothing is captured after load."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -49,10 +53,20 @@ def plan():
     return compile_source(SOURCE, devices="cpu")
 
 
-@pytest.fixture(scope="module")
-def backend(plan):
-    stage = plan.stage("lm")
-    return TransformersAR(StageSpec.from_channels(stage, plan.channels), "cpu")
+def with_decode(plan, decode: str, name: str = "lm", **settings):
+    """The stage `name` of `plan` with its `decode` setting (and `settings`) replaced."""
+    stage = plan.stage(name)
+    return dataclasses.replace(stage, settings={**stage.settings, "decode": decode, **settings})
+
+
+def make_backend(plan, decode: str, device: str = "cpu", **settings) -> TransformersAR:
+    stage = with_decode(plan, decode, **settings)
+    return TransformersAR(StageSpec.from_channels(stage, plan.channels), device)
+
+
+@pytest.fixture(scope="module", params=["eager", "static"])
+def backend(plan, request):
+    return make_backend(plan, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +188,8 @@ def test_rows_left_out_of_a_step_and_dropped_rows_change_nothing(backend):
 
 
 def test_one_decoder_forward_per_decode_step(backend):
+    if backend.decode != "eager":
+        pytest.skip("the static path's decode step is not the decoder's forward")
     decoder = backend.component.decoder
     calls = []
     forward = decoder.forward
@@ -198,6 +214,73 @@ def test_one_decoder_forward_per_decode_step(backend):
     for call in batch:
         backend.drop(call)
     assert backend.rows == []
+
+
+def test_the_static_path_runs_one_step_per_decode_step_on_compact_rows(plan):
+    backend = make_backend(plan, "static")
+    static = backend.static
+    assert backend.cache is None and static.keys.shape == (2, 4, 2, 4224, 16)
+    shapes = []
+    run_step = static._run
+    static._run = lambda batch, length: (shapes.append((batch, length)), run_step(batch, length))
+    try:
+        batch = [request(PROMPTS[i], max_tokens=6) for i in (0, 1, 3)]
+        backend.step(batch)  # three prefills, eager; no static step
+        assert shapes == [] and [s.slot for s in backend.rows] == [0, 1, 2]
+        backend.step(batch[:2])  # the third row idles in the step
+        assert shapes == [(4, 128)]  # every row, padded to the batch bucket
+        backend.drop(batch[0])  # the last row moves into slot 0
+        assert [s.call for s in backend.rows] == [batch[2], batch[1]]
+        assert [s.slot for s in backend.rows] == [0, 1]
+        assert static.length[:2].tolist() == [s.length for s in backend.rows]
+        backend.step(batch[1:])
+        assert shapes[-1] == (2, 128)
+    finally:
+        del static._run
+    for call in batch:
+        backend.drop(call)
+    assert backend.rows == [] and static.length.tolist() == [0] * 4
+
+
+def test_the_static_path_crosses_length_buckets_as_the_dynamic_one_decodes(plan):
+    """A prompt just short of the first length bucket: its decode crosses from 128 to 256
+    columns and gives the dynamic path's tokens and hidden states."""
+    prompt = " ".join(["short long what tell hello the what blue"] * 7)  # 121 positions
+    eager = alone(make_backend(plan, "eager"), prompt, max_tokens=24)
+    backend = make_backend(plan, "static")
+    shapes = []
+    run_step = backend.static._run
+    backend.static._run = lambda b, t: (shapes.append(t), run_step(b, t))
+    static = alone(backend, prompt, max_tokens=24)
+    assert shapes == [128] * 7 + [256] * 16
+    assert static.tokens == eager.tokens and len(eager.tokens) == 24
+    for a, b in zip(static.hidden, eager.hidden, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_static_cache_is_sized_from_the_plan_and_refuses_what_cannot_fit(plan):
+    backend = make_backend(plan, "static", max_len=16)  # 16 + 12 columns: one quantum
+    assert backend.static.columns == 128 and backend.static.length_buckets == [128]
+    long = request(" ".join(["hello"] * 150))
+    short = request(PROMPTS[1], max_tokens=2)
+    backend.step([long, short])
+    assert isinstance(long.error, ARBackendError) and "cache columns" in str(long.error)
+    assert short.error is None and short.emitted
+    for call in (long, short):
+        backend.drop(call)
+    stage = with_decode(plan, "static")
+    per_token = transformers_ar.static_decode.kv_bytes_per_token(backend.component.decoder)
+    room = 4 * per_token * 300  # 4 slots of 300 columns: 256 after rounding down
+    tight = dataclasses.replace(
+        stage, budget_bytes=stage.weight_bytes + stage.activation_bytes + room
+    )
+    assert transformers_ar.cache_columns(tight, per_token) == 256
+    assert transformers_ar.cache_columns(stage, per_token) == 4224  # max_len 4096 + 12
+
+
+def test_decode_graphs_needs_cuda(plan):
+    with pytest.raises(ARBackendError, match="needs a CUDA device"):
+        make_backend(plan, "graphs")
 
 
 def test_seeded_sampling_is_per_request(backend):
@@ -287,8 +370,7 @@ def test_runs_in_a_plan_under_the_interpreter(plan, backend):
 def cuda_backend(plan):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    stage = plan.stage("lm")
-    return TransformersAR(StageSpec.from_channels(stage, plan.channels), "cuda:0")
+    return make_backend(plan, "eager", "cuda:0")  # the dynamic path's sampling on the GPU
 
 
 @pytest.mark.gpu
@@ -317,3 +399,70 @@ def test_on_the_gpu_the_fused_sampler_is_greedy_where_asked_and_replays_its_seed
     )
     assert together[0].tokens == first.tokens
     assert alone(cuda_backend, PROMPTS[0], seed=8, max_tokens=32, **sampled).tokens != first.tokens
+
+
+@pytest.fixture(scope="module")
+def graphed(plan):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return make_backend(plan, "graphs", "cuda:0")
+
+
+@pytest.mark.gpu
+def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(plan, graphed):
+    """Greedy over 64 steps (prompts joining at different steps, rows sitting out steps, one
+    cancelled), and seeded sampling: replaying the captured graphs gives exactly the tokens
+    and hidden states of the same static step run eagerly, every graph was captured at load,
+    and serving captures none."""
+    static = graphed.static
+    captured = static.captures
+    assert captured == len(static.batch_buckets) * len(static.length_buckets)
+    assert set(static.graphs) == {
+        (b, t) for b in static.batch_buckets for t in static.length_buckets
+    }
+    eager = make_backend(plan, "static", "cuda:0")
+    assert eager.static.graphs == {}
+
+    def serve(backend):
+        greedy = run(
+            backend,
+            [request(p, max_tokens=64) for p in PROMPTS],
+            joins=[0, 1, 1, 3],
+            held={0: {5, 6}, 3: {9}},
+            cancel={1: 20},
+        )
+        sampled = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "repetition_penalty": 1.1}
+        seeded = run(
+            backend,
+            [request(PROMPTS[0], seed=7, max_tokens=32, **sampled), request(PROMPTS[1], seed=3)],
+            joins=[0, 2],
+        )
+        return greedy + seeded
+
+    replays = static.replays
+    want, got = serve(eager), serve(graphed)
+    assert static.replays > replays
+    assert static.captures == captured
+    for a, b in zip(got, want, strict=True):
+        assert a.tokens == b.tokens
+        assert a.text == b.text
+        for x, y in zip(a.hidden, b.hidden, strict=True):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_graph_replay_gives_the_dynamic_paths_greedy_tokens(graphed):
+    """The captured static step and the dynamic cache (float32 tiny model, both on the GPU)
+    decode the same greedy tokens over 64 steps."""
+    assert make_backend_from(graphed, "auto").decode == "graphs"  # the default on CUDA
+    eager = make_backend_from(graphed, "eager")
+    calls = lambda: [request(p, max_tokens=64) for p in PROMPTS]  # noqa: E731
+    want = run(eager, calls(), joins=[0, 1, 1, 3])
+    got = run(graphed, calls(), joins=[0, 1, 1, 3])
+    assert [o.tokens for o in got] == [o.tokens for o in want]
+
+
+def make_backend_from(backend, decode: str) -> TransformersAR:
+    spec = backend.spec
+    stage = dataclasses.replace(spec.plan, settings={**spec.plan.settings, "decode": decode})
+    return TransformersAR(dataclasses.replace(spec, plan=stage), backend.device)

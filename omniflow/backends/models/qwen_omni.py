@@ -168,6 +168,9 @@ class OmniThinker(CausalLM):
         role = torch.full_like(hidden, ROLE_PROMPT if prompt else ROLE_REPLY)
         return torch.stack((hidden, embeds.to(hidden.dtype), role), dim=1)
 
+    def hidden_rows(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        return self.hidden_value(hidden, embeds, prompt=False)
+
 
 # --- the talker ---------------------------------------------------------------------------------
 
@@ -273,11 +276,11 @@ class OmniTalker(Component):
         cond = seq.call.state[_CONDITIONING]
         return seq.generated < len(cond.replies) or seq.call.inputs["embeds"].ended
 
-    def step_embeds(self, seqs: list[Sequence]) -> torch.Tensor:
-        text = torch.stack(
+    def step_extra(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Step t's text side: the thinker's row for reply token t, then text eos, then pad."""
+        return torch.stack(
             [self._text_side(s.call.state[_CONDITIONING], s.generated) for s in seqs]
         )
-        return super().step_embeds(seqs) + text
 
 
 def _talker_defaults() -> dict:

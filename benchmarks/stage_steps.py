@@ -1,0 +1,272 @@
+"""Claim: an AR stage's decode step runs near its roofline once it is replayed from CUDA
+graphs over a static KV cache, where the eager step is bound by the host.
+
+For each AR stage of Qwen2.5-Omni at real size (random bf16 weights made in memory,
+`omniflow.checkpoints.scaled.scaled_stage`; the thinker as the omni pipeline runs it, with
+text and `hidden` outputs, greedy; the talker's decoder with its sampling defaults), and
+each decode mode of the transformers backend, drives the backend itself: `batch` requests
+of `--prompt` tokens are prefilled, then `--steps` decode steps are timed on the host
+(each `backend.step` ends with the sampled ids on the host, so its wall time is the
+step's). "eager" is the dynamic-cache path (the CPU default), "graphs" the static cache
+with a CUDA graph replayed per step on the fused kernels (the CUDA default),
+"graphs-unfused" the same graphs over the model's own modules op by op. Also times the
+graph replay alone (CUDA events, no host work around it).
+
+The roofline of a step: the bytes it must read, the weights its decode touches (layers,
+final norm, head, input projection) plus the keys and values of its rows, divided by the
+copy bandwidth measured in the same run (a device-to-device copy, bytes read + written per
+second); or, if larger, its FLOPs (2 x weights x rows) divided by the bf16 matmul rate
+measured in the same run (8192^3).
+
+    python benchmarks/stage_steps.py                       # real size, batches 1 and 10
+    python benchmarks/stage_steps.py --depth 0.25 --batches 1 4 --steps 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+
+from omniflow.backends import static_decode
+from omniflow.backends.transformers_ar import Component, TransformersAR, cache_columns
+from omniflow.checkpoints.scaled import scaled_stage
+from omniflow.compiler import compile_source
+from omniflow.runtime.stage import Call, InputStream, StageSpec
+
+SOURCES = {
+    "thinker": """
+pipeline steps {{
+  model "tiny:qwen2.5-omni"
+  stage thinker = ar(component="thinker", max_batch={batch}, max_len={max_len},
+                     max_tokens={max_tokens}, decode="{decode}")
+  input prompt: tokens -> thinker
+  thinker.text -> output text [stream]
+  thinker.tokens -> output tokens [stream]
+  thinker.hidden -> output hidden [stream]
+}}
+""",
+    "talker": """
+pipeline steps {{
+  model "tiny:qwen2"
+  stage talker = ar(max_batch={batch}, max_len={max_len}, max_tokens={max_tokens},
+                    decode="{decode}")
+  input prompt: tokens -> talker
+  talker.tokens -> output tokens [stream]
+}}
+""",
+}
+# The sampling each stage runs with in the omni pipeline: the thinker greedy (omni_chat's
+# temperature 0), the talker with generate's talker defaults (the component's own).
+PARAMS = {"thinker": {"temperature": 0.0}, "talker": {}}
+
+
+def backend_for(stage: str, component, mode: str, slots: int, max_len: int, max_tokens: int):
+    decode, _, unfused = mode.partition("-")
+    source = SOURCES[stage].format(
+        batch=slots, max_len=max_len, max_tokens=max_tokens, decode="eager" if unfused else decode
+    )
+    device = str(component.head.weight.device)
+    plan = compile_source(source, devices="1xH200" if device.startswith("cuda") else "cpu")
+    spec = StageSpec.from_channels(plan.stage(stage), plan.channels)
+    start = time.perf_counter()
+    backend = TransformersAR(spec, device, component=component)
+    if unfused:  # the static decoder of `decode`, on the model's own modules
+        plain = static_decode.StaticDecoder(
+            component,
+            slots=backend.capacity,
+            columns=cache_columns(spec.plan, static_decode.kv_bytes_per_token(component.decoder)),
+            device=device,
+            capture=decode == "graphs",
+            extra=type(component).step_extra is not Component.step_extra,
+            fused=False,
+        )
+        backend.decode, backend.static = mode, plain
+    sync(device)
+    return backend, time.perf_counter() - start
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def step_times(backend, stage: str, batch: int, prompt: int, steps: int, vocab: int):
+    """Median wall ms of a decode step over `batch` requests, and of the graph replay alone
+    (None without graphs)."""
+    generator = torch.Generator().manual_seed(batch)
+    calls = []
+    for i in range(batch):
+        ids = torch.randint(0, vocab, (prompt,), generator=generator)
+        stream = InputStream("tokens")
+        stream.push(ids, end=True)
+        params = {"max_tokens": steps + 8, **PARAMS[stage]}
+        calls.append(Call(f"{stage}-{batch}-{i}", params, {"prompt": stream}))
+    backend.step(calls)  # prefill every request
+    for _ in range(3):  # warm up
+        backend.step(calls)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        backend.step(calls)
+        times.append(time.perf_counter() - start)
+        for call in calls:
+            call.emitted.clear()
+    assert not any(c.finished or c.error for c in calls), [c.error for c in calls]
+    replay = None
+    static = backend.static
+    if static is not None and static.graphs:
+        rows = len(backend.rows)
+        longest = max(s.length for s in backend.rows)
+        graph = static.graphs[static.buckets(rows, longest)]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        replays = []
+        for _ in range(10):
+            start.record()
+            graph.replay()  # no row is told to advance: the state stays as it is
+            end.record()
+            torch.cuda.synchronize()
+            replays.append(start.elapsed_time(end))
+        replay = statistics.median(replays)
+    kv = sum(s.length for s in backend.rows)
+    for call in calls:
+        backend.drop(call)
+    return statistics.median(times) * 1e3, replay, kv
+
+
+def _seconds(fn, device: str, repeats: int = 12) -> float:
+    """Median seconds of `fn()` (after two warm-up calls)."""
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[2:])
+
+
+def copy_bandwidth(device: str, nbytes: int = 4 << 30) -> float:
+    """Bytes per second a copy within the device moves (read + written)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _seconds(lambda: dst.copy_(src), device)
+
+
+def matmul_rate(device: str, n: int = 8192) -> float:
+    """bf16 FLOP/s of an n x n x n matrix product."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    return 2 * n**3 / _seconds(lambda: a @ b, device)
+
+
+def decode_weight_bytes(component) -> int:
+    """Bytes of the weights one decode step reads: the decoder's layers and final norm, the
+    head, and the input projection where the component has one."""
+    modules = [component.decoder.layers, component.decoder.norm, component.head]
+    projection = getattr(component.model, "thinker_to_talker_proj", None)
+    if projection is not None:
+        modules.append(projection)
+    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--depth", type=float, default=1.0, help="layers x the real model's")
+    parser.add_argument("--stages", nargs="+", default=["thinker", "talker"])
+    parser.add_argument(
+        "--modes", nargs="+", default=["eager", "graphs-unfused", "graphs"],
+        choices=["eager", "static", "static-unfused", "graphs", "graphs-unfused"],
+    )  # fmt: skip
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 10])
+    parser.add_argument("--slots", type=int, default=32, help="the stage's max_batch")
+    parser.add_argument("--prompt", type=int, default=100, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run (modes eager, static)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        bandwidth, rate = copy_bandwidth(args.device), matmul_rate(args.device)
+        name = torch.cuda.get_device_name()
+    else:
+        bandwidth, rate = copy_bandwidth("cpu", 256 << 20), matmul_rate("cpu", 1024)
+        name = "cpu"
+    print(
+        f"{name}: copy {bandwidth / 1e12:.3f} TB/s (read + written), "
+        f"bf16 matmul {rate / 1e12:.1f} TFLOP/s"
+    )
+    rows = []
+    for stage in args.stages:
+        component = scaled_stage(stage, args.depth, args.device)
+        weights = decode_weight_bytes(component)
+        per_token = 0
+        # Prompt ids: text the tokenizer has, or codec ids.
+        vocab = len(component.tokenizer) if stage == "thinker" else 8192
+        for mode in args.modes:
+            backend, load_s = backend_for(
+                stage, component, mode, args.slots, args.prompt, args.steps + 16
+            )
+            static = backend.static
+            note = f"{mode}: set up in {load_s:.2f} s"
+            if static is not None:
+                per_token = static_decode.kv_bytes_per_token(component.decoder)
+                note += (
+                    f", {static.captures} graphs ({len(static.batch_buckets)} batch x "
+                    f"{len(static.length_buckets)} length buckets), cache {static.slots} x "
+                    f"{static.columns} columns ({static.keys.numel() * 2 * static.keys.element_size() / 2**30:.1f} GiB)"
+                )
+            print(f"{stage} {note}", flush=True)
+            captured = static.captures if static is not None else 0
+            for batch in args.batches:
+                step_ms, replay_ms, kv = step_times(
+                    backend, stage, batch, args.prompt, args.steps, vocab
+                )
+                read = weights + kv * per_token
+                flops = 2 * (weights / component.head.weight.element_size()) * batch
+                roof_ms = max(read / bandwidth, flops / rate) * 1e3
+                rows.append((stage, mode, batch, step_ms, replay_ms, roof_ms, weights))
+                print(
+                    f"  batch {batch:>3}: step {step_ms:8.2f} ms"
+                    + (f", replay {replay_ms:.2f} ms" if replay_ms is not None else "")
+                    + f", roofline {roof_ms:.2f} ms",
+                    flush=True,
+                )
+            if static is not None:  # serving captured nothing new
+                assert static.captures == captured, (static.captures, captured)
+            backend.close()
+            del backend
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        del component
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    print()
+    print(
+        f"{'stage':>8} {'mode':>14} {'batch':>5} {'step ms':>9} {'replay ms':>10} "
+        f"{'roofline ms':>12} {'step/roof':>10} {'vs batch 1':>11}"
+    )
+    first = {}
+    for stage, mode, batch, step_ms, replay_ms, roof_ms, _ in rows:
+        first.setdefault((stage, mode), step_ms)
+        replay = f"{replay_ms:10.2f}" if replay_ms is not None else f"{'-':>10}"
+        print(
+            f"{stage:>8} {mode:>14} {batch:>5} {step_ms:9.2f} {replay} {roof_ms:12.2f} "
+            f"{step_ms / roof_ms:9.2f}x {step_ms / first[stage, mode]:10.2f}x"
+        )
+    print(
+        "(step: median wall time of backend.step, ids on the host; replay: the CUDA graph "
+        "alone; roofline: (decode weights + KV read) / copy bandwidth, or FLOPs / matmul "
+        "rate if larger; weights: "
+        + ", ".join(f"{s} {w / 1e9:.2f} GB" for s, w in {r[0]: r[6] for r in rows}.items())
+        + ")"
+    )
+
+
+if __name__ == "__main__":
+    main()

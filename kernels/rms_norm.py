@@ -1,0 +1,110 @@
+"""Residual add fused with RMSNorm, for the AR decode step: `s = x + residual` (when given)
+and `weight * rmsnorm(s)`, one program per row, one read of each input and one write of
+each output. A Triton kernel on CUDA, and the torch reference (`reference`) it is tested
+against.
+
+Why: in a decode step the hidden state is `[B, H]` with B <= 32, so each op of HF's RMSNorm
+(upcast, square, mean, add eps, rsqrt, scale, downcast, times the weight: eight kernels)
+and the residual add before it are a kernel launch over a few kilobytes: two norms and two
+adds were 18 of the ~42 kernels per layer of the graph-captured decode step
+(`omniflow.backends.static_decode`). Measured on an H200 (docs/benchmarks.md, "AR decode
+steps"), this kernel with `rope_cache` and `silu_mul` took a layer to 9 launches and the
+real-size thinker's replay from 6.89 to 6.80 ms: launches were not what bounded it.
+
+Numerics are HF's `Qwen2RMSNorm` (and `LlamaRMSNorm`): the sum is rounded to the input
+dtype (as the bf16 add does), then upcast to float32, `x * rsqrt(mean(x^2) + eps)` in
+float32, rounded to the input dtype, times the weight in float32 and rounded. The kernel
+sums the squares in a different order than torch's mean, so a row can differ from the
+reference by one step of the output dtype; `reference` performs HF's ops in their order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omniflow.errors import OmniflowError
+
+try:
+    import triton
+    import triton.language as tl
+except ModuleNotFoundError:  # CPU installs: `add_rms_norm` runs the torch reference
+    triton = tl = None
+
+
+class NormError(OmniflowError):
+    """Norm inputs of mismatched shapes."""
+
+
+def _jit(fn):
+    """`triton.jit` where Triton is installed; without it the kernel is never launched."""
+    return fn if triton is None else triton.jit(fn)
+
+
+@_jit
+def _add_rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, H, eps,
+    x_stride, residual_stride, out_stride, sum_stride,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    inside = offs < H
+    x = tl.load(x_ptr + row * x_stride + offs, mask=inside, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * residual_stride + offs, mask=inside, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * sum_stride + offs, x, mask=inside)
+    xf = x.to(tl.float32)
+    variance = tl.sum(xf * xf, 0) / H
+    normed = (xf * (1.0 / tl.sqrt(variance + eps))).to(x.dtype)
+    w = tl.load(weight_ptr + offs, mask=inside, other=0.0)
+    out = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * out_stride + offs, out.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def _check(x, residual, weight) -> None:
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise NormError(f"x must be [B, H] and weight [H]: {list(x.shape)}, {list(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise NormError(f"residual {list(residual.shape)} {residual.dtype} is not x's")
+
+
+def add_rms_norm_triton(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rmsnorm(x + residual), x + residual) with the Triton kernel; without a
+    residual, (weight * rmsnorm(x), x). Rows may be strided; the last dim is contiguous."""
+    _check(x, residual, weight)
+    rows, width = x.shape
+    out = torch.empty(rows, width, dtype=weight.dtype, device=x.device)
+    total = torch.empty_like(x) if residual is not None else x
+    if rows:
+        _add_rms_norm_kernel[(rows,)](
+            x, x if residual is None else residual, weight, out, total, width, eps,
+            x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+            total.stride(0),
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(width),
+            num_warps=4 if width <= 2048 else 8,
+        )  # fmt: skip
+    return out, total
+
+
+def reference(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's residual add and RMSNorm, op by op."""
+    _check(x, residual, weight)
+    total = x if residual is None else x + residual
+    hidden = total.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + eps)
+    return weight * hidden.to(total.dtype), total
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on CUDA, the reference elsewhere."""
+    if x.is_cuda and triton is not None:
+        return add_rms_norm_triton(x, residual, weight, eps)
+    return reference(x, residual, weight, eps)

@@ -1,0 +1,140 @@
+"""Rotary position embedding of a decode step's queries and keys, fused with writing its
+keys and values into a static KV cache: one kernel from the fused q/k/v projection's output
+to the rotated queries and the cache's new column. A Triton kernel on CUDA, and the torch
+reference (`reference`) it is tested against.
+
+Why: in HF's attention the rotation is five elementwise kernels per tensor (`q * cos`,
+`rotate_half` as a negation and a concatenation, `* sin`, the sum), ten for q and k, and
+the static cache's write two scatters more: twelve of the ~42 launches per layer of the
+graph-captured decode step (`omniflow.backends.static_decode`), each over a few kilobytes.
+With `rms_norm` and `silu_mul` it takes a layer to 9 launches; on an H200 that moved the
+real-size replay by 1.5 % (docs/benchmarks.md, "AR decode steps").
+
+Layout: `qkv` is `[B, (Hq + 2 Hkv) * d]`, the q heads then the k heads then the v heads (the
+fused projection's output); `cos`, `sin` are `[B, d]` (HF's rotary embedding at each row's
+position); the cache is `[slots, Hkv, columns, d]` (one layer's), row b writing column
+`min(filled[b], columns - 1)` of slot b. One program per (row, head): q heads write the
+rotated query to `q_out[b, h]`, kv heads write the rotated key and the value to the cache.
+
+Numerics are HF's `apply_rotary_pos_emb` in the input dtype: `q * cos` and
+`rotate_half(q) * sin` each rounded to the dtype, then their sum rounded; the kernel does
+each product and the sum in float32 and rounds at the same three points, so it gives the
+same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omniflow.errors import OmniflowError
+
+try:
+    import triton
+    import triton.language as tl
+except ModuleNotFoundError:  # CPU installs: `rope_cache` runs the torch reference
+    triton = tl = None
+
+
+class RopeError(OmniflowError):
+    """Rotary inputs of mismatched shapes."""
+
+
+def _jit(fn):
+    """`triton.jit` where Triton is installed; without it the kernel is never launched."""
+    return fn if triton is None else triton.jit(fn)
+
+
+@_jit
+def _rotate(x_ptr, cos, sin, offs, partner, sign, inside):
+    x = tl.load(x_ptr + offs, mask=inside, other=0.0)
+    other = tl.load(x_ptr + partner, mask=inside, other=0.0).to(tl.float32) * sign
+    a = (x.to(tl.float32) * cos).to(x.dtype)
+    b = (other * sin).to(x.dtype)
+    return (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
+
+
+@_jit
+def _rope_cache_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, filled_ptr, q_ptr, keys_ptr, values_ptr,
+    qkv_stride, cos_stride, q_stride_b, q_stride_h,
+    cache_stride_s, cache_stride_h, cache_stride_c, columns,
+    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    inside = offs < D
+    half = D // 2
+    partner = tl.where(offs < half, offs + half, offs - half)
+    sign = tl.where(offs < half, -1.0, 1.0)
+    cos = tl.load(cos_ptr + row * cos_stride + offs, mask=inside, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + row * cos_stride + offs, mask=inside, other=0.0).to(tl.float32)
+    base = qkv_ptr + row * qkv_stride
+    if head < Q_HEADS:
+        q = _rotate(base + head * D, cos, sin, offs, partner, sign, inside)
+        tl.store(q_ptr + row * q_stride_b + head * q_stride_h + offs, q, mask=inside)
+    else:
+        kv = head - Q_HEADS
+        column = tl.minimum(tl.load(filled_ptr + row), columns - 1)
+        at = row * cache_stride_s + kv * cache_stride_h + column * cache_stride_c + offs
+        k = _rotate(base + (Q_HEADS + kv) * D, cos, sin, offs, partner, sign, inside)
+        tl.store(keys_ptr + at, k, mask=inside)
+        v = tl.load(base + (Q_HEADS + KV_HEADS + kv) * D + offs, mask=inside, other=0.0)
+        tl.store(values_ptr + at, v, mask=inside)
+
+
+def _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads) -> int:
+    rows = qkv.shape[0]
+    d = keys.shape[-1]
+    if qkv.shape != (rows, (q_heads + 2 * kv_heads) * d) or d % 2:
+        raise RopeError(f"qkv {list(qkv.shape)} is not [B, (Hq + 2 Hkv) * d] for d = {d}")
+    if cos.shape != (rows, d) or sin.shape != cos.shape or filled.shape != (rows,):
+        raise RopeError(f"cos/sin must be [{rows}, {d}] and filled [{rows}]")
+    if keys.shape != values.shape or keys.shape[1] != kv_heads or keys.shape[0] < rows:
+        raise RopeError(f"cache {list(keys.shape)} is not [>= {rows}, {kv_heads}, C, {d}]")
+    return d
+
+
+def rope_cache_triton(qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int):
+    """Rotated queries `[B, Hq, d]`; the rotated keys and the values written into column
+    `min(filled[b], C - 1)` of slot b of `keys`, `values` (`[slots, Hkv, C, d]`)."""
+    d = _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads)
+    rows = qkv.shape[0]
+    q = torch.empty(rows, q_heads, d, dtype=qkv.dtype, device=qkv.device)
+    if rows:
+        _rope_cache_kernel[(rows, q_heads + kv_heads)](
+            qkv, cos, sin, filled, q, keys, values,
+            qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
+            keys.stride(0), keys.stride(1), keys.stride(2), keys.shape[2],
+            Q_HEADS=q_heads, KV_HEADS=kv_heads, D=d, BLOCK=triton.next_power_of_2(d),
+            num_warps=1,
+        )  # fmt: skip
+    return q
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def reference(qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int):
+    """HF's rotation, op by op, and the cache write as a scatter."""
+    d = _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads)
+    rows = qkv.shape[0]
+    heads = qkv.view(rows, q_heads + 2 * kv_heads, d)
+    q, k = heads[:, :q_heads], heads[:, q_heads : q_heads + kv_heads]
+    v = heads[:, q_heads + kv_heads :]
+    c, s = cos[:, None], sin[:, None]
+    q = (q * c) + (_rotate_half(q) * s)
+    k = (k * c) + (_rotate_half(k) * s)
+    where = filled.clamp(max=keys.shape[2] - 1).view(rows, 1, 1, 1).expand(rows, kv_heads, 1, d)
+    keys[:rows].scatter_(2, where, k[:, :, None])
+    values[:rows].scatter_(2, where, v[:, :, None])
+    return q
+
+
+def rope_cache(qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int):
+    """The kernel on CUDA, the reference elsewhere."""
+    if qkv.is_cuda and triton is not None:
+        return rope_cache_triton(qkv, cos, sin, filled, keys, values, q_heads, kv_heads)
+    return reference(qkv, cos, sin, filled, keys, values, q_heads, kv_heads)

@@ -1,0 +1,487 @@
+"""Decode over a static KV cache, replayed from CUDA graphs: the `ar` stage's decode step
+when `decode` is "graphs" (the default on CUDA) or "static" (the same step, run eagerly;
+CPU or CUDA).
+
+The cache. One pair of tensors holds every layer's keys and values for every slot,
+`[layers, slots, kv_heads, columns, head_dim]`, allocated once when the stage loads:
+`slots` is the stage's max_batch and `columns` what one request may fill (its prompt plus
+its max_tokens, within the budget the compiler gave the stage; `cache_columns`). A running
+request owns one slot, and the backend keeps its rows compact: the request in row i is in
+slot i, and when one leaves, the last row's slot moves into the hole (one copy of that
+request's filled columns). A slot's column j holds position j of its request: nothing is
+left-padded, and a row's attention mask is `column <= its length`.
+
+Everything a step reads or writes lives in per-slot device buffers: each row's length (the
+column its new key goes to), position offset, last sampled id, sampling parameters (those
+of `omniflow.kernels.sampling`: temperature, top-k, top-p, repetition penalty, seed, step)
+and seen mask, whether it advances this step, the extra input embedding its component adds
+to the last id's (the talker's text-side row), and the outputs: sampled ids, last hidden
+states, input embeddings. The step itself (`_run`) is pure device work: embed the last
+ids, run the decoder's layers (the model's own modules: norms, projections, MLPs, its
+rotary embedding) with the keys scattered into the slot's next column and attention over
+the first T columns, the head, the fused sampler, then advance the rows that were active
+(last id, length, step, seen). The host writes which rows advance, reads back the ids, and
+nothing else crosses.
+
+Buckets. A step runs at a batch bucket B >= the number of rows (1, 2, 4, then multiples of
+8 up to max_batch, as vLLM pads) and a length bucket T > the longest active row's length
+(powers of two from 128, then `columns`): rows past the live ones and rows not advancing
+this step compute and are discarded. With `capture`, every (B, T) step is captured into a
+CUDA graph at load, largest first, all in one memory pool (the graphs never run at once),
+and `step` replays the graph of its buckets: no capture happens after load (`captures`
+counts them). Without it, `step` runs `_run` eagerly at the same shapes, so a graph's
+replay and the eager step compute identical results.
+
+The fused step (`fused`, the default on CUDA where `fusable`): each layer's q/k/v and
+gate/up projections are merged into one matrix each (the model's own projections become
+views of them, so the weights are held once), and the elementwise chains run as Triton
+kernels: residual add + RMSNorm (`omniflow.kernels.rms_norm`), rotary + cache write
+(`rope_cache`), SiLU x up (`silu_mul`): 9 launches a layer instead of ~42. Off CUDA the
+step runs the model's modules op by op (`_layers`), as HF's forward does.
+
+What the static path supports (`unsupported` says why not): decoders whose layers are the
+Llama/Qwen2 shape (`input_layernorm`, `self_attn` with q/k/v/o projections, GQA allowed,
+no q/k norms and no sliding window, `post_attention_layernorm`, `mlp`), a final `norm`, and
+the default RoPE of the model's `rotary_emb` (multimodal RoPE included: in decode its three
+position components are equal, so its rotation is the plain one). Attention is
+`scaled_dot_product_attention` with the query heads of each key/value head as its query
+rows, so keys and values are read once and never repeated per query head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from omniflow.kernels import rms_norm, rope_cache, silu_mul
+from omniflow.kernels import sampling as sampler
+
+_DECODER_PARTS = {"embed_tokens", "layers", "norm", "rotary_emb"}
+_LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
+# The smallest length bucket; the cache's columns are a multiple of it.
+COLUMN_QUANTUM = 128
+
+
+def unsupported(decoder: torch.nn.Module) -> str | None:
+    """Why the static path cannot run `decoder` (None: it can)."""
+    parts = {name for name, _ in decoder.named_children()}
+    if not {"layers", "norm", "rotary_emb"} <= parts or parts - _DECODER_PARTS:
+        return f"its decoder has parts {sorted(parts)}"
+    if getattr(decoder.rotary_emb, "rope_type", "default") != "default":
+        return f"its RoPE is of type {decoder.rotary_emb.rope_type!r}"
+    for i, layer in enumerate(decoder.layers):
+        parts = {name for name, _ in layer.named_children()}
+        attention = getattr(layer, "self_attn", None)
+        if parts != _LAYER_PARTS:
+            return f"layer {i} has parts {sorted(parts)}"
+        if {name for name, _ in attention.named_children()} != _ATTENTION_PARTS:
+            return f"layer {i}'s attention has parts {sorted(n for n, _ in attention.named_children())}"
+        if getattr(attention, "sliding_window", None):
+            return f"layer {i} attends through a sliding window"
+        if not hasattr(attention, "head_dim") or not hasattr(attention, "scaling"):
+            return f"layer {i}'s attention has no head_dim or scaling"
+    return None
+
+
+def fusable(decoder: torch.nn.Module) -> bool:
+    """Whether the fused step (`StaticDecoder(fused=True)`) can run `decoder`: RMSNorms
+    with a weight and `variance_epsilon`, SwiGLU MLPs (gate, up, down projections, SiLU,
+    no gate/up bias)."""
+    norms = [decoder.norm]
+    for layer in decoder.layers:
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        mlp = layer.mlp
+        parts = {name for name, _ in mlp.named_children()}
+        if not {"gate_proj", "up_proj", "down_proj"} <= parts or parts - {
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+            "act_fn",
+        }:
+            return False
+        if not isinstance(getattr(mlp, "act_fn", None), torch.nn.SiLU):
+            return False
+        if mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
+            return False
+    return all(
+        type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") for n in norms
+    )
+
+
+def _merged(layer: torch.nn.Module) -> tuple:
+    """The layer's q/k/v projections as one matrix (and bias), and its gate/up projections
+    as one: made once, with the layer's own projections pointed at views of them, so the
+    weights are held once and prefill reads the same memory."""
+    merged = getattr(layer, "_omniflow_merged", None)
+    if merged is not None:
+        return merged
+    attention, mlp = layer.self_attn, layer.mlp
+
+    def fuse(modules, with_bias: bool):
+        weight = torch.cat([m.weight for m in modules])
+        bias = torch.cat([m.bias for m in modules]) if with_bias else None
+        start = 0
+        for m in modules:
+            rows = m.weight.shape[0]
+            m.weight = torch.nn.Parameter(weight[start : start + rows], requires_grad=False)
+            if bias is not None:
+                m.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
+            start += rows
+        return weight, bias
+
+    projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+    with torch.no_grad():
+        qkv = fuse(projections, all(p.bias is not None for p in projections))
+        gate_up, _ = fuse([mlp.gate_proj, mlp.up_proj], False)
+    layer._omniflow_merged = (*qkv, gate_up)
+    return layer._omniflow_merged
+
+
+def kv_bytes_per_token(decoder: torch.nn.Module) -> int:
+    """Bytes of keys and values one position of one request holds, every layer."""
+    attention = decoder.layers[0].self_attn
+    weight = attention.k_proj.weight
+    return 2 * len(decoder.layers) * weight.shape[0] * weight.element_size()
+
+
+def batch_buckets(slots: int) -> list[int]:
+    """1, 2, 4, then multiples of 8, up to and including `slots`."""
+    sizes = {b for b in (1, 2, 4) if b < slots} | set(range(8, slots, 8)) | {slots}
+    return sorted(sizes)
+
+
+def length_buckets(columns: int) -> list[int]:
+    """Powers of two from COLUMN_QUANTUM below `columns`, then `columns`."""
+    sizes, size = [], COLUMN_QUANTUM
+    while size < columns:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, columns]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class StaticDecoder:
+    """A component's decode step over a static KV cache of `slots` x `columns`, eager or
+    replayed from CUDA graphs (`capture`). `extra`: the component adds an extra input
+    embedding to each step's (`step` is given it). `fused`: run the step through the fused
+    kernels (`omniflow.kernels.rms_norm`, `rope_cache`, `silu_mul`, with each layer's q/k/v
+    and gate/up projections merged into one matrix product each); by default on CUDA where
+    Triton and the model allow. See the module docstring."""
+
+    def __init__(
+        self,
+        component,
+        *,
+        slots: int,
+        columns: int,
+        device: str,
+        capture: bool,
+        extra: bool,
+        fused: bool | None = None,
+    ):
+        if columns % COLUMN_QUANTUM or columns <= 0:
+            raise ValueError(f"columns must be a positive multiple of {COLUMN_QUANTUM}")
+        self.component = component
+        decoder = component.decoder
+        self.layers = list(decoder.layers)
+        self.norm, self.rotary = decoder.norm, decoder.rotary_emb
+        attention = self.layers[0].self_attn
+        self.head_dim = attention.head_dim
+        self.q_heads = attention.q_proj.weight.shape[0] // self.head_dim
+        self.kv_heads = attention.k_proj.weight.shape[0] // self.head_dim
+        self.scaling = attention.scaling
+        self.slots, self.columns, self.device = slots, columns, torch.device(device)
+        self.has_extra = extra
+        self.batch_buckets = batch_buckets(slots)
+        self.length_buckets = length_buckets(columns)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.captures = 0  # graphs captured (all at load)
+        self.replays = 0
+        self.use_triton = self.device.type == "cuda" and sampler.triton is not None
+        if fused is None:
+            fused = self.use_triton and fusable(decoder)
+        self.fused = fused
+        self.merged = [_merged(layer) for layer in self.layers] if fused else []
+        kv_dtype = attention.k_proj.weight.dtype
+        embed = component.embed.weight
+        vocab = component.head.out_features
+        hidden = self.norm.weight.shape[0]
+        with torch.inference_mode():
+            shape = (len(self.layers), slots, self.kv_heads, columns, self.head_dim)
+            on = {"device": self.device}
+            self.keys = torch.zeros(shape, dtype=kv_dtype, **on)
+            self.values = torch.zeros(shape, dtype=kv_dtype, **on)
+            self.length = torch.zeros(slots, dtype=torch.int64, **on)
+            self.offset = torch.zeros(slots, dtype=torch.int64, **on)
+            self.last = torch.zeros(slots, dtype=torch.int64, **on)
+            self.active = torch.zeros(slots, dtype=torch.bool, **on)
+            self.extra = torch.zeros(slots, embed.shape[1], dtype=embed.dtype, **on)
+            self.ids = torch.zeros(slots, dtype=torch.int64, **on)
+            self.hidden = torch.zeros(slots, hidden, dtype=kv_dtype, **on)
+            self.embeds = torch.zeros(slots, embed.shape[1], dtype=embed.dtype, **on)
+            self.seen = torch.zeros(slots, vocab, dtype=torch.bool, **on)
+            self.temperature = torch.zeros(slots, dtype=torch.float32, **on)
+            self.top_k = torch.full((slots,), -1, dtype=torch.int32, **on)
+            self.top_p = torch.ones(slots, dtype=torch.float64, **on)
+            self.budget = torch.zeros(slots, dtype=torch.float32, **on)
+            self.penalty = torch.ones(slots, dtype=torch.float32, **on)
+            self.seed = torch.zeros(slots, dtype=torch.int64, **on)
+            self.step_count = torch.zeros(slots, dtype=torch.int64, **on)
+            self.scratch = (
+                torch.empty(slots, 5 * vocab, dtype=torch.float32, **on)
+                if self.use_triton
+                else None
+            )
+            suppress = tuple(component.suppress)
+            self.suppress = torch.tensor(suppress, **on) if suppress else None
+            self.columns_index = torch.arange(columns, **on)
+            pin = self.device.type == "cuda"
+            self.host_active = torch.zeros(slots, dtype=torch.bool, pin_memory=pin)
+        self._per_slot = [
+            self.length, self.offset, self.last, self.extra, self.seen, self.temperature,
+            self.top_k, self.top_p, self.budget, self.penalty, self.seed, self.step_count,
+        ]  # fmt: skip
+        if capture:
+            self.capture()
+
+    # --- requests in and out ----------------------------------------------------------------
+    @torch.inference_mode()
+    def join(self, slot: int, keys: torch.Tensor, values: torch.Tensor, state: dict) -> None:
+        """Put a prefilled request in `slot`: its keys and values `[layers, kv_heads, L,
+        head_dim]` in columns 0..L-1, and its per-slot state (`length`, `offset`, `last`,
+        `step`, `temperature`, `top_k`, `top_p`, `repetition_penalty`, `seed`, and `seen`, a
+        `[V]` bool mask or None)."""
+        filled = keys.shape[2]
+        self.keys[:, slot, :, :filled].copy_(keys)
+        self.values[:, slot, :, :filled].copy_(values)
+        top_p = state["top_p"]
+        numbers = {
+            self.length: state["length"],
+            self.offset: state["offset"],
+            self.last: state["last"],
+            self.step_count: state["step"],
+            self.temperature: state["temperature"],
+            self.top_k: state["top_k"],
+            self.top_p: top_p,
+            self.budget: 1 - top_p if top_p < 1 else 0.0,
+            self.penalty: state["repetition_penalty"],
+            self.seed: state["seed"],
+        }
+        for buffer, value in numbers.items():
+            buffer[slot] = value
+        if state.get("seen") is None:
+            self.seen[slot] = False
+        else:
+            self.seen[slot].copy_(state["seen"])
+
+    @torch.inference_mode()
+    def move(self, source: int, target: int, filled: int) -> None:
+        """Move the request in slot `source` (its first `filled` columns) to slot `target`."""
+        self.keys[:, target, :, :filled].copy_(self.keys[:, source, :, :filled])
+        self.values[:, target, :, :filled].copy_(self.values[:, source, :, :filled])
+        for buffer in self._per_slot:
+            buffer[target].copy_(buffer[source])
+        self.free(source)
+
+    @torch.inference_mode()
+    def free(self, slot: int) -> None:
+        """Forget slot `slot`'s request: the padding a step computes there writes column 0."""
+        self.length[slot] = 0
+
+    # --- the step ---------------------------------------------------------------------------
+    def buckets(self, rows: int, longest: int) -> tuple[int, int]:
+        """The (batch, length) bucket of a step over `rows` rows whose longest active row
+        has `longest` columns filled."""
+        batch = next(b for b in self.batch_buckets if b >= rows)
+        length = next((t for t in self.length_buckets if t > longest), None)
+        if length is None:
+            raise ValueError(f"a row of {longest} columns has no room in {self.columns}")
+        return batch, length
+
+    @torch.inference_mode()
+    def step(
+        self, rows: int, active: list[int], longest: int, extra: torch.Tensor | None = None
+    ) -> list[int]:
+        """One decode step over slots 0..rows-1, of which the slots in `active` advance
+        (`extra`: their extra input embeddings, in that order). Returns the ids sampled for
+        slots 0..rows-1 (those of rows not in `active` mean nothing)."""
+        batch, length = self.buckets(rows, longest)
+        self.host_active.zero_()
+        self.host_active[active] = True
+        self.active.copy_(self.host_active, non_blocking=True)
+        if extra is not None:
+            where = torch.tensor(active, device=self.device)
+            self.extra.index_copy_(0, where, extra.to(self.extra.dtype))
+        graph = self.graphs.get((batch, length))
+        if graph is not None:
+            graph.replay()
+            self.replays += 1
+        else:
+            self._run(batch, length)
+        return self.ids[:rows].tolist()
+
+    def outputs(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last step's hidden states `[n, H]` and input embeddings `[n, E]` of `slots`
+        (copies: the buffers are overwritten by the next step)."""
+        where = torch.tensor(slots, device=self.device)
+        return self.hidden.index_select(0, where), self.embeds.index_select(0, where)
+
+    def _attend(self, q, keys, values, mask):
+        """q `[B, kv_heads, group, d]` against keys/values `[B, kv_heads, T, d]`."""
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+
+    def _run(self, batch: int, length: int) -> None:
+        """The step at buckets (batch, length): device work only (what a graph captures)."""
+        layers = self._layers_fused if self.fused else self._layers
+        self._sample(batch, layers(batch, length))
+
+    def _inputs(self, b: int):
+        """The step's input embeddings (recorded) and their projection `[B, H]`."""
+        c = self.component
+        embeds = c.embed(self.last[:b])
+        if self.has_extra:
+            embeds = embeds + self.extra[:b]
+        self.embeds[:b].copy_(embeds)
+        return c.project(embeds)
+
+    def _rotary(self, x: torch.Tensor, b: int):
+        """cos, sin `[B, d]` of each row's position."""
+        cos, sin = self.rotary(x, (self.length[:b] + self.offset[:b])[:, None])
+        if cos.dim() == 4:  # multimodal RoPE's three (equal) position components
+            cos, sin = cos[0], sin[0]
+        return cos[:, 0], sin[:, 0]
+
+    def _layers_fused(self, b: int, length: int) -> torch.Tensor:
+        """The decoder on the fused kernels: per layer, add + norm, one q/k/v product, rotary +
+        cache write, attention, o projection, add + norm, one gate/up product, SiLU x up,
+        down projection. Returns the final hidden states `[B, H]`."""
+        d, group = self.head_dim, self.q_heads // self.kv_heads
+        x = self._inputs(b)
+        cos, sin = self._rotary(x[:, None], b)
+        filled = self.length[:b]
+        visible = self.columns_index[:length][None] <= filled[:, None]
+        mask = torch.where(visible, 0.0, -math.inf).to(x.dtype)[:, None, None]
+        residual, delta = x, None
+        for i, layer in enumerate(self.layers):
+            qkv_weight, qkv_bias, gate_up = self.merged[i]
+            attention, norm = layer.self_attn, layer.input_layernorm
+            h, residual = rms_norm.add_rms_norm_triton(
+                residual, delta, norm.weight, norm.variance_epsilon
+            )
+            qkv = F.linear(h, qkv_weight, qkv_bias)
+            q = rope_cache.rope_cache_triton(
+                qkv, cos, sin, filled, self.keys[i], self.values[i], self.q_heads, self.kv_heads
+            )
+            out = self._attend(
+                q.view(b, self.kv_heads, group, d),
+                self.keys[i, :b, :, :length],
+                self.values[i, :b, :, :length],
+                mask,
+            )
+            norm = layer.post_attention_layernorm
+            h, residual = rms_norm.add_rms_norm_triton(
+                residual, attention.o_proj(out.reshape(b, self.q_heads * d)), norm.weight,
+                norm.variance_epsilon,
+            )  # fmt: skip
+            delta = layer.mlp.down_proj(silu_mul.silu_mul_triton(F.linear(h, gate_up)))
+        hidden, _ = rms_norm.add_rms_norm_triton(
+            residual, delta, self.norm.weight, self.norm.variance_epsilon
+        )
+        return hidden
+
+    def _layers(self, batch: int, length: int) -> torch.Tensor:
+        """The decoder through the model's own modules (norms, projections, MLPs), op by op
+        as HF's forward runs them. Returns the final hidden states `[B, H]`."""
+        b, d = batch, self.head_dim
+        group = self.q_heads // self.kv_heads
+        x = self._inputs(b)[:, None]  # [B, 1, H]
+        cos, sin = self._rotary(x, b)
+        cos, sin = cos[:, None, None], sin[:, None, None]  # [B, 1, 1, d]
+        filled = self.length[:b]
+        mask = (self.columns_index[:length][None] <= filled[:, None])[:, None, None]
+        where = filled.clamp(max=self.columns - 1).view(b, 1, 1, 1)
+        where = where.expand(b, self.kv_heads, 1, d)
+        for i, layer in enumerate(self.layers):
+            attention = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attention.q_proj(h).view(b, 1, self.q_heads, d).transpose(1, 2)
+            k = attention.k_proj(h).view(b, 1, self.kv_heads, d).transpose(1, 2)
+            v = attention.v_proj(h).view(b, 1, self.kv_heads, d).transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            keys, values = self.keys[i, :b], self.values[i, :b]
+            keys.scatter_(2, where, k)
+            values.scatter_(2, where, v)
+            out = self._attend(
+                q.reshape(b, self.kv_heads, group, d),
+                keys[:, :, :length],
+                values[:, :, :length],
+                mask,
+            )
+            x = x + attention.o_proj(out.reshape(b, 1, self.q_heads * d))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)[:, 0]
+
+    def _sample(self, b: int, hidden: torch.Tensor) -> None:
+        """The head, the fused sampler, and the active rows' advance."""
+        c = self.component
+        self.hidden[:b].copy_(hidden)
+        logits = c.logits(hidden)
+        if self.suppress is not None:
+            logits.index_fill_(1, self.suppress, -math.inf)
+        params = sampler.Params.of_buffers(
+            temperature=self.temperature[:b],
+            top_k=self.top_k[:b],
+            top_p=self.top_p[:b],
+            budget=self.budget[:b],
+            repetition_penalty=self.penalty[:b],
+            seed=self.seed[:b],
+            step=self.step_count[:b],
+        )
+        seen = self.seen[:b]
+        if self.use_triton:
+            sampler.sample_triton(logits, params, seen, out=self.ids[:b], scratch=self.scratch[:b])
+        else:
+            self.ids[:b].copy_(sampler.reference(logits, params, seen))
+        ids, advance = self.ids[:b], self.active[:b]
+        self.last[:b].copy_(torch.where(advance, ids, self.last[:b]))
+        self.length[:b].add_(advance)
+        self.step_count[:b].add_(advance)
+        at = ids[:, None]
+        seen.scatter_(1, at, seen.gather(1, at) | advance[:, None])
+
+    # --- capture ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every (batch, length) bucket's step into a CUDA graph, largest first, in
+        one memory pool; each is run once eagerly first (kernels compiled and libraries set
+        up outside the capture). No row is active, so no request state changes."""
+        self.active.zero_()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        for batch in reversed(self.batch_buckets):
+            for length in reversed(self.length_buckets):
+                self._run(batch, length)
+                graph = torch.cuda.CUDAGraph()
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    try:
+                        self._run(batch, length)
+                    finally:
+                        graph.capture_end()
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                self.graphs[batch, length] = graph
+                self.captures += 1
+        torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.graphs.clear()
+        self.keys = self.values = self.seen = self.scratch = None

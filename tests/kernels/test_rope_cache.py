@@ -1,0 +1,91 @@
+"""Rotary embedding fused with the static cache write: its reference is HF's
+`apply_rotary_pos_emb` and a scatter, and its Triton kernel (interpreted on the CPU,
+compiled on a GPU) agrees with the reference: to the bit on float32 in the interpreter,
+within a step of bfloat16 on the GPU."""
+
+import pytest
+import torch
+
+from omniflow.kernels import rope_cache
+
+# (rows, q heads, kv heads, head dim, slots, columns): GQA groups of 1, 2 and 7; head dims
+# of 16 and 128; a head dim that is not a power of two; rows writing the last column.
+SHAPES = [(1, 4, 4, 16, 2, 8), (3, 4, 2, 24, 4, 5), (2, 28, 4, 128, 3, 9)]
+
+
+def cases() -> list[dict]:
+    found = []
+    g = torch.Generator().manual_seed(0)
+    for rows, q_heads, kv_heads, d, slots, columns in SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * d, generator=g).to(dtype)
+            angle = torch.rand(rows, d // 2, generator=g) * 50
+            angle = torch.cat((angle, angle), dim=-1)
+            cache = torch.randn(2, slots, kv_heads, columns, d, generator=g).to(dtype)
+            filled = torch.randint(0, columns + 2, (rows,), generator=g)  # some past the end
+            found.append({
+                "qkv": qkv, "cos": angle.cos().to(dtype), "sin": angle.sin().to(dtype),
+                "filled": filled, "keys": cache[0], "values": cache[1],
+                "q_heads": q_heads, "kv_heads": kv_heads,
+            })  # fmt: skip
+    return found
+
+
+def run_kernel(found: list[dict]) -> list[tuple]:
+    """Runs under TRITON_INTERPRET=1: the rotated queries and the caches after the write."""
+    return [(rope_cache.rope_cache_triton(**c), c["keys"], c["values"]) for c in found]
+
+
+def test_the_reference_is_hf_rotary():
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+    for case in cases():
+        rows, d = case["qkv"].shape[0], case["keys"].shape[-1]
+        heads = case["qkv"].view(rows, -1, d)
+        q = heads[:, : case["q_heads"], None]  # [B, Hq, 1, d] as HF's attention holds it
+        k = heads[:, case["q_heads"] : case["q_heads"] + case["kv_heads"], None]
+        want_q, want_k = apply_rotary_pos_emb(q, k, case["cos"][:, None], case["sin"][:, None])
+        keys = case["keys"].clone()
+        got_q = rope_cache.reference(**{**case, "keys": keys, "values": case["values"].clone()})
+        assert torch.equal(got_q, want_q[:, :, 0])
+        column = case["filled"].clamp(max=keys.shape[2] - 1)
+        for b in range(rows):
+            assert torch.equal(keys[b, :, column[b]], want_k[b, :, 0])
+
+
+def assert_agree(got: torch.Tensor, want: torch.Tensor, steps: int) -> None:
+    """Within `steps` steps of bfloat16; float32 to rounding."""
+    tol = 1e-6 if got.dtype == torch.float32 else steps * 2**-7
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_kernel_agrees_with_the_reference(interpret):
+    """Triton's interpreter rounds float32 to bfloat16 towards zero (the GPU rounds to
+    nearest, as torch does): its bf16 results may sit a few steps off; float32 is exact."""
+    found = cases()
+    for case, (q, keys, values) in zip(found, interpret(run_kernel, found), strict=True):
+        mine = {**case, "keys": case["keys"].clone(), "values": case["values"].clone()}
+        want = rope_cache.reference(**mine)
+        assert torch.equal(values, mine["values"])  # copied, never rounded
+        if q.dtype == torch.float32:
+            assert torch.equal(q, want) and torch.equal(keys, mine["keys"])
+        assert_agree(q, want, steps=4)
+        assert_agree(keys, mine["keys"], steps=4)
+
+
+def test_shapes_are_checked():
+    case = cases()[0]
+    with pytest.raises(rope_cache.RopeError):
+        rope_cache.rope_cache(**{**case, "q_heads": 3})
+
+
+@pytest.mark.gpu
+def test_kernel_agrees_with_the_reference_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for case in cases():
+        on = {k: v.cuda() if torch.is_tensor(v) else v for k, v in case.items()}
+        mine = {**on, "keys": on["keys"].clone(), "values": on["values"].clone()}
+        assert_agree(rope_cache.rope_cache(**on), rope_cache.reference(**mine), steps=1)
+        assert_agree(on["keys"], mine["keys"], steps=1)
+        assert torch.equal(on["values"], mine["values"])
