@@ -15,6 +15,9 @@ from omniflow.errors import DeviceSpecError
 
 GiB = 1 << 30
 
+# Between a node's name and a device's name on it, in a multi-node inventory's device names.
+NODE_SEP = "/"
+
 # Bounds on an inventory, so that a slip such as `1000000xH200` fails at once instead of
 # building a million devices. omniflow serves from one host; these are far above any host.
 MAX_GPUS_PER_ENTRY = 64  # the N of one `NxMODEL` entry: 1 to this
@@ -56,10 +59,24 @@ class Device:
 
     @property
     def is_gpu(self) -> bool:
-        return self.name.startswith("cuda")
+        return local_name(self.name).startswith("cuda")
+
+    @property
+    def node(self) -> str:
+        return node_of(self.name)
 
     def __str__(self) -> str:
         return self.name
+
+
+def node_of(name: str) -> str:
+    """The node a device name is on: `node1/cuda:0` -> `node1`; "" for a one-host name."""
+    return name.rpartition(NODE_SEP)[0]
+
+
+def local_name(name: str) -> str:
+    """A device's name on its own node, as torch spells it: `node1/cuda:0` -> `cuda:0`."""
+    return name.rpartition(NODE_SEP)[2]
 
 
 def parse_size(text: str) -> int:

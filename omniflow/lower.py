@@ -96,6 +96,7 @@ def lower(graph: Graph) -> Plan:
                 ch["slot_bytes"],
                 ch["ring_bytes"],
                 ch.get("credits", 0),
+                ch.get("device", ""),
             )
         )
     return Plan(
@@ -122,6 +123,7 @@ def lower(graph: Graph) -> Plan:
         ],
         channels=channels,
         shm_bytes=graph.meta["shm_bytes"],
+        device_ring_bytes=sum(c.ring_bytes for c in channels if c.device),
         limits=param_limits(graph),
         warnings=list(graph.meta.get("warnings", [])),
         pass_seconds=dict(graph.meta.get("pass_times", {})),

@@ -54,7 +54,7 @@ class ChannelPlan:
     dst: str
     dst_port: str
     type: str
-    kind: str  # "local" (same executor: references) or "shm" (a ring)
+    kind: str  # "local", "shm", "cuda-ipc", "p2p" or "net" (passes/plan_buffers.py)
     src_executor: str
     dst_executor: str
     item_dtype: str
@@ -69,6 +69,7 @@ class ChannelPlan:
     slot_bytes: int = 0
     ring_bytes: int = 0
     credits: int = 0
+    device: str = ""  # the GPU whose memory holds a cuda-ipc or p2p ring ("" for host rings)
 
 
 @dataclass
@@ -127,7 +128,8 @@ class Plan:
     inputs: list[PortPlan]
     outputs: list[PortPlan]
     channels: list[ChannelPlan]
-    shm_bytes: int = 0
+    shm_bytes: int = 0  # host rings (shm and net)
+    device_ring_bytes: int = 0  # rings in GPU memory (cuda-ipc and p2p)
     limits: dict[str, ParamLimit] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     pass_seconds: dict = field(default_factory=dict)

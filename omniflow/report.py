@@ -91,7 +91,8 @@ def _schedule(c: ChannelPlan) -> str:
 def _buffer(c: ChannelPlan) -> str:
     if c.kind == "local":
         return "reference"
-    return f"{c.slots} x {human_bytes(c.slot_bytes)} = {human_bytes(c.ring_bytes)}"
+    where = f" on {c.device}" if c.device else ""
+    return f"{c.slots} x {human_bytes(c.slot_bytes)} = {human_bytes(c.ring_bytes)}{where}"
 
 
 def _edges(plan: Plan) -> Table:
@@ -151,10 +152,11 @@ def render_plan(plan: Plan, console: Console, timings: bool = False) -> None:
     for table in plan_tables(plan):
         console.print(_fit(table, console))
         console.print()
-    console.print(
-        f"shared memory: {human_bytes(plan.shm_bytes)} in "
-        f"{sum(c.kind == 'shm' for c in plan.channels)} rings"
-    )
+    host = sum(c.kind != "local" and not c.device for c in plan.channels)
+    console.print(f"shared memory: {human_bytes(plan.shm_bytes)} in {host} rings")
+    if plan.device_ring_bytes:
+        on_device = sum(bool(c.device) for c in plan.channels)
+        console.print(f"device memory: {human_bytes(plan.device_ring_bytes)} in {on_device} rings")
     for w in plan.warnings:
         console.print(f"warning: {w}", style="yellow")
     if timings:
