@@ -148,15 +148,21 @@ def _fit(table: Table, console: Console) -> Table:
     return table
 
 
+def _rings(n: int) -> str:
+    return f"{n} ring" + ("" if n == 1 else "s")
+
+
 def render_plan(plan: Plan, console: Console, timings: bool = False) -> None:
     for table in plan_tables(plan):
         console.print(_fit(table, console))
         console.print()
     host = sum(c.kind != "local" and not c.device for c in plan.channels)
-    console.print(f"shared memory: {human_bytes(plan.shm_bytes)} in {host} rings")
+    console.print(f"shared memory: {human_bytes(plan.shm_bytes)} in {_rings(host)}")
     if plan.device_ring_bytes:
         on_device = sum(bool(c.device) for c in plan.channels)
-        console.print(f"device memory: {human_bytes(plan.device_ring_bytes)} in {on_device} rings")
+        console.print(
+            f"device memory: {human_bytes(plan.device_ring_bytes)} in {_rings(on_device)}"
+        )
     for w in plan.warnings:
         console.print(f"warning: {w}", style="yellow")
     if timings:
