@@ -147,7 +147,8 @@ def make_parser() -> argparse.ArgumentParser:
     comp.add_argument(
         "--devices",
         default="cpu",
-        help="device inventory: cpu | cuda:0,cuda:1 | 2xH200 | cuda:0=80GiB",
+        help="device inventory: cpu | cuda:0,cuda:1 | 2xH200 | cuda:0=80GiB | "
+        "node0=2xH200,node1=2xH200 | ray:auto | ray://HOST:PORT",
     )
     comp.add_argument("-o", "--output", help="also write the plan JSON to this file")
     comp.add_argument(

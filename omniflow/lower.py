@@ -68,6 +68,7 @@ def lower(graph: Graph) -> Plan:
                 flops_per_item=cost.flops_per_item if cost else 0.0,
                 batch=node.meta.get("batch", 1),
                 settings=load_settings(graph, node),
+                placed=list(node.meta.get("placed", [])),
             )
         )
     channels = []
@@ -106,6 +107,11 @@ def lower(graph: Graph) -> Plan:
         params={k: plain(v) for k, v in graph.params.items()},
         devices=[
             {"name": d, "used_bytes": u, "usable_bytes": c}
+            | (
+                {"node_id": graph.meta["node_ids"][d]}
+                if d in graph.meta.get("node_ids", {})
+                else {}
+            )
             for d, (u, c) in graph.meta["device_usage"].items()
         ],
         programs=programs(graph, stages, channels),

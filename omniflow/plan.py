@@ -44,6 +44,7 @@ class StagePlan:
     flops_per_item: float = 0.0
     batch: int = 1
     settings: dict = field(default_factory=dict)
+    placed: list[str] = field(default_factory=list)  # per replica: "device: why there"
 
 
 @dataclass

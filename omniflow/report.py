@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from omniflow.devices import node_of
 from omniflow.plan import ChannelPlan, Plan
 
 _UNBOUNDED = 1 << 20  # columns, to measure what a table needs at the least
@@ -78,9 +79,14 @@ def _reasons(plan: Plan) -> Table:
     long for a column beside the executors' devices and stages. Each row repeats the
     executor, so a reason that wraps is not read as the start of the next."""
     table = _table(None, "executor", "why", wrap=("why",))
+    # On a cluster, where each stage went matters as much as what shares a process.
+    nodes = any(node_of(d["name"]) for d in plan.devices)
     for x in plan.executors:
         for reason in x.reasons:
             table.add_row(x.name, reason)
+        for stage in x.stages if nodes else ():
+            for placed in stage.placed:
+                table.add_row(x.name, f"{stage.name} on {placed}")
     return table
 
 
