@@ -33,9 +33,10 @@ from omniflow.runtime import control
 from omniflow.runtime.loop import ProgramLoop
 from omniflow.runtime.port_values import concat
 from omniflow.runtime.preflight import preflight
+from omniflow.runtime.ray_transport import ray_plan
 from omniflow.runtime.requests import Admitted, RequestFailed, Voice, admit, stage_params
 from omniflow.runtime.shm_ring import cleanup_stale_segments
-from omniflow.runtime.transport import TICK_S, TRANSPORTS, EngineError
+from omniflow.runtime.transport import MODES, TICK_S, EngineError, transport_class
 from omniflow.runtime.wakeup import Waker, wait
 
 
@@ -92,7 +93,9 @@ class _Core:
             plan.program(FRONTEND), waker=self.waker, sink=self.deliver, request_stats=stats
         )
         self.frontend.report = lambda message: self.on_message(FRONTEND, message)
-        self.transport = TRANSPORTS[mode](plan, self.frontend, backends, self.on_message, stats)
+        self.transport = transport_class(mode)(
+            plan, self.frontend, backends, self.on_message, stats
+        )
 
     def start(self) -> None:
         cleanup_stale_segments()  # what an earlier engine that was killed left behind
@@ -280,8 +283,10 @@ class Engine:
         on_loaded: Callable[[control.Loaded], None] = lambda loaded: None,
         on_stats: Callable[[control.RequestStats], None] | None = None,
     ):
-        if mode not in TRANSPORTS:
-            raise EngineError(f"unknown mode '{mode}'; use {' or '.join(map(repr, TRANSPORTS))}")
+        if mode not in MODES:
+            raise EngineError(f"unknown mode '{mode}'; use {' or '.join(map(repr, MODES))}")
+        if mode == "process" and ray_plan(plan.devices):
+            mode = "ray"  # compiled for a Ray cluster: its executors run there
         self.plan = plan
         if voices is None:
             voices = () if backends == "standin" else preflight(plan)

@@ -2,8 +2,9 @@
 are made, and how they are made again after a peer restarts.
 
 A program creates the ring of every channel it reads from another program (`create_rings`:
-it is their consumer, so it owns the segments, and a device ring's GPU memory: it holds the
-views into it, and a producer that dies takes nothing of it along) and attaches to the rings of the channels
+it is their consumer, so it owns the segments, a device ring's GPU memory and a net ring's
+slots and listening socket: it holds the views into them, and a producer that dies takes
+nothing of them along; the plan's edge kind says which ring) and attaches to the rings of the channels
 it writes (`attach_rings`), by the names their consumers announced. In one process the two
 ends of a channel are made together instead (`link_in_process`). Executors and the frontend
 link through these same functions, at start and after a restart (`relink`).
@@ -17,7 +18,9 @@ socket, or for in-process channels None (the peer pokes the loop's `Waker` inste
 
 from __future__ import annotations
 
+import os
 import select
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -28,6 +31,7 @@ from omniflow.devices import local_name
 from omniflow.plan import ChannelPlan
 from omniflow.runtime.device_ring import DeviceConsumer, DeviceProducer
 from omniflow.runtime.doorbells import ChunkMeta
+from omniflow.runtime.net_ring import NetConsumer, NetProducer
 from omniflow.runtime.port_values import TEXT_TYPES, decode, encode
 from omniflow.runtime.shm_ring import (
     Consumer,
@@ -159,6 +163,18 @@ def _on_device(channel: ChannelPlan) -> bool:
     return (torch.device(local_name(channel.device)).index or 0) < torch.cuda.device_count()
 
 
+def node_address() -> str:
+    """The address this node's peers reach it by, for the net rings it listens on: the
+    `OMNIFLOW_NODE_ADDRESS` environment variable, else the node's address in the Ray cluster
+    this process belongs to, else loopback (one host)."""
+    if address := os.environ.get("OMNIFLOW_NODE_ADDRESS"):
+        return address
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
+
+
 def _noop() -> None:
     pass
 
@@ -175,7 +191,9 @@ class Links:
         which the channels' producers attach to."""
         names = {}
         for channel in channels:
-            if _on_device(channel):
+            if channel.kind == "net":
+                ring = NetConsumer.create(channel.slots, channel.slot_bytes, node_address())
+            elif _on_device(channel):
                 ring = DeviceConsumer.create(channel.slots, channel.slot_bytes, channel.device)
             else:
                 ring = ShmConsumer.create(channel.slots, channel.slot_bytes)
@@ -188,7 +206,10 @@ class Links:
         by_name = {c.name: c for c in channels}
         for channel_name, ring_name in rings.items():
             channel = by_name[channel_name]
-            kind = DeviceProducer if _on_device(channel) else ShmProducer
+            if channel.kind == "net":
+                kind = NetProducer
+            else:
+                kind = DeviceProducer if _on_device(channel) else ShmProducer
             self.set_outbound(Outbound(channel, kind.attach(ring_name)))
 
     def relink(self, channels_in: list[ChannelPlan], peers: list[str]) -> dict[str, str]:
