@@ -6,7 +6,10 @@ a plain executor process costs per hop. Side by side in one run:
    Throughput streams chunks back to back through a ring of 4 slots (bytes over the time
    from the first put to the last arrival); latency is a 4 KiB message's one-way time
    through a ring of one slot, the producer waiting on a side pipe for the consumer's
-   go-ahead before stamping each message, so every message meets an idle channel.
+   go-ahead before stamping each message, so every message meets an idle channel. Beside
+   them, Ray's own way of moving a tensor to an actor: a method call taking it (`ray call`:
+   calls issued back to back, bytes over the time until the last returned; latency half a
+   call's round trip) -- the alternative to a net ring that the design weighed.
 2. Hop overhead: one-token requests through a chain of 2 identity stages, one executor per
    stage (edges between them chunked, so never fused), run as plain executor processes
    (`process`), as Ray actors on one node (`ray`, shm edges: what Ray adds is the actor and
@@ -77,6 +80,35 @@ def _ring_times(kind: str, slots: int, size: int, count: int, paced: bool) -> li
     return times
 
 
+class _Sink:
+    """A Ray actor that takes tensors (made remote in main, once Ray is imported)."""
+
+    def take(self, tensor: torch.Tensor) -> int:
+        return tensor.numel()
+
+
+def _ray_call_rate(sink, size: int, count: int) -> float:
+    import ray
+
+    payload = torch.randint(0, 255, (size,), dtype=torch.uint8)
+    ray.get(sink.take.remote(payload))
+    start = time.perf_counter()
+    ray.get([sink.take.remote(payload) for _ in range(count)])
+    return size * count / (time.perf_counter() - start)
+
+
+def _ray_call_latency_us(sink, count: int) -> float:
+    import ray
+
+    payload = torch.randint(0, 255, (4 * KiB,), dtype=torch.uint8)
+    times = []
+    for _ in range(count):
+        start = time.perf_counter_ns()
+        ray.get(sink.take.remote(payload))
+        times.append((time.perf_counter_ns() - start) / 2e3)
+    return statistics.median(times)
+
+
 def _hop_latency_us(plan, mode: str, requests: int) -> float:
     with Engine(plan, mode) as engine:
         for _ in range(20):
@@ -94,47 +126,51 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--requests", type=int, default=300)
     args = parser.parse_args()
+    import ray
+    from ray.cluster_utils import Cluster
+
+    node = {"num_cpus": 4}
+    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+    ray.init(address=cluster.address, include_dashboard=False, logging_level="ERROR")
+    sink = ray.remote(_Sink).remote()
+
     sizes = {s: max(n // 10, 3) for s, n in SIZES.items() if s <= MiB} if args.quick else SIZES
-    print(f"{'payload':>9} {'net GB/s':>9} {'shm GB/s':>9} {'net/shm':>8}")
+    print(
+        f"{'payload':>9} {'net GB/s':>9} {'shm GB/s':>9} {'ray call':>9} {'net/shm':>8} {'net/ray':>8}"
+    )
     for size, count in sizes.items():
         rates = {}
         for kind in RINGS:
             times = _ring_times(kind, 4, size, count, paced=False)
             rates[kind] = size * count / ((times[-1][1] - times[0][0]) / 1e9)
+        rates["ray"] = _ray_call_rate(sink, size, count)
         label = f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
         print(
             f"{label:>9} {rates['net'] / 1e9:9.2f} {rates['shm'] / 1e9:9.2f} "
-            f"{rates['net'] / rates['shm']:7.2f}x"
+            f"{rates['ray'] / 1e9:9.2f} {rates['net'] / rates['shm']:7.2f}x "
+            f"{rates['net'] / rates['ray']:7.2f}x"
         )
+    count = 300 if args.quick else 2000
     latency = {}
     for kind in RINGS:
-        times = _ring_times(kind, 1, 4 * KiB, 300 if args.quick else 2000, paced=True)
+        times = _ring_times(kind, 1, 4 * KiB, count, paced=True)
         latency[kind] = statistics.median((b - a) / 1e3 for a, b in times)
-    print(
-        f"\n4 KiB one-way latency (us, median): net {latency['net']:.1f}, shm {latency['shm']:.1f}"
-        f" ({latency['net'] / latency['shm']:.2f}x)"
-    )
-
-    import ray
-    from ray.cluster_utils import Cluster
+    latency["ray call"] = _ray_call_latency_us(sink, count)
+    print("\n4 KiB one-way latency (us, median)")
+    for name, value in latency.items():
+        print(f"{name:>12} {value:9.1f} {value / latency['shm']:7.2f}x")
 
     requests = 50 if args.quick else args.requests
-    hop = {
-        "process": _hop_latency_us(
-            compile_source(CHAIN.replace("SEPARATE", ""), "c.omni"), "process", requests
-        )
-    }
-    node = {"num_cpus": 4}
-    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
-    ray.init(address=cluster.address, include_dashboard=False, logging_level="ERROR")
+    plain = compile_source(CHAIN.replace("SEPARATE", ""), "c.omni")
+    hop = {"process": _hop_latency_us(plain, "process", requests)}
     one_node = compile_source(CHAIN.replace("SEPARATE", ""), "c.omni", devices="ray:auto")
     hop["ray"] = _hop_latency_us(one_node, "ray", requests)
     cluster.add_node(**node)
     cluster.wait_for_nodes()
-    two_nodes = compile_source(
-        CHAIN.replace("SEPARATE", "separate a, b"), "c.omni", devices="ray:auto"
+    spread = CHAIN.replace("SEPARATE", "separate a, b")
+    hop["ray 2 nodes"] = _hop_latency_us(
+        compile_source(spread, "c.omni", devices="ray:auto"), "ray", requests
     )
-    hop["ray 2 nodes"] = _hop_latency_us(two_nodes, "ray", requests)
     ray.shutdown()
     cluster.shutdown()
     print(f"\none-token request through 2 executors, median of {requests} (us)")

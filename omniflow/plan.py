@@ -18,7 +18,9 @@ import msgspec
 from omniflow.errors import OmniflowError
 from omniflow.ir.values import PlanValue
 
-PLAN_VERSION = 2
+# 3: channels say their kind beyond local/shm (cuda-ipc, p2p, net) and the GPU of a device
+# ring; devices may carry a cluster node id; stages say where they were placed and why.
+PLAN_VERSION = 3
 # The program that holds the pipeline's inputs and outputs: the engine's own.
 FRONTEND = "frontend"
 

@@ -129,3 +129,17 @@ def test_omniflow_run_once_on_the_cluster(cluster, tmp_path, capsys):
     assert (tmp_path / "text.txt").read_text().startswith("w")
     assert (tmp_path / "audio.wav").stat().st_size > 44  # more than a WAV header
     assert _all_cpus_free()
+
+
+def test_launch_with_ray_auto_runs_the_executors_as_actors(cluster):
+    import omniflow
+
+    with omniflow.launch(GRAPHS / "tts.omni", devices="ray:auto", backends="standin") as engine:
+        audio = engine.generate({"text": "hi"})["audio"]
+        for pid in engine.executor_pids.values():  # Ray's workers, not this process's children
+            parent = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            assert parent != os.getpid()
+    plan = compile_file(GRAPHS / "tts.omni", devices="ray:auto")
+    assert_same(
+        {"audio": audio}, {"audio": Interpreter(plan, "standin").run({"text": "hi"})["audio"]}
+    )
