@@ -85,6 +85,7 @@ class _Core:
         self.commands: deque = deque()
         self.requests: dict[str, _Request] = {}
         self.closed = False
+        self.failure = ""  # why the I/O loop stopped, if it failed
         self.next_check = 0.0  # when check_executors runs next
         self.inspections: tuple[dict, queue.SimpleQueue] | None = None
         self.profiles: tuple[dict, queue.SimpleQueue] | None = None
@@ -232,18 +233,26 @@ class _Core:
                 if not self.commands:
                     self.wait_for_work(TICK_S)
         except Exception as err:  # no request may hang on a dead engine
+            failed = EngineError(f"the engine failed: {type(err).__name__}: {err}")
+            self.failure = str(failed)
             for request_id in list(self.requests):
-                self.cancel(
-                    request_id, EngineError(f"the engine failed: {type(err).__name__}: {err}")
-                )
+                self.cancel(request_id, failed)
+            self.fail_queued(failed)
             raise
         finally:
             self.closed = True
             self.shutdown()
 
+    def fail_queued(self, error: EngineError) -> None:
+        """Fail the requests submitted but not yet started (the I/O loop stopped first)."""
+        for command, arg in [c for c in self.commands if c[0] == "submit"]:
+            self.commands.remove((command, arg))
+            arg.deliver(error)
+
     def shutdown(self) -> None:
         for request_id in list(self.requests):
             self.cancel(request_id, EngineError("the engine was closed"))
+        self.fail_queued(EngineError("the engine was closed"))
         self.transport.broadcast(control.Shutdown())
         self.transport.close()
         self.frontend.close()
@@ -324,7 +333,11 @@ class Engine:
     # --- requests ------------------------------------------------------------------------------------
     def _submit(self, inputs: dict, params: dict | None, request_id: str | None, deliver) -> str:
         if self._core.closed:
-            raise EngineError("the engine is closed")
+            raise EngineError(
+                f"the engine is closed ({self._core.failure})"
+                if self._core.failure
+                else "the engine is closed"
+            )
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         request = _Request(request_id, self.admit(inputs, params), deliver)
         self._command("submit", request)

@@ -115,6 +115,12 @@ class RayTransport(ProcessTransport):
                 f"{super().describe(name)} is placed on {node}, which the Ray cluster does not "
                 f"have (its nodes: {', '.join(sorted(self.node_ids))}); compile with --devices ray:auto"
             )
+        alive = {n["NodeID"] for n in self.ray.nodes() if n.get("Alive")}
+        if self.node_ids[node] not in alive:
+            raise EngineError(
+                f"{self.describe(name)} cannot be restarted: {node} has left the Ray cluster; "
+                "compile again for the nodes that remain (--devices ray:auto)"
+            )
         gpus = [d for d in self.plan.program(name).devices if local_name(d).startswith("cuda")]
         config = {
             "name": name,

@@ -14,7 +14,7 @@ import pytest
 
 from omniflow.compiler import compile_file, compile_source
 from omniflow.devices import parse_devices
-from omniflow.runtime.engine import Engine
+from omniflow.runtime.engine import Engine, EngineError, RequestFailed
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.shm_ring import SEGMENT_PREFIX, SHM_DIR
 from tests.runtime.test_failures import CHAIN, cancel_mid_stream, kill_mid_stream
@@ -26,6 +26,9 @@ GRAPHS = Path(__file__).parents[2] / "graphs"
 # Per step of the test stages (tests/runtime/stages.py); the actors' processes inherit it
 # from the cluster's, so it is set before the cluster starts.
 STEP_DELAY_S = "0.01"
+# Ray's `memory` is what a node's CPU device offers the compiler: room for the examples'
+# real-size stages (stand-ins run them), far above what the stand-ins use.
+NODE = {"num_cpus": 4, "memory": 256 << 30}
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +37,8 @@ def cluster():
 
     before = os.environ.get("OMNIFLOW_TEST_DELAY")
     os.environ["OMNIFLOW_TEST_DELAY"] = STEP_DELAY_S
-    # Ray's `memory` is what a node's CPU device offers the compiler: room for the examples'
-    # real-size stages (stand-ins run them), far above what the stand-ins use.
-    node = {"num_cpus": 4, "memory": 256 << 30}
-    nodes = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
-    nodes.add_node(**node)
+    nodes = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
+    nodes.add_node(**NODE)
     ray.init(address=nodes.address, include_dashboard=False, logging_level="ERROR")
     yield nodes
     ray.shutdown()
@@ -143,3 +143,20 @@ def test_launch_with_ray_auto_runs_the_executors_as_actors(cluster):
     assert_same(
         {"audio": audio}, {"audio": Interpreter(plan, "standin").run({"text": "hi"})["audio"]}
     )
+
+
+# The engine's I/O thread ends by raising what stopped it (so that it is never silent).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_node_that_leaves_fails_its_requests_and_then_the_engine_saying_why(cluster):
+    """Last in the module: it takes node1 away (and gives the cluster a new one after)."""
+    with Engine(_chain()) as engine:
+        stream = engine.stream_sync({"n": "400"})
+        next(stream)
+        cluster.remove_node(next(n for n in cluster.worker_nodes))
+        with pytest.raises(RequestFailed, match="executor 'dst' .* on node1 .* died"):
+            for _ in stream:
+                pass
+        with pytest.raises(EngineError, match="node1 has left the Ray cluster; compile again"):
+            engine.generate({"n": "3"})
+    assert _all_cpus_free()
+    cluster.add_node(**NODE)
