@@ -28,6 +28,7 @@ layout, credits and backpressure. Nothing of it is copied here: `DeviceProducer`
 from __future__ import annotations
 
 import ctypes
+import math
 import struct
 import threading
 import weakref
@@ -231,7 +232,7 @@ class _DeviceRing:
         return slot * self.slot_bytes
 
     def _view(self, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-        size = dtype.itemsize * _count(shape)
+        size = dtype.itemsize * math.prod(shape)
         return self._buffer[offset : offset + size].view(dtype).view(shape)
 
     def close(self) -> None:
@@ -239,13 +240,6 @@ class _DeviceRing:
         # The memory goes once no view of it is left (as the shm ring's mapping does).
         self._buffer = None
         self._memory = None
-
-
-def _count(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class DeviceProducer(_DeviceRing, ShmProducer):

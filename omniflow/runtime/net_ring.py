@@ -18,6 +18,7 @@ for minutes when a node vanishes); the engine learns it from the transport and r
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from contextlib import suppress
@@ -111,9 +112,7 @@ class NetConsumer(_NetEndpoint, Consumer):
         tensors = []
         for header in bell.tensors:
             dtype = torch_dtype(header.dtype)
-            count = 1
-            for d in header.shape:
-                count *= d
+            count = math.prod(header.shape)
             start = base + header.offset
             view = self._memory[start : start + count * dtype.itemsize]
             # The frames of one message arrive together: these receives never wait.
