@@ -150,7 +150,8 @@ def make_parser() -> argparse.ArgumentParser:
     comp.add_argument(
         "--devices",
         default="cpu",
-        help="device inventory: cpu | cuda:0,cuda:1 | 2xH200 | cuda:0=80GiB",
+        help="device inventory: cpu | cuda:0,cuda:1 | 2xH200 | cuda:0=80GiB | "
+        "node0=2xH200,node1=2xH200 | ray:auto | ray://HOST:PORT",
     )
     comp.add_argument("-o", "--output", help="also write the plan JSON to this file")
     comp.add_argument(
@@ -175,14 +176,19 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "paths", nargs="*", metavar="PIPELINE", help=".omni files or plan JSON files to serve"
     )
-    run.add_argument("--devices", default="cpu")
+    run.add_argument(
+        "--devices",
+        default="cpu",
+        help="device inventory, as for compile; ray:auto or ray://HOST:PORT runs the executors "
+        "as Ray actors on that cluster (docs/deploy.md)",
+    )
     run.add_argument(
         "--tiny", action="store_true", help="use the built-in tiny models of the same architectures"
     )
     run.add_argument(
         "--standin", action="store_true", help="deterministic stand-in stages instead of models"
     )
-    run.add_argument("--mode", default="process", choices=("process", "inprocess"))
+    run.add_argument("--mode", default="process", choices=("process", "inprocess", "ray"))
     run.add_argument(
         "--param",
         action="append",

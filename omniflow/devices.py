@@ -1,7 +1,8 @@
 """Device inventories: what `--devices` means, and each device's memory and speed.
 
 `cpu`, `cuda:0,cuda:1`, `2xH200`, `cuda:0=80GiB,cuda:1=40GiB`, `cpu=16GiB` all parse to a
-list of `Device`s. Speeds are nominal datasheet figures; the compiler uses them only to
+list of `Device`s; so do multi-node inventories (`node0=2xH200,node1=2xH200`, devices named
+`node0/cuda:0`, ...) and Ray clusters (`ray:auto`, `ray://HOST:PORT`, read by cluster.py). Speeds are nominal datasheet figures; the compiler uses them only to
 compare stages' costs and to size chunks, never as promises.
 """
 
@@ -9,14 +10,17 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from omniflow.errors import DeviceSpecError
 
 GiB = 1 << 30
 
+# Between a node's name and a device's name on it, in a multi-node inventory's device names.
+NODE_SEP = "/"
+
 # Bounds on an inventory, so that a slip such as `1000000xH200` fails at once instead of
-# building a million devices. omniflow serves from one host; these are far above any host.
+# building a million devices; far above any host, and the largest clusters omniflow serves.
 MAX_GPUS_PER_ENTRY = 64  # the N of one `NxMODEL` entry: 1 to this
 MAX_DEVICES = 1024  # all entries together
 MAX_GPU_INDEX = MAX_DEVICES - 1  # the N of `cuda:N`
@@ -53,13 +57,28 @@ class Device:
     flops: float
     bandwidth: float
     model: str = ""
+    node_id: str = ""  # the node's id in the cluster manager (Ray), where one manages it
 
     @property
     def is_gpu(self) -> bool:
-        return self.name.startswith("cuda")
+        return local_name(self.name).startswith("cuda")
+
+    @property
+    def node(self) -> str:
+        return node_of(self.name)
 
     def __str__(self) -> str:
         return self.name
+
+
+def node_of(name: str) -> str:
+    """The node a device name is on: `node1/cuda:0` -> `node1`; "" for a one-host name."""
+    return name.rpartition(NODE_SEP)[0]
+
+
+def local_name(name: str) -> str:
+    """A device's name on its own node, as torch spells it: `node1/cuda:0` -> `cuda:0`."""
+    return name.rpartition(NODE_SEP)[2]
 
 
 def parse_size(text: str) -> int:
@@ -123,29 +142,70 @@ def _detected_gpu(index: int) -> Device | None:
 
 
 def parse_devices(spec: str) -> list[Device]:
-    """Parse a `--devices` string into devices, GPUs numbered in the order given."""
+    """Parse a `--devices` string into devices, GPUs numbered in the order given (per node).
+
+    One host: `cpu`, `2xH200`, `cuda:0=80GiB,cuda:1=40GiB`. Several nodes: each entry
+    prefixed with its node's name, `node0=2xH200,node1=2xH200` (devices `node0/cuda:0`, ...).
+    A Ray cluster: `ray:auto` (the one this machine belongs to) or `ray://HOST:PORT`, its
+    nodes and GPUs read from Ray (cluster.py)."""
     if not spec.strip():
         raise DeviceSpecError("no devices given; write e.g. cpu, 2xH200 or cuda:0=80GiB")
+    if spec.strip().startswith("ray:"):
+        from omniflow.cluster import ray_devices
+
+        return ray_devices(spec.strip())
     inventory = _Inventory(spec)
     for entry in spec.split(","):
         inventory.add(entry.strip())
     return inventory.devices
 
 
+# A node's name in a multi-node inventory: a word that names no device kind.
+_NODE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")
+
+
+def _node_prefix(entry: str) -> tuple[str, str]:
+    """(node, the device entry) for `node1=2xH200`; ("", entry) for a one-host entry."""
+    name, has_rest, rest = (part.strip() for part in entry.partition("="))
+    if has_rest and _NODE_NAME.fullmatch(name) and not re.fullmatch(r"cpu|cuda.*", name):
+        return name, rest
+    return "", entry
+
+
 class _Inventory:
-    """The devices parsed so far, and the index the next GPU without one gets."""
+    """The devices parsed so far, and per node the index the next GPU without one gets."""
 
     def __init__(self, spec: str):
         self.spec = spec
         self.devices: list[Device] = []
         self.names: set[str] = set()
-        self.next_gpu = 0
+        self.next_gpus: dict[str, int] = {}
+        self.node = ""
+
+    @property
+    def next_gpu(self) -> int:
+        return self.next_gpus.get(self.node, 0)
+
+    @next_gpu.setter
+    def next_gpu(self, index: int) -> None:
+        self.next_gpus[self.node] = index
 
     def add(self, entry: str) -> None:
         if not entry:
             raise DeviceSpecError(
                 f"empty entry in device list '{_shown(self.spec)}'; separate entries with one comma"
             )
+        self.node, entry = _node_prefix(entry)
+        if self.node and not entry:
+            raise DeviceSpecError(
+                f"'{_shown(self.node)}=' names no device; write e.g. {_shown(self.node)}=2xH200"
+            )
+        if self.next_gpus and (self.node == "") != ("" in self.next_gpus):
+            raise DeviceSpecError(
+                f"'{_shown(self.spec)}' mixes entries with and without a node; give every "
+                "entry its node (node0=2xH200,node1=2xH200) or none"
+            )
+        self.next_gpus.setdefault(self.node, 0)
         name, has_size, size = (part.strip() for part in entry.partition("="))
         memory = parse_size(size) if has_size else None
         if m := re.fullmatch(r"([+-]?\d+)\s*x\s*([A-Za-z0-9-]+)", name):
@@ -186,11 +246,13 @@ class _Inventory:
             raise DeviceSpecError(
                 f"'{_shown(entry)}': GPU indexes run from 0 to {MAX_GPU_INDEX}; number GPUs from cuda:0"
             )
-        detected = None if model or memory else _detected_gpu(index)
+        detected = None if model or memory or self.node else _detected_gpu(index)
         self._append(detected or _gpu(index, model, memory))
         self.next_gpu = index + 1
 
     def _append(self, device: Device) -> None:
+        if self.node:
+            device = replace(device, name=f"{self.node}{NODE_SEP}{device.name}")
         if device.name in self.names:
             raise DeviceSpecError(
                 f"{device.name} is listed twice in '{_shown(self.spec)}'; list each device once"

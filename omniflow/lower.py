@@ -68,6 +68,7 @@ def lower(graph: Graph) -> Plan:
                 flops_per_item=cost.flops_per_item if cost else 0.0,
                 batch=node.meta.get("batch", 1),
                 settings=load_settings(graph, node),
+                placed=list(node.meta.get("placed", [])),
             )
         )
     channels = []
@@ -96,6 +97,7 @@ def lower(graph: Graph) -> Plan:
                 ch["slot_bytes"],
                 ch["ring_bytes"],
                 ch.get("credits", 0),
+                ch.get("device", ""),
             )
         )
     return Plan(
@@ -105,6 +107,11 @@ def lower(graph: Graph) -> Plan:
         params={k: plain(v) for k, v in graph.params.items()},
         devices=[
             {"name": d, "used_bytes": u, "usable_bytes": c}
+            | (
+                {"node_id": graph.meta["node_ids"][d]}
+                if d in graph.meta.get("node_ids", {})
+                else {}
+            )
             for d, (u, c) in graph.meta["device_usage"].items()
         ],
         programs=programs(graph, stages, channels),
@@ -122,6 +129,7 @@ def lower(graph: Graph) -> Plan:
         ],
         channels=channels,
         shm_bytes=graph.meta["shm_bytes"],
+        device_ring_bytes=sum(c.ring_bytes for c in channels if c.device),
         limits=param_limits(graph),
         warnings=list(graph.meta.get("warnings", [])),
         pass_seconds=dict(graph.meta.get("pass_times", {})),

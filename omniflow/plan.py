@@ -18,7 +18,9 @@ import msgspec
 from omniflow.errors import OmniflowError
 from omniflow.ir.values import PlanValue
 
-PLAN_VERSION = 2
+# 3: channels say their kind beyond local/shm (cuda-ipc, p2p, net) and the GPU of a device
+# ring; devices may carry a cluster node id; stages say where they were placed and why.
+PLAN_VERSION = 3
 # The program that holds the pipeline's inputs and outputs: the engine's own.
 FRONTEND = "frontend"
 
@@ -44,6 +46,7 @@ class StagePlan:
     flops_per_item: float = 0.0
     batch: int = 1
     settings: dict = field(default_factory=dict)
+    placed: list[str] = field(default_factory=list)  # per replica: "device: why there"
 
 
 @dataclass
@@ -54,7 +57,7 @@ class ChannelPlan:
     dst: str
     dst_port: str
     type: str
-    kind: str  # "local" (same executor: references) or "shm" (a ring)
+    kind: str  # "local", "shm", "cuda-ipc", "p2p" or "net" (passes/plan_buffers.py)
     src_executor: str
     dst_executor: str
     item_dtype: str
@@ -69,6 +72,7 @@ class ChannelPlan:
     slot_bytes: int = 0
     ring_bytes: int = 0
     credits: int = 0
+    device: str = ""  # the GPU whose memory holds a cuda-ipc or p2p ring ("" for host rings)
 
 
 @dataclass
@@ -127,7 +131,8 @@ class Plan:
     inputs: list[PortPlan]
     outputs: list[PortPlan]
     channels: list[ChannelPlan]
-    shm_bytes: int = 0
+    shm_bytes: int = 0  # host rings (shm and net)
+    device_ring_bytes: int = 0  # rings in GPU memory (cuda-ipc and p2p)
     limits: dict[str, ParamLimit] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     pass_seconds: dict = field(default_factory=dict)

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
+from omniflow.devices import node_of
 from omniflow.plan import ChannelPlan, Plan
 
 _UNBOUNDED = 1 << 20  # columns, to measure what a table needs at the least
@@ -78,9 +79,14 @@ def _reasons(plan: Plan) -> Table:
     long for a column beside the executors' devices and stages. Each row repeats the
     executor, so a reason that wraps is not read as the start of the next."""
     table = _table(None, "executor", "why", wrap=("why",))
+    # On a cluster, where each stage went matters as much as what shares a process.
+    nodes = any(node_of(d["name"]) for d in plan.devices)
     for x in plan.executors:
         for reason in x.reasons:
             table.add_row(x.name, reason)
+        for stage in x.stages if nodes else ():
+            for placed in stage.placed:
+                table.add_row(x.name, f"{stage.name} on {placed}")
     return table
 
 
@@ -91,7 +97,8 @@ def _schedule(c: ChannelPlan) -> str:
 def _buffer(c: ChannelPlan) -> str:
     if c.kind == "local":
         return "reference"
-    return f"{c.slots} x {human_bytes(c.slot_bytes)} = {human_bytes(c.ring_bytes)}"
+    where = f" on {c.device}" if c.device else ""
+    return f"{c.slots} x {human_bytes(c.slot_bytes)} = {human_bytes(c.ring_bytes)}{where}"
 
 
 def _edges(plan: Plan) -> Table:
@@ -147,14 +154,21 @@ def _fit(table: Table, console: Console) -> Table:
     return table
 
 
+def _rings(n: int) -> str:
+    return f"{n} ring" + ("" if n == 1 else "s")
+
+
 def render_plan(plan: Plan, console: Console, timings: bool = False) -> None:
     for table in plan_tables(plan):
         console.print(_fit(table, console))
         console.print()
-    console.print(
-        f"shared memory: {human_bytes(plan.shm_bytes)} in "
-        f"{sum(c.kind == 'shm' for c in plan.channels)} rings"
-    )
+    host = sum(c.kind != "local" and not c.device for c in plan.channels)
+    console.print(f"shared memory: {human_bytes(plan.shm_bytes)} in {_rings(host)}")
+    if plan.device_ring_bytes:
+        on_device = sum(bool(c.device) for c in plan.channels)
+        console.print(
+            f"device memory: {human_bytes(plan.device_ring_bytes)} in {_rings(on_device)}"
+        )
     for w in plan.warnings:
         console.print(f"warning: {w}", style="yellow")
     if timings:

@@ -181,3 +181,21 @@ def test_the_language_guide_shows_omni_chat_as_it_is():
 def test_an_audio_output_gets_its_vocoders_sample_rate():
     plan = compile_file(ROOT / "graphs/omni_chat.omni", devices="2xH200")
     assert next(o for o in plan.outputs if o.name == "audio").attrs["rate"] == 24000
+
+
+def test_a_multi_node_plan_shows_edge_kinds_and_why_each_stage_is_where_it_is(capsys):
+    code, out, err = _cli(
+        capsys,
+        "compile",
+        "graphs/omni_chat.omni",
+        "--devices",
+        "node0=1xH100=20GiB,node1=2xH200",
+        "--width",
+        "160",
+    )
+    assert code == 0, err
+    rows = [line.split()[:2] for line in out.splitlines()]
+    assert ["talker.codes->code2wav.codes", "net"] in rows
+    assert ["code2wav.audio->audio.in", "shm"] in rows
+    assert "talker on node1/cuda:0: with thinker: per-token streams stay on one device" in out
+    assert "code2wav on node0/cuda:0:" in out

@@ -89,3 +89,29 @@ def test_bad_inventories_are_refused_at_once_in_one_line(spec, message):
 def test_the_memory_bounds_are_inclusive():
     assert parse_size("1MiB") == 1 << 20
     assert parse_size("64TiB") == MAX_MEMORY
+
+
+def test_multi_node_inventories_name_devices_by_node():
+    devices = parse_devices("node0=2xH200,node1=1xH100,node1=cpu=64GiB")
+    assert [d.name for d in devices] == [
+        "node0/cuda:0",
+        "node0/cuda:1",
+        "node1/cuda:0",
+        "node1/cpu",
+    ]
+    assert [d.node for d in devices] == ["node0", "node0", "node1", "node1"]
+    assert [d.is_gpu for d in devices] == [True, True, True, False]
+    assert devices[2].memory == parse_devices("1xH100")[0].memory  # each node numbers its GPUs
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("node0=2xH200,cpu", "mixes entries with and without a node"),
+        ("node0=2xH200,node0=cuda:1=80GiB", "node0/cuda:1 is listed twice"),
+        ("node0=", "'node0=' names no device; write e.g. node0=2xH200"),
+    ],
+)
+def test_multi_node_inventories_refuse_mistakes(spec, message):
+    with pytest.raises(DeviceSpecError, match=message):
+        parse_devices(spec)

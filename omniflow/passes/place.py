@@ -4,7 +4,9 @@ writes a memory fraction by hand.
 
 Stages are placed largest first, honoring pins and colocate/separate constraints. A stage
 prefers the device of a neighbour it exchanges per-token streams with (so stage fusion can
-remove the hop), then the device left least full. What a device has beyond the stages'
+remove the hop), then a device on that neighbour's node (on a cluster only chunked edges
+should cross nodes; a per-token stream that must is warned about), then the device left
+least full. `meta["placed"]` says, per replica, where and why. What a device has beyond the stages'
 needs is shared out as budget in proportion to their KV caches (more concurrent requests),
 or to their needs when no stage there has one. A pipeline that cannot fit fails here,
 naming the stage, the bytes it needs and the bytes available.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from omniflow.devices import Device, GiB, parse_devices
+from omniflow.devices import Device, GiB, node_of, parse_devices
 from omniflow.errors import PlacementError
 from omniflow.ir.graph import Graph, Node
 from omniflow.passes.common import PER_TOKEN_CHUNK, DisjointSets, Target
@@ -99,15 +101,43 @@ class _Placer:
             if d not in taken and not any(d in self.where.get(s, ()) for s in avoid)
         ]
 
-    def _affinity(self, group: list[Node], device: str) -> int:
-        """Per-token streams between `group` and stages already on `device`."""
-        score = 0
+    def _streaming_neighbours(self, group: list[Node]) -> list[str]:
+        """Stages that exchange per-token streams with `group`, one entry per stream."""
+        out = []
         for node in group:
             for edge in self.graph.in_edges(node.name) + self.graph.out_edges(node.name):
-                other = edge.src if edge.dst == node.name else edge.dst
-                small = isinstance(edge.chunk, int) and edge.chunk <= PER_TOKEN_CHUNK
-                score += small and device in self.where.get(other, ())
-        return score
+                if isinstance(edge.chunk, int) and edge.chunk <= PER_TOKEN_CHUNK:
+                    out.append(edge.src if edge.dst == node.name else edge.dst)
+        return out
+
+    def _affinity(self, group: list[Node], device: str) -> tuple[int, int]:
+        """Per-token streams between `group` and stages already on `device`, then on its node:
+        a stream that cannot stay on one device should at least stay within a node, where
+        its hop is a device or shared-memory ring instead of the network."""
+        node = node_of(device)
+        neighbours = self._streaming_neighbours(group)
+        on_device = sum(device in self.where.get(n, ()) for n in neighbours)
+        on_node = sum(any(node_of(d) == node for d in self.where.get(n, ())) for n in neighbours)
+        return on_device, on_node
+
+    def _why(self, group: list[Node], device: str, fits: list[str]) -> str:
+        """Why `group` went to `device`, for the plan."""
+        if any(self._pinned_device(n) for n in group):
+            return f"pinned to {device}"
+        near = sorted(
+            {n for n in self._streaming_neighbours(group) if n in self.where}
+            & {s for s, ds in self.where.items() if device in ds or _same_node(ds, device)}
+        )
+        if near and any(device in self.where[n] for n in near):
+            return f"with {', '.join(near)}: per-token streams stay on one device"
+        if near and node_of(device):
+            return (
+                f"on {node_of(device)} with {', '.join(near)}: per-token streams stay within a "
+                "node (no room on their device)"
+            )
+        if len(fits) == 1:
+            return "the only device with room"
+        return "the least full device with room"
 
     def place_group(self, group: list[Node], taken: set[str]) -> str:
         candidates = self._candidates(group, taken)
@@ -124,9 +154,11 @@ class _Placer:
         if not fits:
             self._fail(group, candidates)
         best = max(fits, key=lambda d: (self._affinity(group, d), -self.used[d] / self.capacity[d]))
+        why = self._why(group, best, fits)
         for n in group:
             self.used[best] += self._charge(n, best)
             self.where.setdefault(n.name, []).append(best)
+            n.meta.setdefault("placed", []).append(f"{best}: {why}")
         return best
 
     def _fail(self, group: list[Node], candidates: list[str]) -> None:
@@ -160,6 +192,26 @@ class _Placer:
                 n.meta["budget"] = self._charge(n, device) + slack * weight[n.name] // total
 
 
+def _same_node(devices: list[str], device: str) -> bool:
+    return bool(node_of(device)) and any(node_of(d) == node_of(device) for d in devices)
+
+
+def _warn_streams_across_nodes(graph: Graph, where: dict[str, list[str]]) -> None:
+    """Only chunked edges should cross nodes: a per-token stream that had to pays a network
+    hop per token, which the plan says."""
+    warnings = graph.meta["warnings"] = list(graph.meta.get("warnings", []))
+    for edge in graph.edges:
+        if edge.src not in where or edge.dst not in where:
+            continue
+        small = isinstance(edge.chunk, int) and edge.chunk <= PER_TOKEN_CHUNK
+        nodes = {node_of(d) for d in where[edge.src] + where[edge.dst]}
+        if small and len(nodes) > 1:
+            warnings.append(
+                f"{edge.name} streams per token across nodes ({' vs '.join(sorted(nodes))}): no "
+                "node had room for both ends; each token crosses the network"
+            )
+
+
 def place(graph: Graph, target: Target) -> Graph:
     graph = graph.copy()
     placer = _Placer(graph, target)
@@ -173,8 +225,11 @@ def place(graph: Graph, target: Target) -> Graph:
         for _ in range(replicas):
             taken.add(placer.place_group(group, taken))
     placer.budgets()
+    _warn_streams_across_nodes(graph, placer.where)
     for node in graph.stages:
         node.meta["devices"] = placer.where[node.name]
         node.meta["device"] = placer.where[node.name][0]
     graph.meta["device_usage"] = {d: (placer.used[d], placer.capacity[d]) for d in placer.capacity}
+    # The cluster manager's id of each device's node, for a transport that pins executors.
+    graph.meta["node_ids"] = {d.name: d.node_id for d in target.devices if d.node_id}
     return graph

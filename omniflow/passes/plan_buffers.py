@@ -1,15 +1,27 @@
 """Pass: buffer planning. Every edge that crosses executors (the frontend included) gets a
-pre-allocated shared-memory ring: `meta["channel"]` = kind "shm", slots, slot bytes, ring
-bytes. A slot holds the largest message the edge can carry (the largest chunk of the
-schedule, or the whole output); there are `credits` slots per request the consumer may
-batch, so a producer can run `credits` chunks ahead per request before it blocks. Edges
-inside one executor pass references: kind "local", no bytes.
+pre-allocated ring: `meta["channel"]` = its kind, slots, slot bytes, ring bytes, and the
+device that holds it. A slot holds the largest message the edge can carry (the largest
+chunk of the schedule, or the whole output); there are `credits` slots per request the
+consumer may batch, so a producer can run `credits` chunks ahead per request before it
+blocks.
+
+The kind says how chunks move, from where the two ends run (`edge_kind`):
+- `local`: one executor; references, no bytes.
+- `cuda-ipc`: two processes on one GPU passing tensors: a ring in that GPU's memory, which
+  the other process opens through a CUDA IPC handle; no host round trip.
+- `p2p`: tensors between two GPUs of one host: a ring in the consumer's GPU memory, filled
+  by a peer copy from the producer's GPU.
+- `net`: the ends run on different nodes: frames over the network into pre-allocated slots.
+- `shm`: everything else (text, the frontend, CPU stages): a host shared-memory ring.
+All kinds share the slot layout, the doorbell headers and the credits.
 """
 
 from __future__ import annotations
 
-from omniflow.devices import GiB
+from omniflow.devices import GiB, node_of
+from omniflow.errors import PlacementError
 from omniflow.ir.graph import Edge, Graph
+from omniflow.ir.types import TENSOR_TYPES
 from omniflow.passes.common import Target
 
 DEFAULT_CREDITS = 2
@@ -31,13 +43,46 @@ def _concurrency(graph: Graph, edge: Edge) -> int:
     return 1
 
 
+def edge_kind(graph: Graph, target: Target, edge: Edge) -> tuple[str, str]:
+    """How `edge` moves its chunks, and the device that holds its ring ("" for a host ring):
+    see the module's docstring. The frontend runs on the first node of the inventory."""
+    src, dst = graph.node(edge.src), graph.node(edge.dst)
+    if src.meta["executor"] == dst.meta["executor"]:
+        return "local", ""
+    home = node_of(target.devices[0].name) if target.devices else ""
+    ends = [n.meta.get("devices", []) if n.is_stage else [] for n in (src, dst)]
+    nodes = {node_of(d) for d in ends[0] + ends[1]} | ({home} if [] in ends else set())
+    if len(nodes) > 1:
+        return "net", ""
+    gpus = {d.name for d in target.devices if d.is_gpu}
+    # A device ring needs one GPU at each end (a replicated stage spreads over several) and a
+    # tensor that can stay there (text and chat travel as host bytes).
+    if edge.type in TENSOR_TYPES and all(len(e) == 1 and e[0] in gpus for e in ends):
+        return ("cuda-ipc" if ends[0] == ends[1] else "p2p"), ends[1][0]
+    return "shm", ""
+
+
+def _charge_device_ring(graph: Graph, edge: Edge, ring_bytes: int) -> None:
+    """A device ring lives in its consumer's GPU memory: it comes out of that stage's budget
+    (placement shared the device's slack out as budgets), never on top of it."""
+    consumer = graph.node(edge.dst)
+    left = consumer.meta["budget"] - ring_bytes
+    if left < consumer.meta["need"]:
+        raise PlacementError(
+            f"the {ring_bytes / GiB:.1f} GiB device ring of {edge.name} does not fit beside "
+            f"stage '{consumer.name}' on {consumer.meta['device']}; lower the consumer's "
+            "max_batch or the edge's credits"
+        )
+    consumer.meta["budget"] = left
+
+
 def plan_buffers(graph: Graph, target: Target) -> Graph:
     graph = graph.copy()
     warnings = graph.meta["warnings"] = list(graph.meta.get("warnings", []))
     total = 0
     for edge in graph.edges:
-        src, dst = graph.node(edge.src), graph.node(edge.dst)
-        if src.meta["executor"] == dst.meta["executor"]:
+        kind, device = edge_kind(graph, target, edge)
+        if kind == "local":
             edge.meta["channel"] = {"kind": "local", "slots": 0, "slot_bytes": 0, "ring_bytes": 0}
             continue
         steps = max(edge.meta["schedule"]) if edge.stream else edge.meta["max_steps"]
@@ -51,12 +96,16 @@ def plan_buffers(graph: Graph, target: Target) -> Graph:
             )
             slots = fewer
         edge.meta["channel"] = {
-            "kind": "shm",
+            "kind": kind,
             "slots": slots,
             "slot_bytes": slot_bytes,
             "ring_bytes": slots * slot_bytes,
             "credits": credits,
+            "device": device,
         }
-        total += slots * slot_bytes
+        if device:
+            _charge_device_ring(graph, edge, slots * slot_bytes)
+        else:
+            total += slots * slot_bytes
     graph.meta["shm_bytes"] = total
     return graph

@@ -34,9 +34,10 @@ from omniflow.runtime.gpu_timeline import ProfileError, gpu_executors
 from omniflow.runtime.loop import ProgramLoop
 from omniflow.runtime.port_values import concat
 from omniflow.runtime.preflight import preflight
+from omniflow.runtime.ray_transport import ray_plan
 from omniflow.runtime.requests import Admitted, RequestFailed, Voice, admit, stage_params
 from omniflow.runtime.shm_ring import cleanup_stale_segments
-from omniflow.runtime.transport import TICK_S, TRANSPORTS, EngineError
+from omniflow.runtime.transport import MODES, TICK_S, EngineError, transport_class
 from omniflow.runtime.wakeup import Waker, wait
 
 
@@ -87,6 +88,7 @@ class _Core:
         self.commands: deque = deque()
         self.requests: dict[str, _Request] = {}
         self.closed = False
+        self.failure = ""  # why the I/O loop stopped, if it failed
         self.next_check = 0.0  # when check_executors runs next
         self.inspections: tuple[dict, queue.SimpleQueue] | None = None
         # (answers so far, reply queue, starting): every executor answers a Profile message
@@ -96,7 +98,9 @@ class _Core:
             plan.program(FRONTEND), waker=self.waker, sink=self.deliver, request_stats=stats
         )
         self.frontend.report = lambda message: self.on_message(FRONTEND, message)
-        self.transport = TRANSPORTS[mode](plan, self.frontend, backends, self.on_message, stats)
+        self.transport = transport_class(mode)(
+            plan, self.frontend, backends, self.on_message, stats
+        )
 
     def start(self) -> None:
         cleanup_stale_segments()  # what an earlier engine that was killed left behind
@@ -242,18 +246,26 @@ class _Core:
                 if not self.commands:
                     self.wait_for_work(TICK_S)
         except Exception as err:  # no request may hang on a dead engine
+            failed = EngineError(f"the engine failed: {type(err).__name__}: {err}")
+            self.failure = str(failed)
             for request_id in list(self.requests):
-                self.cancel(
-                    request_id, EngineError(f"the engine failed: {type(err).__name__}: {err}")
-                )
+                self.cancel(request_id, failed)
+            self.fail_queued(failed)
             raise
         finally:
             self.closed = True
             self.shutdown()
 
+    def fail_queued(self, error: EngineError) -> None:
+        """Fail the requests submitted but not yet started (the I/O loop stopped first)."""
+        for command, arg in [c for c in self.commands if c[0] == "submit"]:
+            self.commands.remove((command, arg))
+            arg.deliver(error)
+
     def shutdown(self) -> None:
         for request_id in list(self.requests):
             self.cancel(request_id, EngineError("the engine was closed"))
+        self.fail_queued(EngineError("the engine was closed"))
         self.transport.broadcast(control.Shutdown())
         self.transport.close()
         self.frontend.close()
@@ -293,8 +305,10 @@ class Engine:
         on_loaded: Callable[[control.Loaded], None] = lambda loaded: None,
         on_stats: Callable[[control.RequestStats], None] | None = None,
     ):
-        if mode not in TRANSPORTS:
-            raise EngineError(f"unknown mode '{mode}'; use {' or '.join(map(repr, TRANSPORTS))}")
+        if mode not in MODES:
+            raise EngineError(f"unknown mode '{mode}'; use {' or '.join(map(repr, MODES))}")
+        if mode == "process" and ray_plan(plan.devices):
+            mode = "ray"  # compiled for a Ray cluster: its executors run there
         self.plan = plan
         if voices is None:
             voices = () if backends == "standin" else preflight(plan)
@@ -332,7 +346,11 @@ class Engine:
     # --- requests ------------------------------------------------------------------------------------
     def _submit(self, inputs: dict, params: dict | None, request_id: str | None, deliver) -> str:
         if self._core.closed:
-            raise EngineError("the engine is closed")
+            raise EngineError(
+                f"the engine is closed ({self._core.failure})"
+                if self._core.failure
+                else "the engine is closed"
+            )
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         arrived = time.monotonic_ns()
         admitted = self.admit(inputs, params)

@@ -63,15 +63,18 @@ class ZmqControl(ControlEnd):
     """A process's end: a DEALER to the engine's ROUTER, and the start queue (a Unix socket
     the engine handed over at spawn, read only when a request's first chunk arrives)."""
 
-    def __init__(self, address: str, identity: str, start_queue_fd: int):
+    def __init__(self, address: str, identity: str, start_queue_fd: int | None):
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.IDENTITY, identity.encode())
         self.socket.setsockopt(zmq.LINGER, 1000)
         self.socket.connect(address)
         self.fd = self.socket.getsockopt(zmq.FD)
-        self.start_queue = socket.socket(fileno=start_queue_fd)
-        self.start_queue.setblocking(False)
+        # None: no start queue (an executor on another node); every Start comes over zmq.
+        self.start_queue = None
+        if start_queue_fd is not None:
+            self.start_queue = socket.socket(fileno=start_queue_fd)
+            self.start_queue.setblocking(False)
 
     def fileno(self) -> int:
         return self.fd
@@ -86,7 +89,7 @@ class ZmqControl(ControlEnd):
         return messages
 
     def queued_starts(self) -> Iterator[control.Start]:
-        while True:
+        while self.start_queue is not None:
             try:
                 data = self.start_queue.recv(control.QUEUED_START_MAX_BYTES)
             except BlockingIOError:
@@ -99,7 +102,8 @@ class ZmqControl(ControlEnd):
         self.socket.send(control.encode(message))
 
     def close(self) -> None:
-        self.start_queue.close()
+        if self.start_queue is not None:
+            self.start_queue.close()
         self.socket.close()
         self.context.term()
 
@@ -182,23 +186,30 @@ def _die_with_parent() -> None:
         sys.exit(0)
 
 
-def main() -> None:
-    _die_with_parent()
-    config = json.loads(sys.stdin.read())
+def start_loop(config: dict, end: ControlEnd) -> ProgramLoop:
+    """An executor's loop for the program in `config` (what the engine's transport sends),
+    its stages loaded and the rings it reads created and announced (`Hello`)."""
     program = Program.from_json(config["program"])
     if config.get("torch_threads"):
         import torch
 
         torch.set_num_threads(config["torch_threads"])
-    end = ZmqControl(config["control"], program.name, config["start_queue_fd"])
+    loop = ProgramLoop(
+        program,
+        config["backends"],
+        on_loaded=end.send,
+        request_stats=config.get("request_stats", False),
+    )
+    end.send(control.Hello(loop.name, loop.links.create_rings(program.inbound)))
+    return loop
+
+
+def main() -> None:
+    _die_with_parent()
+    config = json.loads(sys.stdin.read())
+    end = ZmqControl(config["control"], config["name"], config["start_queue_fd"])
     try:
-        loop = ProgramLoop(
-            program,
-            config["backends"],
-            on_loaded=end.send,
-            request_stats=config.get("request_stats", False),
-        )
-        end.send(control.Hello(loop.name, loop.links.create_rings(program.inbound)))
+        loop = start_loop(config, end)
     except OmniflowError as err:  # a model or stage it cannot load: the engine reports this line
         print(f"{STARTUP_ERROR}{err}", flush=True)
         sys.exit(3)

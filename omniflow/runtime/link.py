@@ -2,7 +2,9 @@
 are made, and how they are made again after a peer restarts.
 
 A program creates the ring of every channel it reads from another program (`create_rings`:
-it is their consumer, so it owns the segments) and attaches to the rings of the channels
+it is their consumer, so it owns the segments, a device ring's GPU memory and a net ring's
+slots and listening socket: it holds the views into them, and a producer that dies takes
+nothing of them along; the plan's edge kind says which ring) and attaches to the rings of the channels
 it writes (`attach_rings`), by the names their consumers announced. In one process the two
 ends of a channel are made together instead (`link_in_process`). Executors and the frontend
 link through these same functions, at start and after a restart (`relink`).
@@ -16,15 +18,20 @@ socket, or for in-process channels None (the peer pokes the loop's `Waker` inste
 
 from __future__ import annotations
 
+import os
 import select
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 
 import torch
 
+from omniflow.devices import local_name
 from omniflow.plan import ChannelPlan
+from omniflow.runtime.device_ring import DeviceConsumer, DeviceProducer
 from omniflow.runtime.doorbells import ChunkMeta
+from omniflow.runtime.net_ring import NetConsumer, NetProducer
 from omniflow.runtime.port_values import TEXT_TYPES, decode, encode
 from omniflow.runtime.shm_ring import (
     Consumer,
@@ -89,7 +96,8 @@ class Outbound:
         if value is None:
             pieces = [()]
         else:
-            pieces = [(p,) for p in self._fit(_wire(encode(self.channel.type, value)))]
+            wire = _wire(encode(self.channel.type, value), self.endpoint.on_device)
+            pieces = [(p,) for p in self._fit(wire)]
             for tensors in pieces:
                 slot_layout(tensors, self.endpoint.slot_bytes, self.channel.name)
         sent = time.monotonic_ns()
@@ -134,12 +142,37 @@ class Outbound:
         self.endpoint.close()
 
 
-def _wire(tensor: torch.Tensor) -> torch.Tensor:
-    """What a ring can copy: a contiguous CPU tensor without autograd history (a GPU tensor is
-    copied to host here)."""
+def _wire(tensor: torch.Tensor, on_device: bool) -> torch.Tensor:
+    """What a ring can copy: a tensor without autograd history, for a host ring a contiguous
+    CPU one (a GPU tensor is copied to host here; a device ring takes it where it is)."""
+    if on_device:
+        return tensor.detach()
     if tensor.is_cpu and tensor.is_contiguous() and not tensor.requires_grad:
         return tensor  # most chunks: three dispatcher calls saved
     return tensor.detach().to("cpu").contiguous()
+
+
+def _on_device(channel: ChannelPlan) -> bool:
+    """Whether the channel's ring goes in GPU memory: the plan says so (cuda-ipc, p2p) and this
+    process sees that GPU. A plan compiled for GPUs that runs where they are not -- stand-in
+    stages on a CPU machine, as the tests run the examples -- links host rings instead (real
+    stages never get here: preflight refuses the plan); both ends of a ring run on one host,
+    so they decide alike."""
+    if not channel.device or not torch.cuda.is_available():
+        return False
+    return (torch.device(local_name(channel.device)).index or 0) < torch.cuda.device_count()
+
+
+def node_address() -> str:
+    """The address this node's peers reach it by, for the net rings it listens on: the
+    `OMNIFLOW_NODE_ADDRESS` environment variable, else the node's address in the Ray cluster
+    this process belongs to, else loopback (one host)."""
+    if address := os.environ.get("OMNIFLOW_NODE_ADDRESS"):
+        return address
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
 
 
 def _noop() -> None:
@@ -154,11 +187,16 @@ class Links:
         self.outbound: dict[str, Outbound] = {}
 
     def create_rings(self, channels: list[ChannelPlan]) -> dict[str, str]:
-        """A new shared-memory ring for each channel this program reads; their names, which
-        the channels' producers attach to."""
+        """A new ring of its planned kind for each channel this program reads; their names,
+        which the channels' producers attach to."""
         names = {}
         for channel in channels:
-            ring = ShmConsumer.create(channel.slots, channel.slot_bytes)
+            if channel.kind == "net":
+                ring = NetConsumer.create(channel.slots, channel.slot_bytes, node_address())
+            elif _on_device(channel):
+                ring = DeviceConsumer.create(channel.slots, channel.slot_bytes, channel.device)
+            else:
+                ring = ShmConsumer.create(channel.slots, channel.slot_bytes)
             self.set_inbound(Inbound(channel, ring))
             names[channel.name] = ring.name
         return names
@@ -167,7 +205,12 @@ class Links:
         """Attach to the rings named for the channels this program writes."""
         by_name = {c.name: c for c in channels}
         for channel_name, ring_name in rings.items():
-            self.set_outbound(Outbound(by_name[channel_name], ShmProducer.attach(ring_name)))
+            channel = by_name[channel_name]
+            if channel.kind == "net":
+                kind = NetProducer
+            else:
+                kind = DeviceProducer if _on_device(channel) else ShmProducer
+            self.set_outbound(Outbound(channel, kind.attach(ring_name)))
 
     def relink(self, channels_in: list[ChannelPlan], peers: list[str]) -> dict[str, str]:
         """After `peers` died: drop the ends they held the other side of; new rings for what

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from omniflow.backends.registry import load_backend
+from omniflow.devices import local_name
 from omniflow.errors import ChannelError, PayloadTooLarge
 from omniflow.plan import ChannelPlan, Program
 from omniflow.runtime import control, events
@@ -215,7 +216,7 @@ class ProgramLoop:
         for stage in program.stages:
             began = time.monotonic()
             spec = StageSpec.from_channels(stage, channels)
-            device = stage.devices[0] if stage.devices else "cpu"
+            device = local_name(stage.devices[0]) if stage.devices else "cpu"
             self.runners[stage.name] = StageRunner(
                 spec, load_backend(spec, device, backends), stage.settings["max_batch"]
             )

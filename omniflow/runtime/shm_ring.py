@@ -168,6 +168,8 @@ class _Endpoint(ABC):
     slots: int
     slot_bytes: int
     _closed = False
+    # Whether the slots are in GPU memory: then a GPU tensor goes in without a host copy.
+    on_device = False
 
     @property
     def closed(self) -> bool:
@@ -250,6 +252,15 @@ class _ShmEndpoint(_Endpoint):
     # when the attaching process exits. Here nothing but the creator and the janitor unlink,
     # and only reference counting unmaps.
 
+    # What the segment's header says the ring is, and where its slots live: after the header
+    # here; a device ring (device_ring.py) keeps only the header and the doorbell on the host.
+    _magic = _MAGIC
+    _what = "ring"
+
+    @staticmethod
+    def _host_slot_bytes(slots: int, slot_bytes: int) -> int:
+        return slots * slot_bytes
+
     def __init__(
         self, name: str, mm: mmap.mmap, listener: socket.socket | None, sock: socket.socket | None
     ):
@@ -274,7 +285,7 @@ class _ShmEndpoint(_Endpoint):
             )
         slot_bytes = _align(slot_bytes)
         name = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        size = _HEADER_BYTES + slots * slot_bytes
+        size = _HEADER_BYTES + cls._host_slot_bytes(slots, slot_bytes)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind("\0" + name)
         listener.listen(1)
@@ -290,7 +301,7 @@ class _ShmEndpoint(_Endpoint):
             raise ChannelError(f"cannot allocate a {size}-byte ring in {SHM_DIR}: {e}") from e
         finally:
             os.close(fd)
-        _HEADER.pack_into(mm, 0, _MAGIC, slots, slot_bytes, os.getpid())
+        _HEADER.pack_into(mm, 0, cls._magic, slots, slot_bytes, os.getpid())
         return cls(name, mm, listener, None)
 
     @classmethod
@@ -306,8 +317,10 @@ class _ShmEndpoint(_Endpoint):
         finally:
             os.close(fd)
         magic, slots, slot_bytes, _pid = _HEADER.unpack_from(mm) if mm else (b"", 0, 0, 0)
-        if magic != _MAGIC or size != _HEADER_BYTES + slots * slot_bytes:
-            raise ChannelError(f"{SHM_DIR / name} is not an omniflow ring (or of another version)")
+        if magic != cls._magic or size != _HEADER_BYTES + cls._host_slot_bytes(slots, slot_bytes):
+            raise ChannelError(
+                f"{SHM_DIR / name} is not an omniflow {cls._what} (or of another version)"
+            )
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.connect("\0" + name)
@@ -452,13 +465,7 @@ class ShmProducer(_ShmEndpoint, Producer):
                 return False
             self._free.append(_CREDIT.decode(message).slot)
         slot = self._free.popleft()
-        base = self._slot_offset(slot)
-        mapping = self._mapping  # held while copying: a close() from another thread cannot unmap
-        for t, offset in zip(tensors, offsets, strict=True):
-            if t.is_cpu and t.nbytes <= MEMMOVE_MAX_BYTES and t.is_contiguous():
-                ctypes.memmove(ctypes.addressof(mapping) + base + offset, t.data_ptr(), t.nbytes)
-            else:
-                self._view(base + offset, t.dtype, t.shape).copy_(t)
+        self._copy_in(self._slot_offset(slot), tensors, offsets)
         headers = tuple(
             TensorHeader(dtype_name(t.dtype), tuple(t.shape), offset)
             for t, offset in zip(tensors, offsets, strict=True)
@@ -470,6 +477,17 @@ class ShmProducer(_ShmEndpoint, Producer):
             if not sent:
                 self._free.appendleft(slot)
         return sent
+
+    def _copy_in(
+        self, base: int, tensors: tuple[torch.Tensor, ...], offsets: Sequence[int]
+    ) -> None:
+        """Copy a chunk's tensors into the slot at byte `base` (the ring's only copy)."""
+        mapping = self._mapping  # held while copying: a close() from another thread cannot unmap
+        for t, offset in zip(tensors, offsets, strict=True):
+            if t.is_cpu and t.nbytes <= MEMMOVE_MAX_BYTES and t.is_contiguous():
+                ctypes.memmove(ctypes.addressof(mapping) + base + offset, t.data_ptr(), t.nbytes)
+            else:
+                self._view(base + offset, t.dtype, t.shape).copy_(t)
 
     def close(self) -> None:
         super().close()

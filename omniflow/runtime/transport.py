@@ -4,7 +4,9 @@
 (a ROUTER here, a DEALER there) plus a start queue per executor, data over shared-memory
 rings that the link phase creates and attaches (link.py). `ThreadTransport` runs them as
 threads of this process, control over queues, data over in-process channels: for
-debugging, and for tests that want one process. The engine never asks which it has.
+debugging, and for tests that want one process. `RayTransport` (ray_transport.py) is the
+process transport with the executors started as Ray actors on a cluster's nodes. The engine
+never asks which it has.
 
 Linking (both): every program -- the frontend's loop, which the engine passes in, too --
 gets its channel ends before the first request. After executors die, `restart` starts
@@ -129,6 +131,7 @@ class ProcessTransport(Transport):
         super().__init__(*args, **kwargs)
         self.log_dir = Path(tempfile.mkdtemp(prefix="omniflow-logs-"))
         self.processes: dict[str, subprocess.Popen] = {}
+        self.linked = False  # whether every executor has been linked once (later: restarts)
         self.start_queues: dict[str, socket.socket] = {}
         self.ring_names: dict[str, str] = {}
         self.context = zmq.Context()
@@ -138,9 +141,14 @@ class ProcessTransport(Transport):
         # that the dead one's connection closed: without handover the newcomer would be
         # refused and never heard.
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.address = f"ipc://{self.log_dir}/control"
-        self.router.bind(self.address)
+        self.address = self.bind_control()
         self.router_fd = self.router.getsockopt(zmq.FD)
+
+    def bind_control(self) -> str:
+        """Bind the control ROUTER where the executors can reach it; its address."""
+        address = f"ipc://{self.log_dir}/control"
+        self.router.bind(address)
+        return address
 
     def start(self) -> None:
         self.link(set(self.names))
@@ -183,6 +191,7 @@ class ProcessTransport(Transport):
             old.close()
         self.start_queues[name] = ours
         config = {
+            "name": name,
             "program": self.plan.program(name).to_json(),
             "control": self.address,
             "backends": self.backends,
@@ -236,10 +245,16 @@ class ProcessTransport(Transport):
         text = path.read_text(errors="replace") if path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 
-    def startup_failure(self, name: str, code: int) -> str:
+    def ended(self, name: str) -> bool:
+        """Whether executor `name` was started and has ended."""
+        proc = self.processes.get(name)
+        return proc is not None and proc.poll() is not None
+
+    def startup_failure(self, name: str) -> str:
         for line in reversed(self.log_tail(name).splitlines()):
             if line.startswith(STARTUP_ERROR):
                 return f"{self.describe(name)} could not start: {line.removeprefix(STARTUP_ERROR)}"
+        code = self.processes[name].returncode
         return (
             f"{self.describe(name)} exited with code {code} while starting:\n{self.log_tail(name)}"
         )
@@ -250,7 +265,7 @@ class ProcessTransport(Transport):
         each program creates the rings it reads and says their names (`Hello`), then every
         writer attaches (`Connect`, answered by `Linked`)."""
         peers = sorted(fresh)
-        if self.processes:  # a restart: the survivors drop every request and re-link
+        if self.linked:  # a restart: the survivors drop every request and re-link
             for name in self.names:
                 if name not in fresh:
                     self.send(name, control.Reset(peers))
@@ -275,6 +290,7 @@ class ProcessTransport(Transport):
         for name, rings in connects.items():
             self.send(name, control.Connect(rings))
         self.await_replies(set(connects), control.Linked, fresh)
+        self.linked = True
 
     def await_replies(self, names: set[str], kind: type, fresh: set[str]) -> None:
         deadline = time.monotonic() + LINK_TIMEOUT_S
@@ -288,11 +304,10 @@ class ProcessTransport(Transport):
                 else:
                     self.on_message(name, message)
             for name in pending:
-                proc = self.processes.get(name)
-                if proc is None or proc.poll() is None:
+                if not self.ended(name):
                     continue
                 if name in fresh:
-                    raise EngineError(self.startup_failure(name, proc.returncode))
+                    raise EngineError(self.startup_failure(name))
                 raise _SurvivorDied(name)
             if time.monotonic() > deadline:
                 raise EngineError(
@@ -441,3 +456,13 @@ def _last_words(log: str) -> str:
 
 
 TRANSPORTS: dict[str, type[Transport]] = {"process": ProcessTransport, "inprocess": ThreadTransport}
+MODES = (*TRANSPORTS, "ray")
+
+
+def transport_class(mode: str) -> type[Transport]:
+    """The transport of a run mode; `ray` is imported only when asked for (Ray is optional)."""
+    if mode == "ray":
+        from omniflow.runtime.ray_transport import RayTransport
+
+        return RayTransport
+    return TRANSPORTS[mode]

@@ -99,3 +99,43 @@ def test_a_placement_failure_says_what_the_device_already_holds(names, devices, 
     with pytest.raises(PassError) as info:
         run_until("place", chain_of_budgeted_stages(names), devices=devices)
     assert held in str(info.value.cause)
+
+
+# node1's GPU comes before node0's second in the inventory, so only the node preference
+# keeps b beside a when a separate constraint keeps it off a's device.
+INTERLEAVED = "node0=cuda:0=140GiB,node1=cuda:0=140GiB,node0=cuda:1=140GiB"
+
+
+def test_a_per_token_stream_stays_within_a_node_and_the_plan_says_why():
+    graph = run_until("plan_buffers", two_lms(extra="separate a, b"), devices=INTERLEAVED)
+    assert graph.node("a").meta["device"] == "node0/cuda:0"
+    assert graph.node("b").meta["device"] == "node0/cuda:1"
+    assert "per-token streams stay within a node" in graph.node("b").meta["placed"][0]
+    edge = next(e for e in graph.edges if e.name == "a.hidden->b.embeds")
+    assert edge.meta["channel"]["kind"] == "p2p"  # two GPUs of one node
+    assert not any("across nodes" in w for w in graph.meta["warnings"])
+
+
+def test_a_per_token_stream_that_must_cross_nodes_is_a_net_edge_with_a_warning():
+    graph = run_until(
+        "plan_buffers", two_lms(extra="separate a, b"), devices="node0=1xH200,node1=1xH200"
+    )
+    edge = next(e for e in graph.edges if e.name == "a.hidden->b.embeds")
+    assert edge.meta["channel"]["kind"] == "net"
+    assert edge.meta["channel"].get("device", "") == ""  # frames land in host slots
+    assert any(
+        "a.hidden->b.embeds streams per token across nodes (node0 vs node1)" in w
+        for w in graph.meta["warnings"]
+    )
+
+
+def test_chunked_edges_may_cross_nodes_and_the_frontend_lives_on_the_first():
+    graph = run_until("plan_buffers", "omni_chat", devices="node0=1xH100=20GiB,node1=2xH200")
+    kinds = {e.name: e.meta["channel"]["kind"] for e in graph.edges}
+    # thinker+talker fit only node1; code2wav fits node0: the chunked codes cross
+    assert graph.node("thinker").meta["device"] == graph.node("talker").meta["device"]
+    assert graph.node("thinker").meta["device"].startswith("node1/")
+    assert kinds["thinker.hidden->talker.embeds"] == "local"
+    assert kinds["talker.codes->code2wav.codes"] == "net"
+    assert kinds["prompt.out->thinker.prompt"] == "net"  # the frontend runs on node0
+    assert not any("across nodes" in w for w in graph.meta["warnings"])

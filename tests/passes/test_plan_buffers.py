@@ -16,7 +16,7 @@ def test_fused_edges_pass_references():
 def test_ring_holds_the_largest_chunk_times_credits_per_batched_request():
     graph = run_until("plan_buffers", "omni_chat")
     edge, channel = _channel(graph, "talker.codes->code2wav.codes")
-    assert channel["kind"] == "shm"
+    assert channel["kind"] == "p2p"  # talker on cuda:0, code2wav on cuda:1
     item = edge.meta["item"].item_bytes()
     assert channel["slot_bytes"] >= item * max(edge.meta["schedule"])
     assert channel["slot_bytes"] % SLOT_ALIGN == 0
@@ -34,3 +34,43 @@ def test_whole_edges_hold_the_whole_output_and_credits_can_be_set():
     assert channel["slot_bytes"] == 8 * 96
     assert channel["slots"] == 3 * 4
     assert graph.meta["shm_bytes"] == sum(e.meta["channel"]["ring_bytes"] for e in graph.edges)
+
+
+def _kinds(graph) -> dict[str, tuple[str, str]]:
+    return {
+        e.name: (e.meta["channel"]["kind"], e.meta["channel"].get("device", ""))
+        for e in graph.edges
+    }
+
+
+def test_edge_kinds_follow_placement_on_two_gpus():
+    kinds = _kinds(run_until("plan_buffers", "omni_chat"))
+    assert kinds["thinker.hidden->talker.embeds"] == ("local", "")  # fused: one executor
+    # talker on cuda:0, code2wav on cuda:1: a ring in the consumer's GPU, filled by a peer copy
+    assert kinds["talker.codes->code2wav.codes"] == ("p2p", "cuda:1")
+    assert kinds["thinker.text->text.in"] == ("shm", "")  # text, and the frontend is on the host
+    assert kinds["prompt.out->thinker.prompt"] == ("shm", "")
+
+
+def test_two_processes_on_one_gpu_share_a_device_ring():
+    graph = run_until("plan_buffers", "tts", devices="1xH200")
+    kinds = _kinds(graph)
+    # chunked codes do not fuse codec_lm and decoder: two processes on cuda:0
+    assert kinds["codec_lm.codes->decoder.codes"] == ("cuda-ipc", "cuda:0")
+    assert kinds["decoder.audio->audio.in"] == ("shm", "")
+    device_ring = next(e for e in graph.edges if e.name == "codec_lm.codes->decoder.codes")
+    # a device ring is not host shared memory
+    host = sum(e.meta["channel"]["ring_bytes"] for e in graph.edges if e is not device_ring)
+    assert graph.meta["shm_bytes"] == host
+
+
+def test_cpu_keeps_every_crossing_edge_on_host_rings():
+    kinds = _kinds(run_until("plan_buffers", "tts", devices="cpu"))
+    assert {k for k, _ in kinds.values()} == {"shm"}
+
+
+def test_a_device_ring_comes_out_of_its_consumers_budget():
+    before = run_until("place", "tts", devices="1xH200").node("decoder").meta["budget"]
+    graph = run_until("plan_buffers", "tts", devices="1xH200")
+    ring = next(e for e in graph.edges if e.name == "codec_lm.codes->decoder.codes")
+    assert graph.node("decoder").meta["budget"] == before - ring.meta["channel"]["ring_bytes"]

@@ -104,34 +104,46 @@ def test_a_failing_stage_fails_only_its_request(no_leaks):
     assert errors["boom now"] == "stage 'up' failed: ValueError: boom in 'boom now'"
 
 
+def kill_mid_stream(engine: Engine, executor: str) -> tuple[int, str]:
+    """Kill `executor` while a request streams through it; its pid and the request's error,
+    which must come within 2 s."""
+    stream = engine.stream_sync({"n": "400"})
+    next(stream)  # the request is streaming
+    killed = engine.executor_pids[executor]
+    os.kill(killed, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(RequestFailed) as info:
+        for _ in stream:
+            pass
+    assert time.monotonic() - start < 2.0
+    return killed, str(info.value)
+
+
 def test_killed_executor_fails_its_requests_fast_restarts_and_leaks_nothing(no_leaks, monkeypatch):
     monkeypatch.setenv("OMNIFLOW_TEST_DELAY", "0.01")
     with Engine(chain(), "process") as engine:
-        stream = engine.stream_sync({"n": "400"})
-        next(stream)  # the request is streaming
-        killed = engine.executor_pids["dst"]
-        os.kill(killed, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(RequestFailed) as info:
-            for _ in stream:
-                pass
-        assert time.monotonic() - start < 2.0
-        assert "executor 'dst' (stages dst) died" in str(info.value)
+        killed, error = kill_mid_stream(engine, "dst")
+        assert "executor 'dst' (stages dst) died" in error
         monkeypatch.setenv("OMNIFLOW_TEST_DELAY", "0")
         out = engine.generate({"n": "20"})["out"]
         assert out.flatten().tolist() == [2 * i for i in range(20)]
         assert engine.executor_pids["dst"] != killed
 
 
+def cancel_mid_stream(engine: Engine) -> None:
+    """Cancel a request while it streams; it ends with RequestCancelled."""
+    stream = engine.stream_sync({"n": "2000"}, request_id="victim")
+    next(stream)
+    engine.cancel("victim")
+    with pytest.raises(RequestCancelled):
+        for _ in stream:
+            pass
+
+
 def test_cancel_reaches_every_stage_and_empties_the_rings(no_leaks, monkeypatch):
     monkeypatch.setenv("OMNIFLOW_TEST_DELAY", "0.005")
     with Engine(chain(), "process") as engine:
-        stream = engine.stream_sync({"n": "2000"}, request_id="victim")
-        next(stream)
-        engine.cancel("victim")
-        with pytest.raises(RequestCancelled):
-            for _ in stream:
-                pass
+        cancel_mid_stream(engine)
 
         def idle():
             state = engine.inspect()

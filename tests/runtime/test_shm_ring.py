@@ -167,6 +167,21 @@ def _stream(producer, n: int):
             producer.put(chunk, meta)
 
 
+def drain_stream(consumer, n: int, pause: float, every_100=lambda: None) -> int:
+    """Take what `_stream` puts, slowly (`pause` s per chunk), checking every chunk; how
+    often the producer found no free slot."""
+    for i in range(n):
+        with consumer.get(timeout=30) as item:
+            values, (index, blocked) = item.tensors
+            assert item.meta == ChunkMeta("stream", i, end=i == n - 1)
+            assert index == i and bool((values == i).all())
+            waits = int(blocked)
+        if i % 100 == 0:
+            every_100()
+        time.sleep(pause)  # the slow consumer
+    return waits
+
+
 def _hoard(consumer):
     """Take chunks and never release them."""
     held = []
@@ -240,17 +255,13 @@ def test_backpressure_blocks_a_fast_producer_without_loss(kind, peers):
     consumer, handle = peers.channel(kind, "consumer", slots, 4096)
     peers.start(kind, _stream, (handle,), n)
     expected_shm = {consumer.name: consumer.size} if kind == "shm" else {}
-    for i in range(n):
-        with consumer.get(timeout=30) as item:
-            values, (index, blocked) = item.tensors
-            assert item.meta == ChunkMeta("stream", i, end=i == n - 1)
-            assert index == i and bool((values == i).all())
-            waits = int(blocked)
-        if i % 100 == 0:
-            assert _our_segments() == expected_shm
-            if kind == "shm":
-                assert (SHM_DIR / consumer.name).stat().st_blocks * 512 >= consumer.size
-        time.sleep(0.0002)  # the slow consumer
+
+    def nothing_grew():
+        assert _our_segments() == expected_shm
+        if kind == "shm":
+            assert (SHM_DIR / consumer.name).stat().st_blocks * 512 >= consumer.size
+
+    waits = drain_stream(consumer, n, 0.0002, every_100=nothing_grew)
     assert waits > n // 2, "the producer rarely waited for a credit"
     with pytest.raises(ChannelError, match="peer closed"):
         consumer.get(timeout=30)
