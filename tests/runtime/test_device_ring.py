@@ -55,10 +55,11 @@ def _free_bytes() -> int:
 
 def _settled_free_bytes(expected: int, slack: int) -> int:
     """Device-wide free memory once the driver has reclaimed a dead process's (it does so
-    asynchronously): polls until within `slack` of `expected`, up to 10 s."""
+    asynchronously): polls until at most `slack` below `expected`, up to 10 s. (More free
+    than before is no leak: other processes' memory on the device may have gone meanwhile.)"""
     for _ in range(100):
         free = _free_bytes()
-        if abs(free - expected) <= slack:
+        if free >= expected - slack:
             return free
         time.sleep(0.1)
     return free
@@ -149,7 +150,7 @@ def test_credits_bound_the_producer_and_a_killed_consumer_leaves_no_device_memor
     gc.collect()
     torch.cuda.empty_cache()
     # the dead consumer's ring and context are back with the device, our mapping closed
-    assert abs(_settled_free_bytes(baseline, 64 * MiB) - baseline) <= 64 * MiB
+    assert _settled_free_bytes(baseline, 64 * MiB) >= baseline - 64 * MiB
     cleanup_stale_segments()  # what the engine's restart does
     assert not list(SHM_DIR.glob(f"{SEGMENT_PREFIX}{p.pid}-*"))
 
@@ -172,7 +173,7 @@ def test_a_killed_producer_leaves_the_consumers_ring_and_closing_frees_it(proces
     assert not _our_segments()
     del got
     gc.collect()
-    assert abs(_settled_free_bytes(baseline, 64 * MiB) - baseline) <= 64 * MiB
+    assert _settled_free_bytes(baseline, 64 * MiB) >= baseline - 64 * MiB
 
 
 def test_an_engine_runs_a_cuda_ipc_edge_and_matches_the_interpreter():
