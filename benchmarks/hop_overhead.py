@@ -10,8 +10,8 @@ Besides latency it reports the CPU time a request costs every process of the run
 with the engine's I/O thread, and the executors): work off a request's critical path does
 not lengthen it while cores are free, but it is still what a busy server runs out of.
 
-    python benchmarks/hop_overhead.py [--requests 300]
-    python benchmarks/hop_overhead.py --profile [--rounds 20]   # profiling on vs off
+    python benchmarks/hop_overhead.py [--requests 300] [--stages 1 2 4 8]
+    python benchmarks/hop_overhead.py --profile [--rounds 20] [--stages 1 4 8]   # on vs off
 
 `--profile` measures instead what profiling costs (issue: <= 2 % of request latency): the
 same chains, each on one engine, in rounds alternating profiled and not
@@ -81,12 +81,12 @@ def timed_requests(engine: Engine, requests: int) -> dict[str, list[float]]:
     return {"latency": times}
 
 
-def profile_overhead(rounds: int, per_round: int) -> None:
+def profile_overhead(chains: list[int], rounds: int, per_round: int) -> None:
     print(
         f"{'stages':>6} {'exec':>4} {'off µs':>8} {'on µs':>8} {'on/off':>7}"
         f" {'events/req':>10} {'off-site cost ns':>16} {'of latency':>10}"
     )
-    for n in (1, 4, 8):
+    for n in chains:
         for fused in (True, False):
             plan = compile_source(chain(n, fused), "chain.omni")
             with Engine(plan, "process") as engine:
@@ -111,17 +111,20 @@ def profile_overhead(rounds: int, per_round: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--stages", type=int, nargs="+", help="chain lengths (1 2 4 8; 1 4 8)")
     parser.add_argument("--profile", action="store_true", help="measure profiling on vs off")
     parser.add_argument("--rounds", type=int, default=20, help="with --profile: rounds each way")
     args = parser.parse_args()
     if args.profile:
-        profile_overhead(args.rounds, max(1, args.requests // args.rounds))
+        profile_overhead(
+            args.stages or [1, 4, 8], args.rounds, max(1, args.requests // args.rounds)
+        )
         return
     print(
         f"{'stages':>6} {'fused µs':>9} {'cpu µs':>7} {'exec':>4} {'unfused µs':>11} {'cpu µs':>7}"
         f" {'exec':>4} {'unfused/fused':>14} {'per hop µs':>11} {'per hop cpu µs':>15}"
     )
-    for n in (1, 2, 4, 8):
+    for n in args.stages or [1, 2, 4, 8]:
         fused, fused_cpu, fx = measure(n, True, args.requests)
         unfused, unfused_cpu, ux = measure(n, False, args.requests)
         hop = (unfused - fused) / (n - 1) if n > 1 else float("nan")

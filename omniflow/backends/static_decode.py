@@ -51,6 +51,7 @@ rows, so keys and values are read once and never repeated per query head.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -203,6 +204,7 @@ class StaticDecoder:
         self.length_buckets = length_buckets(columns)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.captures = 0  # graphs captured (all at load)
+        self.capture_seconds = 0.0  # what capturing them took, part of the stage's load
         self.replays = 0
         self.use_triton = self.device.type == "cuda" and sampler.triton is not None
         if fused is None:
@@ -249,7 +251,9 @@ class StaticDecoder:
             self.top_k, self.top_p, self.budget, self.penalty, self.seed, self.step_count,
         ]  # fmt: skip
         if capture:
+            began = time.perf_counter()
             self.capture()
+            self.capture_seconds = time.perf_counter() - began
 
     # --- requests in and out ----------------------------------------------------------------
     @torch.inference_mode()

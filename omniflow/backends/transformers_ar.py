@@ -444,6 +444,8 @@ class TransformersAR(Backend):
         self.cache = None  # one row per entry of self.rows
         self.mask: torch.Tensor | None = None  # [rows, columns]: a row's own cache columns
         self.decode, self.static = self._static_decoder()
+        if self.static is not None:
+            self.capture_seconds = self.static.capture_seconds
 
     def _static_decoder(self) -> tuple[str, static_decode.StaticDecoder | None]:
         """The decode mode ("eager", "static" or "graphs") and, unless eager, the static

@@ -43,6 +43,7 @@ class Loaded(msgspec.Struct, tag=True):
 
     stage: str
     seconds: float
+    captured: float = 0.0  # of `seconds`, capturing CUDA graphs
 
 
 class Connect(msgspec.Struct, tag=True):

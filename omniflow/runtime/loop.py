@@ -217,10 +217,10 @@ class ProgramLoop:
             began = time.monotonic()
             spec = StageSpec.from_channels(stage, channels)
             device = local_name(stage.devices[0]) if stage.devices else "cpu"
-            self.runners[stage.name] = StageRunner(
-                spec, load_backend(spec, device, backends), stage.settings["max_batch"]
-            )
-            on_loaded(control.Loaded(stage.name, time.monotonic() - began))
+            backend = load_backend(spec, device, backends)
+            self.runners[stage.name] = StageRunner(spec, backend, stage.settings["max_batch"])
+            loaded = control.Loaded(stage.name, time.monotonic() - began, backend.capture_seconds)
+            on_loaded(loaded)
         self.tallies = (
             Tallies(list(self.runners), lambda stats: self.report(stats)) if request_stats else None
         )

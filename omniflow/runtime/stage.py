@@ -145,6 +145,9 @@ class Call:
 class Backend(ABC):
     """A stage implementation. Construct = load weights; one instance serves every request."""
 
+    # Of the load, the seconds spent capturing CUDA graphs (a backend that captures sets it).
+    capture_seconds = 0.0
+
     def __init__(self, spec: StageSpec, device: str):
         self.spec = spec
         self.device = device

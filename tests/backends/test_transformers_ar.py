@@ -422,6 +422,9 @@ def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(p
     }
     eager = make_backend(plan, "static", "cuda:0")
     assert eager.static.graphs == {}
+    # What capturing took is reported with the load (control.Loaded.captured), and only there.
+    assert graphed.capture_seconds == static.capture_seconds > 0
+    assert eager.capture_seconds == 0
 
     def serve(backend):
         greedy = run(
