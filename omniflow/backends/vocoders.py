@@ -35,7 +35,11 @@ kept samples: a window is padded on the right only if
 its kept frames end at least the decoder's lookahead reach before its end, else on the
 left only if they start at least its context reach after its start, and never if it is
 shorter than the decoder's `min_frames`; a window that allows none of these (a whole short
-utterance) goes in a forward of windows of its own length.
+utterance) goes in a forward of windows of its own length. A decoder with static windows
+(the stage's `decode` "graphs" or "static": token2wav, docs/backends.md) has buffers, and on
+CUDA captured graphs, for the lengths the grid makes while a stream runs (`grid_lengths`)
+at each batch bucket; a forward is padded up to the shortest such length by the same rule
+where its windows allow, so a stream's last windows replay too.
 """
 
 from __future__ import annotations

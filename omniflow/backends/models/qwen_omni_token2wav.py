@@ -16,6 +16,14 @@ every window slices the same fixed noise.
 
 The DiT masks padding out of attention exactly; the vocoder backend's padding rule covers
 the BigVGAN, which reaches 18 mel frames (9 codes) each way on tiny:qwen2.5-omni.
+
+On CUDA (the stage's `precision` and `decode`, docs/backends.md) the DiT runs in bf16 and a
+window's whole decode — the ODE solve's 36 DiT passes, then BigVGAN — replays from a CUDA
+graph captured at load per (window length, batch bucket) over static input buffers
+(`prepare`); a window of another shape, or another step count, decodes eagerly. The solve
+(`_solve`) is device work only for that reason: the window layout arrives as tensors, the
+codec embedding repeats by expanding and BigVGAN's clamp level is made once, where
+transformers' modules would read sizes back from or copy scalars to the GPU.
 """
 
 from __future__ import annotations
