@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from omniflow.backends.cuda_graphs import Graphs
 from omniflow.backends.models.qwen_omni_token2wav import DEFAULT_STEPS, Token2Wav
@@ -62,13 +63,24 @@ def relative_rms(audio: torch.Tensor, reference: torch.Tensor) -> float:
     return float((audio - reference).pow(2).mean().sqrt() / reference.pow(2).mean().sqrt())
 
 
-def requests(device_codes: int = 50):
+def requests(first_codes: int = 50):
     g = torch.Generator().manual_seed(5)
     return [
-        (torch.randint(0, 128, (device_codes, 1), generator=g), RAMP, {"seed": 1}),
+        (torch.randint(0, 128, (first_codes, 1), generator=g), RAMP, {"seed": 1}),
         (torch.randint(0, 128, (30, 1), generator=g), [15], {"seed": 2, "speaker": "Ethan"}),
         (torch.randint(0, 128, (9, 1), generator=g), [4], {"seed": 3, "guidance": 0.0}),
     ]
+
+
+def window_batch(decoder: Token2Wav, rows: int, frames: int) -> list[Window]:
+    windows = []
+    for row in range(rows):
+        state = decoder.open(SimpleNamespace(params={"seed": row}))
+        g = torch.Generator().manual_seed(row)
+        codes = torch.randint(0, 128, (frames, 1), generator=g).to(decoder.device)
+        stream = _Stream(state, 0, codes, decoder.side(state, frames).to(decoder.device))
+        windows.append(Window(stream, 0, frames, 0, frames))
+    return windows
 
 
 # --- CPU: the bookkeeping, on the same buffers a graph reads ----------------------------------
@@ -149,6 +161,51 @@ def test_forwards_beyond_the_largest_bucket_run_in_parts_of_it():
     assert float((parts - whole).abs().max()) < BATCH_TOLERANCE
 
 
+class _Ops(TorchDispatchMode):
+    """Records the ATen ops run within it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+# Ops a CUDA graph cannot hold: reading a value back to the host (`.item()`, `bool(t)`),
+# shapes that depend on data, tensors made from host data (a host-to-device copy).
+HOST_ROUND_TRIPS = {
+    "_local_scalar_dense",
+    "nonzero",
+    "masked_select",
+    "repeat_interleave",
+    "unique",
+    "_unique2",
+    "lift_fresh",
+    "lift_fresh_copy",
+}
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_the_window_solve_is_device_work_only(precision):
+    """What a graph captures makes no host round trip (checked op by op on the CPU; on
+    CUDA each would fail the capture) where transformers' own modules make two."""
+    decoder = Token2Wav(str(model_path("tiny:qwen2.5-omni")), "cpu")
+    decoder.set_precision(precision)
+    windows = window_batch(decoder, 2, 36)
+    with torch.inference_mode():
+        inputs = decoder._inputs(windows, 36)
+        with _Ops() as solve:
+            decoder._solve(steps=DEFAULT_STEPS, **inputs)
+        with _Ops() as modules:
+            decoder.bigvgan(torch.zeros(1, decoder.mel_dim, 8))
+            decoder.dit.text_embed(torch.zeros(1, 4, dtype=torch.int64))
+    assert {"linear", "scaled_dot_product_attention", "conv1d"} <= solve.names
+    assert not solve.names & HOST_ROUND_TRIPS
+    assert modules.names & HOST_ROUND_TRIPS == {"lift_fresh", "repeat_interleave"}
+
+
 def test_graphs_copy_inputs_into_leading_rows_and_count_nothing_without_capture():
     graphs = Graphs("cpu", capture=False)
     inputs = {"x": torch.zeros(4, 3)}
@@ -172,17 +229,6 @@ def test_bf16_dit_is_within_its_tolerance_of_float32(omni_plan, eager):  # noqa:
 
 
 # --- GPU: graph replay --------------------------------------------------------------------------
-
-
-def window_batch(decoder: Token2Wav, rows: int, frames: int) -> list[Window]:
-    windows = []
-    for row in range(rows):
-        state = decoder.open(SimpleNamespace(params={"seed": row}))
-        g = torch.Generator().manual_seed(row)
-        codes = torch.randint(0, 128, (frames, 1), generator=g).to(decoder.device)
-        stream = _Stream(state, 0, codes, decoder.side(state, frames).to(decoder.device))
-        windows.append(Window(stream, 0, frames, 0, frames))
-    return windows
 
 
 @pytest.mark.gpu
