@@ -630,9 +630,10 @@ class Vocoder(Backend):
 
     def _forwards(self, windows: list[Window]) -> list[tuple[int, list[Window]]]:
         """Split windows into forwards, (frames, windows at their offsets): one padded to the
-        longest window, and for the windows that padding would reach, more of their own. A
-        forward holds one window per request: a request alone then decodes each window at
-        its own length, so its audio is the same bits however its frames were timed."""
+        longest window (or up to the decoder's static window that long, where the longest
+        allows), and for the windows that padding would reach, more of their own. A forward
+        holds one window per request: a request alone then decodes each window at a length
+        of its own, so its audio is the same bits however its frames were timed."""
         forwards = []
         while windows:
             firsts = list({id(w.stream): w for w in reversed(windows)}.values())
