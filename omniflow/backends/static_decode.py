@@ -50,12 +50,14 @@ rows, so keys and values are read once and never repeated per query head.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
 import torch
 import torch.nn.functional as F
 
+from omniflow.backends.cuda_graphs import capture_graph
 from omniflow.kernels import rms_norm, rope_cache, silu_mul
 from omniflow.kernels import sampling as sampler
 
@@ -472,16 +474,8 @@ class StaticDecoder:
         stream = torch.cuda.Stream(self.device)
         for batch in reversed(self.batch_buckets):
             for length in reversed(self.length_buckets):
-                self._run(batch, length)
-                graph = torch.cuda.CUDAGraph()
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                    try:
-                        self._run(batch, length)
-                    finally:
-                        graph.capture_end()
-                torch.cuda.current_stream(self.device).wait_stream(stream)
+                run = functools.partial(self._run, batch, length)
+                graph, _ = capture_graph(run, pool, stream)
                 self.graphs[batch, length] = graph
                 self.captures += 1
         torch.cuda.synchronize(self.device)

@@ -35,7 +35,11 @@ kept samples: a window is padded on the right only if
 its kept frames end at least the decoder's lookahead reach before its end, else on the
 left only if they start at least its context reach after its start, and never if it is
 shorter than the decoder's `min_frames`; a window that allows none of these (a whole short
-utterance) goes in a forward of windows of its own length.
+utterance) goes in a forward of windows of its own length. A decoder with static windows
+(the stage's `decode` "graphs" or "static": token2wav, docs/backends.md) has buffers, and on
+CUDA captured graphs, for the lengths the grid makes while a stream runs (`grid_lengths`)
+at each batch bucket; a forward is padded up to the shortest such length by the same rule
+where its windows allow, so a stream's last windows replay too.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ from omniflow.backends.receptive_field import Field
 from omniflow.backends.registry import ARCHITECTURES, architecture_loader
 from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
+from omniflow.ir.kinds import KINDS
 from omniflow.models.catalog import WINDOW_BLOCKS
 from omniflow.models.resolve import model_path
 from omniflow.runtime.stage import Backend, Call, StageSpec
@@ -276,6 +281,30 @@ class Decoder(ABC):
     def decode(self, windows: list[Window], frames: int) -> torch.Tensor:
         """`[len(windows), frames * samples_per_frame]` float32 audio of the padded batch."""
 
+    # The arithmetic `set_precision` accepts: the model's own float32, unless a decoder
+    # runs more (token2wav: see its PRECISIONS).
+    precisions: tuple[str, ...] = ("float32",)
+    # Whether `prepare` makes static windows (the stage's decode "static" and "graphs").
+    static_windows = False
+
+    def set_precision(self, precision: str) -> None:
+        """Decode in `precision`, one of `precisions`; set once, when the stage loads."""
+        if precision not in self.precisions:
+            raise VocoderError(
+                f"{type(self).__name__} decodes in {', '.join(self.precisions)}, not {precision}"
+            )
+
+    def prepare(self, lengths: list[int], max_batch: int, capture: bool) -> None:
+        """Make static windows of `lengths` frames at batch buckets up to `max_batch`, their
+        decodes captured as CUDA graphs when `capture`; a forward of another shape decodes
+        eagerly."""
+        raise VocoderError(f"{type(self).__name__} has no static windows")
+
+    def window_frames(self, frames: int) -> int:
+        """The length a forward whose longest window has `frames` frames is padded to, where
+        its windows allow: the shortest static window that long (`frames` if none)."""
+        return frames
+
 
 class CodecDecoder(Decoder):
     """The decoder of a transformers audio codec, from its codes; a subclass per codec says
@@ -455,6 +484,46 @@ class Vocoder(Backend):
         context = spec.contexts.get(self.port, 0)
         self.context = context - context % align
         self.grid_end = _grid(self.decoder.unit, spec.schedules.get(self.port))
+        self.decode_mode = self._static_windows(spec, device)
+
+    def _static_windows(self, spec: StageSpec, device: str) -> str:
+        """Set the decoder's precision and make its static windows (the grid's window lengths
+        at each batch bucket) for the stage's `decode` mode, which it returns, resolved:
+        "auto" is bfloat16 and "graphs" on CUDA where the decoder has them, float32 and
+        "eager" elsewhere."""
+        settings, name, decoder = spec.plan.settings, spec.plan.name, self.decoder
+        cuda = torch.device(device).type == "cuda"
+        precision = settings.get("precision", KINDS["vocoder"].params["precision"].default)
+        if precision == "auto":
+            precision = "bfloat16" if cuda and "bfloat16" in decoder.precisions else "float32"
+        decoder.set_precision(precision)
+        mode = settings.get("decode", KINDS["vocoder"].params["decode"].default)
+        static = decoder.static_windows and decoder.unit is not None
+        if mode == "auto":
+            mode = "graphs" if cuda and static else "eager"
+        if mode == "eager":
+            return mode
+        if not static:
+            raise VocoderError(
+                f"stage '{name}': decode='{mode}' needs a decoder with static windows "
+                f"(token2wav), not {type(decoder).__name__}"
+            )
+        if mode == "graphs" and not cuda:
+            raise VocoderError(f"stage '{name}': decode='graphs' needs a CUDA device, not {device}")
+        decoder.prepare(self.grid_lengths(), max(1, spec.plan.batch), capture=mode == "graphs")
+        return mode
+
+    def grid_lengths(self) -> list[int]:
+        """The lengths of the windows the grid makes while a stream runs (each with its full
+        lookahead and as much context as there is before it); past the context and the
+        window sizes' ramp (WINDOW_BLOCKS) they repeat. The last windows of a stream are
+        shorter, and are padded up to one of these where their reach allows."""
+        unit, lookahead, lengths, done = self.decoder.unit, self.decoder.lookahead, set(), 0
+        while done <= self.context + unit * sum(WINDOW_BLOCKS):
+            end = self.grid_end(done)
+            lengths.add(end + lookahead - max(0, done - self.context))
+            done = end
+        return sorted(lengths)
 
     def ready(self, call: Call) -> bool:
         stream = call.inputs[self.port]
@@ -561,25 +630,36 @@ class Vocoder(Backend):
 
     def _forwards(self, windows: list[Window]) -> list[tuple[int, list[Window]]]:
         """Split windows into forwards, (frames, windows at their offsets): one padded to the
-        longest window, and for the windows that padding would reach, more of their own. A
-        forward holds one window per request: a request alone then decodes each window at
-        its own length, so its audio is the same bits however its frames were timed."""
-        reach, forwards = self.decoder.reach, []
+        longest window (or up to the decoder's static window that long, where the longest
+        allows), and for the windows that padding would reach, more of their own. A forward
+        holds one window per request: a request alone then decodes each window at a length
+        of its own, so its audio is the same bits however its frames were timed."""
+        forwards = []
         while windows:
             firsts = list({id(w.stream): w for w in reversed(windows)}.values())
-            frames = max(w.frames for w in firsts)
-            batch, rest = [], [w for w in windows if w not in firsts]
-            for w in reversed(firsts):
-                pad = frames - w.frames
-                long_enough = w.frames >= reach.min_frames
-                if pad == 0 or long_enough and w.end - w.keep_end >= reach.lookahead:
-                    w.offset = 0  # padded on the right, if at all
-                elif long_enough and w.keep_start - w.start >= reach.context:
-                    w.offset = pad
-                else:
-                    rest.append(w)
-                    continue
-                batch.append(w)
+            longest = max(w.frames for w in firsts)
+            frames = self.decoder.window_frames(longest)
+            batch, refused = self._fit(firsts, frames)
+            if frames > longest and any(w.frames == longest for w in refused):
+                # A static length the longest window cannot be padded to: its own length.
+                frames = longest
+                batch, refused = self._fit(firsts, frames)
             forwards.append((frames, batch))
-            windows = rest
+            windows = [w for w in windows if w not in firsts] + refused
         return forwards
+
+    def _fit(self, windows: list[Window], frames: int) -> tuple[list[Window], list[Window]]:
+        """The windows that may be padded to `frames` (their offsets set), and the rest."""
+        reach, batch, refused = self.decoder.reach, [], []
+        for w in reversed(windows):
+            pad = frames - w.frames
+            long_enough = w.frames >= reach.min_frames
+            if pad == 0 or long_enough and w.end - w.keep_end >= reach.lookahead:
+                w.offset = 0  # padded on the right, if at all
+            elif long_enough and w.keep_start - w.start >= reach.context:
+                w.offset = pad
+            else:
+                refused.append(w)
+                continue
+            batch.append(w)
+        return batch, refused

@@ -166,6 +166,36 @@ def scaled_checkpoint(depth: float, device: str = "cuda") -> Path:
     return out
 
 
+def scaled_token2wav(depth: float = 1.0, device: str = "cuda") -> Path:
+    """A checkpoint of the scaled model's token2wav alone (its config, `spk_dict.pt`, the
+    token2wav weights in bf16) under `$OMNIFLOW_CACHE/scaled/`, built on first use: what the
+    token2wav decoder loads, without the ~20 GB of the whole model."""
+    from transformers import Qwen2_5OmniToken2WavModel
+
+    from omniflow.checkpoints.tiny import tiny_cache_dir
+
+    out = tiny_cache_dir().parent / "scaled" / f"qwen2.5-omni-token2wav-{depth:g}"
+    if (out / MANIFEST).exists():
+        return out
+    config, speaker_bos, _ = scaled_omni_config(depth)
+    out.mkdir(parents=True, exist_ok=True)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with quiet(), torch.device(device):
+            model = Qwen2_5OmniToken2WavModel(config.token2wav_config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    with quiet():
+        model.save_pretrained(out)
+        config.save_pretrained(out)  # the whole model's config, which the decoder reads
+    torch.save(_speaker_map(speaker_bos, config.token2wav_config.dit_config), out / "spk_dict.pt")
+    (out / MANIFEST).write_text(
+        json.dumps({"model": REAL_OMNI, "depth": depth, "part": "token2wav"})
+    )
+    return out
+
+
 def scaled_stage(part: str, depth: float = 1.0, device: str = "cuda"):
     """One AR stage of the scaled model as the transformers backend's `Component`, its
     random bf16 weights made in memory on `device` (no checkpoint is written): what a GPU

@@ -140,7 +140,22 @@ KINDS: dict[str, StageKind] = {
             "codec frames to waveform, decoded in chunks with left context",
             {"codes": ("codes",), "hidden": ("hidden",)},
             {"audio": "audio"},
-            {"max_len": ParamSpec(_INT, 4096, **_LENGTH), "speaker": ParamSpec(_STR), "seed": SEED},
+            {
+                "max_len": ParamSpec(_INT, 4096, **_LENGTH),
+                "speaker": ParamSpec(_STR),
+                "seed": SEED,
+                # How the transformers backend decodes windows: "graphs" (static buffers for
+                # the edge's grid of window lengths at each batch bucket, each one's decode
+                # captured as a CUDA graph at load), "static" (the same buffers, eager),
+                # "eager"; "auto" is "graphs" on CUDA for decoders with static windows
+                # (token2wav), else "eager".
+                "decode": ParamSpec(_STR, "auto", choices=("auto", "graphs", "static", "eager")),
+                # Its arithmetic: "float32" (the model's own), "tf32" or "bfloat16" (token2wav's
+                # DiT); "auto" is "bfloat16" on CUDA where the decoder runs it, else "float32".
+                "precision": ParamSpec(
+                    _STR, "auto", choices=("auto", "float32", "tf32", "bfloat16")
+                ),
+            },
         ),
         _kind(
             "python",

@@ -16,14 +16,25 @@ every window slices the same fixed noise.
 
 The DiT masks padding out of attention exactly; the vocoder backend's padding rule covers
 the BigVGAN, which reaches 18 mel frames (9 codes) each way on tiny:qwen2.5-omni.
+
+On CUDA (the stage's `precision` and `decode`, docs/backends.md) the DiT runs in bf16 and a
+window's whole decode — the ODE solve's 36 DiT passes, then BigVGAN — replays from a CUDA
+graph captured at load per (window length, batch bucket) over static input buffers
+(`prepare`); a window of another shape, or another step count, decodes eagerly. The solve
+(`_solve`) is device work only for that reason: the window layout arrives as tensors, the
+codec embedding repeats by expanding and BigVGAN's clamp level is made once, where
+transformers' modules would read sizes back from or copy scalars to the GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Hashable
 
+import numpy as np
 import torch
 from transformers import Qwen2_5OmniConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
@@ -35,7 +46,9 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 from transformers.utils import cached_file
 
 from omniflow.backends import receptive_field
+from omniflow.backends.cuda_graphs import Graphs
 from omniflow.backends.receptive_field import Field
+from omniflow.backends.static_decode import batch_buckets
 from omniflow.backends.vocoders import (
     Decoder,
     Reach,
@@ -52,6 +65,17 @@ from omniflow.runtime.stage import Call
 COMPONENT = "token2wav"
 # Qwen2_5OmniForConditionalGeneration.generate's default speaker.
 DEFAULT_SPEAKER = "Chelsie"
+# ODE steps of a request that names none (transformers' default); static windows are made
+# for it.
+DEFAULT_STEPS = 10
+# "float32": transformers' own; "tf32": float32 weights, matmuls on TF32 tensor cores (CUDA);
+# "bfloat16": the DiT's weights and activations in bf16, the ODE's state in float32.
+PRECISIONS = ("float32", "tf32", "bfloat16")
+# The largest batch of windows captured; a larger forward replays in parts of this many.
+# Each graph costs a solve's worth of load time (its warm-up, its capture: ~36 DiT passes of
+# Python each), and at 8 windows of 96 codes a DiT pass's matrices (3072 rows) keep the
+# tensor cores busy, so larger buckets would buy little.
+GRAPH_BATCH = 8
 
 
 def load(root: str, component: str | None, device: str) -> Token2Wav:
@@ -113,6 +137,9 @@ class Token2Wav(Decoder):
     Chelsie), `seed` (0), `steps` (10 ODE steps), `guidance` (0.5).
     """
 
+    precisions = PRECISIONS
+    static_windows = True
+
     def __init__(self, root: str, device: str):
         with quiet():
             config = Qwen2_5OmniConfig.from_pretrained(root).token2wav_config
@@ -140,6 +167,14 @@ class Token2Wav(Decoder):
             mel_samples = checked_samples_per_frame(field, decode)
         mel_reach = dataclasses.astuple(field_reach(field))
         unit, lookahead = block_grid({"dit_config": dit_config.to_dict()})
+        # BigVGAN's clamp level (its amplitude_to_db makes it per call, from the host).
+        self.min_level = torch.exp(
+            torch.tensor(-115 / 20.0 * np.log(10), device=device, dtype=torch.float32)
+        )
+        self.precision, self.dtype = "float32", torch.float32
+        self.graphs: Graphs | None = None
+        self.batch_buckets: list[int] = []
+        self.window_lengths: list[int] = []
         super().__init__(
             samples_per_frame=mel_samples * self.repeats,
             num_codebooks=1,
@@ -149,6 +184,18 @@ class Token2Wav(Decoder):
             lookahead=lookahead,
             unit=unit,
         )
+
+    def set_precision(self, precision: str) -> None:
+        """Run the DiT in `precision` (one of PRECISIONS; float32 until set), before any
+        static windows are made. The speaker encodings stay those float32 made."""
+        super().set_precision(precision)
+        if self.graphs is not None:
+            raise VocoderError("set the precision before the static windows are made")
+        if self.precision != "float32":
+            raise VocoderError(f"token2wav's precision is already {self.precision}")
+        self.precision = precision
+        self.dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
+        self.dit.to(self.dtype)
 
     def _speaker(self, entry: dict) -> dict:
         """What one speaker conditions every DiT pass with, with and without guidance."""
@@ -167,7 +214,7 @@ class Token2Wav(Decoder):
         )
         if name not in self.speakers:
             raise VocoderError(f"unknown speaker '{name}'; known: {', '.join(self.speakers)}")
-        steps = 10 if params.get("steps") is None else params["steps"]
+        steps = DEFAULT_STEPS if params.get("steps") is None else params["steps"]
         if not isinstance(steps, int) or steps < 2:
             raise VocoderError(f"steps must be an integer of at least 2, not {steps!r}")
         guidance = params.get("guidance")
@@ -189,39 +236,76 @@ class Token2Wav(Decoder):
     def group(self, state: dict) -> Hashable:
         return state["steps"]
 
+    # --- the window decode ----------------------------------------------------------------
+    @torch.inference_mode()
     def decode(self, windows: list[Window], frames: int) -> torch.Tensor:
+        largest = self.batch_buckets[-1] if self.batch_buckets else len(windows)
+        if len(windows) > largest:  # in forwards of the largest static batch
+            parts = [windows[i : i + largest] for i in range(0, len(windows), largest)]
+            return torch.cat([self.decode(part, frames) for part in parts])
+        key = (frames, self.batch_bucket(len(windows)), windows[0].stream.state["steps"])
+        if self.graphs is None or key not in self.graphs:
+            return self.decode_eager(windows, frames)
+        audio = self.graphs.run(key, self._inputs(windows, frames))
+        # A copy: the buffer belongs to the graphs, and the next window overwrites it.
+        return audio[: len(windows)].clone()
+
+    @torch.inference_mode()
+    def decode_eager(self, windows: list[Window], frames: int) -> torch.Tensor:
+        """`decode` without static windows, at the batch's own shape: what a forward of a
+        shape without a static window runs, and what a graph's replay is checked against."""
+        steps = windows[0].stream.state["steps"]
+        return self._solve(steps=steps, **self._inputs(windows, frames))
+
+    def _inputs(self, windows: list[Window], frames: int) -> dict[str, torch.Tensor]:
+        """The padded batch as the tensors `_solve` reads (built on the host side of a window
+        decode; a graph's replay reads copies of them)."""
         device, rows = self.device, len(windows)
-        codes = padded(windows, frames, lambda w: w.codes()[:, 0], device)
-        noise = padded(windows, frames, Window.side, device).reshape(rows, -1, self.mel_dim)
+        speakers = [w.stream.state["speaker"] for w in windows]
+        return {
+            "codes": padded(windows, frames, lambda w: w.codes()[:, 0], device),
+            "noise": padded(windows, frames, Window.side, device).reshape(rows, -1, self.mel_dim),
+            # Where each window starts in the padded batch, and how long it is, in mel frames.
+            "offsets": torch.tensor([w.offset * self.repeats for w in windows], device=device),
+            "lengths": torch.tensor([w.frames * self.repeats for w in windows], device=device),
+            "ref": torch.stack([s["ref"] for s in speakers]),
+            "ref_dropped": torch.stack([s["ref_dropped"] for s in speakers]),
+            "cond": torch.stack([s["cond"] for s in speakers]),
+            "guidance": torch.tensor([w.stream.state["guidance"] for w in windows], device=device),
+        }
+
+    def _solve(self, codes, noise, offsets, lengths, ref, ref_dropped, cond, guidance, steps):
+        """Audio `[B, samples]` of a padded batch: the DiT's ODE solve, then BigVGAN. Device
+        work only, at shapes fixed by the inputs' (what a graph captures): no host syncs."""
+        device, rows, dtype = self.device, len(codes), self.dtype
         length = noise.shape[1]
         # Mel positions relative to each window's start; padding gets a block of its own far
         # from every real one, so look-back/ahead attention never reaches it.
-        offsets = torch.tensor([w.offset * self.repeats for w in windows], device=device)
-        lengths = torch.tensor([w.frames * self.repeats for w in windows], device=device)
         position = torch.arange(length, device=device)[None] - offsets[:, None]
         real = (position >= 0) & (position < lengths[:, None])
         block = torch.where(real, position.div(self.block_size, rounding_mode="floor"), 1 << 30)
         block = torch.cat([block, block])
         block_diff = (block[:, None, :] - block[:, :, None])[:, None]
         block_diff = block_diff.expand(-1, self.dit.num_attention_heads, -1, -1)
-        speakers = [w.stream.state["speaker"] for w in windows]
-        conditioning = torch.stack(
-            [s["ref"] for s in speakers] + [s["ref_dropped"] for s in speakers]
-        )[:, None].expand(-1, length, -1)
-        cond = torch.stack([s["cond"] for s in speakers])[:, None].expand(-1, length, -1)
+        conditioning = torch.cat([ref, ref_dropped]).to(dtype)[:, None].expand(-1, length, -1)
+        cond = cond.to(dtype)[:, None].expand(-1, length, -1)
         cond = torch.cat([cond, torch.zeros_like(cond)])
-        embed = self.dit.text_embed
-        code_embed = torch.cat([embed(codes), embed(codes, drop_code=True)])
-        guidance = torch.tensor([w.stream.state["guidance"] for w in windows], device=device)
+        code_embed = torch.cat([self._code_embed(codes, False), self._code_embed(codes, True)])
         guidance = guidance[:, None, None]
         positions = torch.cat([position, position])
         # The same for every pass: it depends on the positions and the hidden dtype only.
         rotary = self.dit.rotary_embed(code_embed, positions)
+        timing = self.dit.time_embed
 
         def velocity(time: torch.Tensor, mel: torch.Tensor) -> torch.Tensor:
-            """The guided DiT prediction (Qwen2_5OmniToken2WavDiTModel.forward, batched)."""
-            time_embedding = self.dit.time_embed(time.repeat(2 * rows))
-            hidden = torch.cat([mel, mel])
+            """The guided DiT prediction (Qwen2_5OmniToken2WavDiTModel.forward, batched), in
+            the DiT's dtype; the ODE's state and the guidance stay float32."""
+            # DiTTimestepEmbedding, with its sinusoid in float32: at bf16, 1000 t's phase
+            # would be off by whole radians.
+            time_embedding = timing.time_embed(time.repeat(2 * rows)).to(dtype)
+            for layer in timing.time_mlp:
+                time_embedding = layer(time_embedding)
+            hidden = torch.cat([mel, mel]).to(dtype)
             hidden = self.dit.input_embed.proj(
                 torch.cat((hidden, conditioning, code_embed, cond), dim=-1)
             )
@@ -230,15 +314,88 @@ class Token2Wav(Decoder):
                     hidden, time_embedding, position_embeddings=rotary, block_diff=block_diff
                 )
             hidden = self.dit.norm_out(hidden, time_embedding)
-            guided, dropped = self.dit.proj_out(hidden).chunk(2)
+            guided, dropped = self.dit.proj_out(hidden).float().chunk(2)
             return guided + (guided - dropped) * guidance
 
-        steps = windows[0].stream.state["steps"]
         # Qwen2_5OmniToken2WavDiTModel.sample's time points, sway coefficient -1.
         time = torch.linspace(0, 1, steps, device=device, dtype=noise.dtype)
         time = time - (torch.cos(torch.pi / 2 * time) - 1 + time)
-        mel = runge_kutta4(velocity, noise, time)
-        return self.bigvgan(mel.permute(0, 2, 1)).reshape(rows, -1)
+        with self._matmul_precision():
+            mel = runge_kutta4(velocity, noise, time)
+        return self._vocode(mel.permute(0, 2, 1))
+
+    def _code_embed(self, codes: torch.Tensor, drop: bool) -> torch.Tensor:
+        """DiTCodecEmbedding's forward, its repeat as an expand: `repeat_interleave` may read
+        its output size back from the GPU, which a graph cannot."""
+        embed = self.dit.text_embed.codec_embed(torch.zeros_like(codes) if drop else codes)
+        rows, frames, width = embed.shape
+        return embed[:, :, None].expand(-1, -1, self.repeats, -1).reshape(rows, -1, width)
+
+    def _vocode(self, mel: torch.Tensor) -> torch.Tensor:
+        """BigVGAN's forward on mel `[B, mel_dim, T]` -> `[B, samples]`, op for op, with its
+        clamp level made once at load rather than per call (a host-to-device copy) and
+        without its final copy to the CPU."""
+        g = self.bigvgan
+        decibels = 20 * torch.log10(torch.clamp(torch.exp(mel), min=self.min_level)) - 20
+        hidden = g.conv_pre(g.normalize_spectrogram(decibels, 1, -115))
+        blocks = g.num_residual_blocks
+        for index in range(g.num_upsample_layers):
+            hidden = g.ups[index][0](hidden)
+            parallel = g.resblocks[index * blocks : (index + 1) * blocks]
+            hidden = sum(block(hidden) for block in parallel) / blocks
+        waveform = g.conv_post(g.activation_post(hidden))
+        return torch.clamp(waveform, min=-1.0, max=1.0)[:, 0]
+
+    @contextlib.contextmanager
+    def _matmul_precision(self):
+        """float32 matmuls on TF32 tensor cores for the "tf32" precision (captured that way
+        too), restored after: the setting is process-wide."""
+        if self.precision != "tf32":
+            yield
+            return
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(before)
+
+    # --- static windows -------------------------------------------------------------------
+    def batch_bucket(self, rows: int) -> int:
+        """The batch a forward of `rows` windows runs at: the smallest bucket that holds them
+        (`rows` itself without static windows)."""
+        return next((b for b in self.batch_buckets if b >= rows), rows)
+
+    def window_frames(self, frames: int) -> int:
+        """The shortest static window length of at least `frames` (`frames` if none)."""
+        return min((n for n in self.window_lengths if n >= frames), default=frames)
+
+    @torch.inference_mode()
+    def prepare(self, lengths: list[int], max_batch: int, capture: bool) -> None:
+        """Static buffers for windows of each of `lengths` codes at each batch bucket up to
+        `max_batch` (at most GRAPH_BATCH), for the default step count, captured as CUDA
+        graphs when `capture` (else solved eagerly on the buffers). Captured largest first,
+        in one pool."""
+        self.graphs = Graphs(self.device, capture)
+        self.batch_buckets = batch_buckets(min(max_batch, GRAPH_BATCH))
+        self.window_lengths = sorted(lengths)
+        speaker = next(iter(self.speakers.values()))
+        for batch in reversed(self.batch_buckets):
+            for frames in reversed(self.window_lengths):
+                on = {"device": self.device}
+                inputs = {
+                    "codes": torch.zeros(batch, frames, dtype=torch.int64, **on),
+                    "noise": torch.zeros(batch, frames * self.repeats, self.mel_dim, **on),
+                    "offsets": torch.zeros(batch, dtype=torch.int64, **on),
+                    "lengths": torch.full((batch,), frames * self.repeats, **on),
+                    "ref": speaker["ref"].expand(batch, -1).clone(),
+                    "ref_dropped": speaker["ref_dropped"].expand(batch, -1).clone(),
+                    "cond": speaker["cond"].expand(batch, -1).clone(),
+                    "guidance": torch.zeros(batch, **on),
+                }
+                solve = functools.partial(self._solve, steps=DEFAULT_STEPS)
+                self.graphs.add((frames, batch, DEFAULT_STEPS), solve, inputs)
+        self.graphs.synchronize()
 
 
 def runge_kutta4(velocity: Callable, value: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
