@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from omniflow.cli import main
+from tests.runtime.test_failures import interruptible
 
 ROOT = Path(__file__).parents[1]
 GRAPHS = ROOT / "graphs"
@@ -185,6 +186,7 @@ def test_ctrl_c_cancels_cleanly_and_leaves_nothing_behind(tmp_path):
          "--input", "n=1000000", "--out", str(tmp_path / "out")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "OMNIFLOW_TEST_DELAY": "0.05"},
+        preexec_fn=interruptible,
     )  # fmt: skip
     # Interrupt once the reply streams (the first tick reached the terminal).
     assert proc.stdout.read(1)

@@ -68,6 +68,13 @@ def no_leaks():
     assert leaked() == set()
 
 
+def interruptible() -> None:
+    """A child's Ctrl-C as a terminal gives it (`preexec_fn`): a suite started in the
+    background by a non-interactive shell inherits SIGINT ignored, and Python then never
+    raises KeyboardInterrupt in the child."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_until(condition, timeout=5.0):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -203,7 +210,11 @@ def test_engine_process_ending_leaves_no_segment_and_no_executor(how, no_leaks):
     source = CHAIN.format(chunk=8, credits=2, batch=2)
     script = textwrap.dedent(SCRIPT.format(source=source))
     proc = subprocess.Popen(
-        [sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=interruptible,
     )
     words = proc.stdout.readline().split()
     assert words[0] == "ready"
