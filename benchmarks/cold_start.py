@@ -24,35 +24,17 @@ a second run in the same place measures a warmer start (the first run after buil
 
 from __future__ import annotations
 
-import argparse
 import time
 
-import torch
-from streaming import GRAPH, plan_for, run_engine
+from streaming import GRAPH, model_arguments, parse_model_arguments, plan_for, run_engine
 
-from omniflow.checkpoints.scaled import scaled_checkpoint
 from omniflow.runtime import control
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.preflight import preflight
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--devices", default="cpu")
-    parser.add_argument("--model-dir", help="a Qwen2.5-Omni checkpoint (default: the tiny one)")
-    parser.add_argument(
-        "--scaled",
-        type=float,
-        metavar="DEPTH",
-        help="a random-weight Qwen2.5-Omni at real widths and DEPTH x layers",
-    )
-    parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--audio-tokens", type=int, default=32, help="codec tokens per request")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    if args.scaled:
-        device = "cuda" if args.devices != "cpu" else "cpu"
-        args.model_dir = str(scaled_checkpoint(args.scaled, device))
+    args = parse_model_arguments(model_arguments(max_tokens=16, audio_tokens=32))
 
     began = time.perf_counter()
     plan = plan_for(GRAPH.read_text(), args.devices, args.model_dir, args.audio_tokens, "auto")

@@ -143,7 +143,9 @@ def profile_overhead(plan, concurrency: list[int], max_tokens: int, rounds: int)
     print(f"(medians of {rounds} rounds each way, alternating profiled and not)")
 
 
-def main() -> None:
+def model_arguments(max_tokens: int, audio_tokens: int) -> argparse.ArgumentParser:
+    """The options every omni chat benchmark takes: where it runs, on which checkpoint, and
+    how long a request is."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--devices", default="cpu")
     parser.add_argument("--model-dir", help="a Qwen2.5-Omni checkpoint (default: the tiny one)")
@@ -153,8 +155,29 @@ def main() -> None:
         metavar="DEPTH",
         help="a random-weight Qwen2.5-Omni at real widths and DEPTH x layers",
     )
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--audio-tokens", type=int, default=64, help="codec tokens per request")
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument(
+        "--audio-tokens", type=int, default=audio_tokens, help="codec tokens per request"
+    )
+    return parser
+
+
+def parse_model_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The arguments, with `--scaled` built (once, into the cache) as `model_dir`; one torch
+    thread here, so the executors have the cores."""
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.scaled:
+        args.model_dir = str(scaled_checkpoint(args.scaled, torch_device(args.devices)))
+    return args
+
+
+def torch_device(devices: str) -> str:
+    return "cpu" if devices == "cpu" else "cuda"
+
+
+def main() -> None:
+    parser = model_arguments(max_tokens=32, audio_tokens=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 10])
     parser.add_argument(
         "--decode", nargs="+", default=["auto"], choices=["auto", "eager", "static", "graphs"]
@@ -167,11 +190,7 @@ def main() -> None:
     )
     parser.add_argument("--profile", action="store_true", help="measure profiling on vs off")
     parser.add_argument("--rounds", type=int, default=6, help="with --profile: rounds each way")
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    device = "cuda" if args.devices != "cpu" else "cpu"
-    if args.scaled:
-        args.model_dir = str(scaled_checkpoint(args.scaled, device))
+    args = parse_model_arguments(parser)
     text = GRAPH.read_text()
     if args.profile:
         plan = plan_for(text, args.devices, args.model_dir, args.audio_tokens, args.decode[0])
@@ -204,7 +223,7 @@ def main() -> None:
                 )
     measured = args.baseline_requests or max(args.concurrency)
     latencies = monolithic_latencies(
-        model_dir, device, measured, args.max_tokens, args.audio_tokens
+        model_dir, torch_device(args.devices), measured, args.max_tokens, args.audio_tokens
     )
     for c in args.concurrency:
         rows["hf sequential", c] = sequential(latencies, c)
