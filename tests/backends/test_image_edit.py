@@ -22,6 +22,7 @@ from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import admit, stage_params
 from omniflow.runtime.stage import Call, InputStream
+from tests.backends.test_diffusion import assert_close_pixels, to_uint8
 
 torch.set_num_threads(1)
 
@@ -31,16 +32,6 @@ GRAPH = Path(__file__).parents[2] / "graphs" / "image_edit.omni"
 def pixels(height: int, width: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (height, width, 3), generator=generator).to(torch.uint8)
-
-
-def to_uint8(image: torch.Tensor) -> torch.Tensor:
-    """The graph's `to_uint8` on an image already in [0, 1]."""
-    return torch.floor(image.clamp(0, 1) * 255 + 0.5).to(torch.uint8)
-
-
-def assert_close_pixels(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.dtype == want.dtype == torch.uint8 and got.shape == want.shape
-    assert (got.int() - want.int()).abs().max() <= 1
 
 
 @pytest.fixture(scope="module")
