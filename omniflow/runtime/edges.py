@@ -56,7 +56,7 @@ def arriving(channel: ChannelPlan) -> Transform:
 
 
 def transformed(
-    recorder: Recorder,
+    recorder: Recorder | None,
     transform: Transform,
     value,
     channel: str,
@@ -64,8 +64,11 @@ def transformed(
     index: int,
     how: int,
 ):
-    """`transform(value)`, its time recorded as an ADAPT event (`how`: events.ADAPTER or
-    events.MAPS)."""
+    """`transform(value)`; while profiling, its time recorded as an ADAPT event (`how`:
+    events.ADAPTER or events.MAPS) unless there was nothing to do (no transform, or an end
+    without a value)."""
+    if recorder is None or transform is identity or value is None:
+        return transform(value)
     began = time.monotonic_ns()
     value = transform(value)
     recorder.add(events.ADAPT, channel, request_id, began, time.monotonic_ns() - began, index, how)
@@ -139,10 +142,7 @@ class StreamWriter:
     def _send(self, request_id: str, p: _Pending, value, end: bool) -> None:
         index = p.index
         p.index += 1
-        if self.recorder is None or self.leave is identity or value is None:
-            value = self.leave(value)
-        else:
-            value = transformed(
-                self.recorder, self.leave, value, self.channel.name, request_id, index, self.how
-            )
+        value = transformed(
+            self.recorder, self.leave, value, self.channel.name, request_id, index, self.how
+        )
         self.send(request_id, index, value, end)

@@ -29,7 +29,7 @@ from omniflow.devices import local_name
 from omniflow.errors import ChannelError, PayloadTooLarge
 from omniflow.plan import ChannelPlan, Program
 from omniflow.runtime import control, events
-from omniflow.runtime.edges import StreamWriter, arriving, identity, leaving, transformed
+from omniflow.runtime.edges import StreamWriter, arriving, leaving, transformed
 from omniflow.runtime.events import RecordedEvents, Recorder
 from omniflow.runtime.gpu_timeline import KernelTimeline, on_cuda
 from omniflow.runtime.link import Links
@@ -311,18 +311,13 @@ class ProgramLoop:
                 for meta, value, release in inbound.receive():
                     rid, end, taken = meta.request_id, meta.end, time.monotonic_ns()
                     handoffs.add(taken - meta.sent)
-                    if self.recorder is None:
-                        value = arrive(value)
-                    else:
+                    if self.recorder is not None:
                         self.recorder.add(
                             events.RECV, name, rid, taken, 0, nbytes(value), meta.chunk
                         )
-                        if arrive is not identity and value is not None:
-                            value = transformed(
-                                self.recorder, arrive, value, name, rid, meta.chunk, events.MAPS
-                            )
-                        else:
-                            value = arrive(value)
+                    value = transformed(
+                        self.recorder, arrive, value, name, rid, meta.chunk, events.MAPS
+                    )
                     if self.tallies is not None:
                         arrived = time.monotonic_ns()
                         self.tallies.received(
