@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from omniflow.cli import main
-from tests.runtime.test_failures import interruptible
+from tests.runtime.test_failures import finish, interruptible
 
 ROOT = Path(__file__).parents[1]
 GRAPHS = ROOT / "graphs"
@@ -194,7 +194,7 @@ def test_ctrl_c_cancels_cleanly_and_leaves_nothing_behind(tmp_path):
     pids = {proc.pid, *map(int, children.stdout.split())}
     assert len(pids) == 2  # the frontend and its executor
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = finish(proc, timeout=60)
     assert proc.returncode == 130
     assert err.strip().endswith("omniflow: interrupted") and "Traceback" not in err
     assert not (tmp_path / "out").exists()

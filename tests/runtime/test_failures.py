@@ -75,6 +75,17 @@ def interruptible() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """`proc.communicate(timeout)`; a process still running then is killed (its executors
+    follow it) before the timeout fails the test, so that it leaves nothing running."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+
+
 def wait_until(condition, timeout=5.0):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -222,7 +233,7 @@ def test_engine_process_ending_leaves_no_segment_and_no_executor(how, no_leaks):
     proc.send_signal(how)
     # Generous: executors wind down (up to 10 s each before a kill) on a machine that may be
     # running other suites; a hang still fails.
-    proc.wait(timeout=60)
+    finish(proc, timeout=60)
     wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), timeout=10)
     if how == signal.SIGKILL:
         # The killed engine cannot unlink its own rings; the janitor (run by every engine
