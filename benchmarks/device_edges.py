@@ -7,13 +7,15 @@ For payloads of 4 KiB .. 256 MiB of a tensor on cuda:0:
 - shm: the host ring a GPU tensor took before device edges: a device-to-host copy into the
   ring, and the consumer's host-to-device copy to have it on its GPU again
 
-Throughput streams `n` chunks back to back through a ring of 4 slots: bytes over the time
-from the producer's first put to the consumer's last arrival (CLOCK_MONOTONIC, one clock
-for both processes). Hand-off latency is for 4 KiB through a ring of one slot: the producer
-stamps a message before its put, the consumer subtracts the stamp on arrival. The put first
-waits for the previous message's credit, so the figure is one message's whole turn -- the
-consumer's release, the credit's trip back, the copy, the doorbell -- an upper bound on the
-one-way hand-off. For d2d it is one 4 KiB `copy_` and a synchronize.
+A chunk has arrived when its bytes are on the consumer's GPU and the consumer's host knows
+it: the device ring hands off on the GPU (stream-ordered), so the consumer synchronizes its
+stream before stamping. Throughput streams `n` chunks back to back through a ring of 4
+slots: bytes over the time from the producer's first put to the consumer's last arrival
+(CLOCK_MONOTONIC, one clock for both processes; only the last chunk is synchronized, as a
+consumer queueing GPU work on each would). Hand-off latency is one-way, for 4 KiB through a
+ring of 2 slots with the producer pausing 1 ms between puts (the consumer waits idle, the
+credit is back): the producer stamps a message before its put, the consumer subtracts the
+stamp once the chunk has arrived. For d2d it is one 4 KiB `copy_` and a synchronize.
 
     python benchmarks/device_edges.py            # on a GPU machine, about a minute
     python benchmarks/device_edges.py --quick    # up to 16 MiB, few iterations
@@ -34,34 +36,41 @@ from omniflow.runtime.shm_ring import ShmConsumer, ShmProducer
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = {4 * KiB: 4000, 64 * KiB: 3000, 1 * MiB: 1000, 16 * MiB: 200, 64 * MiB: 60, 256 * MiB: 20}
-LATENCY_MESSAGES = 3000
+LATENCY_MESSAGES = 2000
 RINGS = {"cuda-ipc": (DeviceConsumer, DeviceProducer), "shm": (ShmConsumer, ShmProducer)}
 SPAWN = mp.get_context("spawn")
 
 
-def _produce(kind: str, name: str, size: int, count: int) -> None:
+def _produce(kind: str, name: str, size: int, count: int, gap: float) -> None:
     producer = RINGS[kind][1].attach(name)
     src = torch.randint(0, 255, (size,), dtype=torch.uint8, device="cuda:0")
     for i in range(count):
+        if gap:
+            time.sleep(gap)
         producer.put(src, ChunkMeta("bench", i, i == count - 1, time.monotonic_ns()), timeout=60)
     producer.put((), ChunkMeta("bench", count, True, 0), timeout=60)  # waits for the last credit
     producer.close()
 
 
-def _ring(kind: str, slots: int, size: int, count: int) -> list[tuple[int, int]]:
-    """(sent, arrived) monotonic ns of each chunk through a ring of `kind`."""
+def _ring(
+    kind: str, slots: int, size: int, count: int, gap: float = 0.0, sync_each: bool = False
+) -> list[tuple[int, int]]:
+    """(sent, arrived) monotonic ns of each chunk through a ring of `kind`, the producer
+    pausing `gap` s before each put; the consumer synchronizes on the last chunk, or on each."""
     if kind == "shm":
         consumer = ShmConsumer.create(slots, size)
     else:
         consumer = DeviceConsumer.create(slots, size, "cuda:0")
-    peer = SPAWN.Process(target=_produce, args=(kind, consumer.name, size, count))
+    peer = SPAWN.Process(target=_produce, args=(kind, consumer.name, size, count, gap))
     peer.start()
     times = []
-    for _ in range(count):
+    for i in range(count):
         got = consumer.get(timeout=120)
         tensor = got.tensors[0]
         if kind == "shm":
             tensor.to("cuda:0", non_blocking=False)  # the consumer needs it on its GPU
+        if sync_each or i == count - 1:
+            torch.cuda.current_stream().synchronize()
         arrived = time.monotonic_ns()
         times.append((got.meta.sent, arrived))
         got.release()
@@ -123,12 +132,13 @@ def main() -> None:
             f"{label:>9} {d2d / 1e9:9.1f} {ipc / 1e9:9.1f} {shm / 1e9:9.1f} "
             f"{ipc / d2d:7.2f}x {ipc / shm:7.2f}x"
         )
-    print(f"\n4 KiB hand-off, put start to arrival, one-slot ring, {latency_count} messages (us)")
+    print(f"\n4 KiB hand-off, put start to arrival, 1 ms apart, {latency_count} messages (us)")
     print(f"{'path':>9} {'median':>8} {'p99':>8}")
     d2d = _d2d_latency_us(4 * KiB, latency_count)
     rows = {"d2d": d2d}
     for kind in ("cuda-ipc", "shm"):
-        rows[kind] = [(b - a) / 1e3 for a, b in _ring(kind, 1, 4 * KiB, latency_count)]
+        paced = _ring(kind, 2, 4 * KiB, latency_count, gap=1e-3, sync_each=True)
+        rows[kind] = [(b - a) / 1e3 for a, b in paced]
     for name, values in rows.items():
         print(f"{name:>9} {statistics.median(values):8.1f} {_p(values, 0.99):8.1f}")
 

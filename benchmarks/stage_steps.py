@@ -20,6 +20,7 @@ measured in the same run (8192^3).
 
     python benchmarks/stage_steps.py                       # real size, batches 1 and 10
     python benchmarks/stage_steps.py --depth 0.25 --batches 1 4 --steps 16
+    python benchmarks/stage_steps.py --modes graphs --batches 1 --kernels 12   # what bounds a replay
 """
 
 from __future__ import annotations
@@ -94,9 +95,11 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def step_times(backend, stage: str, batch: int, prompt: int, steps: int, vocab: int):
+def step_times(
+    backend, stage: str, batch: int, prompt: int, steps: int, vocab: int, kernels: int = 0
+):
     """Median wall ms of a decode step over `batch` requests, and of the graph replay alone
-    (None without graphs)."""
+    (None without graphs); with `kernels`, prints the replay's costliest kernels."""
     generator = torch.Generator().manual_seed(batch)
     calls = []
     for i in range(batch):
@@ -131,10 +134,32 @@ def step_times(backend, stage: str, batch: int, prompt: int, steps: int, vocab: 
             torch.cuda.synchronize()
             replays.append(start.elapsed_time(end))
         replay = statistics.median(replays)
+        if kernels:
+            kernel_profile(graph, kernels)
     kv = sum(s.length for s in backend.rows)
     for call in calls:
         backend.drop(call)
     return statistics.median(times) * 1e3, replay, kv
+
+
+def kernel_profile(graph, top: int, replays: int = 5) -> None:
+    """The `top` kernels of a graph replay by GPU time (torch.profiler, CUPTI), each with its
+    launches and time per replay and its share of the replay's kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in kernels) or 1
+    print(f"    {'kernel':<72} {'per replay':>10} {'us':>9} {'share':>6}")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        us = e.self_device_time_total / replays
+        print(
+            f"    {e.key[:72]:<72} {e.count / replays:>10.0f} {us:>9.1f} {us * replays / total:>6.1%}"
+        )
+    print(f"    (all kernels: {total / replays / 1e3:.2f} ms a replay)")
 
 
 def _seconds(fn, device: str, repeats: int = 12) -> float:
@@ -186,6 +211,13 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=100, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
     parser.add_argument("--device", default="cuda", help="cpu: a smoke run (modes eager, static)")
+    parser.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print each replay's N costliest kernels",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     cuda = args.device.startswith("cuda")
@@ -223,7 +255,7 @@ def main() -> None:
             captured = static.captures if static is not None else 0
             for batch in args.batches:
                 step_ms, replay_ms, kv = step_times(
-                    backend, stage, batch, args.prompt, args.steps, vocab
+                    backend, stage, batch, args.prompt, args.steps, vocab, args.kernels
                 )
                 read = weights + kv * per_token
                 flops = 2 * (weights / component.head.weight.element_size()) * batch

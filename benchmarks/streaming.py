@@ -11,6 +11,8 @@ time. Prints ratios measured side by side in one run.
     python benchmarks/streaming.py --devices 1xH200 --scaled 0.5   # real widths, half the layers
     python benchmarks/streaming.py --devices 1xH200 --model-dir DIR  # any Qwen2.5-Omni checkpoint
     python benchmarks/streaming.py --devices 1xH200 --scaled 1 --decode eager graphs  # before/after
+    python benchmarks/streaming.py --devices 1xH200 --scaled 1 --prompt-tokens 100 \
+        --max-tokens 100 --audio-tokens 1250 --baseline-requests 0   # 25 s replies, no HF run
 
 `--decode` runs each variant once per decode mode of the AR stages ("auto": graphs on CUDA,
 eager on CPU; "eager": the dynamic cache; "graphs": static cache + CUDA graphs), so one
@@ -66,16 +68,35 @@ def plan_for(text: str, devices: str, model: str | None, audio_tokens: int, deco
     return compile_graph(graph, devices)
 
 
+def long_prompts(tokenizer_dir: str, tokens: int) -> list[str]:
+    """PROMPTS, each repeated until it is at least `tokens` tokens long."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    out = []
+    for prompt in PROMPTS:
+        text = prompt
+        while len(tokenizer(text)["input_ids"]) < tokens:
+            text = f"{text} {prompt}"
+        out.append(text)
+    return out
+
+
 def run_engine(
-    engine: Engine, concurrency: int, max_tokens: int
+    engine: Engine, concurrency: int, max_tokens: int, audio: list[float] | None = None
 ) -> tuple[list[float], list[float], float]:
+    """TTFP and E2E of each of `concurrency` requests sent at once, and the wall time; each
+    request's audio samples are counted into `audio` when given."""
     ttfp, e2e = [None] * concurrency, [None] * concurrency
+    samples = [0] * concurrency
 
     def one(i: int) -> None:
         start = time.perf_counter()
         for chunk in engine.stream_sync({"prompt": PROMPTS[i]}, {"max_tokens": max_tokens}):
-            if chunk.output == "audio" and chunk.value is not None and ttfp[i] is None:
-                ttfp[i] = time.perf_counter() - start
+            if chunk.output == "audio" and chunk.value is not None:
+                samples[i] += chunk.value.numel()
+                if ttfp[i] is None:
+                    ttfp[i] = time.perf_counter() - start
         e2e[i] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -84,6 +105,8 @@ def run_engine(
         t.start()
     for t in threads:
         t.join()
+    if audio is not None:
+        audio[:] = samples
     return ttfp, e2e, time.perf_counter() - start
 
 
@@ -188,9 +211,15 @@ def main() -> None:
         type=int,
         help="requests the sequential baseline measures (default: the largest concurrency)",
     )
+    parser.add_argument(
+        "--prompt-tokens", type=int, help="repeat each prompt until it is this many tokens long"
+    )
     parser.add_argument("--profile", action="store_true", help="measure profiling on vs off")
     parser.add_argument("--rounds", type=int, default=6, help="with --profile: rounds each way")
     args = parse_model_arguments(parser)
+    model_dir = args.model_dir or model_path("tiny:qwen2.5-omni")
+    if args.prompt_tokens:
+        PROMPTS[:] = long_prompts(model_dir, args.prompt_tokens)
     text = GRAPH.read_text()
     if args.profile:
         plan = plan_for(text, args.devices, args.model_dir, args.audio_tokens, args.decode[0])
@@ -204,9 +233,9 @@ def main() -> None:
             variants[name] = plan_for(
                 sources[variant], args.devices, args.model_dir, args.audio_tokens, decode
             )
-    model_dir = args.model_dir or model_path("tiny:qwen2.5-omni")
-    rows = {}
+    rows, rtf = {}, {}
     for name, plan in variants.items():
+        rate = next(o.attrs["rate"] for o in plan.outputs if o.name == "audio")
         start = time.perf_counter()
         with Engine(plan, "process") as engine:
             run_engine(engine, 1, args.max_tokens)  # warm up
@@ -215,32 +244,43 @@ def main() -> None:
                 flush=True,
             )
             for c in args.concurrency:
-                rows[name, c] = ttfp, e2e, wall = run_engine(engine, c, args.max_tokens)
+                audio = []
+                rows[name, c] = ttfp, e2e, wall = run_engine(engine, c, args.max_tokens, audio)
+                rtf[name, c] = [
+                    t / (n / rate) if n else float("inf") for t, n in zip(e2e, audio, strict=True)
+                ]
                 print(
                     f"  {name} at {c}: TTFP {statistics.median(ttfp) * 1e3:.1f} ms, "
-                    f"E2E {statistics.median(e2e) * 1e3:.1f} ms, {c / wall:.2f} req/s",
+                    f"E2E {statistics.median(e2e) * 1e3:.1f} ms, {c / wall:.2f} req/s, "
+                    f"audio {statistics.median(audio) / rate:.1f} s",
                     flush=True,
                 )
-    measured = args.baseline_requests or max(args.concurrency)
-    latencies = monolithic_latencies(
-        model_dir, torch_device(args.devices), measured, args.max_tokens, args.audio_tokens
-    )
-    for c in args.concurrency:
-        rows["hf sequential", c] = sequential(latencies, c)
+    names = list(variants)
+    if args.baseline_requests != 0:
+        measured = args.baseline_requests or max(args.concurrency)
+        latencies = monolithic_latencies(
+            model_dir, torch_device(args.devices), measured, args.max_tokens, args.audio_tokens
+        )
+        names.append("hf sequential")
+        for c in args.concurrency:
+            rows["hf sequential", c] = sequential(latencies, c)
     print(
-        f"{'variant':>16} {'conc':>4} {'TTFP ms':>9} {'E2E ms':>9} {'TTFP/E2E':>9} {'req/s':>7} {'vs hf':>7}"
+        f"{'variant':>16} {'conc':>4} {'TTFP ms':>9} {'E2E ms':>9} {'TTFP/E2E':>9} {'RTF':>6} "
+        f"{'req/s':>7} {'vs hf':>7}"
     )
     for c in args.concurrency:
-        base = c / rows["hf sequential", c][2]
-        for name in (*variants, "hf sequential"):
+        for name in names:
             ttfp, e2e, wall = rows[name, c]
             t, e = statistics.median(ttfp) * 1e3, statistics.median(e2e) * 1e3
+            r = f"{statistics.median(rtf[name, c]):6.2f}" if (name, c) in rtf else f"{'-':>6}"
+            vs = (c / wall) / (c / rows["hf sequential", c][2]) if "hf sequential" in names else 0
             print(
-                f"{name:>16} {c:>4} {t:>9.1f} {e:>9.1f} {t / e:>8.1%} {c / wall:>7.2f} {(c / wall) / base:>6.2f}x"
+                f"{name:>16} {c:>4} {t:>9.1f} {e:>9.1f} {t / e:>8.1%} {r} {c / wall:>7.2f} "
+                + (f"{vs:>6.2f}x" if vs else f"{'-':>7}")
             )
     print(
-        "(medians over the concurrent requests; TTFP = first audio chunk; vs hf = throughput ratio;"
-        f" hf sequential = {len(latencies)} measured requests served back to back)"
+        "(medians over the concurrent requests; TTFP = first audio chunk; RTF = E2E / audio"
+        " seconds; vs hf = throughput ratio against the HF model's generate served back to back)"
     )
 
 

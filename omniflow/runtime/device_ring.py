@@ -16,9 +16,16 @@ layout, credits and backpressure. Nothing of it is copied here: `DeviceProducer`
   (with peer access enabled lazily, the driver's `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`), and
   torch's `copy_` from the producer's tensor is a device-to-device copy when both are on
   one GPU and a peer copy when they are not.
-- Ordering: the producer waits for its copy before it rings (the consumer may read at
-  once), and the consumer waits for the work queued on its current stream before it hands
-  the slot back (the producer may overwrite at once). A GPU tensor never visits the host.
+- Ordering, on the GPU: neither end ever waits for the GPU on the host. The creator also
+  makes two interprocess CUDA events per slot, `filled` and `freed`, published beside the
+  memory's handle. The producer's stream waits for the slot's `freed` (the consumer's work
+  on the previous chunk in it), copies, and records `filled` before the doorbell goes; the
+  consumer's stream waits for `filled` before the views are handed out, and `freed` is
+  recorded on it before the credit goes back. A record always precedes the message that
+  lets the peer wait for it, so a wait sees the right record. A contiguous tensor on the
+  ring's GPU is copied with one `cuMemcpyAsync` (torch's `copy_` costs several
+  microseconds of dispatch per put); anything else (a host tensor, another GPU's) with
+  `copy_` on the same stream. A GPU tensor never visits the host.
 - Lifetimes: the memory is freed (`cuMemFree`, `cuIpcCloseMemHandle` on the other side)
   when the endpoint is closed and the last tensor view of it is gone, as for the shm ring's
   mapping. A process that dies gives its allocations and mappings back to the driver; the
@@ -39,7 +46,8 @@ import torch
 
 from omniflow.devices import local_name
 from omniflow.errors import ChannelError
-from omniflow.runtime.shm_ring import ShmConsumer, ShmProducer
+from omniflow.runtime.doorbells import Doorbell
+from omniflow.runtime.shm_ring import Received, ShmConsumer, ShmProducer
 
 # Where the IPC handle sits in the segment's header page: after the ring's own header.
 _HANDLE_AT = 512
@@ -47,21 +55,30 @@ _HANDLE_LEN = struct.Struct("<I")
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 
 
+# The room the published record takes beyond the header page: two event handles a slot.
+_EVENT_HANDLE_BYTES = 80
+_CU_EVENT_DISABLE_TIMING, _CU_EVENT_INTERPROCESS = 0x2, 0x4
+
+
 class IpcHandle(msgspec.Struct, frozen=True, array_like=True):
     """What the creator publishes: the GPU (its index on this host), the CUDA IPC handle of
-    the allocation, and the allocation's size."""
+    the allocation, the allocation's size, and the IPC handles of each slot's `filled` and
+    `freed` events (slot by slot)."""
 
     device: int
     handle: bytes
     size: int
+    events: tuple[bytes, ...] = ()
 
 
-class _CuIpcMemHandle(ctypes.Structure):
+class _CuIpcHandle(ctypes.Structure):
+    """`CUipcMemHandle` and `CUipcEventHandle` (both 64 opaque bytes)."""
+
     # Bytes, not c_char: a c_char array reads back cut at its first NUL, and handles hold NULs.
     _fields_ = [("reserved", ctypes.c_ubyte * 64)]
 
     @classmethod
-    def of(cls, handle: bytes) -> _CuIpcMemHandle:
+    def of(cls, handle: bytes) -> _CuIpcHandle:
         if len(handle) != ctypes.sizeof(cls):
             raise ChannelError(
                 f"a CUDA IPC handle has {ctypes.sizeof(cls)} bytes, not {len(handle)}"
@@ -86,13 +103,21 @@ def _cuda():
             ptr = ctypes.c_uint64
             lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ptr), ctypes.c_size_t]
             lib.cuMemFree_v2.argtypes = [ptr]
-            lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_CuIpcMemHandle), ptr]
+            lib.cuIpcGetMemHandle.argtypes = [ctypes.POINTER(_CuIpcHandle), ptr]
             lib.cuIpcOpenMemHandle_v2.argtypes = [
                 ctypes.POINTER(ptr),
-                _CuIpcMemHandle,
+                _CuIpcHandle,
                 ctypes.c_uint,
             ]
             lib.cuIpcCloseMemHandle.argtypes = [ptr]
+            handle = ctypes.c_void_p  # CUevent, CUstream
+            lib.cuEventCreate.argtypes = [ctypes.POINTER(handle), ctypes.c_uint]
+            lib.cuEventDestroy_v2.argtypes = [handle]
+            lib.cuEventRecord.argtypes = [handle, handle]
+            lib.cuStreamWaitEvent.argtypes = [handle, handle, ctypes.c_uint]
+            lib.cuIpcGetEventHandle.argtypes = [ctypes.POINTER(_CuIpcHandle), handle]
+            lib.cuIpcOpenEventHandle.argtypes = [ctypes.POINTER(handle), _CuIpcHandle]
+            lib.cuMemcpyAsync.argtypes = [ptr, ptr, ctypes.c_size_t, handle]
             lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
             _driver = lib
     return _driver
@@ -132,7 +157,7 @@ class _DeviceMemory:
 
     @classmethod
     def open(cls, handle: IpcHandle) -> _DeviceMemory:
-        raw = _CuIpcMemHandle.of(handle.handle)
+        raw = _CuIpcHandle.of(handle.handle)
         with _on(handle.device):
             pointer = ctypes.c_uint64()
             _check(
@@ -144,7 +169,7 @@ class _DeviceMemory:
         return cls(handle.device, pointer.value, handle.size, opened=True)
 
     def ipc_handle(self) -> IpcHandle:
-        raw = _CuIpcMemHandle()
+        raw = _CuIpcHandle()
         with _on(self.device):
             _check(_cuda().cuIpcGetMemHandle(ctypes.byref(raw), self.pointer), "cuIpcGetMemHandle")
         return IpcHandle(self.device, bytes(raw), self.size)
@@ -152,6 +177,68 @@ class _DeviceMemory:
     def tensor(self) -> torch.Tensor:
         with torch.cuda.device(self.device):
             return torch.as_tensor(self, device=f"cuda:{self.device}")
+
+
+class _SlotEvents:
+    """Each slot's `filled` and `freed` interprocess events, made here (`create`) or opened
+    from the creator's handles (`open`, in `handles()`'s order); destroyed when this object
+    is collected."""
+
+    def __init__(self, device: int):
+        self.filled: list[int] = []
+        self.freed: list[int] = []
+        weakref.finalize(self, _destroy_events, device, self.filled, self.freed)
+
+    @classmethod
+    def create(cls, device: int, slots: int) -> _SlotEvents:
+        made = cls(device)
+        flags = _CU_EVENT_DISABLE_TIMING | _CU_EVENT_INTERPROCESS
+        with _on(device):
+            for events in (made.filled, made.freed):
+                for _ in range(slots):
+                    event = ctypes.c_void_p()
+                    _check(_cuda().cuEventCreate(ctypes.byref(event), flags), "cuEventCreate")
+                    events.append(event.value)
+        return made
+
+    @classmethod
+    def open(cls, device: int, handles: Sequence[bytes]) -> _SlotEvents:
+        opened = cls(device)
+        slots = len(handles) // 2
+        with _on(device):
+            for i, handle in enumerate(handles):
+                event = ctypes.c_void_p()
+                _check(
+                    _cuda().cuIpcOpenEventHandle(ctypes.byref(event), _CuIpcHandle.of(handle)),
+                    "opening a device ring's slot event",
+                )
+                (opened.filled if i < slots else opened.freed).append(event.value)
+        return opened
+
+    def handles(self) -> tuple[bytes, ...]:
+        handles = []
+        for event in (*self.filled, *self.freed):
+            raw = _CuIpcHandle()
+            _check(_cuda().cuIpcGetEventHandle(ctypes.byref(raw), event), "cuIpcGetEventHandle")
+            handles.append(bytes(raw))
+        return tuple(handles)
+
+
+def _record(event: int, stream: int) -> None:
+    _check(_cuda().cuEventRecord(event, stream), "recording a slot event")
+
+
+def _wait(stream: int, event: int) -> None:
+    _check(_cuda().cuStreamWaitEvent(stream, event, 0), "waiting for a slot event")
+
+
+def _destroy_events(device: int, *lists: list[int]) -> None:
+    try:
+        with torch.cuda.device(device):
+            for event in (e for events in lists for e in events):
+                _cuda().cuEventDestroy_v2(event)
+    except Exception:  # noqa: BLE001, S110 (at exit the driver may be gone; exit frees them)
+        pass
 
 
 def _release(release, device: int, pointer: int) -> None:
@@ -182,27 +269,34 @@ def _device_index(device: str | int) -> int:
 
 
 class _DeviceRing:
-    """What both device endpoints add to their shm twin: where the slots are."""
+    """What both device endpoints add to their shm twin: where the slots are, and each
+    slot's events."""
 
     on_device = True
-    _magic = b"OMNIDEV1"
+    _magic = b"OMNIDEV2"
     _what = "device ring"
     _memory: _DeviceMemory
     _buffer: torch.Tensor
+    _events: _SlotEvents
 
     @staticmethod
     def _host_slot_bytes(slots: int, slot_bytes: int) -> int:
-        return 0  # the segment is the header page alone
+        return 2 * slots * _EVENT_HANDLE_BYTES  # the published record's room: no slots here
 
     @classmethod
     def create(cls, slots: int, slot_bytes: int, device: str | int = 0):
         """A new ring of `slots` slots of at least `slot_bytes` bytes in `device`'s memory."""
         ring = super().create(slots, slot_bytes)
         try:
-            ring._adopt_memory(
-                _DeviceMemory.allocate(_device_index(device), ring.slots * ring.slot_bytes)
+            index = _device_index(device)
+            ring._adopt(
+                _DeviceMemory.allocate(index, ring.slots * ring.slot_bytes),
+                _SlotEvents.create(index, ring.slots),
             )
-            data = msgspec.msgpack.encode(ring._memory.ipc_handle())
+            record = msgspec.structs.replace(
+                ring._memory.ipc_handle(), events=ring._events.handles()
+            )
+            data = msgspec.msgpack.encode(record)
             _HANDLE_LEN.pack_into(ring._mm, _HANDLE_AT, len(data))
             ring._mm[_HANDLE_AT + 4 : _HANDLE_AT + 4 + len(data)] = data
         except BaseException:
@@ -212,19 +306,21 @@ class _DeviceRing:
 
     @classmethod
     def attach(cls, name: str):
-        """The other end of the device ring `name`: opens its memory through the IPC handle."""
+        """The other end of the device ring `name`: opens its memory and events through their
+        IPC handles."""
         ring = super().attach(name)
         try:
             (size,) = _HANDLE_LEN.unpack_from(ring._mm, _HANDLE_AT)
             data = bytes(ring._mm[_HANDLE_AT + 4 : _HANDLE_AT + 4 + size])
-            ring._adopt_memory(_DeviceMemory.open(msgspec.msgpack.decode(data, type=IpcHandle)))
+            record = msgspec.msgpack.decode(data, type=IpcHandle)
+            ring._adopt(_DeviceMemory.open(record), _SlotEvents.open(record.device, record.events))
         except BaseException:
             ring.close()
             raise
         return ring
 
-    def _adopt_memory(self, memory: _DeviceMemory) -> None:
-        self._memory = memory
+    def _adopt(self, memory: _DeviceMemory, events: _SlotEvents) -> None:
+        self._memory, self._events = memory, events
         self._buffer = memory.tensor()
         self.device = self._buffer.device
 
@@ -237,30 +333,50 @@ class _DeviceRing:
 
     def close(self) -> None:
         super().close()
-        # The memory goes once no view of it is left (as the shm ring's mapping does).
+        # The memory goes once no view of it is left (as the shm ring's mapping does); the
+        # events once no endpoint holds them.
         self._buffer = None
         self._memory = None
+        self._events = None
 
 
 class DeviceProducer(_DeviceRing, ShmProducer):
     """Writes chunks into a device ring: GPU tensors by a device (or peer) copy, CPU tensors
-    by a host-to-device copy."""
+    by a host-to-device copy, all queued on the ring GPU's current stream."""
 
     def _copy_in(
         self, base: int, tensors: tuple[torch.Tensor, ...], offsets: Sequence[int]
     ) -> None:
+        slot = base // self.slot_bytes
         with torch.cuda.device(self.device):
+            stream = torch.cuda.current_stream().cuda_stream
+            _wait(stream, self._events.freed[slot])
             for t, offset in zip(tensors, offsets, strict=True):
-                self._view(base + offset, t.dtype, t.shape).copy_(t)
-            # The consumer may read as soon as it hears the doorbell.
-            torch.cuda.current_stream().synchronize()
+                if t.device == self.device and t.is_contiguous():
+                    if t.nbytes:
+                        _check(
+                            _cuda().cuMemcpyAsync(
+                                self._memory.pointer + base + offset, t.data_ptr(), t.nbytes, stream
+                            ),
+                            "copying into a device ring",
+                        )
+                else:
+                    self._view(base + offset, t.dtype, t.shape).copy_(t)
+            _record(self._events.filled[slot], stream)
 
 
 class DeviceConsumer(_DeviceRing, ShmConsumer):
-    """Reads chunks from a device ring as views of its GPU memory."""
+    """Reads chunks from a device ring as views of its GPU memory, ready for the work queued
+    after them on the ring GPU's current stream."""
+
+    def _received(self, bell: Doorbell) -> Received:
+        with torch.cuda.device(self.device):
+            _wait(torch.cuda.current_stream().cuda_stream, self._events.filled[bell.slot])
+        return super()._received(bell)
 
     def _release(self, slot: int) -> None:
-        if self._buffer is not None:
-            # Work queued on the slot's views must be done before the producer overwrites it.
-            torch.cuda.current_stream(self.device).synchronize()
+        if self._events is not None:
+            # The producer's next copy into the slot waits for the work queued on its views.
+            with torch.cuda.device(self.device):
+                _record(self._events.freed[slot], torch.cuda.current_stream().cuda_stream)
         super()._release(slot)

@@ -504,7 +504,10 @@ class ShmConsumer(_ShmEndpoint, Consumer):
         message = self._recv(deadline, "data from the producer")
         if message is None:
             return None
-        bell = _DOORBELL.decode(message)
+        return self._received(_DOORBELL.decode(message))
+
+    def _received(self, bell: Doorbell) -> Received:
+        """The chunk `bell` announces, as views of its slot."""
         base = self._slot_offset(bell.slot)
         tensors = tuple(
             self._view(base + h.offset, torch_dtype(h.dtype), h.shape) for h in bell.tensors

@@ -28,10 +28,14 @@ def _chunk(i: int, device: str = "cuda:0") -> torch.Tensor:
     return torch.randn(1000 + i, 33, generator=g).to(torch.bfloat16).to(device)
 
 
-def _produce(name: str, count: int, device: str, done) -> None:
-    """A producer process: attaches and puts `count` chunks made on `device`, then waits."""
+def _produce(name: str, count: int, device: str, done, late: bool = False) -> None:
+    """A producer process: attaches and puts `count` chunks made on `device`, then waits.
+    `late`: each chunk is made after ~50 ms of GPU work, so its bytes land long after `put`
+    returns on the host."""
     producer = DeviceProducer.attach(name)
     for i in range(count):
+        if late:
+            torch.cuda._sleep(100_000_000)
         producer.put([_chunk(i, device), torch.tensor([i])], ChunkMeta("r", i, i == count - 1))
     done.wait(60)
     producer.close()
@@ -102,6 +106,25 @@ def test_gpu_tensors_cross_processes_as_views_of_the_ring(processes):
     done.set()
     p.join(30)
     assert p.exitcode == 0
+    consumer.close()
+
+
+def test_hand_off_is_ordered_on_the_gpu_not_the_host(processes):
+    """Neither end waits for the GPU: the consumer sees a chunk whose bytes were still being
+    made when the producer rang, and a copy the consumer queued on a slot before releasing
+    it still reads that chunk, though the producer fills the slot again right away."""
+    consumer = DeviceConsumer.create(1, 256 * 1024, "cuda:0")
+    done = SPAWN.Event()
+    _start(processes, _produce, consumer.name, 4, "cuda:0", done, True)
+    kept = []
+    for _ in range(4):
+        got = consumer.get(timeout=60)
+        torch.cuda._sleep(100_000_000)  # the clone runs ~50 ms after release() returns
+        kept.append(got.tensors[0].clone())
+        got.release()
+    for i, tensor in enumerate(kept):
+        assert torch.equal(tensor, _chunk(i))
+    done.set()
     consumer.close()
 
 
@@ -189,9 +212,9 @@ def test_an_engine_runs_a_cuda_ipc_edge_and_matches_the_interpreter():
     reference = Interpreter(plan, "standin")
     with Engine(plan, "process", backends="standin") as engine:
         decoder = next(pid for name, pid in engine.executor_pids.items() if "decoder" in name)
-        # the decoder's ring of codes is a device ring: its segment is the header page alone
-        sizes = [p.stat().st_size for p in SHM_DIR.glob(f"{SEGMENT_PREFIX}{decoder}-*")]
-        assert 4096 in sizes
+        # the decoder's ring of codes is a device ring: its segment holds no slots
+        magics = [p.read_bytes()[:8] for p in SHM_DIR.glob(f"{SEGMENT_PREFIX}{decoder}-*")]
+        assert DeviceConsumer._magic in magics
         for text in ("good morning", "hi"):
             got = engine.generate({"text": text})
             assert torch.equal(got["audio"], reference.run({"text": text})["audio"])
