@@ -289,7 +289,7 @@ class _DeviceRing:
         ring = super().create(slots, slot_bytes)
         try:
             index = _device_index(device)
-            ring._adopt(
+            ring._adopt_device(
                 _DeviceMemory.allocate(index, ring.slots * ring.slot_bytes),
                 _SlotEvents.create(index, ring.slots),
             )
@@ -313,13 +313,15 @@ class _DeviceRing:
             (size,) = _HANDLE_LEN.unpack_from(ring._mm, _HANDLE_AT)
             data = bytes(ring._mm[_HANDLE_AT + 4 : _HANDLE_AT + 4 + size])
             record = msgspec.msgpack.decode(data, type=IpcHandle)
-            ring._adopt(_DeviceMemory.open(record), _SlotEvents.open(record.device, record.events))
+            ring._adopt_device(
+                _DeviceMemory.open(record), _SlotEvents.open(record.device, record.events)
+            )
         except BaseException:
             ring.close()
             raise
         return ring
 
-    def _adopt(self, memory: _DeviceMemory, events: _SlotEvents) -> None:
+    def _adopt_device(self, memory: _DeviceMemory, events: _SlotEvents) -> None:
         self._memory, self._events = memory, events
         self._buffer = memory.tensor()
         self.device = self._buffer.device
