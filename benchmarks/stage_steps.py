@@ -181,10 +181,10 @@ def copy_bandwidth(device: str, nbytes: int = 4 << 30) -> float:
     return 2 * nbytes / _seconds(lambda: dst.copy_(src), device)
 
 
-def matmul_rate(device: str, n: int = 8192) -> float:
-    """bf16 FLOP/s of an n x n x n matrix product."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+def matmul_rate(device: str, n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
+    """FLOP/s of an n x n x n matrix product in `dtype`."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     return 2 * n**3 / _seconds(lambda: a @ b, device)
 
 

@@ -8,6 +8,12 @@ the way transformers initialises an untrained model, saves it with `save_pretrai
 the result loads through exactly the path a real checkpoint does; `MANIFEST`, written
 last, marks a finished build. `scaled_checkpoint(depth)` builds one once into the cache.
 
+`scaled_image_config(depth)` and `build_scaled_image` do the same for Qwen-Image (the
+catalog's published text encoder, transformer and VAE configs; the text encoder's and the
+transformer's layers x `depth`, the VAE whole) on the tiny qwen tokenizer, saved as a
+diffusers pipeline folder that the diffusers backends load as they load the real one;
+`scaled_checkpoint(depth, model=REAL_IMAGE)` caches one.
+
 Random weights would end text and speech at random points, so the output heads' rows of
 every id that ends or pads (and of ids the next stage cannot take) are zeroed: a request
 then runs to its token limits, and every system measured on the checkpoint does the same
@@ -26,7 +32,9 @@ from typing import Any
 import torch
 
 from omniflow.checkpoints.tiny_recipes import (
+    QWEN_IMAGE_SCHEDULER,
     _omni_config,
+    _qwen_vl_config,
     _silence_rows,
     _speaker_map,
     build_tokenizer,
@@ -36,6 +44,7 @@ from omniflow.hf_logging import quiet
 from omniflow.models.catalog import builtin_files
 
 REAL_OMNI = "Qwen/Qwen2.5-Omni-7B"
+REAL_IMAGE = "Qwen/Qwen-Image"
 # Written last: a directory without it is an interrupted build.
 MANIFEST = "omniflow_scaled.json"
 # The real talker's codec vocabulary: 8192 codes, then pad, bos, eos at 8292..8294 and
@@ -89,8 +98,7 @@ def scaled_omni_config(depth: float = 1.0) -> tuple[Any, dict[str, int], Any]:
     """(Qwen2_5OmniConfig, speaker bos ids, tokenizer) at real widths and `depth` x layers."""
     from transformers import Qwen2_5OmniConfig
 
-    if not 0 < depth <= 1:
-        raise ModelConfigError(f"depth must be in (0, 1], not {depth}")
+    _check_depth(depth)
     tokenizer = build_tokenizer("omni")
     with quiet():  # the tiny config's ids warn against its tiny vocabularies
         tiny, speaker_bos = _omni_config(tokenizer)
@@ -104,6 +112,23 @@ def scaled_omni_config(depth: float = 1.0) -> tuple[Any, dict[str, int], Any]:
         ("token2wav_config", "dit_config"): real["token2wav_config"]["dit_config"],
         ("token2wav_config", "bigvgan_config"): real["token2wav_config"]["bigvgan_config"],
     }
+    _scale_into(config, parts, depth)
+    config["talker_config"].update(_CODEC_SPECIALS)
+    return Qwen2_5OmniConfig(**config), speaker_bos, tokenizer
+
+
+def _check_depth(depth: float) -> None:
+    if not 0 < depth <= 1:
+        raise ModelConfigError(f"depth must be in (0, 1], not {depth}")
+
+
+def _layers(real: int, depth: float) -> int:
+    return max(1, round(real * depth))
+
+
+def _scale_into(config: dict[str, Any], parts: dict[tuple[str, ...], dict], depth: float) -> None:
+    """Give the sub-configs of a tiny recipe's `config` (a config's `to_dict()`) at each
+    key path of `parts` the real config's widths and `depth` x its layers."""
     for path, source in parts.items():
         target = config
         for key in path:
@@ -114,16 +139,14 @@ def scaled_omni_config(depth: float = 1.0) -> tuple[Any, dict[str, int], Any]:
             target.pop(key, None)
         if "rope_parameters" in target and "mrope_section" in target["rope_parameters"]:
             target["rope_parameters"] = dict(_MROPE)
-    config["talker_config"].update(_CODEC_SPECIALS)
     config.pop("transformers_version", None)
-    return Qwen2_5OmniConfig(**config), speaker_bos, tokenizer
 
 
 def _scaled(source: dict[str, Any], depth: float) -> dict[str, Any]:
     out = {key: copy.deepcopy(source[key]) for key in _SIZES if key in source}
     for key in _DEPTHS:
         if key in source:
-            out[key] = max(1, round(source[key] * depth))
+            out[key] = _layers(source[key], depth)
             layers, real_layers = out[key], source[key]
     for key in _INDEXES:
         if key in source:
@@ -155,14 +178,76 @@ def build_scaled_omni(out: str | Path, depth: float = 1.0, device: str = "cuda")
     return out
 
 
-def scaled_checkpoint(depth: float, device: str = "cuda") -> Path:
-    """The scaled checkpoint of `depth` under `$OMNIFLOW_CACHE/scaled/`, built on first use."""
+def scaled_checkpoint(depth: float, device: str = "cuda", model: str = REAL_OMNI) -> Path:
+    """The scaled checkpoint of `model` (REAL_OMNI or REAL_IMAGE) at `depth` under
+    `$OMNIFLOW_CACHE/scaled/`, built on first use."""
     from omniflow.checkpoints.tiny import tiny_cache_dir
 
-    out = tiny_cache_dir().parent / "scaled" / f"qwen2.5-omni-{depth:g}"
+    builders = {
+        REAL_OMNI: ("qwen2.5-omni", build_scaled_omni),
+        REAL_IMAGE: ("qwen-image", build_scaled_image),
+    }
+    if model not in builders:
+        raise ModelConfigError(f"no scaled build of '{model}'; there are {', '.join(builders)}")
+    name, build = builders[model]
+    out = tiny_cache_dir().parent / "scaled" / f"{name}-{depth:g}"
     if not (out / MANIFEST).exists():
         print(f"building {out} ...", flush=True)
-        build_scaled_omni(out, depth, device)
+        build(out, depth, device)
+    return out
+
+
+def scaled_image_config(
+    depth: float = 1.0, files: dict[str, dict] | None = None
+) -> tuple[Any, dict[str, Any], dict[str, Any], Any]:
+    """(text encoder Qwen2_5_VLConfig, transformer config, VAE config, tokenizer) of
+    Qwen-Image at real widths, the text encoder's and the transformer's layers x `depth`.
+    `files`: the published config files to take the widths from (default: the catalog's)."""
+    from transformers import Qwen2_5_VLConfig
+
+    _check_depth(depth)
+    tokenizer = build_tokenizer("qwen")
+    real = files or builtin_files(REAL_IMAGE)
+    with quiet():  # the tiny config's ids warn against its tiny vocabulary
+        config = _qwen_vl_config(tokenizer).to_dict()
+    text = real["text_encoder/config.json"]  # the published flat Qwen2.5-VL-7B layout
+    _scale_into(config, {("text_config",): text, ("vision_config",): text["vision_config"]}, depth)
+    transformer, vae = (
+        {k: v for k, v in real[f"{part}/config.json"].items() if not k.startswith("_")}
+        for part in ("transformer", "vae")
+    )
+    transformer["num_layers"] = _layers(transformer["num_layers"], depth)
+    return Qwen2_5_VLConfig(**config), transformer, vae, tokenizer
+
+
+def build_scaled_image(
+    out: str | Path, depth: float = 1.0, device: str = "cuda", files: dict[str, dict] | None = None
+) -> Path:
+    """Build and save a random-weight Qwen-Image pipeline at real widths (a diffusers
+    pipeline folder, what the diffusers backends load); returns the directory. `files` as
+    for `scaled_image_config`."""
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    text, transformer, vae, tokenizer = scaled_image_config(depth, files)
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER)
+    with _initialising_bf16_on(device):
+        pipeline = QwenImagePipeline(
+            scheduler=scheduler,
+            vae=AutoencoderKLQwenImage(**vae),
+            text_encoder=Qwen2_5_VLForConditionalGeneration(text).eval(),
+            tokenizer=tokenizer,
+            transformer=QwenImageTransformer2DModel(**transformer),
+        )
+    out = Path(out)
+    with quiet():
+        pipeline.save_pretrained(out)
+    (out / MANIFEST).write_text(json.dumps({"model": REAL_IMAGE, "depth": depth}))
     return out
 
 

@@ -423,7 +423,7 @@ def _build_qwen_vl(out: Path) -> Iterator[str]:
 # --- text-to-image -------------------------------------------------------------------------
 
 # Qwen-Image's published scheduler_config.json.
-_QWEN_IMAGE_SCHEDULER = {
+QWEN_IMAGE_SCHEDULER = {
     "base_image_seq_len": 256,
     "base_shift": 0.5,
     "max_image_seq_len": 8192,
@@ -488,7 +488,7 @@ def _build_text_to_image(out: Path) -> Iterator[str]:
 
     yield "save"
     pipeline = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**_QWEN_IMAGE_SCHEDULER),
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
@@ -529,7 +529,7 @@ def _build_image_edit(out: Path) -> Iterator[str]:
 
     yield "save"
     pipeline = QwenImageEditPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**_QWEN_IMAGE_SCHEDULER),
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER),
         vae=vae,
         text_encoder=text_encoder,
         tokenizer=tokenizer,
