@@ -89,6 +89,15 @@ def unsupported(decoder: torch.nn.Module) -> str | None:
     return None
 
 
+def _is_silu(act) -> bool:
+    """Whether `act` computes SiLU: asked of the function itself, since transformers' own
+    activation classes (`SiLUActivation` in 5.x) are not `torch.nn.SiLU`."""
+    if not callable(act):
+        return False
+    probe = torch.linspace(-6.0, 6.0, 97)
+    return torch.equal(act(probe), torch.nn.functional.silu(probe))
+
+
 def fusable(decoder: torch.nn.Module) -> bool:
     """Whether the fused step (`StaticDecoder(fused=True)`) can run `decoder`: RMSNorms
     with a weight and `variance_epsilon`, SwiGLU MLPs (gate, up, down projections, SiLU,
@@ -105,7 +114,7 @@ def fusable(decoder: torch.nn.Module) -> bool:
             "act_fn",
         }:
             return False
-        if not isinstance(getattr(mlp, "act_fn", None), torch.nn.SiLU):
+        if not _is_silu(getattr(mlp, "act_fn", None)):
             return False
         if mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
             return False

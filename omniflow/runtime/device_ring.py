@@ -25,7 +25,14 @@ layout, credits and backpressure. Nothing of it is copied here: `DeviceProducer`
   lets the peer wait for it, so a wait sees the right record. A contiguous tensor on the
   ring's GPU is copied with one `cuMemcpyAsync` (torch's `copy_` costs several
   microseconds of dispatch per put); anything else (a host tensor, another GPU's) with
-  `copy_` on the same stream. A GPU tensor never visits the host.
+  `copy_` on the same stream. A GPU tensor never visits the host. A wait or record with
+  nothing to order is skipped (the event has completed, the stream is idle), and a
+  consumer with nothing queued waits for a running copy on the host: each GPU-side wait or
+  record is work in one more process's context, and without MPS the contexts of processes
+  take turns on the GPU (a switch costs tens of microseconds).
+- Hot path: driver calls on the ring GPU's current raw stream in the calling thread's
+  current context; only where that fails (a thread with no context yet, or another GPU's
+  current) is the call repeated under a device guard, which costs ~9 us a put.
 - Lifetimes: the memory is freed (`cuMemFree`, `cuIpcCloseMemHandle` on the other side)
   when the endpoint is closed and the last tensor view of it is gone, as for the shm ring's
   mapping. A process that dies gives its allocations and mappings back to the driver; the
@@ -118,6 +125,9 @@ def _cuda():
             lib.cuIpcGetEventHandle.argtypes = [ctypes.POINTER(_CuIpcHandle), handle]
             lib.cuIpcOpenEventHandle.argtypes = [ctypes.POINTER(handle), _CuIpcHandle]
             lib.cuMemcpyAsync.argtypes = [ptr, ptr, ctypes.c_size_t, handle]
+            lib.cuEventQuery.argtypes = [handle]
+            lib.cuEventSynchronize.argtypes = [handle]
+            lib.cuStreamQuery.argtypes = [handle]
             lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
             _driver = lib
     return _driver
@@ -224,14 +234,6 @@ class _SlotEvents:
         return tuple(handles)
 
 
-def _record(event: int, stream: int) -> None:
-    _check(_cuda().cuEventRecord(event, stream), "recording a slot event")
-
-
-def _wait(stream: int, event: int) -> None:
-    _check(_cuda().cuStreamWaitEvent(stream, event, 0), "waiting for a slot event")
-
-
 def _destroy_events(device: int, *lists: list[int]) -> None:
     try:
         with torch.cuda.device(device):
@@ -257,6 +259,12 @@ class _on(torch.cuda.device):
     def __enter__(self):
         super().__enter__()
         torch.cuda.synchronize(self.idx)  # creates the primary context on first use
+
+
+def _raw_stream(index: int) -> int:
+    # torch's cheapest way to the current stream (what its compiled kernels launch on): a
+    # Stream object costs several microseconds a put. CUDA builds only, so looked up here.
+    return torch._C._cuda_getCurrentRawStream(index)
 
 
 def _device_index(device: str | int) -> int:
@@ -323,6 +331,7 @@ class _DeviceRing:
 
     def _adopt_device(self, memory: _DeviceMemory, events: _SlotEvents) -> None:
         self._memory, self._events = memory, events
+        self._index = memory.device
         self._buffer = memory.tensor()
         self.device = self._buffer.device
 
@@ -332,6 +341,19 @@ class _DeviceRing:
     def _view(self, offset: int, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
         size = dtype.itemsize * math.prod(shape)
         return self._buffer[offset : offset + size].view(dtype).view(shape)
+
+    def _stream(self) -> int:
+        """The ring GPU's current stream in this thread, as the driver's handle."""
+        return _raw_stream(self._index)
+
+    def _driver(self, what: str, call, *args) -> None:
+        """A driver call on the ring's GPU: in this thread's current context, else (none yet,
+        or another GPU's) again under a device guard."""
+        result = call(*args)
+        if result != 0:
+            with torch.cuda.device(self._index):
+                result = call(*args)
+        _check(result, what)
 
     def close(self) -> None:
         super().close()
@@ -350,21 +372,24 @@ class DeviceProducer(_DeviceRing, ShmProducer):
         self, base: int, tensors: tuple[torch.Tensor, ...], offsets: Sequence[int]
     ) -> None:
         slot = base // self.slot_bytes
-        with torch.cuda.device(self.device):
-            stream = torch.cuda.current_stream().cuda_stream
-            _wait(stream, self._events.freed[slot])
-            for t, offset in zip(tensors, offsets, strict=True):
-                if t.device == self.device and t.is_contiguous():
-                    if t.nbytes:
-                        _check(
-                            _cuda().cuMemcpyAsync(
-                                self._memory.pointer + base + offset, t.data_ptr(), t.nbytes, stream
-                            ),
-                            "copying into a device ring",
-                        )
-                else:
+        cuda, stream = _cuda(), self._stream()
+        freed = self._events.freed[slot]
+        if cuda.cuEventQuery(freed) != 0:
+            self._driver("waiting for a slot event", cuda.cuStreamWaitEvent, stream, freed, 0)
+        for t, offset in zip(tensors, offsets, strict=True):
+            if t.device == self.device and t.is_contiguous():
+                if t.nbytes:
+                    pointer = self._memory.pointer + base + offset
+                    self._driver(
+                        "copying into a device ring",
+                        cuda.cuMemcpyAsync, pointer, t.data_ptr(), t.nbytes, stream,
+                    )  # fmt: skip
+            else:
+                with torch.cuda.device(self.device):
                     self._view(base + offset, t.dtype, t.shape).copy_(t)
-            _record(self._events.filled[slot], stream)
+        self._driver(
+            "recording a slot event", cuda.cuEventRecord, self._events.filled[slot], stream
+        )
 
 
 class DeviceConsumer(_DeviceRing, ShmConsumer):
@@ -372,13 +397,23 @@ class DeviceConsumer(_DeviceRing, ShmConsumer):
     after them on the ring GPU's current stream."""
 
     def _received(self, bell: Doorbell) -> Received:
-        with torch.cuda.device(self.device):
-            _wait(torch.cuda.current_stream().cuda_stream, self._events.filled[bell.slot])
+        cuda, filled = _cuda(), self._events.filled[bell.slot]
+        if cuda.cuEventQuery(filled) != 0:
+            stream = self._stream()
+            if cuda.cuStreamQuery(stream) == 0:
+                # Nothing queued here to overlap the copy with: waiting on the host (for a
+                # copy already running) keeps this process's context off the GPU.
+                self._driver("waiting for a chunk's copy", cuda.cuEventSynchronize, filled)
+            else:
+                wait = cuda.cuStreamWaitEvent
+                self._driver("waiting for a slot event", wait, stream, filled, 0)
         return super()._received(bell)
 
     def _release(self, slot: int) -> None:
         if self._events is not None:
             # The producer's next copy into the slot waits for the work queued on its views.
-            with torch.cuda.device(self.device):
-                _record(self._events.freed[slot], torch.cuda.current_stream().cuda_stream)
+            cuda, stream = _cuda(), self._stream()
+            if cuda.cuStreamQuery(stream) != 0:
+                freed = self._events.freed[slot]
+                self._driver("recording a slot event", cuda.cuEventRecord, freed, stream)
         super()._release(slot)

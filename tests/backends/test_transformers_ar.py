@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from omniflow.backends import transformers_ar
+from omniflow.backends import static_decode, transformers_ar
 from omniflow.backends.transformers_ar import ARBackendError, TextStream, TransformersAR
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.compiler import compile_source
@@ -458,6 +458,7 @@ def test_on_the_gpu_graph_replay_gives_the_dynamic_paths_greedy_tokens(graphed):
     """The captured static step and the dynamic cache (float32 tiny model, both on the GPU)
     decode the same greedy tokens over 64 steps."""
     assert make_backend_from(graphed, "auto").decode == "graphs"  # the default on CUDA
+    assert graphed.static.fused  # the Triton kernels, not the model's modules
     eager = make_backend_from(graphed, "eager")
     calls = lambda: [request(p, max_tokens=64) for p in PROMPTS]  # noqa: E731
     want = run(eager, calls(), joins=[0, 1, 1, 3])
@@ -469,3 +470,18 @@ def make_backend_from(backend, decode: str) -> TransformersAR:
     spec = backend.spec
     stage = dataclasses.replace(spec.plan, settings={**spec.plan.settings, "decode": decode})
     return TransformersAR(dataclasses.replace(spec, plan=stage), backend.device)
+
+
+def test_the_fused_step_accepts_transformers_own_silu_and_refuses_another_activation(plan):
+    """The fused decode kernels are used for the decoders the pipelines run (transformers
+    names its SiLU `SiLUActivation`, not `torch.nn.SiLU`), and a decoder whose MLP computes
+    anything else runs the model's own modules."""
+    decoder = make_backend(plan, "static").component.decoder
+    assert static_decode.fusable(decoder)
+    mlp = decoder.layers[0].mlp
+    silu = mlp.act_fn
+    try:
+        mlp.act_fn = torch.nn.GELU()
+        assert not static_decode.fusable(decoder)
+    finally:
+        mlp.act_fn = silu
