@@ -57,7 +57,7 @@ def test_media_encoders_round_trip():
     assert wav_bytes(samples, 16000)[:4] == b"RIFF"
     pixels = torch.arange(2 * 3 * 3, dtype=torch.uint8).reshape(1, 2, 3, 3)
     image = Image.open(io.BytesIO(png_bytes(pixels)))
-    assert torch.equal(torch.from_numpy(np.asarray(image)), pixels[0])
+    assert torch.equal(torch.from_numpy(np.array(image)), pixels[0])
 
 
 def test_models_cli_lists_and_builds_tiny_checkpoints(tmp_path, capsys):
