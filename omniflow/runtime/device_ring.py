@@ -60,8 +60,6 @@ from omniflow.runtime.shm_ring import Received, ShmConsumer, ShmProducer
 _HANDLE_AT = 512
 _HANDLE_LEN = struct.Struct("<I")
 _CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
-
-
 # The room the published record takes beyond the header page: two event handles a slot.
 _EVENT_HANDLE_BYTES = 80
 _CU_EVENT_DISABLE_TIMING, _CU_EVENT_INTERPROCESS = 0x2, 0x4
@@ -69,8 +67,8 @@ _CU_EVENT_DISABLE_TIMING, _CU_EVENT_INTERPROCESS = 0x2, 0x4
 
 class IpcHandle(msgspec.Struct, frozen=True, array_like=True):
     """What the creator publishes: the GPU (its index on this host), the CUDA IPC handle of
-    the allocation, the allocation's size, and the IPC handles of each slot's `filled` and
-    `freed` events (slot by slot)."""
+    the allocation, the allocation's size, and the IPC handles of the slots' `filled`
+    events, then of their `freed` events."""
 
     device: int
     handle: bytes
