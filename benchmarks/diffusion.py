@@ -9,6 +9,8 @@ Measures, in one run on one checkpoint:
     compiled `graphs/text_to_image.omni` served by the engine all at once, and the same
     requests sent one after another to the same engine: images/s and their ratio, beside
     the DiT's compute bound (steps x FLOPs of a request's pair forward / matmul rate).
+    With each, every stage's steps, mean batch and time inside its steps (the executors'
+    counters, `Engine.inspect`): where the requests' wall time went.
 (b) one DiT step at 1024 x 1024 of one guided request: its cond and uncond rows (4096
     image tokens and `--text-tokens` prompt tokens each) in one transformer forward, the
     same rows as two forwards, and the DiffusionSteps backend's own step (counting its
@@ -134,6 +136,15 @@ def step_rows(plan, device: str, text_tokens: int, repeats: int):
     ]
 
 
+def stage_totals(engine: Engine) -> dict[str, tuple[int, int, int]]:
+    """Each stage's counters so far: (steps, ns spent in step(), calls advanced)."""
+    return {
+        name: (t.steps, t.step_ns, t.calls)
+        for inspection in engine.inspect().values()
+        for name, t in inspection.stages.items()
+    }
+
+
 def serve(engine: Engine, requests: list[tuple[dict, dict]], concurrent: bool) -> float:
     """Seconds to serve `requests` all at once, or each after the one before."""
 
@@ -196,7 +207,15 @@ def main() -> None:
     with Engine(plan, "process") as engine:
         serve(engine, requests[:1], concurrent=False)  # warm up
         print(f"engine up and one request served in {time.perf_counter() - start:.1f} s")
-        walls = {c: serve(engine, requests, c) for c in (False, True)}
+        walls, busy = {}, {}
+        for concurrent in (False, True):
+            before = stage_totals(engine)
+            walls[concurrent] = serve(engine, requests, concurrent)
+            after = stage_totals(engine)
+            busy[concurrent] = {
+                name: tuple(a - b for a, b in zip(after[name], before[name], strict=True))
+                for name in after
+            }
     n = args.concurrency
     bound = rate / (args.steps * pair_flops(model_dir, args.size, args.text_tokens)[0])
 
@@ -208,6 +227,14 @@ def main() -> None:
             f"{walls[False] / walls[concurrent]:6.2f}x"
         )
     print(f"{'DiT bound':>12} {'':>8} {bound:9.3f}  (steps x pair FLOPs / matmul rate)")
+    print(f"\n{'variant':>12} {'stage':>8} {'steps':>6} {'batch':>6} {'busy s':>7} {'of wall':>8}")
+    for concurrent, label in ((False, "sequential"), (True, "concurrent")):
+        for stage, (count, ns, calls) in busy[concurrent].items():
+            batch = calls / count if count else 0.0
+            share = ns / 1e9 / walls[concurrent]
+            print(f"{label:>12} {stage:>8} {count:>6} {batch:6.2f} {ns / 1e9:7.2f} {share:7.0%}")
+    print("(busy: wall time inside the stage's step(), which includes GPU time only where the "
+          "step waits for the GPU; batch: requests a step advanced, on average)")  # fmt: skip
 
     roof = flops / rate * 1e3
     print(f"\n(b) DiT step, {STEP_SIZE}x{STEP_SIZE}: cond + uncond rows of "
