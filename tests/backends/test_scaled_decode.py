@@ -9,6 +9,7 @@ import torch
 from omniflow.backends.transformers_ar import TransformersAR
 from omniflow.compiler import compile_source
 from omniflow.runtime.stage import Call, InputStream, StageSpec
+from tests.backends.test_transformers_ar import run
 
 pytestmark = pytest.mark.gpu
 
@@ -49,20 +50,9 @@ def greedy(backend: TransformersAR, vocab: int) -> list[list[int]]:
         stream = InputStream("tokens")
         stream.push(torch.randint(0, vocab, (length,), generator=generator), end=True)
         calls.append(Call(f"r{i}", {"max_tokens": 64, "temperature": 0.0}, {"prompt": stream}))
-    tokens = [[] for _ in calls]
-    for step in range(200):
-        ready = [c for c, at in zip(calls, JOINS, strict=True) if at <= step and not c.finished]
-        if not ready:
-            break
-        backend.step(ready)
-        for i, call in enumerate(calls):
-            tokens[i] += [int(v) for port, v in call.emitted if port == "tokens"]
-            call.emitted.clear()
-            assert call.error is None
-    for call in calls:
-        backend.drop(call)
-    assert backend.rows == []
-    return tokens
+    outputs = run(backend, calls, joins=JOINS)
+    assert all(call.error is None for call in calls)
+    return [out.tokens for out in outputs]
 
 
 @pytest.mark.parametrize("stage", ["thinker", "talker"])

@@ -10,6 +10,7 @@ from omniflow.backends.static_decode import StaticDecoder
 from omniflow.backends.transformers_ar import TransformersAR
 from omniflow.compiler import compile_source
 from omniflow.runtime.stage import Call, InputStream, StageSpec
+from tests.backends.test_transformers_ar import run
 
 SOURCE = """
 pipeline chat {{
@@ -42,19 +43,9 @@ def decode(model: str, fused: bool) -> list[list[int]]:
         max_tokens = 4 if i == 1 else 10
         params = {"max_tokens": max_tokens, "temperature": 0.0}
         calls.append(Call(f"r{i}", params, {"prompt": stream}))
-    tokens = [[] for _ in calls]
-    for step in range(40):
-        ready = [c for c, at in zip(calls, [0, 1, 1], strict=True) if at <= step and not c.finished]
-        if not ready:
-            break
-        backend.step(ready)
-        for i, call in enumerate(calls):
-            tokens[i] += [int(v) for port, v in call.emitted if port == "tokens"]
-            call.emitted.clear()
-            if call.finished:
-                backend.drop(call)
+    outputs = run(backend, calls, joins=[0, 1, 1])
     assert backend.static is None or backend.static.fused == fused
-    return tokens
+    return [out.tokens for out in outputs]
 
 
 def test_the_fused_step_decodes_the_op_by_op_steps_tokens(interpret):
