@@ -269,15 +269,13 @@ def main() -> None:
         f"{'req/s':>7} {'vs hf':>7}"
     )
     for c in args.concurrency:
+        hf_wall = rows["hf sequential", c][2] if "hf sequential" in names else None
         for name in names:
             ttfp, e2e, wall = rows[name, c]
             t, e = statistics.median(ttfp) * 1e3, statistics.median(e2e) * 1e3
             r = f"{statistics.median(rtf[name, c]):6.2f}" if (name, c) in rtf else f"{'-':>6}"
-            vs = (c / wall) / (c / rows["hf sequential", c][2]) if "hf sequential" in names else 0
-            print(
-                f"{name:>16} {c:>4} {t:>9.1f} {e:>9.1f} {t / e:>8.1%} {r} {c / wall:>7.2f} "
-                + (f"{vs:>6.2f}x" if vs else f"{'-':>7}")
-            )
+            vs = f"{hf_wall / wall:>6.2f}x" if hf_wall else f"{'-':>7}"
+            print(f"{name:>16} {c:>4} {t:>9.1f} {e:>9.1f} {t / e:>8.1%} {r} {c / wall:>7.2f} {vs}")
     print(
         "(medians over the concurrent requests; TTFP = first audio chunk; RTF = E2E / audio"
         " seconds; vs hf = throughput ratio against the HF model's generate served back to back)"

@@ -233,19 +233,17 @@ class _SlotEvents:
 
 
 def _destroy_events(device: int, *lists: list[int]) -> None:
-    try:
-        with torch.cuda.device(device):
-            for event in (e for events in lists for e in events):
-                _cuda().cuEventDestroy_v2(event)
-    except Exception:  # noqa: BLE001, S110 (at exit the driver may be gone; exit frees them)
-        pass
+    for events in lists:
+        for event in events:
+            _release(_cuda().cuEventDestroy_v2, device, event)
 
 
-def _release(release, device: int, pointer: int) -> None:
-    # At interpreter exit the driver may be shutting down: the process's exit frees it anyway.
+def _release(release, device: int, handle: int) -> None:
+    """`release(handle)` on `device`; at interpreter exit the driver may be shutting down,
+    and the process's exit frees the memory or event anyway."""
     try:
         with torch.cuda.device(device):
-            release(pointer)
+            release(handle)
     except Exception:  # noqa: BLE001, S110 (nothing to tell anyone at exit)
         pass
 
