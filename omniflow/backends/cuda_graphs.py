@@ -3,9 +3,10 @@
 (`omniflow.backends.models.qwen_omni_token2wav`).
 
 `capture_graph` captures one function of static device buffers the way both need it: run
-once eagerly first (kernels compiled, cuBLAS and cuDNN set up, lazily loaded kernels loaded:
-none of that may happen inside a capture), then captured on a side stream into a shared
-memory pool. Graphs sharing a pool must never run at once; a backend's graphs replay one at
+once eagerly first (Triton kernels compiled, cuBLAS and cuDNN set up, lazily loaded kernels
+loaded), then captured on a side stream into a shared memory pool. A function already run
+at another batch of the same shapes may skip its eager run: what compiles or loads once is
+in place by then, and an eager run costs as much host time as the capture itself. Graphs sharing a pool must never run at once; a backend's graphs replay one at
 a time on one stream, and whatever a graph's output is stays referenced, so no later
 capture reuses its memory.
 
@@ -22,11 +23,14 @@ from collections.abc import Callable, Hashable
 import torch
 
 
-def capture_graph(fn: Callable[[], object], pool, stream) -> tuple[torch.cuda.CUDAGraph, object]:
+def capture_graph(
+    fn: Callable[[], object], pool, stream, warm_up: bool = True
+) -> tuple[torch.cuda.CUDAGraph, object]:
     """`fn` (device work only: no host syncs, no data-dependent shapes) captured into a new
-    graph in `pool` on `stream`, after one eager run on the current stream. Returns the
-    graph and what the captured call returned (its output buffers)."""
-    fn()
+    graph in `pool` on `stream`, after one eager run on the current stream if `warm_up`.
+    Returns the graph and what the captured call returned (its output buffers)."""
+    if warm_up:
+        fn()
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream(stream.device)
     stream.wait_stream(current)
@@ -61,14 +65,17 @@ class Graphs:
     def keys(self) -> list[Hashable]:
         return list(self._entries)
 
-    def add(self, key: Hashable, fn: Callable[..., torch.Tensor], inputs: dict) -> None:
+    def add(
+        self, key: Hashable, fn: Callable[..., torch.Tensor], inputs: dict, warm_up: bool = True
+    ) -> None:
         """Register `fn(**inputs)` under `key`; `inputs` are the static buffers every call
-        reads, which `run` fills. Captured now when capturing."""
+        reads, which `run` fills. Captured now when capturing (after an eager run of it if
+        `warm_up`: see `capture_graph`)."""
         if key in self._entries:
             raise ValueError(f"{key!r} is already registered")
         graph = out = None
         if self.capturing:
-            graph, out = capture_graph(lambda: fn(**inputs), self.pool, self.stream)
+            graph, out = capture_graph(lambda: fn(**inputs), self.pool, self.stream, warm_up)
             self.captures += 1
         self._entries[key] = (fn, inputs, graph, out)
 

@@ -179,8 +179,10 @@ def samples_per_frame(config: Mapping[str, Any]) -> int | None:
 # A block-grid vocoder decodes windows of these many blocks, the last repeating: one block
 # first, for an early first packet, then wider windows, which re-decode their context and
 # lookahead less often (a one-block token2wav window decodes 60 codes to keep 12; a
-# four-block one 96 to keep 48).
-WINDOW_BLOCKS = (1, 2, 4)
+# sixteen-block one 240 to keep 192). On an H200 a token2wav window's replay costs about
+# the same whatever its length up to 240 codes (113 ms at 36, 221 ms at 240), so its cost
+# per kept code falls from 2.8 ms at four blocks to 1.2 ms at sixteen (docs/benchmarks.md).
+WINDOW_BLOCKS = (1, 2, 4, 8, 16)
 
 
 def block_grid(config: Mapping[str, Any]) -> tuple[int, int] | None:

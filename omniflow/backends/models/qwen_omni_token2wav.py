@@ -4,7 +4,7 @@ a flow-matching DiT from codes to mel, then BigVGAN from mel to waveform.
 Token2wav's DiT is not local: each of its passes attends one 24-mel-frame block (12 codes)
 back and one ahead, and a sample takes 36 passes (10 RK4 steps), so influence keeps
 spreading. It is decoded in windows on a fixed grid of one-block units — one unit, then two,
-then four at a time (`WINDOW_BLOCKS` in the model catalog, which the compiler sizes the
+four, eight and sixteen at a time (`WINDOW_BLOCKS` in the model catalog, which the compiler sizes the
 edge's chunks by) — each starting on a block boundary, so its waveform does not depend on
 how the codes happened to be chunked: the reference interpreter and every runtime mode
 agree, whatever the timing. Two blocks of context and of lookahead bring the stream within
@@ -375,7 +375,8 @@ class Token2Wav(Decoder):
         """Static buffers for windows of each of `lengths` codes at each batch bucket up to
         `max_batch` (at most GRAPH_BATCH), for the default step count, captured as CUDA
         graphs when `capture` (else solved eagerly on the buffers). Captured largest first,
-        in one pool."""
+        in one pool; each length's solve runs eagerly once, at the largest batch (a solve is
+        ~36 DiT passes of launches, the vocoder's share of cold start)."""
         self.graphs = Graphs(self.device, capture)
         self.batch_buckets = batch_buckets(min(max_batch, GRAPH_BATCH))
         self.window_lengths = sorted(lengths)
@@ -394,7 +395,8 @@ class Token2Wav(Decoder):
                     "guidance": torch.zeros(batch, **on),
                 }
                 solve = functools.partial(self._solve, steps=DEFAULT_STEPS)
-                self.graphs.add((frames, batch, DEFAULT_STEPS), solve, inputs)
+                warmed = any(key[0] == frames for key in self.graphs.keys())
+                self.graphs.add((frames, batch, DEFAULT_STEPS), solve, inputs, not warmed)
         self.graphs.synchronize()
 
 
