@@ -395,8 +395,8 @@ class Token2Wav(Decoder):
                     "guidance": torch.zeros(batch, **on),
                 }
                 solve = functools.partial(self._solve, steps=DEFAULT_STEPS)
-                warmed = any(key[0] == frames for key in self.graphs.keys())
-                self.graphs.add((frames, batch, DEFAULT_STEPS), solve, inputs, not warmed)
+                warm_up = batch == self.batch_buckets[-1]
+                self.graphs.add((frames, batch, DEFAULT_STEPS), solve, inputs, warm_up)
         self.graphs.synchronize()
 
 
