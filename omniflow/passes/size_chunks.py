@@ -11,8 +11,8 @@ Small first chunks give a low time to first packet; large steady chunks, through
 
 A vocoder that decodes on a grid of blocks (Qwen2.5-Omni token2wav) cannot use codes before
 a whole window and its lookahead exist, so its input edge's schedule is what each of its
-windows needs to arrive (`vocoder_windows` in the model catalog: 36, 24, 48, 96, then 192
-codes for token2wav) and its output's is what each window keeps (12, 24, 48, 96, 192).
+windows needs to arrive (`vocoder_windows` in the model catalog: 36, 24, 48, then 192
+codes for token2wav) and its output's is what each window keeps (12, 24, 48, 192).
 """
 
 from __future__ import annotations

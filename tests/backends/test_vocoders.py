@@ -305,7 +305,7 @@ def test_token2wav_stream_matches_the_models_generate(token2wav, omni_reference)
     assert error < TOKEN2WAV_TOLERANCE
     # Windows keep one DiT block (12 codes), then two, four... at a time, back to back.
     kept = [(keep_start, keep_end) for _, _, keep_start, keep_end in windows(log)]
-    sizes, grid = [end - start for start, end in kept], [12, 24, 48, 96] + [192] * len(kept)
+    sizes, grid = [end - start for start, end in kept], [12, 24, 48] + [192] * len(kept)
     assert sizes[:-1] == grid[: len(sizes) - 1] and sizes[-1] <= grid[len(sizes) - 1]
     assert len(sizes) >= 3
     assert all(a[1] == b[0] for a, b in zip(kept, kept[1:], strict=False))

@@ -4,7 +4,7 @@ a flow-matching DiT from codes to mel, then BigVGAN from mel to waveform.
 Token2wav's DiT is not local: each of its passes attends one 24-mel-frame block (12 codes)
 back and one ahead, and a sample takes 36 passes (10 RK4 steps), so influence keeps
 spreading. It is decoded in windows on a fixed grid of one-block units — one unit, then two,
-four, eight and sixteen at a time (`WINDOW_BLOCKS` in the model catalog, which the compiler sizes the
+four, then sixteen at a time (`WINDOW_BLOCKS` in the model catalog, which the compiler sizes the
 edge's chunks by) — each starting on a block boundary, so its waveform does not depend on
 how the codes happened to be chunked: the reference interpreter and every runtime mode
 agree, whatever the timing. Two blocks of context and of lookahead bring the stream within
@@ -72,10 +72,13 @@ DEFAULT_STEPS = 10
 # "bfloat16": the DiT's weights and activations in bf16, the ODE's state in float32.
 PRECISIONS = ("float32", "tf32", "bfloat16")
 # The largest batch of windows captured; a larger forward replays in parts of this many.
-# Each graph costs a solve's worth of load time (its warm-up, its capture: ~36 DiT passes of
-# Python each), and at 8 windows of 96 codes a DiT pass's matrices (3072 rows) keep the
-# tensor cores busy, so larger buckets would buy little.
 GRAPH_BATCH = 8
+# The most codes a captured batch holds (a longer window has fewer buckets): each graph
+# costs load time (its capture runs ~36 DiT passes of Python; one eager solve per length
+# precedes them), and from 8 windows of 96 codes a DiT pass's matrices (3072 rows) keep the
+# tensor cores busy, so a graph buys nothing over eager (H200: 10 windows of 240 codes take
+# 1.54 s replayed, 1.50 s eager; one takes 0.22 s replayed, 0.57 s eager).
+GRAPH_CODES = 8 * 96
 
 
 def load(root: str, component: str | None, device: str) -> Token2Wav:
@@ -374,15 +377,18 @@ class Token2Wav(Decoder):
     def prepare(self, lengths: list[int], max_batch: int, capture: bool) -> None:
         """Static buffers for windows of each of `lengths` codes at each batch bucket up to
         `max_batch` (at most GRAPH_BATCH), for the default step count, captured as CUDA
-        graphs when `capture` (else solved eagerly on the buffers). Captured largest first,
-        in one pool; each length's solve runs eagerly once, at the largest batch (a solve is
-        ~36 DiT passes of launches, the vocoder's share of cold start)."""
+        graphs when `capture` (else solved eagerly on the buffers), for batches of up to
+        GRAPH_CODES codes (one window always). Captured largest first, in one pool; each
+        length's solve runs eagerly once, at its largest batch, before its captures."""
         self.graphs = Graphs(self.device, capture)
         self.batch_buckets = batch_buckets(min(max_batch, GRAPH_BATCH))
         self.window_lengths = sorted(lengths)
         speaker = next(iter(self.speakers.values()))
+        warmed = set()
         for batch in reversed(self.batch_buckets):
             for frames in reversed(self.window_lengths):
+                if batch > 1 and batch * frames > GRAPH_CODES:
+                    continue
                 on = {"device": self.device}
                 inputs = {
                     "codes": torch.zeros(batch, frames, dtype=torch.int64, **on),
@@ -395,8 +401,8 @@ class Token2Wav(Decoder):
                     "guidance": torch.zeros(batch, **on),
                 }
                 solve = functools.partial(self._solve, steps=DEFAULT_STEPS)
-                warm_up = batch == self.batch_buckets[-1]
-                self.graphs.add((frames, batch, DEFAULT_STEPS), solve, inputs, warm_up)
+                self.graphs.add((frames, batch, DEFAULT_STEPS), solve, inputs, frames not in warmed)
+                warmed.add(frames)
         self.graphs.synchronize()
 
 
