@@ -119,6 +119,9 @@ def test_static_windows_follow_the_edge_grid(static):
     ]
     assert [decoder.batch_bucket(n) for n in (1, 3, 5, 8)] == [1, 4, 8, 8]
     assert [decoder.window_frames(n) for n in (20, 36, 37, 97, 241)] == [36, 36, 60, 240, 241]
+    # Padding goes only to a length with a static window at the forward's batch: a batch of
+    # 100-code windows too large for one at 240 runs at its own length.
+    assert [decoder.window_frames(100, rows) for rows in (1, 2, 3, 10)] == [240, 240, 100, 100]
     # Nothing is captured off CUDA: the same buffers are solved eagerly.
     assert decoder.graphs.captures == 0
 
@@ -258,7 +261,7 @@ def test_cuda_stage_defaults_to_bf16_graphs_within_tolerance_of_float32(omni_pla
     fast = vocoder(omni_plan, "cuda")
     assert (fast.decode_mode, fast.decoder.precision) == ("graphs", "bfloat16")
     captured = fast.decoder.graphs.captures
-    assert captured == 12  # 3 grid lengths x 4 batch buckets
+    assert captured == 14  # 36, 60 and 96 codes at batches 1, 2, 4, 8; 240 at 1 and 2
     exact = vocoder(omni_plan, "cuda", decode="eager", precision="float32")
     batch = requests()
     for a, b in zip(run(fast, batch), run(exact, batch), strict=True):
