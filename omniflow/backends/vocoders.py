@@ -300,10 +300,9 @@ class Decoder(ABC):
         eagerly."""
         raise VocoderError(f"{type(self).__name__} has no static windows")
 
-    def window_frames(self, frames: int, rows: int = 1) -> int:
-        """The length a forward of `rows` windows, the longest `frames` frames, is padded to,
-        where its windows allow: the shortest static window that long for that many rows
-        (`frames` if none)."""
+    def window_frames(self, frames: int) -> int:
+        """The length a forward whose longest window has `frames` frames is padded to, where
+        its windows allow: the shortest static window that long (`frames` if none)."""
         return frames
 
 
@@ -639,7 +638,7 @@ class Vocoder(Backend):
         while windows:
             firsts = list({id(w.stream): w for w in reversed(windows)}.values())
             longest = max(w.frames for w in firsts)
-            frames = self.decoder.window_frames(longest, len(firsts))
+            frames = self.decoder.window_frames(longest)
             batch, refused = self._fit(firsts, frames)
             if frames > longest and any(w.frames == longest for w in refused):
                 # A static length the longest window cannot be padded to: its own length.

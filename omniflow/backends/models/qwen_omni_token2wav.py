@@ -369,15 +369,9 @@ class Token2Wav(Decoder):
         (`rows` itself without static windows)."""
         return next((b for b in self.batch_buckets if b >= rows), rows)
 
-    def window_frames(self, frames: int, rows: int = 1) -> int:
-        """The shortest static window length of at least `frames` made for a forward of
-        `rows` windows (`frames` if none): padded to a length without one, a forward would
-        do more work and still run eagerly."""
-        if not self.batch_buckets:
-            return frames
-        bucket = self.batch_bucket(min(rows, self.batch_buckets[-1]))
-        made = (n for n in self.window_lengths if (n, bucket, DEFAULT_STEPS) in self.graphs)
-        return min((n for n in made if n >= frames), default=frames)
+    def window_frames(self, frames: int) -> int:
+        """The shortest static window length of at least `frames` (`frames` if none)."""
+        return min((n for n in self.window_lengths if n >= frames), default=frames)
 
     @torch.inference_mode()
     def prepare(self, lengths: list[int], max_batch: int, capture: bool) -> None:
