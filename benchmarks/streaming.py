@@ -2,7 +2,9 @@
 end-to-end time, and concurrent serving multiplies throughput over the monolithic model.
 
 On the omni chat pipeline (thinker -> talker -> code2wav) with the same weights, measures
-time to first audio packet (TTFP) and end-to-end latency (E2E) at concurrency 1, 4 and 10,
+time to first audio packet (TTFP), end-to-end latency (E2E) and the playback stall (how
+long a listener who starts playing at the first packet waits for later ones) at
+concurrency 1, 4 and 10,
 for (a) the compiled plan with streaming edges (chunk=auto), (b) the same pipeline with
 whole-output edges, and (c) the HF transformers model's own generate, one request at a
 time. Prints ratios measured side by side in one run.
@@ -83,20 +85,21 @@ def long_prompts(tokenizer_dir: str, tokens: int) -> list[str]:
 
 
 def run_engine(
-    engine: Engine, concurrency: int, max_tokens: int, audio: list[float] | None = None
+    engine: Engine, concurrency: int, max_tokens: int, audio: list | None = None
 ) -> tuple[list[float], list[float], float]:
-    """TTFP and E2E of each of `concurrency` requests sent at once, and the wall time; each
-    request's audio samples are counted into `audio` when given."""
+    """TTFP and E2E of each of `concurrency` requests sent at once, and the wall time; with
+    `audio`, each request's audio chunks as (seconds since it was sent, samples) into it."""
     ttfp, e2e = [None] * concurrency, [None] * concurrency
-    samples = [0] * concurrency
+    chunks = [[] for _ in range(concurrency)]
 
     def one(i: int) -> None:
         start = time.perf_counter()
         for chunk in engine.stream_sync({"prompt": PROMPTS[i]}, {"max_tokens": max_tokens}):
             if chunk.output == "audio" and chunk.value is not None:
-                samples[i] += chunk.value.numel()
+                arrived = time.perf_counter() - start
+                chunks[i].append((arrived, chunk.value.numel()))
                 if ttfp[i] is None:
-                    ttfp[i] = time.perf_counter() - start
+                    ttfp[i] = arrived
         e2e[i] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -106,8 +109,19 @@ def run_engine(
     for t in threads:
         t.join()
     if audio is not None:
-        audio[:] = samples
+        audio[:] = chunks
     return ttfp, e2e, time.perf_counter() - start
+
+
+def playback_stall(chunks: list[tuple[float, int]], rate: int) -> float:
+    """Seconds a listener who plays a request's audio from its first chunk on waits for the
+    chunks after it: 0 when each arrives before the audio ahead of it has played."""
+    stall, end = 0.0, None
+    for arrived, samples in chunks:
+        end = arrived if end is None else end
+        stall += max(0.0, arrived - end)
+        end = max(end, arrived) + samples / rate
+    return stall
 
 
 def monolithic_latencies(
@@ -233,7 +247,7 @@ def main() -> None:
             variants[name] = plan_for(
                 sources[variant], args.devices, args.model_dir, args.audio_tokens, decode
             )
-    rows, rtf = {}, {}
+    rows, rtf, stall = {}, {}, {}
     for name, plan in variants.items():
         rate = next(o.attrs["rate"] for o in plan.outputs if o.name == "audio")
         start = time.perf_counter()
@@ -246,13 +260,16 @@ def main() -> None:
             for c in args.concurrency:
                 audio = []
                 rows[name, c] = ttfp, e2e, wall = run_engine(engine, c, args.max_tokens, audio)
+                samples = [sum(n for _, n in chunks) for chunks in audio]
                 rtf[name, c] = [
-                    t / (n / rate) if n else float("inf") for t, n in zip(e2e, audio, strict=True)
+                    t / (n / rate) if n else float("inf") for t, n in zip(e2e, samples, strict=True)
                 ]
+                stall[name, c] = [playback_stall(chunks, rate) for chunks in audio]
                 print(
                     f"  {name} at {c}: TTFP {statistics.median(ttfp) * 1e3:.1f} ms, "
                     f"E2E {statistics.median(e2e) * 1e3:.1f} ms, {c / wall:.2f} req/s, "
-                    f"audio {statistics.median(audio) / rate:.1f} s",
+                    f"audio {statistics.median(samples) / rate:.1f} s, playback stalled "
+                    f"{statistics.median(stall[name, c]):.2f} s (most {max(stall[name, c]):.2f})",
                     flush=True,
                 )
     names = list(variants)
@@ -266,7 +283,7 @@ def main() -> None:
             rows["hf sequential", c] = sequential(latencies, c)
     print(
         f"{'variant':>16} {'conc':>4} {'TTFP ms':>9} {'E2E ms':>9} {'TTFP/E2E':>9} {'RTF':>6} "
-        f"{'req/s':>7} {'vs hf':>7}"
+        f"{'stall s':>7} {'req/s':>7} {'vs hf':>7}"
     )
     for c in args.concurrency:
         hf_wall = rows["hf sequential", c][2] if "hf sequential" in names else None
@@ -274,11 +291,16 @@ def main() -> None:
             ttfp, e2e, wall = rows[name, c]
             t, e = statistics.median(ttfp) * 1e3, statistics.median(e2e) * 1e3
             r = f"{statistics.median(rtf[name, c]):6.2f}" if (name, c) in rtf else f"{'-':>6}"
+            st = f"{statistics.median(stall[name, c]):7.2f}" if (name, c) in stall else f"{'-':>7}"
             vs = f"{hf_wall / wall:>6.2f}x" if hf_wall else f"{'-':>7}"
-            print(f"{name:>16} {c:>4} {t:>9.1f} {e:>9.1f} {t / e:>8.1%} {r} {c / wall:>7.2f} {vs}")
+            print(
+                f"{name:>16} {c:>4} {t:>9.1f} {e:>9.1f} {t / e:>8.1%} {r} {st} "
+                f"{c / wall:>7.2f} {vs}"
+            )
     print(
         "(medians over the concurrent requests; TTFP = first audio chunk; RTF = E2E / audio"
-        " seconds; vs hf = throughput ratio against the HF model's generate served back to back)"
+        " seconds; stall = seconds a listener playing from the first chunk waits for later"
+        " ones; vs hf = throughput ratio against the HF model's generate served back to back)"
     )
 
 
