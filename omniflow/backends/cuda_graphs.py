@@ -6,9 +6,10 @@
 once eagerly first (Triton kernels compiled, cuBLAS and cuDNN set up, lazily loaded kernels
 loaded), then captured on a side stream into a shared memory pool. A function already run
 at another batch of the same shapes may skip its eager run: what compiles or loads once is
-in place by then, and an eager run costs as much host time as the capture itself. Graphs sharing a pool must never run at once; a backend's graphs replay one at
-a time on one stream, and whatever a graph's output is stays referenced, so no later
-capture reuses its memory.
+in place by then, and an eager run costs as much host time as the capture itself. Graphs
+sharing a pool must never run at once; a backend's graphs replay one at a time on one
+stream, and whatever a graph's output is stays referenced, so no later capture reuses its
+memory.
 
 `Graphs` keeps a set of such functions by key (a bucket), each with its static inputs and
 output, and counts captures and replays. With `capture` False (CPU, or the eager "static"

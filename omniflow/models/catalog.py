@@ -182,8 +182,9 @@ def samples_per_frame(config: Mapping[str, Any]) -> int | None:
 # sixteen-block one 240 to keep 192). On an H200 a token2wav window's replay costs about
 # the same whatever its length up to 240 codes (113 ms at 36, 221 ms at 240), so its cost
 # per kept code falls from 2.8 ms at four blocks to 1.2 ms at sixteen (docs/benchmarks.md).
-# The ramp doubles while the audio it has delivered covers the next window's codes and
-# decode; each length is a set of static windows captured at load (cold start).
+# Each window's codes and decode must come while the audio before it plays; each length is
+# a set of static windows captured at load (cold start), so the ramp jumps from four blocks
+# to sixteen rather than passing eight.
 WINDOW_BLOCKS = (1, 2, 4, 16)
 
 
