@@ -2,7 +2,7 @@
 # Run on a lent GPU machine from a copy of this tree (see docs/benchmarks.md): installs the
 # carried wheels into /tmp/site, links dsl/ and kernels/ into omniflow/ (as pyproject's
 # package-dir maps them), then runs the parts named as arguments: setup tests edges steps
-# kernels build streaming long cold. Logs go to $OUT (or /tmp/out). Wheels: .whl/ holds
+# kernels build streaming long cold cold-fresh. Logs go to $OUT (or /tmp/out). Wheels: .whl/ holds
 # what the GPU image lacks (lark, msgspec, pyzmq, rich, ...) and the transformers this tree
 # is tested with, .whl-serve/ the server's and diffusers' (carry both).
 set -u
@@ -59,6 +59,12 @@ for part in "$@"; do
     cold)
       (cd /tmp && timeout ${COLD_S:-200} python3 "$here/benchmarks/cold_start.py" --devices 1xH200 \
         --scaled 1) 2>&1 | grep -v -i "warn\|model config" | tee "$OUT/cold_start.log"
+      ;;
+    cold-fresh)
+      # As on a machine that has never compiled the fused kernels: an empty Triton cache.
+      (cd /tmp && TRITON_CACHE_DIR=$(mktemp -d) timeout ${COLD_S:-200} python3 \
+        "$here/benchmarks/cold_start.py" --devices 1xH200 --scaled 1) 2>&1 \
+        | grep -v -i "warn\|model config" | tee "$OUT/cold_start_fresh.log"
       ;;
   esac
   echo "== $part: $(( $(date +%s) - start )) s" | tee -a "$OUT/times.log"
