@@ -2,9 +2,9 @@
 # Run on a lent GPU machine from a copy of this tree (see docs/benchmarks.md): installs the
 # carried wheels into /tmp/site, links dsl/ and kernels/ into omniflow/ (as pyproject's
 # package-dir maps them), then runs the parts named as arguments: setup tests edges steps
-# kernels build streaming long cold cold-fresh. Logs go to $OUT (or /tmp/out). Wheels: .whl/ holds
-# what the GPU image lacks (lark, msgspec, pyzmq, rich, ...) and the transformers this tree
-# is tested with, .whl-serve/ the server's and diffusers' (carry both).
+# kernels build streaming long cold cold-fresh. Logs go to $OUT (or /tmp/out). Wheels:
+# .whl/ holds what the GPU image lacks (lark, msgspec, pyzmq, rich, ...) and the
+# transformers this tree is tested with, .whl-serve/ the server's and diffusers' (carry both).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
