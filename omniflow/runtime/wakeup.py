@@ -6,23 +6,33 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import threading
 
 
 class Waker:
-    """An eventfd a loop polls; anything that has work for the loop pokes it."""
+    """An eventfd a loop polls; anything that has work for the loop pokes it. Pokes come
+    from other threads, which may poke a loop that has just ended: a poke after `close` does
+    nothing (the lock keeps it from writing to a number the process has since reused)."""
 
     def __init__(self):
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._lock = threading.Lock()
+        self._closed = False
 
     def poke(self) -> None:
-        os.eventfd_write(self.fd, 1)
+        with self._lock:
+            if not self._closed:
+                os.eventfd_write(self.fd, 1)
 
     def drain(self) -> None:
         with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self.fd)
 
     def close(self) -> None:
-        os.close(self.fd)
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self.fd)
 
 
 def wait(fds: list[tuple[int, int]], timeout_s: float) -> set[int]:
