@@ -13,6 +13,7 @@ time. Prints ratios measured side by side in one run.
     python benchmarks/streaming.py --devices 1xH200 --scaled 0.5   # real widths, half the layers
     python benchmarks/streaming.py --devices 1xH200 --model-dir DIR  # any Qwen2.5-Omni checkpoint
     python benchmarks/streaming.py --devices 1xH200 --scaled 1 --decode eager graphs  # before/after
+    python benchmarks/streaming.py --devices 2xH200 --also-devices 1xH200 --scaled 1   # 2 GPUs vs 1
     python benchmarks/streaming.py --devices 1xH200 --scaled 1 --prompt-tokens 100 \
         --max-tokens 100 --audio-tokens 1250 --baseline-requests 0   # 25 s replies, no HF run
 
@@ -221,6 +222,12 @@ def main() -> None:
     )
     parser.add_argument("--variants", nargs="+", default=["streaming", "whole"])
     parser.add_argument(
+        "--also-devices",
+        metavar="INVENTORY",
+        help="also run every variant compiled for this inventory, side by side (e.g. 1xH200 "
+        "beside --devices 2xH200)",
+    )
+    parser.add_argument(
         "--baseline-requests",
         type=int,
         help="requests the sequential baseline measures (default: the largest concurrency)",
@@ -241,12 +248,18 @@ def main() -> None:
         return
     sources = {"streaming": text, "whole": whole_edges(text)}
     variants = {}
-    for decode in args.decode:
-        for variant in args.variants:
-            name = variant if len(args.decode) == 1 else f"{variant} {decode}"
-            variants[name] = plan_for(
-                sources[variant], args.devices, args.model_dir, args.audio_tokens, decode
-            )
+    inventories = [args.devices, *([args.also_devices] if args.also_devices else [])]
+    for devices in inventories:
+        for decode in args.decode:
+            for variant in args.variants:
+                name = " ".join(
+                    [variant]
+                    + ([decode] if len(args.decode) > 1 else [])
+                    + ([devices] if len(inventories) > 1 else [])
+                )
+                variants[name] = plan_for(
+                    sources[variant], devices, args.model_dir, args.audio_tokens, decode
+                )
     rows, rtf, stall = {}, {}, {}
     for name, plan in variants.items():
         rate = next(o.attrs["rate"] for o in plan.outputs if o.name == "audio")

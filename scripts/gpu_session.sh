@@ -2,9 +2,11 @@
 # Run on a lent GPU machine from a copy of this tree (see docs/benchmarks.md): installs the
 # carried wheels into /tmp/site, links dsl/ and kernels/ into omniflow/ (as pyproject's
 # package-dir maps them), then runs the parts named as arguments: setup tests edges steps
-# kernels build streaming long cold cold-fresh. Logs go to $OUT (or /tmp/out). Wheels:
-# .whl/ holds what the GPU image lacks (lark, msgspec, pyzmq, rich, ...) and the
-# transformers this tree is tested with, .whl-serve/ the server's and diffusers' (carry both).
+# kernels build streaming long cold cold-fresh (streaming and long: DEVICES, default 1xH200,
+# and ALSO_DEVICES beside it, e.g. DEVICES=2xH200 ALSO_DEVICES=1xH200). Logs go to $OUT
+# (or /tmp/out). Wheels: .whl/ holds what the GPU image lacks (lark, msgspec, pyzmq, rich,
+# ...) and the transformers this tree is tested with, .whl-serve/ the server's and
+# diffusers' (carry both).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -44,14 +46,16 @@ for part in "$@"; do
     streaming)
       # From /tmp: executors start as `python -m omniflow.runtime.executor`, which puts the
       # working directory first on sys.path, and this tree's omniflow/ lacks dsl/ and kernels/.
-      (cd /tmp && timeout ${STREAMING_S:-330} python3 "$here/benchmarks/streaming.py" --devices 1xH200 --scaled 1 \
+      (cd /tmp && timeout ${STREAMING_S:-330} python3 "$here/benchmarks/streaming.py" \
+        --devices ${DEVICES:-1xH200} ${ALSO_DEVICES:+--also-devices $ALSO_DEVICES} --scaled 1 \
         --concurrency 1 10 --baseline-requests 1 --max-tokens 32 --audio-tokens 160 \
         --decode ${STREAMING_DECODE:-graphs} --variants streaming) 2>&1 | grep -v -i "warn\|model config" \
         | tee "$OUT/streaming.log"
       ;;
     long)
       # The peer's workload: 100 text tokens in, 100 out, ~25 s of audio; no HF baseline.
-      (cd /tmp && timeout ${LONG_S:-330} python3 "$here/benchmarks/streaming.py" --devices 1xH200 --scaled 1 \
+      (cd /tmp && timeout ${LONG_S:-330} python3 "$here/benchmarks/streaming.py" \
+        --devices ${DEVICES:-1xH200} ${ALSO_DEVICES:+--also-devices $ALSO_DEVICES} --scaled 1 \
         --concurrency 1 10 --baseline-requests 0 --prompt-tokens 100 --max-tokens 100 \
         --audio-tokens 1250 --variants streaming) 2>&1 | grep -v -i "warn\|model config" \
         | tee "$OUT/long.log"
