@@ -25,8 +25,8 @@ frame, so its stream only approximates it.
 Windows lie on a grid, so a request's waveform does not depend on how its codes happened
 to be timed: a decoder that is not local on one of `unit` frames, windows of one unit,
 then two, four and more (`WINDOW_BLOCKS` in the model catalog, which the compiler sizes
-the edge's chunks by; token2wav: see its module); a local codec on the boundaries of the chunks
-its edge was planned to carry. On a whole-output edge every ready frame is one window.
+the edge's chunks by; token2wav: see its module); a local codec on the boundaries of the
+chunks its edge was planned to carry. On a whole-output edge every ready frame is one window.
 
 Batching. A step decodes the ready windows of its requests together, one window per
 request in each forward, padded to the longest: a request alone decodes each window at its

@@ -52,17 +52,17 @@ def _consume(ring_bytes: int, names, hold: int, release) -> None:
     time.sleep(60)  # holds the others: the test kills it here
 
 
-def _free_bytes() -> int:
-    torch.cuda.synchronize()
-    return torch.cuda.mem_get_info(0)[0]
+def free_bytes(device: int = 0) -> int:
+    torch.cuda.synchronize(device)
+    return torch.cuda.mem_get_info(device)[0]
 
 
-def _settled_free_bytes(expected: int, slack: int) -> int:
+def settled_free_bytes(expected: int, slack: int, device: int = 0) -> int:
     """Device-wide free memory once the driver has reclaimed a dead process's (it does so
     asynchronously): polls until at most `slack` below `expected`, up to 10 s. (More free
     than before is no leak: other processes' memory on the device may have gone meanwhile.)"""
     for _ in range(100):
-        free = _free_bytes()
+        free = free_bytes(device)
         if free >= expected - slack:
             return free
         time.sleep(0.1)
@@ -152,7 +152,7 @@ def test_copies_from_elsewhere_land_in_the_consumers_ring(processes, source, rin
 def test_credits_bound_the_producer_and_a_killed_consumer_leaves_no_device_memory(processes):
     ring_bytes = 256 * MiB
     names, release = SPAWN.Queue(), SPAWN.Event()
-    baseline = _free_bytes()
+    baseline = free_bytes()
     p = _start(processes, _consume, ring_bytes, names, 2, release)
     producer = DeviceProducer.attach(names.get(timeout=60))
     chunk = torch.ones(ring_bytes // 2 // 4, device="cuda:0")
@@ -173,16 +173,16 @@ def test_credits_bound_the_producer_and_a_killed_consumer_leaves_no_device_memor
     gc.collect()
     torch.cuda.empty_cache()
     # the dead consumer's ring and context are back with the device, our mapping closed
-    assert _settled_free_bytes(baseline, 64 * MiB) >= baseline - 64 * MiB
+    assert settled_free_bytes(baseline, 64 * MiB) >= baseline - 64 * MiB
     cleanup_stale_segments()  # what the engine's restart does
     assert not list(SHM_DIR.glob(f"{SEGMENT_PREFIX}{p.pid}-*"))
 
 
 def test_a_killed_producer_leaves_the_consumers_ring_and_closing_frees_it(processes):
     ring_bytes = 256 * MiB
-    baseline = _free_bytes()
+    baseline = free_bytes()
     consumer = DeviceConsumer.create(2, ring_bytes // 2, "cuda:0")
-    assert baseline - _free_bytes() >= ring_bytes  # outside torch's cache: the device's own
+    assert baseline - free_bytes() >= ring_bytes  # outside torch's cache: the device's own
     done = SPAWN.Event()
     p = _start(processes, _produce, consumer.name, 1, "cuda:0", done)
     got = consumer.get(timeout=60)
@@ -196,7 +196,7 @@ def test_a_killed_producer_leaves_the_consumers_ring_and_closing_frees_it(proces
     assert not _our_segments()
     del got
     gc.collect()
-    assert _settled_free_bytes(baseline, 64 * MiB) >= baseline - 64 * MiB
+    assert settled_free_bytes(baseline, 64 * MiB) >= baseline - 64 * MiB
 
 
 def test_an_engine_runs_a_cuda_ipc_edge_and_matches_the_interpreter():

@@ -15,6 +15,7 @@ import torch
 from omniflow.compiler import compile_file, compile_source
 from omniflow.runtime.engine import Engine, RequestFailed
 from tests.backends.test_token2wav_graphs import BF16_RMS_TOLERANCE, relative_rms
+from tests.runtime.test_device_ring import MiB, free_bytes, settled_free_bytes
 from tests.runtime.test_failures import no_leaks  # noqa: F401 (a fixture)
 
 pytestmark = [
@@ -32,11 +33,6 @@ CHAIN = """pipeline chain {
   src.out -> dst [stream, chunk=8]
   dst.out -> output out [stream]
 }"""
-
-
-def _free_bytes(device: int) -> int:
-    torch.cuda.synchronize(device)
-    return torch.cuda.mem_get_info(device)[0]
 
 
 def test_omni_chat_on_two_gpus_decodes_what_one_gpu_does():
@@ -62,7 +58,7 @@ def test_an_executor_killed_on_the_second_gpu_fails_its_requests_fast_and_recove
     plan = compile_source(CHAIN, "chain.omni", devices="2xH200")
     edge = next(c for c in plan.channels if c.name == "src.out->dst.in")
     assert (edge.kind, edge.device) == ("p2p", "cuda:1")  # dst's ring is in cuda:1's memory
-    baseline = _free_bytes(1)
+    baseline = free_bytes(1)
     with Engine(plan, "process") as engine:
         stream = engine.stream_sync({"n": "400"})
         next(stream)  # the request is streaming through dst
@@ -77,10 +73,5 @@ def test_an_executor_killed_on_the_second_gpu_fails_its_requests_fast_and_recove
         out = engine.generate({"n": "20"})["out"]
         assert out.flatten().tolist() == [2 * i for i in range(20)]
         assert engine.executor_pids["dst"] != killed
-    # Every executor is gone: the driver gives their contexts and rings back (it does so
-    # asynchronously; more free than before is no leak).
-    for _ in range(100):
-        if _free_bytes(1) >= baseline - 64 * 2**20:
-            break
-        time.sleep(0.1)
-    assert _free_bytes(1) >= baseline - 64 * 2**20
+    # Every executor is gone: the driver gives their contexts and rings back.
+    assert settled_free_bytes(baseline, 64 * MiB, device=1) >= baseline - 64 * MiB

@@ -5,8 +5,8 @@ Token2wav's DiT is not local: each of its passes attends one 24-mel-frame block 
 back and one ahead, and a sample takes 36 passes (10 RK4 steps), so influence keeps
 spreading. It is decoded in windows on a fixed grid of one-block units — one unit, then
 two, four, then sixteen at a time (`WINDOW_BLOCKS` in the model catalog, which the compiler
-sizes the edge's chunks by) — each starting on a block boundary, so its waveform does not depend on
-how the codes happened to be chunked: the reference interpreter and every runtime mode
+sizes the edge's chunks by) — each starting on a block boundary, so its waveform does not
+depend on how the codes happened to be chunked: the reference interpreter and every runtime mode
 agree, whatever the timing. Two blocks of context and of lookahead bring the stream within
 about 1e-4 of the whole-utterance decode; one block of lookahead (Qwen's own streaming
 setting) within about 1e-2 (tests/backends/test_vocoders.py measures both). Its initial
