@@ -36,6 +36,7 @@ from omniflow.backends import static_decode
 from omniflow.backends.transformers_ar import Component, TransformersAR, cache_columns
 from omniflow.checkpoints.scaled import scaled_stage
 from omniflow.compiler import compile_source
+from omniflow.kernels.timing import kernel_table
 from omniflow.runtime.stage import Call, InputStream, StageSpec
 
 SOURCES = {
@@ -135,31 +136,11 @@ def step_times(
             replays.append(start.elapsed_time(end))
         replay = statistics.median(replays)
         if kernels:
-            kernel_profile(graph, kernels)
+            kernel_table(graph.replay, kernels)
     kv = sum(s.length for s in backend.rows)
     for call in calls:
         backend.drop(call)
     return statistics.median(times) * 1e3, replay, kv
-
-
-def kernel_profile(graph, top: int, replays: int = 5) -> None:
-    """The `top` kernels of a graph replay by GPU time (torch.profiler, CUPTI), each with its
-    launches and time per replay and its share of the replay's kernel time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-    total = sum(e.self_device_time_total for e in kernels) or 1
-    print(f"    {'kernel':<72} {'per replay':>10} {'us':>9} {'share':>6}")
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
-        us = e.self_device_time_total / replays
-        print(
-            f"    {e.key[:72]:<72} {e.count / replays:>10.0f} {us:>9.1f} {us * replays / total:>6.1%}"
-        )
-    print(f"    (all kernels: {total / replays / 1e3:.2f} ms a replay)")
 
 
 def _seconds(fn, device: str, repeats: int = 12) -> float:

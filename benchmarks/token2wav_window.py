@@ -10,10 +10,13 @@ lookahead; 36: a stream's first window) for 1 and 10 requests at once, in each p
 window, speed-up over float32 eager, and the audio's distance from float32 eager (max and
 rms relative to the signal's). Ten requests replay a graph of 8 and one of 2 (GRAPH_BATCH).
 Also: BigVGAN's own share (its eager forward on the same mel), the graphs' capture time,
-and that timing them captured nothing more.
+and that timing them captured nothing more. `--kernels N` prints each graph replay's and
+BigVGAN's N costliest kernels (CUDA only).
 
     python benchmarks/token2wav_window.py                          # tiny model, CPU
     python benchmarks/token2wav_window.py --device cuda --scaled 1  # real-size token2wav
+    python benchmarks/token2wav_window.py --device cuda --scaled 1 --frames 36 --rows 1 \
+        --precisions bfloat16 --kernels 20                         # what bounds a window
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from omniflow.backends.models.qwen_omni_token2wav import Token2Wav
 from omniflow.backends.vocoders import Window, _Stream
 from omniflow.checkpoints.scaled import scaled_token2wav
+from omniflow.kernels.timing import kernel_table
 from omniflow.models.resolve import model_path
 
 
@@ -70,6 +74,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 10])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precisions", nargs="+")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N")
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
     precisions = args.precisions or (
@@ -125,11 +130,19 @@ def main() -> None:
                         f"{seconds * 1e3:>9.1f} {base[0] / seconds:>8.2f}x "
                         f"{float(diff):>9.1e} {float(rms):>8.1e}"
                     )
+                if args.kernels and cuda:
+                    with torch.inference_mode():
+                        kernel_table(
+                            lambda d=decoder, w=windows, f=frames: d.decode(w, f), args.kernels
+                        )
             decoder = next(iter(decoders.values()))
             mel = torch.randn(rows, decoder.mel_dim, frames * decoder.repeats, device=args.device)
             with torch.inference_mode():
                 seconds, _ = timed(args.device, lambda m=mel, d=decoder: d.bigvgan(m), args.repeats)
             print(f"{frames:>5} {rows:>8} {'bigvgan alone':>16} {seconds * 1e3:>9.1f}")
+            if args.kernels and cuda:
+                with torch.inference_mode():
+                    kernel_table(lambda m=mel, d=decoder: d._vocode(m), args.kernels)
     for precision, decoder in decoders.items():
         if decoder.graphs is not None:
             graphs = decoder.graphs

@@ -1,4 +1,5 @@
-"""Timing for the kernels' `benchmark` functions: the median of CUDA-event timings."""
+"""Timing for the kernels' `benchmark` functions and the benchmarks: the median of CUDA-event
+timings, and a table of the kernels a call launches."""
 
 from __future__ import annotations
 
@@ -19,3 +20,23 @@ def cuda_median_ms(fn, iters: int, warmup: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def kernel_table(fn, top: int, calls: int = 5) -> None:
+    """Print the `top` kernels of `fn()` (a graph's replay, an eager forward) by GPU time
+    (torch.profiler, CUPTI): each with its launches and microseconds per call and its share
+    of the call's kernel time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    total = sum(e.self_device_time_total for e in kernels) or 1
+    launches = sum(e.count for e in kernels) / calls
+    print(f"    {'kernel':<72} {'per call':>8} {'us':>9} {'share':>6}")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        us = e.self_device_time_total / calls
+        print(f"    {e.key[:72]:<72} {e.count / calls:>8.0f} {us:>9.1f} {us * calls / total:>6.1%}")
+    print(f"    (all kernels: {launches:.0f} launches, {total / calls / 1e3:.2f} ms a call)")

@@ -17,13 +17,15 @@ every window slices the same fixed noise.
 The DiT masks padding out of attention exactly; the vocoder backend's padding rule covers
 the BigVGAN, which reaches 18 mel frames (9 codes) each way on tiny:qwen2.5-omni.
 
-On CUDA (the stage's `precision` and `decode`, docs/backends.md) the DiT runs in bf16 and a
-window's whole decode — the ODE solve's 36 DiT passes, then BigVGAN — replays from a CUDA
-graph captured at load per (window length, batch bucket) over static input buffers
+On CUDA (the stage's `precision` and `decode`, docs/backends.md) the DiT runs in bf16, its
+blocks on fused kernels (`omniflow.backends.models.qwen_omni_dit`), and a window's whole
+decode — the ODE solve's 36 DiT passes, then BigVGAN — replays from a CUDA graph captured at
+load per (window length, batch bucket) over static input buffers
 (`prepare`); a window of another shape, or another step count, decodes eagerly. The solve
 (`_solve`) is device work only for that reason: the window layout arrives as tensors, the
 codec embedding repeats by expanding and BigVGAN's clamp level is made once, where
-transformers' modules would read sizes back from or copy scalars to the GPU.
+transformers' modules would read sizes back from or copy scalars to the GPU. BigVGAN's 109
+anti-aliased SnakeBeta activations run as one kernel each (`omniflow.kernels.anti_alias_snake`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from transformers.utils import cached_file
 
 from omniflow.backends import receptive_field
 from omniflow.backends.cuda_graphs import Graphs
+from omniflow.backends.models.qwen_omni_dit import FusedDiT
 from omniflow.backends.receptive_field import Field
 from omniflow.backends.static_decode import batch_buckets
 from omniflow.backends.vocoders import (
@@ -59,6 +62,8 @@ from omniflow.backends.vocoders import (
     padded,
 )
 from omniflow.hf_logging import quiet
+from omniflow.kernels import ada_norm
+from omniflow.kernels.anti_alias_snake import anti_alias_snake
 from omniflow.models.catalog import block_grid
 from omniflow.runtime.stage import Call
 
@@ -175,6 +180,7 @@ class Token2Wav(Decoder):
             torch.tensor(-115 / 20.0 * np.log(10), device=device, dtype=torch.float32)
         )
         self.precision, self.dtype = "float32", torch.float32
+        self.fused = self._fuse()
         self.graphs: Graphs | None = None
         self.batch_buckets: list[int] = []
         self.window_lengths: list[int] = []
@@ -199,6 +205,13 @@ class Token2Wav(Decoder):
         self.precision = precision
         self.dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
         self.dit.to(self.dtype)
+        self.fused = self._fuse()
+
+    def _fuse(self) -> FusedDiT | None:
+        """The DiT's blocks on fused kernels where they compile (CUDA with Triton); elsewhere
+        transformers' modules run them."""
+        fusable = self.device.startswith("cuda") and ada_norm.triton is not None
+        return FusedDiT(self.dit) if fusable else None
 
     def _speaker(self, entry: dict) -> dict:
         """What one speaker conditions every DiT pass with, with and without guidance."""
@@ -289,6 +302,7 @@ class Token2Wav(Decoder):
         block = torch.where(real, position.div(self.block_size, rounding_mode="floor"), 1 << 30)
         block = torch.cat([block, block])
         block_diff = (block[:, None, :] - block[:, :, None])[:, None]
+        masks = self.fused.masks(block_diff, dtype) if self.fused else None
         block_diff = block_diff.expand(-1, self.dit.num_attention_heads, -1, -1)
         conditioning = torch.cat([ref, ref_dropped]).to(dtype)[:, None].expand(-1, length, -1)
         cond = cond.to(dtype)[:, None].expand(-1, length, -1)
@@ -305,18 +319,22 @@ class Token2Wav(Decoder):
             the DiT's dtype; the ODE's state and the guidance stay float32."""
             # DiTTimestepEmbedding, with its sinusoid in float32: at bf16, 1000 t's phase
             # would be off by whole radians.
-            time_embedding = timing.time_embed(time.repeat(2 * rows)).to(dtype)
+            # The fused blocks take the one row every row of the batch shares.
+            time_embedding = timing.time_embed(time.repeat(1 if masks else 2 * rows)).to(dtype)
             for layer in timing.time_mlp:
                 time_embedding = layer(time_embedding)
             hidden = torch.cat([mel, mel]).to(dtype)
             hidden = self.dit.input_embed.proj(
                 torch.cat((hidden, conditioning, code_embed, cond), dim=-1)
             )
-            for layer in self.dit.transformer_blocks:
-                hidden = layer(
-                    hidden, time_embedding, position_embeddings=rotary, block_diff=block_diff
-                )
-            hidden = self.dit.norm_out(hidden, time_embedding)
+            if masks:
+                hidden = self.fused(hidden, time_embedding, rotary, masks)
+            else:
+                for layer in self.dit.transformer_blocks:
+                    hidden = layer(
+                        hidden, time_embedding, position_embeddings=rotary, block_diff=block_diff
+                    )
+                hidden = self.dit.norm_out(hidden, time_embedding)
             guided, dropped = self.dit.proj_out(hidden).float().chunk(2)
             return guided + (guided - dropped) * guidance
 
@@ -339,15 +357,44 @@ class Token2Wav(Decoder):
         clamp level made once at load rather than per call (a host-to-device copy) and
         without its final copy to the CPU."""
         g = self.bigvgan
+        # On CUDA each anti-aliased activation is one kernel; elsewhere transformers' modules
+        # run, so CPU results stay theirs bit for bit.
+        fused = mel.is_cuda
         decibels = 20 * torch.log10(torch.clamp(torch.exp(mel), min=self.min_level)) - 20
         hidden = g.conv_pre(g.normalize_spectrogram(decibels, 1, -115))
         blocks = g.num_residual_blocks
         for index in range(g.num_upsample_layers):
             hidden = g.ups[index][0](hidden)
             parallel = g.resblocks[index * blocks : (index + 1) * blocks]
-            hidden = sum(block(hidden) for block in parallel) / blocks
-        waveform = g.conv_post(g.activation_post(hidden))
+            if fused:
+                hidden = sum(self._fused_amp_block(block, hidden) for block in parallel) / blocks
+            else:
+                hidden = sum(block(hidden) for block in parallel) / blocks
+        if fused:
+            hidden = self._fused_activation(g.activation_post, hidden)
+        else:
+            hidden = g.activation_post(hidden)
+        waveform = g.conv_post(hidden)
         return torch.clamp(waveform, min=-1.0, max=1.0)[:, 0]
+
+    @staticmethod
+    def _fused_activation(
+        activation: Qwen2_5OmniAntiAliasedActivation1d, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """The activation's forward as one kernel (`omniflow.kernels.anti_alias_snake`)."""
+        up, down, snake = activation.upsample, activation.downsample, activation.act
+        return anti_alias_snake(
+            hidden, snake.alpha, snake.beta, up.filter, down.filter, up.ratio, down.stride
+        )
+
+    @classmethod
+    def _fused_amp_block(cls, block: Qwen2_5OmniAMPBlock, hidden: torch.Tensor) -> torch.Tensor:
+        """Qwen2_5OmniAMPBlock.forward, its activations each one kernel."""
+        acts1, acts2 = block.activations[::2], block.activations[1::2]
+        for conv1, conv2, act1, act2 in zip(block.convs1, block.convs2, acts1, acts2, strict=True):
+            branch = conv2(cls._fused_activation(act2, conv1(cls._fused_activation(act1, hidden))))
+            hidden = hidden + branch
+        return hidden
 
     @contextlib.contextmanager
     def _matmul_precision(self):
