@@ -2,8 +2,9 @@
 # Run on a lent GPU machine from a copy of this tree (see docs/benchmarks.md): installs the
 # carried wheels into /tmp/site, links dsl/ and kernels/ into omniflow/ (as pyproject's
 # package-dir maps them), then runs the parts named as arguments: setup tests edges steps
-# kernels build streaming long cold cold-fresh (streaming and long: DEVICES, default 1xH200,
-# and ALSO_DEVICES beside it, e.g. DEVICES=2xH200 ALSO_DEVICES=1xH200). Logs go to $OUT
+# kernels windows build streaming long cold cold-fresh (streaming and long: DEVICES, default
+# 1xH200, and ALSO_DEVICES beside it, e.g. DEVICES=2xH200 ALSO_DEVICES=1xH200; windows:
+# WINDOW_KERNELS=N adds each replay's N costliest kernels). Logs go to $OUT
 # (or /tmp/out). Wheels: .whl/ holds what the GPU image lacks (lark, msgspec, pyzmq, rich,
 # ...) and the transformers this tree is tested with, .whl-serve/ the server's and
 # diffusers' (carry both).
@@ -39,6 +40,12 @@ for part in "$@"; do
     kernels)
       timeout ${KERNELS_S:-150} python3 benchmarks/stage_steps.py --modes graphs --batches 1 10 \
         --steps 24 --kernels 15 2>&1 | tee "$OUT/stage_kernels.log"
+      ;;
+    windows)
+      # token2wav's window decode: a stream's first window and the widest, 1 and 10 requests.
+      timeout ${WINDOWS_S:-200} python3 benchmarks/token2wav_window.py --device cuda --scaled 1 \
+        --frames 36 240 --rows 1 10 --repeats 2 --precisions bfloat16 \
+        ${WINDOW_KERNELS:+--kernels $WINDOW_KERNELS} 2>&1 | grep -v -i warn | tee "$OUT/windows.log"
       ;;
     build)
       timeout ${BUILD_S:-200} python3 -c "from omniflow.checkpoints.scaled import scaled_checkpoint; print(scaled_checkpoint(1.0, 'cuda'))" 2>&1 | tail -3 | tee "$OUT/build.log"
