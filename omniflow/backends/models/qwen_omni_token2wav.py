@@ -181,6 +181,9 @@ class Token2Wav(Decoder):
         )
         self.precision, self.dtype = "float32", torch.float32
         self.fused = self._fuse()
+        # On CUDA each of BigVGAN's anti-aliased activations is one kernel; elsewhere
+        # transformers' modules run, so CPU results stay theirs bit for bit.
+        self.fused_activations = device.startswith("cuda")
         self.graphs: Graphs | None = None
         self.batch_buckets: list[int] = []
         self.window_lengths: list[int] = []
@@ -357,9 +360,7 @@ class Token2Wav(Decoder):
         clamp level made once at load rather than per call (a host-to-device copy) and
         without its final copy to the CPU."""
         g = self.bigvgan
-        # On CUDA each anti-aliased activation is one kernel; elsewhere transformers' modules
-        # run, so CPU results stay theirs bit for bit.
-        fused = mel.is_cuda
+        fused = self.fused_activations
         decibels = 20 * torch.log10(torch.clamp(torch.exp(mel), min=self.min_level)) - 20
         hidden = g.conv_pre(g.normalize_spectrogram(decibels, 1, -115))
         blocks = g.num_residual_blocks

@@ -1,6 +1,8 @@
-"""token2wav's DiT blocks on fused kernels (`omniflow.backends.models.qwen_omni_dit`)
-compute what transformers' `DiTDecoderLayer`s and final norm compute: on the CPU with the
-kernels' torch references, on a GPU with the Triton kernels. Tolerances: float32, the
+"""token2wav on fused kernels, as CUDA runs it: the DiT's blocks
+(`omniflow.backends.models.qwen_omni_dit`) compute what transformers' `DiTDecoderLayer`s and
+final norm compute, and BigVGAN with one kernel per anti-aliased activation what its
+modules compute: on the CPU with the kernels' torch references, on a GPU with the Triton
+kernels. Tolerances: float32, the
 reorderings of a stacked product and a split norm (measured ~1e-6 on the tiny model's
 pass, ~1e-6 on a window's audio); bf16, a few bf16 steps of a pass's output, and the audio
 within BF16_RMS_TOLERANCE of the layers' own bf16 decode."""
@@ -112,3 +114,17 @@ def test_cuda_decodes_on_the_fused_kernels_within_bf16_tolerance():
         layered = decoder.decode_eager(windows, 60)
     print(f"fused vs layers, bf16 window: rms {relative_rms(fused, layered):.1e}")
     assert relative_rms(fused, layered) < BF16_RMS_TOLERANCE
+
+
+def test_bigvgan_with_one_kernel_activations_runs_transformers_ops():
+    """`_vocode`'s CUDA path (each activation through `anti_alias_snake`, here its torch
+    reference, and the AMP blocks written out around it) against the path that runs
+    transformers' modules: the same ops, so the same bits."""
+    decoder = decoder_on("cpu", "float32")
+    mel = torch.randn(2, decoder.mel_dim, 30, generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        want = decoder._vocode(mel)
+        decoder.fused_activations = True
+        got = decoder._vocode(mel)
+    assert torch.equal(got, want)
+    assert float(want.abs().max()) > 0
