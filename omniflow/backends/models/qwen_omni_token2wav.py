@@ -180,7 +180,7 @@ class Token2Wav(Decoder):
             torch.tensor(-115 / 20.0 * np.log(10), device=device, dtype=torch.float32)
         )
         self.precision, self.dtype = "float32", torch.float32
-        self.fused = self._fuse()
+        self.fused_dit = self._fuse()
         # On CUDA each of BigVGAN's anti-aliased activations is one kernel; elsewhere
         # transformers' modules run, so CPU results stay theirs bit for bit.
         self.fused_activations = device.startswith("cuda")
@@ -208,7 +208,7 @@ class Token2Wav(Decoder):
         self.precision = precision
         self.dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
         self.dit.to(self.dtype)
-        self.fused = self._fuse()
+        self.fused_dit = self._fuse()
 
     def _fuse(self) -> FusedDiT | None:
         """The DiT's blocks on fused kernels where they compile (CUDA with Triton); elsewhere
@@ -305,7 +305,7 @@ class Token2Wav(Decoder):
         block = torch.where(real, position.div(self.block_size, rounding_mode="floor"), 1 << 30)
         block = torch.cat([block, block])
         block_diff = (block[:, None, :] - block[:, :, None])[:, None]
-        masks = self.fused.masks(block_diff, dtype) if self.fused else None
+        masks = self.fused_dit.masks(block_diff, dtype) if self.fused_dit else None
         block_diff = block_diff.expand(-1, self.dit.num_attention_heads, -1, -1)
         conditioning = torch.cat([ref, ref_dropped]).to(dtype)[:, None].expand(-1, length, -1)
         cond = cond.to(dtype)[:, None].expand(-1, length, -1)
@@ -331,7 +331,7 @@ class Token2Wav(Decoder):
                 torch.cat((hidden, conditioning, code_embed, cond), dim=-1)
             )
             if masks:
-                hidden = self.fused(hidden, time_embedding, rotary, masks)
+                hidden = self.fused_dit(hidden, time_embedding, rotary, masks)
             else:
                 for layer in self.dit.transformer_blocks:
                     hidden = layer(
