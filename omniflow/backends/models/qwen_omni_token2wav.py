@@ -305,7 +305,8 @@ class Token2Wav(Decoder):
         block = torch.where(real, position.div(self.block_size, rounding_mode="floor"), 1 << 30)
         block = torch.cat([block, block])
         block_diff = (block[:, None, :] - block[:, :, None])[:, None]
-        masks = self.fused_dit.masks(block_diff, dtype) if self.fused_dit else None
+        fused = self.fused_dit
+        masks = fused.masks(block_diff, dtype) if fused else None
         block_diff = block_diff.expand(-1, self.dit.num_attention_heads, -1, -1)
         conditioning = torch.cat([ref, ref_dropped]).to(dtype)[:, None].expand(-1, length, -1)
         cond = cond.to(dtype)[:, None].expand(-1, length, -1)
@@ -323,15 +324,15 @@ class Token2Wav(Decoder):
             # DiTTimestepEmbedding, with its sinusoid in float32: at bf16, 1000 t's phase
             # would be off by whole radians.
             # The fused blocks take the one row every row of the batch shares.
-            time_embedding = timing.time_embed(time.repeat(1 if masks else 2 * rows)).to(dtype)
+            time_embedding = timing.time_embed(time.repeat(1 if fused else 2 * rows)).to(dtype)
             for layer in timing.time_mlp:
                 time_embedding = layer(time_embedding)
             hidden = torch.cat([mel, mel]).to(dtype)
             hidden = self.dit.input_embed.proj(
                 torch.cat((hidden, conditioning, code_embed, cond), dim=-1)
             )
-            if masks:
-                hidden = self.fused_dit(hidden, time_embedding, rotary, masks)
+            if fused:
+                hidden = fused(hidden, time_embedding, rotary, masks)
             else:
                 for layer in self.dit.transformer_blocks:
                     hidden = layer(
