@@ -28,24 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from omniflow.errors import OmniflowError
-
-try:
-    import triton
-    import triton.language as tl
-except ModuleNotFoundError:  # CPU installs: `ada_norm` runs the torch reference
-    triton = tl = None
+from omniflow.kernels.triton_guard import jit, tl, triton
 
 
 class AdaNormError(OmniflowError):
     """Adaptive-norm inputs of mismatched shapes."""
 
 
-def _jit(fn):
-    """`triton.jit` where Triton is installed; without it the kernel is never launched."""
-    return fn if triton is None else triton.jit(fn)
-
-
-@_jit
+@jit
 def _ada_norm_kernel(
     x_ptr, delta_ptr, gate_ptr, shift_ptr, scale_ptr, sum_ptr, out_ptr,
     D, rows_per_modulation, eps, x_stride, delta_stride, mod_stride, sum_stride, out_stride,

@@ -54,12 +54,7 @@ import torch.nn.functional as F
 
 from omniflow.errors import OmniflowError
 from omniflow.kernels.timing import cuda_median_ms
-
-try:
-    import triton
-    import triton.language as tl
-except ModuleNotFoundError:  # CPU installs: `anti_alias_snake` runs the torch reference
-    triton = tl = None
+from omniflow.kernels.triton_guard import jit, tl, triton
 
 # The filters' length and the resampling ratio the kernel is written for (transformers'
 # defaults, which Qwen2.5-Omni's BigVGAN uses).
@@ -82,12 +77,7 @@ class AntiAliasError(OmniflowError):
     """Activation inputs of mismatched shapes, or filters the kernel is not written for."""
 
 
-def _jit(fn):
-    """`triton.jit` where Triton is installed; without it the kernel is never launched."""
-    return fn if triton is None else triton.jit(fn)
-
-
-@_jit
+@jit
 def _snake_upsampled(x_row, up_ptr, m, T, frequency, inverse_magnitude, TAPS: tl.constexpr):
     """SnakeBeta of upsampled samples `m` (each in [0, 2 T)), from the input row."""
     n = m + (3 * TAPS // 2 - 3)
@@ -103,7 +93,7 @@ def _snake_upsampled(x_row, up_ptr, m, T, frequency, inverse_magnitude, TAPS: tl
     return u + inverse_magnitude * (wave * wave)
 
 
-@_jit
+@jit
 def _anti_alias_snake_kernel(
     x_ptr, alpha_ptr, beta_ptr, up_ptr, down_ptr, out_ptr, C, T, eps,
     TAPS: tl.constexpr, SEGMENTS: tl.constexpr, WIDTH: tl.constexpr, OVERLAP: tl.constexpr,

@@ -34,12 +34,7 @@ import torch
 
 from omniflow.errors import OmniflowError
 from omniflow.kernels.timing import cuda_median_ms
-
-try:
-    import triton
-    import triton.language as tl
-except ModuleNotFoundError:  # CPU installs: `cfg_euler_step` runs the torch reference
-    triton = tl = None
+from omniflow.kernels.triton_guard import jit, tl, triton
 
 RESCALES = ("none", "norm", "std")
 # Elements per program. A row of the last dimension must fit one tile (MAX_ROW) unless the
@@ -52,12 +47,7 @@ class GuidanceError(OmniflowError):
     """Guidance inputs of mismatched shapes, or an unknown rescale."""
 
 
-def _jit(fn):
-    """`triton.jit` where Triton is installed; without it the kernel is never launched."""
-    return fn if triton is None else triton.jit(fn)
-
-
-@_jit
+@jit
 def _rows_kernel(
     x_ptr,
     cond_ptr,
@@ -96,7 +86,7 @@ def _rows_kernel(
     tl.store(out_ptr + offs, (x + dt[:, None] * v).to(out_ptr.dtype.element_ty), mask=inside)
 
 
-@_jit
+@jit
 def _std_stats_kernel(cond_ptr, uncond_ptr, scale_ptr, stats_ptr, N, CHUNK: tl.constexpr):
     """Per (sample, chunk): the sums and centred sums of squares of cond and guided."""
     sample = tl.program_id(0)
@@ -119,7 +109,7 @@ def _std_stats_kernel(cond_ptr, uncond_ptr, scale_ptr, stats_ptr, N, CHUNK: tl.c
     tl.store(out + 3, tl.sum(g_dev * g_dev, 0))
 
 
-@_jit
+@jit
 def _std_step_kernel(
     x_ptr,
     cond_ptr,

@@ -27,24 +27,14 @@ from __future__ import annotations
 import torch
 
 from omniflow.errors import OmniflowError
-
-try:
-    import triton
-    import triton.language as tl
-except ModuleNotFoundError:  # CPU installs: `rope_first_head` runs the torch reference
-    triton = tl = None
+from omniflow.kernels.triton_guard import jit, tl, triton
 
 
 class DiTRopeError(OmniflowError):
     """Rotary inputs of mismatched shapes."""
 
 
-def _jit(fn):
-    """`triton.jit` where Triton is installed; without it the kernel is never launched."""
-    return fn if triton is None else triton.jit(fn)
-
-
-@_jit
+@jit
 def _rope_first_head_kernel(
     qkv_ptr, cos_ptr, sin_ptr, qkv_stride, cos_stride, k_offset, HALF: tl.constexpr
 ):  # fmt: skip

@@ -23,24 +23,14 @@ from __future__ import annotations
 import torch
 
 from omniflow.errors import OmniflowError
-
-try:
-    import triton
-    import triton.language as tl
-except ModuleNotFoundError:  # CPU installs: `add_rms_norm` runs the torch reference
-    triton = tl = None
+from omniflow.kernels.triton_guard import jit, tl, triton
 
 
 class NormError(OmniflowError):
     """Norm inputs of mismatched shapes."""
 
 
-def _jit(fn):
-    """`triton.jit` where Triton is installed; without it the kernel is never launched."""
-    return fn if triton is None else triton.jit(fn)
-
-
-@_jit
+@jit
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, H, eps,
     x_stride, residual_stride, out_stride, sum_stride,

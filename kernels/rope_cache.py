@@ -27,24 +27,14 @@ from __future__ import annotations
 import torch
 
 from omniflow.errors import OmniflowError
-
-try:
-    import triton
-    import triton.language as tl
-except ModuleNotFoundError:  # CPU installs: `rope_cache` runs the torch reference
-    triton = tl = None
+from omniflow.kernels.triton_guard import jit, tl, triton
 
 
 class RopeError(OmniflowError):
     """Rotary inputs of mismatched shapes."""
 
 
-def _jit(fn):
-    """`triton.jit` where Triton is installed; without it the kernel is never launched."""
-    return fn if triton is None else triton.jit(fn)
-
-
-@_jit
+@jit
 def _rotate(x_ptr, cos, sin, offs, partner, sign, inside):
     x = tl.load(x_ptr + offs, mask=inside, other=0.0)
     other = tl.load(x_ptr + partner, mask=inside, other=0.0).to(tl.float32) * sign
@@ -53,7 +43,7 @@ def _rotate(x_ptr, cos, sin, offs, partner, sign, inside):
     return (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
 
 
-@_jit
+@jit
 def _rope_cache_kernel(
     qkv_ptr, cos_ptr, sin_ptr, filled_ptr, q_ptr, keys_ptr, values_ptr,
     qkv_stride, cos_stride, q_stride_b, q_stride_h,

@@ -68,12 +68,7 @@ import torch
 
 from omniflow.errors import OmniflowError
 from omniflow.kernels.timing import cuda_median_ms
-
-try:
-    import triton
-    import triton.language as tl
-except ModuleNotFoundError:  # CPU installs: `sample` runs the torch reference
-    triton = tl = None
+from omniflow.kernels.triton_guard import jit, tl, triton
 
 # Block of one pass over a row on the GPU (8 scores per thread with 16 warps); a candidate set
 # of at most this many scores is searched in one block per pass.
@@ -92,12 +87,7 @@ class SamplingError(OmniflowError):
     """Sampling inputs of the wrong shape or kind."""
 
 
-def _jit(fn):
-    """`triton.jit` where Triton is installed; without it the kernel is never launched."""
-    return fn if triton is None else triton.jit(fn)
-
-
-@_jit
+@jit
 def _bisect(
     score_ptr,
     n,
@@ -161,7 +151,7 @@ def _bisect(
     return lo, top, count, mass
 
 
-@_jit
+@jit
 def _compact(
     score_ptr, index_ptr, n, lo, floor, top_score, out_score_ptr, out_index_ptr,
     INDEXED: tl.constexpr, BLOCK: tl.constexpr,
@@ -188,7 +178,7 @@ def _compact(
     return kept, tl.sum(mass_l, 0), tl.sum(skipped_l, 0)
 
 
-@_jit
+@jit
 def _sample_kernel(
     logits_ptr,
     seen_ptr,

@@ -19,12 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from omniflow.errors import OmniflowError
-
-try:
-    import triton
-    import triton.language as tl
-except ModuleNotFoundError:  # CPU installs: `silu_mul` runs the torch reference
-    triton = tl = None
+from omniflow.kernels.triton_guard import jit, tl, triton
 
 BLOCK = 1024
 
@@ -33,12 +28,7 @@ class ActivationError(OmniflowError):
     """An input that is not `[B, 2 I]`."""
 
 
-def _jit(fn):
-    """`triton.jit` where Triton is installed; without it the kernel is never launched."""
-    return fn if triton is None else triton.jit(fn)
-
-
-@_jit
+@jit
 def _silu_mul_kernel(x_ptr, out_ptr, width, x_stride, out_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
