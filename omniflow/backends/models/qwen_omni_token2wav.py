@@ -206,9 +206,11 @@ class Token2Wav(Decoder):
         if self.precision != "float32":
             raise VocoderError(f"token2wav's precision is already {self.precision}")
         self.precision = precision
-        self.dtype = torch.bfloat16 if precision == "bfloat16" else torch.float32
-        self.dit.to(self.dtype)
-        self.fused_dit = self._fuse()
+        if precision == "bfloat16":
+            self.dtype = torch.bfloat16
+            self.dit.to(self.dtype)
+            # `.to()` gave every weight a tensor of its own: stack them again.
+            self.fused_dit = self._fuse()
 
     def _fuse(self) -> FusedDiT | None:
         """The DiT's blocks on fused kernels where they compile (CUDA with Triton); elsewhere
