@@ -22,6 +22,13 @@ eager on CPU; "eager": the dynamic cache; "graphs": static cache + CUDA graphs),
 table holds the eager and the graph-captured pipeline side by side.
 
     python benchmarks/streaming.py --profile [--rounds 6]   # profiling on vs off
+    python benchmarks/streaming.py --breakdown   # where each concurrency's TTFP went
+
+`--breakdown` profiles the measured round at each concurrency and prints the median of
+each component of the requests' TTFP critical paths (`omniflow.profiler.analysis`): a
+stage's steps, its waiting (its executor busy with other work), the edges' hand-offs.
+`--prefill-tokens N ...` runs the AR stages at each prefill budget (1: every request
+prefilled alone), side by side.
 
 `--profile` measures instead what profiling costs the streaming plan: TTFP and E2E at each
 concurrency, in rounds alternating profiled and not on one engine (`profile_overhead.py`).
@@ -33,6 +40,7 @@ the real model's widths with DEPTH x its layer counts (`omniflow.checkpoints.sca
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 import statistics
 import threading
@@ -45,6 +53,8 @@ from profile_overhead import interleaved, ratio_rows
 from omniflow.checkpoints.scaled import scaled_checkpoint
 from omniflow.compiler import compile_graph, graph_from_source
 from omniflow.models.resolve import model_path, use_tiny_models
+from omniflow.profiler.analysis import parse_trace, timelines
+from omniflow.profiler.trace import chrome_trace
 from omniflow.runtime.engine import Engine
 
 GRAPH = Path(__file__).parents[1] / "graphs" / "omni_chat.omni"
@@ -58,17 +68,35 @@ def whole_edges(text: str) -> str:
     return re.sub(r"(output \w+) \[stream\]", r"\1", text)
 
 
-def plan_for(text: str, devices: str, model: str | None, audio_tokens: int, decode: str):
+def plan_for(
+    text: str,
+    devices: str,
+    model: str | None,
+    audio_tokens: int,
+    decode: str,
+    prefill_tokens: int | None = None,
+):
     graph = graph_from_source(text, str(GRAPH))
     graph = graph.copy() if model else use_tiny_models(graph)
     if model:
         graph.model = model
     # Random weights rarely say end-of-speech: bound the talker so every variant does equal work.
     graph.node("talker").params["max_tokens"] = audio_tokens
-    if decode != "auto":
-        for name in ("thinker", "talker"):
+    for name in ("thinker", "talker"):
+        if decode != "auto":
             graph.node(name).params["decode"] = decode
+        if prefill_tokens is not None:
+            graph.node(name).params["prefill_tokens"] = prefill_tokens
     return compile_graph(graph, devices)
+
+
+def ttfp_breakdown(trace: dict, output: str = "audio") -> list[tuple[str, float]]:
+    """The components of the requests' TTFP critical paths (to `output`'s first chunk), each
+    its median in ms over the requests, largest first."""
+    paths = [r.path_ttfp[output] for r in timelines(parse_trace(trace)) if output in r.path_ttfp]
+    names = {name for path in paths for name in path}
+    medians = {n: statistics.median(path.get(n, 0.0) for path in paths) / 1e3 for n in names}
+    return sorted(medians.items(), key=lambda kv: -kv[1])
 
 
 def long_prompts(tokenizer_dir: str, tokens: int) -> list[str]:
@@ -235,6 +263,16 @@ def main() -> None:
     parser.add_argument(
         "--prompt-tokens", type=int, help="repeat each prompt until it is this many tokens long"
     )
+    parser.add_argument(
+        "--prefill-tokens",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="the AR stages' prefill budgets to run side by side (1: each prompt alone)",
+    )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="print each concurrency's TTFP critical path"
+    )
     parser.add_argument("--profile", action="store_true", help="measure profiling on vs off")
     parser.add_argument("--rounds", type=int, default=6, help="with --profile: rounds each way")
     args = parse_model_arguments(parser)
@@ -249,17 +287,19 @@ def main() -> None:
     sources = {"streaming": text, "whole": whole_edges(text)}
     variants = {}
     inventories = [args.devices, *([args.also_devices] if args.also_devices else [])]
-    for devices in inventories:
-        for decode in args.decode:
-            for variant in args.variants:
-                name = " ".join(
-                    [variant]
-                    + ([decode] if len(args.decode) > 1 else [])
-                    + ([devices] if len(inventories) > 1 else [])
-                )
-                variants[name] = plan_for(
-                    sources[variant], devices, args.model_dir, args.audio_tokens, decode
-                )
+    budgets = args.prefill_tokens
+    for devices, decode, budget, variant in itertools.product(
+        inventories, args.decode, budgets, args.variants
+    ):
+        name = " ".join(
+            [variant]
+            + ([decode] if len(args.decode) > 1 else [])
+            + ([f"prefill {budget or 'default'}"] if len(budgets) > 1 else [])
+            + ([devices] if len(inventories) > 1 else [])
+        )
+        variants[name] = plan_for(
+            sources[variant], devices, args.model_dir, args.audio_tokens, decode, budget
+        )
     rows, rtf, stall = {}, {}, {}
     for name, plan in variants.items():
         rate = next(o.attrs["rate"] for o in plan.outputs if o.name == "audio")
@@ -272,7 +312,13 @@ def main() -> None:
             )
             for c in args.concurrency:
                 audio = []
+                if args.breakdown:  # big enough that no event of the round is overwritten
+                    engine.start_profile(capacity=1 << 20)
                 rows[name, c] = ttfp, e2e, wall = run_engine(engine, c, args.max_tokens, audio)
+                if args.breakdown:
+                    trace = chrome_trace(engine.stop_profile(), plan)
+                    parts = ", ".join(f"{n} {ms:.1f}" for n, ms in ttfp_breakdown(trace) if ms >= 1)
+                    print(f"  {name} at {c}: TTFP critical path, median ms: {parts}", flush=True)
                 samples = [sum(n for _, n in chunks) for chunks in audio]
                 rtf[name, c] = [
                     t / (n / rate) if n else float("inf") for t, n in zip(e2e, samples, strict=True)
@@ -294,8 +340,9 @@ def main() -> None:
         names.append("hf sequential")
         for c in args.concurrency:
             rows["hf sequential", c] = sequential(latencies, c)
+    wide = max(16, *map(len, names))
     print(
-        f"{'variant':>16} {'conc':>4} {'TTFP ms':>9} {'E2E ms':>9} {'TTFP/E2E':>9} {'RTF':>6} "
+        f"{'variant':>{wide}} {'conc':>4} {'TTFP ms':>9} {'E2E ms':>9} {'TTFP/E2E':>9} {'RTF':>6} "
         f"{'stall s':>7} {'req/s':>7} {'vs hf':>7}"
     )
     for c in args.concurrency:
@@ -307,7 +354,7 @@ def main() -> None:
             st = f"{statistics.median(stall[name, c]):7.2f}" if (name, c) in stall else f"{'-':>7}"
             vs = f"{hf_wall / wall:>6.2f}x" if hf_wall else f"{'-':>7}"
             print(
-                f"{name:>16} {c:>4} {t:>9.1f} {e:>9.1f} {t / e:>8.1%} {r} {st} "
+                f"{name:>{wide}} {c:>4} {t:>9.1f} {e:>9.1f} {t / e:>8.1%} {r} {st} "
                 f"{c / wall:>7.2f} {vs}"
             )
     print(

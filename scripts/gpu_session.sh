@@ -3,7 +3,8 @@
 # carried wheels into /tmp/site, links dsl/ and kernels/ into omniflow/ (as pyproject's
 # package-dir maps them), then runs the parts named as arguments: setup tests edges steps
 # kernels windows build streaming long cold cold-fresh (streaming and long: DEVICES, default
-# 1xH200, and ALSO_DEVICES beside it, e.g. DEVICES=2xH200 ALSO_DEVICES=1xH200; windows:
+# 1xH200, and ALSO_DEVICES beside it, e.g. DEVICES=2xH200 ALSO_DEVICES=1xH200, and
+# STREAMING_ARGS added to the benchmark's, e.g. "--breakdown --prefill-tokens 1 8192"; windows:
 # WINDOW_KERNELS=N adds each replay's N costliest kernels). Logs go to $OUT
 # (or /tmp/out). Wheels: .whl/ holds what the GPU image lacks (lark, msgspec, pyzmq, rich,
 # ...) and the transformers this tree is tested with, .whl-serve/ the server's and
@@ -56,7 +57,7 @@ for part in "$@"; do
       (cd /tmp && timeout ${STREAMING_S:-330} python3 "$here/benchmarks/streaming.py" \
         --devices ${DEVICES:-1xH200} ${ALSO_DEVICES:+--also-devices $ALSO_DEVICES} --scaled 1 \
         --concurrency 1 10 --baseline-requests 1 --max-tokens 32 --audio-tokens 160 \
-        --decode ${STREAMING_DECODE:-graphs} --variants streaming) 2>&1 | grep -v -i "warn\|model config" \
+        --decode ${STREAMING_DECODE:-graphs} --variants streaming ${STREAMING_ARGS:-}) 2>&1 | grep -v -i "warn\|model config" \
         | tee "$OUT/streaming.log"
       ;;
     long)
@@ -64,7 +65,7 @@ for part in "$@"; do
       (cd /tmp && timeout ${LONG_S:-330} python3 "$here/benchmarks/streaming.py" \
         --devices ${DEVICES:-1xH200} ${ALSO_DEVICES:+--also-devices $ALSO_DEVICES} --scaled 1 \
         --concurrency 1 10 --baseline-requests 0 --prompt-tokens 100 --max-tokens 100 \
-        --audio-tokens 1250 --variants streaming) 2>&1 | grep -v -i "warn\|model config" \
+        --audio-tokens 1250 --variants streaming ${STREAMING_ARGS:-}) 2>&1 | grep -v -i "warn\|model config" \
         | tee "$OUT/long.log"
       ;;
     cold)

@@ -16,9 +16,11 @@ What it owns:
   are left-padded to a common length and an attention mask says which columns of each row
   hold its own positions, while explicit position ids give each row its true positions
   (0, 1, 2, ... unless the component's `Prompt` says otherwise: multimodal RoPE).
-  A new request is prefilled alone (one forward over its prompt, the same computation as
-  `generate` on that request) and then joins: its cache is left-padded (or the others are)
-  and concatenated. A decode step is ONE forward over every row; a row that is not advancing
+  New requests are prefilled together: their prompts, right-padded to the longest, run as
+  one causal forward (a real position never attends to a pad, which only follows it, so no
+  padding mask is needed), as many as fit the stage's `prefill_tokens` (padded positions;
+  a longer prompt runs alone); one request's prefill is the same computation as `generate`
+  on it. Each then joins: its cache is left-padded (or the others are) and concatenated. A decode step is ONE forward over every row; a row that is not advancing
   this step (a talker waiting for its next conditioning row) gets a masked dummy column, so
   nothing is copied per step beyond what `DynamicCache` itself does. Finished rows leave by
   row selection, and columns no remaining row uses are cut off. Joining and leaving copy
@@ -58,7 +60,7 @@ from omniflow.backends.sampling_params import Sampling, kind_defaults
 from omniflow.dtypes import torch_dtype
 from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
-from omniflow.ir.kinds import KINDS
+from omniflow.ir.kinds import KINDS, PREFILL_TOKENS
 from omniflow.kernels.sampling import sample
 from omniflow.models.resolve import model_path
 from omniflow.runtime.stage import Backend, Call, StageSpec
@@ -506,8 +508,8 @@ class TransformersAR(Backend):
                 stepping.append(seq)
         if stepping:
             (self._decode_static if self.static else self._decode)(stepping)
-        for call in starting:  # after the decode step, so new rows get no dummy column
-            self._prefill(call)
+        if starting:  # after the decode step, so new rows get no dummy column
+            self._prefill(starting)
 
     def drop(self, call: Call) -> None:
         seq = call.state.pop(_STATE, None)
@@ -534,7 +536,9 @@ class TransformersAR(Backend):
         )
         return out.last_hidden_state
 
-    def _prefill(self, call: Call) -> None:
+    def _start(self, call: Call) -> tuple[Sequence, Prompt] | None:
+        """A starting request's sequence and prompt; None (the request failed) if its
+        parameters or inputs cannot run."""
         component = self.component
         try:
             sampling = Sampling.of(call.params or {}, self.defaults, ARBackendError)
@@ -550,7 +554,7 @@ class TransformersAR(Backend):
                 )
         except OmniflowError as err:
             call.fail(err)
-            return
+            return None
         vocab = component.head.out_features
         seen = None
         if sampling.repetition_penalty != 1.0:
@@ -580,22 +584,40 @@ class TransformersAR(Backend):
             seed=seed,
         )
         call.state[_STATE] = seq
-        cache = component.new_cache()
-        positions = prompt.positions
-        if positions is None:
-            positions = torch.arange(length, device=self.device)[None]
-        hidden = self._forward(
-            prompt.embeds[None],
-            torch.ones(1, length, dtype=torch.bool, device=self.device),
-            positions,
-            cache,
-        )[0]
-        value = None
+        return seq, prompt
+
+    def _prefill(self, calls: list[Call]) -> None:
+        """Prefill the starting requests in as few forwards as `prefill_tokens` allows."""
+        started = [s for s in map(self._start, calls) if s is not None]
+        budget = self.spec.plan.settings.get("prefill_tokens", PREFILL_TOKENS)
+        lengths = [prompt.embeds.shape[0] for _, prompt in started]
+        for group in prefill_groups(lengths, budget):
+            self._prefill_group([started[i] for i in group])
+
+    def _prefill_group(self, started: list[tuple[Sequence, Prompt]]) -> None:
+        """One causal forward over the prompts, right-padded to the longest; then each
+        request samples its first token and joins the running rows."""
+        seqs = [seq for seq, _ in started]
+        width = max(seq.length for seq in seqs)
+        embeds = torch.stack([F.pad(p.embeds, (0, 0, 0, width - s.length)) for s, p in started])
+        positions = torch.cat(
+            [_padded_positions(p, s.length, width, self.device) for s, p in started], dim=-2
+        )
+        cache = self.component.new_cache()
+        mask = torch.ones(len(seqs), width, dtype=torch.bool, device=self.device)
+        hidden = self._forward(embeds, mask, positions, cache)
+        values = [None] * len(seqs)
         if "hidden" in self.spec.outputs:
-            value = component.hidden_value(hidden, prompt.embeds, prompt=True)
-        self._advance([seq], hidden[-1:], [value])
-        if not call.finished:
-            (self._join_static if self.static else self._join)(seq, cache)
+            values = [
+                self.component.hidden_value(hidden[i, : s.length], p.embeds, prompt=True)
+                for i, (s, p) in enumerate(started)
+            ]
+        last = torch.stack([hidden[i, s.length - 1] for i, s in enumerate(seqs)])
+        self._advance(seqs, last, values)
+        rows = [_row_states(cache, i, s.length) for i, s in enumerate(seqs)]
+        for seq, states in zip(seqs, rows, strict=True):
+            if not seq.call.finished:
+                (self._join_static if self.static else self._join)(seq, cache, states)
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """One forward over every row; the rows of `seqs` advance, the others idle."""
@@ -676,28 +698,33 @@ class TransformersAR(Backend):
             call.finish()
 
     # --- the batched cache -------------------------------------------------------------------------
-    def _join(self, seq: Sequence, cache) -> None:
+    def _join(self, seq: Sequence, cache, states: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Add a prefilled request's row (`states`: its keys and values per layer, of its
+        prefill's `cache`) to the batched cache."""
         self.rows.append(seq)
         own = torch.ones(1, seq.length, dtype=torch.bool, device=self.device)
-        if self.cache is None:
+        if self.cache is None:  # the prefill's cache object becomes the batch's, one row
+            for layer, (keys, values) in zip(_filled(cache), states, strict=True):
+                layer.keys, layer.values = keys, values
             self.cache, self.mask = cache, own
             return
         width = max(self.mask.shape[1], seq.length)
-        for mine, new in zip(_filled(self.cache), _filled(cache), strict=True):
-            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(new.keys, width)])
-            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(new.values, width)])
+        for mine, (keys, values) in zip(_filled(self.cache), states, strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width), _left_pad(keys, width)])
+            mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(values, width)])
         self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(own, width)])
 
-    def _join_static(self, seq: Sequence, cache) -> None:
-        """Copy a prefilled request's cache into the next free slot (its row)."""
+    def _join_static(
+        self, seq: Sequence, cache, states: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Copy a prefilled request's keys and values (`states`) into the next free slot (its row)."""
         seq.slot = len(self.rows)
         self.rows.append(seq)
-        layers = _filled(cache)
         sampling = seq.sampling
         self.static.join(
             seq.slot,
-            torch.stack([layer.keys[0] for layer in layers]),
-            torch.stack([layer.values[0] for layer in layers]),
+            torch.stack([keys[0] for keys, _ in states]),
+            torch.stack([values[0] for _, values in states]),
             {
                 "length": seq.length,
                 "offset": seq.position_offset,
@@ -758,6 +785,40 @@ def cache_columns(plan, bytes_per_token: int) -> int:
         fits = room // (max(1, plan.batch) * bytes_per_token) // quantum * quantum
         columns = max(quantum, min(columns, fits))
     return columns
+
+
+def prefill_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """The prompts (by index, in order) each prefill forward takes: consecutive prompts while
+    their count times the longest stays within `budget` padded positions; a prompt longer
+    than the budget alone."""
+    groups: list[list[int]] = []
+    width = 0
+    for i, length in enumerate(lengths):
+        if groups and (len(groups[-1]) + 1) * max(width, length) <= budget:
+            groups[-1].append(i)
+            width = max(width, length)
+        else:
+            groups.append([i])
+            width = length
+    return groups
+
+
+def _padded_positions(prompt: Prompt, length: int, width: int, device: str) -> torch.Tensor:
+    """The prompt's position ids (`[1, width]` or `[3, 1, width]`), the padding after its
+    `length` positions continuing them (a pad's position changes only the pad)."""
+    if prompt.positions is None:
+        return torch.arange(width, device=device)[None]
+    positions = prompt.positions
+    more = torch.arange(1, width - length + 1, device=positions.device)
+    return torch.cat([positions, positions[..., -1:] + more], dim=-1)
+
+
+def _row_states(cache, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Keys and values `[1, heads, length, d]` of one row of a prefill's cache, per layer."""
+    return [
+        (layer.keys[row : row + 1, :, :length], layer.values[row : row + 1, :, :length])
+        for layer in _filled(cache)
+    ]
 
 
 def _filled(cache) -> list:

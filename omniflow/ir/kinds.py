@@ -63,6 +63,9 @@ SEED = ParamSpec(_INT, low=0, high=(1 << SEED_BITS) - 1)
 SEED_PARAM = "seed"
 # Bounds that keep the compiler's arithmetic finite for any program.
 _LENGTH = {"low": 1, "high": 1 << 20, "planned": True}
+# Prompt positions one prefill forward of an `ar` stage holds unless it says otherwise:
+# batched prompts up to this many (padded), or one full-length prompt if that is longer.
+PREFILL_TOKENS = 8192
 _PIXELS = {"low": 16, "high": 16384, "planned": True}
 
 _SAMPLING = {
@@ -105,6 +108,9 @@ KINDS: dict[str, StageKind] = {
                 # CUDA graphs captured at load), "static" (the same step, eager), "eager"
                 # (a dynamic cache); "auto" is "graphs" on CUDA, "eager" on CPU.
                 "decode": ParamSpec(_STR, "auto", choices=("auto", "graphs", "static", "eager")),
+                # Prompt positions (padded to the longest) that one prefill forward batches
+                # across new requests; a longer prompt is prefilled alone.
+                "prefill_tokens": ParamSpec(_INT, PREFILL_TOKENS, low=1, high=1 << 20),
             },
         ),
         _kind(

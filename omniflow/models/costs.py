@@ -33,11 +33,9 @@ from typing import Any
 
 from omniflow.dtypes import dtype_bytes
 from omniflow.errors import ModelConfigError
+from omniflow.ir.kinds import PREFILL_TOKENS
 from omniflow.models.catalog import LM_FAMILIES, ComponentConfig
 
-# Prompt tokens one prefill forward may hold when the caller does not say: batched prompts
-# up to this many tokens, or one full-length prompt if that is longer.
-PREFILL_TOKENS = 8192
 # Text tokens a DiT attends to beside the image when neither caller nor config says.
 DIT_TEXT_TOKENS = 512
 # Frames one vocoder forward decodes: the reference chunked_decode's 300-frame chunk plus
@@ -133,8 +131,9 @@ def estimate_cost(
     """Estimate one stage replica serving `cfg` at `max_batch` items of `max_len` each.
 
     `dtype` overrides the component's own (weights, KV cache and activations alike).
-    `prefill_tokens` (LMs) is the most prompt tokens one prefill forward holds; default:
-    max(max_len, PREFILL_TOKENS), capped at max_batch x max_len. `context_len` (DiT) is the
+    `prefill_tokens` (LMs) is the prompt positions one prefill forward batches (default
+    PREFILL_TOKENS); a forward holds that or one max_len prompt, whichever is more, and no
+    more than max_batch x max_len. `context_len` (DiT) is the
     text tokens per image; default: the config's max_text_len, else DIT_TEXT_TOKENS.
     """
     if max_batch < 1 or max_len < 1:
@@ -455,7 +454,7 @@ class _LM(_Estimator):
         per_token = _token_workspace(hidden, self.q_dim, self.kv_dim, self._ffn_width())
         if self.cfg.family == "text_encoder":
             return s.batch * s.length * per_token * s.nbytes
-        prefill = s.prefill_tokens or max(s.length, PREFILL_TOKENS)
+        prefill = max(s.prefill_tokens or PREFILL_TOKENS, s.length)
         tokens = max(min(prefill, s.batch * s.length), s.batch)
         return tokens * per_token * s.nbytes + s.batch * self.c["vocab_size"] * _LOGIT_BYTES
 

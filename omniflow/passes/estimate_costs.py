@@ -64,6 +64,7 @@ def estimate_costs(graph: Graph, target: Target) -> Graph:
             max_batch=batch,
             max_len=_sequence_length(graph, node),
             dtype=stage_dtype(graph, node),
+            prefill_tokens=graph.param_value(node, "prefill_tokens") if node.op == "ar" else None,
             context_len=_text_tokens(graph, node),
         )
         if "image_encoder" in node.meta:

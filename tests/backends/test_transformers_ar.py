@@ -7,6 +7,7 @@ dynamic cache ("eager", the CPU default) and the static cache ("static": the ste
 CUDA graphs capture, run eagerly). On a GPU, graph replay gives what the eager static
 step gives, and nothing is captured after load."""
 
+import contextlib
 import dataclasses
 import itertools
 
@@ -15,7 +16,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from omniflow.backends import static_decode, transformers_ar
-from omniflow.backends.transformers_ar import ARBackendError, TextStream, TransformersAR
+from omniflow.backends.transformers_ar import (
+    ARBackendError,
+    TextStream,
+    TransformersAR,
+    prefill_groups,
+)
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.compiler import compile_source
 from omniflow.hf_logging import quiet
@@ -187,33 +193,53 @@ def test_rows_left_out_of_a_step_and_dropped_rows_change_nothing(backend):
     assert batched[1].tokens == singles[1].tokens[:4]  # steps 0 to 3
 
 
-def test_one_decoder_forward_per_decode_step(backend):
-    if backend.decode != "eager":
-        pytest.skip("the static path's decode step is not the decoder's forward")
-    decoder = backend.component.decoder
-    calls = []
-    forward = decoder.forward
+@contextlib.contextmanager
+def forward_shapes(decoder):
+    """The (rows, positions) of each decoder forward while the block runs."""
+    shapes, forward = [], decoder.forward
 
     def counting(*args, **kwargs):
-        calls.append(kwargs["inputs_embeds"].shape[:2])
+        shapes.append(tuple(kwargs["inputs_embeds"].shape[:2]))
         return forward(*args, **kwargs)
 
     decoder.forward = counting
     try:
-        batch = [request(PROMPTS[i], max_tokens=6) for i in (0, 1, 3)]
-        backend.step(batch)  # three prefills, each a forward over its own prompt
-        assert [n for n, _ in calls] == [1, 1, 1]
-        assert len({length for _, length in calls}) == 3
+        yield shapes
+    finally:
+        del decoder.forward
+
+
+def test_one_decoder_forward_per_decode_step(backend):
+    if backend.decode != "eager":
+        pytest.skip("the static path's decode step is not the decoder's forward")
+    batch = [request(PROMPTS[i], max_tokens=6) for i in (0, 1, 3)]
+    with forward_shapes(backend.component.decoder) as calls:
+        backend.step(batch)  # three prefills in one forward, padded to the longest prompt
+        lengths = [s.length for s in backend.rows]
+        assert len(set(lengths)) == 3 and calls == [(3, max(lengths))]
         for _ in range(5):
             calls.clear()
             backend.step([c for c in batch if not c.finished])
             assert calls == [(3, 1)]  # one forward, every request's next token
-    finally:
-        del decoder.forward
     assert all(c.finished for c in batch)
     for call in batch:
         backend.drop(call)
     assert backend.rows == []
+
+
+def test_prefill_batches_new_requests_within_prefill_tokens(plan):
+    """Within the budget, new requests share one prefill forward and give each request's
+    own tokens; prefill_tokens=1 prefills each alone."""
+    assert prefill_groups([5, 9, 3, 20, 4], budget=30) == [[0, 1, 2], [3], [4]]
+    assert prefill_groups([40, 2], budget=30) == [[0], [1]]  # a longer prompt runs alone
+    assert prefill_groups([5, 9, 3], budget=1) == [[0], [1], [2]]
+    for budget in (1, 4096):
+        backend = make_backend(plan, "eager", prefill_tokens=budget)
+        with forward_shapes(backend.component.decoder) as calls:
+            together = run(backend, [request(p) for p in PROMPTS])
+        prefills = [rows for rows, positions in calls if positions > 1]
+        assert prefills == ([1, 1, 1, 1] if budget == 1 else [4])
+        assert [o.tokens for o in together] == [alone(backend, p).tokens for p in PROMPTS]
 
 
 def test_the_static_path_runs_one_step_per_decode_step_on_compact_rows(plan):

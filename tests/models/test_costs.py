@@ -409,8 +409,11 @@ def test_lm_activation_workspace():
     per_token = (2 * hidden + 2 * q_dim + 2 * kv_dim + 3 * inter) * 2
     cost = estimate_cost(cfg, max_batch=16, max_len=4096)
     assert cost.activation_bytes == PREFILL_TOKENS * per_token + 16 * vocab * 4
-    explicit = estimate_cost(cfg, max_batch=16, max_len=4096, prefill_tokens=1024)
-    assert explicit.activation_bytes == 1024 * per_token + 16 * vocab * 4
+    explicit = estimate_cost(cfg, max_batch=16, max_len=4096, prefill_tokens=16384)
+    assert explicit.activation_bytes == 16384 * per_token + 16 * vocab * 4
+    # A forward always holds one full-length prompt, however small the batching budget.
+    alone = estimate_cost(cfg, max_batch=16, max_len=4096, prefill_tokens=1)
+    assert alone.activation_bytes == 4096 * per_token + 16 * vocab * 4
     # A batch too small to fill a prefill chunk is capped at its own tokens.
     small = estimate_cost(cfg, max_batch=1, max_len=100)
     assert small.activation_bytes == 100 * per_token + vocab * 4
