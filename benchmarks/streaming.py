@@ -26,7 +26,8 @@ table holds the eager and the graph-captured pipeline side by side.
 
 `--breakdown` profiles the measured round at each concurrency and prints the median of
 each component of the requests' TTFP critical paths (`omniflow.profiler.analysis`): a
-stage's steps, its waiting (its executor busy with other work), the edges' hand-offs.
+stage's steps, its waiting (its executor busy with other work, or idle), the edges'
+hand-offs; and what each stage's steps took until the median first packet.
 `--prefill-tokens N ...` runs the AR stages at each prefill budget (1: every request
 prefilled alone), side by side.
 
@@ -90,13 +91,27 @@ def plan_for(
     return compile_graph(graph, devices)
 
 
-def ttfp_breakdown(trace: dict, output: str = "audio") -> list[tuple[str, float]]:
-    """The components of the requests' TTFP critical paths (to `output`'s first chunk), each
-    its median in ms over the requests, largest first."""
-    paths = [r.path_ttfp[output] for r in timelines(parse_trace(trace)) if output in r.path_ttfp]
+def ttfp_breakdown(trace: dict, output: str = "audio") -> tuple[list[str], list[str]]:
+    """Where a round's TTFP went: the components of the requests' critical paths to
+    `output`'s first chunk (each its median over the requests, largest first), and each
+    stage's steps from the first request's arrival to the median first chunk."""
+    profile = parse_trace(trace)
+    requests = [r for r in timelines(profile) if output in r.path_ttfp]
+    paths = [r.path_ttfp[output] for r in requests]
     names = {name for path in paths for name in path}
     medians = {n: statistics.median(path.get(n, 0.0) for path in paths) / 1e3 for n in names}
-    return sorted(medians.items(), key=lambda kv: -kv[1])
+    parts = [f"{n} {ms:.1f}" for n, ms in sorted(medians.items(), key=lambda kv: -kv[1]) if ms >= 1]
+    t0 = min(r.t0 for r in requests)
+    until = t0 + statistics.median(r.ttfp[output] for r in requests)
+    steps = []
+    for stage in profile.stages:
+        durs = [s.dur / 1e3 for s in profile.steps.get(stage, ()) if t0 <= s.ts < until]
+        if durs:
+            steps.append(
+                f"{stage} {len(durs)} steps, {sum(durs):.1f} ms (median {statistics.median(durs):.2f}"
+                f", longest {max(durs):.1f})"
+            )
+    return parts, steps
 
 
 def long_prompts(tokenizer_dir: str, tokens: int) -> list[str]:
@@ -316,9 +331,12 @@ def main() -> None:
                     engine.start_profile(capacity=1 << 20)
                 rows[name, c] = ttfp, e2e, wall = run_engine(engine, c, args.max_tokens, audio)
                 if args.breakdown:
-                    trace = chrome_trace(engine.stop_profile(), plan)
-                    parts = ", ".join(f"{n} {ms:.1f}" for n, ms in ttfp_breakdown(trace) if ms >= 1)
-                    print(f"  {name} at {c}: TTFP critical path, median ms: {parts}", flush=True)
+                    parts, steps = ttfp_breakdown(chrome_trace(engine.stop_profile(), plan))
+                    print(
+                        f"  {name} at {c}: TTFP critical path, median ms: {', '.join(parts)}\n"
+                        f"    steps before the median TTFP: {'; '.join(steps)}",
+                        flush=True,
+                    )
                 samples = [sum(n for _, n in chunks) for chunks in audio]
                 rtf[name, c] = [
                     t / (n / rate) if n else float("inf") for t, n in zip(e2e, samples, strict=True)
