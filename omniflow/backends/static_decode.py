@@ -332,8 +332,7 @@ class StaticDecoder:
         self.host_active[active] = True
         self.active.copy_(self.host_active, non_blocking=True)
         if extra is not None:
-            where = torch.tensor(active, device=self.device)
-            self.extra.index_copy_(0, where, extra.to(self.extra.dtype))
+            self.extra.index_copy_(0, self._index(active), extra.to(self.extra.dtype))
         graph = self.graphs.get((batch, length))
         if graph is not None:
             graph.replay()
@@ -345,8 +344,14 @@ class StaticDecoder:
     def outputs(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The last step's hidden states `[n, H]` and input embeddings `[n, E]` of `slots`
         (copies: the buffers are overwritten by the next step)."""
-        where = torch.tensor(slots, device=self.device)
+        where = self._index(slots)
         return self.hidden.index_select(0, where), self.embeds.index_select(0, where)
+
+    def _index(self, slots: list[int]) -> torch.Tensor:
+        """`slots` as an index on the device, copied from pinned memory without waiting for
+        the device (a copy from pageable memory waits for the work queued before it)."""
+        staged = torch.tensor(slots, pin_memory=self.device.type == "cuda")
+        return staged.to(self.device, non_blocking=True)
 
     def _attend(self, q, keys, values, mask):
         """q `[B, kv_heads, group, d]` against keys/values `[B, kv_heads, T, d]`."""

@@ -15,7 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from omniflow.backends.models.qwen_omni import talker_to_code2wav, thinker_to_talker
+from omniflow.backends.models.qwen_omni import (
+    _CONDITIONING,
+    talker_to_code2wav,
+    thinker_to_talker,
+)
 from omniflow.backends.transformers_ar import TransformersAR
 from omniflow.checkpoints.tiny import build_tiny, reference_omni_generate
 from omniflow.compiler import compile_source
@@ -195,6 +199,32 @@ def test_adapters_work_row_by_row(plan):
     ids = torch.tensor([[5], [127], [128], [3], [130]])  # tiny codes are 0..127
     assert frames(ids).reshape(-1).tolist() == [5, 127, 3]
     assert torch.equal(torch.cat([frames(ids[:3]), frames(ids[3:])]), frames(ids))
+
+
+def test_the_talker_takes_prompt_rows_only_before_reply_rows(plan):
+    """A chunk's roles say where the prompt ends: prompt rows first, then reply rows, and no
+    prompt row once a reply row has come; otherwise the request fails with that reason."""
+    talker = TransformersAR(StageSpec.from_channels(plan.stage("talker"), plan.channels), "cpu")
+    width = talker.component.width
+
+    def rows(*roles: float) -> torch.Tensor:
+        chunk = torch.randn(len(roles), 2, width)
+        chunk[:, 1] = torch.tensor(roles)[:, None]
+        return chunk
+
+    def received(*chunks: torch.Tensor) -> Call:
+        call = Call("r", {}, {"embeds": InputStream("hidden")})
+        for chunk in chunks:
+            call.inputs["embeds"].push(chunk, end=False)
+            talker.component.receive(call)
+        return call
+
+    ok = received(rows(0.0, 0.0, 1.0), rows(1.0))
+    cond = ok.state[_CONDITIONING]
+    assert ok.error is None and [len(p) for p in cond.prompt] == [2] and len(cond.replies) == 2
+    for bad in [(rows(1.0, 0.0),), (rows(0.0, 1.0), rows(0.0))]:
+        call = received(*bad)
+        assert "prompt rows arrived after its reply rows" in str(call.error)
 
 
 def test_talker_needs_the_adapter_and_a_known_speaker(plan):

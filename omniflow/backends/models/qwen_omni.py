@@ -241,13 +241,16 @@ class OmniTalker(Component):
             )
             return
         rows = chunk.to(self.embed.weight.device, self.embed.weight.dtype, copy=True)
-        reply = rows[:, 1, 0] == ROLE_REPLY
+        # The roles are read back once (where the prompt ends); the rows stay on the device.
+        reply = [role == ROLE_REPLY for role in rows[:, 1, 0].tolist()]
+        prompt = reply.index(True) if True in reply else len(reply)
         cond = call.state.setdefault(_CONDITIONING, _Conditioning())
-        if (cond.replies and not reply.all()) or (reply[1:] < reply[:-1]).any():
+        if (cond.replies and prompt) or not all(reply[prompt:]):
             call.fail(ARBackendError("thinker prompt rows arrived after its reply rows"))
             return
-        cond.prompt.append(rows[~reply, 0])
-        cond.replies.extend(rows[reply, 0].unbind())
+        if prompt:
+            cond.prompt.append(rows[:prompt, 0])
+        cond.replies.extend(rows[prompt:, 0].unbind())
 
     def can_start(self, call: Call) -> bool:
         cond = call.state.get(_CONDITIONING)
