@@ -13,8 +13,10 @@ real-size replay by 1.5 % (docs/benchmarks.md, "AR decode steps").
 Layout: `qkv` is `[B, (Hq + 2 Hkv) * d]`, the q heads then the k heads then the v heads (the
 fused projection's output); `cos`, `sin` are `[B, d]` (HF's rotary embedding at each row's
 position); the cache is `[slots, Hkv, columns, d]` (one layer's), row b writing column
-`min(filled[b], columns - 1)` of slot b. One program per (row, head): q heads write the
-rotated query to `q_out[b, h]`, kv heads write the rotated key and the value to the cache.
+`min(filled[b], columns - 1)` of slot b, or of slot `slots[b]` where given (a prefill's
+rows are a prompt's positions, many to a slot). One program per (row, head): q heads write
+the rotated query to `q_out[b, h]`, kv heads write the rotated key and the value to the
+cache.
 
 Numerics are HF's `apply_rotary_pos_emb` in the input dtype: `q * cos` and
 `rotate_half(q) * sin` each rounded to the dtype, then their sum rounded; the kernel does
@@ -45,10 +47,11 @@ def _rotate(x_ptr, cos, sin, offs, partner, sign, inside):
 
 @jit
 def _rope_cache_kernel(
-    qkv_ptr, cos_ptr, sin_ptr, filled_ptr, q_ptr, keys_ptr, values_ptr,
+    qkv_ptr, cos_ptr, sin_ptr, filled_ptr, slots_ptr, q_ptr, keys_ptr, values_ptr,
     qkv_stride, cos_stride, q_stride_b, q_stride_h,
     cache_stride_s, cache_stride_h, cache_stride_c, columns,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -66,38 +69,45 @@ def _rope_cache_kernel(
     else:
         kv = head - Q_HEADS
         column = tl.minimum(tl.load(filled_ptr + row), columns - 1)
-        at = row * cache_stride_s + kv * cache_stride_h + column * cache_stride_c + offs
+        slot = row
+        if HAS_SLOTS:
+            slot = tl.load(slots_ptr + row)
+        at = slot * cache_stride_s + kv * cache_stride_h + column * cache_stride_c + offs
         k = _rotate(base + (Q_HEADS + kv) * D, cos, sin, offs, partner, sign, inside)
         tl.store(keys_ptr + at, k, mask=inside)
         v = tl.load(base + (Q_HEADS + KV_HEADS + kv) * D + offs, mask=inside, other=0.0)
         tl.store(values_ptr + at, v, mask=inside)
 
 
-def _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads) -> int:
+def _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads, slots) -> int:
     rows = qkv.shape[0]
     d = keys.shape[-1]
     if qkv.shape != (rows, (q_heads + 2 * kv_heads) * d) or d % 2:
         raise RopeError(f"qkv {list(qkv.shape)} is not [B, (Hq + 2 Hkv) * d] for d = {d}")
     if cos.shape != (rows, d) or sin.shape != cos.shape or filled.shape != (rows,):
         raise RopeError(f"cos/sin must be [{rows}, {d}] and filled [{rows}]")
-    if keys.shape != values.shape or keys.shape[1] != kv_heads or keys.shape[0] < rows:
-        raise RopeError(f"cache {list(keys.shape)} is not [>= {rows}, {kv_heads}, C, {d}]")
+    if slots is not None and slots.shape != (rows,):
+        raise RopeError(f"slots must be [{rows}], not {list(slots.shape)}")
+    least = rows if slots is None else 1
+    if keys.shape != values.shape or keys.shape[1] != kv_heads or keys.shape[0] < least:
+        raise RopeError(f"cache {list(keys.shape)} is not [>= {least}, {kv_heads}, C, {d}]")
     return d
 
 
-def rope_cache_triton(qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int):
+def rope_cache_triton(qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int, slots=None):
     """Rotated queries `[B, Hq, d]`; the rotated keys and the values written into column
-    `min(filled[b], C - 1)` of slot b of `keys`, `values` (`[slots, Hkv, C, d]`)."""
-    d = _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads)
+    `min(filled[b], C - 1)` of slot b (`slots[b]` where given) of `keys`, `values`
+    (`[slots, Hkv, C, d]`)."""
+    d = _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads, slots)
     rows = qkv.shape[0]
     q = torch.empty(rows, q_heads, d, dtype=qkv.dtype, device=qkv.device)
     if rows:
         _rope_cache_kernel[(rows, q_heads + kv_heads)](
-            qkv, cos, sin, filled, q, keys, values,
+            qkv, cos, sin, filled, filled if slots is None else slots, q, keys, values,
             qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
             keys.stride(0), keys.stride(1), keys.stride(2), keys.shape[2],
             Q_HEADS=q_heads, KV_HEADS=kv_heads, D=d, BLOCK=triton.next_power_of_2(d),
-            num_warps=1,
+            HAS_SLOTS=slots is not None, num_warps=1,
         )  # fmt: skip
     return q
 
@@ -107,9 +117,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def reference(qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int):
-    """HF's rotation, op by op, and the cache write as a scatter."""
-    d = _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads)
+def reference(qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int, slots=None):
+    """HF's rotation, op by op, and the cache write as an indexed copy."""
+    d = _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads, slots)
     rows = qkv.shape[0]
     heads = qkv.view(rows, q_heads + 2 * kv_heads, d)
     q, k = heads[:, :q_heads], heads[:, q_heads : q_heads + kv_heads]
@@ -117,14 +127,16 @@ def reference(qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int):
     c, s = cos[:, None], sin[:, None]
     q = (q * c) + (_rotate_half(q) * s)
     k = (k * c) + (_rotate_half(k) * s)
-    where = filled.clamp(max=keys.shape[2] - 1).view(rows, 1, 1, 1).expand(rows, kv_heads, 1, d)
-    keys[:rows].scatter_(2, where, k[:, :, None])
-    values[:rows].scatter_(2, where, v[:, :, None])
+    slot = torch.arange(rows, device=qkv.device) if slots is None else slots
+    where = (slot[:, None], torch.arange(kv_heads, device=qkv.device)[None])
+    column = filled.clamp(max=keys.shape[2] - 1)[:, None]
+    keys[(*where, column)] = k
+    values[(*where, column)] = v
     return q
 
 
-def rope_cache(qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int):
+def rope_cache(qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int, slots=None):
     """The kernel on CUDA, the reference elsewhere."""
     if qkv.is_cuda and triton is not None:
-        return rope_cache_triton(qkv, cos, sin, filled, keys, values, q_heads, kv_heads)
-    return reference(qkv, cos, sin, filled, keys, values, q_heads, kv_heads)
+        return rope_cache_triton(qkv, cos, sin, filled, keys, values, q_heads, kv_heads, slots)
+    return reference(qkv, cos, sin, filled, keys, values, q_heads, kv_heads, slots)

@@ -37,7 +37,15 @@ gate/up projections are merged into one matrix each (the model's own projections
 views of them, so the weights are held once), and the elementwise chains run as Triton
 kernels: residual add + RMSNorm (`omniflow.kernels.rms_norm`), rotary + cache write
 (`rope_cache`), SiLU x up (`silu_mul`): 9 launches a layer instead of ~42. Off CUDA the
-step runs the model's modules op by op (`_layers`), as HF's forward does.
+step runs the model's modules op by op (`_layers`), as HF's forward does (the CPU tests run
+the fused path under Triton's interpreter, `fused=True`).
+
+Prefill. On the fused path new requests' prompts go straight into their slots: `prefill`
+runs the fused layers over every prompt position at once (the prompts right-padded to the
+longest, causal attention over each), the rotary kernel writing each position's key and
+value into its request's slot: one forward for a batch of prompts, no DynamicCache and no
+copy out of it. Otherwise the backend prefills through the model's forward and `join`
+copies that cache into the slot.
 
 What the static path supports (`unsupported` says why not): decoders whose layers are the
 Llama/Qwen2 shape (`input_layernorm`, `self_attn` with q/k/v/o projections, GQA allowed,
@@ -268,14 +276,15 @@ class StaticDecoder:
 
     # --- requests in and out ----------------------------------------------------------------
     @torch.inference_mode()
-    def join(self, slot: int, keys: torch.Tensor, values: torch.Tensor, state: dict) -> None:
-        """Put a prefilled request in `slot`: its keys and values `[layers, kv_heads, L,
-        head_dim]` in columns 0..L-1, and its per-slot state (`length`, `offset`, `last`,
+    def join(self, slot: int, state: dict, keys=None, values=None) -> None:
+        """Put a prefilled request in `slot`: its per-slot state (`length`, `offset`, `last`,
         `step`, `temperature`, `top_k`, `top_p`, `repetition_penalty`, `seed`, and `seen`, a
-        `[V]` bool mask or None)."""
-        filled = keys.shape[2]
-        self.keys[:, slot, :, :filled].copy_(keys)
-        self.values[:, slot, :, :filled].copy_(values)
+        `[V]` bool mask or None) and, unless `prefill` wrote them there, its keys and values
+        `[layers, kv_heads, L, head_dim]` into columns 0..L-1."""
+        if keys is not None:
+            filled = keys.shape[2]
+            self.keys[:, slot, :, :filled].copy_(keys)
+            self.values[:, slot, :, :filled].copy_(values)
         top_p = state["top_p"]
         numbers = {
             self.length: state["length"],
@@ -352,6 +361,53 @@ class StaticDecoder:
         the device (a copy from pageable memory waits for the work queued before it)."""
         staged = torch.tensor(slots, pin_memory=self.device.type == "cuda")
         return staged.to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def prefill(self, slots: list[int], embeds: torch.Tensor) -> torch.Tensor:
+        """Prefill requests straight into `slots` on the fused layers: `embeds` `[B, W, E]` are
+        their prompts' input embeddings at positions 0..W-1, right-padded to the longest (a
+        pad attends after every real position, never before one, and its keys land past its
+        request's length, in columns no step reads before it overwrites them). Writes every
+        layer's keys and values; returns the final hidden states `[B, W, H]`. Eager (one
+        forward per prefill), without a DynamicCache and the copy from it into the slots."""
+        b, w = embeds.shape[:2]
+        d, group = self.head_dim, self.q_heads // self.kv_heads
+        x = self.component.project(embeds).reshape(b * w, -1)
+        columns = torch.arange(w, device=self.device).repeat(b)
+        where = self._index(slots)
+        cos, sin = self.rotary(x[None], columns[None])
+        if cos.dim() == 4:  # multimodal RoPE's three (equal) position components
+            cos, sin = cos[0], sin[0]
+        cos, sin = cos[0], sin[0]
+        residual, delta = x, None
+        for i, layer in enumerate(self.layers):
+            qkv_weight, qkv_bias, gate_up = self.merged[i]
+            attention, norm = layer.self_attn, layer.input_layernorm
+            h, residual = rms_norm.add_rms_norm_triton(
+                residual, delta, norm.weight, norm.variance_epsilon
+            )
+            q = rope_cache.rope_cache_triton(
+                F.linear(h, qkv_weight, qkv_bias), cos, sin, columns, self.keys[i],
+                self.values[i], self.q_heads, self.kv_heads, slots=where.repeat_interleave(w),
+            )  # fmt: skip
+            keys, values = (
+                cache[i, :, :, :w].index_select(0, where).repeat_interleave(group, dim=1)
+                for cache in (self.keys, self.values)
+            )
+            out = F.scaled_dot_product_attention(
+                q.view(b, w, self.q_heads, d).transpose(1, 2), keys, values, is_causal=True,
+                scale=self.scaling,
+            )  # fmt: skip
+            norm = layer.post_attention_layernorm
+            h, residual = rms_norm.add_rms_norm_triton(
+                residual, attention.o_proj(out.transpose(1, 2).reshape(b * w, -1)),
+                norm.weight, norm.variance_epsilon,
+            )  # fmt: skip
+            delta = layer.mlp.down_proj(silu_mul.silu_mul_triton(F.linear(h, gate_up)))
+        hidden, _ = rms_norm.add_rms_norm_triton(
+            residual, delta, self.norm.weight, self.norm.variance_epsilon
+        )
+        return hidden.view(b, w, -1)
 
     def _attend(self, q, keys, values, mask):
         """q `[B, kv_heads, group, d]` against keys/values `[B, kv_heads, T, d]`."""

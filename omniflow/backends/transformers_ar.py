@@ -596,16 +596,24 @@ class TransformersAR(Backend):
 
     def _prefill_group(self, started: list[tuple[Sequence, Prompt]]) -> None:
         """One causal forward over the prompts, right-padded to the longest; then each
-        request samples its first token and joins the running rows."""
+        request samples its first token and joins the running rows. On the fused static
+        path (text positions) the forward writes the slots itself; else it is the model's
+        forward into a DynamicCache, whose rows then join."""
         seqs = [seq for seq, _ in started]
         width = max(seq.length for seq in seqs)
         embeds = torch.stack([F.pad(p.embeds, (0, 0, 0, width - s.length)) for s, p in started])
-        positions = torch.cat(
-            [_padded_positions(p, s.length, width, self.device) for s, p in started], dim=-2
-        )
-        cache = self.component.new_cache()
-        mask = torch.ones(len(seqs), width, dtype=torch.bool, device=self.device)
-        hidden = self._forward(embeds, mask, positions, cache)
+        direct = self.static is not None and self.static.fused
+        direct = direct and all(p.positions is None for _, p in started)
+        if direct:
+            first = len(self.rows)
+            hidden = self.static.prefill(list(range(first, first + len(seqs))), embeds)
+        else:
+            positions = torch.cat(
+                [_padded_positions(p, s.length, width, self.device) for s, p in started], dim=-2
+            )
+            cache = self.component.new_cache()
+            mask = torch.ones(len(seqs), width, dtype=torch.bool, device=self.device)
+            hidden = self._forward(embeds, mask, positions, cache)
         values = [None] * len(seqs)
         if "hidden" in self.spec.outputs:
             values = [
@@ -614,10 +622,19 @@ class TransformersAR(Backend):
             ]
         last = torch.stack([hidden[i, s.length - 1] for i, s in enumerate(seqs)])
         self._advance(seqs, last, values)
+        if direct:  # each took the slot it was prefilled into; a finished one leaves again
+            for seq in seqs:
+                self._join_static(seq)
+            self._evict([s for s in seqs if s.call.finished])
+            return
         rows = [_row_states(cache, i, s.length) for i, s in enumerate(seqs)]
         for seq, states in zip(seqs, rows, strict=True):
-            if not seq.call.finished:
-                (self._join_static if self.static else self._join)(seq, cache, states)
+            if seq.call.finished:
+                continue
+            if self.static:
+                self._join_static(seq, states)
+            else:
+                self._join(seq, states, cache)
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """One forward over every row; the rows of `seqs` advance, the others idle."""
@@ -698,7 +715,7 @@ class TransformersAR(Backend):
             call.finish()
 
     # --- the batched cache -------------------------------------------------------------------------
-    def _join(self, seq: Sequence, cache, states: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _join(self, seq: Sequence, states: list[tuple[torch.Tensor, torch.Tensor]], cache) -> None:
         """Add a prefilled request's row (`states`: its keys and values per layer, of its
         prefill's `cache`) to the batched cache."""
         self.rows.append(seq)
@@ -715,16 +732,21 @@ class TransformersAR(Backend):
         self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(own, width)])
 
     def _join_static(
-        self, seq: Sequence, cache, states: list[tuple[torch.Tensor, torch.Tensor]]
+        self, seq: Sequence, states: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     ) -> None:
-        """Copy a prefilled request's keys and values (`states`) into the next free slot (its row)."""
+        """Put a prefilled request in the next free slot (its row), copying its keys and
+        values (`states`) there unless its prefill wrote them into that slot."""
         seq.slot = len(self.rows)
         self.rows.append(seq)
         sampling = seq.sampling
+        kv = {}
+        if states is not None:
+            kv = {
+                "keys": torch.stack([keys[0] for keys, _ in states]),
+                "values": torch.stack([values[0] for _, values in states]),
+            }
         self.static.join(
             seq.slot,
-            torch.stack([keys[0] for keys, _ in states]),
-            torch.stack([values[0] for _, values in states]),
             {
                 "length": seq.length,
                 "offset": seq.position_offset,
@@ -737,6 +759,7 @@ class TransformersAR(Backend):
                 "seed": seq.seed,
                 "seen": seq.seen,
             },
+            **kv,
         )
         seq.seen = None  # from here on, the slot's seen mask (updated by the step)
 

@@ -10,7 +10,7 @@ from omniflow.backends.static_decode import StaticDecoder
 from omniflow.backends.transformers_ar import TransformersAR
 from omniflow.compiler import compile_source
 from omniflow.runtime.stage import Call, InputStream, StageSpec
-from tests.backends.test_transformers_ar import run
+from tests.backends.test_transformers_ar import forward_shapes, run
 
 SOURCE = """
 pipeline chat {{
@@ -25,8 +25,8 @@ MODELS = {"tiny:qwen2": "", "tiny:qwen2.5-omni": 'component="thinker", '}
 PROMPTS = ["Tell me a short story.", "hi", "red hello short short cat small hello world"]
 
 
-def decode(model: str, fused: bool) -> list[list[int]]:
-    """Greedy tokens of PROMPTS batched (joining at steps 0, 1, 1) on the static path."""
+def static_backend(model: str, fused: bool) -> TransformersAR:
+    """The model's `lm` stage on the static path, on the fused layers or op by op."""
     torch.set_num_threads(1)
     plan = compile_source(SOURCE.format(model=model, component=MODELS[model]), devices="cpu")
     backend = TransformersAR(StageSpec.from_channels(plan.stage("lm"), plan.channels), "cpu")
@@ -36,16 +36,47 @@ def decode(model: str, fused: bool) -> list[list[int]]:
             backend.component, slots=static.slots, columns=static.columns, device="cpu",
             capture=False, extra=static.has_extra, fused=True,
         )  # fmt: skip
+    return backend
+
+
+def calls_for(max_tokens: list[int]) -> list[Call]:
     calls = []
-    for i, prompt in enumerate(PROMPTS):
+    for i, (prompt, most) in enumerate(zip(PROMPTS, max_tokens, strict=True)):
         stream = InputStream("chat")
         stream.push([{"role": "user", "content": prompt}], end=True)
-        max_tokens = 4 if i == 1 else 10
-        params = {"max_tokens": max_tokens, "temperature": 0.0}
-        calls.append(Call(f"r{i}", params, {"prompt": stream}))
-    outputs = run(backend, calls, joins=[0, 1, 1])
+        calls.append(Call(f"r{i}", {"max_tokens": most, "temperature": 0.0}, {"prompt": stream}))
+    return calls
+
+
+def decode(model: str, fused: bool) -> list[list[int]]:
+    """Greedy tokens of PROMPTS batched (joining at steps 0, 1, 1) on the static path."""
+    backend = static_backend(model, fused)
+    outputs = run(backend, calls_for([10, 4, 10]), joins=[0, 1, 1])
     assert backend.static is None or backend.static.fused == fused
     return [out.tokens for out in outputs]
+
+
+def prefilled(model: str, fused: bool) -> dict:
+    """PROMPTS prefilled together (the second ends at its first token): the decoder forwards
+    the prefill ran, the keys and values it left in each row's slot, and the rows' tokens
+    after decoding on from there."""
+    backend = static_backend(model, fused)
+    calls = calls_for([6, 1, 6])
+    with forward_shapes(backend.component.decoder) as forwards:
+        backend.step(calls)
+    static = backend.static
+    slots = [(s.call.request_id, s.slot, s.length) for s in backend.rows]
+    caches = [
+        (static.keys[:, i, :, :n].clone(), static.values[:, i, :, :n].clone()) for _, i, n in slots
+    ]
+    backend.drop(calls[1])  # as the runner drops a finished request
+    outputs = run(backend, [calls[0], calls[2]])
+    return {
+        "forwards": forwards,
+        "slots": slots,
+        "caches": caches,
+        "tokens": [o.tokens for o in outputs],
+    }
 
 
 def test_the_fused_step_decodes_the_op_by_op_steps_tokens(interpret):
@@ -53,3 +84,23 @@ def test_the_fused_step_decodes_the_op_by_op_steps_tokens(interpret):
         want = decode(model, fused=False)
         assert [len(t) for t in want] == [10, 4, 10]
         assert interpret(decode, model, True) == want
+
+
+def test_the_fused_prefill_writes_the_slots_the_model_forward_fills(interpret):
+    """On the fused layers a batch of prompts is prefilled straight into its slots, without
+    the model's forward: the same keys and values (within float32 rounding) and the same
+    tokens on from there as the model's forward and the copy into the slots; a request
+    that ends at its first token gives its slot to the last row."""
+    for model in MODELS:
+        want = prefilled(model, fused=False)
+        got = interpret(prefilled, model, True)
+        assert [rows for rows, _ in want["forwards"]] == [3] and got["forwards"] == []
+        assert (
+            got["slots"]
+            == want["slots"]
+            == [("r0", 0, want["slots"][0][2]), ("r2", 1, want["slots"][1][2])]
+        )
+        for mine, theirs in zip(got["caches"], want["caches"], strict=True):
+            for a, b in zip(mine, theirs, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert got["tokens"] == want["tokens"]

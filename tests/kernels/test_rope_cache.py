@@ -1,7 +1,10 @@
-"""Rotary embedding fused with the static cache write: its reference is HF's
-`apply_rotary_pos_emb` and a scatter, and its Triton kernel (interpreted on the CPU,
+"""Rotary embedding fused with the static cache write, for decode rows (one a slot) and
+prefill rows (a prompt's positions, many to a slot): its reference is HF's
+`apply_rotary_pos_emb` and an indexed copy, and its Triton kernel (interpreted on the CPU,
 compiled on a GPU) agrees with the reference: to the bit on float32 in the interpreter,
 within a step of bfloat16 on the GPU."""
+
+import itertools
 
 import pytest
 import torch
@@ -14,20 +17,27 @@ SHAPES = [(1, 4, 4, 16, 2, 8), (3, 4, 2, 24, 4, 5), (2, 28, 4, 128, 3, 9)]
 
 
 def cases() -> list[dict]:
+    """Decode rows (row b writes slot b, some past the last column) and prefill rows (three
+    times as many, each naming its slot, distinct columns of a slot)."""
     found = []
     g = torch.Generator().manual_seed(0)
-    for rows, q_heads, kv_heads, d, slots, columns in SHAPES:
-        for dtype in (torch.float32, torch.bfloat16):
-            qkv = torch.randn(rows, (q_heads + 2 * kv_heads) * d, generator=g).to(dtype)
-            angle = torch.rand(rows, d // 2, generator=g) * 50
-            angle = torch.cat((angle, angle), dim=-1)
-            cache = torch.randn(2, slots, kv_heads, columns, d, generator=g).to(dtype)
-            filled = torch.randint(0, columns + 2, (rows,), generator=g)  # some past the end
-            found.append({
-                "qkv": qkv, "cos": angle.cos().to(dtype), "sin": angle.sin().to(dtype),
-                "filled": filled, "keys": cache[0], "values": cache[1],
-                "q_heads": q_heads, "kv_heads": kv_heads,
-            })  # fmt: skip
+    for (rows, q_heads, kv_heads, d, slots, columns), dtype, prefill in itertools.product(
+        SHAPES, (torch.float32, torch.bfloat16), (False, True)
+    ):
+        n = 3 * rows if prefill else rows
+        qkv = torch.randn(n, (q_heads + 2 * kv_heads) * d, generator=g).to(dtype)
+        angle = torch.rand(n, d // 2, generator=g) * 50
+        angle = torch.cat((angle, angle), dim=-1)
+        cache = torch.randn(2, slots, kv_heads, columns, d, generator=g).to(dtype)
+        slot, filled = None, torch.randint(0, columns + 2, (n,), generator=g)
+        if prefill:
+            slot = torch.randint(0, slots, (n,), generator=g)
+            filled = torch.tensor([int((slot[:r] == slot[r]).sum()) for r in range(n)])
+        found.append({
+            "qkv": qkv, "cos": angle.cos().to(dtype), "sin": angle.sin().to(dtype),
+            "filled": filled, "keys": cache[0], "values": cache[1],
+            "q_heads": q_heads, "kv_heads": kv_heads, "slots": slot,
+        })  # fmt: skip
     return found
 
 
@@ -49,8 +59,9 @@ def test_the_reference_is_hf_rotary():
         got_q = rope_cache.reference(**{**case, "keys": keys, "values": case["values"].clone()})
         assert torch.equal(got_q, want_q[:, :, 0])
         column = case["filled"].clamp(max=keys.shape[2] - 1)
+        slot = range(rows) if case["slots"] is None else case["slots"].tolist()
         for b in range(rows):
-            assert torch.equal(keys[b, :, column[b]], want_k[b, :, 0])
+            assert torch.equal(keys[slot[b], :, column[b]], want_k[b, :, 0])
 
 
 def assert_agree(got: torch.Tensor, want: torch.Tensor, steps: int) -> None:
@@ -77,6 +88,8 @@ def test_shapes_are_checked():
     case = cases()[0]
     with pytest.raises(rope_cache.RopeError):
         rope_cache.rope_cache(**{**case, "q_heads": 3})
+    with pytest.raises(rope_cache.RopeError, match="slots must be"):
+        rope_cache.rope_cache(**{**case, "slots": torch.zeros(5, dtype=torch.int64)})
 
 
 @pytest.mark.gpu
