@@ -120,8 +120,9 @@ class Component(ABC):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()
 
-    def receive(self, call: Call) -> None:  # noqa: B027 (optional hook)
-        """Take streamed input that has arrived (a talker's conditioning)."""
+    def receive(self, calls: list[Call]) -> None:  # noqa: B027 (optional hook)
+        """Take the streamed input that has arrived for the step's requests (a talker's
+        conditioning), all at once."""
 
     def has_news(self, call: Call) -> bool:
         """Whether streamed input is waiting to be taken."""
@@ -493,8 +494,8 @@ class TransformersAR(Backend):
     @torch.inference_mode()
     def step(self, calls: list[Call]) -> None:
         starting, stepping = [], []
+        self.component.receive(calls)
         for call in calls:
-            self.component.receive(call)
             seq = call.state.get(_STATE)
             if call.error is not None:
                 continue

@@ -216,7 +216,7 @@ def test_the_talker_takes_prompt_rows_only_before_reply_rows(plan):
         call = Call("r", {}, {"embeds": InputStream("hidden")})
         for chunk in chunks:
             call.inputs["embeds"].push(chunk, end=False)
-            talker.component.receive(call)
+            talker.component.receive([call])
         return call
 
     ok = received(rows(0.0, 0.0, 1.0), rows(1.0))
@@ -225,6 +225,13 @@ def test_the_talker_takes_prompt_rows_only_before_reply_rows(plan):
     for bad in [(rows(1.0, 0.0),), (rows(0.0, 1.0), rows(0.0))]:
         call = received(*bad)
         assert "prompt rows arrived after its reply rows" in str(call.error)
+    # A step takes every request's chunk at once; a bad one fails only its request.
+    good, bad = (Call(r, {}, {"embeds": InputStream("hidden")}) for r in ("good", "bad"))
+    good.inputs["embeds"].push(rows(0.0, 1.0, 1.0), end=False)
+    bad.inputs["embeds"].push(rows(1.0, 0.0, 1.0), end=False)
+    talker.component.receive([bad, good])
+    assert good.error is None and len(good.state[_CONDITIONING].replies) == 2
+    assert "prompt rows arrived after its reply rows" in str(bad.error)
 
 
 def test_talker_needs_the_adapter_and_a_known_speaker(plan):

@@ -228,29 +228,37 @@ class OmniTalker(Component):
     def has_news(self, call: Call) -> bool:
         return call.inputs["embeds"].available()
 
-    def receive(self, call: Call) -> None:
-        chunk = call.inputs["embeds"].take()
-        if chunk is None or call.error is not None:
-            return
-        if chunk.dim() != 3 or tuple(chunk.shape[1:]) != (2, self.width):
-            call.fail(
-                ARBackendError(
-                    f"the talker takes conditioning rows [n, 2, {self.width}] from the thinker "
-                    f"through adapter qwen_omni.thinker_to_talker; got {list(chunk.shape)}"
+    def receive(self, calls: list[Call]) -> None:
+        taken = []
+        for call in calls:
+            chunk = call.inputs["embeds"].take()
+            if chunk is None or call.error is not None:
+                continue
+            if chunk.dim() != 3 or tuple(chunk.shape[1:]) != (2, self.width):
+                call.fail(
+                    ARBackendError(
+                        f"the talker takes conditioning rows [n, 2, {self.width}] from the thinker "
+                        f"through adapter qwen_omni.thinker_to_talker; got {list(chunk.shape)}"
+                    )
                 )
+                continue
+            taken.append(
+                (call, chunk.to(self.embed.weight.device, self.embed.weight.dtype, copy=True))
             )
+        if not taken:
             return
-        rows = chunk.to(self.embed.weight.device, self.embed.weight.dtype, copy=True)
-        # The roles are read back once (where the prompt ends); the rows stay on the device.
-        reply = [role == ROLE_REPLY for role in rows[:, 1, 0].tolist()]
-        prompt = reply.index(True) if True in reply else len(reply)
-        cond = call.state.setdefault(_CONDITIONING, _Conditioning())
-        if (cond.replies and prompt) or not all(reply[prompt:]):
-            call.fail(ARBackendError("thinker prompt rows arrived after its reply rows"))
-            return
-        if prompt:
-            cond.prompt.append(rows[:prompt, 0])
-        cond.replies.extend(rows[prompt:, 0].unbind())
+        # Every chunk's roles (where its prompt ends) in one read-back; the rows stay put.
+        roles = torch.cat([rows[:, 1, 0] for _, rows in taken]).tolist()
+        for call, rows in taken:
+            reply, roles = [role == ROLE_REPLY for role in roles[: len(rows)]], roles[len(rows) :]
+            prompt = reply.index(True) if True in reply else len(reply)
+            cond = call.state.setdefault(_CONDITIONING, _Conditioning())
+            if (cond.replies and prompt) or not all(reply[prompt:]):
+                call.fail(ARBackendError("thinker prompt rows arrived after its reply rows"))
+                continue
+            if prompt:
+                cond.prompt.append(rows[:prompt, 0])
+            cond.replies.extend(rows[prompt:, 0].unbind())
 
     def can_start(self, call: Call) -> bool:
         cond = call.state.get(_CONDITIONING)
