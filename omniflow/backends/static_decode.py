@@ -378,36 +378,21 @@ class StaticDecoder:
         cos, sin = self.rotary(x[None], columns[None])
         if cos.dim() == 4:  # multimodal RoPE's three (equal) position components
             cos, sin = cos[0], sin[0]
-        cos, sin = cos[0], sin[0]
-        residual, delta = x, None
-        for i, layer in enumerate(self.layers):
-            qkv_weight, qkv_bias, gate_up = self.merged[i]
-            attention, norm = layer.self_attn, layer.input_layernorm
-            h, residual = rms_norm.add_rms_norm_triton(
-                residual, delta, norm.weight, norm.variance_epsilon
-            )
-            q = rope_cache.rope_cache_triton(
-                F.linear(h, qkv_weight, qkv_bias), cos, sin, columns, self.keys[i],
-                self.values[i], self.q_heads, self.kv_heads, slots=where.repeat_interleave(w),
-            )  # fmt: skip
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            """Causal attention of each prompt's positions over its slot's first w columns."""
             keys, values = (
                 cache[i, :, :, :w].index_select(0, where).repeat_interleave(group, dim=1)
                 for cache in (self.keys, self.values)
             )
+            q = q.view(b, w, self.q_heads, d).transpose(1, 2)
             out = F.scaled_dot_product_attention(
-                q.view(b, w, self.q_heads, d).transpose(1, 2), keys, values, is_causal=True,
-                scale=self.scaling,
-            )  # fmt: skip
-            norm = layer.post_attention_layernorm
-            h, residual = rms_norm.add_rms_norm_triton(
-                residual, attention.o_proj(out.transpose(1, 2).reshape(b * w, -1)),
-                norm.weight, norm.variance_epsilon,
-            )  # fmt: skip
-            delta = layer.mlp.down_proj(silu_mul.silu_mul_triton(F.linear(h, gate_up)))
-        hidden, _ = rms_norm.add_rms_norm_triton(
-            residual, delta, self.norm.weight, self.norm.variance_epsilon
-        )
-        return hidden.view(b, w, -1)
+                q, keys, values, is_causal=True, scale=self.scaling
+            )
+            return out.transpose(1, 2).reshape(b * w, -1)
+
+        slot = where.repeat_interleave(w)
+        return self._fused(x, cos[0], sin[0], columns, attend, slot).view(b, w, -1)
 
     def _attend(self, q, keys, values, mask):
         """q `[B, kv_heads, group, d]` against keys/values `[B, kv_heads, T, d]`."""
@@ -435,37 +420,43 @@ class StaticDecoder:
         return cos[:, 0], sin[:, 0]
 
     def _layers_fused(self, b: int, length: int) -> torch.Tensor:
-        """The decoder on the fused kernels: per layer, add + norm, one q/k/v product, rotary +
-        cache write, attention, o projection, add + norm, one gate/up product, SiLU x up,
-        down projection. Returns the final hidden states `[B, H]`."""
+        """The decode step's layers on the fused kernels: one row a request, attending over
+        the first `length` columns of its slot. Returns the final hidden states `[B, H]`."""
         d, group = self.head_dim, self.q_heads // self.kv_heads
         x = self._inputs(b)
         cos, sin = self._rotary(x[:, None], b)
         filled = self.length[:b]
         visible = self.columns_index[:length][None] <= filled[:, None]
         mask = torch.where(visible, 0.0, -math.inf).to(x.dtype)[:, None, None]
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            keys, values = self.keys[i, :b, :, :length], self.values[i, :b, :, :length]
+            out = self._attend(q.view(b, self.kv_heads, group, d), keys, values, mask)
+            return out.reshape(b, self.q_heads * d)
+
+        return self._fused(x, cos, sin, filled, attend)
+
+    def _fused(self, x, cos, sin, columns, attend, slots=None) -> torch.Tensor:
+        """The decoder on the fused kernels over rows `x` `[N, H]` (at rotary `cos`, `sin`
+        `[N, d]`): per layer, add + norm, one q/k/v product, rotary + the write of each row's
+        key and value into column `columns[r]` of slot r (`slots[r]` where given), attention
+        (`attend(layer, q)`: `[N, Hq * d]`), o projection, add + norm, one gate/up product,
+        SiLU x up, down projection. Returns the final hidden states `[N, H]`."""
         residual, delta = x, None
         for i, layer in enumerate(self.layers):
             qkv_weight, qkv_bias, gate_up = self.merged[i]
-            attention, norm = layer.self_attn, layer.input_layernorm
+            norm = layer.input_layernorm
             h, residual = rms_norm.add_rms_norm_triton(
                 residual, delta, norm.weight, norm.variance_epsilon
             )
-            qkv = F.linear(h, qkv_weight, qkv_bias)
             q = rope_cache.rope_cache_triton(
-                qkv, cos, sin, filled, self.keys[i], self.values[i], self.q_heads, self.kv_heads
-            )
-            out = self._attend(
-                q.view(b, self.kv_heads, group, d),
-                self.keys[i, :b, :, :length],
-                self.values[i, :b, :, :length],
-                mask,
-            )
+                F.linear(h, qkv_weight, qkv_bias), cos, sin, columns, self.keys[i],
+                self.values[i], self.q_heads, self.kv_heads, slots,
+            )  # fmt: skip
             norm = layer.post_attention_layernorm
             h, residual = rms_norm.add_rms_norm_triton(
-                residual, attention.o_proj(out.reshape(b, self.q_heads * d)), norm.weight,
-                norm.variance_epsilon,
-            )  # fmt: skip
+                residual, layer.self_attn.o_proj(attend(i, q)), norm.weight, norm.variance_epsilon
+            )
             delta = layer.mlp.down_proj(silu_mul.silu_mul_triton(F.linear(h, gate_up)))
         hidden, _ = rms_norm.add_rms_norm_triton(
             residual, delta, self.norm.weight, self.norm.variance_epsilon
