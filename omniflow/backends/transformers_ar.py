@@ -449,6 +449,16 @@ class TransformersAR(Backend):
         self.decode, self.static = self._static_decoder()
         if self.static is not None:
             self.capture_seconds = self.static.capture_seconds
+        if torch.device(device).type == "cuda":
+            self._compile_first_token_sampler()
+
+    def _compile_first_token_sampler(self) -> None:
+        """Run the eager sampler a prefill's first tokens take, with and without seen masks,
+        so that Triton compiles those variants at load and not in a first request (a
+        graph-captured step samples with its own)."""
+        logits = torch.zeros(1, self.component.head.out_features, device=self.device)
+        for seen in (None, torch.zeros_like(logits, dtype=torch.bool)):
+            sample(logits, temperature=1.0, repetition_penalty=1.05, seen=seen)
 
     def _static_decoder(self) -> tuple[str, static_decode.StaticDecoder | None]:
         """The decode mode ("eager", "static" or "graphs") and, unless eager, the static
