@@ -20,11 +20,12 @@ What it owns:
   one causal forward (a real position never attends to a pad, which only follows it, so no
   padding mask is needed), as many as fit the stage's `prefill_tokens` (padded positions;
   a longer prompt runs alone); one request's prefill is the same computation as `generate`
-  on it. Each then joins: its cache is left-padded (or the others are) and concatenated. A decode step is ONE forward over every row; a row that is not advancing
-  this step (a talker waiting for its next conditioning row) gets a masked dummy column, so
-  nothing is copied per step beyond what `DynamicCache` itself does. Finished rows leave by
-  row selection, and columns no remaining row uses are cut off. Joining and leaving copy
-  the cache once; stacking per-request caches every step would copy it every token.
+  on it. Each then joins: its cache is left-padded (or the others are) and concatenated.
+  A decode step is ONE forward over every row; a row that is not advancing this step (a
+  talker waiting for its next conditioning row) gets a masked dummy column, so nothing is
+  copied per step beyond what `DynamicCache` itself does. Finished rows leave by row
+  selection, and columns no remaining row uses are cut off. Joining and leaving copy the
+  cache once; stacking per-request caches every step would copy it every token.
 - Sampling per request: temperature (0 = greedy), top-k, top-p, repetition penalty (over
   the prompt and the output, as transformers applies it), a per-request `torch.Generator`
   seeded with `seed`, `max_tokens`, stop token ids and stop strings, the model's EOS ids
@@ -33,11 +34,13 @@ What it owns:
 - Decode on a static cache (`decode`: "graphs", the default on CUDA, or "static"): every
   request owns a slot of a KV cache pre-allocated at load, sized from the stage's budget
   (`cache_columns`), and a decode step is replayed from a CUDA graph captured at load for
-  its batch and length buckets (`omniflow.backends.static_decode`); prefill stays eager
-  (the same forward as above, whose cache is then copied into the request's slot). The
-  step's inputs, sampling parameters and seen masks live on the device; a step writes
-  which rows advance and reads back the sampled ids. `decode="eager"` (the default on
-  CPU) is the batched `DynamicCache` path above, token-identical to `generate`.
+  its batch and length buckets (`omniflow.backends.static_decode`); prefill stays eager:
+  where the step is fused, the fused layers over the prompts' positions write straight into
+  the slots (`StaticDecoder.prefill`), else the forward above, whose cache is then copied
+  into the request's slot. The step's inputs, sampling parameters and seen masks live on
+  the device; a step writes which rows advance and reads back the sampled ids.
+  `decode="eager"` (the default on CPU) is the batched `DynamicCache` path above,
+  token-identical to `generate`.
 - Streaming: per generated token, `tokens` `[1, 1]` int64, `codes` `[1, Q]` (codec LMs),
   `hidden` (the component says what: the last hidden state `[1, 1, H]` for a plain LM), and
   `text` pieces from `TextStream`, which never splits a UTF-8 character and holds back what
