@@ -27,7 +27,8 @@ table holds the eager and the graph-captured pipeline side by side.
 `--breakdown` profiles the measured round at each concurrency and prints the median of
 each component of the requests' TTFP critical paths (`omniflow.profiler.analysis`): a
 stage's steps, its waiting (its executor busy with other work, or idle), the edges'
-hand-offs; and what each stage's steps took until the median first packet.
+hand-offs; what each stage's steps took until the median first packet; and the chunks
+a listener's playback waited for (which chunk, how many requests, after how much audio).
 `--prefill-tokens N ...` runs the AR stages at each prefill budget (1: every request
 prefilled alone), side by side.
 
@@ -157,15 +158,39 @@ def run_engine(
     return ttfp, e2e, time.perf_counter() - start
 
 
+def playback_waits(chunks: list[tuple[float, int]], rate: int) -> list[tuple[int, float, float]]:
+    """Where a listener who plays a request's audio from its first chunk on waits: (chunk
+    index, seconds of audio played before it, seconds waited) for each chunk that arrives
+    after the audio ahead of it has played."""
+    waits, end, played = [], None, 0.0
+    for i, (arrived, samples) in enumerate(chunks):
+        end = arrived if end is None else end
+        if arrived > end:
+            waits.append((i, played, arrived - end))
+        end = max(end, arrived) + samples / rate
+        played += samples / rate
+    return waits
+
+
 def playback_stall(chunks: list[tuple[float, int]], rate: int) -> float:
     """Seconds a listener who plays a request's audio from its first chunk on waits for the
     chunks after it: 0 when each arrives before the audio ahead of it has played."""
-    stall, end = 0.0, None
-    for arrived, samples in chunks:
-        end = arrived if end is None else end
-        stall += max(0.0, arrived - end)
-        end = max(end, arrived) + samples / rate
-    return stall
+    return sum(wait for _, _, wait in playback_waits(chunks, rate))
+
+
+def stall_points(audio: list[list[tuple[float, int]]], rate: int) -> list[str]:
+    """The chunks the requests' playback waited for, most waited-for first: the chunk's
+    index, how many requests waited there, the audio played before it and the median wait."""
+    by_chunk: dict[int, list[tuple[float, float]]] = {}
+    for chunks in audio:
+        for i, played, wait in playback_waits(chunks, rate):
+            by_chunk.setdefault(i, []).append((played, wait))
+    ranked = sorted(by_chunk.items(), key=lambda kv: -sum(w for _, w in kv[1]))
+    return [
+        f"chunk {i} ({len(waits)} requests, after {statistics.median(p for p, _ in waits):.1f} s"
+        f" of audio): {statistics.median(w for _, w in waits):.2f} s"
+        for i, waits in ranked[:4]
+    ]
 
 
 def monolithic_latencies(
@@ -334,7 +359,8 @@ def main() -> None:
                     parts, steps = ttfp_breakdown(chrome_trace(engine.stop_profile(), plan))
                     print(
                         f"  {name} at {c}: TTFP critical path, median ms: {', '.join(parts)}\n"
-                        f"    steps before the median TTFP: {'; '.join(steps)}",
+                        f"    steps before the median TTFP: {'; '.join(steps)}\n"
+                        f"    playback waited for: {'; '.join(stall_points(audio, rate)) or '-'}",
                         flush=True,
                     )
                 samples = [sum(n for _, n in chunks) for chunks in audio]
