@@ -110,18 +110,17 @@ def new_calls(stage: str, batch: int, prompt: int, steps: int, vocab: int, tag: 
     return calls
 
 
-def prefill_ms(backend, calls: list[Call], drop: bool) -> float:
-    """Wall ms of the step that prefills `calls` together (the device finished), then
-    dropped again with `drop`."""
+def prefill_ms(backend, calls: list[Call]) -> float:
+    """Wall ms of the step that prefills `calls` together (the device finished); the calls
+    are dropped again."""
     device = str(backend.device)
     sync(device)
     start = time.perf_counter()
     backend.step(calls)
     sync(device)
     took = (time.perf_counter() - start) * 1e3
-    if drop:
-        for call in calls:
-            backend.drop(call)
+    for call in calls:
+        backend.drop(call)
     return took
 
 
@@ -133,10 +132,8 @@ def step_times(
     `kernels`, prints the prefill's and the replay's costliest kernels."""
     fresh = iter(range(1 << 30))
 
-    def prefill(drop: bool = True) -> float:
-        return prefill_ms(
-            backend, new_calls(stage, batch, prompt, steps, vocab, str(next(fresh))), drop
-        )
+    def prefill() -> float:
+        return prefill_ms(backend, new_calls(stage, batch, prompt, steps, vocab, str(next(fresh))))
 
     prefill()  # the first prefill of a shape pays one-time set-up (heuristics, compiles)
     prefill_took = prefill()
