@@ -77,6 +77,7 @@ def plan_for(
     audio_tokens: int,
     decode: str,
     prefill_tokens: int | None = None,
+    lookahead: int | None = None,
 ):
     graph = graph_from_source(text, str(GRAPH))
     graph = graph.copy() if model else use_tiny_models(graph)
@@ -89,6 +90,8 @@ def plan_for(
             graph.node(name).params["decode"] = decode
         if prefill_tokens is not None:
             graph.node(name).params["prefill_tokens"] = prefill_tokens
+    if lookahead is not None:
+        graph.node("code2wav").params["lookahead"] = lookahead
     return compile_graph(graph, devices)
 
 
@@ -132,7 +135,8 @@ def long_prompts(tokenizer_dir: str, tokens: int) -> list[str]:
 def run_engine(
     engine: Engine, concurrency: int, max_tokens: int, audio: list | None = None
 ) -> tuple[list[float], list[float], float]:
-    """TTFP and E2E of each of `concurrency` requests sent at once, and the wall time; with
+    """TTFP of each of `concurrency` requests sent at once that had audio (a random-weight
+    talker may say none), E2E of each, and the wall time; with
     `audio`, each request's audio chunks as (seconds since it was sent, samples) into it."""
     ttfp, e2e = [None] * concurrency, [None] * concurrency
     chunks = [[] for _ in range(concurrency)]
@@ -155,7 +159,7 @@ def run_engine(
         t.join()
     if audio is not None:
         audio[:] = chunks
-    return ttfp, e2e, time.perf_counter() - start
+    return [t for t in ttfp if t is not None], e2e, time.perf_counter() - start
 
 
 def playback_waits(chunks: list[tuple[float, int]], rate: int) -> list[tuple[int, float, float]]:
@@ -240,8 +244,7 @@ def profile_overhead(plan, concurrency: list[int], max_tokens: int, rounds: int)
 
             def run(c=c) -> dict[str, list[float]]:
                 ttfp, e2e, _wall = run_engine(engine, c, max_tokens)
-                # A request whose talker said no audio has no TTFP.
-                return {"TTFP": [t for t in ttfp if t is not None], "E2E": e2e}
+                return {"TTFP": ttfp, "E2E": e2e}
 
             samples, _recorded = interleaved(engine, run, rounds)
             for metric, off, on in ratio_rows(samples):
@@ -311,6 +314,13 @@ def main() -> None:
         help="the AR stages' prefill budgets to run side by side (1: each prompt alone)",
     )
     parser.add_argument(
+        "--lookahead",
+        type=int,
+        nargs="+",
+        default=[None],
+        help="token2wav's lookaheads (codes) to run side by side (12: Qwen's own streaming)",
+    )
+    parser.add_argument(
         "--breakdown", action="store_true", help="print each concurrency's TTFP critical path"
     )
     parser.add_argument("--profile", action="store_true", help="measure profiling on vs off")
@@ -327,18 +337,23 @@ def main() -> None:
     sources = {"streaming": text, "whole": whole_edges(text)}
     variants = {}
     inventories = [args.devices, *([args.also_devices] if args.also_devices else [])]
-    budgets = args.prefill_tokens
-    for devices, decode, budget, variant in itertools.product(
-        inventories, args.decode, budgets, args.variants
+    budgets, lookaheads = args.prefill_tokens, args.lookahead
+    for devices, decode, budget, lookahead, variant in itertools.product(
+        inventories, args.decode, budgets, lookaheads, args.variants
     ):
         name = " ".join(
             [variant]
             + ([decode] if len(args.decode) > 1 else [])
             + ([f"prefill {budget or 'default'}"] if len(budgets) > 1 else [])
+            + (
+                [f"lookahead {'default' if lookahead is None else lookahead}"]
+                if len(lookaheads) > 1
+                else []
+            )
             + ([devices] if len(inventories) > 1 else [])
         )
         variants[name] = plan_for(
-            sources[variant], devices, args.model_dir, args.audio_tokens, decode, budget
+            sources[variant], devices, args.model_dir, args.audio_tokens, decode, budget, lookahead
         )
     rows, rtf, stall = {}, {}, {}
     for name, plan in variants.items():

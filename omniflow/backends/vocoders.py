@@ -457,8 +457,8 @@ def load_decoder(model: str, component: str | None, device: str) -> Decoder:
 class Vocoder(Backend):
     """Streams codec frames to audio; see the module docstring for windows and batching.
 
-    Request parameters: `lookahead` (frames; default: what the decoder needs to match its
-    whole-utterance decode), besides the decoder's own (token2wav: `speaker`, `seed`,
+    Request parameters: `lookahead` (frames; default: the stage's, else what the decoder needs
+    to match its whole-utterance decode), besides the decoder's own (token2wav: `speaker`, `seed`,
     `steps`, `guidance`).
     """
 
@@ -483,6 +483,7 @@ class Vocoder(Backend):
         align = self.decoder.unit or 1
         context = spec.contexts.get(self.port, 0)
         self.context = context - context % align
+        self.lookahead = spec.plan.settings.get("lookahead", self.decoder.lookahead)
         self.grid_end = _grid(self.decoder.unit, spec.schedules.get(self.port))
         self.decode_mode = self._static_windows(spec, device)
 
@@ -518,7 +519,7 @@ class Vocoder(Backend):
         lookahead and as much context as there is before it); past the context and the
         window sizes' ramp (WINDOW_BLOCKS) they repeat. The last windows of a stream are
         shorter, and are padded up to one of these where their reach allows."""
-        unit, lookahead, lengths, done = self.decoder.unit, self.decoder.lookahead, set(), 0
+        unit, lookahead, lengths, done = self.decoder.unit, self.lookahead, set(), 0
         while done <= self.context + unit * sum(WINDOW_BLOCKS):
             end = self.grid_end(done)
             lengths.add(end + lookahead - max(0, done - self.context))
@@ -557,7 +558,7 @@ class Vocoder(Backend):
         stream = call.state.get("stream")
         if stream is None:
             lookahead = call.params.get("lookahead")
-            lookahead = decoder.lookahead if lookahead is None else lookahead
+            lookahead = self.lookahead if lookahead is None else lookahead
             if not isinstance(lookahead, int) or isinstance(lookahead, bool) or lookahead < 0:
                 raise VocoderError(f"lookahead must be a whole number of frames, not {lookahead!r}")
             stream = _Stream(

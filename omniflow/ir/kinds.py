@@ -150,6 +150,11 @@ KINDS: dict[str, StageKind] = {
                 "max_len": ParamSpec(_INT, 4096, **_LENGTH),
                 "speaker": ParamSpec(_STR),
                 "seed": SEED,
+                # Frames a window waits for after the frames it keeps; unset: the decoder's
+                # reach, so the stream is its whole-utterance decode (token2wav: 24 codes, two
+                # DiT blocks). Less is an earlier first packet for a small error (token2wav at
+                # 12, Qwen's own streaming setting: ~1e-2).
+                "lookahead": ParamSpec(_INT, low=0),
                 # How the transformers backend decodes windows: "graphs" (static buffers for
                 # the edge's grid of window lengths at each batch bucket, each one's decode
                 # captured as a CUDA graph at load), "static" (the same buffers, eager),

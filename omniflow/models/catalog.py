@@ -201,13 +201,17 @@ def block_grid(config: Mapping[str, Any]) -> tuple[int, int] | None:
     return block // math.gcd(block, repeats), math.ceil(ahead / repeats)
 
 
-def vocoder_windows(config: Mapping[str, Any]) -> tuple[list[int], list[int]] | None:
+def vocoder_windows(
+    config: Mapping[str, Any], lookahead: int | None = None
+) -> tuple[list[int], list[int]] | None:
     """For a block-grid vocoder, (codes each window keeps, codes that must arrive before each
-    window can decode), the last of each repeating; None for a frame-local codec."""
+    window can decode), the last of each repeating; None for a frame-local codec. `lookahead`
+    (codes) replaces the grid's own."""
     grid = block_grid(config)
     if grid is None:
         return None
-    unit, lookahead = grid
+    unit, reach = grid
+    lookahead = reach if lookahead is None else lookahead
     kept = [unit * blocks for blocks in WINDOW_BLOCKS]
     return kept, [kept[0] + lookahead, *kept[1:]]
 

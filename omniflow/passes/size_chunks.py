@@ -12,7 +12,8 @@ Small first chunks give a low time to first packet; large steady chunks, through
 A vocoder that decodes on a grid of blocks (Qwen2.5-Omni token2wav) cannot use codes before
 a whole window and its lookahead exist, so its input edge's schedule is what each of its
 windows needs to arrive (`vocoder_windows` in the model catalog: 36, 24, 48, then 192
-codes for token2wav) and its output's is what each window keeps (12, 24, 48, 192).
+codes for token2wav; with the stage's `lookahead=12`, 24 first) and its output's is what
+each window keeps (12, 24, 48, 192).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import math
 
 from omniflow.ir.graph import OUTPUT, Edge, Graph, Node
+from omniflow.ir.values import resolve
 from omniflow.models.catalog import vocoder_windows
 from omniflow.passes.common import Target
 
@@ -73,21 +75,23 @@ def _schedule(graph: Graph, target: Target, edge: Edge) -> list[int]:
     src, dst = graph.node(edge.src), graph.node(edge.dst)
     if dst.op == OUTPUT or not src.is_stage:
         return _calls(graph, src)  # to a client, every call's output goes out as soon as it exists
-    windows = _windows(dst)
+    windows = _windows(graph, dst)
     if windows is not None:
         return windows[1]
     return auto_schedule(target, src, dst, edge.context)
 
 
-def _windows(node: Node) -> tuple[list[int], list[int]] | None:
+def _windows(graph: Graph, node: Node) -> tuple[list[int], list[int]] | None:
     config = node.meta.get("config")
-    return vocoder_windows(config.config) if node.op == "vocoder" and config else None
+    if node.op != "vocoder" or not config:
+        return None
+    return vocoder_windows(config.config, resolve(node.params.get("lookahead"), graph.params))
 
 
 def _calls(graph: Graph, node: Node) -> list[int]:
     """Steps one call of `node` emits: a chunk consumer emits what each input chunk gives, a
     block-grid vocoder what each of its windows keeps."""
-    windows = _windows(node)
+    windows = _windows(graph, node)
     if windows is not None:
         return windows[0]
     fed = [e for e in graph.in_edges(node.name) if e.stream and e.meta.get("schedule")]

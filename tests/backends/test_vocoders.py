@@ -325,6 +325,31 @@ def test_token2wav_stream_matches_the_models_generate(token2wav, omni_reference)
     )
 
 
+def test_a_stages_lookahead_is_its_requests_default(token2wav, tmp_path):
+    """`lookahead=12` on the stage: the compiler hands the vocoder its first window after 24
+    codes, the static windows are made for it, and a request that names none streams what
+    one naming 12 does on the default stage."""
+    source = (GRAPHS / "omni_chat.omni").read_text()
+    path = tmp_path / "omni_chat.omni"
+    path.write_text(
+        source.replace(
+            'vocoder(component="token2wav",', 'vocoder(component="token2wav", lookahead=12,'
+        )
+    )
+    plan = compile_file(path, devices="cpu", tiny=True)
+    codes_edge = next(c for c in plan.channels if c.dst == "code2wav")
+    assert codes_edge.schedule == [24, 24, 48, 192]
+    short = Vocoder(stage_spec(plan, "code2wav"), "cpu")
+    assert (short.grid_lengths()[0], token2wav.grid_lengths()[0]) == (24, 36)
+    codes = torch.randint(0, 128, (40, 1), generator=torch.Generator().manual_seed(5))
+    log = []
+    (default,) = run(short, [(codes, [24, 8, 8], {"seed": 0})], log)
+    (asked,) = run(token2wav, [(codes, [24, 8, 8], {"seed": 0, "lookahead": 12})])
+    assert float((default - asked).abs().max()) < BATCH_TOLERANCE
+    # The first window decodes once the 24 codes of the first chunk are in.
+    assert [(w[2], w[3]) for forward in log[0] for w in forward] == [(0, 12)]
+
+
 def test_token2wav_batches_requests_and_keeps_their_own_noise_and_speaker(token2wav):
     g = torch.Generator().manual_seed(3)
     requests = [

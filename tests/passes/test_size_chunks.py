@@ -1,5 +1,5 @@
 from omniflow.passes.size_chunks import MAX_STEADY
-from tests.passes.helpers import run_until
+from tests.passes.helpers import GRAPHS, run_until
 
 
 def _schedule(graph, name):
@@ -34,6 +34,16 @@ def test_a_block_grid_vocoder_gets_each_window_when_it_can_decode():
     # blocks.
     graph = run_until("size_chunks", "omni_chat")
     assert _schedule(graph, "talker.codes->code2wav.codes") == [36, 24, 48, 192]
+    assert _schedule(graph, "code2wav.audio->audio.in") == [12, 24, 48, 192]
+
+
+def test_a_vocoders_lookahead_moves_its_windows_sooner():
+    source = (GRAPHS / "omni_chat.omni").read_text()
+    short = source.replace(
+        'vocoder(component="token2wav",', 'vocoder(component="token2wav", lookahead=12,'
+    )
+    graph = run_until("size_chunks", short)
+    assert _schedule(graph, "talker.codes->code2wav.codes") == [24, 24, 48, 192]
     assert _schedule(graph, "code2wav.audio->audio.in") == [12, 24, 48, 192]
 
 
