@@ -13,14 +13,16 @@ Measures, in one run on one checkpoint:
     counters, `Engine.inspect`): where the requests' wall time went.
 (b) one DiT step at 1024 x 1024 of one guided request: its cond and uncond rows (4096
     image tokens and `--text-tokens` prompt tokens each) in one transformer forward, the
-    same rows as two forwards, and the DiffusionSteps backend's own step (counting its
-    forwards and their rows), against the roofline: the forward's FLOPs
+    same rows as two forwards, the pair through diffusers' own blocks (on CUDA the
+    backend runs them on fused kernels), and the DiffusionSteps backend's own step (counting
+    its forwards and their rows), against the roofline: the forward's FLOPs
     (`omniflow.models.costs`: every matmul of both streams of every layer, and attention's
     QK^T and PV over the joint sequence) / the matmul rate measured in the same run
     (8192^3 on CUDA, in the DiT's dtype). CUDA events on a GPU, perf_counter on a CPU.
 
     python benchmarks/diffusion.py                              # tiny checkpoint, CPU
     python benchmarks/diffusion.py --device cuda --scaled 0.25  # real width, 15 of 60 DiT layers
+    ... --kernels 12   # (b): each way's 12 costliest kernels of the pair forward
 
 `--scaled DEPTH` builds (once, under $OMNIFLOW_CACHE/scaled/) a random-weight Qwen-Image at
 the published widths with DEPTH x the text encoder's and the transformer's layers
@@ -30,6 +32,7 @@ the published widths with DEPTH x the text encoder's and the transformer's layer
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import threading
@@ -40,8 +43,10 @@ import torch
 from stage_steps import matmul_rate
 
 from omniflow.backends.diffusion import DiffusionSteps, pack_prompts
+from omniflow.backends.models.qwen_image_dit import modules_forward
 from omniflow.checkpoints.scaled import REAL_IMAGE, scaled_checkpoint
 from omniflow.compiler import compile_graph, load_graph
+from omniflow.kernels.timing import kernel_table
 from omniflow.models.catalog import load_component_config
 from omniflow.models.costs import estimate_cost
 from omniflow.models.resolve import model_path, use_tiny_models
@@ -91,8 +96,10 @@ def timed_ms(fn, device: str, repeats: int) -> float:
     return statistics.median(times[2:])
 
 
-def step_rows(plan, device: str, text_tokens: int, repeats: int):
-    """(b): [(variant, forwards, rows per forward, ms)] of one DiT step at STEP_SIZE."""
+def step_rows(plan, device: str, text_tokens: int, repeats: int, kernels: int = 0):
+    """(b): [(variant, forwards, rows per forward, ms)] of one DiT step at STEP_SIZE (on CUDA
+    the backend's blocks are fused; "diffusers' blocks" runs the modules' forward); with
+    `kernels`, each way's costliest kernels of the pair forward."""
     backend = DiffusionSteps(StageSpec.from_channels(plan.stage("dit"), plan.channels), device)
     transformer, dtype = backend.transformer, backend.transformer.dtype
     config = transformer.config
@@ -112,6 +119,16 @@ def step_rows(plan, device: str, text_tokens: int, repeats: int):
                         img_shapes=[[(1, side, side)]] * n, guidance=None, return_dict=False)  # fmt: skip
 
     pair = timed_ms(lambda: forward(slice(0, 2)), device, repeats)
+    with modules_forward(transformer):
+        modules = timed_ms(lambda: forward(slice(0, 2)), device, repeats)
+    if kernels and device.startswith("cuda"):
+        for label, context in (
+            ("fused blocks", contextlib.nullcontext),
+            ("diffusers' blocks", modules_forward),
+        ):
+            print(f"  pair forward, {label}: its {kernels} costliest kernels")
+            with context(transformer):
+                kernel_table(lambda: forward(slice(0, 2)), kernels, calls=2)
     apart = timed_ms(lambda: (forward(slice(0, 1)), forward(slice(1, 2))), device, repeats)
     # The backend's own step of one guided request, its forwards watched.
     cond = InputStream("hidden")
@@ -131,6 +148,7 @@ def step_rows(plan, device: str, text_tokens: int, repeats: int):
     forwards = len(seen) // (repeats + 2)
     return [
         ("pair, one forward", 1, 2, pair),
+        ("pair, diffusers' blocks", 1, 2, modules),
         ("cond, uncond apart", 2, 1, apart),
         ("backend step", forwards, seen[0], served),
     ]
@@ -177,6 +195,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--text-tokens", type=int, default=32, help="(b)'s prompt tokens")
     parser.add_argument("--repeats", type=int, default=10, help="(b)'s timed steps")
+    parser.add_argument("--kernels", type=int, default=0, help="(b): list the N costliest kernels")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the engine's executors get the cores
     cuda = args.device.startswith("cuda")
@@ -192,7 +211,7 @@ def main() -> None:
     print(f"{name}: {str(dtype)[6:]} matmul {rate / 1e12:.2f} TFLOP/s; checkpoint {model_dir}")
 
     flops, tokens = pair_flops(model_dir, STEP_SIZE, args.text_tokens)
-    steps = step_rows(plan, args.device, args.text_tokens, args.repeats)
+    steps = step_rows(plan, args.device, args.text_tokens, args.repeats, args.kernels)
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -240,9 +259,9 @@ def main() -> None:
     print(f"\n(b) DiT step, {STEP_SIZE}x{STEP_SIZE}: cond + uncond rows of "
           f"{tokens} image + {args.text_tokens} text tokens; "
           f"{flops / 1e9:.1f} GFLOP, roofline {roof:.2f} ms")  # fmt: skip
-    print(f"{'variant':>20} {'forwards':>8} {'rows':>4} {'ms':>9} {'vs roof':>8}")
+    print(f"{'variant':>24} {'forwards':>8} {'rows':>4} {'ms':>9} {'vs roof':>8}")
     for label, forwards, rows, ms in steps:
-        print(f"{label:>20} {forwards:>8} {rows:>4} {ms:9.2f} {ms / roof:7.2f}x")
+        print(f"{label:>24} {forwards:>8} {rows:>4} {ms:9.2f} {ms / roof:7.2f}x")
     print("(ms: medians; vs roof: ms / (FLOPs / matmul rate); backend step: one guided "
           "request's DiffusionSteps.step, its forwards and their rows counted)")  # fmt: skip
 

@@ -2,7 +2,7 @@
 # Run on a lent GPU machine from a copy of this tree (see docs/benchmarks.md): installs the
 # carried wheels into /tmp/site, links dsl/ and kernels/ into omniflow/ (as pyproject's
 # package-dir maps them), then runs the parts named as arguments: setup tests edges steps
-# kernels windows build streaming long cold cold-fresh (streaming and long: DEVICES, default
+# kernels windows build streaming long diffusion cold cold-fresh (streaming and long: DEVICES, default
 # 1xH200, and ALSO_DEVICES beside it, e.g. DEVICES=2xH200 ALSO_DEVICES=1xH200, and
 # STREAMING_ARGS added to the benchmark's, e.g. "--breakdown --prefill-tokens 1 8192"; windows:
 # WINDOW_KERNELS=N adds each replay's N costliest kernels). Logs go to $OUT
@@ -67,6 +67,11 @@ for part in "$@"; do
         --concurrency 1 10 --baseline-requests 0 --prompt-tokens 100 --max-tokens 100 \
         --audio-tokens 1250 --variants streaming ${STREAMING_ARGS:-}) 2>&1 | grep -v -i "warn\|model config" \
         | tee "$OUT/long.log"
+      ;;
+    diffusion)
+      # Text-to-image at real width, 15 of the DiT's 60 layers (DIFFUSION_ARGS: e.g. --kernels 12).
+      (cd /tmp && timeout ${DIFFUSION_S:-300} python3 "$here/benchmarks/diffusion.py" --device cuda \
+        --scaled 0.25 ${DIFFUSION_ARGS:-}) 2>&1 | grep -v -i "warn" | tee "$OUT/diffusion.log"
       ;;
     cold)
       (cd /tmp && timeout ${COLD_S:-200} python3 "$here/benchmarks/cold_start.py" --devices 1xH200 \

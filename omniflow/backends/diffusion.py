@@ -31,6 +31,8 @@ sequence. `load_processor` loads that processor without torchvision.
   transformer embeds a timestep vector, so requests at different steps batch together. Text
   rows are zero-padded to the longest and masked when their lengths differ. An edit's rows
   are its noise latents then its input image's latents; the prediction is the noise part.
+- on CUDA, the transformer's blocks run on fused kernels
+  (`omniflow.backends.models.qwen_image_dit`), computing what diffusers' blocks compute.
 - scheduler step: per request, Qwen-Image's true classifier-free guidance (`guidance` > 1
   and a negative prompt): `uncond + guidance * (cond - uncond)`, rescaled to the conditional
   prediction's norm, then its scheduler's step. The flow-matching Euler step is one update,
@@ -53,12 +55,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers import AutoencoderKLQwenImage, DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+from diffusers import (
+    AutoencoderKLQwenImage,
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImageTransformer2DModel,
+)
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from PIL import Image
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
 
+from omniflow.backends.models.qwen_image_dit import fuse_blocks
 from omniflow.backends.vision import VisionBackendError, read_image
 from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
@@ -269,6 +277,10 @@ class DiffusionSteps(Backend):
                 f"stage '{name}': guidance-distilled transformers "
                 "(guidance_embeds=True) are not supported"
             )
+        if torch.device(device).type == "cuda" and isinstance(
+            self.transformer, QwenImageTransformer2DModel
+        ):
+            fuse_blocks(self.transformer)
         # The pipeline derives this from the VAE, which this stage may not load.
         self.pipe.vae_scale_factor = _vae_scale_factor(model_path(spec.plan.model))
         # Image pixels per side of one transformer patch: sizes must be multiples of it.

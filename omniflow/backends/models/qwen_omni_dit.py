@@ -28,7 +28,7 @@ from omniflow.kernels.ada_norm import ada_norm
 from omniflow.kernels.dit_rope import rope_first_head
 
 
-def _stack(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor]:
+def stack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor]:
     """One weight and bias for `linears`' outputs side by side; each module's own become
     views of them."""
     weight = torch.cat([m.weight.detach() for m in linears])
@@ -48,8 +48,10 @@ class FusedDiT:
     def __init__(self, dit: Qwen2_5OmniToken2WavDiTModel):
         self.blocks = list(dit.transformer_blocks)
         self.heads = dit.num_attention_heads
-        self.qkv = [_stack([b.attn.to_q, b.attn.to_k, b.attn.to_v]) for b in self.blocks]
-        self.modulation = _stack([b.attn_norm.linear for b in self.blocks] + [dit.norm_out.linear])
+        self.qkv = [stack_linears([b.attn.to_q, b.attn.to_k, b.attn.to_v]) for b in self.blocks]
+        self.modulation = stack_linears(
+            [b.attn_norm.linear for b in self.blocks] + [dit.norm_out.linear]
+        )
         self.eps = dit.norm_out.norm.eps
 
     def masks(self, block_diff: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:

@@ -1,0 +1,106 @@
+"""Qwen-Image's blocks on fused kernels (`omniflow.backends.models.qwen_image_dit`) compute
+what diffusers' `QwenImageTransformerBlock`s compute: on the CPU with the kernels' torch
+references (float32: identical on 2 CPU cores; the bound leaves room for the stacked q/k/v
+product's reordering), on a GPU with the Triton kernels in bf16 (a few bf16 steps of the
+output's rms)."""
+
+import pytest
+import torch
+from diffusers import QwenImageTransformer2DModel
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+from omniflow.backends.models.qwen_image_dit import (
+    FusedQwenImageBlock,
+    fuse_blocks,
+    modules_forward,
+)
+from omniflow.checkpoints.tiny import build_tiny
+
+torch.set_num_threads(1)
+
+
+def block_inputs(block: QwenImageTransformerBlock, batch: int, image: int, text: int, device):
+    g = torch.Generator().manual_seed(2)
+    width, half = block.dim, block.attention_head_dim // 2
+
+    def freqs(tokens: int) -> torch.Tensor:
+        angles = torch.rand(tokens, half, generator=g) * 6
+        return torch.polar(torch.ones_like(angles), angles).to(device)
+
+    dtype = block.img_mod[1].weight.dtype
+    return {
+        "hidden_states": torch.randn(batch, image, width, generator=g).to(device, dtype),
+        "encoder_hidden_states": torch.randn(batch, text, width, generator=g).to(device, dtype),
+        "temb": torch.randn(batch, width, generator=g).to(device, dtype),
+        "image_rotary_emb": (freqs(image), freqs(text)),
+    }
+
+
+def random_block(dtype: torch.dtype, device: str) -> QwenImageTransformerBlock:
+    torch.manual_seed(0)
+    block = QwenImageTransformerBlock(dim=48, num_attention_heads=3, attention_head_dim=16)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if "norm" in name:  # the q/k RMSNorms start at ones
+                p.uniform_(0.5, 1.5)
+    return block.to(device, dtype).eval()
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_fused_block_is_the_modules_block(masked):
+    block = random_block(torch.float32, "cpu")
+    inputs = block_inputs(block, batch=2, image=37, text=5, device="cpu")
+    mask = None
+    if masked:  # the second row's prompt is two tokens shorter
+        mask = torch.ones(2, 5, dtype=torch.bool)
+        mask[1, 3:] = False
+    with torch.no_grad():
+        want = block(encoder_hidden_states_mask=mask, **inputs)
+        got = FusedQwenImageBlock(block)(encoder_hidden_states_mask=mask, **inputs)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape
+        assert relative(a, b) < 1e-5
+
+
+def test_the_transformer_with_fused_blocks_gives_its_own_output():
+    """The tiny checkpoint's transformer, its blocks fused, then within `modules_forward`."""
+    transformer = QwenImageTransformer2DModel.from_pretrained(
+        build_tiny("text-to-image"), subfolder="transformer"
+    ).eval()
+    g = torch.Generator().manual_seed(4)
+    side = 6
+    inputs = {
+        "hidden_states": torch.randn(2, side * side, transformer.config.in_channels, generator=g),
+        "encoder_hidden_states": torch.randn(
+            2, 7, transformer.config.joint_attention_dim, generator=g
+        ),
+        "timestep": torch.tensor([0.3, 0.7]),
+        "img_shapes": [[(1, side, side)]] * 2,
+        "return_dict": False,
+    }
+    fuse_blocks(transformer)
+    assert all(isinstance(b.forward, FusedQwenImageBlock) for b in transformer.transformer_blocks)
+    with torch.no_grad():
+        (fused,) = transformer(**inputs)
+        with modules_forward(transformer):
+            assert not any("forward" in vars(b) for b in transformer.transformer_blocks)
+            (modules,) = transformer(**inputs)
+    assert all(isinstance(b.forward, FusedQwenImageBlock) for b in transformer.transformer_blocks)
+    assert relative(fused, modules) < 1e-5
+
+
+@pytest.mark.gpu
+def test_a_fused_block_is_the_modules_block_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    block = random_block(torch.bfloat16, "cuda")
+    inputs = block_inputs(block, batch=2, image=300, text=11, device="cuda")
+    with torch.no_grad():
+        want = block(encoder_hidden_states_mask=None, **inputs)
+        got = FusedQwenImageBlock(block)(encoder_hidden_states_mask=None, **inputs)
+    for a, b in zip(got, want, strict=True):
+        assert relative(a, b) < 2**-5
