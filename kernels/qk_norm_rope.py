@@ -34,41 +34,39 @@ class QkNormRopeError(OmniflowError):
 
 
 @jit
-def _norm_rope(src, weight_ptr, dst, cos, sin, heads, pairs, inside, width, eps):
-    re = tl.load(src + heads * width + 2 * pairs, mask=inside, other=0.0).to(tl.float32)
-    im = tl.load(src + heads * width + 2 * pairs + 1, mask=inside, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt((tl.sum(re * re, 1) + tl.sum(im * im, 1)) / width + eps)
-    w_re = tl.load(weight_ptr + 2 * pairs, mask=pairs < width // 2, other=0.0)
-    w_im = tl.load(weight_ptr + 2 * pairs + 1, mask=pairs < width // 2, other=0.0)
-    wtype = w_re.dtype
-    re = ((re * rstd[:, None]).to(wtype).to(tl.float32) * w_re.to(tl.float32)).to(wtype)
-    im = ((im * rstd[:, None]).to(wtype).to(tl.float32) * w_im.to(tl.float32)).to(wtype)
-    re, im = re.to(tl.float32), im.to(tl.float32)
-    out_type = dst.dtype.element_ty
-    tl.store(dst + heads * width + 2 * pairs, (re * cos - im * sin).to(out_type), mask=inside)
-    tl.store(dst + heads * width + 2 * pairs + 1, (re * sin + im * cos).to(out_type), mask=inside)
+def _norm_rope(src, weight_ptr, dst, cos, sin, heads, dims, inside, width, eps):
+    x = tl.load(src + heads * width + dims, mask=inside, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, 1) / width + eps)
+    weight = tl.load(weight_ptr + dims, mask=dims < width, other=0.0)
+    wtype = weight.dtype
+    x = ((x * rstd[:, None]).to(wtype).to(tl.float32) * weight.to(tl.float32)).to(wtype)
+    # Pairs (even, odd) as complex numbers: split the head's values, rotate, interleave back.
+    re, im = tl.split(tl.reshape(x.to(tl.float32), (x.shape[0], x.shape[1] // 2, 2)))
+    rotated = tl.join(re * cos - im * sin, re * sin + im * cos)
+    out = tl.reshape(rotated, (x.shape[0], x.shape[1])).to(dst.dtype.element_ty)
+    tl.store(dst + heads * width + dims, out, mask=inside)
 
 
 @jit
 def _qk_norm_rope_kernel(
     qkv_ptr, q_weight_ptr, k_weight_ptr, freqs_ptr, q_ptr, k_ptr, v_ptr,
     S, S_joint, offset, H, D, qkv_stride, eps,
-    HEADS: tl.constexpr, PAIRS: tl.constexpr,
+    HEADS: tl.constexpr, WIDTH: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     b, s = row // S, row % S
     heads = tl.arange(0, HEADS)[:, None]
-    pairs = tl.arange(0, PAIRS)[None, :]
-    inside = (heads < H) & (pairs < D // 2)
+    dims = tl.arange(0, WIDTH)[None, :]
+    inside = (heads < H) & (dims < D)
+    pairs = tl.arange(0, WIDTH // 2)[None, :]
     cos = tl.load(freqs_ptr + s * D + 2 * pairs, mask=pairs < D // 2, other=0.0)
     sin = tl.load(freqs_ptr + s * D + 2 * pairs + 1, mask=pairs < D // 2, other=0.0)
     src = qkv_ptr + row * qkv_stride
     out = (b * S_joint + offset + s) * H * D
-    _norm_rope(src, q_weight_ptr, q_ptr + out, cos, sin, heads, pairs, inside, D, eps)
-    _norm_rope(src + H * D, k_weight_ptr, k_ptr + out, cos, sin, heads, pairs, inside, D, eps)
-    dims = tl.arange(0, HEADS * 2 * PAIRS)
-    values = tl.load(src + 2 * H * D + dims, mask=dims < H * D, other=0.0)
-    tl.store(v_ptr + out + dims, values, mask=dims < H * D)
+    _norm_rope(src, q_weight_ptr, q_ptr + out, cos, sin, heads, dims, inside, D, eps)
+    _norm_rope(src + H * D, k_weight_ptr, k_ptr + out, cos, sin, heads, dims, inside, D, eps)
+    values = tl.load(src + 2 * H * D + heads * D + dims, mask=inside, other=0.0)
+    tl.store(v_ptr + out + heads * D + dims, values, mask=inside)
 
 
 def _check(qkv, q_weight, k_weight, freqs, q, k, v, offset) -> int:
@@ -95,7 +93,7 @@ def qk_norm_rope_triton(qkv, q_weight, k_weight, freqs, q, k, v, offset: int, ep
         _qk_norm_rope_kernel[(qkv.shape[0],)](
             qkv, q_weight, k_weight, torch.view_as_real(freqs.contiguous()), q, k, v,
             tokens, joint, offset, heads, width, qkv.stride(0), eps,
-            HEADS=triton.next_power_of_2(heads), PAIRS=triton.next_power_of_2(width // 2),
+            HEADS=triton.next_power_of_2(heads), WIDTH=max(2, triton.next_power_of_2(width)),
         )  # fmt: skip
 
 
