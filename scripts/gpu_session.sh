@@ -2,13 +2,13 @@
 # Run on a lent GPU machine from a copy of this tree (see docs/benchmarks.md): installs the
 # carried wheels into /tmp/site, links dsl/ and kernels/ into omniflow/ (as pyproject's
 # package-dir maps them), then runs the parts named as arguments: setup tests edges steps
-# kernels windows build streaming long diffusion cold cold-fresh (streaming and long: DEVICES, default
-# 1xH200, and ALSO_DEVICES beside it, e.g. DEVICES=2xH200 ALSO_DEVICES=1xH200, and
-# STREAMING_ARGS added to the benchmark's, e.g. "--breakdown --prefill-tokens 1 8192"; windows:
-# WINDOW_KERNELS=N adds each replay's N costliest kernels). Logs go to $OUT
-# (or /tmp/out). Wheels: .whl/ holds what the GPU image lacks (lark, msgspec, pyzmq, rich,
-# ...) and the transformers this tree is tested with, .whl-serve/ the server's and
-# diffusers' (carry both).
+# kernels windows build streaming long diffusion cold cold-fresh (streaming and long:
+# DEVICES, default 1xH200, and ALSO_DEVICES beside it, e.g. DEVICES=2xH200
+# ALSO_DEVICES=1xH200, and STREAMING_ARGS added to the benchmark's, e.g. "--breakdown
+# --lookahead 24 12"; windows: WINDOW_KERNELS=N adds each replay's N costliest kernels;
+# diffusion: DIFFUSION_ARGS). Logs go to $OUT (or /tmp/out). Wheels: scripts/gpu_wheels.sh
+# downloads them here, .whl/ (what the GPU image lacks, and the transformers this tree is
+# tested with) and .whl-serve/ (the server's and diffusers'): carry both.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
