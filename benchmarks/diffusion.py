@@ -7,7 +7,8 @@ Measures, in one run on one checkpoint:
 
 (a) `--concurrency` text-to-image requests (a negative prompt, guidance 4) through the
     compiled `graphs/text_to_image.omni` served by the engine all at once, and the same
-    requests sent one after another to the same engine: images/s and their ratio, beside
+    requests sent one after another to the same engine, `--rounds` times each way, in
+    turn: images/s of the median rounds and their ratio (and each round's), beside
     the DiT's compute bound (steps x FLOPs of a request's pair forward / matmul rate).
     With each, every stage's steps, mean batch and time inside its steps (the executors'
     counters, `Engine.inspect`): where the requests' wall time went.
@@ -193,6 +194,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=512, help="(a)'s image side")
     parser.add_argument("--steps", type=int, default=20, help="(a)'s denoising steps")
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="(a)'s rounds each way")
     parser.add_argument("--text-tokens", type=int, default=32, help="(b)'s prompt tokens")
     parser.add_argument("--repeats", type=int, default=10, help="(b)'s timed steps")
     parser.add_argument("--kernels", type=int, default=0, help="(b): list the N costliest kernels")
@@ -226,34 +228,44 @@ def main() -> None:
     with Engine(plan, "process") as engine:
         serve(engine, requests[:1], concurrent=False)  # warm up
         print(f"engine up and one request served in {time.perf_counter() - start:.1f} s")
-        walls, busy = {}, {}
-        for concurrent in (False, True):
-            before = stage_totals(engine)
-            walls[concurrent] = serve(engine, requests, concurrent)
-            after = stage_totals(engine)
-            busy[concurrent] = {
-                name: tuple(a - b for a, b in zip(after[name], before[name], strict=True))
-                for name in after
-            }
+        # Rounds alternate the two ways, so drift on a shared machine reaches both alike.
+        walls, busy = {False: [], True: []}, {False: {}, True: {}}
+        for _ in range(args.rounds):
+            for concurrent in (False, True):
+                before = stage_totals(engine)
+                walls[concurrent].append(serve(engine, requests, concurrent))
+                after = stage_totals(engine)
+                for name, now in after.items():
+                    spent = [a - b for a, b in zip(now, before[name], strict=True)]
+                    so_far = busy[concurrent].get(name, (0, 0, 0))
+                    busy[concurrent][name] = tuple(map(sum, zip(so_far, spent, strict=True)))
     n = args.concurrency
     bound = rate / (args.steps * pair_flops(model_dir, args.size, args.text_tokens)[0])
 
-    print(f"\n(a) {n} requests, {args.size}x{args.size}, {args.steps} steps, guidance 4")
+    wall = {way: statistics.median(times) for way, times in walls.items()}
+    rounds = " ".join(f"{a / b:.2f}x" for a, b in zip(walls[False], walls[True], strict=True))
+    print(f"\n(a) {n} requests, {args.size}x{args.size}, {args.steps} steps, guidance 4, "
+          f"{args.rounds} rounds each way (vs seq per round: {rounds})")  # fmt: skip
     print(f"{'variant':>12} {'wall s':>8} {'images/s':>9} {'vs seq':>7}")
     for concurrent, label in ((False, "sequential"), (True, "concurrent")):
         print(
-            f"{label:>12} {walls[concurrent]:8.2f} {n / walls[concurrent]:9.3f} "
-            f"{walls[False] / walls[concurrent]:6.2f}x"
+            f"{label:>12} {wall[concurrent]:8.2f} {n / wall[concurrent]:9.3f} "
+            f"{wall[False] / wall[concurrent]:6.2f}x"
         )
     print(f"{'DiT bound':>12} {'':>8} {bound:9.3f}  (steps x pair FLOPs / matmul rate)")
     print(f"\n{'variant':>12} {'stage':>8} {'steps':>6} {'batch':>6} {'busy s':>7} {'of wall':>8}")
     for concurrent, label in ((False, "sequential"), (True, "concurrent")):
         for stage, (count, ns, calls) in busy[concurrent].items():
             batch = calls / count if count else 0.0
-            share = ns / 1e9 / walls[concurrent]
-            print(f"{label:>12} {stage:>8} {count:>6} {batch:6.2f} {ns / 1e9:7.2f} {share:7.0%}")
-    print("(busy: wall time inside the stage's step(), which includes GPU time only where the "
-          "step waits for the GPU; batch: requests a step advanced, on average)")  # fmt: skip
+            share = ns / 1e9 / sum(walls[concurrent])
+            busy_s = ns / 1e9 / args.rounds
+            print(
+                f"{label:>12} {stage:>8} {count / args.rounds:>6.0f} {batch:6.2f} {busy_s:7.2f} "
+                f"{share:7.0%}"
+            )
+    print("(wall s: the median round; steps and busy: a round's, on average; busy: wall time "
+          "inside the stage's step(), which includes GPU time only where the step waits for the "
+          "GPU; batch: requests a step advanced, on average)")  # fmt: skip
 
     roof = flops / rate * 1e3
     print(f"\n(b) DiT step, {STEP_SIZE}x{STEP_SIZE}: cond + uncond rows of "
