@@ -66,6 +66,24 @@ def test_a_fused_block_is_the_modules_block(masked):
         assert relative(a, b) < 1e-5
 
 
+def test_a_float16_block_runs_diffusers_forward():
+    """diffusers clips a float16 block's outputs to float16's range; the fused path does not,
+    so such a block keeps diffusers' forward (which calls the attention module; the fused
+    path calls only its projections)."""
+    calls = []
+    for dtype, expected in ((torch.float32, 0), (torch.float16, 1)):
+        block = random_block(dtype, "cpu")
+        block.attn.register_forward_hook(lambda *_: calls.append(None))
+        inputs = block_inputs(block, batch=1, image=9, text=3, device="cpu")
+        with torch.no_grad():
+            want = block(encoder_hidden_states_mask=None, **inputs)
+            calls.clear()
+            got = FusedQwenImageBlock(block)(encoder_hidden_states_mask=None, **inputs)
+        assert len(calls) == expected
+        for a, b in zip(got, want, strict=True):
+            assert relative(a, b) < 1e-5
+
+
 def test_the_transformer_with_fused_blocks_gives_its_own_output():
     """The tiny checkpoint's transformer, its blocks fused, then within `modules_forward`."""
     transformer = QwenImageTransformer2DModel.from_pretrained(

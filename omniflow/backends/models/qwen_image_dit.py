@@ -12,8 +12,8 @@ diffusers' ops that is some forty elementwise kernels with float32 intermediates
 1024x1024 move gigabytes a block (docs/benchmarks.md, "Diffusion"). Weights are not copied:
 the q/k/v modules' weights become views into the stacked matrices.
 
-Blocks that edit (`zero_cond_t`, Qwen-Image-Edit-2511's per-token modulation) or take
-attention kwargs run diffusers' own forward.
+Blocks that edit (`zero_cond_t`, Qwen-Image-Edit-2511's per-token modulation), take
+attention kwargs or run in float16 run diffusers' own forward.
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ class FusedQwenImageBlock:
         modulate_index: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         block = self.block
-        if block.zero_cond_t or modulate_index is not None or joint_attention_kwargs:
+        # float16 too: diffusers clips its outputs to float16's range.
+        edits = block.zero_cond_t or modulate_index is not None or joint_attention_kwargs
+        if edits or hidden_states.dtype == torch.float16:
             return type(block).forward(
                 block, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
                 image_rotary_emb, joint_attention_kwargs, modulate_index,
