@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 
 from omniflow.ir.graph import OUTPUT, Edge, Graph, Node
-from omniflow.ir.values import resolve
 from omniflow.models.catalog import vocoder_windows
 from omniflow.passes.common import Target
 
@@ -85,7 +84,7 @@ def _windows(graph: Graph, node: Node) -> tuple[list[int], list[int]] | None:
     config = node.meta.get("config")
     if node.op != "vocoder" or not config:
         return None
-    return vocoder_windows(config.config, resolve(node.params.get("lookahead"), graph.params))
+    return vocoder_windows(config.config, graph.param_value(node, "lookahead"))
 
 
 def _calls(graph: Graph, node: Node) -> list[int]:
