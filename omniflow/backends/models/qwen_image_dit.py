@@ -72,9 +72,8 @@ class FusedQwenImageBlock:
         txt_normed, _ = ada_norm(txt, txt_mod[0], txt_mod[1], eps=eps)
 
         # The joint sequence, text first, as diffusers concatenates it.
-        q, k, v = (
-            img.new_empty(batch, text + image, attn.heads, width // attn.heads) for _ in "qkv"
-        )
+        joint = (batch, text + image, attn.heads, width // attn.heads)
+        q, k, v = (img.new_empty(joint) for _ in range(3))
         qk_eps = attn.norm_q.eps
         img_freqs, txt_freqs = image_rotary_emb
         qk_norm_rope(
