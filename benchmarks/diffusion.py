@@ -33,7 +33,6 @@ the published widths with DEPTH x the text encoder's and the transformer's layer
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import statistics
 import threading
@@ -119,17 +118,15 @@ def step_rows(plan, device: str, text_tokens: int, repeats: int, kernels: int = 
                         encoder_hidden_states=text[rows], encoder_hidden_states_mask=None,
                         img_shapes=[[(1, side, side)]] * n, guidance=None, return_dict=False)  # fmt: skip
 
-    pair = timed_ms(lambda: forward(slice(0, 2)), device, repeats)
-    with modules_forward(transformer):
-        modules = timed_ms(lambda: forward(slice(0, 2)), device, repeats)
-    if kernels and device.startswith("cuda"):
-        for label, context in (
-            ("fused blocks", contextlib.nullcontext),
-            ("diffusers' blocks", modules_forward),
-        ):
+    def timed_pair(label: str) -> float:
+        if kernels and device.startswith("cuda"):
             print(f"  pair forward, {label}: its {kernels} costliest kernels")
-            with context(transformer):
-                kernel_table(lambda: forward(slice(0, 2)), kernels, calls=2)
+            kernel_table(lambda: forward(slice(0, 2)), kernels, calls=2)
+        return timed_ms(lambda: forward(slice(0, 2)), device, repeats)
+
+    pair = timed_pair("fused blocks")
+    with modules_forward(transformer):
+        modules = timed_pair("diffusers' blocks")
     apart = timed_ms(lambda: (forward(slice(0, 1)), forward(slice(1, 2))), device, repeats)
     # The backend's own step of one guided request, its forwards watched.
     cond = InputStream("hidden")

@@ -281,6 +281,13 @@ def parse_model_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace
     return args
 
 
+def swept(setting: str, value: int | None, values: list[int | None]) -> list[str]:
+    """A variant's name part for one setting run at several values (None: its default)."""
+    if len(values) < 2:
+        return []
+    return [f"{setting} {'default' if value is None else value}"]
+
+
 def torch_device(devices: str) -> str:
     return "cpu" if devices == "cpu" else "cuda"
 
@@ -344,12 +351,8 @@ def main() -> None:
         name = " ".join(
             [variant]
             + ([decode] if len(args.decode) > 1 else [])
-            + ([f"prefill {budget or 'default'}"] if len(budgets) > 1 else [])
-            + (
-                [f"lookahead {'default' if lookahead is None else lookahead}"]
-                if len(lookaheads) > 1
-                else []
-            )
+            + swept("prefill", budget, budgets)
+            + swept("lookahead", lookahead, lookaheads)
             + ([devices] if len(inventories) > 1 else [])
         )
         variants[name] = plan_for(
