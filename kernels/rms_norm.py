@@ -11,6 +11,12 @@ adds were 18 of the ~42 kernels per layer of the graph-captured decode step
 steps"), this kernel with `rope_cache` and `silu_mul` took a layer to 9 launches and the
 real-size thinker's replay from 6.89 to 6.80 ms: launches were not what bounded it.
 
+The residual may also come as float32 partial sums `[S, B, H]` (a split matrix product's,
+`omniflow.kernels.skinny_matmul`): the kernel loads them as one `[S, H]` tile, so their
+reads overlap (read one after another they cost a decode step's norm ~1 us each), adds
+them up and rounds the total to the input dtype, as the product's own output would have
+been, before the add. One program holds at most PARTIAL_ELEMENTS of them (`most_parts`).
+
 Numerics are HF's `Qwen2RMSNorm` (and `LlamaRMSNorm`): the sum is rounded to the input
 dtype (as the bf16 add does), then upcast to float32, `x * rsqrt(mean(x^2) + eps)` in
 float32, rounded to the input dtype, times the weight in float32 and rounded. The kernel
@@ -25,6 +31,9 @@ import torch
 from omniflow.errors import OmniflowError
 from omniflow.kernels.triton_guard import jit, tl, triton
 
+# The most partial-sum values one program loads at once (`most_parts`).
+PARTIAL_ELEMENTS = 16384
+
 
 class NormError(OmniflowError):
     """Norm inputs of mismatched shapes."""
@@ -32,16 +41,19 @@ class NormError(OmniflowError):
 
 @jit
 def _add_rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, H, eps,
-    x_stride, residual_stride, out_stride, sum_stride,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, H, eps, parts,
+    x_stride, residual_part_stride, residual_stride, out_stride, sum_stride,
+    HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     inside = offs < H
     x = tl.load(x_ptr + row * x_stride + offs, mask=inside, other=0.0)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * residual_stride + offs, mask=inside, other=0.0)
+        part = tl.arange(0, PARTS)[:, None]
+        where = residual_ptr + part * residual_part_stride + row * residual_stride + offs[None, :]
+        r = tl.load(where, mask=(part < parts) & inside[None, :], other=0.0)
+        r = tl.sum(r.to(tl.float32), 0).to(x.dtype)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + row * sum_stride + offs, x, mask=inside)
     xf = x.to(tl.float32)
@@ -55,26 +67,47 @@ def _add_rms_norm_kernel(
 def _check(x, residual, weight) -> None:
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise NormError(f"x must be [B, H] and weight [H]: {list(x.shape)}, {list(weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise NormError(f"residual {list(residual.shape)} {residual.dtype} is not x's")
+    if residual is None:
+        return
+    partial = residual.dim() == 3 and residual.dtype == torch.float32
+    if residual.shape[-2:] != x.shape or (residual.dtype != x.dtype and not partial):
+        raise NormError(
+            f"residual {list(residual.shape)} {residual.dtype} is neither x's shape and dtype"
+            " nor float32 partial sums [S, B, H]"
+        )
+
+
+def most_parts(width: int) -> int:
+    """The most partial sums of rows `width` wide that the kernel takes as a residual."""
+    return max(1, PARTIAL_ELEMENTS >> (width - 1).bit_length())
+
+
+def _total(residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The residual, its partial sums added up and rounded to `dtype`."""
+    return residual if residual.dim() == 2 else residual.sum(0).to(dtype)
 
 
 def add_rms_norm_triton(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rmsnorm(x + residual), x + residual) with the Triton kernel; without a
-    residual, (weight * rmsnorm(x), x). Rows may be strided; the last dim is contiguous."""
+    residual, (weight * rmsnorm(x), x). Rows may be strided; the last dim is contiguous. The
+    residual may be float32 partial sums `[S, B, H]` (see the module docstring)."""
     _check(x, residual, weight)
     rows, width = x.shape
     out = torch.empty(rows, width, dtype=weight.dtype, device=x.device)
     total = torch.empty_like(x) if residual is not None else x
+    parts = x[None] if residual is None else residual[None] if residual.dim() == 2 else residual
+    if parts.shape[0] > most_parts(width):
+        raise NormError(f"{parts.shape[0]} partial sums of {width}: at most {most_parts(width)}")
+    block = triton.next_power_of_2(width)
+    held = triton.next_power_of_2(parts.shape[0]) * block
     if rows:
         _add_rms_norm_kernel[(rows,)](
-            x, x if residual is None else residual, weight, out, total, width, eps,
-            x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
-            total.stride(0),
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(width),
-            num_warps=4 if width <= 2048 else 8,
+            x, parts, weight, out, total, width, eps, parts.shape[0],
+            x.stride(0), parts.stride(0), parts.stride(1), out.stride(0), total.stride(0),
+            HAS_RESIDUAL=residual is not None, PARTS=held // block, BLOCK=block,
+            num_warps=4 if held <= 2048 else 8,
         )  # fmt: skip
     return out, total
 
@@ -84,7 +117,7 @@ def reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's residual add and RMSNorm, op by op."""
     _check(x, residual, weight)
-    total = x if residual is None else x + residual
+    total = x if residual is None else x + _total(residual, x.dtype)
     hidden = total.to(torch.float32)
     variance = hidden.pow(2).mean(-1, keepdim=True)
     hidden = hidden * torch.rsqrt(variance + eps)

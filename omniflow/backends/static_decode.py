@@ -36,9 +36,12 @@ The fused step (`fused`, the default on CUDA where `fusable`): each layer's q/k/
 gate/up projections are merged into one matrix each (the model's own projections become
 views of them, so the weights are held once), and the elementwise chains run as Triton
 kernels: residual add + RMSNorm (`omniflow.kernels.rms_norm`), rotary + cache write
-(`rope_cache`), SiLU x up (`silu_mul`): 9 launches a layer instead of ~42. Off CUDA the
-step runs the model's modules op by op (`_layers`), as HF's forward does (the CPU tests run
-the fused path under Triton's interpreter, `fused=True`).
+(`rope_cache`), SiLU x up (`silu_mul`). A decode step's few rows go through the skinny
+kernel (`skinny_matmul`) instead of cuBLAS: the gate/up product with SiLU x up in its
+epilogue, and the o and down products split along K into partial sums that the next norm
+adds up, so a layer is 6 launches and attention (~42 unfused). Off CUDA the step runs the
+model's modules op by op (`_layers`), as HF's forward does (the CPU tests run the fused
+path under Triton's interpreter, `fused=True`).
 
 Prefill. On the fused path new requests' prompts go straight into their slots: `prefill`
 runs the fused layers over every prompt position at once (the prompts right-padded to the
@@ -66,7 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from omniflow.backends.cuda_graphs import capture_graph
-from omniflow.kernels import rms_norm, rope_cache, silu_mul
+from omniflow.kernels import rms_norm, rope_cache, silu_mul, skinny_matmul
 from omniflow.kernels import sampling as sampler
 
 _DECODER_PARTS = {"embed_tokens", "layers", "norm", "rotary_emb"}
@@ -185,6 +188,20 @@ def length_buckets(columns: int) -> list[int]:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _project(x, weight, bias=None, *, gated: bool = False, split: bool = False):
+    """The o, gate/up and down projections of the fused step: a decode step's few rows
+    through the skinny kernel (split into partial sums where the next kernel, a residual
+    add + RMSNorm, adds them up; gated: SwiGLU's activation on the merged gate/up
+    products), prefill's many through cuBLAS. (q/k/v stays on cuBLAS, which streams the
+    thinker's faster: benchmarks/skinny_matmul.py.)"""
+    if x.shape[0] > skinny_matmul.ROWS:
+        product = F.linear(x, weight, bias)
+        return silu_mul.silu_mul_triton(product) if gated else product
+    most = rms_norm.most_parts(weight.shape[0]) if split else 1
+    splits = skinny_matmul.split_count(x, weight, most)
+    return skinny_matmul.skinny_matmul_triton(x, weight, bias, gated=gated, splits=splits)
 
 
 class StaticDecoder:
@@ -440,8 +457,9 @@ class StaticDecoder:
         """The decoder on the fused kernels over rows `x` `[N, H]` (at rotary `cos`, `sin`
         `[N, d]`): per layer, add + norm, one q/k/v product, rotary + the write of each row's
         key and value into column `columns[r]` of slot r (`slots[r]` where given), attention
-        (`attend(layer, q)`: `[N, Hq * d]`), o projection, add + norm, one gate/up product,
-        SiLU x up, down projection. Returns the final hidden states `[N, H]`."""
+        (`attend(layer, q)`: `[N, Hq * d]`), o projection, add + norm, one gate/up product
+        and SiLU x up, down projection (`_project`). Returns the final hidden states
+        `[N, H]`."""
         residual, delta = x, None
         for i, layer in enumerate(self.layers):
             qkv_weight, qkv_bias, gate_up = self.merged[i]
@@ -453,11 +471,16 @@ class StaticDecoder:
                 F.linear(h, qkv_weight, qkv_bias), cos, sin, columns, self.keys[i],
                 self.values[i], self.q_heads, self.kv_heads, slots,
             )  # fmt: skip
-            norm = layer.post_attention_layernorm
+            norm, o_proj = layer.post_attention_layernorm, layer.self_attn.o_proj
             h, residual = rms_norm.add_rms_norm_triton(
-                residual, layer.self_attn.o_proj(attend(i, q)), norm.weight, norm.variance_epsilon
+                residual,
+                _project(attend(i, q), o_proj.weight, o_proj.bias, split=True),
+                norm.weight,
+                norm.variance_epsilon,
             )
-            delta = layer.mlp.down_proj(silu_mul.silu_mul_triton(F.linear(h, gate_up)))
+            down = layer.mlp.down_proj
+            act = _project(h, gate_up, gated=True)
+            delta = _project(act, down.weight, down.bias, split=True)
         hidden, _ = rms_norm.add_rms_norm_triton(
             residual, delta, self.norm.weight, self.norm.variance_epsilon
         )

@@ -1,0 +1,158 @@
+"""Claim: a decode step's projections of a few rows stream their weights faster through the
+skinny kernel (`omniflow.kernels.skinny_matmul`) than through cuBLAS and the kernels around
+it.
+
+For each projection of the real-size Qwen2.5-Omni-7B thinker and talker (shapes from the
+published config) at 1 and 10 rows, both ways as a decode step runs them, captured in a CUDA
+graph over the model's layers (each layer its own weight, so the weights stream from HBM
+and not from L2):
+
+- q/k/v: `F.linear` with bias, against the kernel (the decode step keeps cuBLAS for it:
+  this row says why);
+- o and down: `F.linear` then the residual add + RMSNorm that follows, against the split
+  kernel's partial sums added up by that norm;
+- gate/up: `F.linear` then `silu_mul`, against the gated kernel.
+
+Prints microseconds a layer, the weight's stream rate, and the ratio, next to a device copy's
+rate measured in the same run. `--sweep` also times block sizes and pipeline depths and
+prints the best per projection (the kernel's defaults come from such a sweep). Needs a CUDA
+GPU.
+
+    python benchmarks/skinny_matmul.py [--rows 1 10] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+CONFIG = Path(__file__).parents[1] / "omniflow/models/configs/Qwen--Qwen2.5-Omni-7B.json"
+STREAMED = 256 << 20  # bytes of distinct weights a timed graph cycles through, >> L2
+
+
+def components() -> dict[str, dict]:
+    files = json.loads(CONFIG.read_text())["files"]["config.json"]
+    talker = files["talker_config"]
+    return {"thinker": files["thinker_config"]["text_config"], "talker": talker}
+
+
+def projections(config: dict) -> dict[str, tuple[int, int, str]]:
+    """name -> (output columns, depth, how it runs)."""
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim", hidden // heads)
+    return {
+        "q/k/v": ((heads + 2 * kv) * head_dim, hidden, "bias"),
+        "o": (hidden, heads * head_dim, "split"),
+        "gate/up": (2 * inner, hidden, "gated"),
+        "down": (hidden, inner, "split"),
+    }
+
+
+def graph_us(fn, layers: int, iters: int = 50) -> float:
+    """Median microseconds a layer of `fn(layer)` over all layers, replayed from a graph."""
+    from omniflow.kernels.timing import cuda_median_ms
+
+    for layer in range(layers):  # compiles, and warms the allocator before capture
+        fn(layer)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            fn(layer)
+    return cuda_median_ms(graph.replay, iters) * 1e3 / layers
+
+
+def ways(kind: str, rows: int, columns: int, depth: int, layers: int, tuning: dict):
+    """(cuBLAS way, kernel way, weight bytes a layer): callables of a layer index."""
+    from omniflow.kernels import rms_norm, silu_mul, skinny_matmul
+
+    on = {"device": "cuda", "dtype": torch.bfloat16}
+    weights = [torch.randn(columns, depth, **on) / depth**0.5 for _ in range(layers)]
+    bias = torch.randn(columns, **on) if kind == "bias" else None
+    x = torch.randn(rows, depth, **on)
+    residual, norm = torch.randn(rows, columns, **on), torch.ones(columns, **on)
+    kernel = skinny_matmul.skinny_matmul_triton
+    if kind == "gated":
+        return (
+            lambda i: silu_mul.silu_mul_triton(F.linear(x, weights[i])),
+            lambda i: kernel(x, weights[i], gated=True, **tuning),
+            weights[0].nbytes,
+        )
+    if kind == "split":
+        sizes = {k: v for k, v in tuning.items() if k in ("block_n", "block_k")}
+        splits = skinny_matmul.split_count(x, weights[0], rms_norm.most_parts(columns), **sizes)
+        return (
+            lambda i: rms_norm.add_rms_norm_triton(residual, F.linear(x, weights[i]), norm, 1e-6),
+            lambda i: rms_norm.add_rms_norm_triton(
+                residual, kernel(x, weights[i], splits=splits, **tuning), norm, 1e-6
+            ),
+            weights[0].nbytes,
+        )
+    return (
+        lambda i: F.linear(x, weights[i], bias),
+        lambda i: kernel(x, weights[i], bias, **tuning),
+        weights[0].nbytes,
+    )
+
+
+def copy_rate() -> float:
+    """Bytes per second a device copy moves (read + written)."""
+    from omniflow.kernels.timing import cuda_median_ms
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / (cuda_median_ms(lambda: dst.copy_(src), 20) / 1e3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 10])
+    parser.add_argument("--stages", nargs="+", default=["thinker", "talker"])
+    parser.add_argument("--sweep", action="store_true", help="also time block sizes and depths")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: the skinny kernel's speed only means something on one")
+        return
+    print(f"{torch.cuda.get_device_name()}: copy {copy_rate() / 1e12:.2f} TB/s (read + written)")
+    header = f"{'stage':<8} {'projection':<8} {'rows':>4} {'MB':>6} {'cuBLAS us':>9} {'TB/s':>5}"
+    print(f"{header} {'kernel us':>9} {'TB/s':>5} {'ratio':>5}")
+    sweeps = []
+    for stage in args.stages:
+        config = components()[stage]
+        for name, (columns, depth, kind) in projections(config).items():
+            layers = max(2, min(config["num_hidden_layers"], STREAMED // (columns * depth * 2)))
+            for rows in args.rows:
+                cublas, kernel, nbytes = ways(kind, rows, columns, depth, layers, {})
+                base, ours = graph_us(cublas, layers), graph_us(kernel, layers)
+                print(
+                    f"{stage:<8} {name:<8} {rows:>4} {nbytes / 1e6:>6.1f} {base:>9.1f}"
+                    f" {nbytes / base / 1e6:>5.2f} {ours:>9.1f} {nbytes / ours / 1e6:>5.2f}"
+                    f" {base / ours:>5.2f}"
+                )
+                if args.sweep:
+                    sweeps.append((stage, name, rows, kind, columns, depth, layers, ours))
+                torch.cuda.empty_cache()
+    for stage, name, rows, kind, columns, depth, layers, default in sweeps:
+        timed = []
+        for block_n, block_k, stages in itertools.product((16, 32, 64), (64, 128, 256), (3, 5)):
+            tuning = {"block_n": block_n, "block_k": block_k, "num_stages": stages}
+            kernel = ways(kind, rows, columns, depth, layers, tuning)[1]
+            # A tile too large for the SM's shared memory fails to launch: not a candidate.
+            with contextlib.suppress(triton.runtime.errors.OutOfResources):
+                timed.append((graph_us(kernel, layers), tuning))
+            torch.cuda.empty_cache()
+        best, tuning = min(timed, key=lambda t: t[0])
+        print(
+            f"sweep {stage} {name} rows {rows}: default {default:.1f} us, best {best:.1f} us {tuning}"
+        )
+
+
+if __name__ == "__main__":
+    main()
