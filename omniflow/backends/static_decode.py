@@ -190,6 +190,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _leading(slots: list[int]) -> bool:
+    """Whether `slots` are the first len(slots) slots in order, as in the steady state (rows
+    are compact and every row advances): their buffers' rows are then a slice, and the step
+    needs no index made in pinned memory and copied to the device (~36 us of the talker's
+    host time a step, profiled on an H200 host)."""
+    return all(slot == i for i, slot in enumerate(slots))
+
+
 def _project(x, weight, bias=None, *, gated: bool = False, split: bool = False):
     """The o, gate/up and down projections of the fused step: a decode step's few rows
     through the skinny kernel (split into partial sums where the next kernel, a residual
@@ -358,7 +366,11 @@ class StaticDecoder:
         self.host_active[active] = True
         self.active.copy_(self.host_active, non_blocking=True)
         if extra is not None:
-            self.extra.index_copy_(0, self._index(active), extra.to(self.extra.dtype))
+            extra = extra.to(self.extra.dtype)
+            if _leading(active):
+                self.extra[: len(active)].copy_(extra)
+            else:
+                self.extra.index_copy_(0, self._index(active), extra)
         graph = self.graphs.get((batch, length))
         if graph is not None:
             graph.replay()
@@ -370,6 +382,8 @@ class StaticDecoder:
     def outputs(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The last step's hidden states `[n, H]` and input embeddings `[n, E]` of `slots`
         (copies: the buffers are overwritten by the next step)."""
+        if _leading(slots):
+            return self.hidden[: len(slots)].clone(), self.embeds[: len(slots)].clone()
         where = self._index(slots)
         return self.hidden.index_select(0, where), self.embeds.index_select(0, where)
 
