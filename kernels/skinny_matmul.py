@@ -16,7 +16,10 @@ fast the weight streams. cuBLAS picks tiles for such shapes that moved the real-
 talker's MLP weights at 3.1 TB/s where a copy moves 4.15 on an H200, plus a memset and a
 split-K reduction kernel per down projection and a separate SiLU x up kernel
 (docs/benchmarks.md, "The talker's replay, kernel by kernel"); this kernel does each
-projection in one launch (`benchmarks/skinny_matmul.py` measures it against cuBLAS).
+projection in one launch: with the kernels around them, the talker's o, gate/up and down
+products take 0.67x, 0.91x and 0.92x of cuBLAS' time, the thinker's gate/up 0.92x
+(`benchmarks/skinny_matmul.py`; docs/benchmarks.md, "Skinny products"). For q/k/v cuBLAS
+stays faster on the thinker's shape, and the decode step keeps it there.
 
 Numerics: products accumulate in float32 (float32 inputs multiply in IEEE float32, as
 torch does without TF32; off CUDA, under Triton's interpreter, which has no bfloat16
