@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
+from stage_steps import copy_bandwidth
 
 CONFIG = Path(__file__).parents[1] / "omniflow/models/configs/Qwen--Qwen2.5-Omni-7B.json"
 STREAMED = 256 << 20  # bytes of distinct weights a timed graph cycles through, >> L2
@@ -39,8 +40,7 @@ STREAMED = 256 << 20  # bytes of distinct weights a timed graph cycles through, 
 
 def components() -> dict[str, dict]:
     files = json.loads(CONFIG.read_text())["files"]["config.json"]
-    talker = files["talker_config"]
-    return {"thinker": files["thinker_config"]["text_config"], "talker": talker}
+    return {"thinker": files["thinker_config"]["text_config"], "talker": files["talker_config"]}
 
 
 def projections(config: dict) -> dict[str, tuple[int, int, str]]:
@@ -102,15 +102,6 @@ def ways(kind: str, rows: int, columns: int, depth: int, layers: int, tuning: di
     )
 
 
-def copy_rate() -> float:
-    """Bytes per second a device copy moves (read + written)."""
-    from omniflow.kernels.timing import cuda_median_ms
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.nbytes / (cuda_median_ms(lambda: dst.copy_(src), 20) / 1e3)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 10])
@@ -120,7 +111,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("no CUDA GPU: the skinny kernel's speed only means something on one")
         return
-    print(f"{torch.cuda.get_device_name()}: copy {copy_rate() / 1e12:.2f} TB/s (read + written)")
+    copy = copy_bandwidth("cuda", 1 << 30)
+    print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s (read + written)")
     header = f"{'stage':<8} {'projection':<8} {'rows':>4} {'MB':>6} {'cuBLAS us':>9} {'TB/s':>5}"
     print(f"{header} {'kernel us':>9} {'TB/s':>5} {'ratio':>5}")
     sweeps = []
