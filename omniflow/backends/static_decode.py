@@ -21,7 +21,9 @@ ids, run the decoder's layers (the model's own modules: norms, projections, MLPs
 rotary embedding) with the keys scattered into the slot's next column and attention over
 the first T columns, the head, the fused sampler, then advance the rows that were active
 (last id, length, step, seen). The host writes which rows advance, reads back the ids, and
-nothing else crosses.
+nothing else crosses. `launch` queues a step and returns at once, `wait` reads its ids: the
+backend launches step t+1 before it handles step t's ids, so the host's work of a step runs
+while the device computes the next one.
 
 Buckets. A step runs at a batch bucket B >= the number of rows (1, 2, 4, then multiples of
 8 up to max_batch, as vLLM pads) and a length bucket T > the longest active row's length
@@ -64,6 +66,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -212,6 +215,15 @@ def _project(x, weight, bias=None, *, gated: bool = False, split: bool = False):
     return skinny_matmul.skinny_matmul_triton(x, weight, bias, gated=gated, splits=splits)
 
 
+@dataclass
+class Launched:
+    """A step queued on the device: where its ids arrive (a host buffer), and the event
+    that says they have (None off CUDA, where the step ran before `launch` returned)."""
+
+    ids: torch.Tensor
+    done: torch.cuda.Event | None
+
+
 class StaticDecoder:
     """A component's decode step over a static KV cache of `slots` x `columns`, eager or
     replayed from CUDA graphs (`capture`). `extra`: the component adds an extra input
@@ -289,7 +301,15 @@ class StaticDecoder:
             self.suppress = torch.tensor(suppress, **on) if suppress else None
             self.columns_index = torch.arange(columns, **on)
             pin = self.device.type == "cuda"
-            self.host_active = torch.zeros(slots, dtype=torch.bool, pin_memory=pin)
+            # Two of each host buffer a step copies from or into: while one step's copies
+            # may still be queued, the next step fills the other (see `launch`).
+            self.host_active = [
+                torch.zeros(slots, dtype=torch.bool, pin_memory=pin) for _ in range(2)
+            ]
+            self.host_ids = [
+                torch.zeros(slots, dtype=torch.int64, pin_memory=pin) for _ in range(2)
+            ]
+        self.launches = 0
         self._per_slot = [
             self.length, self.offset, self.last, self.extra, self.seen, self.temperature,
             self.top_k, self.top_p, self.budget, self.penalty, self.seed, self.step_count,
@@ -354,17 +374,29 @@ class StaticDecoder:
             raise ValueError(f"a row of {longest} columns has no room in {self.columns}")
         return batch, length
 
-    @torch.inference_mode()
     def step(
         self, rows: int, active: list[int], longest: int, extra: torch.Tensor | None = None
     ) -> list[int]:
         """One decode step over slots 0..rows-1, of which the slots in `active` advance
         (`extra`: their extra input embeddings, in that order). Returns the ids sampled for
         slots 0..rows-1 (those of rows not in `active` mean nothing)."""
+        return self.wait(self.launch(rows, active, longest, extra))
+
+    @torch.inference_mode()
+    def launch(
+        self, rows: int, active: list[int], longest: int, extra: torch.Tensor | None = None
+    ) -> Launched:
+        """`step` without waiting: queues the step on the device and returns at once. Its ids
+        arrive in a host buffer that `wait` reads; the step after it may be launched first,
+        so the device runs it while the host handles this one's ids (a third launch before
+        this one's `wait` would overwrite them)."""
         batch, length = self.buckets(rows, longest)
-        self.host_active.zero_()
-        self.host_active[active] = True
-        self.active.copy_(self.host_active, non_blocking=True)
+        turn = self.launches % 2
+        self.launches += 1
+        host_active = self.host_active[turn]
+        host_active.zero_()
+        host_active[active] = True
+        self.active.copy_(host_active, non_blocking=True)
         if extra is not None:
             extra = extra.to(self.extra.dtype)
             if _leading(active):
@@ -377,7 +409,20 @@ class StaticDecoder:
             self.replays += 1
         else:
             self._run(batch, length)
-        return self.ids[:rows].tolist()
+        ids = self.host_ids[turn][:rows]
+        ids.copy_(self.ids[:rows], non_blocking=True)
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return Launched(ids, done)
+
+    @staticmethod
+    def wait(launched: Launched) -> list[int]:
+        """The ids a launched step sampled, once the device has them."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        return launched.ids.tolist()
 
     def outputs(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The last step's hidden states `[n, H]` and input embeddings `[n, E]` of `slots`

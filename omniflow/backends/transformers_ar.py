@@ -38,7 +38,11 @@ What it owns:
   where the step is fused, the fused layers over the prompts' positions write straight into
   the slots (`StaticDecoder.prefill`), else the forward above, whose cache is then copied
   into the request's slot. The step's inputs, sampling parameters and seen masks live on
-  the device; a step writes which rows advance and reads back the sampled ids.
+  the device; a step writes which rows advance and reads back the sampled ids. Each step
+  is launched before the previous one's tokens are emitted, so the host's work of a step
+  (emitting, detokenizing, bookkeeping) runs while the device computes the next: a row
+  that ends at step t has step t+1 computed and discarded, and a request dropped while a
+  step is in flight loses that step's token.
   `decode="eager"` (the default on CPU) is the batched `DynamicCache` path above,
   token-identical to `generate`.
 - Streaming: per generated token, `tokens` `[1, 1]` int64, `codes` `[1, Q]` (codec LMs),
@@ -410,7 +414,24 @@ class Sequence:
     generated: int = 0
     last: int = -1  # the id sampled last
     seed: int = 0  # the GPU sampler's stream: (seed, generated) picks each draw
-    slot: int = -1  # on the static path: its slot (= its row) in the static cache
+    slot: int = -1  # on the static path: its slot (= its row) in the static cache; -1: gone
+    ahead: int = 0  # decode steps launched whose tokens are not emitted yet (static path)
+
+    @property
+    def next_step(self) -> int:
+        """The index of the decode step launched next: tokens emitted plus steps in flight."""
+        return self.generated + self.ahead
+
+
+@dataclass
+class _Launch:
+    """A static decode step in flight: the rows that advance in it, their slots at launch
+    (its ids are read by those), and their `hidden` values, copied at launch."""
+
+    seqs: list[Sequence]
+    slots: list[int]
+    launched: static_decode.Launched
+    hidden: torch.Tensor | None
 
 
 class TransformersAR(Backend):
@@ -450,6 +471,7 @@ class TransformersAR(Backend):
         self.cache = None  # one row per entry of self.rows
         self.mask: torch.Tensor | None = None  # [rows, columns]: a row's own cache columns
         self.decode, self.static = self._static_decoder()
+        self.pending: _Launch | None = None  # the static step launched last, not settled
         if self.static is not None:
             self.capture_seconds = self.static.capture_seconds
         if torch.device(device).type == "cuda":
@@ -497,12 +519,15 @@ class TransformersAR(Backend):
     def ready(self, call: Call) -> bool:
         if call.error is not None:
             return False
-        if self.component.has_news(call):
+        if call.finished or self.component.has_news(call):
             return True
         seq = call.state.get(_STATE)
         if seq is None:
             return self.component.can_start(call) and len(self.rows) < self.capacity
-        return self.component.can_step(seq)
+        return seq.ahead > 0 or self._may_step(seq)
+
+    def _may_step(self, seq: Sequence) -> bool:
+        return seq.next_step < seq.sampling.max_tokens and self.component.can_step(seq)
 
     @torch.inference_mode()
     def step(self, calls: list[Call]) -> None:
@@ -510,7 +535,7 @@ class TransformersAR(Backend):
         self.component.receive(calls)
         for call in calls:
             seq = call.state.get(_STATE)
-            if call.error is not None:
+            if call.error is not None or call.finished:
                 continue
             if seq is None:
                 if (
@@ -518,10 +543,14 @@ class TransformersAR(Backend):
                     and len(self.rows) + len(starting) < self.capacity
                 ):
                     starting.append(call)
-            elif self.component.can_step(seq):
+            elif self._may_step(seq):
                 stepping.append(seq)
-        if stepping:
-            (self._decode_static if self.static else self._decode)(stepping)
+        if self.static is not None:
+            launched = self._launch(stepping) if stepping else None
+            self._settle()  # the previous step's tokens, while the device runs this one
+            self.pending = launched
+        elif stepping:
+            self._decode(stepping)
         if starting:  # after the decode step, so new rows get no dummy column
             self._prefill(starting)
 
@@ -531,7 +560,7 @@ class TransformersAR(Backend):
             self._evict([seq])
 
     def close(self) -> None:
-        self.rows, self.cache, self.mask = [], None, None
+        self.rows, self.cache, self.mask, self.pending = [], None, None, None
         if self.static is not None:
             self.static.close()
             self.static = None
@@ -674,24 +703,38 @@ class TransformersAR(Backend):
         self._advance(seqs, hidden, values)
         self._evict([s for s in seqs if s.call.finished])
 
-    def _decode_static(self, seqs: list[Sequence]) -> None:
-        """One step of the static decoder over every row (a graph replay on "graphs"); the
-        rows of `seqs` advance. Only the sampled ids come back to the host."""
+    def _launch(self, seqs: list[Sequence]) -> _Launch:
+        """Queue one step of the static decoder over every row (a graph replay on
+        "graphs"), in which the rows of `seqs` advance; `_settle` emits its tokens."""
         slots = [s.slot for s in seqs]
-        ids = self.static.step(
+        launched = self.static.launch(
             len(self.rows),
             slots,
-            max(s.length for s in seqs),
+            max(s.length + s.ahead for s in seqs),
             self.component.step_extra(seqs) if self.static.has_extra else None,
         )
-        values = [None] * len(seqs)
-        if "hidden" in self.spec.outputs:
-            rows = self.component.hidden_rows(*self.static.outputs(slots))
-            values = [rows[i : i + 1] for i in range(len(seqs))]
-        for seq, value in zip(seqs, values, strict=True):
+        hidden = None
+        if "hidden" in self.spec.outputs:  # copied now: the next step overwrites the buffers
+            hidden = self.component.hidden_rows(*self.static.outputs(slots))
+        for seq in seqs:
+            seq.ahead += 1
+        return _Launch(seqs, slots, launched, hidden)
+
+    def _settle(self) -> None:
+        """Emit the tokens of the step launched last (its ids are the only read-back), and
+        evict the rows that finished. A row launched after its end (its end was learned
+        while that step was queued) or dropped since gets nothing."""
+        launch, self.pending = self.pending, None
+        if launch is None:
+            return
+        ids = self.static.wait(launch.launched)
+        for i, (seq, slot) in enumerate(zip(launch.seqs, launch.slots, strict=True)):
+            seq.ahead -= 1
+            if seq.slot < 0 or seq.call.finished or seq.call.error is not None:
+                continue
             seq.length += 1
-            self._emit(seq, ids[seq.slot], value)
-        self._evict([s for s in seqs if s.call.finished])
+            self._emit(seq, ids[slot], None if launch.hidden is None else launch.hidden[i : i + 1])
+        self._evict([s for s in launch.seqs if s.call.finished and s.slot >= 0])
 
     def _advance(self, seqs: list[Sequence], hidden: torch.Tensor, values: list) -> None:
         """Sample each sequence's next token from its last hidden state, and emit it."""
@@ -783,13 +826,14 @@ class TransformersAR(Backend):
         if self.static is not None:
             for seq in gone:  # the last row moves into each hole: rows stay compact
                 last = self.rows[-1]
-                if last is not seq:
-                    self.static.move(last.slot, seq.slot, last.length)
+                if last is not seq:  # with the columns of its steps still queued
+                    self.static.move(last.slot, seq.slot, last.length + last.ahead)
                     last.slot = seq.slot
                     self.rows[seq.slot] = last
                 else:
                     self.static.free(seq.slot)
                 self.rows.pop()
+                seq.slot = -1
             return
         keep = [i for i, s in enumerate(self.rows) if all(s is not g for g in gone)]
         self.rows = [self.rows[i] for i in keep]

@@ -190,7 +190,10 @@ def test_rows_left_out_of_a_step_and_dropped_rows_change_nothing(backend):
     )
     for i in (0, 2, 3):
         assert batched[i].tokens == singles[i].tokens
-    assert batched[1].tokens == singles[1].tokens[:4]  # steps 0 to 3
+    # Prefill and steps 0 to 2 (3, on the static path: a step's tokens are emitted while the
+    # next one runs, so the one in flight when the request is dropped emits nothing).
+    emitted = 4 if backend.static is None else 3
+    assert batched[1].tokens == singles[1].tokens[:emitted]
 
 
 @contextlib.contextmanager
@@ -258,7 +261,9 @@ def test_the_static_path_runs_one_step_per_decode_step_on_compact_rows(plan):
         backend.drop(batch[0])  # the last row moves into slot 0
         assert [s.call for s in backend.rows] == [batch[2], batch[1]]
         assert [s.slot for s in backend.rows] == [0, 1]
-        assert static.length[:2].tolist() == [s.length for s in backend.rows]
+        # The step of batch[1] is still to be settled: its column is filled, not counted.
+        assert [s.ahead for s in backend.rows] == [0, 1]
+        assert static.length[:2].tolist() == [s.length + s.ahead for s in backend.rows]
         backend.step(batch[1:])
         assert shapes[-1] == (2, 128)
     finally:

@@ -285,12 +285,12 @@ class OmniTalker(Component):
 
     def can_step(self, seq: Sequence) -> bool:
         cond = seq.call.state[_CONDITIONING]
-        return seq.generated < len(cond.replies) or seq.call.inputs["embeds"].ended
+        return seq.next_step < len(cond.replies) or seq.call.inputs["embeds"].ended
 
     def step_extra(self, seqs: list[Sequence]) -> torch.Tensor:
         """Step t's text side: the thinker's row for reply token t, then text eos, then pad."""
         return torch.stack(
-            [self._text_side(s.call.state[_CONDITIONING], s.generated) for s in seqs]
+            [self._text_side(s.call.state[_CONDITIONING], s.next_step) for s in seqs]
         )
 
 
