@@ -7,8 +7,9 @@ text and `hidden` outputs, greedy; the talker's decoder with its sampling defaul
 each decode mode of the transformers backend, drives the backend itself: `batch` requests
 of `--prompt` tokens are prefilled together (that step timed too, after one untimed
 prefill of the same shape), then `--steps` decode steps are timed on the host
-(each `backend.step` ends with the sampled ids on the host, so its wall time is the
-step's). "eager" is the dynamic-cache path (the CPU default), "graphs" the static cache
+(each `backend.step` ends with sampled ids on the host: on the eager path its own step's,
+on the graphed ones the step launched before it, while its own runs; in a steady run of
+steps either way its wall time is the step's). "eager" is the dynamic-cache path (the CPU default), "graphs" the static cache
 with a CUDA graph replayed per step on the fused kernels (the CUDA default),
 "graphs-unfused" the same graphs over the model's own modules op by op. Also times the
 graph replay alone (CUDA events, no host work around it).
@@ -307,7 +308,7 @@ def main() -> None:
         )
     print(
         "(prefill: wall time of the step that prefills the batch's prompts together; step: "
-        "median wall time of a decode step, ids on the host; replay: the CUDA graph alone; "
+        "median wall time of a decode step (a backend step, ids on the host); replay: the CUDA graph alone; "
         "roofline: (decode weights + KV read) / copy bandwidth, or FLOPs / matmul rate if "
         "larger; weights: "
         + ", ".join(f"{s} {w / 1e9:.2f} GB" for s, w in {r[0]: r[7] for r in rows}.items())
