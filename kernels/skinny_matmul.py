@@ -7,9 +7,9 @@ torch reference (`reference`) it is tested against. Two variants ride on the sam
   in registers, so the MLP's `[M, 2 I]` intermediate is never written;
 - split: the K axis is cut into `splits` slices, one program per (columns, slice), and the
   result is the float32 partial sums `[splits, M, N]`, which the next kernel adds up
-  (`omniflow.kernels.rms_norm` takes them as its residual): enough programs to stream a
-  weight with few output columns (a down or o projection) at the copy rate, without a
-  reduction kernel.
+  (`omniflow.kernels.rms_norm` takes them as its residual): enough programs to keep a
+  weight with few output columns (a down or o projection) streaming from every SM,
+  without a reduction kernel.
 
 Why: at decode a projection reads its whole weight for a few rows, so it is bound by how
 fast the weight streams. cuBLAS picks tiles for such shapes that moved the real-size
