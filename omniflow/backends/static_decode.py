@@ -30,8 +30,8 @@ Buckets. A step runs at a batch bucket B >= the number of rows (1, 2, 4, then mu
 (powers of two from 128, then `columns`): rows past the live ones and rows not advancing
 this step compute and are discarded. With `capture`, every (B, T) step is captured into a
 CUDA graph at load, largest first, all in one memory pool (the graphs never run at once),
-and `step` replays the graph of its buckets: no capture happens after load (`captures`
-counts them). Without it, `step` runs `_run` eagerly at the same shapes, so a graph's
+and `launch` replays the graph of its buckets: no capture happens after load (`captures`
+counts them). Without it, `launch` runs `_run` eagerly at the same shapes, so a graph's
 replay and the eager step compute identical results.
 
 The fused step (`fused`, the default on CUDA where `fusable`): each layer's q/k/v and
@@ -227,7 +227,7 @@ class Launched:
 class StaticDecoder:
     """A component's decode step over a static KV cache of `slots` x `columns`, eager or
     replayed from CUDA graphs (`capture`). `extra`: the component adds an extra input
-    embedding to each step's (`step` is given it). `fused`: run the step through the fused
+    embedding to each step's (`launch` is given it). `fused`: run the step through the fused
     kernels (`omniflow.kernels.rms_norm`, `rope_cache`, `silu_mul`, with each layer's q/k/v
     and gate/up projections merged into one matrix product each); by default on CUDA where
     Triton and the model allow. See the module docstring."""
@@ -374,22 +374,16 @@ class StaticDecoder:
             raise ValueError(f"a row of {longest} columns has no room in {self.columns}")
         return batch, length
 
-    def step(
-        self, rows: int, active: list[int], longest: int, extra: torch.Tensor | None = None
-    ) -> list[int]:
-        """One decode step over slots 0..rows-1, of which the slots in `active` advance
-        (`extra`: their extra input embeddings, in that order). Returns the ids sampled for
-        slots 0..rows-1 (those of rows not in `active` mean nothing)."""
-        return self.wait(self.launch(rows, active, longest, extra))
-
     @torch.inference_mode()
     def launch(
         self, rows: int, active: list[int], longest: int, extra: torch.Tensor | None = None
     ) -> Launched:
-        """`step` without waiting: queues the step on the device and returns at once. Its ids
-        arrive in a host buffer that `wait` reads; the step after it may be launched first,
-        so the device runs it while the host handles this one's ids (a third launch before
-        this one's `wait` would overwrite them)."""
+        """Queue one decode step over slots 0..rows-1, of which the slots in `active` advance
+        (`extra`: their extra input embeddings, in that order), and return at once. `wait`
+        gives the ids sampled for slots 0..rows-1 (those of rows not in `active` mean
+        nothing); the step after it may be launched first, so the device runs it while the
+        host handles this one's ids (a third launch before this one's `wait` would
+        overwrite them)."""
         batch, length = self.buckets(rows, longest)
         turn = self.launches % 2
         self.launches += 1
