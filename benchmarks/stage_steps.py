@@ -6,13 +6,13 @@ For each AR stage of Qwen2.5-Omni at real size (random bf16 weights made in memo
 text and `hidden` outputs, greedy; the talker's decoder with its sampling defaults), and
 each decode mode of the transformers backend, drives the backend itself: `batch` requests
 of `--prompt` tokens are prefilled together (that step timed too, after one untimed
-prefill of the same shape), then `--steps` decode steps are timed on the host
-(each `backend.step` ends with sampled ids on the host: on the eager path its own step's,
-on the graphed ones the step launched before it, while its own runs; in a steady run of
-steps either way its wall time is the step's). "eager" is the dynamic-cache path (the CPU default), "graphs" the static cache
-with a CUDA graph replayed per step on the fused kernels (the CUDA default),
-"graphs-unfused" the same graphs over the model's own modules op by op. Also times the
-graph replay alone (CUDA events, no host work around it).
+prefill of the same shape), then `--steps` decode steps are timed on the host (each
+`backend.step` ends with sampled ids on the host: on the eager path its own step's, on the
+static ones those of the step launched before it, while its own runs; in a steady run of
+steps its wall time is a step's either way). "eager" is the dynamic-cache path (the CPU
+default), "graphs" the static cache with a CUDA graph replayed per step on the fused
+kernels (the CUDA default), "graphs-unfused" the same graphs over the model's own modules
+op by op. Also times the graph replay alone (CUDA events, no host work around it).
 
 The roofline of a step: the bytes it must read, the weights its decode touches (layers,
 final norm, head, input projection) plus the keys and values of its rows, divided by the
@@ -309,8 +309,8 @@ def main() -> None:
         )
     print(
         "(prefill: wall time of the step that prefills the batch's prompts together; step: "
-        "median wall time of a decode step (a backend step, ids on the host); replay: the CUDA graph alone; "
-        "roofline: (decode weights + KV read) / copy bandwidth, or FLOPs / matmul rate if "
+        "median wall time of a decode step (a backend step, ids on the host); replay: the "
+        "CUDA graph alone; roofline: (decode weights + KV read) / copy bandwidth, or FLOPs / matmul rate if "
         "larger; weights: "
         + ", ".join(f"{s} {w / 1e9:.2f} GB" for s, w in {r[0]: r[7] for r in rows}.items())
         + ")"

@@ -190,8 +190,9 @@ def test_rows_left_out_of_a_step_and_dropped_rows_change_nothing(backend):
     )
     for i in (0, 2, 3):
         assert batched[i].tokens == singles[i].tokens
-    # Prefill and steps 0 to 2 (3, on the static path: a step's tokens are emitted while the
-    # next one runs, so the one in flight when the request is dropped emits nothing).
+    # Four tokens, the prefill's and steps 0 to 2's; three on the static path, where a step's
+    # tokens are emitted while the next step runs, so the step in flight when the request is
+    # dropped emits nothing.
     emitted = 4 if backend.static is None else 3
     assert batched[1].tokens == singles[1].tokens[:emitted]
 
