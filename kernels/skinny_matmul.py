@@ -46,6 +46,8 @@ from omniflow.kernels.triton_guard import jit, tl, triton
 ROWS = 16
 # Programs per SM a split product aims for, so that enough weight bytes are in flight.
 PROGRAMS_PER_SM = 4
+# A program's output columns and its K tile: the defaults `--sweep` chose (docs/benchmarks.md).
+BLOCK_N, BLOCK_K = 32, 128
 
 
 class SkinnyMatmulError(OmniflowError):
@@ -120,7 +122,7 @@ def _pow2_between(n: int, low: int, high: int) -> int:
 
 
 def split_count(
-    x: torch.Tensor, weight: torch.Tensor, most: int, block_n: int = 32, block_k: int = 128
+    x: torch.Tensor, weight: torch.Tensor, most: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K
 ) -> int:
     """How many K slices, at most `most`, make enough programs to stream `weight`
     (PROGRAMS_PER_SM per SM on CUDA; 1 elsewhere, where the interpreter gains nothing)."""
@@ -139,8 +141,8 @@ def skinny_matmul_triton(
     *,
     gated: bool = False,
     splits: int = 1,
-    block_n: int = 32,
-    block_k: int = 128,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
     num_stages: int = 4,
 ) -> torch.Tensor:
     """`x @ weight.T (+ bias)` `[M, N]` in x's dtype; gated: `[M, N / 2]` (see the module
