@@ -8,8 +8,9 @@ be captured in a CUDA graph):
 
 - `align`: the T x top_k (token, expert) entries sorted by expert and each expert's run
   padded to BLOCK_M rows, with the expert of each block of BLOCK_M rows (-1 for the blocks
-  past the last used one, whose programs return at once). Torch ops on the device (a sort,
-  a search, a cumsum, two scatters); their count does not depend on E or T;
+  past the last used one, whose programs return at once). Fourteen small torch ops on the
+  device (a sort, a search, a cumsum, two scatters and the arithmetic between): their
+  count depends on neither E nor T;
 - a grouped product of each block's tokens by its expert's gate/up matrix, with
   `silu(gate) * up` applied to the products in registers: the `[T k, I]` activations are
   written, never the `[T k, 2 I]` products;
@@ -27,11 +28,12 @@ experts implementation (`experts_implementation="omniflow_fused_moe"`).
 
 Why: at decode each token reads top_k experts' weights (the thinker's: 9.4 MB an expert,
 75 MB a token) for a few rows each, so the layer is bound by how fast those weights stream.
-transformers runs the experts one by one (a host sync to find the experts hit, then four
-kernels and an `index_add_` an expert), or through `torch._grouped_mm` over all E experts'
-offsets with the activations and weighted outputs in memory between kernels; here a
-layer's experts are three launches after the router and the align step
-(`benchmarks/fused_moe.py`; docs/benchmarks.md, "Fused MoE").
+transformers runs the experts one by one (a host sync to find the experts hit, then about
+ten small kernels an expert, `index_add_` among them), or through `torch._grouped_mm` over
+all E experts' offsets with the `[T k, 2 I]` products, activations and weighted outputs in
+memory between kernels; here a layer's experts are three launches after the router and the
+align step. Its speed is `benchmarks/fused_moe.py`'s to tell (docs/benchmarks.md, "Fused
+MoE": GPU figures pending).
 
 Numerics are transformers': the router's softmax in float32, its top-k weights
 renormalised in float32 when `renormalize` (`norm_topk_prob`), then rounded to the logits'
@@ -345,10 +347,11 @@ def _experts_weights(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tens
 
 
 def moe_forward(block: torch.nn.Module, hidden: torch.Tensor, *, moe=None) -> torch.Tensor:
-    """A transformers Qwen3-Omni sparse MoE block's forward (`Qwen3OmniMoeThinkerTextSparseMoeBlock`,
-    `Qwen3OmniMoeTalkerTextSparseMoeBlock` and their like: a `gate` router and `experts`,
-    and where it has one the talker's sigmoid-gated `shared_expert`) from the block's own
-    parameters, hidden `[..., H]` to `[..., H]`. `moe` computes the routed experts:
+    """A transformers Qwen3-Omni sparse MoE block's forward
+    (`Qwen3OmniMoeThinkerTextSparseMoeBlock`, `Qwen3OmniMoeTalkerTextSparseMoeBlock` and
+    their like: a `gate` router and `experts`, and where it has one the talker's
+    sigmoid-gated `shared_expert`) from the block's own parameters, hidden `[..., H]` to
+    `[..., H]`. `moe` computes the routed experts:
     `fused_moe` by default (the kernels on CUDA, the reference elsewhere); tests pass
     `fused_moe_triton` to run the kernels in Triton's interpreter."""
     moe = fused_moe if moe is None else moe

@@ -319,7 +319,10 @@ def test_a_decode_step_captures_in_a_cuda_graph(tokens):
         pytest.skip("needs a CUDA device")
     module = real_block("thinker")
     g = torch.Generator("cuda").manual_seed(6)
-    draw = lambda: torch.randn(tokens, 2048, generator=g, device="cuda").to(torch.bfloat16)  # noqa: E731
+
+    def draw() -> torch.Tensor:
+        return torch.randn(tokens, 2048, generator=g, device="cuda").to(torch.bfloat16)
+
     static = draw()
     with torch.no_grad():
         fused_moe.moe_forward(module, static)  # compiles outside the capture
