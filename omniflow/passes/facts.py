@@ -124,10 +124,11 @@ class ExecutorGroup:
 
 @dataclass(frozen=True)
 class PointwiseKernel:
-    """An edge's map chain as one fused kernel, and the executor that runs it."""
+    """An edge's map chain as one fused kernel (its ops as (name, args)), and the executor
+    that runs it."""
 
     kernel: str
-    ops: tuple[str, ...]
+    ops: tuple[tuple[str, tuple], ...]
     in_dtype: str
     out_dtype: str
     runs_in: str
