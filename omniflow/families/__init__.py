@@ -85,7 +85,9 @@ def _builtins() -> tuple[Family, ...]:
         try:
             family = importlib.import_module(module).FAMILY
         except (ImportError, AttributeError) as err:
-            raise FamilyError(f"{PLUGINS_ENV}: cannot load a family from '{module}': {err}") from err
+            raise FamilyError(
+                f"{PLUGINS_ENV}: cannot load a family from '{module}': {err}"
+            ) from err
         _check_claims(family, loaded)
         loaded.append(family)
     return tuple(loaded)

@@ -39,4 +39,6 @@ def test_an_edit_pays_for_its_input_image():
     assert dit.activation_bytes == 16 * (4096 + 4920 + 1675 + 1024) * 14 * 3072 * 2
     # The text encoder's sequence holds the image's tokens too.
     encoder = edit.node("encoder").meta["cost"].cost.activation_bytes
-    assert encoder * 1024 == plain.node("encoder").meta["cost"].cost.activation_bytes * (1675 + 1024)
+    assert encoder * 1024 == plain.node("encoder").meta["cost"].cost.activation_bytes * (
+        1675 + 1024
+    )
