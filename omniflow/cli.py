@@ -50,6 +50,11 @@ def _run(args: argparse.Namespace) -> int:
     from omniflow.run_once import run_once
 
     if len(args.paths) != 1:
+        if args.profile is not None:
+            raise UsageError(
+                "--profile records one request of one pipeline (--once); to profile a "
+                "server, serve without --profile and POST /start_profile, then /stop_profile"
+            )
         raise UsageError("--once runs one pipeline: omniflow run PIPELINE.omni --once ...")
     if args.profile_gpu and args.profile is None:
         raise UsageError("--profile-gpu adds to a profile: give --profile DIR too")
@@ -258,7 +263,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--profile",
         default=None,
         metavar="DIR",
-        help="record the request's events; write DIR/trace.json and DIR/report.html",
+        help="record the request's events; write DIR/trace.json and DIR/report.html (a "
+        "server records between POST /start_profile and /stop_profile instead)",
     )
     once.add_argument(
         "--profile-gpu",

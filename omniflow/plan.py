@@ -140,11 +140,13 @@ class PortPlan:
 @dataclass
 class ParamLimit:
     """The numbers a request may give a pipeline parameter: `low <= value <= high` (None:
-    unbounded); `why` says where `high` comes from when the plan was compiled for it."""
+    unbounded); `why` says where `high` comes from when the plan was compiled for it;
+    `knobs` the sampling knobs (`omniflow.sampling`) whose domains it must be in."""
 
     low: int | float | None
     high: int | float | None
     why: str = ""
+    knobs: list[str] = field(default_factory=list)
 
 
 @dataclass

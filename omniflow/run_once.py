@@ -30,7 +30,8 @@ from omniflow.runtime.engine import Engine
 from omniflow.runtime.gpu_timeline import gpu_executors
 from omniflow.runtime.port_values import concat
 from omniflow.runtime.preflight import preflight
-from omniflow.runtime.requests import admit
+from omniflow.runtime.prompts import prompt_limits
+from omniflow.runtime.requests import admit, check_voices
 
 DEFAULT_RATE = 24000
 
@@ -85,9 +86,11 @@ def run_once(
             check_out_dir(folder)
     if profile_gpu:
         gpu_executors(plan)  # before any model loads: a plan with no GPU stage says so now
-    request = admit(plan, inputs, params)
+    request = admit(plan, inputs, params)  # a mistake costs a second: before any model loads
     voices = () if backends == "standin" else preflight(plan)
-    request = admit(plan, inputs, request.params, voices)
+    check_voices(request, voices)
+    for limit in () if backends == "standin" else prompt_limits(plan):
+        limit.check(request)
     types = {o.name: o.type for o in plan.outputs}
     parts: dict[str, list] = {name: [] for name in types}
     live = next((o.name for o in plan.outputs if o.type == "text"), None)  # shown as it comes
@@ -100,7 +103,7 @@ def run_once(
     )
     with engine, recording as profiled:
         timeline = Timeline()
-        for chunk in engine.stream_sync(request.inputs, request.params):
+        for chunk in engine.stream_sync(request):
             if chunk.value is None:
                 continue
             timeline.saw(types[chunk.output])

@@ -2,26 +2,27 @@
 
 `Sampling.of(params, defaults, error)` takes what a request gives (temperature, top_p,
 top_k, repetition_penalty, max_tokens, seed, stop), fills what it leaves out from the
-stage's defaults and checks every value, raising the backend's own error class with all
-the problems at once. The transformers backend samples from the result itself; the vLLM
-backend hands it to vLLM's `SamplingParams`.
+stage's defaults and checks every value against the knobs' domains (`omniflow.sampling`,
+the table admission checks requests against too), raising the backend's own error class
+with all the problems at once. The transformers backend samples from the result itself;
+the vLLM backend hands it to vLLM's `SamplingParams`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omniflow import sampling
 from omniflow.errors import OmniflowError
-from omniflow.ir.kinds import KINDS
 
-# The parameters with a default (the `ar` kind's, which a model's generation config may
-# override); `seed` and `stop` have none.
+# The parameters with a default (the knob's neutral value, which a model's generation
+# config may override); `seed` and `stop` have none.
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens")
 
 
-def kind_defaults() -> dict:
-    """The `ar` kind's default for each of SAMPLING_KEYS."""
-    return {key: KINDS["ar"].params[key].default for key in SAMPLING_KEYS}
+def neutral_defaults() -> dict:
+    """Each of SAMPLING_KEYS at its knob's neutral value."""
+    return {key: sampling.KNOBS[key].neutral for key in SAMPLING_KEYS}
 
 
 @dataclass(frozen=True)
@@ -47,35 +48,21 @@ class Sampling:
             isinstance(s, (str, int)) and not isinstance(s, bool) for s in stop
         ):
             raise error(f"stop must be a list of strings and token ids, not {stop!r}")
-        sampling = cls(
-            float(value["temperature"]),
-            float(value["top_p"]),
-            int(value["top_k"]),
-            float(value["repetition_penalty"]),
-            int(value["max_tokens"]),
-            params.get("seed"),
-            frozenset(s for s in stop if isinstance(s, int)),
-            tuple(s for s in stop if isinstance(s, str) and s),
-        )
-        problems = [
-            f"{name} {got!r} ({rule})"
-            for name, got, ok, rule in (
-                ("temperature", sampling.temperature, sampling.temperature >= 0, ">= 0"),
-                ("top_p", sampling.top_p, 0 < sampling.top_p <= 1, "in (0, 1]"),
-                ("top_k", sampling.top_k, sampling.top_k == -1 or sampling.top_k > 0, "-1 or > 0"),
-                (
-                    "repetition_penalty",
-                    sampling.repetition_penalty,
-                    sampling.repetition_penalty > 0,
-                    "> 0",
-                ),
-                ("max_tokens", sampling.max_tokens, sampling.max_tokens >= 1, ">= 1"),
-            )
-            if not ok
-        ]
-        seed = sampling.seed
+        problems = sampling.problems(value)
+        seed = params.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             problems.append(f"seed {seed!r} (an integer)")
         if problems:
             raise error(f"bad sampling parameters: {'; '.join(problems)}")
-        return sampling
+        top_k = int(value["top_k"])
+        chosen = cls(
+            float(value["temperature"]),
+            float(value["top_p"]),
+            -1 if top_k == 0 else top_k,  # 0 and -1 both mean no limit
+            float(value["repetition_penalty"]),
+            int(value["max_tokens"]),
+            seed,
+            frozenset(s for s in stop if isinstance(s, int)),
+            tuple(s for s in stop if isinstance(s, str) and s),
+        )
+        return chosen

@@ -61,13 +61,13 @@ import torch.nn.functional as F
 
 from omniflow.backends import static_decode
 from omniflow.backends.registry import family_code
-from omniflow.backends.sampling_params import Sampling, kind_defaults
+from omniflow.backends.sampling_params import Sampling, neutral_defaults
 from omniflow.catalog.resolve import model_path
 from omniflow.dtypes import torch_dtype
 from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
-from omniflow.ir.kinds import KINDS, PREFILL_TOKENS
 from omniflow.kernels.sampling import sample
+from omniflow.runtime.doorbells import Ending
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 # Where a request's decoding state lives in `call.state`.
@@ -409,6 +409,7 @@ class Sequence:
     text: TextStream | None
     length: int = 0  # its positions in the KV cache
     position_offset: int = 0  # its next position id minus `length`
+    prompt_tokens: int = 0  # its prompt's positions
     generated: int = 0
     last: int = -1  # the id sampled last
     seed: int = 0  # the GPU sampler's stream: (seed, generated) picks each draw
@@ -463,7 +464,7 @@ class TransformersAR(Backend):
                 f"stage '{name}': {spec.plan.model} has {', '.join(sorted(other))} cache layers; "
                 "this backend batches full-attention layers only"
             )
-        self.defaults = kind_defaults() | c.defaults
+        self.defaults = neutral_defaults() | c.defaults
         self.capacity = max(1, spec.plan.batch)
         self.rows: list[Sequence] = []
         self.cache = None  # one row per entry of self.rows
@@ -488,7 +489,7 @@ class TransformersAR(Backend):
         cache (graphs captured for "graphs"). "auto" is "graphs" on CUDA where the model
         supports it, else "eager"."""
         plan, c = self.spec.plan, self.component
-        mode = plan.settings.get("decode", KINDS["ar"].params["decode"].default)
+        mode = plan.settings["decode"]
         cuda = torch.device(self.device).type == "cuda"
         why = static_decode.unsupported(c.decoder)
         if why is None and type(c).step_embeds is not Component.step_embeds:
@@ -622,6 +623,7 @@ class TransformersAR(Backend):
             text,
             length,
             position_offset=prompt.position_offset,
+            prompt_tokens=length,
             seed=seed,
         )
         call.state[_STATE] = seq
@@ -630,7 +632,7 @@ class TransformersAR(Backend):
     def _prefill(self, calls: list[Call]) -> None:
         """Prefill the starting requests in as few forwards as `prefill_tokens` allows."""
         started = [s for s in map(self._start, calls) if s is not None]
-        budget = self.spec.plan.settings.get("prefill_tokens", PREFILL_TOKENS)
+        budget = self.spec.plan.settings["prefill_tokens"]
         lengths = [prompt.embeds.shape[0] for _, prompt in started]
         for group in prefill_groups(lengths, budget):
             self._prefill_group([started[i] for i in group])
@@ -758,16 +760,17 @@ class TransformersAR(Backend):
             call.emit("codes", code)
         if value is not None:
             call.emit("hidden", value)
-        ended = token in self.component.eos_ids or token in sampling.stop_ids
+        stopped = token in self.component.eos_ids or token in sampling.stop_ids
         if seq.text is not None:
-            piece = "" if ended else seq.text.add(token)
-            ended = ended or seq.text.stopped or seq.generated >= sampling.max_tokens
-            if ended:
+            piece = "" if stopped else seq.text.add(token)
+            stopped = stopped or seq.text.stopped
+            if stopped or seq.generated >= sampling.max_tokens:
                 piece += seq.text.close()
             if piece and "text" in outputs:
                 call.emit("text", piece)
-        if ended or seq.generated >= sampling.max_tokens:
-            call.finish()
+        if stopped or seq.generated >= sampling.max_tokens:
+            reason = "stop" if stopped else "length"
+            call.finish(Ending(reason, seq.prompt_tokens, seq.generated))
 
     # --- the batched cache -------------------------------------------------------------------------
     def _join(self, seq: Sequence, states: list[tuple[torch.Tensor, torch.Tensor]], cache) -> None:
@@ -852,12 +855,9 @@ def cache_columns(plan, bytes_per_token: int) -> int:
     prompt (up to the stage's `max_len`) plus its `max_tokens`, rounded up to the length
     quantum; fewer where the stage's budget, less its weights and activations, cannot hold
     that for `max_batch` requests (no fewer than one quantum)."""
-    params = KINDS["ar"].params
     settings = plan.settings
     quantum = static_decode.COLUMN_QUANTUM
-    wanted = settings.get("max_len", params["max_len"].default) + settings.get(
-        "max_tokens", params["max_tokens"].default
-    )
+    wanted = settings["max_len"] + settings["max_tokens"]
     columns = -(-wanted // quantum) * quantum
     room = plan.budget_bytes - plan.weight_bytes - plan.activation_bytes
     if plan.budget_bytes > 0:

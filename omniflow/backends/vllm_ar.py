@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omniflow.backends.sampling_params import SAMPLING_KEYS, Sampling, kind_defaults
+from omniflow.backends.sampling_params import SAMPLING_KEYS, Sampling, neutral_defaults
 from omniflow.catalog.resolve import model_path
 from omniflow.errors import OmniflowError
-from omniflow.ir.kinds import KINDS
+from omniflow.runtime.doorbells import Ending
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 # Where a request's vLLM state lives in `call.state`.
@@ -61,6 +61,8 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     done: bool = False  # vLLM finished it
+    generated: int = 0  # tokens vLLM generated for it so far
+    ending: Ending | None = None  # why, and what it cost, once done
 
 
 class VllmAR(Backend):
@@ -98,10 +100,12 @@ class VllmAR(Backend):
                     continue
                 completion = out.outputs[0]
                 req.tokens += completion.token_ids
+                req.generated += len(completion.token_ids)
                 if completion.text:
                     req.text.append(completion.text)
                 if out.finished:
                     req.done = True
+                    req.ending = _ending(out, req.generated)
                     del self.running[req.rid]
         for call in calls:
             req = call.state.get(_STATE)
@@ -181,7 +185,14 @@ class VllmAR(Backend):
             call.emit("text", text)
         req.tokens, req.text = [], []
         if req.done:
-            call.finish()
+            call.finish(req.ending)
+
+
+def _ending(out, generated: int) -> Ending:
+    """A finished vLLM request's Ending: vLLM's "stop" (an end token, a stop token or
+    string) or "length", its prompt's tokens and the `generated` tokens."""
+    reason = "length" if out.outputs[0].finish_reason == "length" else "stop"
+    return Ending(reason, len(out.prompt_token_ids or ()), generated)
 
 
 # --- the engine -----------------------------------------------------------------------------------
@@ -251,16 +262,14 @@ def _start_engine(spec: StageSpec, device: str):
 
 
 def _max_len(plan, path: str) -> int:
-    """The stage's `max_len`, or the kind's default capped at the model's context length."""
-    if "max_len" in plan.settings:
-        return int(plan.settings["max_len"])
+    """The stage's `max_len`, capped at the model's context length."""
     from transformers import AutoConfig
 
-    default = KINDS["ar"].params["max_len"].default
+    asked = int(plan.settings["max_len"])
     limit = getattr(
         AutoConfig.from_pretrained(path).get_text_config(), "max_position_embeddings", None
     )
-    return min(default, limit) if limit else default
+    return min(asked, limit) if limit else asked
 
 
 def _check_head_size(plan, model_config, on_cpu: bool) -> None:
@@ -283,7 +292,7 @@ def _check_head_size(plan, model_config, on_cpu: bool) -> None:
 def _sampling_defaults(model_config) -> dict:
     """The `ar` kind's sampling defaults, overridden by the model's generation config as vLLM
     reads it; `do_sample: false` there means greedy, as transformers' `generate` has it."""
-    defaults = kind_defaults()
+    defaults = neutral_defaults()
     defaults.update(
         (k, v) for k, v in model_config.get_diff_sampling_param().items() if k in SAMPLING_KEYS
     )

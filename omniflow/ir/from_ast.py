@@ -37,6 +37,7 @@ from omniflow.ir.kinds import (
 from omniflow.ir.types import PORT_TYPES, TENSOR_TYPES
 from omniflow.ir.values import AUTO, Param, Ref
 from omniflow.kernels.pointwise_ops import OPS
+from omniflow.sampling import KNOBS
 
 _DEVICE = re.compile(r"^(cpu|cuda)(:\d+)?$")
 
@@ -124,6 +125,8 @@ class _GraphBuilder:
             )
         if isinstance(value, (int, float)) and not spec.low <= value <= spec.high:
             raise GraphError(f"'{key}' must be {bounds_text(spec)}, not {value!r}", span)
+        if spec.knob and (problem := KNOBS[spec.knob].problem(value)):
+            raise GraphError(f"'{key}' is out of its domain: {problem}", span)
 
     # --- declarations --------------------------------------------------------------------
     def declarations(self) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from omniflow.dtypes import STAGE_DTYPES
 from omniflow.ir.values import Auto, Param, Ref
+from omniflow.sampling import KNOBS
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class ParamSpec:
     from this value, so a request may lower it but never raise it above what was compiled.
     `model_default`: left unset, the model's own default applies (its generation config's
     sampling defaults), not `default`, so lowering does not write `default` into the plan.
+    `knob`: a sampling knob (`omniflow.sampling`) whose domain the value must be in, at
+    compile time and at admission alike.
     """
 
     types: tuple[type, ...]
@@ -31,6 +34,7 @@ class ParamSpec:
     high: float = math.inf
     planned: bool = False
     model_default: bool = False
+    knob: str = ""
 
 
 @dataclass(frozen=True)
@@ -71,12 +75,20 @@ _LENGTH = {"low": 1, "high": 1 << 20, "planned": True}
 PREFILL_TOKENS = 8192
 _PIXELS = {"low": 16, "high": 16384, "planned": True}
 
+
+def _knob(name: str, **spec) -> ParamSpec:
+    """A sampling knob as a parameter: its domain is the knob's (`ParamSpec.knob`)."""
+    knob = KNOBS[name]
+    return ParamSpec(knob.types, knob.neutral, knob=name, **spec)
+
+
 _SAMPLING = {
-    "max_tokens": ParamSpec(_INT, 2048, **_LENGTH),
-    "temperature": ParamSpec(_FLOAT, 1.0, low=0, high=100, model_default=True),
-    "top_p": ParamSpec(_FLOAT, 1.0, low=0, high=1, model_default=True),
-    "top_k": ParamSpec(_INT, -1, low=-1, model_default=True),
-    "repetition_penalty": ParamSpec(_FLOAT, 1.0, low=0, high=100, model_default=True),
+    "max_tokens": _knob("max_tokens", **_LENGTH),
+    # Left unset, each of these is the model's generation config's, else the knob's neutral.
+    **{
+        name: _knob(name, model_default=True)
+        for name in ("temperature", "top_p", "top_k", "repetition_penalty")
+    },
     "seed": SEED,
     "stop": ParamSpec((list,)),
 }

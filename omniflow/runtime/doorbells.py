@@ -11,14 +11,26 @@ from __future__ import annotations
 import msgspec
 
 
+class Ending(msgspec.Struct, frozen=True, array_like=True):
+    """Why a stage ended a request's outputs and what the request cost it, sent with the end
+    of each of its output streams: `reason` ("stop": an end or stop token or a stop string;
+    "length": its token limit), the prompt's tokens and the tokens it generated."""
+
+    reason: str
+    prompt_tokens: int = 0
+    tokens: int = 0
+
+
 class ChunkMeta(msgspec.Struct, frozen=True, array_like=True):
     """What the caller says about one chunk: its request, its index, whether it ends the
-    stream, and when it was handed to the channel (monotonic ns, one clock per host)."""
+    stream, when it was handed to the channel (monotonic ns, one clock per host), and with
+    the end, the producing stage's `Ending` if it gave one."""
 
     request_id: str
     chunk: int = 0
     end: bool = False
     sent: int = 0
+    ending: Ending | None = None
 
 
 class TensorHeader(msgspec.Struct, frozen=True, array_like=True):

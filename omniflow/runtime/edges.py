@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from omniflow.kernels.pointwise import fused
 from omniflow.plan import ChannelPlan, StagePlan
 from omniflow.runtime import events
+from omniflow.runtime.doorbells import Ending
 from omniflow.runtime.events import Recorder
 from omniflow.runtime.port_values import TEXT_TYPES, concat, steps
 
-# send(request_id, chunk_index, value or None, end_of_stream)
-Send = Callable[[str, int, object, bool], None]
+# send(request_id, chunk_index, value or None, end_of_stream, the producer's Ending or None)
+Send = Callable[[str, int, object, bool, Ending | None], None]
 Transform = Callable[[object], object]
 
 
@@ -125,10 +126,10 @@ class StreamWriter:
             self._send(request_id, p, head, False)
             target = self._target(p.index)
 
-    def end(self, request_id: str) -> None:
+    def end(self, request_id: str, ending: Ending | None = None) -> None:
         p = self.pending.pop(request_id, _Pending())
         value = concat(self.channel.type, p.parts) if p.parts else None
-        self._send(request_id, p, value, True)
+        self._send(request_id, p, value, True, ending)
 
     def drop(self, request_id: str | None = None) -> None:
         """Forget a request's pending steps (every request's, if None)."""
@@ -137,10 +138,12 @@ class StreamWriter:
         else:
             self.pending.pop(request_id, None)
 
-    def _send(self, request_id: str, p: _Pending, value, end: bool) -> None:
+    def _send(
+        self, request_id: str, p: _Pending, value, end: bool, ending: Ending | None = None
+    ) -> None:
         index = p.index
         p.index += 1
         value = transformed(
             self.recorder, self.leave, value, self.channel.name, request_id, index, self.how
         )
-        self.send(request_id, index, value, end)
+        self.send(request_id, index, value, end, ending)

@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omniflow.errors import OmniflowError
-from omniflow.ir.kinds import SEED_PARAM
 from omniflow.plan import FRONTEND, Plan
 from omniflow.runtime import control, events
+from omniflow.runtime.doorbells import Ending
 from omniflow.runtime.gpu_timeline import ProfileError, gpu_executors
 from omniflow.runtime.loop import ProgramLoop
 from omniflow.runtime.port_values import concat
 from omniflow.runtime.preflight import preflight
+from omniflow.runtime.prompts import prompt_limits
 from omniflow.runtime.ray_transport import ray_plan
 from omniflow.runtime.requests import Admitted, RequestFailed, Voice, admit, stage_params
 from omniflow.runtime.shm_ring import cleanup_stale_segments
@@ -47,13 +48,15 @@ class RequestCancelled(OmniflowError):
 
 @dataclass(frozen=True)
 class Chunk:
-    """One piece of one output of a request, in order; `end` marks the output's end."""
+    """One piece of one output of a request, in order; `end` marks the output's end, and
+    `ending` says why its producing stage ended it and what it cost (if it says)."""
 
     request_id: str
     output: str
     value: object
     index: int
     end: bool
+    ending: Ending | None = None
 
 
 @dataclass
@@ -121,7 +124,7 @@ class _Core:
             self.frontend.recorder.add(
                 events.ADMIT, None, request.id, request.arrived, queued, request.admit_ns
             )
-        self.frontend.inject(request.id, request.admitted.inputs)
+        self.frontend.inject(request.id, request.admitted)
 
     def cancel(self, request_id: str, error: OmniflowError) -> None:
         request = self.requests.pop(request_id, None)
@@ -131,14 +134,16 @@ class _Core:
         self.frontend.cancel(request_id)
         request.deliver(error)
 
-    def deliver(self, request_id: str, output: str, value, end: bool) -> None:
+    def deliver(
+        self, request_id: str, output: str, value, end: bool, ending: Ending | None = None
+    ) -> None:
         """The frontend loop's sink: a chunk of one of a request's outputs."""
         request = self.requests.get(request_id)
         if request is None:
             return
         index = request.indexes.get(output, 0)
         if value is not None or end:
-            request.deliver(Chunk(request_id, output, value, index, end))
+            request.deliver(Chunk(request_id, output, value, index, end, ending))
             request.indexes[output] = index + 1
         if end:
             request.open_outputs.discard(output)
@@ -313,6 +318,7 @@ class Engine:
         if voices is None:
             voices = () if backends == "standin" else preflight(plan)
         self.voices = voices
+        self.prompt_limits = () if backends == "standin" else prompt_limits(plan)
         self._core = _Core(plan, mode, backends, on_loaded, on_stats)
         self._ids = itertools.count()
         started = threading.Event()
@@ -344,7 +350,9 @@ class Engine:
             raise failure[0]
 
     # --- requests ------------------------------------------------------------------------------------
-    def _submit(self, inputs: dict, params: dict | None, request_id: str | None, deliver) -> str:
+    def _submit(
+        self, inputs: dict | Admitted, params: dict | None, request_id: str | None, deliver
+    ) -> str:
         if self._core.closed:
             raise EngineError(
                 f"the engine is closed ({self._core.failure})"
@@ -353,25 +361,30 @@ class Engine:
             )
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         arrived = time.monotonic_ns()
-        admitted = self.admit(inputs, params)
+        admitted = inputs if isinstance(inputs, Admitted) else self.admit(inputs, params)
         admit_ns = time.monotonic_ns() - arrived
         request = _Request(request_id, admitted, deliver, arrived=arrived, admit_ns=admit_ns)
         self._command("submit", request)
         return request_id
 
     def admit(self, inputs: dict, params: dict | None = None) -> Admitted:
-        """The request checked against the plan (RequestError if it does not fit); its
-        `params` hold every parameter, the seed included, so passing them back replays it."""
-        return admit(self.plan, inputs, params, self.voices)
+        """The request checked against the plan (RequestError if it does not fit: its
+        prompts' lengths too); its `params` hold every parameter, the seed included, so
+        passing them back replays it."""
+        admitted = admit(self.plan, inputs, params, self.voices)
+        for limit in self.prompt_limits:
+            limit.check(admitted)
+        return admitted
 
     def _command(self, command: str, arg) -> None:
         self._core.commands.append((command, arg))
         self._core.waker.poke()
 
     def stream_sync(
-        self, inputs: dict, params: dict | None = None, request_id: str | None = None
+        self, inputs: dict | Admitted, params: dict | None = None, request_id: str | None = None
     ) -> Iterator[Chunk]:
-        """Output chunks as they are produced, from this thread."""
+        """Output chunks as they are produced, from this thread. `inputs` may be a request
+        `admit` checked already (then `params` are its own)."""
         items: queue.SimpleQueue = queue.SimpleQueue()
         self._submit(inputs, params, request_id, items.put)
         while (item := items.get()) is not None:
@@ -380,9 +393,10 @@ class Engine:
             yield item
 
     async def stream(
-        self, inputs: dict, params: dict | None = None, request_id: str | None = None
+        self, inputs: dict | Admitted, params: dict | None = None, request_id: str | None = None
     ) -> AsyncIterator[Chunk]:
-        """Output chunks as they are produced; cancelling the consumer cancels the request."""
+        """Output chunks as they are produced; cancelling the consumer cancels the request.
+        `inputs` may be a request `admit` checked already (then `params` are its own)."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
         rid = self._submit(
@@ -404,21 +418,21 @@ class Engine:
                 self.cancel(rid)
 
     def generate(
-        self, inputs: dict, params: dict | None = None, request_id: str | None = None
+        self, inputs: dict | Admitted, params: dict | None = None, request_id: str | None = None
     ) -> Outputs:
         """Run one request to the end; every output, whole, and its seed."""
-        params = self.admit(inputs, params).params
+        admitted = inputs if isinstance(inputs, Admitted) else self.admit(inputs, params)
         parts: dict[str, list] = {}
         types = {
             c.dst: c.type
             for c in self.plan.channels
             if c.dst in {o.name for o in self.plan.outputs}
         }
-        for chunk in self.stream_sync(inputs, params, request_id):
+        for chunk in self.stream_sync(admitted, request_id=request_id):
             if chunk.value is not None:
                 parts.setdefault(chunk.output, []).append(chunk.value)
         outputs = Outputs((name, concat(types[name], values)) for name, values in parts.items())
-        outputs.seed = params[SEED_PARAM]
+        outputs.seed = admitted.seed
         return outputs
 
     def cancel(self, request_id: str) -> None:

@@ -82,7 +82,7 @@ class Interpreter:
         arrive = self.arrive[channel.name]
         writer = StreamWriter(
             channel,
-            lambda _rid, _index, value, end: chunks.append((arrive(value), end)),
+            lambda _rid, _index, value, end, _ending: chunks.append((arrive(value), end)),
             self.leave[channel.name],
         )
         for value in values:

@@ -30,7 +30,7 @@ import torch
 from omniflow.devices import local_name
 from omniflow.plan import ChannelPlan
 from omniflow.runtime.device_ring import DeviceConsumer, DeviceProducer
-from omniflow.runtime.doorbells import ChunkMeta
+from omniflow.runtime.doorbells import ChunkMeta, Ending
 from omniflow.runtime.net_ring import NetConsumer, NetProducer
 from omniflow.runtime.port_values import TEXT_TYPES, decode, encode
 from omniflow.runtime.shm_ring import (
@@ -90,9 +90,12 @@ class Outbound:
     def fileno(self) -> int | None:
         return None if isinstance(self.endpoint, LocalProducer) else self.endpoint.fileno()
 
-    def send(self, request_id: str, index: int, value, end: bool) -> None:
-        """Queue chunk `index` (None: only the end) and put what credits allow. A chunk that
-        cannot fit a slot raises PayloadTooLarge before anything of it is queued."""
+    def send(
+        self, request_id: str, index: int, value, end: bool, ending: Ending | None = None
+    ) -> None:
+        """Queue chunk `index` (None: only the end, with the producer's `ending`) and put
+        what credits allow. A chunk that cannot fit a slot raises PayloadTooLarge before
+        anything of it is queued."""
         if value is None:
             pieces = [()]
         else:
@@ -103,7 +106,8 @@ class Outbound:
         sent = time.monotonic_ns()
         for i, tensors in enumerate(pieces):
             last = end and i == len(pieces) - 1
-            self.outbox.append((tensors, ChunkMeta(request_id, index, last, sent)))
+            meta = ChunkMeta(request_id, index, last, sent, ending if last else None)
+            self.outbox.append((tensors, meta))
         self.flush()
 
     def _fit(self, wire: torch.Tensor) -> list[torch.Tensor]:

@@ -29,12 +29,13 @@ from omniflow.devices import local_name
 from omniflow.errors import ChannelError, PayloadTooLarge
 from omniflow.plan import ChannelPlan, Program
 from omniflow.runtime import control, events
+from omniflow.runtime.doorbells import Ending
 from omniflow.runtime.edges import StreamWriter, arriving, leaving, transformed
 from omniflow.runtime.events import RecordedEvents, Recorder
 from omniflow.runtime.gpu_timeline import KernelTimeline, on_cuda
 from omniflow.runtime.link import Links
 from omniflow.runtime.port_values import nbytes, steps
-from omniflow.runtime.requests import describe
+from omniflow.runtime.requests import Admitted, describe
 from omniflow.runtime.stage import Backend, Call, InputStream, StageSpec
 from omniflow.runtime.tallies import Tallies
 from omniflow.runtime.wakeup import Waker
@@ -42,9 +43,9 @@ from omniflow.runtime.wakeup import Waker
 # How long a finished or cancelled request's late chunks are recognised and dropped.
 TOMBSTONE_S = 120.0
 
-# sink(request_id, output, value or None, end): a chunk of a pipeline output, owned by the
-# sink (copied out of its ring).
-Sink = Callable[[str, str, object, bool], None]
+# sink(request_id, output, value or None, end, the producer's Ending or None): a chunk of a
+# pipeline output, owned by the sink (copied out of its ring).
+Sink = Callable[[str, str, object, bool, Ending | None], None]
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Event:
     port: str | None = None
     value: object = None
     end: bool = False
+    ending: Ending | None = None
     error: str | None = None
 
 
@@ -139,7 +141,7 @@ class StageRunner:
                 events.append(Event(call.request_id, self.name, error=describe(call.error)))
                 self.drop(call.request_id)
             elif call.finished:
-                events.append(Event(call.request_id, self.name, end=True))
+                events.append(Event(call.request_id, self.name, end=True, ending=call.ending))
                 self.drop(call.request_id)
         # Requests further back in line go first next time: `calls` keeps arrival order.
         for call in batch:
@@ -248,22 +250,28 @@ class ProgramLoop:
     # --- channels -----------------------------------------------------------------------------
     def _sender(self, channel: ChannelPlan):
         if channel not in self.program.local:
-            return lambda rid, index, value, end: self._send_out(channel, rid, index, value, end)
+            return lambda rid, index, value, end, ending: self._send_out(
+                channel, rid, index, value, end, ending
+            )
         arrive = self.arrive[channel.name]
         if channel.dst in self.runners:
             runner = self.runners[channel.dst]
-            return lambda rid, index, value, end: runner.feed(
+            return lambda rid, index, value, end, ending: runner.feed(
                 rid, channel.dst_port, arrive(value), end
             )
-        return lambda rid, index, value, end: self.sink(rid, channel.dst, arrive(value), end)
+        return lambda rid, index, value, end, ending: self.sink(
+            rid, channel.dst, arrive(value), end, ending
+        )
 
-    def _send_out(self, channel: ChannelPlan, rid: str, index: int, value, end: bool) -> None:
+    def _send_out(
+        self, channel: ChannelPlan, rid: str, index: int, value, end: bool, ending
+    ) -> None:
         outbound = self.links.outbound.get(channel.name)
         if outbound is None:  # its consumer died; the request fails with it
             return
         began = time.monotonic_ns()
         try:
-            outbound.send(rid, index, value, end)
+            outbound.send(rid, index, value, end, ending)
         except PayloadTooLarge as err:
             self.fail(rid, channel.src if channel.src in self.runners else self.name, str(err))
             return
@@ -326,7 +334,7 @@ class ProgramLoop:
                     if runner is None:
                         owned = value.clone() if hasattr(value, "clone") else value
                         release()
-                        self.sink(rid, channel.dst, owned, end)
+                        self.sink(rid, channel.dst, owned, end, meta.ending)
                     elif runner.feed(rid, channel.dst_port, value, end, release):
                         unstarted.add(rid)
             except ChannelError:
@@ -346,7 +354,7 @@ class ProgramLoop:
             for (stage, _port), writers in self.writers.items():
                 if stage == event.stage:
                     for writer in writers:
-                        writer.end(event.request_id)
+                        writer.end(event.request_id, event.ending)
             if self.tallies is not None:  # after its last chunks went out
                 self.tallies.ended(event.request_id, event.stage)
         else:
@@ -357,13 +365,19 @@ class ProgramLoop:
         self.report(control.Failed(request_id, stage, error))
 
     # --- requests -----------------------------------------------------------------------------
-    def inject(self, request_id: str, inputs: dict) -> None:
-        """A request's inputs, whole, onto the channels that leave them (the frontend)."""
+    def inject(self, request_id: str, request: Admitted) -> None:
+        """A request's inputs, whole, onto the channels that leave them (the frontend): as
+        admission encoded them, where they go out as they are."""
         for (source, _port), writers in self.writers.items():
-            if source in inputs:
+            if source in request.inputs:
                 for writer in writers:
-                    writer.write(request_id, inputs[source])
-                    writer.end(request_id)
+                    channel = writer.channel
+                    as_is = channel.adapter is None and not channel.maps
+                    if as_is and channel not in self.program.local:  # one chunk, as encoded
+                        writer.send(request_id, 0, request.wire[source], True, None)
+                    else:
+                        writer.write(request_id, request.inputs[source])
+                        writer.end(request_id)
 
     def take_queued_starts(self, until: set[str] | None = None) -> None:
         """Start the requests queued so far, or only until those in `until` have started."""

@@ -16,7 +16,10 @@ TEXT_TYPES = ("text", "chat")
 
 
 def encode(port_type: str, value) -> torch.Tensor:
-    """A port value as one tensor (text and image paths as uint8 UTF-8 bytes)."""
+    """A port value as one tensor (text and image paths as uint8 UTF-8 bytes); a tensor is
+    one already (a value admission encoded)."""
+    if isinstance(value, torch.Tensor):
+        return value
     if port_type == "text" or (port_type == "image" and isinstance(value, str)):
         return _bytes(value.encode("utf-8"))
     if port_type == "chat":

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,10 +28,16 @@ from omniflow.ir.kinds import SEED_BITS, SEED_PARAM
 from omniflow.ir.values import InputRef, Param, StageSeed
 from omniflow.plan import Plan, StagePlan
 from omniflow.runtime.port_values import encode
+from omniflow.sampling import KNOBS
 
 
 class RequestError(OmniflowError):
-    """A request does not fit the pipeline (unknown or missing input, bad parameter)."""
+    """A request does not fit the pipeline (unknown or missing input, bad parameter);
+    `field` names the input or parameter at fault (None: the request as a whole)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class RequestFailed(OmniflowError):
@@ -45,10 +51,11 @@ def describe(error: BaseException) -> str:
 @dataclass(frozen=True)
 class Admitted:
     """A request that fits its plan: every input's value and every parameter's, the seed
-    included."""
+    included; `wire`: each input as it travels (encoded once, here)."""
 
     inputs: dict
     params: dict
+    wire: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def seed(self) -> int:
@@ -70,25 +77,34 @@ def admit(
 ) -> Admitted:
     """The request resolved against `plan`, or a RequestError naming what does not fit."""
     values = _check_params(plan, dict(params or {}))
-    given = _prepare_inputs(plan, inputs)
+    given, wire = _prepare_inputs(plan, inputs)
+    admitted = Admitted(given, values, wire)
+    check_voices(admitted, voices)
+    return admitted
+
+
+def check_voices(admitted: Admitted, voices: tuple[Voice, ...]) -> None:
+    """Refuse a speaker (a parameter's or an input's value) its model does not have."""
     for voice in voices:
-        value = (given if voice.is_input else values).get(voice.name)
+        value = (admitted.inputs if voice.is_input else admitted.params).get(voice.name)
         if value is not None and value not in voice.speakers:
             what = "input" if voice.is_input else "parameter"
             raise RequestError(
                 f"{what} '{voice.name}': unknown speaker {value!r}; "
-                f"the model has {', '.join(voice.speakers)}"
+                f"the model has {', '.join(voice.speakers)}",
+                voice.name,
             )
-    return Admitted(given, values)
 
 
-def _prepare_inputs(plan: Plan, inputs: dict) -> dict:
-    """Every input of the pipeline with its value: given, else its default; checked."""
+def _prepare_inputs(plan: Plan, inputs: dict) -> tuple[dict, dict]:
+    """Every input of the pipeline with its value (given, else its default), checked, and
+    as it travels."""
     known = {i.name: i for i in plan.inputs}
     unknown = set(inputs) - set(known)
     if unknown:
         raise RequestError(
-            f"unknown input(s) {', '.join(sorted(unknown))}; the pipeline takes {', '.join(known)}"
+            f"unknown input(s) {', '.join(sorted(unknown))}; the pipeline takes {', '.join(known)}",
+            sorted(unknown)[0],
         )
     values = {}
     for name, port in known.items():
@@ -97,23 +113,25 @@ def _prepare_inputs(plan: Plan, inputs: dict) -> dict:
         elif port.default is not None:
             value = port.default
         else:
-            raise RequestError(f"missing input '{name}' ({port.type})")
+            raise RequestError(f"missing input '{name}' ({port.type})", name)
         values[name] = _check_input(name, port.type, value)
+    wire = {name: encode(known[name].type, value) for name, value in values.items()}
     for channel in plan.channels:
         if channel.src in values and channel.kind != "local" and channel.type != "text":
-            size = encode(channel.type, values[channel.src]).nbytes
+            size = wire[channel.src].nbytes
             if size > channel.slot_bytes:
                 raise RequestError(
                     f"input '{channel.src}' is {size} bytes; the plan's buffer for it holds "
-                    f"{channel.slot_bytes} bytes per message"
+                    f"{channel.slot_bytes} bytes per message",
+                    channel.src,
                 )
-    return values
+    return values, wire
 
 
 def _check_input(name: str, port_type: str, value):
     if port_type == "text":
         if not isinstance(value, str):
-            raise RequestError(f"input '{name}' must be a string")
+            raise RequestError(f"input '{name}' must be a string", name)
         return value
     if port_type == "chat":
         if isinstance(value, str):
@@ -121,21 +139,21 @@ def _check_input(name: str, port_type: str, value):
         if not (
             isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
         ):
-            raise RequestError(f"input '{name}' must be a list of {{role, content}} messages")
+            raise RequestError(f"input '{name}' must be a list of {{role, content}} messages", name)
         return value
     if port_type == "image" and isinstance(value, (str, os.PathLike)):
         path = os.fspath(value)
         if not path:
-            raise RequestError(f"input '{name}' is an empty path")
+            raise RequestError(f"input '{name}' is an empty path", name)
         if not os.path.isfile(path) or not os.access(path, os.R_OK):
-            raise RequestError(f"input '{name}': no readable image file at '{path}'")
+            raise RequestError(f"input '{name}': no readable image file at '{path}'", name)
         # Absolute, so it names the same file in whichever process opens it.
         return os.path.abspath(path)
     try:
         return torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as err:
         raise RequestError(
-            f"input '{name}' must be a tensor-like value ({port_type}): {err}"
+            f"input '{name}' must be a tensor-like value ({port_type}): {err}", name
         ) from err
 
 
@@ -144,7 +162,7 @@ def _check_params(plan: Plan, overrides: dict) -> dict:
     for name, value in overrides.items():
         if name not in plan.limits:
             raise RequestError(
-                f"unknown parameter '{name}'; the pipeline has {', '.join(plan.limits)}"
+                f"unknown parameter '{name}'; the pipeline has {', '.join(plan.limits)}", name
             )
         default = plan.params.get(name, 0 if name == SEED_PARAM else None)
         numeric = isinstance(default, float) and isinstance(value, int)
@@ -152,7 +170,7 @@ def _check_params(plan: Plan, overrides: dict) -> dict:
             isinstance(value, type(default)) or numeric
         ):
             raise RequestError(
-                f"parameter '{name}' must be {type(default).__name__}, not {value!r}"
+                f"parameter '{name}' must be {type(default).__name__}, not {value!r}", name
             )
         _check_limit(plan, name, value)
     values = {**plan.params, **overrides}
@@ -165,17 +183,25 @@ def _check_limit(plan: Plan, name: str, value) -> None:
         return
     limit = plan.limits[name]
     if value != value:  # NaN, which every comparison lets through
-        raise RequestError(f"parameter '{name}' must be a number, not NaN")
+        raise RequestError(f"parameter '{name}' must be a number, not NaN", name)
     if limit.low is not None and value < limit.low:
-        raise RequestError(f"parameter '{name}' must be at least {limit.low:g}, not {value!r}")
+        raise RequestError(
+            f"parameter '{name}' must be at least {limit.low:g}, not {value!r}", name
+        )
     if limit.high is not None and value > limit.high:
         if limit.why:
             raise RequestError(
                 f"parameter '{name}' = {value!r} is above {limit.high:g}: {limit.why} and its "
                 f"memory and buffers were sized for that; recompile with a larger default "
-                f"(`param {name} = {value!r}`)"
+                f"(`param {name} = {value!r}`)",
+                name,
             )
-        raise RequestError(f"parameter '{name}' must be at most {limit.high:g}, not {value!r}")
+        raise RequestError(
+            f"parameter '{name}' must be at most {limit.high:g}, not {value!r}", name
+        )
+    for knob in limit.knobs:
+        if problem := KNOBS[knob].problem(value):
+            raise RequestError(f"parameter '{name}' is out of its domain: {problem}", name)
 
 
 def stage_seed(seed: int, stage: str) -> int:

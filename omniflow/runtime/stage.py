@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from omniflow.plan import ChannelPlan, StagePlan
+from omniflow.runtime.doorbells import Ending
 from omniflow.runtime.port_values import concat
 
 
@@ -110,15 +111,18 @@ class Call:
     state: dict = field(default_factory=dict)
     emitted: list[tuple[str, object]] = field(default_factory=list)
     finished: bool = False
+    ending: Ending | None = None
     error: BaseException | None = None
 
     def emit(self, port: str, value) -> None:
         """Send `value` (one or more steps) downstream on `port`."""
         self.emitted.append((port, value))
 
-    def finish(self) -> None:
-        """This stage is done with the request: every output stream ends."""
+    def finish(self, ending: Ending | None = None) -> None:
+        """This stage is done with the request: every output stream ends, telling the
+        consumers why and what it cost (`ending`) if the stage says."""
         self.finished = True
+        self.ending = ending
 
     def fail(self, error: BaseException) -> None:
         """This request failed here; the runtime reports it with the stage's name."""

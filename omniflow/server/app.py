@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -127,12 +126,13 @@ class Server:
                     )
                 inputs[port.name] = port.default
         try:
-            return served.engine.admit(inputs, params.result())
+            admitted = served.engine.admit(inputs, params.result())
         except RequestError as err:
-            message = str(err)
-            found = re.search(r"parameter '([^']+)'", message)
-            param = params.source.get(found.group(1), found.group(1)) if found else None
-            raise bad_request(message, param=param, code="invalid_value") from None
+            chat = served.chat_input
+            field = "messages" if chat is not None and err.field == chat.name else err.field
+            param = params.source.get(field, field) if field else None
+            raise bad_request(str(err), param=param, code="invalid_value") from None
+        return admitted
 
     async def fetch_media(self, url: str, where: str) -> bytes:
         return await media_in.fetch(

@@ -264,16 +264,7 @@ def _stops(job: ChatJob) -> None:
 
 # --- answering ------------------------------------------------------------------------------
 def make_run(job: ChatJob, admitted, request_id: str, began: float) -> Run:
-    max_tokens = admitted.params.get("max_tokens")
-    return Run(
-        job.served,
-        admitted,
-        request_id,
-        job.outputs,
-        began,
-        stops=job.stops,
-        max_tokens=max_tokens if isinstance(max_tokens, int) else None,
-    )
+    return Run(job.served, admitted, request_id, job.outputs, began, stops=job.stops)
 
 
 async def answer(job: ChatJob, run: Run) -> dict:
@@ -290,8 +281,9 @@ async def answer(job: ChatJob, run: Run) -> dict:
             "id": f"audio_{run.request_id}",
             "data": base64.b64encode(data).decode(),
             "expires_at": int(time.time()) + AUDIO_LIFETIME_S,
-            "transcript": text or "",
         }
+        if text is not None:  # what was spoken, when the text was asked for too
+            message["audio"]["transcript"] = text
     return {
         "id": run.request_id,
         "object": "chat.completion",
@@ -300,7 +292,7 @@ async def answer(job: ChatJob, run: Run) -> dict:
         "choices": [
             {"index": 0, "message": message, "finish_reason": run.finish_reason, "logprobs": None}
         ],
-        "usage": _usage(run),
+        "usage": run.usage,
         "seed": run.seed,
     }
 
@@ -340,11 +332,7 @@ async def events(job: ChatJob, run: Run):
         return
     final: dict = {}
     if job.want_audio:
-        final["audio"] = {
-            "id": audio_id,
-            "expires_at": int(time.time()) + AUDIO_LIFETIME_S,
-            "transcript": "",
-        }
+        final["audio"] = {"id": audio_id, "expires_at": int(time.time()) + AUDIO_LIFETIME_S}
         if not sent_header and job.audio_format == "wav":  # no audio came: still a valid WAV
             final["audio"]["data"] = base64.b64encode(
                 streaming_wav_header(run.timeline.rate)
@@ -358,17 +346,10 @@ async def events(job: ChatJob, run: Run):
             "created": created,
             "model": job.served.name,
             "choices": [],
-            "usage": _usage(run),
+            "usage": run.usage,
         }
         yield b"data: " + json.dumps(body).encode() + b"\n\n"
     yield b"data: [DONE]\n\n"
-
-
-def _usage(run: Run) -> dict:
-    """Completion tokens are the text chunks the pipeline produced (one per token); the
-    engine does not report the prompt's token count, so it is 0."""
-    tokens = run.timeline.text_tokens
-    return {"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens}
 
 
 def new_id() -> str:

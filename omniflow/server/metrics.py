@@ -91,7 +91,7 @@ class Metrics:
         )
         self.text_tokens = Counter(
             "omniflow_text_output_tokens",
-            "Text chunks (tokens) the served pipelines produced",
+            "Text tokens the served pipelines produced (as their stages counted them)",
             ["model"],
             registry=r,
         )

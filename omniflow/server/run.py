@@ -7,7 +7,9 @@ stop strings, if any: the text is cut before the first, and the request ends the
 Closing the iterator early, or cancelling its task (a client that went away), cancels the
 request in every stage (`engine.stream`'s contract). It keeps the request's timeline for
 the metrics and `--log-stats`: time to first token and first audio packet, end to end,
-tokens, seconds of audio.
+tokens, seconds of audio; and what the stage that made its text said when it ended it
+(`Ending`: why, its prompt's and its generated tokens), which the reply's `finish_reason`
+and `usage` report.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omniflow.runtime.doorbells import Ending
 from omniflow.runtime.engine import RequestCancelled
 from omniflow.runtime.requests import Admitted, RequestFailed
 from omniflow.runtime.transport import EngineError
@@ -34,7 +37,7 @@ class Timeline:
     first_text: float | None = None
     first_audio: float | None = None
     ended: float | None = None
-    text_tokens: int = 0
+    text_tokens: int = 0  # text chunks as they come; the stage's count once it ends
     audio_samples: int = 0
     rate: int = DEFAULT_RATE
 
@@ -81,7 +84,6 @@ class Run:
     outputs: set[str]  # the outputs the request asked for
     began: float
     stops: list[str] = field(default_factory=list)
-    max_tokens: int | None = None  # for finish_reason "length"
 
     def __post_init__(self):
         self.types = {o.name: o.type for o in self.served.plan.outputs}
@@ -89,8 +91,8 @@ class Run:
         self.timeline = Timeline(
             self.began, rate=int(rates[0]) if rates and rates[0] else DEFAULT_RATE
         )
-        self.finish_reason = "stop"
-        self.stopped = False
+        self.ending: Ending | None = None  # the text's producing stage's, when it ended it
+        self.stopped = False  # the server cut the text at one of `stops`
         self.error: APIError | None = None  # how a streamed reply ended, if not well
         self._iterator: AsyncIterator | None = None
         self._first: asyncio.Future | None = None
@@ -98,6 +100,25 @@ class Run:
     @property
     def seed(self) -> int:
         return self.admitted.seed
+
+    @property
+    def finish_reason(self) -> str:
+        """Why the text ended: "length" at the stage's token limit, else "stop" (an end or
+        stop token or string, the server's cut, or a pipeline that says no more)."""
+        return self.ending.reason if self.ending is not None and not self.stopped else "stop"
+
+    @property
+    def usage(self) -> dict:
+        """The tokens the text's stage counted; where it said none (the server cut the text
+        at a stop string and cancelled the request, or a stage that does not count), the
+        text chunks that arrived."""
+        prompt = self.ending.prompt_tokens if self.ending is not None else 0
+        completion = self.timeline.text_tokens
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
     def start(self) -> None:
         """Submit the request now (its first chunk is fetched by a task of its own), so that
@@ -131,10 +152,16 @@ class Run:
         engine = self.served.engine
         scanner = StopScanner(self.stops)
         open_outputs = set(self.outputs)
-        stream = engine.stream(self.admitted.inputs, self.admitted.params, self.request_id)
+        stream = engine.stream(self.admitted, request_id=self.request_id)
         try:
             async with aclosing(stream) as chunks:
                 async for chunk in chunks:
+                    if (
+                        chunk.end
+                        and chunk.ending is not None
+                        and self.types[chunk.output] == "text"
+                    ):
+                        self.ending = chunk.ending
                     if chunk.output not in open_outputs:
                         continue
                     if chunk.value is not None:
@@ -168,12 +195,8 @@ class Run:
             ) from None
         finally:
             self.timeline.ended = time.perf_counter()
-        if (
-            not self.stopped
-            and self.max_tokens is not None
-            and self.timeline.text_tokens >= self.max_tokens
-        ):
-            self.finish_reason = "length"
+            if self.ending is not None:  # the stage's count, not the chunks it came in
+                self.timeline.text_tokens = self.ending.tokens
 
 
 def _samples(value) -> int:
