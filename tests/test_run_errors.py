@@ -54,7 +54,7 @@ MISTAKES = [
     (["omni_chat", "--input", "prompt=hi", "--param", "max_tokens=100000000"],
      "stage 'thinker' was compiled for max_tokens=2048"),
     (["omni_chat", "--input", "prompt=hi", "--param", "temperature=-1"],
-     "parameter 'temperature' must be at least 0"),
+     "parameter 'temperature' is out of its domain: temperature -1 (in [0, 100])"),
     (["text_to_image", "--input", "prompt=a cat", "--param", "height=100000"],
      "stage 'dit' was compiled for height=1024"),
     (["image_understanding", "--input", "prompt=hi", "--input", "image=/no/such.png"],

@@ -17,8 +17,17 @@ def omni_chat():
     p.param("max_tokens", 2048)
     p.param("max_audio_tokens", 4096)
     p.param("temperature", 0.0)
+    for name, value in (("top_p", 1.0), ("top_k", -1), ("repetition_penalty", 1.0), ("stop", [])):
+        p.param(name, value)
     p.param("audio_temperature", 0.9)
+    for name, value in (
+        ("audio_top_p", 0.8),
+        ("audio_top_k", 40),
+        ("audio_repetition_penalty", 1.05),
+    ):
+        p.param(name, value)
     p.param("speaker", "Chelsie")
+    knobs = ("top_p", "top_k", "repetition_penalty")
     thinker = p.stage(
         "thinker",
         "ar",
@@ -26,6 +35,8 @@ def omni_chat():
         max_batch=32,
         max_tokens=param("max_tokens"),
         temperature=param("temperature"),
+        **{k: param(k) for k in knobs},
+        stop=param("stop"),
     )
     speaker = param("speaker")
     talker = p.stage(
@@ -35,6 +46,7 @@ def omni_chat():
         max_batch=32,
         max_tokens=param("max_audio_tokens"),
         temperature=param("audio_temperature"),
+        **{k: param(f"audio_{k}") for k in knobs},
         speaker=speaker,
     )
     code2wav = p.stage(
@@ -105,9 +117,17 @@ def text_to_image():
 def image_understanding():
     p = Pipeline("image_understanding", model="Qwen/Qwen2.5-VL-7B-Instruct")
     p.param("max_tokens", 512)
+    knobs = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "stop": []}
+    for name, value in knobs.items():
+        p.param(name, value)
     vision = p.stage("vision", "encoder", component="visual", max_batch=16)
     llm = p.stage(
-        "llm", "ar", component="language_model", max_batch=32, max_tokens=param("max_tokens")
+        "llm",
+        "ar",
+        component="language_model",
+        max_batch=32,
+        max_tokens=param("max_tokens"),
+        **{k: param(k) for k in knobs},
     )
     p.flow(p.input("image", "image"), vision)
     p.flow(p.input("prompt", "chat"), llm)

@@ -43,7 +43,9 @@ def test_request_series_count_what_happened(http):
         "seed": 4,
     }  # fmt: skip  (a seed whose reply has audio)
     assert http.post("/v1/chat/completions", json=chat).status_code == 200
-    assert http.post("/v1/chat/completions", json={**chat, "top_p": 0.3}).status_code == 400
+    assert (
+        http.post("/v1/chat/completions", json={**chat, "presence_penalty": 0.3}).status_code == 400
+    )
     after = samples(http.get("/metrics").text)
 
     def grew(name, **labels):

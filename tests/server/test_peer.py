@@ -73,7 +73,7 @@ def test_one_sampling_dict_applies_to_every_stage(http):
     [
         ([{"max_tokens": 5}, {"max_tokens": 40}, {"max_tokens": 100}],
          "sampling_params_list[2].max_tokens: stage code2wav takes no 'max_tokens'"),
-        ([{"top_p": 0.8}], "sampling_params_list[0].top_p"),
+        ([{"min_p": 0.2}], "sampling_params_list[0].min_p"),
         ([{}, {}], "has 2 entries; pipeline 'omni_chat' has 3 stages (thinker, talker, code2wav)"),
         ([{"seed": 1}, {"seed": 2}, {}], "both set parameter 'seed'"),
     ],
