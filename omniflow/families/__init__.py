@@ -27,6 +27,7 @@ from typing import Any
 
 from omniflow.errors import OmniflowError
 from omniflow.families.family import AdapterSpec, Family, Part, TinyModel
+from omniflow.ir.kinds import ParamSpec
 from omniflow.plan import FamilyCode
 
 __all__ = [
@@ -131,6 +132,10 @@ def _claims(a: Family, b: Family):
     yield "adapters", set(a.adapters), set(b.adapters)
     yield "tiny models", {t.name for t in a.tiny}, {t.name for t in b.tiny}
     yield "counterparts", _lowered_counterparts(a), _lowered_counterparts(b)
+    for kind in set(a.stage_params) & set(b.stage_params):  # a name means one thing a kind
+        ours, theirs = a.stage_params[kind], b.stage_params[kind]
+        differ = {n for n in set(ours) & set(theirs) if ours[n] != theirs[n]}
+        yield f"{kind} parameters (with other specs)", differ, differ
 
 
 def _lowered_counterparts(family: Family) -> set[str]:
@@ -138,7 +143,8 @@ def _lowered_counterparts(family: Family) -> set[str]:
 
 
 def _clear_views() -> None:
-    for view in (_by_architecture, adapters, tiny_models, _counterparts, published_configs):
+    views = (_by_architecture, adapters, tiny_models, _counterparts, published_configs)
+    for view in (*views, extra_params, extra_inputs):
         view.cache_clear()
 
 
@@ -152,11 +158,16 @@ def for_architecture(architecture: str | None) -> Family | None:
     return _by_architecture().get(architecture or "")
 
 
+def knowing(architectures: Sequence[str]) -> list[Family]:
+    """The families that know a component's `architectures` (outermost first)."""
+    return [f for f in map(for_architecture, architectures) if f is not None]
+
+
 def stage_code(architectures: Sequence[str], kind: str) -> FamilyCode | None:
     """What the families that know a component's `architectures` (outermost first) give a
     stage of `kind`: their code by backend (an outer family's first), the speaker reader,
     named after the outermost; None when no family knows any of them."""
-    known = [f for f in map(for_architecture, architectures) if f is not None]
+    known = knowing(architectures)
     if not known:
         return None
     code: dict[str, str] = {}
@@ -164,6 +175,18 @@ def stage_code(architectures: Sequence[str], kind: str) -> FamilyCode | None:
         code |= {backend: path for (k, backend), path in family.runtime.items() if k == kind}
     speakers = next((f.speakers for f in known if f.speakers), "")
     return FamilyCode(known[0].name, code, speakers)
+
+
+@functools.cache
+def extra_params(kind: str) -> dict[str, ParamSpec]:
+    """The parameters some family lets a stage of `kind` take beyond the kind's own."""
+    return {name: spec for f in families() for name, spec in f.stage_params.get(kind, {}).items()}
+
+
+@functools.cache
+def extra_inputs(kind: str) -> dict[str, tuple[str, ...]]:
+    """The input ports some family lets a stage of `kind` take beyond the kind's own."""
+    return {port: types for f in families() for port, types in f.stage_inputs.get(kind, {}).items()}
 
 
 @functools.cache

@@ -21,6 +21,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from omniflow.ir.kinds import ParamSpec
+
 
 @dataclass(frozen=True)
 class Part:
@@ -100,6 +102,10 @@ class Family:
       backend (what it is called with is the backend's contract: docs/backends.md);
     - `adapters`: "namespace.name" -> `AdapterSpec`;
     - `speakers`: "module:function", the speakers of a local checkpoint (None if none);
+    - `stage_params`, `stage_inputs`: stage kind -> parameters (`ParamSpec`s) and input
+      ports (-> accepted types) a stage of that kind takes when it runs one of the
+      family's models, beyond the kind's own (a TTS talker's `language`, `ref_audio`);
+      the request fields of the same names reach them;
     - `tiny`: its tiny checkpoints;
     - `scaled`: real model id -> "module:function(out, depth, device)", a builder of a
       real-size random-weight checkpoint of it (for measuring on a GPU).
@@ -114,6 +120,8 @@ class Family:
     runtime: Mapping[tuple[str, str], str] = field(default_factory=dict)
     adapters: Mapping[str, AdapterSpec] = field(default_factory=dict)
     speakers: str | None = None
+    stage_params: Mapping[str, Mapping[str, ParamSpec]] = field(default_factory=dict)
+    stage_inputs: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
     tiny: tuple[TinyModel, ...] = ()
     scaled: Mapping[str, str] = field(default_factory=dict)
     # The folder of its published configs (set by the registry for a family folder; a

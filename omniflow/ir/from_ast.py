@@ -165,11 +165,12 @@ class _GraphBuilder:
                 suggest(s.kind, KINDS, "kinds"),
             )
         kind = KINDS[s.kind]
+        specs = {**families.extra_params(s.kind), **kind.params}  # a family's, checked later
         params = {}
         for attr in s.args:
             if attr.key in params:
                 raise GraphError(f"parameter '{attr.key}' given twice", attr.span)
-            params[attr.key] = self.checked(attr, kind.params, f"parameter of {s.kind}")
+            params[attr.key] = self.checked(attr, specs, f"parameter of {s.kind}")
             self.arg_spans[s.name, attr.key] = attr.value_span or attr.span
         for key, spec in kind.params.items():
             if spec.required and key not in params:

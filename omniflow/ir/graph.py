@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import networkx as nx
 
+from omniflow import families
 from omniflow.errors import LintError, Span
 from omniflow.ir.kinds import KINDS, stage_ports
 from omniflow.ir.types import PORT_TYPES
@@ -61,7 +62,8 @@ class Node:
             return {}, {INPUT_PORT: self.params["type"]}
         if self.op == OUTPUT:
             return {OUTPUT_PORT: PORT_TYPES}, {}
-        return stage_ports(self.op, self.params)
+        ins, outs = stage_ports(self.op, self.params)
+        return {**ins, **families.extra_inputs(self.op)}, outs
 
 
 @dataclass(eq=False)
@@ -211,8 +213,10 @@ class Graph:
 
     def param_value(self, node: Node, key: str):
         """A stage parameter's value as compiled: what the program gives (else its kind's
-        default), with pipeline parameters at their defaults."""
-        return resolve(node.params.get(key, KINDS[node.op].params[key].default), self.params)
+        default, or its model family's), with pipeline parameters at their defaults."""
+        specs = KINDS[node.op].params
+        spec = specs[key] if key in specs else families.extra_params(node.op)[key]
+        return resolve(node.params.get(key, spec.default), self.params)
 
     def reaching_outputs(self) -> set[str]:
         """Names of the nodes from which some output can be reached."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from omniflow import families
 from omniflow.ir.graph import Graph
 from omniflow.ir.kinds import KINDS, SEED, SEED_PARAM
 from omniflow.ir.values import Param
@@ -19,7 +20,7 @@ def param_limits(graph: Graph) -> dict[str, ParamLimit]:
     knobs: dict[str, set[str]] = {name: set() for name in bounds}
     for node in graph.stages:
         for key, value in node.params.items():
-            spec = KINDS[node.op].params.get(key)
+            spec = KINDS[node.op].params.get(key) or families.extra_params(node.op).get(key)
             if not isinstance(value, Param) or spec is None:
                 continue
             if spec.knob:

@@ -60,10 +60,17 @@ def load_settings(graph: Graph, node: Node) -> dict:
         if key not in _MODEL_KEYS
         and not (isinstance(value, Param) and value.name not in graph.params)
     }
-    for key, spec in KINDS[node.op].params.items():
+    for key, spec in {**family_params(node), **KINDS[node.op].params}.items():
         if spec.default is not None and not spec.model_default:
             settings.setdefault(key, plain(spec.default))
     return settings
+
+
+def family_params(node: Node) -> dict:
+    """The parameters the stage's model family adds to its kind."""
+    model = node.meta.get("model")
+    known = families.knowing(model.config.architectures) if model else []
+    return {k: spec for f in known for k, spec in f.stage_params.get(node.op, {}).items()}
 
 
 def family_code(node: Node) -> FamilyCode | None:

@@ -5,6 +5,8 @@ process with `register`, and in a server process through OMNIFLOW_FAMILIES.
 
 Its component prompts the LM with a transcript, not the tokenizer's chat template, so the
 text it answers is the family's code at work: it must equal `generate` on that transcript.
+Its `ar` stages take a parameter the kind does not have (`assistant`, the graph's "Sailor"):
+accepted for its models, refused, at the stage, for another family's.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 import omniflow
 from omniflow import families
 from omniflow.catalog.resolve import model_path, use_tiny_models
-from omniflow.compiler import compile_graph, load_graph
+from omniflow.compiler import compile_graph, compile_source, load_graph
 from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
 from tests.families import plain_chat
@@ -36,22 +38,33 @@ def registered():
     families.unregister(plain_chat.FAMILY.name)
 
 
-def reference_text(model_dir: str) -> str:
+def reference_text(model_dir: str, assistant: str = "Sailor") -> str:
     """`generate` on the family's transcript of CHAT, greedy."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with quiet():
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    ids = tokenizer(transcript(CHAT), return_tensors="pt").input_ids
+    ids = tokenizer(transcript(CHAT, assistant), return_tensors="pt").input_ids
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
-def test_without_the_family_its_model_is_unknown():
+def test_without_the_family_its_parameter_and_model_are_unknown():
+    with pytest.raises(OmniflowError, match="unknown parameter of ar 'assistant'"):
+        load_graph(GRAPH)
+    plain = GRAPH.read_text().replace(",\n                assistant=$assistant", "")
     with pytest.raises(OmniflowError, match="unknown model 'example/plain-chat-lm'"):
-        compile_graph(load_graph(GRAPH), "cpu")
+        compile_source(plain, "chat.omni", "cpu")
+
+
+def test_the_familys_parameter_is_refused_for_another_familys_model(registered):
+    other = GRAPH.read_text().replace('model "example/plain-chat-lm"', 'model "tiny:qwen2"')
+    with pytest.raises(OmniflowError) as info:
+        compile_source(other, "chat.omni", "cpu")
+    assert "parameter 'assistant' is not one of ar stages'" in str(info.value)
+    assert "(qwen2_lm) does not" in str(info.value)
 
 
 def test_the_family_compiles_its_hub_id_and_lowers_its_code(registered):
@@ -61,6 +74,7 @@ def test_the_family_compiles_its_hub_id_and_lowers_its_code(registered):
     assert stage.family.code == {"transformers": "tests.families.plain_chat.runtime:load"}
     # The published config sized it: 0.6B parameters in bf16.
     assert 1.0e9 < stage.weight_bytes < 1.4e9
+    assert stage.settings["assistant"] == "Sailor"
 
 
 def test_the_family_runs_in_executor_processes(registered):

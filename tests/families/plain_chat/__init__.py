@@ -1,6 +1,7 @@
 """A model family registered from outside omniflow, for tests/families/test_new_family.py:
 a plain causal chat LM (`model_type` qwen3) whose prompt is a transcript ("User: ...",
-"Assistant:") rather than its tokenizer's chat template.
+"Assistant:") rather than its tokenizer's chat template, and whose `ar` stages take one
+parameter more than the kind's: `assistant`, the name its turns go by.
 
 What a family folder holds, in small: this descriptor (torch-free: the architecture it
 serves, its run-time code by dotted path, its tiny checkpoint and the hub id it stands in
@@ -10,6 +11,7 @@ for, its published config under configs/), and its run-time half (`runtime.py`).
 from pathlib import Path
 
 from omniflow.families import Family, TinyModel
+from omniflow.ir.kinds import ParamSpec
 
 REAL_ID = "example/plain-chat-lm"
 
@@ -18,6 +20,7 @@ FAMILY = Family(
     doc=__doc__,
     architectures=("qwen3",),
     runtime={("ar", "transformers"): f"{__name__}.runtime:load"},
+    stage_params={"ar": {"assistant": ParamSpec((str,), "Assistant")}},
     tiny=(
         TinyModel(
             "plain-chat",

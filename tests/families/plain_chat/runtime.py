@@ -13,18 +13,19 @@ from omniflow.checkpoints.tiny_recipes import TEXT_DIMS, chat_lm, round_up, seed
 from omniflow.checkpoints.tiny_tokenizer import build_tokenizer
 
 
-def transcript(messages: list[dict]) -> str:
+def transcript(messages: list[dict], assistant: str = "Assistant") -> str:
     """A chat as this family prompts its LM: one "Role: text" line a message, then the
-    assistant's turn."""
+    assistant's turn, under the stage's `assistant` name."""
     lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
-    return "\n".join([*lines, "Assistant:"])
+    return "\n".join([*lines, f"{assistant}:"])
 
 
 class PlainChat(CausalLM):
     inputs = {"prompt": ("chat",)}
 
     def prompt(self, call) -> Prompt:
-        ids = self.tokenizer(transcript(call.inputs["prompt"].take())).input_ids
+        chat = call.inputs["prompt"].take()
+        ids = self.tokenizer(transcript(chat, call.params["assistant"])).input_ids
         return Prompt(self.embed(torch.tensor(ids, device=self.embed.weight.device)), ids)
 
 
