@@ -38,6 +38,21 @@ ADAPTERS: dict[str, AdapterSpec] = {
         "omniflow.backends.models.qwen_omni:talker_to_code2wav",
         "talker codec tokens -> token2wav codes (drops control tokens)",
     ),
+    "qwen3_omni.thinker_to_talker": AdapterSpec(
+        "hidden",
+        "hidden",
+        "omniflow.families.qwen3_omni.thinker_talker:thinker_to_talker",
+        "thinker accept-layer hidden states and token embeddings -> the talker's conditioning",
+        # Per position: accept-layer hidden state, input embedding and a prompt/reply role row.
+        source_rows=3,
+        with_prompt=True,
+    ),
+    "qwen3_omni.talker_to_code2wav": AdapterSpec(
+        "codes",
+        "codes",
+        "omniflow.families.qwen3_omni.thinker_talker:talker_to_code2wav",
+        "talker frames (16 codebooks) -> code2wav codes (drops any outside the codebook)",
+    ),
 }
 
 NAMESPACES = frozenset(name.split(".")[0] for name in ADAPTERS)

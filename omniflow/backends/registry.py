@@ -43,9 +43,11 @@ ARCHITECTURES: dict[tuple[str, str], dict[str, str]] = {
         "qwen2_5_omni": "omniflow.backends.models.qwen_omni:load",
         "qwen2_5_vl": "omniflow.backends.models.qwen_vl:load",
         "OmniflowTinyTTS": "omniflow.backends.models.qwen_tts:load",
+        "qwen3_omni_moe": "omniflow.families.qwen3_omni.thinker_talker:load",
     },
     ("vocoder", "transformers"): {
         "qwen2_5_omni": "omniflow.backends.models.qwen_omni_token2wav:load",
+        "qwen3_omni_moe": "omniflow.families.qwen3_omni.code2wav:load",
         "dac": "omniflow.backends.vocoders:DacCodec",
         "mimi": "omniflow.backends.vocoders:MimiCodec",
         "encodec": "omniflow.backends.vocoders:EncodecCodec",

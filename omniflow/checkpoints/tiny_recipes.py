@@ -624,6 +624,13 @@ def _build_tts(out: Path) -> Iterator[str]:
     (out / TTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
+def _build_qwen3_omni(out: Path) -> Iterator[str]:
+    # The family's own recipe (imported here lazily: it builds on this module).
+    from omniflow.families.qwen3_omni.checkpoints import build_tiny
+
+    yield from build_tiny(out)
+
+
 RECIPES: dict[str, Recipe] = {
     recipe.name: recipe
     for recipe in (
@@ -673,6 +680,14 @@ RECIPES: dict[str, Recipe] = {
             "code2wav (1 codebook, 24 kHz, 12.5 frames/s)",
             ("tokenizer", "talker", "code2wav", "index"),
             _build_tts,
+        ),
+        Recipe(
+            "qwen3-omni",
+            "Qwen3OmniMoeForConditionalGeneration: MoE thinker (with audio and vision towers), "
+            "MoE talker with its 5-layer code predictor over 16 codebooks, causal ConvNet "
+            "code2wav (x1920, 24 kHz)",
+            ("tokenizer", "model", "weights", "save"),
+            _build_qwen3_omni,
         ),
     )
 }

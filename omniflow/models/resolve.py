@@ -20,6 +20,7 @@ TINY_SCHEME = "tiny:"
 TINY_COUNTERPARTS: dict[str, str] = {
     "Qwen/Qwen2.5-Omni-7B": "tiny:qwen2.5-omni",
     "Qwen/Qwen2.5-Omni-3B": "tiny:qwen2.5-omni",
+    "Qwen/Qwen3-Omni-30B-A3B-Instruct": "tiny:qwen3-omni",
     "Qwen/Qwen2.5-VL-7B-Instruct": "tiny:qwen2.5-vl",
     "Qwen/Qwen2.5-VL-3B-Instruct": "tiny:qwen2.5-vl",
     "Qwen/Qwen-Image": "tiny:text-to-image",

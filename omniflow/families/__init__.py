@@ -1,0 +1,1 @@
+"""omniflow.families: one folder per model family."""
