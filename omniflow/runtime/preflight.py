@@ -96,7 +96,9 @@ def model_speakers(path: str) -> tuple[str, ...] | None:
     if index.is_file():
         speakers = json.loads(index.read_text(encoding="utf-8")).get("speakers")
         return tuple(speakers) if speakers else None
-    return None
+    from omniflow.families.qwen3_omni import speakers  # Qwen3-Omni: its config names them
+
+    return speakers(root)
 
 
 def plan_voices(plan: Plan, paths: dict[str, str]) -> tuple[Voice, ...]:

@@ -16,6 +16,9 @@ The compiler knows the published config (parts, costs, placement) from the model
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 ARCHITECTURE = "qwen3_omni_moe"
 REAL_MODEL = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
 TINY_MODEL = "qwen3-omni"
@@ -81,3 +84,16 @@ def chat_template() -> str:
         "{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
+
+
+def speakers(path: str | Path) -> tuple[str, ...] | None:
+    """The speakers of a local Qwen3-Omni checkpoint (its talker's `speaker_id`), named as
+    `generate` takes them ("Ethan"; it lowers the case); None for any other checkpoint."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    layout = json.loads(config.read_text(encoding="utf-8"))
+    if layout.get("model_type") != ARCHITECTURE:
+        return None
+    names = (layout.get("talker_config") or {}).get("speaker_id") or {}
+    return tuple(sorted(name.capitalize() for name in names)) or None

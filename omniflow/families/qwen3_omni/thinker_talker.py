@@ -49,7 +49,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -415,7 +414,8 @@ class Talker(Component):
         speaker = str((call.params or {}).get("speaker") or self.default_speaker)
         if speaker.lower() not in self.speakers:
             raise ARBackendError(
-                f"unknown speaker '{speaker}'; this model has {', '.join(sorted(self.speakers))}"
+                f"unknown speaker '{speaker}'; this model has "
+                + ", ".join(sorted(name.capitalize() for name in self.speakers))
             )
         text = torch.stack(
             [self._text(cond, row) for row in range(3)]
@@ -516,9 +516,3 @@ def _talker_defaults() -> dict:
     if not generate_default("talker_do_sample"):
         defaults["temperature"] = 0.0
     return defaults
-
-
-def speakers(path: str | os.PathLike) -> list[str]:
-    """The speakers a local Qwen3-Omni checkpoint's talker knows (its `speaker_id`)."""
-    layout = read_json(str(path), CONFIG) or {}
-    return sorted((layout.get("talker_config") or {}).get("speaker_id") or {})
