@@ -24,6 +24,7 @@ frames 0.09, Qwen's own 25 frames 0.7. Tolerance 1e-4.
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,7 +33,7 @@ import torch
 
 from omniflow.backends.transformers_ar import TransformersAR
 from omniflow.backends.vocoders import Vocoder
-from omniflow.checkpoints.tiny import build_tiny
+from omniflow.checkpoints.tiny import MANIFEST, build_tiny
 from omniflow.compiler import compile_file, compile_source
 from omniflow.families.qwen3_omni import REAL_MODEL, speakers
 from omniflow.families.qwen3_omni.checkpoints import (
@@ -343,3 +344,21 @@ def test_compiled_for_one_and_two_h200s():
     assert list(hidden.item_shape) == [3, 2048]  # accept-layer state, embedding, role
     codes = next(c for c in one.channels if c.dst == "code2wav")
     assert list(codes.item_shape) == [16] and codes.context == 578
+
+
+def test_an_unknown_speaker_is_refused_before_any_executor_starts(tmp_path, capsys):
+    from omniflow.cli import main
+
+    args = ["run", "--once", str(GRAPH), "--tiny", "--out", str(tmp_path / "out")]
+    args += ["--input", "prompt=hi", "--param", "speaker=Bob"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "unknown speaker 'Bob'; the model has Aiden, Chelsie, Ethan" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_tiny_checkpoint_rebuilds_to_the_same_bytes(path, tmp_path):
+    again = build_tiny("qwen3-omni", tmp_path / "qwen3-omni")
+    files = json.loads((again / MANIFEST).read_text())["files"]
+    assert files == json.loads((path / MANIFEST).read_text())["files"]
+    assert sum(entry["bytes"] for entry in files.values()) < 5_000_000
