@@ -179,9 +179,11 @@ def test_thinker_items_carry_the_accepted_layer_and_the_embeddings(plan, path, m
     assert items[:, 2, 0].tolist() == [0.0] * ids.shape[1] + [1.0] * (len(tokens) - 1)
 
 
-def test_the_talker_needs_an_assistant_turn_and_a_known_speaker(plan):
+def test_the_talker_needs_a_known_speaker_an_assistant_turn_and_no_media(plan):
     with pytest.raises(RequestFailed, match="unknown speaker 'Nobody'; this model has Aiden"):
         Interpreter(plan).run({"prompt": chat("hi")}, {"max_tokens": 3, "speaker": "Nobody"})
+    with pytest.raises(RequestFailed, match="audio, image or video placeholders"):
+        Interpreter(plan).run({"prompt": chat("hi <|audio_pad|>")}, {"max_tokens": 3})
     text = compile_source(SOURCE.replace("input prompt: chat", "input prompt: text"), "cpu")
     with pytest.raises(RequestFailed, match="the prompt has none"):
         Interpreter(text).run({"prompt": "no chat template here"}, {"max_tokens": 3})

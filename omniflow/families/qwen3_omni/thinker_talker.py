@@ -6,8 +6,10 @@ inputs. There the talker's input embeddings are built from the thinker's run:
 
 - the user part: one row per prompt position in a user turn (a position whose last
   `<|im_start|>` is followed by `user`), the talker's `text_projection` of that position's
-  thinker input embedding (`hidden_projection` of the thinker's hidden state of layer
-  `accept_hidden_layer` at an audio/image/video placeholder);
+  thinker input embedding (at an audio/image/video placeholder, `hidden_projection` of the
+  thinker's hidden state of layer `accept_hidden_layer`; with 3-D talker positions from
+  the media's grids: the thinker stage takes text prompts, and the talker refuses a prompt
+  with placeholders);
 - the assistant part, from A = the `text_projection` of the thinker input embeddings from
   the last `<|im_start|>assistant` on (its 3 prompt positions, then the generated tokens):
   A0..A2 with no codec row, four tts pad rows plus the codec rows no-think, think bos,
@@ -292,10 +294,14 @@ class Talker(Component):
         self.default_speaker = generate_default("speaker")
         weight = self.embed.weight
         tts = [_top_level(layout, f"tts_{t}_token_id") for t in ("bos", "eos", "pad")]
-        markers = [_top_level(layout, k) for k in ("im_start_token_id", "assistant_token_id")]
+        keys = ("im_start_token_id", "assistant_token_id", "user_token_id")
+        markers = [_top_level(layout, key) for key in keys]
+        # The placeholders as generate's multimodal mask reads them: the thinker's ids.
         thinker = layout.get("thinker_config") or {}
-        markers.append(thinker.get("user_token_id", _top_level(layout, "user_token_id")))
-        media = [config.audio_token_id, config.image_token_id, config.video_token_id]
+        media = [
+            thinker.get(key, getattr(config, key))
+            for key in ("audio_token_id", "image_token_id", "video_token_id")
+        ]
         rows = thinker_embedding_rows(path, [*tts, *markers, *media]).to(weight.device)
         with torch.inference_mode():
             special = self.model.text_projection(rows[None, :3].to(weight.dtype))[0]
@@ -351,7 +357,7 @@ class Talker(Component):
         if not cond.prompt:
             raise ARBackendError("the thinker sent no prompt rows")
         items = torch.cat(cond.prompt)
-        hidden, embeds = items[:, 0], items[:, 1]
+        embeds = items[:, 1]
         markers = self.markers.to(embeds.dtype)
         found = (embeds[:, None] == markers[None]).all(dim=-1)  # [L, 6]
         im_start, assistant, user = found[:, 0], found[:, 1], found[:, 2]
@@ -368,13 +374,18 @@ class Talker(Component):
                 "the talker speaks the assistant's turn, and the prompt has none "
                 "(no <|im_start|>assistant)"
             )
+        if media.any():
+            # generate projects these positions' accept-layer states (`hidden_projection`)
+            # and gives the talker 3-D positions from the media's grids and audio lengths,
+            # which the thinker's items do not carry.
+            raise ARBackendError(
+                "the prompt has audio, image or video placeholders; the talker speaks "
+                "replies to text prompts only"
+            )
         projection = self.model.text_projection
         dtype = self.embed.weight.dtype
-        part = torch.empty(length, self.embed.weight.shape[1], device=embeds.device, dtype=dtype)
-        if media.any():
-            part[media] = self.model.hidden_projection(hidden[media].to(dtype))
-        part[~media] = projection(embeds[~media].to(dtype))
-        cond.user = part[in_user]
+        # All the prompt's positions in one projection (as generate does), the user's kept.
+        cond.user = projection(embeds.to(dtype))[in_user]
         start = int(opens[-1])
         cond.assistant = list(projection(embeds[start:].to(dtype)).unbind())
         cond.complete = True
@@ -469,9 +480,10 @@ class Talker(Component):
             codes.append(code)
             inputs = tables[group - 1](code)[:, None]
         frames = torch.stack(codes, dim=1)
-        for i, seq, frame in zip(rows, sub, frames, strict=True):
-            seq.call.state[_FRAME] = frame
-            out[i] = frame[None].cpu()
+        host = frames.cpu()  # one read-back for the batch
+        for j, (i, seq) in enumerate(zip(rows, sub, strict=True)):
+            seq.call.state[_FRAME] = frames[j]
+            out[i] = host[j : j + 1]
         return out
 
 
