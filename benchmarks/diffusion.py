@@ -17,7 +17,7 @@ Measures, in one run on one checkpoint:
     same rows as two forwards, the pair through diffusers' own blocks (on CUDA the
     backend runs them on fused kernels), and the DiffusionSteps backend's own step (counting
     its forwards and their rows), against the roofline: the forward's FLOPs
-    (`omniflow.models.costs`: every matmul of both streams of every layer, and attention's
+    (`omniflow.catalog.costs`: every matmul of both streams of every layer, and attention's
     QK^T and PV over the joint sequence) / the matmul rate measured in the same run
     (8192^3 on CUDA, in the DiT's dtype). CUDA events on a GPU, perf_counter on a CPU.
 
@@ -43,13 +43,14 @@ import torch
 from stage_steps import matmul_rate
 
 from omniflow.backends.diffusion import DiffusionSteps, pack_prompts
-from omniflow.backends.models.qwen_image_dit import modules_forward
-from omniflow.checkpoints.scaled import REAL_IMAGE, scaled_checkpoint
+from omniflow.families.qwen_image.fused_blocks import modules_forward
+from omniflow.checkpoints.scaled import scaled_checkpoint
+from omniflow.families.qwen_image.checkpoints import REAL_IMAGE
 from omniflow.compiler import compile_graph, load_graph
 from omniflow.kernels.timing import kernel_table
-from omniflow.models.catalog import load_component_config
-from omniflow.models.costs import estimate_cost
-from omniflow.models.resolve import model_path, use_tiny_models
+from omniflow.catalog.components import load_component_config
+from omniflow.catalog.costs import estimate_cost
+from omniflow.catalog.resolve import model_path, use_tiny_models
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.stage import Call, InputStream, StageSpec
 
@@ -199,7 +200,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the engine's executors get the cores
     cuda = args.device.startswith("cuda")
     model_dir = (
-        str(scaled_checkpoint(args.scaled, args.device, REAL_IMAGE))
+        str(scaled_checkpoint(REAL_IMAGE, args.scaled, args.device))
         if args.scaled
         else model_path("tiny:text-to-image")
     )

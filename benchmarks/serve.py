@@ -263,8 +263,9 @@ def serving(
     model = None
     if scaled:
         from omniflow.checkpoints.scaled import scaled_checkpoint
+        from omniflow.families.qwen2_5_omni.checkpoints import REAL_OMNI
 
-        model = str(scaled_checkpoint(scaled, "cuda" if devices != "cpu" else "cpu"))
+        model = str(scaled_checkpoint(REAL_OMNI, scaled, "cuda" if devices != "cpu" else "cpu"))
     with tempfile.TemporaryDirectory() as folder:
         if base is None:
             chats = omni_chat_variants(Path(folder), "streaming" in parts, model)

@@ -2,7 +2,7 @@
 graphs over a static KV cache, where the eager step is bound by the host.
 
 For each AR stage of Qwen2.5-Omni at real size (random bf16 weights made in memory,
-`omniflow.checkpoints.scaled.scaled_stage`; the thinker as the omni pipeline runs it, with
+`omniflow.families.qwen2_5_omni.checkpoints.scaled_stage`; the thinker as the omni pipeline runs it, with
 text and `hidden` outputs, greedy; the talker's decoder with its sampling defaults), and
 each decode mode of the transformers backend, drives the backend itself: `batch` requests
 of `--prompt` tokens are prefilled together (that step timed too, after one untimed
@@ -36,7 +36,7 @@ import torch
 
 from omniflow.backends import static_decode
 from omniflow.backends.transformers_ar import Component, TransformersAR, cache_columns
-from omniflow.checkpoints.scaled import scaled_stage
+from omniflow.families.qwen2_5_omni.checkpoints import scaled_stage
 from omniflow.compiler import compile_source
 from omniflow.kernels.timing import kernel_table
 from omniflow.runtime.stage import Call, InputStream, StageSpec

@@ -53,8 +53,9 @@ import torch
 from profile_overhead import interleaved, ratio_rows
 
 from omniflow.checkpoints.scaled import scaled_checkpoint
+from omniflow.families.qwen2_5_omni.checkpoints import REAL_OMNI
 from omniflow.compiler import compile_graph, graph_from_source
-from omniflow.models.resolve import model_path, use_tiny_models
+from omniflow.catalog.resolve import model_path, use_tiny_models
 from omniflow.profiler.analysis import parse_trace, timelines
 from omniflow.profiler.trace import chrome_trace
 from omniflow.runtime.engine import Engine
@@ -204,7 +205,7 @@ def monolithic_latencies(
     first `n` prompts after one warm-up request."""
     from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
-    from omniflow.checkpoints.tiny import omni_prompt_ids
+    from omniflow.families.qwen2_5_omni.checkpoints import omni_prompt_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir, dtype="auto")
@@ -277,7 +278,7 @@ def parse_model_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.scaled:
-        args.model_dir = str(scaled_checkpoint(args.scaled, torch_device(args.devices)))
+        args.model_dir = str(scaled_checkpoint(REAL_OMNI, args.scaled, torch_device(args.devices)))
     return args
 
 

@@ -20,11 +20,12 @@ from types import SimpleNamespace
 import torch
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
-from omniflow.backends.models import qwen_omni_token2wav
-from omniflow.backends.models.qwen_omni_token2wav import Token2Wav, runge_kutta4
+from omniflow.families.qwen2_5_omni import token2wav as qwen_omni_token2wav
+from omniflow.families.qwen2_5_omni.token2wav import Token2Wav, runge_kutta4
 from omniflow.backends.vocoders import Window, _Stream
 from omniflow.checkpoints.scaled import scaled_checkpoint
-from omniflow.models.resolve import model_path
+from omniflow.families.qwen2_5_omni.checkpoints import REAL_OMNI
+from omniflow.catalog.resolve import model_path
 
 SOLVERS = {
     "transformers": lambda f, value, time: RungeKutta4ODESolver(f, value).integrate(time)[-1],
@@ -51,7 +52,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    root = scaled_checkpoint(args.scaled, args.device) if args.scaled else None
+    root = scaled_checkpoint(REAL_OMNI, args.scaled, args.device) if args.scaled else None
     decoder = Token2Wav(str(root or model_path("tiny:qwen2.5-omni")), args.device)
     state = decoder.open(SimpleNamespace(params={}))
     codes = torch.randint(0, decoder.codebook_size - 1, (args.frames, 1), device=args.device)

@@ -28,11 +28,11 @@ from types import SimpleNamespace
 
 import torch
 
-from omniflow.backends.models.qwen_omni_token2wav import Token2Wav
+from omniflow.families.qwen2_5_omni.token2wav import Token2Wav
 from omniflow.backends.vocoders import Window, _Stream
-from omniflow.checkpoints.scaled import scaled_token2wav
+from omniflow.families.qwen2_5_omni.checkpoints import scaled_token2wav
 from omniflow.kernels.timing import kernel_table
-from omniflow.models.resolve import model_path
+from omniflow.catalog.resolve import model_path
 
 
 def sync(device: str) -> None:

@@ -3,7 +3,7 @@
 input and one write of each output. A Triton kernel on CUDA, and the torch reference
 (`reference`) it is tested against.
 
-Why: token2wav's DiT (`omniflow.backends.models.qwen_omni_dit`) runs 36 passes of 22 blocks
+Why: token2wav's DiT (`omniflow.families.qwen2_5_omni.token2wav_dit`) runs 36 passes of 22 blocks
 a window, and a block's two modulated norms and two gated residual adds are, in transformers'
 ops, a dozen elementwise kernels over a few hundred kilobytes each. On an H200 a stream's
 first window (36 codes, one request, replayed from a CUDA graph) launched 37,785 kernels

@@ -3,7 +3,7 @@ placement of queries, keys and values into the joint sequence, in one pass over 
 stream's merged q/k/v product: one program per token, every head at once. A Triton kernel
 on CUDA, and the torch reference (`reference`) it is tested against.
 
-Why: in a Qwen-Image block (`omniflow.backends.models.qwen_image_dit`), diffusers runs, for
+Why: in a Qwen-Image block (`omniflow.families.qwen_image.fused_blocks`), diffusers runs, for
 each of the image and text streams' queries and keys, RMSNorm as five elementwise kernels
 with float32 intermediates, the complex-pair rotary as three more (a float32 copy, the
 complex product, the cast back), then three concatenations into the joint sequence: at

@@ -87,23 +87,22 @@ def _param_value(text: str):
 
 
 def _models(args: argparse.Namespace) -> int:
-    from omniflow.checkpoints.tiny import TINY_MODELS, build_tiny, is_complete, tiny_cache_dir
+    from omniflow import families
+    from omniflow.checkpoints.tiny import build_tiny, is_complete, tiny_cache_dir
 
     if args.models_command == "build-scaled":
-        from omniflow.checkpoints.scaled import build_scaled_omni, scaled_checkpoint
+        from omniflow.checkpoints.scaled import scaled_checkpoint
 
-        if args.out:
-            print(build_scaled_omni(args.out, args.depth, args.device))
-        else:
-            print(scaled_checkpoint(args.depth, args.device))
+        print(scaled_checkpoint(args.model, args.depth, args.device, args.out))
         return 0
+    tiny = families.tiny_models()
     if args.models_command == "list":
-        for name, description in TINY_MODELS.items():
+        for name, model in tiny.items():
             built = "built" if is_complete(tiny_cache_dir() / name, name) else "not built"
-            print(f"{name:18} {built:10} {description}")
+            print(f"{name:18} {built:10} {model.description}")
         return 0
-    if args.name not in TINY_MODELS:
-        raise OmniflowError(f"unknown tiny model '{args.name}'; built-in: {', '.join(TINY_MODELS)}")
+    if args.name not in tiny:
+        raise OmniflowError(f"unknown tiny model '{args.name}'; built-in: {', '.join(tiny)}")
     print(build_tiny(args.name, args.out, progress=True))
     return 0
 
@@ -287,14 +286,20 @@ def make_parser() -> argparse.ArgumentParser:
     )
     scaled = verbs.add_parser(
         "build-scaled",
-        help="build a random-weight Qwen2.5-Omni at the real model's widths, for GPU measurements",
+        help="build a random-weight model at the real model's widths, for GPU measurements",
+    )
+    scaled.add_argument(
+        "model",
+        nargs="?",
+        default="Qwen/Qwen2.5-Omni-7B",
+        help="the real model to build (default Qwen/Qwen2.5-Omni-7B)",
     )
     scaled.add_argument(
         "--depth", type=float, default=1.0, help="fraction of the real layer counts (default 1)"
     )
     scaled.add_argument("--device", default="cuda", help="where to initialise it (default cuda)")
     scaled.add_argument(
-        "--out", help="folder to build into (default: $OMNIFLOW_CACHE/scaled/qwen2.5-omni-DEPTH)"
+        "--out", help="folder to build into (default: $OMNIFLOW_CACHE/scaled/MODEL-DEPTH)"
     )
     models.set_defaults(run=_models)
     return parser

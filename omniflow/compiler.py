@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from omniflow.catalog.resolve import model_path, use_tiny_models
 from omniflow.devices import parse_devices
 from omniflow.dsl.parser import parse, parse_file
 from omniflow.ir.from_ast import build
 from omniflow.ir.graph import Graph
 from omniflow.lower import lower
-from omniflow.models.resolve import model_path, use_tiny_models
 from omniflow.passes.pipeline import PassHook, Target, run_passes
 from omniflow.plan import Plan
 

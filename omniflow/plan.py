@@ -18,18 +18,31 @@ import msgspec
 from omniflow.errors import OmniflowError
 from omniflow.ir.values import PlanValue
 
-# 3: channels say their kind beyond local/shm (cuda-ipc, p2p, net) and the GPU of a device
-# ring; devices may carry a cluster node id; stages say where they were placed and why.
-PLAN_VERSION = 3
+# 4: stages name their model family and its code (`StagePlan.family`); channels name their
+# adapter's code; every setting a backend reads is in the stage's settings.
+PLAN_VERSION = 4
 # The program that holds the pipeline's inputs and outputs: the engine's own.
 FRONTEND = "frontend"
 
 
 @dataclass
+class FamilyCode:
+    """What the stage's model family gives its backend, as dotted paths ("module:name") an
+    executor imports when it loads the stage: `name` the family, `code` its code by backend
+    name (what each is called with is that backend's contract: docs/backends.md),
+    `speakers` the reader of a checkpoint's speakers ("" if it has none)."""
+
+    name: str
+    code: dict[str, str] = field(default_factory=dict)
+    speakers: str = ""
+
+
+@dataclass
 class StagePlan:
     """One stage. `params`: the per-request template (its references resolve at admission);
-    `settings`: what its backend loads with, every parameter the program gives resolved to
-    its compiled value, and its `max_batch`."""
+    `settings`: what its backend loads with, every parameter of its kind resolved to its
+    compiled value (the program's, else the kind's default); `family`: its model's family
+    (None: no family knows the model, or the stage runs none)."""
 
     name: str
     kind: str
@@ -47,6 +60,7 @@ class StagePlan:
     batch: int = 1
     settings: dict = field(default_factory=dict)
     placed: list[str] = field(default_factory=list)  # per replica: "device: why there"
+    family: FamilyCode | None = None
 
 
 @dataclass
@@ -66,6 +80,7 @@ class ChannelPlan:
     schedule: list[int] | None  # None: the whole output in one message
     context: int = 0
     adapter: str | None = None
+    adapter_impl: str | None = None  # "module:factory" of a named adapter (a user's: None)
     maps: list[str] = field(default_factory=list)
     pointwise: dict | None = None
     slots: int = 0

@@ -2,7 +2,7 @@
 # Run on a lent GPU machine from a copy of this tree (see docs/benchmarks.md): installs the
 # carried wheels into /tmp/site, links dsl/ and kernels/ into omniflow/ (as pyproject's
 # package-dir maps them), then runs the parts named as arguments: setup tests edges steps
-# skinny kernels windows build streaming long diffusion cold cold-fresh (streaming and long:
+# skinny moe kernels windows build streaming long diffusion cold cold-fresh (streaming and long:
 # DEVICES, default 1xH200, and ALSO_DEVICES beside it, e.g. DEVICES=2xH200
 # ALSO_DEVICES=1xH200, and STREAMING_ARGS added to the benchmark's, e.g. "--breakdown
 # --lookahead 24 12"; windows: WINDOW_KERNELS=N adds each replay's N costliest kernels;
@@ -41,6 +41,11 @@ for part in "$@"; do
     skinny)
       # A decode step's projections, skinny kernel against cuBLAS (SKINNY_ARGS: e.g. --sweep).
       timeout ${SKINNY_S:-300} python3 benchmarks/skinny_matmul.py ${SKINNY_ARGS:-} 2>&1 | tee "$OUT/skinny.log"
+      ;;
+    moe)
+      # One Qwen3-Omni MoE layer, fused kernels against transformers' block (MOE_ARGS: e.g.
+      # "--stage talker", "--sweep --tokens 1 32").
+      timeout ${MOE_S:-300} python3 benchmarks/fused_moe.py ${MOE_ARGS:-} 2>&1 | tee "$OUT/fused_moe.log"
       ;;
     kernels)
       timeout ${KERNELS_S:-150} python3 benchmarks/stage_steps.py --modes graphs --batches 1 10 \

@@ -1,6 +1,6 @@
 """CUDA graph capture shared by the backends that replay captured steps: the AR decode step
 (`omniflow.backends.static_decode`) and token2wav's window solve
-(`omniflow.backends.models.qwen_omni_token2wav`).
+(`omniflow.families.qwen2_5_omni.token2wav`).
 
 `capture_graph` captures one function of static device buffers the way both need it: run
 once eagerly first (Triton kernels compiled, cuBLAS and cuDNN set up, lazily loaded kernels

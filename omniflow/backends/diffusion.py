@@ -2,18 +2,19 @@
 (`VaeDecode`), and what they share with the text encoder (`omniflow.backends.encoders`):
 loading some parts of a diffusers pipeline, and the layout prompt embeddings travel in.
 
-Supported pipelines: Qwen-Image (`QwenImagePipeline`) and Qwen-Image-Edit
-(`QwenImageEditPipeline`). Each stage loads the pipeline with only its own parts and calls
-the pipeline's own helpers (prompt encoding, input-image encoding, latent preparation and
-packing, the resolution-dependent timestep shift), so a request gives what the pipeline's
+The pipelines served are those a model family gives code for (the plan's
+`StagePlan.family`, e.g. Qwen-Image's `omniflow.families.qwen_image.pipeline`): what its
+`__call__` decides beyond diffusers' helpers (the timestep shift, the transformer's
+forward, unpacking, the VAE's latent statistics). Each stage loads the pipeline with only
+its own parts and calls the pipeline's own helpers (prompt encoding, input-image encoding,
+latent preparation and packing) and the family's, so a request gives what the pipeline's
 `__call__` gives for the same prompt, image, seed and settings.
 
 An edit pipeline conditions on an input image twice, both times resized as its `__call__`
-resizes it (`condition_image`: about 1024 x 1024 pixels at the image's aspect ratio, sides
-multiples of 32, whatever the output size): the text encoder sees it through the
-pipeline's Qwen2VLProcessor (`omniflow.backends.encoders`), and the denoiser encodes it with
-the pipeline's VAE and attends to those latents, packed beside the noise latents along the
-sequence. `load_processor` loads that processor without torchvision.
+resizes it (`condition_image`, at the size the family says, whatever the output size): the
+text encoder sees it through the pipeline's processor (`omniflow.backends.encoders`), and
+the denoiser encodes it with the pipeline's VAE and attends to those latents, packed
+beside the noise latents along the sequence.
 
 `DiffusionSteps` runs one denoising step of every request it is handed per `step()`:
 
@@ -31,8 +32,8 @@ sequence. `load_processor` loads that processor without torchvision.
   transformer embeds a timestep vector, so requests at different steps batch together. Text
   rows are zero-padded to the longest and masked when their lengths differ. An edit's rows
   are its noise latents then its input image's latents; the prediction is the noise part.
-- on CUDA, the transformer's blocks run on fused kernels
-  (`omniflow.backends.models.qwen_image_dit`), computing what diffusers' blocks compute.
+- on CUDA, the family may run the transformer's blocks on fused kernels (Qwen-Image's
+  `fused_blocks`), computing what diffusers' blocks compute.
 - scheduler step: per request, Qwen-Image's true classifier-free guidance (`guidance` > 1
   and a negative prompt): `uncond + guidance * (cond - uncond)`, rescaled to the conditional
   prediction's norm, then its scheduler's step. The flow-matching Euler step is one update,
@@ -53,34 +54,19 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-from diffusers import (
-    AutoencoderKLQwenImage,
-    DiffusionPipeline,
-    FlowMatchEulerDiscreteScheduler,
-    QwenImageTransformer2DModel,
-)
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
-from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 from PIL import Image
-from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
 
-from omniflow.backends.models.qwen_image_dit import fuse_blocks
+from omniflow.backends.registry import family_code
 from omniflow.backends.vision import VisionBackendError, read_image
+from omniflow.catalog.resolve import model_path
 from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
-from omniflow.ir.kinds import KINDS
 from omniflow.kernels.cfg_euler import cfg_euler_step, guide
-from omniflow.models.resolve import model_path
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
-SUPPORTED_PIPELINES = ("QwenImagePipeline", "QwenImageEditPipeline")
-# Pipelines that condition on an input image (an `image` input on the encoder and denoiser).
-EDIT_PIPELINES = ("QwenImageEditPipeline",)
-# QwenImageEditPipeline.__call__ resizes the input image to about this many pixels.
-CONDITION_AREA = 1024 * 1024
-# Qwen2VLProcessor refuses images whose sides differ by more than this factor.
+# Image processors (Qwen2VLProcessor) refuse images whose sides differ by more than this factor.
 MAX_ASPECT = 200
 # An unseeded request still draws the same noise in every mode and every run.
 DEFAULT_SEED = 0
@@ -92,8 +78,22 @@ class DiffusersBackendError(OmniflowError):
     """A diffusers stage cannot load its model or cannot serve a request."""
 
 
-def load_pipeline(spec: StageSpec, device: str, parts: tuple[str, ...]):
-    """The stage's diffusers pipeline with only `parts` loaded, on `device`.
+def pipeline_code(spec: StageSpec):
+    """What the stage's model family gives the diffusers backends (its `PIPELINES` object)."""
+    plan = spec.plan
+    code = family_code(spec, "diffusers")
+    if code is None:
+        family = plan.family.name if plan.family else "no model family"
+        raise DiffusersBackendError(
+            f"stage '{plan.name}': '{plan.model}' ({family}) is not a diffusers pipeline "
+            "omniflow can run: a model family gives the diffusers backends its pipeline's code"
+        )
+    return code
+
+
+def load_pipeline(spec: StageSpec, device: str, parts: tuple[str, ...], code):
+    """The stage's diffusers pipeline with only `parts` loaded, on `device`; `code` is its
+    family's (`pipeline_code`).
 
     The stage's `component` must be the first of `parts`: the pipeline's helpers reach
     their models by those attribute names.
@@ -115,7 +115,7 @@ def load_pipeline(spec: StageSpec, device: str, parts: tuple[str, ...]):
     }
     loaded = {}
     if "processor" in parts and "processor" in index:
-        loaded["processor"] = load_processor(Path(path) / "processor")
+        loaded["processor"] = code.load_processor(Path(path) / "processor")
     dtype = plan.settings.get("dtype")
     with quiet():
         pipe = DiffusionPipeline.from_pretrained(
@@ -124,33 +124,10 @@ def load_pipeline(spec: StageSpec, device: str, parts: tuple[str, ...]):
     return pipe.to(device)
 
 
-class _ImageProcessor(Qwen2VLProcessor):
-    """Qwen2VLProcessor without its video processor. transformers checks the class of every
-    part a processor is given, and the video processor's base class needs torchvision, which
-    omniflow does not require; the pipelines never pass videos, so none is given, and the
-    check skips the missing part. Everything else is Qwen2VLProcessor's own code."""
-
-    def check_argument_for_proper_class(self, argument_name, argument):
-        if argument is None:
-            return None
-        return super().check_argument_for_proper_class(argument_name, argument)
-
-
-def load_processor(directory: str | Path) -> Qwen2VLProcessor:
-    """An edit pipeline's Qwen2VLProcessor from its folder (the tokenizer and the image
-    processor), for `from_pretrained(..., processor=...)`: diffusers' own loading of it
-    needs torchvision (see `_ImageProcessor`)."""
-    with quiet():
-        return _ImageProcessor(
-            image_processor=AutoImageProcessor.from_pretrained(directory),
-            tokenizer=AutoTokenizer.from_pretrained(directory),
-        )
-
-
-def edits(spec: StageSpec, pipe) -> bool:
+def edits(spec: StageSpec, pipe, code) -> bool:
     """Whether `pipe` conditions on an input image; a stage of it must take one exactly
     when it does."""
-    conditions = type(pipe).__name__ in EDIT_PIPELINES
+    conditions = code.conditions_on_image(pipe)
     if conditions != ("image" in spec.inputs):
         what = "conditions on an input image" if conditions else "takes no input image"
         raise DiffusersBackendError(
@@ -160,17 +137,17 @@ def edits(spec: StageSpec, pipe) -> bool:
     return conditions
 
 
-def condition_image(pipe, value) -> Image.Image:
+def condition_image(pipe, code, value) -> Image.Image:
     """A request's input image as an edit pipeline's `__call__` conditions on it: opened (a
     path, or a uint8 `[H, W, 3]` tensor), as RGB, resized by the pipeline's image processor
-    to about CONDITION_AREA pixels at its own aspect ratio, sides multiples of 32."""
+    to the size its family's `condition_size` says."""
     try:
         image = read_image(value)
     except VisionBackendError as err:
         raise DiffusersBackendError(str(err)) from err
     if not isinstance(image, Image.Image):
         image = Image.fromarray(image)
-    width, height, _ = calculate_dimensions(CONDITION_AREA, image.width / image.height)
+    width, height = code.condition_size(image.width, image.height)
     if min(width, height) < 32 or max(width, height) > MAX_ASPECT * min(width, height):
         raise DiffusersBackendError(
             f"an input image of {image.width} x {image.height} pixels is too narrow: its sides "
@@ -188,12 +165,6 @@ def _model_index(plan, path: str) -> dict:
             f"stage '{plan.name}': '{plan.model}' is not a diffusers pipeline directory "
             f"(cannot read {index_file}: {err})"
         ) from err
-    name = index.get("_class_name")
-    if name not in SUPPORTED_PIPELINES:
-        raise DiffusersBackendError(
-            f"stage '{plan.name}': '{plan.model}' is a {name}; the diffusers backend runs "
-            f"{', '.join(SUPPORTED_PIPELINES)}"
-        )
     return index
 
 
@@ -226,9 +197,10 @@ def unpack_prompts(hidden: torch.Tensor) -> list[torch.Tensor]:
     return [hidden[i, 1 : 1 + n].clone() for i, n in enumerate(lengths.tolist())]
 
 
-def _param(call: Call, kind: str, key: str):
+def _param(spec: StageSpec, call: Call, key: str):
+    """A request's value of a stage parameter, else its compiled one."""
     value = call.params.get(key)
-    return KINDS[kind].params[key].default if value is None else value
+    return spec.plan.settings[key] if value is None else value
 
 
 @dataclass
@@ -269,20 +241,18 @@ class DiffusionSteps(Backend):
             )
         # An edit's input image is VAE-encoded here, as the pipeline's prepare_latents does.
         parts = ("transformer", "scheduler") + (("vae",) if "image" in spec.inputs else ())
-        self.pipe = load_pipeline(spec, device, parts)
-        self.edits = edits(spec, self.pipe)
+        self.code = pipeline_code(spec)
+        self.pipe = load_pipeline(spec, device, parts, self.code)
+        self.edits = edits(spec, self.pipe, self.code)
         self.transformer = self.pipe.transformer
         if self.transformer.config.guidance_embeds:
             raise DiffusersBackendError(
                 f"stage '{name}': guidance-distilled transformers "
                 "(guidance_embeds=True) are not supported"
             )
-        if torch.device(device).type == "cuda" and isinstance(
-            self.transformer, QwenImageTransformer2DModel
-        ):
-            fuse_blocks(self.transformer)
+        self.code.accelerate(self.transformer, device)
         # The pipeline derives this from the VAE, which this stage may not load.
-        self.pipe.vae_scale_factor = _vae_scale_factor(model_path(spec.plan.model))
+        self.pipe.vae_scale_factor = self.code.vae_scale_factor(model_path(spec.plan.model))
         # Image pixels per side of one transformer patch: sizes must be multiples of it.
         self.patch_pixels = self.pipe.vae_scale_factor * 2
 
@@ -308,12 +278,14 @@ class DiffusionSteps(Backend):
             if hidden is None:
                 raise DiffusersBackendError("no conditioning arrived")
             prompts = [p.to(self.device, self.transformer.dtype) for p in unpack_prompts(hidden)]
-            steps, height, width = (
-                _param(call, "diffusion", k) for k in ("steps", "height", "width")
-            )
-            guidance = float(_param(call, "diffusion", "guidance"))
+            steps, height, width = (_param(self.spec, call, k) for k in ("steps", "height", "width"))
+            guidance = float(_param(self.spec, call, "guidance"))
             self._check(steps, height, width)
-            image = condition_image(self.pipe, call.inputs["image"].take()) if self.edits else None
+            image = (
+                condition_image(self.pipe, self.code, call.inputs["image"].take())
+                if self.edits
+                else None
+            )
         except DiffusersBackendError as err:
             call.fail(err)
             return False
@@ -333,17 +305,7 @@ class DiffusionSteps(Backend):
             patch = self.patch_pixels
             shapes += ((1, image.height // patch, image.width // patch),)
         scheduler = self.pipe.scheduler.__class__.from_config(self.pipe.scheduler.config)
-        config = scheduler.config
-        mu = calculate_shift(
-            latents.shape[1],
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        timesteps, _ = retrieve_timesteps(
-            scheduler, steps, self.device, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu
-        )
+        timesteps = self.code.timesteps(scheduler, steps, latents.shape[1], self.device)
         scheduler.set_begin_index(0)
         call.state["denoising"] = _Denoising(
             prompts,
@@ -384,16 +346,9 @@ class DiffusionSteps(Backend):
         latents = [s.latents for s, _ in rows]
         if states[0].image_latents is not None:
             latents = [torch.cat([s.latents, s.image_latents], dim=1) for s, _ in rows]
-        noise = self.transformer(
-            hidden_states=torch.cat(latents),
-            timestep=timesteps.to(states[0].latents.dtype) / 1000,
-            guidance=None,
-            # The pipeline passes no mask when no token is padding; neither do we.
-            encoder_hidden_states_mask=None if mask.all() else mask,
-            encoder_hidden_states=text,
-            img_shapes=[list(states[0].shapes)] * len(rows),
-            return_dict=False,
-        )[0]
+        noise = self.code.forward(
+            self.transformer, torch.cat(latents), timesteps, text, mask, states[0].shapes
+        )
         # An edit's rows end with its input image's latents: the prediction is the rest.
         noise = noise[:, : states[0].latents.shape[1]]
         row = 0
@@ -427,10 +382,8 @@ class DiffusionSteps(Backend):
                 )[0]
             state.index += 1
             if state.index == len(state.timesteps):
-                latents = self.pipe._unpack_latents(
-                    state.latents, state.height, state.width, self.pipe.vae_scale_factor
-                )
-                call.emit("latents", latents[:, :, 0].float())
+                latents = self.code.unpack(self.pipe, state.latents, state.height, state.width)
+                call.emit("latents", latents.float())
                 call.finish()
 
 
@@ -442,12 +395,6 @@ def _plain_euler(scheduler) -> bool:
     )
 
 
-def _vae_scale_factor(path: str) -> int:
-    """Qwen-Image's VAE scale factor, `2 ** len(temperal_downsample)`, from the VAE's config."""
-    config = AutoencoderKLQwenImage.load_config(path, subfolder="vae")
-    return 2 ** len(config["temperal_downsample"])
-
-
 class VaeDecode(Backend):
     """Latents to pixels with the pipeline's VAE, batched across requests of one size."""
 
@@ -457,12 +404,8 @@ class VaeDecode(Backend):
             raise DiffusersBackendError(
                 f"stage '{spec.plan.name}': the diffusers VAE decodes images only"
             )
-        self.vae = load_pipeline(spec, device, ("vae",)).vae
-        config = self.vae.config
-        shape = (1, config.z_dim, 1, 1, 1)
-        self.mean = torch.tensor(config.latents_mean).view(shape).to(device, self.vae.dtype)
-        # The pipeline divides by the reciprocal of the std; so do we, for the same bits.
-        self.inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(device, self.vae.dtype)
+        self.code = pipeline_code(spec)
+        self.vae = load_pipeline(spec, device, ("vae",), self.code).vae
 
     def ready(self, call: Call) -> bool:
         return call.inputs["latents"].ended
@@ -479,9 +422,7 @@ class VaeDecode(Backend):
         with torch.no_grad():
             for group in groups.values():
                 latents = torch.cat([lat for _, lat in group]).to(self.device, self.vae.dtype)
-                latents = latents[:, :, None] / self.inv_std + self.mean
-                images = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
-                images = images.permute(0, 2, 3, 1).float()
+                images = self.code.decode(self.vae, latents)
                 for i, (call, _) in enumerate(group):
                     call.emit("image", images[i : i + 1].contiguous())
                     call.finish()

@@ -2,7 +2,7 @@
 prompt encoding (`backend="diffusers"`; an encoder of images runs on
 `omniflow.backends.vision`).
 
-For Qwen-Image the pipeline's `encode_prompt` does the work: the prompt goes into the
+The pipeline's own `encode_prompt` does the work. For Qwen-Image: the prompt goes into the
 pipeline's chat template, the Qwen2.5-VL text encoder's last hidden states are taken, the
 template's system-prefix tokens are dropped, and each prompt keeps its own length, at most
 the stage's `max_len` tokens (1024 unless the program says otherwise; the pipeline's
@@ -43,8 +43,8 @@ from omniflow.backends.diffusion import (
     edits,
     load_pipeline,
     pack_prompts,
+    pipeline_code,
 )
-from omniflow.ir.kinds import KINDS
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 
@@ -61,9 +61,11 @@ class TextEncoder(Backend):
                 f"stage '{name}': the diffusers text encoder takes one text prompt (and, for an "
                 f"edit pipeline, an image), not {given}"
             )
-        self.pipe = load_pipeline(spec, device, ("text_encoder", "tokenizer", "processor"))
-        self.edits = edits(spec, self.pipe)
-        self.max_len = spec.plan.settings.get("max_len", KINDS["encoder"].params["max_len"].default)
+        self.code = pipeline_code(spec)
+        parts = ("text_encoder", "tokenizer", "processor")
+        self.pipe = load_pipeline(spec, device, parts, self.code)
+        self.edits = edits(spec, self.pipe, self.code)
+        self.max_len = spec.plan.settings["max_len"]
         if not 1 <= self.max_len <= self.pipe.tokenizer_max_length:
             raise DiffusersBackendError(
                 f"stage '{name}': max_len must be 1..{self.pipe.tokenizer_max_length} "
@@ -88,7 +90,9 @@ class TextEncoder(Backend):
                         f"{type(negative).__name__}"
                     )
                 image = (
-                    condition_image(self.pipe, call.inputs["image"].take()) if self.edits else None
+                    condition_image(self.pipe, self.code, call.inputs["image"].take())
+                    if self.edits
+                    else None
                 )
             except DiffusersBackendError as err:
                 call.fail(err)

@@ -1,10 +1,10 @@
 """Choosing a stage's backend: stand-ins on request, `python` stages' own functions, and the
 model backends by stage kind and the stage's `backend=` parameter; and, within a model
-backend, the model-specific code of a checkpoint's architecture.
+backend, the model family's code for the stage (`family_code`).
 
-Model backends live in `omniflow.backends`, their model-specific halves in
-`omniflow.backends.models`; both are imported only when a stage needs them, so an executor
-never imports diffusers to run a language model.
+Model backends live in `omniflow.backends`, their model-specific halves in the model
+families (`omniflow.families`), whose dotted paths the plan carries; both are imported only
+when a stage needs them, so an executor never imports diffusers to run a language model.
 """
 
 from __future__ import annotations
@@ -32,33 +32,11 @@ MODEL_BACKENDS: dict[tuple[str, str], str] = {
 }
 
 
-# The model-specific code of the architectures a model backend serves beyond its generic
-# path, by (stage kind, backend name) and then by the checkpoint's architecture (see
-# `omniflow.backends.checkpoint_files`): "module:callable", imported when a stage loads such
-# a checkpoint. The transformers `ar` backend calls it with (checkpoint path, component,
-# device, dtype) for a `Component`; the vocoder backend with (checkpoint path, component,
-# device) for a `Decoder`. A model module serves a new architecture by an entry here.
-ARCHITECTURES: dict[tuple[str, str], dict[str, str]] = {
-    ("ar", "transformers"): {
-        "qwen2_5_omni": "omniflow.backends.models.qwen_omni:load",
-        "qwen2_5_vl": "omniflow.backends.models.qwen_vl:load",
-        "OmniflowTinyTTS": "omniflow.backends.models.qwen_tts:load",
-        "qwen3_omni_moe": "omniflow.families.qwen3_omni.thinker_talker:load",
-    },
-    ("vocoder", "transformers"): {
-        "qwen2_5_omni": "omniflow.backends.models.qwen_omni_token2wav:load",
-        "qwen3_omni_moe": "omniflow.families.qwen3_omni.code2wav:load",
-        "dac": "omniflow.backends.vocoders:DacCodec",
-        "mimi": "omniflow.backends.vocoders:MimiCodec",
-        "encodec": "omniflow.backends.vocoders:EncodecCodec",
-    },
-}
-
-
-def architecture_loader(kind: str, backend: str, architecture: str | None) -> Callable | None:
-    """What loads a checkpoint of `architecture` for the (kind, backend) model backend, or
-    None where that backend has no code of its own for it."""
-    target = ARCHITECTURES[kind, backend].get(architecture or "")
+def family_code(spec: StageSpec, backend: str) -> Callable | None:
+    """What the stage's model family gives the `backend` model backend, imported (None: the
+    family gives it nothing, or no family knows the model)."""
+    family = spec.plan.family
+    target = family.code.get(backend) if family is not None else None
     return import_function(target) if target else None
 
 

@@ -4,12 +4,11 @@ codec tokens.
 
 What it owns:
 
-- Loading: `load_component` picks the model-specific half of the backend (a `Component`)
-  by the checkpoint's architecture, from the registry of model modules
-  (`omniflow.backends.registry.ARCHITECTURES`): for Qwen2.5-Omni the thinker or the talker
-  (`omniflow.backends.models.qwen_omni`), for Qwen2.5-VL the language model (`qwen_vl`), for
-  tiny:tts, whose `model_index.json` names its parts, the codec LM (`qwen_tts`); any other
-  checkpoint is a plain causal LM (`CausalLM`, `AutoModelForCausalLM`). Each loads through
+- Loading: `load_component` loads the model-specific half of the backend (a `Component`)
+  that the stage's model family gives it (the plan's `StagePlan.family`: e.g. the thinker
+  or the talker of an omni model, a vision-language model's LM on image embeddings, a
+  codec LM); a model no family gives code for is a plain causal LM (`CausalLM`,
+  `AutoModelForCausalLM`). Each loads through
   `from_pretrained` on the checkpoint directory, in the checkpoint's dtype (or the stage's
   `dtype=`), in eval mode, then moves to the stage's device.
 - The batched KV cache. Every running request is one row of a single `DynamicCache`; rows
@@ -61,15 +60,14 @@ import torch
 import torch.nn.functional as F
 
 from omniflow.backends import static_decode
-from omniflow.backends.checkpoint_files import architecture
-from omniflow.backends.registry import architecture_loader
+from omniflow.backends.registry import family_code
 from omniflow.backends.sampling_params import Sampling, kind_defaults
+from omniflow.catalog.resolve import model_path
 from omniflow.dtypes import torch_dtype
 from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
 from omniflow.ir.kinds import KINDS, PREFILL_TOKENS
 from omniflow.kernels.sampling import sample
-from omniflow.models.resolve import model_path
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 # Where a request's decoding state lives in `call.state`.
@@ -264,8 +262,8 @@ def prompt_ids(tokenizer, value, port_type: str, vocab_size: int) -> list[int]:
 
 def load_component(spec: StageSpec, device: str) -> Component:
     """The stage's model, loaded the way a real checkpoint loads, as a `Component`: the one
-    its architecture registers (`omniflow.backends.registry.ARCHITECTURES`), else a
-    `CausalLM`."""
+    its model family's code loads (called with the checkpoint path, the component, the
+    device and the dtype), else a `CausalLM`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     plan = spec.plan
@@ -274,13 +272,13 @@ def load_component(spec: StageSpec, device: str) -> Component:
     dtype = torch_dtype(dtype) if isinstance(dtype, str) else "auto"
     try:
         with quiet():
-            kind = architecture(path)
-            loader = architecture_loader("ar", "transformers", kind)
+            loader = family_code(spec, "transformers")
             if loader is not None:
                 return loader(path, plan.component, device, dtype)
             if plan.component is not None:
                 raise ARBackendError(
-                    f"{plan.model} ({kind}) has no component '{plan.component}' this backend knows"
+                    f"{plan.model} has no component '{plan.component}' this backend knows "
+                    "(no model family gives code for its parts)"
                 )
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
             tokenizer = AutoTokenizer.from_pretrained(path)

@@ -1,11 +1,10 @@
 """The vision encoder backend of `encoder` stages with an `image` input: `VisionEncoder`, a
 vision-language checkpoint's vision tower alone, and the layout its embeddings travel in.
 
-Supported checkpoints: Qwen2.5-VL (`model_type` `qwen2_5_vl`, `component="visual"`). The
-tower loads through `Qwen2_5_VisionTransformerPretrainedModel.from_pretrained` on the
-checkpoint directory, its weights mapped from the checkpoint's `visual.` prefix; the
-language model's weights are skipped, and a tower weight the checkpoint lacks is an error.
-The image processor is the checkpoint's own (`AutoImageProcessor`), with its largest size
+The tower is what the stage's model family loads (the plan's `StagePlan.family`: e.g.
+Qwen2.5-VL's, `omniflow.families.qwen2_5_vl.vision_tower`), from the checkpoint directory
+alone: the language model's weights are skipped, and a tower weight the checkpoint lacks is
+an error. The image processor is the checkpoint's own, with its largest size
 capped so an image gives at most the stage's `max_len` embeddings (the edge's item holds
 `1 + max_len` rows): as Qwen's `max_pixels` does, larger images are resized down.
 
@@ -31,21 +30,16 @@ from __future__ import annotations
 
 import torch
 
-from omniflow.backends.checkpoint_files import architecture
+from omniflow.backends.registry import family_code
+from omniflow.catalog.resolve import model_path
 from omniflow.dtypes import torch_dtype
 from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
-from omniflow.ir.kinds import KINDS
-from omniflow.models.resolve import model_path
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 # Grid sizes travel as two base-256 digits: integers up to 256 are exact in bfloat16.
 _DIGIT = 256
 _GRID = 3  # (t, h, w)
-# model_type -> the transformers class of its vision tower, and its checkpoint prefixes
-# (the published checkpoints use `visual.`; transformers 5 names the module `model.visual`).
-_TOWERS = {"qwen2_5_vl": ("Qwen2_5_VisionTransformerPretrainedModel", r"^(model\.)?visual\.")}
-_COMPONENT = "visual"
 
 
 class VisionBackendError(OmniflowError):
@@ -111,34 +105,23 @@ def read_image(value):
 
 
 def _load_tower(spec: StageSpec, device: str):
-    """The stage's vision tower, alone, and the checkpoint's image processor."""
-    import transformers
-    from transformers import AutoImageProcessor
-
+    """The stage's vision tower, alone, and the checkpoint's image processor: what its model
+    family's code loads (called with the checkpoint path, the component and the dtype; it
+    returns the tower, its loading info and the processor)."""
     plan = spec.plan
-    if plan.component not in (None, _COMPONENT):
+    load = family_code(spec, "transformers")
+    if load is None:
+        family = plan.family.name if plan.family else "no model family"
         raise VisionBackendError(
-            f"stage '{plan.name}': the vision encoder runs a checkpoint's component "
-            f"'{_COMPONENT}', not '{plan.component}'"
+            f"stage '{plan.name}': {plan.model} ({family}) has no vision tower omniflow can run"
         )
     path = model_path(plan.model)
     dtype = plan.settings.get("dtype")
     try:
         with quiet():
-            model_type = architecture(path)
-            if model_type not in _TOWERS:
-                raise VisionBackendError(
-                    f"stage '{plan.name}': {plan.model} is a {model_type} checkpoint; the "
-                    f"vision encoder runs {', '.join(_TOWERS)}"
-                )
-            name, prefix = _TOWERS[model_type]
-            tower, info = getattr(transformers, name).from_pretrained(
-                path,
-                key_mapping={prefix: ""},
-                dtype=torch_dtype(dtype) if dtype else "auto",
-                output_loading_info=True,
+            tower, info, processor = load(
+                path, plan.component, torch_dtype(dtype) if dtype else "auto"
             )
-            processor = AutoImageProcessor.from_pretrained(path)
     except (OSError, ValueError, KeyError) as err:
         raise VisionBackendError(f"stage '{plan.name}': cannot load {plan.model}: {err}") from err
     if info["missing_keys"]:
@@ -171,7 +154,7 @@ class VisionEncoder(Backend):
                 f"stage '{name}': the vision encoder takes one image input, not {given}"
             )
         self.tower, self.processor = _load_tower(spec, device)
-        max_len = spec.plan.settings.get("max_len", KINDS["encoder"].params["max_len"].default)
+        max_len = spec.plan.settings["max_len"]
         # The largest image that gives at most max_len embeddings, one per merged patch.
         patch = self.processor.patch_size * self.processor.merge_size
         size = self.processor.size

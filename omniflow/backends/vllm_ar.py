@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 import torch
 
 from omniflow.backends.sampling_params import SAMPLING_KEYS, Sampling, kind_defaults
+from omniflow.catalog.resolve import model_path
 from omniflow.errors import OmniflowError
 from omniflow.ir.kinds import KINDS
-from omniflow.models.resolve import model_path
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 # Where a request's vLLM state lives in `call.state`.

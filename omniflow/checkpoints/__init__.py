@@ -6,5 +6,5 @@ run on, and runs the unsplit reference generations they are compared against;
 builds real-size Qwen2.5-Omni checkpoints for measuring on a GPU.
 
 Builders, not serving code: the compiler and the runtime never import this package, except
-`omniflow.models.resolve.model_path`, which builds a `tiny:` model on first use.
+`omniflow.catalog.resolve.model_path`, which builds a `tiny:` model on first use.
 """

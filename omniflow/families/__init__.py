@@ -1,1 +1,185 @@
-"""omniflow.families: one folder per model family."""
+"""omniflow.families: the model families omniflow knows, registered in one place.
+
+Each folder here is one family (`family.py` says what its `FAMILY` descriptor holds);
+`BUILTIN` lists them, and `register` adds one from anywhere else (a test, a user's own
+package). Every table the compiler and the runtime consult about models is a view of the
+registered families, computed here: which family serves a checkpoint's architecture, the
+builtin catalog of published configs, the named adapters, the tiny checkpoints and the
+real models they stand in for. Nothing outside the families names a family.
+
+Importing this package imports every builtin family's descriptor, which is torch-free; a
+family's run-time half is imported only by the executor that runs it, by the dotted path
+`lower` wrote into the plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+from collections.abc import Sequence
+from dataclasses import replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from omniflow.errors import OmniflowError
+from omniflow.families.family import AdapterSpec, Family, Part, TinyModel
+from omniflow.plan import FamilyCode
+
+__all__ = [
+    "AdapterSpec",
+    "Family",
+    "Part",
+    "TinyModel",
+    "adapters",
+    "families",
+    "for_architecture",
+    "published_configs",
+    "register",
+    "stage_code",
+    "tiny_counterpart",
+    "tiny_models",
+    "unregister",
+]
+
+# The family folders of this package, in the order their tables list them.
+BUILTIN = (
+    "qwen2_lm",
+    "qwen2_5_omni",
+    "qwen2_5_vl",
+    "qwen_image",
+    "codec_tts",
+    "audio_codecs",
+    "qwen3_omni",
+    "qwen3_tts",
+)
+
+
+class FamilyError(OmniflowError):
+    """A family cannot be registered: it claims what another family already has."""
+
+
+_registered: dict[str, Family] = {}
+
+
+def _builtin(name: str) -> Family:
+    family = importlib.import_module(f"{__name__}.{name}").FAMILY
+    folder = resources.files(f"{__name__}.{name}") / "configs"
+    if family.configs is None and folder.is_dir():
+        family = replace(family, configs=str(folder))
+    return family
+
+
+@functools.cache
+def _builtins() -> tuple[Family, ...]:
+    return tuple(_builtin(name) for name in BUILTIN)
+
+
+def families() -> tuple[Family, ...]:
+    """Every registered family: the builtin ones, then those registered since."""
+    return _builtins() + tuple(_registered.values())
+
+
+def register(family: Family) -> Family:
+    """Add `family` to the registry; what it claims (architectures, adapters, tiny models,
+    counterparts) must be its own."""
+    for other in families():
+        if other.name == family.name:
+            raise FamilyError(f"a family named '{family.name}' is registered already")
+        for what, mine, theirs in _claims(family, other):
+            if mine & theirs:
+                raise FamilyError(
+                    f"family '{family.name}' claims {what} {', '.join(sorted(mine & theirs))}, "
+                    f"which family '{other.name}' has"
+                )
+    _registered[family.name] = family
+    _clear_views()
+    return family
+
+
+def unregister(name: str) -> None:
+    """Remove a family that `register` added."""
+    if _registered.pop(name, None) is None:
+        raise FamilyError(f"no family '{name}' was registered (builtin ones stay)")
+    _clear_views()
+
+
+def _claims(a: Family, b: Family):
+    yield "architectures", set(a.architectures), set(b.architectures)
+    yield "adapters", set(a.adapters), set(b.adapters)
+    yield "tiny models", {t.name for t in a.tiny}, {t.name for t in b.tiny}
+    yield "counterparts", _lowered_counterparts(a), _lowered_counterparts(b)
+
+
+def _lowered_counterparts(family: Family) -> set[str]:
+    return {c.lower() for t in family.tiny for c in t.counterparts}
+
+
+def _clear_views() -> None:
+    for view in (_by_architecture, adapters, tiny_models, _counterparts, published_configs):
+        view.cache_clear()
+
+
+@functools.cache
+def _by_architecture() -> dict[str, Family]:
+    return {arch: f for f in families() for arch in f.architectures}
+
+
+def for_architecture(architecture: str | None) -> Family | None:
+    """The family whose checkpoints declare `architecture`, or None."""
+    return _by_architecture().get(architecture or "")
+
+
+def stage_code(architectures: Sequence[str], kind: str) -> FamilyCode | None:
+    """What the families that know a component's `architectures` (outermost first) give a
+    stage of `kind`: their code by backend (an outer family's first), the speaker reader,
+    named after the outermost; None when no family knows any of them."""
+    known = [f for f in map(for_architecture, architectures) if f is not None]
+    if not known:
+        return None
+    code: dict[str, str] = {}
+    for family in reversed(known):
+        code |= {backend: path for (k, backend), path in family.runtime.items() if k == kind}
+    speakers = next((f.speakers for f in known if f.speakers), "")
+    return FamilyCode(known[0].name, code, speakers)
+
+
+@functools.cache
+def adapters() -> dict[str, AdapterSpec]:
+    """Every named adapter, by the name an edge gives it (`namespace.name`)."""
+    return {name: spec for f in families() for name, spec in f.adapters.items()}
+
+
+@functools.cache
+def tiny_models() -> dict[str, TinyModel]:
+    """Every tiny checkpoint, by its name (`tiny:NAME`)."""
+    return {t.name: t for f in families() for t in f.tiny}
+
+
+@functools.cache
+def _counterparts() -> dict[str, str]:
+    return {c.lower(): t.name for f in families() for t in f.tiny for c in t.counterparts}
+
+
+def tiny_counterpart(model: str) -> str | None:
+    """The tiny checkpoint that stands in for the real `model` (matched case-insensitively)."""
+    return _counterparts().get(model.lower())
+
+
+def counterparts() -> dict[str, str]:
+    """Real model id -> the name of its tiny checkpoint, for every family."""
+    return {c: t.name for f in families() for t in f.tiny for c in t.counterparts}
+
+
+@functools.cache
+def published_configs() -> dict[str, dict[str, Any]]:
+    """The builtin catalog: every family's published configs (`configs/*.json`), by model id."""
+    entries = {}
+    for family in families():
+        if family.configs is None:
+            continue
+        for path in sorted(Path(family.configs).glob("*.json")):
+            entry = json.loads(path.read_text(encoding="utf-8"))
+            entries[entry["model"]] = entry
+    return entries

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 
-from omniflow import adapters
+from omniflow import families
 from omniflow.dsl import ast
 from omniflow.errors import GraphError, Span
 from omniflow.hints import did_you_mean, one_of, suggest
@@ -26,6 +26,8 @@ from omniflow.ir.graph import (
 from omniflow.ir.kinds import (
     EDGE_ATTRS,
     KINDS,
+    NOT_YET_PARAMS,
+    NOT_YET_PORTS,
     OUTPUT_ATTRS,
     SEED,
     SEED_PARAM,
@@ -82,6 +84,8 @@ class _GraphBuilder:
 
     def checked(self, attr: ast.Attr, specs: dict[str, ParamSpec], what: str):
         """The IR value of `attr`, checked against its spec in `specs`."""
+        if attr.key in NOT_YET_PARAMS and attr.key not in specs:
+            raise GraphError(NOT_YET_PARAMS[attr.key], attr.span, f"remove `{attr.key}=...`")
         if attr.key not in specs:
             raise GraphError(
                 f"unknown {what} '{attr.key}'",
@@ -224,6 +228,8 @@ class _GraphBuilder:
                     f"write {node.name}.PORT with PORT one of {one_of(outs)}",
                 )
             return node, next(iter(outs))
+        if ref.port not in outs and (node.op, ref.port) in NOT_YET_PORTS:
+            raise GraphError(NOT_YET_PORTS[node.op, ref.port], ref.span)
         if ref.port not in outs:
             raise GraphError(
                 f"'{node.name}' has no output port '{ref.port}'",
@@ -249,6 +255,9 @@ class _GraphBuilder:
         ins = node.ports()[0]
         accepting = [p for p, types in ins.items() if typ in types]
         port = ref.port or (accepting[0] if accepting else None)
+        reserved = NOT_YET_PORTS.get((node.op, ref.port or typ))
+        if reserved and (ref.port is not None or port is None):
+            raise GraphError(reserved, ref.span)
         if ref.port is not None and ref.port not in ins:
             raise GraphError(
                 f"'{node.name}' has no input port '{ref.port}'",
@@ -330,14 +339,11 @@ class _GraphBuilder:
         )
 
     def adapter(self, name: str, typ: str, flow: ast.Flow) -> str:
-        namespace = name.split(".")[0]
-        if namespace in adapters.NAMESPACES and name not in adapters.ADAPTERS:
-            raise GraphError(
-                f"unknown adapter '{name}'",
-                flow.span,
-                suggest(name, adapters.ADAPTERS, "adapters"),
-            )
-        spec = adapters.ADAPTERS.get(name)
+        known = families.adapters()
+        namespaces = {adapter.split(".")[0] for adapter in known}
+        if name.split(".")[0] in namespaces and name not in known:
+            raise GraphError(f"unknown adapter '{name}'", flow.span, suggest(name, known, "adapters"))
+        spec = known.get(name)
         if spec is None:
             return typ
         if spec.in_type != typ:

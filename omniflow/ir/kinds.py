@@ -19,6 +19,8 @@ class ParamSpec:
 
     `low`/`high` bound a number (inclusive). `planned`: the compiler sizes memory and buffers
     from this value, so a request may lower it but never raise it above what was compiled.
+    `model_default`: left unset, the model's own default applies (its generation config's
+    sampling defaults), not `default`, so lowering does not write `default` into the plan.
     """
 
     types: tuple[type, ...]
@@ -28,6 +30,7 @@ class ParamSpec:
     low: float = -math.inf
     high: float = math.inf
     planned: bool = False
+    model_default: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,8 @@ COMMON_PARAMS: dict[str, ParamSpec] = {
     "model": ParamSpec(_STR),
     "component": ParamSpec(_STR),
     "max_batch": ParamSpec(_INT, 8),
-    "replicas": ParamSpec(_INT, 1),
-    "dtype": ParamSpec(_STR, "bfloat16", choices=STAGE_DTYPES),
+    # Unset: the checkpoint's own dtype (what the compiler sizes the stage with).
+    "dtype": ParamSpec(_STR, choices=STAGE_DTYPES),
     "backend": ParamSpec(
         _STR, "auto", choices=("auto", "transformers", "diffusers", "vllm", "python")
     ),
@@ -70,10 +73,10 @@ _PIXELS = {"low": 16, "high": 16384, "planned": True}
 
 _SAMPLING = {
     "max_tokens": ParamSpec(_INT, 2048, **_LENGTH),
-    "temperature": ParamSpec(_FLOAT, 1.0, low=0, high=100),
-    "top_p": ParamSpec(_FLOAT, 1.0, low=0, high=1),
-    "top_k": ParamSpec(_INT, -1, low=-1),
-    "repetition_penalty": ParamSpec(_FLOAT, 1.0, low=0, high=100),
+    "temperature": ParamSpec(_FLOAT, 1.0, low=0, high=100, model_default=True),
+    "top_p": ParamSpec(_FLOAT, 1.0, low=0, high=1, model_default=True),
+    "top_k": ParamSpec(_INT, -1, low=-1, model_default=True),
+    "repetition_penalty": ParamSpec(_FLOAT, 1.0, low=0, high=100, model_default=True),
     "seed": SEED,
     "stop": ParamSpec((list,)),
 }
@@ -89,20 +92,11 @@ KINDS: dict[str, StageKind] = {
         _kind(
             "ar",
             "autoregressive model: prefill then token-by-token decode with a KV cache",
-            {
-                "prompt": ("chat", "text", "tokens"),
-                "embeds": ("hidden",),
-                "voice": ("text", "audio"),
-                "image": ("image",),
-                "audio": ("audio",),
-                "video": ("video",),
-                "kv": ("kv",),
-            },
-            {"text": "text", "tokens": "tokens", "hidden": "hidden", "codes": "codes", "kv": "kv"},
+            {"prompt": ("chat", "text", "tokens"), "embeds": ("hidden",), "voice": ("text",)},
+            {"text": "text", "tokens": "tokens", "hidden": "hidden", "codes": "codes"},
             {
                 **_SAMPLING,
                 "max_len": ParamSpec(_INT, 4096, **_LENGTH),
-                "role": ParamSpec(_STR, "both", choices=("both", "prefill", "decode")),
                 "speaker": ParamSpec(_STR),
                 # How the transformers backend decodes: "graphs" (a static KV cache and
                 # CUDA graphs captured at load), "static" (the same step, eager), "eager"
@@ -116,14 +110,14 @@ KINDS: dict[str, StageKind] = {
         _kind(
             "encoder",
             "one forward pass from text, image or audio to hidden states",
-            {"prompt": ("chat", "text", "tokens"), "image": ("image",), "audio": ("audio",)},
+            {"prompt": ("chat", "text", "tokens"), "image": ("image",)},
             {"hidden": "hidden"},
             {"max_len": ParamSpec(_INT, 1024, **_LENGTH)},
         ),
         _kind(
             "diffusion",
             "step-wise denoiser (prepare, denoise step, scheduler step) with optional guidance",
-            {"cond": ("hidden",), "image": ("image",), "kv": ("kv",)},
+            {"cond": ("hidden",), "image": ("image",)},
             {"latents": "latents"},
             {
                 "steps": ParamSpec(_INT, 50, low=1, high=1000),
@@ -139,7 +133,7 @@ KINDS: dict[str, StageKind] = {
             "vae",
             "latent decoder to pixels",
             {"latents": ("latents",)},
-            {"image": "image", "video": "video"},
+            {"image": "image"},
         ),
         _kind(
             "vocoder",
@@ -181,6 +175,24 @@ KINDS: dict[str, StageKind] = {
             needs_model=False,
         ),
     )
+}
+
+# What the language reserves but no backend runs yet, refused at build with why: parameters
+# of every kind, and ports by (kind, port).
+_ONE_COPY = "each stage runs as one copy on its devices"
+NOT_YET_PARAMS: dict[str, str] = {
+    "replicas": f"replicas are not supported yet: {_ONE_COPY}",
+    "role": "splitting an ar stage into prefill and decode stages is not supported yet",
+}
+_MEDIA_IN = "an ar stage takes media as embeddings from an encoder stage (into `embeds`)"
+NOT_YET_PORTS: dict[tuple[str, str], str] = {
+    ("ar", "image"): f"ar stages take no image yet: {_MEDIA_IN}",
+    ("ar", "audio"): f"ar stages take no audio yet: {_MEDIA_IN}",
+    ("ar", "video"): f"ar stages take no video yet: {_MEDIA_IN}",
+    ("ar", "kv"): "passing a KV cache between stages is not supported yet",
+    ("diffusion", "kv"): "passing a KV cache between stages is not supported yet",
+    ("encoder", "audio"): "encoder stages take no audio yet (text and images only)",
+    ("vae", "video"): "vae stages decode images only yet",
 }
 
 # Edge attributes a flow may carry; `rate` and `format` belong to an output instead.

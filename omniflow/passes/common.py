@@ -49,7 +49,7 @@ def condition_image_tokens(graph: Graph, node: Node) -> int:
     is the whole input, bounded by `max_len`). A GraphError when the stage's image port and
     its model disagree."""
     cfg = node.meta["config"]
-    if cfg.family not in ("text_encoder", "dit"):
+    if cfg.category not in ("text_encoder", "dit"):
         return 0
     tokens = cfg.config.get("condition_image_tokens")
     if takes_image(graph, node) != (tokens is not None):

@@ -9,9 +9,9 @@ DiT's sequences, and the VAE the DiT stage encodes it with (`meta["image_encoder
 
 from __future__ import annotations
 
+from omniflow.catalog.costs import StageCost, estimate_cost, with_encoder
 from omniflow.devices import parse_size
 from omniflow.ir.graph import Graph, Node
-from omniflow.models.costs import StageCost, estimate_cost, with_encoder
 from omniflow.passes.common import Target, cfg_path, condition_image_tokens, stage_dtype
 
 

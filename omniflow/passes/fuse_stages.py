@@ -21,7 +21,6 @@ def _fusable(graph: Graph, edge: Edge) -> bool:
         and isinstance(edge.chunk, int)
         and edge.chunk <= PER_TOKEN_CHUNK
         and src.meta["devices"] == dst.meta["devices"]
-        and graph.param_value(src, "replicas") == graph.param_value(dst, "replicas") == 1
     )
 
 

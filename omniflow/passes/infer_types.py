@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omniflow.adapters import ADAPTERS
+from omniflow import families
 from omniflow.errors import GraphError
 from omniflow.ir.graph import INPUT, INPUT_PORT, OUTPUT, Graph, Node
 from omniflow.ir.kinds import stage_ports
@@ -104,10 +104,11 @@ def _stage_spec(graph: Graph, node: Node, port: str) -> PortSteps:
 
 def _adapter_needs(graph: Graph, node: Node) -> tuple[int, bool] | None:
     """(rows, with_prompt) that the adapters on a stage's `hidden` edges ask it to send."""
+    known = families.adapters()
     specs = {
-        ADAPTERS[e.adapter]
+        known[e.adapter]
         for e in graph.out_edges(node.name)
-        if e.src_port == "hidden" and e.adapter in ADAPTERS
+        if e.src_port == "hidden" and e.adapter in known
     }
     needs = {(s.source_rows, s.with_prompt) for s in specs} - {(1, False)}
     if len(needs) > 1:

@@ -81,7 +81,7 @@ class _Placer:
             )
         return pin
 
-    def _candidates(self, group: list[Node], taken: set[str]) -> list[str]:
+    def _candidates(self, group: list[Node]) -> list[str]:
         pins = {p for p in map(self._pinned_device, group) if p}
         if len(pins) > 1:
             raise PlacementError(
@@ -95,11 +95,7 @@ class _Placer:
         if any(n.device == "cuda" for n in group):
             names = [d for d in names if self.devices[d].is_gpu]
         avoid = set().union(*(self.separate[n.name] for n in group))
-        return [
-            d
-            for d in names
-            if d not in taken and not any(d in self.where.get(s, ()) for s in avoid)
-        ]
+        return [d for d in names if not any(d in self.where.get(s, ()) for s in avoid)]
 
     def _streaming_neighbours(self, group: list[Node]) -> list[str]:
         """Stages that exchange per-token streams with `group`, one entry per stream."""
@@ -139,12 +135,12 @@ class _Placer:
             return "the only device with room"
         return "the least full device with room"
 
-    def place_group(self, group: list[Node], taken: set[str]) -> str:
-        candidates = self._candidates(group, taken)
+    def place_group(self, group: list[Node]) -> None:
+        candidates = self._candidates(group)
         if not candidates:
             raise PlacementError(
                 f"no device left for {', '.join(n.name for n in group)}: "
-                "pins, separate constraints and replicas exclude every device"
+                "pins and separate constraints exclude every device"
             )
         fits = [
             d
@@ -159,7 +155,6 @@ class _Placer:
             self.used[best] += self._charge(n, best)
             self.where.setdefault(n.name, []).append(best)
             n.meta.setdefault("placed", []).append(f"{best}: {why}")
-        return best
 
     def _fail(self, group: list[Node], candidates: list[str]) -> None:
         roomiest = max(candidates, key=lambda d: self.capacity[d] - self.used[d])
@@ -220,10 +215,7 @@ def place(graph: Graph, target: Target) -> Graph:
         key=lambda g: (not any(n.device for n in g), -sum(n.meta["need"] for n in g)),
     )
     for group in groups:
-        replicas = max(graph.param_value(n, "replicas") for n in group)
-        taken: set[str] = set()
-        for _ in range(replicas):
-            taken.add(placer.place_group(group, taken))
+        placer.place_group(group)
     placer.budgets()
     _warn_streams_across_nodes(graph, placer.where)
     for node in graph.stages:

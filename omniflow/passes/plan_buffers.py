@@ -39,7 +39,7 @@ def _concurrency(graph: Graph, edge: Edge) -> int:
     for name in (edge.dst, edge.src):
         node = graph.node(name)
         if node.is_stage:
-            return graph.param_value(node, "max_batch") * graph.param_value(node, "replicas")
+            return graph.param_value(node, "max_batch")
     return 1
 
 

@@ -4,8 +4,8 @@ pipeline's VAE, which encodes that image in the stage, as `meta["image_encoder"]
 
 from __future__ import annotations
 
+from omniflow.catalog.components import load_component_config
 from omniflow.ir.graph import Graph
-from omniflow.models.catalog import load_component_config
 from omniflow.passes.common import Target, takes_image
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 
+from omniflow.catalog.components import vocoder_windows
 from omniflow.ir.graph import OUTPUT, Edge, Graph, Node
-from omniflow.models.catalog import vocoder_windows
 from omniflow.passes.common import Target
 
 # Fixed cost of one consumer call: a cross-process hop plus a forward's launch overhead.
@@ -84,7 +84,7 @@ def _windows(graph: Graph, node: Node) -> tuple[list[int], list[int]] | None:
     config = node.meta.get("config")
     if node.op != "vocoder" or not config:
         return None
-    return vocoder_windows(config.config, graph.param_value(node, "lookahead"))
+    return vocoder_windows(config, graph.param_value(node, "lookahead"))
 
 
 def _calls(graph: Graph, node: Node) -> list[int]:

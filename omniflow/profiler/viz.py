@@ -148,8 +148,8 @@ def _node_lines(graph: Graph, node: Node) -> list[str]:
         params = {k: v for k, v in node.params.items() if k in ("component", "model", "fn")}
         lines = [f"{node.op}({', '.join(f'{k}={format_value(v)}' for k, v in params.items())})"]
     config = meta.get("config")
-    if config is not None and getattr(config, "family", None):
-        lines.append(f"model {getattr(config, 'model', '')} ({config.family})")
+    if config is not None and getattr(config, "category", None):
+        lines.append(f"model {getattr(config, 'model', '')} ({config.category})")
     out = meta.get("out")
     if isinstance(out, dict) and out:
         ports = [f"{p} {getattr(s, 'step', s)}" for p, s in out.items()]

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from omniflow.adapters import ADAPTERS
 from omniflow.kernels.pointwise import fused
 from omniflow.plan import ChannelPlan, StagePlan
 from omniflow.runtime import events
@@ -83,8 +82,7 @@ def load_adapter(channel: ChannelPlan, source: StagePlan | None) -> Transform | 
         return None
     from omniflow.runtime.python_backend import import_function
 
-    spec = ADAPTERS.get(channel.adapter)
-    return import_function(spec.impl if spec else channel.adapter)(source)
+    return import_function(channel.adapter_impl or channel.adapter)(source)
 
 
 @dataclass

@@ -9,15 +9,15 @@ its other stages had spent their time loading.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+from omniflow.catalog.components import cached_snapshot
+from omniflow.catalog.resolve import TINY_SCHEME, model_path
 from omniflow.errors import OmniflowError
 from omniflow.ir.values import Param
-from omniflow.models.catalog import cached_snapshot
-from omniflow.models.resolve import TINY_SCHEME, model_path
-from omniflow.plan import Plan
+from omniflow.plan import Plan, StagePlan
+from omniflow.runtime.python_backend import import_function
 from omniflow.runtime.requests import Voice
 
 HUB_TIMEOUT_S = 10.0
@@ -85,20 +85,13 @@ def _hub_unreachable(model: str) -> str | None:
     return None
 
 
-def model_speakers(path: str) -> tuple[str, ...] | None:
-    """The speakers of the checkpoint at `path`, or None if it has none or is not local."""
-    root = Path(path)
-    if (root / "spk_dict.pt").is_file():  # Qwen2.5-Omni: one entry per speaker
-        import torch
-
-        return tuple(torch.load(root / "spk_dict.pt", weights_only=True))
-    index = root / "model_index.json"  # Qwen3-TTS: the speakers' codec tokens
-    if index.is_file():
-        speakers = json.loads(index.read_text(encoding="utf-8")).get("speakers")
-        return tuple(speakers) if speakers else None
-    from omniflow.families.qwen3_omni import speakers  # Qwen3-Omni: its config names them
-
-    return speakers(root)
+def stage_speakers(stage: StagePlan, path: str) -> tuple[str, ...] | None:
+    """The speakers of the stage's checkpoint at `path`, as its model family reads them
+    (None: the family has no reader, or the checkpoint is not local)."""
+    reader = stage.family.speakers if stage.family is not None else ""
+    if not reader or not Path(path).is_dir():
+        return None
+    return import_function(reader)(path)
 
 
 def plan_voices(plan: Plan, paths: dict[str, str]) -> tuple[Voice, ...]:
@@ -106,7 +99,7 @@ def plan_voices(plan: Plan, paths: dict[str, str]) -> tuple[Voice, ...]:
     name a speaker of the model they reach."""
     voices = []
     for stage in plan.stages:
-        speakers = model_speakers(paths[stage.model]) if stage.model else None
+        speakers = stage_speakers(stage, paths[stage.model]) if stage.model else None
         if not speakers:
             continue
         speaker = stage.params.get("speaker")

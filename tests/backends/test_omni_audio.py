@@ -5,7 +5,8 @@ speaker and seed) on tiny:qwen2.5-omni."""
 import pytest
 import torch
 
-from omniflow.checkpoints.tiny import build_tiny, reference_omni_generate
+from omniflow.checkpoints.tiny import build_tiny
+from omniflow.families.qwen2_5_omni.checkpoints import reference_omni_generate
 from omniflow.compiler import compile_source
 from omniflow.runtime.engine import Engine
 

@@ -1,4 +1,4 @@
-"""Qwen-Image's blocks on fused kernels (`omniflow.backends.models.qwen_image_dit`) compute
+"""Qwen-Image's blocks on fused kernels (`omniflow.families.qwen_image.fused_blocks`) compute
 what diffusers' `QwenImageTransformerBlock`s compute: on the CPU with the kernels' torch
 references (float32: identical on 2 CPU cores; the bound leaves room for the stacked q/k/v
 product's reordering), on a GPU with the Triton kernels in bf16 (a few bf16 steps of the
@@ -9,7 +9,7 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
-from omniflow.backends.models.qwen_image_dit import (
+from omniflow.families.qwen_image.fused_blocks import (
     FusedQwenImageBlock,
     fuse_blocks,
     modules_forward,

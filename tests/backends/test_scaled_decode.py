@@ -1,5 +1,5 @@
 """On a GPU, the AR stages of Qwen2.5-Omni at real size (random bf16 weights made in memory,
-`omniflow.checkpoints.scaled.scaled_stage`): replaying the decode step's captured CUDA
+`omniflow.families.qwen2_5_omni.checkpoints.scaled_stage`): replaying the decode step's captured CUDA
 graphs gives exactly the greedy tokens of the same static step run eagerly, over 64 steps
 with requests joining at different steps, and serving captures nothing after load."""
 
@@ -59,7 +59,7 @@ def greedy(backend: TransformersAR, vocab: int) -> list[list[int]]:
 def test_real_size_graph_replay_gives_the_eager_static_steps_greedy_tokens(stage):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from omniflow.checkpoints.scaled import scaled_stage
+    from omniflow.families.qwen2_5_omni.checkpoints import scaled_stage
 
     component = scaled_stage(stage, 1.0, "cuda")
     vocab = len(component.tokenizer) if stage == "thinker" else 8192

@@ -1,5 +1,5 @@
 """token2wav on fused kernels, as CUDA runs it: the DiT's blocks
-(`omniflow.backends.models.qwen_omni_dit`) compute what transformers' `DiTDecoderLayer`s and
+(`omniflow.families.qwen2_5_omni.token2wav_dit`) compute what transformers' `DiTDecoderLayer`s and
 final norm compute, and BigVGAN with one kernel per anti-aliased activation what its
 modules compute: on the CPU with the kernels' torch references, on a GPU with the Triton
 kernels. Tolerances: float32, the reorderings of a stacked product and a split norm
@@ -11,9 +11,9 @@ BigVGAN's output) leave room for the kernels' own summation orders and have not 
 import pytest
 import torch
 
-from omniflow.backends.models.qwen_omni_dit import FusedDiT
-from omniflow.backends.models.qwen_omni_token2wav import Token2Wav
-from omniflow.models.resolve import model_path
+from omniflow.families.qwen2_5_omni.token2wav_dit import FusedDiT
+from omniflow.families.qwen2_5_omni.token2wav import Token2Wav
+from omniflow.catalog.resolve import model_path
 from tests.backends.test_token2wav_graphs import (
     BF16_RMS_TOLERANCE,
     relative_rms,

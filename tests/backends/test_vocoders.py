@@ -28,10 +28,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from omniflow.backends.models.qwen_omni_token2wav import bigvgan_field
+from omniflow.families.qwen2_5_omni.token2wav import bigvgan_field
 from omniflow.backends.receptive_field import Field
 from omniflow.backends.vocoders import Vocoder, VocoderError, field_reach
-from omniflow.checkpoints.tiny import build_tiny, reference_omni_generate, reference_tts
+from omniflow.checkpoints.tiny import build_tiny
+from omniflow.families.codec_tts.checkpoints import reference_tts
+from omniflow.families.qwen2_5_omni.checkpoints import reference_omni_generate
 from omniflow.compiler import compile_file, compile_source
 from omniflow.plan import StagePlan
 from omniflow.runtime.engine import Engine

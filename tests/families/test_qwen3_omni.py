@@ -24,6 +24,7 @@ frames 0.09, Qwen's own 25 frames 0.7. Tolerance 1e-4.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,7 +46,7 @@ from omniflow.families.qwen3_omni.code2wav import Code2Wav, code2wav_field
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import RequestFailed
-from omniflow.runtime.stage import Call, InputStream, PortSpec, StageSpec
+from omniflow.runtime.stage import Call, InputStream, StageSpec
 
 torch.set_num_threads(1)
 
@@ -192,14 +193,12 @@ def test_the_talker_needs_a_known_speaker_an_assistant_turn_and_no_media(plan):
 # --- code2wav -------------------------------------------------------------------------------
 
 
-def codec_spec(path: Path, context: int, schedule: list[int] | None = None) -> StageSpec:
-    from omniflow.plan import StagePlan
-
-    plan = StagePlan("code2wav", "vocoder", "x", ["cpu"], {}, str(path), "code2wav", 0, 0)
-    audio = PortSpec("audio", "float32", (1920,))
-    return StageSpec(
-        plan, {"codes": "codes"}, {"audio": audio}, {"codes": context}, {"codes": schedule}
-    )
+def codec_spec(context: int) -> StageSpec:
+    """The example graph's code2wav stage on tiny:qwen3-omni, with `context` frames of left
+    context and no planned chunks (each step decodes every ready frame in one window)."""
+    plan = compile_file(GRAPH, devices="cpu", tiny=True)
+    spec = StageSpec.from_channels(plan.stage("code2wav"), plan.channels)
+    return dataclasses.replace(spec, contexts={"codes": context}, schedules={"codes": None})
 
 
 def stream(backend: Vocoder, codes: torch.Tensor, chunks: list[int]) -> torch.Tensor:
@@ -247,7 +246,7 @@ def test_code2wav_streams_its_whole_decode(path, chunks):
     """200 frames, past the tiny code2wav's reach (152 frames): windows drop frames behind
     their context, emit only frames whose lookahead arrived, and give the whole decode."""
     codes = torch.randint(0, 128, (200, 16), generator=torch.Generator().manual_seed(3))
-    backend = Vocoder(codec_spec(path, 152), "cpu")
+    backend = Vocoder(codec_spec(152), "cpu")
     with torch.no_grad():
         whole = backend.decoder._run(codes.T[None], 0)[0]
     audio = stream(backend, codes, chunks)
@@ -257,7 +256,7 @@ def test_code2wav_streams_its_whole_decode(path, chunks):
 
 def test_code2wav_with_qwens_25_frames_of_context_is_not_its_whole_decode(path):
     codes = torch.randint(0, 128, (200, 16), generator=torch.Generator().manual_seed(3))
-    backend = Vocoder(codec_spec(path, 25), "cpu")
+    backend = Vocoder(codec_spec(25), "cpu")
     with torch.no_grad():
         whole = backend.decoder._run(codes.T[None], 0)[0]
     assert (stream(backend, codes, [64]).reshape(-1) - whole).abs().max() > 1e-2
@@ -268,7 +267,7 @@ def test_code2wavs_reach_in_the_published_config():
     graph's context), one ahead; 555 samples short at the end."""
     from transformers import Qwen3OmniMoeCode2Wav, Qwen3OmniMoeConfig
 
-    from omniflow.models.catalog import builtin_files
+    from omniflow.catalog.components import builtin_files
 
     real = builtin_files(REAL_MODEL)["config.json"]
     config = Qwen3OmniMoeConfig(**{k: v for k, v in real.items() if k.endswith("_config")})

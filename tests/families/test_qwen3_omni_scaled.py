@@ -12,12 +12,12 @@ from collections import namedtuple
 import pytest
 import torch
 
+from omniflow.catalog import load_component_config
+from omniflow.catalog.costs import count_parameters
 from omniflow.errors import ModelConfigError
 from omniflow.families.qwen3_omni import REAL_MODEL, scaled
 from omniflow.families.qwen3_omni.checkpoints import tiny_config, tiny_tokenizer
 from omniflow.families.qwen3_omni.thinker_talker import load
-from omniflow.models.catalog import load_component_config
-from omniflow.models.costs import count_parameters
 
 torch.set_num_threads(1)
 

@@ -199,11 +199,42 @@ CASES = [
         "write lm.PORT",
     ),
     (
-        '  stage lm = ar(role="prefil")\n  input prompt: chat -> lm\n  lm.text -> output t\n',
+        '  stage lm = ar(decode="grahps")\n  input prompt: chat -> lm\n  lm.text -> output t\n',
         4,
-        22,
-        "'role' must be one of both, prefill, decode",
-        "did you mean 'prefill'?",
+        24,
+        "'decode' must be one of auto, graphs, static, eager",
+        "did you mean 'graphs'?",
+    ),
+    (
+        '  stage lm = ar(role="prefill")\n  input prompt: chat -> lm\n  lm.text -> output t\n',
+        4,
+        17,
+        "splitting an ar stage into prefill and decode stages is not supported yet",
+        "remove `role=...`",
+    ),
+    (
+        "  stage lm = ar(replicas=2)\n  input prompt: chat -> lm\n  lm.text -> output t\n",
+        4,
+        17,
+        "replicas are not supported yet: each stage runs as one copy on its devices",
+        "remove `replicas=...`",
+    ),
+    (
+        "  stage lm = ar()\n  input prompt: chat -> lm\n  input clip: audio -> lm.audio\n"
+        "  lm.text -> output t\n",
+        6,
+        24,
+        "ar stages take no audio yet: an ar stage takes media as embeddings from an encoder "
+        "stage (into `embeds`)",
+        None,
+    ),
+    (
+        "  stage lm = ar()\n  input prompt: chat -> lm\n  lm.kv -> output cache\n"
+        "  lm.text -> output t\n",
+        6,
+        3,
+        "passing a KV cache between stages is not supported yet",
+        None,
     ),
     (
         "  stage enc = encoder()\n  stage dit = diffusion(cfg=negativ)\n  stage vae = vae()\n  input prompt: text -> enc\n  input negative: text\n"

@@ -70,7 +70,7 @@ def test_lint_accepts_a_valid_graph():
     [
         (lambda g: g.add_edge(Edge("lm", "txt", "y", "in", "text")), "lm", "no output port 'txt'"),
         (
-            lambda g: g.add_edge(Edge("x", "out", "lm", "image", "chat")),
+            lambda g: g.add_edge(Edge("x", "out", "lm", "embeds", "chat")),
             "lm",
             "does not accept chat",
         ),

@@ -52,12 +52,6 @@ def test_pins_and_separate_are_honored():
     assert graph.node("a").meta["device"] != graph.node("b").meta["device"]
 
 
-def test_replicas_land_on_distinct_devices():
-    src = two_lms().replace("stage b = ar(max_batch=8)", "stage b = ar(max_batch=8, replicas=3)")
-    graph = run_until("place", src, devices="4xH100")
-    assert len(set(graph.node("b").meta["devices"])) == 3
-
-
 def test_a_pipeline_that_cannot_fit_names_stage_and_bytes():
     with pytest.raises(PassError, match="pass 'place'") as info:
         run_until("place", "omni_chat", devices="cuda:0=16GiB")

@@ -11,7 +11,7 @@ def test_each_stage_gets_its_component_config():
     )
     assert thinker.component == "thinker" and thinker.hidden_size == 3584
     assert talker.component == "talker"
-    assert code2wav.family == "vocoder"
+    assert code2wav.category == "vocoder"
 
 
 def test_unknown_model_fails_in_this_pass():

@@ -2,16 +2,11 @@
 towers) streaming into an MoE talker whose code predictor fills each 12.5 Hz frame's
 codebooks, decoded by the causal ConvNet code2wav.
 
-This module is the torch-free half: the layout facts of the published checkpoint that the
-tiny and real-size builders and the run-time half share, and the dotted paths into the
-run-time half, which an executor imports only when a stage loads such a checkpoint:
-
-- `thinker_talker`: the thinker and the talker (with its code predictor) as components of
-  the transformers `ar` backend, and the adapters of the edges between the stages;
-- `code2wav`: the code2wav ConvNet as a `Decoder` of the vocoder backend;
-- `checkpoints`: the tiny checkpoint and the reference run; `scaled`: the real-size one.
-
-The compiler knows the published config (parts, costs, placement) from the model catalog.
+Run-time half: `thinker_talker` (the thinker and the talker with its code predictor as
+components of the transformers `ar` backend, the adapters of the edges between the
+stages), `code2wav` (the vocoder as a `Decoder`); `checkpoints` (the tiny checkpoint and the
+reference run), `scaled` (the real-size random-weight one). This module also holds the
+layout facts of the published checkpoint that those share, torch-free.
 """
 
 from __future__ import annotations
@@ -19,21 +14,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-ARCHITECTURE = "qwen3_omni_moe"
-REAL_MODEL = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
-TINY_MODEL = "qwen3-omni"
+from omniflow.families.family import AdapterSpec, Family, Part, TinyModel
 
 _HERE = __name__
-# (stage kind, backend) -> the family's code for that backend.
-RUNTIME = {
-    ("ar", "transformers"): f"{_HERE}.thinker_talker:load",
-    ("vocoder", "transformers"): f"{_HERE}.code2wav:load",
-}
-# The named adapters of the edges between its stages.
-THINKER_TO_TALKER = f"{_HERE}.thinker_talker:thinker_to_talker"
-TALKER_TO_CODE2WAV = f"{_HERE}.thinker_talker:talker_to_code2wav"
-TINY_BUILD = f"{_HERE}.checkpoints:build_tiny"
-SCALED_BUILD = f"{_HERE}.scaled:build_scaled"
+_THINKER_TOWERS = {"audio_tower": ("thinker.audio_tower.",), "visual": ("thinker.visual.",)}
+
+ARCHITECTURE = "qwen3_omni_moe"
+REAL_MODEL = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
 
 # Qwen3-Omni's special tokens after Qwen's in its vocabulary (151669 .. 151675 in the real
 # one): the audio markers, the talker's text-side tokens, the audio placeholder.
@@ -57,8 +44,6 @@ CODEBOOK_OFFSETS = {
     "codec_think_eos_id": 109,
 }
 SPEAKERS = {"chelsie": 253, "ethan": 254, "aiden": 255}
-# `Qwen3OmniMoeForConditionalGeneration.generate`'s default speaker.
-DEFAULT_SPEAKER = "Ethan"
 
 _MEDIA = {
     "image": "<|vision_start|><|image_pad|><|vision_end|>",
@@ -97,3 +82,66 @@ def speakers(path: str | Path) -> tuple[str, ...] | None:
         return None
     names = (layout.get("talker_config") or {}).get("speaker_id") or {}
     return tuple(sorted(name.capitalize() for name in names)) or None
+
+
+FAMILY = Family(
+    name="qwen3_omni",
+    doc=__doc__,
+    architectures=(ARCHITECTURE,),
+    parts={
+        "thinker": Part(
+            "moe_lm",
+            ("thinker_config", "text_config"),
+            class_level=1,
+            keep=("audio_config", "vision_config"),
+            extras=_THINKER_TOWERS,
+        ),
+        "talker": Part(
+            "moe_lm",
+            ("talker_config", "text_config"),
+            class_level=1,
+            keep=("code_predictor_config",),
+            extras={
+                "text_projection": ("talker.text_projection.",),
+                "hidden_projection": ("talker.hidden_projection.",),
+            },
+        ),
+        "code2wav": Part(
+            "vocoder", ("code2wav_config",), weights=("code2wav.",), defaults={"sample_rate": 24000}
+        ),
+    },
+    runtime={
+        ("ar", "transformers"): f"{_HERE}.thinker_talker:load",
+        ("vocoder", "transformers"): f"{_HERE}.code2wav:load",
+    },
+    adapters={
+        "qwen3_omni.thinker_to_talker": AdapterSpec(
+            "hidden",
+            "hidden",
+            f"{_HERE}.thinker_talker:thinker_to_talker",
+            "thinker accept-layer hidden states and embeddings -> the talker's conditioning",
+            # Per position: accept-layer hidden state, input embedding, prompt/reply role.
+            source_rows=3,
+            with_prompt=True,
+        ),
+        "qwen3_omni.talker_to_code2wav": AdapterSpec(
+            "codes",
+            "codes",
+            f"{_HERE}.thinker_talker:talker_to_code2wav",
+            "talker frames (16 codebooks) -> code2wav codes (drops any outside the codebook)",
+        ),
+    },
+    speakers=f"{_HERE}:speakers",
+    tiny=(
+        TinyModel(
+            "qwen3-omni",
+            "Qwen3OmniMoeForConditionalGeneration: MoE thinker (with audio and vision "
+            "towers), MoE talker with its 5-layer code predictor over 16 codebooks, causal "
+            "ConvNet code2wav (x1920, 24 kHz)",
+            ("tokenizer", "model", "weights", "save"),
+            f"{_HERE}.checkpoints:build_tiny",
+            counterparts=(REAL_MODEL,),
+        ),
+    ),
+    scaled={REAL_MODEL: f"{_HERE}.scaled:build_scaled"},
+)

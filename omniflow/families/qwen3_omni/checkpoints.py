@@ -21,11 +21,11 @@ from typing import Any, NamedTuple
 import torch
 
 from omniflow.checkpoints.tiny_recipes import (
-    _round_up,
-    _scale_output,
-    _silence_rows,
-    _special_ids,
+    round_up,
+    scale_output,
     seed_weights,
+    silence_rows,
+    special_ids,
 )
 from omniflow.checkpoints.tiny_tokenizer import build_tokenizer
 from omniflow.families.qwen3_omni import (
@@ -137,7 +137,7 @@ def tiny_config(tokenizer) -> Any:
     """The tiny `Qwen3OmniMoeConfig` over `tokenizer`'s ids."""
     from transformers import Qwen3OmniMoeConfig
 
-    ids = _special_ids(tokenizer)
+    ids = special_ids(tokenizer)
     media = {
         "audio_token_id": ids["<|audio_pad|>"],
         "image_token_id": ids["<|image_pad|>"],
@@ -148,7 +148,7 @@ def tiny_config(tokenizer) -> Any:
     thinker = {
         "text_config": {
             **_THINKER_TEXT,
-            "vocab_size": _round_up(len(tokenizer), 64),
+            "vocab_size": round_up(len(tokenizer), 64),
             "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"],
         },
@@ -225,12 +225,12 @@ def build_tiny(out: Path) -> Iterator[str]:
         seed_weights(getattr(model, part), f"{NAME}/{part}")
     model.eval()
     # The last conv's output std is 12.4 with these weights: 0.024 brings it to about 0.3.
-    _scale_output(model.code2wav.decoder[-1].conv, 0.024)
+    scale_output(model.code2wav.decoder[-1].conv, 0.024)
     # The thinker emits the tokenizer's text and chat ids only, never the talker's
     # text-side or the audio tokens (nor ids past the tokenizer), as the real one.
-    ids = _special_ids(tokenizer)
-    _silence_rows(model.thinker.lm_head.weight, ids[AUDIO_TOKENS[0]])
-    ids = _special_ids(tokenizer)
+    ids = special_ids(tokenizer)
+    silence_rows(model.thinker.lm_head.weight, ids[AUDIO_TOKENS[0]])
+    ids = special_ids(tokenizer)
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],

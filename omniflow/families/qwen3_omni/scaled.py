@@ -14,8 +14,9 @@ to the host and written, then freed, so the host holds one shard (`shard_bytes`,
 besides the model on the device. That is what the real size needs on an H200 host with
 64 GiB of disk and 128 GiB of memory: the model (66 GiB) fits the GPU, not the disk. A
 shard goes into the first of `out` and the `spill` folders (e.g. `/dev/shm/...`, which is
-memory) with room for it, and a shard written elsewhere gets a symbolic link in `out`, so
-`from_pretrained(out)` reads a checkpoint spread over disk and memory as one folder.
+memory; by default `/dev/shm/omniflow-<out's name>`) with room for it, and a shard written
+elsewhere gets a symbolic link in `out`, so `from_pretrained(out)` reads a checkpoint spread
+over disk and memory as one folder.
 `MANIFEST`, written last, marks a finished build.
 
 Random heads would end text and speech at random points, so the rows of the thinker's
@@ -23,7 +24,8 @@ end-of-turn ids (and of ids past its text tokens) and the talker's end of speech
 zeroed: every request runs to its token limits and every system measured on it does the
 same work.
 
-    python -m omniflow.families.qwen3_omni.scaled --out /root/qwen3-omni --spill /dev/shm/qwen3-omni
+    omniflow models build-scaled Qwen/Qwen3-Omni-30B-A3B-Instruct --out /root/qwen3-omni
+    python -m omniflow.families.qwen3_omni.scaled --out /root/qwen3-omni --spill /dev/shm/q3
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from typing import Any
 
 import torch
 
-from omniflow.checkpoints.scaled import _check_depth, _initialising_bf16_on, _layers
-from omniflow.checkpoints.tiny_recipes import _silence_rows, _special_ids
+from omniflow.checkpoints.scaled import MANIFEST, check_depth, initialising_bf16_on, scaled_layers
+from omniflow.checkpoints.tiny_recipes import silence_rows, special_ids
 from omniflow.families.qwen3_omni import (
     AUDIO_TOKENS,
     CODEBOOK_OFFSETS,
@@ -48,7 +50,6 @@ from omniflow.families.qwen3_omni import (
 )
 from omniflow.hf_logging import quiet
 
-MANIFEST = "omniflow_scaled.json"
 SHARD_BYTES = 4 * 2**30
 # Room a folder keeps free after a shard is written into it.
 MARGIN_BYTES = 2**30
@@ -67,10 +68,10 @@ def scaled_config(depth: float = 1.0):
     """(Qwen3OmniMoeConfig, tokenizer) at the published widths and `depth` x its layers."""
     from transformers import Qwen3OmniMoeConfig
 
+    from omniflow.catalog.components import builtin_files
     from omniflow.families.qwen3_omni.checkpoints import tiny_config, tiny_tokenizer
-    from omniflow.models.catalog import builtin_files
 
-    _check_depth(depth)
+    check_depth(depth)
     tokenizer = tiny_tokenizer()
     with quiet():  # the tiny config's ids warn against its tiny vocabularies
         config = tiny_config(tokenizer).to_dict()
@@ -119,7 +120,7 @@ def _published(target: dict[str, Any], source: dict[str, Any], depth: float) -> 
             continue
         target[key] = copy.deepcopy(value)
         if key in _STACKS:
-            target[key] = _layers(value, depth)
+            target[key] = scaled_layers(value, depth)
     target.pop("layer_types", None)  # derived from the layer count again
     if "num_experts" in source:  # `to_dict` spells it by its attribute_map alias
         target.pop("num_local_experts", None)
@@ -129,13 +130,15 @@ def build_scaled(
     out: str | Path,
     depth: float = 1.0,
     device: str = "cuda",
-    spill: list[str | Path] | tuple[str | Path, ...] = (),
+    spill: list[str | Path] | tuple[str | Path, ...] | None = None,
     shard_bytes: int = SHARD_BYTES,
     config=None,
     tokenizer=None,
 ) -> Path:
     """Build and write a random-weight Qwen3-Omni (`scaled_config(depth)`, or `config` over
-    `tokenizer`); returns the folder. See the module docstring for where shards go."""
+    `tokenizer`); returns the folder. See the module docstring for where shards go; `spill`
+    None is `/dev/shm/omniflow-<out's name>` where there is a /dev/shm (used only once
+    `out` is full), as `omniflow models build-scaled` builds it."""
     from transformers import (
         GenerationConfig,
         Qwen3OmniMoeForConditionalGeneration,
@@ -145,18 +148,21 @@ def build_scaled(
     if config is None:
         config, tokenizer = scaled_config(depth)
     out = Path(out)
+    if spill is None:
+        shm = Path("/dev/shm")
+        spill = [shm / f"omniflow-{out.name}"] if shm.is_dir() else []
     folders = [out, *(Path(s) for s in spill)]
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
     with quiet():
         tokenizer.save_pretrained(out)
     WhisperFeatureExtractor(feature_size=128, return_attention_mask=True).save_pretrained(out)
-    with _initialising_bf16_on(device):
+    with initialising_bf16_on(device):
         model = Qwen3OmniMoeForConditionalGeneration(config).eval()
         _initialise_the_talkers_experts(model)
-    ids = _special_ids(tokenizer)
+    ids = special_ids(tokenizer)
     head = model.thinker.lm_head.weight
-    _silence_rows(head, ids[AUDIO_TOKENS[0]])
+    silence_rows(head, ids[AUDIO_TOKENS[0]])
     with torch.no_grad():
         head[[ids["<|im_end|>"], ids["<|endoftext|>"]]] = 0
         model.talker.codec_head.weight[config.talker_config.codec_eos_token_id] = 0
@@ -226,6 +232,7 @@ def write_shards(model, out: Path, folders: list[Path], shard_bytes: int) -> dic
             link = out / filename
             link.unlink(missing_ok=True)
             link.symlink_to((folder / filename).resolve())
+            print(f"{filename}: {nbytes / 2**30:.1f} GiB in {folder} (no room in {out})")
         del shard
         weight_map.update(dict.fromkeys(names, filename))
         placed[filename] = str(folder)
@@ -256,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--spill",
         action="append",
-        default=[],
-        help="a folder for shards that do not fit --out (repeatable; e.g. /dev/shm/qwen3-omni)",
+        help="a folder for the shards that do not fit --out (repeatable; default "
+        "/dev/shm/omniflow-NAME)",
     )
     parser.add_argument("--depth", type=float, default=1.0, help="x the real layer counts")
     parser.add_argument("--device", default="cuda", help="where to make the weights")

@@ -96,7 +96,7 @@ def talker_to_code2wav(source: StagePlan) -> Callable[[torch.Tensor], torch.Tens
     """Talker frames `[n, 16]` -> the frames code2wav embeds (any with an id outside the
     codebook dropped). The codebook size comes from the model catalog, which knows real
     checkpoints without fetching them."""
-    from omniflow.models import load_component_config
+    from omniflow.catalog import load_component_config
 
     codebook = load_component_config(source.model, "code2wav").config["codebook_size"]
 

@@ -1,0 +1,395 @@
+"""A mixture-of-experts layer's routed experts, fused: `[T, H]` tokens, each sent to `top_k`
+of `E` SwiGLU experts and the experts' outputs summed with the router's weights, as
+Qwen3-Omni-30B-A3B's MoE decoder layers run it (thinker: H 2048, 128 experts, 8 a token,
+expert width I 768; talker: H 1024, 128 experts, 6 a token, I 384, plus a dense shared
+expert). Triton kernels on CUDA, and the torch reference (`reference`) they are tested
+against. In three steps, none of which reads a value back to the host (a decode step can
+be captured in a CUDA graph):
+
+- `align`: the T x top_k (token, expert) entries sorted by expert and each expert's run
+  padded to BLOCK_M rows, with the expert of each block of BLOCK_M rows (-1 for the blocks
+  past the last used one, whose programs return at once). Fourteen small torch ops on the
+  device (a sort, a search, a cumsum, two scatters and the arithmetic between): their
+  count depends on neither E nor T;
+- a grouped product of each block's tokens by its expert's gate/up matrix, with
+  `silu(gate) * up` applied to the products in registers: the `[T k, I]` activations are
+  written, never the `[T k, 2 I]` products;
+- a grouped product of the activations by each expert's down matrix, its output rounded,
+  times the entry's router weight, written to `[T, top_k, H]`: each token's k weighted
+  expert outputs, added up by one `sum` (deterministic, no atomics).
+
+Weights are taken as transformers (5.x) holds them, so nothing is copied at load: the
+experts module (`Qwen3OmniMoeThinkerTextExperts`, `Qwen3OmniMoeTalkerTextExperts`) has
+`gate_up_proj` `[E, 2 I, H]` (each expert's gate rows, then its up rows: the layout
+`F.linear` takes) and `down_proj` `[E, H, I]`; the router (`block.gate`) has `weight`
+`[E, H]`. `moe_forward(block, hidden)` runs a transformers sparse MoE block on these
+kernels from the block's own parameters; `register()` also makes them a transformers
+experts implementation (`experts_implementation="omniflow_fused_moe"`).
+
+Why: at decode each token reads top_k experts' weights (the thinker's: 9.4 MB an expert,
+75 MB a token) for a few rows each, so the layer is bound by how fast those weights stream.
+transformers runs the experts one by one (a host sync to find the experts hit, then about
+ten small kernels an expert, `index_add_` among them), or through `torch._grouped_mm` over
+all E experts' offsets with the `[T k, 2 I]` products, activations and weighted outputs in
+memory between kernels; here a layer's experts are three launches after the router and the
+align step. Its speed is `benchmarks/fused_moe.py`'s to tell (docs/benchmarks.md, "Fused
+MoE": GPU figures pending).
+
+Numerics are transformers': the router's softmax in float32, its top-k weights
+renormalised in float32 when `renormalize` (`norm_topk_prob`), then rounded to the logits'
+dtype; products accumulate in float32 (float32 inputs multiply in IEEE float32; under
+Triton's interpreter every input is upcast first), gate and up rounded to the input dtype,
+SiLU and the product as `omniflow.kernels.silu_mul` computes them, the down product
+rounded, times the weight and rounded, as transformers' experts do. transformers then adds
+the k weighted outputs into a tensor of the input dtype one expert at a time (bf16 adds);
+here they are summed in float32 and rounded once, as its `grouped_mm` implementation does.
+Sums run in another order than cuBLAS', so results differ from `reference` by rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from omniflow.errors import OmniflowError
+from omniflow.kernels import silu_mul
+from omniflow.kernels.triton_guard import jit, tl, triton
+
+# A program's output columns and its K tile, for both products (benchmarks/fused_moe.py
+# --sweep times others); BLOCK_M (rows a block) follows the tokens an expert gets
+# (`block_m_for`).
+BLOCK_N, BLOCK_K = 32, 128
+# The name `register` gives the kernels in transformers' experts implementations.
+IMPLEMENTATION = "omniflow_fused_moe"
+
+
+class MoEError(OmniflowError):
+    """Operands of mismatched shapes, or a MoE block the kernels do not compute."""
+
+
+@jit
+def _moe_matmul_kernel(
+    x_ptr, w_ptr, out_ptr, scale_ptr, sorted_ptr, expert_ptr, entries, N, K, top_k,
+    x_stride, w_expert_stride, w_stride, out_stride,
+    GATED: tl.constexpr, IN_FLOAT32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # One program: BLOCK_M sorted entries (one expert's) by BLOCK_N of its columns. Gated:
+    # x is the tokens [T, K] (entry e reads row e // top_k), W the gate/up stack
+    # [E, 2 N, K], out [T k, N]. Else: x is the activations [T k, K] (top_k = 1), W the down
+    # stack [E, N, K], out [T k, N] with each row times its entry's weight.
+    block = tl.program_id(0)
+    expert = tl.load(expert_ptr + block).to(tl.int64)
+    if expert < 0:  # past the last used block
+        return
+    rows = tl.load(sorted_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_in = rows < entries  # padding holds `entries`
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_in = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + (rows // top_k)[:, None] * x_stride + ks[None, :]
+    w_ptrs = w_ptr + expert * w_expert_stride + cols[:, None].to(tl.int64) * w_stride + ks[None, :]
+    up_offset = N.to(tl.int64) * w_stride
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_in = ks[None, :] < K - k0
+        x = tl.load(x_ptrs, mask=row_in[:, None] & k_in, other=0.0)
+        w = tl.load(w_ptrs, mask=col_in[:, None] & k_in, other=0.0)
+        if IN_FLOAT32:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee" if IN_FLOAT32 else "tf32")
+        if GATED:
+            u = tl.load(w_ptrs + up_offset, mask=col_in[:, None] & k_in, other=0.0)
+            if IN_FLOAT32:
+                u = u.to(tl.float32)
+            up = tl.dot(x, tl.trans(u), up, input_precision="ieee" if IN_FLOAT32 else "tf32")
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    dtype = x_ptr.dtype.element_ty
+    acc = acc.to(dtype).to(tl.float32)
+    if GATED:
+        act = (acc / (1.0 + tl.exp(-acc))).to(dtype).to(tl.float32)
+        acc = act * up.to(dtype).to(tl.float32)
+    else:
+        scale = tl.load(scale_ptr + rows, mask=row_in, other=0.0).to(tl.float32)
+        acc = acc * scale[:, None]
+    out = out_ptr + rows[:, None] * out_stride + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-k expert ids [T, k], their weights [T, k]): transformers' Qwen3-Omni router on
+    its logits `[T, E]`: softmax in float32, top k, renormalised to sum 1 in float32 when
+    `renormalize`, the weights rounded to the logits' dtype."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(router_logits.dtype)
+
+
+def most_blocks(entries: int, num_experts: int, block_m: int) -> int:
+    """Blocks of `block_m` rows that `entries` entries padded per expert can fill: each used
+    expert pads at most `block_m - 1` rows, and at most min(E, entries) experts are used. A
+    function of the shapes only, so the kernels' grid needs no value from the device."""
+    return (entries + min(num_experts, entries) * (block_m - 1)) // block_m
+
+
+def block_m_for(entries: int, num_experts: int) -> int:
+    """Rows a block: the entries an expert gets on average, as a power of two in [16, 64]
+    (16, the smallest tile side of Triton's tensor-core product, up to 16 tokens an expert:
+    a thinker decode step of up to 256 tokens)."""
+    average = -(-entries // num_experts)
+    return max(16, min(64, 1 << max(0, average - 1).bit_length()))
+
+
+def align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (token, expert) entries sorted by expert, each expert's run padded to `block_m`.
+
+    `topk_ids` `[T, k]`: entry `e` is token `e // k`'s choice `e % k`. Returns
+    `sorted_ids` `[most_blocks * block_m]`: the entries, expert by expert (in entry order
+    within one), each expert's run starting a block and padded with `T * k`; and
+    `expert_ids` `[most_blocks]`: each block's expert, -1 past the last used block. Both on
+    the ids' device, from torch ops whose count and shapes depend only on the shapes (no
+    host sync, no loop over experts)."""
+    flat = topk_ids.reshape(-1)
+    entries = flat.numel()
+    blocks = most_blocks(entries, num_experts, block_m)
+    experts, order = torch.sort(flat, stable=True)
+    # Each entry's rank among its expert's: its sorted position less its expert's first.
+    rank = torch.arange(entries, device=flat.device) - torch.searchsorted(experts, experts)
+    within = rank % block_m
+    block = torch.cumsum(within == 0, 0) - 1  # a block starts at each expert and every block_m
+    sorted_ids = torch.full((blocks * block_m,), entries, dtype=order.dtype, device=flat.device)
+    sorted_ids.scatter_(0, block * block_m + within, order)
+    expert_ids = torch.full((blocks,), -1, dtype=experts.dtype, device=flat.device)
+    expert_ids.scatter_(0, block, experts)  # each block's entries all write its one expert
+    return sorted_ids, expert_ids
+
+
+def _check(hidden, w_gate_up, w_down, topk_ids, topk_weights) -> None:
+    if hidden.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise MoEError(
+            f"hidden must be [T, H], the weights [E, 2 I, H] and [E, H, I]: {list(hidden.shape)},"
+            f" {list(w_gate_up.shape)}, {list(w_down.shape)}"
+        )
+    experts, inner2, width = w_gate_up.shape
+    if width != hidden.shape[1] or inner2 % 2 or w_down.shape != (experts, width, inner2 // 2):
+        raise MoEError(
+            f"hidden {list(hidden.shape)}, gate/up {list(w_gate_up.shape)} and down"
+            f" {list(w_down.shape)} do not chain as [T, H], [E, 2 I, H], [E, H, I]"
+        )
+    if not hidden.dtype == w_gate_up.dtype == w_down.dtype:
+        raise MoEError(f"hidden is {hidden.dtype}, the weights {w_gate_up.dtype}, {w_down.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
+        raise MoEError(f"top-k ids {list(topk_ids.shape)} for {hidden.shape[0]} tokens")
+    if topk_weights.shape != topk_ids.shape:
+        raise MoEError(f"top-k weights {list(topk_weights.shape)}, ids {list(topk_ids.shape)}")
+    if topk_ids.dtype.is_floating_point:
+        raise MoEError(f"top-k ids must be integers, got {topk_ids.dtype}")
+
+
+def _routing(hidden, w_gate_up, w_down, router_logits, top_k, renormalize, ids, weights):
+    """(ids, weights) from either the router's logits or the given top k; checks operands."""
+    if (router_logits is None) == (ids is None and weights is None):
+        raise MoEError("give either router_logits (and top_k) or topk_ids and topk_weights")
+    if router_logits is not None:
+        experts = w_gate_up.shape[0] if w_gate_up.dim() == 3 else -1
+        if router_logits.shape != (hidden.shape[0], experts) or not top_k:
+            raise MoEError(
+                f"router logits {list(router_logits.shape)} and top_k {top_k} for"
+                f" {hidden.shape[0]} tokens and {experts} experts"
+            )
+        ids, weights = route(router_logits, top_k, renormalize)
+    if ids is None or weights is None:
+        raise MoEError("topk_ids and topk_weights go together")
+    _check(hidden, w_gate_up, w_down, ids, weights)
+    return ids, weights
+
+
+def _pow2_between(n: int, low: int, high: int) -> int:
+    return max(low, min(high, triton.next_power_of_2(n)))
+
+
+def experts_triton(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    block_m: int | None = None,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
+    num_warps: int = 4,
+    num_stages: int = 4,
+) -> torch.Tensor:
+    """The routed experts' weighted sum `[T, H]` in hidden's dtype, with the kernels (see the
+    module docstring). Block sizes and pipeline depth are the kernels' tuning."""
+    _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
+    if hidden.stride(1) != 1 or w_gate_up.stride(2) != 1 or w_down.stride(2) != 1:
+        raise MoEError("hidden's and the weights' rows must be contiguous")
+    tokens, width = hidden.shape
+    num_experts, inner = w_gate_up.shape[0], w_gate_up.shape[1] // 2
+    top_k = topk_ids.shape[1]
+    entries = tokens * top_k
+    partial = torch.empty(tokens, top_k, width, dtype=hidden.dtype, device=hidden.device)
+    if not entries:
+        return partial.sum(1)
+    block_m = block_m or block_m_for(entries, num_experts)
+    sorted_ids, expert_ids = align(topk_ids, num_experts, block_m)
+    act = torch.empty(entries, inner, dtype=hidden.dtype, device=hidden.device)
+    scale = topk_weights.reshape(-1)
+    in_float32 = hidden.dtype == torch.float32 or not hidden.is_cuda
+    tuning = {"BLOCK_M": block_m, "num_warps": num_warps, "num_stages": num_stages}
+    for gated, x, w, out, n, k, rows_a_token in (
+        (True, hidden, w_gate_up, act, inner, width, top_k),
+        (False, act, w_down, partial.view(entries, width), width, inner, 1),
+    ):
+        bn, bk = _pow2_between(n, 16, block_n), _pow2_between(k, 16, block_k)
+        grid = (expert_ids.numel(), triton.cdiv(n, bn))
+        _moe_matmul_kernel[grid](
+            x, w, out, scale, sorted_ids, expert_ids, entries, n, k, rows_a_token,
+            x.stride(0), w.stride(0), w.stride(1), out.stride(0),
+            GATED=gated, IN_FLOAT32=in_float32, BLOCK_N=bn, BLOCK_K=bk, **tuning,
+        )  # fmt: skip
+    return partial.sum(1)
+
+
+def experts_reference(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts as transformers' experts module computes them, one expert at a time
+    (it reads the experts hit back to the host), the k weighted outputs summed in float32."""
+    _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
+    tokens, top_k = topk_ids.shape
+    partial = hidden.new_zeros(tokens, top_k, hidden.shape[1])
+    for expert in topk_ids.unique().tolist():
+        token, slot = torch.where(topk_ids == expert)
+        act = silu_mul.reference(F.linear(hidden[token], w_gate_up[expert]))
+        out = F.linear(act, w_down[expert]) * topk_weights[token, slot, None]
+        partial[token, slot] = out.to(hidden.dtype)
+    return partial.sum(1)
+
+
+def fused_moe_triton(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    router_logits: torch.Tensor | None = None,
+    top_k: int | None = None,
+    renormalize: bool = False,
+    topk_ids: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    **tuning,
+) -> torch.Tensor:
+    """The MoE layer's routed output `[T, H]` with the kernels, routed by `router_logits`
+    `[T, E]` (with `top_k`, `renormalize`: `route`) or by the given `topk_ids` and
+    `topk_weights` `[T, k]`. `tuning`: `experts_triton`'s block sizes and depth."""
+    ids, weights = _routing(
+        hidden, w_gate_up, w_down, router_logits, top_k, renormalize, topk_ids, topk_weights
+    )
+    return experts_triton(hidden, w_gate_up, w_down, ids, weights, **tuning)
+
+
+def reference(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    router_logits: torch.Tensor | None = None,
+    top_k: int | None = None,
+    renormalize: bool = False,
+    topk_ids: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`fused_moe_triton`'s result as torch computes it (`route`, `experts_reference`)."""
+    ids, weights = _routing(
+        hidden, w_gate_up, w_down, router_logits, top_k, renormalize, topk_ids, topk_weights
+    )
+    return experts_reference(hidden, w_gate_up, w_down, ids, weights)
+
+
+def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, **routing):
+    """The kernels on CUDA, the reference elsewhere."""
+    if hidden.is_cuda and triton is not None:
+        return fused_moe_triton(hidden, w_gate_up, w_down, **routing)
+    return reference(hidden, w_gate_up, w_down, **routing)
+
+
+def _experts_weights(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A transformers experts module's (gate_up_proj, down_proj), refusing other layouts."""
+    act = getattr(getattr(experts, "config", None), "hidden_act", "silu")
+    layout = (
+        getattr(experts, "is_transposed", False),
+        getattr(experts, "has_bias", False),
+        getattr(experts, "is_concatenated", True),
+        getattr(experts, "has_gate", True),
+    )
+    if not hasattr(experts, "gate_up_proj") or act not in ("silu", "swish") or layout != (
+        False, False, True, True
+    ):  # fmt: skip
+        raise MoEError(
+            f"{type(experts).__name__}: the kernels take SiLU experts with gate_up_proj"
+            " [E, 2 I, H] (gate rows first) and down_proj [E, H, I], no bias"
+        )
+    return experts.gate_up_proj, experts.down_proj
+
+
+def moe_forward(block: torch.nn.Module, hidden: torch.Tensor, *, moe=None) -> torch.Tensor:
+    """A transformers Qwen3-Omni sparse MoE block's forward
+    (`Qwen3OmniMoeThinkerTextSparseMoeBlock`, `Qwen3OmniMoeTalkerTextSparseMoeBlock` and
+    their like: a `gate` router and `experts`, and where it has one the talker's
+    sigmoid-gated `shared_expert`) from the block's own parameters, hidden `[..., H]` to
+    `[..., H]`. `moe` computes the routed experts:
+    `fused_moe` by default (the kernels on CUDA, the reference elsewhere); tests pass
+    `fused_moe_triton` to run the kernels in Triton's interpreter."""
+    moe = fused_moe if moe is None else moe
+    gate = block.gate
+    w_gate_up, w_down = _experts_weights(block.experts)
+    x = hidden.reshape(-1, hidden.shape[-1])
+    out = moe(
+        x,
+        w_gate_up,
+        w_down,
+        router_logits=F.linear(x, gate.weight),
+        top_k=gate.top_k,
+        renormalize=gate.norm_topk_prob,
+    )
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:
+        out = out + torch.sigmoid(block.shared_expert_gate(x)) * shared(x)
+    return out.reshape(hidden.shape)
+
+
+def experts_forward(
+    experts: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """A transformers experts module's forward (the `ExpertsInterface` signature)."""
+    w_gate_up, w_down = _experts_weights(experts)
+    return fused_moe(
+        hidden_states, w_gate_up, w_down, topk_ids=top_k_index, topk_weights=top_k_weights
+    )
+
+
+def register() -> str:
+    """Adds `experts_forward` to transformers' experts implementations as IMPLEMENTATION, so a
+    model loaded with `experts_implementation=IMPLEMENTATION` (or given it through
+    `model.set_experts_implementation`) runs its MoE experts on the kernels. Returns the name."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+    return IMPLEMENTATION

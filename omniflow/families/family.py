@@ -1,0 +1,121 @@
+"""What a model family tells omniflow: the descriptor every family folder fills in.
+
+A family (Qwen2.5-Omni, Qwen-Image, the audio codecs, ...) is one folder under
+`omniflow/families/`. Its `__init__.py` defines `FAMILY`, a `Family`, and imports nothing
+heavier than this module: the compiler reads every family's descriptor. The descriptor has
+two halves:
+
+- facts the compiler reads, as data and small torch-free functions: how each component sits
+  in the published config files (`Part`), the published configs themselves (the folder's
+  `configs/*.json`, the builtin catalog's entries), what a diffusers pipeline's own code
+  decides that no config states, the adapters of the edges between its stages, its tiny
+  and real-size random-weight checkpoints and the hub ids they stand in for;
+- dotted paths ("module:name") into its run-time half (components, decoders, adapter code,
+  speaker readers, checkpoint builders), which `lower` writes into the plan and an executor
+  imports only when a stage loads such a model. The compiler never imports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Part:
+    """How one component of a multi-part transformers model sits in its config files.
+
+    `path` descends from the file's root to the component's dims; a step ending in '?' is
+    optional (Qwen2.5-VL keeps its text dims at the root in older exports). The flat config
+    is every level along the path merged, deeper levels winning, but sub-config dicts of
+    upper levels are dropped except those named in `keep`. `class_level` is the level whose
+    `tie_word_embeddings` the owning transformers class reads. `weights` are checkpoint
+    name prefixes of the whole component, `extras` of modules counted beside an LM's formula.
+    `category` is what the compiler sizes it as (`omniflow.catalog.CATEGORIES`).
+
+    A vocoder part whose config layout the generic rules do not read says how many samples
+    it makes per codec frame (`samples_per_frame`), and one that decodes on a grid of blocks
+    the grid: `block_grid(config)` -> (codes per block, codes of lookahead).
+    """
+
+    category: str
+    path: tuple[str, ...]
+    file: str = "config.json"
+    class_level: int | None = None
+    keep: tuple[str, ...] = ()
+    weights: tuple[str, ...] = ("",)
+    extras: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    dtype: str | None = None
+    samples_per_frame: Callable[[Mapping[str, Any]], int] | None = None
+    block_grid: Callable[[Mapping[str, Any]], tuple[int, int]] | None = None
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A named transition function an edge applies on the way (`adapter=family.name`).
+
+    The compiler checks an edge's adapter against the types; the runtime imports `impl`
+    ("module:function", a factory called with the source `StagePlan`) when it links the
+    plan. What the adapter needs its source `hidden` port to send per step: `source_rows`
+    rows of the hidden size, and (if `with_prompt`) a step for every prompt position too.
+    """
+
+    in_type: str
+    out_type: str
+    impl: str
+    doc: str
+    source_rows: int = 1
+    with_prompt: bool = False
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny random-weight checkpoint of the family's real architecture, `tiny:NAME`.
+
+    `build` ("module:function") writes it into an empty directory and yields the label of
+    each of `parts` just before building it; `counterparts` are the real hub ids that
+    `--tiny` swaps for it.
+    """
+
+    name: str
+    description: str
+    parts: tuple[str, ...]
+    build: str
+    counterparts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family. `architectures` are the names its checkpoints declare: a
+    `config.json`'s `model_type`, or a `model_index.json`'s `_class_name`.
+
+    - `parts`: component name -> `Part`, for multi-part transformers checkpoints;
+    - `whole`: the category of a single-part checkpoint of the family where the generic
+      rules cannot tell (an audio codec is a "vocoder");
+    - `pipeline_facts`: pipeline class -> component -> facts a diffusers pipeline's
+      `__call__` decides that no component config states;
+    - `runtime`: (stage kind, backend) -> "module:callable", the family's code for that
+      backend (what it is called with is the backend's contract: docs/backends.md);
+    - `adapters`: "namespace.name" -> `AdapterSpec`;
+    - `speakers`: "module:function", the speakers of a local checkpoint (None if none);
+    - `tiny`: its tiny checkpoints;
+    - `scaled`: real model id -> "module:function(out, depth, device)", a builder of a
+      real-size random-weight checkpoint of it (for measuring on a GPU).
+    """
+
+    name: str
+    doc: str
+    architectures: tuple[str, ...]
+    parts: Mapping[str, Part] = field(default_factory=dict)
+    whole: str | None = None
+    pipeline_facts: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)
+    runtime: Mapping[tuple[str, str], str] = field(default_factory=dict)
+    adapters: Mapping[str, AdapterSpec] = field(default_factory=dict)
+    speakers: str | None = None
+    tiny: tuple[TinyModel, ...] = ()
+    scaled: Mapping[str, str] = field(default_factory=dict)
+    # The folder of its published configs (set by the registry for a family folder; a
+    # family registered from elsewhere may point at its own, or have none).
+    configs: str | None = None

@@ -1,0 +1,310 @@
+"""Qwen2.5-Omni split into stages: the thinker and the talker as components of the
+transformers `ar` backend, and the named adapters of the edges between the stages.
+
+It reproduces what `Qwen2_5OmniForConditionalGeneration.generate` does, with streamed
+inputs. There, the talker's input embeddings are built from the thinker's run:
+
+- one row per thinker prompt position: the thinker's last hidden state there plus that
+  position's input embedding (`generate` zeroes it at audio/image/video placeholders; the
+  thinker stage takes text prompts only);
+- then the embedding of the speaker's text-side bos token (a thinker token);
+- then the first reply row, where reply row i is the thinker's last hidden state at
+  generated token i's position plus that token's embedding;
+- and decode step t adds the embedding of the codec token sampled last to reply row t,
+  then to the text eos embedding, then to the text pad embedding for ever.
+
+The talker's forward would add the codec pad and bos embeddings to the last two prefill
+rows, as Qwen's own code always does, but only when it is given an attention mask, and
+transformers 5's `generate` drops an all-ones mask: a request alone (no padding) gets
+neither. That is what `generate` does here, so it is what the talker stage does.
+
+The last generated token is never fed back, so the thinker gives a row for every generated
+token but its last. So the talker's step t needs exactly the thinker's row for generated
+token t — it starts when the first reply row exists and keeps one row behind the thinker.
+
+What travels on `thinker.hidden -> talker.embeds` is one item per thinker input position,
+`[3, H]` in the thinker's dtype: its last hidden state, its input embedding, and a role row
+(all 0 for a prompt position, all 1 for a generated token). The prompt's positions come in
+the prefill step, then one per decode step. The role says where the prompt ends: the talker
+puts the speaker row there, and an item's role is exact in every float dtype. The adapter
+`thinker_to_talker` sums hidden state and embedding, so the talker reads `[2, H]` rows
+(conditioning, role).
+
+The talker's codec ids come out on `codes` as sampled, its end-of-speech id last; the
+adapter `talker_to_code2wav` keeps the codes token2wav can embed and drops control ids.
+
+Adapters are factories: the runtime calls `adapter(source)` with the `StagePlan` of the
+stage the edge leaves, once when it links the plan, and applies the function it returns to
+each chunk on the edge. Both work row by row, so chunking does not change their output.
+
+Loading: `Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained` (or the talker's)
+on the full checkpoint directory materializes only that part's tensors (the others are
+reported unexpected and skipped), bit-equal to the same part of the full model, so a stage
+holds one part's weights: the thinker with its audio and vision towers (unused on text
+prompts), or the talker alone. The talker also needs a few rows of the thinker's embedding
+table (speaker bos tokens, text eos and pad), read alone from the safetensors file, and the
+speaker bos ids from `spk_dict.pt`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from omniflow.backends.transformers_ar import (
+    ARBackendError,
+    CausalLM,
+    Component,
+    Prompt,
+    Sequence,
+)
+from omniflow.plan import StagePlan
+from omniflow.runtime.stage import Call
+
+ROLE_PROMPT, ROLE_REPLY = 0.0, 1.0
+THINKER_EMBEDDINGS = "thinker.model.embed_tokens.weight"
+_CONDITIONING = "qwen_omni"  # a talker request's conditioning rows in call.state
+
+
+# --- adapters ---------------------------------------------------------------------------------
+
+
+def thinker_to_talker(
+    source: StagePlan,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Thinker items `[n, 3, H]` (hidden state, embedding, role) -> talker rows `[n, 2, H]`
+    (hidden state + embedding, role), summed in the thinker's dtype as `generate` does."""
+    return _talker_rows
+
+
+def _talker_rows(items: torch.Tensor) -> torch.Tensor:
+    return torch.stack((items[:, 0] + items[:, 1], items[:, 2]), dim=1)
+
+
+def talker_to_code2wav(
+    source: StagePlan,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Talker codec ids `[n, Q]` -> the frames whose ids token2wav embeds (end-of-speech and
+    other control ids dropped). The codebook size comes from the model catalog, which knows
+    real checkpoints without fetching them."""
+    from omniflow.catalog import load_component_config
+
+    codes = load_component_config(source.model, "token2wav").config["dit_config"]["num_embeds"]
+
+    def frames(ids: torch.Tensor) -> torch.Tensor:
+        return ids[((ids >= 0) & (ids < codes)).all(dim=1)]
+
+    return frames
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def speakers(path: str) -> tuple[str, ...] | None:
+    """The speakers of the local checkpoint at `path` (`spk_dict.pt`: one entry each)."""
+    file = Path(path) / "spk_dict.pt"
+    return tuple(torch.load(file, weights_only=True)) if file.is_file() else None
+
+
+def load(path: str, component: str | None, device: str, dtype) -> Component:
+    """The thinker or the talker of the checkpoint at `path`, alone."""
+    from transformers import (
+        AutoTokenizer,
+        Qwen2_5OmniTalkerForConditionalGeneration,
+        Qwen2_5OmniThinkerForConditionalGeneration,
+    )
+
+    classes = {
+        "thinker": Qwen2_5OmniThinkerForConditionalGeneration,
+        "talker": Qwen2_5OmniTalkerForConditionalGeneration,
+    }
+    if component not in classes:
+        raise ARBackendError(
+            f'Qwen2.5-Omni has no \'{component}\' language model; use component="thinker" or "talker" '
+            "(token2wav runs on a vocoder stage)"
+        )
+    model, info = classes[component].from_pretrained(path, dtype=dtype, output_loading_info=True)
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise ARBackendError(f"{path}: the {component} lacks weights {', '.join(missing[:5])}")
+    model = model.to(device).eval()
+    if component == "thinker":
+        return OmniThinker(model, AutoTokenizer.from_pretrained(path))
+    return OmniTalker(model, path)
+
+
+def _thinker_embedding_rows(path: str, ids: list[int]) -> torch.Tensor:
+    """Rows `ids` of the thinker's input embedding table, read without loading the table."""
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    index = cached_file(
+        path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False
+    )
+    if index is None:
+        filename = "model.safetensors"
+    else:
+        with open(index, encoding="utf-8") as f:
+            filename = json.load(f)["weight_map"][THINKER_EMBEDDINGS]
+    with safe_open(cached_file(path, filename), "pt") as f:
+        table = f.get_slice(THINKER_EMBEDDINGS)
+        return torch.cat([table[i : i + 1] for i in ids])
+
+
+def _generate_default(name: str):
+    """A default of `Qwen2_5OmniForConditionalGeneration.generate` (the talker's sampling and
+    the speaker are set there, not in a generation config)."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    return inspect.signature(Qwen2_5OmniForConditionalGeneration.generate).parameters[name].default
+
+
+# --- the thinker -------------------------------------------------------------------------------
+
+
+class OmniThinker(CausalLM):
+    """The thinker on text prompts: a causal LM whose `hidden` output is the talker's
+    conditioning, one `[3, H]` item per position it feeds."""
+
+    def hidden_value(self, hidden: torch.Tensor, embeds: torch.Tensor, prompt: bool):
+        role = torch.full_like(hidden, ROLE_PROMPT if prompt else ROLE_REPLY)
+        return torch.stack((hidden, embeds.to(hidden.dtype), role), dim=1)
+
+    def hidden_rows(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        return self.hidden_value(hidden, embeds, prompt=False)
+
+
+# --- the talker ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Conditioning:
+    """A talker request's text-side rows received so far (conditioning, on the device)."""
+
+    prompt: list[torch.Tensor] = field(default_factory=list)  # chunks [k, H]
+    replies: list[torch.Tensor] = field(default_factory=list)  # rows [H]
+
+
+class OmniTalker(Component):
+    """The talker: codec tokens conditioned on the thinker's rows and a speaker (the stage's
+    `speaker` parameter, else `generate`'s default)."""
+
+    inputs = {"embeds": ("hidden",)}
+    required = frozenset({"embeds"})
+    outputs = frozenset({"codes", "tokens", "hidden"})
+
+    def __init__(self, model, path: str):
+        config = model.config
+        self.model = model
+        self.decoder = model.model
+        self.head = model.codec_head
+        self.embed = model.get_input_embeddings()
+        self.width = config.embedding_size
+        self.eos_ids = frozenset({config.tts_codec_pad_token_id, config.tts_codec_end_token_id})
+        self.suppress = (config.tts_codec_start_token_id,)
+        # generate() feeds the talker ids [codec mask] * prompt length + [codec pad, codec bos]
+        # beside the embeddings, and its repetition penalty counts them as seen.
+        self.context = [
+            config.tts_codec_mask_token_id,
+            config.tts_codec_pad_token_id,
+            config.tts_codec_start_token_id,
+        ]
+        self.defaults = talker_defaults()
+        from transformers.utils import cached_file
+
+        speakers = torch.load(cached_file(path, "spk_dict.pt"), weights_only=True)
+        names = sorted(speakers)
+        ids = [config.tts_text_end_token_id, config.tts_text_pad_token_id]
+        ids += [int(speakers[n]["bos_token"]) for n in names]
+        rows = _thinker_embedding_rows(path, ids).to(
+            self.embed.weight.device, self.embed.weight.dtype
+        )
+        self.text_eos, self.text_pad = rows[0], rows[1]
+        self.speakers = dict(zip(names, rows[2:], strict=True))
+        self.default_speaker = _generate_default("speaker")
+
+    def project(self, embeds: torch.Tensor) -> torch.Tensor:
+        return self.model.thinker_to_talker_proj(embeds)
+
+    # --- conditioning -----------------------------------------------------------------------
+    def has_news(self, call: Call) -> bool:
+        return call.inputs["embeds"].available()
+
+    def receive(self, calls: list[Call]) -> None:
+        taken = []
+        for call in calls:
+            chunk = call.inputs["embeds"].take()
+            if chunk is None or call.error is not None:
+                continue
+            if chunk.dim() != 3 or tuple(chunk.shape[1:]) != (2, self.width):
+                call.fail(
+                    ARBackendError(
+                        f"the talker takes conditioning rows [n, 2, {self.width}] from the thinker "
+                        f"through adapter qwen_omni.thinker_to_talker; got {list(chunk.shape)}"
+                    )
+                )
+                continue
+            taken.append(
+                (call, chunk.to(self.embed.weight.device, self.embed.weight.dtype, copy=True))
+            )
+        if not taken:
+            return
+        # Every chunk's roles (where its prompt ends) in one read-back; the rows stay put.
+        roles = torch.cat([rows[:, 1, 0] for _, rows in taken]).tolist()
+        for call, rows in taken:
+            reply, roles = [role == ROLE_REPLY for role in roles[: len(rows)]], roles[len(rows) :]
+            prompt = reply.index(True) if True in reply else len(reply)
+            cond = call.state.setdefault(_CONDITIONING, _Conditioning())
+            if (cond.replies and prompt) or not all(reply[prompt:]):
+                call.fail(ARBackendError("thinker prompt rows arrived after its reply rows"))
+                continue
+            if prompt:
+                cond.prompt.append(rows[:prompt, 0])
+            cond.replies.extend(rows[prompt:, 0].unbind())
+
+    def can_start(self, call: Call) -> bool:
+        cond = call.state.get(_CONDITIONING)
+        return cond is not None and (bool(cond.replies) or call.inputs["embeds"].ended)
+
+    def _text_side(self, cond: _Conditioning, t: int) -> torch.Tensor:
+        """The thinker-side row of talker step t (call only once it is known)."""
+        if t < len(cond.replies):
+            return cond.replies[t]
+        return self.text_eos if t == len(cond.replies) else self.text_pad
+
+    def prompt(self, call: Call) -> Prompt:
+        cond = call.state[_CONDITIONING]
+        prompt = torch.cat(cond.prompt)
+        if not len(prompt):
+            raise ARBackendError("the thinker sent no prompt rows")
+        speaker = (call.params or {}).get("speaker") or self.default_speaker
+        if speaker not in self.speakers:
+            raise ARBackendError(
+                f"unknown speaker '{speaker}'; this model has {', '.join(self.speakers)}"
+            )
+        rows = torch.stack((self.speakers[speaker], self._text_side(cond, 0)))
+        return Prompt(torch.cat((prompt, rows)), self.context)
+
+    def can_step(self, seq: Sequence) -> bool:
+        cond = seq.call.state[_CONDITIONING]
+        return seq.next_step < len(cond.replies) or seq.call.inputs["embeds"].ended
+
+    def step_extra(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Step t's text side: the thinker's row for reply token t, then text eos, then pad."""
+        return torch.stack(
+            [self._text_side(s.call.state[_CONDITIONING], s.next_step) for s in seqs]
+        )
+
+
+def talker_defaults() -> dict:
+    """The talker's sampling defaults, which `generate` sets, not a generation config."""
+    names = ("temperature", "top_p", "top_k", "repetition_penalty")
+    defaults = {name: _generate_default(f"talker_{name}") for name in names}
+    if not _generate_default("talker_do_sample"):
+        defaults["temperature"] = 0.0
+    return defaults

@@ -1,0 +1,477 @@
+"""Qwen2.5-Omni's token2wav as a decoder of the vocoder backend (`omniflow.backends.vocoders`):
+a flow-matching DiT from codes to mel, then BigVGAN from mel to waveform.
+
+Token2wav's DiT is not local: each of its passes attends one 24-mel-frame block (12 codes)
+back and one ahead, and a sample takes 36 passes (10 RK4 steps), so influence keeps
+spreading. It is decoded in windows on a fixed grid of one-block units — one unit, then
+two, four, then sixteen at a time (`WINDOW_BLOCKS` in the model catalog, which the compiler
+sizes the edge's chunks by) — each starting on a block boundary, so its waveform does not
+depend on how the codes happened to be chunked: the reference interpreter and every runtime mode
+agree, whatever the timing. Two blocks of context and of lookahead bring the stream within
+about 1e-4 of the whole-utterance decode; one block of lookahead (Qwen's own streaming
+setting) within about 1e-2 (tests/backends/test_vocoders.py measures both). Its initial
+noise is drawn per arriving frame from a generator seeded with the request's `seed`: the
+numbers one `torch.randn` over the whole utterance draws after `torch.manual_seed(seed)`, so
+every window slices the same fixed noise.
+
+The DiT masks padding out of attention exactly; the vocoder backend's padding rule covers
+the BigVGAN, which reaches 18 mel frames (9 codes) each way on tiny:qwen2.5-omni.
+
+On CUDA (the stage's `precision` and `decode`, docs/backends.md) the DiT runs in bf16, its
+blocks on fused kernels (`omniflow.families.qwen2_5_omni.token2wav_dit`), and a window's whole
+decode — the ODE solve's 36 DiT passes, then BigVGAN — replays from a CUDA graph captured at
+load per (window length, batch bucket) over static input buffers
+(`prepare`); a window of another shape, or another step count, decodes eagerly. The solve
+(`_solve`) is device work only for that reason: the window layout arrives as tensors, the
+codec embedding repeats by expanding and BigVGAN's clamp level is made once, where
+transformers' modules would read sizes back from or copy scalars to the GPU. BigVGAN's 109
+anti-aliased SnakeBeta activations run as one kernel each (`omniflow.kernels.anti_alias_snake`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Hashable
+
+import numpy as np
+import torch
+from transformers import Qwen2_5OmniConfig
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+    Qwen2_5OmniAMPBlock,
+    Qwen2_5OmniAntiAliasedActivation1d,
+    Qwen2_5OmniToken2WavBigVGANModel,
+    Qwen2_5OmniToken2WavModel,
+)
+from transformers.utils import cached_file
+
+from omniflow.backends import receptive_field
+from omniflow.backends.cuda_graphs import Graphs
+from omniflow.backends.receptive_field import Field
+from omniflow.backends.static_decode import batch_buckets
+from omniflow.backends.vocoders import (
+    Decoder,
+    Reach,
+    VocoderError,
+    Window,
+    checked_samples_per_frame,
+    field_reach,
+    padded,
+)
+from omniflow.families.qwen2_5_omni import token2wav_block_grid
+from omniflow.families.qwen2_5_omni.token2wav_dit import FusedDiT
+from omniflow.hf_logging import quiet
+from omniflow.kernels import ada_norm
+from omniflow.kernels.anti_alias_snake import anti_alias_snake
+from omniflow.runtime.stage import Call
+
+COMPONENT = "token2wav"
+# Qwen2_5OmniForConditionalGeneration.generate's default speaker.
+DEFAULT_SPEAKER = "Chelsie"
+# ODE steps of a request that names none (transformers' default); static windows are made
+# for it.
+DEFAULT_STEPS = 10
+# "float32": transformers' own; "tf32": float32 weights, matmuls on TF32 tensor cores (CUDA);
+# "bfloat16": the DiT's weights and activations in bf16, the ODE's state in float32.
+PRECISIONS = ("float32", "tf32", "bfloat16")
+# The largest batch of windows captured; a larger forward replays in parts of this many.
+GRAPH_BATCH = 8
+# The most codes a captured batch holds (a longer window has fewer buckets): each graph
+# costs load time (its capture runs ~36 DiT passes of Python; one eager solve per length
+# precedes them), and from 8 windows of 96 codes a DiT pass's matrices (3072 rows) keep the
+# tensor cores busy, so a graph buys nothing over eager (H200, fused DiT: 10 windows of 240
+# codes take 0.49 s replayed, 0.47 s eager; one takes 72 ms replayed, 0.46 s eager).
+GRAPH_CODES = 8 * 96
+
+
+def load(root: str, component: str | None, device: str) -> Token2Wav:
+    """The token2wav of the Qwen2.5-Omni checkpoint at `root`."""
+    if component != COMPONENT:
+        raise VocoderError(
+            f"Qwen2.5-Omni's vocoder is its '{COMPONENT}', not '{component}'; "
+            f'use component="{COMPONENT}" (the thinker and talker run on ar stages)'
+        )
+    return Token2Wav(root, device)
+
+
+# --- BigVGAN's receptive field, walked in its forward order ----------------------------------
+
+
+def bigvgan_field(model: Qwen2_5OmniToken2WavBigVGANModel) -> Field:
+    """Mel frame 0's field in the waveform of Qwen2.5-Omni's BigVGAN (its mel preprocessing and
+    the final clamp are elementwise)."""
+    field = receptive_field.conv1d(Field(0, 0), model.conv_pre)
+    blocks = model.num_residual_blocks
+    for index, (upsample,) in enumerate(model.ups):
+        field = receptive_field.conv_transpose1d(field, upsample)
+        parallel = model.resblocks[index * blocks : (index + 1) * blocks]  # averaged
+        field = receptive_field.union(*(_amp_block_field(field, block) for block in parallel))
+    field = _anti_aliased_field(field, model.activation_post)
+    return receptive_field.conv1d(field, model.conv_post)
+
+
+def _amp_block_field(field: Field, block: Qwen2_5OmniAMPBlock) -> Field:
+    acts1, acts2 = block.activations[::2], block.activations[1::2]
+    for conv1, conv2, act1, act2 in zip(block.convs1, block.convs2, acts1, acts2, strict=True):
+        branch = receptive_field.conv1d(_anti_aliased_field(field, act1), conv1)
+        branch = receptive_field.conv1d(_anti_aliased_field(branch, act2), conv2)
+        field = receptive_field.union(field, branch)
+    return field
+
+
+def _anti_aliased_field(field: Field, activation: Qwen2_5OmniAntiAliasedActivation1d) -> Field:
+    """Upsampling filter, elementwise SnakeBeta, downsampling filter; their replicate padding
+    and trimming only move positions."""
+    up, down = activation.upsample, activation.downsample
+    field = receptive_field.shift(field, up.pad)
+    field = receptive_field.conv_transpose(field, up.filter.shape[-1], up.stride)
+    field = receptive_field.shift(field, -up.pad_left)
+    return receptive_field.conv(field, down.filter.shape[-1], down.stride, down.pad_left)
+
+
+# --- the decoder -------------------------------------------------------------------------
+
+
+class Token2Wav(Decoder):
+    """Qwen2.5-Omni token2wav: a flow-matching DiT samples mel (`repeats` frames per code)
+    with classifier-free guidance, BigVGAN turns mel into waveform.
+
+    It runs the model's own modules; the sampling loop is written out here (transformers'
+    `sample` draws its noise from the global RNG and cannot batch requests): per-request
+    noise and speakers, padded rows masked out of attention, speaker encodings computed once
+    per speaker instead of once per DiT pass. Request parameters: `speaker` (default
+    Chelsie), `seed` (0), `steps` (10 ODE steps), `guidance` (0.5).
+    """
+
+    precisions = PRECISIONS
+    static_windows = True
+
+    def __init__(self, root: str, device: str):
+        with quiet():
+            config = Qwen2_5OmniConfig.from_pretrained(root).token2wav_config
+            # The checkpoint holds the whole omni model; its token2wav weights sit under
+            # `token2wav.`. transformers runs token2wav in float32 whatever the checkpoint's dtype.
+            model = Qwen2_5OmniToken2WavModel.from_pretrained(
+                root, config=config, key_mapping={r"^token2wav\.": ""}, dtype=torch.float32
+            )
+        self.model = model.to(device).eval()
+        self.device = device
+        self.dit = model.code2wav_dit_model
+        self.bigvgan = model.code2wav_bigvgan_model
+        dit_config = config.dit_config
+        self.repeats, self.mel_dim = dit_config.repeats, dit_config.mel_dim
+        self.block_size = dit_config.block_size
+        speakers = torch.load(cached_file(root, "spk_dict.pt"), weights_only=True)
+        with torch.inference_mode():
+            self.speakers = {name: self._speaker(value) for name, value in speakers.items()}
+        field = bigvgan_field(self.bigvgan)
+
+        def decode(frames: int) -> torch.Tensor:
+            return self.bigvgan(torch.zeros(1, self.mel_dim, frames, device=device))
+
+        with torch.inference_mode():
+            mel_samples = checked_samples_per_frame(field, decode)
+        mel_reach = dataclasses.astuple(field_reach(field))
+        unit, lookahead = token2wav_block_grid({"dit_config": dit_config.to_dict()})
+        # BigVGAN's clamp level (its amplitude_to_db makes it per call, from the host).
+        self.min_level = torch.exp(
+            torch.tensor(-115 / 20.0 * np.log(10), device=device, dtype=torch.float32)
+        )
+        self.precision, self.dtype = "float32", torch.float32
+        self.fused_dit = self._fuse()
+        # On CUDA each of BigVGAN's anti-aliased activations is one kernel; elsewhere
+        # transformers' modules run, so CPU results stay theirs bit for bit.
+        self.fused_activations = device.startswith("cuda")
+        self.graphs: Graphs | None = None
+        self.batch_buckets: list[int] = []
+        self.window_lengths: list[int] = []
+        super().__init__(
+            samples_per_frame=mel_samples * self.repeats,
+            num_codebooks=1,
+            # DiTCodecEmbedding holds num_embeds + 1 rows.
+            codebook_size=dit_config.num_embeds + 1,
+            reach=Reach(*(_codes(mel, self.repeats) for mel in mel_reach)),
+            lookahead=lookahead,
+            unit=unit,
+        )
+
+    def set_precision(self, precision: str) -> None:
+        """Run the DiT in `precision` (one of PRECISIONS; float32 until set), before any
+        static windows are made. The speaker encodings stay those float32 made."""
+        super().set_precision(precision)
+        if self.graphs is not None:
+            raise VocoderError("set the precision before the static windows are made")
+        if self.precision != "float32":
+            raise VocoderError(f"token2wav's precision is already {self.precision}")
+        self.precision = precision
+        if precision == "bfloat16":
+            self.dtype = torch.bfloat16
+            self.dit.to(self.dtype)
+            # `.to()` gave every weight a tensor of its own: stack them again.
+            self.fused_dit = self._fuse()
+
+    def _fuse(self) -> FusedDiT | None:
+        """The DiT's blocks on fused kernels where they compile (CUDA with Triton); elsewhere
+        transformers' modules run them."""
+        fusable = self.device.startswith("cuda") and ada_norm.triton is not None
+        return FusedDiT(self.dit) if fusable else None
+
+    def _speaker(self, entry: dict) -> dict:
+        """What one speaker conditions every DiT pass with, with and without guidance."""
+        encoder = self.dit.input_embed.spk_encoder
+        ref_mel = entry["ref_mel"].float().to(self.device)
+        return {
+            "cond": entry["cond"].float().reshape(-1).to(self.device),
+            "ref": encoder(ref_mel)[0],
+            "ref_dropped": encoder(torch.zeros_like(ref_mel))[0],
+        }
+
+    def open(self, call: Call) -> dict:
+        params = call.params
+        name = params.get("speaker") or (
+            DEFAULT_SPEAKER if DEFAULT_SPEAKER in self.speakers else next(iter(self.speakers))
+        )
+        if name not in self.speakers:
+            raise VocoderError(f"unknown speaker '{name}'; known: {', '.join(self.speakers)}")
+        steps = DEFAULT_STEPS if params.get("steps") is None else params["steps"]
+        if not isinstance(steps, int) or steps < 2:
+            raise VocoderError(f"steps must be an integer of at least 2, not {steps!r}")
+        guidance = params.get("guidance")
+        seed = params.get("seed")
+        return {
+            "speaker": self.speakers[name],
+            "steps": steps,
+            "guidance": 0.5 if guidance is None else float(guidance),
+            "noise": torch.Generator().manual_seed(0 if seed is None else int(seed)),
+        }
+
+    def side(self, state: dict, frames: int) -> torch.Tensor:
+        # Frame by frame, so the numbers do not depend on how the frames were chunked.
+        draws = [
+            torch.randn(self.repeats, self.mel_dim, generator=state["noise"]) for _ in range(frames)
+        ]
+        return torch.stack(draws)
+
+    def group(self, state: dict) -> Hashable:
+        return state["steps"]
+
+    # --- the window decode ----------------------------------------------------------------
+    @torch.inference_mode()
+    def decode(self, windows: list[Window], frames: int) -> torch.Tensor:
+        largest = self.batch_buckets[-1] if self.batch_buckets else len(windows)
+        if len(windows) > largest:  # in forwards of the largest static batch
+            parts = [windows[i : i + largest] for i in range(0, len(windows), largest)]
+            return torch.cat([self.decode(part, frames) for part in parts])
+        key = (frames, self.batch_bucket(len(windows)), windows[0].stream.state["steps"])
+        if self.graphs is None or key not in self.graphs:
+            return self.decode_eager(windows, frames)
+        audio = self.graphs.run(key, self._inputs(windows, frames))
+        # A copy: the buffer belongs to the graphs, and the next window overwrites it.
+        return audio[: len(windows)].clone()
+
+    @torch.inference_mode()
+    def decode_eager(self, windows: list[Window], frames: int) -> torch.Tensor:
+        """`decode` without static windows, at the batch's own shape: what a forward of a
+        shape without a static window runs, and what a graph's replay is checked against."""
+        steps = windows[0].stream.state["steps"]
+        return self._solve(steps=steps, **self._inputs(windows, frames))
+
+    def _inputs(self, windows: list[Window], frames: int) -> dict[str, torch.Tensor]:
+        """The padded batch as the tensors `_solve` reads (built on the host side of a window
+        decode; a graph's replay reads copies of them)."""
+        device, rows = self.device, len(windows)
+        speakers = [w.stream.state["speaker"] for w in windows]
+        return {
+            "codes": padded(windows, frames, lambda w: w.codes()[:, 0], device),
+            "noise": padded(windows, frames, Window.side, device).reshape(rows, -1, self.mel_dim),
+            # Where each window starts in the padded batch, and how long it is, in mel frames.
+            "offsets": torch.tensor([w.offset * self.repeats for w in windows], device=device),
+            "lengths": torch.tensor([w.frames * self.repeats for w in windows], device=device),
+            "ref": torch.stack([s["ref"] for s in speakers]),
+            "ref_dropped": torch.stack([s["ref_dropped"] for s in speakers]),
+            "cond": torch.stack([s["cond"] for s in speakers]),
+            "guidance": torch.tensor([w.stream.state["guidance"] for w in windows], device=device),
+        }
+
+    def _solve(self, codes, noise, offsets, lengths, ref, ref_dropped, cond, guidance, steps):
+        """Audio `[B, samples]` of a padded batch: the DiT's ODE solve, then BigVGAN. Device
+        work only, at shapes fixed by the inputs' (what a graph captures): no host syncs."""
+        device, rows, dtype = self.device, len(codes), self.dtype
+        length = noise.shape[1]
+        # Mel positions relative to each window's start; padding gets a block of its own far
+        # from every real one, so look-back/ahead attention never reaches it.
+        position = torch.arange(length, device=device)[None] - offsets[:, None]
+        real = (position >= 0) & (position < lengths[:, None])
+        block = torch.where(real, position.div(self.block_size, rounding_mode="floor"), 1 << 30)
+        block = torch.cat([block, block])
+        block_diff = (block[:, None, :] - block[:, :, None])[:, None]
+        fused = self.fused_dit
+        masks = fused.masks(block_diff, dtype) if fused else None
+        block_diff = block_diff.expand(-1, self.dit.num_attention_heads, -1, -1)
+        conditioning = torch.cat([ref, ref_dropped]).to(dtype)[:, None].expand(-1, length, -1)
+        cond = cond.to(dtype)[:, None].expand(-1, length, -1)
+        cond = torch.cat([cond, torch.zeros_like(cond)])
+        code_embed = torch.cat([self._code_embed(codes, False), self._code_embed(codes, True)])
+        guidance = guidance[:, None, None]
+        positions = torch.cat([position, position])
+        # The same for every pass: it depends on the positions and the hidden dtype only.
+        rotary = self.dit.rotary_embed(code_embed, positions)
+        timing = self.dit.time_embed
+
+        def velocity(time: torch.Tensor, mel: torch.Tensor) -> torch.Tensor:
+            """The guided DiT prediction (Qwen2_5OmniToken2WavDiTModel.forward, batched), in
+            the DiT's dtype; the ODE's state and the guidance stay float32."""
+            # DiTTimestepEmbedding, with its sinusoid in float32: at bf16, 1000 t's phase
+            # would be off by whole radians.
+            # The fused blocks take the one row every row of the batch shares.
+            time_embedding = timing.time_embed(time.repeat(1 if fused else 2 * rows)).to(dtype)
+            for layer in timing.time_mlp:
+                time_embedding = layer(time_embedding)
+            hidden = torch.cat([mel, mel]).to(dtype)
+            hidden = self.dit.input_embed.proj(
+                torch.cat((hidden, conditioning, code_embed, cond), dim=-1)
+            )
+            if fused:
+                hidden = fused(hidden, time_embedding, rotary, masks)
+            else:
+                for layer in self.dit.transformer_blocks:
+                    hidden = layer(
+                        hidden, time_embedding, position_embeddings=rotary, block_diff=block_diff
+                    )
+                hidden = self.dit.norm_out(hidden, time_embedding)
+            guided, dropped = self.dit.proj_out(hidden).float().chunk(2)
+            return guided + (guided - dropped) * guidance
+
+        # Qwen2_5OmniToken2WavDiTModel.sample's time points, sway coefficient -1.
+        time = torch.linspace(0, 1, steps, device=device, dtype=noise.dtype)
+        time = time - (torch.cos(torch.pi / 2 * time) - 1 + time)
+        with self._matmul_precision():
+            mel = runge_kutta4(velocity, noise, time)
+        return self._vocode(mel.permute(0, 2, 1))
+
+    def _code_embed(self, codes: torch.Tensor, drop: bool) -> torch.Tensor:
+        """DiTCodecEmbedding's forward, its repeat as an expand: `repeat_interleave` may read
+        its output size back from the GPU, which a graph cannot."""
+        embed = self.dit.text_embed.codec_embed(torch.zeros_like(codes) if drop else codes)
+        rows, frames, width = embed.shape
+        return embed[:, :, None].expand(-1, -1, self.repeats, -1).reshape(rows, -1, width)
+
+    def _vocode(self, mel: torch.Tensor) -> torch.Tensor:
+        """BigVGAN's forward on mel `[B, mel_dim, T]` -> `[B, samples]`, op for op, with its
+        clamp level made once at load rather than per call (a host-to-device copy) and
+        without its final copy to the CPU."""
+        g = self.bigvgan
+        fused = self.fused_activations
+        decibels = 20 * torch.log10(torch.clamp(torch.exp(mel), min=self.min_level)) - 20
+        hidden = g.conv_pre(g.normalize_spectrogram(decibels, 1, -115))
+        blocks = g.num_residual_blocks
+        for index in range(g.num_upsample_layers):
+            hidden = g.ups[index][0](hidden)
+            parallel = g.resblocks[index * blocks : (index + 1) * blocks]
+            if fused:
+                hidden = sum(self._fused_amp_block(block, hidden) for block in parallel) / blocks
+            else:
+                hidden = sum(block(hidden) for block in parallel) / blocks
+        if fused:
+            hidden = self._fused_activation(g.activation_post, hidden)
+        else:
+            hidden = g.activation_post(hidden)
+        waveform = g.conv_post(hidden)
+        return torch.clamp(waveform, min=-1.0, max=1.0)[:, 0]
+
+    @staticmethod
+    def _fused_activation(
+        activation: Qwen2_5OmniAntiAliasedActivation1d, hidden: torch.Tensor
+    ) -> torch.Tensor:
+        """The activation's forward as one kernel (`omniflow.kernels.anti_alias_snake`)."""
+        up, down, snake = activation.upsample, activation.downsample, activation.act
+        return anti_alias_snake(
+            hidden, snake.alpha, snake.beta, up.filter, down.filter, up.ratio, down.stride
+        )
+
+    @classmethod
+    def _fused_amp_block(cls, block: Qwen2_5OmniAMPBlock, hidden: torch.Tensor) -> torch.Tensor:
+        """Qwen2_5OmniAMPBlock.forward, its activations each one kernel."""
+        acts1, acts2 = block.activations[::2], block.activations[1::2]
+        for conv1, conv2, act1, act2 in zip(block.convs1, block.convs2, acts1, acts2, strict=True):
+            branch = conv2(cls._fused_activation(act2, conv1(cls._fused_activation(act1, hidden))))
+            hidden = hidden + branch
+        return hidden
+
+    @contextlib.contextmanager
+    def _matmul_precision(self):
+        """float32 matmuls on TF32 tensor cores for the "tf32" precision (captured that way
+        too), restored after: the setting is process-wide."""
+        if self.precision != "tf32":
+            yield
+            return
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("high")
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(before)
+
+    # --- static windows -------------------------------------------------------------------
+    def batch_bucket(self, rows: int) -> int:
+        """The batch a forward of `rows` windows runs at: the smallest bucket that holds them
+        (`rows` itself without static windows)."""
+        return next((b for b in self.batch_buckets if b >= rows), rows)
+
+    def window_frames(self, frames: int) -> int:
+        """The shortest static window length of at least `frames` (`frames` if none)."""
+        return min((n for n in self.window_lengths if n >= frames), default=frames)
+
+    @torch.inference_mode()
+    def prepare(self, lengths: list[int], max_batch: int, capture: bool) -> None:
+        """Static buffers for windows of each of `lengths` codes at each batch bucket up to
+        `max_batch` (at most GRAPH_BATCH), for the default step count, captured as CUDA
+        graphs when `capture` (else solved eagerly on the buffers), for batches of up to
+        GRAPH_CODES codes (one window always). Captured largest first, in one pool; each
+        length's solve runs eagerly once, at its largest batch, before its captures."""
+        self.graphs = Graphs(self.device, capture)
+        self.batch_buckets = batch_buckets(min(max_batch, GRAPH_BATCH))
+        self.window_lengths = sorted(lengths)
+        speaker = next(iter(self.speakers.values()))
+        warmed = set()
+        for batch in reversed(self.batch_buckets):
+            for frames in reversed(self.window_lengths):
+                if batch > 1 and batch * frames > GRAPH_CODES:
+                    continue
+                on = {"device": self.device}
+                inputs = {
+                    "codes": torch.zeros(batch, frames, dtype=torch.int64, **on),
+                    "noise": torch.zeros(batch, frames * self.repeats, self.mel_dim, **on),
+                    "offsets": torch.zeros(batch, dtype=torch.int64, **on),
+                    "lengths": torch.full((batch,), frames * self.repeats, **on),
+                    "ref": speaker["ref"].expand(batch, -1).clone(),
+                    "ref_dropped": speaker["ref_dropped"].expand(batch, -1).clone(),
+                    "cond": speaker["cond"].expand(batch, -1).clone(),
+                    "guidance": torch.zeros(batch, **on),
+                }
+                solve = functools.partial(self._solve, steps=DEFAULT_STEPS)
+                self.graphs.add((frames, batch, DEFAULT_STEPS), solve, inputs, frames not in warmed)
+                warmed.add(frames)
+        self.graphs.synchronize()
+
+
+def runge_kutta4(velocity: Callable, value: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
+    """The value at `time[-1]`: transformers' `RungeKutta4ODESolver.integrate(time)[-1]`,
+    operation for operation, without its per-step comparisons of device tensors on the host,
+    which wait for the GPU each step and keep it from running ahead of the host."""
+    third = 1 / 3
+    for start, end in zip(time[:-1], time[1:], strict=True):
+        step = end - start
+        k1 = velocity(start, value)
+        k2 = velocity(start + step * third, value + step * k1 * third)
+        k3 = velocity(start + step * (2 / 3), value + step * (k2 - k1 * third))
+        k4 = velocity(end, value + step * (k1 - k2 + k3))
+        value = value + (k1 + 3 * (k2 + k3) + k4) * step / 8
+    return value
+
+
+def _codes(mel_frames: float, repeats: int) -> float:
+    """Mel frames as the codes that cover them."""
+    return mel_frames if mel_frames == math.inf else math.ceil(mel_frames / repeats)

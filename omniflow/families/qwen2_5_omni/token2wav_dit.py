@@ -1,0 +1,101 @@
+"""Token2wav's DiT blocks on fused kernels: what `Token2Wav` runs for a pass's 22 blocks and
+its final norm on CUDA (`omniflow.families.qwen2_5_omni.token2wav`), in place of
+transformers' `DiTDecoderLayer`s, computing the same function.
+
+A block becomes ten launches instead of some forty-seven: one q/k/v product, the first
+head's rotary in place (`omniflow.kernels.dit_rope`), attention, the output product, a
+gated residual add fused with the next adaptive norm (`omniflow.kernels.ada_norm`), and the
+MLP's two products and GELU. Every block's adaLN modulation (and the final norm's) is one
+product per pass, from one row: the time embedding is the same for every row of a pass.
+The attention masks depend on the window layout only, so they are made once per solve, not
+per block and pass, in the additive form attention takes. Weights are not copied: the modules' q/k/v and modulation weights
+become views into the stacked matrices, so transformers' modules still run and the memory
+the stage was budgeted for does not grow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+    Qwen2_5OmniToken2WavDiTModel,
+)
+
+from omniflow.kernels.ada_norm import ada_norm
+from omniflow.kernels.dit_rope import rope_first_head
+
+
+def stack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One weight and bias for `linears`' outputs side by side; each module's own become
+    views of them."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = torch.cat([m.bias.detach() for m in linears])
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data, m.bias.data = weight[start : start + rows], bias[start : start + rows]
+        start += rows
+    return weight, bias
+
+
+class FusedDiT:
+    """The blocks and final norm of `dit` (in the dtype it already has: stack after any
+    `.to()`, which would split the views again)."""
+
+    def __init__(self, dit: Qwen2_5OmniToken2WavDiTModel):
+        self.blocks = list(dit.transformer_blocks)
+        self.heads = dit.num_attention_heads
+        self.qkv = [stack_linears([b.attn.to_q, b.attn.to_k, b.attn.to_v]) for b in self.blocks]
+        self.modulation = stack_linears(
+            [b.attn_norm.linear for b in self.blocks] + [dit.norm_out.linear]
+        )
+        self.eps = dit.norm_out.norm.eps
+
+    def masks(self, block_diff: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Each block's attention mask from the window layout's block distances
+        `[rows, 1, T, T]` (as transformers' layers compute theirs), broadcast over heads and
+        additive (0 or -inf, in `dtype`): attention converts a boolean mask to that form on
+        every call, a pass over `[rows, heads, T, T]` per block and pass."""
+        made: dict[tuple[int, int], torch.Tensor] = {}
+        out = []
+        for block in self.blocks:
+            reach = (block.look_backward_block, block.look_ahead_block)
+            if reach not in made:
+                seen = (block_diff >= -float(reach[0])) & (block_diff <= float(reach[1]))
+                mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
+                made[reach] = mask.masked_fill(~seen, -math.inf).expand(-1, self.heads, -1, -1)
+            out.append(made[reach])
+        return out
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        time_embedding: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        masks: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """`norm_out(blocks(hidden))` for `hidden` `[rows, T, D]`, the pass's time embedding
+        `[1, D]` (every row's) and the rotary `cos`, `sin` `[rows, T, d]`."""
+        rows, length, width = hidden.shape
+        modulation = F.linear(F.silu(time_embedding), *self.modulation)
+        parts = modulation.split(width, dim=1)  # 6 a block (shift, scale, gate x 2), then 2
+        cos, sin = (t.reshape(rows * length, -1) for t in rotary)
+        h = hidden.reshape(rows * length, width)
+        norm, _ = ada_norm(h, parts[0], parts[1], eps=self.eps)
+        for index, block in enumerate(self.blocks):
+            shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = parts[
+                6 * index : 6 * index + 6
+            ]
+            qkv = rope_first_head(F.linear(norm, *self.qkv[index]), cos, sin, self.heads)
+            q, k, v = qkv.view(rows, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[index])
+            attended = block.attn.to_out[0](attended.transpose(1, 2).reshape(-1, width))
+            norm, h = ada_norm(h, shift_mlp, scale_mlp, attended, gate_msa, eps=self.eps)
+            after = parts[6 * index + 6 : 6 * index + 8]
+            # The next block's attention norm, or the final norm (its chunks: scale, shift).
+            shift, scale = after if index + 1 < len(self.blocks) else after[::-1]
+            norm, h = ada_norm(h, shift, scale, block.ff(norm), gate_mlp, eps=self.eps)
+        return norm.view(rows, length, width)

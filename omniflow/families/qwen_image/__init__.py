@@ -1,0 +1,57 @@
+"""Qwen-Image and Qwen-Image-Edit (`model_index.json` `_class_name` QwenImagePipeline,
+QwenImageEditPipeline): a Qwen2.5-VL text encoder, the MMDiT `QwenImageTransformer2DModel`
+and the `AutoencoderKLQwenImage` VAE, run step-wise by the diffusers backends.
+
+Run-time half: `pipeline` (what the diffusers backends need of the pipelines' own code),
+`fused_blocks` (the MMDiT's blocks on fused kernels on CUDA); `checkpoints` (tiny, real size).
+"""
+
+from __future__ import annotations
+
+from omniflow.families.family import Family, TinyModel
+
+_HERE = __name__
+_PIPELINES = f"{_HERE}.pipeline:PIPELINES"
+
+FAMILY = Family(
+    name="qwen_image",
+    doc=__doc__,
+    architectures=("QwenImagePipeline", "QwenImageEditPipeline"),
+    pipeline_facts={
+        # QwenImageEditPipeline.__call__ resizes the input image to about 1024 x 1024 pixels
+        # at its own aspect ratio (`calculate_dimensions(1024 * 1024, ratio)`: sides multiples
+        # of 32), whatever the output size. The text encoder sees it through Qwen2VLProcessor
+        # as one token per 28 x 28 pixels (its smart_resize: 1369 for a square image) and the
+        # transformer as VAE latents in 2 x 2 patches, one token per 16 x 16 pixels (4096),
+        # beside the noise latents. Each count is the most over every aspect ratio the
+        # processor accepts (up to 200:1); tests/catalog/test_catalog.py re-derives both.
+        "QwenImageEditPipeline": {
+            "text_encoder": {"condition_image_tokens": 1675},
+            "transformer": {"condition_image_tokens": 4920},
+        },
+    },
+    runtime={
+        ("encoder", "diffusers"): _PIPELINES,
+        ("diffusion", "diffusers"): _PIPELINES,
+        ("vae", "diffusers"): _PIPELINES,
+    },
+    tiny=(
+        TinyModel(
+            "text-to-image",
+            "QwenImagePipeline: Qwen2.5-VL text encoder, QwenImageTransformer2DModel, "
+            "AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler",
+            ("tokenizer", "text_encoder", "transformer", "vae", "save"),
+            f"{_HERE}.checkpoints:build_text_to_image",
+            counterparts=("Qwen/Qwen-Image",),
+        ),
+        TinyModel(
+            "image-edit",
+            "QwenImageEditPipeline: the text-to-image parts (its own weights) and the "
+            "Qwen2VLProcessor that shows the text encoder the input image",
+            ("tokenizer", "text_encoder", "transformer", "vae", "processor", "save"),
+            f"{_HERE}.checkpoints:build_image_edit",
+            counterparts=("Qwen/Qwen-Image-Edit",),
+        ),
+    ),
+    scaled={"Qwen/Qwen-Image": f"{_HERE}.checkpoints:build_scaled_image"},
+)
