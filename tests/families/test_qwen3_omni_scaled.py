@@ -42,6 +42,13 @@ def test_full_depth_has_the_published_parameter_counts():
     assert 65 * 2**30 < 2 * sum(counts.values()) < 66 * 2**30
 
 
+def test_omniflow_models_build_scaled_knows_it():
+    from omniflow import families
+
+    builders = {m: path for f in families.families() for m, path in f.scaled.items()}
+    assert builders[REAL_MODEL] == "omniflow.families.qwen3_omni.scaled:build_scaled"
+
+
 def test_depth_scales_every_stack_and_keeps_layer_indexes_inside_it():
     config, tokenizer = scaled.scaled_config(0.25)
     thinker, talker = config.thinker_config, config.talker_config
