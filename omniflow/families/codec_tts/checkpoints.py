@@ -109,9 +109,8 @@ def build_tiny(out: Path) -> Iterator[str]:
     (out / TTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-
-
 # --- the unsplit reference ---
+
 
 class TTSReference(NamedTuple):
     """What `reference_tts` returns.

@@ -209,9 +209,8 @@ def build_tiny(out: Path) -> Iterator[str]:
     model.save_pretrained(out)
 
 
-
-
 # --- the unsplit reference ---
+
 
 class OmniReference(NamedTuple):
     """What `reference_omni_generate` returns.
@@ -298,9 +297,8 @@ def reference_omni_generate(
     return OmniReference(text_ids, text, codec_ids, waveform)
 
 
-
-
 # --- real size ---
+
 
 def scaled_omni_config(depth: float = 1.0) -> tuple[Any, dict[str, int], Any]:
     """(Qwen2_5OmniConfig, speaker bos ids, tokenizer) at real widths and `depth` x layers."""

@@ -77,9 +77,8 @@ def build_tiny(out: Path) -> Iterator[str]:
     model.save_pretrained(out)
 
 
-
-
 # --- the unsplit reference ---
+
 
 class VLReference(NamedTuple):
     """What `reference_vl_generate` returns: the generated ids (prompt excluded), (n,)

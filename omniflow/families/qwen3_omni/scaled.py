@@ -34,6 +34,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -202,29 +203,36 @@ def _initialise_the_talkers_experts(model) -> None:
 
 def write_shards(model, out: Path, folders: list[Path], shard_bytes: int) -> dict[str, str]:
     """Write `model`'s weights as `save_pretrained` names them (tied weights once, the
-    weight conversions reverted: per-expert MoE tensors), in shards of at most `shard_bytes`
-    (a larger tensor alone), each copied to the host only while it is written, into the first
-    of `folders` with room for it (linked from `out`), and the index. Returns shard -> the
-    folder it is in."""
+    weight conversions reverted: per-expert MoE tensors), in shards of about `shard_bytes`
+    (whole layers: a layer's experts revert together), each reverted and copied to the host
+    only while it is written (the per-expert gate and up projections are copies: reverting
+    the whole model at once would take 40 GB more of the GPU), into the first of `folders`
+    with room for it (linked from `out`), and the index. Returns shard -> its folder."""
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
     state = remove_tied_weights_from_state_dict(model.state_dict(), model)
-    state = revert_weight_conversion(model, state)
-    groups: list[list[str]] = [[]]
+    units: dict[str, list[str]] = {}
+    for name in state:
+        units.setdefault(_unit(name), []).append(name)
+    shards: list[list[list[str]]] = [[]]
     size = 0
-    for name, tensor in state.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if groups[-1] and size + nbytes > shard_bytes:
-            groups.append([])
+    for names in units.values():
+        nbytes = sum(state[n].numel() * state[n].element_size() for n in names)
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
             size = 0
-        groups[-1].append(name)
+        shards[-1].append(names)
         size += nbytes
     weight_map, placed, total = {}, {}, 0
-    for i, names in enumerate(groups, 1):
-        filename = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        shard = {name: state.pop(name).detach().to("cpu").contiguous() for name in names}
+    for i, shard_units in enumerate(shards, 1):
+        filename = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        shard = {}
+        for names in shard_units:
+            reverted = revert_weight_conversion(model, {n: state.pop(n) for n in names})
+            shard.update({n: t.detach().to("cpu").contiguous() for n, t in reverted.items()})
+            del reverted
         nbytes = sum(t.numel() * t.element_size() for t in shard.values())
         folder = _room_for(folders, nbytes)
         save_file(shard, str(folder / filename), metadata={"format": "pt"})
@@ -233,14 +241,21 @@ def write_shards(model, out: Path, folders: list[Path], shard_bytes: int) -> dic
             link.unlink(missing_ok=True)
             link.symlink_to((folder / filename).resolve())
             print(f"{filename}: {nbytes / 2**30:.1f} GiB in {folder} (no room in {out})")
-        del shard
-        weight_map.update(dict.fromkeys(names, filename))
+        weight_map.update(dict.fromkeys(shard, filename))
         placed[filename] = str(folder)
         total += nbytes
+        del shard
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     text = json.dumps(index, indent=2, sort_keys=True) + "\n"
     (out / "model.safetensors.index.json").write_text(text)
     return placed
+
+
+def _unit(name: str) -> str:
+    """The layer a weight belongs to (`... .layers.N.` or `... .blocks.N.`), else itself:
+    the weights whose conversion reverts together."""
+    match = re.match(r"(.*?\.(?:layers|blocks)\.\d+\.)", name)
+    return match.group(1) if match else name
 
 
 def _room_for(folders: list[Path], nbytes: int) -> Path:

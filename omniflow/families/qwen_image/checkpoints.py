@@ -147,9 +147,8 @@ def build_image_edit(out: Path) -> Iterator[str]:
     index_file.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-
-
 # --- real size ---
+
 
 def scaled_image_config(
     depth: float = 1.0, files: dict[str, dict] | None = None
