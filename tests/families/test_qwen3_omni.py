@@ -9,6 +9,11 @@ Where `generate` and the stages differ, by design, and how the tests line them u
   stopped by `talker_max_new_tokens=N` yields N - 1 frames; the talker stage emits each
   frame when it samples it, so `max_tokens=N - 1` gives those same N - 1 frames. Before an
   end of speech both give the same frames.
+- `generate` hard-codes two things the tiny checkpoint has to meet or the reference to
+  pass: it suppresses the talker's ids `vocab_size - 1024 ..` but the end of speech (so the
+  tiny codec vocabulary keeps the published 1024 specials after its 128 codes), and it ends
+  the thinker at 151645, the published `<|im_end|>` (`reference_generate` passes the tiny
+  one's).
 - `generate` decodes audio with `code2wav.chunked_decode(codes, 300, 25)`; below 300 frames
   that is the whole decode, `code2wav(codes)`, n x 1920 - 555 samples. The stage emits 1920
   samples per frame: the last frame's 555 samples that no decode computes are zeros.
