@@ -43,14 +43,14 @@ import torch
 from stage_steps import matmul_rate
 
 from omniflow.backends.diffusion import DiffusionSteps, pack_prompts
-from omniflow.families.qwen_image.fused_blocks import modules_forward
-from omniflow.checkpoints.scaled import scaled_checkpoint
-from omniflow.families.qwen_image.checkpoints import REAL_IMAGE
-from omniflow.compiler import compile_graph, load_graph
-from omniflow.kernels.timing import kernel_table
 from omniflow.catalog.components import load_component_config
 from omniflow.catalog.costs import estimate_cost
 from omniflow.catalog.resolve import model_path, use_tiny_models
+from omniflow.checkpoints.scaled import scaled_checkpoint
+from omniflow.compiler import compile_graph, load_graph
+from omniflow.families.qwen_image.checkpoints import REAL_IMAGE
+from omniflow.families.qwen_image.fused_blocks import modules_forward
+from omniflow.kernels.timing import kernel_table
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.stage import Call, InputStream, StageSpec
 

@@ -36,8 +36,8 @@ import torch
 
 from omniflow.backends import static_decode
 from omniflow.backends.transformers_ar import Component, TransformersAR, cache_columns
-from omniflow.families.qwen2_5_omni.checkpoints import scaled_stage
 from omniflow.compiler import compile_source
+from omniflow.families.qwen2_5_omni.checkpoints import scaled_stage
 from omniflow.kernels.timing import kernel_table
 from omniflow.runtime.stage import Call, InputStream, StageSpec
 

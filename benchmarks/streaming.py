@@ -52,10 +52,10 @@ from pathlib import Path
 import torch
 from profile_overhead import interleaved, ratio_rows
 
-from omniflow.checkpoints.scaled import scaled_checkpoint
-from omniflow.families.qwen2_5_omni.checkpoints import REAL_OMNI
-from omniflow.compiler import compile_graph, graph_from_source
 from omniflow.catalog.resolve import model_path, use_tiny_models
+from omniflow.checkpoints.scaled import scaled_checkpoint
+from omniflow.compiler import compile_graph, graph_from_source
+from omniflow.families.qwen2_5_omni.checkpoints import REAL_OMNI
 from omniflow.profiler.analysis import parse_trace, timelines
 from omniflow.profiler.trace import chrome_trace
 from omniflow.runtime.engine import Engine

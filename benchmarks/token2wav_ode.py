@@ -20,12 +20,12 @@ from types import SimpleNamespace
 import torch
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
-from omniflow.families.qwen2_5_omni import token2wav as qwen_omni_token2wav
-from omniflow.families.qwen2_5_omni.token2wav import Token2Wav, runge_kutta4
 from omniflow.backends.vocoders import Window, _Stream
-from omniflow.checkpoints.scaled import scaled_checkpoint
-from omniflow.families.qwen2_5_omni.checkpoints import REAL_OMNI
 from omniflow.catalog.resolve import model_path
+from omniflow.checkpoints.scaled import scaled_checkpoint
+from omniflow.families.qwen2_5_omni import token2wav as qwen_omni_token2wav
+from omniflow.families.qwen2_5_omni.checkpoints import REAL_OMNI
+from omniflow.families.qwen2_5_omni.token2wav import Token2Wav, runge_kutta4
 
 SOLVERS = {
     "transformers": lambda f, value, time: RungeKutta4ODESolver(f, value).integrate(time)[-1],

@@ -28,11 +28,11 @@ from types import SimpleNamespace
 
 import torch
 
-from omniflow.families.qwen2_5_omni.token2wav import Token2Wav
 from omniflow.backends.vocoders import Window, _Stream
-from omniflow.families.qwen2_5_omni.checkpoints import scaled_token2wav
-from omniflow.kernels.timing import kernel_table
 from omniflow.catalog.resolve import model_path
+from omniflow.families.qwen2_5_omni.checkpoints import scaled_token2wav
+from omniflow.families.qwen2_5_omni.token2wav import Token2Wav
+from omniflow.kernels.timing import kernel_table
 
 
 def sync(device: str) -> None:

@@ -19,7 +19,8 @@ from omniflow.errors import OmniflowError
 from omniflow.ir.values import PlanValue
 
 # 4: stages name their model family and its code (`StagePlan.family`); channels name their
-# adapter's code; every setting a backend reads is in the stage's settings.
+# adapter's code; every setting a backend reads is in the stage's settings; devices and
+# pointwise kernels are structs.
 PLAN_VERSION = 4
 # The program that holds the pipeline's inputs and outputs: the engine's own.
 FRONTEND = "frontend"
@@ -64,6 +65,18 @@ class StagePlan:
 
 
 @dataclass
+class PointwisePlan:
+    """An edge's map chain as one fused kernel: its ops (`ops[i]` is `[name, args]`), dtypes
+    in and out, and the program that runs it."""
+
+    kernel: str
+    ops: list[tuple[str, list]]
+    in_dtype: str
+    out_dtype: str
+    runs_in: str
+
+
+@dataclass
 class ChannelPlan:
     name: str
     src: str
@@ -82,7 +95,7 @@ class ChannelPlan:
     adapter: str | None = None
     adapter_impl: str | None = None  # "module:factory" of a named adapter (a user's: None)
     maps: list[str] = field(default_factory=list)
-    pointwise: dict | None = None
+    pointwise: PointwisePlan | None = None
     slots: int = 0
     slot_bytes: int = 0
     ring_bytes: int = 0
@@ -135,12 +148,23 @@ class ParamLimit:
 
 
 @dataclass
+class DevicePlan:
+    """A device the plan was compiled for: bytes its stages and rings use, bytes usable, and
+    its cluster node's id ("" off a cluster)."""
+
+    name: str
+    used_bytes: int
+    usable_bytes: int
+    node_id: str = ""
+
+
+@dataclass
 class Plan:
     version: int
     pipeline: str
     model: str | None
     params: dict
-    devices: list[dict]
+    devices: list[DevicePlan]
     programs: list[Program]
     stages: list[StagePlan]
     inputs: list[PortPlan]

@@ -80,7 +80,7 @@ def _reasons(plan: Plan) -> Table:
     executor, so a reason that wraps is not read as the start of the next."""
     table = _table(None, "executor", "why", wrap=("why",))
     # On a cluster, where each stage went matters as much as what shares a process.
-    nodes = any(node_of(d["name"]) for d in plan.devices)
+    nodes = any(node_of(d.name) for d in plan.devices)
     for x in plan.executors:
         for reason in x.reasons:
             table.add_row(x.name, reason)
@@ -123,14 +123,14 @@ def _kernels(plan: Plan) -> Table:
     for c in plan.channels:
         if c.pointwise:
             p = c.pointwise
-            table.add_row(c.name, p["kernel"], f"{p['in_dtype']}->{p['out_dtype']}", p["runs_in"])
+            table.add_row(c.name, p.kernel, f"{p.in_dtype}->{p.out_dtype}", p.runs_in)
     return table
 
 
 def _devices(plan: Plan) -> Table:
     table = _table("devices", "device", "assigned", "usable")
     for d in plan.devices:
-        table.add_row(d["name"], human_bytes(d["used_bytes"]), human_bytes(d["usable_bytes"]))
+        table.add_row(d.name, human_bytes(d.used_bytes), human_bytes(d.usable_bytes))
     return table
 
 

@@ -49,4 +49,4 @@ def test_cluster_specs_are_checked(spec):
 def test_the_plan_keeps_each_devices_node_id():
     devices = cluster_devices([_node("h", head=True, CPU=2.0, memory=float(64 << 30))])
     plan = lower(run_passes(load_graph(GRAPHS / "tts.omni"), Target(tuple(devices))))
-    assert plan.devices[0]["name"] == "node0/cpu" and plan.devices[0]["node_id"] == "h"
+    assert plan.devices[0].name == "node0/cpu" and plan.devices[0].node_id == "h"

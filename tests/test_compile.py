@@ -46,8 +46,8 @@ def _plan_words(plan: Plan) -> set[str]:
         {s.name for s in plan.stages}
         | {x.name for x in plan.executors}
         | {c.name for c in plan.channels}
-        | {c.pointwise["kernel"] for c in plan.channels if c.pointwise}
-        | {d["name"] for d in plan.devices}
+        | {c.pointwise.kernel for c in plan.channels if c.pointwise}
+        | {d.name for d in plan.devices}
     )
 
 

@@ -278,7 +278,9 @@ class DiffusionSteps(Backend):
             if hidden is None:
                 raise DiffusersBackendError("no conditioning arrived")
             prompts = [p.to(self.device, self.transformer.dtype) for p in unpack_prompts(hidden)]
-            steps, height, width = (_param(self.spec, call, k) for k in ("steps", "height", "width"))
+            steps, height, width = (
+                _param(self.spec, call, k) for k in ("steps", "height", "width")
+            )
             guidance = float(_param(self.spec, call, "guidance"))
             self._check(steps, height, width)
             image = (

@@ -383,7 +383,9 @@ def _has_config(snapshot: Path) -> bool:
 
 
 def _builtin_name(model: str) -> str | None:
-    return next((name for name in families.published_configs() if name.lower() == model.lower()), None)
+    return next(
+        (name for name in families.published_configs() if name.lower() == model.lower()), None
+    )
 
 
 def _hinted(message: str, name: str, known: list[str]) -> str:
@@ -433,12 +435,23 @@ def _load(model: str, component: str | None, files: _Files, source: str) -> Comp
     part = parts[_require_component(model, component, sorted(parts))]
     levels = _levels(files, part, model)
     config = _flatten(levels, part)
-    counts = dict(part.extras) if part.category in LM_CATEGORIES else {"num_parameters": part.weights}
+    counts = (
+        dict(part.extras) if part.category in LM_CATEGORIES else {"num_parameters": part.weights}
+    )
     rel_dir = os.path.dirname(part.file)
     requests = {name: (rel_dir, prefixes) for name, prefixes in counts.items()}
     dtype = part.dtype or _dtype_of(*levels)
     return _finish(
-        model, component, part.category, config, files, requests, dtype, source, (architecture,), part
+        model,
+        component,
+        part.category,
+        config,
+        files,
+        requests,
+        dtype,
+        source,
+        (architecture,),
+        part,
     )
 
 
@@ -494,7 +507,9 @@ def _load_diffusers_part(model, component, files, index, source) -> ComponentCon
         )
     requests = {"num_parameters": (component, ("",))}
     dtype, architectures = _dtype_of(config), (index.get("_class_name"),)
-    return _finish(model, component, category, config, files, requests, dtype, source, architectures)
+    return _finish(
+        model, component, category, config, files, requests, dtype, source, architectures
+    )
 
 
 def _load_speech_part(model, component, config, index, files, source) -> ComponentConfig:
@@ -510,7 +525,9 @@ def _load_speech_part(model, component, config, index, files, source) -> Compone
     requests = {"num_parameters": (component, ("",))}
     dtype = _dtype_of(config)
     architectures = (index.get("_class_name"), config.get("model_type"))
-    return _finish(model, component, category, config, files, requests, dtype, source, architectures)
+    return _finish(
+        model, component, category, config, files, requests, dtype, source, architectures
+    )
 
 
 def _load_text_encoder(model, component, root, files, index, source) -> ComponentConfig:

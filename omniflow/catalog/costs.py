@@ -4,7 +4,7 @@
 KV-cache bytes, a peak activation workspace and FLOPs per item. Parameter counts come from
 architecture formulas where omniflow has one (decoder and MoE LMs, text encoders, the
 Qwen-Image MMDiT, diffusers' AutoencoderKL, the Qwen3 code2wav ConvNet family); each is
-exact against the transformers / diffusers classes (tests/models instantiates them). Other
+exact against the transformers / diffusers classes (tests/catalog instantiates them). Other
 components use the count the catalog carries (`num_parameters`, from a checkpoint header
 or the builtin catalog), and LM components add the modules riding along with them
 (`extra_parameters`). `with_encoder(cost, encoder)` adds a model a stage runs once per

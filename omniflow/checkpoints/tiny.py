@@ -29,6 +29,7 @@ from pathlib import Path
 
 from omniflow import families
 from omniflow.checkpoints.tiny_recipes import RECIPE_VERSION
+from omniflow.errors import ModelConfigError
 from omniflow.families import TinyModel
 from omniflow.hf_logging import quiet
 from omniflow.hints import did_you_mean
@@ -58,10 +59,10 @@ def build_tiny(name: str, out_dir: str | Path | None = None, progress: bool = Fa
     there with its size; otherwise it is rebuilt and replaced. `progress` shows a bar over
     the parts being built.
     """
-    recipe = _recipe(name)
     final = Path(out_dir).expanduser() if out_dir is not None else tiny_cache_dir() / name
-    if is_complete(final, name):
+    if is_complete(final, name):  # built already (by any process that knew the recipe)
         return final
+    recipe = _recipe(name)
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_builds(final)
     temp = final.with_name(f".{final.name}{_TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -92,11 +93,18 @@ def is_complete(directory: str | Path, name: str) -> bool:
     )
 
 
+class UnknownTinyModel(ModelConfigError, KeyError):
+    """No family has a tiny checkpoint of that name."""
+
+    def __str__(self) -> str:  # KeyError's would quote the message
+        return self.args[0]
+
+
 def _recipe(name: str) -> TinyModel:
     known = families.tiny_models()
     if name not in known:
         hint = did_you_mean(name, known)
-        raise KeyError(
+        raise UnknownTinyModel(
             f"unknown tiny model '{name}' (known: {', '.join(list_tiny())})"
             + (f"; {hint}" if hint else "")
         )

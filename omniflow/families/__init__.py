@@ -1,8 +1,9 @@
 """omniflow.families: the model families omniflow knows, registered in one place.
 
 Each folder here is one family (`family.py` says what its `FAMILY` descriptor holds);
-`BUILTIN` lists them, and `register` adds one from anywhere else (a test, a user's own
-package). Every table the compiler and the runtime consult about models is a view of the
+`BUILTIN` lists them. A family from anywhere else (a user's own package) joins by its
+module's name in the `OMNIFLOW_FAMILIES` environment variable (comma-separated: every
+process that compiles or serves a plan reads it), or by `register` in a running process. Every table the compiler and the runtime consult about models is a view of the
 registered families, computed here: which family serves a checkpoint's architecture, the
 builtin catalog of published configs, the named adapters, the tiny checkpoints and the
 real models they stand in for. Nothing outside the families names a family.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 from importlib import resources
@@ -56,6 +58,10 @@ BUILTIN = (
 )
 
 
+# Modules (each defining FAMILY) registered beside the builtin families in every process.
+PLUGINS_ENV = "OMNIFLOW_FAMILIES"
+
+
 class FamilyError(OmniflowError):
     """A family cannot be registered: it claims what another family already has."""
 
@@ -73,7 +79,18 @@ def _builtin(name: str) -> Family:
 
 @functools.cache
 def _builtins() -> tuple[Family, ...]:
-    return tuple(_builtin(name) for name in BUILTIN)
+    """The builtin families, then those `OMNIFLOW_FAMILIES` names."""
+    loaded: list[Family] = [_builtin(name) for name in BUILTIN]
+    for module in filter(None, map(str.strip, os.environ.get(PLUGINS_ENV, "").split(","))):
+        try:
+            family = importlib.import_module(module).FAMILY
+        except (ImportError, AttributeError) as err:
+            raise FamilyError(
+                f"{PLUGINS_ENV}: cannot load a family from '{module}': {err}"
+            ) from err
+        _check_claims(family, loaded)
+        loaded.append(family)
+    return tuple(loaded)
 
 
 def families() -> tuple[Family, ...]:
@@ -82,17 +99,9 @@ def families() -> tuple[Family, ...]:
 
 
 def register(family: Family) -> Family:
-    """Add `family` to the registry; what it claims (architectures, adapters, tiny models,
-    counterparts) must be its own."""
-    for other in families():
-        if other.name == family.name:
-            raise FamilyError(f"a family named '{family.name}' is registered already")
-        for what, mine, theirs in _claims(family, other):
-            if mine & theirs:
-                raise FamilyError(
-                    f"family '{family.name}' claims {what} {', '.join(sorted(mine & theirs))}, "
-                    f"which family '{other.name}' has"
-                )
+    """Add `family` to this process's registry; what it claims (architectures, adapters,
+    tiny models, counterparts) must be its own."""
+    _check_claims(family, families())
     _registered[family.name] = family
     _clear_views()
     return family
@@ -103,6 +112,18 @@ def unregister(name: str) -> None:
     if _registered.pop(name, None) is None:
         raise FamilyError(f"no family '{name}' was registered (builtin ones stay)")
     _clear_views()
+
+
+def _check_claims(family: Family, others: Sequence[Family]) -> None:
+    for other in others:
+        if other.name == family.name:
+            raise FamilyError(f"a family named '{family.name}' is registered already")
+        for what, mine, theirs in _claims(family, other):
+            if mine & theirs:
+                raise FamilyError(
+                    f"family '{family.name}' claims {what} {', '.join(sorted(mine & theirs))}, "
+                    f"which family '{other.name}' has"
+                )
 
 
 def _claims(a: Family, b: Family):

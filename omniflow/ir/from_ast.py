@@ -342,7 +342,9 @@ class _GraphBuilder:
         known = families.adapters()
         namespaces = {adapter.split(".")[0] for adapter in known}
         if name.split(".")[0] in namespaces and name not in known:
-            raise GraphError(f"unknown adapter '{name}'", flow.span, suggest(name, known, "adapters"))
+            raise GraphError(
+                f"unknown adapter '{name}'", flow.span, suggest(name, known, "adapters")
+            )
         spec = known.get(name)
         if spec is None:
             return typ

@@ -34,7 +34,7 @@ def stage_dtype(graph: Graph, node: Node) -> str:
     """The dtype the program asks for, else the model's own (token2wav runs in float32)."""
     if "dtype" in node.params:
         return graph.param_value(node, "dtype")
-    return node.meta["config"].dtype
+    return node.meta["model"].config.dtype
 
 
 def takes_image(graph: Graph, node: Node) -> bool:
@@ -48,7 +48,7 @@ def condition_image_tokens(graph: Graph, node: Node) -> int:
     catalog); 0 for a model conditioned on no image, or for a vision tower (there the image
     is the whole input, bounded by `max_len`). A GraphError when the stage's image port and
     its model disagree."""
-    cfg = node.meta["config"]
+    cfg = node.meta["model"].config
     if cfg.category not in ("text_encoder", "dit"):
         return 0
     tokens = cfg.config.get("condition_image_tokens")

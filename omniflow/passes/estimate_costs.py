@@ -1,10 +1,10 @@
 """Pass: memory and compute estimates per stage, from its model config.
 
-`meta["cost"]` is the StageCost of one replica at its effective batch (doubled on the path
-of a classifier-free-guidance companion), `meta["need"]` the bytes its budget must cover:
+`meta["cost"]` is a `CostFacts`: the StageCost at the stage's effective batch (doubled on
+the path of a classifier-free-guidance companion), and the bytes its budget must cover:
 weights + KV cache + activations, or the explicit `memory=` the program gives. An edit
 pipeline's stages pay for the input image too: its tokens in the text encoder's and the
-DiT's sequences, and the VAE the DiT stage encodes it with (`meta["image_encoder"]`).
+DiT's sequences, and the VAE the DiT stage encodes it with.
 """
 
 from __future__ import annotations
@@ -13,18 +13,23 @@ from omniflow.catalog.costs import StageCost, estimate_cost, with_encoder
 from omniflow.devices import parse_size
 from omniflow.ir.graph import Graph, Node
 from omniflow.passes.common import Target, cfg_path, condition_image_tokens, stage_dtype
+from omniflow.passes.facts import CostFacts
+
+READS = ("model", "item")
+WRITES = ("cost",)
 
 
 def _sequence_length(graph: Graph, node: Node) -> int:
     """Tokens one request keeps live in this stage: its KV length, image tokens or frames."""
     if node.op == "diffusion":
-        cfg = node.meta["config"]
+        cfg = node.meta["model"].config
         image = cfg.image_tokens(
             graph.param_value(node, "height"), graph.param_value(node, "width")
         )
         return image + condition_image_tokens(graph, node)
     if node.op == "vae":  # latent positions per image: the item its producer sends
-        latents = next(e for e in graph.in_edges(node.name) if e.dst_port == "latents").meta["item"]
+        edge = next(e for e in graph.in_edges(node.name) if e.dst_port == "latents")
+        latents = edge.meta["item"].item
         return latents.shape[-1] * latents.shape[-2]
     return graph.param_value(node, "max_len") + condition_image_tokens(graph, node)
 
@@ -33,19 +38,22 @@ def _text_tokens(graph: Graph, node: Node) -> int | None:
     """Text tokens a DiT attends to beside the image: as many as its conditioning edge
     carries, unless its pipeline caps them (`max_text_len`; None leaves that to the
     estimator)."""
-    if node.op != "diffusion" or "max_text_len" in node.meta["config"].config:
+    if node.op != "diffusion" or "max_text_len" in node.meta["model"].config.config:
         return None
     cond = next((e for e in graph.in_edges(node.name) if e.dst_port == "cond"), None)
-    return None if cond is None else cond.meta["item"].shape[0] - 1  # less the header row
+    return None if cond is None else cond.meta["item"].item.shape[0] - 1  # less the header row
 
 
 def _image_encoder_cost(graph: Graph, node: Node) -> StageCost:
     """The VAE encode of a DiT's input image: one image per forward, at the most latent
     positions its pipeline conditions on (each DiT token is patch x patch of them)."""
-    dit = node.meta["config"]
+    dit = node.meta["model"].config
     positions = condition_image_tokens(graph, node) * dit.patch_size**2
     return estimate_cost(
-        node.meta["image_encoder"], max_batch=1, max_len=positions, dtype=stage_dtype(graph, node)
+        node.meta["model"].image_encoder,
+        max_batch=1,
+        max_len=positions,
+        dtype=stage_dtype(graph, node),
     )
 
 
@@ -54,23 +62,20 @@ def estimate_costs(graph: Graph, target: Target) -> Graph:
     doubled = cfg_path(graph)
     for node in graph.stages:
         if node.op == "python":
-            node.meta["need"] = 0
+            node.meta["cost"] = CostFacts(None, 0)
             continue
         batch = graph.param_value(node, "max_batch") * (2 if node.name in doubled else 1)
-        if node.name in doubled:
-            node.meta["cfg_input"] = doubled[node.name]
         cost = estimate_cost(
-            node.meta["config"],
+            node.meta["model"].config,
             max_batch=batch,
             max_len=_sequence_length(graph, node),
             dtype=stage_dtype(graph, node),
             prefill_tokens=graph.param_value(node, "prefill_tokens") if node.op == "ar" else None,
             context_len=_text_tokens(graph, node),
         )
-        if "image_encoder" in node.meta:
+        if node.meta["model"].image_encoder is not None:
             cost = with_encoder(cost, _image_encoder_cost(graph, node))
-        node.meta["batch"] = batch
-        node.meta["cost"] = cost
         explicit = graph.param_value(node, "memory")
-        node.meta["need"] = parse_size(explicit) if explicit else cost.total_bytes
+        need = parse_size(explicit) if explicit else cost.total_bytes
+        node.meta["cost"] = CostFacts(cost, need, batch, doubled.get(node.name))
     return graph

@@ -11,6 +11,10 @@ from __future__ import annotations
 from omniflow.ir.graph import Graph
 from omniflow.ir.types import TensorSpec
 from omniflow.passes.common import Target
+from omniflow.passes.facts import PointwiseKernel
+
+READS = ("ports", "item", "executor")
+WRITES = ("pointwise",)
 
 
 def fuse_pointwise(graph: Graph, target: Target) -> Graph:
@@ -19,18 +23,15 @@ def fuse_pointwise(graph: Graph, target: Target) -> Graph:
         if not edge.maps:
             continue
         src = graph.node(edge.src)
-        before: TensorSpec = src.meta["out"][edge.src_port].step
-        after: TensorSpec = edge.meta["item"]
+        before: TensorSpec = src.meta["ports"].out[edge.src_port].step
+        after: TensorSpec = edge.meta["item"].item
         shrinks = after.item_bytes() <= before.item_bytes()
         side = edge.src if shrinks else edge.dst
-        edge.meta["pointwise"] = {
-            "kernel": "fused_" + "_".join(op.name for op in edge.maps),
-            "ops": [str(op) for op in edge.maps],
-            "chain": [{"name": op.name, "args": list(op.args)} for op in edge.maps],
-            "in_dtype": before.dtype,
-            "out_dtype": after.dtype,
-            "runs_in": graph.node(side).meta["executor"],
-            "launches": 1,
-            "launches_unfused": len(edge.maps),
-        }
+        edge.meta["pointwise"] = PointwiseKernel(
+            "fused_" + "_".join(op.name for op in edge.maps),
+            tuple((op.name, tuple(op.args)) for op in edge.maps),
+            before.dtype,
+            after.dtype,
+            graph.node(side).meta["executor"],
+        )
     return graph

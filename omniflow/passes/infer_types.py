@@ -1,9 +1,9 @@
-"""Pass: type/shape inference. Every output port gets `meta["out"][port] = PortSteps`, and every
-edge `meta["item"]`: the dtype and shape of one streamed step after the edge's adapter and
-map chain, and `meta["max_steps"]`: how many steps one request may send on it. Every
-pipeline output gets `meta["attrs"]`, the attributes the compiler derives for it: an audio
-output a vocoder makes, the vocoder's sample rate (`rate`), which a `rate=` in the program
-must match.
+"""Pass: type/shape inference. Every node's output ports get `meta["ports"]` (`PortFacts`:
+a `PortSteps` per port), and every edge `meta["item"]` (`EdgeItem`): the dtype and shape of
+one streamed step after the edge's adapter and map chain, and how many steps one request may
+send on it. Every pipeline output gets `meta["attrs"]` (`OutputFacts`), the attributes the
+compiler derives for it: an audio output a vocoder makes, the vocoder's sample rate
+(`rate`), which a `rate=` in the program must match.
 
 Dims come from the stage's model config and its parameters at their default values; a
 request that overrides a size-changing parameter beyond its default is checked at run time.
@@ -14,8 +14,6 @@ conditions on no image cannot take one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from omniflow import families
 from omniflow.errors import GraphError
 from omniflow.ir.graph import INPUT, INPUT_PORT, OUTPUT, Graph, Node
@@ -24,21 +22,14 @@ from omniflow.ir.types import TensorSpec
 from omniflow.ir.values import resolve
 from omniflow.kernels.pointwise_ops import chain_out_dtype
 from omniflow.passes.common import Target, cfg_path, condition_image_tokens, stage_dtype
+from omniflow.passes.facts import EdgeItem, OutputFacts, PortFacts, PortSteps
+
+READS = ("model",)
+WRITES = ("ports", "item", "attrs")
 
 # UTF-8 bytes one text step may carry: a long token plus characters held back (an
 # incomplete UTF-8 sequence, a possible stop string) from earlier steps.
 TEXT_BYTES_PER_TOKEN = 64
-
-
-@dataclass(frozen=True)
-class PortSteps:
-    """What one request sends on an output port: steps of one spec, at most `max_steps`."""
-
-    step: TensorSpec  # one step of the stream (the whole value for one-shot stages)
-    max_steps: int
-
-    def __str__(self) -> str:
-        return f"{self.step} x{self.max_steps}"
 
 
 # What a request may send on an input, and what a python stage emits per step, by type.
@@ -57,17 +48,11 @@ DEFAULT_SPECS: dict[str, PortSteps] = {
 
 
 def _stage_spec(graph: Graph, node: Node, port: str) -> PortSteps:
-    cfg = node.meta["config"]
+    cfg = node.meta["model"].config
     dtype = stage_dtype(graph, node)
     value = lambda key: graph.param_value(node, key)  # noqa: E731
     if node.op == "ar":
         max_tokens = value("max_tokens")
-        cfgd = cfg.config
-        layers, kv_heads = (
-            cfgd["num_hidden_layers"],
-            cfgd.get("num_key_value_heads", cfgd["num_attention_heads"]),
-        )
-        head_dim = cfgd.get("head_dim") or cfg.hidden_size // cfgd["num_attention_heads"]
         if port == "hidden" and (needs := _adapter_needs(graph, node)) is not None:
             rows, with_prompt = needs
             steps = max_tokens + (value("max_len") if with_prompt else 0)
@@ -77,7 +62,6 @@ def _stage_spec(graph: Graph, node: Node, port: str) -> PortSteps:
             "tokens": PortSteps(TensorSpec("int64", (1,)), max_tokens),
             "hidden": PortSteps(TensorSpec(dtype, (1, cfg.hidden_size)), max_tokens),
             "codes": PortSteps(TensorSpec("int64", (cfg.num_codebooks,)), max_tokens),
-            "kv": PortSteps(TensorSpec(dtype, (layers, 2, kv_heads, head_dim)), value("max_len")),
         }[port]
     if node.op == "encoder":
         # Each step is one prompt's embeddings after a length header position (an edit
@@ -94,7 +78,7 @@ def _stage_spec(graph: Graph, node: Node, port: str) -> PortSteps:
         return PortSteps(TensorSpec("float32", ((frames,) if frames > 1 else ()) + shape), 1)
     if node.op == "vae":
         producer = next(e for e in graph.in_edges(node.name) if e.dst_port == "latents")
-        *frames, _, h, w = producer.meta["item"].shape
+        *frames, _, h, w = producer.meta["item"].item.shape
         scale = cfg.vae_scale_factor
         return PortSteps(TensorSpec("float32", (*frames, h * scale, w * scale, 3)), 1)
     if node.op == "vocoder":
@@ -131,7 +115,7 @@ def _output_attrs(graph: Graph, output: Node) -> dict:
     producer = graph.node(edge.src)
     if edge.type != "audio" or producer.op != "vocoder":
         return {}
-    cfg = producer.meta["config"]
+    cfg = producer.meta["model"].config
     rate = cfg.sample_rate
     if rate is None:
         return {}
@@ -150,16 +134,15 @@ def infer_types(graph: Graph, target: Target) -> Graph:
     graph = graph.copy()
     for node in graph.topo_order():
         if node.op == OUTPUT:
-            node.meta["attrs"] = _output_attrs(graph, node)
+            node.meta["attrs"] = OutputFacts(_output_attrs(graph, node))
             continue
         outs = {INPUT_PORT: None} if node.op == INPUT else node.ports()[1]
-        node.meta["out"] = {port: _out_spec(graph, node, port) for port in outs}
+        node.meta["ports"] = PortFacts({port: _out_spec(graph, node, port) for port in outs})
         for edge in graph.out_edges(node.name):
-            spec = node.meta["out"][edge.src_port]
+            spec = node.meta["ports"].out[edge.src_port]
             step = spec.step
             if edge.maps:
                 ops = [(op.name, op.args) for op in edge.maps]
                 step = TensorSpec(chain_out_dtype(step.dtype, ops), step.shape)
-            edge.meta["item"] = step
-            edge.meta["max_steps"] = spec.max_steps
+            edge.meta["item"] = EdgeItem(step, spec.max_steps)
     return graph

@@ -1,7 +1,9 @@
-"""The ordered pass pipeline: runs each pass, times it, lints after it, names it in errors."""
+"""The ordered pass pipeline: runs each pass, times it, lints after it, names it in errors,
+and holds it to what its module declares it writes (`WRITES`: `meta` keys, see facts.py)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
@@ -53,6 +55,7 @@ def run_passes(
         try:
             graph = p(graph, target)
             graph.lint()
+            _check_writes(p, before, graph)
         except OmniflowError as err:
             raise PassError(p.__name__, err) from err
         times[p.__name__] = time.perf_counter() - start
@@ -60,3 +63,22 @@ def run_passes(
             on_pass(p.__name__, before, graph, times[p.__name__])
     graph.meta["pass_times"] = times
     return graph
+
+
+def _written(before: Graph, after: Graph) -> set[str]:
+    """The `meta` keys `after` holds new or replaced values under, on the graph, its nodes
+    and its edges."""
+    pairs = [(before.meta, after.meta)]
+    pairs += [(before.node(n.name).meta, n.meta) for n in after.nodes]
+    pairs += [(b.meta, a.meta) for b, a in zip(before.edges, after.edges, strict=True)]
+    return {k for old, new in pairs for k, v in new.items() if k not in old or old[k] is not v}
+
+
+def _check_writes(p: Pass, before: Graph, after: Graph) -> None:
+    """A pass whose module declares `WRITES` writes no other `meta` key."""
+    declared = getattr(sys.modules.get(p.__module__), "WRITES", None)
+    if declared is None:
+        return
+    stray = _written(before, after) - set(declared)
+    if stray:
+        raise OmniflowError(f"wrote meta {', '.join(sorted(stray))}, which it does not declare")

@@ -1,13 +1,12 @@
-"""Pass: placement. Every stage gets a device (`meta["device"]`, one per replica in
-`meta["devices"]`) and an explicit memory budget in bytes (`meta["budget"]`), so nobody
-writes a memory fraction by hand.
+"""Pass: placement. Every stage gets a device and an explicit memory budget in bytes
+(`meta["placement"]`, a `Placement`), so nobody writes a memory fraction by hand; the graph
+gets each device's use (`meta["devices"]`).
 
 Stages are placed largest first, honoring pins and colocate/separate constraints. A stage
 prefers the device of a neighbour it exchanges per-token streams with (so stage fusion can
 remove the hop), then a device on that neighbour's node (on a cluster only chunked edges
 should cross nodes; a per-token stream that must is warned about), then the device left
-least full. `meta["placed"]` says, per replica, where and why. What a device has beyond the stages'
-needs is shared out as budget in proportion to their KV caches (more concurrent requests),
+least full. The placement says where and why. What a device has beyond the stages' needs is shared out as budget in proportion to their KV caches (more concurrent requests),
 or to their needs when no stage there has one. A pipeline that cannot fit fails here,
 naming the stage, the bytes it needs and the bytes available.
 """
@@ -20,6 +19,10 @@ from omniflow.devices import Device, GiB, node_of, parse_devices
 from omniflow.errors import PlacementError
 from omniflow.ir.graph import Graph, Node
 from omniflow.passes.common import PER_TOKEN_CHUNK, DisjointSets, Target
+from omniflow.passes.facts import DeviceUse, Placement
+
+READS = ("cost",)
+WRITES = ("placement", "devices", "warnings")
 
 
 def gib(n: int) -> str:
@@ -40,12 +43,13 @@ def _groups(graph: Graph) -> list[list[Node]]:
 
 
 def _need_text(node: Node) -> str:
-    cost = node.meta.get("cost")
+    facts = node.meta["cost"]
+    cost = facts.cost
     if cost is None or "memory" in node.params:
-        return gib(node.meta["need"])
+        return gib(facts.need)
     return (
-        f"{gib(node.meta['need'])} (weights {gib(cost.weight_bytes)} + KV cache {gib(cost.kv_cache_bytes)}"
-        f" + activations {gib(cost.activation_bytes)}, batch {node.meta['batch']})"
+        f"{gib(facts.need)} (weights {gib(cost.weight_bytes)} + KV cache {gib(cost.kv_cache_bytes)}"
+        f" + activations {gib(cost.activation_bytes)}, batch {facts.batch})"
     )
 
 
@@ -57,6 +61,8 @@ class _Placer:
         self.capacity = {d.name: int(d.memory * (1 - target.reserve)) for d in target.devices}
         self.used: dict[str, int] = defaultdict(int)
         self.where: dict[str, list[str]] = {}
+        self.placed: dict[str, list[str]] = defaultdict(list)  # per device, why there
+        self.budget: dict[str, int] = {}
         self.separate = defaultdict(set)
         for c in graph.constraints:
             if c.kind == "separate":
@@ -64,7 +70,7 @@ class _Placer:
                     self.separate[a] |= set(c.stages) - {a}
 
     def _charge(self, node: Node, device: str) -> int:
-        return node.meta["need"] + (
+        return node.meta["cost"].need + (
             self.target.process_overhead if self.devices[device].is_gpu else 0
         )
 
@@ -154,7 +160,7 @@ class _Placer:
         for n in group:
             self.used[best] += self._charge(n, best)
             self.where.setdefault(n.name, []).append(best)
-            n.meta.setdefault("placed", []).append(f"{best}: {why}")
+            self.placed[n.name].append(f"{best}: {why}")
 
     def _fail(self, group: list[Node], candidates: list[str]) -> None:
         roomiest = max(candidates, key=lambda d: self.capacity[d] - self.used[d])
@@ -177,14 +183,13 @@ class _Placer:
         for device in self.capacity:
             here = [self.graph.node(s) for s, ds in self.where.items() if device in ds]
             slack = self.capacity[device] - self.used[device]
-            weight = {
-                n.name: n.meta["cost"].kv_cache_bytes if "cost" in n.meta else 0 for n in here
-            }
+            costs = {n.name: n.meta["cost"] for n in here}
+            weight = {s: c.cost.kv_cache_bytes if c.cost else 0 for s, c in costs.items()}
             if not any(weight.values()):
-                weight = {n.name: n.meta["need"] for n in here}
+                weight = {s: c.need for s, c in costs.items()}
             total = sum(weight.values()) or 1
             for n in here:
-                n.meta["budget"] = self._charge(n, device) + slack * weight[n.name] // total
+                self.budget[n.name] = self._charge(n, device) + slack * weight[n.name] // total
 
 
 def _same_node(devices: list[str], device: str) -> bool:
@@ -194,7 +199,7 @@ def _same_node(devices: list[str], device: str) -> bool:
 def _warn_streams_across_nodes(graph: Graph, where: dict[str, list[str]]) -> None:
     """Only chunked edges should cross nodes: a per-token stream that had to pays a network
     hop per token, which the plan says."""
-    warnings = graph.meta["warnings"] = list(graph.meta.get("warnings", []))
+    warnings = list(graph.meta.get("warnings", ()))
     for edge in graph.edges:
         if edge.src not in where or edge.dst not in where:
             continue
@@ -205,6 +210,7 @@ def _warn_streams_across_nodes(graph: Graph, where: dict[str, list[str]]) -> Non
                 f"{edge.name} streams per token across nodes ({' vs '.join(sorted(nodes))}): no "
                 "node had room for both ends; each token crosses the network"
             )
+    graph.meta["warnings"] = tuple(warnings)
 
 
 def place(graph: Graph, target: Target) -> Graph:
@@ -212,16 +218,22 @@ def place(graph: Graph, target: Target) -> Graph:
     placer = _Placer(graph, target)
     groups = sorted(
         _groups(graph),
-        key=lambda g: (not any(n.device for n in g), -sum(n.meta["need"] for n in g)),
+        key=lambda g: (not any(n.device for n in g), -sum(n.meta["cost"].need for n in g)),
     )
     for group in groups:
         placer.place_group(group)
     placer.budgets()
     _warn_streams_across_nodes(graph, placer.where)
     for node in graph.stages:
-        node.meta["devices"] = placer.where[node.name]
-        node.meta["device"] = placer.where[node.name][0]
-    graph.meta["device_usage"] = {d: (placer.used[d], placer.capacity[d]) for d in placer.capacity}
+        node.meta["placement"] = Placement(
+            tuple(placer.where[node.name]),
+            placer.budget[node.name],
+            tuple(placer.placed[node.name]),
+        )
     # The cluster manager's id of each device's node, for a transport that pins executors.
-    graph.meta["node_ids"] = {d.name: d.node_id for d in target.devices if d.node_id}
+    node_ids = {d.name: d.node_id for d in target.devices if d.node_id}
+    graph.meta["devices"] = tuple(
+        DeviceUse(d, placer.used[d], placer.capacity[d], node_ids.get(d, ""))
+        for d in placer.capacity
+    )
     return graph

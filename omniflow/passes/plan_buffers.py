@@ -1,6 +1,6 @@
 """Pass: buffer planning. Every edge that crosses executors (the frontend included) gets a
-pre-allocated ring: `meta["channel"]` = its kind, slots, slot bytes, ring bytes, and the
-device that holds it. A slot holds the largest message the edge can carry (the largest
+pre-allocated ring: `meta["channel"]`, a `Channel`: its kind, slots, slot bytes, credits and
+the device that holds it. A slot holds the largest message the edge can carry (the largest
 chunk of the schedule, or the whole output); there are `credits` slots per request the
 consumer may batch, so a producer can run `credits` chunks ahead per request before it
 blocks.
@@ -18,11 +18,17 @@ All kinds share the slot layout, the doorbell headers and the credits.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from omniflow.devices import GiB, node_of
 from omniflow.errors import PlacementError
 from omniflow.ir.graph import Edge, Graph
 from omniflow.ir.types import TENSOR_TYPES
 from omniflow.passes.common import Target
+from omniflow.passes.facts import Channel
+
+READS = ("cost", "placement", "executor", "item", "schedule")
+WRITES = ("channel", "placement", "shm_bytes", "warnings")
 
 DEFAULT_CREDITS = 2
 SLOT_ALIGN = 64
@@ -50,13 +56,13 @@ def edge_kind(graph: Graph, target: Target, edge: Edge) -> tuple[str, str]:
     if src.meta["executor"] == dst.meta["executor"]:
         return "local", ""
     home = node_of(target.devices[0].name) if target.devices else ""
-    ends = [n.meta.get("devices", []) if n.is_stage else [] for n in (src, dst)]
-    nodes = {node_of(d) for d in ends[0] + ends[1]} | ({home} if [] in ends else set())
+    ends = [n.meta["placement"].devices if n.is_stage else () for n in (src, dst)]
+    nodes = {node_of(d) for d in ends[0] + ends[1]} | ({home} if () in ends else set())
     if len(nodes) > 1:
         return "net", ""
     gpus = {d.name for d in target.devices if d.is_gpu}
-    # A device ring needs one GPU at each end (a replicated stage spreads over several) and a
-    # tensor that can stay there (text and chat travel as host bytes).
+    # A device ring needs a GPU at each end and a tensor that can stay there (text and chat
+    # travel as host bytes).
     if edge.type in TENSOR_TYPES and all(len(e) == 1 and e[0] in gpus for e in ends):
         return ("cuda-ipc" if ends[0] == ends[1] else "p2p"), ends[1][0]
     return "shm", ""
@@ -66,27 +72,29 @@ def _charge_device_ring(graph: Graph, edge: Edge, ring_bytes: int) -> None:
     """A device ring lives in its consumer's GPU memory: it comes out of that stage's budget
     (placement shared the device's slack out as budgets), never on top of it."""
     consumer = graph.node(edge.dst)
-    left = consumer.meta["budget"] - ring_bytes
-    if left < consumer.meta["need"]:
+    placement = consumer.meta["placement"]
+    left = placement.budget - ring_bytes
+    if left < consumer.meta["cost"].need:
         raise PlacementError(
             f"the {ring_bytes / GiB:.1f} GiB device ring of {edge.name} does not fit beside "
-            f"stage '{consumer.name}' on {consumer.meta['device']}; lower the consumer's "
+            f"stage '{consumer.name}' on {placement.device}; lower the consumer's "
             "max_batch or the edge's credits"
         )
-    consumer.meta["budget"] = left
+    consumer.meta["placement"] = replace(placement, budget=left)
 
 
 def plan_buffers(graph: Graph, target: Target) -> Graph:
     graph = graph.copy()
-    warnings = graph.meta["warnings"] = list(graph.meta.get("warnings", []))
+    warnings = list(graph.meta.get("warnings", ()))
     total = 0
     for edge in graph.edges:
         kind, device = edge_kind(graph, target, edge)
         if kind == "local":
-            edge.meta["channel"] = {"kind": "local", "slots": 0, "slot_bytes": 0, "ring_bytes": 0}
+            edge.meta["channel"] = Channel("local")
             continue
-        steps = max(edge.meta["schedule"]) if edge.stream else edge.meta["max_steps"]
-        slot_bytes = _align(edge.meta["item"].item_bytes() * steps)
+        item = edge.meta["item"]
+        steps = max(edge.meta["schedule"]) if edge.stream else item.max_steps
+        slot_bytes = _align(item.item.item_bytes() * steps)
         credits = edge.credits or DEFAULT_CREDITS
         slots = credits * _concurrency(graph, edge)
         if slots * slot_bytes > RING_CAP and slots > credits:
@@ -95,17 +103,11 @@ def plan_buffers(graph: Graph, target: Target) -> Graph:
                 f"{edge.name}: ring capped at {fewer} slots of {slot_bytes} bytes (wanted {slots})"
             )
             slots = fewer
-        edge.meta["channel"] = {
-            "kind": kind,
-            "slots": slots,
-            "slot_bytes": slot_bytes,
-            "ring_bytes": slots * slot_bytes,
-            "credits": credits,
-            "device": device,
-        }
+        edge.meta["channel"] = Channel(kind, slots, slot_bytes, credits, device)
         if device:
             _charge_device_ring(graph, edge, slots * slot_bytes)
         else:
             total += slots * slot_bytes
     graph.meta["shm_bytes"] = total
+    graph.meta["warnings"] = tuple(warnings)
     return graph

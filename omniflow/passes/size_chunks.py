@@ -24,6 +24,9 @@ from omniflow.catalog.components import vocoder_windows
 from omniflow.ir.graph import OUTPUT, Edge, Graph, Node
 from omniflow.passes.common import Target
 
+READS = ("model", "cost", "placement")
+WRITES = ("schedule",)
+
 # Fixed cost of one consumer call: a cross-process hop plus a forward's launch overhead.
 CALL_OVERHEAD_S = {"gpu": 2e-3, "cpu": 1e-3}
 # Past this many steps a chunk buys little throughput but delays every packet behind it.
@@ -32,22 +35,24 @@ OVERHEAD_SHARE = 0.10
 
 
 def _device(target: Target, node: Node):
-    return next((d for d in target.devices if d.name == node.meta.get("device")), target.devices[0])
+    placement = node.meta.get("placement")
+    device = placement.device if placement is not None else None
+    return next((d for d in target.devices if d.name == device), target.devices[0])
 
 
 def step_seconds(target: Target, node: Node) -> float:
     """Seconds one request waits per step of `node` at full batch (memory- or compute-bound)."""
-    cost = node.meta.get("cost")
-    if cost is None:
+    facts = node.meta.get("cost")
+    if facts is None or facts.cost is None:
         return 1e-3
-    dev = _device(target, node)
-    batch = node.meta["batch"]
-    return max(cost.weight_bytes / dev.bandwidth, cost.flops_per_item * batch / dev.flops)
+    dev, cost = _device(target, node), facts.cost
+    return max(cost.weight_bytes / dev.bandwidth, cost.flops_per_item * facts.batch / dev.flops)
 
 
 def item_seconds(target: Target, node: Node) -> float:
     """Seconds of compute per item for the consumer (one frame, one token)."""
-    cost = node.meta.get("cost")
+    facts = node.meta.get("cost")
+    cost = facts.cost if facts is not None else None
     return cost.flops_per_item / _device(target, node).flops if cost else 1e-5
 
 
@@ -81,10 +86,9 @@ def _schedule(graph: Graph, target: Target, edge: Edge) -> list[int]:
 
 
 def _windows(graph: Graph, node: Node) -> tuple[list[int], list[int]] | None:
-    config = node.meta.get("config")
-    if node.op != "vocoder" or not config:
+    if node.op != "vocoder":
         return None
-    return vocoder_windows(config, graph.param_value(node, "lookahead"))
+    return vocoder_windows(node.meta["model"].config, graph.param_value(node, "lookahead"))
 
 
 def _calls(graph: Graph, node: Node) -> list[int]:
@@ -101,5 +105,6 @@ def size_chunks(graph: Graph, target: Target) -> Graph:
     graph = graph.copy()
     for node in graph.topo_order():
         for edge in graph.out_edges(node.name):
-            edge.meta["schedule"] = _schedule(graph, target, edge) if edge.stream else None
+            schedule = _schedule(graph, target, edge) if edge.stream else None
+            edge.meta["schedule"] = tuple(schedule) if schedule is not None else None
     return graph

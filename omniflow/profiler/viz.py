@@ -21,18 +21,13 @@ from omniflow.report import human_bytes
 
 # What each meta key is about: the page colours a change by it.
 CATEGORIES = {
-    "config": "models",
-    "out": "types",
+    "model": "models",
+    "ports": "types",
     "item": "types",
-    "max_steps": "types",
     "attrs": "types",
     "cost": "costs",
-    "need": "costs",
-    "batch": "costs",
-    "device": "devices",
+    "placement": "devices",
     "devices": "devices",
-    "budget": "devices",
-    "device_usage": "devices",
     "executor": "fusion",
     "executors": "fusion",
     "pointwise": "fusion",
@@ -40,7 +35,7 @@ CATEGORIES = {
     "channel": "buffers",
     "shm_bytes": "buffers",
 }
-BYTES_KEYS = ("need", "budget", "shm_bytes")
+BYTES_KEYS = ("need", "budget", "used", "usable", "shm_bytes")
 SHOWN_CHARS = 220
 
 
@@ -147,22 +142,21 @@ def _node_lines(graph: Graph, node: Node) -> list[str]:
     else:
         params = {k: v for k, v in node.params.items() if k in ("component", "model", "fn")}
         lines = [f"{node.op}({', '.join(f'{k}={format_value(v)}' for k, v in params.items())})"]
-    config = meta.get("config")
-    if config is not None and getattr(config, "category", None):
-        lines.append(f"model {getattr(config, 'model', '')} ({config.category})")
-    out = meta.get("out")
-    if isinstance(out, dict) and out:
-        ports = [f"{p} {getattr(s, 'step', s)}" for p, s in out.items()]
+    if "model" in meta:
+        config = meta["model"].config
+        lines.append(f"model {config.model} ({config.category})")
+    if "ports" in meta and meta["ports"].out:
+        ports = [f"{p} {s.step}" for p, s in meta["ports"].out.items()]
         lines.append("out: " + ", ".join(ports[:3]) + (" …" if len(ports) > 3 else ""))
-    cost = meta.get("cost")
-    if cost is not None and hasattr(cost, "weight_bytes"):
+    cost = meta["cost"].cost if "cost" in meta else None
+    if cost is not None:
         lines.append(
-            f"weights {human_bytes(cost.weight_bytes)} · kv {human_bytes(getattr(cost, 'kv_cache_bytes', 0))}"
-            f" · batch {meta.get('batch', '?')}"
+            f"weights {human_bytes(cost.weight_bytes)} · kv {human_bytes(cost.kv_cache_bytes)}"
+            f" · batch {meta['cost'].batch}"
         )
-    if "device" in meta or "budget" in meta:
-        budget = f" · budget {human_bytes(meta['budget'])}" if "budget" in meta else ""
-        lines.append(f"on {meta.get('device', node.device or '?')}{budget}")
+    if "placement" in meta:
+        placement = meta["placement"]
+        lines.append(f"on {placement.device} · budget {human_bytes(placement.budget)}")
     elif node.device:
         lines.append(f"pinned to {node.device}")
     return lines
@@ -170,7 +164,7 @@ def _node_lines(graph: Graph, node: Node) -> list[str]:
 
 def _edge_lines(edge: Edge) -> list[str]:
     meta = edge.meta
-    first = edge.type + (f" {meta['item']}" if "item" in meta else "")
+    first = edge.type + (f" {meta['item'].item}" if "item" in meta else "")
     if "schedule" in meta:
         chunk = schedule_text(meta["schedule"])
     elif edge.chunk is None:
@@ -179,9 +173,11 @@ def _edge_lines(edge: Edge) -> list[str]:
         chunk = "chunk auto" if edge.chunk is AUTO else f"chunk {format_value(edge.chunk)}"
     lines = [f"{first} · {chunk}"]
     if "channel" in meta:
-        lines.append(buffer_text(meta["channel"]))
-    if "pointwise" in meta and isinstance(meta["pointwise"], dict):
-        lines.append(f"map → {meta['pointwise'].get('kernel', 'fused kernel')}")
+        ring = meta["channel"]
+        fields = ("kind", "slots", "slot_bytes", "ring_bytes")
+        lines.append(buffer_text({f: getattr(ring, f) for f in fields}))
+    if "pointwise" in meta:
+        lines.append(f"map → {meta['pointwise'].kernel}")
     elif edge.maps:
         lines.append("map " + " | ".join(str(m) for m in edge.maps))
     return lines
@@ -194,32 +190,32 @@ def graph_model(graph: Graph, changed: dict[str, set[str]] | None = None) -> dic
     changed = changed or {}
     clusters: list[dict] = []
     parent: dict[str, str] = {}
-    devices = {n.meta["device"] for n in graph.stages if "device" in n.meta}
-    usage = graph.meta.get("device_usage", {})
+    devices = {n.meta["placement"].device for n in graph.stages if "placement" in n.meta}
+    usage = {d.name: d for d in graph.meta.get("devices", ())}
     for device in sorted(devices):
         label = f"device {device}"
         if device in usage:
-            used, usable = usage[device]
-            label += f" · {human_bytes(used)} needed of {human_bytes(usable)}"
+            use = usage[device]
+            label += f" · {human_bytes(use.used)} needed of {human_bytes(use.usable)}"
         clusters.append({"id": f"device:{device}", "label": label, "cls": "device"})
-    for x in graph.meta.get("executors", []):
-        fused = len(x["stages"]) > 1
-        device = x["devices"][0] if x.get("devices") else None
-        cid = f"executor:{x['name']}"
+    for x in graph.meta.get("executors", ()):
+        fused = len(x.stages) > 1
+        device = x.devices[0] if x.devices else None
+        cid = f"executor:{x.name}"
         clusters.append(
             {
                 "id": cid,
-                "label": f"executor {x['name']}" + (" (fused)" if fused else ""),
+                "label": f"executor {x.name}" + (" (fused)" if fused else ""),
                 "parent": f"device:{device}" if device in devices else None,
                 "cls": "executor fused" if fused else "executor",
-                "title": "\n".join(x.get("reasons", [])),
+                "title": "\n".join(x.reasons),
             }
         )
-        for stage in x["stages"]:
+        for stage in x.stages:
             parent[stage] = cid
     for node in graph.stages:
-        if node.name not in parent and "device" in node.meta:
-            parent[node.name] = f"device:{node.meta['device']}"
+        if node.name not in parent and "placement" in node.meta:
+            parent[node.name] = f"device:{node.meta['placement'].device}"
     nodes = []
     for node in graph.topo_order():
         cls = "stage" if node.is_stage else "port"
@@ -237,7 +233,7 @@ def graph_model(graph: Graph, changed: dict[str, set[str]] | None = None) -> dic
         )
     edges = []
     for edge in graph.edges:
-        local = edge.meta.get("channel", {}).get("kind") == "local"
+        local = "channel" in edge.meta and edge.meta["channel"].kind == "local"
         cls = ("local" if local else "shm") + (" changed" if edge.name in changed else "")
         edges.append(
             {

@@ -30,9 +30,9 @@ def identity(value):
 
 def _maps(channel: ChannelPlan, program: str) -> Transform:
     """The edge's fused map chain if it runs in `program`, else nothing."""
-    if not channel.pointwise or channel.pointwise["runs_in"] != program:
+    if not channel.pointwise or channel.pointwise.runs_in != program:
         return identity
-    chain = tuple((op["name"], tuple(op["args"])) for op in channel.pointwise["chain"])
+    chain = tuple((name, tuple(args)) for name, args in channel.pointwise.ops)
     return lambda value: value if value is None else fused(value, chain)
 
 

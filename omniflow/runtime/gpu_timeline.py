@@ -43,7 +43,7 @@ def gpu_executors(plan: Plan) -> list[str]:
     if not found:
         raise ProfileError(
             "--profile-gpu records the CUDA kernels of GPU stages, and this plan places every "
-            f"stage on the CPU (compiled for devices {', '.join(d['name'] for d in plan.devices)}); "
+            f"stage on the CPU (compiled for devices {', '.join(d.name for d in plan.devices)}); "
             "profile without it, or compile with --devices for a GPU"
         )
     import torch

@@ -23,6 +23,7 @@ import os
 
 from omniflow.cluster import cluster_devices, connect, import_ray
 from omniflow.devices import local_name, node_of
+from omniflow.plan import DevicePlan
 from omniflow.runtime import control
 from omniflow.runtime.link import node_address
 from omniflow.runtime.shm_ring import cleanup_stale_segments
@@ -89,7 +90,7 @@ class RayTransport(ProcessTransport):
     def _node_ids(self) -> dict[str, str]:
         """Each node of the plan -> its Ray node id: from the plan (`ray:auto` plans carry
         them), else by name from the live cluster (a plan compiled for `node0=...`)."""
-        ids = {node_of(d["name"]): d["node_id"] for d in self.plan.devices if "node_id" in d}
+        ids = {node_of(d.name): d.node_id for d in self.plan.devices if d.node_id}
         if not ids:
             live = cluster_devices(self.ray.nodes())
             ids = {d.node: d.node_id for d in live}
@@ -204,6 +205,6 @@ class RayTransport(ProcessTransport):
         self.context.term()
 
 
-def ray_plan(devices: list[dict]) -> bool:
+def ray_plan(devices: list[DevicePlan]) -> bool:
     """Whether a plan was compiled for a Ray cluster (its devices carry Ray node ids)."""
-    return any("node_id" in d for d in devices)
+    return any(d.node_id for d in devices)

@@ -16,8 +16,8 @@ from PIL import Image
 
 from omniflow.backends.diffusion import DiffusersBackendError, unpack_prompts
 from omniflow.checkpoints.tiny import build_tiny
-from omniflow.families.qwen_image.pipeline import load_processor
 from omniflow.compiler import compile_file
+from omniflow.families.qwen_image.pipeline import load_processor
 from omniflow.hf_logging import quiet
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from omniflow.checkpoints.tiny import build_tiny
-from omniflow.families.qwen2_5_omni.checkpoints import reference_omni_generate
 from omniflow.compiler import compile_source
+from omniflow.families.qwen2_5_omni.checkpoints import reference_omni_generate
 from omniflow.runtime.engine import Engine
 
 torch.set_num_threads(1)

@@ -15,15 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from omniflow.backends.transformers_ar import TransformersAR
+from omniflow.checkpoints.tiny import build_tiny
+from omniflow.compiler import compile_source
+from omniflow.families.qwen2_5_omni.checkpoints import reference_omni_generate
 from omniflow.families.qwen2_5_omni.thinker_talker import (
     _CONDITIONING,
     talker_to_code2wav,
     thinker_to_talker,
 )
-from omniflow.backends.transformers_ar import TransformersAR
-from omniflow.checkpoints.tiny import build_tiny
-from omniflow.families.qwen2_5_omni.checkpoints import reference_omni_generate
-from omniflow.compiler import compile_source
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import RequestFailed

@@ -9,12 +9,12 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
+from omniflow.checkpoints.tiny import build_tiny
 from omniflow.families.qwen_image.fused_blocks import (
     FusedQwenImageBlock,
     fuse_blocks,
     modules_forward,
 )
-from omniflow.checkpoints.tiny import build_tiny
 
 torch.set_num_threads(1)
 

@@ -11,9 +11,9 @@ BigVGAN's output) leave room for the kernels' own summation orders and have not 
 import pytest
 import torch
 
-from omniflow.families.qwen2_5_omni.token2wav_dit import FusedDiT
-from omniflow.families.qwen2_5_omni.token2wav import Token2Wav
 from omniflow.catalog.resolve import model_path
+from omniflow.families.qwen2_5_omni.token2wav import Token2Wav
+from omniflow.families.qwen2_5_omni.token2wav_dit import FusedDiT
 from tests.backends.test_token2wav_graphs import (
     BF16_RMS_TOLERANCE,
     relative_rms,

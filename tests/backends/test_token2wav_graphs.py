@@ -25,9 +25,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from omniflow.backends.cuda_graphs import Graphs
-from omniflow.families.qwen2_5_omni.token2wav import DEFAULT_STEPS, Token2Wav
 from omniflow.backends.vocoders import Vocoder, VocoderError, Window, _Stream
 from omniflow.catalog.resolve import model_path
+from omniflow.families.qwen2_5_omni.token2wav import DEFAULT_STEPS, Token2Wav
 from omniflow.runtime.stage import StageSpec
 from tests.backends.test_vocoders import BATCH_TOLERANCE, RAMP, omni_plan, run  # noqa: F401
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from omniflow.families.codec_tts.checkpoints import reference_tts
-from omniflow.compiler import compile_file, compile_source
 from omniflow.catalog.resolve import model_path
+from omniflow.compiler import compile_file, compile_source
+from omniflow.families.codec_tts.checkpoints import reference_tts
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import RequestFailed

@@ -17,13 +17,13 @@ import torch
 
 from omniflow.backends.transformers_ar import TransformersAR
 from omniflow.backends.vision import VisionEncoder, pack_image, unpack_image
+from omniflow.catalog.resolve import use_tiny_models
 from omniflow.checkpoints.tiny import build_tiny
-from omniflow.families.qwen2_5_vl.checkpoints import reference_vl_generate
 from omniflow.cli import main
 from omniflow.compiler import compile_graph, compile_source, graph_from_source
+from omniflow.families.qwen2_5_vl.checkpoints import reference_vl_generate
 from omniflow.hf_logging import quiet
 from omniflow.media import png_bytes
-from omniflow.catalog.resolve import use_tiny_models
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import RequestFailed

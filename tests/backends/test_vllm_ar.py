@@ -24,8 +24,8 @@ import torch  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 
 from omniflow.backends.vllm_ar import VllmAR, VllmBackendError  # noqa: E402
-from omniflow.compiler import compile_source  # noqa: E402
 from omniflow.catalog.resolve import model_path  # noqa: E402
+from omniflow.compiler import compile_source  # noqa: E402
 from omniflow.runtime.engine import Engine  # noqa: E402
 from omniflow.runtime.interpreter import Interpreter  # noqa: E402
 from omniflow.runtime.stage import Call, InputStream, StageSpec  # noqa: E402

@@ -28,13 +28,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from omniflow.families.qwen2_5_omni.token2wav import bigvgan_field
+from omniflow import families
 from omniflow.backends.receptive_field import Field
 from omniflow.backends.vocoders import Vocoder, VocoderError, field_reach
+from omniflow.catalog import load_component_config
 from omniflow.checkpoints.tiny import build_tiny
+from omniflow.compiler import compile_file, compile_source
 from omniflow.families.codec_tts.checkpoints import reference_tts
 from omniflow.families.qwen2_5_omni.checkpoints import reference_omni_generate
-from omniflow.compiler import compile_file, compile_source
+from omniflow.families.qwen2_5_omni.token2wav import bigvgan_field
 from omniflow.plan import StagePlan
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
@@ -82,7 +84,21 @@ def stage_spec(plan, name: str) -> StageSpec:
 
 
 def codec_spec(model: str, samples_per_frame: int) -> StageSpec:
-    plan = StagePlan("decoder", "vocoder", "x", ["cpu"], {}, model, "code2wav", 0, 0)
+    """A vocoder stage of the codec at `model`, its family code as lowering finds it."""
+    architectures = load_component_config(model, "code2wav").architectures
+    plan = StagePlan(
+        "decoder",
+        "vocoder",
+        "x",
+        ["cpu"],
+        {},
+        model,
+        "code2wav",
+        0,
+        0,
+        settings={"decode": "auto", "precision": "auto"},
+        family=families.stage_code(architectures, "vocoder"),
+    )
     audio = PortSpec("audio", "float32", (samples_per_frame,))
     return StageSpec(plan, {"codes": "codes"}, {"audio": audio}, {"codes": 25})
 

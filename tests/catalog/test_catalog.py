@@ -12,7 +12,6 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from omniflow.errors import ModelConfigError
 from omniflow.catalog import (
     ComponentConfig,
     builtin_files,
@@ -22,6 +21,7 @@ from omniflow.catalog import (
     known_models,
     load_component_config,
 )
+from omniflow.errors import ModelConfigError
 
 transformers.logging.set_verbosity_error()
 

@@ -14,7 +14,6 @@ import torch
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
-from omniflow.errors import ModelConfigError
 from omniflow.catalog import (
     ComponentConfig,
     builtin_files,
@@ -24,6 +23,7 @@ from omniflow.catalog import (
     load_component_config,
 )
 from omniflow.catalog.costs import PREFILL_TOKENS, VOCODER_FORWARD_FRAMES
+from omniflow.errors import ModelConfigError
 
 transformers.logging.set_verbosity_error()
 

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from omniflow.families.qwen2_5_omni.checkpoints import REAL_OMNI, scaled_omni_config
-from omniflow.errors import ModelConfigError
 from omniflow.catalog.components import load_component_config
 from omniflow.catalog.costs import count_parameters
+from omniflow.errors import ModelConfigError
+from omniflow.families.qwen2_5_omni.checkpoints import REAL_OMNI, scaled_omni_config
 
 
 def _parts(depth: float) -> dict[str, int]:

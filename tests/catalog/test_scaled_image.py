@@ -6,14 +6,14 @@ from pathlib import Path
 
 import torch
 
+from omniflow.catalog.components import builtin_files, load_component_config
+from omniflow.catalog.costs import count_parameters
+from omniflow.compiler import compile_graph, load_graph
 from omniflow.families.qwen_image.checkpoints import (
     REAL_IMAGE,
     build_scaled_image,
     scaled_image_config,
 )
-from omniflow.compiler import compile_graph, load_graph
-from omniflow.catalog.components import builtin_files, load_component_config
-from omniflow.catalog.costs import count_parameters
 
 GRAPH = Path(__file__).parents[2] / "graphs" / "text_to_image.omni"
 

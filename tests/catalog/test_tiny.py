@@ -17,10 +17,10 @@ import torch
 
 from omniflow import families
 from omniflow.checkpoints.tiny import MANIFEST, build_tiny, is_complete, list_tiny
+from omniflow.checkpoints.tiny_recipes import portable_uniform
 from omniflow.families.codec_tts.checkpoints import read_tts_index, reference_tts
 from omniflow.families.qwen2_5_omni.checkpoints import omni_prompt_ids, reference_omni_generate
 from omniflow.families.qwen2_5_vl.checkpoints import reference_vl_generate
-from omniflow.checkpoints.tiny_recipes import portable_uniform
 from omniflow.hf_logging import quiet
 
 pytestmark = pytest.mark.timeout(120)

@@ -4,16 +4,17 @@ from tests.passes.helpers import run_until
 
 def test_guidance_doubles_the_batch_on_the_companion_path():
     graph = run_until("estimate_costs", "text_to_image")
-    assert graph.node("encoder").meta["batch"] == 32  # max_batch 16, x2 for the negative prompt
-    assert graph.node("dit").meta["batch"] == 16
-    assert graph.node("vae").meta["batch"] == 8  # after guidance: one latent per request
+    # max_batch 16, x2 for the negative prompt
+    assert graph.node("encoder").meta["cost"].batch == 32
+    assert graph.node("dit").meta["cost"].batch == 16
+    assert graph.node("vae").meta["cost"].batch == 8  # after guidance: one latent per request
 
 
 def test_need_is_weights_plus_kv_plus_activations():
     graph = run_until("estimate_costs", "omni_chat")
-    thinker = graph.node("thinker").meta
-    cost = thinker["cost"]
-    assert thinker["need"] == cost.weight_bytes + cost.kv_cache_bytes + cost.activation_bytes
+    facts = graph.node("thinker").meta["cost"]
+    cost = facts.cost
+    assert facts.need == cost.weight_bytes + cost.kv_cache_bytes + cost.activation_bytes
     # 32 sequences x 4096 tokens x (28 layers x 2 x 4 kv heads x 128 x 2 bytes)
     assert cost.kv_cache_bytes == 32 * 4096 * 28 * 2 * 4 * 128 * 2
 
@@ -23,19 +24,21 @@ def test_an_explicit_memory_budget_overrides_the_estimate():
         'pipeline p { model "Qwen/Qwen2.5-0.5B-Instruct"\n stage lm = ar(memory="3GiB")\n'
         " input x: chat -> lm\n lm.text -> output t }"
     )
-    assert run_until("estimate_costs", src).node("lm").meta["need"] == 3 * GiB
+    assert run_until("estimate_costs", src).node("lm").meta["cost"].need == 3 * GiB
 
 
 def test_an_edit_pays_for_its_input_image():
     edit = run_until("estimate_costs", "image_edit")
     plain = run_until("estimate_costs", "text_to_image")
-    dit, vae = edit.node("dit").meta["cost"], plain.node("vae").meta["cost"]
+    dit, vae = edit.node("dit").meta["cost"].cost, plain.node("vae").meta["cost"].cost
     # The denoiser loads the VAE that encodes the input image beside the transformer...
-    assert dit.params == plain.node("dit").meta["cost"].params + vae.params
-    assert dit.weight_bytes == plain.node("dit").meta["cost"].weight_bytes + vae.weight_bytes
+    assert dit.params == plain.node("dit").meta["cost"].cost.params + vae.params
+    assert dit.weight_bytes == plain.node("dit").meta["cost"].cost.weight_bytes + vae.weight_bytes
     # ... and 8 requests' conditional and unconditional rows attend over 64 x 64 output
     # tokens, up to 4920 input-image tokens and all 1675 + 1024 the encoder can send.
     assert dit.activation_bytes == 16 * (4096 + 4920 + 1675 + 1024) * 14 * 3072 * 2
     # The text encoder's sequence holds the image's tokens too.
-    encoder = edit.node("encoder").meta["cost"].activation_bytes
-    assert encoder * 1024 == plain.node("encoder").meta["cost"].activation_bytes * (1675 + 1024)
+    encoder = edit.node("encoder").meta["cost"].cost.activation_bytes
+    assert encoder * 1024 == plain.node("encoder").meta["cost"].cost.activation_bytes * (
+        1675 + 1024
+    )

@@ -5,10 +5,10 @@ def test_chain_becomes_one_kernel_on_the_shrinking_side():
     graph = run_until("fuse_pointwise", "omni_chat")
     edge = next(e for e in graph.edges if e.maps)
     fused = edge.meta["pointwise"]
-    assert fused["ops"] == ["gain(0.9)", "clamp(-1, 1)", "pcm16"]
-    assert (fused["launches"], fused["launches_unfused"]) == (1, 3)
-    assert (fused["in_dtype"], fused["out_dtype"]) == ("float32", "int16")
-    assert fused["runs_in"] == "code2wav"  # int16 is half of float32: convert before the hop
+    assert fused.kernel == "fused_gain_clamp_pcm16"
+    assert fused.ops == (("gain", (0.9,)), ("clamp", (-1, 1)), ("pcm16", ()))
+    assert (fused.in_dtype, fused.out_dtype) == ("float32", "int16")
+    assert fused.runs_in == "code2wav"  # int16 is half of float32: convert before the hop
 
 
 def test_edges_without_maps_get_no_kernel():

@@ -2,17 +2,17 @@ from tests.passes.helpers import run_until
 
 
 def _executors(graph):
-    return {x["name"]: x for x in graph.meta["executors"]}
+    return {x.name: x for x in graph.meta["executors"]}
 
 
 def test_per_token_stream_on_one_device_is_fused():
     graph = run_until("fuse_stages", "omni_chat")
     executors = _executors(graph)
     assert set(executors) == {"thinker+talker", "code2wav"}
-    assert executors["thinker+talker"]["stages"] == ["thinker", "talker"]
+    assert executors["thinker+talker"].stages == ("thinker", "talker")
     assert (
         "fused: thinker.hidden->talker.embeds streams chunk=1"
-        in executors["thinker+talker"]["reasons"][0]
+        in executors["thinker+talker"].reasons[0]
     )
     assert graph.node("prompt").meta["executor"] == "frontend"
 
@@ -24,7 +24,7 @@ def test_every_split_says_why():
         "thinker+talker",
         "code2wav",
     }  # all on one device: the chunked edge still splits
-    reasons = " ".join(executors["thinker+talker"]["reasons"])
+    reasons = " ".join(executors["thinker+talker"].reasons)
     assert (
         "split from code2wav: talker.codes->code2wav.codes chunked stream (chunk=auto)" in reasons
     )
@@ -32,5 +32,5 @@ def test_every_split_says_why():
 
 def test_whole_output_edges_stay_process_boundaries():
     graph = run_until("fuse_stages", "text_to_image", devices="cuda:0=141GiB")
-    assert {x["name"] for x in graph.meta["executors"]} == {"encoder", "dit", "vae"}
-    assert any("whole-output edge" in r for r in _executors(graph)["encoder"]["reasons"])
+    assert {x.name for x in graph.meta["executors"]} == {"encoder", "dit", "vae"}
+    assert any("whole-output edge" in r for r in _executors(graph)["encoder"].reasons)

@@ -11,35 +11,39 @@ def _edge(graph, name):
 
 def test_ar_ports_take_their_dims_from_the_model_config():
     graph = run_until("infer_types", "omni_chat")
-    out = graph.node("thinker").meta["out"]
+    out = graph.node("thinker").meta["ports"].out
     # Per position: hidden state, input embedding and role, for the talker's adapter; the
     # prompt's positions stream too (max_len 4096 + max_tokens 2048).
     assert out["hidden"].step == TensorSpec("bfloat16", (3, 3584))
     assert out["hidden"].max_steps == 4096 + 2048
     assert out["tokens"].step == TensorSpec("int64", (1,))
-    assert graph.node("talker").meta["out"]["hidden"].step == TensorSpec("bfloat16", (1, 896))
-    assert graph.node("talker").meta["out"]["tokens"].max_steps == 4096  # $max_audio_tokens
+    assert graph.node("talker").meta["ports"].out["hidden"].step == TensorSpec("bfloat16", (1, 896))
+    assert graph.node("talker").meta["ports"].out["tokens"].max_steps == 4096  # $max_audio_tokens
 
 
 def test_map_chain_changes_the_item_dtype():
     graph = run_until("infer_types", "omni_chat")
     edge = _edge(graph, "code2wav.audio->audio.in")
-    assert graph.node("code2wav").meta["out"]["audio"].step.dtype == "float32"
-    assert edge.meta["item"].dtype == "int16"
-    assert edge.meta["item"].shape == graph.node("code2wav").meta["out"]["audio"].step.shape
+    assert graph.node("code2wav").meta["ports"].out["audio"].step.dtype == "float32"
+    assert edge.meta["item"].item.dtype == "int16"
+    assert (
+        edge.meta["item"].item.shape == graph.node("code2wav").meta["ports"].out["audio"].step.shape
+    )
 
 
 def test_image_shapes_follow_height_width_and_vae_scale():
     graph = run_until("infer_types", "text_to_image")
-    latents = _edge(graph, "dit.latents->vae.latents").meta["item"]
-    image = _edge(graph, "vae.image->image.in").meta["item"]
+    latents = _edge(graph, "dit.latents->vae.latents").meta["item"].item
+    image = _edge(graph, "vae.image->image.in").meta["item"].item
     assert latents.shape == (16, 128, 128)
     assert image == TensorSpec("uint8", (1024, 1024, 3))
 
 
 def test_codec_frames_carry_every_codebook():
     graph = run_until("infer_types", "tts")
-    assert _edge(graph, "codec_lm.codes->decoder.codes").meta["item"] == TensorSpec("int64", (16,))
+    assert _edge(graph, "codec_lm.codes->decoder.codes").meta["item"].item == TensorSpec(
+        "int64", (16,)
+    )
 
 
 def test_audio_outputs_take_the_sample_rate_of_their_vocoder():
@@ -48,15 +52,15 @@ def test_audio_outputs_take_the_sample_rate_of_their_vocoder():
     for example in ("omni_chat", "tts"):
         graph = run_until("infer_types", example)
         assert "rate" not in graph.node("audio").params
-        assert graph.node("audio").meta["attrs"] == {"rate": 24000}
-    assert graph.node("codec_lm").meta["out"]  # stages keep their port specs
-    assert run_until("infer_types", "omni_chat").node("text").meta["attrs"] == {}
+        assert graph.node("audio").meta["attrs"].attrs == {"rate": 24000}
+    assert graph.node("codec_lm").meta["ports"].out  # stages keep their port specs
+    assert run_until("infer_types", "omni_chat").node("text").meta["attrs"].attrs == {}
 
 
 def test_a_written_rate_must_be_the_vocoders():
     source = (GRAPHS / "tts.omni").read_text()
     agreeing = source.replace("output audio [stream]", "output audio [stream, rate=24000]")
-    assert run_until("infer_types", agreeing).node("audio").meta["attrs"] == {"rate": 24000}
+    assert run_until("infer_types", agreeing).node("audio").meta["attrs"].attrs == {"rate": 24000}
     wrong = source.replace("output audio [stream]", "output audio [stream, rate=16000]")
     with pytest.raises(PassError, match="pass 'infer_types'") as info:
         run_until("infer_types", wrong)
@@ -68,10 +72,12 @@ def test_a_written_rate_must_be_the_vocoders():
 def test_an_edit_encoder_keeps_the_input_images_tokens():
     graph = run_until("infer_types", "image_edit")
     # A length header, the most tokens the pipeline's input image makes, then max_len.
-    hidden = _edge(graph, "encoder.hidden->dit.cond").meta["item"]
+    hidden = _edge(graph, "encoder.hidden->dit.cond").meta["item"].item
     assert hidden == TensorSpec("bfloat16", (1 + 1675 + 1024, 3584))
-    assert _edge(graph, "dit.latents->vae.latents").meta["item"].shape == (16, 128, 128)
-    assert _edge(graph, "image.out->dit.image").meta["item"] == TensorSpec("uint8", (1024, 1024, 3))
+    assert _edge(graph, "dit.latents->vae.latents").meta["item"].item.shape == (16, 128, 128)
+    assert _edge(graph, "image.out->dit.image").meta["item"].item == TensorSpec(
+        "uint8", (1024, 1024, 3)
+    )
 
 
 def test_a_stage_takes_an_image_exactly_when_its_model_is_conditioned_on_one():

@@ -22,34 +22,42 @@ def two_lms(dev_a="", dev_b="", extra=""):
 def test_every_stage_gets_a_device_and_budgets_fill_but_never_exceed_it():
     graph = run_until("place", "omni_chat")
     for node in graph.stages:
-        assert node.meta["device"] in ("cuda:0", "cuda:1")
-        assert node.meta["budget"] >= node.meta["need"]
-    for device, (used, usable) in graph.meta["device_usage"].items():
-        budgets = sum(n.meta["budget"] for n in graph.stages if n.meta["device"] == device)
-        assert used <= usable and budgets <= usable
+        assert node.meta["placement"].device in ("cuda:0", "cuda:1")
+        assert node.meta["placement"].budget >= node.meta["cost"].need
+    for use in graph.meta["devices"]:
+        here = [n for n in graph.stages if n.meta["placement"].device == use.name]
+        assert (
+            use.used <= use.usable and sum(n.meta["placement"].budget for n in here) <= use.usable
+        )
 
 
 def test_per_token_streams_pull_stages_onto_one_device():
     graph = run_until("place", "omni_chat")
-    assert graph.node("thinker").meta["device"] == graph.node("talker").meta["device"]
-    assert graph.node("code2wav").meta["device"] != graph.node("thinker").meta["device"]
+    assert (
+        graph.node("thinker").meta["placement"].device
+        == graph.node("talker").meta["placement"].device
+    )
+    assert (
+        graph.node("code2wav").meta["placement"].device
+        != graph.node("thinker").meta["placement"].device
+    )
 
 
 def test_slack_goes_to_kv_caches():
     graph = run_until("place", "omni_chat")
     thinker, talker = graph.node("thinker").meta, graph.node("talker").meta
     overhead = Target(()).process_overhead  # each GPU executor's share, charged per stage
-    extra_thinker = thinker["budget"] - thinker["need"] - overhead
-    extra_talker = talker["budget"] - talker["need"] - overhead
-    ratio = thinker["cost"].kv_cache_bytes / talker["cost"].kv_cache_bytes
+    extra_thinker = thinker["placement"].budget - thinker["cost"].need - overhead
+    extra_talker = talker["placement"].budget - talker["cost"].need - overhead
+    ratio = thinker["cost"].cost.kv_cache_bytes / talker["cost"].cost.kv_cache_bytes
     assert extra_thinker / extra_talker == pytest.approx(ratio, rel=1e-3)
 
 
 def test_pins_and_separate_are_honored():
     graph = run_until("place", two_lms(dev_b="@ cuda:1"), devices="2xH200")
-    assert graph.node("b").meta["device"] == "cuda:1"
+    assert graph.node("b").meta["placement"].device == "cuda:1"
     graph = run_until("place", two_lms(extra="separate a, b"), devices="2xH200")
-    assert graph.node("a").meta["device"] != graph.node("b").meta["device"]
+    assert graph.node("a").meta["placement"].device != graph.node("b").meta["placement"].device
 
 
 def test_a_pipeline_that_cannot_fit_names_stage_and_bytes():
@@ -102,11 +110,11 @@ INTERLEAVED = "node0=cuda:0=140GiB,node1=cuda:0=140GiB,node0=cuda:1=140GiB"
 
 def test_a_per_token_stream_stays_within_a_node_and_the_plan_says_why():
     graph = run_until("plan_buffers", two_lms(extra="separate a, b"), devices=INTERLEAVED)
-    assert graph.node("a").meta["device"] == "node0/cuda:0"
-    assert graph.node("b").meta["device"] == "node0/cuda:1"
-    assert "per-token streams stay within a node" in graph.node("b").meta["placed"][0]
+    assert graph.node("a").meta["placement"].device == "node0/cuda:0"
+    assert graph.node("b").meta["placement"].device == "node0/cuda:1"
+    assert "per-token streams stay within a node" in graph.node("b").meta["placement"].placed[0]
     edge = next(e for e in graph.edges if e.name == "a.hidden->b.embeds")
-    assert edge.meta["channel"]["kind"] == "p2p"  # two GPUs of one node
+    assert edge.meta["channel"].kind == "p2p"  # two GPUs of one node
     assert not any("across nodes" in w for w in graph.meta["warnings"])
 
 
@@ -115,8 +123,8 @@ def test_a_per_token_stream_that_must_cross_nodes_is_a_net_edge_with_a_warning()
         "plan_buffers", two_lms(extra="separate a, b"), devices="node0=1xH200,node1=1xH200"
     )
     edge = next(e for e in graph.edges if e.name == "a.hidden->b.embeds")
-    assert edge.meta["channel"]["kind"] == "net"
-    assert edge.meta["channel"].get("device", "") == ""  # frames land in host slots
+    assert edge.meta["channel"].kind == "net"
+    assert edge.meta["channel"].device == ""  # frames land in host slots
     assert any(
         "a.hidden->b.embeds streams per token across nodes (node0 vs node1)" in w
         for w in graph.meta["warnings"]
@@ -125,10 +133,13 @@ def test_a_per_token_stream_that_must_cross_nodes_is_a_net_edge_with_a_warning()
 
 def test_chunked_edges_may_cross_nodes_and_the_frontend_lives_on_the_first():
     graph = run_until("plan_buffers", "omni_chat", devices="node0=1xH100=20GiB,node1=2xH200")
-    kinds = {e.name: e.meta["channel"]["kind"] for e in graph.edges}
+    kinds = {e.name: e.meta["channel"].kind for e in graph.edges}
     # thinker+talker fit only node1; code2wav fits node0: the chunked codes cross
-    assert graph.node("thinker").meta["device"] == graph.node("talker").meta["device"]
-    assert graph.node("thinker").meta["device"].startswith("node1/")
+    assert (
+        graph.node("thinker").meta["placement"].device
+        == graph.node("talker").meta["placement"].device
+    )
+    assert graph.node("thinker").meta["placement"].device.startswith("node1/")
     assert kinds["thinker.hidden->talker.embeds"] == "local"
     assert kinds["talker.codes->code2wav.codes"] == "net"
     assert kinds["prompt.out->thinker.prompt"] == "net"  # the frontend runs on node0

@@ -1,3 +1,4 @@
+from omniflow.passes.facts import Channel
 from omniflow.passes.plan_buffers import DEFAULT_CREDITS, SLOT_ALIGN
 from tests.passes.helpers import run_until
 
@@ -10,18 +11,18 @@ def _channel(graph, name):
 def test_fused_edges_pass_references():
     graph = run_until("plan_buffers", "omni_chat")
     _, channel = _channel(graph, "thinker.hidden->talker.embeds")
-    assert channel == {"kind": "local", "slots": 0, "slot_bytes": 0, "ring_bytes": 0}
+    assert channel == Channel("local") and channel.ring_bytes == 0
 
 
 def test_ring_holds_the_largest_chunk_times_credits_per_batched_request():
     graph = run_until("plan_buffers", "omni_chat")
     edge, channel = _channel(graph, "talker.codes->code2wav.codes")
-    assert channel["kind"] == "p2p"  # talker on cuda:0, code2wav on cuda:1
-    item = edge.meta["item"].item_bytes()
-    assert channel["slot_bytes"] >= item * max(edge.meta["schedule"])
-    assert channel["slot_bytes"] % SLOT_ALIGN == 0
-    assert channel["slots"] == DEFAULT_CREDITS * 64  # code2wav batches 64 requests
-    assert channel["ring_bytes"] == channel["slots"] * channel["slot_bytes"]
+    assert channel.kind == "p2p"  # talker on cuda:0, code2wav on cuda:1
+    item = edge.meta["item"].item.item_bytes()
+    assert channel.slot_bytes >= item * max(edge.meta["schedule"])
+    assert channel.slot_bytes % SLOT_ALIGN == 0
+    assert channel.slots == DEFAULT_CREDITS * 64  # code2wav batches 64 requests
+    assert channel.ring_bytes == channel.slots * channel.slot_bytes
 
 
 def test_whole_edges_hold_the_whole_output_and_credits_can_be_set():
@@ -31,16 +32,13 @@ def test_whole_edges_hold_the_whole_output_and_credits_can_be_set():
     )
     graph = run_until("plan_buffers", src, devices="cpu")
     _, channel = _channel(graph, "lm.tokens->t.in")
-    assert channel["slot_bytes"] == 8 * 96
-    assert channel["slots"] == 3 * 4
-    assert graph.meta["shm_bytes"] == sum(e.meta["channel"]["ring_bytes"] for e in graph.edges)
+    assert channel.slot_bytes == 8 * 96
+    assert channel.slots == 3 * 4
+    assert graph.meta["shm_bytes"] == sum(e.meta["channel"].ring_bytes for e in graph.edges)
 
 
 def _kinds(graph) -> dict[str, tuple[str, str]]:
-    return {
-        e.name: (e.meta["channel"]["kind"], e.meta["channel"].get("device", ""))
-        for e in graph.edges
-    }
+    return {e.name: (e.meta["channel"].kind, e.meta["channel"].device) for e in graph.edges}
 
 
 def test_edge_kinds_follow_placement_on_two_gpus():
@@ -60,7 +58,7 @@ def test_two_processes_on_one_gpu_share_a_device_ring():
     assert kinds["decoder.audio->audio.in"] == ("shm", "")
     device_ring = next(e for e in graph.edges if e.name == "codec_lm.codes->decoder.codes")
     # a device ring is not host shared memory
-    host = sum(e.meta["channel"]["ring_bytes"] for e in graph.edges if e is not device_ring)
+    host = sum(e.meta["channel"].ring_bytes for e in graph.edges if e is not device_ring)
     assert graph.meta["shm_bytes"] == host
 
 
@@ -70,7 +68,9 @@ def test_cpu_keeps_every_crossing_edge_on_host_rings():
 
 
 def test_a_device_ring_comes_out_of_its_consumers_budget():
-    before = run_until("place", "tts", devices="1xH200").node("decoder").meta["budget"]
+    before = run_until("place", "tts", devices="1xH200").node("decoder").meta["placement"].budget
     graph = run_until("plan_buffers", "tts", devices="1xH200")
     ring = next(e for e in graph.edges if e.name == "codec_lm.codes->decoder.codes")
-    assert graph.node("decoder").meta["budget"] == before - ring.meta["channel"]["ring_bytes"]
+    assert (
+        graph.node("decoder").meta["placement"].budget == before - ring.meta["channel"].ring_bytes
+    )

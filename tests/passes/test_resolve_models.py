@@ -7,7 +7,7 @@ from tests.passes.helpers import run_until
 def test_each_stage_gets_its_component_config():
     graph = run_until("resolve_models", "omni_chat")
     thinker, talker, code2wav = (
-        graph.node(n).meta["config"] for n in ("thinker", "talker", "code2wav")
+        graph.node(n).meta["model"].config for n in ("thinker", "talker", "code2wav")
     )
     assert thinker.component == "thinker" and thinker.hidden_size == 3584
     assert talker.component == "talker"

@@ -3,7 +3,8 @@ from tests.passes.helpers import GRAPHS, run_until
 
 
 def _schedule(graph, name):
-    return next(e for e in graph.edges if e.name == name).meta["schedule"]
+    schedule = next(e for e in graph.edges if e.name == name).meta["schedule"]
+    return list(schedule) if schedule is not None else None
 
 
 def test_fixed_chunks_and_whole_edges():

@@ -30,7 +30,7 @@ IDS = ["r0", "r1", "r2"]
 @pytest.fixture(scope="module")
 def trace():
     plan = compile_source(ADAPTED, "adapted.omni")
-    runs_in = {c.name: (c.kind, c.pointwise["runs_in"]) for c in plan.channels}
+    runs_in = {c.name: (c.kind, c.pointwise.runs_in) for c in plan.channels}
     assert runs_in == {
         "x.out->a.in": ("shm", "frontend"),
         "a.out->b.in": ("shm", "a"),

@@ -120,7 +120,7 @@ MAPS = f"""pipeline maps {{
 @pytest.mark.parametrize("mode", ["inprocess", "process"])
 def test_map_chains_run_once_in_every_position(mode):
     plan = compile_source(MAPS, "maps.omni")
-    runs_in = {c.name: (c.kind, c.pointwise["runs_in"]) for c in plan.channels}
+    runs_in = {c.name: (c.kind, c.pointwise.runs_in) for c in plan.channels}
     assert runs_in == {
         "x.out->a.in": ("shm", "frontend"),  # the frontend, on the input side
         "a.out->b.in": ("local", "a+b"),  # a fused edge

@@ -72,7 +72,7 @@ def test_ray_auto_lists_the_clusters_nodes_head_first(cluster):
 @pytest.mark.parametrize("name", sorted(REQUESTS))
 def test_examples_across_nodes_match_the_interpreter(cluster, name):
     plan = compile_file(GRAPHS / f"{name}.omni", devices="ray:auto")
-    assert {d["name"] for d in plan.devices} == {"node0/cpu", "node1/cpu"}
+    assert {d.name for d in plan.devices} == {"node0/cpu", "node1/cpu"}
     reference = Interpreter(plan, "standin")
     with Engine(plan, backends="standin") as engine:  # a ray:auto plan runs on Ray
         assert set(engine.executor_pids) == {p.name for p in plan.executors}

@@ -1,0 +1,151 @@
+"""What the passes write into the IR: one frozen dataclass per fact, under one `meta` key.
+
+Each pass module says which facts it reads (`READS`) and writes (`WRITES`), by key; the
+pipeline (`pipeline.py`) refuses a pass that writes a key it did not declare, and `lower`
+builds the plan from these types alone. A fact is replaced, never mutated (`dataclasses.
+replace`), since copies of a graph share their facts.
+
+| key | on | fact | written by |
+| --- | --- | --- | --- |
+| `model` | model stages | `ModelFacts` | resolve_models |
+| `ports` | inputs, stages | `PortFacts` | infer_types |
+| `attrs` | outputs | `OutputFacts` | infer_types |
+| `item` | edges | `EdgeItem` | infer_types |
+| `cost` | stages | `CostFacts` | estimate_costs |
+| `placement` | stages | `Placement` | place (plan_buffers takes device rings out of budgets) |
+| `devices` | the graph | `tuple[DeviceUse, ...]` | place |
+| `executor` | every node | `str`, its executor's name | fuse_stages |
+| `executors` | the graph | `tuple[ExecutorGroup, ...]` | fuse_stages |
+| `pointwise` | edges with maps | `PointwiseKernel` | fuse_pointwise |
+| `schedule` | edges | `tuple[int, ...] | None` (None: whole output) | size_chunks |
+| `channel` | edges | `Channel` | plan_buffers |
+| `shm_bytes` | the graph | `int` | plan_buffers |
+| `warnings` | the graph | `tuple[str, ...]` | place, plan_buffers |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omniflow.catalog.components import ComponentConfig
+from omniflow.catalog.costs import StageCost
+from omniflow.ir.types import TensorSpec
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """A model stage's component config, and the VAE its denoiser encodes an input image
+    with (an edit pipeline's; None otherwise)."""
+
+    config: ComponentConfig
+    image_encoder: ComponentConfig | None = None
+
+
+@dataclass(frozen=True)
+class PortSteps:
+    """What one request sends on an output port: steps of one spec, at most `max_steps`."""
+
+    step: TensorSpec  # one step of the stream (the whole value for one-shot stages)
+    max_steps: int
+
+    def __str__(self) -> str:
+        return f"{self.step} x{self.max_steps}"
+
+
+@dataclass(frozen=True)
+class PortFacts:
+    """A node's output ports, each with what one request sends on it."""
+
+    out: dict[str, PortSteps] = field(hash=False)
+
+
+@dataclass(frozen=True)
+class OutputFacts:
+    """What the compiler derives of a pipeline output beyond its type (an audio output's
+    `rate`, from its vocoder's config)."""
+
+    attrs: dict = field(hash=False)
+
+
+@dataclass(frozen=True)
+class EdgeItem:
+    """One step on an edge after its adapter and map chain, and how many a request sends."""
+
+    item: TensorSpec
+    max_steps: int
+
+
+@dataclass(frozen=True)
+class CostFacts:
+    """A stage's estimate at its effective batch (doubled on the path of a classifier-free
+    guidance companion, `cfg_input`), and the bytes its budget must cover (`need`: the
+    estimate's total, or the program's explicit `memory=`). `cost` is None for python stages."""
+
+    cost: StageCost | None
+    need: int
+    batch: int = 1
+    cfg_input: str | None = None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a stage runs: its devices (the first is `device`), its memory budget, and per
+    device why it went there."""
+
+    devices: tuple[str, ...]
+    budget: int
+    placed: tuple[str, ...] = ()
+
+    @property
+    def device(self) -> str:
+        return self.devices[0]
+
+
+@dataclass(frozen=True)
+class DeviceUse:
+    """A device of the target: bytes placed on it, bytes usable, its cluster node's id."""
+
+    name: str
+    used: int
+    usable: int
+    node_id: str = ""
+
+
+@dataclass(frozen=True)
+class ExecutorGroup:
+    """One executor: its stages (in topological order), devices, and why its boundaries are
+    where they are."""
+
+    name: str
+    devices: tuple[str, ...]
+    stages: tuple[str, ...]
+    reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PointwiseKernel:
+    """An edge's map chain as one fused kernel (its ops as (name, args)), and the executor
+    that runs it."""
+
+    kernel: str
+    ops: tuple[tuple[str, tuple], ...]
+    in_dtype: str
+    out_dtype: str
+    runs_in: str
+
+
+@dataclass(frozen=True)
+class Channel:
+    """How an edge moves its chunks (`local`, `shm`, `cuda-ipc`, `p2p`, `net`) and its
+    pre-allocated ring: slots of `slot_bytes`, `credits` per request, in `device`'s memory
+    ("" for a host ring)."""
+
+    kind: str
+    slots: int = 0
+    slot_bytes: int = 0
+    credits: int = 0
+    device: str = ""
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.slots * self.slot_bytes
