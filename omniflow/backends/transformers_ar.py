@@ -163,6 +163,16 @@ class Component(ABC):
         token id as sampled."""
         return torch.tensor([[token]])
 
+    def frames(
+        self, seqs: list[Sequence], ids: list[int], hidden: torch.Tensor
+    ) -> list[torch.Tensor | None]:
+        """The `codes` outputs of the tokens `ids` that `seqs` just sampled from their last
+        hidden states `hidden` `[n, H]`, one per sequence: by default each token's `code`. A
+        codec LM whose frame holds more than the sampled token computes the frames here, for
+        the batch at once (Qwen3-Omni's talker: its code predictor fills the other
+        codebooks from the hidden state). The static decode path calls only `code`."""
+        return [self.code(token) for token in ids]
+
     def hidden_value(self, hidden: torch.Tensor, embeds: torch.Tensor, prompt: bool):
         """The `hidden` output of one forward of one request, from its last-layer hidden
         states `[L, H]` and input embeddings `[L, E]` at the positions it fed: by default the
@@ -733,7 +743,9 @@ class TransformersAR(Backend):
             if seq.slot < 0 or seq.call.finished or seq.call.error is not None:
                 continue
             seq.length += 1
-            self._emit(seq, ids[slot], None if launch.hidden is None else launch.hidden[i : i + 1])
+            code = self.component.code(ids[slot]) if "codes" in self.spec.outputs else None
+            hidden = None if launch.hidden is None else launch.hidden[i : i + 1]
+            self._emit(seq, ids[slot], hidden, code)
         self._evict([s for s in launch.seqs if s.call.finished and s.slot >= 0])
 
     def _advance(self, seqs: list[Sequence], hidden: torch.Tensor, values: list) -> None:
@@ -745,10 +757,14 @@ class TransformersAR(Backend):
             ids = _sample_on_device(logits, seqs)
         else:
             ids = _sample_row_by_row(logits, seqs)
-        for seq, token, value in zip(seqs, ids, values, strict=True):
-            self._emit(seq, token, value)
+        codes = [None] * len(seqs)
+        if "codes" in self.spec.outputs:
+            codes = self.component.frames(seqs, ids, hidden)
+        for seq, token, value, code in zip(seqs, ids, values, codes, strict=True):
+            self._emit(seq, token, value, code)
 
-    def _emit(self, seq: Sequence, token: int, value) -> None:
+    def _emit(self, seq: Sequence, token: int, value, code: torch.Tensor | None = None) -> None:
+        """Emit a sampled token and its outputs (`code`: its `codes` value, if any)."""
         call, sampling, outputs = seq.call, seq.sampling, self.spec.outputs
         seq.generated += 1
         seq.last = token
@@ -756,7 +772,7 @@ class TransformersAR(Backend):
             seq.seen[token] = True
         if "tokens" in outputs:
             call.emit("tokens", torch.tensor([[token]]))
-        if "codes" in outputs and (code := self.component.code(token)) is not None:
+        if code is not None:
             call.emit("codes", code)
         if value is not None:
             call.emit("hidden", value)

@@ -2,19 +2,92 @@
 towers) streaming into an MoE talker whose code predictor fills each 12.5 Hz frame's
 codebooks, decoded by the causal ConvNet code2wav.
 
-The compiler knows its published config (parts, costs, placement); no stage runs it yet.
+Run-time half: `thinker_talker` (the thinker and the talker with its code predictor as
+components of the transformers `ar` backend, the adapters of the edges between the
+stages), `code2wav` (the vocoder as a `Decoder`); `checkpoints` (the tiny checkpoint and the
+reference run), `scaled` (the real-size random-weight one). This module also holds the
+layout facts of the published checkpoint that those share, torch-free.
 """
 
 from __future__ import annotations
 
-from omniflow.families.family import Family, Part
+import json
+from pathlib import Path
 
+from omniflow.families.family import AdapterSpec, Family, Part, TinyModel
+
+_HERE = __name__
 _THINKER_TOWERS = {"audio_tower": ("thinker.audio_tower.",), "visual": ("thinker.visual.",)}
+
+ARCHITECTURE = "qwen3_omni_moe"
+REAL_MODEL = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
+
+# Qwen3-Omni's special tokens after Qwen's in its vocabulary (151669 .. 151675 in the real
+# one): the audio markers, the talker's text-side tokens, the audio placeholder.
+AUDIO_TOKENS = ("<|audio_start|>", "<|audio_end|>")
+TTS_TOKENS = (
+    "<tts_pad>",
+    "<tts_text_bos>",
+    "<tts_text_eod>",
+    "<tts_text_bos_single>",
+    "<|audio_pad|>",
+)
+# The talker's codec specials as offsets past its codebook (the published 2048 codes, then
+# pad 2148, bos 2149, end of speech 2150, no-think 2155, think bos 2156, think eos 2157),
+# and its speakers' codec ids (chelsie 2301, ethan 2302, aiden 2303).
+CODEBOOK_OFFSETS = {
+    "codec_pad_id": 100,
+    "codec_bos_id": 101,
+    "codec_eos_token_id": 102,
+    "codec_nothink_id": 107,
+    "codec_think_bos_id": 108,
+    "codec_think_eos_id": 109,
+}
+SPEAKERS = {"chelsie": 253, "ethan": 254, "aiden": 255}
+
+_MEDIA = {
+    "image": "<|vision_start|><|image_pad|><|vision_end|>",
+    "video": "<|vision_start|><|video_pad|><|vision_end|>",
+    "audio": "<|audio_start|><|audio_pad|><|audio_end|>",
+}
+
+
+def chat_template() -> str:
+    """ChatML as Qwen3-Omni renders it: no default system prompt, media parts as their
+    placeholders, the generation prompt `<|im_start|>assistant\\n`."""
+    parts = "".join(f"{{% elif part['type'] == '{kind}' %}}{text}" for kind, text in _MEDIA.items())
+    return (
+        "{% for message in messages %}"
+        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        "{% if part['type'] == 'text' %}{{ part['text'] }}"
+        f"{parts}"
+        "{% endif %}"
+        "{% endfor %}{% endif %}"
+        "<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+def speakers(path: str | Path) -> tuple[str, ...] | None:
+    """The speakers of a local Qwen3-Omni checkpoint (its talker's `speaker_id`), named as
+    `generate` takes them ("Ethan"; it lowers the case); None for any other checkpoint."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    layout = json.loads(config.read_text(encoding="utf-8"))
+    if layout.get("model_type") != ARCHITECTURE:
+        return None
+    names = (layout.get("talker_config") or {}).get("speaker_id") or {}
+    return tuple(sorted(name.capitalize() for name in names)) or None
+
 
 FAMILY = Family(
     name="qwen3_omni",
     doc=__doc__,
-    architectures=("qwen3_omni_moe",),
+    architectures=(ARCHITECTURE,),
     parts={
         "thinker": Part(
             "moe_lm",
@@ -37,4 +110,38 @@ FAMILY = Family(
             "vocoder", ("code2wav_config",), weights=("code2wav.",), defaults={"sample_rate": 24000}
         ),
     },
+    runtime={
+        ("ar", "transformers"): f"{_HERE}.thinker_talker:load",
+        ("vocoder", "transformers"): f"{_HERE}.code2wav:load",
+    },
+    adapters={
+        "qwen3_omni.thinker_to_talker": AdapterSpec(
+            "hidden",
+            "hidden",
+            f"{_HERE}.thinker_talker:thinker_to_talker",
+            "thinker accept-layer hidden states and embeddings -> the talker's conditioning",
+            # Per position: accept-layer hidden state, input embedding, prompt/reply role.
+            source_rows=3,
+            with_prompt=True,
+        ),
+        "qwen3_omni.talker_to_code2wav": AdapterSpec(
+            "codes",
+            "codes",
+            f"{_HERE}.thinker_talker:talker_to_code2wav",
+            "talker frames (16 codebooks) -> code2wav codes (drops any outside the codebook)",
+        ),
+    },
+    speakers=f"{_HERE}:speakers",
+    tiny=(
+        TinyModel(
+            "qwen3-omni",
+            "Qwen3OmniMoeForConditionalGeneration: MoE thinker (with audio and vision "
+            "towers), MoE talker with its 5-layer code predictor over 16 codebooks, causal "
+            "ConvNet code2wav (x1920, 24 kHz)",
+            ("tokenizer", "model", "weights", "save"),
+            f"{_HERE}.checkpoints:build_tiny",
+            counterparts=(REAL_MODEL,),
+        ),
+    ),
+    scaled={REAL_MODEL: f"{_HERE}.scaled:build_scaled"},
 )

@@ -1,0 +1,530 @@
+"""Qwen3-Omni's thinker and talker as components of the transformers `ar` backend, and the
+named adapters of the edges between the stages.
+
+It reproduces what `Qwen3OmniMoeForConditionalGeneration.generate` does, with streamed
+inputs. There the talker's input embeddings are built from the thinker's run:
+
+- the user part: one row per prompt position in a user turn (a position whose last
+  `<|im_start|>` is followed by `user`), the talker's `text_projection` of that position's
+  thinker input embedding (at an audio/image/video placeholder, `hidden_projection` of the
+  thinker's hidden state of layer `accept_hidden_layer`; with 3-D talker positions from
+  the media's grids: the thinker stage takes text prompts, and the talker refuses a prompt
+  with placeholders);
+- the assistant part, from A = the `text_projection` of the thinker input embeddings from
+  the last `<|im_start|>assistant` on (its 3 prompt positions, then the generated tokens):
+  A0..A2 with no codec row, four tts pad rows plus the codec rows no-think, think bos,
+  think eos and the speaker, tts bos plus codec pad, A3 (the first reply token) plus codec
+  bos;
+- decode step t feeds the sum of the 16 codebook embeddings of frame t (the talker's own
+  for codebook 0, the code predictor's for the others) plus A[4 + t], then tts eos once the
+  text is spent, then tts pad for ever. The last generated token is never fed back to the
+  thinker, so A has no row for it (as in `generate`).
+
+Each talker step samples codebook 0 of a frame from the codec head (the upper 1024 ids
+suppressed but end of speech, repetition penalty over the codes it sampled); its 5-layer
+code predictor then generates codebooks 1..15 from the talker's last hidden state and that
+code, 15 steps of its own (`Talker.frames`). The stage emits each frame whole on `codes`,
+int64 `[1, 16]`, as it is sampled. `generate` runs the code predictor one step later (in
+the step that feeds the frame back), so a talker stopped by `talker_max_new_tokens=N` makes
+N - 1 frames there and N here; before the end of speech they agree frame for frame.
+
+What travels on `thinker.hidden -> talker.embeds` is one item per thinker input position,
+`[3, H]` in the thinker's dtype: the hidden state of layer `accept_hidden_layer`, the input
+embedding, and a role row (all 0 for a prompt position, all 1 for a generated token). The
+prompt's positions come in the prefill step, then one per decode step. `generate` finds
+the user turns, the assistant's turn and the media placeholders in the input ids; the
+talker finds them in the embeddings, which are those ids' rows of the thinker's table (it
+reads the rows of `<|im_start|>`, `user`, `assistant` and the placeholders from the
+checkpoint). The adapter `thinker_to_talker` passes the items as they are.
+
+Loading: `Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained` (or the talker's) on
+the full checkpoint directory materializes only that part's tensors, bit-equal to the same
+part of the full model: the thinker with its audio and vision towers (unused on text
+prompts), or the talker with its code predictor. transformers 5.24 merges the checkpoint's
+per-expert MoE weights into its fused expert tensors by `model_type`, for the whole model
+and the thinker but not for the talker loaded alone, so `load` registers the same merge
+for the talker's class first.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from omniflow.backends.checkpoint_files import CONFIG, read_json
+from omniflow.backends.sampling_params import Sampling
+from omniflow.backends.transformers_ar import (
+    ARBackendError,
+    CausalLM,
+    Component,
+    Prompt,
+    Sequence,
+    _warp,
+)
+from omniflow.families.qwen3_omni import CODEBOOK_OFFSETS
+from omniflow.plan import StagePlan
+from omniflow.runtime.stage import Call
+
+ROLE_PROMPT, ROLE_REPLY = 0.0, 1.0
+THINKER_EMBEDDINGS = "thinker.model.embed_tokens.weight"
+# `generate` suppresses the talker's top 1024 ids but the end of speech.
+SUPPRESSED_SPECIALS = 1024
+_STATE = "qwen3_omni"  # a talker request's conditioning in call.state
+_FRAME = "qwen3_omni.frame"  # the frame a talker request sampled last, [16] on the device
+
+
+# --- adapters ---------------------------------------------------------------------------------
+
+
+def thinker_to_talker(source: StagePlan) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Thinker items `[n, 3, H]` (accept-layer hidden state, input embedding, role) -> the
+    talker's conditioning, the same items: the talker projects them itself."""
+    return _items
+
+
+def _items(items: torch.Tensor) -> torch.Tensor:
+    return items
+
+
+def talker_to_code2wav(source: StagePlan) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Talker frames `[n, 16]` -> the frames code2wav embeds (any with an id outside the
+    codebook dropped). The codebook size comes from the model catalog, which knows real
+    checkpoints without fetching them."""
+    from omniflow.catalog import load_component_config
+
+    codebook = load_component_config(source.model, "code2wav").config["codebook_size"]
+
+    def frames(codes: torch.Tensor) -> torch.Tensor:
+        return codes[((codes >= 0) & (codes < codebook)).all(dim=1)]
+
+    return frames
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+
+def load(path: str, component: str | None, device: str, dtype) -> Component:
+    """The thinker or the talker of the checkpoint at `path`, alone."""
+    from transformers import (
+        AutoTokenizer,
+        Qwen3OmniMoeTalkerForConditionalGeneration,
+        Qwen3OmniMoeThinkerForConditionalGeneration,
+    )
+
+    classes = {
+        "thinker": Qwen3OmniMoeThinkerForConditionalGeneration,
+        "talker": Qwen3OmniMoeTalkerForConditionalGeneration,
+    }
+    if component not in classes:
+        raise ARBackendError(
+            f"Qwen3-Omni has no '{component}' language model; use component=\"thinker\" or "
+            '"talker" (code2wav runs on a vocoder stage)'
+        )
+    register_talker_expert_merge()
+    model, info = classes[component].from_pretrained(path, dtype=dtype, output_loading_info=True)
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise ARBackendError(f"{path}: the {component} lacks weights {', '.join(missing[:5])}")
+    model = model.to(device).eval()
+    layout = read_json(path, CONFIG) or {}
+    if component == "thinker":
+        return Thinker(model, AutoTokenizer.from_pretrained(path), layout)
+    return Talker(model, path, layout)
+
+
+@functools.cache
+def register_talker_expert_merge() -> None:
+    """Have transformers merge the talker's per-expert checkpoint weights into its fused
+    expert tensors when the talker loads alone, as it does for the whole model (the merge of
+    every Qwen2-MoE-style model, which it registers by `model_type` for the whole model and
+    the thinker, and which the talker's config does not name)."""
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+
+    name = "Qwen3OmniMoeTalkerForConditionalGeneration"
+    if get_checkpoint_conversion_mapping(name) is None:
+        register_checkpoint_conversion_mapping(name, get_checkpoint_conversion_mapping("qwen2_moe"))
+
+
+def thinker_embedding_rows(path: str, ids: list[int]) -> torch.Tensor:
+    """Rows `ids` of the thinker's input embedding table, read without loading the table."""
+    from safetensors import safe_open
+    from transformers.utils import cached_file
+
+    index = cached_file(
+        path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False
+    )
+    if index is None:
+        filename = "model.safetensors"
+    else:
+        with open(index, encoding="utf-8") as f:
+            filename = json.load(f)["weight_map"][THINKER_EMBEDDINGS]
+    with safe_open(cached_file(path, filename), "pt") as f:
+        table = f.get_slice(THINKER_EMBEDDINGS)
+        return torch.cat([table[i : i + 1] for i in ids])
+
+
+def generate_default(name: str):
+    """A default of `Qwen3OmniMoeForConditionalGeneration.generate` (the talker's sampling,
+    the speaker and the thinker's end of turn are set there, not in a generation config)."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    return inspect.signature(Qwen3OmniMoeForConditionalGeneration.generate).parameters[name].default
+
+
+def _top_level(layout: dict, key: str):
+    """A token id of the whole model's config (its class default where the file has none)."""
+    if key in layout:
+        return layout[key]
+    from transformers import Qwen3OmniMoeConfig
+
+    return getattr(Qwen3OmniMoeConfig, key)
+
+
+# --- the thinker -------------------------------------------------------------------------------
+
+
+class _WithAcceptLayer(nn.Module):
+    """The thinker's text model, whose `last_hidden_state` also carries the hidden state
+    the talker accepts: `[..., 2H]`, the final (normed) state then that of layer
+    `accept_hidden_layer` (generate's `hidden_states[accept_hidden_layer]`: the output of
+    layer `accept_hidden_layer - 1`; 0 is the input embedding)."""
+
+    def __init__(self, text_model: nn.Module, layer: int):
+        super().__init__()
+        self.text_model = text_model
+        self.layer = layer
+        self.captured: torch.Tensor | None = None
+        if 0 < layer < len(text_model.layers):
+            text_model.layers[layer - 1].register_forward_hook(self._capture)
+
+    def _capture(self, module, args, output) -> None:
+        self.captured = output[0] if isinstance(output, tuple) else output
+
+    def forward(self, inputs_embeds, **kwargs):
+        out = self.text_model(inputs_embeds=inputs_embeds, **kwargs)
+        final = out.last_hidden_state
+        if self.layer == 0:
+            accepted = inputs_embeds
+        elif self.layer >= len(self.text_model.layers):
+            accepted = final
+        else:
+            accepted, self.captured = self.captured, None
+        out.last_hidden_state = torch.cat((final, accepted.to(final.dtype)), dim=-1)
+        return out
+
+
+class Thinker(CausalLM):
+    """The thinker on text prompts: a causal LM (ending at `<|im_end|>`, as `generate`
+    ends it) whose `hidden` output is the talker's conditioning, one `[3, H]` item per
+    position it feeds."""
+
+    def __init__(self, model, tokenizer, layout: dict):
+        super().__init__(model, tokenizer)
+        self.width = model.config.text_config.hidden_size
+        layer = (layout.get("talker_config") or {}).get("accept_hidden_layer")
+        if layer is None:
+            from transformers import Qwen3OmniMoeTalkerConfig
+
+            layer = Qwen3OmniMoeTalkerConfig().accept_hidden_layer
+        self.decoder = _WithAcceptLayer(self.decoder, layer)
+        # generate() ends the thinker at `thinker_eos_token_id`: the model's <|im_end|>.
+        self.eos_ids = frozenset({int(_top_level(layout, "im_end_token_id"))})
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden[..., : self.width]).float()
+
+    def hidden_value(self, hidden: torch.Tensor, embeds: torch.Tensor, prompt: bool):
+        accepted = hidden[..., self.width :]
+        role = torch.full_like(accepted, ROLE_PROMPT if prompt else ROLE_REPLY)
+        return torch.stack((accepted, embeds.to(accepted.dtype), role), dim=1)
+
+    def hidden_rows(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        return self.hidden_value(hidden, embeds, prompt=False)
+
+
+# --- the talker ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _Conditioning:
+    """A talker request's thinker items received so far (on the device)."""
+
+    prompt: list[torch.Tensor] = field(default_factory=list)  # chunks [k, 3, H]
+    replies: list[torch.Tensor] = field(default_factory=list)  # embeddings [H]
+    user: torch.Tensor | None = None  # [u, D]: the user part, projected
+    assistant: list[torch.Tensor] = field(default_factory=list)  # A, projected, [D] each
+    projected: int = 0  # replies projected into `assistant` so far
+    complete: bool = False  # the prompt's rows are all in and segmented
+
+
+class Talker(Component):
+    """The talker and its code predictor: frames of 16 codebooks conditioned on the
+    thinker's items and a speaker (the stage's `speaker` parameter, else `generate`'s
+    default)."""
+
+    inputs = {"embeds": ("hidden",)}
+    required = frozenset({"embeds"})
+    outputs = frozenset({"codes", "tokens", "hidden"})
+
+    def __init__(self, model, path: str, layout: dict):
+        config = model.config
+        self.model = model
+        self.decoder = model.model
+        self.head = model.codec_head
+        self.embed = model.get_input_embeddings()
+        self.predictor = model.code_predictor
+        self.groups = config.num_code_groups
+        self.thinker_width = config.thinker_hidden_size
+        vocab = config.text_config.vocab_size
+        eos = config.codec_eos_token_id
+        self.eos_ids = frozenset({eos})
+        self.suppress = tuple(i for i in range(vocab - SUPPRESSED_SPECIALS, vocab) if i != eos)
+        self.defaults = _talker_defaults()
+        self.codec = {name: getattr(config, name) for name in CODEBOOK_OFFSETS}
+        self.speakers = {name.lower(): int(i) for name, i in (config.speaker_id or {}).items()}
+        self.default_speaker = generate_default("speaker")
+        weight = self.embed.weight
+        tts = [_top_level(layout, f"tts_{t}_token_id") for t in ("bos", "eos", "pad")]
+        keys = ("im_start_token_id", "assistant_token_id", "user_token_id")
+        markers = [_top_level(layout, key) for key in keys]
+        # The placeholders as generate's multimodal mask reads them: the thinker's ids.
+        thinker = layout.get("thinker_config") or {}
+        media = [
+            thinker.get(key, getattr(config, key))
+            for key in ("audio_token_id", "image_token_id", "video_token_id")
+        ]
+        rows = thinker_embedding_rows(path, [*tts, *markers, *media]).to(weight.device)
+        with torch.inference_mode():
+            special = self.model.text_projection(rows[None, :3].to(weight.dtype))[0]
+        self.tts_bos, self.tts_eos, self.tts_pad = special.unbind()
+        # The thinker's embedding rows of <|im_start|>, `assistant`, `user` and the media
+        # placeholders: where the prompt's turns and placeholders are.
+        self.markers = rows[3:]
+
+    # --- conditioning -----------------------------------------------------------------------
+    def has_news(self, call: Call) -> bool:
+        return call.inputs["embeds"].available()
+
+    def receive(self, calls: list[Call]) -> None:
+        for call in calls:
+            chunk = call.inputs["embeds"].take()
+            if call.error is not None:
+                continue
+            if chunk is not None:
+                self._take(call, chunk)
+            cond = call.state.get(_STATE)
+            ended = call.inputs["embeds"].ended
+            if cond is not None and not cond.complete and (cond.replies or ended):
+                try:
+                    self._segment(cond)
+                except ARBackendError as err:
+                    call.fail(err)
+
+    def _take(self, call: Call, chunk: torch.Tensor) -> None:
+        """Keep a chunk of thinker items: prompt positions, then replies' embeddings."""
+        if chunk.dim() != 3 or tuple(chunk.shape[1:]) != (3, self.thinker_width):
+            call.fail(
+                ARBackendError(
+                    f"the talker takes thinker items [n, 3, {self.thinker_width}] through "
+                    f"adapter qwen3_omni.thinker_to_talker; got {list(chunk.shape)}"
+                )
+            )
+            return
+        # A copy: the chunk may be a view into a channel slot released after the step.
+        chunk = chunk.to(self.embed.weight.device, copy=True)
+        reply = (chunk[:, 2, 0] == ROLE_REPLY).tolist()
+        prompt = reply.index(True) if True in reply else len(reply)
+        cond = call.state.setdefault(_STATE, _Conditioning())
+        if (cond.replies and prompt) or not all(reply[prompt:]):
+            call.fail(ARBackendError("thinker prompt rows arrived after its reply rows"))
+            return
+        if prompt:
+            cond.prompt.append(chunk[:prompt])
+        cond.replies.extend(chunk[prompt:, 1].unbind())
+
+    def _segment(self, cond: _Conditioning) -> None:
+        """Project the prompt as `generate` does, once all its rows are in: the user part,
+        and the assistant's turn's rows, the start of A."""
+        if not cond.prompt:
+            raise ARBackendError("the thinker sent no prompt rows")
+        items = torch.cat(cond.prompt)
+        embeds = items[:, 1]
+        markers = self.markers.to(embeds.dtype)
+        found = (embeds[:, None] == markers[None]).all(dim=-1)  # [L, 6]
+        im_start, assistant, user = found[:, 0], found[:, 1], found[:, 2]
+        media = found[:, 3:].any(dim=1)
+        length = len(items)
+        positions = torch.arange(length, device=embeds.device)
+        # Each position's role token: the one after the last <|im_start|> at or before it.
+        starts = torch.where(im_start, positions, torch.full_like(positions, -1))
+        role = (torch.cummax(starts, dim=0).values.clamp_min(0) + 1).clamp_max(length - 1)
+        in_user = user[role]
+        opens = (im_start[:-1] & assistant[1:]).nonzero().flatten()
+        if not len(opens):
+            raise ARBackendError(
+                "the talker speaks the assistant's turn, and the prompt has none "
+                "(no <|im_start|>assistant)"
+            )
+        if media.any():
+            # generate projects these positions' accept-layer states (`hidden_projection`)
+            # and gives the talker 3-D positions from the media's grids and audio lengths,
+            # which the thinker's items do not carry.
+            raise ARBackendError(
+                "the prompt has audio, image or video placeholders; the talker speaks "
+                "replies to text prompts only"
+            )
+        projection = self.model.text_projection
+        dtype = self.embed.weight.dtype
+        # All the prompt's positions in one projection (as generate does), the user's kept.
+        cond.user = projection(embeds.to(dtype))[in_user]
+        start = int(opens[-1])
+        cond.assistant = list(projection(embeds[start:].to(dtype)).unbind())
+        cond.complete = True
+
+    def _project_replies(self, cond: _Conditioning, upto: int) -> None:
+        """Project the replies received so far that A needs up to row `upto`."""
+        first = cond.projected
+        last = min(len(cond.replies), upto - (len(cond.assistant) - first) + 1)
+        if last > first:
+            rows = torch.stack(cond.replies[first:last]).to(self.embed.weight.dtype)
+            cond.assistant.extend(self.model.text_projection(rows).unbind())
+            cond.projected = last
+
+    def _known(self, call: Call, row: int) -> bool:
+        """Whether the text-side row `row` of the request's A stream is known yet."""
+        cond = call.state[_STATE]
+        prompt_rows = len(cond.assistant) - cond.projected
+        return row < prompt_rows + len(cond.replies) or call.inputs["embeds"].ended
+
+    def _text(self, cond: _Conditioning, row: int) -> torch.Tensor:
+        """Row `row` of A, then tts eos, then tts pad (call once it is known)."""
+        self._project_replies(cond, row)
+        if row < len(cond.assistant):
+            return cond.assistant[row]
+        return self.tts_eos if row == len(cond.assistant) else self.tts_pad
+
+    def can_start(self, call: Call) -> bool:
+        cond = call.state.get(_STATE)
+        if cond is None:  # nothing came: `prompt` fails the request
+            return call.inputs["embeds"].ended
+        return cond.complete and self._known(call, 3)
+
+    def prompt(self, call: Call) -> Prompt:
+        cond = call.state.get(_STATE)
+        if cond is None:
+            raise ARBackendError("the thinker sent no prompt rows")
+        speaker = str((call.params or {}).get("speaker") or self.default_speaker)
+        if speaker.lower() not in self.speakers:
+            raise ARBackendError(
+                f"unknown speaker '{speaker}'; this model has "
+                + ", ".join(sorted(name.capitalize() for name in self.speakers))
+            )
+        text = torch.stack(
+            [self._text(cond, row) for row in range(3)]
+            + [self.tts_pad] * 4
+            + [self.tts_bos, self._text(cond, 3)]
+        )
+        c = self.codec
+        ids = [c["codec_nothink_id"], c["codec_think_bos_id"], c["codec_think_eos_id"]]
+        ids += [self.speakers[speaker.lower()], c["codec_pad_id"], c["codec_bos_id"]]
+        codec = self.embed(torch.tensor(ids, device=text.device))
+        codec = torch.cat((codec.new_zeros(3, codec.shape[1]), codec))
+        return Prompt(torch.cat((cond.user, text + codec)), [])
+
+    def can_step(self, seq: Sequence) -> bool:
+        # The prefill fed A[3]; the decode step after n sampled frames feeds A[3 + n].
+        return self._known(seq.call, 3 + seq.next_step)
+
+    def step_embeds(self, seqs: list[Sequence]) -> torch.Tensor:
+        """A decode step's input: the summed embeddings of the frame sampled last (codebook 0
+        by the talker's table, 1..15 by the code predictor's), plus A[3 + frames sampled]
+        (then tts eos, then tts pad)."""
+        frames = torch.stack([s.call.state[_FRAME] for s in seqs])
+        tables = self.predictor.model.codec_embedding
+        codec = [self.embed(frames[:, 0])]
+        codec += [tables[g - 1](frames[:, g]) for g in range(1, self.groups)]
+        summed = torch.stack(codec, dim=1).sum(dim=1)
+        text = [self._text(s.call.state[_STATE], 3 + s.next_step) for s in seqs]
+        return summed + torch.stack(text)
+
+    # --- the code predictor -----------------------------------------------------------------
+    def frames(self, seqs: list[Sequence], ids: list[int], hidden: torch.Tensor):
+        """Each sampled codebook-0 code's frame `[1, 16]`: the code predictor's 15 steps from
+        the talker's last hidden state and that code's embedding (batched over the rows that
+        did not end the speech); None for the end of speech."""
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        rows = [i for i, token in enumerate(ids) if token not in self.eos_ids]
+        if not rows:
+            return out
+        device = hidden.device
+        first = torch.tensor([ids[i] for i in rows], device=device)
+        sub = [seqs[i] for i in rows]
+        inputs = torch.stack((hidden[rows], self.embed(first)), dim=1)
+        codes = [first]
+        cache = _new_cache(self.predictor.model.config)
+        model, heads = self.predictor.model, self.predictor.lm_head
+        tables = model.codec_embedding
+        for group in range(1, self.groups):
+            states = model(inputs_embeds=inputs, cache=cache, use_cache=True).last_hidden_state
+            logits = heads[group - 1](states)[:, -1].float()
+            code = _sample_codes(logits, sub)
+            codes.append(code)
+            inputs = tables[group - 1](code)[:, None]
+        frames = torch.stack(codes, dim=1)
+        host = frames.cpu()  # one read-back for the batch
+        for j, (i, seq) in enumerate(zip(rows, sub, strict=True)):
+            seq.call.state[_FRAME] = frames[j]
+            out[i] = host[j : j + 1]
+        return out
+
+
+# What `generate` has the code predictor sample with when the talker samples.
+_PREDICTOR_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.8}
+
+
+def _sample_codes(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """One code predictor step's codes: greedy where the talker decodes greedily, else
+    drawn from the request's generator with the code predictor's sampling (`generate`'s
+    top-k 50, top-p 0.8, its generation config's temperature 1)."""
+    chosen = []
+    for row, seq in zip(logits, seqs, strict=True):
+        if seq.generator is None:
+            chosen.append(row.argmax())
+            continue
+        sampling = Sampling(**_PREDICTOR_SAMPLING, **_UNUSED)
+        probs = _warp(row, sampling).softmax(-1)
+        chosen.append(torch.multinomial(probs, 1, generator=seq.generator)[0])
+    return torch.stack(chosen)
+
+
+_UNUSED = {
+    "repetition_penalty": 1.0,
+    "max_tokens": 0,
+    "seed": None,
+    "stop_ids": frozenset(),
+    "stop_strings": (),
+}
+
+
+def _new_cache(config):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=config)
+
+
+def _talker_defaults() -> dict:
+    """The talker's sampling defaults, which `generate` sets, not a generation config."""
+    names = ("temperature", "top_p", "top_k", "repetition_penalty")
+    defaults = {name: generate_default(f"talker_{name}") for name in names}
+    if not generate_default("talker_do_sample"):
+        defaults["temperature"] = 0.0
+    return defaults
