@@ -157,6 +157,7 @@ class Server:
                 metrics.rtf.labels(name).observe(
                     (timeline.ended - timeline.began) / timeline.audio_seconds
                 )
+                metrics.underrun.labels(name).observe(timeline.playback.underrun)
         metrics.audio_seconds.labels(name).inc(timeline.audio_seconds)
         metrics.text_tokens.labels(name).inc(timeline.text_tokens)
         stats = run.served.stats.take(run.request_id)

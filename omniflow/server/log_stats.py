@@ -52,6 +52,7 @@ def e2e_row(run, stats: RequestStats) -> dict:
     if timeline.audio_seconds:
         row["audio_s"] = round(timeline.audio_seconds, 3)
         row["rtf"] = round((timeline.ended - timeline.began) / timeline.audio_seconds, 4)
+        row["underrun_s"] = round(timeline.playback.underrun, 3)
     return row
 
 

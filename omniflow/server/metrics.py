@@ -39,6 +39,8 @@ from omniflow.runtime.control import BATCH_BOUNDS, HANDOFF_NS_BOUNDS, STEP_NS_BO
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 RTF_BUCKETS = (0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 4, 8, 16)
+# Underrun: 0 (gapless) is the goal; 0.1 s a listener barely notices, seconds it does.
+UNDERRUN_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 INSPECT_TIMEOUT_S = 2.0  # a scrape does not wait longer for the executors' answer
 
 
@@ -81,6 +83,14 @@ class Metrics:
             "(below 1: faster than real time)",
             ["model"],
             buckets=RTF_BUCKETS,
+            registry=r,
+        )
+        self.underrun = Histogram(
+            "omniflow_playback_underrun_seconds",
+            "Seconds a listener who starts playing a reply's audio at its first packet waits "
+            "for later packets, per reply with audio",
+            ["model"],
+            buckets=UNDERRUN_BUCKETS,
             registry=r,
         )
         self.audio_seconds = Counter(

@@ -27,6 +27,7 @@ from omniflow.runtime.engine import RequestCancelled
 from omniflow.runtime.requests import Admitted, RequestFailed
 from omniflow.runtime.transport import EngineError
 from omniflow.server.errors import APIError
+from omniflow.server.playback import Playback
 
 DEFAULT_RATE = 24000
 
@@ -40,6 +41,7 @@ class Timeline:
     text_tokens: int = 0  # text chunks as they come; the stage's count once it ends
     audio_samples: int = 0
     rate: int = DEFAULT_RATE
+    playback: Playback = field(default_factory=Playback)  # a listener from the first packet
 
     def seconds(self, at: float | None) -> float | None:
         return None if at is None else at - self.began
@@ -172,9 +174,11 @@ class Run:
                                 self.timeline.first_text = time.perf_counter()
                             value, self.stopped = scanner.feed(value)
                         elif self.types[chunk.output] == "audio":
+                            now, samples = time.perf_counter(), _samples(value)
                             if self.timeline.first_audio is None:
-                                self.timeline.first_audio = time.perf_counter()
-                            self.timeline.audio_samples += _samples(value)
+                                self.timeline.first_audio = now
+                            self.timeline.audio_samples += samples
+                            self.timeline.playback.arrived(now, samples / self.timeline.rate)
                         if value != "":
                             yield chunk.output, value
                         if self.stopped:

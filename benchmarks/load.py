@@ -1,0 +1,204 @@
+"""Claim: an omni chat pipeline stays real time under load, as the peer's benchmark client
+measures it: every request served (queued rather than refused), the first audio packet
+soon, and no playback gaps for a listener who starts at the first packet.
+
+Serves one chat graph with `omniflow run` and sends the peer's workload over HTTP (SSE,
+text and audio): `--prompt-tokens` of prompt, `--max-tokens` text tokens, `--audio-tokens`
+talker codes, from `c` clients at once for each `--concurrency` c (closed loop, `--rounds`
+requests each). Per level it prints TTFT, TTFP (median and p90), E2E, RTF (medians), audio
+seconds per wall second, the playback underrun (p90, p99: `omniflow.server.playback`, the
+same arithmetic the server exports) and how many requests got 503.
+
+    python benchmarks/load.py --tiny --concurrency 1 4                    # on the tiny models
+    python benchmarks/load.py --devices 1xH200 --scaled 1 --concurrency 1 10 32 64
+    python benchmarks/load.py --graph graphs/qwen3_omni.omni --devices 1xH200 --scaled 1
+
+`--scaled DEPTH` serves the graph on a random-weight build of its model at the real widths
+and DEPTH x its layers (`omniflow.checkpoints.scaled`, built once into the cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.serve import Server, percentile  # noqa: E402
+from omniflow.server.playback import Playback  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RATE = 24000
+
+
+def prompt_of(tokens: int) -> str:
+    """A user turn of about `tokens` tokens (short common words, about one token each)."""
+    words = [
+        "tell",
+        "me",
+        "about",
+        "the",
+        "sea",
+        "and",
+        "the",
+        "ships",
+        "that",
+        "sail",
+        "on",
+        "it",
+        "at",
+        "night",
+    ]
+    return " ".join(words[i % len(words)] for i in range(tokens))
+
+
+async def chat(client: httpx.AsyncClient, model: str, seed: int, workload: dict) -> dict:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": workload["prompt"]}],
+        "modalities": ["text", "audio"],
+        "audio": {"format": "pcm16"},
+        "stream": True,
+        "seed": seed,
+        "max_tokens": workload["max_tokens"],
+        "max_audio_tokens": workload["audio_tokens"],
+    }
+    began = time.perf_counter()
+    first_text = first_audio = None
+    playback, audio_s = Playback(), 0.0
+    async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+        if reply.status_code == 503:
+            await reply.aread()
+            return {"refused": True}
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(event["error"]["message"])
+            if not event["choices"]:
+                continue
+            delta, now = event["choices"][0]["delta"], time.perf_counter()
+            if delta.get("content") and first_text is None:
+                first_text = now
+            if (audio := delta.get("audio")) and audio.get("data"):
+                first_audio = first_audio or now
+                seconds = len(base64.b64decode(audio["data"])) / 2 / RATE
+                playback.arrived(now, seconds)
+                audio_s += seconds
+    ended = time.perf_counter()
+    return {
+        "refused": False,
+        "ttft": None if first_text is None else (first_text - began) * 1e3,
+        "ttfp": None if first_audio is None else (first_audio - began) * 1e3,
+        "e2e": ended - began,
+        "rtf": (ended - began) / audio_s if audio_s else None,
+        "audio_s": audio_s,
+        "underrun": playback.underrun,
+    }
+
+
+async def level(base: str, model: str, workload: dict, clients: int, rounds: int):
+    """`clients` closed-loop clients, `rounds` requests each: (results, wall seconds)."""
+    limits = httpx.Limits(max_connections=clients)
+    async with httpx.AsyncClient(base_url=base, timeout=1800, limits=limits) as client:
+
+        async def one_client(k: int) -> list[dict]:
+            return [
+                await chat(client, model, 1000 + k * rounds + r, workload) for r in range(rounds)
+            ]
+
+        began = time.perf_counter()
+        results = await asyncio.gather(*(one_client(k) for k in range(clients)))
+        return [r for rs in results for r in rs], time.perf_counter() - began
+
+
+def report(clients: int, results: list[dict], wall: float) -> str:
+    served = [r for r in results if not r["refused"]]
+    refused = len(results) - len(served)
+
+    def col(key: str, q: float | None = None) -> str:
+        values = [r[key] for r in served if r[key] is not None]
+        if not values:
+            return "-"
+        value = statistics.median(values) if q is None else percentile(values, q)
+        return f"{value:.0f}" if key in ("ttft", "ttfp") else f"{value:.2f}"
+
+    audio = sum(r["audio_s"] for r in served)
+    return (
+        f"{clients:>4} {len(served):>6} {refused:>4} {col('ttft'):>8} {col('ttfp'):>8} "
+        f"{col('ttfp', 0.9):>8} {col('e2e'):>7} {col('rtf'):>6} {audio / wall:>8.2f} "
+        f"{col('underrun', 0.9):>8} {col('underrun', 0.99):>8}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--graph", default=str(ROOT / "graphs" / "omni_chat.omni"))
+    parser.add_argument("--devices", default="cpu")
+    parser.add_argument("--tiny", action="store_true", help="the graph's tiny models")
+    parser.add_argument("--scaled", type=float, help="a random-weight build at DEPTH x layers")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 10])
+    parser.add_argument("--rounds", type=int, default=1, help="requests each client sends")
+    parser.add_argument("--prompt-tokens", type=int, default=100)
+    parser.add_argument("--max-tokens", type=int, default=100)
+    parser.add_argument("--audio-tokens", type=int, default=1250)
+    parser.add_argument("--server-args", default="", help="more `omniflow run` flags")
+    args = parser.parse_args()
+    source = Path(args.graph).read_text()
+    name = re.search(r"pipeline (\w+)", source).group(1)
+    flags = ["--devices", args.devices, *args.server_args.split()]
+    with tempfile.TemporaryDirectory() as folder:
+        graph = Path(args.graph)
+        if args.scaled:
+            from omniflow.checkpoints.scaled import scaled_checkpoint
+
+            model = re.search(r'model "([^"]+)"', source).group(1)
+            device = "cpu" if args.devices == "cpu" else "cuda"
+            path = scaled_checkpoint(model, args.scaled, device)
+            graph = Path(folder) / graph.name
+            graph.write_text(source.replace(f'model "{model}"', f"model {json.dumps(str(path))}"))
+        elif args.tiny:
+            flags.append("--tiny")
+        server = Server([str(graph), *flags])
+        workload = {
+            "prompt": prompt_of(args.prompt_tokens),
+            "max_tokens": args.max_tokens,
+            "audio_tokens": args.audio_tokens,
+        }
+        try:
+            asyncio.run(level(server.base, name, {**workload, "audio_tokens": 24}, 1, 1))  # warm
+            rows = []
+            for clients in args.concurrency:
+                results, wall = asyncio.run(
+                    level(server.base, name, workload, clients, args.rounds)
+                )
+                rows.append(report(clients, results, wall))
+                print(rows[-1], flush=True)
+        finally:
+            server.stop()
+    print(
+        f"\n{name} on {args.devices}{' (scaled ' + str(args.scaled) + ')' if args.scaled else ''}: "
+        f"{args.prompt_tokens} prompt tokens, {args.max_tokens} text tokens, "
+        f"{args.audio_tokens} codes; {args.rounds} request(s) per client"
+    )
+    print(
+        f"{'c':>4} {'served':>6} {'503':>4} {'TTFT ms':>8} {'TTFP ms':>8} {'p90':>8} "
+        f"{'E2E s':>7} {'RTF':>6} {'audio/s':>8} {'stall90':>8} {'stall99':>8}"
+    )
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
