@@ -219,7 +219,21 @@ def make_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="[PIPELINE=]N",
-        help="requests admitted at once (default: the plan's capacity); beyond it: 503",
+        help="requests run at once (default: the plan's capacity); beyond it they queue",
+    )
+    serving.add_argument(
+        "--max-queue",
+        action="append",
+        default=[],
+        metavar="[PIPELINE=]N",
+        help="requests that may wait for a slot (default 4 x --max-in-flight); beyond: 503",
+    )
+    serving.add_argument(
+        "--max-queue-wait",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="longest a request waits for a slot before a 503 (default 600)",
     )
     serving.add_argument(
         "--max-body-bytes",

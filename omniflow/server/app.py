@@ -264,6 +264,7 @@ def create_app(server: Server) -> FastAPI:
 
     def held(context, slot, endpoint: str, body, media_type: str, headers=None) -> HeldStream:
         run = context["run"]
+        run.timeline.queued = slot.waited
 
         run.start()
 
@@ -277,6 +278,7 @@ def create_app(server: Server) -> FastAPI:
         return HeldStream(body, on_end, media_type=media_type, headers=headers)
 
     async def whole(request: Request, context, slot, work):
+        context["run"].timeline.queued = slot.waited
         try:
             return await until_disconnect(request, work)
         finally:
@@ -289,7 +291,7 @@ def create_app(server: Server) -> FastAPI:
         context["model"] = served.name
         job = await chat.parse(server, served, body)
         admitted = server.admit(served, job.inputs, job.params)
-        slot = served.acquire()
+        slot = await served.acquire()
         run = context["run"] = chat.make_run(job, admitted, chat.new_id(), context["began"])
         headers = {"x-omniflow-seed": str(run.seed), "x-request-id": run.request_id}
         if job.request.stream:
@@ -306,7 +308,7 @@ def create_app(server: Server) -> FastAPI:
         context["model"] = served.name
         job = speech.parse(served, body)
         admitted = server.admit(served, job.inputs, job.params)
-        slot = served.acquire()
+        slot = await served.acquire()
         run = context["run"] = Run(
             served, admitted, chat.new_id().replace("chatcmpl", "speech"), {job.audio_port.name},
             context["began"],
@@ -324,7 +326,7 @@ def create_app(server: Server) -> FastAPI:
         admitted = [
             server.admit(served, inputs, _Fixed(params, job.params)) for inputs, params in asked
         ]
-        slot = served.acquire(len(admitted))
+        slot = await served.acquire(len(admitted))
         prefix = chat.new_id().replace("chatcmpl", "img")
         runs = [
             Run(served, a, f"{prefix}-{i}", {job.image_port.name}, context["began"])

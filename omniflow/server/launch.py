@@ -36,7 +36,7 @@ from omniflow.plan import Plan
 from omniflow.server.app import Server, ServerConfig, create_app
 from omniflow.server.log_stats import StatsLog
 from omniflow.server.metrics import Metrics
-from omniflow.server.served import ENDPOINTS, Served, capacity
+from omniflow.server.served import ENDPOINTS, QUEUE_PER_SLOT, Served, capacity
 
 DEFAULT_PIPELINE = "graphs/omni_chat.omni"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -127,20 +127,19 @@ def param_defaults(items: list[str], plans: list[Plan], voices: dict) -> dict[st
     return out
 
 
-def admission_limits(items: list[str], plans: list[Plan]) -> dict[str, int]:
-    """`--max-in-flight [PIPELINE=]N`; by default each plan's capacity."""
-    limits = {p.pipeline: capacity(p) for p in plans}
+def per_pipeline(flag: str, items: list[str], defaults: dict[str, int], low: int) -> dict[str, int]:
+    """A count per served pipeline from `flag [PIPELINE=]N` items (N alone: every
+    pipeline), else its default; each at least `low`."""
+    counts = dict(defaults)
     for item in items:
         target, _, text = item.rpartition("=")
-        if target and target not in limits:
-            raise ServeError(
-                f"--max-in-flight {item}: no served pipeline '{target}' ({', '.join(limits)})"
-            )
-        if not text.isdigit() or int(text) < 1:
-            raise ServeError(f"--max-in-flight {item}: expected a count of at least 1")
-        for name in [target] if target else list(limits):
-            limits[name] = int(text)
-    return limits
+        if target and target not in counts:
+            raise ServeError(f"{flag} {item}: no served pipeline '{target}' ({', '.join(counts)})")
+        if not text.isdigit() or int(text) < low:
+            raise ServeError(f"{flag} {item}: expected a count of at least {low}")
+        for name in [target] if target else list(counts):
+            counts[name] = int(text)
+    return counts
 
 
 def start_engines(
@@ -266,7 +265,12 @@ def serve(args) -> int:
             backends = "standin" if args.standin else "auto"
             voices = {p.pipeline: () if args.standin else _preflight(p) for p in plans}
             defaults = param_defaults(args.param, plans, voices)
-            limits = admission_limits(args.max_in_flight, plans)
+            limits = per_pipeline(
+                "--max-in-flight", args.max_in_flight, {p.pipeline: capacity(p) for p in plans}, 1
+            )
+            queues = per_pipeline(
+                "--max-queue", args.max_queue, {n: QUEUE_PER_SLOT * k for n, k in limits.items()}, 0
+            )
             stats = {} if args.log_stats or args.log_stats_json else None
             engines = start_engines(plans, voices, args.mode, backends, console, stats)
         metrics = Metrics()
@@ -278,6 +282,8 @@ def serve(args) -> int:
                 limits[p.pipeline],
                 metrics,
                 defaults[p.pipeline],
+                max_queue=queues[p.pipeline],
+                max_wait_s=args.max_queue_wait,
             )
             for p in plans
         ]

@@ -33,6 +33,7 @@ def e2e_row(run, stats: RequestStats) -> dict:
     timeline = run.timeline
     row = {
         "e2e_total_ms": _ms(timeline.ended - timeline.began),
+        "e2e_queue_ms": _ms(timeline.queued),
         "e2e_total_tokens": sum(s.get("num_tokens_out", 0) for s in stats.stages.values())
         or timeline.text_tokens,
     }

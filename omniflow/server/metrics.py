@@ -111,6 +111,19 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.queued = Gauge(
+            "omniflow_requests_queued",
+            "Requests admitted and waiting for a slot (the bounded admission queue), by model",
+            ["model"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "omniflow_queue_wait_seconds",
+            "Time a request waited in the admission queue for a slot (0 when one was free)",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.admission_limit = Gauge(
             "omniflow_admission_limit",
             "Requests a served pipeline admits at once; beyond it the server answers 503",

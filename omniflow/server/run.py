@@ -42,6 +42,7 @@ class Timeline:
     audio_samples: int = 0
     rate: int = DEFAULT_RATE
     playback: Playback = field(default_factory=Playback)  # a listener from the first packet
+    queued: float = 0.0  # seconds it waited in the admission queue for a slot
 
     def seconds(self, at: float | None) -> float | None:
         return None if at is None else at - self.began

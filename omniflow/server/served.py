@@ -8,19 +8,28 @@ What a pipeline answers follows from its ports (no per-pipeline code):
   image input it requires;
 - edits (`/v1/images/edits`): an `image` input, a `prompt` input and an image output.
 
-Admission: each pipeline admits `limit` requests at once (by default its narrowest
-stage's batch: more would only wait in a queue); beyond it the server answers 503 with
-`Retry-After` at once. A slot is held until the request's last byte is sent or its
-client goes away, and released exactly once.
+Admission: each pipeline runs `limit` requests at once (by default its narrowest stage's
+batch); beyond it requests wait in a bounded queue, first come first served, and start as
+slots free up. Only a full queue (`max_queue`, by default 4 x `limit`), or a wait past
+`max_wait_s`, answers 503 with `Retry-After`. A slot is held until the request's last byte
+is sent or its client goes away, and released exactly once; a client that goes away while
+queued leaves the queue.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from omniflow.plan import Plan, PortPlan
 from omniflow.server.errors import busy
 from omniflow.server.metrics import Metrics, PipelineStats
+
+# Requests that may wait per admission slot, by default, and how long one may wait.
+QUEUE_PER_SLOT = 4
+DEFAULT_MAX_WAIT_S = 600.0
 
 ENDPOINTS = {
     "chat": "/v1/chat/completions",
@@ -44,13 +53,19 @@ class Served:
     limit: int
     metrics: Metrics
     defaults: dict = field(default_factory=dict)  # parameter values `omniflow run --param` set
+    max_queue: int | None = None  # requests that may wait for a slot (default 4 x limit)
+    max_wait_s: float = DEFAULT_MAX_WAIT_S
     inflight: int = 0
     draining: bool = False
 
     def __post_init__(self):
+        if self.max_queue is None:
+            self.max_queue = QUEUE_PER_SLOT * self.limit
+        self.waiting: deque[tuple[int, asyncio.Future]] = deque()  # (slots, granted), in order
         self.stats = PipelineStats()
         self.metrics.admission_limit.labels(self.name).set(self.limit)
         self.metrics.in_flight.labels(self.name).set(0)
+        self.metrics.queued.labels(self.name).set(0)
         self.metrics.served[self.name] = self
 
     # --- ports ------------------------------------------------------------------------------
@@ -109,29 +124,74 @@ class Served:
         return f"pipeline '{self.name}' serves {endpoints}; its outputs: {outputs}"
 
     # --- admission --------------------------------------------------------------------------
-    def acquire(self, count: int = 1) -> Slot:
-        """`count` admission slots, or 503 at once."""
+    async def acquire(self, count: int = 1) -> Slot:
+        """`count` admission slots: at once where free and nobody waits before this request,
+        else once those queued before it have theirs and enough have freed; 503 (with
+        Retry-After) when the queue is full or the wait passes `max_wait_s`."""
         if self.draining:
             raise busy("the server is shutting down and admits no new requests", retry_after=5)
-        if self.inflight + count > self.limit:
+        began = time.perf_counter()
+        if not self.waiting and self.inflight + count <= self.limit:
+            self._take(count)
+        else:
+            await self._queue(count)
+        waited = time.perf_counter() - began
+        self.metrics.queue_wait.labels(self.name).observe(waited)
+        return Slot(self, count, waited)
+
+    async def _queue(self, count: int) -> None:
+        if len(self.waiting) >= self.max_queue:
             raise busy(
-                f"pipeline '{self.name}' has {self.inflight} request(s) in flight, its limit "
-                f"is {self.limit}; retry shortly"
+                f"pipeline '{self.name}' runs {self.inflight} request(s) (its limit) and "
+                f"{len(self.waiting)} wait, as many as its queue holds; retry shortly"
             )
+        entry = (count, asyncio.get_running_loop().create_future())
+        self.waiting.append(entry)
+        self._count_queue()
+        try:
+            await asyncio.wait_for(asyncio.shield(entry[1]), self.max_wait_s)
+        except (TimeoutError, asyncio.CancelledError) as err:
+            if entry[1].done():  # granted as the wait ended: give the slots back
+                self.release(count)
+            else:
+                self.waiting.remove(entry)
+                entry[1].cancel()
+                self._count_queue()
+            if isinstance(err, TimeoutError):
+                raise busy(
+                    f"pipeline '{self.name}' has had no free slot for {self.max_wait_s:g} s; "
+                    "retry shortly"
+                ) from None
+            raise
+
+    def _take(self, count: int) -> None:
         self.inflight += count
         self.metrics.in_flight.labels(self.name).set(self.inflight)
-        return Slot(self, count)
+
+    def release(self, count: int) -> None:
+        """Slots given back: the longest-waiting requests take them, in order."""
+        self.inflight -= count
+        while self.waiting and self.inflight + self.waiting[0][0] <= self.limit:
+            wanted, granted = self.waiting.popleft()
+            self.inflight += wanted
+            granted.set_result(None)
+        self.metrics.in_flight.labels(self.name).set(self.inflight)
+        self._count_queue()
+
+    def _count_queue(self) -> None:
+        self.metrics.queued.labels(self.name).set(len(self.waiting))
 
 
 class Slot:
-    """Admission slots held by one HTTP request; `release()` is idempotent."""
+    """Admission slots held by one HTTP request (`waited`: seconds it queued for them);
+    `release()` is idempotent."""
 
-    def __init__(self, served: Served, count: int):
+    def __init__(self, served: Served, count: int, waited: float = 0.0):
         self.served = served
         self.count = count
+        self.waited = waited
 
     def release(self) -> None:
         if self.count:
-            self.served.inflight -= self.count
-            self.count = 0
-            self.served.metrics.in_flight.labels(self.served.name).set(self.served.inflight)
+            count, self.count = self.count, 0
+            self.served.release(count)
