@@ -32,22 +32,20 @@ import argparse
 import contextlib
 import functools
 import itertools
-import json
-from pathlib import Path
 
 import torch
 import triton
 from stage_steps import copy_bandwidth
 
-CONFIG = (
-    Path(__file__).parents[1] / "omniflow/models/configs/Qwen--Qwen3-Omni-30B-A3B-Instruct.json"
-)
+from omniflow.catalog.components import builtin_files
+
+REAL = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
 H200_BANDWIDTH = 4.8e12  # B/s, HBM3e, NVIDIA's H200 figure
 
 
 def moe_config(stage: str) -> dict:
     """The fields of the published config that the stage's MoE block reads."""
-    files = json.loads(CONFIG.read_text())["files"]["config.json"]
+    files = builtin_files(REAL)["config.json"]
     text = files["thinker_config"]["text_config"] if stage == "thinker" else files["talker_config"]
     text = text.get("text_config", text)
     keys = ["hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok"]

@@ -26,20 +26,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 from stage_steps import copy_bandwidth
 
-CONFIG = Path(__file__).parents[1] / "omniflow/models/configs/Qwen--Qwen2.5-Omni-7B.json"
+from omniflow.catalog.components import builtin_files
+
+REAL = "Qwen/Qwen2.5-Omni-7B"
 STREAMED = 256 << 20  # bytes of distinct weights a timed graph cycles through, >> L2
 
 
 def components() -> dict[str, dict]:
-    files = json.loads(CONFIG.read_text())["files"]["config.json"]
+    files = builtin_files(REAL)["config.json"]
     return {"thinker": files["thinker_config"]["text_config"], "talker": files["talker_config"]}
 
 

@@ -4,9 +4,6 @@ weights), the align step sorts every entry into its expert's padded blocks, and 
 kernels (interpreted on the CPU in float32, compiled on a GPU) agree with the reference
 and with the block."""
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as qwen3_omni
@@ -15,6 +12,7 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
     Qwen3OmniMoeTextConfig,
 )
 
+from omniflow.catalog.components import builtin_files
 from omniflow.kernels import fused_moe
 
 # (tokens, hidden, expert width, experts, top k): sizes that divide no block; an expert
@@ -26,7 +24,7 @@ BLOCKS = {
     "thinker": (Qwen3OmniMoeTextConfig, qwen3_omni.Qwen3OmniMoeThinkerTextSparseMoeBlock),
     "talker": (Qwen3OmniMoeTalkerTextConfig, qwen3_omni.Qwen3OmniMoeTalkerTextSparseMoeBlock),
 }
-REAL = Path(__file__).parents[2] / "omniflow/models/configs/Qwen--Qwen3-Omni-30B-A3B-Instruct.json"
+REAL = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
 
 
 def weights(g, experts, width, inner, dtype=torch.float32, device="cpu"):
@@ -82,7 +80,7 @@ def tiny_config(stage: str, renormalize: bool, width=40, inner=24, experts=6, to
 
 def real_config(stage: str) -> dict:
     """The fields of Qwen3-Omni-30B-A3B's published config that its MoE block reads."""
-    files = json.loads(REAL.read_text())["files"]["config.json"]
+    files = builtin_files(REAL)["config.json"]
     text = files["thinker_config"]["text_config"] if stage == "thinker" else files["talker_config"]
     text = text.get("text_config", text)
     keys = ["hidden_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok"]
