@@ -2,11 +2,12 @@
 # Run on a lent GPU machine from a copy of this tree (see docs/benchmarks.md): installs the
 # carried wheels into /tmp/site, links dsl/ and kernels/ into omniflow/ (as pyproject's
 # package-dir maps them), then runs the parts named as arguments: setup tests edges steps
-# skinny moe kernels windows build streaming long diffusion cold cold-fresh (streaming and long:
+# skinny moe kernels windows build streaming long load diffusion cold cold-fresh (streaming and long:
 # DEVICES, default 1xH200, and ALSO_DEVICES beside it, e.g. DEVICES=2xH200
 # ALSO_DEVICES=1xH200, and STREAMING_ARGS added to the benchmark's, e.g. "--breakdown
 # --lookahead 24 12"; windows: WINDOW_KERNELS=N adds each replay's N costliest kernels;
-# diffusion: DIFFUSION_ARGS). Logs go to $OUT (or /tmp/out). Wheels: scripts/gpu_wheels.sh
+# load: LOAD_ARGS, e.g. "--graph graphs/qwen3_omni.omni --scaled 0.5"; diffusion:
+# DIFFUSION_ARGS). Logs go to $OUT (or /tmp/out). Wheels: scripts/gpu_wheels.sh
 # downloads them here, .whl/ (what the GPU image lacks, and the transformers this tree is
 # tested with) and .whl-serve/ (the server's and diffusers'): carry both.
 set -u
@@ -76,6 +77,12 @@ for part in "$@"; do
         --concurrency 1 10 --baseline-requests 0 --prompt-tokens 100 --max-tokens 100 \
         --audio-tokens 1250 --variants streaming ${STREAMING_ARGS:-}) 2>&1 | grep -v -i "warn\|model config" \
         | tee "$OUT/long.log"
+      ;;
+    load)
+      # The peer's workload through HTTP at rising concurrency (benchmarks/load.py).
+      (cd /tmp && timeout ${LOAD_S:-500} python3 "$here/benchmarks/load.py" --devices ${DEVICES:-1xH200} \
+        --scaled 1 --concurrency 1 10 32 64 ${LOAD_ARGS:-}) 2>&1 | grep -v -i "warn\|model config" \
+        | tee "$OUT/load.log"
       ;;
     diffusion)
       # Text-to-image at real width, 15 of the DiT's 60 layers (DIFFUSION_ARGS: e.g. --kernels 12).
