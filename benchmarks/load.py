@@ -9,6 +9,9 @@ requests each). Per level it prints TTFT, TTFP (median and p90), E2E, RTF (media
 seconds per wall second, the playback underrun (p90, p99: `omniflow.server.playback`, the
 same arithmetic the server exports) and how many requests got 503.
 
+`--orders slack arrival` serves the graph once per vocoder `order` (whose window a step
+decodes first), one after the other in the same run, and prints their rows together.
+
     python benchmarks/load.py --tiny --concurrency 1 4                    # on the tiny models
     python benchmarks/load.py --devices 1xH200 --scaled 1 --concurrency 1 10 32 64
     python benchmarks/load.py --graph graphs/qwen3_omni.omni --devices 1xH200 --scaled 1
@@ -124,7 +127,7 @@ async def level(base: str, model: str, workload: dict, clients: int, rounds: int
         return [r for rs in results for r in rs], time.perf_counter() - began
 
 
-def report(clients: int, results: list[dict], wall: float) -> str:
+def report(order: str, clients: int, results: list[dict], wall: float) -> str:
     served = [r for r in results if not r["refused"]]
     refused = len(results) - len(served)
 
@@ -137,7 +140,7 @@ def report(clients: int, results: list[dict], wall: float) -> str:
 
     audio = sum(r["audio_s"] for r in served)
     return (
-        f"{clients:>4} {len(served):>6} {refused:>4} {col('ttft'):>8} {col('ttfp'):>8} "
+        f"{order:>8} {clients:>4} {len(served):>6} {refused:>4} {col('ttft'):>8} {col('ttfp'):>8} "
         f"{col('ttfp', 0.9):>8} {col('e2e'):>7} {col('rtf'):>6} {audio / wall:>8.2f} "
         f"{col('underrun', 0.9):>8} {col('underrun', 0.99):>8}"
     )
@@ -155,46 +158,53 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=100)
     parser.add_argument("--audio-tokens", type=int, default=1250)
     parser.add_argument("--server-args", default="", help="more `omniflow run` flags")
+    parser.add_argument(
+        "--orders", nargs="+", choices=("slack", "arrival"), help="the vocoder orders to compare"
+    )
     args = parser.parse_args()
     source = Path(args.graph).read_text()
     name = re.search(r"pipeline (\w+)", source).group(1)
     flags = ["--devices", args.devices, *args.server_args.split()]
+    workload = {
+        "prompt": prompt_of(args.prompt_tokens),
+        "max_tokens": args.max_tokens,
+        "audio_tokens": args.audio_tokens,
+    }
+    rows = []
     with tempfile.TemporaryDirectory() as folder:
-        graph = Path(args.graph)
         if args.scaled:
             from omniflow.checkpoints.scaled import scaled_checkpoint
 
             model = re.search(r'model "([^"]+)"', source).group(1)
             device = "cpu" if args.devices == "cpu" else "cuda"
             path = scaled_checkpoint(model, args.scaled, device)
-            graph = Path(folder) / graph.name
-            graph.write_text(source.replace(f'model "{model}"', f"model {json.dumps(str(path))}"))
+            source = source.replace(f'model "{model}"', f"model {json.dumps(str(path))}")
         elif args.tiny:
             flags.append("--tiny")
-        server = Server([str(graph), *flags])
-        workload = {
-            "prompt": prompt_of(args.prompt_tokens),
-            "max_tokens": args.max_tokens,
-            "audio_tokens": args.audio_tokens,
-        }
-        try:
-            asyncio.run(level(server.base, name, {**workload, "audio_tokens": 24}, 1, 1))  # warm
-            rows = []
-            for clients in args.concurrency:
-                results, wall = asyncio.run(
-                    level(server.base, name, workload, clients, args.rounds)
-                )
-                rows.append(report(clients, results, wall))
-                print(rows[-1], flush=True)
-        finally:
-            server.stop()
+        for order in args.orders or ["default"]:
+            graph = Path(folder) / f"{order}-{Path(args.graph).name}"
+            ordered = f'= vocoder(order="{order}", '
+            graph.write_text(
+                source if order == "default" else source.replace("= vocoder(", ordered)
+            )
+            server = Server([str(graph), *flags])
+            try:
+                asyncio.run(level(server.base, name, {**workload, "audio_tokens": 24}, 1, 1))
+                for clients in args.concurrency:
+                    results, wall = asyncio.run(
+                        level(server.base, name, workload, clients, args.rounds)
+                    )
+                    rows.append(report(order, clients, results, wall))
+                    print(rows[-1], flush=True)
+            finally:
+                server.stop()
     print(
         f"\n{name} on {args.devices}{' (scaled ' + str(args.scaled) + ')' if args.scaled else ''}: "
         f"{args.prompt_tokens} prompt tokens, {args.max_tokens} text tokens, "
         f"{args.audio_tokens} codes; {args.rounds} request(s) per client"
     )
     print(
-        f"{'c':>4} {'served':>6} {'503':>4} {'TTFT ms':>8} {'TTFP ms':>8} {'p90':>8} "
+        f"{'order':>8} {'c':>4} {'served':>6} {'503':>4} {'TTFT ms':>8} {'TTFP ms':>8} {'p90':>8} "
         f"{'E2E s':>7} {'RTF':>6} {'audio/s':>8} {'stall90':>8} {'stall99':>8}"
     )
     print("\n".join(rows))

@@ -25,10 +25,15 @@ then two, four and more (`WINDOW_BLOCKS` in the model catalog, which the compile
 the edge's chunks by; token2wav: see its module); a local codec on the boundaries of the
 chunks its edge was planned to carry. On a whole-output edge every ready frame is one window.
 
-Batching. A step decodes the ready windows of its requests together, one window per
-request in each forward, padded to the longest: a request alone decodes each window at its
-own length, so the same seed gives the same bits in every run mode. Padding never reaches
-kept samples: a window is padded on the right only if
+Batching. A step decodes one forward: the next window of the request whose listener runs
+out of audio first (the one that has played longest past what it was sent, or a request
+still waiting for its first packet, earliest first), together with the next windows of
+other requests no longer than it, padded to its length; the rest wait for the next step,
+so a short first window never waits behind other requests' long ones, and a request far
+ahead of its listener waits for those about to run dry (`order="slack"`; `"arrival"`: the
+request that arrived first leads). One window per request in each forward: a request alone
+decodes each window at its own length, so the same seed gives the same bits in every run
+mode and order. Padding never reaches kept samples: a window is padded on the right only if
 its kept frames end at least the decoder's lookahead reach before its end, else on the
 left only if they start at least its context reach after its start, and never if it is
 shorter than the decoder's `min_frames`; a window that allows none of these (a whole short
@@ -42,6 +47,7 @@ where its windows allow, so a stream's last windows replay too.
 from __future__ import annotations
 
 import dataclasses
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 
@@ -50,7 +56,7 @@ import torch
 from omniflow.backends import receptive_field
 from omniflow.backends.receptive_field import Field
 from omniflow.backends.registry import family_code
-from omniflow.catalog.components import WINDOW_BLOCKS
+from omniflow.catalog.components import WINDOW_BLOCKS, load_component_config
 from omniflow.catalog.resolve import model_path
 from omniflow.errors import OmniflowError
 from omniflow.runtime.stage import Backend, Call, StageSpec
@@ -106,10 +112,21 @@ class _Stream:
     side: torch.Tensor | None = None  # per-frame decoder inputs beside the codes (noise)
     base: int = 0
     emitted: int = 0
+    opened: float = 0.0  # monotonic seconds: when its first codes arrived
+    first_sent: float | None = None  # when its first audio was emitted
+    backlog: bool = False  # windows ready that the last step left for later
 
     @property
     def arrived(self) -> int:
         return self.base + len(self.codes)
+
+    def runs_out(self, frame_s: float | None) -> float:
+        """When a listener who started at the first packet has played all it was sent
+        (monotonic seconds); before the first packet, when the stream opened. Without a
+        frame duration, every stream counts as never sent anything: arrival order."""
+        if self.first_sent is None or frame_s is None:
+            return self.opened
+        return self.first_sent + self.emitted * frame_s
 
     def forget_before(self, frame: int) -> None:
         drop = max(0, frame - self.base)
@@ -301,6 +318,10 @@ class Vocoder(Backend):
         self.lookahead = spec.plan.settings.get("lookahead", self.decoder.lookahead)
         self.grid_end = _grid(self.decoder.unit, spec.schedules.get(self.port))
         self.decode_mode = self._static_windows(spec, device)
+        # Seconds of audio a frame plays for, which slack ordering needs (None: unknown rate).
+        rate = load_component_config(spec.plan.model, spec.plan.component).frame_rate
+        slack = spec.plan.settings["order"] == "slack" and rate
+        self.frame_s = 1 / rate if slack else None
 
     def _static_windows(self, spec: StageSpec, device: str) -> str:
         """Set the decoder's precision and make its static windows (the grid's window lengths
@@ -342,26 +363,36 @@ class Vocoder(Backend):
         return sorted(lengths)
 
     def ready(self, call: Call) -> bool:
-        stream = call.inputs[self.port]
-        return stream.available() or stream.ended
+        codes, stream = call.inputs[self.port], call.state.get("stream")
+        return codes.available() or codes.ended or stream is not None and stream.backlog
 
     def step(self, calls: list[Call]) -> None:
-        live: list[tuple[Call, list[Window]]] = []
+        nexts: dict[Window, Call] = {}
         for call in calls:
             try:
                 stream = self._receive(call)
             except VocoderError as err:
                 call.fail(err)
                 continue
-            live.append((call, self._windows(stream, call.inputs[self.port].ended)))
-        audio = self._decode([w for _, windows in live for w in windows])
-        for call, windows in live:
-            stream = call.state["stream"]
-            if windows:
-                call.emit("audio", torch.cat([audio[w] for w in windows]))
-                stream.emitted = windows[-1].keep_end
+            if windows := self._windows(stream, call.inputs[self.port].ended):
+                nexts[windows[0]] = call
+        if nexts:
+            frames, batch = self._forward(list(nexts))
+            audio = self._decode(batch, frames)
+            now = time.monotonic()
+            for window in batch:
+                stream = window.stream
+                nexts[window].emit("audio", audio[window])
+                stream.emitted = window.keep_end
                 stream.forget_before(stream.emitted - self.context)
-            if call.inputs[self.port].ended and stream.emitted == stream.arrived:
+                if stream.first_sent is None:
+                    stream.first_sent = now
+        for call in calls:
+            if call.error is not None:
+                continue
+            stream, ended = call.state["stream"], call.inputs[self.port].ended
+            stream.backlog = bool(self._windows(stream, ended))
+            if ended and stream.emitted == stream.arrived:
                 call.finish()
 
     def drop(self, call: Call) -> None:
@@ -380,6 +411,7 @@ class Vocoder(Backend):
                 decoder.open(call),
                 lookahead,
                 torch.zeros(0, 0, dtype=torch.int64, device=self.device),
+                opened=time.monotonic(),
             )
             call.state["stream"] = stream
         chunk = call.inputs[self.port].take()
@@ -427,42 +459,33 @@ class Vocoder(Backend):
             for k0, k1 in spans
         ]
 
-    def _decode(self, windows: list[Window]) -> dict[Window, torch.Tensor]:
-        """Each window's kept audio, `[kept frames, samples_per_frame]`."""
-        decoder, per_frame = self.decoder, self.decoder.samples_per_frame
-        groups: dict[Hashable, list[Window]] = {}
-        for window in windows:
-            groups.setdefault(decoder.group(window.stream.state), []).append(window)
-        out = {}
-        with torch.inference_mode():
-            for group in groups.values():
-                for frames, batch in self._forwards(group):
-                    audio = decoder.decode(batch, frames).float().cpu()
-                    for row, w in zip(audio, batch, strict=True):
-                        first = (w.offset + w.keep_start - w.start) * per_frame
-                        kept = row[first : first + (w.keep_end - w.keep_start) * per_frame]
-                        out[w] = kept.reshape(-1, per_frame).contiguous()
-        return out
+    def _forward(self, windows: list[Window]) -> tuple[int, list[Window]]:
+        """The step's forward, (frames, windows at their offsets), from each request's next
+        window: the most urgent one's (whose stream runs out first), padded to its decoder's
+        static length where it allows, else its own; and of the others in its group, those
+        no longer than that which padding to it does not reach."""
+        lead = min(windows, key=lambda w: w.stream.runs_out(self.frame_s))
+        group = self.decoder.group(lead.stream.state)
+        others = [
+            w for w in windows if w is not lead and self.decoder.group(w.stream.state) == group
+        ]
+        frames = self.decoder.window_frames(lead.frames)
+        if frames > lead.frames and not self._fit([lead], frames)[0]:
+            frames = lead.frames  # a static length the lead cannot be padded to
+        batch, _ = self._fit([lead, *(w for w in others if w.frames <= frames)], frames)
+        return frames, batch
 
-    def _forwards(self, windows: list[Window]) -> list[tuple[int, list[Window]]]:
-        """Split windows into forwards, (frames, windows at their offsets): one padded to the
-        longest window (or up to the decoder's static window that long, where the longest
-        allows), and for the windows that padding would reach, more of their own. A forward
-        holds one window per request: a request alone then decodes each window at a length
-        of its own, so its audio is the same bits however its frames were timed."""
-        forwards = []
-        while windows:
-            firsts = list({id(w.stream): w for w in reversed(windows)}.values())
-            longest = max(w.frames for w in firsts)
-            frames = self.decoder.window_frames(longest)
-            batch, refused = self._fit(firsts, frames)
-            if frames > longest and any(w.frames == longest for w in refused):
-                # A static length the longest window cannot be padded to: its own length.
-                frames = longest
-                batch, refused = self._fit(firsts, frames)
-            forwards.append((frames, batch))
-            windows = [w for w in windows if w not in firsts] + refused
-        return forwards
+    def _decode(self, batch: list[Window], frames: int) -> dict[Window, torch.Tensor]:
+        """Each window's kept audio, `[kept frames, samples_per_frame]`."""
+        per_frame = self.decoder.samples_per_frame
+        with torch.inference_mode():
+            audio = self.decoder.decode(batch, frames).float().cpu()
+        out = {}
+        for row, w in zip(audio, batch, strict=True):
+            first = (w.offset + w.keep_start - w.start) * per_frame
+            kept = row[first : first + (w.keep_end - w.keep_start) * per_frame]
+            out[w] = kept.reshape(-1, per_frame).contiguous()
+        return out
 
     def _fit(self, windows: list[Window], frames: int) -> tuple[list[Window], list[Window]]:
         """The windows that may be padded to `frames` (their offsets set), and the rest."""

@@ -172,6 +172,9 @@ KINDS: dict[str, StageKind] = {
                 "precision": ParamSpec(
                     _STR, "auto", choices=("auto", "float32", "tf32", "bfloat16")
                 ),
+                # Whose window a step decodes first: "slack", the request whose listener runs
+                # out of audio first; "arrival", the request that came first.
+                "order": ParamSpec(_STR, "slack", choices=("slack", "arrival")),
             },
         ),
         _kind(

@@ -84,7 +84,8 @@ def stage_spec(plan, name: str) -> StageSpec:
 
 
 def codec_spec(model: str, samples_per_frame: int) -> StageSpec:
-    """A vocoder stage of the codec at `model`, its family code as lowering finds it."""
+    """A vocoder stage of the codec at `model`, its family code as lowering finds it, on a
+    streamed edge of the compiler's ramp (so its windows lie on that grid)."""
     architectures = load_component_config(model, "code2wav").architectures
     plan = StagePlan(
         "decoder",
@@ -96,11 +97,11 @@ def codec_spec(model: str, samples_per_frame: int) -> StageSpec:
         "code2wav",
         0,
         0,
-        settings={"decode": "auto", "precision": "auto"},
+        settings={"decode": "auto", "precision": "auto", "order": "slack"},
         family=families.stage_code(architectures, "vocoder"),
     )
     audio = PortSpec("audio", "float32", (samples_per_frame,))
-    return StageSpec(plan, {"codes": "codes"}, {"audio": audio}, {"codes": 25})
+    return StageSpec(plan, {"codes": "codes"}, {"audio": audio}, {"codes": 25}, {"codes": RAMP})
 
 
 def run(backend, requests, log=None):
@@ -235,11 +236,41 @@ def test_dac_whole_short_utterances_of_other_lengths_take_their_own_forward(dac,
     requests = [(torch.randint(0, 128, (n, 1), generator=g), [n], {}) for n in (6, 11, 11)]
     log = []
     together = run(dac, requests, log)
-    assert [[len(forward) for forward in step] for step in log] == [[2, 1]]
+    # One forward a step: the first request's alone (the others are longer), then theirs.
+    assert [[len(forward) for forward in step] for step in log] == [[1], [2]]
     for (codes, _, _), audio in zip(requests, together, strict=True):
         with torch.no_grad():
             whole = dac.decoder.model.decode(audio_codes=codes.T[None]).audio_values
         assert max_error(audio, whole) < BATCH_TOLERANCE
+
+
+def ordered(tts_plan, order: str) -> Vocoder:
+    spec = stage_spec(tts_plan, "decoder")
+    plan = dataclasses.replace(spec.plan, settings={**spec.plan.settings, "order": order})
+    return Vocoder(dataclasses.replace(spec, plan=plan), "cpu")
+
+
+@pytest.mark.parametrize("order", ["slack", "arrival"])
+def test_the_request_about_to_run_dry_goes_first(tts_plan, order, monkeypatch):
+    """r0 has been sent 60 frames (4.8 s) of audio when r1 arrives, waiting for its first
+    packet. By slack r1's window leads the next step, alone: r0's is longer, so it cannot
+    join. By arrival r0's leads, and r1's shorter window is padded into the same forward."""
+    vocoder = ordered(tts_plan, order)
+    monkeypatch.setattr(vocoder, "grid_end", None)  # every ready frame in one window
+    g = torch.Generator().manual_seed(3)
+    codes = [torch.randint(0, 128, (n, 1), generator=g) for n in (98, 20)]
+    r0, r1 = (Call(f"r{i}", {}, {"codes": InputStream("codes")}) for i in range(2))
+    r0.inputs["codes"].push(codes[0][:69], False)
+    vocoder.step([r0])  # keeps frames 0-60 (9 of lookahead wait)
+    (audio,) = [value for port, value in r0.emitted if port == "audio"]
+    assert len(audio) == 60
+    r0.emitted.clear()
+    r1.inputs["codes"].push(codes[1], False)
+    r0.inputs["codes"].push(codes[0][69:], False)
+    vocoder.step([r0, r1])
+    sent = [call.request_id for call in (r0, r1) if call.emitted]
+    assert sent == (["r1"] if order == "slack" else ["r0", "r1"])
+    assert vocoder.ready(r0) == (order == "slack")  # its window is left for the next step
 
 
 def test_bad_codes_fail_their_request_alone(dac):
@@ -383,8 +414,8 @@ def test_token2wav_batches_requests_and_keeps_their_own_noise_and_speaker(token2
     # Requests whose windows are ready in the same step share its forward.
     shared = []
     run(token2wav, [(r[0][:36], [36], {"seed": i}) for i, r in enumerate(requests[:2])], shared)
-    step = next(step for step in shared if step)  # each request's two windows of 12 + 24
-    assert [len(forward) for forward in step] == [2, 2]
+    # Each request's two windows (12 + 24 codes), one a step: two forwards of both.
+    assert [[len(forward) for forward in step] for step in shared if step] == [[2], [2]]
     # The same codes with another seed or speaker sound different.
     codes = requests[0][0][:12]
     base, seed, speaker = run(
