@@ -368,3 +368,23 @@ def test_the_tiny_checkpoint_rebuilds_to_the_same_bytes(path, tmp_path):
     files = json.loads((again / MANIFEST).read_text())["files"]
     assert files == json.loads((path / MANIFEST).read_text())["files"]
     assert sum(entry["bytes"] for entry in files.values()) < 5_000_000
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("component", ["thinker", "talker"])
+def test_on_cuda_the_experts_run_on_the_fused_kernels(path, component):
+    """Loaded on CUDA, the thinker's and the talker's MoE experts run on
+    `omniflow.kernels.fused_moe`; the logits agree with transformers' own experts."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from omniflow.families.qwen3_omni.thinker_talker import load
+    from omniflow.kernels import fused_moe
+
+    model = load(str(path), component, "cuda", torch.float32).model
+    assert model.config.get_text_config()._experts_implementation == fused_moe.IMPLEMENTATION
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        fused = model(input_ids=ids).logits
+        model.set_experts_implementation("eager")
+        theirs = model(input_ids=ids).logits
+    assert float((fused - theirs).abs().max()) < 1e-3 * float(theirs.abs().max())

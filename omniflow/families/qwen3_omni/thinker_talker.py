@@ -43,7 +43,9 @@ part of the full model: the thinker with its audio and vision towers (unused on 
 prompts), or the talker with its code predictor. transformers 5.24 merges the checkpoint's
 per-expert MoE weights into its fused expert tensors by `model_type`, for the whole model
 and the thinker but not for the talker loaded alone, so `load` registers the same merge
-for the talker's class first.
+for the talker's class first. On CUDA both load with their MoE experts on omniflow's fused
+kernels (`omniflow.kernels.fused_moe`, registered as a transformers experts
+implementation); elsewhere on transformers' own.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ from omniflow.backends.transformers_ar import (
     _warp,
 )
 from omniflow.families.qwen3_omni import CODEBOOK_OFFSETS
+from omniflow.kernels import fused_moe
 from omniflow.plan import StagePlan
 from omniflow.runtime.stage import Call
 
@@ -127,7 +130,15 @@ def load(path: str, component: str | None, device: str, dtype) -> Component:
             '"talker" (code2wav runs on a vocoder stage)'
         )
     register_talker_expert_merge()
-    model, info = classes[component].from_pretrained(path, dtype=dtype, output_loading_info=True)
+    # The fused kernels read the experts where transformers keeps them: no copy at load.
+    experts = (
+        {"experts_implementation": fused_moe.register()}
+        if torch.device(device).type == "cuda"
+        else {}
+    )
+    model, info = classes[component].from_pretrained(
+        path, dtype=dtype, output_loading_info=True, **experts
+    )
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise ARBackendError(f"{path}: the {component} lacks weights {', '.join(missing[:5])}")
