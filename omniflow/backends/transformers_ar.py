@@ -173,6 +173,11 @@ class Component(ABC):
         codebooks from the hidden state). The static decode path calls only `code`."""
         return [self.code(token) for token in ids]
 
+    def mask_logits(self, seqs: list[Sequence], logits: torch.Tensor) -> None:  # noqa: B027
+        """Per-request changes to a step's logits `[n, V]` before sampling, in place (a
+        minimum length's end-of-speech mask); by default none. The static decode path
+        samples on the device without it, so a component that masks decodes eagerly."""
+
     def hidden_value(self, hidden: torch.Tensor, embeds: torch.Tensor, prompt: bool):
         """The `hidden` output of one forward of one request, from its last-layer hidden
         states `[L, H]` and input embeddings `[L, E]` at the positions it fed: by default the
@@ -504,6 +509,8 @@ class TransformersAR(Backend):
         why = static_decode.unsupported(c.decoder)
         if why is None and type(c).step_embeds is not Component.step_embeds:
             why = f"{type(c).__name__} builds its own step inputs"
+        if why is None and type(c).mask_logits is not Component.mask_logits:
+            why = f"{type(c).__name__} masks its logits per request"
         if mode == "auto":
             mode = "graphs" if cuda and why is None else "eager"
         if mode == "eager":
@@ -753,6 +760,7 @@ class TransformersAR(Backend):
         logits = self.component.logits(hidden)
         if self.component.suppress:
             logits[:, list(self.component.suppress)] = -float("inf")
+        self.component.mask_logits(seqs, logits)
         if logits.is_cuda:
             ids = _sample_on_device(logits, seqs)
         else:
