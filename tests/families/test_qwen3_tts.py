@@ -33,12 +33,12 @@ from safetensors.torch import load_file, save_file
 
 from omniflow.backends.transformers_ar import TransformersAR
 from omniflow.backends.vocoders import Vocoder
+from omniflow.catalog.resolve import model_path
 from omniflow.cli import main
 from omniflow.compiler import compile_file, compile_source
 from omniflow.families.qwen3_tts.prompt import TTSRequest
 from omniflow.families.qwen3_tts.reference import reference_generate
 from omniflow.families.qwen3_tts.speech_tokenizer import load_decoder
-from omniflow.catalog.resolve import model_path
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.stage import Call, InputStream, StageSpec
 
