@@ -52,6 +52,7 @@ What it owns:
 
 from __future__ import annotations
 
+import functools
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -337,6 +338,52 @@ def _sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         seen=seen,
     )
     return ids.tolist()
+
+
+# Sub-steps a frame's second model may take (`sample_sub_step`): its draws' stream steps.
+MAX_SUB_STEPS = 64
+# Added to a request's seed for the draws of its frames' second model, so that they do not
+# share the (seed, step) stream of its LM's own draws.
+_SUB_SEED = 0x5851F42D4C957F2D
+
+
+def sub_sampling(temperature: float, top_k: int, top_p: float) -> Sampling:
+    """How a frame's second model (a code predictor) samples: warpers only (no penalty,
+    no length, no stop)."""
+    return Sampling(float(temperature), float(top_p), int(top_k), 1.0, 0, None, frozenset(), ())
+
+
+def sample_sub_step(
+    logits: torch.Tensor, seqs: list[Sequence], sampling: Sampling | None, sub_step: int
+) -> torch.Tensor:
+    """One sub-step of the model that completes the frames a codec LM's step sampled (a
+    code predictor's codebook `sub_step`), for every row of the step at once: each row's
+    id `[n]`, on the logits' device. Greedy where the request decodes greedily or
+    `sampling` is None; else drawn with `sampling`'s warpers, as the LM's own draws are:
+    on CPU from the request's generator, right after its LM draw (what `generate` does),
+    row by row; on CUDA in one pass of the fused sampler, keyed by the request's seed and
+    (frame, sub-step), so no id leaves the device."""
+    if logits.is_cuda:
+        rows = functools.partial(torch.tensor, device=logits.device)
+        greedy = sampling is None
+        return sample(
+            logits.float(),
+            temperature=rows(
+                [0.0 if greedy or s.generator is None else sampling.temperature for s in seqs]
+            ),
+            top_k=-1 if greedy else sampling.top_k,
+            top_p=1.0 if greedy else sampling.top_p,
+            seed=rows([(s.seed + _SUB_SEED) & (2**63 - 1) for s in seqs]),
+            step=rows([s.generated * MAX_SUB_STEPS + sub_step for s in seqs]),
+        )
+    chosen = []
+    for row, seq in zip(logits, seqs, strict=True):
+        if sampling is None or seq.generator is None:
+            chosen.append(row.argmax())
+        else:
+            probs = _warp(row, sampling).softmax(-1)
+            chosen.append(torch.multinomial(probs, 1, generator=seq.generator)[0])
+    return torch.stack(chosen)
 
 
 def _warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

@@ -71,7 +71,7 @@ def reference_generate(
         if token == layout.codec_eos:
             break
         seen.append(token)
-        frame = predict_codes(talker, last[None], torch.tensor([token]), [None])
+        frame = predict_codes(talker, last[None], torch.tensor([token]))
         frames.append(frame[0])
         side = built.trailing[step] if step < len(built.trailing) else built.pad
         embeds = (talker.frame_embeds(frame) + side)[None]

@@ -46,7 +46,15 @@ from dataclasses import dataclass
 import torch
 
 from omniflow.backends.checkpoint_files import read_json
-from omniflow.backends.transformers_ar import ARBackendError, Component, Prompt, Sequence
+from omniflow.backends.sampling_params import Sampling
+from omniflow.backends.transformers_ar import (
+    ARBackendError,
+    Component,
+    Prompt,
+    Sequence,
+    sample_sub_step,
+    sub_sampling,
+)
 from omniflow.families.qwen3_tts import prompt as prompts
 from omniflow.families.qwen3_tts.config import (
     CONFIG,
@@ -140,6 +148,14 @@ class QwenTTSTalker(Component):
             "top_p": float(generation["top_p"]),
             "repetition_penalty": float(generation["repetition_penalty"]),
         }
+        # How the code predictor samples when the talker does (None: greedily).
+        self.sub_sampling = None
+        if generation["subtalker_dosample"]:
+            self.sub_sampling = sub_sampling(
+                generation["subtalker_temperature"],
+                generation["subtalker_top_k"],
+                generation["subtalker_top_p"],
+            )
         self.encoders = encoders  # Base: (speaker encoder, speech tokenizer encoder)
         self.codebook_size = talker.code_predictor.lm_head[0].out_features
 
@@ -238,36 +254,23 @@ class QwenTTSTalker(Component):
 
     def frames(self, seqs: list[Sequence], ids: list[int], hidden: torch.Tensor):
         """Complete every row's frame with the code predictor, all rows in each of its
-        sub-steps; None for the end of speech."""
+        sub-steps, with one read-back for the batch; None for the end of speech."""
         rows = [i for i, token in enumerate(ids) if token not in self.eos_ids]
         out: list[torch.Tensor | None] = [None] * len(ids)
         if not rows:
             return out
         first = torch.tensor([ids[i] for i in rows], device=hidden.device)
-        codes = predict_codes(
-            self.model, hidden[rows], first, [self._sub_sampling(seqs[i]) for i in rows]
-        )
+        sub = [seqs[i] for i in rows]
+        codes = predict_codes(self.model, hidden[rows], first, sub, self.sub_sampling)
         sums = self.model.frame_embeds(codes)
-        for j, i in enumerate(rows):
-            state = seqs[i].call.state[_STATE]
+        host = codes.cpu()
+        for j, (i, seq) in enumerate(zip(rows, sub, strict=True)):
+            state = seq.call.state[_STATE]
             state.next = sums[j]
-            out[i] = codes[j : j + 1].cpu()
+            out[i] = host[j : j + 1]
             if state.context is not None:
                 out[i], state.context = torch.cat([state.context, out[i]]), None
         return out
-
-    def _sub_sampling(self, seq: Sequence):
-        """How the code predictor samples for this request: None (greedy) or the generator
-        and the sub-talker's (temperature, top-k, top-p)."""
-        g = self.generation
-        if seq.generator is None or not g["subtalker_dosample"]:
-            return None
-        return (
-            seq.generator,
-            float(g["subtalker_temperature"]),
-            int(g["subtalker_top_k"]),
-            float(g["subtalker_top_p"]),
-        )
 
     def step_embeds(self, seqs: list[Sequence]) -> torch.Tensor:
         rows = []
@@ -278,10 +281,18 @@ class QwenTTSTalker(Component):
 
 
 @torch.inference_mode()
-def predict_codes(talker: Talker, hidden: torch.Tensor, first: torch.Tensor, sampling: list):
+def predict_codes(
+    talker: Talker,
+    hidden: torch.Tensor,
+    first: torch.Tensor,
+    seqs: list[Sequence] | None = None,
+    sampling: Sampling | None = None,
+) -> torch.Tensor:
     """Codebooks `[n, G]` of n frames: `first` (codebook 0) and what the code predictor
-    samples for 1..G-1 from each row's talker hidden state `[n, D]`, sub-step by sub-step,
-    all rows in each forward (their positions agree: no padding)."""
+    gives for 1..G-1 from each row's talker hidden state `[n, D]`, sub-step by sub-step,
+    all rows in each forward (their positions agree: no padding). Greedy without `seqs`;
+    else each row as its request samples (`sample_sub_step`: greedy requests greedily,
+    the others with `sampling`, from their own generators)."""
     from transformers import DynamicCache
 
     predictor = talker.code_predictor
@@ -291,32 +302,12 @@ def predict_codes(talker: Talker, hidden: torch.Tensor, first: torch.Tensor, sam
     codes = [first]
     for g in range(1, talker.groups):
         logits = predictor.lm_head[g - 1](h).float()
-        code = torch.tensor(
-            [_draw(row, how) for row, how in zip(logits, sampling, strict=True)], device=h.device
-        )
+        code = logits.argmax(-1) if seqs is None else sample_sub_step(logits, seqs, sampling, g)
         codes.append(code)
         if g < talker.groups - 1:
             step = predictor.model.codec_embedding[g - 1](code)[:, None]
             h = predictor.forward_step(step, cache, g + 1)[:, -1]
     return torch.stack(codes, dim=1)
-
-
-def _draw(logits: torch.Tensor, how) -> int:
-    """One id from a row of logits: argmax, or temperature, top-k then top-p, sampled from
-    the request's generator (transformers' warpers, in their order)."""
-    if how is None:
-        return int(logits.argmax())
-    generator, temperature, top_k, top_p = how
-    logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, -float("inf"))
-    if top_p < 1:
-        ordered, order = torch.sort(logits)
-        drop = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
-        drop[-1] = False
-        logits = logits.masked_fill(drop.scatter(0, order, drop), -float("inf"))
-    return int(torch.multinomial(logits.softmax(-1), 1, generator=generator)[0])
 
 
 def reference_audio(value) -> torch.Tensor:
