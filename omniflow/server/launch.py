@@ -88,11 +88,12 @@ def load_plan(path: str, devices: str, tiny: bool) -> Plan:
     return compile_file(path, devices=devices, tiny=tiny, progress=True)
 
 
-def param_defaults(items: list[str], plans: list[Plan], voices: dict) -> dict[str, dict]:
+def param_defaults(items: list[str], plans: list[Plan], checks: dict) -> dict[str, dict]:
     """`--param [PIPELINE.]NAME=VALUE`: the values a pipeline's requests start from (JSON,
     else the text). Without a pipeline prefix it applies to every served pipeline that
-    declares NAME. Checked against each plan now."""
-    from omniflow.runtime.requests import RequestError, admit
+    declares NAME. Checked against each plan now (and the speakers: the families' own
+    checks need a whole request)."""
+    from omniflow.runtime.requests import RequestError, Voice, admit
 
     by_name = {p.pipeline: p for p in plans}
     out: dict[str, dict] = {name: {} for name in by_name}
@@ -121,7 +122,8 @@ def param_defaults(items: list[str], plans: list[Plan], voices: dict) -> dict[st
             if p.default is None
         }
         try:
-            admit(plan, stand_ins, values, voices[name])
+            voices = tuple(c for c in checks[name] if isinstance(c, Voice))
+            admit(plan, stand_ins, values, voices)
         except RequestError as err:
             raise ServeError(f"--param for pipeline '{name}': {err}") from None
     return out
@@ -145,7 +147,7 @@ def admission_limits(items: list[str], plans: list[Plan]) -> dict[str, int]:
 
 def start_engines(
     plans: list[Plan],
-    voices: dict,
+    checks: dict,
     mode: str,
     backends: str,
     console: Console,
@@ -168,7 +170,7 @@ def start_engines(
                 plan,
                 mode,
                 backends,
-                voices=voices[plan.pipeline],
+                checks=checks[plan.pipeline],
                 on_loaded=lambda message: loaded(plan.pipeline, message),
                 on_stats=None if stats is None else lambda tables: stats[plan.pipeline](tables),
             )
@@ -264,11 +266,11 @@ def serve(args) -> int:
                     "its name, so rename one"
                 )
             backends = "standin" if args.standin else "auto"
-            voices = {p.pipeline: () if args.standin else _preflight(p) for p in plans}
-            defaults = param_defaults(args.param, plans, voices)
+            checks = {p.pipeline: () if args.standin else _preflight(p) for p in plans}
+            defaults = param_defaults(args.param, plans, checks)
             limits = admission_limits(args.max_in_flight, plans)
             stats = {} if args.log_stats or args.log_stats_json else None
-            engines = start_engines(plans, voices, args.mode, backends, console, stats)
+            engines = start_engines(plans, checks, args.mode, backends, console, stats)
         metrics = Metrics()
         served = [
             Served(

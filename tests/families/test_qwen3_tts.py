@@ -39,7 +39,11 @@ from omniflow.compiler import compile_file, compile_source
 from omniflow.families.qwen3_tts.prompt import TTSRequest
 from omniflow.families.qwen3_tts.reference import reference_generate
 from omniflow.families.qwen3_tts.speech_tokenizer import load_decoder
+from omniflow.families.qwen3_tts.voices import PROMPT_PREFIX
+from omniflow.families.qwen3_tts.voices import load_encoder as load_voice_encoder
 from omniflow.runtime.interpreter import Interpreter
+from omniflow.runtime.preflight import preflight
+from omniflow.runtime.requests import RequestError, admit
 from omniflow.runtime.stage import Call, InputStream, StageSpec
 
 torch.set_num_threads(1)
@@ -99,8 +103,9 @@ pipeline q3 {{
   param language = "Auto"
   param x_vector_only_mode = false
   param non_streaming_mode = false
+  param task_type = ""
   stage talker = ar(component="talker", max_batch=4, max_tokens=$max_tokens,
-                    temperature=$temperature, language=$language,
+                    temperature=$temperature, language=$language, task_type=$task_type,
                     x_vector_only_mode=$x_vector_only_mode, non_streaming_mode=$non_streaming_mode)
   stage code2wav = vocoder(component="code2wav", max_batch=4)
   input text: text -> talker
@@ -368,6 +373,79 @@ def test_reference_audio_forms_agree(talkers, ref_wav):
     assert all(torch.equal(r, results[0]) for r in results)
 
 
+def test_a_voice_prompt_clones_as_its_reference_audio(talkers, golden, ref_wav):
+    """The voice encoder (the server's, `Family.voices`) encodes the reference once into a
+    voice prompt; the talker given the prompt makes the codes it makes from the audio."""
+    encoder = load_voice_encoder(model_path(MODELS["Base"]), "cpu")
+    samples = golden["ref_audio"].numpy()
+    encoded = encoder.encode(samples, 24000, "Hello there.")
+    assert encoded["ref_audio"].startswith(PROMPT_PREFIX) and encoded["ref_text"] == "Hello there."
+    assert len(encoded["ref_audio"]) < 8000  # x-vector and 19 frames of codes
+    stereo = encoder.encode(np.stack([samples, samples], axis=1), 24000)
+    assert stereo["ref_audio"] == encoded["ref_audio"]
+    for name in ("clone_xvec", "clone_icl"):
+        _, inputs, params = request_of(name, ref_wav)
+        prompted = {**inputs, "ref_audio": encoded["ref_audio"]}
+        from_audio, from_prompt = run_talker(
+            talkers["Base"], [(inputs, params), (prompted, params)]
+        )
+        assert torch.equal(from_audio, from_prompt), name
+    assert load_voice_encoder(model_path(MODELS["CustomVoice"]), "cpu") is None
+
+
+def test_admission_refuses_what_the_checkpoint_does_not_do(plans, ref_wav):
+    """The family's admission checks (`Family.admission`) refuse at admission, naming the
+    request's field, what the talker stage would fail: no stage runs for them."""
+    cv_inputs = {"text": "Hi.", "voice": "Vivian"}
+    prompt = load_voice_encoder(model_path(MODELS["Base"]), "cpu").encode(
+        reference_samples(), 24000, "Hello there."
+    )
+    bad = {
+        "CustomVoice": [
+            ({**cv_inputs, "voice": "Nobody"}, {}, "voice", "unknown speaker 'Nobody'"),
+            (cv_inputs, {"language": "Klingon"}, "language", "unknown language 'Klingon'"),
+            (cv_inputs, {"task_type": "Base"}, "task_type", "does only CustomVoice"),
+            ({**cv_inputs, "ref_audio": ref_wav}, {}, "ref_audio", "does not clone voices"),
+        ],
+        "VoiceDesign": [(cv_inputs, {}, "voice", "no named voices")],
+        "Base": [
+            ({"text": "Hi."}, {}, "ref_audio", "needs ref_audio"),
+            ({"text": "Hi.", "ref_audio": ref_wav}, {}, "ref_text", "needs ref_text"),
+            ({"text": "Hi.", "ref_audio": "not base64!"}, {}, "ref_audio", "ref_audio is neither"),
+            (
+                {"text": "Hi.", "ref_audio": PROMPT_PREFIX + "AAAA"},
+                {},
+                "ref_audio",
+                "not a readable voice prompt",
+            ),
+            (
+                {**prompt, "text": "Hi.", "instructions": "Whisper."},
+                {},
+                "instructions",
+                "takes no instructions",
+            ),
+        ],
+    }
+    good = {
+        "CustomVoice": ({**cv_inputs, "voice": "vivian"}, {"language": "english"}),
+        "VoiceDesign": ({"text": "Hi.", "instructions": "A low voice."}, {}),
+        "Base": ({**prompt, "text": "Hi."}, {}),
+    }
+    for task, cases in bad.items():
+        plan = plans[task]
+        checks = preflight(plan)
+        for inputs, params, field, message in cases:
+            with pytest.raises(RequestError, match=message) as info:
+                admit(plan, inputs, params, checks)
+            assert info.value.field == field, (task, message)
+        admitted = admit(plan, *good[task], checks)
+        if task == "CustomVoice":  # any letter case; the model's own spelling goes on
+            assert admitted.inputs["voice"] == "Vivian"
+    # x_vector_only_mode needs no transcript.
+    admit(plans["Base"], {"text": "Hi.", "ref_audio": ref_wav}, {"x_vector_only_mode": True},
+          preflight(plans["Base"]))  # fmt: skip
+
+
 # --- code2wav --------------------------------------------------------------------------------
 
 
@@ -449,7 +527,8 @@ def test_omniflow_run_writes_a_wav(tmp_path, capsys):
     capsys.readouterr()
     assert code == 0
     samples, rate = sf.read(tmp_path / "audio.wav", dtype="int16")
-    assert rate == 24000 and len(samples) == 5 * 1920
+    # Sampled: the random talker may end its speech before its 5 frames.
+    assert rate == 24000 and len(samples) % 1920 == 0 and 0 < len(samples) <= 5 * 1920
 
 
 def test_the_graph_compiles_for_the_real_checkpoint():

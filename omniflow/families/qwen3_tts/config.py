@@ -232,3 +232,66 @@ DECODER_DEFAULTS = {
     "decoder_dim": 1536,
     "codebook_dim": 512,
 }
+
+
+class RequestProblem(Qwen3TTSError):
+    """A request's task inputs do not fit the checkpoint; `field` names the stage parameter
+    or input port at fault (task_type, language, voice, instructions, ref_audio, ref_text)."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def check_task_inputs(
+    config: TTSConfig,
+    *,
+    task_type: str | None,
+    language: str | None,
+    voice: str | None,
+    instructions: str,
+    ref_audio: bool,
+    ref_text: str,
+    x_vector_only: bool,
+    voice_field: str = "voice",
+) -> str:
+    """The task a request runs, checked against what the checkpoint does (the same rules at
+    admission and in the talker stage); raises RequestProblem naming the field."""
+    own = config.task
+    task = task_type or own
+    if task != own:
+        raise RequestProblem(
+            f"task_type {task!r}: this checkpoint ({own}) does only {own}", "task_type"
+        )
+    layout = config.layout
+    name = (language or "auto").lower()
+    if name != "auto" and name not in layout.languages:
+        names = ", ".join(n.title() for n in layout.language_names())
+        raise RequestProblem(
+            f"unknown language {language!r}; this model speaks {names}", "language"
+        )
+    if task == "CustomVoice":
+        if voice and voice.lower() not in layout.speakers:
+            names = ", ".join(sorted(n.title() for n in layout.speakers))
+            raise RequestProblem(f"unknown voice {voice!r}; this model has {names}", voice_field)
+        if instructions and config.size == "0b6":
+            raise RequestProblem("the 0.6B CustomVoice model takes no instructions", "instructions")
+    elif voice:
+        hint = "describe the voice in `instructions`" if task == "VoiceDesign" else "give ref_audio"
+        raise RequestProblem(
+            f"a {task} model has no named voices (got {voice!r}); {hint}", voice_field
+        )
+    if task == "Base":
+        if not ref_audio:
+            raise RequestProblem("voice cloning (Base) needs ref_audio", "ref_audio")
+        if not x_vector_only and not ref_text:
+            raise RequestProblem(
+                "voice cloning with the reference's codes (ICL) needs ref_text; "
+                "or set x_vector_only_mode",
+                "ref_text",
+            )
+        if instructions:
+            raise RequestProblem("voice cloning (Base) takes no instructions", "instructions")
+    elif ref_audio:
+        raise RequestProblem(f"a {task} model does not clone voices (ref_audio given)", "ref_audio")
+    return task

@@ -27,8 +27,9 @@ Request inputs (ports) and parameters:
   speaker); given audio, it is the reference audio of a voice clone.
 - `instructions` (text): CustomVoice's style instruction (1.7B only) or VoiceDesign's voice
   description; empty: none.
-- `ref_audio` (text: a file path, a `data:` URI or base64 of a WAV/FLAC file; or audio:
-  float samples at 24 kHz) and `ref_text` (text): a Base checkpoint's voice clone.
+- `ref_audio` (text: a voice prompt `voices.VoiceEncoder` made, the x-vector and codes
+  encoded once; a file path, a `data:` URI or base64 of an audio file; or audio: float
+  samples at 24 kHz) and `ref_text` (text): a Base checkpoint's voice clone.
 - parameters `language` (Auto, Chinese, English, ... as the config lists them),
   `task_type` (CustomVoice, VoiceDesign or Base: must be the checkpoint's own; empty: it),
   `x_vector_only_mode` (clone from the speaker embedding alone; else ICL, which needs
@@ -38,9 +39,6 @@ Request inputs (ports) and parameters:
 
 from __future__ import annotations
 
-import base64
-import binascii
-import os
 from dataclasses import dataclass
 
 import torch
@@ -56,18 +54,19 @@ from omniflow.backends.transformers_ar import (
     sub_sampling,
 )
 from omniflow.families.qwen3_tts import prompt as prompts
+from omniflow.families.qwen3_tts import voices
 from omniflow.families.qwen3_tts.config import (
     CONFIG,
     GENERATION_CONFIG,
     SAMPLING_DEFAULTS,
     Qwen3TTSError,
     TTSConfig,
+    check_task_inputs,
 )
 from omniflow.families.qwen3_tts.modeling import (
     Talker,
     load_speaker_encoder,
     load_talker,
-    resample,
     speaker_embedding,
 )
 from omniflow.runtime.stage import Call
@@ -169,13 +168,9 @@ class QwenTTSTalker(Component):
         return value if isinstance(value, str) else ""
 
     def request(self, call: Call) -> prompts.TTSRequest:
-        """The request's task inputs, checked against this checkpoint."""
+        """The request's task inputs, checked against this checkpoint (the rules admission
+        checks too: `config.check_task_inputs`)."""
         params = call.params or {}
-        task = params.get("task_type") or self.config.task
-        if task != self.config.task:
-            raise ARBackendError(
-                f"task_type {task!r}: this checkpoint ({self.config.task}) does only {self.config.task}"
-            )
         text = self._text(call, "prompt")
         if not text:
             raise ARBackendError("the text to speak is empty")
@@ -183,55 +178,59 @@ class QwenTTSTalker(Component):
         ref_audio = call.inputs["ref_audio"].take() if "ref_audio" in call.inputs else None
         if isinstance(voice, torch.Tensor):
             voice, ref_audio = None, voice if ref_audio is None or ref_audio == "" else ref_audio
+        has_audio = isinstance(ref_audio, torch.Tensor) or bool(ref_audio)
+        x_vector_only = bool(params.get("x_vector_only_mode"))
+        ref_text = self._text(call, "ref_text")
+        instructions = self._text(call, "instructions")
+        clone = None
+        if has_audio and self.config.task == "Base":  # its reference, read first
+            clone = self._clone(ref_audio, x_vector_only or not ref_text)
+        task = check_task_inputs(
+            self.config,
+            task_type=params.get("task_type") or None,
+            language=params.get("language") or None,
+            voice=voice or None,
+            instructions=instructions,
+            ref_audio=has_audio,
+            ref_text=ref_text,
+            x_vector_only=x_vector_only,
+        )
         request = prompts.TTSRequest(
             text,
             task,
             language=params.get("language") or "auto",
-            instructions=self._text(call, "instructions"),
-            ref_text=self._text(call, "ref_text"),
+            speaker=(voice or None) if task == "CustomVoice" else None,
+            instructions=instructions,
+            ref_text=ref_text,
             non_streaming=params.get("non_streaming_mode"),
         )
-        has_audio = isinstance(ref_audio, torch.Tensor) or bool(ref_audio)
-        if task == "CustomVoice":
-            if voice:
-                if voice.lower() not in self.layout.speakers:
-                    names = ", ".join(sorted(self.layout.speakers))
-                    raise ARBackendError(f"unknown voice {voice!r}; this model has {names}")
-                request.speaker = voice
-            if request.instructions and self.config.size == "0b6":
-                raise ARBackendError("the 0.6B CustomVoice model takes no instructions")
-        elif voice:
-            raise ARBackendError(
-                f"a {task} model has no named voices (got {voice!r})"
-                + (
-                    "; describe the voice in `instructions`"
-                    if task == "VoiceDesign"
-                    else "; give ref_audio"
-                )
-            )
-        if task == "Base":
-            if not has_audio:
-                raise ARBackendError("voice cloning (Base) needs ref_audio")
-            self._clone(request, ref_audio, bool(params.get("x_vector_only_mode")))
-        elif has_audio:
-            raise ARBackendError(f"a {task} model does not clone voices (ref_audio given)")
-        if task == "Base" and request.instructions:
-            raise ARBackendError("voice cloning (Base) takes no instructions")
+        if clone is not None:
+            request.x_vector, codes = clone
+            request.ref_codes = None if x_vector_only else codes
         prompts.language_id(self.layout, request.language, request.speaker)  # checked early
         return request
 
-    def _clone(self, request: prompts.TTSRequest, ref_audio, x_vector_only: bool) -> None:
-        audio = reference_audio(ref_audio)
+    def _clone(self, ref_audio, x_vector_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A clone's x-vector and reference codes: a voice prompt's (`voices`, encoded
+        once elsewhere), or encoded here from reference audio (codes only if used)."""
         speaker, tokenizer = self.encoders
-        request.x_vector = speaker_embedding(speaker, audio)
-        if x_vector_only:
-            return
-        if not request.ref_text:
-            raise ARBackendError(
-                "voice cloning with the reference's codes (ICL) needs ref_text; "
-                "or set x_vector_only_mode"
-            )
-        request.ref_codes = tokenizer.encode(audio)
+        weight = next(speaker.parameters())
+        if voices.is_prompt(ref_audio):
+            x_vector, codes = voices.decode_prompt(ref_audio)
+            width = self.model.config.hidden_size
+            if x_vector.shape[0] != width:
+                raise Qwen3TTSError(
+                    f"ref_audio is a voice prompt of another model (an x-vector of "
+                    f"{x_vector.shape[0]}; this model's are {width} wide)"
+                )
+            if codes is not None and codes.shape[1] != self.model.groups:
+                raise Qwen3TTSError(
+                    f"ref_audio is a voice prompt of another model ({codes.shape[1]} codebooks)"
+                )
+            return x_vector.to(weight.device, weight.dtype), codes
+        audio = voices.reference_audio(ref_audio)
+        x_vector = speaker_embedding(speaker, audio)
+        return x_vector, None if x_vector_only else tokenizer.encode(audio)
 
     def prompt(self, call: Call) -> Prompt:
         try:
@@ -308,31 +307,3 @@ def predict_codes(
             step = predictor.model.codec_embedding[g - 1](code)[:, None]
             h = predictor.forward_step(step, cache, g + 1)[:, -1]
     return torch.stack(codes, dim=1)
-
-
-def reference_audio(value) -> torch.Tensor:
-    """A voice clone's reference audio as 24 kHz mono float32 samples: a tensor is taken as
-    24 kHz samples; a string is a file path, a `data:` URI or base64 of an audio file."""
-    from omniflow.media import MediaError, decode_audio
-
-    if isinstance(value, torch.Tensor):
-        audio = value.float().reshape(-1)
-        if not len(audio):
-            raise ARBackendError("ref_audio is empty")
-        return audio
-    text = value.strip()
-    try:
-        if os.path.isfile(text):
-            with open(text, "rb") as f:
-                data = f.read()
-        else:
-            payload = text.split(",", 1)[1] if text.startswith("data:") else text
-            data = base64.b64decode(payload, validate=True)
-        samples, rate = decode_audio(data)
-    except (OSError, binascii.Error, ValueError, MediaError) as err:
-        raise ARBackendError(
-            f"ref_audio is neither a readable audio file nor base64 audio: {err}"
-        ) from err
-    if not len(samples):
-        raise ARBackendError("ref_audio has no samples")
-    return resample(samples.float(), rate, SAMPLE_RATE)
