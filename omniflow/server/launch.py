@@ -37,6 +37,7 @@ from omniflow.server.app import Server, ServerConfig, create_app
 from omniflow.server.log_stats import StatsLog
 from omniflow.server.metrics import Metrics
 from omniflow.server.served import ENDPOINTS, Served, capacity
+from omniflow.server.voices import VoiceStore
 
 DEFAULT_PIPELINE = "graphs/omni_chat.omni"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -280,13 +281,14 @@ def serve(args) -> int:
                 limits[p.pipeline],
                 metrics,
                 defaults[p.pipeline],
+                checks[p.pipeline],
             )
             for p in plans
         ]
         if stats is not None:
             stats.update({s.name: s.stats for s in served})
         stats_log = StatsLog(console if args.log_stats else None, args.log_stats_json)
-        server = Server(served, config, metrics, stats_log)
+        server = Server(served, config, metrics, stats_log, VoiceStore(args.max_voices))
         app = create_app(server)
         port = sock.getsockname()[1]
         _print_ready(console, server, args.host, port)
