@@ -29,6 +29,7 @@ from openai import OpenAI
 
 from omniflow.media import audio_bytes
 from tests.server.conftest import GRAPHS, ServerProcess, run_async, wait_until
+from tests.server.fuzz import fuzz
 
 RATE = 24000
 FRAME = 1920  # samples of one 12.5 Hz frame
@@ -467,3 +468,13 @@ def test_a_session_clones_an_uploaded_voice(clone, clone_http):
     assert code == 1000 and audio and controls[-1]["segments"] == 2
     assert metric(clone_http, "omniflow_voice_encodes_total", model="qwen3_tts_clone") == encodes
     clone_http.delete("/v1/audio/voices/bob")
+
+
+def test_fuzzed_requests_get_no_5xx(custom, http, clone, clone_http):
+    """Schemathesis on both servers' schemas (the speech fields, the voices API): no 5xx;
+    some generated requests spoke (a clone needs a real clip: those are all refused)."""
+    counts = fuzz(custom.base, examples=10)
+    assert sum(c.get(200, 0) for op, c in counts.items() if op.startswith("POST")) > 0
+    fuzz(clone.base, examples=10)
+    for client, model in ((http, "qwen3_tts"), (clone_http, "qwen3_tts_clone")):
+        wait_until(lambda c=client, m=model: idle(c, m), timeout=30)
