@@ -270,7 +270,9 @@ def serving(
     with tempfile.TemporaryDirectory() as folder:
         if base is None:
             chats = omni_chat_variants(Path(folder), "streaming" in parts, model)
-            pipelines = [str(p) for p in chats] + ([] if model else [str(GRAPHS / "qwen3_tts.omni")])
+            pipelines = [str(p) for p in chats] + (
+                [] if model else [str(GRAPHS / "qwen3_tts.omni")]
+            )
             flags = ["--tiny"] if tiny and not model else []
             server = Server([*pipelines, *flags, "--devices", devices])
             base = server.base
