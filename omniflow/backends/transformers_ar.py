@@ -354,7 +354,11 @@ def sub_sampling(temperature: float, top_k: int, top_p: float) -> Sampling:
 
 
 def sample_sub_step(
-    logits: torch.Tensor, seqs: list[Sequence], sampling: Sampling | None, sub_step: int
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    sampling: Sampling | None,
+    sub_step: int,
+    on_device: bool | None = None,
 ) -> torch.Tensor:
     """One sub-step of the model that completes the frames a codec LM's step sampled (a
     code predictor's codebook `sub_step`), for every row of the step at once: each row's
@@ -362,8 +366,9 @@ def sample_sub_step(
     `sampling` is None; else drawn with `sampling`'s warpers, as the LM's own draws are:
     on CPU from the request's generator, right after its LM draw (what `generate` does),
     row by row; on CUDA in one pass of the fused sampler, keyed by the request's seed and
-    (frame, sub-step), so no id leaves the device."""
-    if logits.is_cuda:
+    (frame, sub-step), so no id leaves the device (`on_device` picks the path; the fused
+    sampler's torch reference runs it on CPU)."""
+    if logits.is_cuda if on_device is None else on_device:
         rows = functools.partial(torch.tensor, device=logits.device)
         greedy = sampling is None
         return sample(

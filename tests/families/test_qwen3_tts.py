@@ -31,7 +31,12 @@ import soundfile as sf
 import torch
 from safetensors.torch import load_file, save_file
 
-from omniflow.backends.transformers_ar import TransformersAR
+from omniflow.backends.transformers_ar import (
+    Sequence,
+    TransformersAR,
+    sample_sub_step,
+    sub_sampling,
+)
 from omniflow.backends.vocoders import Vocoder
 from omniflow.catalog.resolve import model_path
 from omniflow.cli import main
@@ -322,6 +327,32 @@ def test_code_predictor_batches_as_one_at_a_time(talkers, ref_wav):
     for a, b in zip(together, alone, strict=True):
         assert torch.equal(a, b)
     assert not torch.equal(together[0][: len(together[2])], together[2])  # sampling drew
+
+
+def test_the_code_predictors_device_draws_do_not_depend_on_the_batch():
+    """The CUDA path of a sub-step's draws (the fused sampler, here its torch reference):
+    greedy rows take the argmax, sampled rows draw from their own (seed, frame, sub-step)
+    stream, whatever else is in the batch."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 128, generator=gen)
+    seqs = [
+        Sequence(None, None, generator, None, None, seed=seed, generated=frame)
+        for generator, seed, frame in (
+            (None, 1, 0),
+            (torch.Generator(), 2, 5),
+            (torch.Generator(), 3, 5),
+        )
+    ]
+    how = sub_sampling(0.9, 50, 1.0)
+    together = sample_sub_step(logits, seqs, how, 4, on_device=True)
+    assert together[0] == logits[0].argmax()
+    for i in (1, 2):
+        alone = sample_sub_step(logits[i : i + 1], seqs[i : i + 1], how, 4, on_device=True)
+        assert alone[0] == together[i]
+    other_step = sample_sub_step(logits, seqs, how, 5, on_device=True)
+    draws = [sample_sub_step(logits, seqs, how, g, on_device=True)[1] for g in range(1, 16)]
+    assert len(set(map(int, draws))) > 1 and other_step.shape == together.shape
+    assert torch.equal(sample_sub_step(logits, seqs, None, 4, on_device=True), logits.argmax(-1))
 
 
 def test_requests_that_do_not_fit_the_checkpoint_fail_alone(talkers, ref_wav):
