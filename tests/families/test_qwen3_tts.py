@@ -281,6 +281,41 @@ def test_rebuilding_gives_identical_bytes(tmp_path):
     assert len({entry["sha256"] for entry in tokenizer.values()}) == 1
 
 
+def test_the_real_size_builds_have_the_catalogs_parameter_counts():
+    """At depth 1 the scaled builders' modules (on the meta device) have the parameters the
+    catalog counts for the published checkpoints (the code predictor once: in the LM
+    formula, from its code_predictor_config), as do the tiny checkpoints' files."""
+    from omniflow import families
+    from omniflow.catalog import load_component_config
+    from omniflow.catalog.costs import count_parameters
+    from omniflow.checkpoints.tiny_tokenizer import build_tokenizer
+    from omniflow.families.qwen3_tts import REAL_MODELS
+    from omniflow.families.qwen3_tts.checkpoints import parameter_count, scaled_config
+    from omniflow.families.qwen3_tts.config import TTSConfig
+    from omniflow.families.qwen3_tts.modeling import Talker, build_speaker_encoder
+    from omniflow.families.qwen3_tts.speech_tokenizer import SpeechDecoder
+
+    tokenizer = build_tokenizer("qwen")
+    for task in ("customvoice", "base"):
+        config, speech = scaled_config(task, 1.0, tokenizer)
+        parsed = TTSConfig.of(config)
+        with torch.device("meta"):
+            talker = parameter_count(Talker(parsed))
+            if task == "base":
+                talker += parameter_count(build_speaker_encoder(parsed))
+            decoder = parameter_count(SpeechDecoder(speech["decoder_config"]))
+        real = REAL_MODELS[task]
+        assert talker == count_parameters(load_component_config(real, "talker")), task
+        assert decoder == count_parameters(load_component_config(real, "code2wav")) == 114_323_137
+    assert talker == 1_916_676_352 + 12_001_088  # the Base talker and its speaker encoder
+    builders = {m: path for f in families.families() for m, path in f.scaled.items()}
+    assert builders[REAL_MODELS["voicedesign"]].endswith("checkpoints:build_scaled_voicedesign")
+    for task, model in MODELS.items():
+        files = load_file(Path(model_path(model)) / "model.safetensors")
+        counted = sum(v.numel() for v in files.values())
+        assert counted == count_parameters(load_component_config(model, "talker")), task
+
+
 # --- the talker ---------------------------------------------------------------------------
 
 

@@ -16,6 +16,7 @@ import base64
 import io
 import json
 import re
+import subprocess
 import time
 
 import av
@@ -232,6 +233,24 @@ def test_requests_batch_across_users_in_every_stage(http):
     assert run_async(many) == [200] * 6
     for stage, count in before.items():
         assert batched(stage) > count, stage
+
+
+README_CURL = """\
+curl -s http://127.0.0.1:8091/v1/audio/speech -H 'Content-Type: application/json' -d '{
+  "input": "Good morning!", "voice": "vivian", "language": "English", "response_format": "mp3"
+}' > speech.mp3
+curl -s http://127.0.0.1:8091/v1/audio/voices > voices.json
+"""
+
+
+def test_the_readmes_speech_snippet_as_written(custom, tmp_path):
+    readme = (GRAPHS.parent / "README.md").read_text()
+    assert f"```bash\n{README_CURL}```" in readme
+    assert "omniflow run graphs/qwen3_tts.omni --tiny" in readme
+    script = README_CURL.replace("127.0.0.1:8091", custom.base.removeprefix("http://"))
+    subprocess.run(["bash", "-c", script], cwd=tmp_path, check=True, timeout=120)
+    assert decoded_seconds((tmp_path / "speech.mp3").read_bytes()) > 0
+    assert "Vivian" in json.loads((tmp_path / "voices.json").read_text())["voices"]
 
 
 # --- voices -------------------------------------------------------------------------------------

@@ -73,7 +73,7 @@ FAMILY = Family(
             extras={
                 "text_embedding": ("talker.model.text_embedding.",),
                 "text_projection": ("talker.text_projection.",),
-                "code_predictor": ("talker.code_predictor.",),
+                # (The code predictor is in the formula: its `code_predictor_config`.)
                 # Only the voice-cloning (Base) checkpoints carry a speaker encoder.
                 "speaker_encoder": ("speaker_encoder.",),
             },
