@@ -429,8 +429,8 @@ def create_app(server: Server) -> FastAPI:
         encoder = speech.clone_encoder(served)
         if encoder is None:
             raise bad_request(
-                f"pipeline '{served.name}' clones no voices (its model has no voice encoder: "
-                "serve a voice-clone checkpoint, e.g. Qwen/Qwen3-TTS-12Hz-1.7B-Base)",
+                f"pipeline '{served.name}' clones no voices: its models have no voice encoder "
+                "(serve a checkpoint that clones voices)",
                 param="model",
                 code="unsupported",
             )
