@@ -497,3 +497,25 @@ def test_fuzzed_requests_get_no_5xx(custom, http, clone, clone_http):
     fuzz(clone.base, examples=10)
     for client, model in ((http, "qwen3_tts"), (clone_http, "qwen3_tts_clone")):
         wait_until(lambda c=client, m=model: idle(c, m), timeout=30)
+
+
+def test_the_socket_and_the_voices_need_the_api_key(start_server):
+    server = start_server(str(GRAPHS / "qwen3_tts.omni"), *FLAGS, "--api-key", "sesame")
+    assert httpx.get(server.base + "/v1/audio/voices").status_code == 401
+    headers = {"Authorization": "Bearer sesame"}
+    assert httpx.get(server.base + "/v1/audio/voices", headers=headers).status_code == 200
+
+    async def opens(url: str, **kwargs) -> bool:
+        try:
+            async with websockets.connect(url, **kwargs) as ws:
+                await ws.send(json.dumps({"type": "session.start", "voice": "Ryan"}))
+                return json.loads(await ws.recv())["type"] == "session.started"
+        except websockets.InvalidStatus as err:
+            assert err.response.status_code == 403
+            return False
+
+    url = ws_url(server)
+    assert not run_async(lambda: opens(url))
+    assert not run_async(lambda: opens(url + "?api_key=wrong"))
+    assert run_async(lambda: opens(url, additional_headers=headers))
+    assert run_async(lambda: opens(url + "?api_key=sesame"))
