@@ -426,7 +426,7 @@ def create_app(server: Server) -> FastAPI:
                 raise bad_request("'ref_text' must be text", param="ref_text")
         finally:
             await form.close()
-        encoder = speech.clone_encoder(served)
+        encoder = await speech.clone_encoder(served)
         if encoder is None:
             raise bad_request(
                 f"pipeline '{served.name}' clones no voices: its models have no voice encoder "

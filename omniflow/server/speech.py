@@ -141,7 +141,7 @@ async def apply_voice(server, job: SpeechJob, voice, ref_audio, ref_text) -> Non
         set_voice(served, job.params, inputs, voice, "voice")
     if ref_audio is None:
         return
-    encoder = clone_encoder(served)
+    encoder = await clone_encoder(served)
     if encoder is None:  # the pipeline's input (if any) takes it as it is: admission says
         if served.input_named("ref_audio", "text") is None:
             raise job.params.unknown(["ref_audio"])
@@ -152,9 +152,12 @@ async def apply_voice(server, job: SpeechJob, voice, ref_audio, ref_text) -> Non
     inputs.update(await voices.encode(encoder, samples, rate, ref_text or "", "ref_audio"))
 
 
-def clone_encoder(served) -> voices.Encoder | None:
+async def clone_encoder(served) -> voices.Encoder | None:
     """The encoder of the first of the pipeline's stages whose model clones voices."""
-    return next((e for e in served.encoders if e.available()), None)
+    for encoder in served.encoders:
+        if await encoder.available():
+            return encoder
+    return None
 
 
 def decode_reference(data: bytes, where: str, max_seconds: float) -> tuple[torch.Tensor, int]:

@@ -16,6 +16,7 @@ beyond it is a 400, never an eviction.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import threading
 import time
@@ -28,6 +29,7 @@ from omniflow.plan import StagePlan
 from omniflow.runtime.python_backend import import_function
 from omniflow.server.errors import bad_request
 
+log = logging.getLogger("omniflow.server")
 MAX_VOICES = 64
 MAX_CLIP_SECONDS = 60.0
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -80,14 +82,19 @@ class Encoder:
             if not self.loaded:
                 from omniflow.runtime.preflight import locate_model
 
-                path = locate_model(self.stage.model)
-                self.model = import_function(self.factory)(path, _device(self.stage))
+                try:
+                    path = locate_model(self.stage.model)
+                    self.model = import_function(self.factory)(path, _device(self.stage))
+                except OmniflowError as err:  # no model here (stand-ins), or no encoder in it
+                    log.warning("stage %s encodes no voices: %s", self.stage.name, err)
+                    self.model = None
                 self.loaded = True
         return self.model
 
-    def available(self) -> bool:
-        """Whether the stage's model clones voices (loads the encoder to know)."""
-        return self._load() is not None
+    async def available(self) -> bool:
+        """Whether the stage's model clones voices (loading the encoder, the first time, in
+        a thread: the server goes on serving meanwhile)."""
+        return await asyncio.to_thread(self._load) is not None
 
     def encode(self, samples: torch.Tensor, rate: int, ref_text: str) -> dict[str, str]:
         """The pipeline inputs of a clone of `samples` (mono float at `rate`): what the
