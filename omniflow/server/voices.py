@@ -113,12 +113,14 @@ class Encoder:
 
 
 def encoders_of(served) -> list[Encoder]:
-    """The voice encoders of a pipeline's stages (where their families have one)."""
-    return [
+    """The voice encoders of a pipeline's stages (where their families have one) that
+    pipeline inputs feed: where a request's voice can go."""
+    encoders = [
         Encoder(served, stage, stage.family.voices)
         for stage in served.plan.stages
         if stage.family is not None and stage.family.voices and stage.model
     ]
+    return [e for e in encoders if e.feeds]
 
 
 def _device(stage: StagePlan) -> str:
