@@ -5,7 +5,8 @@ Each request's prefill is its task's prompt (`prompt.build`); each step samples 
 from the talker's `codec_head`, then the code predictor fills codebooks 1..15 for every row
 of the step at once (`frames`), and the frame goes out on `codes` as int64 `[1, 16]`; the
 next step feeds the talker the sum of the frame's 16 codebook embeddings plus that step's
-text-side row. End-of-speech (codec eos) ends the request and emits no frame. A voice
+text-side row. End-of-speech (codec eos) ends the request (the backend's `Ending`,
+"stop"; "length" at `max_tokens`) and emits no frame. A voice
 clone with reference codes (ICL) first sends the reference's frames, every code offset
 by the codebook size (2048), with its first frame: code2wav decodes them as context only
 (`code2wav.Code2Wav.context_frames`), as the reference decodes reference and new codes
@@ -15,9 +16,12 @@ Sampling is `Qwen3TTSForConditionalGeneration.generate`'s: the checkpoint's
 generation_config.json (temperature 0.9, top-k 50, top-p 1, repetition penalty 1.05 over
 the codebook-0 ids generated so far), every special id but end-of-speech suppressed
 (the top 1024 of the 3072), end-of-speech masked for the first two steps
-(`min_new_tokens=2`). The code predictor samples with the sub-talker's settings
-(`subtalker_*`) from the request's own generator, right after the talker's draw; a
-greedy request (temperature 0) is greedy in both.
+(`min_new_tokens=2`, `mask_logits`). The code predictor samples with the sub-talker's
+settings (`subtalker_*`; `transformers_ar.sample_sub_step`): on CPU from the request's own
+generator, right after the talker's draw, as `generate` does; on CUDA with the fused
+sampler, keyed by the request's seed. A greedy request (temperature 0) is greedy in both.
+The same checks of a request against the checkpoint run at admission
+(`voices.admission`) and here (`config.check_task_inputs`).
 
 Request inputs (ports) and parameters:
 
