@@ -39,11 +39,11 @@ def main() -> None:
     began = time.perf_counter()
     plan = plan_for(GRAPH.read_text(), args.devices, args.model_dir, args.audio_tokens, "auto")
     compiled = time.perf_counter()
-    voices = preflight(plan)
+    checks = preflight(plan)
     checked = time.perf_counter()
     loaded: list[tuple[float, control.Loaded]] = []  # (when it reached the engine, message)
     with Engine(
-        plan, "process", voices=voices, on_loaded=lambda m: loaded.append((time.perf_counter(), m))
+        plan, "process", checks=checks, on_loaded=lambda m: loaded.append((time.perf_counter(), m))
     ) as engine:
         ready = time.perf_counter()
         first = run_engine(engine, 1, args.max_tokens)[1][0]

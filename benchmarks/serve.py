@@ -9,8 +9,9 @@ suite's python-stage pipeline, tests/server/probe.omni):
 - overhead: the same short requests, one at a time, through `engine.stream` in this
   process and over HTTP (SSE) to `omniflow run` serving the same pipeline, each with its
   own executor process; a python stage, so the pipeline itself costs almost nothing;
-- load: omni chat (streamed SSE, text and audio) and TTS (streamed speech) over HTTP at
-  concurrency 1, 4 and 10;
+- load: omni chat (streamed SSE, text and audio) and TTS (Qwen3-TTS, graphs/qwen3_tts.omni,
+  streamed speech) over HTTP at concurrency 1, 4 and 10 (benchmarks/tts_serve.py measures
+  Qwen3-TTS at real size);
 - streaming: omni chat as written against the same pipeline with its audio path's edges
   whole (`omni_chat_whole`: the vocoder decodes once the talker has finished), at
   concurrency 1 and 4.
@@ -21,7 +22,7 @@ suite's python-stage pipeline, tests/server/probe.omni):
 
 `--scaled DEPTH` serves omni chat on a random-weight Qwen2.5-Omni at the real model's widths
 and DEPTH x its layers (`omniflow.checkpoints.scaled`, built once into the cache) instead of
-the tiny models; the TTS pipeline is left out then (it has no scaled checkpoint). The talker
+the tiny models; the TTS pipeline is left out then (benchmarks/tts_serve.py has it). The talker
 is bounded to `CHAT["max_audio_tokens"]` codes, since random weights rarely end speech.
 """
 
@@ -269,7 +270,9 @@ def serving(
     with tempfile.TemporaryDirectory() as folder:
         if base is None:
             chats = omni_chat_variants(Path(folder), "streaming" in parts, model)
-            pipelines = [str(p) for p in chats] + ([] if model else [str(GRAPHS / "tts.omni")])
+            pipelines = [str(p) for p in chats] + (
+                [] if model else [str(GRAPHS / "qwen3_tts.omni")]
+            )
             flags = ["--tiny"] if tiny and not model else []
             server = Server([*pipelines, *flags, "--devices", devices])
             base = server.base
@@ -279,9 +282,9 @@ def serving(
                     total = max(8, 2 * concurrency)
                     for name, request, served, extra in (
                         ("omni chat", chat_request, "omni_chat", CHAT),
-                        ("tts", speech_request, "tts", TTS),
+                        ("tts", speech_request, "qwen3_tts", TTS),
                     ):
-                        if served == "tts" and model:
+                        if served == "qwen3_tts" and model:
                             continue
                         asyncio.run(load(base, request, served, extra, 1, 1))  # warm-up
                         results, wall = asyncio.run(

@@ -242,6 +242,12 @@ def make_parser() -> argparse.ArgumentParser:
         help="largest request body (default 32 MiB); beyond it: 413",
     )
     serving.add_argument(
+        "--max-voices",
+        type=int,
+        default=64,
+        help="uploaded voices kept at once, all pipelines (default 64); beyond it: 400",
+    )
+    serving.add_argument(
         "--allow-remote-media",
         action="store_true",
         help="let requests name http(s) URLs for images and audio (off: data: URIs and files)",

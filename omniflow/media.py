@@ -1,20 +1,41 @@
 """Pipeline outputs as files people open, and files people send as pipeline inputs.
 
-Audio is encoded and decoded with soundfile (libsndfile: WAV, FLAC), images with Pillow
-(PNG, JPEG, WebP). An audio output is mono int16 or float samples in [-1, 1]; an image is
-a uint8 `[H, W, 3]` tensor (leading singleton dims are dropped).
+Audio is encoded and decoded with soundfile (libsndfile: WAV, FLAC) and PyAV (FFmpeg's
+codecs: MP3 with LAME, Opus in Ogg, AAC in ADTS; it decodes whatever FFmpeg reads),
+images with Pillow (PNG, JPEG, WebP). An audio output is mono int16 or float samples in
+[-1, 1]; an image is a uint8 `[H, W, 3]` tensor (leading singleton dims are dropped).
+`AudioEncoder` encodes audio as it arrives (a streamed reply) and `Tempo` changes its
+speed without changing its pitch (FFmpeg's `atempo`), chunk by chunk too.
 """
 
 from __future__ import annotations
 
+import fractions
 import io
 
 import numpy as np
 import torch
 
-AUDIO_FORMATS = ("wav", "flac", "pcm")  # pcm: raw little-endian 16-bit samples, no header
+# pcm: raw little-endian 16-bit samples, no header; mp3, opus, aac: PyAV's encoders.
+AUDIO_FORMATS = ("wav", "flac", "pcm", "mp3", "opus", "aac")
 IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP"}
-AUDIO_MIME = {"wav": "audio/wav", "flac": "audio/flac", "pcm": "audio/pcm"}
+AUDIO_MIME = {
+    "wav": "audio/wav",
+    "flac": "audio/flac",
+    "pcm": "audio/pcm",
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+    "aac": "audio/aac",
+}
+# Format -> (container, encoder, container options) of the formats PyAV encodes; the Ogg
+# muxer writes a page every 20 ms of audio (its default, a second, would hold a stream back).
+ENCODED_AUDIO = {
+    "mp3": ("mp3", "libmp3lame", {}),
+    "opus": ("ogg", "libopus", {"page_duration": "20000"}),
+    "aac": ("adts", "aac", {}),
+}
+# The speeds `Tempo` makes (FFmpeg's atempo takes 0.5 .. 2 per pass; two passes reach these).
+SPEEDS = (0.25, 4.0)
 IMAGE_MIME = {"png": "image/png", "jpeg": "image/jpeg", "jpg": "image/jpeg", "webp": "image/webp"}
 
 
@@ -31,10 +52,14 @@ def pcm16(audio: torch.Tensor) -> torch.Tensor:
 
 
 def audio_bytes(audio: torch.Tensor, rate: int, fmt: str = "wav") -> bytes:
-    """Mono 16-bit audio as a `fmt` file (`wav`, `flac`) or raw `pcm` samples."""
+    """Mono 16-bit audio as a `fmt` file (`wav`, `flac`, `mp3`, `opus`, `aac`) or raw `pcm`
+    samples."""
     samples = pcm16(audio).numpy()
     if fmt == "pcm":
         return samples.astype("<i2").tobytes()
+    if fmt in ENCODED_AUDIO:
+        encoder = AudioEncoder(fmt, rate)
+        return encoder.feed(audio) + encoder.close()
     import soundfile
 
     buffer = io.BytesIO()
@@ -57,14 +82,173 @@ def streaming_wav_header(rate: int) -> bytes:
 
 
 def decode_audio(data: bytes) -> tuple[torch.Tensor, int]:
-    """An audio file's samples (float32, mono: channels averaged) and its sample rate."""
+    """An audio file's samples (float32, mono: channels averaged) and its sample rate:
+    WAV and FLAC through soundfile, anything else FFmpeg reads (MP3, Ogg, AAC, M4A, ...)
+    through PyAV."""
     import soundfile
 
     try:
         samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
-    except (RuntimeError, soundfile.LibsndfileError, TypeError, ValueError) as err:
-        raise MediaError(f"not an audio file soundfile can read: {err}") from err
+    except (RuntimeError, soundfile.LibsndfileError, TypeError, ValueError):
+        return _decode_with_av(data)
     return torch.from_numpy(np.ascontiguousarray(samples.mean(axis=1))), int(rate)
+
+
+def _decode_with_av(data: bytes) -> tuple[torch.Tensor, int]:
+    import av
+
+    what = "not an audio file (WAV, FLAC, MP3, Ogg, AAC, ... as FFmpeg reads them)"
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.audio:
+                raise MediaError(f"{what}: it has no audio stream")
+            stream = container.streams.audio[0]
+            mono = av.AudioResampler(format="flt", layout="mono", rate=stream.sample_rate)
+            rate = stream.sample_rate
+            parts = [
+                out.to_ndarray().reshape(-1)
+                for frame in container.decode(stream)
+                for out in mono.resample(frame)
+            ]
+            parts += [out.to_ndarray().reshape(-1) for out in mono.resample(None)]
+    except (av.error.FFmpegError, ValueError, IndexError) as err:
+        reason = getattr(err, "strerror", None) or str(err)
+        raise MediaError(f"{what}: {reason}") from err
+    if not parts or not rate:
+        raise MediaError(f"{what}: it has no samples")
+    return torch.from_numpy(np.concatenate(parts).astype(np.float32)), int(rate)
+
+
+class _Sink:
+    """What a PyAV muxer writes into, taken as it comes (not seekable: a muxer that would
+    seek back to patch a header writes it up front instead)."""
+
+    def __init__(self):
+        self.parts: list[bytes] = []
+
+    def write(self, data) -> int:
+        self.parts.append(bytes(data))
+        return len(data)
+
+    def seekable(self) -> bool:
+        return False
+
+    def take(self) -> bytes:
+        out, self.parts = b"".join(self.parts), []
+        return out
+
+
+class AudioEncoder:
+    """Mono audio at `rate` as an `fmt` stream (`mp3`, `opus`, `aac`: PyAV's encoders;
+    `wav`: a header whose sizes are unknown, then the samples; `pcm`: the samples): `feed`
+    returns the bytes of what the encoder could finish so far, `close` the rest. The
+    concatenation of every call's bytes is one valid file."""
+
+    def __init__(self, fmt: str, rate: int):
+        self.format, self.rate = fmt, rate
+        self.started = False
+        self.container = None
+        if fmt in ENCODED_AUDIO:
+            import av
+
+            container, codec, options = ENCODED_AUDIO[fmt]
+            self.sink = _Sink()
+            self.container = av.open(self.sink, mode="w", format=container, options=options)
+            self.stream = self.container.add_stream(codec, rate=rate, layout="mono")
+            self.pts = 0
+        elif fmt not in ("wav", "pcm"):
+            raise MediaError(f"no streamed encoding of {fmt!r}")
+
+    def feed(self, audio: torch.Tensor) -> bytes:
+        samples = pcm16(audio).numpy().astype("<i2")
+        head = b""
+        if self.format == "wav" and not self.started:
+            head = streaming_wav_header(self.rate)
+        self.started = True
+        if self.container is None:
+            return head + samples.tobytes()
+        if not len(samples):
+            return b""
+        import av
+
+        frame = av.AudioFrame.from_ndarray(samples[None], format="s16", layout="mono")
+        frame.sample_rate, frame.pts = self.rate, self.pts
+        frame.time_base = fractions.Fraction(1, self.rate)
+        self.pts += len(samples)
+        for packet in self.stream.encode(frame):
+            self.container.mux(packet)
+        return self.sink.take()
+
+    def close(self) -> bytes:
+        """The rest of the stream (a stream that was fed nothing is a valid empty file)."""
+        if self.container is None:
+            return b"" if self.started or self.format == "pcm" else streaming_wav_header(self.rate)
+        for packet in self.stream.encode(None):
+            self.container.mux(packet)
+        self.container.close()
+        self.container = None
+        return self.sink.take()
+
+
+class Tempo:
+    """Mono int16 audio at `rate` played `speed` times as fast, its pitch kept (FFmpeg's
+    `atempo`, two passes beyond 0.5 .. 2), chunk by chunk: `feed` returns what is ready
+    (a few ms behind its input), `close` the rest."""
+
+    def __init__(self, speed: float, rate: int):
+        from av.filter import Graph
+
+        if not SPEEDS[0] <= speed <= SPEEDS[1]:
+            raise MediaError(f"speed {speed:g} is outside {SPEEDS[0]:g} .. {SPEEDS[1]:g}")
+        self.rate, self.pts = rate, 0
+        self.graph = Graph()
+        node = self.graph.add_abuffer(
+            format="s16", sample_rate=rate, layout="mono", time_base=f"1/{rate}"
+        )
+        for factor in _tempo_passes(speed):
+            step = self.graph.add("atempo", f"{factor:.6f}")
+            node.link_to(step)
+            node = step
+        node.link_to(self.graph.add("abuffersink"))
+        self.graph.configure()
+
+    def feed(self, audio: torch.Tensor) -> torch.Tensor:
+        import av
+
+        samples = pcm16(audio).numpy()
+        if len(samples):
+            frame = av.AudioFrame.from_ndarray(samples[None], format="s16", layout="mono")
+            frame.sample_rate, frame.pts = self.rate, self.pts
+            frame.time_base = fractions.Fraction(1, self.rate)
+            self.pts += len(samples)
+            self.graph.push(frame)
+        return self._pull()
+
+    def close(self) -> torch.Tensor:
+        self.graph.push(None)
+        return self._pull()
+
+    def _pull(self) -> torch.Tensor:
+        import av
+
+        parts = []
+        while True:
+            try:
+                frame = self.graph.pull()
+            except (av.error.BlockingIOError, av.error.EOFError):
+                break
+            parts.append(frame.to_ndarray().reshape(-1))
+        if not parts:
+            return torch.zeros(0, dtype=torch.int16)
+        return torch.from_numpy(np.concatenate(parts).astype(np.int16))
+
+
+def _tempo_passes(speed: float) -> list[float]:
+    """atempo factors (each in 0.5 .. 2) whose product is `speed`."""
+    if 0.5 <= speed <= 2.0:
+        return [speed]
+    root = speed**0.5
+    return [root, root]
 
 
 def image_bytes(image: torch.Tensor, fmt: str = "png") -> bytes:

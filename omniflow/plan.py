@@ -31,11 +31,15 @@ class FamilyCode:
     """What the stage's model family gives its backend, as dotted paths ("module:name") an
     executor imports when it loads the stage: `name` the family, `code` its code by backend
     name (what each is called with is that backend's contract: docs/backends.md),
-    `speakers` the reader of a checkpoint's speakers ("" if it has none)."""
+    `speakers` the reader of a checkpoint's speakers, `admission` the family's checks of a
+    request against its checkpoint, `voices` its encoder of reference clips into voice
+    prompts ("" where it has none: docs/models.md, "Adding a model family")."""
 
     name: str
     code: dict[str, str] = field(default_factory=dict)
     speakers: str = ""
+    admission: str = ""
+    voices: str = ""
 
 
 @dataclass

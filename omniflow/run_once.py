@@ -31,7 +31,7 @@ from omniflow.runtime.gpu_timeline import gpu_executors
 from omniflow.runtime.port_values import concat
 from omniflow.runtime.preflight import preflight
 from omniflow.runtime.prompts import prompt_limits
-from omniflow.runtime.requests import admit, check_voices
+from omniflow.runtime.requests import admit, check_request
 
 DEFAULT_RATE = 24000
 
@@ -87,15 +87,15 @@ def run_once(
     if profile_gpu:
         gpu_executors(plan)  # before any model loads: a plan with no GPU stage says so now
     request = admit(plan, inputs, params)  # a mistake costs a second: before any model loads
-    voices = () if backends == "standin" else preflight(plan)
-    check_voices(request, voices)
+    checks = () if backends == "standin" else preflight(plan)
+    check_request(request, checks)
     for limit in () if backends == "standin" else prompt_limits(plan):
         limit.check(request)
     types = {o.name: o.type for o in plan.outputs}
     parts: dict[str, list] = {name: [] for name in types}
     live = next((o.name for o in plan.outputs if o.type == "text"), None)  # shown as it comes
     with _loading(plan, console) as on_loaded:
-        engine = Engine(plan, mode, backends, voices=voices, on_loaded=on_loaded)
+        engine = Engine(plan, mode, backends, checks=checks, on_loaded=on_loaded)
     recording = (
         contextlib.nullcontext()
         if profile is None

@@ -19,6 +19,7 @@ EXAMPLES = {
     "qwen3_omni": (["prompt=Hello! Who are you?"], ["max_tokens=4", "max_audio_tokens=24", "seed=2"],
                    ["text.txt", "audio.wav"]),
     "tts": (["text=Good morning."], ["max_tokens=24"], ["audio.wav"]),
+    "qwen3_tts": (["text=Good morning.", "voice=Vivian"], ["max_tokens=8"], ["audio.wav"]),
     "text_to_image": (["prompt=a red boat"], ["steps=2", "height=32", "width=32"], ["image.png"]),
     "image_understanding": (["image={image}", "prompt=What is this?"], ["max_tokens=4"],
                             ["text.txt"]),

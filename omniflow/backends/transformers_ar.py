@@ -52,6 +52,7 @@ What it owns:
 
 from __future__ import annotations
 
+import functools
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -172,6 +173,11 @@ class Component(ABC):
         the batch at once (Qwen3-Omni's talker: its code predictor fills the other
         codebooks from the hidden state). The static decode path calls only `code`."""
         return [self.code(token) for token in ids]
+
+    def mask_logits(self, seqs: list[Sequence], logits: torch.Tensor) -> None:  # noqa: B027
+        """Per-request changes to a step's logits `[n, V]` before sampling, in place (a
+        minimum length's end-of-speech mask); by default none. The static decode path
+        samples on the device without it, so a component that masks decodes eagerly."""
 
     def hidden_value(self, hidden: torch.Tensor, embeds: torch.Tensor, prompt: bool):
         """The `hidden` output of one forward of one request, from its last-layer hidden
@@ -332,6 +338,57 @@ def _sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         seen=seen,
     )
     return ids.tolist()
+
+
+# Sub-steps a frame's second model may take (`sample_sub_step`): its draws' stream steps.
+MAX_SUB_STEPS = 64
+# Added to a request's seed for the draws of its frames' second model, so that they do not
+# share the (seed, step) stream of its LM's own draws.
+_SUB_SEED = 0x5851F42D4C957F2D
+
+
+def sub_sampling(temperature: float, top_k: int, top_p: float) -> Sampling:
+    """How a frame's second model (a code predictor) samples: warpers only (no penalty,
+    no length, no stop)."""
+    return Sampling(float(temperature), float(top_p), int(top_k), 1.0, 0, None, frozenset(), ())
+
+
+def sample_sub_step(
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    sampling: Sampling | None,
+    sub_step: int,
+    on_device: bool | None = None,
+) -> torch.Tensor:
+    """One sub-step of the model that completes the frames a codec LM's step sampled (a
+    code predictor's codebook `sub_step`), for every row of the step at once: each row's
+    id `[n]`, on the logits' device. Greedy where the request decodes greedily or
+    `sampling` is None; else drawn with `sampling`'s warpers, as the LM's own draws are:
+    on CPU from the request's generator, right after its LM draw (what `generate` does),
+    row by row; on CUDA in one pass of the fused sampler, keyed by the request's seed and
+    (frame, sub-step), so no id leaves the device (`on_device` picks the path; the fused
+    sampler's torch reference runs it on CPU)."""
+    if logits.is_cuda if on_device is None else on_device:
+        rows = functools.partial(torch.tensor, device=logits.device)
+        greedy = sampling is None
+        return sample(
+            logits.float(),
+            temperature=rows(
+                [0.0 if greedy or s.generator is None else sampling.temperature for s in seqs]
+            ),
+            top_k=-1 if greedy else sampling.top_k,
+            top_p=1.0 if greedy else sampling.top_p,
+            seed=rows([(s.seed + _SUB_SEED) & (2**63 - 1) for s in seqs]),
+            step=rows([s.generated * MAX_SUB_STEPS + sub_step for s in seqs]),
+        )
+    chosen = []
+    for row, seq in zip(logits, seqs, strict=True):
+        if sampling is None or seq.generator is None:
+            chosen.append(row.argmax())
+        else:
+            probs = _warp(row, sampling).softmax(-1)
+            chosen.append(torch.multinomial(probs, 1, generator=seq.generator)[0])
+    return torch.stack(chosen)
 
 
 def _warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -504,6 +561,8 @@ class TransformersAR(Backend):
         why = static_decode.unsupported(c.decoder)
         if why is None and type(c).step_embeds is not Component.step_embeds:
             why = f"{type(c).__name__} builds its own step inputs"
+        if why is None and type(c).mask_logits is not Component.mask_logits:
+            why = f"{type(c).__name__} masks its logits per request"
         if mode == "auto":
             mode = "graphs" if cuda and why is None else "eager"
         if mode == "eager":
@@ -753,6 +812,7 @@ class TransformersAR(Backend):
         logits = self.component.logits(hidden)
         if self.component.suppress:
             logits[:, list(self.component.suppress)] = -float("inf")
+        self.component.mask_logits(seqs, logits)
         if logits.is_cuda:
             ids = _sample_on_device(logits, seqs)
         else:

@@ -209,6 +209,13 @@ class Decoder(ABC):
         """Requests whose windows may share a forward have equal groups."""
         return None
 
+    def context_frames(self, state: dict, chunk: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """A request's leading frames that are context alone (decoded before the frames
+        after them, as the whole utterance would be, but emitting no audio: a voice
+        clone's reference frames), marked as the decoder's codes say: the chunk's codes
+        and how many of its first frames are such; by default none."""
+        return chunk, 0
+
     @abstractmethod
     def decode(self, windows: list[Window], frames: int) -> torch.Tensor:
         """`[len(windows), frames * samples_per_frame]` float32 audio of the padded batch."""
@@ -426,6 +433,9 @@ class Vocoder(Backend):
             raise VocoderError(f"codes must be integers, not {chunk.dtype}")
         if len(stream.codes) and chunk.shape[1] != stream.codes.shape[1]:
             raise VocoderError("the number of codebooks changed within a request")
+        chunk, context_only = decoder.context_frames(stream.state, chunk)
+        if context_only and stream.emitted != stream.arrived:
+            raise VocoderError("context-only frames came after frames to decode")
         low, high = int(chunk.min()), int(chunk.max())
         if low < 0 or high >= decoder.codebook_size:
             raise VocoderError(
@@ -435,6 +445,7 @@ class Vocoder(Backend):
         codes = chunk.to(device=self.device, dtype=torch.int64)
         # cat copies: the chunk may be a view into a channel slot released after the step.
         stream.codes = torch.cat([stream.codes.reshape(-1, codes.shape[1]), codes])
+        stream.emitted += context_only  # decoded as the next windows' context, never emitted
         side = decoder.side(stream.state, len(codes))
         if side is not None:
             side = side.to(self.device)

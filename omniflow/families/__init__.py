@@ -166,15 +166,19 @@ def knowing(architectures: Sequence[str]) -> list[Family]:
 def stage_code(architectures: Sequence[str], kind: str) -> FamilyCode | None:
     """What the families that know a component's `architectures` (outermost first) give a
     stage of `kind`: their code by backend (an outer family's first), the speaker reader,
-    named after the outermost; None when no family knows any of them."""
+    admission checks and voice encoder, named after the outermost; None when no family
+    knows any of them."""
     known = knowing(architectures)
     if not known:
         return None
     code: dict[str, str] = {}
     for family in reversed(known):
         code |= {backend: path for (k, backend), path in family.runtime.items() if k == kind}
-    speakers = next((f.speakers for f in known if f.speakers), "")
-    return FamilyCode(known[0].name, code, speakers)
+    first = {
+        what: next((getattr(f, what) for f in known if getattr(f, what)), "")
+        for what in ("speakers", "admission", "voices")
+    }
+    return FamilyCode(known[0].name, code, **first)
 
 
 @functools.cache

@@ -102,6 +102,14 @@ class Family:
       backend (what it is called with is the backend's contract: docs/backends.md);
     - `adapters`: "namespace.name" -> `AdapterSpec`;
     - `speakers`: "module:function", the speakers of a local checkpoint (None if none);
+    - `admission`: "module:function(stage, path)", the family's own checks of a request
+      against a local checkpoint, made at admission (a task the checkpoint does not do, a
+      language it does not speak): a function of (the stage's parameters, its inputs
+      from the pipeline's) that raises `omniflow.runtime.requests.StageRequestError`
+      naming the parameter or input port; None where it has none for that stage;
+    - `voices`: "module:function(path, device)", the encoder of a reference clip into the
+      voice prompt the family's stage takes (a voice clone's x-vector and codes), which
+      the server computes once per uploaded voice (`omniflow.server.voices`);
     - `stage_params`, `stage_inputs`: stage kind -> parameters (`ParamSpec`s) and input
       ports (-> accepted types) a stage of that kind takes when it runs one of the
       family's models, beyond the kind's own (a TTS talker's `language`, `ref_audio`);
@@ -120,6 +128,8 @@ class Family:
     runtime: Mapping[tuple[str, str], str] = field(default_factory=dict)
     adapters: Mapping[str, AdapterSpec] = field(default_factory=dict)
     speakers: str | None = None
+    admission: str | None = None
+    voices: str | None = None
     stage_params: Mapping[str, Mapping[str, ParamSpec]] = field(default_factory=dict)
     stage_inputs: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
     tiny: tuple[TinyModel, ...] = ()

@@ -36,7 +36,7 @@ from omniflow.runtime.port_values import concat
 from omniflow.runtime.preflight import preflight
 from omniflow.runtime.prompts import prompt_limits
 from omniflow.runtime.ray_transport import ray_plan
-from omniflow.runtime.requests import Admitted, RequestFailed, Voice, admit, stage_params
+from omniflow.runtime.requests import Admitted, Check, RequestFailed, admit, stage_params
 from omniflow.runtime.shm_ring import cleanup_stale_segments
 from omniflow.runtime.transport import MODES, TICK_S, EngineError, transport_class
 from omniflow.runtime.wakeup import Waker, wait
@@ -295,7 +295,8 @@ class Engine:
     """A running plan. Use as a context manager; `generate`, `stream`, `cancel`, `close`.
 
     Before any executor starts, the plan is checked against this machine (`preflight`:
-    devices, models, speakers) unless the caller did so and passes its `voices`;
+    devices, models, speakers, the families' own checks) unless the caller did so and
+    passes its `checks`;
     `on_loaded` hears of each stage whose model has loaded. With `on_stats`, every executor
     keeps per-request tables (tallies.py) and each request's reach `on_stats` (from the I/O
     thread) before its last chunk reaches the caller.
@@ -306,7 +307,7 @@ class Engine:
         plan: Plan,
         mode: str = "process",
         backends: str = "auto",
-        voices: tuple[Voice, ...] | None = None,
+        checks: tuple[Check, ...] | None = None,
         on_loaded: Callable[[control.Loaded], None] = lambda loaded: None,
         on_stats: Callable[[control.RequestStats], None] | None = None,
     ):
@@ -315,9 +316,9 @@ class Engine:
         if mode == "process" and ray_plan(plan.devices):
             mode = "ray"  # compiled for a Ray cluster: its executors run there
         self.plan = plan
-        if voices is None:
-            voices = () if backends == "standin" else preflight(plan)
-        self.voices = voices
+        if checks is None:
+            checks = () if backends == "standin" else preflight(plan)
+        self.checks = checks
         self.prompt_limits = () if backends == "standin" else prompt_limits(plan)
         self._core = _Core(plan, mode, backends, on_loaded, on_stats)
         self._ids = itertools.count()
@@ -371,7 +372,7 @@ class Engine:
         """The request checked against the plan (RequestError if it does not fit: its
         prompts' lengths too); its `params` hold every parameter, the seed included, so
         passing them back replays it."""
-        admitted = admit(self.plan, inputs, params, self.voices)
+        admitted = admit(self.plan, inputs, params, self.checks)
         for limit in self.prompt_limits:
             limit.check(admitted)
         return admitted

@@ -1,6 +1,8 @@
 """What the frontend checks before any executor starts: that the plan's devices exist on
-this machine, that every model it names can be loaded here, and which speakers those
-models have (so admission can refuse an unknown one without asking a stage).
+this machine, that every model it names can be loaded here, which speakers those
+models have, and what their families check of a request against their checkpoints (so
+admission can refuse an unknown speaker or a task a checkpoint does not do without asking
+a stage).
 
 Each check fails in seconds with an error that names what is missing and the ways to
 provide it; without them a missing model would surface as an executor's traceback after
@@ -18,7 +20,7 @@ from omniflow.errors import OmniflowError
 from omniflow.ir.values import Param
 from omniflow.plan import Plan, StagePlan
 from omniflow.runtime.python_backend import import_function
-from omniflow.runtime.requests import Voice
+from omniflow.runtime.requests import Check, FamilyCheck, Voice
 
 HUB_TIMEOUT_S = 10.0
 
@@ -27,11 +29,12 @@ class PreflightError(OmniflowError):
     """The plan cannot run on this machine as it stands (a device or a model is missing)."""
 
 
-def preflight(plan: Plan) -> tuple[Voice, ...]:
-    """Check the plan against this machine; the speaker-valued request fields it has."""
+def preflight(plan: Plan) -> tuple[Check, ...]:
+    """Check the plan against this machine; what admission checks its requests with: the
+    speaker-valued request fields, and its stages' families' own checks."""
     check_devices(plan)
     paths = {model: locate_model(model) for model in {s.model for s in plan.stages if s.model}}
-    return plan_voices(plan, paths)
+    return plan_voices(plan, paths) + family_checks(plan, paths)
 
 
 def check_devices(plan: Plan) -> None:
@@ -112,3 +115,23 @@ def plan_voices(plan: Plan, paths: dict[str, str]) -> tuple[Voice, ...]:
             if c.dst == stage.name and c.dst_port == "voice" and c.src in inputs
         ]
     return tuple(dict.fromkeys(voices))
+
+
+def family_checks(plan: Plan, paths: dict[str, str]) -> tuple[FamilyCheck, ...]:
+    """Each stage's family's checks of a request against its local checkpoint
+    (`Family.admission`), where it has some."""
+    inputs = {i.name for i in plan.inputs}
+    checks = []
+    for stage in plan.stages:
+        reader = stage.family.admission if stage.family is not None else ""
+        path = paths.get(stage.model or "")
+        if not reader or path is None or not Path(path).is_dir():
+            continue
+        checker = import_function(reader)(stage, path)
+        if checker is None:
+            continue
+        feeds = {
+            c.dst_port: c.src for c in plan.channels if c.dst == stage.name and c.src in inputs
+        }
+        checks.append(FamilyCheck(stage, feeds, checker))
+    return tuple(checks)

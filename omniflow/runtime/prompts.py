@@ -12,6 +12,7 @@ the stage's own (`Ending`), never this one.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,9 +82,15 @@ def prompt_limits(plan: Plan) -> tuple[PromptLimit, ...]:
     return tuple(limits)
 
 
+# transformers resolves its lazy attributes without a lock: engines that start in threads
+# of one process (`omniflow run` with several pipelines) would race on the first import.
+_IMPORTING = threading.Lock()
+
+
 def _local_tokenizer(model: str | None):
     """The tokenizer of `model`'s checkpoint if it is on this machine, else None."""
-    from transformers import AutoTokenizer
+    with _IMPORTING:
+        from transformers import AutoTokenizer
 
     if model is None:
         return None

@@ -4,7 +4,8 @@
 pipeline parameter's value, and its seed -- and refuses, with a `RequestError` that says
 what to change, anything the plan was not compiled for: unknown or missing inputs and
 parameters, wrong types, numbers outside the plan's limits, image files that cannot be
-read, payloads larger than their ring's slot, speakers the models do not have. It runs in
+read, payloads larger than their ring's slot, speakers the models do not have, and
+what a model family checks of its own checkpoints (`FamilyCheck`). It runs in
 the caller's thread and touches no executor, so a bad request costs microseconds and
 never reaches a stage.
 
@@ -19,7 +20,9 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -62,38 +65,92 @@ class Admitted:
         return self.params[SEED_PARAM]
 
 
+class StageRequestError(RequestError):
+    """A model family's admission check refusing one of a stage's values: `field` names
+    the stage's parameter or input port (`FamilyCheck` names the request's field)."""
+
+
 @dataclass(frozen=True)
 class Voice:
     """A request value that must name one of a model's speakers: the pipeline parameter or
-    input `name` (`is_input`), and the speakers the model it reaches has."""
+    input `name` (`is_input`), and the speakers the model it reaches has. A speaker is
+    matched in any letter case and goes on spelled as the model spells it; an empty text
+    (no voice: the model's own) passes."""
 
     name: str
     is_input: bool
     speakers: tuple[str, ...]
 
+    def check(self, admitted: Admitted) -> None:
+        values = admitted.inputs if self.is_input else admitted.params
+        value = values.get(self.name)
+        if value is None or value == "" or value in self.speakers:
+            return
+        spelled = {s.lower(): s for s in self.speakers}
+        if isinstance(value, str) and value.lower() in spelled:
+            values[self.name] = spelled[value.lower()]
+            if self.is_input:
+                admitted.wire[self.name] = encode("text", values[self.name])
+            return
+        what = "input" if self.is_input else "parameter"
+        raise RequestError(
+            f"{what} '{self.name}': unknown speaker {value!r}; "
+            f"the model has {', '.join(self.speakers)}",
+            self.name,
+        )
+
+
+@dataclass(frozen=True)
+class FamilyCheck:
+    """A model family's own checks of each request against a stage's checkpoint
+    (`Family.admission`: a task the checkpoint does not do, a language it does not speak),
+    made at admission like the plan's own. `check_stage(params, inputs)` sees the stage's
+    parameters for the request and the values of its input ports that pipeline inputs
+    feed (`feeds`: port -> input); the StageRequestError it raises names a stage parameter
+    or port, which the error names as the request's parameter or input that set it."""
+
+    stage: StagePlan
+    feeds: dict[str, str]
+    check_stage: Callable[[dict, dict], None]
+
+    def check(self, admitted: Admitted) -> None:
+        params = stage_params(self.stage, admitted)
+        inputs = {port: admitted.inputs[src] for port, src in self.feeds.items()}
+        try:
+            self.check_stage(params, inputs)
+        except StageRequestError as err:
+            source = self.stage.params.get(err.field or "")
+            if isinstance(source, Param):
+                field_ = source.name
+            elif isinstance(source, InputRef):
+                field_ = source.input
+            else:
+                field_ = self.feeds.get(err.field or "", err.field)
+            raise RequestError(str(err), field_) from None
+
+
+class Check(Protocol):
+    """What admission checks a request with beyond the plan (`preflight` finds them)."""
+
+    def check(self, admitted: Admitted) -> None: ...
+
 
 def admit(
-    plan: Plan, inputs: dict, params: dict | None = None, voices: tuple[Voice, ...] = ()
+    plan: Plan, inputs: dict, params: dict | None = None, checks: tuple[Check, ...] = ()
 ) -> Admitted:
     """The request resolved against `plan`, or a RequestError naming what does not fit."""
     values = _check_params(plan, dict(params or {}))
     given, wire = _prepare_inputs(plan, inputs)
     admitted = Admitted(given, values, wire)
-    check_voices(admitted, voices)
+    check_request(admitted, checks)
     return admitted
 
 
-def check_voices(admitted: Admitted, voices: tuple[Voice, ...]) -> None:
-    """Refuse a speaker (a parameter's or an input's value) its model does not have."""
-    for voice in voices:
-        value = (admitted.inputs if voice.is_input else admitted.params).get(voice.name)
-        if value is not None and value not in voice.speakers:
-            what = "input" if voice.is_input else "parameter"
-            raise RequestError(
-                f"{what} '{voice.name}': unknown speaker {value!r}; "
-                f"the model has {', '.join(voice.speakers)}",
-                voice.name,
-            )
+def check_request(admitted: Admitted, checks: tuple[Check, ...]) -> None:
+    """Refuse what the models themselves would (a speaker a model does not have, a task its
+    checkpoint does not do): each check raises a RequestError naming the field."""
+    for check in checks:
+        check.check(admitted)
 
 
 def _prepare_inputs(plan: Plan, inputs: dict) -> tuple[dict, dict]:

@@ -27,12 +27,13 @@ from fastapi.openapi.utils import get_openapi
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.websockets import WebSocket
 
 from omniflow.profiler.dashboard import URLS as DASHBOARD_URLS
 from omniflow.profiler.dashboard import Dashboard
 from omniflow.runtime.gpu_timeline import ProfileError
 from omniflow.runtime.requests import RequestError
-from omniflow.server import chat, images, media_in, speech
+from omniflow.server import chat, images, media_in, speech, speech_stream, voices
 from omniflow.server.errors import APIError, bad_request, error_body
 from omniflow.server.log_stats import StatsLog
 from omniflow.server.metrics import Metrics
@@ -45,6 +46,7 @@ from omniflow.server.protocol import (
 )
 from omniflow.server.run import Run
 from omniflow.server.served import ENDPOINTS, Served
+from omniflow.server.voices import UploadedVoice, VoiceStore
 
 log = logging.getLogger("omniflow.server")
 CLIENT_GONE = 499  # the status metrics record for a request whose client went away
@@ -71,8 +73,10 @@ class Server:
         config: ServerConfig,
         metrics: Metrics,
         stats_log: StatsLog | None = None,
+        voice_store: VoiceStore | None = None,
     ):
         self.served = {s.name: s for s in served}
+        self.voices = voice_store or VoiceStore()
         self.config = config
         self.metrics = metrics
         self.stats_log = stats_log or StatsLog(None, None)
@@ -91,14 +95,18 @@ class Server:
     def route(self, model, capability: str | None) -> Served:
         names = ", ".join(self.served)
         if model is None or model == "":
-            if len(self.served) != 1:
+            # The one served pipeline, or the one that answers this endpoint.
+            able = [s for s in self.served.values() if capability in (None, *s.capabilities)]
+            candidates = list(self.served.values()) if len(self.served) == 1 else able
+            if len(candidates) != 1:
+                which = ", ".join(s.name for s in candidates) or names
                 raise APIError(
                     404,
-                    f"no 'model' given and this server serves several: {names}; name one",
+                    f"no 'model' given and this server serves several: {which}; name one",
                     param="model",
                     code="model_not_found",
                 )
-            served = next(iter(self.served.values()))
+            served = candidates[0]
         elif not isinstance(model, str) or model not in self.served:
             raise APIError(
                 404,
@@ -306,7 +314,7 @@ def create_app(server: Server) -> FastAPI:
         body = parse_json(await request.body())
         served = server.route(body.get("model"), "speech")
         context["model"] = served.name
-        job = speech.parse(served, body)
+        job = await speech.parse(server, served, body)
         admitted = server.admit(served, job.inputs, job.params)
         slot = await served.acquire()
         run = context["run"] = Run(
@@ -365,6 +373,83 @@ def create_app(server: Server) -> FastAPI:
         finally:
             await form.close()
         return await image_reply(request, context, served, job)
+
+    # --- /v1/audio/voices ----------------------------------------------------------------------
+    def speech_pipelines(model) -> list[Served]:
+        if model:
+            return [server.route(model, "speech")]
+        return [s for s in server.served.values() if "speech" in s.capabilities]
+
+    async def list_voices(request: Request, context) -> Response:
+        """The named speakers of every speech pipeline (or `?model=`'s), and its uploads."""
+        data = []
+        for s in speech_pipelines(request.query_params.get("model")):
+            data += [{"name": n, "type": "builtin", "model": s.name} for n in s.speakers]
+            data += [v.entry() for v in server.voices.of(s.name)]
+        return JSONResponse({"object": "list", "voices": [v["name"] for v in data], "data": data})
+
+    async def upload_voice(request: Request, context) -> Response:
+        """A reference clip (`audio`, a file), its transcript (`ref_text`) and a `name`:
+        encoded once by the pipeline's own encoders and kept (`omniflow.server.voices`)."""
+        kind = request.headers.get("content-type", "")
+        if not kind.startswith("multipart/form-data"):
+            raise bad_request(
+                "an upload is a multipart/form-data request ('name', 'audio' file, 'ref_text')",
+                code="invalid_content_type",
+            )
+        try:
+            form = await request.form(max_files=2, max_fields=16)
+        except ClientDisconnect:
+            raise
+        except Exception as err:  # python-multipart's errors for a malformed body
+            raise bad_request(f"the multipart body does not parse: {err}") from None
+        try:
+            model = form.get("model")
+            served = server.route(model if isinstance(model, str) else None, "speech")
+            context["model"] = served.name
+            unknown = sorted(set(form) - {"model", "name", "audio", "file", "ref_text"})
+            if unknown:
+                raise bad_request(
+                    f"unknown field '{unknown[0]}'; an upload takes name, audio (or file), "
+                    "ref_text and model",
+                    param=unknown[0],
+                )
+            name = voices.check_name(form.get("name"))
+            if name.lower() in (n.lower() for n in served.speakers):
+                raise bad_request(
+                    f"'name': {name!r} is one of the model's own speakers", param="name"
+                )
+            field = "audio" if "audio" in form else "file"
+            clip = form.get(field)
+            if clip is None or isinstance(clip, str):
+                raise bad_request("'audio': the reference clip, as a file", param="audio")
+            data = await clip.read()
+            ref_text = form.get("ref_text") or ""
+            if not isinstance(ref_text, str):
+                raise bad_request("'ref_text' must be text", param="ref_text")
+        finally:
+            await form.close()
+        encoder = await speech.clone_encoder(served)
+        if encoder is None:
+            raise bad_request(
+                f"pipeline '{served.name}' clones no voices: its models have no voice encoder "
+                "(serve a checkpoint that clones voices)",
+                param="model",
+                code="unsupported",
+            )
+        samples, rate = speech.decode_reference(data, field, server.voices.max_seconds)
+        inputs = await voices.encode(encoder, samples, rate, ref_text, field)
+        voice = UploadedVoice(name, served.name, inputs, ref_text, len(samples) / rate)
+        server.voices.add(voice)
+        return JSONResponse(voice.entry(), status_code=201)
+
+    async def delete_voice(request: Request, context) -> Response:
+        name = request.path_params["name"]
+        for s in speech_pipelines(request.query_params.get("model")):
+            if server.voices.remove(s.name, name) is not None:
+                context["model"] = s.name
+                return JSONResponse({"name": name, "deleted": True})
+        raise APIError(404, f"no uploaded voice {name!r}", param="name", code="voice_not_found")
 
     # --- GET endpoints -------------------------------------------------------------------------
     async def list_models(request: Request, context) -> Response:
@@ -444,6 +529,20 @@ def create_app(server: Server) -> FastAPI:
     for path, (handler, _, summary) in posts.items():
         app.add_api_route(path, observed(path, handler), methods=["POST"], summary=summary)
     app.add_api_route("/v1/models", observed("/v1/models", list_models), methods=["GET"])
+    voices_path = "/v1/audio/voices"
+    app.add_api_route(voices_path, observed(voices_path, list_voices), methods=["GET"])
+    app.add_api_route(
+        voices_path, observed(voices_path, upload_voice), methods=["POST"],
+        summary="Upload a voice (multipart: name, audio, ref_text)",
+    )  # fmt: skip
+    app.add_api_route(
+        voices_path + "/{name}", observed(voices_path, delete_voice), methods=["DELETE"]
+    )
+
+    async def speech_socket(websocket: WebSocket) -> None:
+        await speech_stream.SpeechSession(server, websocket).serve()
+
+    app.add_api_websocket_route(speech_stream.PATH, speech_socket)
     app.add_api_route("/health", observed("/health", health), methods=["GET"])
     app.add_api_route("/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False)
     app.add_api_route("/debug/inspect", inspect, methods=["GET"], include_in_schema=False)

@@ -37,6 +37,7 @@ from omniflow.server.app import Server, ServerConfig, create_app
 from omniflow.server.log_stats import StatsLog
 from omniflow.server.metrics import Metrics
 from omniflow.server.served import ENDPOINTS, QUEUE_PER_SLOT, Served, capacity
+from omniflow.server.voices import VoiceStore
 
 DEFAULT_PIPELINE = "graphs/omni_chat.omni"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -88,11 +89,12 @@ def load_plan(path: str, devices: str, tiny: bool) -> Plan:
     return compile_file(path, devices=devices, tiny=tiny, progress=True)
 
 
-def param_defaults(items: list[str], plans: list[Plan], voices: dict) -> dict[str, dict]:
+def param_defaults(items: list[str], plans: list[Plan], checks: dict) -> dict[str, dict]:
     """`--param [PIPELINE.]NAME=VALUE`: the values a pipeline's requests start from (JSON,
     else the text). Without a pipeline prefix it applies to every served pipeline that
-    declares NAME. Checked against each plan now."""
-    from omniflow.runtime.requests import RequestError, admit
+    declares NAME. Checked against each plan now (and the speakers: the families' own
+    checks need a whole request)."""
+    from omniflow.runtime.requests import RequestError, Voice, admit
 
     by_name = {p.pipeline: p for p in plans}
     out: dict[str, dict] = {name: {} for name in by_name}
@@ -121,7 +123,8 @@ def param_defaults(items: list[str], plans: list[Plan], voices: dict) -> dict[st
             if p.default is None
         }
         try:
-            admit(plan, stand_ins, values, voices[name])
+            voices = tuple(c for c in checks[name] if isinstance(c, Voice))
+            admit(plan, stand_ins, values, voices)
         except RequestError as err:
             raise ServeError(f"--param for pipeline '{name}': {err}") from None
     return out
@@ -144,7 +147,7 @@ def per_pipeline(flag: str, items: list[str], defaults: dict[str, int], low: int
 
 def start_engines(
     plans: list[Plan],
-    voices: dict,
+    checks: dict,
     mode: str,
     backends: str,
     console: Console,
@@ -167,7 +170,7 @@ def start_engines(
                 plan,
                 mode,
                 backends,
-                voices=voices[plan.pipeline],
+                checks=checks[plan.pipeline],
                 on_loaded=lambda message: loaded(plan.pipeline, message),
                 on_stats=None if stats is None else lambda tables: stats[plan.pipeline](tables),
             )
@@ -263,8 +266,8 @@ def serve(args) -> int:
                     "its name, so rename one"
                 )
             backends = "standin" if args.standin else "auto"
-            voices = {p.pipeline: () if args.standin else _preflight(p) for p in plans}
-            defaults = param_defaults(args.param, plans, voices)
+            checks = {p.pipeline: () if args.standin else _preflight(p) for p in plans}
+            defaults = param_defaults(args.param, plans, checks)
             limits = per_pipeline(
                 "--max-in-flight", args.max_in_flight, {p.pipeline: capacity(p) for p in plans}, 1
             )
@@ -272,7 +275,7 @@ def serve(args) -> int:
                 "--max-queue", args.max_queue, {n: QUEUE_PER_SLOT * k for n, k in limits.items()}, 0
             )
             stats = {} if args.log_stats or args.log_stats_json else None
-            engines = start_engines(plans, voices, args.mode, backends, console, stats)
+            engines = start_engines(plans, checks, args.mode, backends, console, stats)
         metrics = Metrics()
         served = [
             Served(
@@ -282,6 +285,7 @@ def serve(args) -> int:
                 limits[p.pipeline],
                 metrics,
                 defaults[p.pipeline],
+                checks[p.pipeline],
                 max_queue=queues[p.pipeline],
                 max_wait_s=args.max_queue_wait,
             )
@@ -290,7 +294,7 @@ def serve(args) -> int:
         if stats is not None:
             stats.update({s.name: s.stats for s in served})
         stats_log = StatsLog(console if args.log_stats else None, args.log_stats_json)
-        server = Server(served, config, metrics, stats_log)
+        server = Server(served, config, metrics, stats_log, VoiceStore(args.max_voices))
         app = create_app(server)
         port = sock.getsockname()[1]
         _print_ready(console, server, args.host, port)

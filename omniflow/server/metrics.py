@@ -130,6 +130,19 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.voice_encodes = Counter(
+            "omniflow_voice_encodes",
+            "Reference clips encoded into voice prompts (an upload, or a request's inline "
+            "ref_audio; a request naming an uploaded voice encodes nothing), by model",
+            ["model"],
+            registry=r,
+        )
+        self.websocket_sessions = Gauge(
+            "omniflow_websocket_sessions",
+            "WebSocket speech sessions open now (/v1/audio/speech/stream), by model",
+            ["model"],
+            registry=r,
+        )
         self.served: dict[str, object] = {}  # model -> Served, for the inspection collector
         r.register(_InspectionCollector(self))
 

@@ -111,15 +111,28 @@ class ChatCompletionRequest(_Top):
 
 
 class SpeechRequest(_Top):
-    """OpenAI text to speech; Qwen TTS fields (`task_type`, `language`, `instructions`,
-    `max_new_tokens`) reach the pipeline's parameters where it declares them."""
+    """OpenAI text to speech, as the peer's clients send it; the Qwen TTS fields reach the
+    pipeline's parameters or inputs of those names (`max_new_tokens` its `ar` stage's
+    `max_tokens`), `ref_audio` encoded once into a voice prompt."""
 
     model: str | None = None
     input: str
-    voice: str | None = None
-    response_format: str | None = Field(None, description="wav (default), pcm, flac")
-    speed: float | None = None
+    voice: str | None = Field(None, description="a named speaker, or an uploaded voice")
+    response_format: str | None = Field(
+        None, description="wav (default), pcm, flac, mp3, opus, aac"
+    )
+    speed: float | None = Field(None, description="0.25 .. 4 (1: as the model speaks)")
     stream: bool | None = None
+    task_type: str | None = Field(None, description="CustomVoice, VoiceDesign or Base")
+    language: str | None = Field(None, description="Auto, Chinese, English, Japanese, ...")
+    instructions: str | None = None
+    ref_audio: str | None = Field(
+        None, description="a voice clone's reference: a data: URI, base64, a file or a URL"
+    )
+    ref_text: str | None = None
+    x_vector_only_mode: bool | None = None
+    max_new_tokens: int | None = None
+    seed: int | None = None
     extra_body: dict | None = None
 
 

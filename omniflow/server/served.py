@@ -53,16 +53,22 @@ class Served:
     limit: int
     metrics: Metrics
     defaults: dict = field(default_factory=dict)  # parameter values `omniflow run --param` set
+    # What admission checks its requests with beyond the plan (preflight's: speakers, the
+    # model families' own checks).
+    checks: tuple = ()
     max_queue: int | None = None  # requests that may wait for a slot (default 4 x limit)
     max_wait_s: float = DEFAULT_MAX_WAIT_S
     inflight: int = 0
     draining: bool = False
 
     def __post_init__(self):
+        from omniflow.server.voices import encoders_of
+
         if self.max_queue is None:
             self.max_queue = QUEUE_PER_SLOT * self.limit
         self.waiting: deque[tuple[int, asyncio.Future]] = deque()  # (slots, granted), in order
         self.stats = PipelineStats()
+        self.encoders = encoders_of(self)
         self.metrics.admission_limit.labels(self.name).set(self.limit)
         self.metrics.in_flight.labels(self.name).set(0)
         self.metrics.queued.labels(self.name).set(0)
@@ -116,6 +122,14 @@ class Served:
         if images and self.prompt_input and self.input_named("image", "image"):
             found.append("edits")
         return found
+
+    @property
+    def speakers(self) -> list[str]:
+        """The named speakers of its models (as preflight read them from the checkpoints)."""
+        from omniflow.runtime.requests import Voice
+
+        found = [s for c in self.checks if isinstance(c, Voice) for s in c.speakers]
+        return list(dict.fromkeys(found))
 
     def describe(self) -> str:
         """What it serves, for error messages: its endpoints and outputs."""

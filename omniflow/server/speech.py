@@ -1,20 +1,44 @@
 """`POST /v1/audio/speech`: text in, an audio file out (or, with `stream`, the audio as the
-pipeline produces it: a WAV header then its samples, or raw 16-bit PCM)."""
+pipeline produces it), as OpenAI's and the peer's clients send it.
+
+Fields: `input` (the pipeline's `text` input), `voice` (a named speaker: the pipeline's
+`speaker` parameter or `voice` input; or a voice uploaded to the server, whose encoded
+prompt it brings), the Qwen TTS fields (`task_type`, `language`, `x_vector_only_mode` and
+`max_new_tokens` reach parameters, `instructions` and `ref_text` text inputs, of those
+names), `ref_audio` (a voice clone's reference, fetched and encoded here into the voice
+prompt its model takes: `omniflow.server.voices`), `speed` (the pipeline's `speed`
+parameter if it has one, else the audio is time-stretched here, pitch kept), `stream`,
+`response_format`. Every field is checked before admission; a bad one is a 400 naming it.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from omniflow.media import AUDIO_MIME, audio_bytes, streaming_wav_header
+from omniflow.media import (
+    AUDIO_MIME,
+    ENCODED_AUDIO,
+    SPEEDS,
+    AudioEncoder,
+    MediaError,
+    Tempo,
+    audio_bytes,
+    decode_audio,
+)
 from omniflow.runtime.port_values import concat
+from omniflow.server import voices
 from omniflow.server.chat import set_voice
 from omniflow.server.errors import bad_request
 from omniflow.server.params import Params
 from omniflow.server.protocol import SpeechRequest, merge_extra_body, validate
 from omniflow.server.run import Run
 
-SPEECH_FORMATS = ("wav", "pcm", "flac")
-STREAM_FORMATS = ("wav", "pcm")
+SPEECH_FORMATS = ("wav", "pcm", "flac", "mp3", "opus", "aac")
+STREAM_FORMATS = ("wav", "pcm", *ENCODED_AUDIO)
+# Fields of the request that fill the pipeline's text inputs of the same names.
+TEXT_FIELDS = ("instructions", "ref_text")
+# Fields that reach parameters (the stage parameter they mean, where named otherwise).
+PARAM_FIELDS = ("task_type", "language", "x_vector_only_mode", "max_new_tokens", "seed")
 
 
 class SpeechJob:
@@ -24,6 +48,7 @@ class SpeechJob:
         self.params = params
         self.format = fmt
         self.stream = stream
+        self.speed: float | None = None  # time-stretched here (the pipeline has no speed)
         self.audio_port = served.outputs_of("audio")[0]
 
     @property
@@ -31,50 +56,160 @@ class SpeechJob:
         return AUDIO_MIME[self.format]
 
 
-def parse(served, body: dict) -> SpeechJob:
-    request = validate(SpeechRequest, merge_extra_body(body))
-    fmt = request.response_format or "wav"
-    if fmt not in SPEECH_FORMATS:
+def check_format(fmt: str | None, stream: bool, allowed=SPEECH_FORMATS) -> str:
+    fmt = fmt or "wav"
+    if fmt not in allowed:
         raise bad_request(
-            f"'response_format' {fmt!r} is not supported; use one of {', '.join(SPEECH_FORMATS)}",
+            f"'response_format' {fmt!r} is not supported; use one of {', '.join(allowed)}",
             param="response_format",
         )
-    stream = bool(request.stream)
     if stream and fmt not in STREAM_FORMATS:
         raise bad_request(
-            f"streamed speech is {' or '.join(STREAM_FORMATS)}, not {fmt!r}",
+            f"streamed speech is {', '.join(STREAM_FORMATS)}, not {fmt!r}",
             param="response_format",
         )
+    return fmt
+
+
+async def parse(server, served, body: dict) -> SpeechJob:
+    request = validate(SpeechRequest, merge_extra_body(body))
+    if not request.input.strip():
+        raise bad_request("'input' must not be empty: it is what is spoken", param="input")
+    stream = bool(request.stream)
+    fmt = check_format(request.response_format, stream)
     params = Params(served)
-    inputs = {served.speech_input.name: request.input}
-    if request.voice is not None:
-        set_voice(served, params, inputs, request.voice, "voice")
-    if not params.take("speed", request.speed):
-        raise bad_request(
-            f"'speed' must be 1.0: pipeline '{served.name}' has no speed parameter", param="speed"
-        )
+    job = SpeechJob(served, {served.speech_input.name: request.input}, params, fmt, stream)
+    fields = request.model_dump(include=set(TEXT_FIELDS) | set(PARAM_FIELDS), exclude_none=True)
     extras = dict(request.model_extra or {})
+    await apply_voice(server, job, request.voice, request.ref_audio, fields.get("ref_text"))
+    job.speed = take_speed(job, request.speed)
     if extras.get("stream_format") in ("audio", None):
         extras.pop("stream_format", None)
-    for name in list(extras):  # a field naming one of the pipeline's text inputs fills it
+    take_fields(job, {**fields, **extras})
+    return job
+
+
+def take_fields(job: SpeechJob, fields: dict) -> None:
+    """Fields naming one of the pipeline's text inputs fill it; the others reach its
+    parameters (or are a 400 naming them)."""
+    served, inputs = job.served, job.inputs
+    rest = {}
+    for name, value in fields.items():
         if served.input_named(name, "text") is not None and name not in inputs:
-            value = extras.pop(name)
             if not isinstance(value, str):
                 raise bad_request(f"'{name}' must be a string", param=name)
             inputs[name] = value
-    params.take_all(extras)
-    return SpeechJob(served, inputs, params, fmt, stream)
+        elif name not in inputs:
+            rest[name] = value
+    job.params.take_all(rest)
+
+
+def take_speed(job: SpeechJob, speed: float | None) -> float | None:
+    """The speed the server stretches the audio to, if it does: None when the pipeline
+    has a `speed` parameter (which takes it) or the speed is 1."""
+    if speed is None:
+        return None
+    if job.params.target("speed") is not None:
+        job.params.take("speed", speed)
+        return None
+    if not SPEEDS[0] <= speed <= SPEEDS[1]:
+        raise bad_request(
+            f"'speed' must be in {SPEEDS[0]:g} .. {SPEEDS[1]:g}, not {speed:g}", param="speed"
+        )
+    return None if speed == 1 else float(speed)
+
+
+async def apply_voice(server, job: SpeechJob, voice, ref_audio, ref_text) -> None:
+    """`voice` (a named speaker or an uploaded voice) and `ref_audio` (encoded here into
+    the voice prompt the model clones from) into the job's inputs and parameters."""
+    served, inputs = job.served, job.inputs
+    uploaded = server.voices.get(served.name, voice) if isinstance(voice, str) else None
+    if uploaded is not None:
+        if ref_audio is not None:
+            raise bad_request(
+                f"'ref_audio': voice {voice!r} is an uploaded voice, which brings its own "
+                "reference; give one of them",
+                param="ref_audio",
+            )
+        inputs.update(uploaded.inputs)
+        if ref_text is not None and ref_text != uploaded.ref_text:
+            raise bad_request(
+                f"'ref_text': voice {voice!r} is an uploaded voice with its own transcript",
+                param="ref_text",
+            )
+    elif voice is not None and voice != "":
+        set_voice(served, job.params, inputs, voice, "voice")
+    if ref_audio is None:
+        return
+    encoder = await clone_encoder(served)
+    if encoder is None:  # the pipeline's input (if any) takes it as it is: admission says
+        if served.input_named("ref_audio", "text") is None:
+            raise job.params.unknown(["ref_audio"])
+        inputs["ref_audio"] = ref_audio
+        return
+    data = await server.fetch_media(ref_audio, "ref_audio")
+    samples, rate = decode_reference(data, "ref_audio", server.voices.max_seconds)
+    inputs.update(await voices.encode(encoder, samples, rate, ref_text or "", "ref_audio"))
+
+
+async def clone_encoder(served) -> voices.Encoder | None:
+    """The encoder of the first of the pipeline's stages whose model clones voices."""
+    for encoder in served.encoders:
+        if await encoder.available():
+            return encoder
+    return None
+
+
+def decode_reference(data: bytes, where: str, max_seconds: float) -> tuple[torch.Tensor, int]:
+    """An uploaded or inline reference clip's samples and rate; a 400 at `where` if it is
+    not audio, is empty or is longer than `max_seconds`."""
+    try:
+        samples, rate = decode_audio(data)
+    except MediaError as err:
+        raise bad_request(f"'{where}': {err}", param=where) from None
+    if not len(samples) or not rate:
+        raise bad_request(f"'{where}': the audio has no samples", param=where)
+    if len(samples) / rate > max_seconds:
+        raise bad_request(
+            f"'{where}': the clip is {len(samples) / rate:.1f} s; this server takes "
+            f"references of at most {max_seconds:g} s",
+            param=where,
+        )
+    return samples, rate
+
+
+class AudioOut:
+    """The reply's bytes from the pipeline's audio chunks: stretched to the job's speed,
+    then encoded in its format, chunk by chunk."""
+
+    def __init__(self, job: SpeechJob, rate: int):
+        self.tempo = Tempo(job.speed, rate) if job.speed is not None else None
+        self.encoder = AudioEncoder(job.format, rate)
+
+    def feed(self, audio: torch.Tensor) -> bytes:
+        if self.tempo is not None:
+            audio = self.tempo.feed(audio)
+        return self.encoder.feed(audio)
+
+    def close(self) -> bytes:
+        tail = self.encoder.feed(self.tempo.close()) if self.tempo is not None else b""
+        return tail + self.encoder.close()
 
 
 async def whole(job: SpeechJob, run: Run) -> bytes:
     parts = [value async for _, value in run.chunks()]
     samples = concat("audio", parts) if parts else torch.zeros(0, dtype=torch.int16)
+    if job.speed is not None:
+        tempo = Tempo(job.speed, run.timeline.rate)
+        samples = torch.cat([tempo.feed(samples), tempo.close()])
     return audio_bytes(samples, run.timeline.rate, job.format)
 
 
 async def streamed(job: SpeechJob, run: Run):
     """Audio bytes as produced; a stage failure ends the stream early (the status is sent)."""
-    if job.format == "wav":
-        yield streaming_wav_header(run.timeline.rate)
+    out = AudioOut(job, run.timeline.rate)
     async for _, value in run.chunks():
-        yield audio_bytes(value, run.timeline.rate, "pcm")
+        if data := out.feed(value):
+            yield data
+    if data := out.close():
+        yield data

@@ -77,7 +77,7 @@ def omni_chat():
 
 
 def tts():
-    p = Pipeline("tts", model="Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice")
+    p = Pipeline("tts", model="tiny:tts")
     max_tokens = p.param("max_tokens", 2048)
     lm = p.stage("codec_lm", "ar", component="talker", max_batch=16, max_tokens=max_tokens)
     decoder = p.stage("decoder", "vocoder", component="code2wav", max_batch=32)

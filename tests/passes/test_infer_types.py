@@ -40,8 +40,8 @@ def test_image_shapes_follow_height_width_and_vae_scale():
 
 
 def test_codec_frames_carry_every_codebook():
-    graph = run_until("infer_types", "tts")
-    assert _edge(graph, "codec_lm.codes->decoder.codes").meta["item"].item == TensorSpec(
+    graph = run_until("infer_types", "qwen3_tts")
+    assert _edge(graph, "talker.codes->code2wav.codes").meta["item"].item == TensorSpec(
         "int64", (16,)
     )
 
@@ -49,11 +49,11 @@ def test_codec_frames_carry_every_codebook():
 def test_audio_outputs_take_the_sample_rate_of_their_vocoder():
     # token2wav's config does not state its rate (the catalog knows it: 24 kHz); Qwen3-TTS's
     # speech tokenizer config does (output_sample_rate). Neither program writes rate=.
-    for example in ("omni_chat", "tts"):
+    for example in ("omni_chat", "qwen3_tts"):
         graph = run_until("infer_types", example)
         assert "rate" not in graph.node("audio").params
         assert graph.node("audio").meta["attrs"].attrs == {"rate": 24000}
-    assert graph.node("codec_lm").meta["ports"].out  # stages keep their port specs
+    assert graph.node("talker").meta["ports"].out  # stages keep their port specs
     assert run_until("infer_types", "omni_chat").node("text").meta["attrs"].attrs == {}
 
 

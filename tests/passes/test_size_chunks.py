@@ -15,8 +15,8 @@ def test_fixed_chunks_and_whole_edges():
 
 
 def test_auto_ramps_from_a_small_first_chunk_to_a_steady_one():
-    graph = run_until("size_chunks", "tts")
-    schedule = _schedule(graph, "codec_lm.codes->decoder.codes")
+    graph = run_until("size_chunks", "qwen3_tts")
+    schedule = _schedule(graph, "talker.codes->code2wav.codes")
     assert schedule == sorted(schedule) and schedule[0] < schedule[-1]
     assert schedule[-1] >= 25  # no smaller than the left context it re-decodes
     assert schedule[-1] <= MAX_STEADY
@@ -24,9 +24,9 @@ def test_auto_ramps_from_a_small_first_chunk_to_a_steady_one():
 
 
 def test_a_vocoder_streams_out_what_each_chunk_decodes():
-    graph = run_until("size_chunks", "tts")
-    assert _schedule(graph, "decoder.audio->audio.in") == _schedule(
-        graph, "codec_lm.codes->decoder.codes"
+    graph = run_until("size_chunks", "qwen3_tts")
+    assert _schedule(graph, "code2wav.audio->audio.in") == _schedule(
+        graph, "talker.codes->code2wav.codes"
     )
 
 
@@ -50,10 +50,10 @@ def test_a_vocoders_lookahead_moves_its_windows_sooner():
 
 def test_a_slower_producer_allows_a_smaller_first_chunk():
     gpu = _schedule(
-        run_until("size_chunks", "tts", devices="2xH200"), "codec_lm.codes->decoder.codes"
+        run_until("size_chunks", "qwen3_tts", devices="2xH200"), "talker.codes->code2wav.codes"
     )
     slow = _schedule(
-        run_until("size_chunks", "tts", devices="2xL4"), "codec_lm.codes->decoder.codes"
+        run_until("size_chunks", "qwen3_tts", devices="2xL4"), "talker.codes->code2wav.codes"
     )
     assert slow[0] <= gpu[0]
 

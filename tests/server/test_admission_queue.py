@@ -3,16 +3,20 @@ first come first served; a full queue, or a wait past its bound, is a 503 with R
 a waiter that goes away leaves the queue and takes no slot."""
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
+from omniflow.compiler import compile_file
 from omniflow.server.errors import APIError
 from omniflow.server.metrics import Metrics
 from omniflow.server.served import Served
 
+PLAN = compile_file(Path(__file__).parent / "probe.omni")
+
 
 def served(limit=2, max_queue=2, max_wait_s=5.0) -> Served:
-    return Served("p", None, None, limit, Metrics(), max_queue=max_queue, max_wait_s=max_wait_s)
+    return Served("p", PLAN, None, limit, Metrics(), max_queue=max_queue, max_wait_s=max_wait_s)
 
 
 def test_requests_beyond_the_limit_wait_their_turn_in_order():

@@ -60,14 +60,14 @@ import torch
 from torch import nn
 
 from omniflow.backends.checkpoint_files import CONFIG, read_json
-from omniflow.backends.sampling_params import Sampling
 from omniflow.backends.transformers_ar import (
     ARBackendError,
     CausalLM,
     Component,
     Prompt,
     Sequence,
-    _warp,
+    sample_sub_step,
+    sub_sampling,
 )
 from omniflow.families.qwen3_omni import CODEBOOK_OFFSETS
 from omniflow.kernels import fused_moe
@@ -487,7 +487,7 @@ class Talker(Component):
         for group in range(1, self.groups):
             states = model(inputs_embeds=inputs, cache=cache, use_cache=True).last_hidden_state
             logits = heads[group - 1](states)[:, -1].float()
-            code = _sample_codes(logits, sub)
+            code = sample_sub_step(logits, sub, _PREDICTOR_SAMPLING, group)
             codes.append(code)
             inputs = tables[group - 1](code)[:, None]
         frames = torch.stack(codes, dim=1)
@@ -498,32 +498,9 @@ class Talker(Component):
         return out
 
 
-# What `generate` has the code predictor sample with when the talker samples.
-_PREDICTOR_SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.8}
-
-
-def _sample_codes(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """One code predictor step's codes: greedy where the talker decodes greedily, else
-    drawn from the request's generator with the code predictor's sampling (`generate`'s
-    top-k 50, top-p 0.8, its generation config's temperature 1)."""
-    chosen = []
-    for row, seq in zip(logits, seqs, strict=True):
-        if seq.generator is None:
-            chosen.append(row.argmax())
-            continue
-        sampling = Sampling(**_PREDICTOR_SAMPLING, **_UNUSED)
-        probs = _warp(row, sampling).softmax(-1)
-        chosen.append(torch.multinomial(probs, 1, generator=seq.generator)[0])
-    return torch.stack(chosen)
-
-
-_UNUSED = {
-    "repetition_penalty": 1.0,
-    "max_tokens": 0,
-    "seed": None,
-    "stop_ids": frozenset(),
-    "stop_strings": (),
-}
+# What `generate` has the code predictor sample with when the talker samples: top-k 50,
+# top-p 0.8, its generation config's temperature 1.
+_PREDICTOR_SAMPLING = sub_sampling(temperature=1.0, top_k=50, top_p=0.8)
 
 
 def _new_cache(config):

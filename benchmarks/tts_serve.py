@@ -1,0 +1,338 @@
+"""Qwen3-TTS-12Hz served over HTTP, measured the way the peer's speech benchmark client
+measures it: `POST /v1/audio/speech` with `stream: true` and `response_format: pcm`, at
+concurrency 1, 16 and 64 (CustomVoice), and a voice clone at concurrency 1 (Base, the
+reference clip inline as an mp3 data URI, as the peer sends it; and once more naming a
+voice uploaded beforehand, which encodes nothing per request).
+
+Metrics, per request, as the peer defines them:
+
+- TTFP: from the POST to the first non-empty audio bytes;
+- E2E: from the POST to the body's last byte; audio seconds = bytes / 2 / 24000;
+- RTF = E2E / audio seconds;
+- audio throughput (per level) = the level's audio seconds / its wall time;
+- playback underrun: a listener starts playing at the first packet and plays every packet
+  as it comes; the seconds it waits, in all, for packets that come after the audio before
+  them has played out (0: a gapless stream). The table gives its p99 over the level.
+
+Goals (issue 27, one H200, real size): c=1 TTFP <= 40 ms and RTF <= 0.12; c=16 TTFP <=
+150 ms; c=64 RTF <= 0.8, audio throughput >= 100 audio-s/s, p99 underrun <= 100 ms; voice
+clone c=1 TTFP <= 80 ms. The script prints each figure beside its goal.
+
+    # on a GPU: real-size random-weight checkpoints (built once into the cache), then:
+    omniflow models build-scaled Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice
+    omniflow models build-scaled Qwen/Qwen3-TTS-12Hz-1.7B-Base
+    python benchmarks/tts_serve.py --devices 1xH200
+    # anywhere (slowly on a CPU): the tiny checkpoints, to check the script works
+    python benchmarks/tts_serve.py --tiny --levels 1,4 --requests 4
+
+The server is `omniflow run` on graphs/qwen3_tts.omni (its copies for the scaled folders,
+with `max_batch` raised to the largest level so that no request is refused), in executor
+processes; `--url` measures a running one instead (its pipelines named by `--model` and
+`--clone-model`). The scaled checkpoints never end speech (their end-of-speech row is
+zero), so every request speaks `--frames` frames; the tiny ones end where their random
+weights do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+GRAPH = ROOT / "graphs" / "qwen3_tts.omni"
+RATE = 24000
+CUSTOM = "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"
+BASE = "Qwen/Qwen3-TTS-12Hz-1.7B-Base"
+TEXT = (
+    "Good morning, and welcome to the show. Today we talk about the sea, the ships "
+    "that cross it, and the people who keep its lighthouses burning through the night."
+)
+REF_TEXT = "The quick brown fox jumps over the lazy dog."
+GOALS = {  # (level, metric) -> (bound, "<=" or ">=")
+    ("CustomVoice c=1", "ttfp"): (40.0, "<="),
+    ("CustomVoice c=1", "rtf"): (0.12, "<="),
+    ("CustomVoice c=16", "ttfp"): (150.0, "<="),
+    ("CustomVoice c=64", "rtf"): (0.8, "<="),
+    ("CustomVoice c=64", "throughput"): (100.0, ">="),
+    ("CustomVoice c=64", "underrun"): (0.1, "<="),
+    ("clone c=1", "ttfp"): (80.0, "<="),
+}
+
+
+# --- statistics -----------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q
+    low, high = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+
+
+def underrun(arrivals: list[tuple[float, int]]) -> float:
+    """Seconds a listener who starts at the first packet waits for later ones, in all:
+    `arrivals` are (time, bytes of 16-bit audio) per packet."""
+    stalled, play_end = 0.0, None
+    for at, size in arrivals:
+        seconds = size / 2 / RATE
+        if play_end is None:
+            play_end = at + seconds
+        elif at > play_end:
+            stalled += at - play_end
+            play_end = at + seconds
+        else:
+            play_end += seconds
+    return stalled
+
+
+# --- requests -------------------------------------------------------------------------------
+async def speak(client: httpx.AsyncClient, body: dict) -> dict:
+    """One streamed PCM request, timed as the peer times it."""
+    began = time.perf_counter()
+    arrivals: list[tuple[float, int]] = []
+    async with client.stream("POST", "/v1/audio/speech", json=body) as reply:
+        if reply.status_code != 200:
+            raise RuntimeError(f"{reply.status_code}: {(await reply.aread())[:300]!r}")
+        async for data in reply.aiter_raw():
+            if data:
+                arrivals.append((time.perf_counter(), len(data)))
+    ended = time.perf_counter()
+    audio_s = sum(size for _, size in arrivals) / 2 / RATE
+    return {
+        "ttfp": (arrivals[0][0] - began) * 1e3 if arrivals else None,
+        "e2e": (ended - began) * 1e3,
+        "audio_s": audio_s,
+        "rtf": (ended - began) / audio_s if audio_s else None,
+        "underrun": underrun(arrivals),
+    }
+
+
+async def level(base: str, body: dict, concurrency: int, total: int) -> tuple[list, float]:
+    """`total` requests from `concurrency` clients at once; (results, wall seconds)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for i in range(total):
+        queue.put_nowait(i)
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=1800, limits=limits) as client:
+
+        async def worker() -> None:
+            while not queue.empty():
+                i = queue.get_nowait()
+                results.append(await speak(client, {**body, "seed": 1000 + i}))
+
+        began = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return results, time.perf_counter() - began
+
+
+def reference_clip(seconds: float = 5.0) -> bytes:
+    """A 5 s reference as the peer sends one: an mp3 (a chirp with noise; random weights
+    make no use of real speech)."""
+    import torch
+
+    from omniflow.media import audio_bytes
+
+    t = np.arange(int(RATE * seconds)) / RATE
+    noise = np.random.default_rng(0).standard_normal(len(t))
+    samples = (0.3 * np.sin(2 * np.pi * (180 + 120 * t) * t) + 0.05 * noise).astype(np.float32)
+    return audio_bytes(torch.from_numpy(samples), RATE, "mp3")
+
+
+# --- the server -----------------------------------------------------------------------------
+class Server:
+    def __init__(self, args: list[str], log: Path):
+        self.log = log.open("w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "omniflow.cli", "run", "--port", "0", *args],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            cwd=ROOT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        for line in self.proc.stdout:
+            if line.startswith("omniflow: ready at "):
+                self.base = line.split(" at ", 1)[1].strip()
+                return
+        self.log.seek(0)
+        raise RuntimeError(f"the server exited {self.proc.wait()}:\n{self.log.read()[-3000:]}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(120)
+        self.log.close()
+
+
+def graph_variant(folder: Path, name: str, model: str | None, batch: int) -> Path:
+    """graphs/qwen3_tts.omni as pipeline `name`, on `model` (a checkpoint folder or hub
+    id; None: as written), every stage's max_batch at least `batch`."""
+    text = GRAPH.read_text().replace("pipeline qwen3_tts", f"pipeline {name}")
+    if model is not None:
+        text = re.sub(r'model "[^"]+"', f"model {json.dumps(model)}", text, count=1)
+    text = re.sub(r"max_batch=(\d+)", lambda m: f"max_batch={max(int(m.group(1)), batch)}", text)
+    path = folder / f"{name}.omni"
+    path.write_text(text)
+    return path
+
+
+# --- the run --------------------------------------------------------------------------------
+def run_levels(args, base: str, model: str, clone_model: str | None) -> list[tuple]:
+    body = {"model": model, "input": TEXT, "voice": "Vivian", "language": "English",
+            "stream": True, "response_format": "pcm", "max_new_tokens": args.frames}  # fmt: skip
+    rows = []
+    asyncio.run(level(base, body, 1, 2))  # warm-up: first requests compile and allocate
+    for concurrency in args.levels:
+        total = args.requests or max(8, 2 * concurrency)
+        results, wall = asyncio.run(level(base, body, concurrency, total))
+        rows.append((f"CustomVoice c={concurrency}", results, wall))
+        print(f"  done: CustomVoice c={concurrency} ({total} requests, {wall:.1f} s)", flush=True)
+    if clone_model is None:
+        return rows
+    clip = reference_clip()
+    uri = "data:audio/mpeg;base64," + base64.b64encode(clip).decode()
+    clone = {"model": clone_model, "input": TEXT, "task_type": "Base", "language": "English",
+             "ref_audio": uri, "ref_text": REF_TEXT, "stream": True, "response_format": "pcm",
+             "max_new_tokens": args.frames}  # fmt: skip
+    total = args.requests or 8
+    asyncio.run(level(base, clone, 1, 2))
+    results, wall = asyncio.run(level(base, clone, 1, total))
+    rows.append(("clone c=1", results, wall))
+    name = f"bench-{os.getpid()}"
+    upload = httpx.post(
+        f"{base}/v1/audio/voices",
+        data={"model": clone_model, "name": name, "ref_text": REF_TEXT},
+        files={"audio": ("ref.mp3", clip, "audio/mpeg")},
+        timeout=600,
+    )
+    upload.raise_for_status()
+    named = {k: v for k, v in clone.items() if k not in ("ref_audio", "ref_text")}
+    results, wall = asyncio.run(level(base, {**named, "voice": name}, 1, total))
+    rows.append(("clone (uploaded voice) c=1", results, wall))
+    httpx.delete(f"{base}/v1/audio/voices/{name}", params={"model": clone_model})
+    print("  done: voice clone c=1", flush=True)
+    return rows
+
+
+def report(rows: list[tuple]) -> None:
+    head = (
+        f"{'level':28} {'n':>4} {'TTFP ms med':>11} {'p99':>8} {'RTF med':>8} {'p99':>7} "
+        f"{'E2E s med':>9} {'audio-s/s':>9} {'underrun p99 s':>14}"
+    )
+    print("\n" + head + "\n" + "-" * len(head))
+    for name, results, wall in rows:
+        ttfp = [r["ttfp"] for r in results if r["ttfp"] is not None]
+        rtf = [r["rtf"] for r in results if r["rtf"] is not None]
+        e2e = [r["e2e"] / 1e3 for r in results]
+        audio = sum(r["audio_s"] for r in results)
+        under = [r["underrun"] for r in results]
+        print(
+            f"{name:28} {len(results):4d} {statistics.median(ttfp):11.1f} "
+            f"{percentile(ttfp, 0.99):8.1f} {statistics.median(rtf):8.3f} "
+            f"{percentile(rtf, 0.99):7.3f} {statistics.median(e2e):9.2f} "
+            f"{audio / wall:9.2f} {percentile(under, 0.99):14.3f}"
+        )
+    found = {name: summarise(results, wall) for name, results, wall in rows}
+    print("\ngoals (issue 27, one H200, real size):")
+    for (name, metric), (bound, sense) in GOALS.items():
+        if name not in found:
+            continue
+        value = found[name][metric]
+        met = value <= bound if sense == "<=" else value >= bound
+        print(
+            f"  {name:18} {metric:10} {value:10.3f} {sense} {bound:<8g} {'met' if met else 'MISSED'}"
+        )
+
+
+def summarise(results: list[dict], wall: float) -> dict:
+    """A level's figures the goals name: median TTFP and RTF, audio throughput, p99
+    underrun."""
+    return {
+        "ttfp": statistics.median([r["ttfp"] for r in results if r["ttfp"] is not None]),
+        "rtf": statistics.median([r["rtf"] for r in results if r["rtf"] is not None]),
+        "throughput": sum(r["audio_s"] for r in results) / wall,
+        "underrun": percentile([r["underrun"] for r in results], 0.99),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--devices", default="1xH200", help="what to compile for (default 1xH200)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny checkpoints (any machine)")
+    parser.add_argument("--scaled", type=float, default=1.0, metavar="DEPTH",
+                        help="the real-size builds' depth (default 1: the real layer counts)")  # fmt: skip
+    parser.add_argument("--levels", default="1,16,64", help="concurrency levels (CustomVoice)")
+    parser.add_argument("--requests", type=int, default=0,
+                        help="requests per level (default: max(8, 2 x concurrency))")  # fmt: skip
+    parser.add_argument("--frames", type=int, default=128,
+                        help="max_new_tokens: frames of 80 ms each request speaks (default 128)")  # fmt: skip
+    parser.add_argument("--no-clone", action="store_true", help="skip the voice clone level")
+    parser.add_argument("--url", help="a running server instead of starting one")
+    parser.add_argument("--model", default="qwen3_tts", help="with --url: the CustomVoice pipeline")
+    parser.add_argument("--clone-model", default="qwen3_tts_clone", help="with --url: the Base one")
+    args = parser.parse_args()
+    args.levels = [int(c) for c in re.split(r"[, ]+", args.levels) if c]
+    if args.tiny and args.devices == "1xH200":
+        args.devices = "cpu"
+    if not args.tiny and args.url is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(
+                "tts_serve: no CUDA device here. The real-size run needs a GPU "
+                "(python benchmarks/tts_serve.py --devices 1xH200); on a CPU run the tiny "
+                "checkpoints: python benchmarks/tts_serve.py --tiny --levels 1,4 --requests 4",
+                file=sys.stderr,
+            )
+            return 2
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    print(f"omniflow Qwen3-TTS serving benchmark, {time.strftime('%Y-%m-%d %H:%M')}, "
+          f"{platform.node()}, {os.cpu_count()} CPUs, {gpu}")  # fmt: skip
+    print(f"command: {' '.join(sys.argv)}")
+    clone_model = None if args.no_clone else args.clone_model
+    if args.url is not None:
+        rows = run_levels(args, args.url, args.model, clone_model)
+        report(rows)
+        return 0
+    with tempfile.TemporaryDirectory() as folder:
+        custom = base = None
+        if not args.tiny:
+            from omniflow.checkpoints.scaled import scaled_checkpoint
+
+            custom = str(scaled_checkpoint(CUSTOM, args.scaled, "cuda"))
+            if clone_model is not None:
+                base = str(scaled_checkpoint(BASE, args.scaled, "cuda"))
+        batch = max(args.levels)
+        graphs = [graph_variant(Path(folder), "qwen3_tts", custom, batch)]
+        if clone_model is not None:
+            graphs.append(graph_variant(Path(folder), "qwen3_tts_clone", base or BASE, batch))
+        flags = ["--tiny"] if args.tiny else []
+        print(f"serving {', '.join(g.stem for g in graphs)} on {args.devices} ...", flush=True)
+        log = Path(folder) / "server.log"
+        server = Server([*map(str, graphs), *flags, "--devices", args.devices], log)
+        try:
+            rows = run_levels(args, server.base, "qwen3_tts", clone_model)
+        finally:
+            server.stop()
+    report(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The talker's prompt, as `Qwen3TTSForConditionalGeneration.generate` builds it.
+
+Every prompt row is a text-side row plus a codec-side row, both `[D]` (the talker's width):
+text rows are token ids through the text embedding and the text projection, codec rows
+talker ids through the codec embedding. With the assistant turn `<|im_start|>assistant\\n
+{text}<|im_end|>\\n<|im_start|>assistant\\n` tokenized as `ids`:
+
+1. the instruction, if any: `<|im_start|>user\\n{instructions}<|im_end|>\\n`, text rows alone
+   (VoiceDesign's voice description; CustomVoice's optional style instruction);
+2. the role, `ids[:3]`, text rows alone;
+3. the codec tag and speaker: codec ids `[nothink, think_bos, think_eos]` (language Auto)
+   or `[think, think_bos, LANG, think_eos]`, then the speaker row (a CustomVoice speaker's
+   codec embedding, or a voice clone's x-vector; VoiceDesign has none), then `[pad, bos]`;
+   every row but the last (bos) is summed with `tts_pad`, the last of them with `tts_bos`;
+4. then, by mode:
+   - non-streaming (the reference's default for CustomVoice and VoiceDesign): the whole
+     text `ids[3:-5]` and `tts_eos`, each with codec `pad`, then `tts_pad + bos`; every
+     decode step adds `tts_pad`;
+   - streaming text (its default for voice clones): the first text token plus codec `bos`;
+     decode step k adds text row k + 1, then `tts_eos`, then `tts_pad` for ever;
+   - voice clone with reference codes (ICL): text rows of the reference transcript and
+     the text, and `tts_eos`, beside the codec rows `bos` then one per reference frame
+     (the sum of its 16 codebook embeddings); streamed, they are summed position by
+     position and whichever is longer goes on (text rows as decode steps' rows, or
+     codec rows summed with `tts_pad`); non-streaming, the text rows (with codec `pad`)
+     come first, then the codec rows with `tts_pad`.
+
+A CustomVoice speaker with a dialect (`spk_is_dialect`) speaks it when the language is
+Chinese or Auto. Decode step k then feeds the talker the sum of the previous frame's 16
+codebook embeddings plus that step's text-side row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omniflow.families.qwen3_tts.config import (
+    REF_TAIL_TOKENS,
+    ROLE_TOKENS,
+    TAIL_TOKENS,
+    Qwen3TTSError,
+    TalkerLayout,
+)
+
+
+@dataclass
+class TTSRequest:
+    """One request's task inputs, checked against the checkpoint (`check`)."""
+
+    text: str
+    task: str  # CustomVoice, VoiceDesign or Base
+    language: str = "auto"
+    speaker: str | None = None  # CustomVoice
+    instructions: str = ""
+    x_vector: torch.Tensor | None = None  # Base: the reference audio's speaker embedding
+    ref_codes: torch.Tensor | None = None  # Base, ICL: `[frames, 16]`
+    ref_text: str = ""
+    non_streaming: bool | None = None  # None: the reference's default for the task
+
+    @property
+    def streaming_text(self) -> bool:
+        if self.non_streaming is None:
+            return self.task == "Base"
+        return not self.non_streaming
+
+
+def assistant_text(text: str) -> str:
+    return f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def ref_turn(text: str) -> str:
+    return f"<|im_start|>assistant\n{text}<|im_end|>\n"
+
+
+def instruct_text(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n"
+
+
+def language_id(layout: TalkerLayout, language: str, speaker: str | None) -> int | None:
+    """The codec id of the request's language (None for Auto), a dialect speaker's dialect
+    in place of Chinese or Auto."""
+    name = (language or "auto").lower()
+    if name != "auto" and name not in layout.languages:
+        raise Qwen3TTSError(
+            f"unknown language {language!r}; this model speaks {', '.join(n.title() for n in layout.language_names())}"
+        )
+    chosen = None if name == "auto" else layout.languages[name]
+    if speaker and name in ("chinese", "auto") and speaker.lower() in layout.dialects:
+        chosen = layout.languages[layout.dialects[speaker.lower()]]
+    return chosen
+
+
+def tokenize(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text).input_ids)
+
+
+@dataclass
+class TalkerPrompt:
+    embeds: torch.Tensor  # [L, D]: the prefill
+    trailing: torch.Tensor  # [T, D]: decode step k's text-side row for k < T
+    pad: torch.Tensor  # [D]: tts_pad, every later step's
+
+
+def build(talker, tokenizer, layout: TalkerLayout, request: TTSRequest) -> TalkerPrompt:
+    """The prefill rows and the decode steps' text-side rows of one request."""
+    ids = tokenize(tokenizer, assistant_text(request.text))
+    if len(ids) <= ROLE_TOKENS + TAIL_TOKENS:
+        raise Qwen3TTSError("the text to speak is empty")
+    text_ids = ids[ROLE_TOKENS:-TAIL_TOKENS]
+    tts_bos, tts_eos, tts_pad = talker.text([layout.tts_bos, layout.tts_eos, layout.tts_pad])
+    rows: list[torch.Tensor] = []
+    if request.instructions:
+        rows.append(talker.text(tokenize(tokenizer, instruct_text(request.instructions))))
+    rows.append(talker.text(ids[:ROLE_TOKENS]))
+
+    lang = language_id(layout, request.language, request.speaker)
+    tag = (
+        [layout.nothink, layout.think_bos, layout.think_eos]
+        if lang is None
+        else [layout.think, layout.think_bos, lang, layout.think_eos]
+    )
+    codec = [talker.codec(tag)]
+    if request.speaker:
+        codec.append(talker.codec(layout.speakers[request.speaker.lower()]).reshape(1, -1))
+    elif request.x_vector is not None:
+        codec.append(request.x_vector.to(tts_pad.dtype).reshape(1, -1))
+    codec.append(talker.codec([layout.codec_pad, layout.codec_bos]))
+    codec = torch.cat(codec)
+    side = torch.cat([tts_pad.expand(len(codec) - 2, -1), tts_bos[None]])
+    rows.append(side + codec[:-1])
+    bos = codec[-1]
+
+    if request.ref_codes is not None:
+        ref = tokenize(tokenizer, ref_turn(request.ref_text))[ROLE_TOKENS:-REF_TAIL_TOKENS]
+        text = torch.cat([talker.text(ref + text_ids), tts_eos[None]])
+        frames = torch.cat([bos[None], talker.frame_embeds(request.ref_codes.to(bos.device))])
+        if not request.streaming_text:
+            pads = talker.codec([layout.codec_pad] * len(text))
+            rows += [text + pads, frames + tts_pad]
+            trailing = tts_pad[None]
+        elif len(text) > len(frames):
+            rows.append(text[: len(frames)] + frames)
+            trailing = text[len(frames) :]
+        else:
+            padded = torch.cat([text, tts_pad.expand(len(frames) - len(text), -1)])
+            rows.append(padded + frames)
+            trailing = tts_pad[None]
+    elif request.streaming_text:
+        rows.append(talker.text(text_ids[:1]) + bos)
+        trailing = torch.cat([talker.text(text_ids[1:]), tts_eos[None]])
+    else:
+        text = torch.cat([talker.text(text_ids), tts_eos[None]])
+        rows += [text + talker.codec([layout.codec_pad] * len(text)), (tts_pad + bos)[None]]
+        trailing = tts_pad[None]
+    return TalkerPrompt(torch.cat(rows), trailing, tts_pad)

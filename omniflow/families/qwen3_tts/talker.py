@@ -1,0 +1,313 @@
+"""The talker stage: Qwen3-TTS's talker and code predictor as a component of the
+transformers `ar` backend (`omniflow.backends.transformers_ar`).
+
+Each request's prefill is its task's prompt (`prompt.build`); each step samples codebook 0
+from the talker's `codec_head`, then the code predictor fills codebooks 1..15 for every row
+of the step at once (`frames`), and the frame goes out on `codes` as int64 `[1, 16]`; the
+next step feeds the talker the sum of the frame's 16 codebook embeddings plus that step's
+text-side row. End-of-speech (codec eos) ends the request (the backend's `Ending`,
+"stop"; "length" at `max_tokens`) and emits no frame. A voice
+clone with reference codes (ICL) first sends the reference's frames, every code offset
+by the codebook size (2048), with its first frame: code2wav decodes them as context only
+(`code2wav.Code2Wav.context_frames`), as the reference decodes reference and new codes
+together and cuts the reference's audio.
+
+Sampling is `Qwen3TTSForConditionalGeneration.generate`'s: the checkpoint's
+generation_config.json (temperature 0.9, top-k 50, top-p 1, repetition penalty 1.05 over
+the codebook-0 ids generated so far), every special id but end-of-speech suppressed
+(the top 1024 of the 3072), end-of-speech masked for the first two steps
+(`min_new_tokens=2`, `mask_logits`). The code predictor samples with the sub-talker's
+settings (`subtalker_*`; `transformers_ar.sample_sub_step`): on CPU from the request's own
+generator, right after the talker's draw, as `generate` does; on CUDA with the fused
+sampler, keyed by the request's seed. A greedy request (temperature 0) is greedy in both.
+The same checks of a request against the checkpoint run at admission
+(`voices.admission`) and here (`config.check_task_inputs`).
+
+Request inputs (ports) and parameters:
+
+- `prompt` (text): what to say.
+- `voice` (text): a CustomVoice speaker (case-insensitive; the stage's `speaker` parameter
+  where no voice input is connected; empty: none, the reference's instruction-made
+  speaker); given audio, it is the reference audio of a voice clone.
+- `instructions` (text): CustomVoice's style instruction (1.7B only) or VoiceDesign's voice
+  description; empty: none.
+- `ref_audio` (text: a voice prompt `voices.VoiceEncoder` made, the x-vector and codes
+  encoded once; a file path, a `data:` URI or base64 of an audio file; or audio: float
+  samples at 24 kHz) and `ref_text` (text): a Base checkpoint's voice clone.
+- parameters `language` (Auto, Chinese, English, ... as the config lists them),
+  `task_type` (CustomVoice, VoiceDesign or Base: must be the checkpoint's own; empty: it),
+  `x_vector_only_mode` (clone from the speaker embedding alone; else ICL, which needs
+  `ref_text`), `non_streaming_mode` (where the text goes: unset, the reference's default,
+  true for CustomVoice and VoiceDesign, false for voice clones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omniflow.backends.checkpoint_files import read_json
+from omniflow.backends.sampling_params import Sampling
+from omniflow.backends.transformers_ar import (
+    ARBackendError,
+    Component,
+    Prompt,
+    Sequence,
+    sample_sub_step,
+    sub_sampling,
+)
+from omniflow.families.qwen3_tts import prompt as prompts
+from omniflow.families.qwen3_tts import voices
+from omniflow.families.qwen3_tts.config import (
+    CONFIG,
+    GENERATION_CONFIG,
+    SAMPLING_DEFAULTS,
+    Qwen3TTSError,
+    TTSConfig,
+    check_task_inputs,
+)
+from omniflow.families.qwen3_tts.modeling import (
+    Talker,
+    load_speaker_encoder,
+    load_talker,
+    speaker_embedding,
+)
+from omniflow.runtime.stage import Call
+
+_STATE = "qwen3_tts"
+SAMPLE_RATE = 24000
+# EOS is masked while fewer codes than this were generated (`generate`'s min_new_tokens).
+MIN_NEW_TOKENS = 2
+
+
+def load(path: str, component: str | None, device: str, dtype) -> QwenTTSTalker:
+    from transformers import AutoTokenizer
+
+    if component not in (None, "talker"):
+        raise ARBackendError(
+            f"Qwen3-TTS has no '{component}' language model; use component=\"talker\" "
+            "(code2wav runs on a vocoder stage)"
+        )
+    raw = read_json(path, CONFIG)
+    if raw is None:
+        raise ARBackendError(f"{path} has no {CONFIG}")
+    try:
+        config = TTSConfig.of(raw)
+        talker = load_talker(path, config, dtype, device)
+        encoders = None
+        if config.task == "Base":
+            from omniflow.families.qwen3_tts.speech_tokenizer import load_encoder
+
+            encoders = (
+                load_speaker_encoder(path, config, dtype, device),
+                load_encoder(path, device),
+            )
+    except Qwen3TTSError as err:
+        raise ARBackendError(str(err)) from err
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    generation = {**SAMPLING_DEFAULTS, **(read_json(path, GENERATION_CONFIG) or {})}
+    return QwenTTSTalker(talker, tokenizer, config, generation, encoders)
+
+
+@dataclass
+class _Request:
+    """A running request's text side and the input of its next step."""
+
+    trailing: torch.Tensor  # [T, D]
+    pad: torch.Tensor  # [D]
+    next: torch.Tensor | None = None  # [D]: the last frame's codebook embeddings, summed
+    context: torch.Tensor | None = None  # an ICL clone's reference frames, not yet sent
+
+    def text_side(self, step: int) -> torch.Tensor:
+        return self.trailing[step] if step < len(self.trailing) else self.pad
+
+
+class QwenTTSTalker(Component):
+    inputs = {
+        "prompt": ("text",),
+        "voice": ("text", "audio"),
+        "instructions": ("text",),
+        "ref_audio": ("text", "audio"),
+        "ref_text": ("text",),
+    }
+    required = frozenset({"prompt"})
+    outputs = frozenset({"codes", "tokens"})
+
+    def __init__(self, talker: Talker, tokenizer, config: TTSConfig, generation: dict, encoders):
+        self.model = talker
+        self.decoder = talker.model
+        self.head = talker.codec_head
+        self.embed = talker.codec_embedding
+        self.tokenizer = tokenizer
+        self.config = config
+        self.layout = config.layout
+        self.eos_ids = frozenset({self.layout.codec_eos})
+        self.suppress = self.layout.suppressed
+        self.generation = generation
+        self.defaults = {
+            "temperature": float(generation["temperature"]) if generation["do_sample"] else 0.0,
+            "top_k": int(generation["top_k"]),
+            "top_p": float(generation["top_p"]),
+            "repetition_penalty": float(generation["repetition_penalty"]),
+        }
+        # How the code predictor samples when the talker does (None: greedily).
+        self.sub_sampling = None
+        if generation["subtalker_dosample"]:
+            self.sub_sampling = sub_sampling(
+                generation["subtalker_temperature"],
+                generation["subtalker_top_k"],
+                generation["subtalker_top_p"],
+            )
+        self.encoders = encoders  # Base: (speaker encoder, speech tokenizer encoder)
+        self.codebook_size = talker.code_predictor.lm_head[0].out_features
+
+    # --- prompts ----------------------------------------------------------------------------
+    def can_start(self, call: Call) -> bool:
+        return all(stream.ended for stream in call.inputs.values())
+
+    def _text(self, call: Call, port: str) -> str:
+        stream = call.inputs.get(port)
+        value = stream.take() if stream is not None else None
+        return value if isinstance(value, str) else ""
+
+    def request(self, call: Call) -> prompts.TTSRequest:
+        """The request's task inputs, checked against this checkpoint (the rules admission
+        checks too: `config.check_task_inputs`)."""
+        params = call.params or {}
+        text = self._text(call, "prompt")
+        if not text:
+            raise ARBackendError("the text to speak is empty")
+        voice = call.inputs["voice"].take() if "voice" in call.inputs else params.get("speaker")
+        ref_audio = call.inputs["ref_audio"].take() if "ref_audio" in call.inputs else None
+        if isinstance(voice, torch.Tensor):
+            voice, ref_audio = None, voice if ref_audio is None or ref_audio == "" else ref_audio
+        has_audio = isinstance(ref_audio, torch.Tensor) or bool(ref_audio)
+        x_vector_only = bool(params.get("x_vector_only_mode"))
+        ref_text = self._text(call, "ref_text")
+        instructions = self._text(call, "instructions")
+        clone = None
+        if has_audio and self.config.task == "Base":  # its reference, read first
+            clone = self._clone(ref_audio, x_vector_only or not ref_text)
+        task = check_task_inputs(
+            self.config,
+            task_type=params.get("task_type") or None,
+            language=params.get("language") or None,
+            voice=voice or None,
+            instructions=instructions,
+            ref_audio=has_audio,
+            ref_text=ref_text,
+            x_vector_only=x_vector_only,
+        )
+        request = prompts.TTSRequest(
+            text,
+            task,
+            language=params.get("language") or "auto",
+            speaker=(voice or None) if task == "CustomVoice" else None,
+            instructions=instructions,
+            ref_text=ref_text,
+            non_streaming=params.get("non_streaming_mode"),
+        )
+        if clone is not None:
+            request.x_vector, codes = clone
+            request.ref_codes = None if x_vector_only else codes
+        prompts.language_id(self.layout, request.language, request.speaker)  # checked early
+        return request
+
+    def _clone(self, ref_audio, x_vector_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A clone's x-vector and reference codes: a voice prompt's (`voices`, encoded
+        once elsewhere), or encoded here from reference audio (codes only if used)."""
+        speaker, tokenizer = self.encoders
+        weight = next(speaker.parameters())
+        if voices.is_prompt(ref_audio):
+            x_vector, codes = voices.decode_prompt(ref_audio)
+            width = self.model.config.hidden_size
+            if x_vector.shape[0] != width:
+                raise Qwen3TTSError(
+                    f"ref_audio is a voice prompt of another model (an x-vector of "
+                    f"{x_vector.shape[0]}; this model's are {width} wide)"
+                )
+            if codes is not None and codes.shape[1] != self.model.groups:
+                raise Qwen3TTSError(
+                    f"ref_audio is a voice prompt of another model ({codes.shape[1]} codebooks)"
+                )
+            return x_vector.to(weight.device, weight.dtype), codes
+        audio = voices.reference_audio(ref_audio)
+        x_vector = speaker_embedding(speaker, audio)
+        return x_vector, None if x_vector_only else tokenizer.encode(audio)
+
+    def prompt(self, call: Call) -> Prompt:
+        try:
+            request = self.request(call)
+            with torch.inference_mode():
+                built = prompts.build(self.model, self.tokenizer, self.layout, request)
+        except Qwen3TTSError as err:
+            raise ARBackendError(str(err)) from err
+        context = None
+        if request.ref_codes is not None:  # sent ahead of the first frame, marked
+            context = request.ref_codes.cpu() + self.codebook_size
+        call.state[_STATE] = _Request(built.trailing, built.pad, context=context)
+        return Prompt(built.embeds, [])
+
+    # --- steps ------------------------------------------------------------------------------
+    def mask_logits(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        for row, seq in enumerate(seqs):
+            if seq.generated < MIN_NEW_TOKENS:
+                logits[row, self.layout.codec_eos] = -float("inf")
+
+    def frames(self, seqs: list[Sequence], ids: list[int], hidden: torch.Tensor):
+        """Complete every row's frame with the code predictor, all rows in each of its
+        sub-steps, with one read-back for the batch; None for the end of speech."""
+        rows = [i for i, token in enumerate(ids) if token not in self.eos_ids]
+        out: list[torch.Tensor | None] = [None] * len(ids)
+        if not rows:
+            return out
+        first = torch.tensor([ids[i] for i in rows], device=hidden.device)
+        sub = [seqs[i] for i in rows]
+        codes = predict_codes(self.model, hidden[rows], first, sub, self.sub_sampling)
+        sums = self.model.frame_embeds(codes)
+        host = codes.cpu()
+        for j, (i, seq) in enumerate(zip(rows, sub, strict=True)):
+            state = seq.call.state[_STATE]
+            state.next = sums[j]
+            out[i] = host[j : j + 1]
+            if state.context is not None:
+                out[i], state.context = torch.cat([state.context, out[i]]), None
+        return out
+
+    def step_embeds(self, seqs: list[Sequence]) -> torch.Tensor:
+        rows = []
+        for seq in seqs:
+            state = seq.call.state[_STATE]
+            rows.append(state.next + state.text_side(seq.generated - 1))
+        return torch.stack(rows)
+
+
+@torch.inference_mode()
+def predict_codes(
+    talker: Talker,
+    hidden: torch.Tensor,
+    first: torch.Tensor,
+    seqs: list[Sequence] | None = None,
+    sampling: Sampling | None = None,
+) -> torch.Tensor:
+    """Codebooks `[n, G]` of n frames: `first` (codebook 0) and what the code predictor
+    gives for 1..G-1 from each row's talker hidden state `[n, D]`, sub-step by sub-step,
+    all rows in each forward (their positions agree: no padding). Greedy without `seqs`;
+    else each row as its request samples (`sample_sub_step`: greedy requests greedily,
+    the others with `sampling`, from their own generators)."""
+    from transformers import DynamicCache
+
+    predictor = talker.code_predictor
+    cache = DynamicCache(config=predictor.model.config)
+    embeds = torch.stack([hidden, talker.codec_embedding(first)], dim=1)
+    h = predictor.forward_step(embeds, cache, 0)[:, -1]
+    codes = [first]
+    for g in range(1, talker.groups):
+        logits = predictor.lm_head[g - 1](h).float()
+        code = logits.argmax(-1) if seqs is None else sample_sub_step(logits, seqs, sampling, g)
+        codes.append(code)
+        if g < talker.groups - 1:
+            step = predictor.model.codec_embedding[g - 1](code)[:, None]
+            h = predictor.forward_step(step, cache, g + 1)[:, -1]
+    return torch.stack(codes, dim=1)

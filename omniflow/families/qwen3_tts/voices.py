@@ -1,0 +1,206 @@
+"""Voices of a Qwen3-TTS checkpoint: reference audio, a clone's voice prompt, and the
+family's admission checks.
+
+A voice clone (a Base checkpoint) starts from reference audio: its x-vector (the speaker
+encoder's embedding of its mel spectrogram) and, unless `x_vector_only_mode`, its codes
+(the speech tokenizer's Mimi encoder, 16 codebooks a 12.5 Hz frame) with its transcript.
+`VoiceEncoder` computes both once, with the checkpoint's own encoders, as a voice prompt:
+a text (`PROMPT_PREFIX` + base64 of a safetensors file holding `x_vector` `[D]` float32
+and `ref_codes` `[frames, 16]` int16) that the talker stage takes on its `ref_audio` port
+in place of audio, and encodes nothing. The server keeps uploaded voices so
+(`omniflow.server.voices`, `Family.voices`) and encodes a request's inline `ref_audio` the
+same way; `ref_audio` may also be audio itself (a file path, base64 or a `data:` URI of an
+audio file, or 24 kHz samples), which the talker encodes.
+
+`admission(stage, path)` is `Family.admission`: a request checked against the checkpoint
+at admission (`config.check_task_inputs`, the talker's own rules), so that a task it does
+not do, a language it does not speak or a missing reference is a 400, not a failed stage.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+
+from omniflow.families.qwen3_tts.config import (
+    Qwen3TTSError,
+    RequestProblem,
+    TTSConfig,
+    check_task_inputs,
+)
+from omniflow.plan import StagePlan
+
+PROMPT_PREFIX = "qwen3-tts-voice:"
+SAMPLE_RATE = 24000
+
+
+# --- voice prompts ------------------------------------------------------------------------------
+def is_prompt(value) -> bool:
+    return isinstance(value, str) and value.startswith(PROMPT_PREFIX)
+
+
+def encode_prompt(x_vector: torch.Tensor, ref_codes: torch.Tensor | None) -> str:
+    """A voice prompt's text: the x-vector `[D]` and the reference's codes `[frames, G]`."""
+    from safetensors.torch import save
+
+    tensors = {"x_vector": x_vector.detach().float().cpu().reshape(-1).contiguous()}
+    if ref_codes is not None:
+        tensors["ref_codes"] = ref_codes.detach().cpu().to(torch.int16).contiguous()
+    return PROMPT_PREFIX + base64.b64encode(save(tensors)).decode("ascii")
+
+
+def decode_prompt(text: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The x-vector `[D]` float32 and the reference codes `[frames, G]` int64 (None when
+    the prompt has none) of a voice prompt; Qwen3TTSError if it is not one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        tensors = load(base64.b64decode(text[len(PROMPT_PREFIX) :], validate=True))
+        x_vector = tensors["x_vector"]
+    except (binascii.Error, ValueError, KeyError, SafetensorError) as err:
+        raise Qwen3TTSError(f"ref_audio is not a readable voice prompt: {err}") from None
+    codes = tensors.get("ref_codes")
+    if x_vector.dim() != 1 or (codes is not None and codes.dim() != 2):
+        raise Qwen3TTSError("ref_audio is not a readable voice prompt: wrong shapes")
+    return x_vector, None if codes is None else codes.long()
+
+
+def reference_audio(value) -> torch.Tensor:
+    """A voice clone's reference audio as 24 kHz mono float32 samples: a tensor is taken as
+    24 kHz samples; a string is a file path, a `data:` URI or base64 of an audio file."""
+    from omniflow.media import MediaError, decode_audio
+
+    if isinstance(value, torch.Tensor):
+        audio = value.float().reshape(-1)
+        if not len(audio):
+            raise Qwen3TTSError("ref_audio is empty")
+        return audio
+    text = value.strip()
+    try:
+        if os.path.isfile(text):
+            with open(text, "rb") as f:
+                data = f.read()
+        else:
+            payload = text.split(",", 1)[1] if text.startswith("data:") else text
+            data = base64.b64decode(payload, validate=True)
+        samples, rate = decode_audio(data)
+    except (OSError, binascii.Error, ValueError, MediaError) as err:
+        raise Qwen3TTSError(
+            f"ref_audio is neither a readable audio file nor base64 audio: {err}"
+        ) from err
+    return mono_24k(samples, rate)
+
+
+def mono_24k(samples: torch.Tensor, rate: int) -> torch.Tensor:
+    """Samples `[n]` or `[n, channels]` at `rate` as 24 kHz mono float32."""
+    from omniflow.families.qwen3_tts.modeling import resample
+
+    audio = samples.float()
+    if audio.dim() == 2:
+        audio = audio.mean(dim=1)
+    audio = audio.reshape(-1)
+    if not len(audio):
+        raise Qwen3TTSError("ref_audio has no samples")
+    return resample(audio, int(rate), SAMPLE_RATE)
+
+
+# --- the voice encoder ------------------------------------------------------------------------
+class VoiceEncoder:
+    """A Base checkpoint's speaker encoder and speech tokenizer encoder, loaded once: a
+    reference clip -> the voice prompt its talker takes (`encode`). One encode runs at a
+    time (callers on several threads wait their turn)."""
+
+    def __init__(self, path: str, config: TTSConfig, device: str):
+        from omniflow.families.qwen3_tts.modeling import load_speaker_encoder
+        from omniflow.families.qwen3_tts.speech_tokenizer import load_encoder
+
+        self.path = path
+        self.speaker = load_speaker_encoder(path, config, "auto", device)
+        self.tokenizer = load_encoder(path, device)
+        self.lock = threading.Lock()
+
+    def encode(self, samples: torch.Tensor, rate: int, ref_text: str = "") -> dict[str, str]:
+        """The talker's inputs for a clone of `samples` (`[n]` or `[n, channels]` at
+        `rate`): `ref_audio` its voice prompt (x-vector and codes), `ref_text` the
+        transcript. Qwen3TTSError if the audio has no samples."""
+        from omniflow.families.qwen3_tts.modeling import speaker_embedding
+
+        audio = mono_24k(torch.as_tensor(samples), rate)
+        with self.lock, torch.inference_mode():
+            x_vector = speaker_embedding(self.speaker, audio)
+            codes = self.tokenizer.encode(audio)
+        return {"ref_audio": encode_prompt(x_vector, codes), "ref_text": ref_text}
+
+
+def load_encoder(path: str, device: str) -> VoiceEncoder | None:
+    """`Family.voices`: the voice encoder of the checkpoint at `path`; None unless it
+    clones voices (a Base checkpoint)."""
+    config = _config(path)
+    if config is None or config.task != "Base":
+        return None
+    return VoiceEncoder(path, config, device)
+
+
+# --- admission -------------------------------------------------------------------------------
+def admission(stage: StagePlan, path: str) -> Callable[[dict, dict], None] | None:
+    """`Family.admission`: a talker stage's requests checked against its checkpoint (the
+    task it does, its languages, speakers, what a voice clone needs, that `ref_audio`
+    reads) before any stage sees them."""
+    from omniflow.runtime.requests import StageRequestError
+
+    config = _config(path)
+    if config is None or stage.kind != "ar":
+        return None
+
+    def check(params: dict, inputs: dict) -> None:
+        voice_field = "voice" if "voice" in inputs else "speaker"
+        voice = inputs["voice"] if "voice" in inputs else params.get("speaker")
+        ref_audio = inputs.get("ref_audio")
+        if isinstance(voice, torch.Tensor):  # audio on the voice port: a clone's reference
+            voice, ref_audio = None, voice if ref_audio in (None, "") else ref_audio
+        given = isinstance(ref_audio, torch.Tensor) or bool(ref_audio)
+        try:
+            if given and config.task == "Base":
+                _readable(ref_audio)
+            check_task_inputs(
+                config,
+                task_type=params.get("task_type") or None,
+                language=params.get("language") or None,
+                voice=voice or None,
+                instructions=_text(inputs.get("instructions")),
+                ref_audio=given,
+                ref_text=_text(inputs.get("ref_text")),
+                x_vector_only=bool(params.get("x_vector_only_mode")),
+                voice_field=voice_field,
+            )
+        except RequestProblem as err:
+            raise StageRequestError(str(err), err.field) from None
+        except Qwen3TTSError as err:
+            raise StageRequestError(str(err), "ref_audio") from None
+
+    return check
+
+
+def _readable(ref_audio) -> None:
+    """Raise Qwen3TTSError unless `ref_audio` is a voice prompt or decodable audio."""
+    if is_prompt(ref_audio):
+        decode_prompt(ref_audio)
+    else:
+        reference_audio(ref_audio)
+
+
+def _text(value) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _config(path: str) -> TTSConfig | None:
+    from omniflow.families.qwen3_tts import checkpoint_config
+
+    raw = checkpoint_config(path)
+    return None if raw is None else TTSConfig.of(raw)

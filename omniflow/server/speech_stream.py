@@ -1,0 +1,375 @@
+"""`WebSocket /v1/audio/speech/stream`: text arrives in pieces (as an LLM writes it), audio
+goes back as soon as it exists. docs/server.md, "Streaming speech over a WebSocket", has
+the protocol; in short:
+
+- the client's messages are JSON text frames: `session.start` (the speech fields of
+  `POST /v1/audio/speech` but `input` and `stream`), then any number of `input.text`
+  pieces, `input.flush`, `cancel`, and `input.done`;
+- the server's audio is binary frames (raw 16-bit PCM, or a WAV stream), its control
+  messages JSON text frames: `session.started`, `segment.started`, `segment.done`,
+  `cancelled`, `error`, `session.done`.
+
+The text is cut into segments where a sentence ends (or a clause, past `MAX_SEGMENT_CHARS`;
+`input.flush` and `input.done` end one too); each segment is one request to the pipeline,
+admitted like a `POST /v1/audio/speech` with the session's fields, so segments batch with
+every other request in every stage. Up to `AHEAD` segments run at once: the next is being
+synthesised while the one before it plays. Their audio goes out in order, each segment's
+as its pipeline makes it. The voice (a clone's reference too) is resolved once per session.
+
+A client that drops the socket, or sends `cancel`, cancels its segments in every stage;
+their admission slots are free within a second. A mistake in a message is an `error`
+message (OpenAI's error body: `param` names the field) and the socket closes with 1008; a
+pipeline failure closes it with 1011.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import re
+import time
+from dataclasses import dataclass, field
+
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from omniflow.media import Tempo, audio_bytes, streaming_wav_header
+from omniflow.server import chat, speech
+from omniflow.server.errors import APIError, bad_request
+from omniflow.server.run import Run
+
+PATH = "/v1/audio/speech/stream"
+STREAM_FORMATS = ("pcm", "wav")
+AHEAD = 2  # segments synthesised at once per session
+MAX_SEGMENT_CHARS = 240  # past this, a segment ends at a clause or word boundary
+MAX_BUFFER_CHARS = 64 << 10  # text waiting to be spoken, at most
+CLOSE_BAD_REQUEST, CLOSE_FAILED, CLOSE_BUSY = 1008, 1011, 1013
+
+# A sentence ends at . ! ? ; (and their CJK forms) or a newline, followed by space or the end.
+_SENTENCE = re.compile(r"[.!?;…]+[\"')\]]*(?=\s)|[。！？；]+|\n")
+_CLAUSE = re.compile(r"[,:、，：]\s|\s")
+
+
+class Segmenter:
+    """Text pieces -> the segments they complete, in order."""
+
+    def __init__(self):
+        self.text = ""
+
+    def add(self, piece: str) -> list[str]:
+        self.text += piece
+        if len(self.text) > MAX_BUFFER_CHARS:
+            raise bad_request(
+                f"'text': more than {MAX_BUFFER_CHARS} characters wait to be spoken; "
+                "end a sentence or send input.flush",
+                param="text",
+            )
+        done = []
+        while True:
+            cut = self._cut()
+            if cut is None:
+                return [s for s in done if s.strip()]
+            done.append(self.text[:cut].strip())
+            self.text = self.text[cut:]
+
+    def _cut(self) -> int | None:
+        match = _SENTENCE.search(self.text)
+        if match is not None:
+            return match.end()
+        if len(self.text) <= MAX_SEGMENT_CHARS:
+            return None
+        head = self.text[:MAX_SEGMENT_CHARS]
+        ends = [m.end() for m in _CLAUSE.finditer(head)]
+        return ends[-1] if ends else MAX_SEGMENT_CHARS
+
+    def flush(self) -> str | None:
+        text, self.text = self.text.strip(), ""
+        return text or None
+
+
+@dataclass(eq=False)
+class Segment:
+    index: int
+    text: str
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # audio, then a last item
+    task: asyncio.Task | None = None
+    run: Run | None = None
+
+
+_END = object()
+
+
+class SpeechSession:
+    """One WebSocket's session (see the module doc)."""
+
+    def __init__(self, server, websocket: WebSocket):
+        self.server = server
+        self.ws = websocket
+        self.served = None
+        self.config: dict = {}
+        self.format = "pcm"
+        self.segmenter = Segmenter()
+        self.segments: asyncio.Queue = asyncio.Queue()  # in order; None: no more
+        self.running: set[Segment] = set()
+        self.ahead = asyncio.Semaphore(AHEAD)
+        self.out: asyncio.Queue = asyncio.Queue()  # what the sender sends, in order
+        self.count = 0
+        self.audio_seconds = 0.0
+        self.header_sent = False
+        self.ended = False  # input.done came
+        self.speaker: asyncio.Task | None = None
+
+    # --- the socket -----------------------------------------------------------------------------
+    async def serve(self) -> None:
+        if not self._authorised():
+            await self.ws.close(code=CLOSE_BAD_REQUEST, reason="missing or wrong API key")
+            return
+        if self.server.draining:
+            await self.ws.close(code=CLOSE_BUSY, reason="the server is shutting down")
+            return
+        await self.ws.accept()
+        sender = asyncio.ensure_future(self._send_loop())
+        try:
+            await self._read_loop()
+        except WebSocketDisconnect:
+            pass
+        finally:
+            await self._cancel_all()
+            if self.served is not None:
+                self.server.metrics.websocket_sessions.labels(self.served.name).dec()
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+
+    def _authorised(self) -> bool:
+        key = self.server.config.api_key
+        if not key:
+            return True
+        scheme, _, token = self.ws.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            token = self.ws.query_params.get("api_key", "")
+        return hmac.compare_digest(token.strip().encode(), key.encode())
+
+    async def _read_loop(self) -> None:
+        """Client messages until the socket closes (after `session.done`, an error, or the
+        client's going away) or a message is wrong."""
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                raise WebSocketDisconnect(message.get("code", 1000))
+            try:
+                await self._handle(message)
+            except APIError as err:
+                await self._fail(err, CLOSE_BAD_REQUEST)
+                return
+
+    async def _send_loop(self) -> None:
+        while True:
+            kind, value = await self.out.get()
+            try:
+                if self.ws.client_state != WebSocketState.CONNECTED:
+                    continue
+                if kind == "json":
+                    await self.ws.send_text(json.dumps(value))
+                elif kind == "bytes":
+                    await self.ws.send_bytes(value)
+                else:
+                    await self.ws.close(code=value[0], reason=value[1])
+            except (RuntimeError, OSError, WebSocketDisconnect):
+                pass  # the client went away; the reader hears of it
+            finally:
+                self.out.task_done()
+
+    def send(self, message: dict) -> None:
+        self.out.put_nowait(("json", message))
+
+    # --- messages -----------------------------------------------------------------------------
+    async def _handle(self, message: dict) -> None:
+        """One client message."""
+        if message.get("text") is None:
+            raise bad_request(
+                "messages are JSON text frames (the server sends the audio as binary ones)",
+                param="type",
+            )
+        try:
+            body = json.loads(message["text"])
+        except ValueError as err:
+            raise bad_request(f"a message is not valid JSON: {err}", param="type") from None
+        if not isinstance(body, dict) or not isinstance(body.get("type"), str):
+            raise bad_request("each message is a JSON object with a 'type'", param="type")
+        kind = body.pop("type")
+        if kind == "session.start":
+            await self._start(body)
+            return
+        if self.served is None:
+            raise bad_request(f"'{kind}' before session.start", param="type")
+        if self.ended and kind != "cancel":
+            raise bad_request(f"'{kind}' after input.done", param="type")
+        if kind == "input.text":
+            text = body.get("text")
+            if not isinstance(text, str) or set(body) != {"text"}:
+                raise bad_request("input.text takes one field, 'text' (a string)", param="text")
+            for piece in self.segmenter.add(text):
+                self._speak(piece)
+        elif kind in ("input.flush", "input.done"):
+            if body:
+                raise bad_request(f"{kind} takes no fields", param=next(iter(body)))
+            if (rest := self.segmenter.flush()) is not None:
+                self._speak(rest)
+            if kind == "input.done":
+                self.ended = True
+                self.segments.put_nowait(None)  # the speaker ends the session after the rest
+        elif kind == "cancel":
+            cancelled = await self._cancel_all()
+            self.segmenter.flush()
+            self.ended = False
+            self.speaker = asyncio.ensure_future(self._speak_loop())
+            self.send({"type": "cancelled", "segments": cancelled})
+        else:
+            raise bad_request(
+                f"unknown message type {kind!r}; the client sends session.start, input.text, "
+                "input.flush, input.done and cancel",
+                param="type",
+            )
+
+    async def _start(self, body: dict) -> None:
+        if self.served is not None:
+            raise bad_request("session.start was sent already", param="type")
+        for name in ("input", "stream"):
+            if name in body:
+                raise bad_request(
+                    f"'{name}': a WebSocket session takes its text as input.text messages",
+                    param=name,
+                )
+        served = self.server.route(body.get("model"), "speech")
+        self.format = speech.check_format(
+            body.pop("response_format", None) or "pcm", False, STREAM_FORMATS
+        )
+        # The session's fields, checked (and the voice resolved, a reference encoded) once.
+        job = await speech.parse(self.server, served, {**body, "input": "."})
+        self.server.admit(served, dict(job.inputs), job.params)
+        self.served, self.job = served, job
+        self.server.metrics.websocket_sessions.labels(served.name).inc()
+        self.speaker = asyncio.ensure_future(self._speak_loop())
+        rate = _rate(served)
+        self.send(
+            {
+                "type": "session.started",
+                "model": served.name,
+                "format": self.format,
+                "sample_rate": rate,
+                "sample_format": "s16le",
+                "channels": 1,
+            }
+        )
+
+    # --- segments -----------------------------------------------------------------------------
+    def _speak(self, text: str) -> None:
+        segment = Segment(self.count, text)
+        self.count += 1
+        segment.task = asyncio.ensure_future(self._synthesise(segment))
+        self.running.add(segment)
+        self.segments.put_nowait(segment)
+
+    async def _synthesise(self, segment: Segment) -> None:
+        """Run one segment through the pipeline (up to AHEAD at once, in order), its audio
+        into the segment's queue, then its end (or its error)."""
+        served, job = self.served, self.job
+        began = time.perf_counter()
+        run, slot, status = None, None, 200
+        try:
+            async with self.ahead:
+                inputs = {**job.inputs, served.speech_input.name: segment.text}
+                admitted = self.server.admit(served, inputs, job.params)
+                slot = await served.acquire()  # queued like any request while it is full
+                request_id = chat.new_id().replace("chatcmpl", f"speech-ws{segment.index}")
+                run = segment.run = Run(served, admitted, request_id, {job.audio_port.name}, began)
+                async for _, value in run.chunks():
+                    segment.queue.put_nowait(value)
+            segment.queue.put_nowait(_END)
+        except APIError as err:
+            status = err.status
+            segment.queue.put_nowait(err)
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            if run is not None:
+                await run.close()
+            if slot is not None:
+                slot.release()
+            self.server.finish(run, served.name, PATH, status, began)
+
+    async def _speak_loop(self) -> None:
+        """Each segment's audio, in order, as it arrives; after the last, the session's end."""
+        rate = _rate(self.served)
+        while (segment := await self.segments.get()) is not None:
+            self.send({"type": "segment.started", "segment": segment.index, "text": segment.text})
+            tempo = Tempo(self.job.speed, rate) if self.job.speed is not None else None
+            samples, ended = 0, False
+            while not ended:
+                item = await segment.queue.get()
+                if isinstance(item, APIError):
+                    self.running.discard(segment)
+                    code = CLOSE_BAD_REQUEST if item.status < 500 else CLOSE_FAILED
+                    await self._fail(item, code, segment.index)
+                    return
+                ended = item is _END
+                if tempo is not None:
+                    item = tempo.close() if ended else tempo.feed(item)
+                elif ended:
+                    break
+                data = audio_bytes(item, rate, "pcm")
+                if not data:
+                    continue
+                samples += len(data) // 2
+                if self.format == "wav" and not self.header_sent:
+                    data = streaming_wav_header(rate) + data
+                    self.header_sent = True
+                self.out.put_nowait(("bytes", data))
+            self.running.discard(segment)
+            seconds = samples / rate
+            self.audio_seconds += seconds
+            done = {"type": "segment.done", "segment": segment.index, "audio_seconds": seconds}
+            if segment.run is not None:
+                done["seed"] = segment.run.seed
+            self.send(done)
+        self._finish()
+
+    async def _cancel_all(self) -> list[int]:
+        """Stop every segment (in every stage) and the speaker; the segments stopped."""
+        stopped = sorted(s.index for s in self.running)
+        tasks = [s.task for s in self.running if s.task is not None]
+        if self.speaker is not None:
+            tasks.append(self.speaker)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.running.clear()
+        self.segments = asyncio.Queue()
+        self.speaker = None
+        return stopped
+
+    def _finish(self) -> None:
+        self.send(
+            {
+                "type": "session.done",
+                "segments": self.count,
+                "audio_seconds": round(self.audio_seconds, 6),
+            }
+        )
+        self.out.put_nowait(("close", (1000, "done")))
+
+    async def _fail(self, err: APIError, code: int, segment: int | None = None) -> None:
+        message = {"type": "error", **json.loads(err.response().body)}
+        if segment is not None:
+            message["segment"] = segment
+        self.send(message)
+        self.out.put_nowait(("close", (code, err.message[:120])))
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.out.join()
+
+
+def _rate(served) -> int:
+    rates = [o.attrs.get("rate") for o in served.plan.outputs if o.type == "audio"]
+    return int(rates[0]) if rates and rates[0] else 24000
