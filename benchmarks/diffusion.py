@@ -132,7 +132,7 @@ def step_rows(plan, device: str, text_tokens: int, repeats: int, kernels: int = 
     # The backend's own step of one guided request, its forwards watched.
     cond = InputStream("hidden")
     cond.push(pack_prompts([p.to(dtype) for p in prompts]), end=True)
-    params = {"steps": repeats + 8, "height": STEP_SIZE, "width": STEP_SIZE, "guidance": 4.0}
+    params = {"steps": repeats + 8, "height": STEP_SIZE, "width": STEP_SIZE, "true_cfg_scale": 4.0}
     call = Call("step", params, {"cond": cond})
     seen = []
     hook = transformer.register_forward_pre_hook(
@@ -218,7 +218,7 @@ def main() -> None:
 
     requests = [
         ({"prompt": f"a photo of object number {i} on a table", "negative_prompt": NEGATIVE},
-         {"steps": args.steps, "height": args.size, "width": args.size, "guidance_scale": 4.0,
+         {"steps": args.steps, "height": args.size, "width": args.size, "true_cfg_scale": 4.0,
           "seed": i})
         for i in range(args.concurrency)
     ]  # fmt: skip

@@ -97,7 +97,9 @@ class Family:
     - `whole`: the category of a single-part checkpoint of the family where the generic
       rules cannot tell (an audio codec is a "vocoder");
     - `pipeline_facts`: pipeline class -> component -> facts a diffusers pipeline's
-      `__call__` decides that no component config states;
+      `__call__` decides that no component config states (or a small torch-free function
+      of the checkpoint's `model_index.json` that returns them, where they depend on the
+      pipeline's own config);
     - `runtime`: (stage kind, backend) -> "module:callable", the family's code for that
       backend (what it is called with is the backend's contract: docs/backends.md);
     - `adapters`: "namespace.name" -> `AdapterSpec`;
@@ -116,7 +118,9 @@ class Family:
     architectures: tuple[str, ...]
     parts: Mapping[str, Part] = field(default_factory=dict)
     whole: str | None = None
-    pipeline_facts: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)
+    pipeline_facts: Mapping[str, Mapping[str, Mapping[str, Any]] | Callable[..., Any]] = field(
+        default_factory=dict
+    )
     runtime: Mapping[tuple[str, str], str] = field(default_factory=dict)
     adapters: Mapping[str, AdapterSpec] = field(default_factory=dict)
     speakers: str | None = None

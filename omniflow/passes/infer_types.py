@@ -73,13 +73,26 @@ def _stage_spec(graph: Graph, node: Node, port: str) -> PortSteps:
     if node.op == "diffusion":
         condition_image_tokens(graph, node)  # an image input needs a DiT conditioned on one
         scale = cfg.vae_scale_factor
-        shape = (cfg.latent_channels, value("height") // scale, value("width") // scale)
         frames = value("frames")
-        return PortSteps(TensorSpec("float32", ((frames,) if frames > 1 else ()) + shape), 1)
+        # A video's latents: channels, then latent frames (the VAE's temporal compression).
+        shape = (value("height") // scale, value("width") // scale)
+        if frames > 1:
+            shape = (cfg.latent_frames(frames), *shape)
+        return PortSteps(TensorSpec("float32", (cfg.latent_channels, *shape)), 1)
     if node.op == "vae":
         producer = next(e for e in graph.in_edges(node.name) if e.dst_port == "latents")
-        *frames, _, h, w = producer.meta["item"].item.shape
+        _, *frames, h, w = producer.meta["item"].item.shape
         scale = cfg.vae_scale_factor
+        wired = any(e.src_port == port for e in graph.out_edges(node.name))
+        if wired and (port == "video") != bool(frames):
+            what = "a video's latents" if frames else "an image's latents"
+            raise GraphError(
+                f"stage '{node.name}': its latents are {what}; take its "
+                f"{'video' if frames else 'image'} output, not {port}",
+                node.span,
+            )
+        if frames:  # the first latent frame is one video frame, each other `t` frames
+            frames = [(frames[0] - 1) * cfg.vae_temporal_factor + 1]
         return PortSteps(TensorSpec("float32", (*frames, h * scale, w * scale, 3)), 1)
     if node.op == "vocoder":
         return PortSteps(TensorSpec("float32", (cfg.samples_per_frame,)), value("max_len"))

@@ -124,6 +124,12 @@ class StageTotals(msgspec.Struct, array_like=True):
     calls: int = 0
     batches: list[int] = msgspec.field(default_factory=lambda: _buckets(BATCH_BOUNDS))
     times: list[int] = msgspec.field(default_factory=lambda: _buckets(STEP_NS_BOUNDS))
+    # What its backend counted (`Call.counters`: a denoiser's steps computed and reused).
+    counters: dict[str, int] = msgspec.field(default_factory=dict)
+
+    def count(self, counters: dict[str, int]) -> None:
+        for key, value in counters.items():
+            self.counters[key] = self.counters.get(key, 0) + value
 
     def add(self, batch: int, took_ns: int) -> None:
         """One step of `batch` calls that took `took_ns` (fixed arrays: nothing grows)."""

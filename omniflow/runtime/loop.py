@@ -129,6 +129,14 @@ class StageRunner:
             self._record(batch, began, took)
         if self.tallies is not None:
             self._tally(batch, took)
+        for call in batch:
+            if call.counters:
+                self.totals.count(call.counters)
+                if self.tallies is not None:
+                    self.tallies.counted(call.request_id, self.name, call.counters)
+                if self.recorder is not None:
+                    self.recorder.counted(self.name, call.request_id, began, call.counters)
+                call.counters = {}
         events = []
         for call in batch:
             for stream in call.inputs.values():

@@ -113,6 +113,10 @@ class Call:
     finished: bool = False
     ending: Ending | None = None
     error: BaseException | None = None
+    # What a backend counts for this request in a step (a denoiser's `steps_computed` and
+    # `steps_reused`): the runtime adds them to the request's stats and the stage's totals
+    # after each step, then clears them.
+    counters: dict[str, int] = field(default_factory=dict)
 
     def emit(self, port: str, value) -> None:
         """Send `value` (one or more steps) downstream on `port`."""
