@@ -18,8 +18,9 @@ reusing request's rows get their cached residual. A request's cache is its own: 
 reference residual, the other blocks' residual and its counters live in its `Denoising`
 (`StepState`), dropped with it.
 
-- `cache_threshold` 0 (the default) never reuses, and a batch in which no request may
-  reuse runs the transformer's plain forward: bit-identical to no cache.
+- `cache_threshold` 0 (the default) never reuses, and a batch in which no request caches
+  runs the transformer's plain forward: bit-identical to no cache. A step that reuses for
+  no request runs every block on every row, as the plain forward does.
 - `cache_warmup` steps at the start of each request are always computed; at most
   `cache_max_reuse` steps in a row reuse (0: no limit); the last step is always computed.
 - Where the family gives no layout (`code.cache_layout(pipe, group)` is None: a
@@ -111,7 +112,7 @@ class StepCache:
         order), reusing cached residuals where a request's cache allows."""
         states = list(dict.fromkeys(owners))  # requests, in row order
         layout = None
-        if any(s.cache.may_reuse() for s in states):
+        if any(s.cache.enabled for s in states):  # their residuals are kept, for later
             layout = self.code.cache_layout(self.pipe, group)
         if layout is None:
             noise = self.code.forward(self.pipe, group, hidden, timesteps, text, mask)
