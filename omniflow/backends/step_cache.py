@@ -23,6 +23,8 @@ reference residual, the other blocks' residual and its counters live in its `Den
   no request runs every block on every row, as the plain forward does.
 - `cache_warmup` steps at the start of each request are always computed; at most
   `cache_max_reuse` steps in a row reuse (0: no limit); the last step is always computed.
+- A request whose forward group changes (a two-expert DiT passing its boundary) starts its
+  cache again: the other expert's residuals say nothing of this one's.
 - Where the family gives no layout (`code.cache_layout(pipe, group)` is None: a
   per-token-modulated edit DiT, attention kwargs, ...), every step is computed.
 
@@ -72,6 +74,7 @@ class StepState:
     residual: tuple[torch.Tensor, ...] | None = None
     reused_in_row: int = 0
     step: int = 0
+    group: object = None  # the forward group of the last step (a two-expert DiT's expert)
     last_reused: bool = False
     computed: int = 0
     reused: int = 0
@@ -111,6 +114,10 @@ class StepCache:
         """The family's forward of rows owned by `owners` (each row's request state, in row
         order), reusing cached residuals where a request's cache allows."""
         states = list(dict.fromkeys(owners))  # requests, in row order
+        for state in states:  # another expert's blocks: what they added says nothing here
+            if state.cache.group != group:
+                state.cache.group = group
+                state.cache.reference = state.cache.residual = None
         layout = None
         if any(s.cache.enabled for s in states):  # their residuals are kept, for later
             layout = self.code.cache_layout(self.pipe, group)

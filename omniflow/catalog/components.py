@@ -584,6 +584,8 @@ def _load_text_encoder(model, component, root, files, index, source) -> Componen
     text = next(part for part in parts.values() if part.category in LM_CATEGORIES)
     levels = [root, *_descend(root, text.path, model)]
     extras = {name: (component, part.weights) for name, part in parts.items() if part is not text}
+    # Counted too, for text encoders the LM formula does not cover (a T5 encoder).
+    extras["num_parameters"] = (component, text.weights)
     config = _flatten(levels, text)
     return _finish(
         model, component, "text_encoder", config, files, extras, dtype, source, architectures
@@ -661,6 +663,9 @@ def _flatten(levels: list[dict[str, Any]], part: Part) -> dict[str, Any]:
     for level in upper:
         config.update((k, v) for k, v in level.items() if not isinstance(v, dict) or k in part.keep)
     config.update(deepest)
+    for key, name in part.renames.items():
+        if key in config:
+            config.setdefault(name, config[key])
     if part.category in LM_CATEGORIES:
         owner = levels[len(levels) - 1 if part.class_level is None else part.class_level]
         # transformers' default when the owning config does not say.

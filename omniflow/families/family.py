@@ -36,6 +36,9 @@ class Part:
     name prefixes of the whole component, `extras` of modules counted beside an LM's formula.
     `category` is what the compiler sizes it as (`omniflow.catalog.CATEGORIES`).
 
+    `renames` gives config keys the catalog's names (a T5 encoder's `d_model` is its
+    `hidden_size`), kept beside the part's own.
+
     A vocoder part whose config layout the generic rules do not read says how many samples
     it makes per codec frame (`samples_per_frame`), and one that decodes on a grid of blocks
     the grid: `block_grid(config)` -> (codes per block, codes of lookahead).
@@ -49,6 +52,7 @@ class Part:
     weights: tuple[str, ...] = ("",)
     extras: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    renames: Mapping[str, str] = field(default_factory=dict)
     dtype: str | None = None
     samples_per_frame: Callable[[Mapping[str, Any]], int] | None = None
     block_grid: Callable[[Mapping[str, Any]], tuple[int, int]] | None = None

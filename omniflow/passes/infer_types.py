@@ -3,7 +3,8 @@ a `PortSteps` per port), and every edge `meta["item"]` (`EdgeItem`): the dtype a
 one streamed step after the edge's adapter and map chain, and how many steps one request may
 send on it. Every pipeline output gets `meta["attrs"]` (`OutputFacts`), the attributes the
 compiler derives for it: an audio output a vocoder makes, the vocoder's sample rate
-(`rate`), which a `rate=` in the program must match.
+(`rate`), which a `rate=` in the program must match; a video output, the frame rate its
+program gives (`fps`), which its MP4s are written at.
 
 Dims come from the stage's model config and its parameters at their default values; a
 request that overrides a size-changing parameter beyond its default is checked at run time.
@@ -126,6 +127,11 @@ def _output_attrs(graph: Graph, output: Node) -> dict:
     a vocoder makes, from its model config. A `rate=` the program writes must agree."""
     (edge,) = graph.in_edges(output.name)
     producer = graph.node(edge.src)
+    if edge.type == "video":  # the frame rate its MP4 is written at
+        fps = resolve(output.params.get("fps"), graph.params)
+        if fps is not None and (not isinstance(fps, int) or fps < 1):
+            raise GraphError(f"output '{output.name}': fps must be a positive integer", output.span)
+        return {} if fps is None else {"fps": fps}
     if edge.type != "audio" or producer.op != "vocoder":
         return {}
     cfg = producer.meta["model"].config
