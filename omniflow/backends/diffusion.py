@@ -372,6 +372,10 @@ class DiffusionSteps(Backend):
     def drop(self, call: Call) -> None:
         call.state.pop("denoising", None)
 
+    def progress(self, call: Call) -> tuple[int, int] | None:
+        state = call.state.get("denoising")
+        return None if state is None else (state.index, len(state.timesteps))
+
     def _prepare(self, call: Call) -> bool:
         """Set up `call`'s latents and scheduler; False (and the call failed) if it cannot run."""
         try:

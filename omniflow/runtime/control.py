@@ -178,6 +178,8 @@ class Inspection(msgspec.Struct, tag=True):
     channels: dict[str, ChannelTotals] = {}
     held: dict[str, int] = {}
     handoffs: dict[str, HandoffTotals] = {}
+    # stage -> request -> (done, total) steps, for calls whose backend says (`progress`).
+    progress: dict[str, dict[str, list[int]]] = {}
 
 
 Message = (

@@ -168,6 +168,12 @@ class Backend(ABC):
     def step(self, calls: list[Call]) -> None:
         """Advance each call by one step (one batched forward, where the backend batches)."""
 
+    def progress(self, call: Call) -> tuple[int, int] | None:
+        """How far a call has come, (done, total) steps, where the backend knows (a
+        denoiser: its denoising steps); None otherwise. Read between steps, for
+        `engine.inspect()` (a video job's progress)."""
+        return None
+
     def drop(self, call: Call) -> None:  # noqa: B027 (optional hook)
         """Forget per-request state (the call finished, failed or was cancelled)."""
 
