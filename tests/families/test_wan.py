@@ -211,3 +211,63 @@ def test_the_compiler_sizes_both_experts_and_a_video():
     assert vae.weight_bytes > 0
     out = next(o for o in plan.outputs if o.name == "video")
     assert out.attrs.get("fps") == 16
+
+
+@pytest.mark.parametrize(
+    "model", ["Wan-AI/Wan2.2-T2V-A14B-Diffusers", "Wan-AI/Wan2.2-TI2V-5B-Diffusers"]
+)
+def test_the_real_size_builds_have_the_published_parameter_counts(model):
+    """What `build_scaled` makes at depth 1, counted on the meta device, is the catalog's
+    count of each part; at depth 0.5 the experts and the text encoder have half the layers."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5EncoderModel
+
+    from omniflow.catalog.components import load_component_config
+    from omniflow.families.wan.checkpoints import scaled_configs
+
+    configs = scaled_configs(model, 1.0)
+    with torch.device("meta"):
+        parts = {
+            "text_encoder": UMT5EncoderModel(configs["text_encoder"]),
+            "transformer": WanTransformer3DModel(**configs["transformer"]),
+            "vae": AutoencoderKLWan(**configs["vae"]),
+        }
+    for part, module in parts.items():
+        counted = sum(p.numel() for p in module.parameters())
+        assert counted == load_component_config(model, part).config["num_parameters"], part
+    half = scaled_configs(model, 0.5)
+    assert half["transformer"]["num_layers"] == configs["transformer"]["num_layers"] // 2
+    assert half["text_encoder"].num_layers == 12
+    assert (half["transformer_2"] is None) == (configs["transformer_2"] is None)
+
+
+@pytest.mark.parametrize("name", ["wan2.2-t2v", "wan2.2-ti2v"])
+def test_the_dit_cost_formula_counts_the_forward(name):
+    """The catalog's Wan DiT count: parameters exactly, and a forward's FLOPs as torch's flop
+    counter counts them, plus attention (self over the video's tokens, cross over the text's),
+    which the counter does not see in the CPU attention kernel."""
+    from diffusers import WanTransformer3DModel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from omniflow.catalog.components import load_component_config
+    from omniflow.catalog.costs import estimate_cost
+
+    path = build_tiny(name)
+    with quiet():
+        dit = WanTransformer3DModel.from_pretrained(path, subfolder="transformer").eval()
+    c = dit.config
+    frames, height, width, text = 3, 4, 6, 512
+    tokens = frames * (height // 2) * (width // 2)
+    timestep = torch.full((1, tokens), 500.0) if name.endswith("ti2v") else torch.tensor([500.0])
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        dit(hidden_states=torch.randn(1, c.in_channels, frames, height, width),
+            timestep=timestep, encoder_hidden_states=torch.randn(1, text, c.text_dim),
+            return_dict=False)  # fmt: skip
+    cost = estimate_cost(
+        load_component_config(str(path), "transformer"), max_batch=1, max_len=tokens,
+        context_len=text,
+    )  # fmt: skip
+    width_ = c.num_attention_heads * c.attention_head_dim
+    attention = 4 * c.num_layers * width_ * tokens * (tokens + text)
+    assert cost.params == sum(p.numel() for p in dit.parameters())
+    assert cost.flops_per_item in (counter.get_total_flops() + attention, counter.get_total_flops())
