@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from omniflow.compiler import compile_source
+from omniflow.profiler.analysis import parse_trace, stage_stats
+from omniflow.profiler.trace import chrome_trace
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from tests.backends.test_diffusion import GRAPH, Stages, output
@@ -106,9 +108,10 @@ def test_each_request_decides_for_itself_in_a_shared_batch(stages):
     assert sorted(together["plain"][2]) == sorted([2] * reused + [4] * (STEPS - reused))
 
 
-def test_counters_reach_the_totals_and_the_request_stats(plan):
+def test_counters_reach_the_totals_the_request_stats_and_the_profile(plan):
     stats = []
     with Engine(plan, "inprocess", on_stats=stats.append) as engine:
+        engine.start_profile()
 
         async def run():
             inputs, params = request(1.0)
@@ -116,6 +119,9 @@ def test_counters_reach_the_totals_and_the_request_stats(plan):
 
         asyncio.run(run())
         totals = {n: t for i in engine.inspect().values() for n, t in i.stages.items()}
+        profile = parse_trace(chrome_trace(engine.stop_profile(), plan))
+    (dit,) = [row for row in stage_stats(profile) if row["stage"] == "dit"]
+    assert dit["counters"] == totals["dit"].counters
     counters = totals["dit"].counters
     assert counters["steps_computed"] + counters["steps_reused"] == STEPS
     assert counters["steps_reused"] > 0
