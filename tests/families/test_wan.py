@@ -271,3 +271,17 @@ def test_the_dit_cost_formula_counts_the_forward(name):
     attention = 4 * c.num_layers * width_ * tokens * (tokens + text)
     assert cost.params == sum(p.numel() for p in dit.parameters())
     assert cost.flops_per_item in (counter.get_total_flops() + attention, counter.get_total_flops())
+
+
+@pytest.mark.parametrize("name", ["wan2.2-t2v", "wan2.2-ti2v"])
+def test_rebuilding_gives_identical_bytes(tmp_path, name):
+    """Seeded weights and the T5 tokenizer (its trainer's thread order undone) rebuild to
+    the same files."""
+    import json
+
+    from omniflow.checkpoints.tiny import MANIFEST
+
+    def files(path: Path) -> dict:
+        return json.loads((path / MANIFEST).read_text(encoding="utf-8"))["files"]
+
+    assert files(build_tiny(name, tmp_path / name)) == files(build_tiny(name))
