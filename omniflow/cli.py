@@ -259,6 +259,19 @@ def make_parser() -> argparse.ArgumentParser:
         help="on SIGINT/SIGTERM, seconds to wait for requests in flight (default 30)",
     )
     serving.add_argument(
+        "--max-video-jobs",
+        type=int,
+        default=32,
+        help="video jobs held at once, queued, running or finished and kept (default 32); "
+        "beyond it: 429",
+    )
+    serving.add_argument(
+        "--video-ttl",
+        type=float,
+        default=3600.0,
+        help="seconds a finished video job and its MP4 are kept (default 3600)",
+    )
+    serving.add_argument(
         "--log-stats", action="store_true", help="print per-request stats tables after each"
     )
     serving.add_argument(

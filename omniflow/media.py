@@ -2,8 +2,9 @@
 
 Audio is encoded and decoded with soundfile (libsndfile: WAV, FLAC) and PyAV (FFmpeg's
 codecs: MP3 with LAME, Opus in Ogg, AAC in ADTS; it decodes whatever FFmpeg reads),
-images with Pillow (PNG, JPEG, WebP). An audio output is mono int16 or float samples in
-[-1, 1]; an image is a uint8 `[H, W, 3]` tensor (leading singleton dims are dropped).
+images with Pillow (PNG, JPEG, WebP), videos with FFmpeg through PyAV (H.264 in MP4). An
+audio output is mono int16 or float samples in [-1, 1]; an image is a uint8 `[H, W, 3]`
+tensor, a video uint8 frames `[F, H, W, 3]` (leading singleton dims are dropped).
 `AudioEncoder` encodes audio as it arrives (a streamed reply) and `Tempo` changes its
 speed without changing its pitch (FFmpeg's `atempo`), chunk by chunk too.
 """
@@ -276,3 +277,53 @@ def decode_image(data: bytes) -> torch.Tensor:
     except (UnidentifiedImageError, OSError, ValueError) as err:
         raise MediaError(f"not an image file Pillow can read: {err}") from err
     return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())
+
+
+# --- video ---------------------------------------------------------------------------------
+
+VIDEO_MIME = "video/mp4"
+# x264's constant rate factor: 18 is visually lossless for most content (x264's default: 23).
+VIDEO_CRF = 18
+
+
+def mp4_bytes(frames: torch.Tensor, fps: int, crf: int = VIDEO_CRF) -> bytes:
+    """uint8 frames `[..., F, H, W, 3]` as an H.264 (libx264, yuv420p) MP4 at `fps`, written
+    with FFmpeg through PyAV. 4:2:0 chroma needs even sides: an odd side is padded by
+    repeating its last row or column."""
+    import av
+
+    frames = frames.reshape(frames.shape[-4:]).to(torch.uint8)
+    count, height, width, _ = frames.shape
+    pad_h, pad_w = height % 2, width % 2
+    if pad_h or pad_w:
+        frames = torch.nn.functional.pad(
+            frames.permute(0, 3, 1, 2).float(), (0, pad_w, 0, pad_h), mode="replicate"
+        )
+        frames = frames.permute(0, 2, 3, 1).to(torch.uint8)
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=int(fps))
+        stream.width, stream.height = width + pad_w, height + pad_h
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": str(crf)}
+        for frame in frames.contiguous().numpy():
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+def decode_video(data: bytes) -> tuple[torch.Tensor, float, str]:
+    """An MP4 (any container PyAV reads) as uint8 frames `[F, H, W, 3]` (rgb24, as the peer's
+    client decodes them), its average frame rate and its codec's name."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            stream = container.streams.video[0]
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+            rate, codec = float(stream.average_rate), stream.codec_context.name
+    except (av.error.FFmpegError, IndexError, ValueError) as err:
+        raise MediaError(f"not a video file PyAV can read: {err}") from err
+    return torch.from_numpy(np.stack(frames)), rate, codec

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from omniflow.errors import OmniflowError
-from omniflow.media import png_bytes, wav_bytes
+from omniflow.media import mp4_bytes, png_bytes, wav_bytes
 from omniflow.plan import Plan, PortPlan
 from omniflow.profiler.capture import profile_to
 from omniflow.runtime.engine import Engine
@@ -34,6 +34,8 @@ from omniflow.runtime.prompts import prompt_limits
 from omniflow.runtime.requests import admit, check_request
 
 DEFAULT_RATE = 24000
+# A video output whose program gives no `fps`: Wan2.2-A14B's (and the peer client's) default.
+DEFAULT_FPS = 16
 
 
 class OutputFolderError(OmniflowError):
@@ -140,6 +142,8 @@ def _file(port: PortPlan, value) -> tuple[str, bytes]:
         return f"{port.name}.wav", wav_bytes(samples, _rate(port))
     if port.type == "image" and value is not None:
         return f"{port.name}.png", png_bytes(value)
+    if port.type == "video" and value is not None:
+        return f"{port.name}.mp4", mp4_bytes(value, int(port.attrs.get("fps", DEFAULT_FPS)))
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return f"{port.name}.pt", buffer.getvalue()

@@ -9,6 +9,7 @@ import torch
 from PIL import Image
 
 from omniflow.cli import main
+from omniflow.media import decode_video
 
 GRAPHS = Path(__file__).parents[1] / "graphs"
 
@@ -25,6 +26,10 @@ EXAMPLES = {
                             ["text.txt"]),
     "image_edit": (["image={image}", "prompt=Make the cat blue."],
                    ["steps=2", "height=32", "width=32"], ["edited.png"]),
+    "text_to_video": (["prompt=A cat walks on the grass"],
+                      ["steps=2", "height=32", "width=32", "num_frames=5"], ["video.mp4"]),
+    "image_to_video": (["image={image}", "prompt=A cat walks on the grass"],
+                       ["steps=2", "height=32", "width=32", "num_frames=5"], ["video.mp4"]),
 }  # fmt: skip
 
 
@@ -50,5 +55,8 @@ def test_example_runs_on_tiny_models(name, tmp_path):
         elif file.endswith(".wav"):
             with wave.open(str(path)) as audio:
                 assert audio.getframerate() == 24000 and audio.getnframes() > 0
+        elif file.endswith(".mp4"):
+            frames, fps, codec = decode_video(path.read_bytes())
+            assert frames.shape == (5, 32, 32, 3) and fps == 16 and codec == "h264"
         else:
             assert Image.open(path).size == (32, 32)

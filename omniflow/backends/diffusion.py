@@ -1,56 +1,67 @@
 """The diffusers stage backends: step-wise denoising (`DiffusionSteps`) and latent decoding
 (`VaeDecode`), and what they share with the text encoder (`omniflow.backends.encoders`):
-loading some parts of a diffusers pipeline, and the layout prompt embeddings travel in.
+loading some parts of a diffusers pipeline, the layout prompt embeddings travel in, and
+`Denoising`, one request's state between steps.
 
 The pipelines served are those a model family gives code for (the plan's
-`StagePlan.family`, e.g. Qwen-Image's `omniflow.families.qwen_image.pipeline`): what its
-`__call__` decides beyond diffusers' helpers (the timestep shift, the transformer's
-forward, unpacking, the VAE's latent statistics). Each stage loads the pipeline with only
-its own parts and calls the pipeline's own helpers (prompt encoding, input-image encoding,
-latent preparation and packing) and the family's, so a request gives what the pipeline's
-`__call__` gives for the same prompt, image, seed and settings.
+`StagePlan.family`: Qwen-Image's `omniflow.families.qwen_image.pipeline`, Wan's
+`omniflow.families.wan.pipeline`): what its `__call__` decides beyond diffusers' helpers.
+Each stage loads the pipeline with only its own parts and calls the pipeline's own helpers
+and the family's, so a request gives what the pipeline's `__call__` gives for the same
+prompt, image, seed and settings. The sampling knobs are the model's own, under its names
+(`true_cfg_scale` for Qwen-Image, `guidance_scale` and `guidance_scale_2` for Wan2.2): the
+family declares them (`Family.stage_params`) and reads them (`prepare`).
 
-An edit pipeline conditions on an input image twice, both times resized as its `__call__`
-resizes it (`condition_image`, at the size the family says, whatever the output size): the
-text encoder sees it through the pipeline's processor (`omniflow.backends.encoders`), and
-the denoiser encodes it with the pipeline's VAE and attends to those latents, packed
-beside the noise latents along the sequence.
+The family's pipeline object (its `PIPELINES`) gives the denoiser:
+
+- `denoiser_parts(image)`: the pipeline parts the stage loads (the transformer first);
+  `pipeline_class(index, image)`: the pipeline class to load them with, or None for the
+  index's own; `conditions_on_image(pipe, kind)`: whether a stage of `kind` of it takes
+  an input image; `setup(pipe, path, device)`: what the pipeline's `__init__` would derive
+  from parts the stage does not load, and the family's kernels on CUDA;
+- `prepare(pipe, Prepare) -> Denoising`: a request's latents, scheduler and timesteps,
+  drawn and set as its `__call__` does, from its knobs (the stage's settings overlaid with
+  the request's parameters); a `DiffusersBackendError` fails that request alone;
+- `forward(pipe, group, hidden, timesteps, text, mask) -> noise`: the transformer's
+  prediction for a batch of rows that share the group `Denoising.group()` gives (image
+  shapes, and for a two-expert DiT the expert); `cache_layout(pipe, group)`: where the
+  step cache (`omniflow.backends.step_cache`) may split that forward.
 
 `DiffusionSteps` runs one denoising step of every request it is handed per `step()`:
 
 - prepare (a request's first step): its conditioning is copied out of the input chunk; its
   latents are drawn from its own `torch.Generator` seeded with `seed` (0 when the request
-  gives none, so every mode agrees) by the pipeline's `prepare_latents`, which for an edit
-  also VAE-encodes the input image (the latent distribution's mode: no draw); its scheduler
-  is its own copy of the pipeline's, set to the pipeline's sigmas and shift `mu`.
-  `FlowMatchEulerDiscreteScheduler` keeps a step index, so a shared one would advance once
-  per request and step every request with the wrong sigma.
-- denoise: one transformer forward per image size (and input-image size) over every
-  request in the batch (the transformer's RoPE takes one set of image shapes per forward, so
-  sizes cannot mix). Each request brings its conditional row and, under guidance, its
-  unconditional row — two rows of the same forward — each row with its own timestep: the
-  transformer embeds a timestep vector, so requests at different steps batch together. Text
-  rows are zero-padded to the longest and masked when their lengths differ. An edit's rows
-  are its noise latents then its input image's latents; the prediction is the noise part.
-- on CUDA, the family may run the transformer's blocks on fused kernels (Qwen-Image's
-  `fused_blocks`), computing what diffusers' blocks compute.
-- scheduler step: per request, Qwen-Image's true classifier-free guidance (`guidance` > 1
-  and a negative prompt): `uncond + guidance * (cond - uncond)`, rescaled to the conditional
-  prediction's norm, then its scheduler's step. The flow-matching Euler step is one update,
-  `x + (sigma_next - sigma) * v`, so both run as one fused kernel
-  (`omniflow.kernels.cfg_euler`) on the request's sigmas; a stochastic scheduler keeps its
-  own step, which draws noise from the request's generator.
+  gives none, so every mode agrees); its scheduler is its own copy of the pipeline's, set
+  to the pipeline's timesteps (`FlowMatchEulerDiscreteScheduler` and UniPC keep a step
+  index and a multistep history: a shared one would step every request wrongly).
+- denoise: one transformer forward per group over every request in the batch. Each request
+  brings its conditional row and, where it is guided this step, its unconditional row —
+  two rows of the same forward — each row with its own timestep, so requests at different
+  steps batch together. Text rows are zero-padded to the longest and masked when their
+  lengths differ.
+- scheduler step: per request, its family's guidance (Qwen-Image's true CFG, rescaled to
+  the conditional prediction's norm; Wan's plain CFG at the current expert's scale), then
+  its scheduler's step. The flow-matching Euler step is one update, `x + (sigma_next -
+  sigma) * v`, so both run as one fused kernel (`omniflow.kernels.cfg_euler`); any other
+  scheduler keeps its own step.
+- step caching (`cache_threshold` > 0, `omniflow.backends.step_cache`): a request whose
+  first block's output barely moved since its last computed step skips the other blocks
+  and reuses their residual; each request's steps computed and reused are counted
+  (`Call.counters`: `--log-stats` and the profile show them).
 
-After its last step a request emits `latents` `[1, C, H/8, W/8]` (the plan's item
-`[C, H/8, W/8]`): unpacked from the transformer's 2x2 patches, still normalised — the VAE
-stage applies the VAE's latent statistics. `VaeDecode` decodes every request of a batch
-that shares a latent size in one forward and emits `image` `[1, H, W, 3]` in [-1, 1].
+After its last step a request emits `latents`: an image's `[1, C, H/8, W/8]` or a video's
+`[1, C, F', H/8, W/8]`, still normalised — the VAE stage applies the VAE's latent
+statistics. `VaeDecode` decodes every request of a batch that shares a latent size and
+decode options (`vae_use_tiling`, `vae_use_slicing`) in one forward and emits `image`
+`[1, H, W, 3]` or `video` `[1, F, H, W, 3]` in [-1, 1].
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections import defaultdict
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +70,7 @@ from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 from PIL import Image
 
 from omniflow.backends.registry import family_code
+from omniflow.backends.step_cache import StepCache
 from omniflow.backends.vision import VisionBackendError, read_image
 from omniflow.catalog.resolve import model_path
 from omniflow.errors import OmniflowError
@@ -91,9 +103,10 @@ def pipeline_code(spec: StageSpec):
     return code
 
 
-def load_pipeline(spec: StageSpec, device: str, parts: tuple[str, ...], code):
+def load_pipeline(spec: StageSpec, device: str, parts: tuple[str, ...], code, image=False):
     """The stage's diffusers pipeline with only `parts` loaded, on `device`; `code` is its
-    family's (`pipeline_code`).
+    family's (`pipeline_code`), which may name the class to load it with (`image`: the
+    stage takes an input image).
 
     The stage's `component` must be the first of `parts`: the pipeline's helpers reach
     their models by those attribute names.
@@ -117,36 +130,44 @@ def load_pipeline(spec: StageSpec, device: str, parts: tuple[str, ...], code):
     if "processor" in parts and "processor" in index:
         loaded["processor"] = code.load_processor(Path(path) / "processor")
     dtype = plan.settings.get("dtype")
+    chooser = getattr(code, "pipeline_class", None)
+    cls = (chooser(index, image) if chooser else None) or DiffusionPipeline
     with quiet():
-        pipe = DiffusionPipeline.from_pretrained(
+        pipe = cls.from_pretrained(
             path, torch_dtype=getattr(torch, dtype) if dtype else None, **skipped, **loaded
         )
     return pipe.to(device)
 
 
 def edits(spec: StageSpec, pipe, code) -> bool:
-    """Whether `pipe` conditions on an input image; a stage of it must take one exactly
-    when it does."""
-    conditions = code.conditions_on_image(pipe)
+    """Whether a stage of `pipe` takes an input image; it must have one exactly when it does."""
+    conditions = code.conditions_on_image(pipe, spec.plan.kind)
     if conditions != ("image" in spec.inputs):
         what = "conditions on an input image" if conditions else "takes no input image"
         raise DiffusersBackendError(
-            f"stage '{spec.plan.name}': {spec.plan.model} is a {type(pipe).__name__}, which "
-            f"{what}: {'connect' if conditions else 'disconnect'} the stage's 'image' input"
+            f"stage '{spec.plan.name}': {spec.plan.model} is a {type(pipe).__name__}, whose "
+            f"{spec.plan.kind} stage {what}: "
+            f"{'connect' if conditions else 'disconnect'} the stage's 'image' input"
         )
     return conditions
 
 
-def condition_image(pipe, code, value) -> Image.Image:
-    """A request's input image as an edit pipeline's `__call__` conditions on it: opened (a
-    path, or a uint8 `[H, W, 3]` tensor), as RGB, resized by the pipeline's image processor
-    to the size its family's `condition_size` says."""
+def open_image(value) -> Image.Image:
+    """A request's input image (a path, or a uint8 `[H, W, 3]` tensor) as an RGB PIL image."""
     try:
         image = read_image(value)
     except VisionBackendError as err:
         raise DiffusersBackendError(str(err)) from err
     if not isinstance(image, Image.Image):
         image = Image.fromarray(image)
+    return image
+
+
+def condition_image(pipe, code, value) -> Image.Image:
+    """A request's input image as an edit pipeline's `__call__` conditions on it: opened (a
+    path, or a uint8 `[H, W, 3]` tensor), as RGB, resized by the pipeline's image processor
+    to the size its family's `condition_size` says."""
+    image = open_image(value)
     width, height = code.condition_size(image.width, image.height)
     if min(width, height) < 32 or max(width, height) > MAX_ASPECT * min(width, height):
         raise DiffusersBackendError(
@@ -197,32 +218,121 @@ def unpack_prompts(hidden: torch.Tensor) -> list[torch.Tensor]:
     return [hidden[i, 1 : 1 + n].clone() for i, n in enumerate(lengths.tolist())]
 
 
-def _param(spec: StageSpec, call: Call, key: str):
-    """A request's value of a stage parameter, else its compiled one."""
-    value = call.params.get(key)
-    return spec.plan.settings[key] if value is None else value
+def knobs(spec: StageSpec, call: Call) -> dict:
+    """A request's stage parameters: the stage's compiled settings, overlaid with what the
+    request resolved (a knob whose default is the model's own is absent when unset)."""
+    return {**spec.plan.settings, **{k: v for k, v in call.params.items() if v is not None}}
+
+
+def check_steps(steps) -> int:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise DiffusersBackendError(f"steps must be a positive integer, not {steps!r}")
+    return steps
+
+
+def check_sizes(multiple: int, **sizes) -> None:
+    """Each of `sizes` (height=..., width=...) must be a positive multiple of `multiple`."""
+    for name, size in sizes.items():
+        if not isinstance(size, int) or size < multiple or size % multiple:
+            raise DiffusersBackendError(
+                f"{name} must be a positive multiple of {multiple} "
+                f"(VAE scale x patch size), not {size!r}"
+            )
 
 
 @dataclass
-class _Denoising:
-    """One request's state between steps."""
+class Prepare:
+    """What a family's `prepare` makes a request's `Denoising` from."""
 
-    prompts: list[torch.Tensor]  # [tokens, H]: the prompt's, then the negative prompt's
-    guidance: float
-    height: int
-    width: int
+    prompts: list[torch.Tensor]  # [tokens, H] on the device: the prompt's, then the negative's
+    knobs: dict  # the stage's settings overlaid with the request's parameters
+    image: object | None  # an image-conditioned stage's input image (a path or a tensor)
     generator: torch.Generator
-    scheduler: object
-    timesteps: torch.Tensor
-    latents: torch.Tensor  # packed, [1, patches, C * 4]
-    # (frames, rows, columns) of transformer patches: the output's, then an edit's input image's.
-    shapes: tuple[tuple[int, int, int], ...]
-    image_latents: torch.Tensor | None = None  # an edit's input image, packed as `latents`
-    index: int = 0
+    device: str
+    dtype: torch.dtype  # the transformer's
 
-    @property
+
+class Denoising:
+    """One request's denoising between steps. A family's `prepare` returns its subclass,
+    which says what this step's forward rows are (`group`, `guided`, `model_input`) and
+    what the request emits at its end (`result`); `advance` is the guided scheduler step.
+
+    `scale` and `rescale` are the guidance at this step (`rescale` as `cfg_euler`'s: "norm"
+    for Qwen-Image's true CFG, "none" for plain CFG)."""
+
+    rescale = "none"
+
+    def __init__(self, prompts, scheduler, timesteps, latents, generator):
+        self.prompts = prompts
+        self.scheduler = scheduler
+        self.timesteps = timesteps
+        self.latents = latents
+        self.generator = generator
+        self.index = 0
+        self.cache = None  # the step cache's state for this request (step_cache.py)
+        self._step_kwargs = (
+            {"generator": generator}
+            if "generator" in inspect.signature(scheduler.step).parameters
+            else {}
+        )
+
+    # --- what a family's subclass says ---
+    def group(self) -> Hashable:
+        """Requests of one group may share this step's forward."""
+        raise NotImplementedError
+
+    def scale(self) -> float:
+        """The guidance scale at this step."""
+        raise NotImplementedError
+
     def guided(self) -> bool:
-        return self.guidance > 1 and len(self.prompts) == 2
+        """Whether this step computes the unconditional row too."""
+        raise NotImplementedError
+
+    def model_input(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's transformer input `[1, ...]` and timestep `[1]` (or `[1, tokens]`)."""
+        raise NotImplementedError
+
+    def result(self) -> torch.Tensor:
+        """What the request emits on `latents` after its last step."""
+        raise NotImplementedError
+
+    # --- what every family shares ---
+    @property
+    def done(self) -> bool:
+        return self.index == len(self.timesteps)
+
+    def rows(self) -> list[torch.Tensor]:
+        """This step's text rows: the prompt's, and the negative prompt's when guided."""
+        return self.prompts if self.guided() else self.prompts[:1]
+
+    def advance(self, cond: torch.Tensor, uncond: torch.Tensor | None) -> None:
+        """The guided prediction, then the scheduler's step from this step's latents."""
+        scheduler, i = self.scheduler, self.index
+        if _plain_euler(scheduler) and cond.shape == self.latents.shape:
+            # The scheduler's own step is `x + (sigma_next - sigma) * v`; one kernel does
+            # it together with the guidance (cfg_euler_step gives its bits off CUDA).
+            sigmas = scheduler.sigmas[i : i + 2]
+            dt = sigmas[1:] - sigmas[:1]
+            self.latents = cfg_euler_step(
+                self.latents, cond, uncond, self.scale(), dt, rescale=self.rescale
+            )
+        else:
+            prediction = cond
+            if uncond is not None:
+                prediction = guide(cond, uncond, self.scale(), rescale=self.rescale)
+            self.latents = scheduler.step(
+                prediction, self.timesteps[i], self.latents, return_dict=False, **self._step_kwargs
+            )[0]
+        self.index += 1
+
+
+def _plain_euler(scheduler) -> bool:
+    """Whether `scheduler.step` is the deterministic flow-matching Euler update (not the
+    stochastic variant, which draws noise from the request's generator)."""
+    return isinstance(scheduler, FlowMatchEulerDiscreteScheduler) and not scheduler.config.get(
+        "stochastic_sampling", False
+    )
 
 
 class DiffusionSteps(Backend):
@@ -237,24 +347,15 @@ class DiffusionSteps(Backend):
             given = ", ".join(sorted(spec.inputs)) or "nothing"
             raise DiffusersBackendError(
                 f"stage '{name}': the diffusers denoiser takes 'cond' (text conditioning) and, "
-                f"for an edit pipeline, 'image', not {given}"
+                f"for an image-conditioned pipeline, 'image', not {given}"
             )
-        # An edit's input image is VAE-encoded here, as the pipeline's prepare_latents does.
-        parts = ("transformer", "scheduler") + (("vae",) if "image" in spec.inputs else ())
         self.code = pipeline_code(spec)
-        self.pipe = load_pipeline(spec, device, parts, self.code)
+        image = "image" in spec.inputs
+        self.pipe = load_pipeline(spec, device, self.code.denoiser_parts(image), self.code, image)
         self.edits = edits(spec, self.pipe, self.code)
         self.transformer = self.pipe.transformer
-        if self.transformer.config.guidance_embeds:
-            raise DiffusersBackendError(
-                f"stage '{name}': guidance-distilled transformers "
-                "(guidance_embeds=True) are not supported"
-            )
-        self.code.accelerate(self.transformer, device)
-        # The pipeline derives this from the VAE, which this stage may not load.
-        self.pipe.vae_scale_factor = self.code.vae_scale_factor(model_path(spec.plan.model))
-        # Image pixels per side of one transformer patch: sizes must be multiples of it.
-        self.patch_pixels = self.pipe.vae_scale_factor * 2
+        self.code.setup(self.pipe, model_path(spec.plan.model), device)
+        self.cache = StepCache(self.pipe, self.code)
 
     def ready(self, call: Call) -> bool:
         return "denoising" in call.state or call.inputs_ended()
@@ -264,12 +365,16 @@ class DiffusionSteps(Backend):
             running = [c for c in calls if "denoising" in c.state or self._prepare(c)]
             groups = defaultdict(list)
             for call in running:
-                groups[call.state["denoising"].shapes].append(call)
-            for group in groups.values():
-                self._denoise(group)
+                groups[call.state["denoising"].group()].append(call)
+            for group, members in groups.items():
+                self._denoise(group, members)
 
     def drop(self, call: Call) -> None:
         call.state.pop("denoising", None)
+
+    def progress(self, call: Call) -> tuple[int, int] | None:
+        state = call.state.get("denoising")
+        return None if state is None else (state.index, len(state.timesteps))
 
     def _prepare(self, call: Call) -> bool:
         """Set up `call`'s latents and scheduler; False (and the call failed) if it cannot run."""
@@ -278,136 +383,67 @@ class DiffusionSteps(Backend):
             if hidden is None:
                 raise DiffusersBackendError("no conditioning arrived")
             prompts = [p.to(self.device, self.transformer.dtype) for p in unpack_prompts(hidden)]
-            steps, height, width = (
-                _param(self.spec, call, k) for k in ("steps", "height", "width")
+            settings = knobs(self.spec, call)
+            check_steps(settings.get("steps"))
+            image = call.inputs["image"].take() if self.edits else None
+            seed = call.params.get("seed")
+            generator = torch.Generator().manual_seed(DEFAULT_SEED if seed is None else seed)
+            prepare = Prepare(
+                prompts, settings, image, generator, self.device, self.transformer.dtype
             )
-            guidance = float(_param(self.spec, call, "guidance"))
-            self._check(steps, height, width)
-            image = (
-                condition_image(self.pipe, self.code, call.inputs["image"].take())
-                if self.edits
-                else None
-            )
+            state = self.code.prepare(self.pipe, prepare)
+            state.cache = self.cache.start(settings)
         except DiffusersBackendError as err:
             call.fail(err)
             return False
-        seed = call.params.get("seed")
-        generator = torch.Generator().manual_seed(DEFAULT_SEED if seed is None else seed)
-        shapes = ((1, height // self.patch_pixels, width // self.patch_pixels),)
-        size = (1, self.transformer.config.in_channels // 4, height, width)
-        dtype = self.transformer.dtype
-        if image is None:
-            latents = self.pipe.prepare_latents(*size, dtype, self.device, generator)
-            image_latents = None
-        else:
-            pixels = self.pipe.image_processor.preprocess(image, image.height, image.width)
-            latents, image_latents = self.pipe.prepare_latents(
-                pixels.unsqueeze(2), *size, dtype, self.device, generator
-            )
-            patch = self.patch_pixels
-            shapes += ((1, image.height // patch, image.width // patch),)
-        scheduler = self.pipe.scheduler.__class__.from_config(self.pipe.scheduler.config)
-        timesteps = self.code.timesteps(scheduler, steps, latents.shape[1], self.device)
-        scheduler.set_begin_index(0)
-        call.state["denoising"] = _Denoising(
-            prompts,
-            guidance,
-            height,
-            width,
-            generator,
-            scheduler,
-            timesteps,
-            latents,
-            shapes,
-            image_latents,
-        )
+        call.state["denoising"] = state
         return True
 
-    def _check(self, steps, height, width) -> None:
-        if not isinstance(steps, int) or steps < 1:
-            raise DiffusersBackendError(f"steps must be a positive integer, not {steps!r}")
-        for name, size in (("height", height), ("width", width)):
-            if not isinstance(size, int) or size < self.patch_pixels or size % self.patch_pixels:
-                raise DiffusersBackendError(
-                    f"{name} must be a positive multiple of {self.patch_pixels} "
-                    f"(VAE scale x patch size), not {size!r}"
-                )
-
-    def _denoise(self, calls: list[Call]) -> None:
-        """One transformer forward over the rows of `calls` (one set of image shapes), then
-        each request's guidance and scheduler step."""
+    def _denoise(self, group, calls: list[Call]) -> None:
+        """One transformer forward over the rows of `calls` (one group), then each
+        request's guidance and scheduler step."""
         states = [c.state["denoising"] for c in calls]
-        rows = [(s, p) for s in states for p in (s.prompts if s.guided else s.prompts[:1])]
+        rows = [(s, p) for s in states for p in s.rows()]
         lengths = [p.shape[0] for _, p in rows]
         text = rows[0][1].new_zeros(len(rows), max(lengths), rows[0][1].shape[1])
         mask = torch.zeros(len(rows), max(lengths), dtype=torch.long, device=text.device)
         for i, (_, prompt) in enumerate(rows):
             text[i, : prompt.shape[0]] = prompt
             mask[i, : prompt.shape[0]] = 1
-        timesteps = torch.stack([s.timesteps[s.index] for s, _ in rows])
-        latents = [s.latents for s, _ in rows]
-        if states[0].image_latents is not None:
-            latents = [torch.cat([s.latents, s.image_latents], dim=1) for s, _ in rows]
-        noise = self.code.forward(
-            self.transformer, torch.cat(latents), timesteps, text, mask, states[0].shapes
-        )
-        # An edit's rows end with its input image's latents: the prediction is the rest.
-        noise = noise[:, : states[0].latents.shape[1]]
+        inputs = {id(s): s.model_input() for s in states}
+        hidden = torch.cat([inputs[id(s)][0] for s, _ in rows])
+        timesteps = torch.cat([inputs[id(s)][1] for s, _ in rows])
+        owners = [s for s, _ in rows]
+        noise = self.cache.forward(group, owners, hidden, timesteps, text, mask)
         row = 0
         for call, state in zip(calls, states, strict=True):
+            guided = state.guided()
             cond = noise[row : row + 1]
-            uncond = noise[row + 1 : row + 2] if state.guided else None
-            row += 2 if state.guided else 1
-            scheduler = state.scheduler
-            if _plain_euler(scheduler):
-                # The scheduler's own step is `x + (sigma_next - sigma) * v`; one kernel does
-                # it together with the guidance (cfg_euler_step gives its bits off CUDA).
-                sigmas = scheduler.sigmas[state.index : state.index + 2]
-                state.latents = cfg_euler_step(
-                    state.latents,
-                    cond,
-                    uncond,
-                    state.guidance,
-                    sigmas[1:] - sigmas[:1],
-                    rescale="norm",
-                )
-            else:
-                prediction = cond
-                if uncond is not None:
-                    prediction = guide(cond, uncond, state.guidance, rescale="norm")
-                state.latents = scheduler.step(
-                    prediction,
-                    state.timesteps[state.index],
-                    state.latents,
-                    generator=state.generator,
-                    return_dict=False,
-                )[0]
-            state.index += 1
-            if state.index == len(state.timesteps):
-                latents = self.code.unpack(self.pipe, state.latents, state.height, state.width)
-                call.emit("latents", latents.float())
+            uncond = noise[row + 1 : row + 2] if guided else None
+            row += 2 if guided else 1
+            state.advance(cond, uncond)
+            self.cache.count(state, call.counters)
+            if state.done:
+                call.emit("latents", state.result().float())
                 call.finish()
 
 
-def _plain_euler(scheduler) -> bool:
-    """Whether `scheduler.step` is the deterministic flow-matching Euler update (not the
-    stochastic variant, which draws noise from the request's generator)."""
-    return isinstance(scheduler, FlowMatchEulerDiscreteScheduler) and not scheduler.config.get(
-        "stochastic_sampling", False
-    )
-
-
 class VaeDecode(Backend):
-    """Latents to pixels with the pipeline's VAE, batched across requests of one size."""
+    """Latents to pixels with the pipeline's VAE, batched across requests of one size and
+    decode options: an image `[1, H, W, 3]` or a video's frames `[1, F, H, W, 3]`."""
 
     def __init__(self, spec: StageSpec, device: str):
         super().__init__(spec, device)
-        if set(spec.outputs) - {"image"}:
+        outputs = set(spec.outputs)
+        if len(outputs) != 1 or not outputs <= {"image", "video"}:
             raise DiffusersBackendError(
-                f"stage '{spec.plan.name}': the diffusers VAE decodes images only"
+                f"stage '{spec.plan.name}': the diffusers VAE decodes an image or a video "
+                f"(one of its outputs), not {', '.join(sorted(outputs)) or 'nothing'}"
             )
+        self.port = outputs.pop()
         self.code = pipeline_code(spec)
         self.vae = load_pipeline(spec, device, ("vae",), self.code).vae
+        self.rank = 5 if self.port == "video" else 4
 
     def ready(self, call: Call) -> bool:
         return call.inputs["latents"].ended
@@ -416,15 +452,41 @@ class VaeDecode(Backend):
         groups = defaultdict(list)
         for call in calls:
             latents = call.inputs["latents"].take()
-            if latents is None or latents.dim() != 4 or latents.shape[0] != 1:
+            if latents is None or latents.dim() != self.rank or latents.shape[0] != 1:
                 shape = None if latents is None else list(latents.shape)
-                call.fail(DiffusersBackendError(f"expected latents [1, C, h, w], got {shape}"))
+                want = "[1, C, F, h, w]" if self.rank == 5 else "[1, C, h, w]"
+                call.fail(DiffusersBackendError(f"expected latents {want}, got {shape}"))
                 continue
-            groups[tuple(latents.shape)].append((call, latents))
+            settings = knobs(self.spec, call)
+            options = (bool(settings.get("vae_use_tiling")), bool(settings.get("vae_use_slicing")))
+            groups[tuple(latents.shape), options].append((call, latents))
         with torch.no_grad():
-            for group in groups.values():
+            for (_, (tiling, slicing)), group in groups.items():
                 latents = torch.cat([lat for _, lat in group]).to(self.device, self.vae.dtype)
-                images = self.code.decode(self.vae, latents)
+                with decode_options(self.vae, tiling, slicing):
+                    pixels = self.code.decode(self.vae, latents)
                 for i, (call, _) in enumerate(group):
-                    call.emit("image", images[i : i + 1].contiguous())
+                    call.emit(self.port, pixels[i : i + 1].contiguous())
                     call.finish()
+
+
+class decode_options:
+    """The VAE decodes in tiles (`enable_tiling`) and one sample at a time (`enable_slicing`)
+    inside, as diffusers' pipelines do when asked; off again after."""
+
+    def __init__(self, vae, tiling: bool, slicing: bool):
+        self.vae, self.tiling, self.slicing = vae, tiling, slicing
+
+    def __enter__(self):
+        if self.tiling:
+            self.vae.enable_tiling()
+        if self.slicing:
+            self.vae.enable_slicing()
+        return self.vae
+
+    def __exit__(self, *exc):
+        if self.tiling:
+            self.vae.disable_tiling()
+        if self.slicing:
+            self.vae.disable_slicing()
+        return False

@@ -9,7 +9,11 @@ the stage's `max_len` tokens (1024 unless the program says otherwise; the pipeli
 `__call__` cuts at 512, so only longer prompts differ from its default). One forward
 encodes every prompt of a batch; on a guidance path (`call.params["cfg"]`, the negative
 prompt's text) it encodes the negative prompt too, whatever the guidance scale — this stage
-does not see it.
+does not see it — unless the family says the request has none (Qwen-Image: an empty
+negative prompt is none, and the request is unguided, as `__call__` without one is; Wan
+encodes the empty negative prompt, as its `__call__` does). The family's `encode` does the
+work: Wan's is its pipeline's UMT5 encoding, its embeddings zero-padded to `max_len` as the
+pipeline pads them (its transformer attends to the padding).
 
 Qwen-Image-Edit's stage also takes the request's input `image`: its template puts the
 image before the prompt, and its Qwen2VLProcessor shows the image, resized as the
@@ -50,7 +54,7 @@ from omniflow.runtime.stage import Backend, Call, StageSpec
 
 class TextEncoder(Backend):
     """A diffusers pipeline's text encoder: prompt (and negative prompt), with an edit
-    pipeline's input image, to embeddings."""
+    pipeline's input image, to embeddings (its family's `encode`)."""
 
     def __init__(self, spec: StageSpec, device: str):
         super().__init__(spec, device)
@@ -66,10 +70,10 @@ class TextEncoder(Backend):
         self.pipe = load_pipeline(spec, device, parts, self.code)
         self.edits = edits(spec, self.pipe, self.code)
         self.max_len = spec.plan.settings["max_len"]
-        if not 1 <= self.max_len <= self.pipe.tokenizer_max_length:
+        limit = self.code.max_text_len(self.pipe)
+        if not 1 <= self.max_len <= limit:
             raise DiffusersBackendError(
-                f"stage '{name}': max_len must be 1..{self.pipe.tokenizer_max_length} "
-                f"for this pipeline, not {self.max_len}"
+                f"stage '{name}': max_len must be 1..{limit} for this pipeline, not {self.max_len}"
             )
         # Embeddings a request may emit: the plan's item, less its header row.
         self.max_rows = spec.outputs["hidden"].shape[0] - 1
@@ -89,6 +93,7 @@ class TextEncoder(Backend):
                         "the guidance companion must be a text (a negative prompt), not "
                         f"{type(negative).__name__}"
                     )
+                negative = self.code.negative_prompt(negative)
                 image = (
                     condition_image(self.pipe, self.code, call.inputs["image"].take())
                     if self.edits
@@ -106,15 +111,11 @@ class TextEncoder(Backend):
         if not texts:
             return
         with torch.no_grad():
-            embeds, mask = self.pipe.encode_prompt(
-                texts,
-                device=self.device,
-                max_sequence_length=self.max_len,
-                **({"image": images} if self.edits else {}),
+            embeds = self.code.encode(
+                self.pipe, texts, images if self.edits else None, self.max_len, self.device
             )
-        lengths = [embeds.shape[1]] * len(texts) if mask is None else mask.sum(dim=1).tolist()
         for call, rows in owners:
-            longest = max(lengths[i] for i in rows)
+            longest = max(embeds[i].shape[0] for i in rows)
             if longest > self.max_rows:
                 call.fail(
                     DiffusersBackendError(
@@ -123,5 +124,5 @@ class TextEncoder(Backend):
                     )
                 )
                 continue
-            call.emit("hidden", pack_prompts([embeds[i, : lengths[i]] for i in rows]))
+            call.emit("hidden", pack_prompts([embeds[i] for i in rows]))
             call.finish()

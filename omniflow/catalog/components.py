@@ -171,14 +171,36 @@ class ComponentConfig:
         return self.config.get("vae_scale_factor") if self.category == "dit" else None
 
     @property
-    def patch_size(self) -> int | None:
-        """Latent positions per DiT token along each side, or a ViT's pixel patch size."""
-        return self.config.get("patch_size")
+    def vae_temporal_factor(self) -> int:
+        """Video frames per latent frame after the first (1 for an image VAE; a DiT's comes
+        from its pipeline's VAE)."""
+        if self.category == "vae":
+            return vae_temporal_factor(self.config)
+        return self.config.get("vae_scale_factor_temporal") or 1 if self.category == "dit" else 1
 
-    def image_tokens(self, height: int, width: int) -> int:
-        """Image tokens a DiT processes for one height x width image."""
+    @property
+    def patch_size(self) -> int | None:
+        """Latent positions per DiT token along each side, or a ViT's pixel patch size (a
+        video DiT's `[frames, height, width]` patch: its side)."""
+        patch = self.config.get("patch_size")
+        return patch[-1] if isinstance(patch, (list, tuple)) else patch
+
+    @property
+    def temporal_patch(self) -> int:
+        """Latent frames per DiT token (1 but for a video DiT whose patch spans frames)."""
+        patch = self.config.get("patch_size")
+        return patch[0] if isinstance(patch, (list, tuple)) else 1
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of a `frames`-frame video (1 for an image)."""
+        return (max(frames, 1) - 1) // self.vae_temporal_factor + 1
+
+    def image_tokens(self, height: int, width: int, frames: int = 1) -> int:
+        """Image tokens a DiT processes for one height x width image, or for each of a
+        video's latent frames, all of them (`frames` video frames)."""
         side = self.vae_scale_factor * self.patch_size
-        return (height // side) * (width // side)
+        per_frame = (height // side) * (width // side)
+        return per_frame * -(-self.latent_frames(frames) // self.temporal_patch)
 
 
 def samples_per_frame(config: Mapping[str, Any]) -> int | None:
@@ -220,12 +242,23 @@ def vocoder_windows(
 
 
 def vae_scale_factor(config: Mapping[str, Any]) -> int | None:
-    """Spatial downsampling of a VAE config (diffusers AutoencoderKL or AutoencoderKLQwenImage)."""
+    """Spatial downsampling of a VAE config (diffusers AutoencoderKL, AutoencoderKLQwenImage,
+    AutoencoderKLWan, whose Wan2.2 form patchifies on top of its downsampling and says so)."""
+    if "scale_factor_spatial" in config:
+        return config["scale_factor_spatial"]
     if "temperal_downsample" in config:
         return 2 ** len(config["temperal_downsample"])
     if "block_out_channels" in config:
         return 2 ** (len(config["block_out_channels"]) - 1)
     return None
+
+
+def vae_temporal_factor(config: Mapping[str, Any]) -> int:
+    """Temporal downsampling of a VAE config: video frames per latent frame after the first
+    (1 for an image VAE)."""
+    if "scale_factor_temporal" in config:
+        return config["scale_factor_temporal"]
+    return 2 ** sum(bool(t) for t in config.get("temperal_downsample", ()))
 
 
 def known_models() -> list[str]:
@@ -474,6 +507,8 @@ def _load_diffusers(model, component, files, index, source) -> ComponentConfig:
     pipeline = index.get("_class_name")
     family = families.for_architecture(pipeline)
     facts = family.pipeline_facts.get(pipeline, {}) if family is not None else {}
+    if callable(facts):  # facts that depend on the pipeline's own config (its index)
+        facts = facts(index)
     for key, value in facts.get(cfg.component, {}).items():
         cfg.config.setdefault(key, value)
     return cfg
@@ -500,6 +535,7 @@ def _load_diffusers_part(model, component, files, index, source) -> ComponentCon
         scale = vae_scale_factor(vae) if vae else None
         if scale is not None:
             config.setdefault("vae_scale_factor", scale)
+            config.setdefault("vae_scale_factor_temporal", vae_temporal_factor(vae))
     else:
         raise ModelConfigError(
             f"model '{model}': component '{component}' is a {class_name}, which omniflow "
@@ -548,6 +584,8 @@ def _load_text_encoder(model, component, root, files, index, source) -> Componen
     text = next(part for part in parts.values() if part.category in LM_CATEGORIES)
     levels = [root, *_descend(root, text.path, model)]
     extras = {name: (component, part.weights) for name, part in parts.items() if part is not text}
+    # Counted too, for text encoders the LM formula does not cover (a T5 encoder).
+    extras["num_parameters"] = (component, text.weights)
     config = _flatten(levels, text)
     return _finish(
         model, component, "text_encoder", config, files, extras, dtype, source, architectures
@@ -625,6 +663,9 @@ def _flatten(levels: list[dict[str, Any]], part: Part) -> dict[str, Any]:
     for level in upper:
         config.update((k, v) for k, v in level.items() if not isinstance(v, dict) or k in part.keep)
     config.update(deepest)
+    for key, name in part.renames.items():
+        if key in config:
+            config.setdefault(name, config[key])
     if part.category in LM_CATEGORIES:
         owner = levels[len(levels) - 1 if part.class_level is None else part.class_level]
         # transformers' default when the owning config does not say.

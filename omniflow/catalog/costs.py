@@ -286,6 +286,8 @@ def _estimator(cfg: ComponentConfig) -> _Estimator:
     if category in ("vision_encoder", "audio_encoder"):
         return _Encoder(cfg)
     if category == "dit":
+        if cfg.config.get("_class_name") == "WanTransformer3DModel":
+            return _WanDiT(cfg)
         return _DiT(cfg)
     if category == "vae":
         return _VAE(cfg)
@@ -553,6 +555,63 @@ class _DiT(_Estimator):
         tokens = s.length + text
         attention = _attention_flops(self.layers, self.width, tokens) * tokens
         return 2.0 * (macs + self.per_image.macs) + attention
+
+
+class _WanDiT(_Estimator):
+    """The Wan video DiT (diffusers WanTransformer3DModel), exactly.
+
+    Per block: self-attention over the video's tokens (biased q/k/v/o, q and k RMS-normed
+    across heads), cross-attention to the text (q and o per video token, k and v per text
+    token, k RMS-normed), a GELU MLP, the affine cross-attention norm and the block's
+    modulation table. Per video token: the patch embedding (a Conv3d over the patch) and
+    the output projection; per text token: the text embedder's two linears and each block's
+    cross-attention k/v; per video: the timestep embedding and its 6-way projection — per
+    token where the pipeline gives a timestep per token (`expand_timesteps`, Wan2.2-TI2V).
+    FLOPs per denoising step of one video (or image): 2 x those MACs + self-attention over
+    the video's tokens + cross-attention over the text's. Activations: max_batch x (video +
+    text tokens) x 14 x width elements, as for the MMDiT. A CFG pair counts as two.
+    """
+
+    item = "denoising step of one video"
+
+    def __init__(self, cfg: ComponentConfig):
+        c = cfg.config
+        width = c["num_attention_heads"] * c["attention_head_dim"]
+        self.width, self.layers = width, c["num_layers"]
+        patch = c["patch_size"]
+        taps = patch[0] * patch[1] * patch[2]
+        ffn, text_dim, freq = c["ffn_dim"], c["text_dim"], c["freq_dim"]
+        self_attn = _attention(width, width, width, True, True) + _elementwise(2 * width)
+        cross_q = _linear(width, width, True) + _linear(width, width, True)  # q, o
+        cross_kv = 2 * _linear(width, width, True)  # per text token
+        block = self_attn + cross_q + _elementwise(2 * width)  # cross-attention q/k norms
+        block += _linear(width, ffn, True) + _linear(ffn, width, True)
+        block += _elementwise(2 * width) if c.get("cross_attn_norm") else _NONE
+        self.video_token = _conv(c["in_channels"], width, taps) + self.layers * block
+        self.video_token += _linear(width, c["out_channels"] * taps, True)
+        text_embedder = _linear(text_dim, width, True) + _linear(width, width, True)
+        self.text_token = text_embedder + self.layers * cross_kv
+        time = _linear(freq, width, True) + _linear(width, width, True)
+        time += _linear(width, 6 * width, True)
+        self.per_token_time = bool(c.get("expand_timesteps"))
+        self.time = time
+        tables = _elementwise(self.layers * 6 * width + 2 * width)
+        count = self.video_token + self.text_token + time + tables
+        super().__init__(cfg, count, "formula")
+
+    def _text_tokens(self, s: _Shape) -> int:
+        return s.context_len or self.c.get("max_text_len") or DIT_TEXT_TOKENS
+
+    def activation_bytes(self, s: _Shape) -> float:
+        return s.batch * (s.length + self._text_tokens(s)) * 14 * self.width * s.nbytes
+
+    def flops(self, s: _Shape) -> float:
+        text = self._text_tokens(s)
+        macs = s.length * self.video_token.macs + text * self.text_token.macs
+        macs += self.time.macs * (s.length if self.per_token_time else 1)
+        attention = _attention_flops(self.layers, self.width, s.length) * s.length
+        cross = _attention_flops(self.layers, self.width, text) * s.length
+        return 2.0 * macs + attention + cross
 
 
 # --- VAEs -------------------------------------------------------------------------------

@@ -207,3 +207,63 @@ def build_tokenizer(flavour: str = "qwen", extra_corpus: str = "") -> Qwen2Token
         chat_template=chat_template(flavour),
         **named,
     )
+
+
+# Video prompts the Wan tests use, so the T5 tokenizer learns their words too.
+VIDEO_CORPUS = """\
+A cat walks on the grass, realistic style. A dog runs along a beach at sunset.
+A red balloon floats over a city street; the camera slowly pans to the right.
+dance monkey. blurry, low quality, static, overexposed, worst quality, ugly.
+"""
+# Pieces a T5 tokenizer's Unigram model may learn (the corpus has far fewer).
+_UNIGRAM_VOCAB_SIZE = 1024
+
+
+def build_t5_tokenizer(extra_corpus: str = VIDEO_CORPUS):
+    """A tiny T5 tokenizer as google/umt5-xxl's is made (the tokenizer Wan's pipelines
+    use): a SentencePiece-style Unigram over Metaspace pieces (NFKC-normalised), trained on
+    CORPUS and `extra_corpus`, wrapped as transformers' `T5Tokenizer` with T5's specials
+    first (`<pad>` 0, `</s>` 1, `<unk>` 2) and no sentinel ids; `add_special_tokens`
+    appends `</s>`, as T5's does. Deterministic, like `build_tokenizer`."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from tokenizers.trainers import UnigramTrainer
+    from transformers import T5Tokenizer
+
+    unigram = Tokenizer(models.Unigram())
+    unigram.normalizer = normalizers.NFKC()
+    unigram.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True),
+        ]
+    )
+    trainer = UnigramTrainer(
+        vocab_size=_UNIGRAM_VOCAB_SIZE,
+        special_tokens=["<pad>", "</s>", "<unk>"],
+        unk_token="<unk>",
+        show_progress=False,
+    )
+    unigram.train_from_iterator((CORPUS + extra_corpus).splitlines(), trainer=trainer)
+    # The trainer's EM runs in parallel threads: its scores differ in their last bits from
+    # run to run, and pieces of equal score come out in either order. Rounded and sorted,
+    # the vocabulary (ids and segmentation) is the same on every build.
+    # The characters the trainer must keep are one run, in a hash set's order, each scored
+    # 1e-4 below the one before: they get those scores in character order instead.
+    trained = json.loads(unigram.to_str())["model"]["vocab"]
+    specials, pieces = trained[:3], [list(v) for v in trained[3:]]
+    run = [
+        i
+        for i in range(len(pieces))
+        if len(pieces[i][0]) == 1
+        and any(
+            0 <= j < len(pieces)
+            and len(pieces[j][0]) == 1
+            and abs(abs(pieces[i][1] - pieces[j][1]) - 1e-4) < 1e-9
+            for j in (i - 1, i + 1)
+        )
+    ]
+    for i, char in zip(run, sorted(pieces[i][0] for i in run), strict=True):
+        pieces[i][0] = char
+    pieces = sorted(((p, round(score, 6)) for p, score in pieces), key=lambda v: (-v[1], v[0]))
+    vocab = [(piece, score) for piece, score in specials] + pieces
+    return T5Tokenizer(vocab=vocab, extra_ids=0, model_max_length=512)

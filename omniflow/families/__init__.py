@@ -56,6 +56,7 @@ BUILTIN = (
     "audio_codecs",
     "qwen3_omni",
     "qwen3_tts",
+    "wan",
 )
 
 

@@ -36,6 +36,9 @@ class Part:
     name prefixes of the whole component, `extras` of modules counted beside an LM's formula.
     `category` is what the compiler sizes it as (`omniflow.catalog.CATEGORIES`).
 
+    `renames` gives config keys the catalog's names (a T5 encoder's `d_model` is its
+    `hidden_size`), kept beside the part's own.
+
     A vocoder part whose config layout the generic rules do not read says how many samples
     it makes per codec frame (`samples_per_frame`), and one that decodes on a grid of blocks
     the grid: `block_grid(config)` -> (codes per block, codes of lookahead).
@@ -49,6 +52,7 @@ class Part:
     weights: tuple[str, ...] = ("",)
     extras: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     defaults: Mapping[str, Any] = field(default_factory=dict)
+    renames: Mapping[str, str] = field(default_factory=dict)
     dtype: str | None = None
     samples_per_frame: Callable[[Mapping[str, Any]], int] | None = None
     block_grid: Callable[[Mapping[str, Any]], tuple[int, int]] | None = None
@@ -97,7 +101,9 @@ class Family:
     - `whole`: the category of a single-part checkpoint of the family where the generic
       rules cannot tell (an audio codec is a "vocoder");
     - `pipeline_facts`: pipeline class -> component -> facts a diffusers pipeline's
-      `__call__` decides that no component config states;
+      `__call__` decides that no component config states (or a small torch-free function
+      of the checkpoint's `model_index.json` that returns them, where they depend on the
+      pipeline's own config);
     - `runtime`: (stage kind, backend) -> "module:callable", the family's code for that
       backend (what it is called with is the backend's contract: docs/backends.md);
     - `adapters`: "namespace.name" -> `AdapterSpec`;
@@ -124,7 +130,9 @@ class Family:
     architectures: tuple[str, ...]
     parts: Mapping[str, Part] = field(default_factory=dict)
     whole: str | None = None
-    pipeline_facts: Mapping[str, Mapping[str, Mapping[str, Any]]] = field(default_factory=dict)
+    pipeline_facts: Mapping[str, Mapping[str, Mapping[str, Any]] | Callable[..., Any]] = field(
+        default_factory=dict
+    )
     runtime: Mapping[tuple[str, str], str] = field(default_factory=dict)
     adapters: Mapping[str, AdapterSpec] = field(default_factory=dict)
     speakers: str | None = None

@@ -133,19 +133,32 @@ KINDS: dict[str, StageKind] = {
             {"latents": "latents"},
             {
                 "steps": ParamSpec(_INT, 50, low=1, high=1000),
-                "guidance": ParamSpec(_FLOAT, 1.0, low=0, high=100),
+                # The guidance scales are the model's own knobs, under its own names (its
+                # family's `stage_params`: Qwen-Image's `true_cfg_scale`, Wan's
+                # `guidance_scale`): the kind has no scale of its own.
                 "cfg": ParamSpec((Ref,)),  # the input whose value is the unconditional companion
                 "height": ParamSpec(_INT, 1024, **_PIXELS),
                 "width": ParamSpec(_INT, 1024, **_PIXELS),
+                # Frames of a video (1: an image); the latents hold (frames - 1) / the VAE's
+                # temporal scale + 1 latent frames.
                 "frames": ParamSpec(_INT, 1, **_LENGTH),
                 "seed": SEED,
+                # Step caching (first-block cache, omniflow.backends.step_cache): a step
+                # whose first transformer block's output moved less than this, relative to
+                # the last computed step, reuses that step's residual of the other blocks.
+                # 0: every step computed (bit-identical to no cache).
+                "cache_threshold": ParamSpec(_FLOAT, 0.0, low=0, high=10),
+                # Steps computed whatever the threshold, at the start of each request.
+                "cache_warmup": ParamSpec(_INT, 2, low=0, high=1000),
+                # At most this many steps in a row reused (0: no limit).
+                "cache_max_reuse": ParamSpec(_INT, 0, low=0, high=1000),
             },
         ),
         _kind(
             "vae",
-            "latent decoder to pixels",
+            "latent decoder to pixels: an image, or a video's frames",
             {"latents": ("latents",)},
-            {"image": "image"},
+            {"image": "image", "video": "video"},
         ),
         _kind(
             "vocoder",
@@ -207,7 +220,6 @@ NOT_YET_PORTS: dict[tuple[str, str], str] = {
     ("ar", "kv"): "passing a KV cache between stages is not supported yet",
     ("diffusion", "kv"): "passing a KV cache between stages is not supported yet",
     ("encoder", "audio"): "encoder stages take no audio yet (text and images only)",
-    ("vae", "video"): "vae stages decode images only yet",
 }
 
 # Edge attributes a flow may carry; `rate` and `format` belong to an output instead.
@@ -221,6 +233,8 @@ EDGE_ATTRS: dict[str, ParamSpec] = {
 }
 OUTPUT_ATTRS: dict[str, ParamSpec] = {
     "rate": ParamSpec(_INT),
+    # A video output's frames per second (what its MP4 is written at, unless a request says).
+    "fps": ParamSpec(_INT),
     "format": ParamSpec(_STR, choices=("wav", "pcm", "flac", "mp3", "png", "jpeg")),
 }
 

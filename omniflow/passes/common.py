@@ -52,6 +52,8 @@ def condition_image_tokens(graph: Graph, node: Node) -> int:
     if cfg.category not in ("text_encoder", "dit"):
         return 0
     tokens = cfg.config.get("condition_image_tokens")
+    if tokens is not None and cfg.config.get("condition_image_optional"):
+        return tokens if takes_image(graph, node) else 0  # a model that works either way
     if takes_image(graph, node) != (tokens is not None):
         what, fix = (
             ("is not conditioned on an input image", "leave its image port unconnected")

@@ -9,6 +9,8 @@ DiT's sequences, and the VAE the DiT stage encodes it with.
 
 from __future__ import annotations
 
+import math
+
 from omniflow.catalog.costs import StageCost, estimate_cost, with_encoder
 from omniflow.devices import parse_size
 from omniflow.ir.graph import Graph, Node
@@ -24,13 +26,15 @@ def _sequence_length(graph: Graph, node: Node) -> int:
     if node.op == "diffusion":
         cfg = node.meta["model"].config
         image = cfg.image_tokens(
-            graph.param_value(node, "height"), graph.param_value(node, "width")
+            graph.param_value(node, "height"),
+            graph.param_value(node, "width"),
+            graph.param_value(node, "frames"),
         )
         return image + condition_image_tokens(graph, node)
-    if node.op == "vae":  # latent positions per image: the item its producer sends
+    if node.op == "vae":  # latent positions per image or video: the item its producer sends
         edge = next(e for e in graph.in_edges(node.name) if e.dst_port == "latents")
-        latents = edge.meta["item"].item
-        return latents.shape[-1] * latents.shape[-2]
+        _, *positions = edge.meta["item"].item.shape
+        return math.prod(positions)
     return graph.param_value(node, "max_len") + condition_image_tokens(graph, node)
 
 
@@ -46,14 +50,30 @@ def _text_tokens(graph: Graph, node: Node) -> int | None:
 
 def _image_encoder_cost(graph: Graph, node: Node) -> StageCost:
     """The VAE encode of a DiT's input image: one image per forward, at the most latent
-    positions its pipeline conditions on (each DiT token is patch x patch of them)."""
+    positions its pipeline conditions on (each DiT token is patch x patch of them), or for
+    a video DiT the conditioning video's."""
     dit = node.meta["model"].config
-    positions = condition_image_tokens(graph, node) * dit.patch_size**2
+    # An image conditioned on by channels or as the first frame (Wan2.2's) adds no tokens:
+    # the VAE encodes a conditioning video of the output's size.
+    tokens = condition_image_tokens(graph, node) or _sequence_length(graph, node)
+    positions = tokens * dit.patch_size**2
     return estimate_cost(
         node.meta["model"].image_encoder,
         max_batch=1,
         max_len=positions,
         dtype=stage_dtype(graph, node),
+    )
+
+
+def _expert_cost(graph: Graph, node: Node, expert, batch: int) -> StageCost:
+    """Another expert of a two-expert DiT (Wan2.2-A14B's low-noise transformer): its weights
+    are loaded beside the first's; a step runs one expert or the other for each request."""
+    return estimate_cost(
+        expert,
+        max_batch=batch,
+        max_len=_sequence_length(graph, node),
+        dtype=stage_dtype(graph, node),
+        context_len=_text_tokens(graph, node),
     )
 
 
@@ -75,6 +95,8 @@ def estimate_costs(graph: Graph, target: Target) -> Graph:
         )
         if node.meta["model"].image_encoder is not None:
             cost = with_encoder(cost, _image_encoder_cost(graph, node))
+        for expert in node.meta["model"].experts:  # loaded beside it, run at other steps
+            cost = with_encoder(cost, _expert_cost(graph, node, expert, batch))
         explicit = graph.param_value(node, "memory")
         need = parse_size(explicit) if explicit else cost.total_bytes
         node.meta["cost"] = CostFacts(cost, need, batch, doubled.get(node.name))

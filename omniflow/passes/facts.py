@@ -34,11 +34,14 @@ from omniflow.ir.types import TensorSpec
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """A model stage's component config, and the VAE its denoiser encodes an input image
-    with (an edit pipeline's; None otherwise)."""
+    """A model stage's component config, the VAE its denoiser encodes an input image with
+    (an edit pipeline's; None otherwise), and the other experts a two-expert DiT loads."""
 
     config: ComponentConfig
     image_encoder: ComponentConfig | None = None
+    # Other transformers the stage loads beside `config`'s and runs at other steps (a
+    # two-expert DiT's, which its config names under `experts`).
+    experts: tuple[ComponentConfig, ...] = ()
 
 
 @dataclass(frozen=True)

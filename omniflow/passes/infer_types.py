@@ -3,7 +3,8 @@ a `PortSteps` per port), and every edge `meta["item"]` (`EdgeItem`): the dtype a
 one streamed step after the edge's adapter and map chain, and how many steps one request may
 send on it. Every pipeline output gets `meta["attrs"]` (`OutputFacts`), the attributes the
 compiler derives for it: an audio output a vocoder makes, the vocoder's sample rate
-(`rate`), which a `rate=` in the program must match.
+(`rate`), which a `rate=` in the program must match; a video output, the frame rate its
+program gives (`fps`), which its MP4s are written at.
 
 Dims come from the stage's model config and its parameters at their default values; a
 request that overrides a size-changing parameter beyond its default is checked at run time.
@@ -73,13 +74,26 @@ def _stage_spec(graph: Graph, node: Node, port: str) -> PortSteps:
     if node.op == "diffusion":
         condition_image_tokens(graph, node)  # an image input needs a DiT conditioned on one
         scale = cfg.vae_scale_factor
-        shape = (cfg.latent_channels, value("height") // scale, value("width") // scale)
         frames = value("frames")
-        return PortSteps(TensorSpec("float32", ((frames,) if frames > 1 else ()) + shape), 1)
+        # A video's latents: channels, then latent frames (the VAE's temporal compression).
+        shape = (value("height") // scale, value("width") // scale)
+        if frames > 1:
+            shape = (cfg.latent_frames(frames), *shape)
+        return PortSteps(TensorSpec("float32", (cfg.latent_channels, *shape)), 1)
     if node.op == "vae":
         producer = next(e for e in graph.in_edges(node.name) if e.dst_port == "latents")
-        *frames, _, h, w = producer.meta["item"].item.shape
+        _, *frames, h, w = producer.meta["item"].item.shape
         scale = cfg.vae_scale_factor
+        wired = any(e.src_port == port for e in graph.out_edges(node.name))
+        if wired and (port == "video") != bool(frames):
+            what = "a video's latents" if frames else "an image's latents"
+            raise GraphError(
+                f"stage '{node.name}': its latents are {what}; take its "
+                f"{'video' if frames else 'image'} output, not {port}",
+                node.span,
+            )
+        if frames:  # the first latent frame is one video frame, each other `t` frames
+            frames = [(frames[0] - 1) * cfg.vae_temporal_factor + 1]
         return PortSteps(TensorSpec("float32", (*frames, h * scale, w * scale, 3)), 1)
     if node.op == "vocoder":
         return PortSteps(TensorSpec("float32", (cfg.samples_per_frame,)), value("max_len"))
@@ -113,6 +127,11 @@ def _output_attrs(graph: Graph, output: Node) -> dict:
     a vocoder makes, from its model config. A `rate=` the program writes must agree."""
     (edge,) = graph.in_edges(output.name)
     producer = graph.node(edge.src)
+    if edge.type == "video":  # the frame rate its MP4 is written at
+        fps = resolve(output.params.get("fps"), graph.params)
+        if fps is not None and (not isinstance(fps, int) or fps < 1):
+            raise GraphError(f"output '{output.name}': fps must be a positive integer", output.span)
+        return {} if fps is None else {"fps": fps}
     if edge.type != "audio" or producer.op != "vocoder":
         return {}
     cfg = producer.meta["model"].config

@@ -29,8 +29,9 @@ def resolve_models(graph: Graph, target: Target) -> Graph:
         config = load_component_config(model, node.params.get("component"))
         encodes = node.op == "diffusion" and takes_image(graph, node)
         encoder = load_component_config(model, "vae") if encodes else None
+        experts = tuple(load_component_config(model, c) for c in config.config.get("experts", ()))
         _check_family_additions(graph, node, config)
-        node.meta["model"] = ModelFacts(config, encoder)
+        node.meta["model"] = ModelFacts(config, encoder, experts)
     return graph
 
 

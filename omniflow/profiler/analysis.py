@@ -53,6 +53,8 @@ class Step:
     dur: float
     batch: int
     calls: list[tuple[str, int, bool]]  # (request, emitted, ended)
+    # What the backend counted over the step's calls (a denoiser's steps computed, reused).
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -175,7 +177,12 @@ def parse_trace(trace: dict) -> Profile:
             stage_executor.setdefault(stage, executor)
             args = e.get("args", {})
             calls = [(c["request"], int(c["emitted"]), bool(c["ended"])) for c in args["calls"]]
-            steps[stage].append(Step(ts, dur, int(args.get("batch", len(calls))), calls))
+            counters: dict[str, int] = {}
+            for c in args["calls"]:
+                for key, value in c.get("counters", {}).items():
+                    counters[key] = counters.get(key, 0) + int(value)
+            batch = int(args.get("batch", len(calls)))
+            steps[stage].append(Step(ts, dur, batch, calls, counters))
         elif name.startswith(("put ", "take ")):
             verb, channel = name.split(" ", 1)
             args = e["args"]
@@ -616,6 +623,7 @@ def stage_stats(profile: Profile) -> list[dict]:
                 "batch_mean": calls / len(stage_steps) if stage_steps else None,
                 "batch_max": max(batches, default=0),
                 "batch_hist": {str(k): v for k, v in sorted(batches.items())},
+                "counters": dict(sum((Counter(s.counters) for s in stage_steps), Counter())),
             }
         )
     return rows

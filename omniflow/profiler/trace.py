@@ -122,11 +122,16 @@ def _process(pid: int, profile: Profiled, received: set[tuple]) -> list[dict]:
     rows = recorded.events()
     if any(kind == events.ADMIT for _t, _dur, kind, *_ in rows):
         tracks[ADMISSION_TRACK] = "admission"
+    counted: dict[tuple[str, int, int], dict[str, int]] = defaultdict(dict)
+    for t, _dur, kind, what, request, n, m in rows:
+        if kind == events.COUNT and 0 <= n < len(events.COUNTERS):
+            counted[names[what], t, request][events.COUNTERS[n]] = m
     for t, _dur, kind, what, request, n, m in rows:
         if kind == events.CALL:
-            calls[names[what], t].append(
-                {"request": requests[request], "emitted": n, "ended": bool(m)}
-            )
+            call = {"request": requests[request], "emitted": n, "ended": bool(m)}
+            if (names[what], t, request) in counted:
+                call["counters"] = counted[names[what], t, request]
+            calls[names[what], t].append(call)
     for t, dur, kind, what, request, n, m in rows:
         name = names[what] if what >= 0 else ""
         rid = requests[request] if request >= 0 else None

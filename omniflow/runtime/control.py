@@ -124,6 +124,12 @@ class StageTotals(msgspec.Struct, array_like=True):
     calls: int = 0
     batches: list[int] = msgspec.field(default_factory=lambda: _buckets(BATCH_BOUNDS))
     times: list[int] = msgspec.field(default_factory=lambda: _buckets(STEP_NS_BOUNDS))
+    # What its backend counted (`Call.counters`: a denoiser's steps computed and reused).
+    counters: dict[str, int] = msgspec.field(default_factory=dict)
+
+    def count(self, counters: dict[str, int]) -> None:
+        for key, value in counters.items():
+            self.counters[key] = self.counters.get(key, 0) + value
 
     def add(self, batch: int, took_ns: int) -> None:
         """One step of `batch` calls that took `took_ns` (fixed arrays: nothing grows)."""
@@ -172,6 +178,8 @@ class Inspection(msgspec.Struct, tag=True):
     channels: dict[str, ChannelTotals] = {}
     held: dict[str, int] = {}
     handoffs: dict[str, HandoffTotals] = {}
+    # stage -> request -> (done, total) steps, for calls whose backend says (`progress`).
+    progress: dict[str, dict[str, list[int]]] = {}
 
 
 Message = (

@@ -36,6 +36,9 @@ START = 6  # a request's parameters reached the loop: what=stage
 # dur=until then (the rest: waiting for the I/O thread, and its Starts sent).
 ADMIT = 7
 ADAPT = 8  # a chunk through an edge's adapter or map chain: what=channel, n=chunk, m=ADAPTER/MAPS
+# What a backend counted for a request in a step (`Call.counters`): what=stage, t=the step's
+# start, n=the counter (its index in COUNTERS), m=its value.
+COUNT = 9
 KIND_NAMES = {
     STEP: "step",
     CALL: "call",
@@ -45,7 +48,10 @@ KIND_NAMES = {
     START: "start",
     ADMIT: "admit",
     ADAPT: "adapt",
+    COUNT: "count",
 }
+# The counters a profile records (others are left to --log-stats and the stage totals).
+COUNTERS = ("steps_computed", "steps_reused")
 ADAPTER, MAPS = 1, 2  # an ADAPT event's m: the adapter (then any maps of that side), maps only
 NO_REQUEST = -1
 SKIPPED = -2  # a request the profile does not record
@@ -99,6 +105,12 @@ class Recorder:
         offset = (count % self.capacity) * 8 * FIELDS
         self.pack(self.buffer, offset, t, dur, kind, what_index, rid, n, m)
         return True
+
+    def counted(self, stage: str, request: str, t: int, counters: dict[str, int]) -> None:
+        """A call's counters of the step that began at `t` (`Call.counters`)."""
+        for key, value in counters.items():
+            if key in COUNTERS:
+                self.add(COUNT, stage, request, t, 0, COUNTERS.index(key), value)
 
     def dump(self) -> RecordedEvents:
         """Every event still in the buffer, oldest first."""

@@ -129,6 +129,14 @@ class StageRunner:
             self._record(batch, began, took)
         if self.tallies is not None:
             self._tally(batch, took)
+        for call in batch:
+            if call.counters:
+                self.totals.count(call.counters)
+                if self.tallies is not None:
+                    self.tallies.counted(call.request_id, self.name, call.counters)
+                if self.recorder is not None:
+                    self.recorder.counted(self.name, call.request_id, began, call.counters)
+                call.counters = {}
         events = []
         for call in batch:
             for stream in call.inputs.values():
@@ -466,6 +474,15 @@ class ProgramLoop:
         for name, totals in self.channel_totals.items():
             outbound = self.links.outbound.get(name)
             totals.queued = len(outbound.outbox) if outbound is not None else 0
+        progress = {}
+        for name, runner in self.runners.items():
+            known = {}
+            for request_id, call in runner.calls.items():
+                done = runner.backend.progress(call) if call.params is not None else None
+                if done is not None:
+                    known[request_id] = list(done)
+            if known:
+                progress[name] = known
         return control.Inspection(
             self.name,
             {name: list(r.calls) for name, r in self.runners.items()},
@@ -475,6 +492,7 @@ class ProgramLoop:
             self.channel_totals,
             by_channel,
             self.handoffs,
+            progress,
         )
 
     def poll_fds(self) -> list[tuple[int, int]]:

@@ -113,6 +113,10 @@ class Call:
     finished: bool = False
     ending: Ending | None = None
     error: BaseException | None = None
+    # What a backend counts for this request in a step (a denoiser's `steps_computed` and
+    # `steps_reused`): the runtime adds them to the request's stats and the stage's totals
+    # after each step, then clears them.
+    counters: dict[str, int] = field(default_factory=dict)
 
     def emit(self, port: str, value) -> None:
         """Send `value` (one or more steps) downstream on `port`."""
@@ -163,6 +167,12 @@ class Backend(ABC):
     @abstractmethod
     def step(self, calls: list[Call]) -> None:
         """Advance each call by one step (one batched forward, where the backend batches)."""
+
+    def progress(self, call: Call) -> tuple[int, int] | None:
+        """How far a call has come, (done, total) steps, where the backend knows (a
+        denoiser: its denoising steps); None otherwise. Read between steps, for
+        `engine.inspect()` (a video job's progress)."""
+        return None
 
     def drop(self, call: Call) -> None:  # noqa: B027 (optional hook)
         """Forget per-request state (the call finished, failed or was cancelled)."""

@@ -110,14 +110,19 @@ def diffusion(spec: StageSpec, call: Call):
 
 
 def vae(spec: StageSpec, call: Call):
-    """Latents upsampled to pixels in [-1, 1]."""
+    """Latents upsampled to pixels in [-1, 1]: an image, or a video's frames (each latent
+    frame repeated over the frames it stands for)."""
     latents = (yield from call.read_all("latents"))[0]
-    height, width, _ = spec.outputs["image"].shape
-    plane = latents.mean(dim=-3)
+    port = "video" if "video" in spec.outputs else "image"
+    *frames, height, width, _ = spec.outputs[port].shape
+    plane = latents.mean(dim=0)  # [h, w], or a video's [F', h, w]
     scale_h, scale_w = height // plane.shape[-2], width // plane.shape[-1]
     plane = plane.repeat_interleave(scale_h, -2).repeat_interleave(scale_w, -1)
+    if frames:
+        index = torch.linspace(0, plane.shape[0] - 1, frames[0]).round().long()
+        plane = plane[index]
     image = torch.stack([torch.tanh(plane + k) for k in (0.0, 0.25, 0.5)], dim=-1)
-    call.emit("image", image[None])
+    call.emit(port, image[None])
 
 
 def vocoder(spec: StageSpec, call: Call):

@@ -50,6 +50,13 @@ class Tallies:
             _add(row, "num_tokens_out", steps)
             _add(row, "stage_gen_time_ms", seconds * 1e3)
 
+    def counted(self, request_id: str, stage: str, counters: dict[str, int]) -> None:
+        """What a backend counted for the request in a step (`Call.counters`)."""
+        tally = self._of(request_id)
+        row = tally.row(tally.stages, stage)
+        for key, value in counters.items():
+            _add(row, key, value)
+
     def fed(self, request_id: str, stage: str, steps: int) -> None:
         tally = self._of(request_id)
         _add(tally.row(tally.stages, stage), "num_tokens_in", steps)

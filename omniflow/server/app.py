@@ -29,11 +29,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.websockets import WebSocket
 
+from omniflow.media import VIDEO_MIME
 from omniflow.profiler.dashboard import URLS as DASHBOARD_URLS
 from omniflow.profiler.dashboard import Dashboard
 from omniflow.runtime.gpu_timeline import ProfileError
 from omniflow.runtime.requests import RequestError
-from omniflow.server import chat, images, media_in, speech, speech_stream, voices
+from omniflow.server import chat, images, media_in, speech, speech_stream, videos, voices
 from omniflow.server.errors import APIError, bad_request, error_body
 from omniflow.server.log_stats import StatsLog
 from omniflow.server.metrics import Metrics
@@ -64,6 +65,8 @@ class ServerConfig:
     max_media_bytes: int = 20 << 20
     allow_remote_media: bool = False
     drain_timeout_s: float = 30.0
+    max_video_jobs: int = 32  # video jobs held at once: queued, running or kept (429 beyond)
+    video_ttl_s: float = 3600.0  # how long a finished video job (and its MP4) is kept
 
 
 class Server:
@@ -82,6 +85,7 @@ class Server:
         self.stats_log = stats_log or StatsLog(None, None)
         self.draining = False
         self.started = time.time()
+        self.videos = videos.VideoJobs(self, config.max_video_jobs, config.video_ttl_s)
 
     @property
     def in_flight(self) -> int:
@@ -451,6 +455,61 @@ def create_app(server: Server) -> FastAPI:
                 return JSONResponse({"name": name, "deleted": True})
         raise APIError(404, f"no uploaded voice {name!r}", param="name", code="voice_not_found")
 
+    # --- /v1/videos: jobs, and one video at once ---------------------------------------------
+    async def video_request(request: Request, context) -> videos.VideoRequest:
+        fields, files = await videos.read_fields(server, request)
+        model = fields.get("model")
+        served = server.route(model if isinstance(model, str) else None, "videos")
+        context["model"] = served.name
+        return videos.parse(server, served, fields, files)
+
+    async def videos_create(request: Request, context) -> Response:
+        job = server.videos.create(await video_request(request, context))
+        headers = {"x-omniflow-seed": str(job.request.admitted.seed)}
+        return JSONResponse(job.describe(), headers=headers)
+
+    async def videos_sync(request: Request, context) -> Response:
+        video = await video_request(request, context)
+        served = video.served
+        slot = await served.acquire()
+        run = context["run"] = Run(
+            served, video.admitted, "video_" + chat.new_id()[9:], {served.video_port.name},
+            context["began"],
+        )  # fmt: skip
+
+        async def make() -> bytes:
+            frames = None
+            async for output, value in run.chunks():
+                if output == served.video_port.name:
+                    frames = value
+            if frames is None:
+                raise APIError(500, f"pipeline '{served.name}' produced no video", code="no_output")
+            return await asyncio.to_thread(videos.mp4_bytes, frames, video.fps)
+
+        data = await whole(request, context, slot, make())
+        headers = {"x-omniflow-seed": str(run.seed), "x-request-id": run.request_id}
+        return Response(data, media_type=VIDEO_MIME, headers=headers)
+
+    async def videos_list(request: Request, context) -> Response:
+        data = [await server.videos.describe(job) for job in server.videos.list()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def videos_get(request: Request, context) -> Response:
+        job = server.videos.get(request.path_params["video_id"])
+        context["model"] = job.served.name
+        return JSONResponse(await server.videos.describe(job))
+
+    async def videos_content(request: Request, context) -> Response:
+        job = server.videos.get(request.path_params["video_id"])
+        context["model"] = job.served.name
+        if job.status != "completed":
+            why = job.error["message"] if job.error else f"it is {job.status}"
+            raise APIError(409, f"video job '{job.id}' has no content: {why}", code=job.status)
+        return Response(job.content, media_type=VIDEO_MIME)
+
+    async def videos_delete(request: Request, context) -> Response:
+        return JSONResponse(await server.videos.delete(request.path_params["video_id"]))
+
     # --- GET endpoints -------------------------------------------------------------------------
     async def list_models(request: Request, context) -> Response:
         created = int(server.started)
@@ -525,9 +584,19 @@ def create_app(server: Server) -> FastAPI:
         ENDPOINTS["speech"]: (audio_speech, SpeechRequest, "Text to speech"),
         ENDPOINTS["images"]: (images_generations, ImageGenerationRequest, "Text to image"),
         ENDPOINTS["edits"]: (images_edits, None, "Image edit (multipart)"),
+        ENDPOINTS["videos"]: (videos_create, None, "Create a video job (multipart or JSON)"),
+        ENDPOINTS["videos"] + "/sync": (videos_sync, None, "Make one video, answer its MP4"),
     }
     for path, (handler, _, summary) in posts.items():
         app.add_api_route(path, observed(path, handler), methods=["POST"], summary=summary)
+    video_paths = [
+        ("/v1/videos", "GET", videos_list),
+        ("/v1/videos/{video_id}", "GET", videos_get),
+        ("/v1/videos/{video_id}/content", "GET", videos_content),
+        ("/v1/videos/{video_id}", "DELETE", videos_delete),
+    ]
+    for path, method, handler in video_paths:
+        app.add_api_route(path, observed(path, handler), methods=[method])
     app.add_api_route("/v1/models", observed("/v1/models", list_models), methods=["GET"])
     voices_path = "/v1/audio/voices"
     app.add_api_route(voices_path, observed(voices_path, list_voices), methods=["GET"])
@@ -736,11 +805,14 @@ def _openapi(app: FastAPI, posts: dict, server: Server) -> dict:
         "required": ["error"],
     }
     capability = {path: name for name, path in ENDPOINTS.items()}
+    capability[ENDPOINTS["videos"] + "/sync"] = "videos"
     for path, (_, model, _) in posts.items():
         operation = schema["paths"][path]["post"]
         names = [s.name for s in server.served.values() if capability[path] in s.capabilities]
         served = {"type": "string", "enum": names} if names else {"type": "string"}
-        if model is None:
+        if model is None and capability[path] == "videos":
+            content = {"multipart/form-data": {"schema": _video_schema(served)}}
+        elif model is None:
             content = {"multipart/form-data": {"schema": _edit_schema(served)}}
         else:
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -789,3 +861,10 @@ def _edit_schema(served: dict) -> dict:
     fields["image"] = {"type": "string", "format": "binary"}
     fields["mask"] = {"type": "string", "format": "binary"}
     return {"type": "object", "properties": fields, "required": ["model", "image", "prompt"]}
+
+
+def _video_schema(served: dict) -> dict:
+    fields = {name: {"type": "string"} for name in videos.VIDEO_FIELDS}
+    fields["model"] = served
+    fields[videos.IMAGE_FIELD] = {"type": "string", "format": "binary"}
+    return {"type": "object", "properties": fields, "required": ["model", "prompt"]}

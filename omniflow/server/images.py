@@ -67,6 +67,8 @@ async def parse_edit(server, served, form) -> ImageJob:
     for name, value in form.multi_items():
         if isinstance(value, UploadFile):
             port = "image" if name in ("image", "image[]") else name
+            if port == "mask" and served.input_named(port, "image") is None:
+                raise bad_request(_no_inpainting(server, served), param=name)
             if served.input_named(port, "image") is None:
                 raise bad_request(
                     f"'{name}': pipeline '{served.name}' takes no image named '{port}' (its "
@@ -98,6 +100,22 @@ async def parse_edit(server, served, form) -> ImageJob:
         raise bad_request("'prompt' is missing", param="prompt")
     fields.update(merge_extra_body({"extra_body": fields.pop("extra_body", None)}))
     return _job(served, fields, inputs)
+
+
+def _no_inpainting(server, served) -> str:
+    """Why a `mask` cannot be taken: the pipeline does not inpaint; which served ones do."""
+    inpainting = [
+        s.name for s in server.served.values() if s.input_named("mask", "image") is not None
+    ]
+    where = (
+        f"pipelines served here that inpaint: {', '.join(inpainting)}"
+        if inpainting
+        else "no pipeline served here inpaints"
+    )
+    return (
+        f"'mask': pipeline '{served.name}' takes no image named 'mask': it does not inpaint "
+        f"(a masked edit runs an inpainting pipeline, one with a 'mask' image input; {where})"
+    )
 
 
 def _job(served, fields: dict, inputs: dict) -> ImageJob:

@@ -252,6 +252,8 @@ def serve(args) -> int:
         max_media_bytes=min(args.max_body_bytes, 64 << 20),
         allow_remote_media=args.allow_remote_media,
         drain_timeout_s=args.drain_timeout,
+        max_video_jobs=args.max_video_jobs,
+        video_ttl_s=args.video_ttl,
     )
     sock = bind(args.host, args.port)
     engines: dict = {}
@@ -265,6 +267,8 @@ def serve(args) -> int:
                     f"pipeline name {', '.join(twice)} is served twice; each is served under "
                     "its name, so rename one"
                 )
+            if args.max_video_jobs < 1 or not args.video_ttl > 0:
+                raise ServeError("--max-video-jobs must be at least 1 and --video-ttl above 0")
             backends = "standin" if args.standin else "auto"
             checks = {p.pipeline: () if args.standin else _preflight(p) for p in plans}
             defaults = param_defaults(args.param, plans, checks)
@@ -350,6 +354,8 @@ def _curl(server: Server, base: str) -> str | None:
             body, path = {"model": s.name, "input": "Hello!"}, ENDPOINTS["speech"]
         elif "images" in s.capabilities:
             body, path = {"model": s.name, "prompt": "a red boat"}, ENDPOINTS["images"]
+        elif "videos" in s.capabilities and s.input_named("image", "image") is None:
+            body, path = {"model": s.name, "prompt": "a cat walks"}, ENDPOINTS["videos"]
         else:
             continue
         return (

@@ -4,7 +4,8 @@ with rich (`--log-stats`) and/or appended as one JSON line (`--log-stats-json FI
 - e2e: `e2e_total_ms`, `e2e_total_tokens`, `transfers_total_time_ms`,
   `transfers_total_kbytes` (plus TTFT, TTFP and RTF where the request had them);
 - per stage: `batch_size`, `num_tokens_in`, `num_tokens_out`, `stage_gen_time_ms`,
-  `postprocess_time_ms`;
+  `postprocess_time_ms`, and what its backend counted (a denoiser's `steps_computed` and
+  `steps_reused`: step caching);
 - per edge: `size_kbytes`, `tx_time_ms`, `rx_decode_time_ms`, `in_flight_time_ms`.
 
 The stage and edge tables come from the engines, started with `on_stats` for this
@@ -26,6 +27,8 @@ from omniflow.server.metrics import RequestStats
 STAGE_COLUMNS = (
     "batch_size", "num_tokens_in", "num_tokens_out", "stage_gen_time_ms", "postprocess_time_ms",
 )  # fmt: skip
+# Counted by some backends only (a denoiser's step cache): a column when a request has them.
+COUNTER_COLUMNS = ("steps_computed", "steps_reused")
 EDGE_COLUMNS = ("size_kbytes", "tx_time_ms", "rx_decode_time_ms", "in_flight_time_ms")
 
 
@@ -100,8 +103,9 @@ class StatsLog:
         for key, value in record["e2e"].items():
             e2e.add_row(key, _cell(value))
         self.console.print(e2e)
+        counted = [c for c in COUNTER_COLUMNS if any(c in r for r in record["stages"].values())]
         for name, columns, rows in (
-            ("stage", STAGE_COLUMNS, record["stages"]),
+            ("stage", STAGE_COLUMNS + tuple(counted), record["stages"]),
             ("edge", EDGE_COLUMNS, record["edges"]),
         ):
             if rows:

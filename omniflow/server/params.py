@@ -3,8 +3,12 @@
 A field reaches the pipeline when the pipeline declares a parameter for it: under the
 field's own name (`speaker`, `max_audio_tokens`, `steps`), or through the stage parameter
 the field means (`max_completion_tokens` and `max_new_tokens` mean an `ar` stage's
-`max_tokens`, `num_inference_steps` a diffusion stage's `steps`, `guidance_scale` its
-`guidance`) when exactly one pipeline parameter feeds that stage parameter. A field the
+`max_tokens`, `num_inference_steps` a diffusion stage's `steps`, `num_frames` its
+`frames`) when exactly one pipeline parameter feeds that stage parameter. A diffusion
+stage's guidance knobs are its model's own (Qwen-Image's `true_cfg_scale`, Wan's
+`guidance_scale` and `guidance_scale_2`), so those fields reach the parameters of their
+own names. A boolean parameter takes the strings "True" and "False" too (the peer's
+clients send them). A field the
 pipeline has no parameter for is accepted only at its no-op value (`top_p=1`, `n=1`,
 `true_cfg_scale=1` ...), where leaving it out changes nothing; any other value is a 400
 that names the field and lists what the pipeline takes.
@@ -28,7 +32,7 @@ STAGE_PARAM_OF = {
     "max_completion_tokens": "max_tokens",
     "max_new_tokens": "max_tokens",
     "num_inference_steps": "steps",
-    "guidance_scale": "guidance",
+    "num_frames": "frames",
 }
 # Fields whose value, when the pipeline has no parameter for them, changes nothing.
 NO_OP = {
@@ -120,6 +124,8 @@ class Params:
             return True
         param = self.target(field)
         if param is not None:
+            if isinstance(self.plan.params.get(param), bool) and isinstance(value, str):
+                value = parse_form_value(where, value, bool)
             self.set(param, value, where)
             return True
         return field in METADATA or is_no_op(field, value)

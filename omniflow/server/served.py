@@ -6,7 +6,9 @@ What a pipeline answers follows from its ports (no per-pipeline code):
 - speech (`/v1/audio/speech`): a text input and an audio output, and no chat input;
 - images (`/v1/images/generations`): a text or chat prompt, an image output, and no
   image input it requires;
-- edits (`/v1/images/edits`): an `image` input, a `prompt` input and an image output.
+- edits (`/v1/images/edits`): an `image` input, a `prompt` input and an image output;
+- videos (`/v1/videos`, jobs): a text or chat prompt and a video output (an `image` input
+  makes it image-to-video).
 
 Admission: each pipeline runs `limit` requests at once (by default its narrowest stage's
 batch); beyond it requests wait in a bounded queue, first come first served, and start as
@@ -36,6 +38,7 @@ ENDPOINTS = {
     "speech": "/v1/audio/speech",
     "images": "/v1/images/generations",
     "edits": "/v1/images/edits",
+    "videos": "/v1/videos",
 }
 
 
@@ -121,6 +124,8 @@ class Served:
             found.append("images")
         if images and self.prompt_input and self.input_named("image", "image"):
             found.append("edits")
+        if self.video_port is not None and self.prompt_input:
+            found.append("videos")
         return found
 
     @property
@@ -130,6 +135,10 @@ class Served:
 
         found = [s for c in self.checks if isinstance(c, Voice) for s in c.speakers]
         return list(dict.fromkeys(found))
+
+    @property
+    def video_port(self) -> PortPlan | None:
+        return next(iter(self.outputs_of("video")), None)
 
     def describe(self) -> str:
         """What it serves, for error messages: its endpoints and outputs."""

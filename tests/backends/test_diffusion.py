@@ -28,15 +28,15 @@ GRAPH = Path(__file__).parents[2] / "graphs" / "text_to_image.omni"
 REQUESTS = [
     (
         {"prompt": "A photo of a red cat", "negative_prompt": " "},
-        {"steps": 2, "guidance_scale": 4.0, "height": 32, "width": 32, "seed": 0},
+        {"steps": 2, "true_cfg_scale": 4.0, "height": 32, "width": 32, "seed": 0},
     ),
     (
         {"prompt": "a dog on a beach at sunset", "negative_prompt": "blurry, low quality"},
-        {"steps": 3, "guidance_scale": 4.0, "height": 48, "width": 32, "seed": 0},
+        {"steps": 3, "true_cfg_scale": 4.0, "height": 48, "width": 32, "seed": 0},
     ),
     (
         {"prompt": "a blue house"},
-        {"steps": 2, "guidance_scale": 1.0, "height": 32, "width": 32, "seed": 0},
+        {"steps": 2, "true_cfg_scale": 1.0, "height": 32, "width": 32, "seed": 0},
     ),
 ]
 SEEDED = """
@@ -44,7 +44,7 @@ pipeline seeded {
   model "tiny:text-to-image"
   param seed = 0
   stage encoder = encoder(component="text_encoder")
-  stage dit = diffusion(component="transformer", steps=2, guidance=4.0, cfg=negative_prompt,
+  stage dit = diffusion(component="transformer", steps=2, true_cfg_scale=4.0, cfg=negative_prompt,
                         height=32, width=32, seed=$seed)
   stage vae = vae(component="vae")
   input prompt: text -> encoder
@@ -80,7 +80,7 @@ def pipeline_call(pipe, inputs: dict, params: dict, output_type: str, seed: int 
         return pipe(
             inputs["prompt"],
             negative_prompt=inputs.get("negative_prompt", " "),
-            true_cfg_scale=params["guidance_scale"],
+            true_cfg_scale=params["true_cfg_scale"],
             num_inference_steps=params["steps"],
             height=params["height"],
             width=params["width"],
@@ -133,7 +133,7 @@ def test_images_match_the_diffusers_pipeline(runner, plan, interpreter, referenc
 def test_seed_parameter_picks_the_pipeline_generator_seed(pipe):
     seeded = Interpreter(compile_source(SEEDED, devices="cpu"))
     inputs = {"prompt": "A photo of a red cat", "negative_prompt": "dark"}
-    settings = {"steps": 2, "guidance_scale": 4.0, "height": 32, "width": 32}
+    settings = {"steps": 2, "true_cfg_scale": 4.0, "height": 32, "width": 32}
     images = {seed: seeded.run(inputs, {"seed": seed})["image"] for seed in (0, 7)}
     for seed, image in images.items():
         assert_close_pixels(image, reference(pipe, inputs, settings, seed))
@@ -146,7 +146,7 @@ def test_seed_parameter_picks_the_pipeline_generator_seed(pipe):
 def request(prompt: str, steps: int, guidance: float = 4.0, height: int = 32) -> tuple:
     return (
         {"prompt": prompt, "negative_prompt": "grey"},
-        {"steps": steps, "guidance_scale": guidance, "height": height, "width": 32, "seed": 0},
+        {"steps": steps, "true_cfg_scale": guidance, "height": height, "width": 32, "seed": 0},
     )
 
 

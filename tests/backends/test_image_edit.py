@@ -46,11 +46,11 @@ def requests(tmp_path_factory) -> list[tuple[dict, dict]]:
     return [
         (
             {"image": pixels(40, 56, 0), "prompt": "Make the cat blue.", "negative_prompt": " "},
-            {"steps": 2, "guidance_scale": 4.0, "height": 32, "width": 32, "seed": 0},
+            {"steps": 2, "true_cfg_scale": 4.0, "height": 32, "width": 32, "seed": 0},
         ),
         (
             {"image": str(path), "prompt": "Turn the sky into a sunset."},
-            {"steps": 3, "guidance_scale": 1.0, "height": 32, "width": 32, "seed": 7},
+            {"steps": 3, "true_cfg_scale": 1.0, "height": 32, "width": 32, "seed": 7},
         ),
     ]
 
@@ -89,7 +89,7 @@ def pipeline_call(pipe, inputs: dict, params: dict) -> tuple[torch.Tensor, torch
             image,
             inputs["prompt"],
             negative_prompt=inputs.get("negative_prompt", " "),
-            true_cfg_scale=params["guidance_scale"],
+            true_cfg_scale=params["true_cfg_scale"],
             num_inference_steps=params["steps"],
             height=height,
             width=width,

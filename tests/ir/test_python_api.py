@@ -88,25 +88,28 @@ def tts():
     return p
 
 
+def qwen_image_knobs(p: Pipeline) -> tuple[dict, dict, dict]:
+    """The diffusion and VAE stages' knobs of the Qwen-Image graphs, declared on `p`."""
+    steps, cfg_scale = p.param("steps", 50), p.param("true_cfg_scale", 4.0)
+    distilled = p.param("guidance_scale", 1.0)
+    height, width = p.param("height", 1024), p.param("width", 1024)
+    cache = p.param("cache_threshold", 0.0)
+    tiling, slicing = p.param("vae_use_tiling", False), p.param("vae_use_slicing", False)
+    dit = {"steps": steps, "true_cfg_scale": cfg_scale, "guidance_scale": distilled}
+    where = {"height": height, "width": width, "seed": param("seed"), "cache_threshold": cache}
+    return dit, where, {"vae_use_tiling": tiling, "vae_use_slicing": slicing}
+
+
 def text_to_image():
     p = Pipeline("text_to_image", model="Qwen/Qwen-Image")
-    steps, scale = p.param("steps", 50), p.param("guidance_scale", 4.0)
-    height, width = p.param("height", 1024), p.param("width", 1024)
+    knobs, where, vae_knobs = qwen_image_knobs(p)
     encoder = p.stage("encoder", "encoder", component="text_encoder", max_batch=16)
-    negative = p.input("negative_prompt", "text", default=" ")
+    negative = p.input("negative_prompt", "text", default="")
+    # the request's own seed (`param("seed")`): no declaration needed
     dit = p.stage(
-        "dit",
-        "diffusion",
-        component="transformer",
-        max_batch=8,
-        steps=steps,
-        guidance=scale,
-        cfg=negative,
-        height=height,
-        width=width,
-        seed=param("seed"),  # the request's own seed: no declaration needed
+        "dit", "diffusion", component="transformer", max_batch=8, **knobs, cfg=negative, **where
     )
-    vae = p.stage("vae", "vae", component="vae", max_batch=8)
+    vae = p.stage("vae", "vae", component="vae", max_batch=8, **vae_knobs)
     p.flow(p.input("prompt", "text"), encoder)
     p.flow(encoder.hidden, dit)
     p.flow(dit.latents, vae)
@@ -138,22 +141,13 @@ def image_understanding():
 
 def image_edit():
     p = Pipeline("image_edit", model="Qwen/Qwen-Image-Edit")
-    steps, scale = p.param("steps", 50), p.param("guidance_scale", 4.0)
-    height, width = p.param("height", 1024), p.param("width", 1024)
+    knobs, where, vae_knobs = qwen_image_knobs(p)
     encoder = p.stage("encoder", "encoder", component="text_encoder", max_batch=16)
+    negative = p.input("negative_prompt", "text", default="")
     dit = p.stage(
-        "dit",
-        "diffusion",
-        component="transformer",
-        max_batch=8,
-        steps=steps,
-        guidance=scale,
-        cfg=p.input("negative_prompt", "text", default=" "),
-        height=height,
-        width=width,
-        seed=param("seed"),
+        "dit", "diffusion", component="transformer", max_batch=8, **knobs, cfg=negative, **where
     )
-    vae = p.stage("vae", "vae", component="vae", max_batch=8)
+    vae = p.stage("vae", "vae", component="vae", max_batch=8, **vae_knobs)
     image = p.input("image", "image")
     p.flow(image, encoder.image)
     p.flow(p.input("prompt", "text"), encoder.prompt)

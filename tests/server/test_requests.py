@@ -110,8 +110,8 @@ MISTAKES = [
      400, "answers b64_json", "response_format"),
     ("/v1/images/generations", {"model": "text_to_image", "prompt": "x", "n": 11}, 400,
      "less than or equal to 10", "n"),
-    ("/v1/images/generations", {"model": "text_to_image", "prompt": "x", "true_cfg_scale": 4.0},
-     400, "unknown field 'true_cfg_scale'", "true_cfg_scale"),
+    ("/v1/images/generations", {"model": "text_to_image", "prompt": "x", "guidance_scale_2": 4.0},
+     400, "unknown field 'guidance_scale_2'", "guidance_scale_2"),
     ("/v1/images/generations", {"model": "text_to_image", "prompt": "x", "lora": {"name": "a"}},
      400, "unknown field 'lora'", "lora"),
 ]  # fmt: skip

@@ -9,6 +9,8 @@ Run-time half: `pipeline` (what the diffusers backends need of the pipelines' ow
 from __future__ import annotations
 
 from omniflow.families.family import Family, TinyModel
+from omniflow.families.knobs import GUIDANCE_SCALE, VAE_OPTIONS
+from omniflow.ir.kinds import ParamSpec
 
 _HERE = __name__
 _PIPELINES = f"{_HERE}.pipeline:PIPELINES"
@@ -29,6 +31,17 @@ FAMILY = Family(
             "text_encoder": {"condition_image_tokens": 1675},
             "transformer": {"condition_image_tokens": 4920},
         },
+    },
+    # The knobs of QwenImagePipeline.__call__, by its names: `true_cfg_scale` is its
+    # classifier-free guidance (on above 1, with a negative prompt; default 4.0), and
+    # `guidance_scale` the input of a guidance-distilled transformer, which the pipeline
+    # ignores for any other (Qwen-Image's is not distilled). The VAE's tiling and slicing.
+    stage_params={
+        "diffusion": {
+            "true_cfg_scale": ParamSpec((float, int), 4.0, low=0, high=100),
+            "guidance_scale": GUIDANCE_SCALE,
+        },
+        "vae": VAE_OPTIONS,
     },
     runtime={
         ("encoder", "diffusers"): _PIPELINES,

@@ -1,19 +1,29 @@
 """What the diffusers stage backends (`omniflow.backends.diffusion`, `.encoders`) need from a
 Qwen-Image or Qwen-Image-Edit pipeline beyond diffusers' own helpers: `PIPELINES`, the
-family's code for its `encoder`, `diffusion` and `vae` stages.
+family's code for its `encoder`, `diffusion` and `vae` stages (the contract is in
+`omniflow.backends.diffusion`'s docstring).
 
+What `QwenImagePipeline.__call__` (and the edit pipeline's) decides, as it decides it:
+
+- the knobs, by its names: `true_cfg_scale` is the classifier-free-guidance scale, on when
+  it is > 1 and a negative prompt is given (`do_true_cfg`; the server's empty negative
+  prompt is no negative prompt, so the encoder sends none); `guidance_scale` is the input of
+  a guidance-distilled transformer (`guidance_embeds`), which the pipeline requires there
+  and ignores (with a warning) anywhere else;
 - which pipelines condition on an input image, and the size its `__call__` resizes it to
   (`calculate_dimensions`: about CONDITION_AREA pixels at the image's aspect ratio, sides
   multiples of 32); the edit pipeline's Qwen2VLProcessor, loaded without torchvision;
 - the resolution-dependent timestep shift `mu` and the pipeline's sigmas;
-- the transformer's forward on a batch of rows (timesteps / 1000, the image shapes its
-  RoPE needs), its blocks on fused kernels on CUDA (`fused_blocks`);
-- unpacking the transformer's 2x2 patches, and the VAE's latent statistics and its frame
-  axis (it is a video VAE run on one frame).
+- the transformer's forward on a batch of rows (timesteps / 1000, the image shapes its RoPE
+  needs), its blocks on fused kernels on CUDA (`fused_blocks`), and where the step cache may
+  split it (`cache_layout`);
+- true CFG's rescale to the conditional prediction's norm; unpacking the transformer's 2x2
+  patches, and the VAE's latent statistics and its frame axis (a video VAE run on one frame).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -23,13 +33,27 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, re
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
 
+from omniflow.backends.diffusion import (
+    Denoising,
+    DiffusersBackendError,
+    Prepare,
+    check_sizes,
+    condition_image,
+)
+from omniflow.backends.step_cache import CacheLayout
 from omniflow.families.qwen_image.fused_blocks import fuse_blocks
 from omniflow.hf_logging import quiet
+
+log = logging.getLogger("omniflow.qwen_image")
 
 # QwenImageEditPipeline.__call__ resizes the input image to about this many pixels.
 CONDITION_AREA = 1024 * 1024
 # Pipelines that condition on an input image (an `image` input on the encoder and denoiser).
 _EDIT_PIPELINES = ("QwenImageEditPipeline",)
+# What `QwenImagePipeline.__call__` defaults its knobs to.
+TRUE_CFG_SCALE = 4.0
+# A block call's arguments that hold one row per batch row (the rest: rotary tables, kwargs).
+_BLOCK_ROWS = ("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "temb")
 
 
 class _ImageProcessor(Qwen2VLProcessor):
@@ -55,24 +79,146 @@ def load_processor(directory: str | Path) -> Qwen2VLProcessor:
         )
 
 
+class QwenImageDenoising(Denoising):
+    """One Qwen-Image request between steps: packed latents `[1, patches, C * 4]` (an edit's
+    input-image latents packed beside them), its true-CFG scale, its distilled guidance."""
+
+    rescale = "norm"  # true CFG: rescaled to the conditional prediction's norm
+
+    def __init__(self, pipe, *args, cfg_scale, guidance, shapes, image_latents, height, width):
+        super().__init__(*args)
+        self.pipe = pipe
+        self.cfg_scale = cfg_scale
+        self.guidance = guidance  # a distilled transformer's guidance input, else None
+        self.shapes = shapes  # (frames, rows, columns) of patches: the output's, an edit's image
+        self.image_latents = image_latents
+        self.height, self.width = height, width
+
+    def group(self):
+        return self.shapes, self.guidance
+
+    def scale(self) -> float:
+        return self.cfg_scale
+
+    def guided(self) -> bool:
+        # `do_true_cfg`: true_cfg_scale > 1 and a negative prompt (one came with the prompt).
+        return self.cfg_scale > 1 and len(self.prompts) == 2
+
+    def model_input(self):
+        latents = self.latents
+        if self.image_latents is not None:
+            latents = torch.cat([latents, self.image_latents], dim=1)
+        return latents, self.timesteps[self.index : self.index + 1]
+
+    def result(self) -> torch.Tensor:
+        """Packed latents -> `[1, C, h, w]`, still normalised."""
+        pipe = self.pipe
+        return pipe._unpack_latents(self.latents, self.height, self.width, pipe.vae_scale_factor)[
+            :, :, 0
+        ]
+
+
 class QwenImagePipelines:
     """The Qwen-Image pipelines' own code, as the diffusers backends call it."""
 
-    def conditions_on_image(self, pipe) -> bool:
+    # --- loading ---
+    def conditions_on_image(self, pipe, kind: str) -> bool:
+        """The edit pipeline's text encoder and denoiser both see the input image."""
         return type(pipe).__name__ in _EDIT_PIPELINES
 
     def load_processor(self, directory: str | Path):
         return load_processor(directory)
+
+    def denoiser_parts(self, image: bool) -> tuple[str, ...]:
+        # An edit's input image is VAE-encoded in the denoiser, as prepare_latents does.
+        return ("transformer", "scheduler") + (("vae",) if image else ())
+
+    def setup(self, pipe, path: str, device: str) -> None:
+        """The VAE scale the pipeline derives from the VAE (which the stage may not load);
+        on CUDA, the transformer's blocks on fused kernels (the same computation)."""
+        config = AutoencoderKLQwenImage.load_config(path, subfolder="vae")
+        pipe.vae_scale_factor = 2 ** len(config["temperal_downsample"])
+        transformer = pipe.transformer
+        if torch.device(device).type == "cuda" and isinstance(
+            transformer, QwenImageTransformer2DModel
+        ):
+            fuse_blocks(transformer)
+
+    # --- the text encoder ---
+    def negative_prompt(self, text: str | None) -> str | None:
+        """The negative prompt a request's companion gives: none for an empty one (the
+        server's "not given"), so the request is unguided, as `__call__` without one is."""
+        return text or None
+
+    def max_text_len(self, pipe) -> int:
+        return pipe.tokenizer_max_length
+
+    def encode(self, pipe, texts, images, max_len: int, device) -> list[torch.Tensor]:
+        """Each text's embeddings `[n_i, H]` (the template's system prefix dropped; an
+        edit's input image's tokens kept), `encode_prompt`'s own."""
+        extra = {"image": images} if images is not None else {}
+        embeds, mask = pipe.encode_prompt(
+            texts, device=device, max_sequence_length=max_len, **extra
+        )
+        lengths = [embeds.shape[1]] * len(texts) if mask is None else mask.sum(dim=1).tolist()
+        return [embeds[i, :n] for i, n in enumerate(lengths)]
 
     def condition_size(self, width: int, height: int) -> tuple[int, int]:
         """(width, height) an edit pipeline's `__call__` resizes an input image to."""
         width, height, _ = calculate_dimensions(CONDITION_AREA, width / height)
         return width, height
 
-    def vae_scale_factor(self, path: str) -> int:
-        """`2 ** len(temperal_downsample)`, from the VAE's config (which the stage may not load)."""
-        config = AutoencoderKLQwenImage.load_config(path, subfolder="vae")
-        return 2 ** len(config["temperal_downsample"])
+    # --- the denoiser ---
+    def prepare(self, pipe, request: Prepare) -> QwenImageDenoising:
+        knobs = request.knobs
+        steps, height, width = knobs["steps"], knobs["height"], knobs["width"]
+        patch = pipe.vae_scale_factor * 2
+        check_sizes(patch, height=height, width=width)
+        cfg_scale = float(knobs.get("true_cfg_scale", TRUE_CFG_SCALE))
+        guidance = self._distilled_guidance(pipe, knobs.get("guidance_scale"))
+        transformer, generator, device = pipe.transformer, request.generator, request.device
+        shapes = ((1, height // patch, width // patch),)
+        size = (1, transformer.config.in_channels // 4, height, width)
+        dtype = request.dtype
+        image_latents = None
+        if request.image is None:
+            latents = pipe.prepare_latents(*size, dtype, device, generator)
+        else:
+            image = condition_image(pipe, self, request.image)
+            pixels = pipe.image_processor.preprocess(image, image.height, image.width)
+            latents, image_latents = pipe.prepare_latents(
+                pixels.unsqueeze(2), *size, dtype, device, generator
+            )
+            shapes += ((1, image.height // patch, image.width // patch),)
+        scheduler = pipe.scheduler.__class__.from_config(pipe.scheduler.config)
+        timesteps = self.timesteps(scheduler, steps, latents.shape[1], device)
+        scheduler.set_begin_index(0)
+        return QwenImageDenoising(
+            pipe,
+            request.prompts,
+            scheduler,
+            timesteps,
+            latents,
+            generator,
+            cfg_scale=cfg_scale,
+            guidance=guidance,
+            shapes=shapes,
+            image_latents=image_latents,
+            height=height,
+            width=width,
+        )
+
+    @staticmethod
+    def _distilled_guidance(pipe, scale):
+        """`__call__`'s guidance input: the scale for a guidance-distilled transformer (which
+        needs one), None (the scale ignored, as `__call__` ignores it) for any other."""
+        if pipe.transformer.config.guidance_embeds:
+            if scale is None:
+                raise DiffusersBackendError(
+                    "guidance_scale is required for a guidance-distilled transformer"
+                )
+            return float(scale)
+        return None
 
     def timesteps(self, scheduler, steps: int, image_tokens: int, device) -> torch.Tensor:
         """The pipeline's sigmas for `steps`, shifted by its resolution-dependent `mu`."""
@@ -88,30 +234,46 @@ class QwenImagePipelines:
         timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
         return timesteps
 
-    def accelerate(self, transformer, device: str) -> None:
-        """On CUDA, the transformer's blocks on fused kernels (the same computation)."""
-        if torch.device(device).type == "cuda" and isinstance(
-            transformer, QwenImageTransformer2DModel
-        ):
-            fuse_blocks(transformer)
-
-    def forward(self, transformer, latents, timesteps, text, mask, shapes) -> torch.Tensor:
-        """The transformer's velocity for a batch of rows (one set of image shapes)."""
-        return transformer(
-            hidden_states=latents,
-            timestep=timesteps.to(latents.dtype) / 1000,
-            guidance=None,
+    def forward(self, pipe, group, hidden, timesteps, text, mask) -> torch.Tensor:
+        """The transformer's velocity for a batch of rows (one set of image shapes); an
+        edit's rows end with its input image's latents: the prediction is the rest."""
+        shapes, guidance = group
+        transformer = pipe.transformer
+        if guidance is not None:
+            guidance = torch.full([len(hidden)], guidance, device=hidden.device)
+        noise = transformer(
+            hidden_states=hidden,
+            timestep=timesteps.to(hidden.dtype) / 1000,
+            guidance=guidance,
             # The pipeline passes no mask when no token is padding; neither do we.
             encoder_hidden_states_mask=None if mask.all() else mask,
             encoder_hidden_states=text,
-            img_shapes=[list(shapes)] * len(latents),
+            img_shapes=[list(shapes)] * len(hidden),
             return_dict=False,
         )[0]
+        rows, columns = shapes[0][1:]
+        return noise[:, : rows * columns]
 
-    def unpack(self, pipe, latents, height: int, width: int) -> torch.Tensor:
-        """Packed latents -> `[1, C, h, w]`, still normalised."""
-        return pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)[:, :, 0]
+    def cache_layout(self, pipe, group) -> CacheLayout | None:
+        """The dual-stream blocks: per-row hidden states, text states, mask and time
+        embedding; the image stream is compared and cached (the output reads it alone). An
+        edit model's per-token modulation (`zero_cond_t`) doubles the time embedding's rows:
+        not split."""
+        transformer = pipe.transformer
+        if getattr(transformer, "zero_cond_t", False):
+            return None
+        return CacheLayout(
+            blocks=transformer.transformer_blocks,
+            row_positions=(),
+            row_names=_BLOCK_ROWS,
+            streams=tuple,  # (encoder_hidden_states, hidden_states)
+            rebuild=tuple,
+            inputs=lambda args, kwargs: (kwargs["encoder_hidden_states"], kwargs["hidden_states"]),
+            probe=1,
+            cached=(1,),
+        )
 
+    # --- the VAE ---
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
         """Normalised latents `[B, C, h, w]` -> images `[B, H, W, 3]` in [-1, 1]."""
         config = vae.config

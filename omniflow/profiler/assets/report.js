@@ -323,6 +323,9 @@
     { key: "step_mean_us", label: "step mean", fmt: O.us }, { key: "step_p50_us", label: "step p50", fmt: O.us },
     { key: "step_p99_us", label: "step p99", fmt: O.us }, { key: "busy_us", label: "busy", fmt: O.us },
     { key: "utilisation", label: "utilisation", fmt: O.pct },
+    // What a backend counted (a denoiser's step cache: steps computed / reused).
+    { key: "counters", label: "counted", left: true,
+      fmt: (v) => Object.entries(v || {}).map(([k, n]) => `${k.replace("steps_", "")} ${n}`).join(", ") || "-" },
   ], D.stages, { id: "stages" }));
   const sizes = [...new Set(D.stages.flatMap((s) => Object.keys(s.batch_hist).map(Number)))].sort((a, b) => a - b);
   new Chart(document.getElementById("batches"), {

@@ -1,0 +1,311 @@
+"""Wan2.2 on the step-wise denoiser (issue 30): what a DiT step costs against its FLOP
+roofline, what a video costs end to end, what step caching saves, and what batching
+concurrent videos gives against the DiT's compute bound.
+
+(a) One denoising step of a guided request at `--size` and `--frames`: its conditional and
+    unconditional rows (the video's tokens and 512 text tokens each) as one forward of each
+    expert (A14B: the high-noise `transformer` and the low-noise `transformer_2`), and the
+    DiffusionSteps backend's own step (the forward, CFG and UniPC's update), against the
+    forward's FLOPs (`omniflow.catalog.costs`' Wan DiT count: every projection and MLP of
+    every block, self-attention over the video's tokens, cross-attention over the text's)
+    over the matmul rate measured in the same run (8192^3 in bf16 on CUDA).
+(b) One video through the compiled graph in the engine (executor processes), `--steps`
+    steps: its wall time and each stage's time inside its steps; at `--scaled` depth d < 1,
+    also the real-size estimate (the DiT's and the text encoder's busy time / d, the VAE's
+    as measured: a step's per-layer work does not depend on the depth).
+(c) Step caching: the same video at each `--cache` threshold: DiT steps computed and
+    reused, the first-block distances the cache saw, and the frames' distance from the
+    uncached video. On random weights this says what is saved, not what it costs in
+    quality: that needs the real weights.
+(d) `--concurrency` videos at once against the same videos one after another (videos/s),
+    beside the DiT's bound (steps x pair FLOPs / matmul rate).
+
+    python benchmarks/video.py                                      # tiny T2V, CPU smoke run
+    python benchmarks/video.py --device cuda --scaled 0.5           # T2V-A14B, 20 of 40 layers
+    python benchmarks/video.py --device cuda --model ti2v --scaled 1   # TI2V-5B, real size
+
+`--scaled DEPTH` builds once, under $OMNIFLOW_CACHE/scaled/, a random-weight Wan2.2 at the
+published widths with DEPTH x each expert's and the text encoder's layers
+(`omniflow.families.wan.checkpoints.build_scaled`): T2V/I2V-A14B at depth 1 is 69 GB in bf16
+(more than the GPU host's 64 GiB disk: use 0.5, 35 GB, or put OMNIFLOW_CACHE on /dev/shm),
+TI2V-5B 23 GB. On CUDA the text encoder and the DiT run in bf16, the VAE in float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import re
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from diffusion import timed_ms
+from stage_steps import matmul_rate
+
+from omniflow.backends.diffusion import DiffusionSteps, pack_prompts
+from omniflow.catalog.components import load_component_config
+from omniflow.catalog.costs import estimate_cost
+from omniflow.catalog.resolve import model_path
+from omniflow.checkpoints.scaled import scaled_checkpoint
+from omniflow.compiler import compile_source
+from omniflow.families.wan.checkpoints import REAL_I2V, REAL_T2V, REAL_TI2V
+from omniflow.kernels.timing import kernel_table
+from omniflow.runtime.engine import Engine
+from omniflow.runtime.stage import Call, InputStream, StageSpec
+
+GRAPHS = Path(__file__).parents[1] / "graphs"
+MODELS = {  # name -> (graph, real model, tiny checkpoint)
+    "t2v": ("text_to_video", REAL_T2V, "tiny:wan2.2-t2v"),
+    "i2v": ("image_to_video", REAL_I2V, "tiny:wan2.2-i2v"),
+    "ti2v": ("text_to_video", REAL_TI2V, "tiny:wan2.2-ti2v"),
+}
+PROMPT = "A cat walks on the grass, realistic style"
+NEGATIVE = "blurry, low quality"
+TEXT_TOKENS = 512  # every Wan prompt is padded to 512 rows
+
+
+def graph_text(model: str, checkpoint: str, cuda: bool) -> str:
+    """The model's example graph on `checkpoint`; TI2V-5B has one expert: no boundary or
+    second scale, and its own flow_shift. On CUDA the encoder and DiT in bf16."""
+    text = (GRAPHS / f"{MODELS[model][0]}.omni").read_text(encoding="utf-8")
+    text = re.sub(r'model "[^"]+"', f'model "{checkpoint}"', text, count=1)
+    if model == "ti2v":
+        for old in (
+            "guidance_scale_2=$guidance_scale_2,\n                            ",
+            "boundary_ratio=$boundary_ratio, flow_shift=$flow_shift,\n                            ",
+            "  param guidance_scale_2 = 3.0\n  param boundary_ratio = 0.875\n",
+            "  param flow_shift = 3.0\n",
+        ):
+            text = text.replace(old, "")
+    if cuda:
+        for stage in ("encoder(", "diffusion("):
+            text = text.replace(stage, f'{stage}dtype="bfloat16", ')
+        text = text.replace('vae(component="vae"', 'vae(component="vae", dtype="float32"')
+    return text
+
+
+def frames_of(frames: int) -> int:
+    return (frames - 1) // 4 * 4 + 1
+
+
+def request_of(model: str, args, seed: int = 0, **more) -> tuple[dict, dict]:
+    inputs = {"prompt": PROMPT, "negative_prompt": NEGATIVE}
+    if model == "i2v":
+        generator = torch.Generator().manual_seed(seed)
+        inputs["image"] = torch.randint(0, 256, (args.height, args.width, 3), generator=generator)
+        inputs["image"] = inputs["image"].to(torch.uint8)
+    params = {"steps": args.steps, "height": args.height, "width": args.width,
+              "num_frames": args.frames, "guidance_scale": 4.0, "seed": seed, **more}  # fmt: skip
+    return inputs, params
+
+
+def pair_flops(model_dir: str, part: str, tokens: int) -> float:
+    """FLOPs of one forward of an expert over a request's cond and uncond rows."""
+    config = load_component_config(model_dir, part)
+    cost = estimate_cost(config, max_batch=1, max_len=tokens, context_len=TEXT_TOKENS)
+    return 2 * cost.flops_per_item
+
+
+def step_rows(plan, device: str, args, kernels: int):
+    """(a): [(variant, ms, flops)] of one guided step per expert, and the backend's step."""
+    spec = StageSpec.from_channels(plan.stage("dit"), plan.channels)
+    backend = DiffusionSteps(spec, device)
+    pipe = backend.pipe
+    transformer = pipe.transformer
+    config, dtype = transformer.config, transformer.dtype
+    generator = torch.Generator().manual_seed(0)
+    scale = pipe.vae_scale_factor_spatial
+    latent = (frames_of(args.frames) - 1) // pipe.vae_scale_factor_temporal + 1
+    shape = (2, config.in_channels, latent, args.height // scale, args.width // scale)
+    hidden = torch.randn(shape, generator=generator).to(device, dtype)
+    text = torch.randn(2, TEXT_TOKENS, config.text_dim, generator=generator).to(device, dtype)
+    tokens = latent * (args.height // scale // 2) * (args.width // scale // 2)
+    if pipe.config.expand_timesteps:
+        timestep = torch.full((2, tokens), 500.0, device=device)
+    else:
+        timestep = torch.full((2,), 500.0, device=device)
+    rows = []
+    for part in ("transformer", "transformer_2"):
+        expert = getattr(pipe, part, None)
+        if expert is None:
+            continue
+
+        def forward(expert=expert):
+            with torch.no_grad():
+                expert(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text,
+                       return_dict=False)  # fmt: skip
+
+        if kernels and device.startswith("cuda"):
+            print(f"  {part} pair forward: its {kernels} costliest kernels")
+            kernel_table(forward, kernels, calls=2)
+        model_dir = model_path(plan.stage("dit").model)
+        rows.append((f"{part}, pair", timed_ms(forward, device, args.repeats),
+                     pair_flops(model_dir, part, tokens)))  # fmt: skip
+    # The backend's own step of one guided request (the forward, CFG, UniPC's update).
+    cond = InputStream("hidden")
+    cond.push(pack_prompts([text[0], text[1]]), end=True)
+    params = {"steps": 1000, "height": args.height, "width": args.width,
+              "frames": frames_of(args.frames), "guidance_scale": 4.0, "seed": 0}  # fmt: skip
+    inputs = {"cond": cond}
+    if "image" in spec.inputs:
+        image = InputStream("image")
+        image.push(torch.zeros(args.height, args.width, 3, dtype=torch.uint8), end=True)
+        inputs["image"] = image
+    call = Call("step", params, inputs)
+    backend.step([call])  # prepares the request, then its first step
+    assert call.error is None, call.error
+    rows.append(("backend step", timed_ms(lambda: backend.step([call]), device, args.repeats),
+                 rows[0][2]))  # fmt: skip
+    return rows, tokens
+
+
+def serve(engine: Engine, requests, concurrent: bool) -> tuple[float, list]:
+    """Seconds to serve `requests` all at once or one after another, and their videos."""
+    out = [None] * len(requests)
+
+    def one(i: int) -> None:
+        out[i] = engine.generate(*requests[i])["video"]
+
+    start = time.perf_counter()
+    if concurrent:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        for i in range(len(requests)):
+            one(i)
+    return time.perf_counter() - start, out
+
+
+def spent(engine: Engine, before: dict) -> dict:
+    """Each stage's (steps, seconds in step(), calls, counters) since `before`."""
+    now = {
+        name: (t.steps, t.step_ns, t.calls, dict(t.counters))
+        for inspection in engine.inspect().values()
+        for name, t in inspection.stages.items()
+    }
+    out = {}
+    for name, (steps, ns, calls, counters) in now.items():
+        b = before.get(name, (0, 0, 0, {}))
+        diff = {k: v - b[3].get(k, 0) for k, v in counters.items()}
+        out[name] = (steps - b[0], (ns - b[1]) / 1e9, calls - b[2], diff)
+    return out
+
+
+def snapshot(engine: Engine) -> dict:
+    return {
+        name: (t.steps, t.step_ns, t.calls, dict(t.counters))
+        for inspection in engine.inspect().values()
+        for name, t in inspection.stages.items()
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (one GPU)")
+    parser.add_argument("--model", default="t2v", choices=sorted(MODELS))
+    parser.add_argument("--scaled", type=float, metavar="DEPTH",
+                        help="a random-weight Wan2.2 at real widths, DEPTH x layers (default: tiny)")  # fmt: skip
+    parser.add_argument("--width", type=int, default=None, help="default: 832 (CUDA), 48 (CPU)")
+    parser.add_argument("--height", type=int, default=None, help="default: 480 (CUDA), 32 (CPU)")
+    parser.add_argument("--frames", type=int, default=None, help="default: 81 (CUDA), 9 (CPU)")
+    parser.add_argument("--steps", type=int, default=None, help="(b)-(d); default 10 (CUDA), 12")
+    parser.add_argument("--repeats", type=int, default=5, help="(a)'s timed steps")
+    parser.add_argument("--kernels", type=int, default=0, help="(a): the N costliest kernels")
+    parser.add_argument("--cache", type=float, nargs="*", default=[0.1, 0.5, 1.0, 1.5],
+                        help="(c)'s thresholds (none: skip)")  # fmt: skip
+    parser.add_argument("--concurrency", type=int, default=2, help="(d); 0: skip")
+    args = parser.parse_args()
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        sys.exit("benchmarks/video.py: --device cuda, but torch sees no CUDA device")
+    args.width = args.width or (832 if cuda else 48)
+    args.height = args.height or (480 if cuda else 32)
+    args.frames = frames_of(args.frames or (81 if cuda else 9))
+    args.steps = args.steps or (10 if cuda else 12)
+    torch.set_num_threads(1)  # the engine's executors get the cores
+    _, real, tiny = MODELS[args.model]
+    model_dir = str(scaled_checkpoint(real, args.scaled, args.device)) if args.scaled else tiny
+    plan = compile_source(
+        graph_text(args.model, model_dir, cuda), devices="1xH200" if cuda else "cpu"
+    )
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rate = matmul_rate(args.device, 8192 if cuda else 512, dtype)
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"{name}: {str(dtype)[6:]} matmul {rate / 1e12:.2f} TFLOP/s; {args.model} {model_dir}")
+    print(f"video {args.width}x{args.height}, {args.frames} frames")
+
+    rows, tokens = step_rows(plan, args.device, args, args.kernels)
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    print(f"\n(a) one guided DiT step: cond + uncond rows of {tokens} video + {TEXT_TOKENS} text "
+          "tokens")  # fmt: skip
+    print(f"{'variant':>22} {'GFLOP':>10} {'roof ms':>9} {'ms':>9} {'vs roof':>8}")
+    for label, ms, flops in rows:
+        roof = flops / rate * 1e3
+        print(f"{label:>22} {flops / 1e9:10.1f} {roof:9.2f} {ms:9.2f} {ms / roof:7.2f}x")
+
+    start = time.perf_counter()
+    with Engine(plan, "process") as engine:
+        warm = request_of(args.model, args, 0, steps=2)
+        engine.generate(*warm)
+        print(f"\nengine up and one 2-step video served in {time.perf_counter() - start:.1f} s")
+        before = snapshot(engine)
+        wall, (video,) = serve(engine, [request_of(args.model, args)], concurrent=False)
+        stages = spent(engine, before)
+        print(f"\n(b) one video, {args.steps} steps, guidance 4: {wall:.2f} s")
+        print(f"{'stage':>8} {'steps':>6} {'busy s':>8} {'of wall':>8}")
+        for stage, (steps, busy, _, _) in stages.items():
+            print(f"{stage:>8} {steps:>6} {busy:8.2f} {busy / wall:7.0%}")
+        if args.scaled and args.scaled < 1:
+            scaled = sum(stages[s][1] for s in ("dit", "encoder") if s in stages)
+            estimate = wall + scaled * (1 / args.scaled - 1)
+            print(f"real-size estimate (DiT and text encoder busy time / {args.scaled:g}): "
+                  f"{estimate:.2f} s")  # fmt: skip
+
+        if args.cache:
+            print(f"\n(c) step caching, {args.steps} steps (random weights: what it saves, not "
+                  "what it costs in quality)")  # fmt: skip
+            print(f"{'threshold':>9} {'computed':>9} {'reused':>7} {'forwards saved':>15} "
+                  f"{'wall s':>7} {'frames max|d|':>14} {'mean|d|':>8}")  # fmt: skip
+            for threshold in [0.0, *args.cache]:
+                before = snapshot(engine)
+                took, (got,) = serve(
+                    engine, [request_of(args.model, args, cache_threshold=threshold)], False
+                )
+                counters = spent(engine, before)["dit"][3]
+                computed = counters.get("steps_computed", 0)
+                reused = counters.get("steps_reused", 0)
+                diff = (got.int() - video.int()).abs().float()
+                saved = reused / max(computed + reused, 1)
+                print(f"{threshold:9.3g} {computed:9d} {reused:7d} {saved:14.0%} {took:7.2f} "
+                      f"{diff.max():14.0f} {diff.mean():8.2f}")  # fmt: skip
+
+        if args.concurrency:
+            n = args.concurrency
+            requests = [request_of(args.model, args, seed=i) for i in range(n)]
+            walls = {False: [], True: []}
+            for _ in range(2):
+                for concurrent in (False, True):
+                    walls[concurrent].append(serve(engine, requests, concurrent)[0])
+            pair = sum(f for label, _, f in rows if "pair" in label) / max(
+                1, sum("pair" in label for label, _, _ in rows)
+            )
+            bound = rate / (args.steps * pair)
+            print(f"\n(d) {n} videos, {args.steps} steps each (median of 2 rounds each way)")
+            print(f"{'variant':>12} {'wall s':>8} {'videos/s':>9} {'of bound':>9}")
+            for concurrent, label in ((False, "sequential"), (True, "concurrent")):
+                wall = statistics.median(walls[concurrent])
+                print(f"{label:>12} {wall:8.2f} {n / wall:9.4f} {n / wall / bound:8.0%}")
+            print(f"{'DiT bound':>12} {'':>8} {bound:9.4f}  (steps x pair FLOPs / matmul rate)")
+
+
+if __name__ == "__main__":
+    main()

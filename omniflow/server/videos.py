@@ -1,0 +1,373 @@
+"""Video jobs, as OpenAI's video API and the peer's clients use them: `POST /v1/videos`
+creates a job and answers at once; `GET /v1/videos/{id}` is its state (queued, in_progress
+with progress, completed, failed with the error); `GET /v1/videos/{id}/content` its H.264
+MP4; `DELETE /v1/videos/{id}` cancels it (in every stage) and forgets it; `GET /v1/videos`
+lists them; `POST /v1/videos/sync` runs one and answers with the MP4 itself.
+
+A request is multipart (the peer sends every value as a string; `input_reference`, an
+image file, makes it image-to-video) or JSON. Its fields reach the pipeline's parameters as
+an image request's do (params.py): `prompt` and `negative_prompt` its text inputs, `size`
+"WxH" or `width`/`height`, `num_frames` (or OpenAI's `seconds`, as `seconds` x `fps` + 1
+frames), `num_inference_steps`, `seed`, and the model's own knobs (`guidance_scale`,
+`guidance_scale_2`, `boundary_ratio`, `flow_shift`, ...). `fps` is the MP4's frame rate
+(default: the video output's `fps`). Everything is checked against the plan when the job is
+created: a mistake is a 400 then, never a failed job.
+
+A job is the server's, not its client's: it runs as a task of the server's event loop,
+which survives the client's disconnect. It waits (queued) for an admission slot of its
+pipeline, runs (in_progress: `progress` 0-100 follows its denoiser's steps, from
+`engine.inspect()`), and keeps its MP4 until it expires (`--video-ttl`, from its end). The
+store is bounded (`--max-video-jobs`: jobs queued, running or kept): a create beyond it is
+a 429 with Retry-After, and while the server drains a 503; queued jobs fail when it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from dataclasses import dataclass, field
+
+import anyio
+from starlette.datastructures import UploadFile
+
+from omniflow.media import MediaError, decode_image, mp4_bytes
+from omniflow.server.errors import APIError, bad_request, busy
+from omniflow.server.images import _size
+from omniflow.server.params import Params, parse_form_value
+from omniflow.server.protocol import merge_extra_body, parse_json
+from omniflow.server.run import Run
+
+# Fields of a video request and their types (a multipart form's values arrive as strings).
+VIDEO_FIELDS = {
+    "model": str, "prompt": str, "negative_prompt": str, "size": str, "width": int,
+    "height": int, "num_frames": int, "seconds": float, "fps": int, "num_inference_steps": int,
+    "seed": int, "guidance_scale": float, "guidance_scale_2": float, "boundary_ratio": float,
+    "flow_shift": float, "true_cfg_scale": float, "n": int, "vae_use_slicing": bool,
+    "vae_use_tiling": bool, "lora": dict, "extra_body": dict, "user": str,
+}  # fmt: skip
+IMAGE_FIELD = "input_reference"
+DEFAULT_FPS = 16
+STATUSES = ("queued", "in_progress", "completed", "failed")
+# How long a job's live progress is reused before the engine is inspected again.
+PROGRESS_CACHE_S = 0.5
+
+
+@dataclass
+class VideoRequest:
+    """A video request checked against its pipeline: its inputs, parameters and admission."""
+
+    served: object
+    inputs: dict
+    params: Params
+    admitted: object
+    fps: int
+    size: str
+    frames: int
+
+
+@dataclass
+class VideoJob:
+    id: str
+    request: VideoRequest
+    created_at: float
+    status: str = "queued"
+    progress: int = 0
+    started_at: float | None = None
+    completed_at: float | None = None
+    expires_at: float | None = None
+    error: dict | None = None
+    content: bytes | None = None
+    task: asyncio.Task | None = field(default=None, repr=False)
+    checked: float = 0.0  # when progress was last read from the engine
+
+    @property
+    def served(self):
+        return self.request.served
+
+    @property
+    def request_id(self) -> str:
+        """The engine's id of the job's request: the job's own."""
+        return self.id
+
+    def describe(self) -> dict:
+        request = self.request
+        return {
+            "id": self.id,
+            "object": "video",
+            "model": request.served.name,
+            "status": self.status,
+            "progress": self.progress,
+            "created_at": int(self.created_at),
+            "completed_at": None if self.completed_at is None else int(self.completed_at),
+            "expires_at": None if self.expires_at is None else int(self.expires_at),
+            "size": request.size,
+            "seconds": f"{(request.frames - 1) / request.fps:g}" if request.fps else None,
+            "num_frames": request.frames,
+            "fps": request.fps,
+            "seed": request.admitted.seed,
+            "error": self.error,
+        }
+
+
+# --- parsing ---------------------------------------------------------------------------------
+async def read_fields(server, request) -> tuple[dict, dict]:
+    """A video request's fields (typed) and its input image, from a multipart form or JSON."""
+    kind = request.headers.get("content-type", "")
+    if kind.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        try:
+            form = await request.form(max_files=4, max_fields=64)
+        except Exception as err:  # python-multipart's errors for a malformed body
+            raise bad_request(f"the multipart body does not parse: {err}") from None
+        try:
+            return await _form_fields(server, form)
+        finally:
+            await form.close()
+    body = merge_extra_body(parse_json(await request.body()))
+    if IMAGE_FIELD in body:
+        raise bad_request(f"'{IMAGE_FIELD}': send the image as a multipart file", param=IMAGE_FIELD)
+    return body, {}
+
+
+async def _form_fields(server, form) -> tuple[dict, dict]:
+    fields, files = {}, {}
+    for name, value in form.multi_items():
+        if isinstance(value, UploadFile):
+            if name != IMAGE_FIELD:
+                raise bad_request(
+                    f"'{name}': the only file a video request takes is '{IMAGE_FIELD}'",
+                    param=name,
+                )
+            data = await value.read(server.config.max_media_bytes + 1)
+            if len(data) > server.config.max_media_bytes:
+                raise bad_request(
+                    f"'{name}': the file is over {server.config.max_media_bytes} bytes", param=name
+                )
+            try:
+                files[IMAGE_FIELD] = decode_image(data)
+            except MediaError as err:
+                raise bad_request(f"'{name}': {err}", param=name) from None
+            continue
+        if name in fields:
+            raise bad_request(f"'{name}' is given twice", param=name)
+        fields[name] = value
+    return fields, files
+
+
+def parse(server, served, fields: dict, files: dict) -> VideoRequest:
+    """The request as `served` would run it: a 400 for anything that does not fit."""
+    params = Params(served)
+    fields = dict(fields)
+    typed = {}
+    for name, value in fields.items():
+        like = VIDEO_FIELDS.get(name)
+        if like is None and isinstance(value, str):
+            param = params.target(name)
+            like = type(served.plan.params[param]) if param in served.plan.params else str
+        typed[name] = parse_form_value(name, value, like) if isinstance(value, str) else value
+    typed.update(merge_extra_body({"extra_body": typed.pop("extra_body", None)}))
+    typed.pop("model", None)
+    port = served.video_port
+    image = served.input_named("image", "image")
+    if files.get(IMAGE_FIELD) is not None and image is None:
+        raise bad_request(_no_image(server, served), param=IMAGE_FIELD)
+    if image is not None and image.default is None and IMAGE_FIELD not in files:
+        raise bad_request(
+            f"'{IMAGE_FIELD}': pipeline '{served.name}' makes a video from an image: send it "
+            f"as the multipart file '{IMAGE_FIELD}'",
+            param=IMAGE_FIELD,
+        )
+    inputs = dict(files and {"image": files[IMAGE_FIELD]})
+    prompt = served.prompt_input
+    if "prompt" not in typed:
+        raise bad_request("'prompt' is missing", param="prompt")
+    inputs[prompt.name] = typed.pop("prompt")
+    fps = typed.pop("fps", None)
+    fps = int(port.attrs.get("fps", DEFAULT_FPS)) if fps is None else fps
+    if not isinstance(fps, int) or not 1 <= fps <= 240:
+        raise bad_request(f"'fps' must be 1 to 240, not {fps!r}", param="fps")
+    seconds = typed.pop("seconds", None)
+    if seconds is not None:
+        if not isinstance(seconds, (int, float)) or not 0 < seconds <= 600:
+            raise bad_request(f"'seconds' must be above 0, not {seconds!r}", param="seconds")
+        typed.setdefault("num_frames", int(round(seconds * fps)) + 1)
+    size = typed.pop("size", None)
+    if size not in (None, "auto"):
+        _size(params, size)
+    for name in list(typed):  # a field naming one of the pipeline's text inputs fills it
+        if served.input_named(name, "text") is not None:
+            value = typed.pop(name)
+            if not isinstance(value, str):
+                raise bad_request(f"'{name}' must be a string", param=name)
+            inputs[name] = value
+    params.take_all(typed)
+    admitted = server.admit(served, inputs, params)
+    values = {**served.plan.params, **params.result()}
+    frames = _frames(served, params.result())
+    width, height = values.get("width"), values.get("height")
+    shown = f"{width}x{height}" if width and height else "auto"
+    return VideoRequest(served, inputs, params, admitted, fps, shown, frames)
+
+
+def _frames(served, values: dict) -> int:
+    """The frames the request's video will have: its diffusion stage's `frames`."""
+    for stage in served.plan.stages:
+        frames = stage.params.get("frames")
+        if frames is not None:
+            name = getattr(frames, "name", None)
+            if name is None:
+                return int(frames)
+            return int(values.get(name, served.plan.params.get(name, 1)))
+    return 1
+
+
+def _no_image(server, served) -> str:
+    able = [
+        s.name
+        for s in server.served.values()
+        if "videos" in s.capabilities and s.input_named("image", "image") is not None
+    ]
+    where = f"; image to video: {', '.join(able)}" if able else ""
+    return (
+        f"'{IMAGE_FIELD}': pipeline '{served.name}' makes videos from text and takes no input "
+        f"image{where}"
+    )
+
+
+# --- the store -------------------------------------------------------------------------------
+class VideoJobs:
+    """The server's video jobs: bounded, each run by a task of the server's loop, kept until
+    it expires."""
+
+    def __init__(self, server, limit: int, ttl_s: float):
+        self.server = server
+        self.limit = limit
+        self.ttl_s = ttl_s
+        self.jobs: dict[str, VideoJob] = {}
+
+    def _sweep(self) -> None:
+        now = time.time()
+        for job_id, job in list(self.jobs.items()):
+            if job.expires_at is not None and now >= job.expires_at:
+                del self.jobs[job_id]
+
+    def create(self, request: VideoRequest) -> VideoJob:
+        self._sweep()
+        if self.server.draining:
+            raise busy("the server is shutting down and takes no new jobs", retry_after=5)
+        if len(self.jobs) >= self.limit:
+            raise APIError(
+                429,
+                f"this server holds {len(self.jobs)} video jobs, its limit "
+                f"(--max-video-jobs {self.limit}): retry once one has ended and expired, or "
+                "DELETE finished ones",
+                code="too_many_jobs",
+                headers={"Retry-After": "5"},
+            )
+        job = VideoJob("video_" + secrets.token_hex(12), request, time.time())
+        self.jobs[job.id] = job
+        job.task = asyncio.get_running_loop().create_task(self._run(job))
+        return job
+
+    def get(self, job_id: str) -> VideoJob:
+        self._sweep()
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise APIError(
+                404, f"no video job '{job_id}' (unknown, deleted or expired)", code="not_found"
+            )
+        return job
+
+    async def describe(self, job: VideoJob) -> dict:
+        if job.status == "in_progress" and time.monotonic() - job.checked > PROGRESS_CACHE_S:
+            job.checked = time.monotonic()
+            try:
+                found = await anyio.to_thread.run_sync(job.served.engine.inspect)
+            except Exception:  # the state is still the job's; progress is a courtesy
+                found = {}
+            progress = live_progress(job.served.plan, job.request_id, found)
+            if progress is not None and job.status == "in_progress":
+                job.progress = max(job.progress, progress)
+        return job.describe()
+
+    async def delete(self, job_id: str) -> dict:
+        job = self.get(job_id)
+        del self.jobs[job_id]
+        if job.task is not None and not job.task.done():
+            job.task.cancel()
+            await asyncio.gather(job.task, return_exceptions=True)
+        return {"id": job_id, "object": "video.deleted", "deleted": True}
+
+    def list(self) -> list[VideoJob]:
+        self._sweep()
+        return sorted(self.jobs.values(), key=lambda j: j.created_at)
+
+    async def close(self) -> None:
+        """The server stops: every job still queued or running is cancelled."""
+        tasks = [j.task for j in self.jobs.values() if j.task is not None and not j.task.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, job: VideoJob) -> None:
+        served, server = job.served, self.server
+        began = time.perf_counter()
+        slot = None
+        run = None
+        status = 500
+        try:
+            while slot is None:  # queued until the pipeline admits it, however long that is
+                if server.draining:
+                    raise APIError(503, "the server stopped before the job started", code="stopped")
+                try:
+                    slot = await served.acquire()
+                except APIError:  # the admission queue is full, or its wait bound passed
+                    await asyncio.sleep(0.05)
+            job.status, job.started_at = "in_progress", time.time()
+            run = Run(served, job.request.admitted, job.request_id, {served.video_port.name}, began)
+            video = None
+            async for output, value in run.chunks():
+                if output == served.video_port.name:
+                    video = value
+            if video is None:
+                raise APIError(500, f"pipeline '{served.name}' produced no video", code="no_output")
+            job.content = await asyncio.to_thread(mp4_bytes, video, job.request.fps)
+            job.status, job.progress, status = "completed", 100, 200
+        except APIError as err:
+            job.status, status = "failed", err.status
+            job.error = {"code": err.code or "failed", "message": err.message}
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        except Exception as err:  # an encoder or runtime bug: the job fails, the server stays
+            job.status = "failed"
+            job.error = {"code": "internal_error", "message": f"{type(err).__name__}: {err}"}
+        finally:
+            if run is not None:
+                await run.close()
+            if slot is not None:
+                slot.release()
+            job.completed_at = time.time()
+            job.expires_at = job.completed_at + self.ttl_s
+            server.finish(run, served.name, "/v1/videos", status, began)
+
+
+def live_progress(plan, request_id: str, found: dict) -> int | None:
+    """0-100 from the engine's inspection: a denoiser's steps make 5..95, a stage after it
+    95, one before it 2."""
+    names = [s.name for s in plan.stages]
+    denoisers = [s.name for s in plan.stages if s.kind == "diffusion"]
+    for inspection in found.values():
+        for stage, requests in getattr(inspection, "progress", {}).items():
+            if request_id in requests and stage in denoisers:
+                done, total = requests[request_id]
+                return 5 + int(90 * done / max(total, 1))
+    where = [
+        names.index(stage)
+        for inspection in found.values()
+        for stage, calls in getattr(inspection, "calls", {}).items()
+        if request_id in calls and stage in names
+    ]
+    if not where or not denoisers:
+        return None
+    return 95 if max(where) > names.index(denoisers[0]) else 2

@@ -1,0 +1,202 @@
+"""Video jobs over HTTP, as the peer's ComfyUI client drives them (peer_api.md §2.5), against
+a real `omniflow run` of the tiny Wan2.2 text-to-video and image-to-video pipelines: a
+multipart create with every value a string answers at once with an id and a status; the
+job is polled to completed (with progress) and its content is an H.264 MP4 of the asked
+frames, size and rate; `input_reference` makes it image-to-video; the same seed gives the
+same video, also from `/v1/videos/sync`; a job outlives its client; the store is bounded
+(429) and results expire; DELETE cancels a running job in every stage; a request the
+pipeline cannot take is a 400 at once, one that fails in a stage a failed job."""
+
+import io
+import time
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from omniflow.media import decode_video
+from tests.server.conftest import GRAPHS, wait_until
+
+TTL_S = 3.0
+PIPELINES = [str(GRAPHS / "text_to_video.omni"), str(GRAPHS / "image_to_video.omni")]
+SMALL = ["--param", "steps=2", "--param", "height=32", "--param", "width=32",
+         "--param", "num_frames=5"]  # fmt: skip
+# What the peer's client sends besides its prompt and size: every value as str(v).
+PEER = {"num_frames": "5", "fps": "8", "num_inference_steps": "2", "seed": "5",
+        "guidance_scale": "4.0", "guidance_scale_2": "3.0", "boundary_ratio": "0.875",
+        "flow_shift": "5.0", "negative_prompt": "blurry"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(request):
+    from tests.server.conftest import ServerProcess
+
+    server = ServerProcess(
+        [
+            *PIPELINES,
+            "--tiny",
+            "--mode",
+            "inprocess",
+            *SMALL,
+            "--max-video-jobs",
+            "3",
+            "--video-ttl",
+            str(TTL_S),
+        ]  # fmt: skip
+    )
+    yield server
+    code, err = server.stop()
+    assert code == 0, err
+    assert "Traceback" not in err, err
+
+
+@pytest.fixture
+def http(server):
+    with server.client() as client:
+        yield client
+
+
+def png(width: int = 40, height: int = 24) -> bytes:
+    pixels = (np.arange(height * width * 3).reshape(height, width, 3) * 5 % 255).astype(np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def create(http, model="text_to_video", image: bytes | None = None, **fields) -> httpx.Response:
+    data = {"model": model, "prompt": "A cat walks on the grass", "width": "32", "height": "32",
+            **PEER, **fields}  # fmt: skip
+    files = {"input_reference": ("image.png", image, "image/png")} if image else None
+    return http.post("/v1/videos", data=data, files=files)
+
+
+def finished(http, job_id: str, timeout: float = 60.0) -> dict:
+    """Poll as the peer's client does (faster) until the job completes or fails."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = http.get(f"/v1/videos/{job_id}").json()
+        seen.append((job["status"], job["progress"]))
+        if job["status"] in ("completed", "failed"):
+            job["seen"] = seen
+            return job
+        time.sleep(0.05)
+    raise AssertionError(f"job {job_id} did not finish: {seen[-3:]}")
+
+
+def test_a_peer_text_to_video_job_completes_with_an_h264_mp4(http):
+    reply = create(http)
+    assert reply.status_code == 200, reply.text
+    job = reply.json()
+    assert job["id"].startswith("video_") and job["status"] in ("queued", "in_progress")
+    assert job["object"] == "video" and job["model"] == "text_to_video"
+    done = finished(http, job["id"])
+    assert done["status"] == "completed" and done["progress"] == 100, done
+    assert done["error"] is None and done["seed"] == 5 and done["size"] == "32x32"
+    progress = [p for _, p in done["seen"]]
+    assert progress == sorted(progress)
+    content = http.get(f"/v1/videos/{job['id']}/content")
+    assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
+    frames, fps, codec = decode_video(content.content)
+    assert frames.shape == (5, 32, 32, 3) and fps == 8 and codec == "h264"
+    assert frames.float().std() > 1
+    listed = http.get("/v1/videos").json()["data"]
+    assert job["id"] in [j["id"] for j in listed]
+    deleted = http.delete(f"/v1/videos/{job['id']}")
+    assert deleted.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}
+    assert http.get(f"/v1/videos/{job['id']}").status_code == 404
+
+
+def test_the_same_seed_gives_the_same_video_and_sync_gives_it_too(http):
+    first = finished(http, create(http, seed="11").json()["id"])
+    second = finished(http, create(http, seed="11").json()["id"])
+    other = finished(http, create(http, seed="12").json()["id"])
+    videos = {
+        name: http.get(f"/v1/videos/{job['id']}/content").content
+        for name, job in (("first", first), ("second", second), ("other", other))
+    }
+    assert videos["first"] == videos["second"] != videos["other"]
+    data = {"model": "text_to_video", "prompt": "A cat walks on the grass", "width": "32",
+            "height": "32", **PEER, "seed": "11"}  # fmt: skip
+    sync = http.post("/v1/videos/sync", data=data)
+    assert sync.status_code == 200 and sync.headers["x-omniflow-seed"] == "11"
+    assert sync.content == videos["first"]
+    for job in (first, second, other):
+        http.delete(f"/v1/videos/{job['id']}")
+
+
+def test_input_reference_makes_it_image_to_video(http):
+    job = finished(http, create(http, "image_to_video", image=png()).json()["id"])
+    assert job["status"] == "completed", job
+    frames, _, _ = decode_video(http.get(f"/v1/videos/{job['id']}/content").content)
+    assert frames.shape == (5, 32, 32, 3)
+    http.delete(f"/v1/videos/{job['id']}")
+    refused = create(http, "text_to_video", image=png())
+    assert refused.status_code == 400 and "image to video: image_to_video" in refused.text
+    missing = create(http, "image_to_video")
+    assert missing.status_code == 400 and "input_reference" in missing.json()["error"]["param"]
+
+
+def test_a_job_outlives_its_client(server):
+    with server.client() as client:
+        job_id = create(client).json()["id"]
+    with server.client() as client:  # another connection, later
+        assert finished(client, job_id)["status"] == "completed"
+        client.delete(f"/v1/videos/{job_id}")
+
+
+@pytest.mark.parametrize(
+    "fields, message, param",
+    [
+        ({"num_frames": "many"}, "must be an integer", "num_frames"),
+        ({"colour": "red"}, "unknown field 'colour'", "colour"),
+        ({"fps": "0"}, "'fps' must be 1 to 240", "fps"),
+        ({"size": "big"}, "WIDTHxHEIGHT", "size"),
+        ({"num_inference_steps": "5000"}, "at most 1000", "num_inference_steps"),
+    ],
+)
+def test_a_request_the_pipeline_cannot_take_is_a_400_at_once(http, fields, message, param):
+    reply = create(http, **fields)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert message in error["message"] and error["param"] == param
+
+
+def test_a_request_that_fails_in_a_stage_is_a_failed_job(http):
+    job = finished(http, create(http, height="40").json()["id"])  # not a multiple of 16
+    assert job["status"] == "failed" and "multiple of 16" in job["error"]["message"]
+    content = http.get(f"/v1/videos/{job['id']}/content")
+    assert content.status_code == 409 and "multiple of 16" in content.text
+    http.delete(f"/v1/videos/{job['id']}")
+
+
+def test_the_store_is_bounded_delete_cancels_everywhere_and_results_expire(http):
+    slow = {"num_inference_steps": "400"}  # seconds of steps on the tiny model
+    jobs = [create(http, **slow).json()["id"] for _ in range(3)]
+    full = create(http)
+    assert full.status_code == 429 and full.headers["retry-after"] == "5"
+    assert "--max-video-jobs 3" in full.json()["error"]["message"]
+    running = jobs[0]
+    wait_until(lambda: http.get(f"/v1/videos/{running}").json()["status"] == "in_progress", 30)
+    wait_until(lambda: http.get(f"/v1/videos/{running}").json()["progress"] > 5, 30, 0.1)
+
+    def held() -> set[str]:
+        found = http.get("/debug/inspect").json()
+        return {
+            rid
+            for pipeline in found.values()
+            for executor in pipeline.get("executors", {}).values()
+            for calls in executor["calls"].values()
+            for rid in calls
+        }
+
+    assert running in held()
+    for job_id in jobs:
+        assert http.delete(f"/v1/videos/{job_id}").json()["deleted"] is True
+    wait_until(lambda: not set(jobs) & held(), timeout=2)  # cancelled in every stage
+    done = finished(http, create(http).json()["id"])
+    assert http.get(f"/v1/videos/{done['id']}").status_code == 200
+    assert done["expires_at"] - done["completed_at"] in (int(TTL_S), int(TTL_S) + 1)
+    time.sleep(TTL_S + 0.5)
+    assert http.get(f"/v1/videos/{done['id']}").status_code == 404
