@@ -42,6 +42,7 @@ from omniflow.server.protocol import (
     ChatCompletionRequest,
     ImageGenerationRequest,
     SpeechRequest,
+    parse_form,
     parse_json,
     validation_error,
 )
@@ -357,18 +358,8 @@ def create_app(server: Server) -> FastAPI:
         return await image_reply(request, context, served, images.parse_generation(served, body))
 
     async def images_edits(request: Request, context) -> Response:
-        kind = request.headers.get("content-type", "")
-        if not kind.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-            raise bad_request(
-                "an edit is a multipart/form-data request (fields and an 'image' file)",
-                code="invalid_content_type",
-            )
-        try:
-            form = await request.form(max_files=4, max_fields=64)
-        except ClientDisconnect:
-            raise
-        except Exception as err:  # python-multipart's errors for a malformed body
-            raise bad_request(f"the multipart body does not parse: {err}") from None
+        what = "an edit is a multipart/form-data request (fields and an 'image' file)"
+        form = await parse_form(request, what, max_files=4, max_fields=64)
         try:
             model = form.get("model")
             served = server.route(model if isinstance(model, str) else None, "edits")
@@ -395,18 +386,8 @@ def create_app(server: Server) -> FastAPI:
     async def upload_voice(request: Request, context) -> Response:
         """A reference clip (`audio`, a file), its transcript (`ref_text`) and a `name`:
         encoded once by the pipeline's own encoders and kept (`omniflow.server.voices`)."""
-        kind = request.headers.get("content-type", "")
-        if not kind.startswith("multipart/form-data"):
-            raise bad_request(
-                "an upload is a multipart/form-data request ('name', 'audio' file, 'ref_text')",
-                code="invalid_content_type",
-            )
-        try:
-            form = await request.form(max_files=2, max_fields=16)
-        except ClientDisconnect:
-            raise
-        except Exception as err:  # python-multipart's errors for a malformed body
-            raise bad_request(f"the multipart body does not parse: {err}") from None
+        what = "an upload is a multipart/form-data request ('name', 'audio' file, 'ref_text')"
+        form = await parse_form(request, what, 2, 16, kinds="multipart/form-data")
         try:
             model = form.get("model")
             served = server.route(model if isinstance(model, str) else None, "speech")

@@ -62,6 +62,19 @@ def parse_generation(served, body: dict) -> ImageJob:
     return _job(served, fields, {})
 
 
+async def uploaded_image(server, name: str, upload: UploadFile):
+    """The image of form file `name`, or a 400 naming it: over the server's media size
+    limit, or not an image."""
+    limit = server.config.max_media_bytes
+    data = await upload.read(limit + 1)
+    if len(data) > limit:
+        raise bad_request(f"'{name}': the file is over {limit} bytes", param=name)
+    try:
+        return decode_image(data)
+    except MediaError as err:
+        raise bad_request(f"'{name}': {err}", param=name) from None
+
+
 async def parse_edit(server, served, form) -> ImageJob:
     fields, inputs = {}, {}
     for name, value in form.multi_items():
@@ -77,15 +90,7 @@ async def parse_edit(server, served, form) -> ImageJob:
                 )
             if port in inputs:
                 raise bad_request(f"'{name}': one image per request", param=name)
-            data = await value.read(server.config.max_media_bytes + 1)
-            if len(data) > server.config.max_media_bytes:
-                raise bad_request(
-                    f"'{name}': the file is over {server.config.max_media_bytes} bytes", param=name
-                )
-            try:
-                inputs[port] = decode_image(data)
-            except MediaError as err:
-                raise bad_request(f"'{name}': {err}", param=name) from None
+            inputs[port] = await uploaded_image(server, name, value)
             continue
         if name in fields:
             raise bad_request(f"'{name}' is given twice", param=name)

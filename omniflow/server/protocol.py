@@ -171,6 +171,24 @@ def parse_json(body: bytes) -> dict:
     return value
 
 
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+
+
+async def parse_form(request, what: str, max_files: int, max_fields: int, kinds=FORM_TYPES):
+    """A request's form (the caller closes it), or a 400: its content type is not one of
+    `kinds` (`what` says what such a request is), or the body does not parse."""
+    from starlette.requests import ClientDisconnect
+
+    if not request.headers.get("content-type", "").startswith(kinds):
+        raise bad_request(what, code="invalid_content_type")
+    try:
+        return await request.form(max_files=max_files, max_fields=max_fields)
+    except ClientDisconnect:
+        raise
+    except Exception as err:  # python-multipart's errors for a malformed body
+        raise bad_request(f"the multipart body does not parse: {err}") from None
+
+
 def merge_extra_body(body: dict) -> dict:
     """A nested `extra_body` object merged into the request, as the OpenAI SDK does when it
     sends one (a field given both ways must agree)."""

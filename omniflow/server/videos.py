@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 import anyio
 from starlette.datastructures import UploadFile
 
-from omniflow.media import MediaError, decode_image, mp4_bytes
+from omniflow.media import mp4_bytes
 from omniflow.server.errors import APIError, bad_request, busy
-from omniflow.server.images import _size
+from omniflow.server.images import _size, uploaded_image
 from omniflow.server.params import Params, parse_form_value
-from omniflow.server.protocol import merge_extra_body, parse_json
+from omniflow.server.protocol import FORM_TYPES, merge_extra_body, parse_form, parse_json
 from omniflow.server.run import Run
 
 # Fields of a video request and their types (a multipart form's values arrive as strings).
@@ -113,12 +113,8 @@ class VideoJob:
 # --- parsing ---------------------------------------------------------------------------------
 async def read_fields(server, request) -> tuple[dict, dict]:
     """A video request's fields (typed) and its input image, from a multipart form or JSON."""
-    kind = request.headers.get("content-type", "")
-    if kind.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
-        try:
-            form = await request.form(max_files=4, max_fields=64)
-        except Exception as err:  # python-multipart's errors for a malformed body
-            raise bad_request(f"the multipart body does not parse: {err}") from None
+    if request.headers.get("content-type", "").startswith(FORM_TYPES):
+        form = await parse_form(request, "a video request is a form or JSON", 4, 64)
         try:
             return await _form_fields(server, form)
         finally:
@@ -138,15 +134,7 @@ async def _form_fields(server, form) -> tuple[dict, dict]:
                     f"'{name}': the only file a video request takes is '{IMAGE_FIELD}'",
                     param=name,
                 )
-            data = await value.read(server.config.max_media_bytes + 1)
-            if len(data) > server.config.max_media_bytes:
-                raise bad_request(
-                    f"'{name}': the file is over {server.config.max_media_bytes} bytes", param=name
-                )
-            try:
-                files[IMAGE_FIELD] = decode_image(data)
-            except MediaError as err:
-                raise bad_request(f"'{name}': {err}", param=name) from None
+            files[IMAGE_FIELD] = await uploaded_image(server, name, value)
             continue
         if name in fields:
             raise bad_request(f"'{name}' is given twice", param=name)
