@@ -72,11 +72,15 @@ def summary(values: list[float]) -> str:
 
 # --- servers ---------------------------------------------------------------------------------
 class Server:
-    def __init__(self, args: list[str]):
+    """`omniflow run ARGS` on a free port, once it says it is ready; its stderr goes to `log`
+    (a file, whose end an early exit shows) or nowhere."""
+
+    def __init__(self, args: list[str], log: Path | None = None):
+        self.log = log.open("w+") if log is not None else None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "omniflow.cli", "run", "--port", "0", *args],
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self.log or subprocess.DEVNULL,
             cwd=ROOT,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -85,11 +89,17 @@ class Server:
             if line.startswith("omniflow: ready at "):
                 self.base = line.split(" at ", 1)[1].strip()
                 return
-        raise RuntimeError(f"the server exited {self.proc.wait()}")
+        code = self.proc.wait()
+        if self.log is not None:
+            self.log.seek(0)
+        said = f":\n{self.log.read()[-3000:]}" if self.log is not None else ""
+        raise RuntimeError(f"the server exited {code}{said}")
 
     def stop(self) -> None:
         self.proc.terminate()
-        self.proc.wait(60)
+        self.proc.wait(120)
+        if self.log is not None:
+            self.log.close()
 
 
 def omni_chat_variants(folder: Path, whole: bool, model: str | None) -> list[Path]:

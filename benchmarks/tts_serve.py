@@ -43,7 +43,6 @@ import os
 import platform
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +50,11 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.serve import Server, percentile  # noqa: E402
+from omniflow.server.playback import Playback  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPH = ROOT / "graphs" / "qwen3_tts.omni"
@@ -73,51 +77,27 @@ GOALS = {  # (level, metric) -> (bound, "<=" or ">=")
 }
 
 
-# --- statistics -----------------------------------------------------------------------------
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = (len(ordered) - 1) * q
-    low, high = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
-
-
-def underrun(arrivals: list[tuple[float, int]]) -> float:
-    """Seconds a listener who starts at the first packet waits for later ones, in all:
-    `arrivals` are (time, bytes of 16-bit audio) per packet."""
-    stalled, play_end = 0.0, None
-    for at, size in arrivals:
-        seconds = size / 2 / RATE
-        if play_end is None:
-            play_end = at + seconds
-        elif at > play_end:
-            stalled += at - play_end
-            play_end = at + seconds
-        else:
-            play_end += seconds
-    return stalled
-
-
 # --- requests -------------------------------------------------------------------------------
 async def speak(client: httpx.AsyncClient, body: dict) -> dict:
     """One streamed PCM request, timed as the peer times it."""
     began = time.perf_counter()
-    arrivals: list[tuple[float, int]] = []
+    first, audio_s, playback = None, 0.0, Playback()
     async with client.stream("POST", "/v1/audio/speech", json=body) as reply:
         if reply.status_code != 200:
             raise RuntimeError(f"{reply.status_code}: {(await reply.aread())[:300]!r}")
         async for data in reply.aiter_raw():
             if data:
-                arrivals.append((time.perf_counter(), len(data)))
+                now, seconds = time.perf_counter(), len(data) / 2 / RATE
+                first = first or now
+                playback.arrived(now, seconds)
+                audio_s += seconds
     ended = time.perf_counter()
-    audio_s = sum(size for _, size in arrivals) / 2 / RATE
     return {
-        "ttfp": (arrivals[0][0] - began) * 1e3 if arrivals else None,
+        "ttfp": (first - began) * 1e3 if first else None,
         "e2e": (ended - began) * 1e3,
         "audio_s": audio_s,
         "rtf": (ended - began) / audio_s if audio_s else None,
-        "underrun": underrun(arrivals),
+        "underrun": playback.underrun,
     }
 
 
@@ -151,31 +131,6 @@ def reference_clip(seconds: float = 5.0) -> bytes:
     noise = np.random.default_rng(0).standard_normal(len(t))
     samples = (0.3 * np.sin(2 * np.pi * (180 + 120 * t) * t) + 0.05 * noise).astype(np.float32)
     return audio_bytes(torch.from_numpy(samples), RATE, "mp3")
-
-
-# --- the server -----------------------------------------------------------------------------
-class Server:
-    def __init__(self, args: list[str], log: Path):
-        self.log = log.open("w+")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "omniflow.cli", "run", "--port", "0", *args],
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            cwd=ROOT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        for line in self.proc.stdout:
-            if line.startswith("omniflow: ready at "):
-                self.base = line.split(" at ", 1)[1].strip()
-                return
-        self.log.seek(0)
-        raise RuntimeError(f"the server exited {self.proc.wait()}:\n{self.log.read()[-3000:]}")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(120)
-        self.log.close()
 
 
 def graph_variant(folder: Path, name: str, model: str | None, batch: int) -> Path:

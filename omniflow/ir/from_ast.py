@@ -165,7 +165,10 @@ class _GraphBuilder:
                 suggest(s.kind, KINDS, "kinds"),
             )
         kind = KINDS[s.kind]
-        specs = {**families.extra_params(s.kind), **kind.params}  # a family's, checked later
+        # The kind's own first (the hint lists them first), then a family's (checked later,
+        # against the stage's model).
+        specs = {**kind.params}
+        specs.update((k, v) for k, v in families.extra_params(s.kind).items() if k not in specs)
         params = {}
         for attr in s.args:
             if attr.key in params:
