@@ -49,12 +49,13 @@ def _run(args: argparse.Namespace) -> int:
     from omniflow.compiler import compile_file
     from omniflow.run_once import run_once
 
+    if args.profile is not None and (len(args.paths) != 1 or not (args.input or args.once)):
+        # Without a request to record, the user most likely meant to profile a server.
+        raise UsageError(
+            "--profile records one request of one pipeline (--once --input ...); to profile "
+            "a server, serve without --profile and POST /start_profile, then /stop_profile"
+        )
     if len(args.paths) != 1:
-        if args.profile is not None:
-            raise UsageError(
-                "--profile records one request of one pipeline (--once); to profile a "
-                "server, serve without --profile and POST /start_profile, then /stop_profile"
-            )
         raise UsageError("--once runs one pipeline: omniflow run PIPELINE.omni --once ...")
     if args.profile_gpu and args.profile is None:
         raise UsageError("--profile-gpu adds to a profile: give --profile DIR too")

@@ -30,6 +30,8 @@ MISTAKES = [
     ([CHAT, "--tiny", "--max-in-flight", "tts=3"], 1, "no served pipeline 'tts' (omni_chat)"),
     ([PROBE, PROBE], 1, "pipeline name probe is served twice"),
     ([CHAT, PROBE, "--once"], 2, "--once runs one pipeline"),
+    ([CHAT, PROBE, "--profile", "p"], 2, "POST /start_profile"),
+    ([CHAT, "--tiny", "--profile", "p"], 2, "POST /start_profile"),
     (["/no/such.omni"], 2, "no such file: /no/such.omni"),
     ([PROBE, "--host", "no.such.host.invalid"], 1, "--host no.such.host.invalid"),
 ]  # fmt: skip
