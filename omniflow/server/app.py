@@ -531,6 +531,7 @@ def create_app(server: Server) -> FastAPI:
             out[name] = {
                 "in_flight": s.inflight,
                 "limit": s.limit,
+                "queued": len(s.waiting),
                 "executors": {e: msgspec.to_builtins(i) for e, i in found.items()},
             }
         return JSONResponse(out)

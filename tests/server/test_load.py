@@ -172,6 +172,40 @@ def test_an_executor_crash_ends_its_requests_clearly_and_the_next_succeeds(http)
     assert http.get("/health").status_code == 200
 
 
+def test_kill_9_under_load_errs_the_running_and_the_queue_drains_after_restart(http, server):
+    queued = 20
+
+    async def stream_until_killed(client: httpx.AsyncClient) -> str:
+        async with client.stream("POST", CHAT, json=ask("many 100000", stream=True)) as reply:
+            assert reply.status_code == 200
+            events = [line[6:] async for line in reply.aiter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        return json.loads(events[-2]).get("error", {}).get("message", "")
+
+    async def load_then_kill() -> tuple[list, list]:
+        limits = httpx.Limits(max_connections=LIMIT + queued, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.base, headers=AUTH, timeout=60,
+                                     limits=limits) as client:  # fmt: skip
+            running = [asyncio.create_task(stream_until_killed(client)) for _ in range(LIMIT)]
+            while inspect(http)["in_flight"] < LIMIT:
+                await asyncio.sleep(0.05)
+            waiting = [asyncio.create_task(client.post(CHAT, json=ask("after restart")))
+                       for _ in range(queued)]  # fmt: skip
+            while inspect(http)["queued"] < queued:
+                await asyncio.sleep(0.05)
+            (executor,) = server.pids() - {server.proc.pid}
+            os.kill(executor, signal.SIGKILL)
+            return await asyncio.gather(*running), await asyncio.gather(*waiting)
+
+    executors = set(inspect(http)["executors"])
+    errors, replies = run_async(load_then_kill)
+    assert all("died" in message for message in errors), set(errors)
+    assert [r.status_code for r in replies] == [200] * queued
+    assert {r.json()["choices"][0]["message"]["content"] for r in replies} == {"after restart "}
+    assert set(inspect(http)["executors"]) == executors  # restarted, under its own name
+    wait_until(lambda: idle(http), timeout=5)
+
+
 def test_fuzzed_requests_kill_no_executor(http, server):
     from tests.server.fuzz import fuzz
 
