@@ -1,14 +1,15 @@
-"""Claims: the HTTP server adds little to a request (goal: <= 2 ms to its end-to-end time
-and <= 1 ms to its time to first packet), and streamed edges bring the first audio packet
+"""Claims: the HTTP server adds little to a request (goals: <= 2 ms to its time to first
+packet at concurrency 1 and <= 5 % at concurrency 10, issue 29), and streamed edges bring the first audio packet
 forward; plus the serving figures vLLM-Omni's benchmarks print (TTFP, E2E, real-time
 factor, audio and request throughput: mean, median, p90, p99) at concurrency 1, 4 and 10.
 
 Three parts, in one run (from the repository root: the overhead part serves the test
 suite's python-stage pipeline, tests/server/probe.omni):
 
-- overhead: the same short requests, one at a time, through `engine.stream` in this
-  process and over HTTP (SSE) to `omniflow run` serving the same pipeline, each with its
-  own executor process; a python stage, so the pipeline itself costs almost nothing;
+- overhead: the same streamed requests (100 words, one every 5 ms), c at a time
+  (`--overhead-levels`, default 1 and 10), through `engine.stream` in this process and
+  over HTTP (SSE) to `omniflow run` serving the same pipeline, each with its own executor
+  process; a python stage, so the pipeline itself costs almost nothing;
 - load: omni chat (streamed SSE, text and audio) and TTS (Qwen3-TTS, graphs/qwen3_tts.omni,
   streamed speech) over HTTP at concurrency 1, 4 and 10 (benchmarks/tts_serve.py measures
   Qwen3-TTS at real size);
@@ -211,13 +212,15 @@ def report_load(title: str, results: list[dict], wall: float) -> None:
 
 
 # --- parts -----------------------------------------------------------------------------------
-def overhead(requests: int) -> None:
-    """The same short request through engine.stream here and over HTTP (SSE), alternating
-    one and the other so that both see the same machine."""
+def overhead(requests: int, levels: tuple[int, ...]) -> None:
+    """The same streamed requests through engine.stream here and over HTTP (SSE), at each
+    concurrency in `levels`: rounds of that many requests at once, alternating one path and
+    the other so that both see the same machine. Each request streams 100 words, one every
+    5 ms (tests/server/stages.py's `many`), as a decode would."""
     from omniflow.compiler import compile_file
     from omniflow.runtime.engine import Engine
 
-    text = "one two three four five six seven eight"
+    text = "many 100"
     body = {"model": "probe", "messages": [{"role": "user", "content": text}], "stream": True}
 
     async def in_process(engine) -> tuple[float, float]:
@@ -233,16 +236,19 @@ def overhead(requests: int) -> None:
         first = None
         async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
             async for line in reply.aiter_lines():
-                if first is None and '"content": "' in line and '"content": ""' not in line:
+                if first is None and '"content": "w' in line:
                     first = time.perf_counter()
         return (first - began) * 1e3, (time.perf_counter() - began) * 1e3
 
-    async def alternate(engine, base: str) -> tuple[list, list]:
+    async def alternate(engine, base: str, concurrency: int) -> tuple[list, list]:
         here, http = [], []
-        async with httpx.AsyncClient(base_url=base, timeout=60) as client:
-            for i in range(requests + 20):  # the first 20 of each warm up
-                a, b = await in_process(engine), await over_http(client)
-                if i >= 20:
+        rounds = max(4, requests // concurrency)
+        limits = httpx.Limits(max_connections=concurrency)
+        async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
+            for i in range(rounds + 4):  # the first 4 rounds of each warm up
+                a = await asyncio.gather(*(in_process(engine) for _ in range(concurrency)))
+                b = await asyncio.gather(*(over_http(client) for _ in range(concurrency)))
+                if i >= 4:
                     here.append(a)
                     http.append(b)
         return here, http
@@ -250,21 +256,33 @@ def overhead(requests: int) -> None:
     server = Server([str(PROBE)])
     try:
         with Engine(compile_file(PROBE), "process") as engine:
-            here, http = asyncio.run(alternate(engine, server.base))
+            runs = {c: asyncio.run(alternate(engine, server.base, c)) for c in levels}
     finally:
         server.stop()
-    print(f"\noverhead: {requests} 8-word requests each way, alternating, python-stage pipeline")
-    print(
-        f"{'path':16} {'first chunk ms: median':>24} {'p90':>7} {'end ms: median':>16} {'p90':>7}"
+    print("\noverhead: streamed 100-word requests (5 ms a word), python-stage pipeline; "
+          "rounds of c requests at once, the two paths alternating")  # fmt: skip
+    print(f"{'c':>3} {'path':14} {'first chunk ms: median':>23} {'p90':>7} {'end ms: median':>15}"
+          f" {'p90':>7}")  # fmt: skip
+    for concurrency, (here, http) in runs.items():
+        for name, rounds in (("engine.stream", here), ("HTTP SSE", http)):
+            first = [r[0] for rows in rounds for r in rows]
+            end = [r[1] for rows in rounds for r in rows]
+            print(f"{concurrency:>3} {name:14} {statistics.median(first):23.3f}"
+                  f" {percentile(first, 0.9):7.3f} {statistics.median(end):15.3f}"
+                  f" {percentile(end, 0.9):7.3f}")  # fmt: skip
+
+        first_ms, end_ms = _paired_added(0, here, http), _paired_added(1, here, http)
+        print(f"    HTTP adds (median of paired rounds): {first_ms:.3f} ms to the first chunk, "
+              f"{end_ms:.3f} ms end to end")  # fmt: skip
+
+
+def _paired_added(key: int, here: list, http: list) -> float:
+    """What HTTP adds to figure `key`: per round, the median over its requests one way
+    minus the other; the median over rounds."""
+    return statistics.median(
+        statistics.median(r[key] for r in b) - statistics.median(r[key] for r in a)
+        for a, b in zip(here, http, strict=True)
     )
-    for name, rows in (("engine.stream", here), ("HTTP SSE", http)):
-        first, end = [r[0] for r in rows], [r[1] for r in rows]
-        print(f"{name:16} {statistics.median(first):24.3f} {percentile(first, 0.9):7.3f}"
-              f" {statistics.median(end):16.3f} {percentile(end, 0.9):7.3f}")  # fmt: skip
-    added_first = statistics.median([b[0] - a[0] for a, b in zip(here, http, strict=True)])
-    added_end = statistics.median([b[1] - a[1] for a, b in zip(here, http, strict=True)])
-    print(f"HTTP adds (median of paired differences): {added_first:.3f} ms to the first chunk, "
-          f"{added_end:.3f} ms end to end")  # fmt: skip
 
 
 def serving(
@@ -321,6 +339,9 @@ def main() -> None:
     parser.add_argument("--real", dest="tiny", action="store_false", help="the graphs' models")
     parser.add_argument("--devices", default="cpu")
     parser.add_argument("--requests", type=int, default=200, help="overhead part: requests")
+    parser.add_argument(
+        "--overhead-levels", default="1,10", help="overhead part: concurrencies, e.g. 1,10"
+    )
     parser.add_argument("--parts", default="overhead,load,streaming")
     parser.add_argument(
         "--scaled",
@@ -332,7 +353,7 @@ def main() -> None:
     parts = set(re.split(r"[, ]+", args.parts))
     print(f"omniflow serving benchmark, {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs")
     if "overhead" in parts and args.url is None:
-        overhead(args.requests)
+        overhead(args.requests, tuple(int(c) for c in args.overhead_levels.split(",")))
     if parts & {"load", "streaming"}:
         serving(args.url, parts, args.tiny, args.devices, args.scaled)
 
