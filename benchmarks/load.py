@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import re
 import statistics
@@ -37,7 +36,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serve import Server, percentile  # noqa: E402
+from benchmarks.serve import Server, chat_deltas, percentile  # noqa: E402
 from omniflow.server.playback import Playback  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,20 +83,12 @@ async def chat(client: httpx.AsyncClient, model: str, seed: int, workload: dict)
             await reply.aread()
             return {"refused": True}
         reply.raise_for_status()
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"]["message"])
-            if not event["choices"]:
-                continue
-            delta, now = event["choices"][0]["delta"], time.perf_counter()
-            if delta.get("content") and first_text is None:
+        async for now, text, audio in chat_deltas(reply):
+            if text and first_text is None:
                 first_text = now
-            if (audio := delta.get("audio")) and audio.get("data"):
+            if audio:
                 first_audio = first_audio or now
-                seconds = len(base64.b64decode(audio["data"])) / 2 / RATE
+                seconds = len(audio) / 2 / RATE
                 playback.arrived(now, seconds)
                 audio_s += seconds
     ended = time.perf_counter()

@@ -131,22 +131,29 @@ async def chat_request(client: httpx.AsyncClient, model: str, seed: int, extra: 
     audio_bytes = 0
     async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
         reply.raise_for_status()
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
-                raise RuntimeError(event["error"]["message"])
-            if not event["choices"]:
-                continue
-            delta = event["choices"][0]["delta"]
-            now = time.perf_counter()
-            if delta.get("content") and first_text is None:
+        async for now, text, audio in chat_deltas(reply):
+            if text and first_text is None:
                 first_text = now
-            if (audio := delta.get("audio")) and audio.get("data"):
+            if audio:
                 first_audio = first_audio or now
-                audio_bytes += len(base64.b64decode(audio["data"]))
+                audio_bytes += len(audio)
     return _timings(began, first_text, first_audio, audio_bytes / 2 / RATE)
+
+
+async def chat_deltas(reply: httpx.Response):
+    """A streamed chat reply's deltas as they arrive: (time, text, audio bytes) each; an
+    error event raises."""
+    async for line in reply.aiter_lines():
+        if not line.startswith("data: {"):
+            continue
+        event = json.loads(line[6:])
+        if "error" in event:
+            raise RuntimeError(event["error"]["message"])
+        if not event["choices"]:
+            continue
+        delta, now = event["choices"][0]["delta"], time.perf_counter()
+        audio = (delta.get("audio") or {}).get("data")
+        yield now, delta.get("content"), base64.b64decode(audio) if audio else b""
 
 
 async def speech_request(client: httpx.AsyncClient, model: str, seed: int, extra: dict) -> dict:
