@@ -139,8 +139,9 @@ class Metrics:
         )
         self.websocket_sessions = Gauge(
             "omniflow_websocket_sessions",
-            "WebSocket speech sessions open now (/v1/audio/speech/stream), by model",
-            ["model"],
+            "WebSocket sessions open now, by model and endpoint (/v1/audio/speech/stream, "
+            "/v1/realtime)",
+            ["model", "endpoint"],
             registry=r,
         )
         self.served: dict[str, object] = {}  # model -> Served, for the inspection collector

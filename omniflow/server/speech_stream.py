@@ -25,26 +25,24 @@ pipeline failure closes it with 1011.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hmac
 import json
 import re
 import time
 from dataclasses import dataclass, field
 
-from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omniflow.media import Tempo, audio_bytes, streaming_wav_header
 from omniflow.server import chat, speech
 from omniflow.server.errors import APIError, bad_request
 from omniflow.server.run import Run
+from omniflow.server.sockets import CLOSE_BAD_REQUEST, CLOSE_BUSY, CLOSE_FAILED, Sender, authorised
 
 PATH = "/v1/audio/speech/stream"
 STREAM_FORMATS = ("pcm", "wav")
 AHEAD = 2  # segments synthesised at once per session
 MAX_SEGMENT_CHARS = 240  # past this, a segment ends at a clause or word boundary
 MAX_BUFFER_CHARS = 64 << 10  # text waiting to be spoken, at most
-CLOSE_BAD_REQUEST, CLOSE_FAILED, CLOSE_BUSY = 1008, 1011, 1013
 
 # A sentence ends at . ! ? ; (and their CJK forms) or a newline, followed by space or the end.
 _SENTENCE = re.compile(r"[.!?;…]+[\"')\]]*(?=\s)|[。！？；]+|\n")
@@ -113,7 +111,7 @@ class SpeechSession:
         self.segments: asyncio.Queue = asyncio.Queue()  # in order; None: no more
         self.running: set[Segment] = set()
         self.ahead = asyncio.Semaphore(AHEAD)
-        self.out: asyncio.Queue = asyncio.Queue()  # what the sender sends, in order
+        self.out: Sender | None = None
         self.count = 0
         self.audio_seconds = 0.0
         self.header_sent = False
@@ -122,14 +120,14 @@ class SpeechSession:
 
     # --- the socket -----------------------------------------------------------------------------
     async def serve(self) -> None:
-        if not self._authorised():
+        if not authorised(self.server, self.ws):
             await self.ws.close(code=CLOSE_BAD_REQUEST, reason="missing or wrong API key")
             return
         if self.server.draining:
             await self.ws.close(code=CLOSE_BUSY, reason="the server is shutting down")
             return
         await self.ws.accept()
-        sender = asyncio.ensure_future(self._send_loop())
+        self.out = Sender(self.ws)
         try:
             await self._read_loop()
         except WebSocketDisconnect:
@@ -137,18 +135,8 @@ class SpeechSession:
         finally:
             await self._cancel_all()
             if self.served is not None:
-                self.server.metrics.websocket_sessions.labels(self.served.name).dec()
-            sender.cancel()
-            await asyncio.gather(sender, return_exceptions=True)
-
-    def _authorised(self) -> bool:
-        key = self.server.config.api_key
-        if not key:
-            return True
-        scheme, _, token = self.ws.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            token = self.ws.query_params.get("api_key", "")
-        return hmac.compare_digest(token.strip().encode(), key.encode())
+                self.server.metrics.websocket_sessions.labels(self.served.name, PATH).dec()
+            await self.out.stop()
 
     async def _read_loop(self) -> None:
         """Client messages until the socket closes (after `session.done`, an error, or the
@@ -163,25 +151,8 @@ class SpeechSession:
                 await self._fail(err, CLOSE_BAD_REQUEST)
                 return
 
-    async def _send_loop(self) -> None:
-        while True:
-            kind, value = await self.out.get()
-            try:
-                if self.ws.client_state != WebSocketState.CONNECTED:
-                    continue
-                if kind == "json":
-                    await self.ws.send_text(json.dumps(value))
-                elif kind == "bytes":
-                    await self.ws.send_bytes(value)
-                else:
-                    await self.ws.close(code=value[0], reason=value[1])
-            except (RuntimeError, OSError, WebSocketDisconnect):
-                pass  # the client went away; the reader hears of it
-            finally:
-                self.out.task_done()
-
     def send(self, message: dict) -> None:
-        self.out.put_nowait(("json", message))
+        self.out.json(message)
 
     # --- messages -----------------------------------------------------------------------------
     async def _handle(self, message: dict) -> None:
@@ -249,7 +220,7 @@ class SpeechSession:
         job = await speech.parse(self.server, served, {**body, "input": "."})
         self.server.admit(served, dict(job.inputs), job.params)
         self.served, self.job = served, job
-        self.server.metrics.websocket_sessions.labels(served.name).inc()
+        self.server.metrics.websocket_sessions.labels(served.name, PATH).inc()
         self.speaker = asyncio.ensure_future(self._speak_loop())
         rate = _rate(served)
         self.send(
@@ -326,7 +297,7 @@ class SpeechSession:
                 if self.format == "wav" and not self.header_sent:
                     data = streaming_wav_header(rate) + data
                     self.header_sent = True
-                self.out.put_nowait(("bytes", data))
+                self.out.bytes(data)
             self.running.discard(segment)
             seconds = samples / rate
             self.audio_seconds += seconds
@@ -358,16 +329,15 @@ class SpeechSession:
                 "audio_seconds": round(self.audio_seconds, 6),
             }
         )
-        self.out.put_nowait(("close", (1000, "done")))
+        self.out.close(1000, "done")
 
     async def _fail(self, err: APIError, code: int, segment: int | None = None) -> None:
         message = {"type": "error", **json.loads(err.response().body)}
         if segment is not None:
             message["segment"] = segment
         self.send(message)
-        self.out.put_nowait(("close", (code, err.message[:120])))
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.out.join()
+        self.out.close(code, err.message)
+        await self.out.flush()
 
 
 def _rate(served) -> int:

@@ -1,0 +1,71 @@
+"""What every WebSocket endpoint shares: the API key check at the handshake, and one sender
+task per socket through which everything the server says leaves in order (so that a reader
+and the tasks producing output never write to the socket at once)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+CLOSE_BAD_REQUEST, CLOSE_FAILED, CLOSE_BUSY = 1008, 1011, 1013
+
+
+def authorised(server, websocket: WebSocket) -> bool:
+    """The server's API key, as `Authorization: Bearer KEY` or (browsers cannot set headers
+    on a WebSocket) `?api_key=KEY`; true when the server has none."""
+    key = server.config.api_key
+    if not key:
+        return True
+    scheme, _, token = websocket.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        token = websocket.query_params.get("api_key", "")
+    return hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+class Sender:
+    """The socket's outgoing side: `json`, `bytes` and `close` queue what to send, one task
+    sends it. A client gone away makes sends no-ops (its reader hears of it)."""
+
+    def __init__(self, websocket: WebSocket):
+        self.ws = websocket
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.task = asyncio.ensure_future(self._loop())
+
+    def json(self, message: dict) -> None:
+        self.out.put_nowait(("json", message))
+
+    def bytes(self, data: bytes) -> None:
+        self.out.put_nowait(("bytes", data))
+
+    def close(self, code: int, reason: str) -> None:
+        self.out.put_nowait(("close", (code, reason[:120])))
+
+    async def flush(self) -> None:
+        """Wait until everything queued so far has been sent (or dropped)."""
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.out.join()
+
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+    async def _loop(self) -> None:
+        while True:
+            kind, value = await self.out.get()
+            try:
+                if self.ws.client_state != WebSocketState.CONNECTED:
+                    continue
+                if kind == "json":
+                    await self.ws.send_text(json.dumps(value))
+                elif kind == "bytes":
+                    await self.ws.send_bytes(value)
+                else:
+                    await self.ws.close(code=value[0], reason=value[1])
+            except (RuntimeError, OSError, WebSocketDisconnect):
+                pass  # the client went away; the reader hears of it
+            finally:
+                self.out.task_done()
