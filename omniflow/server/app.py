@@ -34,7 +34,16 @@ from omniflow.profiler.dashboard import URLS as DASHBOARD_URLS
 from omniflow.profiler.dashboard import Dashboard
 from omniflow.runtime.gpu_timeline import ProfileError
 from omniflow.runtime.requests import RequestError
-from omniflow.server import chat, images, media_in, speech, speech_stream, videos, voices
+from omniflow.server import (
+    chat,
+    images,
+    media_in,
+    realtime,
+    speech,
+    speech_stream,
+    videos,
+    voices,
+)
 from omniflow.server.errors import APIError, bad_request, error_body
 from omniflow.server.log_stats import StatsLog
 from omniflow.server.metrics import Metrics
@@ -594,6 +603,11 @@ def create_app(server: Server) -> FastAPI:
         await speech_stream.SpeechSession(server, websocket).serve()
 
     app.add_api_websocket_route(speech_stream.PATH, speech_socket)
+
+    async def realtime_socket(websocket: WebSocket) -> None:
+        await realtime.RealtimeSession(server, websocket).serve()
+
+    app.add_api_websocket_route(realtime.PATH, realtime_socket)
     app.add_api_route("/health", observed("/health", health), methods=["GET"])
     app.add_api_route("/metrics", metrics_endpoint, methods=["GET"], include_in_schema=False)
     app.add_api_route("/debug/inspect", inspect, methods=["GET"], include_in_schema=False)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
+from omniflow.errors import OmniflowError
+
 TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
@@ -22,7 +24,7 @@ TYPES = {
 }
 
 
-class APIError(Exception):
+class APIError(OmniflowError):
     """An answer other than 200: its status, message, the request field it is about
     (`param`) and a machine-readable `code`."""
 

@@ -4,7 +4,7 @@
 containing `crash` kills its executor, `fail` fails its request, `many N` emits N words
 one every 5 ms (a request that lasts until it is cancelled), `wait S` answers `done` after
 S seconds. Waiting yields (other requests take their turns), it never sleeps the loop.
-`edit` inverts an image.
+`edit` inverts an image; `hear` says how much audio it was given and how long the chat is.
 """
 
 import os
@@ -56,3 +56,11 @@ def edit(batch):
         image = item["image"]
         out.append({"out": (255 - image.to(torch.uint8))[None]})
     return out
+
+
+def hear(batch):
+    """A chat and its audio -> "heard N samples, M messages" (N: the audio's samples)."""
+    return [
+        {"text": f"heard {item['audio'].numel()} samples, {len(item['prompt'])} messages"}
+        for item in batch
+    ]

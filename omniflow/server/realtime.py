@@ -1,0 +1,543 @@
+"""`WebSocket /v1/realtime?model=NAME`: a voice conversation over one socket, in the subset
+of OpenAI's realtime event protocol that docs/server.md ("Realtime sessions") lists.
+
+The client sends JSON events: `session.update`, `input_audio_buffer.append` (base64 16-bit
+PCM, mono, 16 kHz) / `.commit` / `.clear`, `conversation.item.create`, `response.create`,
+`response.cancel`. The server answers with `session.created` / `.updated`,
+`input_audio_buffer.committed` / `.cleared`, `conversation.item.created`, `response.created`,
+`response.text.delta` or (when the response speaks) `response.audio_transcript.delta` and
+`response.audio.delta` (base64 16-bit PCM at the pipeline's rate), their `.done` events,
+`response.done` (status and usage), and `error`.
+
+A response is one chat request made of the conversation so far (the session's
+`instructions` as its system message, every item since) and parsed, admitted and run
+exactly as `POST /v1/chat/completions` streams one (chat.py), so it batches with every other
+request in every stage; a committed audio buffer is a user message with an `input_audio`
+part, which a pipeline that takes no audio refuses (an `error` naming the item). The
+assistant's reply, however far it got, joins the conversation as an item.
+
+One response runs at a time. `response.cancel`, or, with `turn_detection` set, new audio
+appended while a response runs (barge-in; there is no voice-activity detection: the client
+decides what is speech), cancels it in every stage at once and it ends `cancelled`. A
+client that goes away cancels it too, and frees its admission slot. A mistaken event is an
+`error` event and the session goes on; what a session keeps is bounded (the audio buffer,
+the conversation's items and their audio, one event's size).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import time
+import uuid
+
+import torch
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from omniflow.media import audio_bytes
+from omniflow.server import chat
+from omniflow.server.errors import APIError, bad_request
+from omniflow.server.sockets import CLOSE_BAD_REQUEST, CLOSE_BUSY, Sender, authorised
+
+PATH = "/v1/realtime"
+INPUT_RATE = 16000  # input_audio_format pcm16: 16-bit mono at 16 kHz
+MAX_EVENT_BYTES = 4 << 20  # one client event (an append of ~2 minutes of audio)
+MAX_BUFFER_BYTES = 4 << 20  # the uncommitted audio buffer (~2 minutes)
+MAX_ITEMS = 64  # conversation items a session keeps
+MAX_CONVERSATION_AUDIO_BYTES = 16 << 20  # the committed audio every item holds (~8 minutes)
+SESSION_FIELDS = (
+    "modalities",
+    "instructions",
+    "voice",
+    "temperature",
+    "max_response_output_tokens",
+    "input_audio_format",
+    "output_audio_format",
+    "turn_detection",
+)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+def _invalid(message: str, param: str, code: str = "invalid_value") -> APIError:
+    return bad_request(message, param=param, code=code)
+
+
+def _about_items(err: APIError, sources: list[str]) -> APIError:
+    """A chat request's refusal, its `messages[i]...` field named as the item it came from
+    (a refusal of the whole `messages`, as "takes no audio input", names every item with
+    audio)."""
+    param = err.param or ""
+    if param.startswith("messages["):
+        index = int(param[len("messages[") : param.index("]")])
+        err.param = sources[index].removesuffix("+audio")
+    elif param == "messages":
+        named = [s.removesuffix("+audio") for s in sources if s.endswith("+audio")]
+        err.param = ", ".join(named or [s.removesuffix("+audio") for s in sources])
+    if err.param != param:
+        err.message = f"{err.param}: {err.message}"
+    return err
+
+
+class RealtimeSession:
+    """One WebSocket's conversation (see the module doc)."""
+
+    def __init__(self, server, websocket: WebSocket):
+        self.server = server
+        self.ws = websocket
+        self.id = _id("sess")
+        self.served = None
+        self.out: Sender | None = None
+        self.config: dict = {}
+        self.buffer = bytearray()  # uncommitted input audio
+        self.items: list[dict] = []  # the conversation: realtime items, in order
+        self.audio_bytes = 0  # committed audio the items hold
+        self.response: tuple[str, asyncio.Task] | None = None  # the running one
+
+    # --- the socket -----------------------------------------------------------------------------
+    async def serve(self) -> None:
+        if not authorised(self.server, self.ws):
+            await self.ws.close(code=CLOSE_BAD_REQUEST, reason="missing or wrong API key")
+            return
+        if self.server.draining:
+            await self.ws.close(code=CLOSE_BUSY, reason="the server is shutting down")
+            return
+        try:
+            self.served = self.server.route(self.ws.query_params.get("model"), "chat")
+        except APIError as err:
+            await self.ws.close(code=CLOSE_BAD_REQUEST, reason=err.message[:120])
+            return
+        await self.ws.accept()
+        self.out = Sender(self.ws)
+        gauge = self.server.metrics.websocket_sessions.labels(self.served.name, PATH)
+        gauge.inc()
+        self.config = self._default_config()
+        self.send("session.created", session=self._session())
+        try:
+            await self._read_loop()
+        except WebSocketDisconnect:
+            pass
+        finally:
+            await self._cancel_response()
+            gauge.dec()
+            await self.out.stop()
+
+    async def _read_loop(self) -> None:
+        while True:
+            message = await self.ws.receive()
+            if message["type"] == "websocket.disconnect":
+                raise WebSocketDisconnect(message.get("code", 1000))
+            event_id = None
+            try:
+                event = self._event(message)
+                event_id = event.get("event_id")
+                await self._handle(event)
+            except APIError as err:
+                self._error(err, event_id)
+
+    def send(self, kind: str, **fields) -> None:
+        self.out.json({"type": kind, "event_id": _id("event"), **fields})
+
+    def _error(self, err: APIError, event_id: str | None = None) -> None:
+        error = dict(err.body()["error"])
+        error["type"] = "invalid_request_error" if err.status < 500 else "server_error"
+        if event_id is not None:
+            error["event_id"] = event_id
+        self.send("error", error=error)
+
+    # --- client events --------------------------------------------------------------------------
+    def _event(self, message: dict) -> dict:
+        text = message.get("text")
+        if text is None:
+            raise _invalid("events are JSON text frames", "type")
+        if len(text) > MAX_EVENT_BYTES:
+            raise _invalid(f"an event is at most {MAX_EVENT_BYTES} bytes", "type", "too_large")
+        try:
+            event = json.loads(text)
+        except ValueError as err:
+            raise _invalid(f"an event is not valid JSON: {err}", "type") from None
+        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
+            raise _invalid("each event is a JSON object with a 'type'", "type")
+        return event
+
+    async def _handle(self, event: dict) -> None:
+        kind = event["type"]
+        handler = {
+            "session.update": self._session_update,
+            "input_audio_buffer.append": self._append,
+            "input_audio_buffer.commit": self._commit,
+            "input_audio_buffer.clear": self._clear,
+            "conversation.item.create": self._item_create,
+            "response.create": self._response_create,
+            "response.cancel": self._response_cancel,
+        }.get(kind)
+        if handler is None:
+            raise _invalid(
+                f"unknown event type {kind!r}; this server takes session.update, "
+                "input_audio_buffer.append/commit/clear, conversation.item.create, "
+                "response.create and response.cancel",
+                "type",
+            )
+        await handler(event)
+
+    async def _session_update(self, event: dict) -> None:
+        update = event.get("session")
+        if not isinstance(update, dict):
+            raise _invalid("session.update takes a 'session' object", "session")
+        config = dict(self.config)
+        for key, value in update.items():
+            if key not in SESSION_FIELDS:
+                raise _invalid(
+                    f"'session.{key}' is not supported; the session takes "
+                    f"{', '.join(SESSION_FIELDS)}",
+                    f"session.{key}",
+                    "unknown_parameter",
+                )
+            config[key] = self._session_value(key, value, "session")
+        self.config = config
+        self.send("session.updated", session=self._session())
+
+    def _session_value(self, key: str, value, within: str):
+        """`value` for the session's (or one response's) `key`, checked."""
+        where = f"{within}.{key}"
+        if key == "modalities":
+            have = {"text"} | ({"audio"} if self.served.outputs_of("audio") else set())
+            if not isinstance(value, list) or not value or not set(value) <= have:
+                raise _invalid(
+                    f"'{where}' lists what the response gives: {sorted(have)} here", where
+                )
+            return value
+        if key in ("input_audio_format", "output_audio_format"):
+            if value != "pcm16":
+                raise _invalid(f"'{where}' is pcm16 (16-bit mono PCM) here", where)
+            return value
+        if key == "turn_detection":
+            if value is not None and not (isinstance(value, dict) and value.get("type")):
+                raise _invalid(f"'{where}' is null or an object with a 'type'", where)
+            return value
+        if key == "max_response_output_tokens":
+            if value != "inf" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise _invalid(f"'{where}' is a count of tokens or \"inf\"", where)
+            return value
+        if key == "temperature":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise _invalid(f"'{where}' is a number", where)
+            return value
+        if not isinstance(value, str):
+            raise _invalid(f"'{where}' is a string", where)
+        return value
+
+    async def _append(self, event: dict) -> None:
+        audio = event.get("audio")
+        if not isinstance(audio, str):
+            raise _invalid("input_audio_buffer.append takes 'audio' (base64 PCM16)", "audio")
+        try:
+            data = base64.b64decode(audio, validate=True)
+        except (binascii.Error, ValueError):
+            raise _invalid("'audio' is not valid base64", "audio") from None
+        if len(data) % 2:
+            raise _invalid("'audio' is 16-bit PCM: an even number of bytes", "audio")
+        if len(self.buffer) + len(data) > MAX_BUFFER_BYTES:
+            raise _invalid(
+                f"the input audio buffer holds at most {MAX_BUFFER_BYTES} bytes "
+                f"({MAX_BUFFER_BYTES // (2 * INPUT_RATE)} s); commit or clear it",
+                "audio",
+                "buffer_full",
+            )
+        if self.response is not None and self.config.get("turn_detection") and data:
+            await self._cancel_response()  # barge-in: the user speaks over the reply
+        self.buffer += data
+
+    async def _commit(self, event: dict) -> None:
+        if not self.buffer:
+            raise _invalid("the input audio buffer is empty", "type", "input_audio_buffer_empty")
+        self._takes_audio("input_audio_buffer")
+        wav = audio_bytes(
+            torch.frombuffer(bytearray(self.buffer), dtype=torch.int16), INPUT_RATE, "wav"
+        )
+        item = {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_audio", "audio": base64.b64encode(wav).decode()}],
+        }
+        added = self._add_item(item, audio_bytes_held=len(wav))
+        self.buffer.clear()
+        self.send("input_audio_buffer.committed", previous_item_id=added["previous"],
+                  item_id=added["item"]["id"])  # fmt: skip
+        self._announce(added)
+        if self.config.get("turn_detection"):  # a turn ends: it is answered, as VAD would
+            await self._cancel_response()
+            await self._response_create({})
+
+    async def _clear(self, event: dict) -> None:
+        self.buffer.clear()
+        self.send("input_audio_buffer.cleared")
+
+    async def _item_create(self, event: dict) -> None:
+        item = event.get("item")
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            raise _invalid("conversation.item.create takes a message 'item'", "item")
+        role = item.get("role")
+        if role not in ("user", "assistant", "system"):
+            raise _invalid("'item.role' is user, assistant or system", "item.role")
+        content = item.get("content")
+        if not isinstance(content, list) or not content:
+            raise _invalid("'item.content' is a list of parts", "item.content")
+        held = 0
+        for j, part in enumerate(content):
+            where = f"item.content[{j}]"
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in ("input_text", "text"):
+                if not isinstance(part.get("text"), str):
+                    raise _invalid(f"'{where}.text' is a string", f"{where}.text")
+            elif kind == "input_audio" and role == "user":
+                self._takes_audio(where)
+                # An item's audio is base64 PCM16 at 16 kHz, as the buffer's: kept as a WAV.
+                pcm = await self._append_part(part, where)
+                part["audio"] = base64.b64encode(audio_bytes(pcm, INPUT_RATE, "wav")).decode()
+                held += len(part["audio"])
+            else:
+                raise _invalid(
+                    f"'{where}.type' is input_text, text or (a user's) input_audio", where
+                )
+        added = self._add_item({"type": "message", "role": role, "content": content},
+                               audio_bytes_held=held, item_id=item.get("id"))  # fmt: skip
+        self._announce(added)
+
+    def _takes_audio(self, where: str) -> None:
+        """Audio joins the conversation only where the pipeline hears: else every later
+        response would be refused for it."""
+        if not self.served.inputs_of("audio"):
+            raise _invalid(
+                f"'{where}': pipeline '{self.served.name}' takes no audio input (its inputs: "
+                f"{', '.join(f'{p.name} ({p.type})' for p in self.served.plan.inputs)}); "
+                "send input_text items",
+                where,
+                "audio_not_supported",
+            )
+
+    async def _append_part(self, part: dict, where: str) -> torch.Tensor:
+        try:
+            data = base64.b64decode(part.get("audio") or "", validate=True)
+        except (binascii.Error, ValueError, TypeError):
+            raise _invalid(f"'{where}.audio' is not valid base64", f"{where}.audio") from None
+        if not data or len(data) % 2:
+            raise _invalid(f"'{where}.audio' is 16-bit PCM, not empty", f"{where}.audio")
+        return torch.frombuffer(bytearray(data), dtype=torch.int16)
+
+    def _add_item(self, item: dict, audio_bytes_held: int = 0, item_id=None) -> dict:
+        if len(self.items) >= MAX_ITEMS:
+            raise _invalid(
+                f"a session keeps at most {MAX_ITEMS} conversation items; start a new one",
+                "item",
+                "conversation_full",
+            )
+        if self.audio_bytes + audio_bytes_held > MAX_CONVERSATION_AUDIO_BYTES:
+            raise _invalid(
+                f"a session keeps at most {MAX_CONVERSATION_AUDIO_BYTES} bytes of audio; "
+                "start a new one",
+                "item",
+                "conversation_full",
+            )
+        if item_id is not None and not isinstance(item_id, str):
+            raise _invalid("'item.id' is a string", "item.id")
+        previous = self.items[-1]["id"] if self.items else None
+        item = {"id": item_id or _id("item"), "object": "realtime.item", "status": "completed",
+                **item}  # fmt: skip
+        self.items.append(item)
+        self.audio_bytes += audio_bytes_held
+        return {"previous": previous, "item": item}
+
+    def _announce(self, added: dict) -> None:
+        item = dict(added["item"])
+        # The audio itself is not echoed back: the client sent it.
+        item["content"] = [
+            {k: v for k, v in part.items() if k != "audio"} for part in item["content"]
+        ]
+        self.send("conversation.item.created", previous_item_id=added["previous"], item=item)
+
+    # --- responses ------------------------------------------------------------------------------
+    async def _response_create(self, event: dict) -> None:
+        if self.response is not None:
+            raise _invalid(
+                "a response is running; cancel it first (response.cancel)",
+                "type",
+                "conversation_already_has_active_response",
+            )
+        options = event.get("response") or {}
+        if not isinstance(options, dict):
+            raise _invalid("'response' is an object", "response")
+        config = dict(self.config)
+        for key, value in options.items():
+            if key not in ("modalities", "instructions", "voice", "temperature",
+                           "max_response_output_tokens"):  # fmt: skip
+                raise _invalid(f"'response.{key}' is not supported", f"response.{key}")
+            config[key] = self._session_value(key, value, "response")
+        body, sources = self._chat_body(config)
+        try:  # checked now: a bad item fails before any work starts
+            job = await chat.parse(self.server, self.served, body)
+            admitted = self.server.admit(self.served, job.inputs, job.params)
+        except APIError as err:
+            raise _about_items(err, sources) from None
+        response_id = _id("resp")
+        self.send("response.created", response=self._response(response_id, "in_progress"))
+        task = asyncio.ensure_future(self._respond(response_id, job, admitted, config))
+        self.response = (response_id, task)
+
+    def _chat_body(self, config: dict) -> tuple[dict, list[str]]:
+        """The chat request of the conversation, and what each of its messages came from
+        (`item ID`; with "+audio" where the item holds audio). The pipeline takes as many
+        clips a request as it has audio inputs: the newest audio parts go as audio, and
+        earlier spoken turns are in the conversation through the replies to them."""
+        messages, sources = [], []
+        if config.get("instructions"):
+            messages.append({"role": "system", "content": config["instructions"]})
+            sources.append("session.instructions")
+        clips = sum(p["type"] == "input_audio" for item in self.items for p in item["content"])
+        skip = max(0, clips - len(self.served.inputs_of("audio")))
+        for item in self.items:
+            parts = []
+            for part in item["content"]:
+                if part["type"] != "input_audio":
+                    parts.append({"type": "text", "text": part.get("text") or
+                                  part.get("transcript") or ""})  # fmt: skip
+                elif skip:
+                    skip -= 1
+                else:
+                    parts.append({"type": "input_audio",
+                                  "input_audio": {"data": part["audio"], "format": "wav"}})  # fmt: skip
+            if not parts:
+                continue
+            source = f"item {item['id']}"
+            if all(p["type"] == "text" for p in parts):
+                content = "\n".join(p["text"] for p in parts)
+            else:
+                content, source = parts, source + "+audio"
+            messages.append({"role": item["role"], "content": content})
+            sources.append(source)
+        if not any(m["role"] == "user" for m in messages):
+            raise _invalid("the conversation has no user item to answer yet", "type")
+        body = {"model": self.served.name, "messages": messages, "stream": True,
+                "modalities": config["modalities"]}  # fmt: skip
+        if "audio" in config["modalities"]:
+            body["audio"] = {"format": "pcm16"}
+            if config.get("voice"):
+                body["audio"]["voice"] = config["voice"]
+        if config.get("temperature") is not None:
+            body["temperature"] = config["temperature"]
+        if isinstance(config.get("max_response_output_tokens"), int):
+            body["max_tokens"] = config["max_response_output_tokens"]
+        return body, sources
+
+    async def _respond(self, response_id: str, job, admitted, config: dict) -> None:
+        """Run the response: its deltas out as they come, then its item and response.done."""
+        served, began = self.served, time.perf_counter()
+        speaks = "audio" in config["modalities"]
+        item_id, text, run, slot, status, outcome = _id("item"), [], None, None, 200, "completed"
+        ids = {"response_id": response_id, "item_id": item_id, "output_index": 0,
+               "content_index": 0}  # fmt: skip
+        try:
+            slot = await served.acquire()  # queued like any request while the pipeline is full
+            run = chat.make_run(job, admitted, response_id, began)
+            run.timeline.queued = slot.waited
+            async for output, value in run.chunks():
+                if job.want_text and output == job.text_port.name:
+                    text.append(value)
+                    kind = "response.audio_transcript.delta" if speaks else "response.text.delta"
+                    self.send(kind, delta=value, **ids)
+                else:
+                    data = audio_bytes(value, run.timeline.rate, "pcm")
+                    self.send("response.audio.delta", delta=base64.b64encode(data).decode(), **ids)
+            if speaks:
+                self.send("response.audio.done", **ids)
+                self.send("response.audio_transcript.done", transcript="".join(text), **ids)
+            else:
+                self.send("response.text.done", text="".join(text), **ids)
+            if run.finish_reason == "length":
+                outcome = "incomplete"
+        except APIError as err:
+            status, outcome = err.status, "failed"
+            self._error(err)
+        except asyncio.CancelledError:
+            status, outcome = 499, "cancelled"
+        finally:
+            if run is not None:
+                await run.close()
+            if slot is not None:
+                slot.release()
+            self.server.finish(run, served.name, PATH, status, began)
+        part = {"type": "audio" if speaks else "text",
+                ("transcript" if speaks else "text"): "".join(text)}  # fmt: skip
+        item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant",
+                "status": "completed" if outcome == "completed" else "incomplete",
+                "content": [part]}  # fmt: skip
+        if len(self.items) < MAX_ITEMS:  # what the user heard is part of the conversation
+            self.items.append(item)
+        usage = run.usage if run is not None else None
+        self.send("response.done", response=self._response(response_id, outcome, [item], usage))
+        if self.response is not None and self.response[0] == response_id:
+            self.response = None
+
+    async def _response_cancel(self, event: dict) -> None:
+        if self.response is None:
+            raise _invalid("no response is running", "type", "response_cancel_not_active")
+        await self._cancel_response()
+
+    async def _cancel_response(self) -> None:
+        if self.response is None:
+            return
+        _, task = self.response
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        self.response = None
+
+    # --- what the server says -------------------------------------------------------------------
+    def _default_config(self) -> dict:
+        speaks = bool(self.served.outputs_of("audio"))
+        return {
+            "modalities": ["text", "audio"] if speaks else ["text"],
+            "instructions": "",
+            "voice": None,
+            "temperature": None,
+            "max_response_output_tokens": "inf",
+            "input_audio_format": "pcm16",
+            "output_audio_format": "pcm16",
+            "turn_detection": None,
+        }
+
+    def _session(self) -> dict:
+        rates = [o.attrs.get("rate") for o in self.served.plan.outputs if o.type == "audio"]
+        return {
+            "id": self.id,
+            "object": "realtime.session",
+            "model": self.served.name,
+            **self.config,
+            # omniflow's own: the sample rates of the audio each way.
+            "input_audio_rate": INPUT_RATE,
+            "output_audio_rate": int(rates[0]) if rates and rates[0] else None,
+        }
+
+    def _response(self, response_id: str, status: str, output=(), usage=None) -> dict:
+        details = None
+        if status == "incomplete":
+            details = {"type": "incomplete", "reason": "max_output_tokens"}
+        elif status == "cancelled":
+            details = {"type": "cancelled", "reason": "client_cancelled"}
+        return {
+            "id": response_id,
+            "object": "realtime.response",
+            "status": status,
+            "status_details": details,
+            "output": list(output),
+            "usage": None
+            if usage is None
+            else {
+                "total_tokens": usage["total_tokens"],
+                "input_tokens": usage["prompt_tokens"],
+                "output_tokens": usage["completion_tokens"],
+            },
+        }
