@@ -100,13 +100,15 @@ class StageDecl:
 
 @dataclass
 class InputDecl:
-    """`input name: type [= default]`; its `-> target` part becomes a Flow."""
+    """`input name: type[?] [= default]`; its `-> target` part becomes a Flow. `optional`
+    (`type?`): a request may leave it out, and the edges from it then end empty."""
 
     name: str
     type: str
     default: Value | None
     span: Span
     type_span: Span
+    optional: bool = False
 
 
 @dataclass

@@ -219,7 +219,7 @@ class _AstBuilder(Transformer):
         return _Value(f"{name}:{index}", self._src.meta_span(meta))
 
     def input_decl(self, meta, children):
-        name, type_, default, route = children
+        name, type_, optional, default, route = children
         span = self._statement_span(meta)
         decl = ast.InputDecl(
             name=str(name),
@@ -227,6 +227,7 @@ class _AstBuilder(Transformer):
             default=None if default is None else default.value,
             span=span,
             type_span=self._src.token_span(type_),
+            optional=optional is not None,
         )
         if route is None:
             return (decl,)

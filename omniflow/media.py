@@ -120,6 +120,23 @@ def _decode_with_av(data: bytes) -> tuple[torch.Tensor, int]:
     return torch.from_numpy(np.concatenate(parts).astype(np.float32)), int(rate)
 
 
+def resample(samples: torch.Tensor, rate: int, to: int) -> torch.Tensor:
+    """Mono float32 samples at `rate` resampled to `to` (FFmpeg's resampler through PyAV);
+    as they are when the rates agree."""
+    if rate == to:
+        return samples.float()
+    import av
+
+    frame = av.AudioFrame.from_ndarray(
+        samples.float().numpy().reshape(1, -1), format="flt", layout="mono"
+    )
+    frame.sample_rate = rate
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=to)
+    parts = [out.to_ndarray().reshape(-1) for out in resampler.resample(frame)]
+    parts += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
+    return torch.from_numpy(np.concatenate(parts).astype(np.float32))
+
+
 class _Sink:
     """What a PyAV muxer writes into, taken as it comes (not seekable: a muxer that would
     seek back to patch a header writes it up front instead)."""

@@ -139,6 +139,8 @@ class PortPlan:
     type: str
     default: object = None
     attrs: dict = field(default_factory=dict)
+    # An input a request may leave out (`input x: type?`): its edges then end empty.
+    optional: bool = False
 
 
 @dataclass

@@ -91,7 +91,7 @@ def test_names_too_long_to_fit_fold_rather_than_the_values_beside_them():
 
 def test_omni_chat_plan_has_budgets_and_a_fused_executor():
     plan = compile_file(ROOT / "graphs/omni_chat.omni", devices="2xH200")
-    assert {s.name for s in plan.stages} == {"thinker", "talker", "code2wav"}
+    assert {s.name for s in plan.stages} == {"hearing", "vision", "thinker", "talker", "code2wav"}
     assert all(s.budget_bytes >= s.need_bytes > 0 for s in plan.stages)
     assert ["thinker", "talker"] in [x.stage_names for x in plan.executors]
 

@@ -25,7 +25,7 @@ MODEL_BACKENDS: dict[tuple[str, str], str] = {
     ("ar", "transformers"): "omniflow.backends.transformers_ar:TransformersAR",
     ("ar", "vllm"): "omniflow.backends.vllm_ar:VllmAR",
     ("encoder", "diffusers"): "omniflow.backends.encoders:TextEncoder",
-    ("encoder", "transformers"): "omniflow.backends.vision:VisionEncoder",
+    ("encoder", "transformers"): "omniflow.backends.vision:encoder_backend",
     ("diffusion", "diffusers"): "omniflow.backends.diffusion:DiffusionSteps",
     ("vae", "diffusers"): "omniflow.backends.diffusion:VaeDecode",
     ("vocoder", "transformers"): "omniflow.backends.vocoders:Vocoder",
@@ -52,7 +52,8 @@ def backend_name(spec: StageSpec) -> str:
     if asked != "auto":
         return asked
     if kind == "encoder":
-        return "transformers" if set(spec.inputs) == {"image"} else "diffusers"
+        media = set(spec.inputs) <= {"image", "video", "audio"}
+        return "transformers" if spec.inputs and media else "diffusers"
     plain_lm = set(spec.inputs) <= {"prompt"} and set(spec.outputs) <= {"tokens", "text"}
     if kind == "ar" and plain_lm and importlib.util.find_spec("vllm") is not None:
         return "vllm"

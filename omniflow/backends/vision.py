@@ -28,6 +28,9 @@ What a request emits on `hidden`, in the tower's dtype, is one value `[1, 1 + n,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Protocol
+
 import torch
 
 from omniflow.backends.registry import family_code
@@ -104,26 +107,12 @@ def read_image(value):
     )
 
 
-def _load_tower(spec: StageSpec, device: str):
+def _load_tower(spec: StageSpec, device: str, loaded):
     """The stage's vision tower, alone, and the checkpoint's image processor: what its model
-    family's code loads (called with the checkpoint path, the component and the dtype; it
+    family's code loaded (called with the checkpoint path, the component and the dtype; it
     returns the tower, its loading info and the processor)."""
     plan = spec.plan
-    load = family_code(spec, "transformers")
-    if load is None:
-        family = plan.family.name if plan.family else "no model family"
-        raise VisionBackendError(
-            f"stage '{plan.name}': {plan.model} ({family}) has no vision tower omniflow can run"
-        )
-    path = model_path(plan.model)
-    dtype = plan.settings.get("dtype")
-    try:
-        with quiet():
-            tower, info, processor = load(
-                path, plan.component, torch_dtype(dtype) if dtype else "auto"
-            )
-    except (OSError, ValueError, KeyError) as err:
-        raise VisionBackendError(f"stage '{plan.name}': cannot load {plan.model}: {err}") from err
+    tower, info, processor = loaded
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise VisionBackendError(
@@ -145,15 +134,17 @@ def _load_tower(spec: StageSpec, device: str):
 class VisionEncoder(Backend):
     """A vision-language checkpoint's vision tower: one image per request to its embeddings."""
 
-    def __init__(self, spec: StageSpec, device: str):
+    def __init__(self, spec: StageSpec, device: str, loaded=None):
         super().__init__(spec, device)
         name = spec.plan.name
+        if loaded is None:
+            loaded = _load_family(spec, device)
         if spec.inputs != {"image": "image"}:
             given = ", ".join(f"{p}: {t}" for p, t in spec.inputs.items())
             raise VisionBackendError(
                 f"stage '{name}': the vision encoder takes one image input, not {given}"
             )
-        self.tower, self.processor = _load_tower(spec, device)
+        self.tower, self.processor = _load_tower(spec, device, loaded)
         max_len = spec.plan.settings["max_len"]
         # The largest image that gives at most max_len embeddings, one per merged patch.
         patch = self.processor.patch_size * self.processor.merge_size
@@ -201,3 +192,195 @@ class VisionEncoder(Backend):
             return self.processor(images=[image], size=self.size, return_tensors="pt")
         except ValueError as err:  # e.g. an aspect ratio above 200
             raise VisionBackendError(f"the image processor refuses the image: {err}") from err
+
+
+# --- several media items per request: images, videos, audio clips -----------------------------
+
+# The kinds of item a media value holds, as its header row's first entry says.
+MEDIA_KINDS = ("image", "video", "audio")
+_META_DIGITS = 3  # each header integer as 3 base-256 digits: up to 16,777,215, exact in bf16
+
+
+@dataclass
+class MediaItem:
+    """One encoded media item: its kind, embeddings `[n, H]` and integers that say what the
+    language model needs of it besides (`meta[0]` is always n; then e.g. the patch grid
+    (t, h, w) of an image, a video's grid and its seconds per grid in microseconds, an audio
+    clip's feature length)."""
+
+    kind: str
+    embeds: torch.Tensor
+    meta: tuple[int, ...]
+
+
+def pack_media(items: list[MediaItem], width: int, dtype) -> torch.Tensor:
+    """A request's media items, in the order its chat places them, as one `hidden` value
+    `[1, sum(1 + n_i), H]`: each item's header row (its kind, its integers as base-256
+    digits), then its n embeddings."""
+    rows = sum(1 + len(item.embeds) for item in items)
+    out = torch.zeros(1, rows, width, dtype=dtype)
+    at = 0
+    for item in items:
+        if 2 + _META_DIGITS * len(item.meta) > width:
+            raise VisionBackendError(f"{len(item.meta)} header integers do not fit {width} columns")
+        out[0, at, 0] = MEDIA_KINDS.index(item.kind) + 1
+        out[0, at, 1] = len(item.meta)
+        for i, value in enumerate(item.meta):
+            if not 0 <= value < _DIGIT**_META_DIGITS:
+                raise VisionBackendError(f"header integer {value} is out of range")
+            for d in range(_META_DIGITS):
+                out[0, at, 2 + _META_DIGITS * i + d] = (value // _DIGIT**d) % _DIGIT
+        out[0, at + 1 : at + 1 + len(item.embeds)] = item.embeds
+        at += 1 + len(item.embeds)
+    return out
+
+
+def unpack_media(hidden: torch.Tensor) -> list[MediaItem]:
+    """`pack_media`'s inverse (the embeddings copied out of `hidden`)."""
+    if hidden.dim() != 3 or hidden.shape[0] != 1:
+        raise VisionBackendError(
+            f"media embeddings of shape {list(hidden.shape)} are not the encoder's "
+            "[1, rows, hidden] layout"
+        )
+    rows = hidden[0]
+    items, at = [], 0
+    while at < len(rows):
+        head = rows[at].double().round().long().tolist()
+        kind, count = head[0], head[1]
+        if not 1 <= kind <= len(MEDIA_KINDS) or count < 1:
+            raise VisionBackendError(f"row {at} of the media embeddings is not an item header")
+        meta = tuple(
+            sum(head[2 + _META_DIGITS * i + d] * _DIGIT**d for d in range(_META_DIGITS))
+            for i in range(count)
+        )
+        n = meta[0]
+        if at + 1 + n > len(rows):
+            raise VisionBackendError("the media embeddings end inside an item")
+        items.append(MediaItem(MEDIA_KINDS[kind - 1], rows[at + 1 : at + 1 + n].clone(), meta))
+        at += 1 + n
+    return items
+
+
+class MediaTower(Protocol):
+    """What a model family's encoder loader returns for a media encoder stage.
+
+    - `kinds`: the input port types it encodes ("image", "video", "audio");
+    - `width`, `dtype`: its embeddings' width and dtype;
+    - `prepare(kind, value)`: one item through the model's own processor (an image file's
+      path or a uint8 `[H, W, 3]` tensor; a video file's bytes, 1-D uint8, or its frames
+      `[F, H, W, 3]`; 16 kHz mono float32 samples), as an object with a `tokens` attribute
+      (the embeddings it will give); raises `VisionBackendError` for an item it refuses;
+    - `forward(kind, prepared)`: ONE batched forward over items of one kind, possibly of
+      several requests: a `MediaItem` each, in order.
+    """
+
+    kinds: frozenset[str]
+    width: int
+    dtype: torch.dtype
+
+    def prepare(self, kind: str, value) -> Any: ...
+
+    def forward(self, kind: str, prepared: list) -> list[MediaItem]: ...
+
+
+def encoder_backend(spec: StageSpec, device: str) -> Backend:
+    """The transformers backend of an `encoder` stage with media inputs: what the stage's
+    model family loads. A (tower, loading info, image processor) triple is a one-image
+    vision tower (`VisionEncoder`); a `MediaTower` takes images, videos and audio clips,
+    several per request (`MediaEncoder`)."""
+    loaded = _load_family(spec, device)
+    if isinstance(loaded, tuple):
+        return VisionEncoder(spec, device, loaded)
+    return MediaEncoder(spec, device, loaded)
+
+
+def _load_family(spec: StageSpec, device: str):
+    plan = spec.plan
+    load = family_code(spec, "transformers")
+    if load is None:
+        family = plan.family.name if plan.family else "no model family"
+        raise VisionBackendError(
+            f"stage '{plan.name}': {plan.model} ({family}) has no media encoder omniflow can run"
+        )
+    path = model_path(plan.model)
+    dtype = plan.settings.get("dtype")
+    try:
+        with quiet():
+            loaded = load(path, plan.component, torch_dtype(dtype) if dtype else "auto")
+    except (OSError, ValueError, KeyError) as err:
+        raise VisionBackendError(f"stage '{plan.name}': cannot load {plan.model}: {err}") from err
+    if not isinstance(loaded, tuple):
+        loaded.to(device)
+    return loaded
+
+
+class MediaEncoder(Backend):
+    """A model's media towers: every item of every request in the step through the model's
+    processor, then one tower forward per kind of item for all of them; each request emits
+    one `hidden` value, its items packed in the order of its inputs (`pack_media`) and
+    finishes. A request with no items (its optional inputs left out) emits nothing."""
+
+    def __init__(self, spec: StageSpec, device: str, tower: MediaTower):
+        super().__init__(spec, device)
+        name = spec.plan.name
+        other = {p: t for p, t in spec.inputs.items() if t not in tower.kinds}
+        if other:
+            given = ", ".join(f"{p}: {t}" for p, t in other.items())
+            raise VisionBackendError(
+                f"stage '{name}': its tower ({spec.plan.component}) encodes "
+                f"{', '.join(sorted(tower.kinds))}, not {given}"
+            )
+        self.tower = tower
+        self.max_rows = 1 + spec.plan.settings["max_len"]
+
+    def ready(self, call: Call) -> bool:
+        return call.inputs_ended()
+
+    @torch.inference_mode()
+    def step(self, calls: list[Call]) -> None:
+        wanted: dict[str, list] = {kind: [] for kind in MEDIA_KINDS}
+        plans = []
+        for call in calls:
+            try:
+                mine = self._prepare(call)
+            except VisionBackendError as err:
+                call.fail(err)
+                continue
+            if not mine:
+                call.finish()
+                continue
+            slots = []
+            for kind, prepared in mine:
+                slots.append((kind, len(wanted[kind])))
+                wanted[kind].append(prepared)
+            plans.append((call, slots))
+        done = {
+            kind: self.tower.forward(kind, prepared)
+            for kind, prepared in wanted.items()
+            if prepared
+        }
+        for call, slots in plans:
+            items = [done[kind][i] for kind, i in slots]
+            call.emit("hidden", pack_media(items, self.tower.width, self.tower.dtype))
+            call.finish()
+
+    def _prepare(self, call: Call) -> list:
+        mine, rows = [], 0
+        for port, kind in self.spec.inputs.items():
+            value = call.inputs[port].take()
+            if value is None:
+                continue
+            for i, item in enumerate(value if isinstance(value, list) else [value]):
+                try:
+                    prepared = self.tower.prepare(kind, item)
+                except VisionBackendError as err:
+                    raise VisionBackendError(f"input '{port}' item {i}: {err}") from err
+                mine.append((kind, prepared))
+                rows += 1 + prepared.tokens
+        if rows > self.max_rows:
+            raise VisionBackendError(
+                f"the request's media give {rows} embedding and header rows; stage "
+                f"'{self.spec.plan.name}' was compiled for {self.max_rows} (max_len "
+                f"{self.max_rows - 1})"
+            )
+        return mine

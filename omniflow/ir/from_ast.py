@@ -212,6 +212,14 @@ class _GraphBuilder:
         params = {"type": i.type}
         if i.default is not None:
             params["default"] = self.value(i.default, i.span)
+        if i.optional:
+            if i.default is not None:
+                raise GraphError(
+                    f"input '{i.name}' is optional and has a default; give one or the other",
+                    i.span,
+                    "an optional input (`type?`) a request leaves out sends nothing",
+                )
+            params["optional"] = True
         self.graph.add_node(Node(i.name, INPUT, params, span=i.span))
 
     # --- flows -------------------------------------------------------------------------

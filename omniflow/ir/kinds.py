@@ -121,8 +121,13 @@ KINDS: dict[str, StageKind] = {
         ),
         _kind(
             "encoder",
-            "one forward pass from text, image or audio to hidden states",
-            {"prompt": ("chat", "text", "tokens"), "image": ("image",)},
+            "one forward pass from text, images, video or audio to hidden states",
+            {
+                "prompt": ("chat", "text", "tokens"),
+                "image": ("image",),
+                "video": ("video",),
+                "audio": ("audio",),
+            },
             {"hidden": "hidden"},
             {"max_len": ParamSpec(_INT, 1024, **_LENGTH)},
         ),
@@ -219,7 +224,6 @@ NOT_YET_PORTS: dict[tuple[str, str], str] = {
     ("ar", "video"): f"ar stages take no video yet: {_MEDIA_IN}",
     ("ar", "kv"): "passing a KV cache between stages is not supported yet",
     ("diffusion", "kv"): "passing a KV cache between stages is not supported yet",
-    ("encoder", "audio"): "encoder stages take no audio yet (text and images only)",
 }
 
 # Edge attributes a flow may carry; `rate` and `format` belong to an output instead.

@@ -55,7 +55,8 @@ def to_dsl(graph: Graph) -> str:
     for node in graph.inputs:
         default = node.params.get("default")
         tail = "" if default is None else f" = {format_value(default)}"
-        lines.append(f"  input {node.name}: {node.params['type']}{tail}")
+        mark = "?" if node.params.get("optional") else ""
+        lines.append(f"  input {node.name}: {node.params['type']}{mark}{tail}")
     lines += [f"  {_flow(graph, e)}" for e in graph.edges]
     lines += [f"  {c.kind} {', '.join(c.stages)}" for c in graph.constraints]
     return "\n".join(lines + ["}"]) + "\n"
@@ -77,6 +78,7 @@ def format_graph(graph: Graph) -> str:
     for node in graph.topo_order():
         if node.op == "input":
             body = f"input  {node.name}: {node.params['type']}"
+            body += "?" if node.params.get("optional") else ""
         elif node.op == "output":
             body = f"output {node.name}" + (f"({_call_args(node.params)})" if node.params else "")
         else:

@@ -79,9 +79,9 @@ class Pipeline:
         )
         return _Handle(name)
 
-    def input(self, name: str, type: str, default=None) -> _Handle:
+    def input(self, name: str, type: str, default=None, optional: bool = False) -> _Handle:
         span = _caller_span()
-        self._ast.inputs.append(ast.InputDecl(name, type, default, span, span))
+        self._ast.inputs.append(ast.InputDecl(name, type, default, span, span, optional))
         return _Handle(name)
 
     def output(self, name: str) -> ast.OutputRef:

@@ -35,7 +35,13 @@ def lower(graph: Graph) -> Plan:
         programs=programs(graph, stages, channels),
         stages=stages,
         inputs=[
-            PortPlan(n.name, n.params["type"], plain(n.params.get("default"))) for n in graph.inputs
+            PortPlan(
+                n.name,
+                n.params["type"],
+                plain(n.params.get("default")),
+                optional=bool(n.params.get("optional")),
+            )
+            for n in graph.inputs
         ],
         outputs=[
             PortPlan(

@@ -46,6 +46,12 @@ DEFAULT_SPECS: dict[str, PortSteps] = {
     "video": PortSteps(TensorSpec("uint8", (81, 480, 832, 3)), 1),
     "kv": PortSteps(TensorSpec("bfloat16", (1, 2, 8, 128)), 4096),
 }
+# A request's video input is a video file's bytes (the stage decodes and samples it): at
+# most 16 MiB.
+INPUT_SPECS: dict[str, PortSteps] = {
+    **DEFAULT_SPECS,
+    "video": PortSteps(TensorSpec("uint8", (16 * 1024 * 1024,)), 1),
+}
 
 
 def _stage_spec(graph: Graph, node: Node, port: str) -> PortSteps:
@@ -116,7 +122,7 @@ def _adapter_needs(graph: Graph, node: Node) -> tuple[int, bool] | None:
 
 def _out_spec(graph: Graph, node: Node, port: str) -> PortSteps:
     if node.op == INPUT:
-        return DEFAULT_SPECS[node.params["type"]]
+        return INPUT_SPECS[node.params["type"]]
     if node.op == "python":
         return DEFAULT_SPECS[stage_ports("python", node.params)[1][port]]
     return _stage_spec(graph, node, port)

@@ -40,6 +40,8 @@ class Interpreter:
         arrived: dict[str, Chunks] = {}
         for name, value in request.inputs.items():
             self._flow(request_id, name, "out", [value], arrived)
+        for name in request.absent:  # optional inputs left out: their edges end empty
+            self._flow(request_id, name, "out", [], arrived)
         for stage in plan.stages:  # the plan lists stages in topological order
             into = [c for c in plan.channels if c.dst == stage.name]
             streams = {c.dst_port: InputStream(c.type) for c in into}

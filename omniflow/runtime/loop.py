@@ -377,7 +377,10 @@ class ProgramLoop:
         """A request's inputs, whole, onto the channels that leave them (the frontend): as
         admission encoded them, where they go out as they are."""
         for (source, _port), writers in self.writers.items():
-            if source in request.inputs:
+            if source in request.absent:  # an optional input left out: its edges end empty
+                for writer in writers:
+                    writer.end(request_id)
+            elif source in request.inputs:
                 for writer in writers:
                     channel = writer.channel
                     as_is = channel.adapter is None and not channel.maps

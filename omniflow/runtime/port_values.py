@@ -4,6 +4,11 @@ A tensor port's chunk is a tensor whose first dim counts steps (n steps x item s
 Text is a str and travels as its UTF-8 bytes; chat (a list of messages) as UTF-8 JSON.
 An image port's value may also be a str, the path of an image file the stage reads: it
 travels as its UTF-8 bytes, a 1-D uint8 tensor, which no image is (images are `[H, W, 3]`).
+
+A media port's value (image, audio, video) may be a list of items, several parts of one
+request (two images of one chat): it travels as one 1-D uint8 tensor, a magic prefix, a
+JSON header (each item's dtype and shape, or its path) and the items' bytes (`pack_items`),
+and arrives as the list again.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import json
 import torch
 
 TEXT_TYPES = ("text", "chat")
+MEDIA_TYPES = ("image", "audio", "video")
+# What a packed list of media items starts with: no UTF-8 path or media file starts so.
+_LIST_MAGIC = b"\x00omniflow-items\x00"
 
 
 def encode(port_type: str, value) -> torch.Tensor:
@@ -20,6 +28,8 @@ def encode(port_type: str, value) -> torch.Tensor:
     one already (a value admission encoded)."""
     if isinstance(value, torch.Tensor):
         return value
+    if port_type in MEDIA_TYPES and isinstance(value, list):
+        return pack_items(value)
     if port_type == "text" or (port_type == "image" and isinstance(value, str)):
         return _bytes(value.encode("utf-8"))
     if port_type == "chat":
@@ -38,6 +48,8 @@ def decode(port_type: str, tensor: torch.Tensor):
     """The inverse of `encode`; tensors come back as they are (callers copy if they keep them)."""
     if port_type == "text":
         return bytes(tensor.numpy()).decode("utf-8")
+    if port_type in MEDIA_TYPES and is_packed(tensor):
+        return unpack_items(tensor)
     if port_type == "image" and tensor.dim() == 1 and tensor.dtype == torch.uint8:
         # Not strict: a malformed image sent as 1-D bytes becomes a path the stage cannot
         # open, which fails that request there, not the process that decodes it.
@@ -70,3 +82,61 @@ def nbytes(value) -> int:
     if isinstance(value, torch.Tensor):
         return value.nbytes
     return len(str(value).encode("utf-8"))
+
+
+def is_packed(tensor) -> bool:
+    """Whether a tensor is a packed list of media items (`pack_items`)."""
+    n = len(_LIST_MAGIC)
+    return (
+        isinstance(tensor, torch.Tensor)
+        and tensor.dim() == 1
+        and tensor.dtype == torch.uint8
+        and tensor.numel() >= n
+        and bytes(tensor[:n].numpy()) == _LIST_MAGIC
+    )
+
+
+def pack_items(items: list) -> torch.Tensor:
+    """A list of media items (tensors, or str paths) as one 1-D uint8 tensor."""
+    header, blobs = [], []
+    for item in items:
+        if isinstance(item, str):
+            header.append({"path": item})
+            continue
+        tensor = torch.as_tensor(item).contiguous().cpu()
+        header.append(
+            {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
+        )
+        blobs.append(
+            tensor.reshape(-1).view(torch.uint8)
+            if tensor.numel()
+            else tensor.new_empty(0).view(torch.uint8)
+        )
+    head = json.dumps(header).encode("utf-8")
+    parts = [_bytes(_LIST_MAGIC + len(head).to_bytes(4, "little") + head), *blobs]
+    return torch.cat(parts)
+
+
+def unpack_items(tensor: torch.Tensor) -> list:
+    """`pack_items`' inverse: the list of items (tensors copied out, paths as str)."""
+    data = tensor.numpy().tobytes()
+    at = len(_LIST_MAGIC)
+    size = int.from_bytes(data[at : at + 4], "little")
+    header = json.loads(data[at + 4 : at + 4 + size].decode("utf-8"))
+    at += 4 + size
+    items = []
+    for entry in header:
+        if "path" in entry:
+            items.append(entry["path"])
+            continue
+        dtype = getattr(torch, entry["dtype"])
+        shape = entry["shape"]
+        count = 1
+        for d in shape:
+            count *= d
+        nbytes = count * torch.empty(0, dtype=dtype).element_size()
+        chunk = bytearray(data[at : at + nbytes])
+        at += nbytes
+        flat = torch.frombuffer(chunk, dtype=dtype) if nbytes else torch.empty(0, dtype=dtype)
+        items.append(flat.reshape(shape))
+    return items

@@ -30,7 +30,7 @@ from omniflow.errors import OmniflowError
 from omniflow.ir.kinds import SEED_BITS, SEED_PARAM
 from omniflow.ir.values import InputRef, Param, StageSeed
 from omniflow.plan import Plan, StagePlan
-from omniflow.runtime.port_values import encode
+from omniflow.runtime.port_values import MEDIA_TYPES, encode
 from omniflow.sampling import KNOBS
 
 
@@ -59,6 +59,8 @@ class Admitted:
     inputs: dict
     params: dict
     wire: dict = field(default_factory=dict, compare=False, repr=False)
+    # Optional inputs the request left out: their edges end with nothing on them.
+    absent: frozenset = frozenset()
 
     @property
     def seed(self) -> int:
@@ -141,7 +143,8 @@ def admit(
     """The request resolved against `plan`, or a RequestError naming what does not fit."""
     values = _check_params(plan, dict(params or {}))
     given, wire = _prepare_inputs(plan, inputs)
-    admitted = Admitted(given, values, wire)
+    absent = frozenset(i.name for i in plan.inputs if i.optional and i.name not in given)
+    admitted = Admitted(given, values, wire, absent)
     check_request(admitted, checks)
     return admitted
 
@@ -165,10 +168,14 @@ def _prepare_inputs(plan: Plan, inputs: dict) -> tuple[dict, dict]:
         )
     values = {}
     for name, port in known.items():
+        if name in inputs and inputs[name] is None and port.optional:
+            continue  # left out: its edges end empty
         if name in inputs:
             value = inputs[name]
         elif port.default is not None:
             value = port.default
+        elif port.optional:
+            continue
         else:
             raise RequestError(f"missing input '{name}' ({port.type})", name)
         values[name] = _check_input(name, port.type, value)
@@ -186,6 +193,27 @@ def _prepare_inputs(plan: Plan, inputs: dict) -> tuple[dict, dict]:
 
 
 def _check_input(name: str, port_type: str, value):
+    if port_type in MEDIA_TYPES and isinstance(value, (list, tuple)):
+        # Several items of one request (two images of one chat), each checked alone.
+        if not value:
+            raise RequestError(f"input '{name}' is an empty list of {port_type}s", name)
+        return [_check_input(f"{name}[{i}]", port_type, v) for i, v in enumerate(value)]
+    if port_type == "video" and isinstance(value, (str, os.PathLike, bytes)):
+        # A video file travels as its bytes; the stage decodes and samples it.
+        if isinstance(value, bytes):
+            data = value
+        else:
+            path = os.fspath(value)
+            try:
+                with open(path, "rb") as file:
+                    data = file.read()
+            except OSError as err:
+                raise RequestError(
+                    f"input '{name}': no readable video file at '{path}': {err.strerror}", name
+                ) from None
+        if not data:
+            raise RequestError(f"input '{name}' is an empty video file", name)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8)
     if port_type == "text":
         if not isinstance(value, str):
             raise RequestError(f"input '{name}' must be a string", name)

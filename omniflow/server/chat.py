@@ -23,7 +23,15 @@ import uuid
 
 import torch
 
-from omniflow.media import MediaError, audio_bytes, decode_audio, decode_image, streaming_wav_header
+from omniflow.media import (
+    MediaError,
+    audio_bytes,
+    decode_audio,
+    decode_image,
+    decode_video,
+    resample,
+    streaming_wav_header,
+)
 from omniflow.runtime.port_values import concat
 from omniflow.server import media_in
 from omniflow.server.errors import APIError, bad_request
@@ -34,6 +42,7 @@ from omniflow.server.protocol import (
     ImagePart,
     InputAudioPart,
     TextPart,
+    VideoURLPart,
     merge_extra_body,
     validate,
 )
@@ -89,6 +98,9 @@ async def parse(server, served, body: dict) -> ChatJob:
     for name in ("max_tokens", "max_completion_tokens", "temperature", "top_p", "seed"):
         if not params.take(name, getattr(request, name)):
             raise params.unknown([name])
+    for name, value in (request.mm_processor_kwargs or {}).items():
+        if not params.take(name, value, f"mm_processor_kwargs.{name}"):
+            raise params.unknown([f"mm_processor_kwargs.{name}"])
     _stops(job)
     if request.sampling_params_list is not None:
         params.sampling_params_list(request.sampling_params_list)
@@ -108,7 +120,8 @@ def _text_field(name: str, value) -> str:
 
 
 async def _messages(server, served, request: ChatCompletionRequest, inputs: dict) -> None:
-    chat, images, audios = [], [], []
+    chat, images, audios, videos = [], [], [], []
+    in_video = bool((request.mm_processor_kwargs or {}).get("use_audio_in_video"))
     for i, message in enumerate(request.messages):
         where = f"messages[{i}]"
         if message.tool_calls or message.role == "tool":
@@ -123,7 +136,7 @@ async def _messages(server, served, request: ChatCompletionRequest, inputs: dict
             )
         content = message.content
         if isinstance(content, list):
-            content = await _parts(server, content, where, images, audios)
+            content = await _parts(server, content, where, images, audios, videos, in_video)
         entry = {"role": "system" if message.role == "developer" else message.role}
         entry["content"] = "" if content is None else content
         if message.name is not None:
@@ -132,9 +145,10 @@ async def _messages(server, served, request: ChatCompletionRequest, inputs: dict
     inputs[served.chat_input.name] = chat
     _media_input(server, served, inputs, images, "image", "image_url")
     _media_input(server, served, inputs, audios, "audio", "input_audio")
+    _media_input(server, served, inputs, videos, "video", "video_url")
 
 
-async def _parts(server, parts, where: str, images: list, audios: list):
+async def _parts(server, parts, where: str, images, audios, videos, in_video: bool):
     out = []
     for j, part in enumerate(parts):
         at = f"{where}.content[{j}]"
@@ -159,17 +173,40 @@ async def _parts(server, parts, where: str, images: list, audios: list):
                 field = f"{at}.audio_url"
                 data = await server.fetch_media(url, field)
             try:
-                audios.append(decode_audio(data))
+                audios.append(_speech_rate(decode_audio(data)))
             except MediaError as err:
                 raise bad_request(f"'{field}': {err}", param=field) from None
             out.append({"type": "audio"})
+        elif isinstance(part, VideoURLPart):
+            url = part.video_url if isinstance(part.video_url, str) else part.video_url.url
+            field = f"{at}.video_url"
+            data = await server.fetch_media(url, field)
+            try:
+                decode_video(data)  # a corrupt file is the request's fault: 400 now
+                if in_video:  # its audio track goes in as the next audio item
+                    audios.append(_speech_rate(decode_audio(data)))
+            except MediaError as err:
+                what = " (use_audio_in_video needs its audio track)" if in_video else ""
+                raise bad_request(f"'{field}': {err}{what}", param=field) from None
+            videos.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            out.append({"type": "video"})
         else:
-            raise bad_request(
-                f"'{at}': video parts are not supported by the served pipelines", param=at
-            )
+            raise bad_request(f"'{at}': unsupported part", param=at)
     if all(p["type"] == "text" for p in out):
         return "\n".join(p["text"] for p in out)
     return out
+
+
+# What a chat's audio becomes before it reaches a pipeline's audio input: mono float32 at
+# the rate speech encoders take (16 kHz: Whisper's front end, the omni models' processors).
+SPEECH_RATE = 16000
+
+
+def _speech_rate(decoded: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, int]:
+    samples, rate = decoded
+    if not len(samples):
+        raise MediaError("the audio has no samples")
+    return resample(samples, rate, SPEECH_RATE), SPEECH_RATE
 
 
 def _media_input(server, served, inputs: dict, values: list, port_type: str, part: str) -> None:
@@ -189,6 +226,10 @@ def _media_input(server, served, inputs: dict, values: list, port_type: str, par
             f"message cannot carry {part} parts{hint}",
             param="messages",
         )
+    values = [v[0] if port_type == "audio" else v for v in values]
+    if len(ports) == 1 and ports[0].optional:  # several items of one request, in chat order
+        inputs[ports[0].name] = values if len(values) > 1 else values[0]
+        return
     if len(values) > len(ports):
         raise bad_request(
             f"pipeline '{served.name}' takes {len(ports)} {port_type}(s) per request; the "
@@ -196,7 +237,7 @@ def _media_input(server, served, inputs: dict, values: list, port_type: str, par
             param="messages",
         )
     for port, value in zip(ports, values, strict=False):
-        inputs[port.name] = value[0] if port_type == "audio" else value
+        inputs[port.name] = value
 
 
 def _modalities(job: ChatJob) -> None:

@@ -108,6 +108,9 @@ class ChatCompletionRequest(_Top):
     n: int | None = None
     extra_body: dict | None = None
     sampling_params_list: list[dict] | dict | None = None
+    # vLLM's: the model processor's options, each the pipeline parameter of its name
+    # (`use_audio_in_video`).
+    mm_processor_kwargs: dict | None = None
 
 
 class SpeechRequest(_Top):

@@ -91,7 +91,12 @@ def test_lookup_ignores_case_and_surrounding_noise():
 def test_shape_facts_of_the_omni_models():
     thinker = load_component_config("Qwen/Qwen2.5-Omni-7B", "thinker")
     assert (thinker.hidden_size, thinker.vocab_size) == (3584, 152064)
-    assert thinker.config["extra_parameters"] == {"audio_tower": 639_647_232, "visual": 676_550_144}
+    # Its towers are parts of their own, counted there (encoder stages run them).
+    assert "extra_parameters" not in thinker.config
+    audio = load_component_config("Qwen/Qwen2.5-Omni-7B", "audio_tower")
+    visual = load_component_config("Qwen/Qwen2.5-Omni-7B", "visual")
+    assert (audio.category, audio.config["num_parameters"]) == ("audio_encoder", 639_647_232)
+    assert (visual.category, visual.config["num_parameters"]) == ("vision_encoder", 676_550_144)
     talker = load_component_config("Qwen/Qwen2.5-Omni-7B", "talker")
     assert (talker.hidden_size, talker.vocab_size, talker.num_codebooks) == (896, 8448, 1)
     token2wav = load_component_config("Qwen/Qwen2.5-Omni-7B", "token2wav")
@@ -274,7 +279,9 @@ def test_local_multi_part_counts_its_extras_from_the_checkpoint(tmp_path):
         tmp_path / "model.safetensors",
     )
     thinker = load_component_config(str(tmp_path), "thinker")
-    assert thinker.config["extra_parameters"] == {"audio_tower": 12, "visual": 5}
+    assert "extra_parameters" not in thinker.config
+    assert load_component_config(str(tmp_path), "audio_tower").config["num_parameters"] == 12
+    assert load_component_config(str(tmp_path), "visual").config["num_parameters"] == 5
     assert thinker.hidden_size == 3584
     assert load_component_config(str(tmp_path), "token2wav").config["num_parameters"] == 49
     talker = load_component_config(str(tmp_path), "talker")
@@ -376,7 +383,7 @@ def test_unknown_component_lists_components_and_suggests():
     with pytest.raises(ModelConfigError) as err:
         load_component_config("Qwen/Qwen2.5-Omni-7B", "talkr")
     message = str(err.value)
-    assert "its components are: talker, thinker, token2wav" in message
+    assert "its components are: audio_tower, talker, thinker, token2wav, visual" in message
     assert "did you mean 'talker'?" in message
 
 

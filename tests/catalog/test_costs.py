@@ -107,6 +107,11 @@ def _qwen25_omni(cls_name: str, config_name: str, section: str):
     return _omni("qwen2_5_omni", "Qwen/Qwen2.5-Omni-7B", cls_name, config_name, section)
 
 
+def _without_towers(thinker):
+    del thinker.model.audio_tower, thinker.model.visual
+    return thinker
+
+
 def _qwen3_omni(cls_name: str, config_name: str, section: str):
     return _omni(
         "qwen3_omni_moe", "Qwen/Qwen3-Omni-30B-A3B-Instruct", cls_name, config_name, section
@@ -139,8 +144,13 @@ PUBLISHED = {
     ),
     ("Qwen/Qwen2.5-VL-7B-Instruct", "language_model"): lambda: _qwen25_vl("language_model"),
     ("Qwen/Qwen2.5-VL-7B-Instruct", "visual"): lambda: _qwen25_vl("visual"),
-    ("Qwen/Qwen2.5-Omni-7B", "thinker"): lambda: _qwen25_omni(
-        "Qwen2_5OmniThinkerForConditionalGeneration", "Qwen2_5OmniThinkerConfig", "thinker_config"
+    # The thinker less its towers, which are parts of their own (encoder stages run them).
+    ("Qwen/Qwen2.5-Omni-7B", "thinker"): lambda: _without_towers(
+        _qwen25_omni(
+            "Qwen2_5OmniThinkerForConditionalGeneration",
+            "Qwen2_5OmniThinkerConfig",
+            "thinker_config",
+        )
     ),
     ("Qwen/Qwen2.5-Omni-7B", "talker"): lambda: _qwen25_omni(
         "Qwen2_5OmniTalkerForConditionalGeneration", "Qwen2_5OmniTalkerConfig", "talker_config"

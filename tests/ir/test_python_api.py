@@ -27,7 +27,10 @@ def omni_chat():
     ):
         p.param(name, value)
     p.param("speaker", "Chelsie")
+    p.param("use_audio_in_video", False)
     knobs = ("top_p", "top_k", "repetition_penalty")
+    hearing = p.stage("hearing", "encoder", component="audio_tower", max_batch=16, max_len=1536)
+    vision = p.stage("vision", "encoder", component="visual", max_batch=16, max_len=4096)
     thinker = p.stage(
         "thinker",
         "ar",
@@ -37,6 +40,7 @@ def omni_chat():
         temperature=param("temperature"),
         **{k: param(k) for k in knobs},
         stop=param("stop"),
+        use_audio_in_video=param("use_audio_in_video"),
     )
     speaker = param("speaker")
     talker = p.stage(
@@ -57,6 +61,11 @@ def omni_chat():
         speaker=speaker,
     )
     p.flow(p.input("prompt", "chat"), thinker)
+    p.flow(p.input("input_audio", "audio", optional=True), hearing)
+    p.flow(p.input("image", "image", optional=True), vision.image)
+    p.flow(p.input("video", "video", optional=True), vision.video)
+    p.flow(hearing.hidden, thinker.audio_embeds)
+    p.flow(vision.hidden, thinker.embeds)
     p.flow(thinker.hidden, talker, stream=True, chunk=1, adapter="qwen_omni.thinker_to_talker")
     p.flow(
         talker.codes,

@@ -8,7 +8,8 @@ def _executors(graph):
 def test_per_token_stream_on_one_device_is_fused():
     graph = run_until("fuse_stages", "omni_chat")
     executors = _executors(graph)
-    assert set(executors) == {"thinker+talker", "code2wav"}
+    # The towers' whole-output edges into the thinker keep them in executors of their own.
+    assert set(executors) == {"hearing", "vision", "thinker+talker", "code2wav"}
     assert executors["thinker+talker"].stages == ("thinker", "talker")
     assert (
         "fused: thinker.hidden->talker.embeds streams chunk=1"
@@ -21,9 +22,11 @@ def test_every_split_says_why():
     graph = run_until("fuse_stages", "omni_chat", devices="cuda:0=141GiB")
     executors = _executors(graph)
     assert set(executors) == {
+        "hearing",
+        "vision",
         "thinker+talker",
         "code2wav",
-    }  # all on one device: the chunked edge still splits
+    }  # all on one device: the chunked and whole-output edges still split
     reasons = " ".join(executors["thinker+talker"].reasons)
     assert (
         "split from code2wav: talker.codes->code2wav.codes chunked stream (chunk=auto)" in reasons

@@ -66,7 +66,7 @@ def test_a_pipeline_that_cannot_fit_names_stage_and_bytes():
     err = info.value.cause
     assert isinstance(err, PlacementError)
     message = str(err)
-    assert "stage 'thinker' needs" in message and "weights 16.6 GiB" in message
+    assert "stage 'thinker' needs" in message and "weights 14.2 GiB" in message
     assert "cuda:0 has" in message and "GiB free" in message
 
 

@@ -84,11 +84,12 @@ MISTAKES = [
     (CHAT, {"model": "omni_chat", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}, 400,
      "remote URLs are off", "messages[0].content[0].image_url"),
-    (CHAT, {"model": "omni_chat", "messages": [{"role": "user", "content": [{"type": "input_audio",
-        "input_audio": {"data": WAV, "format": "wav"}}]}]}, 400, "takes no audio input", "messages"),
+    (CHAT, {"model": "image_understanding", "messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": WAV, "format": "wav"}}]}]}, 400,
+     "takes no audio input", "messages"),
     (CHAT, {"model": "probe", "messages": [{"role": "user", "content": [{"type": "video_url",
-        "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}]}, 400, "video parts are not supported",
-     "messages[0].content[0]"),
+        "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}]}, 400, "not a video file",
+     "messages[0].content[0].video_url"),
     (CHAT, {"model": "probe", "messages": HI, "extra_body": {"max_tokens": 3}, "max_tokens": 4},
      400, "different values", "extra_body.max_tokens"),
     (CHAT, {"model": "probe", "messages": HI, "seed": -1}, 400, "must be at least 0", "seed"),
@@ -194,7 +195,7 @@ def test_image_parts_need_a_pipeline_with_an_image_input(http):
         {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "x"}]}]}  # fmt: skip
     error = error_of(http.post(CHAT, json=body), 400)
     assert "pipeline 'probe' takes no image input" in error["message"]
-    assert "pipelines here that do: image_understanding" in error["message"]
+    assert "pipelines here that do: omni_chat, image_understanding" in error["message"]
 
 
 def test_a_local_image_file_and_bare_base64_are_images_too(http, tmp_path):

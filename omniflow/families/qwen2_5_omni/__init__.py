@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from omniflow.families.family import AdapterSpec, Family, Part, TinyModel
+from omniflow.ir.kinds import ParamSpec
 
 _HERE = __name__
-_THINKER_TOWERS = {"audio_tower": ("thinker.audio_tower.",), "visual": ("thinker.visual.",)}
 
 
 def token2wav_samples_per_frame(config: Mapping[str, Any]) -> int:
@@ -45,7 +45,13 @@ FAMILY = Family(
             ("thinker_config", "text_config"),
             class_level=1,
             keep=("audio_config", "vision_config"),
-            extras=_THINKER_TOWERS,
+            # Its towers are parts of their own (encoder stages run them).
+        ),
+        "audio_tower": Part(
+            "audio_encoder", ("thinker_config", "audio_config"), weights=("thinker.audio_tower.",)
+        ),
+        "visual": Part(
+            "vision_encoder", ("thinker_config", "vision_config"), weights=("thinker.visual.",)
         ),
         "talker": Part(
             "decoder_lm",
@@ -68,7 +74,12 @@ FAMILY = Family(
     runtime={
         ("ar", "transformers"): f"{_HERE}.thinker_talker:load",
         ("vocoder", "transformers"): f"{_HERE}.token2wav:load",
+        ("encoder", "transformers"): f"{_HERE}.towers:load",
     },
+    # The thinker takes the audio tower's embeddings beside the vision tower's (`embeds`),
+    # and the processor's `use_audio_in_video` (a video's audio track interleaved).
+    stage_inputs={"ar": {"audio_embeds": ("hidden",)}},
+    stage_params={"ar": {"use_audio_in_video": ParamSpec((bool,), False)}},
     adapters={
         "qwen_omni.thinker_to_talker": AdapterSpec(
             "hidden",

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,10 +64,12 @@ from omniflow.backends.transformers_ar import (
     Prompt,
     Sequence,
 )
+from omniflow.backends.vision import unpack_media
 from omniflow.plan import StagePlan
 from omniflow.runtime.stage import Call
 
 ROLE_PROMPT, ROLE_REPLY = 0.0, 1.0
+_US = 1_000_000  # a video's seconds per grid travel in microseconds
 THINKER_EMBEDDINGS = "thinker.model.embed_tokens.weight"
 _CONDITIONING = "qwen_omni"  # a talker request's conditioning rows in call.state
 
@@ -134,6 +137,8 @@ def load(path: str, component: str | None, device: str, dtype) -> Component:
         raise ARBackendError(f"{path}: the {component} lacks weights {', '.join(missing[:5])}")
     model = model.to(device).eval()
     if component == "thinker":
+        # Its towers run on encoder stages (component "audio_tower", "visual").
+        del model.model.audio_tower, model.model.visual
         return OmniThinker(model, AutoTokenizer.from_pretrained(path))
     return OmniTalker(model, path)
 
@@ -168,8 +173,145 @@ def _generate_default(name: str):
 
 
 class OmniThinker(CausalLM):
-    """The thinker on text prompts: a causal LM whose `hidden` output is the talker's
-    conditioning, one `[3, H]` item per position it feeds."""
+    """The thinker: a causal LM on a chat and, optionally, its media's embeddings from the
+    encoder stages (`embeds`: the vision tower's images and videos, `audio_embeds`: the audio
+    tower's clips), whose `hidden` output is the talker's conditioning, one `[3, H]` item per
+    position it feeds.
+
+    With media it does what `Qwen2_5OmniProcessor` and the thinker's forward do: each
+    placeholder of the chat template (`<|IMAGE|>`, `<|AUDIO|>`, `<|VIDEO|>`, in the order the
+    chat places them) becomes one token per embedding (with `use_audio_in_video`, a video's
+    frames and its audio track — the next audio item — interleaved in 2 s chunks between
+    audio bos/eos, as `replace_video_with_audio_token` does); the embeddings go in place of
+    those tokens' (`masked_scatter` per kind); the prefill's positions are the model's own
+    TMRoPE, `get_rope_index(ids, image_grid_thw, video_grid_thw, mask, use_audio_in_video,
+    audio feature lengths, second_per_grids)`, and each decode step's the cache length plus
+    its rope delta."""
+
+    inputs = {"prompt": ("chat",), "embeds": ("hidden",), "audio_embeds": ("hidden",)}
+    required = frozenset({"prompt"})
+
+    def __init__(self, model, tokenizer):
+        super().__init__(model, tokenizer)
+        config = model.config
+        self.media_ids = {
+            "image": config.image_token_id,
+            "video": config.video_token_id,
+            "audio": config.audio_token_id,
+        }
+        self.media_tokens = {
+            kind: tokenizer.convert_ids_to_tokens(i) for kind, i in self.media_ids.items()
+        }
+        self.audio_bos = tokenizer.convert_ids_to_tokens(config.audio_start_token_id)
+        self.audio_eos = tokenizer.convert_ids_to_tokens(config.audio_end_token_id)
+        self.position_id_per_seconds = config.position_id_per_seconds
+        self.seconds_per_chunk = config.seconds_per_chunk
+        self.merge = config.vision_config.spatial_merge_size
+        self.rope_index = model.model.get_rope_index
+
+    def can_start(self, call: Call) -> bool:
+        return call.inputs_ended()
+
+    def prompt(self, call: Call) -> Prompt:
+        items = []
+        for port in ("embeds", "audio_embeds"):
+            if port in call.inputs and (value := call.inputs[port].take()) is not None:
+                items += unpack_media(value)
+        if not items:
+            return super().prompt(call)
+        media = {kind: [i for i in items if i.kind == kind] for kind in self.media_ids}
+        in_video = bool((call.params or {}).get("use_audio_in_video"))
+        text = self.tokenizer.apply_chat_template(
+            call.inputs["prompt"].take(), add_generation_prompt=True, tokenize=False
+        )
+        text = self._expand(text, media, in_video)
+        device = self.embed.weight.device
+        ids = torch.tensor(self.tokenizer(text).input_ids, device=device)
+        embeds = self.embed(ids)
+        for kind, token in self.media_ids.items():
+            if media[kind]:
+                rows = torch.cat([i.embeds for i in media[kind]]).to(device, embeds.dtype)
+                embeds = embeds.masked_scatter((ids == token)[:, None], rows)
+        grid = {
+            kind: torch.tensor([i.meta[1:4] for i in media[kind]], device=device)
+            if media[kind]
+            else None
+            for kind in ("image", "video")
+        }
+        audio_lengths = (
+            torch.tensor([i.meta[1] for i in media["audio"]], device=device)
+            if media["audio"]
+            else None
+        )
+        per_grid = (
+            torch.tensor([i.meta[4] / _US for i in media["video"]], device=device)
+            if media["video"]
+            else None
+        )
+        positions, delta = self.rope_index(
+            ids[None],
+            grid["image"],
+            grid["video"],
+            torch.ones_like(ids)[None],
+            in_video,
+            audio_lengths,
+            per_grid,
+        )
+        return Prompt(embeds, ids.tolist(), positions, int(delta.reshape(-1)[0]))
+
+    def _expand(self, text: str, media: dict, in_video: bool) -> str:
+        """The template's text with each placeholder expanded as the processor does."""
+        tokens = {token: kind for kind, token in self.media_tokens.items()}
+        pieces = re.split("(" + "|".join(map(re.escape, tokens)) + ")", text)
+        taken = dict.fromkeys(self.media_ids, 0)
+        out = []
+        for piece in pieces:
+            kind = tokens.get(piece)
+            if kind is None:
+                out.append(piece)
+                continue
+            if taken[kind] >= len(media[kind]):
+                raise ARBackendError(
+                    f"the chat has more {kind} parts than the request brings {kind}s "
+                    f"({len(media[kind])})"
+                )
+            item = media[kind][taken[kind]]
+            taken[kind] += 1
+            if kind == "video" and in_video:
+                if taken["audio"] >= len(media["audio"]):
+                    raise ARBackendError(
+                        "use_audio_in_video: a video has no audio track among the request's audio"
+                    )
+                audio = media["audio"][taken["audio"]]
+                taken["audio"] += 1
+                out.append(self._interleaved(item, audio))
+            else:
+                out.append(piece * item.meta[0])
+        left = {k: len(media[k]) - taken[k] for k in media if len(media[k]) != taken[k]}
+        if left:
+            raise ARBackendError(
+                "the request brings media its chat has no place for: "
+                + ", ".join(f"{n} {k}(s)" for k, n in left.items())
+            )
+        return "".join(out)
+
+    def _interleaved(self, video, audio) -> str:
+        """`Qwen2_5OmniProcessor.replace_video_with_audio_token`: a video's tokens and its
+        audio track's, in chunks of `seconds_per_chunk`, between audio bos and eos."""
+        _, t, h, w, per_grid = video.meta
+        per_second = self.position_id_per_seconds
+        frames = torch.arange(t).repeat_interleave((h // self.merge) * (w // self.merge))
+        video_index = (frames * (per_grid / _US) * per_second).tolist()
+        per_chunk = int(per_second * self.seconds_per_chunk)
+        video_chunks = _chunks(video_index, per_chunk)
+        audio_chunks = _chunks(list(range(audio.meta[0])), per_chunk)
+        out = self.audio_bos
+        for j in range(max(len(video_chunks), len(audio_chunks))):
+            if j < len(video_chunks):
+                out += self.media_tokens["video"] * (video_chunks[j][1] - video_chunks[j][0])
+            if j < len(audio_chunks):
+                out += self.media_tokens["audio"] * (audio_chunks[j][1] - audio_chunks[j][0])
+        return out + self.audio_eos
 
     def hidden_value(self, hidden: torch.Tensor, embeds: torch.Tensor, prompt: bool):
         role = torch.full_like(hidden, ROLE_PROMPT if prompt else ROLE_REPLY)
@@ -177,6 +319,19 @@ class OmniThinker(CausalLM):
 
     def hidden_rows(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         return self.hidden_value(hidden, embeds, prompt=False)
+
+
+def _chunks(index: list, per_chunk: int) -> list[tuple[int, int]]:
+    """`Qwen2_5OmniProcessor.get_chunked_index`: (start, end) slices of `index` whose values
+    fall in successive ranges of `per_chunk`."""
+    out, start, chunk = [], 0, 1
+    for i, value in enumerate(index):
+        if value >= chunk * per_chunk:
+            out.append((start, i))
+            start = i
+            chunk += 1
+    out.append((start, len(index)))
+    return out
 
 
 # --- the talker ---------------------------------------------------------------------------------

@@ -1,0 +1,291 @@
+"""Qwen2.5-Omni's thinker towers alone, as media encoder stages (the transformers `encoder`
+backend's `MediaTower`, `omniflow.backends.vision`): the audio tower (`audio_tower`) and the
+vision tower (`visual`, images and video frames).
+
+Each item goes through the model's own processing, as `Qwen2_5OmniProcessor` does:
+
+- audio: 16 kHz mono samples through the checkpoint's `WhisperFeatureExtractor`
+  (`padding="max_length"`, its attention mask: at most 30 s), the mel frames the mask keeps;
+  the tower runs every clip of the step concatenated with their lengths (what the thinker's
+  `get_audio_features` does with a batch). An item's integers: (tokens, feature length) —
+  `get_rope_index` needs the feature length;
+- images: the checkpoint's image processor (`Qwen2VLImageProcessor`'s settings);
+- videos: a video file's frames sampled as the processor's `sample_frames` does at 2 frames
+  a second (the fps Qwen2.5-Omni's processor assumes: `second_per_grid` = temporal patch 2 / 2
+  fps), or frames given as a tensor taken as sampled already; each frame resized (bicubic,
+  `smart_resize` within the video processor's pixel bounds), rescaled and normalised as
+  the image processor does, then patched as `Qwen2VLVideoProcessor.patchify` does (two frames a
+  temporal patch, the last frame repeated to an even count). `Qwen2VLVideoProcessor` itself
+  needs torchvision, which is not installed here: this is its arithmetic with Pillow's
+  bicubic resize instead of torchvision's. An item's integers: (tokens, t, h, w, seconds per
+  grid in microseconds).
+
+Loading: the tower's class `from_pretrained` on the whole checkpoint with the thinker's
+sub-config and its weights' prefix mapped away: only the tower's tensors load.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from omniflow.backends.vision import MediaItem, VisionBackendError, read_image
+
+SAMPLE_RATE = 16000
+# What Qwen2.5-Omni's processor and qwen-omni-utils assume of a video: 2 frames a second,
+# 4 to 768 frames, a pixel budget per frame (Qwen2_5OmniProcessor.videos_kwargs).
+VIDEO_FPS = 2.0
+VIDEO_DEFAULTS = {
+    "size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 768 * 28 * 28},
+    "min_frames": 4,
+    "max_frames": 768,
+    "fps": VIDEO_FPS,
+}
+VIDEO_CONFIG = "video_preprocessor_config.json"
+_US = 1_000_000
+
+
+@dataclass
+class _Prepared:
+    tokens: int
+    features: torch.Tensor
+    meta: tuple[int, ...]
+
+
+def load(path: str, component: str | None, dtype):
+    """The tower `component` ("audio_tower" or "visual") of the checkpoint at `path`."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    thinker = getattr(config, "thinker_config", config)
+    if component == "audio_tower":
+        return AudioTower(path, thinker, dtype)
+    if component == "visual":
+        return VisionTower(path, thinker, dtype)
+    raise VisionBackendError(
+        f"Qwen2.5-Omni's towers are the components 'audio_tower' and 'visual', not '{component}'"
+    )
+
+
+def _from_pretrained(cls, path, config, prefix, dtype):
+    model, info = cls.from_pretrained(
+        path,
+        config=config,
+        key_mapping={rf"^{prefix}\.": ""},
+        dtype=dtype,
+        output_loading_info=True,
+    )
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise VisionBackendError(f"{path} lacks {prefix} weights {', '.join(missing[:5])}")
+    return model.eval()
+
+
+class AudioTower:
+    """The thinker's audio tower on 16 kHz clips."""
+
+    kinds = frozenset({"audio"})
+    prefix = "thinker.audio_tower"
+
+    def __init__(self, path: str, thinker, dtype):
+        from transformers import WhisperFeatureExtractor
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+            Qwen2_5OmniAudioEncoder,
+        )
+
+        self.model = _from_pretrained(
+            Qwen2_5OmniAudioEncoder, path, thinker.audio_config, self.prefix, dtype
+        )
+        self.extractor = WhisperFeatureExtractor.from_pretrained(path)
+        self.width = thinker.audio_config.output_dim
+        self.dtype = self.model.dtype
+
+    def to(self, device: str) -> None:
+        self.model.to(device)
+
+    def prepare(self, kind: str, value) -> _Prepared:
+        features, length = audio_features(self.extractor, value)
+        _, tokens = self.model._get_feat_extract_output_lengths(torch.tensor(length))
+        return _Prepared(int(tokens), features, (int(tokens), length))
+
+    def forward(self, kind: str, prepared: list[_Prepared]) -> list[MediaItem]:
+        device = self.model.conv1.weight.device
+        lengths = torch.tensor([p.meta[1] for p in prepared], device=device)
+        after_cnn, _ = self.model._get_feat_extract_output_lengths(lengths)
+        features = torch.cat([p.features for p in prepared], dim=1).to(device, self.dtype)
+        out = self.model(features, feature_lens=lengths, aftercnn_lens=after_cnn)
+        embeds = out.last_hidden_state.split([p.tokens for p in prepared])
+        return [MediaItem("audio", e, p.meta) for e, p in zip(embeds, prepared, strict=True)]
+
+
+def audio_features(extractor, value) -> tuple[torch.Tensor, int]:
+    """A clip's log-mel features `[mel, frames]` as the processor makes them, and their
+    length: what the feature extractor's attention mask keeps of its 30 s window."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
+        what = (
+            f"a {value.dtype} tensor of shape {list(value.shape)}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
+        raise VisionBackendError(f"an audio clip is 16 kHz mono float samples [n], not {what}")
+    if not len(value) or not torch.isfinite(value).all():
+        raise VisionBackendError("the audio clip is empty or not finite")
+    out = extractor(
+        value.float().numpy(),
+        sampling_rate=SAMPLE_RATE,
+        padding="max_length",
+        return_attention_mask=True,
+        return_tensors="pt",
+    )
+    mask = out["attention_mask"][0].bool()
+    return out["input_features"][0][:, mask], int(mask.sum())
+
+
+class VisionTower:
+    """The thinker's vision tower on images and videos."""
+
+    kinds = frozenset({"image", "video"})
+    prefix = "thinker.visual"
+
+    def __init__(self, path: str, thinker, dtype):
+        from transformers import AutoImageProcessor
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+            Qwen2_5OmniVisionEncoder,
+        )
+
+        self.model = _from_pretrained(
+            Qwen2_5OmniVisionEncoder, path, thinker.vision_config, self.prefix, dtype
+        )
+        self.images = AutoImageProcessor.from_pretrained(path)
+        self.video = video_settings(path)
+        self.merge = thinker.vision_config.spatial_merge_size
+        self.temporal = thinker.vision_config.temporal_patch_size
+        self.width = thinker.vision_config.out_hidden_size
+        self.dtype = self.model.dtype
+
+    def to(self, device: str) -> None:
+        self.model.to(device)
+
+    def prepare(self, kind: str, value) -> _Prepared:
+        if kind == "image":
+            try:
+                out = self.images(images=[read_image(value)], return_tensors="pt")
+            except ValueError as err:
+                raise VisionBackendError(f"the image processor refuses the image: {err}") from err
+            grid = out["image_grid_thw"][0]
+            tokens = int(grid.prod()) // self.merge**2
+            return _Prepared(tokens, out["pixel_values"], (tokens, *map(int, grid)))
+        frames = sample_frames(value, self.video, self.temporal)
+        pixels, grid = video_patches(frames, self.images, self.video, self.temporal, self.merge)
+        tokens = int(grid.prod()) // self.merge**2
+        per_grid = round(self.temporal / self.video["fps"] * _US)
+        return _Prepared(tokens, pixels, (tokens, *map(int, grid), per_grid))
+
+    def forward(self, kind: str, prepared: list[_Prepared]) -> list[MediaItem]:
+        device = self.model.patch_embed.proj.weight.device
+        grids = torch.tensor([p.meta[1:4] for p in prepared], device=device)
+        pixels = torch.cat([p.features for p in prepared]).to(device, self.dtype)
+        out = self.model(pixels, grid_thw=grids).pooler_output
+        embeds = out.split([p.tokens for p in prepared])
+        return [MediaItem(kind, e, p.meta) for e, p in zip(embeds, prepared, strict=True)]
+
+
+def video_settings(path: str | Path) -> dict:
+    """The checkpoint's video processor settings (`video_preprocessor_config.json`), else the
+    processor's own."""
+    file = Path(path) / VIDEO_CONFIG
+    settings = dict(VIDEO_DEFAULTS)
+    if file.is_file():
+        saved = json.loads(file.read_text(encoding="utf-8"))
+        settings |= {k: saved[k] for k in VIDEO_DEFAULTS if saved.get(k) is not None}
+    return settings
+
+
+def decode_frames(data: bytes) -> tuple[torch.Tensor, float]:
+    """A video file's frames `[F, H, W, 3]` uint8 (rgb24) and its average frame rate."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            stream = container.streams.video[0]
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+            rate = float(stream.average_rate or 0)
+    except (av.error.FFmpegError, IndexError, ValueError) as err:
+        raise VisionBackendError(f"not a video file PyAV can read: {err}") from err
+    if not frames or rate <= 0:
+        raise VisionBackendError("the video has no frames or no frame rate")
+    return torch.from_numpy(np.stack(frames)), rate
+
+
+def sample_frames(value, settings: dict, temporal: int) -> torch.Tensor:
+    """A video's frames as the model sees them: a file's (1-D uint8 bytes) sampled at the
+    processor's fps with `Qwen2VLVideoProcessor.sample_frames`' arithmetic; a uint8
+    `[F, H, W, 3]` tensor as it is (sampled already)."""
+    if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 4:
+        if value.shape[-1] != 3 or not value.shape[0]:
+            raise VisionBackendError(f"video frames are [F, H, W, 3], not {list(value.shape)}")
+        return value
+    if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1):
+        raise VisionBackendError("a video is a video file's bytes or uint8 frames [F, H, W, 3]")
+    frames, rate = decode_frames(value.numpy().tobytes())
+    total = len(frames)
+    most = math.floor(min(settings["max_frames"], total) / temporal) * temporal
+    count = total / rate * settings["fps"]
+    count = min(max(count, settings["min_frames"]), most, total)
+    count = math.floor(count / temporal) * temporal
+    if count < temporal:
+        raise VisionBackendError(f"the video has {total} frame(s); the model needs {temporal}")
+    index = torch.arange(0, total, total / count).int()
+    return frames[index]
+
+
+def video_patches(frames: torch.Tensor, images, settings: dict, temporal: int, merge: int):
+    """`Qwen2VLVideoProcessor`'s pixel patches `[t*h*w, C*T*P*P]` and grid (t, h, w) of
+    sampled frames, each frame resized and normalised by the image processor's own steps."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    patch = images.patch_size
+    height, width = frames.shape[1:3]
+    try:
+        h, w = smart_resize(
+            height,
+            width,
+            factor=patch * merge,
+            min_pixels=settings["size"]["shortest_edge"],
+            max_pixels=settings["size"]["longest_edge"],
+        )
+    except ValueError as err:
+        raise VisionBackendError(f"the video processor refuses the video: {err}") from err
+    done = []
+    for frame in frames.numpy():
+        chw = np.ascontiguousarray(frame.transpose(2, 0, 1))
+        chw = _resize(images, chw, h, w)
+        chw = images.rescale(chw, images.rescale_factor)
+        chw = images.normalize(chw, images.image_mean, images.image_std)
+        done.append(torch.from_numpy(np.asarray(chw, dtype=np.float32)))
+    video = torch.stack(done)[None]  # [1, F, C, h, w]
+    if pad := -video.shape[1] % temporal:
+        video = torch.cat((video, video[:, -1:].expand(-1, pad, -1, -1, -1)), dim=1)
+    _, count, channel = video.shape[:3]
+    gt, gh, gw = count // temporal, h // patch, w // patch
+    patches = video.view(
+        1, gt, temporal, channel, gh // merge, merge, patch, gw // merge, merge, patch
+    )
+    patches = patches.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9)
+    flat = patches.reshape(gt * gh * gw, channel * temporal * patch * patch)
+    return flat, torch.tensor([gt, gh, gw])
+
+
+def _resize(images, chw: np.ndarray, h: int, w: int) -> np.ndarray:
+    """One frame `[C, H, W]` to (h, w) with the image processor's PIL resampling (bicubic)."""
+    from PIL import Image
+
+    image = Image.fromarray(np.ascontiguousarray(chw.transpose(1, 2, 0)))
+    resized = image.resize((w, h), resample=images.resample)
+    return np.asarray(resized).transpose(2, 0, 1)

@@ -1,0 +1,243 @@
+"""Omni input: images, audio and video into Qwen2.5-Omni's thinker through its own towers as
+encoder stages (`graphs/omni_chat.omni` on tiny:qwen2.5-omni), against the unsplit
+thinker's own `generate` on the same processed inputs, greedy.
+
+The reference's inputs are what `Qwen2_5OmniProcessor` makes (it cannot be constructed
+without torchvision, so its parts are called one by one): the image processor's patches
+and grids, the Whisper feature extractor's features and attention mask at 16 kHz, the
+video's patches (`towers.video_patches`), the chat template with each placeholder expanded
+by the processor's own rules (a video with its audio track through the processor's own
+`replace_video_with_audio_token`); the thinker's `generate` then runs its towers, merges
+their embeddings and computes TMRoPE itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from omniflow.checkpoints.tiny import build_tiny
+from omniflow.compiler import compile_file
+from omniflow.families.qwen2_5_omni import towers
+from omniflow.hf_logging import quiet
+from omniflow.runtime.engine import Engine
+from omniflow.runtime.interpreter import Interpreter
+from omniflow.runtime.requests import RequestError
+
+torch.set_num_threads(1)
+
+GRAPH = Path(__file__).parents[2] / "graphs" / "omni_chat.omni"
+MAX_TOKENS = 10
+PARAMS = {"max_tokens": MAX_TOKENS, "max_audio_tokens": 4}
+
+
+def _image(seed: int, h: int, w: int) -> torch.Tensor:
+    return torch.randint(0, 256, (h, w, 3), generator=torch.Generator().manual_seed(seed)).to(
+        torch.uint8
+    )
+
+
+def _audio(seconds: float, hz: float) -> torch.Tensor:
+    t = torch.arange(int(seconds * towers.SAMPLE_RATE)) / towers.SAMPLE_RATE
+    return (0.4 * torch.sin(2 * math.pi * hz * t)).float()
+
+
+def _frames(count: int) -> torch.Tensor:
+    return torch.stack([_image(100 + i, 60, 80) for i in range(count)])
+
+
+def _user(*parts, text="What is in there?"):
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+CASES = {
+    "image": (_user({"type": "image"}), {"image": _image(0, 56, 84)}, {}),
+    "audio": (_user({"type": "audio"}), {"input_audio": _audio(1.5, 440.0)}, {}),
+    "video": (_user({"type": "video"}), {"video": _frames(4)}, {}),
+    "two images and audio": (
+        _user({"type": "image"}, {"type": "audio"}, {"type": "image"}),
+        {"image": [_image(1, 56, 56), _image(2, 84, 56)], "input_audio": _audio(0.7, 300.0)},
+        {},
+    ),
+    "video with its audio": (
+        _user({"type": "video"}),
+        {"video": _frames(6), "input_audio": _audio(3.0, 220.0)},
+        {"use_audio_in_video": True},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def path():
+    return build_tiny("qwen2.5-omni")
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return compile_file(str(GRAPH), tiny=True)
+
+
+def reference(path, messages, media: dict, use_audio_in_video=False) -> list[int]:
+    """The thinker's own `generate` on the processor's inputs for `messages` and `media`."""
+    from transformers import (
+        AutoImageProcessor,
+        AutoTokenizer,
+        Qwen2_5OmniProcessor,
+        Qwen2_5OmniThinkerForConditionalGeneration,
+        WhisperFeatureExtractor,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    images = AutoImageProcessor.from_pretrained(path)
+    extractor = WhisperFeatureExtractor.from_pretrained(path)
+    with quiet():
+        model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(path).eval()
+    config = model.config
+    listed = {k: v if isinstance(v, list) else [v] for k, v in media.items()}
+    kwargs: dict = {"use_audio_in_video": use_audio_in_video}
+    counts = {"image": [], "video": [], "audio": []}
+    if "image" in listed:
+        out = images(images=[i.numpy() for i in listed["image"]], return_tensors="pt")
+        kwargs |= {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+        counts["image"] = (out["image_grid_thw"].prod(-1) // 4).tolist()
+    if "input_audio" in listed:
+        out = extractor(
+            [a.numpy() for a in listed["input_audio"]],
+            sampling_rate=16000,
+            padding="max_length",
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        mask = out["attention_mask"]
+        kwargs |= {"input_features": out["input_features"], "feature_attention_mask": mask}
+        lengths = mask.sum(-1)
+        counts["audio"] = (((lengths - 1) // 2 + 1 - 2) // 2 + 1).tolist()
+    if "video" in listed:
+        settings = towers.video_settings(path)
+        patches = [
+            towers.video_patches(v, images, settings, 2, 2) for v in listed["video"]
+        ]  # fmt: skip
+        grid = torch.stack([g for _, g in patches])
+        kwargs |= {
+            "pixel_values_videos": torch.cat([p for p, _ in patches]),
+            "video_grid_thw": grid,
+            "video_second_per_grid": torch.tensor([2 / settings["fps"]] * len(grid)),
+        }
+        counts["video"] = (grid.prod(-1) // 4).tolist()
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    tokens = {"image": "<|IMAGE|>", "audio": "<|AUDIO|>", "video": "<|VIDEO|>"}
+    for kind, token in tokens.items():
+        text = text.replace(token, f"\0{kind}\0")
+    pieces, taken = text.split("\0"), dict.fromkeys(tokens, 0)
+    for i, piece in enumerate(pieces):
+        if piece not in tokens:
+            continue
+        n = counts[piece][taken[piece]]
+        if piece == "video" and use_audio_in_video:
+            # The processor's own interleaving, its audio the next audio item.
+            processor = SimpleNamespace(
+                video_processor=SimpleNamespace(merge_size=2),
+                audio_bos_token="<|audio_bos|>",
+                audio_eos_token="<|audio_eos|>",
+                video_token="<|VIDEO|>",
+                audio_token="<|AUDIO|>",
+            )
+            processor.get_chunked_index = functools.partial(
+                Qwen2_5OmniProcessor.get_chunked_index, processor
+            )
+            pieces[i] = Qwen2_5OmniProcessor.replace_video_with_audio_token(
+                processor,
+                {
+                    "video_grid_thw": kwargs["video_grid_thw"],
+                    "video_second_per_grid": kwargs["video_second_per_grid"].tolist(),
+                },
+                taken["video"],
+                {"num_audio_tokens": counts["audio"]},
+                taken["audio"],
+                position_id_per_seconds=config.position_id_per_seconds,
+                seconds_per_chunk=config.seconds_per_chunk,
+            )
+            taken["audio"] += 1
+        else:
+            pieces[i] = tokens[piece] * n
+        taken[piece] += 1
+    ids = tokenizer("".join(pieces), return_tensors="pt").input_ids
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            **kwargs,
+        )
+    return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.fixture(scope="module")
+def references(path):
+    return {
+        name: reference(path, chat, media, **params)
+        for name, (chat, media, params) in CASES.items()
+    }
+
+
+def _text(path, ids: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path).decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_interpreter_matches_generate(plan, path, references, name):
+    chat, media, params = CASES[name]
+    out = Interpreter(plan).run({"prompt": chat, **media}, {**PARAMS, **params})
+    assert out["text"] == _text(path, references[name])
+
+
+def test_the_media_change_the_answer(references):
+    """Guards against a reference that ignores its media: every case answers differently."""
+    answers = [tuple(ids) for ids in references.values()]
+    assert len(set(answers)) == len(answers)
+
+
+def test_engine_batches_every_case_at_once(plan, path, references):
+    """All cases at once in one engine: the towers encode items of several requests in one
+    forward, the thinker decodes them in one batch; the same text as alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with Engine(plan, "inprocess") as engine, ThreadPoolExecutor(len(CASES)) as pool:
+
+        def run(name):
+            chat, media, params = CASES[name]
+            return engine.generate({"prompt": chat, **media}, {**PARAMS, **params})
+
+        outs = dict(zip(CASES, pool.map(run, CASES), strict=True))
+    for name, out in outs.items():
+        assert out["text"] == _text(path, references[name]), name
+
+
+def test_a_text_only_request_is_unchanged(plan, path):
+    """No media: the towers do nothing (their inputs end empty) and the thinker's answer is
+    its text-only one, `reference_omni_generate`'s."""
+    from omniflow.families.qwen2_5_omni.checkpoints import reference_omni_generate
+
+    out = Interpreter(plan).run({"prompt": "Tell me a short story."}, PARAMS)
+    ref = reference_omni_generate(
+        path, "Tell me a short story.", max_new_tokens=MAX_TOKENS, talker_max_new_tokens=4
+    )
+    assert out["text"] == ref.text
+
+
+def test_media_the_chat_has_no_place_for_fail_the_request(plan):
+    with pytest.raises(Exception, match="no place for|more image parts"):
+        Interpreter(plan).run({"prompt": "Hello", "image": _image(0, 56, 56)}, PARAMS)
+
+
+def test_bad_media_are_refused_at_admission(plan):
+    with pytest.raises(RequestError, match="video"):
+        Interpreter(plan).run({"prompt": "Hi", "video": "/no/such/video.mp4"}, PARAMS)
