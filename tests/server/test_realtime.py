@@ -16,8 +16,10 @@ import re
 
 import numpy as np
 import pytest
+import torch
 import websockets
 
+from omniflow.media import audio_bytes
 from tests.server.conftest import GRAPHS, HERE, ServerProcess, run_async, wait_until
 
 KEY = "realtime-key"
@@ -192,6 +194,33 @@ def test_audio_turns_reach_the_pipeline_with_the_conversation_so_far(server):
     assert text(one) == f"heard {len(first) // 2} samples, 2 messages"
     assert text(two) == f"heard {len(second) // 2} samples, 3 messages"
     assert one["response"]["status"] == two["response"]["status"] == "completed"
+
+
+def test_a_spoken_turn_reaches_omni_chats_thinker_as_its_chat_request_does(server, http):
+    clip = pcm16(0.6)
+
+    async def run():
+        session = await opened(server, "omni_chat")
+        await session.send("session.update", session={"modalities": ["text"]})
+        await session.send("input_audio_buffer.append", audio=b64(clip))
+        await session.send("input_audio_buffer.commit")
+        await session.send("response.create")
+        done, events = await session.until("response.done")
+        await session.ws.close()
+        return done["response"], events
+
+    response, events = run_async(run)
+    assert "error" not in [e["type"] for e in events]
+    heard = response["output"][0]["content"][0]["text"]
+    wav = audio_bytes(torch.frombuffer(bytearray(clip), dtype=torch.int16), 16000, "wav")
+    part = {"type": "input_audio", "input_audio": {"data": b64(wav), "format": "wav"}}
+    reply = http.post("/v1/chat/completions", json={"model": "omni_chat", "modalities": ["text"],
+                      "messages": [{"role": "user", "content": [part]}]}).json()  # fmt: skip
+    assert heard == reply["choices"][0]["message"]["content"]
+    assert response["usage"]["input_tokens"] == reply["usage"]["prompt_tokens"]
+    text_only = http.post("/v1/chat/completions", json={"model": "omni_chat", "modalities": ["text"],
+                          "messages": [{"role": "user", "content": ""}]}).json()  # fmt: skip
+    assert response["usage"]["input_tokens"] > text_only["usage"]["prompt_tokens"]  # it heard
 
 
 def test_audio_on_a_pipeline_that_does_not_hear_is_an_error_naming_it(server):
