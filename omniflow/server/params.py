@@ -146,11 +146,13 @@ class Params:
         )
 
     def sampling_params_list(self, entries) -> None:
-        """The peer's per-stage sampling dicts: one per stage, in the plan's stage order, or
-        one for every stage (a bare dict counts as one)."""
+        """The peer's per-stage sampling dicts: one per generating stage, in the plan's
+        stage order, or one for every stage (a bare dict counts as one). Encoder stages
+        have no entry: the peer runs a model's encoders inside the stage they feed, so its
+        clients send one entry per stage that generates."""
         if isinstance(entries, dict):
             entries = [entries]
-        stages = self.plan.stages
+        stages = [s for s in self.plan.stages if s.kind != "encoder"]
         if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
             raise bad_request(
                 "'sampling_params_list' must be a list of objects", param="sampling_params_list"
