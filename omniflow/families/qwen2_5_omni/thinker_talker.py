@@ -5,8 +5,9 @@ It reproduces what `Qwen2_5OmniForConditionalGeneration.generate` does, with str
 inputs. There, the talker's input embeddings are built from the thinker's run:
 
 - one row per thinker prompt position: the thinker's last hidden state there plus that
-  position's input embedding (`generate` zeroes it at audio/image/video placeholders; the
-  thinker stage takes text prompts only);
+  position's input embedding (`generate` zeroes it at audio/image/video placeholders; this
+  talker does not yet, nor give the talker `generate`'s 3-D positions on such a prompt, so
+  its codes for a prompt with media are not held to the reference);
 - then the embedding of the speaker's text-side bos token (a thinker token);
 - then the first reply row, where reply row i is the thinker's last hidden state at
   generated token i's position plus that token's embedding;
