@@ -15,10 +15,16 @@ def _parts(depth: float) -> dict[str, int]:
     config, _, _ = scaled_omni_config(depth)
     with torch.device("meta"):
         model = Qwen2_5OmniForConditionalGeneration(config)
-    return {
-        part: sum(p.numel() for p in getattr(model, part).parameters())
-        for part in ("thinker", "talker", "token2wav")
+    modules = {
+        "thinker": model.thinker,
+        "talker": model.talker,
+        "token2wav": model.token2wav,
+        "audio_tower": model.thinker.audio_tower,  # its own stage: not in the thinker's count
+        "visual": model.thinker.visual,
     }
+    counts = {part: sum(p.numel() for p in m.parameters()) for part, m in modules.items()}
+    counts["thinker"] -= counts["audio_tower"] + counts["visual"]
+    return counts
 
 
 def test_full_depth_has_the_real_models_parameter_counts():

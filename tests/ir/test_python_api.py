@@ -29,8 +29,8 @@ def omni_chat():
     p.param("speaker", "Chelsie")
     p.param("use_audio_in_video", False)
     knobs = ("top_p", "top_k", "repetition_penalty")
-    hearing = p.stage("hearing", "encoder", component="audio_tower", max_batch=16, max_len=1536)
-    vision = p.stage("vision", "encoder", component="visual", max_batch=16, max_len=4096)
+    hearing = p.stage("hearing", "encoder", component="audio_tower", max_batch=32, max_len=1536)
+    vision = p.stage("vision", "encoder", component="visual", max_batch=32, max_len=4096)
     thinker = p.stage(
         "thinker",
         "ar",

@@ -34,7 +34,7 @@ def test_each_pass_s_changes_are_named_by_what_they_decide():
     assert categories["size_chunks"] == {"chunks"} and "buffers" in categories["plan_buffers"]
     place = snapshots.snapshots[4]
     placed = {c["where"]: c["value"] for c in place.changes if c["key"] == "placement"}
-    assert set(placed) == {"thinker", "talker", "code2wav"}
+    assert set(placed) == {"hearing", "vision", "thinker", "talker", "code2wav"}
     # The last drawing groups the fused pair in one executor, on its device.
     final = snapshots.snapshots[-1].graph
     clusters = {c["id"]: c for c in final["clusters"]}
