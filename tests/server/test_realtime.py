@@ -4,20 +4,28 @@ pipeline that hears (tests/server/listen.omni: it answers with the samples of au
 messages it got) and the python-stage probe (a reply that lasts until cancelled).
 
 Sessions, text turns with their audio and usage, audio turns and the conversation's
-history, cancel and barge-in, a client that goes away mid-response, mistaken events, the API
-key and the session's bounds."""
+history, cancel and barge-in, a client that goes away mid-response, mistaken events and
+settings, the API key and the session's bounds. The executors are threads of the server
+(`--mode inprocess`: it starts in seconds), as for the speech WebSocket's tests; a request
+cancelled across executor processes is test_load.py's.
+
+`test_an_audio_turn_on_the_omni_chat_graph` runs once graphs/omni_chat.omni has an audio
+input (the omni-input work); until then it skips, saying so."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import re
 
 import numpy as np
 import pytest
+import soundfile
 import websockets
 
+from dsl.parser import parse_file
 from tests.server.conftest import GRAPHS, HERE, ServerProcess, run_async, wait_until
 
 KEY = "realtime-key"
@@ -28,7 +36,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 def server():
     server = ServerProcess(
         [str(GRAPHS / "omni_chat.omni"), str(HERE / "listen.omni"), str(HERE / "probe.omni"),
-         "--tiny", "--api-key", KEY,
+         "--tiny", "--mode", "inprocess", "--api-key", KEY,
          "--param", "omni_chat.max_tokens=8", "--param", "omni_chat.max_audio_tokens=48"]
     )  # fmt: skip
     yield server
@@ -236,9 +244,10 @@ def test_cancel_and_barge_in_end_the_response_in_every_stage(server, http):
         return cancelled["response"], barged["response"]
 
     cancelled, barged = run_async(run)
+    assert cancelled["status_details"] == {"type": "cancelled", "reason": "client_cancelled"}
+    assert barged["status_details"] == {"type": "cancelled", "reason": "turn_detected"}
     for response in (cancelled, barged):
         assert response["status"] == "cancelled"
-        assert response["status_details"]["type"] == "cancelled"
         assert response["output"][0]["status"] == "incomplete"
         assert response["output"][0]["content"][0]["text"].startswith("w0 ")  # as far as it got
     wait_until(lambda: idle(http, "probe"), timeout=5)
@@ -258,10 +267,11 @@ def test_a_client_gone_mid_response_frees_everything_and_the_next_session_works(
         session.ws.transport.abort()  # no close frame
         return held
 
+    in_flight = lambda: metric(http, "omniflow_requests_in_flight", model="probe")  # noqa: E731
     for _ in range(3):
-        in_flight, open_sessions = run_async(gone)
-        assert in_flight == 1 and open_sessions == 1
-    wait_until(lambda: idle(http, "probe") and sessions() == 0, timeout=5)
+        held, open_sessions = run_async(gone)
+        assert held == 1 and open_sessions == 1
+    wait_until(lambda: idle(http, "probe") and sessions() == 0 and in_flight() == 0, timeout=5)
 
     async def next_one():
         session = await opened(server, "probe")
@@ -293,6 +303,13 @@ MISTAKES = [
     (json.dumps({"type": "response.cancel"}), "type", "response_cancel_not_active"),
     (json.dumps({"type": "response.create", "response": {"temperature": "hot"}}),
      "response.temperature", None),
+    (json.dumps({"type": "response.create", "response": {"conversation": "none"}}),
+     "response.conversation", "unknown_parameter"),
+    # listen has no token limit to set: refused when set, named as the session's field.
+    (json.dumps({"type": "session.update", "session": {"max_response_output_tokens": 5}}),
+     "session.max_response_output_tokens", None),
+    (json.dumps({"type": "conversation.item.delete", "item_id": "nope"}), "item_id",
+     "item_not_found"),
 ]  # fmt: skip
 
 
@@ -324,6 +341,36 @@ def test_each_mistaken_event_is_an_error_event_and_the_session_goes_on(server):
         for i, (text, _, _) in enumerate(MISTAKES)
     ]
     assert updated["session"]["instructions"] == "fine"
+
+
+def test_settings_are_checked_when_set_and_named_as_the_clients_fields(server):
+    """A setting the pipeline refuses is an error at session.update (never stored, so it
+    cannot fail every later response), named `session.X`; a response's override
+    `response.X`; null puts a setting back to its default."""
+
+    async def run():
+        session = await opened(server, "omni_chat")
+        answers = []
+        for update in ({"voice": "Nobody"}, {"max_response_output_tokens": 100000},
+                       {"temperature": 500}, {"voice": "ethan", "temperature": 0.5},
+                       {"voice": None, "temperature": None}):  # fmt: skip
+            await session.send("session.update", session=update)
+            answers.append(json.loads(await session.ws.recv()))
+        await session.send_event(user_text("hi"))
+        await session.until("conversation.item.created")
+        await session.send("response.create", response={"voice": "Nobody"})
+        override = json.loads(await session.ws.recv())
+        await session.ws.close()
+        return answers, override
+
+    (voice, tokens, temperature, good, reset), override = run_async(run)
+    assert voice["error"]["param"] == "session.voice" and "Nobody" in voice["error"]["message"]
+    assert tokens["error"]["param"] == "session.max_response_output_tokens"
+    assert temperature["error"]["param"] == "session.temperature"
+    assert good["type"] == "session.updated" and good["session"]["temperature"] == 0.5
+    assert good["session"]["max_response_output_tokens"] == "inf"  # the refused one: not kept
+    assert reset["session"]["voice"] is None and reset["session"]["temperature"] is None
+    assert override["type"] == "error" and override["error"]["param"] == "response.voice"
 
 
 def test_the_api_key_is_required(server):
@@ -359,11 +406,68 @@ def test_what_a_session_holds_is_bounded(server):
             await session.send_event(user_text(f"item {i}"))
         await session.send_event(user_text("one too many"))
         items, seen = await session.until("error")
-        await session.ws.close()
-        return full["error"], large["error"], items["error"], seen
+        await session.send("response.create")  # its reply would have no place
+        no_room, _ = await session.until("error")
+        first = next(e for e in seen if e["type"] == "conversation.item.created")
+        await session.send("conversation.item.delete", item_id=first["item"]["id"])
+        deleted, _ = await session.until("conversation.item.deleted")
+        await session.send_event(user_text("room again"))
+        again, _ = await session.until("conversation.item.created")
+        # A frame over the server's WebSocket limit (16 MiB) closes the socket: 1009.
+        await session.ws.send("x" * (16 << 20 | 1))
+        with pytest.raises(websockets.ConnectionClosedError):
+            await session.ws.recv()
+        return (full["error"], large["error"], items["error"], no_room["error"], seen,
+                deleted["item_id"] == first["item"]["id"], again, session.ws.close_code)  # fmt: skip
 
-    full, large, items, seen = run_async(run)
+    full, large, items, no_room, seen, deleted, again, code = run_async(run)
     assert full["code"] == "buffer_full" and full["param"] == "audio"
     assert large["code"] == "too_large"
     assert items["code"] == "conversation_full"
+    assert no_room["code"] == "conversation_full"
     assert sum(e["type"] == "conversation.item.created" for e in seen) == 64
+    assert deleted and again["item"]["content"][0]["text"] == "room again"
+    assert code == 1009
+
+
+def omni_chat_hears() -> bool:
+    return any(i.type == "audio" for i in parse_file(GRAPHS / "omni_chat.omni").inputs)
+
+
+@pytest.mark.skipif(not omni_chat_hears(), reason="graphs/omni_chat.omni takes no audio yet")
+def test_an_audio_turn_on_the_omni_chat_graph(server, http):
+    """Spoken turns on the default omni graph once it hears (the omni-input work): the
+    committed buffer reaches the thinker as the same request a chat completion with that
+    clip as `input_audio` makes (the same text and token counts), and a second spoken turn
+    answers the conversation so far."""
+    clip = pcm16(0.5)
+    wav = io.BytesIO()
+    soundfile.write(wav, np.frombuffer(clip, "<i2"), 16000, format="WAV", subtype="PCM_16")
+
+    async def run():
+        session = await opened(server, "omni_chat")
+        await session.send("session.update", session={"modalities": ["text"]})
+        await session.until("session.updated")
+        dones = []
+        for _ in range(2):
+            await session.send("input_audio_buffer.append", audio=b64(clip))
+            await session.send("input_audio_buffer.commit")
+            await session.until("input_audio_buffer.committed")
+            await session.send("response.create")
+            done, events = await session.until("response.done")
+            assert "error" not in [e["type"] for e in events], events
+            dones.append(done["response"])
+        await session.ws.close()
+        return dones
+
+    one, two = run_async(run)
+    content = [{"type": "input_audio", "input_audio": {"data": b64(wav.getvalue()),
+                                                       "format": "wav"}}]  # fmt: skip
+    reply = http.post("/v1/chat/completions", json={
+        "model": "omni_chat", "modalities": ["text"],
+        "messages": [{"role": "user", "content": content}]}).json()  # fmt: skip
+    assert one["output"][0]["content"][0]["text"] == reply["choices"][0]["message"]["content"]
+    assert one["usage"]["input_tokens"] == reply["usage"]["prompt_tokens"]
+    assert one["usage"]["output_tokens"] == reply["usage"]["completion_tokens"]
+    assert two["status"] in ("completed", "incomplete")
+    assert two["usage"]["input_tokens"] > one["usage"]["input_tokens"]  # the history too
