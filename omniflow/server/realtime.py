@@ -32,6 +32,7 @@ import asyncio
 import base64
 import binascii
 import json
+import logging
 import time
 import uuid
 
@@ -43,6 +44,7 @@ from omniflow.server import chat
 from omniflow.server.errors import APIError, bad_request
 from omniflow.server.sockets import CLOSE_BAD_REQUEST, CLOSE_BUSY, Sender, authorised
 
+log = logging.getLogger("omniflow.server")
 PATH = "/v1/realtime"
 INPUT_RATE = 16000  # input_audio_format pcm16: 16-bit mono at 16 kHz
 MAX_EVENT_BYTES = 4 << 20  # one client event (an append of ~2 minutes of audio)
@@ -164,6 +166,9 @@ class RealtimeSession:
                 await self._handle(event)
             except APIError as err:
                 self._error(err, event_id)
+            except Exception as err:  # a bug of ours: the log has it, the session goes on
+                log.exception("internal error in a realtime event")
+                self._error(_internal(err), event_id)
 
     def send(self, kind: str, **fields) -> None:
         self.out.json({"type": kind, "event_id": _id("event"), **fields})
@@ -184,7 +189,7 @@ class RealtimeSession:
             raise _invalid(f"an event is at most {MAX_EVENT_BYTES} bytes", "type", "too_large")
         try:
             event = json.loads(text)
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:  # nested past Python's limit: not ours
             raise _invalid(f"an event is not valid JSON: {err}", "type") from None
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             raise _invalid("each event is a JSON object with a 'type'", "type")
@@ -256,7 +261,8 @@ class RealtimeSession:
             return self._default_config()[key]
         if key == "modalities":
             have = {"text"} | ({"audio"} if self.served.outputs_of("audio") else set())
-            if not isinstance(value, list) or not value or not set(value) <= have:
+            if (not isinstance(value, list) or not value
+                    or not all(isinstance(m, str) for m in value) or not set(value) <= have):  # fmt: skip
                 raise _invalid(
                     f"'{where}' lists what the response gives: {sorted(have)} here", where
                 )
@@ -538,6 +544,10 @@ class RealtimeSession:
         except APIError as err:
             status, outcome = err.status, "failed"
             self._error(err)
+        except Exception as err:  # a bug of ours: the response fails, the session goes on
+            log.exception("internal error in a realtime response")
+            status, outcome = 500, "failed"
+            self._error(_internal(err))
         except asyncio.CancelledError:
             status, outcome = 499, "cancelled"
             reason = self.cancel_reason
@@ -620,6 +630,10 @@ class RealtimeSession:
                 "output_tokens": usage["completion_tokens"],
             },
         }
+
+
+def _internal(err: Exception) -> APIError:
+    return APIError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
 
 
 def _audio_of(item: dict) -> int:
