@@ -2,26 +2,28 @@
 of OpenAI's realtime event protocol that docs/server.md ("Realtime sessions") lists.
 
 The client sends JSON events: `session.update`, `input_audio_buffer.append` (base64 16-bit
-PCM, mono, 16 kHz) / `.commit` / `.clear`, `conversation.item.create`, `response.create`,
-`response.cancel`. The server answers with `session.created` / `.updated`,
-`input_audio_buffer.committed` / `.cleared`, `conversation.item.created`, `response.created`,
-`response.text.delta` or (when the response speaks) `response.audio_transcript.delta` and
-`response.audio.delta` (base64 16-bit PCM at the pipeline's rate), their `.done` events,
-`response.done` (status and usage), and `error`.
+PCM, mono, 16 kHz) / `.commit` / `.clear`, `conversation.item.create` / `.delete`,
+`response.create`, `response.cancel`. The server answers with `session.created` / `.updated`,
+`input_audio_buffer.committed` / `.cleared`, `conversation.item.created` / `.deleted`,
+`response.created`, `response.text.delta` or (when the response speaks)
+`response.audio_transcript.delta` and `response.audio.delta` (base64 16-bit PCM at the
+pipeline's rate), their `.done` events, `response.done` (status and usage), and `error`.
 
 A response is one chat request made of the conversation so far (the session's
 `instructions` as its system message, every item since) and parsed, admitted and run
 exactly as `POST /v1/chat/completions` streams one (chat.py), so it batches with every other
 request in every stage; a committed audio buffer is a user message with an `input_audio`
 part, which a pipeline that takes no audio refuses (an `error` naming the item). The
-assistant's reply, however far it got, joins the conversation as an item.
+assistant's reply, however far it got, joins the conversation as an item (its place is
+kept while it runs).
 
 One response runs at a time. `response.cancel`, or, with `turn_detection` set, new audio
 appended while a response runs (barge-in; there is no voice-activity detection: the client
 decides what is speech), cancels it in every stage at once and it ends `cancelled`. A
 client that goes away cancels it too, and frees its admission slot. A mistaken event is an
-`error` event and the session goes on; what a session keeps is bounded (the audio buffer,
-the conversation's items and their audio, one event's size).
+`error` event and the session goes on; settings are checked against the pipeline when they
+are set, so a bad one never reaches a response. What a session keeps is bounded (the audio
+buffer, the conversation's items and their audio, one event's size).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import asyncio
 import base64
 import binascii
 import json
+import logging
 import time
 import uuid
 
@@ -41,6 +44,7 @@ from omniflow.server import chat
 from omniflow.server.errors import APIError, bad_request
 from omniflow.server.sockets import CLOSE_BAD_REQUEST, CLOSE_BUSY, Sender, authorised
 
+log = logging.getLogger("omniflow.server")
 PATH = "/v1/realtime"
 INPUT_RATE = 16000  # input_audio_format pcm16: 16-bit mono at 16 kHz
 MAX_EVENT_BYTES = 4 << 20  # one client event (an append of ~2 minutes of audio)
@@ -57,6 +61,19 @@ SESSION_FIELDS = (
     "output_audio_format",
     "turn_detection",
 )
+RESPONSE_FIELDS = ("modalities", "instructions", "voice", "temperature",
+                   "max_response_output_tokens")  # fmt: skip
+# The chat request's fields the settings become: a refusal of one names the setting.
+CHAT_FIELDS = {
+    "audio.voice": "voice",
+    "temperature": "temperature",
+    "max_tokens": "max_response_output_tokens",
+    "modalities": "modalities",
+}
+# What a settings check asks the pipeline to answer: one user word (and a tenth of a second
+# of silence where it must hear something); the conversation is checked when answered.
+PROBE_TEXT = {"type": "input_text", "text": "."}
+PROBE_AUDIO = {"type": "input_audio", "audio": ""}  # filled in on first use
 
 
 def _id(prefix: str) -> str:
@@ -65,6 +82,16 @@ def _id(prefix: str) -> str:
 
 def _invalid(message: str, param: str, code: str = "invalid_value") -> APIError:
     return bad_request(message, param=param, code=code)
+
+
+def _about_settings(err: APIError, overridden=(), within: str = "session") -> APIError:
+    """A chat request's refusal of a field a setting became, named as that setting: the
+    response's own where it overrode it, else the session's."""
+    key = CHAT_FIELDS.get(err.param or "")
+    if key is not None:
+        err.param = f"{'response' if key in overridden else within}.{key}"
+        err.message = f"'{err.param}': {err.message}"
+    return err
 
 
 def _about_items(err: APIError, sources: list[str]) -> APIError:
@@ -97,6 +124,7 @@ class RealtimeSession:
         self.items: list[dict] = []  # the conversation: realtime items, in order
         self.audio_bytes = 0  # committed audio the items hold
         self.response: tuple[str, asyncio.Task] | None = None  # the running one
+        self.cancel_reason = "client_cancelled"  # why the running one was cancelled
 
     # --- the socket -----------------------------------------------------------------------------
     async def serve(self) -> None:
@@ -138,6 +166,9 @@ class RealtimeSession:
                 await self._handle(event)
             except APIError as err:
                 self._error(err, event_id)
+            except Exception as err:  # a bug of ours: the log has it, the session goes on
+                log.exception("internal error in a realtime event")
+                self._error(_internal(err), event_id)
 
     def send(self, kind: str, **fields) -> None:
         self.out.json({"type": kind, "event_id": _id("event"), **fields})
@@ -158,7 +189,7 @@ class RealtimeSession:
             raise _invalid(f"an event is at most {MAX_EVENT_BYTES} bytes", "type", "too_large")
         try:
             event = json.loads(text)
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:  # nested past Python's limit: not ours
             raise _invalid(f"an event is not valid JSON: {err}", "type") from None
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             raise _invalid("each event is a JSON object with a 'type'", "type")
@@ -172,13 +203,14 @@ class RealtimeSession:
             "input_audio_buffer.commit": self._commit,
             "input_audio_buffer.clear": self._clear,
             "conversation.item.create": self._item_create,
+            "conversation.item.delete": self._item_delete,
             "response.create": self._response_create,
             "response.cancel": self._response_cancel,
         }.get(kind)
         if handler is None:
             raise _invalid(
                 f"unknown event type {kind!r}; this server takes session.update, "
-                "input_audio_buffer.append/commit/clear, conversation.item.create, "
+                "input_audio_buffer.append/commit/clear, conversation.item.create/delete, "
                 "response.create and response.cancel",
                 "type",
             )
@@ -198,15 +230,39 @@ class RealtimeSession:
                     "unknown_parameter",
                 )
             config[key] = self._session_value(key, value, "session")
+        # Checked against the pipeline now (an unknown voice, a token limit beyond the plan):
+        # a setting kept unchecked would fail every later response, far from its cause.
+        await self._check_settings(config)
         self.config = config
         self.send("session.updated", session=self._session())
+
+    async def _check_settings(self, config: dict, overridden=()) -> None:
+        content = [PROBE_TEXT]
+        if any(p.default is None and not getattr(p, "optional", False)
+               for p in self.served.inputs_of("audio")):  # fmt: skip
+            if not PROBE_AUDIO["audio"]:
+                silence = audio_bytes(torch.zeros(INPUT_RATE // 10, dtype=torch.int16),
+                                      INPUT_RATE, "wav")  # fmt: skip
+                PROBE_AUDIO["audio"] = base64.b64encode(silence).decode()
+            content.append(PROBE_AUDIO)
+        body, _ = self._chat_body(config, [{"id": "probe", "role": "user", "content": content}])
+        try:
+            job = await chat.parse(self.server, self.served, body)
+            self.server.admit(self.served, job.inputs, job.params)
+        except APIError as err:
+            if err.param not in CHAT_FIELDS:
+                return  # about the stand-in conversation, not a setting
+            raise _about_settings(err, overridden) from None
 
     def _session_value(self, key: str, value, within: str):
         """`value` for the session's (or one response's) `key`, checked."""
         where = f"{within}.{key}"
+        if value is None and key != "turn_detection":  # null: back to the default
+            return self._default_config()[key]
         if key == "modalities":
             have = {"text"} | ({"audio"} if self.served.outputs_of("audio") else set())
-            if not isinstance(value, list) or not value or not set(value) <= have:
+            if (not isinstance(value, list) or not value
+                    or not all(isinstance(m, str) for m in value) or not set(value) <= have):  # fmt: skip
                 raise _invalid(
                     f"'{where}' lists what the response gives: {sorted(have)} here", where
                 )
@@ -249,7 +305,7 @@ class RealtimeSession:
                 "buffer_full",
             )
         if self.response is not None and self.config.get("turn_detection") and data:
-            await self._cancel_response()  # barge-in: the user speaks over the reply
+            await self._cancel_response("turn_detected")  # barge-in: the user speaks over it
         self.buffer += data
 
     async def _commit(self, event: dict) -> None:
@@ -264,13 +320,13 @@ class RealtimeSession:
             "role": "user",
             "content": [{"type": "input_audio", "audio": base64.b64encode(wav).decode()}],
         }
-        added = self._add_item(item, audio_bytes_held=len(wav))
+        added = self._add_item(item)
         self.buffer.clear()
         self.send("input_audio_buffer.committed", previous_item_id=added["previous"],
                   item_id=added["item"]["id"])  # fmt: skip
         self._announce(added)
         if self.config.get("turn_detection"):  # a turn ends: it is answered, as VAD would
-            await self._cancel_response()
+            await self._cancel_response("turn_detected")
             await self._response_create({})
 
     async def _clear(self, event: dict) -> None:
@@ -287,7 +343,6 @@ class RealtimeSession:
         content = item.get("content")
         if not isinstance(content, list) or not content:
             raise _invalid("'item.content' is a list of parts", "item.content")
-        held = 0
         for j, part in enumerate(content):
             where = f"item.content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None
@@ -299,14 +354,23 @@ class RealtimeSession:
                 # An item's audio is base64 PCM16 at 16 kHz, as the buffer's: kept as a WAV.
                 pcm = await self._append_part(part, where)
                 part["audio"] = base64.b64encode(audio_bytes(pcm, INPUT_RATE, "wav")).decode()
-                held += len(part["audio"])
             else:
                 raise _invalid(
                     f"'{where}.type' is input_text, text or (a user's) input_audio", where
                 )
         added = self._add_item({"type": "message", "role": role, "content": content},
-                               audio_bytes_held=held, item_id=item.get("id"))  # fmt: skip
+                               item_id=item.get("id"))  # fmt: skip
         self._announce(added)
+
+    async def _item_delete(self, event: dict) -> None:
+        """What keeps a long conversation within its bounds: the client drops old items."""
+        item_id = event.get("item_id")
+        found = [item for item in self.items if item["id"] == item_id]
+        if not found:
+            raise _invalid(f"the conversation has no item {item_id!r}", "item_id", "item_not_found")
+        self.items.remove(found[0])
+        self.audio_bytes -= _audio_of(found[0])
+        self.send("conversation.item.deleted", item_id=item_id)
 
     def _takes_audio(self, where: str) -> None:
         """Audio joins the conversation only where the pipeline hears: else every later
@@ -329,27 +393,32 @@ class RealtimeSession:
             raise _invalid(f"'{where}.audio' is 16-bit PCM, not empty", f"{where}.audio")
         return torch.frombuffer(bytearray(data), dtype=torch.int16)
 
-    def _add_item(self, item: dict, audio_bytes_held: int = 0, item_id=None) -> dict:
-        if len(self.items) >= MAX_ITEMS:
+    def _add_item(self, item: dict, item_id=None) -> dict:
+        # A running response's reply has its place kept: it joins when the response ends.
+        if len(self.items) + (self.response is not None) >= MAX_ITEMS:
             raise _invalid(
-                f"a session keeps at most {MAX_ITEMS} conversation items; start a new one",
+                f"a session keeps at most {MAX_ITEMS} conversation items; delete some "
+                "(conversation.item.delete) or start a new session",
                 "item",
                 "conversation_full",
             )
-        if self.audio_bytes + audio_bytes_held > MAX_CONVERSATION_AUDIO_BYTES:
+        held = _audio_of(item)
+        if self.audio_bytes + held > MAX_CONVERSATION_AUDIO_BYTES:
             raise _invalid(
                 f"a session keeps at most {MAX_CONVERSATION_AUDIO_BYTES} bytes of audio; "
-                "start a new one",
+                "delete some items (conversation.item.delete) or start a new session",
                 "item",
                 "conversation_full",
             )
         if item_id is not None and not isinstance(item_id, str):
             raise _invalid("'item.id' is a string", "item.id")
+        if item_id is not None and any(i["id"] == item_id for i in self.items):
+            raise _invalid(f"the conversation has an item {item_id!r} already", "item.id")
         previous = self.items[-1]["id"] if self.items else None
         item = {"id": item_id or _id("item"), "object": "realtime.item", "status": "completed",
                 **item}  # fmt: skip
         self.items.append(item)
-        self.audio_bytes += audio_bytes_held
+        self.audio_bytes += held
         return {"previous": previous, "item": item}
 
     def _announce(self, added: dict) -> None:
@@ -371,35 +440,47 @@ class RealtimeSession:
         options = event.get("response") or {}
         if not isinstance(options, dict):
             raise _invalid("'response' is an object", "response")
+        if len(self.items) >= MAX_ITEMS:  # its reply would have no place in the conversation
+            raise _invalid(
+                f"the conversation holds {MAX_ITEMS} items, its limit; delete some "
+                "(conversation.item.delete) or start a new session",
+                "type",
+                "conversation_full",
+            )
         config = dict(self.config)
         for key, value in options.items():
-            if key not in ("modalities", "instructions", "voice", "temperature",
-                           "max_response_output_tokens"):  # fmt: skip
-                raise _invalid(f"'response.{key}' is not supported", f"response.{key}")
+            if key not in RESPONSE_FIELDS:
+                raise _invalid(
+                    f"'response.{key}' is not supported; a response overrides "
+                    f"{', '.join(RESPONSE_FIELDS)}",
+                    f"response.{key}",
+                    "unknown_parameter",
+                )
             config[key] = self._session_value(key, value, "response")
-        body, sources = self._chat_body(config)
+        body, sources = self._chat_body(config, self.items)
         try:  # checked now: a bad item fails before any work starts
             job = await chat.parse(self.server, self.served, body)
             admitted = self.server.admit(self.served, job.inputs, job.params)
         except APIError as err:
-            raise _about_items(err, sources) from None
+            raise _about_items(_about_settings(err, options), sources) from None
         response_id = _id("resp")
         self.send("response.created", response=self._response(response_id, "in_progress"))
         task = asyncio.ensure_future(self._respond(response_id, job, admitted, config))
         self.response = (response_id, task)
 
-    def _chat_body(self, config: dict) -> tuple[dict, list[str]]:
-        """The chat request of the conversation, and what each of its messages came from
-        (`item ID`; with "+audio" where the item holds audio). The pipeline takes as many
-        clips a request as it has audio inputs: the newest audio parts go as audio, and
-        earlier spoken turns are in the conversation through the replies to them."""
+    def _chat_body(self, config: dict, items: list[dict]) -> tuple[dict, list[str]]:
+        """The chat request of a conversation (`items`), and what each of its messages came from
+        (`item ID`; with "+audio" where the item holds audio). A request carries as many
+        clips as the pipeline takes (`_clips_per_request`): the newest audio parts go as
+        audio, earlier spoken turns are in the conversation through the replies to them."""
         messages, sources = [], []
         if config.get("instructions"):
             messages.append({"role": "system", "content": config["instructions"]})
             sources.append("session.instructions")
-        clips = sum(p["type"] == "input_audio" for item in self.items for p in item["content"])
-        skip = max(0, clips - len(self.served.inputs_of("audio")))
-        for item in self.items:
+        clips = sum(p["type"] == "input_audio" for item in items for p in item["content"])
+        room = _clips_per_request(self.served)
+        skip = 0 if room is None else max(0, clips - room)
+        for item in items:
             parts = []
             for part in item["content"]:
                 if part["type"] != "input_audio":
@@ -438,6 +519,7 @@ class RealtimeSession:
         served, began = self.served, time.perf_counter()
         speaks = "audio" in config["modalities"]
         item_id, text, run, slot, status, outcome = _id("item"), [], None, None, 200, "completed"
+        reason = None
         ids = {"response_id": response_id, "item_id": item_id, "output_index": 0,
                "content_index": 0}  # fmt: skip
         try:
@@ -462,8 +544,13 @@ class RealtimeSession:
         except APIError as err:
             status, outcome = err.status, "failed"
             self._error(err)
+        except Exception as err:  # a bug of ours: the response fails, the session goes on
+            log.exception("internal error in a realtime response")
+            status, outcome = 500, "failed"
+            self._error(_internal(err))
         except asyncio.CancelledError:
             status, outcome = 499, "cancelled"
+            reason = self.cancel_reason
         finally:
             if run is not None:
                 await run.close()
@@ -475,10 +562,11 @@ class RealtimeSession:
         item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant",
                 "status": "completed" if outcome == "completed" else "incomplete",
                 "content": [part]}  # fmt: skip
-        if len(self.items) < MAX_ITEMS:  # what the user heard is part of the conversation
+        if text:  # what the user heard (none: nothing to remember) joins the conversation
             self.items.append(item)
         usage = run.usage if run is not None else None
-        self.send("response.done", response=self._response(response_id, outcome, [item], usage))
+        response = self._response(response_id, outcome, [item], usage, reason)
+        self.send("response.done", response=response)
         if self.response is not None and self.response[0] == response_id:
             self.response = None
 
@@ -487,10 +575,11 @@ class RealtimeSession:
             raise _invalid("no response is running", "type", "response_cancel_not_active")
         await self._cancel_response()
 
-    async def _cancel_response(self) -> None:
+    async def _cancel_response(self, reason: str = "client_cancelled") -> None:
         if self.response is None:
             return
         _, task = self.response
+        self.cancel_reason = reason
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         self.response = None
@@ -521,12 +610,12 @@ class RealtimeSession:
             "output_audio_rate": int(rates[0]) if rates and rates[0] else None,
         }
 
-    def _response(self, response_id: str, status: str, output=(), usage=None) -> dict:
+    def _response(self, response_id: str, status: str, output=(), usage=None, reason=None):
         details = None
         if status == "incomplete":
             details = {"type": "incomplete", "reason": "max_output_tokens"}
-        elif status == "cancelled":
-            details = {"type": "cancelled", "reason": "client_cancelled"}
+        elif status == "cancelled":  # client_cancelled, or turn_detected: a barge-in
+            details = {"type": "cancelled", "reason": reason}
         return {
             "id": response_id,
             "object": "realtime.response",
@@ -541,3 +630,21 @@ class RealtimeSession:
                 "output_tokens": usage["completion_tokens"],
             },
         }
+
+
+def _internal(err: Exception) -> APIError:
+    return APIError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
+
+
+def _audio_of(item: dict) -> int:
+    """The bytes of audio (base64 WAV) an item holds."""
+    return sum(len(p.get("audio") or "") for p in item["content"] if p["type"] == "input_audio")
+
+
+def _clips_per_request(served) -> int | None:
+    """The audio clips one chat request carries, as chat.py's `_media_input` takes them: one
+    per audio input, or any number (None) into a lone optional one."""
+    ports = served.inputs_of("audio")
+    if len(ports) == 1 and getattr(ports[0], "optional", False):
+        return None
+    return len(ports)

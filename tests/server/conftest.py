@@ -126,12 +126,12 @@ SMALL = ["--param", "max_tokens=6", "--param", "max_audio_tokens=60", "--param",
          "--param", "text_to_image.height=32", "--param", "text_to_image.width=32"]  # fmt: skip
 PIPELINES = [str(GRAPHS / f"{name}.omni") for name in
              ("omni_chat", "tts", "text_to_image", "image_understanding")] + [
-    str(HERE / "probe.omni"), str(HERE / "edit.omni"), str(HERE / "listen.omni")]  # fmt: skip
+    str(HERE / "probe.omni"), str(HERE / "edit.omni")]  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def served(tmp_path_factory):
-    """The shared server: every example pipeline (tiny) plus probe, edit and listen, its executors
+    """The shared server: every example pipeline (tiny) plus probe and edit, its executors
     threads of one process (they start in seconds; executor processes are tested with a
     server of their own, test_load.py)."""
     stats = tmp_path_factory.mktemp("stats") / "stats.jsonl"

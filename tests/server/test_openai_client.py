@@ -26,15 +26,7 @@ def png_data_uri(pixels: np.ndarray) -> str:
 
 def test_models_lists_every_served_pipeline(client):
     ids = {m.id for m in client.models.list()}
-    assert ids == {
-        "omni_chat",
-        "tts",
-        "text_to_image",
-        "image_understanding",
-        "probe",
-        "edit",
-        "listen",
-    }
+    assert ids == {"omni_chat", "tts", "text_to_image", "image_understanding", "probe", "edit"}
 
 
 def test_chat_text(client):
