@@ -19,8 +19,8 @@ def _parts(depth: float) -> dict[str, int]:
         "thinker": model.thinker,
         "talker": model.talker,
         "token2wav": model.token2wav,
-        "audio_tower": model.thinker.audio_tower,  # its own stage: not in the thinker's count
-        "visual": model.thinker.visual,
+        "audio_tower": model.thinker.model.audio_tower,  # its own stage: not in the thinker's count
+        "visual": model.thinker.model.visual,
     }
     counts = {part: sum(p.numel() for p in m.parameters()) for part, m in modules.items()}
     counts["thinker"] -= counts["audio_tower"] + counts["visual"]
