@@ -58,6 +58,7 @@ decode options (`vae_use_tiling`, `vae_use_slicing`) in one forward and emits `i
 
 from __future__ import annotations
 
+import abc
 import inspect
 import json
 from collections import defaultdict
@@ -252,7 +253,7 @@ class Prepare:
     dtype: torch.dtype  # the transformer's
 
 
-class Denoising:
+class Denoising(abc.ABC):
     """One request's denoising between steps. A family's `prepare` returns its subclass,
     which says what this step's forward rows are (`group`, `guided`, `model_input`) and
     what the request emits at its end (`result`); `advance` is the guided scheduler step.
@@ -277,25 +278,25 @@ class Denoising:
         )
 
     # --- what a family's subclass says ---
+    @abc.abstractmethod
     def group(self) -> Hashable:
         """Requests of one group may share this step's forward."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def scale(self) -> float:
         """The guidance scale at this step."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def guided(self) -> bool:
         """Whether this step computes the unconditional row too."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def model_input(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's transformer input `[1, ...]` and timestep `[1]` (or `[1, tokens]`)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def result(self) -> torch.Tensor:
         """What the request emits on `latents` after its last step."""
-        raise NotImplementedError
 
     # --- what every family shares ---
     @property

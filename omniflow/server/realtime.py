@@ -42,7 +42,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from omniflow.media import audio_bytes
 from omniflow.server import chat
 from omniflow.server.errors import APIError, bad_request
-from omniflow.server.sockets import CLOSE_BAD_REQUEST, CLOSE_BUSY, Sender, authorised
+from omniflow.server.sockets import CLOSE_BAD_REQUEST, Sender, refused
 
 log = logging.getLogger("omniflow.server")
 PATH = "/v1/realtime"
@@ -128,11 +128,7 @@ class RealtimeSession:
 
     # --- the socket -----------------------------------------------------------------------------
     async def serve(self) -> None:
-        if not authorised(self.server, self.ws):
-            await self.ws.close(code=CLOSE_BAD_REQUEST, reason="missing or wrong API key")
-            return
-        if self.server.draining:
-            await self.ws.close(code=CLOSE_BUSY, reason="the server is shutting down")
+        if await refused(self.server, self.ws):
             return
         try:
             self.served = self.server.route(self.ws.query_params.get("model"), "chat")

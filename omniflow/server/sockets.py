@@ -26,6 +26,18 @@ def authorised(server, websocket: WebSocket) -> bool:
     return hmac.compare_digest(token.strip().encode(), key.encode())
 
 
+async def refused(server, websocket: WebSocket) -> bool:
+    """Close the handshake of a socket the server does not take (a missing or wrong API key,
+    or a server shutting down); whether it did."""
+    if not authorised(server, websocket):
+        await websocket.close(code=CLOSE_BAD_REQUEST, reason="missing or wrong API key")
+        return True
+    if server.draining:
+        await websocket.close(code=CLOSE_BUSY, reason="the server is shutting down")
+        return True
+    return False
+
+
 class Sender:
     """The socket's outgoing side: `json`, `bytes` and `close` queue what to send, one task
     sends it. A client gone away makes sends no-ops (its reader hears of it)."""

@@ -36,7 +36,7 @@ from omniflow.media import Tempo, audio_bytes, streaming_wav_header
 from omniflow.server import chat, speech
 from omniflow.server.errors import APIError, bad_request
 from omniflow.server.run import Run
-from omniflow.server.sockets import CLOSE_BAD_REQUEST, CLOSE_BUSY, CLOSE_FAILED, Sender, authorised
+from omniflow.server.sockets import CLOSE_BAD_REQUEST, CLOSE_FAILED, Sender, refused
 
 PATH = "/v1/audio/speech/stream"
 STREAM_FORMATS = ("pcm", "wav")
@@ -120,11 +120,7 @@ class SpeechSession:
 
     # --- the socket -----------------------------------------------------------------------------
     async def serve(self) -> None:
-        if not authorised(self.server, self.ws):
-            await self.ws.close(code=CLOSE_BAD_REQUEST, reason="missing or wrong API key")
-            return
-        if self.server.draining:
-            await self.ws.close(code=CLOSE_BUSY, reason="the server is shutting down")
+        if await refused(self.server, self.ws):
             return
         await self.ws.accept()
         self.out = Sender(self.ws)
