@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import select
 import signal
 import subprocess
@@ -120,6 +121,23 @@ def wait_until(condition, timeout: float = 5.0, step: float = 0.02) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(step)
+
+
+def metric(http, name: str, **labels) -> float:
+    """The value of one series of the server's /metrics (0 if absent)."""
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in http.get("/metrics").text.splitlines():
+        match = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
+        if match and ",".join(sorted(match.group(1).split(","))) == wanted:
+            return float(match.group(2))
+    return 0.0
+
+
+def idle(http, model: str) -> bool:
+    """Whether pipeline `model` holds no request: none admitted, none in any stage."""
+    state = http.get("/debug/inspect").json()[model]
+    calls = [c for e in state["executors"].values() for c in e["calls"].values()]
+    return state["in_flight"] == 0 and not any(calls)
 
 
 SMALL = ["--param", "max_tokens=6", "--param", "max_audio_tokens=60", "--param", "steps=2",

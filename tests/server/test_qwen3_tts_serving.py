@@ -15,7 +15,6 @@ import asyncio
 import base64
 import io
 import json
-import re
 import subprocess
 import time
 
@@ -29,7 +28,7 @@ import websockets
 from openai import OpenAI
 
 from omniflow.media import audio_bytes
-from tests.server.conftest import GRAPHS, ServerProcess, run_async, wait_until
+from tests.server.conftest import GRAPHS, ServerProcess, idle, metric, run_async, wait_until
 from tests.server.fuzz import fuzz
 
 RATE = 24000
@@ -101,22 +100,6 @@ def http(custom):
 def clone_http(clone):
     with clone.client() as client:
         yield client
-
-
-def metric(http: httpx.Client, name: str, **labels) -> float:
-    """The value of one series of /metrics (0 if absent)."""
-    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in http.get("/metrics").text.splitlines():
-        match = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
-        if match and ",".join(sorted(match.group(1).split(","))) == wanted:
-            return float(match.group(2))
-    return 0.0
-
-
-def idle(http: httpx.Client, model: str) -> bool:
-    state = http.get("/debug/inspect").json()[model]
-    calls = [c for e in state["executors"].values() for c in e["calls"].values()]
-    return state["in_flight"] == 0 and not any(calls)
 
 
 # --- POST /v1/audio/speech ---------------------------------------------------------------------

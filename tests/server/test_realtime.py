@@ -18,7 +18,6 @@ import asyncio
 import base64
 import io
 import json
-import re
 
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ import soundfile
 import websockets
 
 from dsl.parser import parse_file
-from tests.server.conftest import GRAPHS, HERE, ServerProcess, run_async, wait_until
+from tests.server.conftest import GRAPHS, HERE, ServerProcess, idle, metric, run_async, wait_until
 
 KEY = "realtime-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -98,21 +97,6 @@ async def opened(server, model: str) -> Session:
     created, _ = await session.until("session.created")
     assert created["session"]["model"] == model
     return session
-
-
-def metric(http, name: str, **labels) -> float:
-    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in http.get("/metrics").text.splitlines():
-        match = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
-        if match and ",".join(sorted(match.group(1).split(","))) == wanted:
-            return float(match.group(2))
-    return 0.0
-
-
-def idle(http, model: str) -> bool:
-    state = http.get("/debug/inspect").json()[model]
-    calls = [c for e in state["executors"].values() for c in e["calls"].values()]
-    return state["in_flight"] == 0 and not any(calls)
 
 
 def test_a_session_starts_with_the_pipelines_modalities_and_rates(server):
