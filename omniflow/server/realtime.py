@@ -216,16 +216,7 @@ class RealtimeSession:
         update = event.get("session")
         if not isinstance(update, dict):
             raise _invalid("session.update takes a 'session' object", "session")
-        config = dict(self.config)
-        for key, value in update.items():
-            if key not in SESSION_FIELDS:
-                raise _invalid(
-                    f"'session.{key}' is not supported; the session takes "
-                    f"{', '.join(SESSION_FIELDS)}",
-                    f"session.{key}",
-                    "unknown_parameter",
-                )
-            config[key] = self._session_value(key, value, "session")
+        config = self._merged(update, SESSION_FIELDS, "session")
         # Checked against the pipeline now (an unknown voice, a token limit beyond the plan):
         # a setting kept unchecked would fail every later response, far from its cause.
         await self._check_settings(config)
@@ -249,6 +240,19 @@ class RealtimeSession:
             if err.param not in CHAT_FIELDS:
                 return  # about the stand-in conversation, not a setting
             raise _about_settings(err, overridden) from None
+
+    def _merged(self, update: dict, allowed: tuple[str, ...], within: str) -> dict:
+        """The session's settings with `update` (the `within` object's fields, each checked)."""
+        config = dict(self.config)
+        for key, value in update.items():
+            if key not in allowed:
+                raise _invalid(
+                    f"'{within}.{key}' is not supported; {within} takes {', '.join(allowed)}",
+                    f"{within}.{key}",
+                    "unknown_parameter",
+                )
+            config[key] = self._session_value(key, value, within)
+        return config
 
     def _session_value(self, key: str, value, within: str):
         """`value` for the session's (or one response's) `key`, checked."""
@@ -443,16 +447,7 @@ class RealtimeSession:
                 "type",
                 "conversation_full",
             )
-        config = dict(self.config)
-        for key, value in options.items():
-            if key not in RESPONSE_FIELDS:
-                raise _invalid(
-                    f"'response.{key}' is not supported; a response overrides "
-                    f"{', '.join(RESPONSE_FIELDS)}",
-                    f"response.{key}",
-                    "unknown_parameter",
-                )
-            config[key] = self._session_value(key, value, "response")
+        config = self._merged(options, RESPONSE_FIELDS, "response")
         body, sources = self._chat_body(config, self.items)
         try:  # checked now: a bad item fails before any work starts
             job = await chat.parse(self.server, self.served, body)
