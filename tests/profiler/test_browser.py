@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from omniflow.cli import main
-from omniflow.compiler import compile_source
+from omniflow.compiler import compile_file, compile_source
 from omniflow.profiler import Dashboard
 from omniflow.profiler.report import write_report
 from omniflow.runtime.engine import Engine
@@ -109,13 +109,16 @@ def test_the_passes_step_through_with_their_changes_outlined(tmp_path, open_page
         main(["compile", str(GRAPHS / "omni_chat.omni"), "--devices", "2xH200", "--viz", str(out)])
         == 0
     )
+    # Every pass draws every stage of the graph: the encoders, the thinker, talker, code2wav.
+    stages = sorted(s.name for s in compile_file(GRAPHS / "omni_chat.omni", "2xH200").stages)
+    assert {"hearing", "vision", "thinker", "talker", "code2wav"} <= set(stages)
     page = open_page(out.as_uri())
     page.wait_for_function("() => window.omniflowViz")
     passes = page.evaluate("window.omniflowViz.passes")
     assert passes[0] == "source" and passes[-1] == "plan_buffers" and len(passes) == 9
     for i, name in enumerate(passes):
         page.click(f'button[data-pass="{name}"]')
-        assert sorted(stage_boxes(page)) == ["code2wav", "talker", "thinker"], name
+        assert sorted(stage_boxes(page)) == stages, name
         changed = page.eval_on_selector_all("#graph .changed", "cs => cs.length")
         tags = set(page.eval_on_selector_all("#changes .tag", "ts => ts.map(t => t.textContent)"))
         assert (changed > 0) == (i > 0), name
