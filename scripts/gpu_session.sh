@@ -2,8 +2,8 @@
 # Run on a lent GPU machine from a copy of this tree (see docs/benchmarks.md): installs the
 # carried wheels into /tmp/site, links dsl/ and kernels/ into omniflow/ (as pyproject's
 # package-dir maps them), then runs the parts named as arguments: setup tests edges steps
-# skinny moe kernels windows build streaming long load diffusion cold cold-fresh (streaming and long:
-# DEVICES, default 1xH200, and ALSO_DEVICES beside it, e.g. DEVICES=2xH200
+# skinny moe kernels windows build streaming long load omni-input diffusion cold cold-fresh
+# (streaming and long: DEVICES, default 1xH200, and ALSO_DEVICES beside it, e.g. DEVICES=2xH200
 # ALSO_DEVICES=1xH200, and STREAMING_ARGS added to the benchmark's, e.g. "--breakdown
 # --lookahead 24 12"; windows: WINDOW_KERNELS=N adds each replay's N costliest kernels;
 # load: LOAD_ARGS, e.g. "--graph graphs/qwen3_omni.omni --scaled 0.5"; diffusion:
@@ -59,7 +59,8 @@ for part in "$@"; do
         ${WINDOW_KERNELS:+--kernels $WINDOW_KERNELS} 2>&1 | grep -v -i warn | tee "$OUT/windows.log"
       ;;
     build)
-      timeout ${BUILD_S:-200} python3 -c "from omniflow.checkpoints.scaled import scaled_checkpoint; print(scaled_checkpoint(1.0, 'cuda'))" 2>&1 | tail -3 | tee "$OUT/build.log"
+      # BUILD_MODEL: the real model whose random-weight build to make (default Qwen2.5-Omni-7B).
+      timeout ${BUILD_S:-200} python3 -c "from omniflow.checkpoints.scaled import scaled_checkpoint; print(scaled_checkpoint('${BUILD_MODEL:-Qwen/Qwen2.5-Omni-7B}', 1.0, 'cuda'))" 2>&1 | tail -3 | tee "$OUT/build.log"
       ;;
     streaming)
       # From /tmp: executors start as `python -m omniflow.runtime.executor`, which puts the
@@ -88,6 +89,13 @@ for part in "$@"; do
       # Text-to-image at real width, 15 of the DiT's 60 layers (DIFFUSION_ARGS: e.g. --kernels 12).
       (cd /tmp && timeout ${DIFFUSION_S:-300} python3 "$here/benchmarks/diffusion.py" --device cuda \
         --scaled 0.25 ${DIFFUSION_ARGS:-}) 2>&1 | grep -v -i "warn" | tee "$OUT/diffusion.log"
+      ;;
+    omni-input)
+      # A 5 s spoken turn against the same turn typed, over HTTP at c = 1 and 10 and in a
+      # realtime session (benchmarks/omni_input.py; OMNI_INPUT_ARGS added to its flags).
+      (cd /tmp && timeout ${OMNI_INPUT_S:-400} python3 "$here/benchmarks/omni_input.py" \
+        --devices ${DEVICES:-1xH200} --scaled 1 ${OMNI_INPUT_ARGS:-}) 2>&1 \
+        | grep -v -i "warn\|model config" | tee "$OUT/omni_input.log"
       ;;
     cold)
       (cd /tmp && timeout ${COLD_S:-200} python3 "$here/benchmarks/cold_start.py" --devices 1xH200 \

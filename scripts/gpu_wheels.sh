@@ -3,14 +3,15 @@
 # package index: each package at the version this tree's .venv holds (run `make setup`
 # first), for CPython 3.12 on x86-64 Linux. .whl/ gets what the GPU image lacks or holds at
 # another version for the models (transformers and what it imports), .whl-serve/ the server's
-# and diffusers'. Both stay out of git (.git/info/exclude).
+# (websockets: its realtime and speech sockets, and their clients) and diffusers'. Both stay
+# out of git (.git/info/exclude).
 set -eu
 cd "$(dirname "$0")/.."
 MODELS="lark msgspec pyzmq transformers tokenizers huggingface_hub safetensors httpx2 httpcore2
   click hf-xet typing_extensions regex anyio idna truststore h11"
 SERVE="diffusers fastapi starlette uvicorn pydantic pydantic_core annotated-types annotated-doc
   typing-inspection python-multipart soundfile cffi pycparser httptools openai jiter
-  sniffio opentelemetry-api importlib_metadata zipp"
+  sniffio opentelemetry-api importlib_metadata zipp websockets"
 grep -qx "/.whl/" .git/info/exclude 2>/dev/null || printf '/.whl/\n/.whl-serve/\n' >> .git/info/exclude
 pinned() {
   for name in "$@"; do

@@ -199,6 +199,22 @@ def test_interpreter_matches_generate(plan, path, references, name):
     assert out["text"] == _text(path, references[name])
 
 
+@pytest.mark.parametrize("seconds", [0.03, 5.0, 31.0])
+def test_audio_features_are_the_processors(path, seconds):
+    """The tower's features of a clip padded by one FFT window are the frames the processor's
+    30 s window keeps (a longer clip cut at 30 s)."""
+    from transformers import WhisperFeatureExtractor
+
+    extractor = WhisperFeatureExtractor.from_pretrained(path)
+    clip = _audio(seconds, 330.0) + 0.01 * torch.randn(int(seconds * towers.SAMPLE_RATE))
+    out = extractor(clip.numpy(), sampling_rate=16000, padding="max_length",
+                    return_attention_mask=True, return_tensors="pt")  # fmt: skip
+    kept = out["attention_mask"][0].bool()
+    features, length = towers.audio_features(extractor, clip)
+    assert length == int(kept.sum()) == min(round(seconds * 100), 3000)
+    torch.testing.assert_close(features, out["input_features"][0][:, kept], atol=1e-6, rtol=0)
+
+
 def test_the_media_change_the_answer(references):
     """Guards against a reference that ignores its media: every case answers differently."""
     answers = [tuple(ids) for ids in references.values()]

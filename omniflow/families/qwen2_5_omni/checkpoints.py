@@ -365,13 +365,13 @@ def scaled_omni_config(depth: float = 1.0) -> tuple[Any, dict[str, int], Any]:
 
 def build_scaled_omni(out: str | Path, depth: float = 1.0, device: str = "cuda") -> Path:
     """Build and save a random-weight Qwen2.5-Omni at real widths; returns the directory."""
-    from transformers import Qwen2_5OmniForConditionalGeneration, WhisperFeatureExtractor
+    from transformers import Qwen2_5OmniForConditionalGeneration
 
     config, speaker_bos, tokenizer = scaled_omni_config(depth)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)
-    WhisperFeatureExtractor(feature_size=128, return_attention_mask=True).save_pretrained(out)
+    save_processor_parts(out)  # the towers' stages load them (omni chat hears and sees)
     with initialising_bf16_on(device):
         model = Qwen2_5OmniForConditionalGeneration(config).eval()
     silence_rows(model.thinker.lm_head.weight, len(tokenizer))

@@ -126,7 +126,8 @@ class AudioTower:
 
 def audio_features(extractor, value) -> tuple[torch.Tensor, int]:
     """A clip's log-mel features `[mel, frames]` as the processor makes them, and their
-    length: what the feature extractor's attention mask keeps of its 30 s window."""
+    length: what the feature extractor's attention mask keeps of its 30 s window (a longer
+    clip is cut there, as the processor cuts it)."""
     if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
         what = (
             f"a {value.dtype} tensor of shape {list(value.shape)}"
@@ -136,10 +137,16 @@ def audio_features(extractor, value) -> tuple[torch.Tensor, int]:
         raise VisionBackendError(f"an audio clip is 16 kHz mono float samples [n], not {what}")
     if not len(value) or not torch.isfinite(value).all():
         raise VisionBackendError("the audio clip is empty or not finite")
+    # The processor pads every clip to the extractor's 30 s window; the frames its mask keeps
+    # see at most n_fft / 2 samples past the clip, so padding n_fft of silence makes the same
+    # frames (under the same maximum, which sets the log-mel floor) at a fraction of the
+    # cost: 5 s in ~8 ms instead of ~120 ms on a CPU core.
+    padded = min(len(value) + extractor.n_fft, extractor.n_samples)
     out = extractor(
         value.float().numpy(),
         sampling_rate=SAMPLE_RATE,
         padding="max_length",
+        max_length=padded,
         return_attention_mask=True,
         return_tensors="pt",
     )
