@@ -532,17 +532,14 @@ def create_app(server: Server) -> FastAPI:
         stage holds, ring slots held, chunks queued. For tests and debugging."""
         out = {}
         for name, s in server.served.items():
+            # The server's own counts stand even when the executors are too busy to answer.
+            out[name] = {"in_flight": s.inflight, "limit": s.limit, "queued": len(s.waiting)}
             try:
                 found = s.engine.inspect(timeout=5)
             except Exception as err:
-                out[name] = {"error": str(err)}
+                out[name]["error"] = str(err)
                 continue
-            out[name] = {
-                "in_flight": s.inflight,
-                "limit": s.limit,
-                "queued": len(s.waiting),
-                "executors": {e: msgspec.to_builtins(i) for e, i in found.items()},
-            }
+            out[name]["executors"] = {e: msgspec.to_builtins(i) for e, i in found.items()}
         return JSONResponse(out)
 
     dashboards: dict[str, Dashboard] = {}

@@ -134,8 +134,11 @@ def metric(http, name: str, **labels) -> float:
 
 
 def idle(http, model: str) -> bool:
-    """Whether pipeline `model` holds no request: none admitted, none in any stage."""
+    """Whether pipeline `model` holds no request: none admitted, none in any stage (not
+    known while its executors are too busy to answer)."""
     state = http.get("/debug/inspect").json()[model]
+    if "executors" not in state:
+        return False
     calls = [c for e in state["executors"].values() for c in e["calls"].values()]
     return state["in_flight"] == 0 and not any(calls)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import HERE, run_async, segments_of, wait_until
+from tests.server.conftest import HERE, idle, run_async, segments_of, wait_until
 
 KEY = "s3cret-key"
 LIMIT = 100
@@ -58,12 +58,6 @@ def http(server):
 
 def inspect(http) -> dict:
     return http.get("/debug/inspect").json()["probe"]
-
-
-def idle(http) -> bool:
-    state = inspect(http)
-    calls = [c for e in state["executors"].values() for c in e["calls"].values()]
-    return state["in_flight"] == 0 and not any(calls)
 
 
 def rss_kib(pid: int) -> int:
@@ -123,7 +117,7 @@ def test_a_burst_of_three_times_limit_and_queue_ends_in_200_or_503_for_each(http
     assert busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == "server_busy"
     assert all(r.json()["choices"][0]["message"]["content"] == "done " for r in replies
                if r.status_code == 200)  # fmt: skip
-    wait_until(lambda: idle(http), timeout=5)
+    wait_until(lambda: idle(http, "probe"), timeout=5)
     assert rss_kib(server.proc.pid) < rss_before + 200 * 1024  # bounded: not per request
 
 
@@ -142,13 +136,13 @@ def test_a_hundred_clients_going_away_mid_stream_free_their_slots_within_a_secon
             await asyncio.gather(*(go_away(client) for _ in range(LIMIT)))
 
     run_async(hundred)
-    wait_until(lambda: idle(http), timeout=1.0)
+    wait_until(lambda: idle(http, "probe"), timeout=1.0)
 
 
 def test_a_client_that_gives_up_on_a_whole_reply_cancels_it(http, server):
     with server.client(headers=AUTH, timeout=0.5) as impatient, pytest.raises(httpx.ReadTimeout):
         impatient.post(CHAT, json=ask("many 100000"))
-    wait_until(lambda: idle(http), timeout=1.0)
+    wait_until(lambda: idle(http, "probe"), timeout=1.0)
 
 
 def test_a_failing_stage_is_a_500_naming_it_and_the_server_goes_on(http):
@@ -203,7 +197,7 @@ def test_kill_9_under_load_errs_the_running_and_the_queue_drains_after_restart(h
     assert [r.status_code for r in replies] == [200] * queued
     assert {r.json()["choices"][0]["message"]["content"] for r in replies} == {"after restart "}
     assert set(inspect(http)["executors"]) == executors  # restarted, under its own name
-    wait_until(lambda: idle(http), timeout=5)
+    wait_until(lambda: idle(http, "probe"), timeout=5)
 
 
 def test_fuzzed_requests_kill_no_executor(http, server):
