@@ -215,6 +215,44 @@ def test_audio_features_are_the_processors(path, seconds):
     torch.testing.assert_close(features, out["input_features"][0][:, kept], atol=1e-6, rtol=0)
 
 
+AUDIO_BATCHES = [[500], [3], [200], [201, 77, 3000, 1], [399, 400, 401]]
+
+
+def _audio_tower_cases(model, batches, dtype, device):
+    """(ours, transformers') embeddings of random features for each batch of clip lengths."""
+    for lengths in batches:
+        features = torch.randn(model.config.num_mel_bins, sum(lengths), dtype=dtype)
+        feature_lens = torch.tensor(lengths, device=device)
+        after, _ = model._get_feat_extract_output_lengths(feature_lens)
+        with torch.inference_mode():
+            theirs = model(features.to(device), feature_lens=feature_lens, aftercnn_lens=after)
+            yield towers.encode_clips(model, features, lengths), theirs.last_hidden_state
+
+
+def test_the_audio_tower_in_one_pass_is_transformers_forward(path):
+    """Clips of every shape the chunking has (one chunk, a part, several, one frame), one at a
+    time and several at once: our batched pass gives transformers' embeddings."""
+    tower = towers.load(str(path), "audio_tower", torch.float32)
+    for ours, theirs in _audio_tower_cases(tower.model, AUDIO_BATCHES, torch.float32, "cpu"):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_the_audio_tower_in_one_pass_at_real_size_on_the_gpu():
+    """The same at Qwen2.5-Omni-7B's audio tower size in bf16 on CUDA (random weights)."""
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
+
+    from omniflow.checkpoints.scaled import initialising_bf16_on
+    from omniflow.families.qwen2_5_omni.checkpoints import scaled_omni_config
+
+    config = scaled_omni_config(1.0)[0].thinker_config.audio_config
+    with initialising_bf16_on("cuda"):
+        model = Qwen2_5OmniAudioEncoder(config).eval()
+    for ours, theirs in _audio_tower_cases(model, AUDIO_BATCHES, torch.bfloat16, "cuda"):
+        scale = theirs.float().abs().max()
+        assert (ours.float() - theirs.float()).abs().max() <= 0.03 * scale
+
+
 def test_the_media_change_the_answer(references):
     """Guards against a reference that ignores its media: every case answers differently."""
     answers = [tuple(ids) for ids in references.values()]
