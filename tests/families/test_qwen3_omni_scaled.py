@@ -28,10 +28,16 @@ def parts(depth: float) -> dict[str, int]:
     config, _ = scaled.scaled_config(depth)
     with torch.device("meta"):
         model = Qwen3OmniMoeForConditionalGeneration(config)
-    return {
-        part: sum(p.numel() for p in getattr(model, part).parameters())
-        for part in ("thinker", "talker", "code2wav")
+    modules = {
+        "thinker": model.thinker,
+        "talker": model.talker,
+        "code2wav": model.code2wav,
+        "audio_tower": model.thinker.model.audio_tower,  # its own stage: not the thinker's
+        "visual": model.thinker.model.visual,
     }
+    counts = {part: sum(p.numel() for p in m.parameters()) for part, m in modules.items()}
+    counts["thinker"] -= counts["audio_tower"] + counts["visual"]
+    return counts
 
 
 def test_full_depth_has_the_published_parameter_counts():

@@ -219,6 +219,8 @@ class MediaThinker(CausalLM):
                 items += unpack_media(value)
         if not items:
             return super().prompt(call)
+        if call.inputs["prompt"].type != "chat":
+            raise ARBackendError("media go with a chat prompt, whose parts place them")
         media = {kind: [i for i in items if i.kind == kind] for kind in self.media_ids}
         in_video = bool((call.params or {}).get("use_audio_in_video"))
         text = self.tokenizer.apply_chat_template(
