@@ -18,6 +18,7 @@ from omniflow.errors import ModelConfigError
 from omniflow.families.qwen3_omni import REAL_MODEL, scaled
 from omniflow.families.qwen3_omni.checkpoints import tiny_config, tiny_tokenizer
 from omniflow.families.qwen3_omni.thinker_talker import load
+from omniflow.families.qwen3_omni.towers import load as load_tower
 
 torch.set_num_threads(1)
 
@@ -116,4 +117,7 @@ def test_shards_spill_into_another_folder_and_load_as_one_checkpoint(tmp_path, m
     # The stages' own loaders take it as they take the real checkpoint.
     thinker, talker = (load(str(path), part, "cpu", "auto") for part in ("thinker", "talker"))
     assert thinker.model.dtype == talker.model.dtype == torch.bfloat16
+    # And the towers' (the checkpoint carries the processor's parts they read).
+    hearing, vision = (load_tower(str(path), part, "auto") for part in ("audio_tower", "visual"))
+    assert hearing.dtype == vision.dtype == torch.bfloat16
     shutil.rmtree(spill)
