@@ -56,6 +56,7 @@ import functools
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -89,13 +90,17 @@ class Prompt:
     Position ids default to 0 .. L-1 for the prompt and the cache length for each decode
     step. A model whose positions are not those (Qwen2.5-VL's multimodal RoPE gives an
     image's tokens 3-D positions) sets `positions` and the offset every decode position
-    gets on top of the cache length.
+    gets on top of the cache length. A model whose decoder takes more than embeddings at
+    a prefill (features it adds inside its layers at the prompt's image positions) sets
+    `prefill`, which its component's `prefill_inputs` turns into keyword arguments of the
+    decoder's forward for the prompts prefilled together.
     """
 
     embeds: torch.Tensor  # [L, E] input embeddings
     context: list[int]  # ids the repetition penalty counts as already seen
     positions: torch.Tensor | None = None  # the prefill's position ids, [1, L] or [3, 1, L]
     position_offset: int = 0  # decode position = cache length + this
+    prefill: Any = None  # the component's own, read by its `prefill_inputs`
 
 
 class Component(ABC):
@@ -125,6 +130,12 @@ class Component(ABC):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden).float()
+
+    def prefill_inputs(self, prompts: list[Prompt], width: int) -> dict:
+        """Keyword arguments of the decoder's forward beside the embeddings for one prefill
+        of `prompts`, right-padded to `width` positions (row i is prompts[i]), from their
+        `prefill` values: by default none. Decode steps take none."""
+        return {}
 
     def receive(self, calls: list[Call]) -> None:  # noqa: B027 (optional hook)
         """Take the streamed input that has arrived for the step's requests (a talker's
@@ -184,6 +195,12 @@ class Component(ABC):
         states `[L, H]` and input embeddings `[L, E]` at the positions it fed: by default the
         last position's hidden state (the one its new token was sampled from), `[1, 1, H]`."""
         return hidden[-1:, None].clone()
+
+    def prompt_value(self, hidden: torch.Tensor, prompt: Prompt):
+        """The `hidden` output of one request's prefill, from its last-layer hidden states
+        `[L, H]` at its prompt's positions: by default `hidden_value` of them with the
+        prompt's input embeddings (a component whose prompts carry more says more)."""
+        return self.hidden_value(hidden, prompt.embeds, prompt=True)
 
     def hidden_rows(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """The `hidden` outputs of one decode step of n requests, from their last hidden
@@ -637,13 +654,14 @@ class TransformersAR(Backend):
             torch.cuda.empty_cache()
 
     # --- prefill and decode -----------------------------------------------------------------------
-    def _forward(self, embeds, mask, positions, cache) -> torch.Tensor:
+    def _forward(self, embeds, mask, positions, cache, **extra) -> torch.Tensor:
         out = self.component.decoder(
             inputs_embeds=self.component.project(embeds),
             attention_mask=mask.long(),
             position_ids=positions,
             cache=cache,
             use_cache=True,
+            **extra,
         )
         return out.last_hidden_state
 
@@ -709,27 +727,30 @@ class TransformersAR(Backend):
     def _prefill_group(self, started: list[tuple[Sequence, Prompt]]) -> None:
         """One causal forward over the prompts, right-padded to the longest; then each
         request samples its first token and joins the running rows. On the fused static
-        path (text positions) the forward writes the slots itself; else it is the model's
-        forward into a DynamicCache, whose rows then join."""
+        path (text positions, nothing but embeddings) the forward writes the slots itself;
+        else it is the model's forward into a DynamicCache, whose rows then join."""
         seqs = [seq for seq, _ in started]
         width = max(seq.length for seq in seqs)
         embeds = torch.stack([F.pad(p.embeds, (0, 0, 0, width - s.length)) for s, p in started])
         direct = self.static is not None and self.static.fused
-        direct = direct and all(p.positions is None for _, p in started)
+        direct = direct and all(p.positions is None and p.prefill is None for _, p in started)
         if direct:
             first = len(self.rows)
             hidden = self.static.prefill(list(range(first, first + len(seqs))), embeds)
         else:
-            positions = torch.cat(
-                [_padded_positions(p, s.length, width, self.device) for s, p in started], dim=-2
-            )
+            rows = [_padded_positions(p, s.length, width, self.device) for s, p in started]
+            if len({row.dim() for row in rows}) > 1:  # text prompts beside 3-D (mRoPE) ones
+                like = next(row for row in rows if row.dim() == 3)
+                rows = [row if row.dim() == 3 else row.expand(3, 1, -1).to(like) for row in rows]
+            positions = torch.cat(rows, dim=-2)
             cache = self.component.new_cache()
             mask = torch.ones(len(seqs), width, dtype=torch.bool, device=self.device)
-            hidden = self._forward(embeds, mask, positions, cache)
+            extra = self.component.prefill_inputs([p for _, p in started], width)
+            hidden = self._forward(embeds, mask, positions, cache, **extra)
         values = [None] * len(seqs)
         if "hidden" in self.spec.outputs:
             values = [
-                self.component.hidden_value(hidden[i, : s.length], p.embeds, prompt=True)
+                self.component.prompt_value(hidden[i, : s.length], p)
                 for i, (s, p) in enumerate(started)
             ]
         last = torch.stack([hidden[i, s.length - 1] for i, s in enumerate(seqs)])

@@ -213,23 +213,45 @@ class MediaItem:
     meta: tuple[int, ...]
 
 
+def media_header(kind: str, meta: tuple[int, ...], width: int, dtype) -> torch.Tensor:
+    """An item's header row `[width]`: its kind (1 + its index in MEDIA_KINDS), the count of
+    its integers, then each as `_META_DIGITS` base-256 digits, low first (exact in every
+    float dtype); the rest zero."""
+    if 2 + _META_DIGITS * len(meta) > width:
+        raise VisionBackendError(f"{len(meta)} header integers do not fit {width} columns")
+    row = torch.zeros(width, dtype=dtype)
+    row[0] = MEDIA_KINDS.index(kind) + 1
+    row[1] = len(meta)
+    for i, value in enumerate(meta):
+        if not 0 <= value < _DIGIT**_META_DIGITS:
+            raise VisionBackendError(f"header integer {value} is out of range")
+        for d in range(_META_DIGITS):
+            row[2 + _META_DIGITS * i + d] = (value // _DIGIT**d) % _DIGIT
+    return row
+
+
+def read_media_header(row: torch.Tensor) -> tuple[str, tuple[int, ...]] | None:
+    """`media_header`'s inverse: (kind, integers), or None if `row` is not a header."""
+    head = row.double().round().long().tolist()
+    kind, count = head[0], head[1]
+    if not 1 <= kind <= len(MEDIA_KINDS) or count < 1 or 2 + _META_DIGITS * count > len(head):
+        return None
+    meta = tuple(
+        sum(head[2 + _META_DIGITS * i + d] * _DIGIT**d for d in range(_META_DIGITS))
+        for i in range(count)
+    )
+    return MEDIA_KINDS[kind - 1], meta
+
+
 def pack_media(items: list[MediaItem], width: int, dtype) -> torch.Tensor:
     """A request's media items, in the order its chat places them, as one `hidden` value
-    `[1, sum(1 + n_i), H]`: each item's header row (its kind, its integers as base-256
-    digits), then its n embeddings."""
+    `[1, sum(1 + n_i), H]`: each item's header row (`media_header`), then its n
+    embeddings."""
     rows = sum(1 + len(item.embeds) for item in items)
     out = torch.zeros(1, rows, width, dtype=dtype)
     at = 0
     for item in items:
-        if 2 + _META_DIGITS * len(item.meta) > width:
-            raise VisionBackendError(f"{len(item.meta)} header integers do not fit {width} columns")
-        out[0, at, 0] = MEDIA_KINDS.index(item.kind) + 1
-        out[0, at, 1] = len(item.meta)
-        for i, value in enumerate(item.meta):
-            if not 0 <= value < _DIGIT**_META_DIGITS:
-                raise VisionBackendError(f"header integer {value} is out of range")
-            for d in range(_META_DIGITS):
-                out[0, at, 2 + _META_DIGITS * i + d] = (value // _DIGIT**d) % _DIGIT
+        out[0, at] = media_header(item.kind, item.meta, width, dtype)
         out[0, at + 1 : at + 1 + len(item.embeds)] = item.embeds
         at += 1 + len(item.embeds)
     return out
@@ -245,18 +267,14 @@ def unpack_media(hidden: torch.Tensor) -> list[MediaItem]:
     rows = hidden[0]
     items, at = [], 0
     while at < len(rows):
-        head = rows[at].double().round().long().tolist()
-        kind, count = head[0], head[1]
-        if not 1 <= kind <= len(MEDIA_KINDS) or count < 1:
+        header = read_media_header(rows[at])
+        if header is None:
             raise VisionBackendError(f"row {at} of the media embeddings is not an item header")
-        meta = tuple(
-            sum(head[2 + _META_DIGITS * i + d] * _DIGIT**d for d in range(_META_DIGITS))
-            for i in range(count)
-        )
+        kind, meta = header
         n = meta[0]
         if at + 1 + n > len(rows):
             raise VisionBackendError("the media embeddings end inside an item")
-        items.append(MediaItem(MEDIA_KINDS[kind - 1], rows[at + 1 : at + 1 + n].clone(), meta))
+        items.append(MediaItem(kind, rows[at + 1 : at + 1 + n].clone(), meta))
         at += 1 + n
     return items
 

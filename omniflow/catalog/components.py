@@ -94,9 +94,13 @@ class ComponentConfig:
         """Width of the hidden states the component emits (None for VAEs and vocoders).
 
         LMs and text encoders: hidden_size; vision encoders: the merger's out_hidden_size;
-        audio encoders: output_dim; DiTs: the transformer's inner width.
+        audio encoders: output_dim; DiTs: the transformer's inner width. A part whose family
+        says otherwise (`Part.hidden_width`: a tower that sends more beside its embeddings),
+        what it says.
         """
         c = self.config
+        if self.part is not None and self.part.hidden_width is not None:
+            return self.part.hidden_width(c)
         if self.category in LM_CATEGORIES:
             return c["hidden_size"]
         if self.category == "vision_encoder":

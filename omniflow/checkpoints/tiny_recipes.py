@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 # Bump when any recipe's output changes, so cached checkpoints are rebuilt.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 
 
 # Shared tiny text-decoder dims (a Qwen2.5-7B decoder scaled down: 64 wide, 2 layers,

@@ -41,7 +41,10 @@ class Part:
 
     A vocoder part whose config layout the generic rules do not read says how many samples
     it makes per codec frame (`samples_per_frame`), and one that decodes on a grid of blocks
-    the grid: `block_grid(config)` -> (codes per block, codes of lookahead).
+    the grid: `block_grid(config)` -> (codes per block, codes of lookahead). An encoder part
+    whose `hidden` output is wider than the width its config names says how wide
+    (`hidden_width(config)`: a vision tower that sends features of its inner layers beside
+    its embeddings, as Qwen3-Omni's deepstack tower does).
     """
 
     category: str
@@ -56,6 +59,7 @@ class Part:
     dtype: str | None = None
     samples_per_frame: Callable[[Mapping[str, Any]], int] | None = None
     block_grid: Callable[[Mapping[str, Any]], tuple[int, int]] | None = None
+    hidden_width: Callable[[Mapping[str, Any]], int] | None = None
 
 
 @dataclass(frozen=True)

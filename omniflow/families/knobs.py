@@ -21,3 +21,7 @@ VAE_OPTIONS = {
     "vae_use_tiling": ParamSpec((bool,), False),
     "vae_use_slicing": ParamSpec((bool,), False),
 }
+# The omni processors' `use_audio_in_video` (a request's `mm_processor_kwargs`): each video
+# interleaved with its audio track, the next audio item (Qwen2.5-Omni's and Qwen3-Omni's
+# thinkers).
+USE_AUDIO_IN_VIDEO = ParamSpec((bool,), False)

@@ -55,6 +55,8 @@ BUILTIN = [
     ("Qwen/Qwen2.5-Omni-7B", "talker", "decoder_lm"),
     ("Qwen/Qwen2.5-Omni-7B", "token2wav", "vocoder"),
     ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "thinker", "moe_lm"),
+    ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "audio_tower", "audio_encoder"),
+    ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "visual", "vision_encoder"),
     ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "talker", "moe_lm"),
     ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "code2wav", "vocoder"),
     ("Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice", "talker", "decoder_lm"),
@@ -107,6 +109,13 @@ def test_shape_facts_of_the_omni_models():
     )
     assert token2wav.dtype == "float32"  # transformers runs token2wav in float32
 
+    thinker3 = load_component_config("Qwen/Qwen3-Omni-30B-A3B-Instruct", "thinker")
+    assert "extra_parameters" not in thinker3.config  # its towers are parts of their own
+    audio3 = load_component_config("Qwen/Qwen3-Omni-30B-A3B-Instruct", "audio_tower")
+    visual3 = load_component_config("Qwen/Qwen3-Omni-30B-A3B-Instruct", "visual")
+    assert (audio3.hidden_size, audio3.config["num_parameters"]) == (2048, 647_927_168)
+    # The vision tower's hidden output: its embeddings and 3 deepstack layers' features.
+    assert (visual3.hidden_size, visual3.config["num_parameters"]) == (4 * 2048, 538_631_408)
     talker3 = load_component_config("Qwen/Qwen3-Omni-30B-A3B-Instruct", "talker")
     assert (talker3.num_code_groups, talker3.vocab_size) == (16, 3072)
     assert talker3.config["num_experts"] == 128

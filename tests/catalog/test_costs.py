@@ -118,6 +118,12 @@ def _qwen3_omni(cls_name: str, config_name: str, section: str):
     )
 
 
+def _qwen3_omni_thinker():
+    return _qwen3_omni(
+        "Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeThinkerConfig", "thinker_config"
+    )
+
+
 def _qwen25_vl(part: str, model: str = "Qwen/Qwen2.5-VL-7B-Instruct", path: str = "config.json"):
     vl = transformers.Qwen2_5_VLForConditionalGeneration(
         transformers.Qwen2_5_VLConfig(**_root(model, path))
@@ -158,9 +164,12 @@ PUBLISHED = {
     ("Qwen/Qwen2.5-Omni-7B", "token2wav"): lambda: _qwen25_omni(
         "Qwen2_5OmniToken2WavModel", "Qwen2_5OmniToken2WavConfig", "token2wav_config"
     ),
-    ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "thinker"): lambda: _qwen3_omni(
-        "Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeThinkerConfig", "thinker_config"
+    # The thinker less its towers, which are parts of their own (encoder stages run them).
+    ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "thinker"): lambda: _without_towers(_qwen3_omni_thinker()),
+    ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "audio_tower"): lambda: (
+        _qwen3_omni_thinker().model.audio_tower
     ),
+    ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "visual"): lambda: _qwen3_omni_thinker().model.visual,
     ("Qwen/Qwen3-Omni-30B-A3B-Instruct", "talker"): lambda: _qwen3_omni(
         "Qwen3OmniMoeTalkerForConditionalGeneration", "Qwen3OmniMoeTalkerConfig", "talker_config"
     ),
@@ -201,8 +210,9 @@ def test_qwen3_omni_thinker_counts_only_active_experts():
         max_batch=1,
         max_len=1,
     )
-    # 30B-A3B: about 3B parameters touched per token out of ~31.7B loaded (towers included).
-    assert cost.params == 31_719_205_488
+    # 30B-A3B: about 3B parameters touched per token out of ~30.5B loaded (its towers are
+    # parts of their own, encoder stages).
+    assert cost.params == 30_532_646_912
     assert 2.9e9 < cost.active_params < 3.2e9
     assert cost.flops_per_item == pytest.approx(2 * cost.active_params, rel=1e-3)
 

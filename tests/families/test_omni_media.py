@@ -210,7 +210,7 @@ def test_audio_features_are_the_processors(path, seconds):
     out = extractor(clip.numpy(), sampling_rate=16000, padding="max_length",
                     return_attention_mask=True, return_tensors="pt")  # fmt: skip
     kept = out["attention_mask"][0].bool()
-    features, length = towers.audio_features(extractor, clip)
+    features, length = towers.audio_features(extractor, clip, **towers.AudioTower.feature_options)
     assert length == int(kept.sum()) == min(round(seconds * 100), 3000)
     torch.testing.assert_close(features, out["input_features"][0][:, kept], atol=1e-6, rtol=0)
 

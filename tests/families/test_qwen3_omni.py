@@ -185,11 +185,9 @@ def test_thinker_items_carry_the_accepted_layer_and_the_embeddings(plan, path, m
     assert items[:, 2, 0].tolist() == [0.0] * ids.shape[1] + [1.0] * (len(tokens) - 1)
 
 
-def test_the_talker_needs_a_known_speaker_an_assistant_turn_and_no_media(plan):
+def test_the_talker_needs_a_known_speaker_and_an_assistant_turn(plan):
     with pytest.raises(RequestFailed, match="unknown speaker 'Nobody'; this model has Aiden"):
         Interpreter(plan).run({"prompt": chat("hi")}, {"max_tokens": 3, "speaker": "Nobody"})
-    with pytest.raises(RequestFailed, match="audio, image or video placeholders"):
-        Interpreter(plan).run({"prompt": chat("hi <|audio_pad|>")}, {"max_tokens": 3})
     text = compile_source(SOURCE.replace("input prompt: chat", "input prompt: text"), "cpu")
     with pytest.raises(RequestFailed, match="the prompt has none"):
         Interpreter(text).run({"prompt": "no chat template here"}, {"max_tokens": 3})
@@ -331,9 +329,12 @@ def test_the_checkpoint_names_its_speakers(path):
 
 
 def test_compiled_for_one_and_two_h200s():
-    """All three stages on one H200 with budgets; on two, code2wav gets the second."""
+    """All five stages on one H200 with budgets; on two, the towers and code2wav get the
+    second."""
     one = compile_file(GRAPH, devices="1xH200")
     assert {s.name: s.devices for s in one.stages} == {
+        "hearing": ["cuda:0"],
+        "vision": ["cuda:0"],
         "thinker": ["cuda:0"],
         "talker": ["cuda:0"],
         "code2wav": ["cuda:0"],
@@ -342,10 +343,15 @@ def test_compiled_for_one_and_two_h200s():
     assert sum(s.budget_bytes for s in one.stages) <= 140 * 2**30
     two = compile_file(GRAPH, devices="2xH200")
     assert {s.name: s.devices[0] for s in two.stages} == {
+        "hearing": "cuda:1",
+        "vision": "cuda:1",
         "thinker": "cuda:0",
         "talker": "cuda:0",
         "code2wav": "cuda:1",
     }
+    towers = {c.src: list(c.item_shape) for c in two.channels if c.dst == "thinker"}
+    # Audio embeddings; images' and videos' embeddings with 3 deepstack layers' features.
+    assert towers["hearing"] == [1537, 2048] and towers["vision"] == [4097, 4 * 2048]
     hidden = next(c for c in one.channels if c.src == "thinker" and c.dst == "talker")
     assert list(hidden.item_shape) == [3, 2048]  # accept-layer state, embedding, role
     codes = next(c for c in one.channels if c.dst == "code2wav")

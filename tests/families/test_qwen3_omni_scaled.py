@@ -18,6 +18,7 @@ from omniflow.errors import ModelConfigError
 from omniflow.families.qwen3_omni import REAL_MODEL, scaled
 from omniflow.families.qwen3_omni.checkpoints import tiny_config, tiny_tokenizer
 from omniflow.families.qwen3_omni.thinker_talker import load
+from omniflow.families.qwen3_omni.towers import load as load_tower
 
 torch.set_num_threads(1)
 
@@ -28,10 +29,16 @@ def parts(depth: float) -> dict[str, int]:
     config, _ = scaled.scaled_config(depth)
     with torch.device("meta"):
         model = Qwen3OmniMoeForConditionalGeneration(config)
-    return {
-        part: sum(p.numel() for p in getattr(model, part).parameters())
-        for part in ("thinker", "talker", "code2wav")
+    modules = {
+        "thinker": model.thinker,
+        "talker": model.talker,
+        "code2wav": model.code2wav,
+        "audio_tower": model.thinker.model.audio_tower,  # its own stage: not the thinker's
+        "visual": model.thinker.model.visual,
     }
+    counts = {part: sum(p.numel() for p in m.parameters()) for part, m in modules.items()}
+    counts["thinker"] -= counts["audio_tower"] + counts["visual"]
+    return counts
 
 
 def test_full_depth_has_the_published_parameter_counts():
@@ -110,4 +117,7 @@ def test_shards_spill_into_another_folder_and_load_as_one_checkpoint(tmp_path, m
     # The stages' own loaders take it as they take the real checkpoint.
     thinker, talker = (load(str(path), part, "cpu", "auto") for part in ("thinker", "talker"))
     assert thinker.model.dtype == talker.model.dtype == torch.bfloat16
+    # And the towers' (the checkpoint carries the processor's parts they read).
+    hearing, vision = (load_tower(str(path), part, "auto") for part in ("audio_tower", "visual"))
+    assert hearing.dtype == vision.dtype == torch.bfloat16
     shutil.rmtree(spill)

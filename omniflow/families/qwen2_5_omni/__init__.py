@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from omniflow.families.family import AdapterSpec, Family, Part, TinyModel
-from omniflow.ir.kinds import ParamSpec
+from omniflow.families.knobs import USE_AUDIO_IN_VIDEO
 
 _HERE = __name__
 
@@ -79,7 +79,7 @@ FAMILY = Family(
     # The thinker takes the audio tower's embeddings beside the vision tower's (`embeds`),
     # and the processor's `use_audio_in_video` (a video's audio track interleaved).
     stage_inputs={"ar": {"audio_embeds": ("hidden",)}},
-    stage_params={"ar": {"use_audio_in_video": ParamSpec((bool,), False)}},
+    stage_params={"ar": {"use_audio_in_video": USE_AUDIO_IN_VIDEO}},
     adapters={
         "qwen_omni.thinker_to_talker": AdapterSpec(
             "hidden",

@@ -176,13 +176,15 @@ def speaker_map(speaker_bos: dict[str, int], dit: Any) -> dict[str, dict[str, An
     }
 
 
-def save_processor_parts(out: Path) -> None:
+def save_processor_parts(
+    out: Path, image_options: dict | None = None, video_defaults: dict | None = None
+) -> None:
     """The processor's parts as the published checkpoint lays them out (the processor that
     bundles them needs torchvision): one `preprocessor_config.json` holding the audio front
     end (`WhisperFeatureExtractor`, 128 mel bins at 16 kHz) and the image processor
-    (`Qwen2VLImageProcessor`, its published pixel bounds), and the video processor's settings
-    (`video_preprocessor_config.json`: `Qwen2VLVideoProcessor`, the processor's pixel bounds
-    per frame, 2 frames a second)."""
+    (`Qwen2VLImageProcessor`, its published pixel bounds, or `image_options`), and the video
+    processor's settings (`video_preprocessor_config.json`: `Qwen2VLVideoProcessor`, the
+    processor's pixel bounds per frame, 2 frames a second, or `video_defaults`)."""
     import json
     import tempfile
 
@@ -193,24 +195,24 @@ def save_processor_parts(out: Path) -> None:
 
     from omniflow.families.qwen2_5_omni.towers import VIDEO_CONFIG, VIDEO_DEFAULTS
 
+    if image_options is None:
+        image_options = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 16384}
     WhisperFeatureExtractor(feature_size=128, return_attention_mask=True).save_pretrained(out)
     file = out / "preprocessor_config.json"
     audio = json.loads(file.read_text(encoding="utf-8"))
     with tempfile.TemporaryDirectory() as tmp:
-        Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 16384).save_pretrained(
-            tmp
-        )
+        Qwen2VLImageProcessorPil(**image_options).save_pretrained(tmp)
         image = json.loads((Path(tmp) / "preprocessor_config.json").read_text(encoding="utf-8"))
     merged = {**image, **audio, "image_processor_type": "Qwen2VLImageProcessor"}
     file.write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     video = {
         "video_processor_type": "Qwen2VLVideoProcessor",
-        "patch_size": 14,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
+        "patch_size": image["patch_size"],
+        "temporal_patch_size": image["temporal_patch_size"],
+        "merge_size": image["merge_size"],
         "image_mean": image["image_mean"],
         "image_std": image["image_std"],
-        **VIDEO_DEFAULTS,
+        **(VIDEO_DEFAULTS if video_defaults is None else video_defaults),
     }
     (out / VIDEO_CONFIG).write_text(
         json.dumps(video, indent=2, sort_keys=True) + "\n", encoding="utf-8"

@@ -52,6 +52,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,26 +174,26 @@ def _generate_default(name: str):
 # --- the thinker -------------------------------------------------------------------------------
 
 
-class OmniThinker(CausalLM):
-    """The thinker: a causal LM on a chat and, optionally, its media's embeddings from the
+class MediaThinker(CausalLM):
+    """A thinker: a causal LM on a chat and, optionally, its media's embeddings from the
     encoder stages (`embeds`: the vision tower's images and videos, `audio_embeds`: the audio
-    tower's clips), whose `hidden` output is the talker's conditioning, one `[3, H]` item per
-    position it feeds.
+    tower's clips). What Qwen2.5-Omni's and Qwen3-Omni's thinkers share; a subclass gives
+    its model's interleaving of a video with its audio track (`_interleaved`) and, where its
+    vision items carry more than embeddings, how they join the prompt (`merge_media`).
 
-    With media it does what `Qwen2_5OmniProcessor` and the thinker's forward do: each
-    placeholder of the chat template (`<|IMAGE|>`, `<|AUDIO|>`, `<|VIDEO|>`, in the order the
-    chat places them) becomes one token per embedding (with `use_audio_in_video`, a video's
-    frames and its audio track — the next audio item — interleaved in 2 s chunks between
-    audio bos/eos, as `replace_video_with_audio_token` does); the embeddings go in place of
-    those tokens' (`masked_scatter` per kind); the prefill's positions are the model's own
-    TMRoPE, `get_rope_index(ids, image_grid_thw, video_grid_thw, mask, use_audio_in_video,
-    audio feature lengths, second_per_grids)`, and each decode step's the cache length plus
-    its rope delta."""
+    With media it does what the model's processor and the thinker's forward do: each
+    placeholder of the chat template (the image, audio and video pad tokens, in the order
+    the chat places them) becomes one token per embedding (with `use_audio_in_video`, a
+    video's tokens and its audio track's — the next audio item — interleaved between the
+    audio markers); the embeddings go in place of those tokens' (`masked_scatter` per kind);
+    the prefill's positions are the model's own multimodal RoPE, `get_rope_index(ids,
+    image_grid_thw, video_grid_thw, mask, use_audio_in_video, audio feature lengths,
+    second_per_grids)`, and each decode step's the cache length plus its rope delta."""
 
     inputs = {"prompt": ("chat",), "embeds": ("hidden",), "audio_embeds": ("hidden",)}
     required = frozenset({"prompt"})
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, audio_markers: tuple[str, str]):
         super().__init__(model, tokenizer)
         config = model.config
         self.media_ids = {
@@ -203,10 +204,8 @@ class OmniThinker(CausalLM):
         self.media_tokens = {
             kind: tokenizer.convert_ids_to_tokens(i) for kind, i in self.media_ids.items()
         }
-        self.audio_bos = tokenizer.convert_ids_to_tokens(config.audio_start_token_id)
-        self.audio_eos = tokenizer.convert_ids_to_tokens(config.audio_end_token_id)
+        self.audio_bos, self.audio_eos = audio_markers
         self.position_id_per_seconds = config.position_id_per_seconds
-        self.seconds_per_chunk = config.seconds_per_chunk
         self.merge = config.vision_config.spatial_merge_size
         self.rope_index = model.model.get_rope_index
 
@@ -220,6 +219,8 @@ class OmniThinker(CausalLM):
                 items += unpack_media(value)
         if not items:
             return super().prompt(call)
+        if call.inputs["prompt"].type != "chat":
+            raise ARBackendError("media go with a chat prompt, whose parts place them")
         media = {kind: [i for i in items if i.kind == kind] for kind in self.media_ids}
         in_video = bool((call.params or {}).get("use_audio_in_video"))
         text = self.tokenizer.apply_chat_template(
@@ -228,11 +229,7 @@ class OmniThinker(CausalLM):
         text = self._expand(text, media, in_video)
         device = self.embed.weight.device
         ids = torch.tensor(self.tokenizer(text).input_ids, device=device)
-        embeds = self.embed(ids)
-        for kind, token in self.media_ids.items():
-            if media[kind]:
-                rows = torch.cat([i.embeds for i in media[kind]]).to(device, embeds.dtype)
-                embeds = embeds.masked_scatter((ids == token)[:, None], rows)
+        embeds, prefill = self.merge_media(ids, self.embed(ids), media)
         grid = {
             kind: torch.tensor([i.meta[1:4] for i in media[kind]], device=device)
             if media[kind]
@@ -258,7 +255,16 @@ class OmniThinker(CausalLM):
             audio_lengths,
             per_grid,
         )
-        return Prompt(embeds, ids.tolist(), positions, int(delta.reshape(-1)[0]))
+        return Prompt(embeds, ids.tolist(), positions, int(delta.reshape(-1)[0]), prefill)
+
+    def merge_media(self, ids: torch.Tensor, embeds: torch.Tensor, media: dict):
+        """The prompt's input embeddings with each kind's item rows in place of its
+        placeholder tokens', and what else its prefill takes (`Prompt.prefill`): none."""
+        for kind, token in self.media_ids.items():
+            if media[kind]:
+                rows = torch.cat([i.embeds for i in media[kind]]).to(embeds.device, embeds.dtype)
+                embeds = embeds.masked_scatter((ids == token)[:, None], rows)
+        return embeds, None
 
     def _expand(self, text: str, media: dict, in_video: bool) -> str:
         """The template's text with each placeholder expanded as the processor does."""
@@ -295,6 +301,24 @@ class OmniThinker(CausalLM):
                 + ", ".join(f"{n} {k}(s)" for k, n in left.items())
             )
         return "".join(out)
+
+    @abstractmethod
+    def _interleaved(self, video, audio) -> str:
+        """A video's placeholder text with its audio track's (`use_audio_in_video`), as the
+        model's processor writes it."""
+
+
+class OmniThinker(MediaThinker):
+    """Qwen2.5-Omni's thinker (`MediaThinker`), whose `hidden` output is the talker's
+    conditioning, one `[3, H]` item per position it feeds. With `use_audio_in_video` a
+    video's frames and its audio track are interleaved in 2 s chunks, as
+    `replace_video_with_audio_token` does."""
+
+    def __init__(self, model, tokenizer):
+        config = model.config
+        markers = (config.audio_start_token_id, config.audio_end_token_id)
+        super().__init__(model, tokenizer, tuple(tokenizer.convert_ids_to_tokens(markers)))
+        self.seconds_per_chunk = config.seconds_per_chunk
 
     def _interleaved(self, video, audio) -> str:
         """`Qwen2_5OmniProcessor.replace_video_with_audio_token`: a video's tokens and its

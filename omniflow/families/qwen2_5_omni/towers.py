@@ -52,7 +52,10 @@ _US = 1_000_000
 
 
 @dataclass
-class _Prepared:
+class Prepared:
+    """One item through the processor: its embeddings' count, the tower's input for it and
+    the integers its `MediaItem` carries."""
+
     tokens: int
     features: torch.Tensor
     meta: tuple[int, ...]
@@ -73,7 +76,9 @@ def load(path: str, component: str | None, dtype):
     )
 
 
-def _from_pretrained(cls, path, config, prefix, dtype):
+def tower_from_pretrained(cls, path, config, prefix, dtype):
+    """The tower class `cls` with `config`, its weights those of the checkpoint at `path`
+    under `prefix` (the rest of the checkpoint skipped); a weight it lacks is an error."""
     model, info = cls.from_pretrained(
         path,
         config=config,
@@ -88,43 +93,63 @@ def _from_pretrained(cls, path, config, prefix, dtype):
 
 
 class AudioTower:
-    """The thinker's audio tower on 16 kHz clips."""
+    """The thinker's audio tower on 16 kHz clips. (A subclass for another model's tower
+    gives its class, its processor's feature options, its token count and its forward.)"""
 
     kinds = frozenset({"audio"})
     prefix = "thinker.audio_tower"
+    # Qwen2_5OmniProcessor's audio kwargs: every clip padded to the extractor's 30 s window.
+    feature_options = {"padding": "max_length"}
 
     def __init__(self, path: str, thinker, dtype):
         from transformers import WhisperFeatureExtractor
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
-            Qwen2_5OmniAudioEncoder,
-        )
 
-        self.model = _from_pretrained(
-            Qwen2_5OmniAudioEncoder, path, thinker.audio_config, self.prefix, dtype
+        self.model = tower_from_pretrained(
+            self.encoder_class(), path, thinker.audio_config, self.prefix, dtype
         )
         self.extractor = WhisperFeatureExtractor.from_pretrained(path)
         self.width = thinker.audio_config.output_dim
         self.dtype = self.model.dtype
 
+    @staticmethod
+    def encoder_class():
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+            Qwen2_5OmniAudioEncoder,
+        )
+
+        return Qwen2_5OmniAudioEncoder
+
     def to(self, device: str) -> None:
         self.model.to(device)
 
-    def prepare(self, kind: str, value) -> _Prepared:
-        features, length = audio_features(self.extractor, value)
+    def tokens(self, length: int) -> int:
+        """The embeddings a clip of `length` feature frames gives."""
         _, tokens = self.model._get_feat_extract_output_lengths(torch.tensor(length))
-        return _Prepared(int(tokens), features, (int(tokens), length))
+        return int(tokens)
 
-    def forward(self, kind: str, prepared: list[_Prepared]) -> list[MediaItem]:
+    def prepare(self, kind: str, value) -> Prepared:
+        features, length = audio_features(self.extractor, value, **self.feature_options)
+        tokens = self.tokens(length)
+        return Prepared(tokens, features, (tokens, length))
+
+    def forward(self, kind: str, prepared: list[Prepared]) -> list[MediaItem]:
         features = torch.cat([p.features for p in prepared], dim=1)
-        embeds = encode_clips(self.model, features, [p.meta[1] for p in prepared])
+        embeds = self.encode(features, [p.meta[1] for p in prepared])
         embeds = embeds.split([p.tokens for p in prepared])
         return [MediaItem("audio", e, p.meta) for e, p in zip(embeds, prepared, strict=True)]
 
+    def encode(self, features: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """The clips' features `[mel, sum(lengths)]` (on the host), concatenated, to their
+        embeddings on the tower's device (what the thinker's `get_audio_features` does with a
+        batch), in one pass (`encode_clips`)."""
+        return encode_clips(self.model, features, lengths)
 
-def audio_features(extractor, value) -> tuple[torch.Tensor, int]:
-    """A clip's log-mel features `[mel, frames]` as the processor makes them, and their
-    length: what the feature extractor's attention mask keeps of its 30 s window (a longer
-    clip is cut there, as the processor cuts it)."""
+
+def audio_features(extractor, value, **options) -> tuple[torch.Tensor, int]:
+    """A clip's log-mel features `[mel, frames]` as the processor makes them (`options`: its
+    audio kwargs, e.g. `padding="max_length"`: to the extractor's 30 s window, which cuts a
+    longer clip there), and their length: what the feature extractor's attention mask
+    keeps."""
     if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
         what = (
             f"a {value.dtype} tensor of shape {list(value.shape)}"
@@ -134,49 +159,56 @@ def audio_features(extractor, value) -> tuple[torch.Tensor, int]:
         raise VisionBackendError(f"an audio clip is 16 kHz mono float samples [n], not {what}")
     if not len(value) or not torch.isfinite(value).all():
         raise VisionBackendError("the audio clip is empty or not finite")
-    # The processor pads every clip to the extractor's 30 s window; the frames its mask keeps
-    # see at most n_fft / 2 samples past the clip, so padding n_fft of silence makes the same
-    # frames (under the same maximum, which sets the log-mel floor) at a fraction of the
-    # cost: 5 s in ~8 ms instead of ~120 ms on a CPU core.
-    padded = min(len(value) + extractor.n_fft, extractor.n_samples)
+    if options.get("padding") == "max_length" and "max_length" not in options:
+        # Padded to the 30 s window, the frames the mask keeps see at most n_fft / 2 samples
+        # past the clip, so padding n_fft of silence makes the same frames (under the same
+        # maximum, which sets the log-mel floor) at a fraction of the cost: 5 s in ~8 ms
+        # instead of ~120 ms on a CPU core.
+        options = {**options, "max_length": min(len(value) + extractor.n_fft, extractor.n_samples)}
     out = extractor(
         value.float().numpy(),
         sampling_rate=SAMPLE_RATE,
-        padding="max_length",
-        max_length=padded,
         return_attention_mask=True,
         return_tensors="pt",
+        **options,
     )
     mask = out["attention_mask"][0].bool()
     return out["input_features"][0][:, mask], int(mask.sum())
 
 
 class VisionTower:
-    """The thinker's vision tower on images and videos."""
+    """The thinker's vision tower on images and videos. (A subclass for another model's
+    tower gives its class, its video processor's defaults, its width and its forward.)"""
 
     kinds = frozenset({"image", "video"})
     prefix = "thinker.visual"
+    video_defaults = VIDEO_DEFAULTS
 
     def __init__(self, path: str, thinker, dtype):
         from transformers import AutoImageProcessor
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
-            Qwen2_5OmniVisionEncoder,
-        )
 
-        self.model = _from_pretrained(
-            Qwen2_5OmniVisionEncoder, path, thinker.vision_config, self.prefix, dtype
+        self.model = tower_from_pretrained(
+            self.encoder_class(), path, thinker.vision_config, self.prefix, dtype
         )
         self.images = AutoImageProcessor.from_pretrained(path)
-        self.video = video_settings(path)
+        self.video = video_settings(path, self.video_defaults)
         self.merge = thinker.vision_config.spatial_merge_size
         self.temporal = thinker.vision_config.temporal_patch_size
         self.width = thinker.vision_config.out_hidden_size
         self.dtype = self.model.dtype
 
+    @staticmethod
+    def encoder_class():
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+            Qwen2_5OmniVisionEncoder,
+        )
+
+        return Qwen2_5OmniVisionEncoder
+
     def to(self, device: str) -> None:
         self.model.to(device)
 
-    def prepare(self, kind: str, value) -> _Prepared:
+    def prepare(self, kind: str, value) -> Prepared:
         if kind == "image":
             try:
                 out = self.images(images=[read_image(value)], return_tensors="pt")
@@ -184,30 +216,33 @@ class VisionTower:
                 raise VisionBackendError(f"the image processor refuses the image: {err}") from err
             grid = out["image_grid_thw"][0]
             tokens = int(grid.prod()) // self.merge**2
-            return _Prepared(tokens, out["pixel_values"], (tokens, *map(int, grid)))
+            return Prepared(tokens, out["pixel_values"], (tokens, *map(int, grid)))
         frames = sample_frames(value, self.video, self.temporal)
         pixels, grid = video_patches(frames, self.images, self.video, self.temporal, self.merge)
         tokens = int(grid.prod()) // self.merge**2
         per_grid = round(self.temporal / self.video["fps"] * _US)
-        return _Prepared(tokens, pixels, (tokens, *map(int, grid), per_grid))
+        return Prepared(tokens, pixels, (tokens, *map(int, grid), per_grid))
 
-    def forward(self, kind: str, prepared: list[_Prepared]) -> list[MediaItem]:
+    def forward(self, kind: str, prepared: list[Prepared]) -> list[MediaItem]:
         device = self.model.patch_embed.proj.weight.device
         grids = torch.tensor([p.meta[1:4] for p in prepared], device=device)
         pixels = torch.cat([p.features for p in prepared]).to(device, self.dtype)
-        out = self.model(pixels, grid_thw=grids).pooler_output
-        embeds = out.split([p.tokens for p in prepared])
+        embeds = self.encode(pixels, grids).split([p.tokens for p in prepared])
         return [MediaItem(kind, e, p.meta) for e, p in zip(embeds, prepared, strict=True)]
 
+    def encode(self, pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+        """The items' patches, concatenated, to their rows `[sum(tokens), width]`."""
+        return self.model(pixels, grid_thw=grids).pooler_output
 
-def video_settings(path: str | Path) -> dict:
+
+def video_settings(path: str | Path, defaults: dict = VIDEO_DEFAULTS) -> dict:
     """The checkpoint's video processor settings (`video_preprocessor_config.json`), else the
-    processor's own."""
+    processor's own (`defaults`)."""
     file = Path(path) / VIDEO_CONFIG
-    settings = dict(VIDEO_DEFAULTS)
+    settings = dict(defaults)
     if file.is_file():
         saved = json.loads(file.read_text(encoding="utf-8"))
-        settings |= {k: saved[k] for k in VIDEO_DEFAULTS if saved.get(k) is not None}
+        settings |= {k: saved[k] for k in defaults if saved.get(k) is not None}
     return settings
 
 

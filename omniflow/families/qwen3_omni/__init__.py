@@ -4,8 +4,9 @@ codebooks, decoded by the causal ConvNet code2wav.
 
 Run-time half: `thinker_talker` (the thinker and the talker with its code predictor as
 components of the transformers `ar` backend, the adapters of the edges between the
-stages), `code2wav` (the vocoder as a `Decoder`); `checkpoints` (the tiny checkpoint and the
-reference run), `scaled` (the real-size random-weight one). This module also holds the
+stages), `towers` (the thinker's audio and vision towers for the transformers `encoder`
+backend), `code2wav` (the vocoder as a `Decoder`); `checkpoints` (the tiny checkpoint and
+the reference run), `scaled` (the real-size random-weight one). This module also holds the
 layout facts of the published checkpoint that those share, torch-free.
 """
 
@@ -15,9 +16,9 @@ import json
 from pathlib import Path
 
 from omniflow.families.family import AdapterSpec, Family, Part, TinyModel
+from omniflow.families.knobs import USE_AUDIO_IN_VIDEO
 
 _HERE = __name__
-_THINKER_TOWERS = {"audio_tower": ("thinker.audio_tower.",), "visual": ("thinker.visual.",)}
 
 ARCHITECTURE = "qwen3_omni_moe"
 REAL_MODEL = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
@@ -71,6 +72,13 @@ def chat_template() -> str:
     )
 
 
+def vision_hidden_width(config) -> int:
+    """The vision tower's `hidden` width: its merged embeddings and, beside them, the
+    features of each of its `deepstack_visual_indexes` layers, all `out_hidden_size` wide
+    (the thinker adds those to its first decoder layers' outputs at the visual positions)."""
+    return config["out_hidden_size"] * (1 + len(config.get("deepstack_visual_indexes") or ()))
+
+
 def speakers(path: str | Path) -> tuple[str, ...] | None:
     """The speakers of a local Qwen3-Omni checkpoint (its talker's `speaker_id`), named as
     `generate` takes them ("Ethan"; it lowers the case); None for any other checkpoint."""
@@ -94,7 +102,16 @@ FAMILY = Family(
             ("thinker_config", "text_config"),
             class_level=1,
             keep=("audio_config", "vision_config"),
-            extras=_THINKER_TOWERS,
+            # Its towers are parts of their own (encoder stages run them).
+        ),
+        "audio_tower": Part(
+            "audio_encoder", ("thinker_config", "audio_config"), weights=("thinker.audio_tower.",)
+        ),
+        "visual": Part(
+            "vision_encoder",
+            ("thinker_config", "vision_config"),
+            weights=("thinker.visual.",),
+            hidden_width=vision_hidden_width,
         ),
         "talker": Part(
             "moe_lm",
@@ -113,7 +130,12 @@ FAMILY = Family(
     runtime={
         ("ar", "transformers"): f"{_HERE}.thinker_talker:load",
         ("vocoder", "transformers"): f"{_HERE}.code2wav:load",
+        ("encoder", "transformers"): f"{_HERE}.towers:load",
     },
+    # The thinker takes the audio tower's embeddings beside the vision tower's (`embeds`),
+    # and the processor's `use_audio_in_video` (a video's audio track interleaved).
+    stage_inputs={"ar": {"audio_embeds": ("hidden",)}},
+    stage_params={"ar": {"use_audio_in_video": USE_AUDIO_IN_VIDEO}},
     adapters={
         "qwen3_omni.thinker_to_talker": AdapterSpec(
             "hidden",

@@ -5,9 +5,10 @@ run the staged pipeline is compared against. (`scaled` builds the real-size one.
   shrunk from the published one (the layer types and the structure kept: MoE thinker with
   its audio encoder and ViT, MoE talker with a shared expert and the 5-layer code predictor
   over 16 codebooks, the causal ConvNet code2wav with its sliding-window transformer and the
-  real upsampling x1920), saved with `save_pretrained`, with its tokenizer, its audio front
-  end and a greedy `generation_config.json`; it loads through `from_pretrained` as the real
-  checkpoint does.
+  real upsampling x1920), saved with `save_pretrained`, with its tokenizer, its processor's
+  parts (the Whisper audio front end, the image processor with 16 px patches, the video
+  processor's settings) and a greedy `generation_config.json`; it loads through
+  `from_pretrained` as the real checkpoint does.
 - `reference_generate`: the model's own `Qwen3OmniMoeForConditionalGeneration.generate`,
   with the talker's frames read off its own `generate`: the oracle.
 """
@@ -121,6 +122,20 @@ _CODE2WAV = {
 }
 
 
+# The image processor: the ViT's 16 px patches merged 2 x 2, two frames a temporal patch,
+# mean and std 0.5 per channel, Qwen2.5-Omni's pixel bounds.
+IMAGE_PROCESSOR = {
+    "patch_size": 16,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "min_pixels": 56 * 56,
+    "max_pixels": 28 * 28 * 16384,
+}
+POSITION_ID_PER_SECONDS = 13
+
+
 def tiny_tokenizer():
     """The tiny qwen tokenizer with Qwen3-Omni's own special tokens after Qwen's (as in the
     real vocabulary: the audio markers, the talker's text-side tokens, the audio pad) and
@@ -174,6 +189,9 @@ def tiny_config(tokenizer) -> Any:
             "deepstack_visual_indexes": [0, 1],
         },
         "user_token_id": tokenizer.convert_tokens_to_ids("user"),
+        # The processor's (Qwen3OmniMoeProcessor.position_id_per_seconds), which its
+        # interleaving of a video with its audio track and the model's positions share.
+        "position_id_per_seconds": POSITION_ID_PER_SECONDS,
         **media,
     }
     codec = {name: CODEBOOK + offset for name, offset in CODEBOOK_OFFSETS.items()}
@@ -184,6 +202,7 @@ def tiny_config(tokenizer) -> Any:
         "thinker_hidden_size": _THINKER_TEXT["hidden_size"],
         "accept_hidden_layer": ACCEPT_HIDDEN_LAYER,
         "spatial_merge_size": 2,
+        "position_id_per_seconds": POSITION_ID_PER_SECONDS,
         "speaker_id": {s: CODEBOOK + offset for s, offset in SPEAKERS.items()},
         **{k: v for k, v in codec.items() if k != "speaker"},
         **media,
@@ -204,17 +223,16 @@ def tiny_config(tokenizer) -> Any:
 
 
 def build_tiny(out: Path) -> Iterator[str]:
-    from transformers import (
-        GenerationConfig,
-        Qwen3OmniMoeForConditionalGeneration,
-        WhisperFeatureExtractor,
-    )
+    from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration
+
+    from omniflow.families.qwen2_5_omni.checkpoints import save_processor_parts
+    from omniflow.families.qwen3_omni.towers import VIDEO_DEFAULTS
 
     yield "tokenizer"
     tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(out)
-    # The audio front end (the processor that would bundle it needs torchvision).
-    WhisperFeatureExtractor(feature_size=128, return_attention_mask=True).save_pretrained(out)
+    # The processor's parts (the processor that would bundle them needs torchvision).
+    save_processor_parts(out, IMAGE_PROCESSOR, VIDEO_DEFAULTS)
 
     yield "model"
     config = tiny_config(tokenizer)
@@ -277,12 +295,15 @@ def reference_generate(
     speaker: str = "Ethan",
     talker_max_new_tokens: int = 32,
     model=None,
+    input_ids: torch.Tensor | None = None,
     **generate_kwargs,
 ) -> Reference:
     """`Qwen3OmniMoeForConditionalGeneration.generate` on one chat: greedy thinker and
     talker (the code predictor follows the talker's `do_sample`), otherwise the class's
     defaults (the talker's repetition penalty 1.05, code2wav's `chunked_decode`); extra
-    keyword arguments pass through (`talker_repetition_penalty=1.0`, ...).
+    keyword arguments pass through (`talker_repetition_penalty=1.0`, the processor's media
+    inputs, ...); `input_ids` (the processor's, its placeholders expanded) replace the
+    chat's own.
 
     Not the literal defaults: the thinker's end of turn is this checkpoint's `<|im_end|>`
     (the class hard-codes the real 151645), and the frames are read off the talker's
@@ -296,7 +317,8 @@ def reference_generate(
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if model is None:
             model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model_dir).eval()
-    input_ids = prompt_ids(tokenizer, messages)
+    if input_ids is None:
+        input_ids = prompt_ids(tokenizer, messages)
     frames = []
     talker_generate = model.talker.generate
 

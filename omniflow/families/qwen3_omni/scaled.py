@@ -140,11 +140,11 @@ def build_scaled(
     `tokenizer`); returns the folder. See the module docstring for where shards go; `spill`
     None is `/dev/shm/omniflow-<out's name>` where there is a /dev/shm (used only once
     `out` is full), as `omniflow models build-scaled` builds it."""
-    from transformers import (
-        GenerationConfig,
-        Qwen3OmniMoeForConditionalGeneration,
-        WhisperFeatureExtractor,
-    )
+    from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration
+
+    from omniflow.families.qwen2_5_omni.checkpoints import save_processor_parts
+    from omniflow.families.qwen3_omni.checkpoints import IMAGE_PROCESSOR
+    from omniflow.families.qwen3_omni.towers import VIDEO_DEFAULTS
 
     if config is None:
         config, tokenizer = scaled_config(depth)
@@ -157,7 +157,8 @@ def build_scaled(
         folder.mkdir(parents=True, exist_ok=True)
     with quiet():
         tokenizer.save_pretrained(out)
-    WhisperFeatureExtractor(feature_size=128, return_attention_mask=True).save_pretrained(out)
+    # The processor's parts, as the tiny checkpoint's (the towers' stages read them).
+    save_processor_parts(out, IMAGE_PROCESSOR, VIDEO_DEFAULTS)
     with initialising_bf16_on(device):
         model = Qwen3OmniMoeForConditionalGeneration(config).eval()
         _initialise_the_talkers_experts(model)

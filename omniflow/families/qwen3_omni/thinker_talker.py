@@ -7,9 +7,7 @@ inputs. There the talker's input embeddings are built from the thinker's run:
 - the user part: one row per prompt position in a user turn (a position whose last
   `<|im_start|>` is followed by `user`), the talker's `text_projection` of that position's
   thinker input embedding (at an audio/image/video placeholder, `hidden_projection` of the
-  thinker's hidden state of layer `accept_hidden_layer`; with 3-D talker positions from
-  the media's grids: the thinker stage takes text prompts, and the talker refuses a prompt
-  with placeholders);
+  thinker's hidden state of layer `accept_hidden_layer`);
 - the assistant part, from A = the `text_projection` of the thinker input embeddings from
   the last `<|im_start|>assistant` on (its 3 prompt positions, then the generated tokens):
   A0..A2 with no codec row, four tts pad rows plus the codec rows no-think, think bos,
@@ -18,7 +16,10 @@ inputs. There the talker's input embeddings are built from the thinker's run:
 - decode step t feeds the sum of the 16 codebook embeddings of frame t (the talker's own
   for codebook 0, the code predictor's for the others) plus A[4 + t], then tts eos once the
   text is spent, then tts pad for ever. The last generated token is never fed back to the
-  thinker, so A has no row for it (as in `generate`).
+  thinker, so A has no row for it (as in `generate`);
+- on a prompt with media, the talker's positions are 3-D: its own `get_rope_index` over
+  the user part's ids and the assistant part's, with the media's grids, seconds per grid
+  and audio feature lengths (`Talker._positions`); else 0 .. L-1.
 
 Each talker step samples codebook 0 of a frame from the codec head (the upper 1024 ids
 suppressed but end of speech, repetition penalty over the codes it sampled); its 5-layer
@@ -34,13 +35,17 @@ embedding, and a role row (all 0 for a prompt position, all 1 for a generated to
 prompt's positions come in the prefill step, then one per decode step. `generate` finds
 the user turns, the assistant's turn and the media placeholders in the input ids; the
 talker finds them in the embeddings, which are those ids' rows of the thinker's table (it
-reads the rows of `<|im_start|>`, `user`, `assistant` and the placeholders from the
-checkpoint). The adapter `thinker_to_talker` passes the items as they are.
+reads the rows of `<|im_start|>`, `user`, `assistant`, the placeholders and the media's
+start markers from the checkpoint). At a media position the item's embedding is the
+placeholder's row (the talker reads no embedding there), and the role row of each media
+item's first position carries, after the role, the item's kind and integers (its grid,
+seconds per grid, audio feature length: `media_header`), which the talker's positions
+need. The adapter `thinker_to_talker` passes the items as they are.
 
 Loading: `Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained` (or the talker's) on
 the full checkpoint directory materializes only that part's tensors, bit-equal to the same
-part of the full model: the thinker with its audio and vision towers (unused on text
-prompts), or the talker with its code predictor. transformers 5.24 merges the checkpoint's
+part of the full model: the thinker (its audio and vision towers dropped: they run on
+encoder stages, `towers`), or the talker with its code predictor. transformers 5.24 merges the checkpoint's
 per-expert MoE weights into its fused expert tensors by `model_type`, for the whole model
 and the thinker but not for the talker loaded alone, so `load` registers the same merge
 for the talker's class first. On CUDA both load with their MoE experts on omniflow's fused
@@ -55,6 +60,7 @@ import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -62,14 +68,15 @@ from torch import nn
 from omniflow.backends.checkpoint_files import CONFIG, read_json
 from omniflow.backends.transformers_ar import (
     ARBackendError,
-    CausalLM,
     Component,
     Prompt,
     Sequence,
     sample_sub_step,
     sub_sampling,
 )
-from omniflow.families.qwen3_omni import CODEBOOK_OFFSETS
+from omniflow.backends.vision import media_header, read_media_header
+from omniflow.families.qwen2_5_omni.thinker_talker import MediaThinker
+from omniflow.families.qwen3_omni import AUDIO_TOKENS, CODEBOOK_OFFSETS
 from omniflow.kernels import fused_moe
 from omniflow.plan import StagePlan
 from omniflow.runtime.stage import Call
@@ -79,6 +86,8 @@ THINKER_EMBEDDINGS = "thinker.model.embed_tokens.weight"
 # `generate` suppresses the talker's top 1024 ids but the end of speech.
 SUPPRESSED_SPECIALS = 1024
 _STATE = "qwen3_omni"  # a talker request's conditioning in call.state
+# The talker prompt's assistant part: 3 text rows, 4 tts pads, tts bos, the first reply.
+_ASSISTANT_ROWS = 9
 _FRAME = "qwen3_omni.frame"  # the frame a talker request sampled last, [16] on the device
 
 
@@ -145,6 +154,8 @@ def load(path: str, component: str | None, device: str, dtype) -> Component:
     model = model.to(device).eval()
     layout = read_json(path, CONFIG) or {}
     if component == "thinker":
+        # Its towers run on encoder stages (component "audio_tower", "visual").
+        del model.model.audio_tower, model.model.visual
         return Thinker(model, AutoTokenizer.from_pretrained(path), layout)
     return Talker(model, path, layout)
 
@@ -233,14 +244,40 @@ class _WithAcceptLayer(nn.Module):
         return out
 
 
-class Thinker(CausalLM):
-    """The thinker on text prompts: a causal LM (ending at `<|im_end|>`, as `generate`
-    ends it) whose `hidden` output is the talker's conditioning, one `[3, H]` item per
-    position it feeds."""
+@dataclass
+class _Media:
+    """What a media prompt carries beside its embeddings (`Prompt.prefill`): its token ids,
+    each media item's first position, kind and integers (the talker's 3-D positions need
+    them), and the deepstack features at its image and video positions, in order."""
+
+    ids: torch.Tensor  # [L]
+    starts: list[tuple[int, str, tuple[int, ...]]]
+    visual: torch.Tensor  # [L] bool
+    features: torch.Tensor | None  # [V, D * H]: V visual positions, D deepstack layers
+
+
+class Thinker(MediaThinker):
+    """The thinker: a causal LM (ending at `<|im_end|>`, as `generate` ends it) on a chat
+    and, optionally, its media's embeddings from the encoder stages (`MediaThinker`: the
+    processor's placeholders, the model's `get_rope_index`), whose `hidden` output is the
+    talker's conditioning, one `[3, H]` item per position it feeds.
+
+    Qwen3-Omni's own, beside Qwen2.5-Omni's: with `use_audio_in_video` a video's tokens and
+    its audio track's are merged by time (each video grid at its start time, one position
+    id per audio token), as `Qwen3OmniMoeProcessor.replace_video_with_audio_token` does; and
+    each image or video item's rows carry the vision tower's deepstack features beside its
+    embeddings (`towers`), which the prefill adds to the outputs of the first decoder
+    layers at the image and video positions (the text model's `visual_pos_masks` and
+    `deepstack_visual_embeds`, as the thinker's forward passes them). Decode steps have no
+    visual positions: they take none. Its prompt may be a text or token ids too, as a plain
+    causal LM's (then without media)."""
+
+    inputs = {**MediaThinker.inputs, "prompt": ("chat", "text", "tokens")}
 
     def __init__(self, model, tokenizer, layout: dict):
-        super().__init__(model, tokenizer)
+        super().__init__(model, tokenizer, AUDIO_TOKENS)
         self.width = model.config.text_config.hidden_size
+        self.deepstack = len(model.config.vision_config.deepstack_visual_indexes)
         layer = (layout.get("talker_config") or {}).get("accept_hidden_layer")
         if layer is None:
             from transformers import Qwen3OmniMoeTalkerConfig
@@ -250,8 +287,101 @@ class Thinker(CausalLM):
         # generate() ends the thinker at `thinker_eos_token_id`: the model's <|im_end|>.
         self.eos_ids = frozenset({int(_top_level(layout, "im_end_token_id"))})
 
+    def merge_media(self, ids: torch.Tensor, embeds: torch.Tensor, media: dict):
+        visual = torch.zeros_like(ids, dtype=torch.bool)
+        features, starts = None, []
+        for kind, token in self.media_ids.items():
+            if not media[kind]:
+                continue
+            rows = torch.cat([i.embeds for i in media[kind]]).to(embeds.device)
+            at = ids == token
+            where = at.nonzero().flatten().tolist()
+            if len(where) != len(rows):
+                raise ARBackendError(
+                    f"the prompt has {len(where)} {kind} positions for {len(rows)} embeddings"
+                )
+            first = 0
+            for item in media[kind]:
+                starts.append((where[first], kind, item.meta))
+                first += item.meta[0]
+            if kind != "audio":
+                wide = self.width * (1 + self.deepstack)
+                if rows.shape[-1] != wide:
+                    raise ARBackendError(
+                        f"{kind} rows are {rows.shape[-1]} wide, not the vision tower's {wide} "
+                        "(embeddings and deepstack features)"
+                    )
+                if features is None:
+                    features = rows.new_zeros(len(ids), wide - self.width)
+                features[at] = rows[:, self.width :]
+                visual |= at
+                rows = rows[:, : self.width]
+            embeds = embeds.masked_scatter(at[:, None], rows.to(embeds.dtype))
+        deep = None if features is None else features[visual]
+        return embeds, _Media(ids, sorted(starts), visual, deep)
+
+    def prefill_inputs(self, prompts: list[Prompt], width: int) -> dict:
+        """The deepstack features of the prompts that have some: `visual_pos_masks` over
+        the padded batch and, per deepstack layer, the features at those positions in the
+        mask's order (row by row)."""
+        stacks = [
+            (i, p.prefill)
+            for i, p in enumerate(prompts)
+            if p.prefill is not None and p.prefill.features is not None
+        ]
+        if not stacks:
+            return {}
+        device = self.embed.weight.device
+        visual = torch.zeros(len(prompts), width, dtype=torch.bool, device=device)
+        for i, deep in stacks:
+            visual[i, : len(deep.visual)] = deep.visual
+        features = torch.cat([deep.features for _, deep in stacks])
+        return {
+            "visual_pos_masks": visual,
+            "deepstack_visual_embeds": list(features.split(self.width, dim=-1)),
+        }
+
+    def _interleaved(self, video, audio) -> str:
+        """`Qwen3OmniMoeProcessor.replace_video_with_audio_token`: between audio bos and eos,
+        the video's tokens and its audio track's merged by time (a video token first on a
+        tie)."""
+        _, t, h, w, per_grid = video.meta
+        seconds = per_grid / 1_000_000  # the towers send it in microseconds
+        per_frame = (h // self.merge) * (w // self.merge)
+        times = [frame * seconds * self.position_id_per_seconds for frame in range(t)]
+        video_index = [time for time in times for _ in range(per_frame)]
+        audio_count = audio.meta[0]
+        pieces, v, a = [self.audio_bos], 0, 0
+        while v < len(video_index) and a < audio_count:
+            if video_index[v] <= a:
+                pieces.append(self.media_tokens["video"])
+                v += 1
+            else:
+                pieces.append(self.media_tokens["audio"])
+                a += 1
+        pieces.append(self.media_tokens["video"] * (len(video_index) - v))
+        pieces.append(self.media_tokens["audio"] * (audio_count - a))
+        return "".join(pieces) + self.audio_eos
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden[..., : self.width]).float()
+
+    def prompt_value(self, hidden: torch.Tensor, prompt: Prompt):
+        """The prompt's items; on a media prompt, at each media position the placeholder
+        token's embedding (the talker finds the media there; `generate`'s talker reads no
+        embedding at those positions) and, in the role row of an item's first position
+        after the role, the item's kind and integers (`media_header`)."""
+        media = prompt.prefill
+        if media is None:
+            return super().prompt_value(hidden, prompt)
+        embeds = prompt.embeds.clone()
+        kinds = torch.tensor(list(self.media_ids.values()), device=media.ids.device)
+        placeholders = torch.isin(media.ids, kinds)
+        embeds[placeholders] = self.embed(media.ids[placeholders]).to(embeds.dtype)
+        value = self.hidden_value(hidden, embeds, prompt=True)
+        for position, kind, meta in media.starts:
+            value[position, 2, 1:] = media_header(kind, meta, value.shape[-1] - 1, value.dtype)
+        return value
 
     def hidden_value(self, hidden: torch.Tensor, embeds: torch.Tensor, prompt: bool):
         accepted = hidden[..., self.width :]
@@ -275,6 +405,8 @@ class _Conditioning:
     assistant: list[torch.Tensor] = field(default_factory=list)  # A, projected, [D] each
     projected: int = 0  # replies projected into `assistant` so far
     complete: bool = False  # the prompt's rows are all in and segmented
+    positions: torch.Tensor | None = None  # [3, 1, u + 9] on a prompt with media
+    offset: int = 0  # its decode positions' offset
 
 
 class Talker(Component):
@@ -307,19 +439,33 @@ class Talker(Component):
         tts = [_top_level(layout, f"tts_{t}_token_id") for t in ("bos", "eos", "pad")]
         keys = ("im_start_token_id", "assistant_token_id", "user_token_id")
         markers = [_top_level(layout, key) for key in keys]
-        # The placeholders as generate's multimodal mask reads them: the thinker's ids.
+        # The placeholders as generate's multimodal mask reads them, and the media's start
+        # markers that its 3-D positions read: the thinker's ids.
         thinker = layout.get("thinker_config") or {}
         media = [
             thinker.get(key, getattr(config, key))
-            for key in ("audio_token_id", "image_token_id", "video_token_id")
+            for key in (
+                "audio_token_id",
+                "image_token_id",
+                "video_token_id",
+                "vision_start_token_id",
+                "audio_start_token_id",
+            )
         ]
-        rows = thinker_embedding_rows(path, [*tts, *markers, *media]).to(weight.device)
+        self.marker_ids = [*markers, *media]
+        rows = thinker_embedding_rows(path, [*tts, *self.marker_ids]).to(weight.device)
         with torch.inference_mode():
             special = self.model.text_projection(rows[None, :3].to(weight.dtype))[0]
         self.tts_bos, self.tts_eos, self.tts_pad = special.unbind()
-        # The thinker's embedding rows of <|im_start|>, `assistant`, `user` and the media
-        # placeholders: where the prompt's turns and placeholders are.
+        # The thinker's embedding rows of <|im_start|>, `assistant`, `user`, the media
+        # placeholders and the media's start markers: where the prompt's turns and media are.
         self.markers = rows[3:]
+        if not hasattr(config, "audio_config"):
+            # get_rope_index reads the audio encoder's `n_window` (an audio clip's positions
+            # beside images or video), which the talker's config lacks: generate raises
+            # AttributeError there; here the thinker's audio config's.
+            audio = thinker.get("audio_config") or {}
+            config.audio_config = SimpleNamespace(n_window=audio.get("n_window", 50))
 
     # --- conditioning -----------------------------------------------------------------------
     def has_news(self, call: Call) -> bool:
@@ -370,9 +516,9 @@ class Talker(Component):
         items = torch.cat(cond.prompt)
         embeds = items[:, 1]
         markers = self.markers.to(embeds.dtype)
-        found = (embeds[:, None] == markers[None]).all(dim=-1)  # [L, 6]
+        found = (embeds[:, None] == markers[None]).all(dim=-1)  # [L, 8]
         im_start, assistant, user = found[:, 0], found[:, 1], found[:, 2]
-        media = found[:, 3:].any(dim=1)
+        media = found[:, 3:6].any(dim=1)
         length = len(items)
         positions = torch.arange(length, device=embeds.device)
         # Each position's role token: the one after the last <|im_start|> at or before it.
@@ -385,21 +531,59 @@ class Talker(Component):
                 "the talker speaks the assistant's turn, and the prompt has none "
                 "(no <|im_start|>assistant)"
             )
-        if media.any():
-            # generate projects these positions' accept-layer states (`hidden_projection`)
-            # and gives the talker 3-D positions from the media's grids and audio lengths,
-            # which the thinker's items do not carry.
-            raise ARBackendError(
-                "the prompt has audio, image or video placeholders; the talker speaks "
-                "replies to text prompts only"
-            )
         projection = self.model.text_projection
         dtype = self.embed.weight.dtype
-        # All the prompt's positions in one projection (as generate does), the user's kept.
-        cond.user = projection(embeds.to(dtype))[in_user]
+        # All the prompt's positions in one projection (as generate does), the user's kept:
+        # text positions' embeddings by `text_projection`, media positions' accept-layer
+        # states by `hidden_projection`.
+        if media.any():
+            rows = embeds.new_empty(length, self.embed.weight.shape[1], dtype=dtype)
+            rows[~media] = projection(embeds[~media].to(dtype))
+            rows[media] = self.model.hidden_projection(items[media, 0].to(dtype))
+            cond.user = rows[in_user]
+            cond.positions, cond.offset = self._positions(items, found, in_user)
+        else:
+            cond.user = projection(embeds.to(dtype))[in_user]
         start = int(opens[-1])
         cond.assistant = list(projection(embeds[start:].to(dtype)).unbind())
         cond.complete = True
+
+    def _positions(self, items: torch.Tensor, found: torch.Tensor, in_user: torch.Tensor):
+        """The prefill's 3-D positions and the decode offset on a prompt with media, as
+        `generate` has the talker compute them: its own `get_rope_index` over the user
+        part's thinker ids and the assistant part's 9 rows, with the media's grids, seconds
+        per grid and audio feature lengths (the integers at each item's first position) and
+        `use_audio_in_video` unset (`generate` does not pass it on to the talker). Of the
+        ids it reads only the media markers and placeholders, found by their embeddings;
+        the others are -1 here."""
+        device = items.device
+        ids = torch.full((len(items),), -1, dtype=torch.long, device=device)
+        for column, token in enumerate(self.marker_ids[3:], start=3):
+            ids[found[:, column]] = token
+        metas: dict[str, list] = {"image": [], "video": [], "audio": []}
+        heads = items[:, 2, 1:]
+        for position in (heads[:, 0] != 0).nonzero().flatten().tolist():
+            header = read_media_header(heads[position])
+            if header is None:
+                raise ARBackendError(f"the thinker's item {position} has no media header")
+            metas[header[0]].append(header[1])
+        assistant = ids.new_full((_ASSISTANT_ROWS,), -1)
+        talker_ids = torch.cat((ids[in_user], assistant))[None]
+
+        def tensor(kind, pick, dtype=torch.long):
+            rows = [pick(meta) for meta in metas[kind]]
+            return torch.tensor(rows, dtype=dtype, device=device) if rows else None
+
+        positions, delta = self.model.get_rope_index(
+            talker_ids,
+            tensor("image", lambda m: m[1:4]),
+            tensor("video", lambda m: m[1:4]),
+            torch.ones_like(talker_ids),
+            False,
+            tensor("audio", lambda m: m[1]),
+            tensor("video", lambda m: m[4] / 1_000_000, torch.float),
+        )
+        return positions, int(delta.reshape(-1)[0])
 
     def _project_replies(self, cond: _Conditioning, upto: int) -> None:
         """Project the replies received so far that A needs up to row `upto`."""
@@ -449,7 +633,8 @@ class Talker(Component):
         ids += [self.speakers[speaker.lower()], c["codec_pad_id"], c["codec_bos_id"]]
         codec = self.embed(torch.tensor(ids, device=text.device))
         codec = torch.cat((codec.new_zeros(3, codec.shape[1]), codec))
-        return Prompt(torch.cat((cond.user, text + codec)), [])
+        embeds = torch.cat((cond.user, text + codec))
+        return Prompt(embeds, [], cond.positions, cond.offset)
 
     def can_step(self, seq: Sequence) -> bool:
         # The prefill fed A[3]; the decode step after n sampled frames feeds A[3 + n].

@@ -1,0 +1,308 @@
+"""Omni input on Qwen3-Omni: images, audio and video into its thinker through its own towers
+as encoder stages (tiny:qwen3-omni), against the unsplit model's own
+`Qwen3OmniMoeForConditionalGeneration.generate` on the same processed inputs, greedy: the
+thinker's text tokens (`return_audio=False`) and the talker's frames (all 16 codebooks).
+
+The reference's inputs are what `Qwen3OmniMoeProcessor` makes (it cannot be constructed
+without torchvision, so its parts are called one by one): the image processor's patches
+and grids, the Whisper feature extractor's features and attention mask with the
+processor's own audio kwargs (`padding=True, truncation=False`), the video's patches
+(`towers.video_patches`) with seconds per grid = 2 / the 2 fps they were sampled at, the
+chat template with each placeholder expanded by the processor's rules (its audio token
+count, and a video with its audio track through its own `replace_video_with_audio_token`);
+`generate` then runs the towers (the vision tower's deepstack features into the thinker's
+first layers), merges their embeddings and computes the 3-D positions itself.
+
+Where `generate` cannot run, and what the reference does instead: with an audio clip beside
+an image or a video, its talker's `get_rope_index` reads `config.audio_config.n_window`,
+which the talker's config lacks (AttributeError in transformers 5.24); the reference gives
+its talker config the thinker's audio config's `n_window`, as the talker stage does.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from omniflow.checkpoints.tiny import build_tiny
+from omniflow.compiler import compile_source
+from omniflow.families.qwen2_5_omni import towers as shared
+from omniflow.families.qwen3_omni import towers
+from omniflow.families.qwen3_omni.checkpoints import reference_generate
+from omniflow.hf_logging import quiet
+from omniflow.runtime.engine import Engine
+from omniflow.runtime.interpreter import Interpreter
+
+torch.set_num_threads(1)
+
+MAX_TOKENS = 8
+TALKER_TOKENS = 5  # generate's talker_max_new_tokens = TALKER_TOKENS + 1 (test_qwen3_omni.py)
+SOURCE = f"""
+pipeline q3_media {{
+  model "tiny:qwen3-omni"
+  param max_tokens = {MAX_TOKENS}
+  param use_audio_in_video = false
+  stage hearing = encoder(component="audio_tower", max_batch=8, max_len=1536)
+  stage vision  = encoder(component="visual", max_batch=8, max_len=4096)
+  stage thinker = ar(component="thinker", max_batch=8, max_tokens=$max_tokens, temperature=0.0,
+                     use_audio_in_video=$use_audio_in_video)
+  stage talker  = ar(component="talker", max_batch=8, max_tokens={TALKER_TOKENS},
+                     temperature=0.0)
+  input prompt: chat -> thinker
+  input input_audio: audio? -> hearing
+  input image: image? -> vision.image
+  input video: video? -> vision.video
+  hearing.hidden -> thinker.audio_embeds
+  vision.hidden -> thinker.embeds
+  thinker.hidden -> talker [stream, chunk=1, adapter=qwen3_omni.thinker_to_talker]
+  thinker.tokens -> output tokens [stream]
+  thinker.text -> output text [stream]
+  talker.codes -> output codes [stream, adapter=qwen3_omni.talker_to_code2wav]
+}}
+"""
+PLACEHOLDERS = {"image": "<|image_pad|>", "audio": "<|audio_pad|>", "video": "<|video_pad|>"}
+
+
+def _image(seed: int, h: int, w: int) -> torch.Tensor:
+    return torch.randint(0, 256, (h, w, 3), generator=torch.Generator().manual_seed(seed)).to(
+        torch.uint8
+    )
+
+
+def _audio(seconds: float, hz: float) -> torch.Tensor:
+    t = torch.arange(int(seconds * shared.SAMPLE_RATE)) / shared.SAMPLE_RATE
+    return (0.4 * torch.sin(2 * math.pi * hz * t)).float()
+
+
+def _frames(count: int) -> torch.Tensor:
+    return torch.stack([_image(100 + i, 60, 80) for i in range(count)])
+
+
+def _user(*parts, text="What is in there?"):
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+CASES = {
+    "image": (_user({"type": "image"}), {"image": _image(0, 64, 96)}, {}),
+    "audio": (_user({"type": "audio"}), {"input_audio": _audio(1.5, 440.0)}, {}),
+    "video": (_user({"type": "video"}), {"video": _frames(4)}, {}),
+    "two images and audio": (
+        _user({"type": "image"}, {"type": "audio"}, {"type": "image"}),
+        {"image": [_image(1, 64, 64), _image(2, 96, 64)], "input_audio": _audio(0.7, 300.0)},
+        {},
+    ),
+    "video with its audio": (
+        _user({"type": "video"}),
+        {"video": _frames(6), "input_audio": _audio(3.0, 220.0)},
+        {"use_audio_in_video": True},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def path():
+    return build_tiny("qwen3-omni")
+
+
+@pytest.fixture(scope="module")
+def model(path):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    with quiet():
+        return Qwen3OmniMoeForConditionalGeneration.from_pretrained(path).eval()
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return compile_source(SOURCE, devices="cpu")
+
+
+@pytest.fixture(scope="module")
+def interpreter(plan):
+    return Interpreter(plan)
+
+
+def processed(path, messages, media: dict, use_audio_in_video=False):
+    """`Qwen3OmniMoeProcessor`'s input ids and model inputs for `messages` and `media`."""
+    from transformers import AutoImageProcessor, AutoTokenizer, WhisperFeatureExtractor
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import (
+        Qwen3OmniMoeProcessor,
+        _get_feat_extract_output_lengths,
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    images = AutoImageProcessor.from_pretrained(path)
+    listed = {k: v if isinstance(v, list) else [v] for k, v in media.items()}
+    kwargs: dict = {}
+    counts: dict = {kind: [] for kind in PLACEHOLDERS}
+    if "image" in listed:
+        out = images(images=[i.numpy() for i in listed["image"]], return_tensors="pt")
+        kwargs |= {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+        counts["image"] = (out["image_grid_thw"].prod(-1) // 4).tolist()
+    if "input_audio" in listed:
+        out = WhisperFeatureExtractor.from_pretrained(path)(
+            [a.numpy() for a in listed["input_audio"]],
+            return_tensors="pt",
+            **Qwen3OmniMoeProcessor.audio_kwargs,
+        )
+        mask = out["attention_mask"]
+        kwargs |= {"input_features": out["input_features"], "feature_attention_mask": mask}
+        lengths = _get_feat_extract_output_lengths(mask.sum(-1), Qwen3OmniMoeProcessor.n_window)
+        counts["audio"] = lengths.tolist()
+    if "video" in listed:
+        settings = shared.video_settings(path, towers.VIDEO_DEFAULTS)
+        patches = [shared.video_patches(v, images, settings, 2, 2) for v in listed["video"]]
+        grid = torch.stack([g for _, g in patches])
+        kwargs |= {
+            "pixel_values_videos": torch.cat([p for p, _ in patches]),
+            "video_grid_thw": grid,
+            "video_second_per_grid": torch.tensor([2 / settings["fps"]] * len(grid)),
+        }
+        counts["video"] = (grid.prod(-1) // 4).tolist()
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    for kind, token in PLACEHOLDERS.items():
+        text = text.replace(token, f"\0{kind}\0")
+    pieces, taken = text.split("\0"), dict.fromkeys(PLACEHOLDERS, 0)
+    for i, piece in enumerate(pieces):
+        if piece not in PLACEHOLDERS:
+            continue
+        if piece == "video" and use_audio_in_video:
+            # The processor's own interleaving, its audio the next audio item.
+            processor = SimpleNamespace(
+                video_processor=SimpleNamespace(merge_size=2),
+                audio_bos_token="<|audio_start|>",
+                audio_eos_token="<|audio_end|>",
+                video_token=PLACEHOLDERS["video"],
+                audio_token=PLACEHOLDERS["audio"],
+            )
+            pieces[i] = Qwen3OmniMoeProcessor.replace_video_with_audio_token(
+                processor,
+                {
+                    "video_grid_thw": kwargs["video_grid_thw"],
+                    "video_second_per_grid": kwargs["video_second_per_grid"].tolist(),
+                },
+                taken["video"],
+                {"num_audio_tokens": counts["audio"]},
+                taken["audio"],
+                position_id_per_seconds=Qwen3OmniMoeProcessor.position_id_per_seconds,
+            )
+            taken["audio"] += 1
+        else:
+            pieces[i] = PLACEHOLDERS[piece] * counts[piece][taken[piece]]
+        taken[piece] += 1
+    ids = tokenizer("".join(pieces), return_tensors="pt").input_ids
+    return ids, kwargs | {"attention_mask": torch.ones_like(ids)}
+
+
+def reference_text(path, model, messages, media: dict, use_audio_in_video=False) -> list[int]:
+    """The text ids of `generate(return_audio=False)` on the processor's inputs."""
+    ids, kwargs = processed(path, messages, media, use_audio_in_video)
+    with torch.inference_mode(), quiet():
+        text = model.generate(
+            ids,
+            return_audio=False,
+            use_audio_in_video=use_audio_in_video,
+            thinker_max_new_tokens=MAX_TOKENS,
+            thinker_eos_token_id=model.config.im_end_token_id,
+            thinker_do_sample=False,
+            **kwargs,
+        )
+    return text[0, ids.shape[1] :].tolist()
+
+
+def reference(path, model, messages, media: dict, use_audio_in_video=False):
+    """(`reference_text`, the talker's frames of `generate` on the same inputs)."""
+    text = reference_text(path, model, messages, media, use_audio_in_video)
+    ids, kwargs = processed(path, messages, media, use_audio_in_video)
+    kwargs["use_audio_in_video"] = use_audio_in_video
+    talker = model.talker.config
+    both = "input_features" in kwargs and ("image_grid_thw" in kwargs or "video_grid_thw" in kwargs)
+    if both:  # see the module's docstring
+        talker.audio_config = model.config.thinker_config.audio_config
+    try:
+        spoken = reference_generate(
+            path,
+            messages,
+            MAX_TOKENS,
+            talker_max_new_tokens=TALKER_TOKENS + 1,
+            model=model,
+            input_ids=ids,
+            **kwargs,
+        )
+    finally:
+        if both:
+            del talker.audio_config
+    return text, spoken.codes
+
+
+@pytest.fixture(scope="module")
+def references(path, model):
+    return {
+        name: reference(path, model, chat, media, **params)
+        for name, (chat, media, params) in CASES.items()
+    }
+
+
+def _run(run, name):
+    chat, media, params = CASES[name]
+    return run({"prompt": chat, **media}, params)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tokens_and_frames_match_generate(interpreter, references, name):
+    out = _run(interpreter.run, name)
+    text_ids, codes = references[name]
+    assert out["tokens"].reshape(-1).tolist() == text_ids
+    assert torch.equal(out["codes"], codes)
+
+
+def test_the_media_change_the_answer(references):
+    """Guards against a reference that ignores its media: every case answers differently."""
+    answers = [tuple(ids) for ids, _ in references.values()]
+    assert len(set(answers)) == len(answers)
+
+
+TEXT_ONLY = "Tell me a short story."
+
+
+@pytest.fixture(scope="module")
+def text_only(path, model):
+    return reference_generate(
+        path, TEXT_ONLY, MAX_TOKENS, talker_max_new_tokens=TALKER_TOKENS + 1, model=model
+    )
+
+
+def test_engine_batches_every_case_at_once(plan, references, text_only):
+    """All cases at once in one engine, and a text-only request: the towers encode items of
+    several requests in one forward, the thinker prefills them together (each prompt's
+    deepstack features at its own row's image and video positions, the text prompt's
+    positions beside the others' 3-D ones) and decodes them in one batch; the same tokens."""
+    names = [*CASES, TEXT_ONLY]
+
+    def run(name):
+        return (
+            engine.generate({"prompt": name}) if name == TEXT_ONLY else _run(engine.generate, name)
+        )
+
+    with Engine(plan, "inprocess") as engine, ThreadPoolExecutor(len(names)) as pool:
+        outs = dict(zip(names, pool.map(run, names), strict=True))
+    for name, out in outs.items():
+        want = text_only.text_ids.tolist() if name == TEXT_ONLY else references[name][0]
+        assert out["tokens"].reshape(-1).tolist() == want, name
+
+
+def test_a_text_only_request_is_unchanged(interpreter, text_only):
+    """No media: the towers do nothing and the thinker and talker answer as on a text-only
+    pipeline, `generate`'s text and frames."""
+    out = interpreter.run({"prompt": TEXT_ONLY})
+    assert out["tokens"].reshape(-1).tolist() == text_only.text_ids.tolist()
+    assert torch.equal(out["codes"], text_only.codes)
+
+
+def test_media_the_chat_has_no_place_for_fail_the_request(interpreter):
+    with pytest.raises(Exception, match="no place for"):
+        interpreter.run({"prompt": "Hello", "image": _image(0, 64, 64)})
