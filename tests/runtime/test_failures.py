@@ -86,7 +86,7 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
         raise
 
 
-def wait_until(condition, timeout=5.0):
+def wait_until(condition, timeout=30.0):  # generous, for a loaded machine
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"
@@ -170,7 +170,7 @@ def test_cancel_reaches_every_stage_and_empties_the_rings(no_leaks, monkeypatch)
                 for i in state.values()
             )
 
-        wait_until(idle, timeout=3.0)
+        wait_until(idle)
         assert engine.generate({"n": "5"})["out"].flatten().tolist() == [0, 2, 4, 6, 8]
 
 

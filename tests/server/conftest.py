@@ -78,7 +78,7 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             raise
-        wait_until(lambda: not any(map(alive, pids)), timeout=10)
+        wait_until(lambda: not any(map(alive, pids)))
         return self.proc.returncode, err
 
     def client(self, **kwargs) -> httpx.Client:
@@ -116,7 +116,9 @@ def run_async(make_coroutine):
     return result["value"]
 
 
-def wait_until(condition, timeout: float = 5.0, step: float = 0.02) -> None:
+def wait_until(condition, timeout: float = 30.0, step: float = 0.02) -> None:
+    """Wait for `condition` (what the server settles into): the bound is generous, for a
+    loaded machine; a condition that holds returns at once."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, "condition not reached in time"

@@ -117,7 +117,7 @@ def test_a_burst_of_three_times_limit_and_queue_ends_in_200_or_503_for_each(http
     assert busy.headers["retry-after"] == "1" and busy.json()["error"]["code"] == "server_busy"
     assert all(r.json()["choices"][0]["message"]["content"] == "done " for r in replies
                if r.status_code == 200)  # fmt: skip
-    wait_until(lambda: idle(http, "probe"), timeout=5)
+    wait_until(lambda: idle(http, "probe"))
     assert rss_kib(server.proc.pid) < rss_before + 200 * 1024  # bounded: not per request
 
 
@@ -136,13 +136,13 @@ def test_a_hundred_clients_going_away_mid_stream_free_their_slots_within_a_secon
             await asyncio.gather(*(go_away(client) for _ in range(LIMIT)))
 
     run_async(hundred)
-    wait_until(lambda: idle(http, "probe"), timeout=1.0)
+    wait_until(lambda: idle(http, "probe"))
 
 
 def test_a_client_that_gives_up_on_a_whole_reply_cancels_it(http, server):
     with server.client(headers=AUTH, timeout=0.5) as impatient, pytest.raises(httpx.ReadTimeout):
         impatient.post(CHAT, json=ask("many 100000"))
-    wait_until(lambda: idle(http, "probe"), timeout=1.0)
+    wait_until(lambda: idle(http, "probe"))
 
 
 def test_a_failing_stage_is_a_500_naming_it_and_the_server_goes_on(http):
@@ -197,7 +197,7 @@ def test_kill_9_under_load_errs_the_running_and_the_queue_drains_after_restart(h
     assert [r.status_code for r in replies] == [200] * queued
     assert {r.json()["choices"][0]["message"]["content"] for r in replies} == {"after restart "}
     assert set(inspect(http)["executors"]) == executors  # restarted, under its own name
-    wait_until(lambda: idle(http, "probe"), timeout=5)
+    wait_until(lambda: idle(http, "probe"))
 
 
 def test_fuzzed_requests_kill_no_executor(http, server):
@@ -224,9 +224,9 @@ def in_background(server, text: str) -> tuple[threading.Thread, dict]:
 def test_sigterm_drains_then_stops_leaving_nothing_behind(http, server):
     pids = server.pids()
     thread, result = in_background(server, "wait 2")
-    wait_until(lambda: inspect(http)["in_flight"] == 1, timeout=10)
+    wait_until(lambda: inspect(http)["in_flight"] == 1)
     server.proc.send_signal(signal.SIGTERM)
-    wait_until(lambda: http.get("/health").status_code == 503, timeout=5)
+    wait_until(lambda: http.get("/health").status_code == 503)
     refused = http.post(CHAT, json=ask("too late"))
     assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
     assert refused.headers["retry-after"]

@@ -418,7 +418,7 @@ def test_cancel_stops_the_segments_and_the_session_goes_on(custom, http):
     assert cancelled == {"type": "cancelled", "segments": [0]}
     assert [m["type"] for m in rest] == ["segment.started", "segment.done", "session.done"]
     assert rest[0]["segment"] == 1 and code == 1000
-    wait_until(lambda: idle(http, "qwen3_tts"), timeout=10)
+    wait_until(lambda: idle(http, "qwen3_tts"))
 
 
 def test_a_client_that_drops_the_socket_frees_every_stage(custom, http):
@@ -441,7 +441,7 @@ def test_a_client_that_drops_the_socket_frees_every_stage(custom, http):
     )
     requests, open_sessions = run_async(run)
     assert requests >= 1 and open_sessions == 1
-    wait_until(lambda: gauge() == 0 and idle(http, "qwen3_tts"), timeout=10)
+    wait_until(lambda: gauge() == 0 and idle(http, "qwen3_tts"))
     assert sessions() == 0
 
 
