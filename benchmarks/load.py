@@ -137,6 +137,19 @@ def report(order: str, clients: int, results: list[dict], wall: float) -> str:
     )
 
 
+def on_models(source: str, scaled: float | None, tiny: bool, devices: str) -> tuple[str, list]:
+    """A graph's source and the server flags for its models: the random-weight build of its
+    model at `scaled` x its layers (built once into the cache), else its tiny models with
+    `tiny`, else as written."""
+    if scaled:
+        from omniflow.checkpoints.scaled import scaled_checkpoint
+
+        model = re.search(r'model "([^"]+)"', source).group(1)
+        path = scaled_checkpoint(model, scaled, "cpu" if devices == "cpu" else "cuda")
+        return source.replace(f'model "{model}"', f"model {json.dumps(str(path))}"), []
+    return source, ["--tiny"] if tiny else []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--graph", default=str(ROOT / "graphs" / "omni_chat.omni"))
@@ -163,15 +176,8 @@ def main() -> None:
     }
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        if args.scaled:
-            from omniflow.checkpoints.scaled import scaled_checkpoint
-
-            model = re.search(r'model "([^"]+)"', source).group(1)
-            device = "cpu" if args.devices == "cpu" else "cuda"
-            path = scaled_checkpoint(model, args.scaled, device)
-            source = source.replace(f'model "{model}"', f"model {json.dumps(str(path))}")
-        elif args.tiny:
-            flags.append("--tiny")
+        source, models = on_models(source, args.scaled, args.tiny, args.devices)
+        flags += models
         for order in args.orders or ["default"]:
             graph = Path(folder) / f"{order}-{Path(args.graph).name}"
             ordered = f'= vocoder(order="{order}", '

@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import base64
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -46,7 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.load import prompt_of  # noqa: E402
+from benchmarks.load import on_models, prompt_of  # noqa: E402
 from benchmarks.serve import Server, chat_deltas  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -257,15 +256,8 @@ def main() -> None:
     clip = utterance(args.seconds)
     parts = set(args.parts.split(","))
     with tempfile.TemporaryDirectory() as folder:
-        if args.scaled:
-            from omniflow.checkpoints.scaled import scaled_checkpoint
-
-            model = re.search(r'model "([^"]+)"', source).group(1)
-            device = "cpu" if args.devices == "cpu" else "cuda"
-            path = scaled_checkpoint(model, args.scaled, device)
-            source = source.replace(f'model "{model}"', f"model {json.dumps(str(path))}")
-        elif args.tiny:
-            flags.append("--tiny")
+        source, models = on_models(source, args.scaled, args.tiny, args.devices)
+        flags += models
         graph = Path(folder) / GRAPH.name
         graph.write_text(source)
         server = Server([str(graph), *flags], log=Path(folder) / "server.log")

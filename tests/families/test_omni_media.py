@@ -14,7 +14,6 @@ their embeddings and computes TMRoPE itself.
 from __future__ import annotations
 
 import functools
-import math
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,6 +27,7 @@ from omniflow.hf_logging import quiet
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import RequestError
+from tests.families import media_inputs as media
 
 torch.set_num_threads(1)
 
@@ -36,40 +36,7 @@ MAX_TOKENS = 10
 PARAMS = {"max_tokens": MAX_TOKENS, "max_audio_tokens": 4}
 
 
-def _image(seed: int, h: int, w: int) -> torch.Tensor:
-    return torch.randint(0, 256, (h, w, 3), generator=torch.Generator().manual_seed(seed)).to(
-        torch.uint8
-    )
-
-
-def _audio(seconds: float, hz: float) -> torch.Tensor:
-    t = torch.arange(int(seconds * towers.SAMPLE_RATE)) / towers.SAMPLE_RATE
-    return (0.4 * torch.sin(2 * math.pi * hz * t)).float()
-
-
-def _frames(count: int) -> torch.Tensor:
-    return torch.stack([_image(100 + i, 60, 80) for i in range(count)])
-
-
-def _user(*parts, text="What is in there?"):
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-CASES = {
-    "image": (_user({"type": "image"}), {"image": _image(0, 56, 84)}, {}),
-    "audio": (_user({"type": "audio"}), {"input_audio": _audio(1.5, 440.0)}, {}),
-    "video": (_user({"type": "video"}), {"video": _frames(4)}, {}),
-    "two images and audio": (
-        _user({"type": "image"}, {"type": "audio"}, {"type": "image"}),
-        {"image": [_image(1, 56, 56), _image(2, 84, 56)], "input_audio": _audio(0.7, 300.0)},
-        {},
-    ),
-    "video with its audio": (
-        _user({"type": "video"}),
-        {"video": _frames(6), "input_audio": _audio(3.0, 220.0)},
-        {"use_audio_in_video": True},
-    ),
-}
+CASES = media.cases(28)  # merged patches of 28 px
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +173,7 @@ def test_audio_features_are_the_processors(path, seconds):
     from transformers import WhisperFeatureExtractor
 
     extractor = WhisperFeatureExtractor.from_pretrained(path)
-    clip = _audio(seconds, 330.0) + 0.01 * torch.randn(int(seconds * towers.SAMPLE_RATE))
+    clip = media.audio(seconds, 330.0) + 0.01 * torch.randn(int(seconds * towers.SAMPLE_RATE))
     out = extractor(clip.numpy(), sampling_rate=16000, padding="max_length",
                     return_attention_mask=True, return_tensors="pt")  # fmt: skip
     kept = out["attention_mask"][0].bool()
@@ -289,7 +256,7 @@ def test_a_text_only_request_is_unchanged(plan, path):
 
 def test_media_the_chat_has_no_place_for_fail_the_request(plan):
     with pytest.raises(Exception, match="no place for|more image parts"):
-        Interpreter(plan).run({"prompt": "Hello", "image": _image(0, 56, 56)}, PARAMS)
+        Interpreter(plan).run({"prompt": "Hello", "image": media.image(0, 56, 56)}, PARAMS)
 
 
 def test_bad_media_are_refused_at_admission(plan):

@@ -21,7 +21,6 @@ its talker config the thinker's audio config's `n_window`, as the talker stage d
 
 from __future__ import annotations
 
-import math
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
@@ -36,6 +35,7 @@ from omniflow.families.qwen3_omni.checkpoints import reference_generate
 from omniflow.hf_logging import quiet
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
+from tests.families import media_inputs as media
 
 torch.set_num_threads(1)
 
@@ -67,40 +67,7 @@ pipeline q3_media {{
 PLACEHOLDERS = {"image": "<|image_pad|>", "audio": "<|audio_pad|>", "video": "<|video_pad|>"}
 
 
-def _image(seed: int, h: int, w: int) -> torch.Tensor:
-    return torch.randint(0, 256, (h, w, 3), generator=torch.Generator().manual_seed(seed)).to(
-        torch.uint8
-    )
-
-
-def _audio(seconds: float, hz: float) -> torch.Tensor:
-    t = torch.arange(int(seconds * shared.SAMPLE_RATE)) / shared.SAMPLE_RATE
-    return (0.4 * torch.sin(2 * math.pi * hz * t)).float()
-
-
-def _frames(count: int) -> torch.Tensor:
-    return torch.stack([_image(100 + i, 60, 80) for i in range(count)])
-
-
-def _user(*parts, text="What is in there?"):
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
-
-
-CASES = {
-    "image": (_user({"type": "image"}), {"image": _image(0, 64, 96)}, {}),
-    "audio": (_user({"type": "audio"}), {"input_audio": _audio(1.5, 440.0)}, {}),
-    "video": (_user({"type": "video"}), {"video": _frames(4)}, {}),
-    "two images and audio": (
-        _user({"type": "image"}, {"type": "audio"}, {"type": "image"}),
-        {"image": [_image(1, 64, 64), _image(2, 96, 64)], "input_audio": _audio(0.7, 300.0)},
-        {},
-    ),
-    "video with its audio": (
-        _user({"type": "video"}),
-        {"video": _frames(6), "input_audio": _audio(3.0, 220.0)},
-        {"use_audio_in_video": True},
-    ),
-}
+CASES = media.cases(32)  # merged patches of 32 px
 
 
 @pytest.fixture(scope="module")
@@ -305,4 +272,4 @@ def test_a_text_only_request_is_unchanged(interpreter, text_only):
 
 def test_media_the_chat_has_no_place_for_fail_the_request(interpreter):
     with pytest.raises(Exception, match="no place for"):
-        interpreter.run({"prompt": "Hello", "image": _image(0, 64, 64)})
+        interpreter.run({"prompt": "Hello", "image": media.image(0, 64, 64)})

@@ -7,17 +7,16 @@ are a 400 naming the field, before any stage runs."""
 from __future__ import annotations
 
 import base64
-import io
 
 import openai
 import pytest
 import torch
-from PIL import Image
 
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.families.qwen2_5_omni import towers
 from omniflow.media import audio_bytes, decode_audio, mp4_bytes
-from tests.families.test_omni_media import MAX_TOKENS, _audio, _frames, _image, reference
+from tests.families import media_inputs as media
+from tests.families.test_omni_media import MAX_TOKENS, reference
 from tests.server.conftest import GRAPHS, ServerProcess
 
 torch.set_num_threads(1)
@@ -37,16 +36,6 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
-
-
-def _uri(mime: str, data: bytes) -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
-
-
-def _png(pixels: torch.Tensor) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(pixels.numpy()).save(buffer, format="PNG")
-    return buffer.getvalue()
 
 
 def _ask(client, content, **extra):
@@ -69,11 +58,11 @@ def _text(ids):
 
 
 def test_image_and_audio_parts_in_one_message(client):
-    image = _image(3, 56, 84)
-    wav = audio_bytes(_audio(1.2, 330.0), 16000, "wav")
+    image = media.image(3, 56, 84)
+    wav = audio_bytes(media.audio(1.2, 330.0), 16000, "wav")
     heard = decode_audio(wav)[0]  # what the server hears: the clip as 16-bit PCM
     content = [
-        {"type": "image_url", "image_url": {"url": _uri("image/png", _png(image))}},
+        {"type": "image_url", "image_url": {"url": media.data_uri("image/png", media.png(image))}},
         {"type": "text", "text": "and"},
         {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
         {"type": "text", "text": "What is in there?"},
@@ -94,7 +83,7 @@ def test_image_and_audio_parts_in_one_message(client):
 
 
 def test_a_video_file_is_sampled_as_the_processor_does(client):
-    frames = _frames(12)
+    frames = media.frames(12)
     data = mp4_bytes(frames, fps=4)  # 3 s: the processor's 2 fps keep 6 frames
     sampled = towers.sample_frames(
         torch.frombuffer(bytearray(data), dtype=torch.uint8),
@@ -103,7 +92,7 @@ def test_a_video_file_is_sampled_as_the_processor_does(client):
     )
     assert len(sampled) == 6
     content = [
-        {"type": "video_url", "video_url": {"url": _uri("video/mp4", data)}},
+        {"type": "video_url", "video_url": {"url": media.data_uri("video/mp4", data)}},
         {"type": "text", "text": "What is in there?"},
     ]
     chat = [{"role": "user", "content": [{"type": "video"}, content[1]]}]
@@ -118,10 +107,10 @@ def test_a_text_only_chat_still_answers(client):
 @pytest.mark.parametrize(
     "part,field",
     [
-        ({"type": "image_url", "image_url": {"url": _uri("image/png", b"not a png")}}, "image_url"),
+        ({"type": "image_url", "image_url": {"url": media.data_uri("image/png", b"not a png")}}, "image_url"),
         ({"type": "input_audio", "input_audio": {"data": "bm90IGF1ZGlv", "format": "wav"}},
          "input_audio"),
-        ({"type": "video_url", "video_url": {"url": _uri("video/mp4", b"not a video")}}, "video_url"),
+        ({"type": "video_url", "video_url": {"url": media.data_uri("video/mp4", b"not a video")}}, "video_url"),
     ],
 )  # fmt: skip
 def test_a_corrupt_part_is_a_400_naming_it(client, part, field):
@@ -131,8 +120,8 @@ def test_a_corrupt_part_is_a_400_naming_it(client, part, field):
 
 
 def test_use_audio_in_video_needs_the_videos_audio_track(client):
-    data = mp4_bytes(_frames(4), fps=2)  # no audio stream
-    content = [{"type": "video_url", "video_url": {"url": _uri("video/mp4", data)}}]
+    data = mp4_bytes(media.frames(4), fps=2)  # no audio stream
+    content = [{"type": "video_url", "video_url": {"url": media.data_uri("video/mp4", data)}}]
     with pytest.raises(openai.BadRequestError) as info:
         _ask(client, content, mm_processor_kwargs={"use_audio_in_video": True})
     assert info.value.body["param"] == "messages[0].content[0].video_url"

@@ -6,16 +6,15 @@ the unsplit model's own `generate` on the same processed inputs
 from __future__ import annotations
 
 import base64
-import io
 
 import openai
 import pytest
 import torch
-from PIL import Image
 
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.media import audio_bytes, decode_audio
-from tests.families.test_qwen3_omni_media import MAX_TOKENS, _audio, _image, reference_text
+from tests.families import media_inputs as media
+from tests.families.test_qwen3_omni_media import MAX_TOKENS, reference_text
 from tests.server.conftest import GRAPHS, ServerProcess
 
 torch.set_num_threads(1)
@@ -34,22 +33,12 @@ def server():
     assert code == 0, err
 
 
-def _uri(mime: str, data: bytes) -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
-
-
-def _png(pixels: torch.Tensor) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(pixels.numpy()).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
 def test_image_and_audio_parts_in_one_message(server):
     from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
 
     path = build_tiny("qwen3-omni")
-    image = _image(3, 64, 96)
-    wav = audio_bytes(_audio(1.2, 330.0), 16000, "wav")
+    image = media.image(3, 64, 96)
+    wav = audio_bytes(media.audio(1.2, 330.0), 16000, "wav")
     heard = decode_audio(wav)[0]  # what the server hears: the clip as 16-bit PCM
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
     reply = client.chat.completions.create(
@@ -58,7 +47,10 @@ def test_image_and_audio_parts_in_one_message(server):
             {
                 "role": "user",
                 "content": [
-                    {"type": "image_url", "image_url": {"url": _uri("image/png", _png(image))}},
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": media.data_uri("image/png", media.png(image))},
+                    },
                     {"type": "text", "text": "and"},
                     {
                         "type": "input_audio",
