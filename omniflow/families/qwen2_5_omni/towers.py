@@ -335,9 +335,10 @@ def encode_clips(model, features: torch.Tensor, lengths: list[int]) -> torch.Ten
     launch of every kernel and no read-back: the chunks' layout is worked out here from the
     host's lengths, and each layer attends within all chunks at once (one masked attention,
     padded to the longest chunk) where transformers' non-flash path reads the lengths back
-    and calls attention chunk by chunk. Read-backs are what a tower sharing its GPU with
-    other processes waits longest on (each waits for a time slice): 5 s of audio took 62 ms
-    so against ~5 ms of kernels. The same embeddings `[tokens, output_dim]`, row for row."""
+    and calls attention chunk by chunk. Alone on an H200 at real size: 16 ms for one 5 s clip
+    and 17.5 ms for ten, against transformers' 27 and 65 ms (served, the stage still takes
+    more: docs/benchmarks.md, "Omni input"). The same embeddings `[tokens, output_dim]`, row
+    for row."""
     device = model.conv1.weight.device
     window = model.n_window * 2
     chunks = [min(window, n - at) for n in lengths for at in range(0, n, window)]
