@@ -20,6 +20,12 @@ It prints TTFT, TTFP and E2E medians per way, what spoken adds to TTFP against e
 way (median over rounds of the per-round median difference), and the `hearing` stage's step
 time a spoken request from `/metrics` (`omniflow_stage_gen_time_seconds`).
 
+With `--trace FILE` it then profiles more rounds of typed-long and spoken at c = 1 (the
+server's own profiler, `POST /start_profile`, with the CUDA kernels on a GPU) into FILE and
+prints where each way's first audio packet waited: the mean of each component of the
+requests' TTFP critical paths (omniflow.profiler.analysis), and for the spoken requests'
+`hearing` steps, the step against the GPU kernels inside it.
+
     python benchmarks/omni_input.py --tiny --rounds 3                 # on the tiny models
     python benchmarks/omni_input.py --devices 1xH200 --scaled 1       # real size, random weights
 
@@ -228,6 +234,53 @@ def hearing_seconds(base: str, model: str) -> float:
     return spent
 
 
+def traced(base: str, ways: dict, rounds: int, devices: str, file: Path) -> None:
+    """`rounds` profiled rounds of typed-long and spoken at c = 1, the trace written to `file`;
+    prints each way's mean TTFP critical path and the spoken requests' hearing steps."""
+    from omniflow.profiler.analysis import parse_trace, timelines
+
+    options = {"gpu": devices != "cpu"}
+    httpx.post(f"{base}/start_profile", json=options, timeout=60).raise_for_status()
+    asyncio.run(chat_rounds(base, {w: ways[w] for w in ("typed-long", "spoken")}, 1, rounds))
+    httpx.post(f"{base}/stop_profile", timeout=300).raise_for_status()
+    trace = httpx.get(f"{base}/profile/trace.json", timeout=300).json()
+    file.write_text(json.dumps(trace))
+    profile = parse_trace(trace)
+    heard = {rid for step in profile.steps.get("hearing", []) for rid, n, _ in step.calls if n}
+    paths = {"typed-long": [], "spoken": []}
+    for request in timelines(profile):
+        if "audio" in request.path_ttfp:
+            way = "spoken" if request.id in heard else "typed-long"
+            paths[way].append(request.path_ttfp["audio"])
+    print(f"\nTTFP critical path, mean ms of {rounds + 1} profiled rounds at c = 1 (trace: {file})")
+    parts = sorted({part for way in paths.values() for path in way for part in path})
+    print(f"{'component':>40} " + " ".join(f"{way:>11}" for way in paths))
+    for part in parts:
+        means = [
+            sum(p.get(part, 0) for p in way) / max(len(way), 1) / 1e3 for way in paths.values()
+        ]
+        print(f"{part:>40} " + " ".join(f"{m:11.1f}" for m in means))
+    kernels = _kernels(trace, profile.stage_executor.get("hearing"))
+    for step in profile.steps.get("hearing", []):
+        if any(n for _, n, _ in step.calls):
+            inside = [k for k in kernels if step.ts <= k["ts"] < step.ts + step.dur]
+            busy = sum(k["dur"] for k in inside) / 1e3
+            print(f"hearing step of {step.batch}: {step.dur / 1e3:.1f} ms, "
+                  f"{len(inside)} CUDA kernels busy {busy:.1f} ms")  # fmt: skip
+
+
+def _kernels(trace: dict, executor: str | None) -> list[dict]:
+    """The CUDA kernels of the executor named `executor` (trace.py: a process per executor,
+    its kernels on a track of their own); none on a CPU."""
+    meta = [e for e in trace["traceEvents"] if e.get("ph") == "M"]
+    pids = {e["pid"] for e in meta if e["name"] == "process_name" and e["args"]["name"] == executor}
+    tracks = {(e["pid"], e["tid"]) for e in meta if e["name"] == "thread_name"
+              and e["pid"] in pids and e["args"]["name"].endswith(": kernels")}  # fmt: skip
+    return [
+        e for e in trace["traceEvents"] if e.get("ph") == "X" and (e["pid"], e["tid"]) in tracks
+    ]
+
+
 def report(title: str, rounds: dict[str, list], against: tuple[str, ...]) -> None:
     print(f"\n{title}")
     print(f"{'way':>12} {'TTFT ms':>9} {'TTFP ms':>9} {'E2E ms':>9}")
@@ -249,6 +302,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--audio-tokens", type=int, default=64)
     parser.add_argument("--parts", default="chat,realtime")
+    parser.add_argument("--trace", type=Path, help="profile more rounds into this trace file")
     args = parser.parse_args()
     source = GRAPH.read_text()
     flags = ["--devices", args.devices, "--param", f"max_audio_tokens={args.audio_tokens}"]
@@ -273,6 +327,8 @@ def main() -> None:
                            f"a {args.seconds:g} s clip; the hearing stage's steps "
                            f"{spent / (clients * args.rounds) * 1e3:.1f} ms a spoken request)",
                            rounds, ("typed", "typed-long"))  # fmt: skip
+                if args.trace:
+                    traced(server.base, ways, args.rounds, args.devices, args.trace)
             if "realtime" in parts:
                 rounds = asyncio.run(
                     realtime_rounds(server.base, "omni_chat", clip, args.max_tokens, args.rounds)

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import zmq
 
+from omniflow.devices import local_name
 from omniflow.errors import OmniflowError
 from omniflow.plan import Program
 from omniflow.runtime import control, events
@@ -186,14 +187,30 @@ def _die_with_parent() -> None:
         sys.exit(0)
 
 
+def torch_threads(program: Program, engine: int | None, host_executors: int) -> int | None:
+    """This executor's torch threads: the engine's (`engine`; None: torch's own), so that a
+    seed replays a request bit for bit in every run mode, but for an executor whose stages
+    all run on CUDA: at most its share of this host's CPUs. Such an executor's host work is
+    small and bursty (a step's features, its kernel launches); with every executor of the
+    host at the host's whole thread count, each burst's parallel regions waited on threads
+    the others' bursts held: an H200 host's audio tower step took 77 ms served against 21 ms
+    at one thread each (docs/benchmarks.md, "Omni input")."""
+    if not program.devices or not all(local_name(d).startswith("cuda") for d in program.devices):
+        return engine
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, (cpus or 1) // max(1, host_executors))
+    return min(engine, share) if engine else share
+
+
 def start_loop(config: dict, end: ControlEnd) -> ProgramLoop:
     """An executor's loop for the program in `config` (what the engine's transport sends),
     its stages loaded and the rings it reads created and announced (`Hello`)."""
     program = Program.from_json(config["program"])
-    if config.get("torch_threads"):
+    threads = torch_threads(program, config.get("torch_threads"), config.get("host_executors", 1))
+    if threads:
         import torch
 
-        torch.set_num_threads(config["torch_threads"])
+        torch.set_num_threads(threads)
     loop = ProgramLoop(
         program,
         config["backends"],

@@ -27,7 +27,12 @@ from omniflow.plan import DevicePlan
 from omniflow.runtime import control
 from omniflow.runtime.link import node_address
 from omniflow.runtime.shm_ring import cleanup_stale_segments
-from omniflow.runtime.transport import EngineError, ProcessTransport, _torch_threads
+from omniflow.runtime.transport import (
+    EngineError,
+    ProcessTransport,
+    _torch_threads,
+    host_executors,
+)
 
 # How long an actor may take to leave after Shutdown before it is killed.
 CLOSE_TIMEOUT_S = 10.0
@@ -129,6 +134,7 @@ class RayTransport(ProcessTransport):
             "control": self.address,
             "backends": self.backends,
             "torch_threads": _torch_threads(),
+            "host_executors": host_executors(self.plan, name),
             "request_stats": self.request_stats,
         }
         actor = (
