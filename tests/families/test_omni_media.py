@@ -182,10 +182,15 @@ def test_audio_features_are_the_processors(path, seconds):
     torch.testing.assert_close(features, out["input_features"][0][:, kept], atol=1e-6, rtol=0)
 
 
-AUDIO_BATCHES = [[500], [3], [200], [201, 77, 3000, 1], [399, 400, 401]]
+# One chunk, a part of one, several, one frame; one clip at a time and several at once (the
+# first batch's 4 chunks leave a row in the buffers of the second's 3); the last batch has
+# more chunks (45) than the tower's graphs take.
+AUDIO_BATCHES = [
+    [600, 200], [500], [3], [200], [201, 77, 3000, 1], [399, 400, 401], [3000, 3000, 3000]
+]  # fmt: skip
 
 
-def _audio_tower_cases(model, batches, dtype, device):
+def _audio_tower_cases(model, batches, dtype, device, graphs=None):
     """(ours, transformers') embeddings of random features for each batch of clip lengths."""
     for lengths in batches:
         features = torch.randn(model.config.num_mel_bins, sum(lengths), dtype=dtype)
@@ -193,20 +198,27 @@ def _audio_tower_cases(model, batches, dtype, device):
         after, _ = model._get_feat_extract_output_lengths(feature_lens)
         with torch.inference_mode():
             theirs = model(features.to(device), feature_lens=feature_lens, aftercnn_lens=after)
-            yield towers.encode_clips(model, features, lengths), theirs.last_hidden_state
+            ours = towers.encode_clips(model, features, lengths, graphs)
+            yield ours, theirs.last_hidden_state
 
 
-def test_the_audio_tower_in_one_pass_is_transformers_forward(path):
-    """Clips of every shape the chunking has (one chunk, a part, several, one frame), one at a
-    time and several at once: our batched pass gives transformers' embeddings."""
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static-buffers"])
+def test_the_audio_tower_in_one_pass_is_transformers_forward(path, static):
+    """Clips of every shape the chunking has: our batched pass gives transformers'
+    embeddings, eagerly and through the graphs' static buffers (run eagerly on the CPU: the
+    chunk-count buckets, the full-window padding, the rows of an earlier step left in a
+    bucket's buffers)."""
     tower = towers.load(str(path), "audio_tower", torch.float32)
-    for ours, theirs in _audio_tower_cases(tower.model, AUDIO_BATCHES, torch.float32, "cpu"):
+    graphs = towers.clip_graphs(tower.model, capture=False) if static else None
+    cases = _audio_tower_cases(tower.model, AUDIO_BATCHES, torch.float32, "cpu", graphs)
+    for ours, theirs in cases:
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
 def test_the_audio_tower_in_one_pass_at_real_size_on_the_gpu():
-    """The same at Qwen2.5-Omni-7B's audio tower size in bf16 on CUDA (random weights)."""
+    """The same at Qwen2.5-Omni-7B's audio tower size in bf16 on CUDA (random weights),
+    eagerly and replaying the tower's CUDA graphs."""
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
 
     from omniflow.checkpoints.scaled import initialising_bf16_on
@@ -215,9 +227,15 @@ def test_the_audio_tower_in_one_pass_at_real_size_on_the_gpu():
     config = scaled_omni_config(1.0)[0].thinker_config.audio_config
     with initialising_bf16_on("cuda"):
         model = Qwen2_5OmniAudioEncoder(config).eval()
-    for ours, theirs in _audio_tower_cases(model, AUDIO_BATCHES, torch.bfloat16, "cuda"):
-        scale = theirs.float().abs().max()
-        assert (ours.float() - theirs.float()).abs().max() <= 0.03 * scale
+    graphs = towers.clip_graphs(model, capture=True)
+    assert graphs.captures == len(graphs.keys())
+    for replay in (None, graphs):
+        for ours, theirs in _audio_tower_cases(
+            model, AUDIO_BATCHES, torch.bfloat16, "cuda", replay
+        ):
+            scale = theirs.float().abs().max()
+            assert (ours.float() - theirs.float()).abs().max() <= 0.03 * scale
+    assert graphs.replays == len(AUDIO_BATCHES) - 1  # the 45-chunk batch runs eagerly
 
 
 def test_the_media_change_the_answer(references):

@@ -26,6 +26,7 @@ sub-config and its weights' prefix mapped away: only the tower's tensors load.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import math
@@ -35,6 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from omniflow.backends.cuda_graphs import Graphs
+from omniflow.backends.static_decode import batch_buckets
 from omniflow.backends.vision import MediaItem, VisionBackendError, read_image
 
 SAMPLE_RATE = 16000
@@ -110,6 +113,7 @@ class AudioTower:
         self.extractor = WhisperFeatureExtractor.from_pretrained(path)
         self.width = thinker.audio_config.output_dim
         self.dtype = self.model.dtype
+        self.graphs: Graphs | None = None
 
     @staticmethod
     def encoder_class():
@@ -121,6 +125,11 @@ class AudioTower:
 
     def to(self, device: str) -> None:
         self.model.to(device)
+        self.graphs = self.layer_graphs() if torch.device(device).type == "cuda" else None
+
+    def layer_graphs(self) -> Graphs | None:
+        """The CUDA graphs `encode` replays (`clip_graphs`), captured once on the GPU."""
+        return clip_graphs(self.model, capture=True)
 
     def tokens(self, length: int) -> int:
         """The embeddings a clip of `length` feature frames gives."""
@@ -141,8 +150,8 @@ class AudioTower:
     def encode(self, features: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """The clips' features `[mel, sum(lengths)]` (on the host), concatenated, to their
         embeddings on the tower's device (what the thinker's `get_audio_features` does with a
-        batch), in one pass (`encode_clips`)."""
-        return encode_clips(self.model, features, lengths)
+        batch), in one pass (`encode_clips`), replaying `graphs` where it has them."""
+        return encode_clips(self.model, features, lengths, self.graphs)
 
 
 def audio_features(extractor, value, **options) -> tuple[torch.Tensor, int]:
@@ -330,26 +339,59 @@ def _resize(images, chw: np.ndarray, h: int, w: int) -> np.ndarray:
     return np.asarray(resized).transpose(2, 0, 1)
 
 
-def encode_clips(model, features: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+# Steps of up to this many 2 s chunks (a minute of audio) replay CUDA graphs of the tower's
+# layers: such steps are bound by the host launching ~600 kernels (an H200 ran a 5 s clip's
+# in 2.9 ms and the host took ~15 ms to launch them); larger ones keep the GPU busy as they are.
+GRAPH_CHUNKS = 32
+
+
+def clip_graphs(model, capture: bool) -> Graphs:
+    """The tower's layers (`tower_layers`) over 1 .. GRAPH_CHUNKS full-window chunks, in the
+    chunk-count buckets of `batch_buckets`: captured as CUDA graphs when `capture` (largest
+    first, into one pool), else run eagerly on the same static buffers."""
+    device = model.conv1.weight.device
+    graphs = Graphs(device, capture)
+    window = model.n_window * 2
+    positions = (window - 1) // 2 + 1
+    mel = model.conv1.in_channels
+    for i, chunks in enumerate(reversed(batch_buckets(GRAPH_CHUNKS))):
+        keys = torch.zeros(chunks, positions, dtype=torch.bool, device=device)
+        keys[:, 0] = True  # a row never copied into stays finite (it attends to one key)
+        inputs = {
+            "frames": torch.zeros(
+                chunks, mel, window, dtype=model.conv1.weight.dtype, device=device
+            ),
+            "kept": torch.zeros(chunks, 1, window, dtype=torch.bool, device=device),
+            "keys": keys,
+        }
+        graphs.add(chunks, functools.partial(tower_layers, model), inputs, warm_up=i == 0)
+    graphs.synchronize()
+    return graphs
+
+
+def encode_clips(
+    model, features: torch.Tensor, lengths: list[int], graphs: Graphs | None = None
+) -> torch.Tensor:
     """`Qwen2_5OmniAudioEncoder.forward` on clips' features `[mel, sum(lengths)]`, as one
     launch of every kernel and no read-back: the chunks' layout is worked out here from the
     host's lengths, and each layer attends within all chunks at once (one masked attention,
     padded to the longest chunk) where transformers' non-flash path reads the lengths back
-    and calls attention chunk by chunk. Alone on an H200 at real size: 16 ms for one 5 s clip
-    and 17.5 ms for ten, against transformers' 27 and 65 ms (served, the stage still takes
-    more: docs/benchmarks.md, "Omni input"). The same embeddings `[tokens, output_dim]`, row
-    for row."""
+    and calls attention chunk by chunk. With `graphs` (`clip_graphs`), a step of up to
+    GRAPH_CHUNKS chunks pads them to a full window and replays the layers' graph of its
+    bucket. The same embeddings `[tokens, output_dim]`, row for row."""
     device = model.conv1.weight.device
     window = model.n_window * 2
     chunks = [min(window, n - at) for n in lengths for at in range(0, n, window)]
-    longest = max(chunks)
+    bucket = next((b for b in batch_buckets(GRAPH_CHUNKS) if b >= len(chunks)), None)
+    replay = graphs is not None and bucket is not None
+    longest = window if replay else max(chunks)
     padded = torch.zeros(len(chunks), features.shape[0], longest, dtype=features.dtype)
     for i, (piece, size) in enumerate(zip(features.split(chunks, dim=1), chunks, strict=True)):
         padded[i, :, :size] = piece
     frames = torch.tensor(chunks)
     kept = (torch.arange(longest) < frames[:, None])[:, None]  # [chunks, 1, frames]
     after = (frames - 1) // 2 + 1  # positions after the stride-2 conv
-    width = int(after.max())
+    width = (longest - 1) // 2 + 1
     keys = torch.arange(width) < after[:, None]  # [chunks, positions]
     valid = keys.flatten().nonzero().squeeze(-1)
     clip_after = (torch.tensor(lengths) - 1) // 2 + 1
@@ -357,13 +399,26 @@ def encode_clips(model, features: torch.Tensor, lengths: list[int]) -> torch.Ten
     starts = torch.cat((torch.zeros(1, dtype=torch.long), clip_after.cumsum(0)[:-1]))
     pairs = torch.cat([s + 2 * torch.arange(p) for s, p in zip(starts, pooled, strict=True)])
     to = {"device": device, "non_blocking": True}
-    dtype = model.conv1.weight.dtype
     x = padded.pin_memory() if device.type == "cuda" else padded
-    x = x.to(**to).to(dtype)
-    x = torch.nn.functional.gelu(model.conv1(x)) * kept.to(**to)
+    inputs = {"frames": x.to(**to).to(model.conv1.weight.dtype), "kept": kept.to(**to),
+              "keys": keys.to(**to)}  # fmt: skip
+    x = graphs.run(bucket, inputs) if replay else tower_layers(model, **inputs)
+    x = x[: len(chunks)].reshape(-1, x.shape[-1])[valid.to(**to)]
+    pairs = pairs.to(**to)
+    x = (x[pairs] + x[pairs + 1]) / 2
+    return model.proj(model.ln_post(x))
+
+
+def tower_layers(model, frames: torch.Tensor, kept: torch.Tensor, keys: torch.Tensor):
+    """The tower's convolutions and layers on chunks' frames `[chunks, mel, window]` (`kept`:
+    the frames of each chunk, `[chunks, 1, window]`; `keys`: the positions after the strided
+    convolution, `[chunks, positions]`): `[chunks, positions, width]`, each chunk attending
+    within itself. Device work only (no read-back), so it can be captured."""
+    positions = keys.shape[1]
+    x = torch.nn.functional.gelu(model.conv1(frames)) * kept
     x = torch.nn.functional.gelu(model.conv2(x)).transpose(1, 2)
-    x = x + model.positional_embedding.positional_embedding[:width].to(x.dtype)
-    mask = keys.to(**to)[:, None, None, :]  # [chunks, 1, 1, positions]: keys in the chunk
+    x = x + model.positional_embedding.positional_embedding[:positions].to(x.dtype)
+    mask = keys[:, None, None, :]  # [chunks, 1, 1, positions]: keys in the chunk
     for layer in model.layers:
         x = x + _chunk_attention(layer.self_attn, layer.self_attn_layer_norm(x), mask)
         y = layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(x))))
@@ -371,10 +426,7 @@ def encode_clips(model, features: torch.Tensor, lengths: list[int]) -> torch.Ten
         if x.dtype == torch.float16:
             bound = torch.finfo(x.dtype).max - 1000
             x = x.clamp(-bound, bound)
-    x = x.reshape(-1, x.shape[-1])[valid.to(**to)]
-    pairs = pairs.to(**to)
-    x = (x[pairs] + x[pairs + 1]) / 2
-    return model.proj(model.ln_post(x))
+    return x
 
 
 def _chunk_attention(attn, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -103,6 +103,10 @@ class AudioTower(towers.AudioTower):
                 out[i] = item
         return out
 
+    def layer_graphs(self) -> None:
+        """None: this tower runs through transformers' forward (`encode`)."""
+        return None
+
     def encode(self, features: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         device = self.model.conv2d1.weight.device
         lengths = torch.tensor(lengths, device=device)
