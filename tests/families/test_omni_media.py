@@ -182,6 +182,21 @@ def test_audio_features_are_the_processors(path, seconds):
     torch.testing.assert_close(features, out["input_features"][0][:, kept], atol=1e-6, rtol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("seconds", [0.03, 5.0, 31.0])
+def test_audio_features_on_the_gpu_are_the_cpus(path, seconds):
+    """A tower on a GPU computes the features there: the CPU's frames, within float32 noise."""
+    from transformers import WhisperFeatureExtractor
+
+    extractor = WhisperFeatureExtractor.from_pretrained(path)
+    clip = media.audio(seconds, 330.0) + 0.01 * torch.randn(int(seconds * towers.SAMPLE_RATE))
+    options = towers.AudioTower.feature_options
+    on_cpu, length = towers.audio_features(extractor, clip, **options)
+    on_gpu, gpu_length = towers.audio_features(extractor, clip, device="cuda", **options)
+    assert gpu_length == length
+    torch.testing.assert_close(on_gpu, on_cpu, atol=1e-4, rtol=0)
+
+
 # One chunk, a part of one, several, one frame; one clip at a time and several at once (the
 # first batch's 4 chunks leave a row in the buffers of the second's 3); the last batch has
 # more chunks (45) than the tower's graphs take.

@@ -227,35 +227,33 @@ class MediaThinker(CausalLM):
             call.inputs["prompt"].take(), add_generation_prompt=True, tokenize=False
         )
         text = self._expand(text, media, in_video)
-        device = self.embed.weight.device
-        ids = torch.tensor(self.tokenizer(text).input_ids, device=device)
+        host_ids = torch.tensor(self.tokenizer(text).input_ids)
+        ids = host_ids.to(self.embed.weight.device)
         embeds, prefill = self.merge_media(ids, self.embed(ids), media)
         grid = {
-            kind: torch.tensor([i.meta[1:4] for i in media[kind]], device=device)
-            if media[kind]
-            else None
+            kind: torch.tensor([i.meta[1:4] for i in media[kind]]) if media[kind] else None
             for kind in ("image", "video")
         }
         audio_lengths = (
-            torch.tensor([i.meta[1] for i in media["audio"]], device=device)
-            if media["audio"]
-            else None
+            torch.tensor([i.meta[1] for i in media["audio"]]) if media["audio"] else None
         )
         per_grid = (
-            torch.tensor([i.meta[4] / _US for i in media["video"]], device=device)
-            if media["video"]
-            else None
+            torch.tensor([i.meta[4] / _US for i in media["video"]]) if media["video"] else None
         )
+        # On the host: the model's `get_rope_index` walks the prompt in Python, item by item,
+        # and on a GPU each of its small ops would be a launch and many a read-back. Integer
+        # positions: the same on either device.
         positions, delta = self.rope_index(
-            ids[None],
+            host_ids[None],
             grid["image"],
             grid["video"],
-            torch.ones_like(ids)[None],
+            torch.ones_like(host_ids)[None],
             in_video,
             audio_lengths,
             per_grid,
         )
-        return Prompt(embeds, ids.tolist(), positions, int(delta.reshape(-1)[0]), prefill)
+        positions = positions.to(ids.device)
+        return Prompt(embeds, host_ids.tolist(), positions, int(delta.reshape(-1)[0]), prefill)
 
     def merge_media(self, ids: torch.Tensor, embeds: torch.Tensor, media: dict):
         """The prompt's input embeddings with each kind's item rows in place of its

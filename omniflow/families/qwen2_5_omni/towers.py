@@ -114,6 +114,7 @@ class AudioTower:
         self.width = thinker.audio_config.output_dim
         self.dtype = self.model.dtype
         self.graphs: Graphs | None = None
+        self.feature_device = "cpu"
 
     @staticmethod
     def encoder_class():
@@ -125,7 +126,11 @@ class AudioTower:
 
     def to(self, device: str) -> None:
         self.model.to(device)
-        self.graphs = self.layer_graphs() if torch.device(device).type == "cuda" else None
+        on_cuda = torch.device(device).type == "cuda"
+        self.graphs = self.layer_graphs() if on_cuda else None
+        # On a GPU the features' STFT runs there too (transformers' own batched path, within
+        # 1e-5 of the CPU's): the host's share of the step then is the checks and copies.
+        self.feature_device = str(device) if on_cuda else "cpu"
 
     def layer_graphs(self) -> Graphs | None:
         """The CUDA graphs `encode` replays (`clip_graphs`), captured once on the GPU."""
@@ -137,7 +142,9 @@ class AudioTower:
         return int(tokens)
 
     def prepare(self, kind: str, value) -> Prepared:
-        features, length = audio_features(self.extractor, value, **self.feature_options)
+        features, length = audio_features(
+            self.extractor, value, device=self.feature_device, **self.feature_options
+        )
         tokens = self.tokens(length)
         return Prepared(tokens, features, (tokens, length))
 
@@ -154,11 +161,11 @@ class AudioTower:
         return encode_clips(self.model, features, lengths, self.graphs)
 
 
-def audio_features(extractor, value, **options) -> tuple[torch.Tensor, int]:
-    """A clip's log-mel features `[mel, frames]` as the processor makes them (`options`: its
-    audio kwargs, e.g. `padding="max_length"`: to the extractor's 30 s window, which cuts a
-    longer clip there), and their length: what the feature extractor's attention mask
-    keeps."""
+def audio_features(extractor, value, device: str = "cpu", **options) -> tuple[torch.Tensor, int]:
+    """A clip's log-mel features `[mel, frames]` (on the host) as the processor makes them
+    (`options`: its audio kwargs, e.g. `padding="max_length"`: to the extractor's 30 s window,
+    which cuts a longer clip there), computed on `device`, and their length: what the
+    feature extractor's attention mask keeps."""
     if not isinstance(value, torch.Tensor) or value.dim() != 1 or not value.is_floating_point():
         what = (
             f"a {value.dtype} tensor of shape {list(value.shape)}"
@@ -179,6 +186,7 @@ def audio_features(extractor, value, **options) -> tuple[torch.Tensor, int]:
         sampling_rate=SAMPLE_RATE,
         return_attention_mask=True,
         return_tensors="pt",
+        device=device,
         **options,
     )
     mask = out["attention_mask"][0].bool()

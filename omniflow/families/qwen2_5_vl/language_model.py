@@ -121,16 +121,19 @@ class QwenVLLanguageModel(CausalLM):
             for (embeds, _), piece in zip(images, pieces[1:], strict=True)
         )
         device = self.embed.weight.device
-        ids = torch.tensor(self.tokenizer(text).input_ids, device=device)
+        host_ids = torch.tensor(self.tokenizer(text).input_ids)
+        ids = host_ids.to(device)
         embeds = self.embed(ids)
         if not images:
-            return Prompt(embeds, ids.tolist())
+            return Prompt(embeds, host_ids.tolist())
         image_rows = ids == self.image_id
         pixels = torch.cat([e for e, _ in images]).to(device, embeds.dtype)
         embeds = embeds.masked_scatter(image_rows[:, None], pixels)
+        # On the host, as Qwen2.5-Omni's thinker does (its `prompt` says why).
+        host_rows = host_ids == self.image_id
         positions, delta = self.rope_index(
-            ids[None],
-            mm_token_type_ids=torch.where(image_rows, _IMAGE, _TEXT)[None],
-            image_grid_thw=torch.cat([grid for _, grid in images]).to(device),
+            host_ids[None],
+            mm_token_type_ids=torch.where(host_rows, _IMAGE, _TEXT)[None],
+            image_grid_thw=torch.cat([grid for _, grid in images]).cpu(),
         )
-        return Prompt(embeds, ids.tolist(), positions, int(delta))
+        return Prompt(embeds, host_ids.tolist(), positions.to(device), int(delta))
