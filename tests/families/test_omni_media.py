@@ -1,6 +1,8 @@
 """Omni input: images, audio and video into Qwen2.5-Omni's thinker through its own towers as
 encoder stages (`graphs/omni_chat.omni` on tiny:qwen2.5-omni), against the unsplit
-thinker's own `generate` on the same processed inputs, greedy.
+thinker's own `generate` on the same processed inputs, greedy; and the talker speaking on
+those prompts, against the whole model's `generate` (`reference_omni_generate`): its text
+and the talker's codes, both greedy.
 
 The reference's inputs are what `Qwen2_5OmniProcessor` makes (it cannot be constructed
 without torchvision, so its parts are called one by one): the image processor's patches
@@ -49,22 +51,20 @@ def plan():
     return compile_file(str(GRAPH), tiny=True)
 
 
-def reference(path, messages, media: dict, use_audio_in_video=False) -> list[int]:
-    """The thinker's own `generate` on the processor's inputs for `messages` and `media`."""
+def processed(path, messages, media: dict, use_audio_in_video=False):
+    """`Qwen2_5OmniProcessor`'s input ids and model inputs for `messages` and `media`."""
     from transformers import (
+        AutoConfig,
         AutoImageProcessor,
         AutoTokenizer,
         Qwen2_5OmniProcessor,
-        Qwen2_5OmniThinkerForConditionalGeneration,
         WhisperFeatureExtractor,
     )
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     images = AutoImageProcessor.from_pretrained(path)
     extractor = WhisperFeatureExtractor.from_pretrained(path)
-    with quiet():
-        model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(path).eval()
-    config = model.config
+    config = AutoConfig.from_pretrained(path).thinker_config
     listed = {k: v if isinstance(v, list) else [v] for k, v in media.items()}
     kwargs: dict = {"use_audio_in_video": use_audio_in_video}
     counts = {"image": [], "video": [], "audio": []}
@@ -134,14 +134,18 @@ def reference(path, messages, media: dict, use_audio_in_video=False) -> list[int
             pieces[i] = tokens[piece] * n
         taken[piece] += 1
     ids = tokenizer("".join(pieces), return_tensors="pt").input_ids
+    return ids, kwargs | {"attention_mask": torch.ones_like(ids)}
+
+
+def reference(path, messages, media: dict, use_audio_in_video=False) -> list[int]:
+    """The thinker's own `generate` on the processor's inputs for `messages` and `media`."""
+    from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+
+    with quiet():
+        model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(path).eval()
+    ids, kwargs = processed(path, messages, media, use_audio_in_video)
     with torch.inference_mode():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            **kwargs,
-        )
+        out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, **kwargs)
     return out[0, ids.shape[1] :].tolist()
 
 
@@ -164,6 +168,77 @@ def test_interpreter_matches_generate(plan, path, references, name):
     chat, media, params = CASES[name]
     out = Interpreter(plan).run({"prompt": chat, **media}, {**PARAMS, **params})
     assert out["text"] == _text(path, references[name])
+
+
+# The talker made greedy (generate's `talker_do_sample=False`), its repetition penalty the
+# pipeline's and generate's default (1.05), as tests/backends/test_omni_fidelity.py has it.
+TALKER_TOKENS = 12
+SPOKEN = {"audio_temperature": 0.0, "max_audio_tokens": TALKER_TOKENS}
+
+
+@pytest.fixture(scope="module")
+def spoken_plan():
+    """graphs/omni_chat.omni with the talker's codes as an output too (as token2wav gets
+    them), on tiny:qwen2.5-omni."""
+    from omniflow.catalog.resolve import use_tiny_models
+    from omniflow.compiler import compile_graph, graph_from_source
+
+    text = GRAPH.read_text()
+    end = text.rindex("}")
+    codes = "  talker.codes -> output codes [stream, adapter=qwen_omni.talker_to_code2wav]\n"
+    graph = graph_from_source(text[:end] + codes + text[end:], str(GRAPH))
+    return compile_graph(use_tiny_models(graph), "cpu")
+
+
+@pytest.fixture(scope="module")
+def spoken(path):
+    """Per case, the whole model's `generate` on the processor's inputs: its text and the
+    talker's codes (`reference_omni_generate`)."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    from omniflow.families.qwen2_5_omni.checkpoints import reference_omni_generate
+
+    with quiet():
+        model = Qwen2_5OmniForConditionalGeneration.from_pretrained(path).eval()
+    out = {}
+    for name, (chat, items, params) in CASES.items():
+        ids, kwargs = processed(path, chat, items, **params)
+        out[name] = reference_omni_generate(
+            path,
+            None,
+            MAX_TOKENS,
+            talker_max_new_tokens=TALKER_TOKENS,
+            model=model,
+            input_ids=ids,
+            token2wav_num_steps=1,
+            **kwargs,
+        )
+    return out
+
+
+def _spoken(run, name):
+    chat, media, params = CASES[name]
+    return run({"prompt": chat, **media}, {**PARAMS, **SPOKEN, **params})
+
+
+def assert_spoken(out, ref):
+    assert out["text"] == ref.text
+    assert out["codes"].reshape(-1).tolist() == ref.codec_ids.tolist()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_interpreter_talker_codes_match_generate(spoken_plan, spoken, name):
+    """The talker on a media prompt: `generate`'s codes, its conditioning zero at the media
+    positions' embeddings (the thinker's hidden state alone there) and its positions 1-D
+    (generate's talker gets no attention mask, so it never computes 3-D ones)."""
+    assert_spoken(_spoken(Interpreter(spoken_plan).run, name), spoken[name])
+
+
+def test_the_media_change_the_codes(spoken):
+    """Guards against codes that ignore their conditioning: every case speaks differently."""
+    codes = [tuple(ref.codec_ids.tolist()) for ref in spoken.values()]
+    assert len(set(codes)) == len(codes)
+    assert all(len(c) > 1 for c in codes)
 
 
 @pytest.mark.parametrize("seconds", [0.03, 5.0, 31.0])
@@ -259,20 +334,19 @@ def test_the_media_change_the_answer(references):
     assert len(set(answers)) == len(answers)
 
 
-def test_engine_batches_every_case_at_once(plan, path, references):
+def test_engine_batches_every_case_at_once(spoken_plan, path, references, spoken):
     """All cases at once in one engine: the towers encode items of several requests in one
-    forward, the thinker decodes them in one batch; the same text as alone."""
+    forward, the thinker decodes them in one batch, the talker too; the same text as alone
+    and `generate`'s codes."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with Engine(plan, "inprocess") as engine, ThreadPoolExecutor(len(CASES)) as pool:
-
-        def run(name):
-            chat, media, params = CASES[name]
-            return engine.generate({"prompt": chat, **media}, {**PARAMS, **params})
-
-        outs = dict(zip(CASES, pool.map(run, CASES), strict=True))
+    with Engine(spoken_plan, "inprocess") as engine, ThreadPoolExecutor(len(CASES)) as pool:
+        outs = dict(
+            zip(CASES, pool.map(lambda name: _spoken(engine.generate, name), CASES), strict=True)
+        )
     for name, out in outs.items():
         assert out["text"] == _text(path, references[name]), name
+        assert_spoken(out, spoken[name])
 
 
 def test_a_text_only_request_is_unchanged(plan, path):

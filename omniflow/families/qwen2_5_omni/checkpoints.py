@@ -279,12 +279,14 @@ def omni_prompt_ids(tokenizer, prompt_text: str) -> torch.Tensor:
 @torch.no_grad()
 def reference_omni_generate(
     model_dir: str | Path,
-    prompt_text: str,
+    prompt_text: str | None,
     max_new_tokens: int = 16,
     *,
     speaker: str = "Chelsie",
     talker_max_new_tokens: int = 64,
     seed: int = 0,
+    model=None,
+    input_ids: torch.Tensor | None = None,
     **generate_kwargs,
 ) -> OmniReference:
     """Qwen2.5-Omni's own `generate`: thinker text, then talker codes, then token2wav audio.
@@ -297,15 +299,26 @@ def reference_omni_generate(
     the real model's 8292/8294), and the global torch RNG is seeded with `seed` just
     before `generate` — greedy decoding draws nothing, so token2wav's initial noise is the
     first `torch.randn` after `torch.manual_seed(seed)`.
+
+    `model`: the loaded model, else it loads from `model_dir`. `input_ids` (the
+    processor's, its placeholders expanded) replace the prompt's own, and the processor's
+    media inputs pass through as keyword arguments; its pixel values go to the thinker
+    under `generate`'s own `thinker_` prefix, since without one `generate` passes them to
+    the talker's `generate` too, which refuses them (ValueError in transformers 5.24).
     """
     from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
 
     with quiet():
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir).eval()
+        if model is None:
+            model = Qwen2_5OmniForConditionalGeneration.from_pretrained(model_dir).eval()
     talker_config = model.config.talker_config
     end_of_speech = [talker_config.tts_codec_pad_token_id, talker_config.tts_codec_end_token_id]
-    input_ids = omni_prompt_ids(tokenizer, prompt_text)
+    if input_ids is None:
+        input_ids = omni_prompt_ids(tokenizer, prompt_text)
+    for key in ("pixel_values", "pixel_values_videos"):
+        if key in generate_kwargs:
+            generate_kwargs[f"thinker_{key}"] = generate_kwargs.pop(key)
 
     # generate() returns only text and audio; the codes it decodes are the talker's
     # output, so watch the talker's generate on this instance to keep them.
@@ -319,17 +332,20 @@ def reference_omni_generate(
 
     model.talker.generate = recording_generate
     torch.manual_seed(seed)
-    with quiet():
-        sequences, waveform = model.generate(
-            input_ids,
-            speaker=speaker,
-            thinker_max_new_tokens=max_new_tokens,
-            thinker_do_sample=False,
-            talker_max_new_tokens=talker_max_new_tokens,
-            talker_do_sample=False,
-            talker_eos_token_id=end_of_speech,
-            **generate_kwargs,
-        )
+    try:
+        with quiet():
+            sequences, waveform = model.generate(
+                input_ids,
+                speaker=speaker,
+                thinker_max_new_tokens=max_new_tokens,
+                thinker_do_sample=False,
+                talker_max_new_tokens=talker_max_new_tokens,
+                talker_do_sample=False,
+                talker_eos_token_id=end_of_speech,
+                **generate_kwargs,
+            )
+    finally:
+        del model.talker.generate
     text_ids = sequences[0, input_ids.shape[1] :]
     codes = talker_outputs[0][0]
     # The model decodes the codes before the first end-of-speech id, as here.

@@ -5,9 +5,8 @@ It reproduces what `Qwen2_5OmniForConditionalGeneration.generate` does, with str
 inputs. There, the talker's input embeddings are built from the thinker's run:
 
 - one row per thinker prompt position: the thinker's last hidden state there plus that
-  position's input embedding (`generate` zeroes it at audio/image/video placeholders; this
-  talker does not yet, nor give the talker `generate`'s 3-D positions on such a prompt, so
-  its codes for a prompt with media are not held to the reference);
+  position's input embedding, zero at an audio, image or video position (`generate`
+  zeroes those rows; the thinker's `prompt_value` sends them zeroed);
 - then the embedding of the speaker's text-side bos token (a thinker token);
 - then the first reply row, where reply row i is the thinker's last hidden state at
   generated token i's position plus that token's embedding;
@@ -15,9 +14,12 @@ inputs. There, the talker's input embeddings are built from the thinker's run:
   then to the text eos embedding, then to the text pad embedding for ever.
 
 The talker's forward would add the codec pad and bos embeddings to the last two prefill
-rows, as Qwen's own code always does, but only when it is given an attention mask, and
-transformers 5's `generate` drops an all-ones mask: a request alone (no padding) gets
-neither. That is what `generate` does here, so it is what the talker stage does.
+rows, and compute its positions with its own `get_rope_index` (3-D on a prompt with
+media: the grids, `use_audio_in_video`, audio lengths, seconds per grid), but only when it
+is given an attention mask, and transformers 5's `generate` drops an all-ones mask: a
+request alone (no padding) gets neither, and its talker's positions are 0 .. L-1 (the
+talker model's default), media or not. That is what `generate` does here, so it is what
+the talker stage does.
 
 The last generated token is never fed back, so the thinker gives a row for every generated
 token but its last. So the talker's step t needs exactly the thinker's row for generated
@@ -257,12 +259,19 @@ class MediaThinker(CausalLM):
 
     def merge_media(self, ids: torch.Tensor, embeds: torch.Tensor, media: dict):
         """The prompt's input embeddings with each kind's item rows in place of its
-        placeholder tokens', and what else its prefill takes (`Prompt.prefill`): none."""
+        placeholder tokens', and what else the prompt carries (`Prompt.prefill`): its media
+        positions, `[L]` bool, which no forward reads (`prefill_inputs` gives none) but
+        `prompt_value` does."""
         for kind, token in self.media_ids.items():
             if media[kind]:
                 rows = torch.cat([i.embeds for i in media[kind]]).to(embeds.device, embeds.dtype)
                 embeds = embeds.masked_scatter((ids == token)[:, None], rows)
-        return embeds, None
+        return embeds, self.placeholders(ids)
+
+    def placeholders(self, ids: torch.Tensor) -> torch.Tensor:
+        """Where `ids` `[L]` hold an image, video or audio placeholder: `[L]` bool."""
+        kinds = torch.tensor(list(self.media_ids.values()), device=ids.device)
+        return torch.isin(ids, kinds)
 
     def _expand(self, text: str, media: dict, in_video: bool) -> str:
         """The template's text with each placeholder expanded as the processor does."""
@@ -335,6 +344,16 @@ class OmniThinker(MediaThinker):
             if j < len(audio_chunks):
                 out += self.media_tokens["audio"] * (audio_chunks[j][1] - audio_chunks[j][0])
         return out + self.audio_eos
+
+    def prompt_value(self, hidden: torch.Tensor, prompt: Prompt):
+        """The prompt's items; on a media prompt each media position's input embedding is
+        zero, as `generate` zeroes the audio, image and video rows of the embeddings it
+        gives its talker (`masked_scatter` of zeros): the talker is conditioned on the
+        thinker's hidden state alone there."""
+        value = super().prompt_value(hidden, prompt)
+        if prompt.prefill is not None:
+            value[prompt.prefill, 1] = 0
+        return value
 
     def hidden_value(self, hidden: torch.Tensor, embeds: torch.Tensor, prompt: bool):
         role = torch.full_like(hidden, ROLE_PROMPT if prompt else ROLE_REPLY)

@@ -375,8 +375,7 @@ class Thinker(MediaThinker):
         if media is None:
             return super().prompt_value(hidden, prompt)
         embeds = prompt.embeds.clone()
-        kinds = torch.tensor(list(self.media_ids.values()), device=media.ids.device)
-        placeholders = torch.isin(media.ids, kinds)
+        placeholders = self.placeholders(media.ids)
         embeds[placeholders] = self.embed(media.ids[placeholders]).to(embeds.dtype)
         value = self.hidden_value(hidden, embeds, prompt=True)
         for position, kind, meta in media.starts:
