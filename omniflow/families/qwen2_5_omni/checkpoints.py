@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -276,6 +277,25 @@ def omni_prompt_ids(tokenizer, prompt_text: str) -> torch.Tensor:
     return tokenizer(text, return_tensors="pt").input_ids
 
 
+@contextmanager
+def watching_talker(model, keep: Callable[[dict, Any], None]) -> Iterator[None]:
+    """Within: `model.talker.generate` (on this instance) hands its keyword arguments and
+    its result to `keep` too, since an omni model's `generate` returns only text and audio
+    and a reference wants what the talker generated."""
+    talker_generate = model.talker.generate
+
+    def recording_generate(*args, **kwargs):
+        result = talker_generate(*args, **kwargs)
+        keep(kwargs, result)
+        return result
+
+    model.talker.generate = recording_generate
+    try:
+        yield
+    finally:
+        del model.talker.generate
+
+
 @torch.no_grad()
 def reference_omni_generate(
     model_dir: str | Path,
@@ -323,29 +343,22 @@ def reference_omni_generate(
     # generate() returns only text and audio; the codes it decodes are the talker's
     # output, so watch the talker's generate on this instance to keep them.
     talker_outputs = []
-    talker_generate = model.talker.generate
 
-    def recording_generate(*args, **kwargs):
-        sequences = talker_generate(*args, **kwargs)
+    def keep(kwargs, sequences):
         talker_outputs.append(sequences[:, kwargs["input_ids"].shape[1] :])
-        return sequences
 
-    model.talker.generate = recording_generate
     torch.manual_seed(seed)
-    try:
-        with quiet():
-            sequences, waveform = model.generate(
-                input_ids,
-                speaker=speaker,
-                thinker_max_new_tokens=max_new_tokens,
-                thinker_do_sample=False,
-                talker_max_new_tokens=talker_max_new_tokens,
-                talker_do_sample=False,
-                talker_eos_token_id=end_of_speech,
-                **generate_kwargs,
-            )
-    finally:
-        del model.talker.generate
+    with watching_talker(model, keep), quiet():
+        sequences, waveform = model.generate(
+            input_ids,
+            speaker=speaker,
+            thinker_max_new_tokens=max_new_tokens,
+            thinker_do_sample=False,
+            talker_max_new_tokens=talker_max_new_tokens,
+            talker_do_sample=False,
+            talker_eos_token_id=end_of_speech,
+            **generate_kwargs,
+        )
     text_ids = sequences[0, input_ids.shape[1] :]
     codes = talker_outputs[0][0]
     # The model decodes the codes before the first end-of-speech id, as here.

@@ -29,6 +29,7 @@ from omniflow.checkpoints.tiny_recipes import (
     special_ids,
 )
 from omniflow.checkpoints.tiny_tokenizer import build_tokenizer
+from omniflow.families.qwen2_5_omni.checkpoints import watching_talker
 from omniflow.families.qwen3_omni import (
     AUDIO_TOKENS,
     CODEBOOK_OFFSETS,
@@ -320,28 +321,21 @@ def reference_generate(
     if input_ids is None:
         input_ids = prompt_ids(tokenizer, messages)
     frames = []
-    talker_generate = model.talker.generate
 
-    def recording_generate(*args, **kwargs):
-        result = talker_generate(*args, **kwargs)
+    def keep(kwargs, result):
         frames.extend(hid[-1] for hid in result.hidden_states if hid[-1] is not None)
-        return result
 
-    model.talker.generate = recording_generate
-    try:
-        with quiet():
-            sequences, waveform = model.generate(
-                input_ids,
-                speaker=speaker,
-                thinker_max_new_tokens=max_new_tokens,
-                thinker_eos_token_id=model.config.im_end_token_id,
-                thinker_do_sample=False,
-                talker_max_new_tokens=talker_max_new_tokens,
-                talker_do_sample=False,
-                **generate_kwargs,
-            )
-    finally:
-        del model.talker.generate
+    with watching_talker(model, keep), quiet():
+        sequences, waveform = model.generate(
+            input_ids,
+            speaker=speaker,
+            thinker_max_new_tokens=max_new_tokens,
+            thinker_eos_token_id=model.config.im_end_token_id,
+            thinker_do_sample=False,
+            talker_max_new_tokens=talker_max_new_tokens,
+            talker_do_sample=False,
+            **generate_kwargs,
+        )
     text_ids = sequences[0, input_ids.shape[1] :]
     codes = torch.cat(frames) if frames else torch.zeros(0, NUM_CODE_GROUPS, dtype=torch.int64)
     text = tokenizer.decode(text_ids, skip_special_tokens=True)
