@@ -433,20 +433,30 @@ class StaticDecoder:
         return staged.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def prefill(self, slots: list[int], embeds: torch.Tensor) -> torch.Tensor:
+    def prefill(
+        self, slots: list[int], embeds: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Prefill requests straight into `slots` on the fused layers: `embeds` `[B, W, E]` are
-        their prompts' input embeddings at positions 0..W-1, right-padded to the longest (a
-        pad attends after every real position, never before one, and its keys land past its
-        request's length, in columns no step reads before it overwrites them). Writes every
-        layer's keys and values; returns the final hidden states `[B, W, H]`. Eager (one
-        forward per prefill), without a DynamicCache and the copy from it into the slots."""
+        their prompts' input embeddings, right-padded to the longest (a pad attends after
+        every real position, never before one, and its keys land past its request's length,
+        in columns no step reads before it overwrites them), at rotary `positions` `[B, W]`,
+        or `[3, B, W]` for multimodal RoPE where `takes_positions` (None: 0..W-1). Writes
+        every layer's keys and values; returns the final hidden states `[B, W, H]`. Eager
+        (one forward per prefill), without a DynamicCache and the copy from it into the
+        slots."""
         b, w = embeds.shape[:2]
         d, group = self.head_dim, self.q_heads // self.kv_heads
         x = self.component.project(embeds).reshape(b * w, -1)
         columns = torch.arange(w, device=self.device).repeat(b)
         where = self._index(slots)
-        cos, sin = self.rotary(x[None], columns[None])
-        if cos.dim() == 4:  # multimodal RoPE's three (equal) position components
+        if positions is None:
+            rope = columns[None]
+        elif positions.dim() == 3:
+            rope = positions.reshape(3, 1, b * w)
+        else:
+            rope = positions.reshape(1, b * w)
+        cos, sin = self.rotary(x[None], rope)
+        if cos.dim() == 4:  # multimodal RoPE's three components, equal at text positions
             cos, sin = cos[0], sin[0]
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
@@ -463,6 +473,17 @@ class StaticDecoder:
 
         slot = where.repeat_interleave(w)
         return self._fused(x, cos[0], sin[0], columns, attend, slot).view(b, w, -1)
+
+    @functools.cached_property
+    def takes_positions(self) -> bool:
+        """Whether `prefill` takes multimodal RoPE positions `[3, B, W]`: the model's rotary
+        embedding interleaves their three components itself (Qwen2.5-Omni's thinker's does;
+        one that hands the three back for the attention to interleave, Qwen2.5-VL's, does
+        not)."""
+        probe = torch.zeros(3, 1, 1, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            cos, _ = self.rotary(self.norm.weight[None, None], probe)
+        return cos.dim() == 3
 
     def _attend(self, q, keys, values, mask):
         """q `[B, kv_heads, group, d]` against keys/values `[B, kv_heads, T, d]`."""

@@ -727,25 +727,30 @@ class TransformersAR(Backend):
     def _prefill_group(self, started: list[tuple[Sequence, Prompt]]) -> None:
         """One causal forward over the prompts, right-padded to the longest; then each
         request samples its first token and joins the running rows. On the fused static
-        path (text positions, nothing but embeddings) the forward writes the slots itself;
-        else it is the model's forward into a DynamicCache, whose rows then join."""
+        path (nothing but embeddings and positions, multimodal ones where its rotary takes
+        them) the forward writes the slots itself; else it is the model's forward into a
+        DynamicCache, whose rows then join."""
         seqs = [seq for seq, _ in started]
         width = max(seq.length for seq in seqs)
         embeds = torch.stack([F.pad(p.embeds, (0, 0, 0, width - s.length)) for s, p in started])
-        direct = self.static is not None and self.static.fused
-        direct = direct and all(p.positions is None and p.prefill is None for _, p in started)
-        if direct:
-            first = len(self.rows)
-            hidden = self.static.prefill(list(range(first, first + len(seqs))), embeds)
-        else:
+        positions = None
+        if any(p.positions is not None for _, p in started):
             rows = [_padded_positions(p, s.length, width, self.device) for s, p in started]
             if len({row.dim() for row in rows}) > 1:  # text prompts beside 3-D (mRoPE) ones
                 like = next(row for row in rows if row.dim() == 3)
                 rows = [row if row.dim() == 3 else row.expand(3, 1, -1).to(like) for row in rows]
             positions = torch.cat(rows, dim=-2)
+        extra = self.component.prefill_inputs([p for _, p in started], width)
+        direct = self.static is not None and self.static.fused and not extra
+        direct = direct and (positions is None or self.static.takes_positions)
+        if direct:
+            first = len(self.rows)
+            hidden = self.static.prefill(list(range(first, first + len(seqs))), embeds, positions)
+        else:
+            if positions is None:
+                positions = torch.arange(width, device=self.device).repeat(len(seqs), 1)
             cache = self.component.new_cache()
             mask = torch.ones(len(seqs), width, dtype=torch.bool, device=self.device)
-            extra = self.component.prefill_inputs([p for _, p in started], width)
             hidden = self._forward(embeds, mask, positions, cache, **extra)
         values = [None] * len(seqs)
         if "hidden" in self.spec.outputs:
