@@ -2,6 +2,7 @@
 process, and across processes (stand-in stages); outputs stream in order and end."""
 
 import asyncio
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -59,23 +60,34 @@ def assert_same(a: dict, b: dict):
 
 @pytest.fixture(scope="module", params=sorted(REQUESTS))
 def example(request):
-    return request.param, compile_file(GRAPHS / f"{request.param}.omni", devices="2xH200")
+    """An example's name, its plan for 2xH200, and its stand-in engine in a mode (started when
+    first asked for, then shared by the example's tests: their requests are independent, and
+    executor processes take seconds to start)."""
+    plan = compile_file(GRAPHS / f"{request.param}.omni", devices="2xH200")
+    engines = {}
+    with contextlib.ExitStack() as stack:
+
+        def engine(mode: str) -> Engine:
+            if mode not in engines:
+                engines[mode] = stack.enter_context(Engine(plan, mode, backends="standin"))
+            return engines[mode]
+
+        yield request.param, plan, engine
 
 
 @pytest.mark.parametrize("mode", ["inprocess", "process"])
 def test_modes_match_the_interpreter(example, mode):
-    name, plan = example
+    name, plan, engine = example
     reference = Interpreter(plan, "standin")
-    with Engine(plan, mode, backends="standin") as engine:
-        for inputs, params in REQUESTS[name]:
-            want = reference.run(inputs, params)
-            assert_same(engine.generate(inputs, params), want)
+    for inputs, params in REQUESTS[name]:
+        want = reference.run(inputs, params)
+        assert_same(engine(mode).generate(inputs, params), want)
 
 
-def test_stream_delivers_every_output_in_order_with_one_end_chunk():
-    plan = compile_file(GRAPHS / "omni_chat.omni", devices="2xH200")
-    with Engine(plan, "process", backends="standin") as engine:
-        chunks = list(engine.stream_sync({"prompt": "stream please"}, {"max_tokens": 40}))
+@pytest.mark.parametrize("example", ["omni_chat"], indirect=True)
+def test_stream_delivers_every_output_in_order_with_one_end_chunk(example):
+    _, plan, engine = example
+    chunks = list(engine("process").stream_sync({"prompt": "stream please"}, {"max_tokens": 40}))
     for output in ("text", "audio"):
         mine = [c for c in chunks if c.output == output]
         assert [c.index for c in mine] == list(range(len(mine)))
@@ -87,8 +99,9 @@ def test_stream_delivers_every_output_in_order_with_one_end_chunk():
     assert all(c.value.count(" ") == 1 for c in chunks if c.output == "text" and c.value)
 
 
-def test_async_stream_from_several_concurrent_requests():
-    plan = compile_file(GRAPHS / "tts.omni", devices="2xH200")
+@pytest.mark.parametrize("example", ["tts"], indirect=True)
+def test_async_stream_from_several_concurrent_requests(example):
+    _, plan, engine = example
     reference = Interpreter(plan, "standin")
     texts = [f"sentence number {i}" for i in range(6)]
 
@@ -99,8 +112,7 @@ def test_async_stream_from_several_concurrent_requests():
     async def main(engine):
         return await asyncio.gather(*(one(engine, t) for t in texts))
 
-    with Engine(plan, "process", backends="standin") as engine:
-        results = asyncio.run(main(engine))
+    results = asyncio.run(main(engine("process")))
     for text, audio in zip(texts, results, strict=True):
         assert torch.equal(audio, reference.run({"text": text})["audio"])
 
