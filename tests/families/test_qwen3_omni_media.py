@@ -273,3 +273,32 @@ def test_a_text_only_request_is_unchanged(interpreter, text_only):
 def test_media_the_chat_has_no_place_for_fail_the_request(interpreter):
     with pytest.raises(Exception, match="no place for"):
         interpreter.run({"prompt": "Hello", "image": media.image(0, 64, 64)})
+
+
+# Items of each kind that batch unevenly: clips of a full chunk and of less, images of two
+# grids, videos of two lengths.
+TOWER_ITEMS = {
+    "audio": ("audio_tower", [media.audio(5.0, 440.0), media.audio(0.7, 300.0)]),
+    "image": ("visual", [media.image(0, 64, 96), media.image(1, 96, 64)]),
+    "video": ("visual", [media.frames(4), media.frames(6)]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", TOWER_ITEMS)
+def test_on_cuda_the_towers_give_the_cpus_items(path, kind):
+    """The encoder stages' towers moved onto CUDA (features, patches and grids included)
+    encode each kind as on the CPU: the same integers, embeddings within float32 noise."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    component, values = TOWER_ITEMS[kind]
+
+    def encoded(device):
+        tower = towers.load(str(path), component, torch.float32)
+        tower.to(device)
+        return tower.forward(kind, [tower.prepare(kind, value) for value in values])
+
+    for on_cpu, on_gpu in zip(encoded("cpu"), encoded("cuda"), strict=True):
+        assert on_gpu.embeds.is_cuda and on_gpu.meta == on_cpu.meta
+        scale = float(on_cpu.embeds.abs().max())
+        torch.testing.assert_close(on_gpu.embeds.cpu(), on_cpu.embeds, atol=1e-3 * scale, rtol=0)
