@@ -62,7 +62,7 @@ def processed(path, messages, media: dict, use_audio_in_video=False):
     )
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    images = AutoImageProcessor.from_pretrained(path)
+    images = AutoImageProcessor.from_pretrained(path, backend="pil")  # as the towers
     extractor = WhisperFeatureExtractor.from_pretrained(path)
     config = AutoConfig.from_pretrained(path).thinker_config
     listed = {k: v if isinstance(v, list) else [v] for k, v in media.items()}

@@ -102,7 +102,7 @@ def processed(path, messages, media: dict, use_audio_in_video=False):
     )
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    images = AutoImageProcessor.from_pretrained(path)
+    images = AutoImageProcessor.from_pretrained(path, backend="pil")  # as the towers
     listed = {k: v if isinstance(v, list) else [v] for k, v in media.items()}
     kwargs: dict = {}
     counts: dict = {kind: [] for kind in PLACEHOLDERS}

@@ -207,7 +207,10 @@ class VisionTower:
         self.model = tower_from_pretrained(
             self.encoder_class(), path, thinker.vision_config, self.prefix, dtype
         )
-        self.images = AutoImageProcessor.from_pretrained(path)
+        # The PIL backend whatever is installed: `video_patches` takes the frames through its
+        # numpy steps, which the torchvision backend (transformers' default where
+        # torchvision is installed) does not take.
+        self.images = AutoImageProcessor.from_pretrained(path, backend="pil")
         self.video = video_settings(path, self.video_defaults)
         self.merge = thinker.vision_config.spatial_merge_size
         self.temporal = thinker.vision_config.temporal_patch_size
