@@ -8,8 +8,9 @@ memory & cost pass; `resolve` says where a stage's checkpoint is. None of them t
 network or loads a weight.
 
 What a model family says of its checkpoints (how their components sit in the config files,
-their tiny counterparts) comes from its descriptor in `omniflow.families`; what runs a model
-is the family's run-time half, which this package never imports.
+the formulas of its architectures' costs, their tiny counterparts) comes from its descriptor
+in `omniflow.families`; what runs a model is the family's run-time half, which this package
+never imports.
 """
 
 from omniflow.catalog.components import (

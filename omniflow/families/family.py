@@ -2,14 +2,16 @@
 
 A family (Qwen2.5-Omni, Qwen-Image, the audio codecs, ...) is one folder under
 `omniflow/families/`. Its `__init__.py` defines `FAMILY`, a `Family`, and imports nothing
-heavier than this module: the compiler reads every family's descriptor. The descriptor has
-two halves:
+heavier than this module and its cost formulas (its `costs.py`, written in
+`omniflow.catalog.costs`' counting pieces), all torch-free: the compiler reads every
+family's descriptor. The descriptor has two halves:
 
 - facts the compiler reads, as data and small torch-free functions: how each component sits
   in the published config files (`Part`), the published configs themselves (the folder's
   `configs/*.json`, the builtin catalog's entries), what a diffusers pipeline's own code
-  decides that no config states, the adapters of the edges between its stages, its tiny
-  and real-size random-weight checkpoints and the hub ids they stand in for;
+  decides that no config states, the formulas its components' memory and FLOPs are
+  estimated by, the adapters of the edges between its stages, its tiny and real-size
+  random-weight checkpoints and the hub ids they stand in for;
 - dotted paths ("module:name") into its run-time half (components, decoders, adapter code,
   speaker readers, checkpoint builders), which `lower` writes into the plan and an executor
   imports only when a stage loads such a model. The compiler never imports them.
@@ -44,7 +46,9 @@ class Part:
     the grid: `block_grid(config)` -> (codes per block, codes of lookahead). An encoder part
     whose `hidden` output is wider than the width its config names says how wide
     (`hidden_width(config)`: a vision tower that sends features of its inner layers beside
-    its embeddings, as Qwen3-Omni's deepstack tower does).
+    its embeddings, as Qwen3-Omni's deepstack tower does). What a part costs is its family's
+    `cost` rule's (or the generic rules'), which `defaults` may feed with facts its config
+    leaves out.
     """
 
     category: str
@@ -124,6 +128,14 @@ class Family:
       ports (-> accepted types) a stage of that kind takes when it runs one of the
       family's models, beyond the kind's own (a TTS talker's `language`, `ref_audio`);
       the request fields of the same names reach them;
+    - `cost`: its cost rule, a torch-free function of a component (`omniflow.catalog`'s
+      `ComponentConfig`) that returns the `omniflow.catalog.costs.Estimator` its formulas
+      make of it (an `LM` with its decoders' layout defaults, a `DiT` or `Vocoder` subclass
+      with its architecture's counts), or None where it has none. The compiler asks the
+      families that know the component first, then every other (a bare config knows none:
+      a rule tells its own by the config's `model_type`, `_class_name` or keys), and falls
+      back on the generic rules (Llama-layout decoders, encoders, AutoencoderKL, the
+      checkpoint's count);
     - `tiny`: its tiny checkpoints;
     - `scaled`: real model id -> "module:function(out, depth, device)", a builder of a
       real-size random-weight checkpoint of it (for measuring on a GPU).
@@ -144,6 +156,7 @@ class Family:
     voices: str | None = None
     stage_params: Mapping[str, Mapping[str, ParamSpec]] = field(default_factory=dict)
     stage_inputs: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
+    cost: Callable[[Any], Any] | None = None
     tiny: tuple[TinyModel, ...] = ()
     scaled: Mapping[str, str] = field(default_factory=dict)
     # The folder of its published configs (set by the registry for a family folder; a

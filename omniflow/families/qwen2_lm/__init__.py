@@ -1,9 +1,11 @@
 """Qwen2.5 chat LMs (`model_type` qwen2): plain decoders, run by the generic causal-LM path
-of the `ar` backends (transformers, vLLM); this family holds their tiny counterpart."""
+of the `ar` backends (transformers, vLLM); this family holds their tiny counterpart, and the
+cost rule of every Qwen2 and Qwen3 decoder (`costs`), which the other Qwen families' LMs are."""
 
 from __future__ import annotations
 
 from omniflow.families.family import Family, TinyModel
+from omniflow.families.qwen2_lm.costs import cost
 
 _BUILD = f"{__name__}.checkpoints"
 
@@ -11,6 +13,7 @@ FAMILY = Family(
     name="qwen2_lm",
     doc=__doc__,
     architectures=("qwen2",),
+    cost=cost,
     tiny=(
         TinyModel(
             "qwen2",

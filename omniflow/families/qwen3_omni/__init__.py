@@ -6,8 +6,9 @@ Run-time half: `thinker_talker` (the thinker and the talker with its code predic
 components of the transformers `ar` backend, the adapters of the edges between the
 stages), `towers` (the thinker's audio and vision towers for the transformers `encoder`
 backend), `code2wav` (the vocoder as a `Decoder`); `checkpoints` (the tiny checkpoint and
-the reference run), `scaled` (the real-size random-weight one). This module also holds the
-layout facts of the published checkpoint that those share, torch-free.
+the reference run), `scaled` (the real-size random-weight one). Torch-free: `costs` (the
+talker's and code2wav's cost formulas), and this module, which also holds the layout facts
+of the published checkpoint that those share.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from omniflow.families.family import AdapterSpec, Family, Part, TinyModel
 from omniflow.families.knobs import USE_AUDIO_IN_VIDEO
+from omniflow.families.qwen3_omni.costs import cost
 
 _HERE = __name__
 
@@ -96,6 +98,7 @@ FAMILY = Family(
     name="qwen3_omni",
     doc=__doc__,
     architectures=(ARCHITECTURE,),
+    cost=cost,
     parts={
         "thinker": Part(
             "moe_lm",

@@ -28,6 +28,7 @@ import json
 from pathlib import Path
 
 from omniflow.families.family import Family, Part, TinyModel
+from omniflow.families.qwen3_omni.costs import cost
 from omniflow.ir.kinds import ParamSpec
 
 _HERE = __name__
@@ -66,6 +67,8 @@ FAMILY = Family(
     name="qwen3_tts",
     doc=__doc__,
     architectures=(ARCHITECTURE,),
+    # Its talker (with the code predictor) and its decoder are Qwen3-Omni's architectures.
+    cost=cost,
     parts={
         "talker": Part(
             "decoder_lm",

@@ -4,12 +4,14 @@ and the `AutoencoderKLQwenImage` VAE, run step-wise by the diffusers backends.
 
 Run-time half: `pipeline` (what the diffusers backends need of the pipelines' own code),
 `fused_blocks` (the MMDiT's blocks on fused kernels on CUDA); `checkpoints` (tiny, real size).
+The MMDiT's cost formula is `costs` (torch-free, the compiler's).
 """
 
 from __future__ import annotations
 
 from omniflow.families.family import Family, TinyModel
 from omniflow.families.knobs import GUIDANCE_SCALE, VAE_OPTIONS
+from omniflow.families.qwen_image.costs import cost
 from omniflow.ir.kinds import ParamSpec
 
 _HERE = __name__
@@ -19,6 +21,7 @@ FAMILY = Family(
     name="qwen_image",
     doc=__doc__,
     architectures=("QwenImagePipeline", "QwenImageEditPipeline"),
+    cost=cost,
     pipeline_facts={
         # QwenImageEditPipeline.__call__ resizes the input image to about 1024 x 1024 pixels
         # at its own aspect ratio (`calculate_dimensions(1024 * 1024, ratio)`: sides multiples

@@ -16,13 +16,15 @@ and, per request, what the checkpoint's configs fix for `__call__`: the pipeline
 `boundary_ratio` and the scheduler's `flow_shift`. The peer's client sends all of them.
 
 Run-time half: `pipeline` (what the diffusers backends need of the pipelines' own code),
-`checkpoints` (tiny and real-size random-weight builds).
+`checkpoints` (tiny and real-size random-weight builds). The video DiT's cost formula is
+`costs` (torch-free, the compiler's).
 """
 
 from __future__ import annotations
 
 from omniflow.families.family import Family, Part, TinyModel
 from omniflow.families.knobs import GUIDANCE_SCALE, VAE_OPTIONS
+from omniflow.families.wan.costs import cost
 from omniflow.ir.kinds import ParamSpec
 
 _HERE = __name__
@@ -67,6 +69,7 @@ FAMILY = Family(
     name="wan",
     doc=__doc__,
     architectures=("WanPipeline", "WanImageToVideoPipeline", "umt5"),
+    cost=cost,
     # The text encoder: google/umt5-xxl's UMT5EncoderModel, its dims in T5's spelling.
     parts={
         "text_encoder": Part(
