@@ -293,6 +293,7 @@ def test_on_cuda_the_towers_give_the_cpus_items(path, kind):
         pytest.skip("needs a CUDA device")
     component, values = TOWER_ITEMS[kind]
 
+    @torch.inference_mode()  # as the encoder stage runs it
     def encoded(device):
         tower = towers.load(str(path), component, torch.float32)
         tower.to(device)
