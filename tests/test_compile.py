@@ -221,7 +221,11 @@ def test_placement_failure_exits_1_naming_the_stage(capsys):
     assert "pass 'place' failed: stage 'thinker' needs" in err
 
 
-@pytest.mark.parametrize("argv", [["compile"], ["compile", "missing.omni"], ["frobnicate"], []])
+@pytest.mark.parametrize(
+    "argv",
+    [["compile"], ["compile", "missing.omni"], ["frobnicate"], [],
+     ["compile", "graphs/tts.omni", "--json", "--graph"]],  # one printout at a time
+)  # fmt: skip
 def test_usage_errors_exit_2(argv, capsys):
     try:
         code = main(argv)
