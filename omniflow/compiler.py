@@ -58,12 +58,6 @@ def optimize_file(
     return optimize(graph, devices, on_pass)
 
 
-def compile_file(
-    path: str | Path,
-    devices: str = "cpu",
-    tiny: bool = False,
-    progress: bool = False,
-    on_pass: PassHook | None = None,
-) -> Plan:
-    """As optimize_file, lowered to a plan."""
-    return lower(optimize_file(path, devices, tiny, progress, on_pass))
+def compile_file(path: str | Path, devices: str = "cpu", **options) -> Plan:
+    """optimize_file's graph (`options`: its `tiny`, `progress`, `on_pass`) lowered to a plan."""
+    return lower(optimize_file(path, devices, **options))
