@@ -7,7 +7,7 @@ Why: token2wav's DiT (`omniflow.families.qwen2_5_omni.token2wav_dit`) runs 36 pa
 a window, and a block's two modulated norms and two gated residual adds are, in transformers'
 ops, a dozen elementwise kernels over a few hundred kilobytes each. On an H200 a stream's
 first window (36 codes, one request, replayed from a CUDA graph) launched 37,785 kernels
-for 100 ms of GPU time, 2.6 us each (docs/benchmarks.md, "token2wav's DiT on fused
+for 100 ms of GPU time, 2.6 us each (docs/benchmarks-log.md, "token2wav on fused
 kernels"): launches, not bytes or FLOPs, bound it. The kernel takes the add before a norm
 and the modulation after it into the norm's one pass.
 

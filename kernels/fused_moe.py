@@ -32,8 +32,8 @@ transformers runs the experts one by one (a host sync to find the experts hit, t
 ten small kernels an expert, `index_add_` among them), or through `torch._grouped_mm` over
 all E experts' offsets with the `[T k, 2 I]` products, activations and weighted outputs in
 memory between kernels; here a layer's experts are three launches after the router and the
-align step. Its speed is `benchmarks/fused_moe.py`'s to tell (docs/benchmarks.md, "Fused
-MoE": GPU figures pending).
+align step. Its speed is `benchmarks/fused_moe.py`'s to tell (docs/benchmarks.md, "Kernels";
+the runs: docs/benchmarks-log.md, "Fused MoE").
 
 Numerics are transformers': the router's softmax in float32, its top-k weights
 renormalised in float32 when `renormalize` (`norm_topk_prob`), then rounded to the logits'

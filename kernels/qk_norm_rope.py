@@ -9,7 +9,7 @@ with float32 intermediates, the complex-pair rotary as three more (a float32 cop
 complex product, the cast back), then three concatenations into the joint sequence: at
 1024x1024 with true CFG (2 x 4096 image tokens, 3072 wide) each of those passes moves 50 to
 200 MB, some 2 GB a block where this kernel reads and writes 0.3 GB (43 us a call for the
-image stream on an H200; docs/benchmarks.md, "Fused MMDiT blocks").
+image stream on an H200; docs/benchmarks-log.md, "Fused MMDiT blocks").
 
 Layout: `qkv` is `[B * S, 3 * H * Dh]` (one stream's tokens, rows contiguous: the q, k and v
 products side by side, each head's `Dh` values together); `freqs` `[S, Dh / 2]` complex (the

@@ -7,7 +7,7 @@ Why: in a decode step the hidden state is `[B, H]` with B <= 32, so each op of H
 (upcast, square, mean, add eps, rsqrt, scale, downcast, times the weight: eight kernels)
 and the residual add before it are a kernel launch over a few kilobytes: two norms and two
 adds were 18 of the ~42 kernels per layer of the graph-captured decode step
-(`omniflow.backends.static_decode`). Measured on an H200 (docs/benchmarks.md, "AR decode
+(`omniflow.backends.static_decode`). Measured on an H200 (docs/benchmarks-log.md, "AR decode
 steps"), this kernel with `rope_cache` and `silu_mul` took a layer to 9 launches and the
 real-size thinker's replay from 6.89 to 6.80 ms: launches were not what bounded it.
 

@@ -8,7 +8,7 @@ Why: in HF's attention the rotation is five elementwise kernels per tensor (`q *
 the static cache's write two scatters more: twelve of the ~42 launches per layer of the
 graph-captured decode step (`omniflow.backends.static_decode`), each over a few kilobytes.
 With `rms_norm` and `silu_mul` it takes a layer to 9 launches; on an H200 that moved the
-real-size replay by 1.5 % (docs/benchmarks.md, "AR decode steps").
+real-size replay by 1.5 % (docs/benchmarks-log.md, "AR decode steps").
 
 Layout: `qkv` is `[B, (Hq + 2 Hkv) * d]`, the q heads then the k heads then the v heads (the
 fused projection's output); `cos`, `sin` are `[B, d]` (HF's rotary embedding at each row's

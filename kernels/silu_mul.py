@@ -6,7 +6,7 @@ Why: HF's MLP runs `act_fn(gate_proj(x)) * up_proj(x)`: two projections and two
 elementwise kernels. With the projections fused into one matrix product (one launch, one
 read of x), the activation and product are one more: a decode step's MLP goes from five
 kernels to three (see `omniflow.backends.static_decode`; the measured effect of the three
-fused kernels together is in docs/benchmarks.md, "AR decode steps").
+fused kernels together is in docs/benchmarks-log.md, "AR decode steps").
 
 Numerics: the activation `g / (1 + exp(-g))` in float32 rounded to the input dtype, then
 the product in float32 rounded, as torch computes `silu` and `*` on bf16. The kernel's

@@ -15,10 +15,10 @@ Why: at decode a projection reads its whole weight for a few rows, so it is boun
 fast the weight streams. cuBLAS picks tiles for such shapes that moved the real-size
 talker's MLP weights at 3.1 TB/s where a copy moves 4.15 on an H200, plus a memset and a
 split-K reduction kernel per down projection and a separate SiLU x up kernel
-(docs/benchmarks.md, "The talker's replay, kernel by kernel"); this kernel does each
+(docs/benchmarks-log.md, "The talker's replay, kernel by kernel"); this kernel does each
 projection in one launch: with the kernels around them, the talker's o, gate/up and down
 products take 0.67x, 0.91x and 0.92x of cuBLAS' time, the thinker's gate/up 0.92x
-(`benchmarks/skinny_matmul.py`; docs/benchmarks.md, "Skinny products"). For q/k/v cuBLAS
+(`benchmarks/skinny_matmul.py`; docs/benchmarks-log.md, "Skinny products"). For q/k/v cuBLAS
 stays faster on the thinker's shape, and the decode step keeps it there.
 
 Numerics: products accumulate in float32 (float32 inputs multiply in IEEE float32, as
@@ -46,7 +46,7 @@ from omniflow.kernels.triton_guard import jit, tl, triton
 ROWS = 16
 # Programs per SM a split product aims for, so that enough weight bytes are in flight.
 PROGRAMS_PER_SM = 4
-# A program's output columns and its K tile: the defaults `--sweep` chose (docs/benchmarks.md).
+# A program's output columns and its K tile: the defaults `--sweep` chose (docs/benchmarks-log.md).
 BLOCK_N, BLOCK_K = 32, 128
 
 

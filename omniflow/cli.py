@@ -14,7 +14,8 @@ from omniflow.errors import OmniflowError, SourceError
 
 
 def _compile(args: argparse.Namespace) -> int:
-    from omniflow.compiler import compile_file
+    from omniflow.compiler import optimize_file
+    from omniflow.lower import lower
     from omniflow.report import render_plan
 
     snapshots = None
@@ -22,9 +23,10 @@ def _compile(args: argparse.Namespace) -> int:
         from omniflow.profiler.viz import PassSnapshots
 
         snapshots = PassSnapshots()
-    plan = compile_file(
+    graph = optimize_file(
         args.path, devices=args.devices, tiny=args.tiny, progress=True, on_pass=snapshots
     )
+    plan = lower(graph)
     if snapshots is not None:
         _write_viz(args, snapshots, plan.pipeline)
     text = plan.to_json()
@@ -35,6 +37,8 @@ def _compile(args: argparse.Namespace) -> int:
             raise UsageError(f"cannot write the plan to {args.output}: {err.strerror}") from err
     if args.json:
         sys.stdout.write(text + "\n")
+    elif args.graph:
+        sys.stdout.write(f"{graph}\n")
     else:
         render_plan(plan, Console(width=args.width, highlight=False), timings=args.timings)
     return 0
@@ -159,8 +163,14 @@ def make_parser() -> argparse.ArgumentParser:
         "node0=2xH200,node1=2xH200 | ray:auto | ray://HOST:PORT",
     )
     comp.add_argument("-o", "--output", help="also write the plan JSON to this file")
-    comp.add_argument(
+    shown = comp.add_mutually_exclusive_group()
+    shown.add_argument(
         "--json", action="store_true", help="print the plan as JSON instead of tables"
+    )
+    shown.add_argument(
+        "--graph",
+        action="store_true",
+        help="print the IR graph after the passes, with the facts each wrote, instead of tables",
     )
     comp.add_argument(
         "--tiny", action="store_true", help="use the built-in tiny models of the same architectures"

@@ -1,6 +1,7 @@
 """The compiler's phases as named functions: parse -> build -> passes -> lower.
 
 compile_file("x.omni", devices="2xH200")    # -> Plan
+optimize_file("x.omni", devices="2xH200")   # -> Graph after the passes (str() shows the facts)
 load_graph("x.omni")                        # -> Graph (parsed and built, no passes)
 """
 
@@ -39,18 +40,24 @@ def compile_source(text: str, path: str = "<string>", devices: str = "cpu") -> P
     return compile_graph(graph_from_source(text, path), devices)
 
 
-def compile_file(
+def optimize_file(
     path: str | Path,
     devices: str = "cpu",
     tiny: bool = False,
     progress: bool = False,
     on_pass: PassHook | None = None,
-) -> Plan:
-    """`tiny`: swap every model for its built-in tiny counterpart (same architecture), built
-    on first use (`progress`: with a progress bar)."""
+) -> Graph:
+    """The file's graph after the passes, what `lower` takes. `tiny`: swap every model for
+    its built-in tiny counterpart (same architecture), built on first use (`progress`: with
+    a progress bar)."""
     graph = load_graph(path)
     if tiny:
         graph = use_tiny_models(graph)
         for model in sorted({graph.model, *(s.params.get("model") for s in graph.stages)} - {None}):
             model_path(model, progress=progress)
-    return compile_graph(graph, devices, on_pass)
+    return optimize(graph, devices, on_pass)
+
+
+def compile_file(path: str | Path, devices: str = "cpu", **options) -> Plan:
+    """optimize_file's graph (`options`: its `tiny`, `progress`, `on_pass`) lowered to a plan."""
+    return lower(optimize_file(path, devices, **options))

@@ -81,6 +81,14 @@ def local_name(name: str) -> str:
     return name.rpartition(NODE_SEP)[2]
 
 
+def human_bytes(n: int) -> str:
+    """Bytes as one reads them: `737.5 KiB`, `132.8 GiB` (parse_size's inverse, rounded)."""
+    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 def parse_size(text: str) -> int:
     """`80GiB`, `512MiB`, `1.5TB` or a bare number of GiB, in bytes (MIN_MEMORY to MAX_MEMORY)."""
     m = re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*", text)

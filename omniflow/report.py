@@ -13,17 +13,10 @@ from rich.console import Console
 from rich.measure import Measurement
 from rich.table import Table
 
-from omniflow.devices import node_of
+from omniflow.devices import human_bytes, node_of
 from omniflow.plan import ChannelPlan, Plan
 
 _UNBOUNDED = 1 << 20  # columns, to measure what a table needs at the least
-
-
-def human_bytes(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 def _table(title: str | None, *columns: str, wrap: tuple[str, ...] = ()) -> Table:

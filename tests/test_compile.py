@@ -1,4 +1,5 @@
-"""`omniflow compile`: golden printouts of every example's plan, JSON plans, exit codes."""
+"""`omniflow compile`: golden printouts of every example's plan, JSON plans, the IR graph with
+the passes' facts (`--graph`), exit codes."""
 
 import json
 import os
@@ -12,7 +13,9 @@ import pytest
 from rich.console import Console
 
 from omniflow.cli import main
-from omniflow.compiler import compile_file, compile_source
+from omniflow.compiler import compile_file, compile_source, load_graph, optimize_file
+from omniflow.devices import human_bytes
+from omniflow.passes import facts
 from omniflow.plan import PLAN_VERSION, Plan
 from omniflow.report import render_plan
 
@@ -38,6 +41,84 @@ def test_plan_printout_matches_golden(path, capsys):
     if os.environ.get("OMNIFLOW_UPDATE_GOLDEN"):
         golden.write_text(out)
     assert out == golden.read_text()
+
+
+def _shown(fact) -> list[str]:
+    """What of a fact's own fields the printout must show: names and numbers as one reads
+    them (a fact type this does not know fails the test, so a new one is printed too)."""
+    match fact:
+        case str():
+            return [fact]
+        case tuple():  # a chunk schedule
+            return [",".join(map(str, fact))]
+        case facts.ModelFacts():
+            configs = [fact.config, *([fact.image_encoder] if fact.image_encoder else []),
+                       *fact.experts]  # fmt: skip
+            return [c.model for c in configs] + [c.component or "" for c in configs]
+        case facts.PortFacts():
+            return [f"{port} {s.step} x{s.max_steps}" for port, s in fact.out.items()]
+        case facts.OutputFacts():
+            return [f"{k} {v}" for k, v in fact.attrs.items()]
+        case facts.EdgeItem():
+            return [f"{fact.item} x{fact.max_steps}"]
+        case facts.CostFacts():
+            shown = [human_bytes(fact.need), f"batch {fact.batch}", fact.cfg_input or ""]
+            cost = fact.cost
+            sizes = () if cost is None else (cost.weight_bytes, cost.kv_cache_bytes,
+                                             cost.activation_bytes)  # fmt: skip
+            return shown + [human_bytes(n) for n in sizes]
+        case facts.Placement():
+            return [*fact.devices, human_bytes(fact.budget)]
+        case facts.PointwiseKernel():
+            return [fact.kernel, f"{fact.in_dtype}->{fact.out_dtype}", fact.runs_in]
+        case facts.Channel():
+            ring = [str(fact.slots), human_bytes(fact.slot_bytes), human_bytes(fact.ring_bytes),
+                    f"{fact.credits} credits", fact.device] if fact.slots else []  # fmt: skip
+            return [fact.kind, *ring]
+        case facts.DeviceUse():
+            return [fact.name, human_bytes(fact.used), human_bytes(fact.usable)]
+        case facts.ExecutorGroup():
+            return [fact.name, *fact.devices, *fact.stages, *fact.reasons]
+    raise AssertionError(f"the test does not know the fact {fact!r}")
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_the_graph_printout_shows_every_fact_the_passes_wrote(path, capsys):
+    """`omniflow compile --graph`: each node's and edge's line holds its facts, each graph
+    fact has a line; checked against the fact objects of the same compile."""
+    code, out, err = _cli(capsys, "compile", str(path), "--devices", "2xH200", "--graph")
+    assert code == 0, err
+    graph = optimize_file(path, "2xH200")
+    lines = out.splitlines()
+
+    def facts_of(*heads: str) -> str:
+        """The facts part of the one line that starts with one of `heads`."""
+        (line,) = [ln for ln in lines if ln.lstrip().startswith(heads)]
+        return line.partition("  # ")[2]
+
+    shown = 0
+    for where, meta in [*((n, n.meta) for n in graph.nodes), *((e, e.meta) for e in graph.edges)]:
+        name = where.name
+        on_line = facts_of(f"input  {name}:", f"stage  {name} =", f"output {name}",
+                           f"edge   {name} :")  # fmt: skip
+        for key, fact in meta.items():
+            if fact is None:  # a whole-output edge's schedule: nothing to show
+                continue
+            assert f"{key}=" in on_line or not str(fact), (name, key, on_line)
+            for text in _shown(fact):
+                assert text in on_line, (name, key, text, on_line)
+                shown += 1
+    for key, fact in graph.meta.items():
+        if key == "pass_times":  # how long this compile took: not a fact of the graph
+            continue
+        for item in fact if isinstance(fact, tuple) else (fact,):
+            texts = [human_bytes(item)] if key.endswith("_bytes") else _shown(item)
+            assert any(all(t in ln for t in texts) for ln in lines
+                       if ln.startswith(f"  {key}: ")), (key, texts)  # fmt: skip
+            shown += len(texts)
+    assert shown > 20  # the passes wrote facts, and they were found
+    # Before the passes there are no facts to show.
+    assert "  # " not in str(load_graph(path))
 
 
 def _plan_words(plan: Plan) -> set[str]:
@@ -140,7 +221,11 @@ def test_placement_failure_exits_1_naming_the_stage(capsys):
     assert "pass 'place' failed: stage 'thinker' needs" in err
 
 
-@pytest.mark.parametrize("argv", [["compile"], ["compile", "missing.omni"], ["frobnicate"], []])
+@pytest.mark.parametrize(
+    "argv",
+    [["compile"], ["compile", "missing.omni"], ["frobnicate"], [],
+     ["compile", "graphs/tts.omni", "--json", "--graph"]],  # one printout at a time
+)  # fmt: skip
 def test_usage_errors_exit_2(argv, capsys):
     try:
         code = main(argv)

@@ -31,7 +31,8 @@ reference residual, the other blocks' residual and its counters live in its `Den
 Each request counts its steps computed and reused (`Call.counters`: `steps_computed`,
 `steps_reused`), which `--log-stats` prints and the profile records. What a threshold
 costs in image quality depends on the weights: on random weights only the forwards saved
-and the distance from the uncached image mean anything (docs/benchmarks.md).
+and the distance from the uncached image mean anything (docs/benchmarks.md, "Diffusion
+and video").
 
 The family's `CacheLayout` says where its transformer's forward may be split: the
 `ModuleList` of blocks its forward runs in order, which of a block call's arguments hold

@@ -223,7 +223,8 @@ def samples_per_frame(config: Mapping[str, Any]) -> int | None:
 # lookahead less often (a one-block token2wav window decodes 60 codes to keep 12; a
 # sixteen-block one 240 to keep 192). On an H200 a token2wav window's replay grows far
 # slower than its length (113 ms at 36 codes, 221 ms at 240), so its cost per kept code
-# falls from 2.8 ms at four blocks to 1.2 ms at sixteen (docs/benchmarks.md).
+# falls from 2.8 ms at four blocks to 1.2 ms at sixteen (docs/benchmarks-log.md, "Wider
+# token2wav windows").
 # Each window's codes and decode must come while the audio before it plays; each length is
 # a set of static windows captured at load (cold start), so the ramp jumps from four blocks
 # to sixteen rather than passing eight.

@@ -1,9 +1,15 @@
-"""Printing a Graph: a readable listing (`str(graph)`) and `.omni` source (`to_dsl`)."""
+"""Printing a Graph: a readable listing (`str(graph)`) and `.omni` source (`to_dsl`).
+
+The listing shows what the passes wrote (passes/facts.py, each fact printing itself as one
+short phrase): a node's facts and an edge's on its line, after `#`; the graph's own
+(executors, devices, shared-memory bytes, warnings) on lines after the edges.
+"""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from omniflow.devices import human_bytes
 from omniflow.ir.values import AUTO, format_value
 
 if TYPE_CHECKING:
@@ -62,9 +68,34 @@ def to_dsl(graph: Graph) -> str:
     return "\n".join(lines + ["}"]) + "\n"
 
 
-def _meta(node_or_edge: Node | Edge) -> str:
-    shown = {k: v for k, v in node_or_edge.meta.items() if isinstance(v, (str, int, float, list))}
-    return ("  # " + " ".join(f"{k}={v}" for k, v in shown.items())) if shown else ""
+def _fact(key: str, value) -> str:
+    """A fact as one phrase ("" for none): a tuple (a chunk schedule: its sizes, the last
+    repeating) comma separated, a byte count as one reads it."""
+    if value is None:  # a whole-output edge's schedule
+        return ""
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(str, value))
+    if key.endswith("_bytes") and isinstance(value, int):
+        return human_bytes(value)
+    return str(value)
+
+
+def _facts(node_or_edge: Node | Edge) -> str:
+    facts = ((key, _fact(key, value)) for key, value in node_or_edge.meta.items())
+    shown = [f"{key}={text}" for key, text in facts if text]
+    return ("  # " + "  ".join(shown)) if shown else ""
+
+
+def _graph_facts(graph: Graph) -> list[str]:
+    """One line per graph-wide fact (per item of one that is a tuple: an executor, a device,
+    a warning)."""
+    lines = []
+    for key, value in graph.meta.items():
+        if key == "pass_times":  # how long the passes took: about this run, not the graph
+            continue
+        for item in value if isinstance(value, tuple) else (value,):
+            lines.append(f"  {key}: {_fact(key, item)}")
+    return lines
 
 
 def format_graph(graph: Graph) -> str:
@@ -84,10 +115,10 @@ def format_graph(graph: Graph) -> str:
         else:
             body = f"stage  {node.name} = {node.op}({_call_args(node.params)})"
             body += f" @ {node.device}" if node.device else ""
-        lines.append(f"  {body}{_meta(node)}")
+        lines.append(f"  {body}{_facts(node)}")
     for edge in graph.edges:
         extra = " ".join(_edge_attrs(edge))
         maps = f" map({' | '.join(str(op) for op in edge.maps)})" if edge.maps else ""
-        lines.append(f"  edge   {edge.name} : {edge.type}{maps} {extra}".rstrip() + _meta(edge))
+        lines.append(f"  edge   {edge.name} : {edge.type}{maps} {extra}".rstrip() + _facts(edge))
     lines += [f"  {c.kind} {', '.join(c.stages)}" for c in graph.constraints]
-    return "\n".join(lines)
+    return "\n".join(lines + _graph_facts(graph))

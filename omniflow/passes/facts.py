@@ -3,7 +3,8 @@
 Each pass module says which facts it reads (`READS`) and writes (`WRITES`), by key; the
 pipeline (`pipeline.py`) refuses a pass that writes a key it did not declare, and `lower`
 builds the plan from these types alone. A fact is replaced, never mutated (`dataclasses.
-replace`), since copies of a graph share their facts.
+replace`), since copies of a graph share their facts. Each prints as one short phrase: `str(graph)`
+(the IR printer) shows a node's and an edge's facts on its line, the graph's after them.
 
 | key | on | fact | written by |
 | --- | --- | --- | --- |
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 
 from omniflow.catalog.components import ComponentConfig
 from omniflow.catalog.costs import StageCost
+from omniflow.devices import human_bytes
 from omniflow.ir.types import TensorSpec
 
 
@@ -42,6 +44,18 @@ class ModelFacts:
     # Other transformers the stage loads beside `config`'s and runs at other steps (a
     # two-expert DiT's, which its config names under `experts`).
     experts: tuple[ComponentConfig, ...] = ()
+
+    def __str__(self) -> str:
+        text = f"{_component(self.config)} {self.config.dtype}"
+        if self.image_encoder is not None:
+            text += f", image encoder {_component(self.image_encoder)}"
+        if self.experts:
+            text += ", experts " + ", ".join(map(_component, self.experts))
+        return text
+
+
+def _component(config: ComponentConfig) -> str:
+    return config.model + (f"/{config.component}" if config.component else "")
 
 
 @dataclass(frozen=True)
@@ -61,6 +75,9 @@ class PortFacts:
 
     out: dict[str, PortSteps] = field(hash=False)
 
+    def __str__(self) -> str:
+        return ", ".join(f"{port} {steps}" for port, steps in self.out.items())
+
 
 @dataclass(frozen=True)
 class OutputFacts:
@@ -69,6 +86,9 @@ class OutputFacts:
 
     attrs: dict = field(hash=False)
 
+    def __str__(self) -> str:
+        return ", ".join(f"{key} {value}" for key, value in self.attrs.items())
+
 
 @dataclass(frozen=True)
 class EdgeItem:
@@ -76,6 +96,9 @@ class EdgeItem:
 
     item: TensorSpec
     max_steps: int
+
+    def __str__(self) -> str:
+        return f"{self.item} x{self.max_steps}"
 
 
 @dataclass(frozen=True)
@@ -88,6 +111,14 @@ class CostFacts:
     need: int
     batch: int = 1
     cfg_input: str | None = None
+
+    def __str__(self) -> str:
+        text = f"needs {human_bytes(self.need)} at batch {self.batch}"
+        if self.cost is not None:
+            text += (f" (weights {human_bytes(self.cost.weight_bytes)}, kv "
+                     f"{human_bytes(self.cost.kv_cache_bytes)}, activations "
+                     f"{human_bytes(self.cost.activation_bytes)})")  # fmt: skip
+        return text + (f", guidance from {self.cfg_input}" if self.cfg_input else "")
 
 
 @dataclass(frozen=True)
@@ -103,6 +134,9 @@ class Placement:
     def device(self) -> str:
         return self.devices[0]
 
+    def __str__(self) -> str:
+        return f"{', '.join(self.devices)}, budget {human_bytes(self.budget)}"
+
 
 @dataclass(frozen=True)
 class DeviceUse:
@@ -112,6 +146,9 @@ class DeviceUse:
     used: int
     usable: int
     node_id: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.name}: {human_bytes(self.used)} of {human_bytes(self.usable)}"
 
 
 @dataclass(frozen=True)
@@ -124,6 +161,11 @@ class ExecutorGroup:
     stages: tuple[str, ...]
     reasons: tuple[str, ...] = ()
 
+    def __str__(self) -> str:
+        where = f" on {', '.join(self.devices)}" if self.devices else ""
+        why = f" ({'; '.join(self.reasons)})" if self.reasons else ""
+        return f"{self.name}{where}: {', '.join(self.stages)}{why}"
+
 
 @dataclass(frozen=True)
 class PointwiseKernel:
@@ -135,6 +177,9 @@ class PointwiseKernel:
     in_dtype: str
     out_dtype: str
     runs_in: str
+
+    def __str__(self) -> str:
+        return f"{self.kernel} {self.in_dtype}->{self.out_dtype} in {self.runs_in}"
 
 
 @dataclass(frozen=True)
@@ -152,3 +197,10 @@ class Channel:
     @property
     def ring_bytes(self) -> int:
         return self.slots * self.slot_bytes
+
+    def __str__(self) -> str:
+        if not self.slots:  # a local hand-off: a reference, no ring
+            return self.kind
+        text = (f"{self.kind} ring {self.slots} x {human_bytes(self.slot_bytes)} = "
+                f"{human_bytes(self.ring_bytes)}, {self.credits} credits")  # fmt: skip
+        return text + (f", on {self.device}" if self.device else "")

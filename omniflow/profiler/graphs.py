@@ -6,8 +6,8 @@ chain."""
 
 from __future__ import annotations
 
+from omniflow.devices import human_bytes
 from omniflow.plan import FRONTEND
-from omniflow.report import human_bytes
 
 
 def schedule_text(schedule: list[int] | None, limit: int = 4) -> str:

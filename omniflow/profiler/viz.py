@@ -13,11 +13,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from omniflow.devices import human_bytes
 from omniflow.ir.graph import INPUT, OUTPUT, Edge, Graph, Node
 from omniflow.ir.values import AUTO, format_value
 from omniflow.profiler.graphs import buffer_text, schedule_text
 from omniflow.profiler.html import page
-from omniflow.report import human_bytes
 
 # What each meta key is about: the page colours a change by it.
 CATEGORIES = {

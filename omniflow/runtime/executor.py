@@ -194,7 +194,7 @@ def torch_threads(program: Program, engine: int | None, host_executors: int) -> 
     small and bursty (a step's features, its kernel launches); with every executor of the
     host at the host's whole thread count, each burst's parallel regions waited on threads
     the others' bursts held: an H200 host's audio tower step took 77 ms served against 21 ms
-    at one thread each (docs/benchmarks.md, "Omni input")."""
+    at one thread each (docs/benchmarks-log.md, "What bound it: torch threads")."""
     if not program.devices or not all(local_name(d).startswith("cuda") for d in program.devices):
         return engine
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()

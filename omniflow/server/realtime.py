@@ -8,6 +8,9 @@ PCM, mono, 16 kHz) / `.commit` / `.clear`, `conversation.item.create` / `.delete
 `response.created`, `response.text.delta` or (when the response speaks)
 `response.audio_transcript.delta` and `response.audio.delta` (base64 16-bit PCM at the
 pipeline's rate), their `.done` events, `response.done` (status and usage), and `error`.
+This module works in the beta schema's names; realtime_schema.py translates a client's
+settings in today's (GA) names on the way in and, for a client that speaks GA, every event on
+the way out.
 
 A response is one chat request made of the conversation so far (the session's
 `instructions` as its system message, every item since) and parsed, admitted and run
@@ -40,7 +43,7 @@ import torch
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omniflow.media import audio_bytes
-from omniflow.server import chat
+from omniflow.server import chat, realtime_schema
 from omniflow.server.errors import APIError, bad_request
 from omniflow.server.sockets import CLOSE_BAD_REQUEST, Sender, refused
 
@@ -62,7 +65,7 @@ SESSION_FIELDS = (
     "turn_detection",
 )
 RESPONSE_FIELDS = ("modalities", "instructions", "voice", "temperature",
-                   "max_response_output_tokens")  # fmt: skip
+                   "max_response_output_tokens", "output_audio_format")  # fmt: skip
 # The chat request's fields the settings become: a refusal of one names the setting.
 CHAT_FIELDS = {
     "audio.voice": "voice",
@@ -125,6 +128,7 @@ class RealtimeSession:
         self.audio_bytes = 0  # committed audio the items hold
         self.response: tuple[str, asyncio.Task] | None = None  # the running one
         self.cancel_reason = "client_cancelled"  # why the running one was cancelled
+        self.ga = False  # whether the client speaks today's schema (realtime_schema.py)
 
     # --- the socket -----------------------------------------------------------------------------
     async def serve(self) -> None:
@@ -167,7 +171,8 @@ class RealtimeSession:
                 self._error(_internal(err), event_id)
 
     def send(self, kind: str, **fields) -> None:
-        self.out.json({"type": kind, "event_id": _id("event"), **fields})
+        for name, body in realtime_schema.outgoing(kind, fields, self.ga):
+            self.out.json({"type": name, "event_id": _id("event"), **body})
 
     def _error(self, err: APIError, event_id: str | None = None) -> None:
         error = dict(err.body()["error"])
@@ -216,6 +221,7 @@ class RealtimeSession:
         update = event.get("session")
         if not isinstance(update, dict):
             raise _invalid("session.update takes a 'session' object", "session")
+        update = self._beta(update, SESSION_FIELDS, "session")
         config = self._merged(update, SESSION_FIELDS, "session")
         # Checked against the pipeline now (an unknown voice, a token limit beyond the plan):
         # a setting kept unchecked would fail every later response, far from its cause.
@@ -241,13 +247,21 @@ class RealtimeSession:
                 return  # about the stand-in conversation, not a setting
             raise _about_settings(err, overridden) from None
 
+    def _beta(self, update: dict, allowed: tuple[str, ...], within: str) -> dict:
+        """`update` (a `within` object from the client, in either schema's names) in the beta
+        names this module keeps; a GA form in it makes the session answer in GA."""
+        self.ga = self.ga or realtime_schema.speaks_ga(update, within)
+        rates = {"input": INPUT_RATE, "output": self._output_rate()}
+        return realtime_schema.from_ga(update, within, allowed, rates)
+
     def _merged(self, update: dict, allowed: tuple[str, ...], within: str) -> dict:
         """The session's settings with `update` (the `within` object's fields, each checked)."""
         config = dict(self.config)
         for key, value in update.items():
             if key not in allowed:
+                names = realtime_schema.field_names(allowed, within, self.ga)
                 raise _invalid(
-                    f"'{within}.{key}' is not supported; {within} takes {', '.join(allowed)}",
+                    f"'{within}.{key}' is not supported; {within} takes {names}",
                     f"{within}.{key}",
                     "unknown_parameter",
                 )
@@ -346,7 +360,7 @@ class RealtimeSession:
         for j, part in enumerate(content):
             where = f"item.content[{j}]"
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in ("input_text", "text"):
+            if kind in ("input_text", "text", "output_text"):  # output_text: GA's assistant text
                 if not isinstance(part.get("text"), str):
                     raise _invalid(f"'{where}.text' is a string", f"{where}.text")
             elif kind == "input_audio" and role == "user":
@@ -356,7 +370,8 @@ class RealtimeSession:
                 part["audio"] = base64.b64encode(audio_bytes(pcm, INPUT_RATE, "wav")).decode()
             else:
                 raise _invalid(
-                    f"'{where}.type' is input_text, text or (a user's) input_audio", where
+                    f"'{where}.type' is input_text, text, output_text or (a user's) input_audio",
+                    where,
                 )
         added = self._add_item({"type": "message", "role": role, "content": content},
                                item_id=item.get("id"))  # fmt: skip
@@ -447,6 +462,7 @@ class RealtimeSession:
                 "type",
                 "conversation_full",
             )
+        options = self._beta(options, RESPONSE_FIELDS, "response")
         config = self._merged(options, RESPONSE_FIELDS, "response")
         body, sources = self._chat_body(config, self.items)
         try:  # checked now: a bad item fails before any work starts
@@ -589,8 +605,11 @@ class RealtimeSession:
             "turn_detection": None,
         }
 
-    def _session(self) -> dict:
+    def _output_rate(self) -> int | None:
         rates = [o.attrs.get("rate") for o in self.served.plan.outputs if o.type == "audio"]
+        return int(rates[0]) if rates and rates[0] else None
+
+    def _session(self) -> dict:
         return {
             "id": self.id,
             "object": "realtime.session",
@@ -598,7 +617,7 @@ class RealtimeSession:
             **self.config,
             # omniflow's own: the sample rates of the audio each way.
             "input_audio_rate": INPUT_RATE,
-            "output_audio_rate": int(rates[0]) if rates and rates[0] else None,
+            "output_audio_rate": self._output_rate(),
         }
 
     def _response(self, response_id: str, status: str, output=(), usage=None, reason=None):

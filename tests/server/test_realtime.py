@@ -5,7 +5,8 @@ messages it got) and the python-stage probe (a reply that lasts until cancelled)
 
 Sessions, text turns with their audio and usage, audio turns and the conversation's
 history, cancel and barge-in, a client that goes away mid-response, mistaken events and
-settings, the API key and the session's bounds. The executors are threads of the server
+settings, the API key and the session's bounds; a client of today's (GA) schema, with
+`websockets` and with the `openai` package's realtime client, and the beta client beside it. The executors are threads of the server
 (`--mode inprocess`: it starts in seconds), as for the speech WebSocket's tests; a request
 cancelled across executor processes is test_load.py's.
 
@@ -23,6 +24,17 @@ import numpy as np
 import pytest
 import soundfile
 import websockets
+from openai import OpenAI
+from openai.types.realtime import (
+    ConversationItemAdded,
+    ConversationItemDone,
+    ResponseAudioDeltaEvent,
+    ResponseAudioTranscriptDeltaEvent,
+    ResponseAudioTranscriptDoneEvent,
+    ResponseDoneEvent,
+    SessionCreatedEvent,
+    SessionUpdatedEvent,
+)
 
 from dsl.parser import parse_file
 from tests.server.conftest import GRAPHS, HERE, ServerProcess, idle, metric, run_async, wait_until
@@ -458,3 +470,188 @@ def test_an_audio_turn_on_the_omni_chat_graph(server, http):
     assert one["usage"]["output_tokens"] == reply["usage"]["completion_tokens"]
     assert two["status"] in ("completed", "incomplete")
     assert two["usage"]["input_tokens"] > one["usage"]["input_tokens"]  # the history too
+
+
+# Today's (GA) schema: the settings nested and renamed, the events renamed.
+GA_SESSION = {
+    "type": "realtime",
+    "output_modalities": ["audio"],
+    "instructions": "Be brief.",
+    "audio": {
+        "input": {"format": {"type": "audio/pcm", "rate": 16000}, "turn_detection": None},
+        "output": {"voice": "ethan", "format": {"type": "audio/pcm", "rate": 24000}},
+    },
+}
+BETA_EVENTS = {"conversation.item.created", "response.text.delta", "response.text.done",
+               "response.audio.delta", "response.audio.done",
+               "response.audio_transcript.delta", "response.audio_transcript.done"}  # fmt: skip
+
+
+def chat_reply(http, text: str, max_tokens: int, instructions: str | None = None) -> dict:
+    """The same conversation through chat completions (the thinker is greedy: the same text
+    and token counts as a realtime response)."""
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    return http.post("/v1/chat/completions", json={
+        "model": "omni_chat", "modalities": ["text"], "max_tokens": max_tokens,
+        "messages": [*messages, {"role": "user", "content": text}]}).json()  # fmt: skip
+
+
+def test_a_ga_client_is_answered_in_todays_schema(server, http):
+    async def run():
+        session = await opened(server, "omni_chat")
+        await session.send("session.update", session=GA_SESSION)
+        updated, _ = await session.until("session.updated")
+        await session.send_event(user_text("Hello! Who are you?"))
+        item_done, before = await session.until("conversation.item.done")
+        await session.send("response.create", response={"max_output_tokens": 3})
+        done, events = await session.until("response.done")
+        await session.ws.close()
+        return updated["session"], before, item_done, done["response"], events
+
+    settings, before, item_done, response, events = run_async(run)
+    assert settings["type"] == "realtime" and settings["output_modalities"] == ["audio"]
+    assert settings["audio"]["output"] == GA_SESSION["audio"]["output"]
+    assert settings["audio"]["input"] == GA_SESSION["audio"]["input"]
+    assert settings["max_output_tokens"] == "inf" and settings["instructions"] == "Be brief."
+    assert not {"voice", "modalities", "max_response_output_tokens"} & set(settings)
+    # GA splits conversation.item.created into .added and .done, the same item.
+    assert [e["type"] for e in before] == ["conversation.item.added"]
+    assert before[0]["item"] == item_done["item"] and item_done["item"]["role"] == "user"
+    kinds = [e["type"] for e in events]
+    assert not BETA_EVENTS & set(kinds) and "error" not in kinds, kinds
+    assert {"response.output_audio_transcript.delta", "response.output_audio.delta",
+            "response.output_audio.done", "response.output_audio_transcript.done"} <= set(kinds)  # fmt: skip
+    transcript = "".join(e["delta"] for e in events
+                         if e["type"] == "response.output_audio_transcript.delta")  # fmt: skip
+    (part,) = response["output"][0]["content"]
+    assert part == {"type": "output_audio", "transcript": transcript}
+    reply = chat_reply(http, "Hello! Who are you?", 3, instructions="Be brief.")
+    assert transcript == reply["choices"][0]["message"]["content"]  # max_output_tokens held
+    assert response["usage"]["output_tokens"] == reply["usage"]["completion_tokens"]
+    expected = "incomplete" if reply["choices"][0]["finish_reason"] == "length" else "completed"
+    assert response["status"] == expected
+
+
+def test_a_beta_session_takes_todays_names_and_is_answered_in_them_from_then_on(server):
+    """The issue's client: configured in beta names, then a `response.create` with
+    `max_output_tokens`. The same response asked in beta names in a second session: the same
+    text and usage, in beta events."""
+
+    async def ask(response: dict):
+        session = await opened(server, "omni_chat")
+        await session.send("session.update", session={"voice": "ethan"})
+        updated, _ = await session.until("session.updated")
+        await session.send_event(user_text("Hello! Who are you?"))
+        created, _ = await session.until("conversation.item.created")
+        await session.send("response.create", response=response)
+        done, events = await session.until("response.done")
+        await session.ws.close()
+        return updated["session"], done["response"], [e["type"] for e in events]
+
+    async def run():
+        beta = await ask({"modalities": ["text"], "max_response_output_tokens": 2})
+        ga = await ask({"output_modalities": ["text"], "max_output_tokens": 2})
+        return beta, ga
+
+    (beta_settings, beta, beta_kinds), (ga_settings, ga, ga_kinds) = run_async(run)
+    assert beta_settings["voice"] == ga_settings["voice"] == "ethan"  # beta until then
+    assert "response.text.delta" in beta_kinds and "response.text.done" in beta_kinds
+    assert "response.output_text.delta" in ga_kinds and "response.output_text.done" in ga_kinds
+    assert not BETA_EVENTS & set(ga_kinds) and "error" not in beta_kinds + ga_kinds
+    assert beta["output"][0]["content"][0]["type"] == "text"
+    assert ga["output"][0]["content"][0]["type"] == "output_text"
+    assert beta["output"][0]["content"][0]["text"] == ga["output"][0]["content"][0]["text"]
+    assert beta["usage"] == ga["usage"] and ga["usage"]["output_tokens"] <= 2
+
+
+GA_MISTAKES = [
+    ({"type": "transcription"}, "session.type", None),
+    ({"audio": {"output": {"voice": "Nobody"}}}, "session.audio.output.voice", None),
+    ({"max_output_tokens": 100000}, "session.max_output_tokens", None),
+    ({"max_output_tokens": "lots"}, "session.max_output_tokens", None),
+    ({"output_modalities": ["video"]}, "session.output_modalities", None),
+    ({"audio": {"input": {"format": {"type": "audio/pcmu"}}}}, "session.audio.input.format", None),
+    ({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 8000}}}},
+     "session.audio.input.format", None),
+    ({"audio": {"input": {"transcription": {"model": "whisper-1"}}}},
+     "session.audio.input.transcription", "unknown_parameter"),
+    ({"audio": "loud"}, "session.audio", None),
+    ({"voice": "ethan", "audio": {"output": {"voice": "ethan"}}}, "session.audio.output.voice",
+     None),
+    ({"tools": []}, "session.tools", "unknown_parameter"),
+]  # fmt: skip
+
+
+def test_a_ga_clients_mistakes_are_named_by_todays_fields(server):
+    async def run():
+        session = await opened(server, "omni_chat")
+        await session.send("session.update", session={"type": "realtime"})
+        await session.until("session.updated")
+        errors = []
+        for update, _, _ in GA_MISTAKES:
+            await session.send("session.update", session=update)
+            error, seen = await session.until("error")
+            assert not seen
+            errors.append(error["error"])
+        await session.send_event(user_text("hi"))
+        await session.until("conversation.item.done")
+        for response in ({"audio": {"output": {"voice": "Nobody"}}},
+                         {"audio": {"input": {"format": {"type": "audio/pcm"}}}}):  # fmt: skip
+            await session.send("response.create", response=response)
+            error, _ = await session.until("error")
+            errors.append(error["error"])
+        await session.send("session.update", session={"instructions": "fine"})
+        updated, _ = await session.until("session.updated")
+        await session.ws.close()
+        return errors, updated["session"]
+
+    errors, settings = run_async(run)
+    expected = [*GA_MISTAKES, (None, "response.audio.output.voice", None),
+                (None, "response.audio.input", "unknown_parameter")]  # fmt: skip
+    for error, (update, param, code) in zip(errors, expected, strict=True):
+        assert error["type"] == "invalid_request_error"
+        assert error["param"] == param, (update, error)
+        assert f"'{param}'" in error["message"], error  # the message names it as sent
+        if code:
+            assert error["code"] == code
+    assert "output_modalities" in errors[-3]["message"]  # what a session takes, in GA names
+    assert "Nobody" in errors[1]["message"]
+    # Nothing a mistake carried was kept.
+    assert settings["audio"]["output"]["voice"] is None and settings["max_output_tokens"] == "inf"
+    assert settings["instructions"] == "fine"
+
+
+def test_the_openai_packages_realtime_client_speaks_with_the_server(server, http):
+    """The `openai` package's own realtime client (the GA one) against the local server: every
+    event it receives parses as that schema's type."""
+    client = OpenAI(base_url=server.url, api_key=KEY)
+    with client.realtime.connect(model="omni_chat") as connection:
+        created = connection.recv()
+        connection.session.update(session={"type": "realtime", "output_modalities": ["audio"],
+                                           "audio": {"output": {"voice": "ethan"}}})  # fmt: skip
+        updated = connection.recv()
+        connection.conversation.item.create(item={
+            "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "Hello! Who are you?"}]})  # fmt: skip
+        connection.response.create(response={"max_output_tokens": 3})
+        events = [connection.recv()]
+        while not isinstance(events[-1], ResponseDoneEvent):
+            events.append(connection.recv())
+
+    assert isinstance(created, SessionCreatedEvent) and created.session.type == "realtime"
+    assert isinstance(updated, SessionUpdatedEvent)
+    assert updated.session.audio.output.voice == "ethan"
+    assert updated.session.audio.output.format.rate == 24000
+    assert [type(e) for e in events[:2]] == [ConversationItemAdded, ConversationItemDone]
+    transcript = "".join(
+        e.delta for e in events if isinstance(e, ResponseAudioTranscriptDeltaEvent)
+    )
+    (said,) = [e for e in events if isinstance(e, ResponseAudioTranscriptDoneEvent)]
+    assert said.transcript == transcript
+    assert any(isinstance(e, ResponseAudioDeltaEvent) and e.delta for e in events)
+    response = events[-1].response
+    assert response.output[0].content[0].type == "output_audio"
+    assert response.output[0].content[0].transcript == transcript
+    reply = chat_reply(http, "Hello! Who are you?", 3)
+    assert transcript == reply["choices"][0]["message"]["content"]
+    assert response.usage.output_tokens == reply["usage"]["completion_tokens"]

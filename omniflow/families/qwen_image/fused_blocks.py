@@ -9,8 +9,8 @@ A block's elementwise work becomes, per stream: one adaptive LayerNorm (norm and
 rotary and the joint sequence's concatenation (`omniflow.kernels.qk_norm_rope`), the gated
 residual add fused with the second adaptive norm, the MLP, and its gated residual add. In
 diffusers' ops that is some forty elementwise kernels with float32 intermediates, which at
-1024x1024 move gigabytes a block (docs/benchmarks.md, "Diffusion"). Weights are not copied:
-the q/k/v modules' weights become views into the stacked matrices.
+1024x1024 move gigabytes a block (docs/benchmarks-log.md, "Fused MMDiT blocks"). Weights are
+not copied: the q/k/v modules' weights become views into the stacked matrices.
 
 Blocks that edit (`zero_cond_t`, Qwen-Image-Edit-2511's per-token modulation), take
 attention kwargs or run in float16 run diffusers' own forward.
