@@ -425,24 +425,26 @@ class VideoInfo:
 
 
 def probe_video(data: bytes, max_pixels: int | None = None) -> VideoInfo:
-    """A video file's declared frames and size, its first frame decoded (a file that does not
-    decode is refused now, not in a stage); a MediaError if it is not a video or declares
-    more than `max_pixels` (frames x width x height) or an empty picture."""
+    """A video file checked without keeping its frames: a MediaError if it is not a video,
+    declares more than `max_pixels` (frames x width x height; checked before decoding) or
+    an empty picture, or does not decode to the end (decoding stops at the limit too, if
+    the header lied). Its info, with the frames it really has."""
     import av
 
     try:
         with av.open(io.BytesIO(data)) as container:
             info = _video_info(container)
-            if info.width * info.height <= 0:
-                raise MediaError(f"{NOT_VIDEO}: it declares a {info.width}x{info.height} picture")
-            _check_video_pixels(info.pixels, max_pixels)
-            if next(container.decode(video=0), None) is None:
-                raise MediaError(f"{NOT_VIDEO}: it has no frames")
+        if info.width * info.height <= 0:
+            raise MediaError(f"{NOT_VIDEO}: it declares a {info.width}x{info.height} picture")
+        _check_video_pixels(info.pixels, max_pixels)
+        frames = _decode_frames(data, max_pixels, set())[1]
     except MediaError:
         raise
     except (av.error.FFmpegError, IndexError, ValueError) as err:
         raise MediaError(f"{NOT_VIDEO}: {err}") from err
-    return info
+    if not frames:
+        raise MediaError(f"{NOT_VIDEO}: it has no frames")
+    return VideoInfo(frames, info.width, info.height, info.rate, info.codec)
 
 
 def decode_video(

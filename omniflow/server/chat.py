@@ -180,7 +180,8 @@ async def _parts(server, parts, where: str, images, audios, videos, in_video: bo
             url = part.video_url if isinstance(part.video_url, str) else part.video_url.url
             field = f"{at}.video_url"
             data = await server.fetch_media(url, field)
-            # A video that does not decode is the request's fault: a 400 now, not in a stage.
+            # A video that does not decode is the request's fault: a 400 now, not in a stage
+            # (decoded in a worker thread, its frames not kept: the stage samples them).
             await media_in.decoded(probe_video, data, field, limits.max_video_pixels)
             if in_video:  # its audio track goes in as the next audio item
                 note = " (use_audio_in_video needs its audio track)"
