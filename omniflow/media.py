@@ -7,6 +7,13 @@ audio output is mono int16 or float samples in [-1, 1]; an image is a uint8 `[H,
 tensor, a video uint8 frames `[F, H, W, 3]` (leading singleton dims are dropped).
 `AudioEncoder` encodes audio as it arrives (a streamed reply) and `Tempo` changes its
 speed without changing its pitch (FFmpeg's `atempo`), chunk by chunk too.
+
+The decoders take limits (`max_seconds`, `max_pixels`) for files from people: what a
+file's header declares (audio's length, channels and rate; an image's width x height; a
+video's frames x width x height) is checked before anything is decoded, and decoding stops
+at the same limit if the header lied, so a small file that declares a huge one (a
+decompression bomb) costs milliseconds; audio decodes block by block into mono, a video
+keeps only the frames asked for (`pick`).
 """
 
 from __future__ import annotations
