@@ -261,7 +261,36 @@ def make_parser() -> argparse.ArgumentParser:
     serving.add_argument(
         "--allow-remote-media",
         action="store_true",
-        help="let requests name http(s) URLs for images and audio (off: data: URIs and files)",
+        help="let requests name http(s) URLs for their media (off: data: URIs and uploads)",
+    )
+    serving.add_argument(
+        "--allowed-media-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a directory whose files requests may name as media by path (repeatable; "
+        "default: none, no local path is read)",
+    )
+    serving.add_argument(
+        "--max-image-pixels",
+        type=int,
+        metavar="N",
+        help="largest image a request may send, width x height, checked before decoding "
+        "(default 8192 x 8192); beyond it: 400",
+    )
+    serving.add_argument(
+        "--max-audio-seconds",
+        type=float,
+        metavar="SECONDS",
+        help="longest audio a request may send, checked before decoding (default 600; "
+        "voice references: 60); beyond it: 400",
+    )
+    serving.add_argument(
+        "--max-video-pixels",
+        type=int,
+        metavar="N",
+        help="largest video a request may send, frames x width x height, checked before "
+        "decoding (default: two minutes of 720p at 30 fps); beyond it: 400",
     )
     serving.add_argument(
         "--drain-timeout",

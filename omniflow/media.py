@@ -7,12 +7,21 @@ audio output is mono int16 or float samples in [-1, 1]; an image is a uint8 `[H,
 tensor, a video uint8 frames `[F, H, W, 3]` (leading singleton dims are dropped).
 `AudioEncoder` encodes audio as it arrives (a streamed reply) and `Tempo` changes its
 speed without changing its pitch (FFmpeg's `atempo`), chunk by chunk too.
+
+The decoders take limits (`max_seconds`, `max_pixels`) for files from people: what a
+file's header declares (audio's length, channels and rate; an image's width x height; a
+video's frames x width x height) is checked before anything is decoded, and decoding stops
+at the same limit if the header lied, so a small file that declares a huge one (a
+decompression bomb) costs milliseconds; audio decodes block by block into mono, a video
+keeps only the frames asked for (`pick`).
 """
 
 from __future__ import annotations
 
 import fractions
 import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -82,42 +91,97 @@ def streaming_wav_header(rate: int) -> bytes:
     return bytes(header)
 
 
-def decode_audio(data: bytes) -> tuple[torch.Tensor, int]:
+def decode_audio(data: bytes, max_seconds: float | None = None) -> tuple[torch.Tensor, int]:
     """An audio file's samples (float32, mono: channels averaged) and its sample rate:
     WAV and FLAC through soundfile, anything else FFmpeg reads (MP3, Ogg, AAC, M4A, ...)
-    through PyAV."""
+    through PyAV. With `max_seconds`, what the header declares (length, channels, rate) is
+    checked before anything is decoded, and decoding stops past that length (a header that
+    lies): a MediaError either way. Memory: the mono samples, and one block as it decodes."""
     import soundfile
 
     try:
-        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        sound = soundfile.SoundFile(io.BytesIO(data))
     except (RuntimeError, soundfile.LibsndfileError, TypeError, ValueError):
-        return _decode_with_av(data)
-    return torch.from_numpy(np.ascontiguousarray(samples.mean(axis=1))), int(rate)
+        return _decode_with_av(data, max_seconds)
+    with sound:
+        rate, channels = int(sound.samplerate), int(sound.channels)
+        _check_audio(sound.frames / rate if rate else 0.0, channels, rate, max_seconds)
+        most = None if max_seconds is None else int(max_seconds * rate)
+        parts, count = [], 0
+        try:
+            for block in sound.blocks(AUDIO_BLOCK // channels, dtype="float32", always_2d=True):
+                parts.append(block.mean(axis=1))
+                count += len(block)
+                if most is not None and count > most:
+                    raise MediaError(_too_long(count / rate, max_seconds))
+        except (RuntimeError, soundfile.LibsndfileError) as err:
+            raise MediaError(f"{NOT_AUDIO}: {err}") from err
+    samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+    return torch.from_numpy(np.ascontiguousarray(samples)), rate
 
 
-def _decode_with_av(data: bytes) -> tuple[torch.Tensor, int]:
+NOT_AUDIO = "not an audio file (WAV, FLAC, MP3, Ogg, AAC, ... as FFmpeg reads them)"
+# Samples (all channels) decoded at a time: what decoding holds beside the mono result.
+AUDIO_BLOCK = 1 << 18
+# The most channels and the highest rate a file may declare (7.1 and studio rates pass).
+MAX_CHANNELS = 16
+MAX_RATE = 384000
+
+
+def _check_audio(seconds: float, channels: int, rate: int, max_seconds: float | None) -> None:
+    """What an audio header declares, checked before decoding: a MediaError if it is more
+    than a clip of `max_seconds` may be."""
+    if not 0 < channels <= MAX_CHANNELS:
+        raise MediaError(f"{NOT_AUDIO}: it declares {channels} channels (at most {MAX_CHANNELS})")
+    if not 0 < rate <= MAX_RATE:
+        raise MediaError(f"{NOT_AUDIO}: it declares a rate of {rate} Hz (at most {MAX_RATE})")
+    if max_seconds is not None and seconds > max_seconds:
+        raise MediaError(_too_long(seconds, max_seconds))
+
+
+def _too_long(seconds: float, max_seconds: float) -> str:
+    return f"the audio is {seconds:.1f} s long; at most {max_seconds:g} s is taken"
+
+
+def _decode_with_av(data: bytes, max_seconds: float | None) -> tuple[torch.Tensor, int]:
     import av
 
-    what = "not an audio file (WAV, FLAC, MP3, Ogg, AAC, ... as FFmpeg reads them)"
     try:
         with av.open(io.BytesIO(data)) as container:
             if not container.streams.audio:
-                raise MediaError(f"{what}: it has no audio stream")
+                raise MediaError(f"{NOT_AUDIO}: it has no audio stream")
             stream = container.streams.audio[0]
-            mono = av.AudioResampler(format="flt", layout="mono", rate=stream.sample_rate)
-            rate = stream.sample_rate
-            parts = [
-                out.to_ndarray().reshape(-1)
-                for frame in container.decode(stream)
-                for out in mono.resample(frame)
-            ]
+            rate = int(stream.sample_rate or 0)
+            _check_audio(_declared_seconds(container, stream), stream.channels, rate, max_seconds)
+            most = None if max_seconds is None else int(max_seconds * rate)
+            mono = av.AudioResampler(format="flt", layout="mono", rate=rate)
+            parts, count = [], 0
+            for frame in container.decode(stream):
+                for out in mono.resample(frame):
+                    parts.append(out.to_ndarray().reshape(-1))
+                    count += len(parts[-1])
+                if most is not None and count > most:
+                    raise MediaError(_too_long(count / rate, max_seconds))
             parts += [out.to_ndarray().reshape(-1) for out in mono.resample(None)]
+    except MediaError:
+        raise
     except (av.error.FFmpegError, ValueError, IndexError) as err:
         reason = getattr(err, "strerror", None) or str(err)
-        raise MediaError(f"{what}: {reason}") from err
+        raise MediaError(f"{NOT_AUDIO}: {reason}") from err
     if not parts or not rate:
-        raise MediaError(f"{what}: it has no samples")
-    return torch.from_numpy(np.concatenate(parts).astype(np.float32)), int(rate)
+        raise MediaError(f"{NOT_AUDIO}: it has no samples")
+    return torch.from_numpy(np.concatenate(parts).astype(np.float32)), rate
+
+
+def _declared_seconds(container, stream) -> float:
+    """A stream's length as its container declares it (0 where it does not)."""
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        import av
+
+        return container.duration / av.time_base
+    return 0.0
 
 
 def resample(samples: torch.Tensor, rate: int, to: int) -> torch.Tensor:
@@ -284,16 +348,36 @@ def png_bytes(image: torch.Tensor) -> bytes:
     return image_bytes(image, "png")
 
 
-def decode_image(data: bytes) -> torch.Tensor:
-    """An image file (any format Pillow reads) as a uint8 `[H, W, 3]` RGB tensor."""
+def decode_image(data: bytes, max_pixels: int | None = None) -> torch.Tensor:
+    """An image file (any format Pillow reads) as a uint8 `[H, W, 3]` RGB tensor. Its
+    declared size is checked against `max_pixels` before its pixels are decoded (Pillow
+    reads the header alone until `convert`): a MediaError, as is any file Pillow refuses
+    (its own decompression-bomb limit included)."""
+    import warnings
+
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(io.BytesIO(data)) as image:
-            rgb = image.convert("RGB")
+        with warnings.catch_warnings():
+            # Pillow warns of large images as it opens them; the size is checked here.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                width, height = image.size
+                if max_pixels is not None and width * height > max_pixels:
+                    raise MediaError(_too_many_pixels(f"{width}x{height}", max_pixels))
+                rgb = image.convert("RGB")
+    except MediaError:
+        raise
+    except Image.DecompressionBombError as err:  # over twice Pillow's own limit
+        what = f"over {2 * Image.MAX_IMAGE_PIXELS}"
+        raise MediaError(_too_many_pixels(what, max_pixels or Image.MAX_IMAGE_PIXELS)) from err
     except (UnidentifiedImageError, OSError, ValueError) as err:
         raise MediaError(f"not an image file Pillow can read: {err}") from err
     return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())
+
+
+def _too_many_pixels(size: str, max_pixels: int) -> str:
+    return f"the image is {size} pixels; at most {max_pixels} pixels are taken"
 
 
 # --- video ---------------------------------------------------------------------------------
@@ -331,16 +415,111 @@ def mp4_bytes(frames: torch.Tensor, fps: int, crf: int = VIDEO_CRF) -> bytes:
     return buffer.getvalue()
 
 
-def decode_video(data: bytes) -> tuple[torch.Tensor, float, str]:
-    """An MP4 (any container PyAV reads) as uint8 frames `[F, H, W, 3]` (rgb24, as the peer's
-    client decodes them), its average frame rate and its codec's name."""
+@dataclass(frozen=True)
+class VideoInfo:
+    """What a video file's header declares: frames (0 where the container does not say),
+    width, height, average frame rate, and its codec's name."""
+
+    frames: int
+    width: int
+    height: int
+    rate: float
+    codec: str
+
+    @property
+    def pixels(self) -> int:
+        return self.frames * self.width * self.height
+
+
+def probe_video(data: bytes, max_pixels: int | None = None) -> VideoInfo:
+    """A video file checked without keeping its frames: a MediaError if it is not a video,
+    declares more than `max_pixels` (frames x width x height; checked before decoding) or
+    an empty picture, or does not decode to the end (decoding stops at the limit too, if
+    the header lied). Its info, with the frames it really has."""
     import av
 
     try:
         with av.open(io.BytesIO(data)) as container:
-            stream = container.streams.video[0]
-            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-            rate, codec = float(stream.average_rate), stream.codec_context.name
+            info = _video_info(container)
+        if info.width * info.height <= 0:
+            raise MediaError(f"{NOT_VIDEO}: it declares a {info.width}x{info.height} picture")
+        _check_video_pixels(info.pixels, max_pixels)
+        frames = _decode_frames(data, max_pixels, set())[1]
+    except MediaError:
+        raise
     except (av.error.FFmpegError, IndexError, ValueError) as err:
-        raise MediaError(f"not a video file PyAV can read: {err}") from err
-    return torch.from_numpy(np.stack(frames)), rate, codec
+        raise MediaError(f"{NOT_VIDEO}: {err}") from err
+    if not frames:
+        raise MediaError(f"{NOT_VIDEO}: it has no frames")
+    return VideoInfo(frames, info.width, info.height, info.rate, info.codec)
+
+
+def decode_video(
+    data: bytes,
+    max_pixels: int | None = None,
+    pick: Callable[[int, float], Sequence[int]] | None = None,
+) -> tuple[torch.Tensor, float, str]:
+    """An MP4 (any container PyAV reads) as uint8 frames `[F, H, W, 3]` (rgb24, as the peer's
+    client decodes them), its average frame rate and its codec's name. Decoding stops with a
+    MediaError once it has decoded more than `max_pixels` (frames x width x height; the
+    declared count is checked first). `pick(total, rate)` names the frames to keep of
+    `total` (all when None): only those are converted and held; `total` is the count the
+    container declares, and a file whose declared count proves wrong is decoded again with
+    the true one."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            info = _video_info(container)
+            _check_video_pixels(info.pixels, max_pixels)
+        if pick is None:
+            frames, _ = _decode_frames(data, max_pixels, None)
+        else:
+            total = info.frames or _decode_frames(data, max_pixels, set())[1]
+            while True:
+                frames, decoded = _decode_frames(data, max_pixels, set(pick(total, info.rate)))
+                if decoded == total:
+                    break
+                total = decoded
+    except MediaError:
+        raise
+    except (av.error.FFmpegError, IndexError, ValueError) as err:
+        raise MediaError(f"{NOT_VIDEO}: {err}") from err
+    if not frames:
+        raise MediaError(f"{NOT_VIDEO}: it has no frames")
+    return torch.from_numpy(np.stack(frames)), info.rate, info.codec
+
+
+NOT_VIDEO = "not a video file PyAV can read"
+
+
+def _video_info(container) -> VideoInfo:
+    stream = container.streams.video[0]
+    rate = float(stream.average_rate or 0)
+    frames = int(stream.frames or 0) or round(_declared_seconds(container, stream) * rate)
+    context = stream.codec_context
+    return VideoInfo(frames, int(context.width), int(context.height), rate, context.name)
+
+
+def _check_video_pixels(pixels: int, max_pixels: int | None) -> None:
+    if max_pixels is not None and pixels > max_pixels:
+        raise MediaError(
+            f"the video is {pixels} pixels (frames x width x height); at most {max_pixels} "
+            "are taken"
+        )
+
+
+def _decode_frames(data: bytes, max_pixels: int | None, keep: set[int] | None):
+    """The frames whose indices are in `keep` (every frame when None) as rgb24 arrays, and
+    how many frames the file has."""
+    import av
+
+    frames, decoded, pixels = [], 0, 0
+    with av.open(io.BytesIO(data)) as container:
+        for frame in container.decode(video=0):
+            pixels += frame.width * frame.height
+            _check_video_pixels(pixels, max_pixels)
+            if keep is None or decoded in keep:
+                frames.append(frame.to_ndarray(format="rgb24"))
+            decoded += 1
+    return frames, decoded

@@ -74,6 +74,10 @@ class ServerConfig:
     max_body_bytes: int = 32 << 20
     max_media_bytes: int = 20 << 20
     allow_remote_media: bool = False
+    allowed_media_dirs: tuple[str, ...] = ()  # resolved (media_in.allowed_dirs)
+    max_image_pixels: int = 8192 * 8192  # an image's width x height, before it is decoded
+    max_audio_seconds: float = 600.0  # an audio clip's length, before it is decoded
+    max_video_pixels: int = 120 * 30 * 1280 * 720  # a video's frames x width x height
     drain_timeout_s: float = 30.0
     max_video_jobs: int = 32  # video jobs held at once: queued, running or kept (429 beyond)
     video_ttl_s: float = 3600.0  # how long a finished video job (and its MP4) is kept
@@ -161,6 +165,7 @@ class Server:
             url,
             where,
             allow_remote=self.config.allow_remote_media,
+            allowed=self.config.allowed_media_dirs,
             max_bytes=self.config.max_media_bytes,
         )
 
@@ -431,7 +436,7 @@ def create_app(server: Server) -> FastAPI:
                 param="model",
                 code="unsupported",
             )
-        samples, rate = speech.decode_reference(data, field, server.voices.max_seconds)
+        samples, rate = await speech.decode_reference(server, data, field)
         inputs = await voices.encode(encoder, samples, rate, ref_text, field)
         voice = UploadedVoice(name, served.name, inputs, ref_text, len(samples) / rate)
         server.voices.add(voice)
@@ -683,8 +688,14 @@ async def _ended_on_error(run: Run, body: AsyncIterator[bytes]) -> AsyncIterator
 
 
 # --- auth and body size ---------------------------------------------------------------------
-class BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(APIError):
+    """A body that grew past the limit as it arrived (chunked, or longer than declared): a
+    413 wherever it is read (a form's parser lets it through: `parse_form`)."""
+
+    def __init__(self, limit: int):
+        super().__init__(
+            413, f"the body is over this server's limit of {limit} bytes", code="too_large"
+        )
 
 
 class Guard:
@@ -721,7 +732,7 @@ class Guard:
         limit = config.max_body_bytes
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:
-            await _send_error(send, _too_large(limit))
+            await _send_error(send, BodyTooLarge(limit))
             return
         received = 0
 
@@ -731,7 +742,7 @@ class Guard:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge
+                    raise BodyTooLarge(limit)
             return message
 
         started = False
@@ -744,18 +755,14 @@ class Guard:
 
         try:
             await self.app(scope, counted, tracked)
-        except BodyTooLarge:
+        except BodyTooLarge as err:
             if not started:
-                await _send_error(send, _too_large(limit))
+                await _send_error(send, err)
 
     def _protected(self, path: str) -> bool:
         if path in OPEN_PATHS or path in DOC_PATHS:
             return False
         return not (path == "/metrics" and not self.server.config.protect_metrics)
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the body is over this server's limit of {limit} bytes", code="too_large")
 
 
 async def _send_error(send, err: APIError) -> None:

@@ -28,7 +28,7 @@ from omniflow.media import (
     audio_bytes,
     decode_audio,
     decode_image,
-    decode_video,
+    probe_video,
     resample,
     streaming_wav_header,
 )
@@ -149,45 +149,47 @@ async def _messages(server, served, request: ChatCompletionRequest, inputs: dict
 
 
 async def _parts(server, parts, where: str, images, audios, videos, in_video: bool):
-    out = []
+    out, limits = [], server.config
     for j, part in enumerate(parts):
         at = f"{where}.content[{j}]"
         if isinstance(part, TextPart):
             out.append({"type": "text", "text": part.text})
         elif isinstance(part, ImagePart):
             url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
-            data = await server.fetch_media(url, f"{at}.image_url")
-            try:
-                images.append(decode_image(data))
-            except MediaError as err:
-                raise bad_request(f"'{at}.image_url': {err}", param=f"{at}.image_url") from None
+            field = f"{at}.image_url"
+            data = await server.fetch_media(url, field)
+            images.append(
+                await media_in.decoded(decode_image, data, field, limits.max_image_pixels)
+            )
             out.append({"type": "image"})
         elif isinstance(part, (InputAudioPart, AudioURLPart)):
             if isinstance(part, InputAudioPart):
-                data = media_in._base64(
-                    part.input_audio.data, f"{at}.input_audio.data", server.config.max_media_bytes
-                )
                 field = f"{at}.input_audio"
+                data = media_in.base64_bytes(
+                    part.input_audio.data, f"{field}.data", limits.max_media_bytes
+                )
             else:
                 url = part.audio_url if isinstance(part.audio_url, str) else part.audio_url.url
                 field = f"{at}.audio_url"
                 data = await server.fetch_media(url, field)
-            try:
-                audios.append(_speech_rate(decode_audio(data)))
-            except MediaError as err:
-                raise bad_request(f"'{field}': {err}", param=field) from None
+            audios.append(
+                await media_in.decoded(speech_clip, data, field, limits.max_audio_seconds)
+            )
             out.append({"type": "audio"})
         elif isinstance(part, VideoURLPart):
             url = part.video_url if isinstance(part.video_url, str) else part.video_url.url
             field = f"{at}.video_url"
             data = await server.fetch_media(url, field)
-            try:
-                decode_video(data)  # a corrupt file is the request's fault: 400 now
-                if in_video:  # its audio track goes in as the next audio item
-                    audios.append(_speech_rate(decode_audio(data)))
-            except MediaError as err:
-                what = " (use_audio_in_video needs its audio track)" if in_video else ""
-                raise bad_request(f"'{field}': {err}{what}", param=field) from None
+            # A video that does not decode is the request's fault: a 400 now, not in a stage
+            # (decoded in a worker thread, its frames not kept: the stage samples them).
+            await media_in.decoded(probe_video, data, field, limits.max_video_pixels)
+            if in_video:  # its audio track goes in as the next audio item
+                note = " (use_audio_in_video needs its audio track)"
+                audios.append(
+                    await media_in.decoded(
+                        speech_clip, data, field, limits.max_audio_seconds, note=note
+                    )
+                )
             videos.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
             out.append({"type": "video"})
         else:
@@ -202,8 +204,9 @@ async def _parts(server, parts, where: str, images, audios, videos, in_video: bo
 SPEECH_RATE = 16000
 
 
-def _speech_rate(decoded: tuple[torch.Tensor, int]) -> tuple[torch.Tensor, int]:
-    samples, rate = decoded
+def speech_clip(data: bytes, max_seconds: float) -> tuple[torch.Tensor, int]:
+    """An audio file as a chat's audio item: decoded (at most `max_seconds`) and resampled."""
+    samples, rate = decode_audio(data, max_seconds)
     if not len(samples):
         raise MediaError("the audio has no samples")
     return resample(samples, rate, SPEECH_RATE), SPEECH_RATE

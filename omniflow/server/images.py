@@ -18,7 +18,8 @@ import time
 from starlette.datastructures import UploadFile
 
 from omniflow.ir.kinds import SEED_BITS
-from omniflow.media import IMAGE_FORMATS, MediaError, decode_image, image_bytes
+from omniflow.media import IMAGE_FORMATS, decode_image, image_bytes
+from omniflow.server import media_in
 from omniflow.server.errors import APIError, bad_request
 from omniflow.server.params import Params, parse_form_value
 from omniflow.server.protocol import ImageGenerationRequest, merge_extra_body, validate
@@ -63,16 +64,13 @@ def parse_generation(served, body: dict) -> ImageJob:
 
 
 async def uploaded_image(server, name: str, upload: UploadFile):
-    """The image of form file `name`, or a 400 naming it: over the server's media size
-    limit, or not an image."""
+    """The image of form file `name`, or a 400 naming it: over the server's media size or
+    pixel limit, or not an image."""
     limit = server.config.max_media_bytes
     data = await upload.read(limit + 1)
     if len(data) > limit:
         raise bad_request(f"'{name}': the file is over {limit} bytes", param=name)
-    try:
-        return decode_image(data)
-    except MediaError as err:
-        raise bad_request(f"'{name}': {err}", param=name) from None
+    return await media_in.decoded(decode_image, data, name, server.config.max_image_pixels)
 
 
 async def parse_edit(server, served, form) -> ImageJob:

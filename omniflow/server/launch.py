@@ -33,6 +33,7 @@ from rich.console import Console
 
 from omniflow.errors import OmniflowError
 from omniflow.plan import Plan
+from omniflow.server import media_in
 from omniflow.server.app import Server, ServerConfig, create_app
 from omniflow.server.log_stats import StatsLog
 from omniflow.server.metrics import Metrics
@@ -238,6 +239,22 @@ def _sigterm_interrupts():
         signal.signal(signal.SIGTERM, previous)
 
 
+def media_limits(args) -> dict:
+    """The `ServerConfig` fields of the media flags: the allowed directories, resolved, and
+    the size limits given (the others keep their defaults)."""
+    try:
+        limits = {"allowed_media_dirs": media_in.allowed_dirs(args.allowed_media_dir)}
+    except media_in.MediaDirError as err:
+        raise ServeError(str(err)) from None
+    for name in ("max_image_pixels", "max_audio_seconds", "max_video_pixels"):
+        value = getattr(args, name)
+        if value is not None:
+            if not value > 0:
+                raise ServeError(f"--{name.replace('_', '-')} must be above 0")
+            limits[name] = value
+    return limits
+
+
 def serve(args) -> int:
     console = Console(stderr=True, highlight=False)
     paths = list(args.paths) or [str(default_pipeline())]
@@ -251,6 +268,7 @@ def serve(args) -> int:
         max_body_bytes=args.max_body_bytes,
         max_media_bytes=min(args.max_body_bytes, 64 << 20),
         allow_remote_media=args.allow_remote_media,
+        **media_limits(args),
         drain_timeout_s=args.drain_timeout,
         max_video_jobs=args.max_video_jobs,
         video_ttl_s=args.video_ttl,

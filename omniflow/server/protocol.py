@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from omniflow.server.errors import bad_request
+from omniflow.server.errors import APIError, bad_request
 
 
 class _Top(BaseModel):
@@ -186,7 +186,7 @@ async def parse_form(request, what: str, max_files: int, max_fields: int, kinds=
         raise bad_request(what, code="invalid_content_type")
     try:
         return await request.form(max_files=max_files, max_fields=max_fields)
-    except ClientDisconnect:
+    except (ClientDisconnect, APIError):  # gone, or the body grew past the limit: 413
         raise
     except Exception as err:  # python-multipart's errors for a malformed body
         raise bad_request(f"the multipart body does not parse: {err}") from None

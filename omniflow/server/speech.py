@@ -13,6 +13,8 @@ parameter if it has one, else the audio is time-stretched here, pitch kept), `st
 
 from __future__ import annotations
 
+import base64
+
 import torch
 
 from omniflow.media import (
@@ -20,13 +22,12 @@ from omniflow.media import (
     ENCODED_AUDIO,
     SPEEDS,
     AudioEncoder,
-    MediaError,
     Tempo,
     audio_bytes,
     decode_audio,
 )
 from omniflow.runtime.port_values import concat
-from omniflow.server import voices
+from omniflow.server import media_in, voices
 from omniflow.server.chat import set_voice
 from omniflow.server.errors import bad_request
 from omniflow.server.params import Params
@@ -142,13 +143,13 @@ async def apply_voice(server, job: SpeechJob, voice, ref_audio, ref_text) -> Non
     if ref_audio is None:
         return
     encoder = await clone_encoder(served)
-    if encoder is None:  # the pipeline's input (if any) takes it as it is: admission says
-        if served.input_named("ref_audio", "text") is None:
-            raise job.params.unknown(["ref_audio"])
-        inputs["ref_audio"] = ref_audio
-        return
+    if encoder is None and served.input_named("ref_audio", "text") is None:
+        raise job.params.unknown(["ref_audio"])
     data = await server.fetch_media(ref_audio, "ref_audio")
-    samples, rate = decode_reference(data, "ref_audio", server.voices.max_seconds)
+    if encoder is None:  # the pipeline's input takes the file itself: admission says
+        inputs["ref_audio"] = "data:;base64," + base64.b64encode(data).decode("ascii")
+        return
+    samples, rate = await decode_reference(server, data, "ref_audio")
     inputs.update(await voices.encode(encoder, samples, rate, ref_text or "", "ref_audio"))
 
 
@@ -160,21 +161,14 @@ async def clone_encoder(served) -> voices.Encoder | None:
     return None
 
 
-def decode_reference(data: bytes, where: str, max_seconds: float) -> tuple[torch.Tensor, int]:
-    """An uploaded or inline reference clip's samples and rate; a 400 at `where` if it is
-    not audio, is empty or is longer than `max_seconds`."""
-    try:
-        samples, rate = decode_audio(data)
-    except MediaError as err:
-        raise bad_request(f"'{where}': {err}", param=where) from None
+async def decode_reference(server, data: bytes, where: str) -> tuple[torch.Tensor, int]:
+    """An uploaded or inline reference clip's samples and rate, decoded off the event loop;
+    a 400 at `where` if it is not audio, is empty or declares more than the server's
+    references may be (`--max-audio-seconds`, and the voice store's clip limit)."""
+    most = min(server.voices.max_seconds, server.config.max_audio_seconds)
+    samples, rate = await media_in.decoded(decode_audio, data, where, most)
     if not len(samples) or not rate:
         raise bad_request(f"'{where}': the audio has no samples", param=where)
-    if len(samples) / rate > max_seconds:
-        raise bad_request(
-            f"'{where}': the clip is {len(samples) / rate:.1f} s; this server takes "
-            f"references of at most {max_seconds:g} s",
-            param=where,
-        )
     return samples, rate
 
 

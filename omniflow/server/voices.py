@@ -32,7 +32,7 @@ from omniflow.server.errors import bad_request
 log = logging.getLogger("omniflow.server")
 MAX_VOICES = 64
 MAX_CLIP_SECONDS = 60.0
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # matched whole (no "bob\n")
 
 
 @dataclass
@@ -167,7 +167,7 @@ class VoiceStore:
 
 
 def check_name(name) -> str:
-    if not isinstance(name, str) or not NAME.match(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise bad_request(
             "'name' must be 1 to 64 letters, digits, '_', '-' or '.', starting with a letter "
             "or digit",

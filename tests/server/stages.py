@@ -4,7 +4,8 @@
 containing `crash` kills its executor, `fail` fails its request, `many N` emits N words
 one every 5 ms (a request that lasts until it is cancelled), `wait S` answers `done` after
 S seconds. Waiting yields (other requests take their turns), it never sleeps the loop.
-`edit` inverts an image; `hear` says how much audio it was given and how long the chat is.
+`edit` inverts an image; `hear` says how much audio it was given and how long the chat is;
+`reel` makes four grey frames of a video, or fails when its prompt says `fail`.
 """
 
 import os
@@ -64,3 +65,12 @@ def hear(batch):
         {"text": f"heard {item['audio'].numel()} samples, {len(item['prompt'])} messages"}
         for item in batch
     ]
+
+
+def reel(call):
+    """A prompt -> a video of four 16 x 16 grey frames; a prompt with `fail` fails."""
+    prompt = yield from call.read_all("prompt")
+    if "fail" in prompt:
+        raise ValueError("failing as asked")
+    call.emit("video", torch.full((1, 4, 16, 16, 3), 128, dtype=torch.uint8))
+    yield

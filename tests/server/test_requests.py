@@ -198,16 +198,23 @@ def test_image_parts_need_a_pipeline_with_an_image_input(http):
     assert "pipelines here that do: omni_chat, image_understanding" in error["message"]
 
 
-def test_a_local_image_file_and_bare_base64_are_images_too(http, tmp_path):
+def test_bare_base64_is_an_image_and_a_local_path_is_not_read(http, tmp_path):
+    """The shared server allows no media directory: a path or file:// URL is refused, an
+    existing file as a missing one (tests/server/test_hostile_media.py: allowed ones)."""
     pixels = np.random.default_rng(2).integers(0, 256, (32, 32, 3), dtype=np.uint8)
     (tmp_path / "x.png").write_bytes(png(pixels))
+    body = {"model": "image_understanding", "max_tokens": 2, "messages": [{"role": "user",
+            "content": [{"type": "image_url", "image_url": base64.b64encode(png(pixels)).decode()},
+                        {"type": "text", "text": "?"}]}]}  # fmt: skip
+    assert http.post(CHAT, json=body).status_code == 200
+    errors = []
     for url in (str(tmp_path / "x.png"), f"file://{tmp_path / 'x.png'}",
-                base64.b64encode(png(pixels)).decode()):  # fmt: skip
-        body = {"model": "image_understanding", "max_tokens": 2, "messages": [{"role": "user",
-                "content": [{"type": "image_url", "image_url": url}, {"type": "text", "text": "?"}]}]}  # fmt: skip
-        assert http.post(CHAT, json=body).status_code == 200
-    body["messages"][0]["content"][0]["image_url"] = str(tmp_path / "missing.png")
-    assert "cannot read local file" in error_of(http.post(CHAT, json=body), 400)["message"]
+                str(tmp_path / "missing.png")):  # fmt: skip
+        body["messages"][0]["content"][0]["image_url"] = url
+        errors.append(error_of(http.post(CHAT, json=body), 400))
+    assert all(e == errors[0] for e in errors)
+    assert errors[0]["param"] == "messages[0].content[0].image_url"
+    assert "--allowed-media-dir" in errors[0]["message"]
 
 
 # --- /v1/images/edits: multipart, every value a string --------------------------------------

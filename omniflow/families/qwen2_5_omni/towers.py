@@ -27,7 +27,6 @@ sub-config and its weights' prefix mapped away: only the tower's tensors load.
 from __future__ import annotations
 
 import functools
-import io
 import json
 import math
 from dataclasses import dataclass
@@ -266,42 +265,38 @@ def video_settings(path: str | Path, defaults: dict = VIDEO_DEFAULTS) -> dict:
     return settings
 
 
-def decode_frames(data: bytes) -> tuple[torch.Tensor, float]:
-    """A video file's frames `[F, H, W, 3]` uint8 (rgb24) and its average frame rate."""
-    import av
-
-    try:
-        with av.open(io.BytesIO(data)) as container:
-            stream = container.streams.video[0]
-            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-            rate = float(stream.average_rate or 0)
-    except (av.error.FFmpegError, IndexError, ValueError) as err:
-        raise VisionBackendError(f"not a video file PyAV can read: {err}") from err
-    if not frames or rate <= 0:
-        raise VisionBackendError("the video has no frames or no frame rate")
-    return torch.from_numpy(np.stack(frames)), rate
-
-
 def sample_frames(value, settings: dict, temporal: int) -> torch.Tensor:
     """A video's frames as the model sees them: a file's (1-D uint8 bytes) sampled at the
-    processor's fps with `Qwen2VLVideoProcessor.sample_frames`' arithmetic; a uint8
-    `[F, H, W, 3]` tensor as it is (sampled already)."""
+    processor's fps with `Qwen2VLVideoProcessor.sample_frames`' arithmetic (only the sampled
+    frames are kept as the file decodes); a uint8 `[F, H, W, 3]` tensor as it is (sampled
+    already)."""
+    from omniflow.media import MediaError, decode_video
+
     if isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 4:
         if value.shape[-1] != 3 or not value.shape[0]:
             raise VisionBackendError(f"video frames are [F, H, W, 3], not {list(value.shape)}")
         return value
     if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1):
         raise VisionBackendError("a video is a video file's bytes or uint8 frames [F, H, W, 3]")
-    frames, rate = decode_frames(value.numpy().tobytes())
-    total = len(frames)
+    pick = functools.partial(sample_indices, settings=settings, temporal=temporal)
+    try:
+        frames, _, _ = decode_video(value.numpy().tobytes(), pick=pick)
+    except MediaError as err:
+        raise VisionBackendError(str(err)) from err
+    return frames
+
+
+def sample_indices(total: int, rate: float, settings: dict, temporal: int) -> list[int]:
+    """The frames `Qwen2VLVideoProcessor.sample_frames` keeps of `total` at `rate` fps."""
+    if total < 1 or rate <= 0:
+        raise VisionBackendError("the video has no frames or no frame rate")
     most = math.floor(min(settings["max_frames"], total) / temporal) * temporal
     count = total / rate * settings["fps"]
     count = min(max(count, settings["min_frames"]), most, total)
     count = math.floor(count / temporal) * temporal
     if count < temporal:
         raise VisionBackendError(f"the video has {total} frame(s); the model needs {temporal}")
-    index = torch.arange(0, total, total / count).int()
-    return frames[index]
+    return torch.arange(0, total, total / count).int().tolist()
 
 
 def video_patches(frames: torch.Tensor, images, settings: dict, temporal: int, merge: int):

@@ -306,6 +306,19 @@ def log_mel(audio: torch.Tensor) -> torch.Tensor:
     return torch.log(torch.clamp(mel, min=1e-5))[0].transpose(0, 1)
 
 
+def min_speaker_samples(config: TTSConfig) -> int:
+    """The fewest 24 kHz samples the speaker encoder takes: its time-delay layers pad their
+    input by reflection, (kernel - 1) x dilation / 2 frames each side, which needs more mel
+    frames than that (1280 samples, 53 ms, for every published checkpoint)."""
+    dims = speaker_encoder_config(config)
+    reach = max(
+        (kernel - 1) * dilation // 2
+        for kernel, dilation in zip(dims.enc_kernel_sizes, dims.enc_dilations, strict=True)
+    )
+    n_fft, hop = MEL["n_fft"], MEL["hop"]
+    return hop * reach + n_fft - 2 * ((n_fft - hop) // 2)
+
+
 @torch.inference_mode()
 def speaker_embedding(encoder: nn.Module, audio: torch.Tensor) -> torch.Tensor:
     """The x-vector `[enc_dim]` of 24 kHz mono audio."""
@@ -317,11 +330,16 @@ def speaker_embedding(encoder: nn.Module, audio: torch.Tensor) -> torch.Tensor:
 # --- resampling -----------------------------------------------------------------------------
 
 
+# Output samples resampled at a time: what a block's kernel holds (each sample's window of
+# 2 x width + 1 taps in float64) stays tens of MB, however long the clip.
+RESAMPLE_BLOCK = 1 << 14
+
+
 def resample(audio: torch.Tensor, rate: int, target: int) -> torch.Tensor:
     """`audio` at `rate` Hz as `target` Hz: a Kaiser-windowed sinc (beta 8.6, 32 zero
-    crossings each side) at the lower Nyquist rate. The reference resamples with librosa
-    (soxr): from 16 kHz, a two-tone signal agrees within 8.5e-6 away from the ends, 3.5e-3
-    in their first and last few ms."""
+    crossings each side) at the lower Nyquist rate, `RESAMPLE_BLOCK` output samples at a
+    time. The reference resamples with librosa (soxr): from 16 kHz, a two-tone signal agrees
+    within 8.5e-6 away from the ends, 3.5e-3 in their first and last few ms."""
     if rate == target:
         return audio
     g = math.gcd(rate, target)
@@ -329,16 +347,18 @@ def resample(audio: torch.Tensor, rate: int, target: int) -> torch.Tensor:
     cutoff = min(1.0, target / rate)
     width = math.ceil(32 / cutoff)
     frames = -(-len(audio) * target // rate)
-    index = torch.arange(frames)
-    start = index * down // up
-    phase = (index * down % up).double() / up
-    offsets = torch.arange(-width, width + 1, dtype=torch.float64)
-    t = phase[:, None] - offsets[None]
     beta = 8.6
-    window = torch.special.i0(beta * torch.sqrt(torch.clamp(1 - (t / (width + 1)) ** 2, min=0)))
-    kernel = (
-        cutoff * torch.sinc(cutoff * t) * window / torch.special.i0(torch.tensor(beta).double())
-    )
+    norm = torch.special.i0(torch.tensor(beta).double())
+    offsets = torch.arange(-width, width + 1, dtype=torch.float64)
     padded = torch.nn.functional.pad(audio.double(), (width, width))
-    gathered = padded.unfold(0, 2 * width + 1, 1)[start]
-    return (gathered * kernel).sum(-1).to(audio.dtype)
+    out = []
+    for first in range(0, frames, RESAMPLE_BLOCK):
+        index = torch.arange(first, min(first + RESAMPLE_BLOCK, frames))
+        start = index * down // up
+        phase = (index * down % up).double() / up
+        t = phase[:, None] - offsets[None]
+        window = torch.special.i0(beta * torch.sqrt(torch.clamp(1 - (t / (width + 1)) ** 2, min=0)))
+        kernel = cutoff * torch.sinc(cutoff * t) * window / norm
+        gathered = padded.unfold(0, 2 * width + 1, 1)[start]
+        out.append((gathered * kernel).sum(-1))
+    return torch.cat(out).to(audio.dtype) if out else audio.new_zeros(0)

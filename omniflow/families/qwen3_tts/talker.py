@@ -232,7 +232,7 @@ class QwenTTSTalker(Component):
                     f"ref_audio is a voice prompt of another model ({codes.shape[1]} codebooks)"
                 )
             return x_vector.to(weight.device, weight.dtype), codes
-        audio = voices.reference_audio(ref_audio)
+        audio = voices.check_length(voices.reference_audio(ref_audio), self.config)
         x_vector = speaker_embedding(speaker, audio)
         return x_vector, None if x_vector_only else tokenizer.encode(audio)
 

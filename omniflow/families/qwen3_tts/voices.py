@@ -37,6 +37,9 @@ from omniflow.plan import StagePlan
 
 PROMPT_PREFIX = "qwen3-tts-voice:"
 SAMPLE_RATE = 24000
+# The longest reference audio decoded here (the server takes 60 s; a file given by path or
+# base64 is bounded too, its length checked before it is decoded).
+MAX_REFERENCE_SECONDS = 600.0
 
 
 # --- voice prompts ------------------------------------------------------------------------------
@@ -89,12 +92,26 @@ def reference_audio(value) -> torch.Tensor:
         else:
             payload = text.split(",", 1)[1] if text.startswith("data:") else text
             data = base64.b64decode(payload, validate=True)
-        samples, rate = decode_audio(data)
+        samples, rate = decode_audio(data, MAX_REFERENCE_SECONDS)
     except (OSError, binascii.Error, ValueError, MediaError) as err:
         raise Qwen3TTSError(
             f"ref_audio is neither a readable audio file nor base64 audio: {err}"
         ) from err
     return mono_24k(samples, rate)
+
+
+def check_length(audio: torch.Tensor, config: TTSConfig) -> torch.Tensor:
+    """24 kHz reference audio, if the speaker encoder can take it (Qwen3TTSError if it is
+    shorter than that: `modeling.min_speaker_samples`)."""
+    from omniflow.families.qwen3_tts.modeling import min_speaker_samples
+
+    least = min_speaker_samples(config)
+    if len(audio) < least:
+        raise Qwen3TTSError(
+            f"ref_audio is {1000 * len(audio) / SAMPLE_RATE:.0f} ms long; the speaker encoder "
+            f"needs at least {1000 * least / SAMPLE_RATE:.0f} ms"
+        )
+    return audio
 
 
 def mono_24k(samples: torch.Tensor, rate: int) -> torch.Tensor:
@@ -121,6 +138,7 @@ class VoiceEncoder:
         from omniflow.families.qwen3_tts.speech_tokenizer import load_encoder
 
         self.path = path
+        self.config = config
         self.speaker = load_speaker_encoder(path, config, "auto", device)
         self.tokenizer = load_encoder(path, device)
         self.lock = threading.Lock()
@@ -131,7 +149,7 @@ class VoiceEncoder:
         transcript. Qwen3TTSError if the audio has no samples."""
         from omniflow.families.qwen3_tts.modeling import speaker_embedding
 
-        audio = mono_24k(torch.as_tensor(samples), rate)
+        audio = check_length(mono_24k(torch.as_tensor(samples), rate), self.config)
         with self.lock, torch.inference_mode():
             x_vector = speaker_embedding(self.speaker, audio)
             codes = self.tokenizer.encode(audio)
@@ -167,7 +185,7 @@ def admission(stage: StagePlan, path: str) -> Callable[[dict, dict], None] | Non
         given = isinstance(ref_audio, torch.Tensor) or bool(ref_audio)
         try:
             if given and config.task == "Base":
-                _readable(ref_audio)
+                _readable(ref_audio, config)
             check_task_inputs(
                 config,
                 task_type=params.get("task_type") or None,
@@ -187,12 +205,13 @@ def admission(stage: StagePlan, path: str) -> Callable[[dict, dict], None] | Non
     return check
 
 
-def _readable(ref_audio) -> None:
-    """Raise Qwen3TTSError unless `ref_audio` is a voice prompt or decodable audio."""
+def _readable(ref_audio, config: TTSConfig) -> None:
+    """Raise Qwen3TTSError unless `ref_audio` is a voice prompt, or decodable audio long
+    enough to encode."""
     if is_prompt(ref_audio):
         decode_prompt(ref_audio)
     else:
-        reference_audio(ref_audio)
+        check_length(reference_audio(ref_audio), config)
 
 
 def _text(value) -> str:

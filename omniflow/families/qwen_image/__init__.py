@@ -17,11 +17,23 @@ from omniflow.ir.kinds import ParamSpec
 _HERE = __name__
 _PIPELINES = f"{_HERE}.pipeline:PIPELINES"
 
+
+def admission(stage, path: str):
+    """`Family.admission`: the denoiser's height and width, multiples of the VAE's scale
+    (2 per temporal downsampling stage, as `QwenImagePipeline.vae_scale_factor`) x the
+    transformer's patch, which the latents are packed by."""
+    from omniflow.families.denoiser_sizes import component_config, patch_width, size_check
+
+    scale = 2 ** len(component_config(path, "vae").get("temperal_downsample", (0, 0, 0)))
+    return size_check(stage, scale * patch_width(component_config(path, "transformer")))
+
+
 FAMILY = Family(
     name="qwen_image",
     doc=__doc__,
     architectures=("QwenImagePipeline", "QwenImageEditPipeline"),
     cost=cost,
+    admission=f"{_HERE}:admission",
     pipeline_facts={
         # QwenImageEditPipeline.__call__ resizes the input image to about 1024 x 1024 pixels
         # at its own aspect ratio (`calculate_dimensions(1024 * 1024, ratio)`: sides multiples

@@ -32,6 +32,15 @@ _PIPELINES = f"{_HERE}.pipeline:PIPELINES"
 _FLOAT = (float, int)
 
 
+def admission(stage, path: str):
+    """`Family.admission`: the denoiser's height and width, multiples of the VAE's spatial
+    scale (`WanPipeline.vae_scale_factor_spatial`) x the transformer's patch."""
+    from omniflow.families.denoiser_sizes import component_config, patch_width, size_check
+
+    scale = int(component_config(path, "vae").get("scale_factor_spatial", 8))
+    return size_check(stage, scale * patch_width(component_config(path, "transformer")))
+
+
 def _two_experts(index) -> bool:
     entry = index.get("transformer_2")
     return isinstance(entry, list) and entry[0] is not None
@@ -70,6 +79,7 @@ FAMILY = Family(
     doc=__doc__,
     architectures=("WanPipeline", "WanImageToVideoPipeline", "umt5"),
     cost=cost,
+    admission=f"{_HERE}:admission",
     # The text encoder: google/umt5-xxl's UMT5EncoderModel, its dims in T5's spelling.
     parts={
         "text_encoder": Part(
