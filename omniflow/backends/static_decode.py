@@ -109,6 +109,7 @@ _DECODER_PARTS = {"embed_tokens", "layers", "norm", "rotary_emb"}
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
 _QK_NORMS = {"q_norm", "k_norm"}
+_MLP_PARTS = {"gate_proj", "up_proj", "down_proj"}
 # The smallest length bucket; the cache's columns are a multiple of it.
 COLUMN_QUANTUM = 128
 # Sub-steps a frame's second model may take: the stream steps of a frame's draws.
@@ -152,7 +153,15 @@ def unsupported(decoder: torch.nn.Module) -> str | None:
             return f"layer {i} attends through a sliding window"
         if not hasattr(attention, "head_dim") or not hasattr(attention, "scaling"):
             return f"layer {i}'s attention has no head_dim or scaling"
+        if not _dense(layer.mlp):  # a mixture of experts picks its experts on the host
+            return f"layer {i}'s MLP is not a dense gated one ({type(layer.mlp).__name__})"
     return None
+
+
+def _dense(mlp: torch.nn.Module) -> bool:
+    """Whether `mlp` is a dense gated MLP: gate, up and down projections (and an activation)."""
+    parts = {name for name, _ in mlp.named_children()}
+    return _MLP_PARTS <= parts <= _MLP_PARTS | {"act_fn"}
 
 
 def _is_silu(act) -> bool:
@@ -174,15 +183,7 @@ def fusable(decoder: torch.nn.Module) -> bool:
         if hasattr(layer.self_attn, "q_norm"):
             norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
         mlp = layer.mlp
-        parts = {name for name, _ in mlp.named_children()}
-        if not {"gate_proj", "up_proj", "down_proj"} <= parts or parts - {
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-            "act_fn",
-        }:
-            return False
-        if not _is_silu(getattr(mlp, "act_fn", None)):
+        if not _dense(mlp) or not _is_silu(getattr(mlp, "act_fn", None)):
             return False
         if mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
             return False

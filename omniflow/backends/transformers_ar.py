@@ -866,7 +866,8 @@ class TransformersAR(Backend):
             logits[:, list(c.suppress)] = -float("inf")
         early = [i for i, s in enumerate(seqs) if s.generated < c.min_tokens]
         if early and c.eos_ids:  # the end ids wait for the minimum length
-            logits[torch.tensor(early)[:, None], torch.tensor(sorted(c.eos_ids))] = -float("inf")
+            rows, ends = (torch.tensor(x, device=logits.device) for x in (early, sorted(c.eos_ids)))
+            logits[rows[:, None], ends] = -float("inf")
         c.mask_logits(seqs, logits)
         if logits.is_cuda:
             ids = _sample_on_device(logits, seqs)

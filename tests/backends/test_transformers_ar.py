@@ -334,6 +334,25 @@ def test_a_qwen3_decoder_decodes_on_the_static_path_as_on_the_dynamic_one(plan):
     assert len({tuple(t) for t in want}) == len(want) and max(map(len, want)) == 12
 
 
+def test_the_static_path_refuses_a_mixture_of_experts():
+    """A routed MoE MLP (its experts picked by host control flow, which no graph captures)
+    keeps a decoder off the static path."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    decoder = qwen3_lm().decoder
+    layer = decoder.layers[1]
+    dense = layer.mlp
+    config = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4)
+    try:
+        layer.mlp = Qwen3MoeSparseMoeBlock(config)
+        assert "layer 1's MLP is not a dense gated one" in static_decode.unsupported(decoder)
+        assert not static_decode.fusable(decoder)
+    finally:
+        layer.mlp = dense
+    assert static_decode.unsupported(decoder) is None
+
+
 def test_the_static_cache_is_sized_from_the_plan_and_refuses_what_cannot_fit(plan):
     backend = make_backend(plan, "static", max_len=16)  # 16 + 12 columns: one quantum
     assert backend.static.columns == 128 and backend.static.length_buckets == [128]
