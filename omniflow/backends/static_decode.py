@@ -485,7 +485,7 @@ class FrameCompleter:
         greedy) and its next input, the embeddings of `frame` `[G]`, its frame sampled last."""
         sampling = self.spec.sampling
         self.seed[slot] = sub_stream(seed)
-        self.temperature[slot] = sampling.temperature if sampled and sampling else 0.0
+        self.temperature[slot] = sampling.temperature if sampled and sampling is not None else 0.0
         codes = frame.to(self.codes.device).reshape(1, self.groups)
         self.input[slot].copy_(self.spec.frame_embeds(codes)[0])
 
