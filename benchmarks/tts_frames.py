@@ -104,7 +104,8 @@ def frame_times(backend: TransformersAR, batch: int, steps: int, frames: int) ->
         longest = max(s.length + s.ahead for s in backend.rows)
         graph = static.graphs[static.buckets(len(backend.rows), longest)]
         sync(device)
-        static.active.zero_()  # no row advances in the replays below
+        with torch.inference_mode():  # (the static buffers are inference tensors)
+            static.active.zero_()  # no row advances in the replays below
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         replays = []
         for _ in range(10):
