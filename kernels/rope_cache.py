@@ -22,6 +22,12 @@ Numerics are HF's `apply_rotary_pos_emb` in the input dtype: `q * cos` and
 `rotate_half(q) * sin` each rounded to the dtype, then their sum rounded; the kernel does
 each product and the sum in float32 and rounds at the same three points, so it gives the
 same bits.
+
+Per-head q/k RMSNorm (Qwen3's `q_norm` and `k_norm`, before the rotation): given their
+weights `[d]` (`q_norm`, `k_norm`) and `eps`, each q and k head is normalized first, as
+Qwen3's RMSNorm does it: the mean square in float32, `x * rsqrt(mean + eps)` rounded to the
+dtype, times the weight, rounded. A program holds its whole head, so the norm costs no
+extra pass: it normalizes the head's values and their rotary partners with the same scale.
 """
 
 from __future__ import annotations
@@ -37,21 +43,38 @@ class RopeError(OmniflowError):
 
 
 @jit
-def _rotate(x_ptr, cos, sin, offs, partner, sign, inside):
-    x = tl.load(x_ptr + offs, mask=inside, other=0.0)
-    other = tl.load(x_ptr + partner, mask=inside, other=0.0).to(tl.float32) * sign
+def _rotate(x, other, cos, sin):
+    """`x * cos + other * sin` (other: the partners, sign applied) rounded as HF rounds."""
     a = (x.to(tl.float32) * cos).to(x.dtype)
-    b = (other * sin).to(x.dtype)
+    b = (other.to(tl.float32) * sin).to(x.dtype)
     return (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
+
+
+@jit
+def _head(src, norm_ptr, offs, partner, sign, inside, eps, D: tl.constexpr, QK_NORM: tl.constexpr):
+    """A q or k head's values and their rotary partners (times `sign`), RMS-normalized by
+    `norm_ptr`'s weights first where QK_NORM."""
+    x = tl.load(src + offs, mask=inside, other=0.0)
+    other = tl.load(src + partner, mask=inside, other=0.0)
+    if QK_NORM:
+        wide = x.to(tl.float32)
+        scale = 1.0 / tl.sqrt(tl.sum(wide * wide, 0) / D + eps)
+        weight = tl.load(norm_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        partner_weight = tl.load(norm_ptr + partner, mask=inside, other=0.0).to(tl.float32)
+        x = ((wide * scale).to(x.dtype).to(tl.float32) * weight).to(x.dtype)
+        other = (other.to(tl.float32) * scale).to(x.dtype).to(tl.float32) * partner_weight
+        other = other.to(x.dtype)
+    return x, other.to(tl.float32) * sign
 
 
 @jit
 def _rope_cache_kernel(
     qkv_ptr, cos_ptr, sin_ptr, filled_ptr, slots_ptr, q_ptr, keys_ptr, values_ptr,
+    q_norm_ptr, k_norm_ptr, eps,
     qkv_stride, cos_stride, q_stride_b, q_stride_h,
     cache_stride_s, cache_stride_h, cache_stride_c, columns,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    HAS_SLOTS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -64,7 +87,8 @@ def _rope_cache_kernel(
     sin = tl.load(sin_ptr + row * cos_stride + offs, mask=inside, other=0.0).to(tl.float32)
     base = qkv_ptr + row * qkv_stride
     if head < Q_HEADS:
-        q = _rotate(base + head * D, cos, sin, offs, partner, sign, inside)
+        x, other = _head(base + head * D, q_norm_ptr, offs, partner, sign, inside, eps, D, QK_NORM)
+        q = _rotate(x, other, cos, sin)
         tl.store(q_ptr + row * q_stride_b + head * q_stride_h + offs, q, mask=inside)
     else:
         kv = head - Q_HEADS
@@ -73,13 +97,15 @@ def _rope_cache_kernel(
         if HAS_SLOTS:
             slot = tl.load(slots_ptr + row)
         at = slot * cache_stride_s + kv * cache_stride_h + column * cache_stride_c + offs
-        k = _rotate(base + (Q_HEADS + kv) * D, cos, sin, offs, partner, sign, inside)
-        tl.store(keys_ptr + at, k, mask=inside)
+        x, other = _head(
+            base + (Q_HEADS + kv) * D, k_norm_ptr, offs, partner, sign, inside, eps, D, QK_NORM
+        )
+        tl.store(keys_ptr + at, _rotate(x, other, cos, sin), mask=inside)
         v = tl.load(base + (Q_HEADS + KV_HEADS + kv) * D + offs, mask=inside, other=0.0)
         tl.store(values_ptr + at, v, mask=inside)
 
 
-def _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads, slots) -> int:
+def _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads, slots, norms) -> int:
     rows = qkv.shape[0]
     d = keys.shape[-1]
     if qkv.shape != (rows, (q_heads + 2 * kv_heads) * d) or d % 2:
@@ -91,23 +117,32 @@ def _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads, slots) -> int
     least = rows if slots is None else 1
     if keys.shape != values.shape or keys.shape[1] != kv_heads or keys.shape[0] < least:
         raise RopeError(f"cache {list(keys.shape)} is not [>= {least}, {kv_heads}, C, {d}]")
+    if (norms[0] is None) != (norms[1] is None) or any(
+        w is not None and w.shape != (d,) for w in norms
+    ):
+        raise RopeError(f"q_norm and k_norm must both be [{d}] weights, or both None")
     return d
 
 
-def rope_cache_triton(qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int, slots=None):
+def rope_cache_triton(
+    qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int, slots=None,
+    q_norm=None, k_norm=None, eps: float = 0.0,
+):  # fmt: skip
     """Rotated queries `[B, Hq, d]`; the rotated keys and the values written into column
     `min(filled[b], C - 1)` of slot b (`slots[b]` where given) of `keys`, `values`
-    (`[slots, Hkv, C, d]`)."""
-    d = _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads, slots)
+    (`[slots, Hkv, C, d]`). With `q_norm`, `k_norm` (`[d]` weights), each q and k head
+    is RMS-normalized (`eps`) before its rotation."""
+    d = _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads, slots, (q_norm, k_norm))
     rows = qkv.shape[0]
     q = torch.empty(rows, q_heads, d, dtype=qkv.dtype, device=qkv.device)
     if rows:
         _rope_cache_kernel[(rows, q_heads + kv_heads)](
             qkv, cos, sin, filled, filled if slots is None else slots, q, keys, values,
+            qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm, eps,
             qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
             keys.stride(0), keys.stride(1), keys.stride(2), keys.shape[2],
             Q_HEADS=q_heads, KV_HEADS=kv_heads, D=d, BLOCK=triton.next_power_of_2(d),
-            HAS_SLOTS=slots is not None, num_warps=1,
+            HAS_SLOTS=slots is not None, QK_NORM=q_norm is not None, num_warps=1,
         )  # fmt: skip
     return q
 
@@ -117,13 +152,25 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def reference(qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int, slots=None):
-    """HF's rotation, op by op, and the cache write as an indexed copy."""
-    d = _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads, slots)
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3's RMSNorm over the last dim."""
+    wide = x.float()
+    normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def reference(
+    qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int, slots=None,
+    q_norm=None, k_norm=None, eps: float = 0.0,
+):  # fmt: skip
+    """HF's q/k norms and rotation, op by op, and the cache write as an indexed copy."""
+    d = _check(qkv, cos, sin, filled, keys, values, q_heads, kv_heads, slots, (q_norm, k_norm))
     rows = qkv.shape[0]
     heads = qkv.view(rows, q_heads + 2 * kv_heads, d)
     q, k = heads[:, :q_heads], heads[:, q_heads : q_heads + kv_heads]
     v = heads[:, q_heads + kv_heads :]
+    if q_norm is not None:
+        q, k = _rms_norm(q, q_norm, eps), _rms_norm(k, k_norm, eps)
     c, s = cos[:, None], sin[:, None]
     q = (q * c) + (_rotate_half(q) * s)
     k = (k * c) + (_rotate_half(k) * s)
@@ -135,8 +182,12 @@ def reference(qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int, 
     return q
 
 
-def rope_cache(qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int, slots=None):
+def rope_cache(
+    qkv, cos, sin, filled, keys, values, q_heads: int, kv_heads: int, slots=None,
+    q_norm=None, k_norm=None, eps: float = 0.0,
+):  # fmt: skip
     """The kernel on CUDA, the reference elsewhere."""
+    run = reference
     if qkv.is_cuda and triton is not None:
-        return rope_cache_triton(qkv, cos, sin, filled, keys, values, q_heads, kv_heads, slots)
-    return reference(qkv, cos, sin, filled, keys, values, q_heads, kv_heads, slots)
+        run = rope_cache_triton
+    return run(qkv, cos, sin, filled, keys, values, q_heads, kv_heads, slots, q_norm, k_norm, eps)

@@ -2,7 +2,8 @@
 # Run on a lent GPU machine from a copy of this tree (see docs/benchmarks.md): installs the
 # carried wheels into /tmp/site, links dsl/ and kernels/ into omniflow/ (as pyproject's
 # package-dir maps them), then runs the parts named as arguments: setup tests edges steps
-# skinny moe kernels windows build streaming long load omni-input diffusion cold cold-fresh
+# skinny moe kernels frames tts windows build streaming long load omni-input diffusion cold
+# cold-fresh
 # (streaming and long: DEVICES, default 1xH200, and ALSO_DEVICES beside it, e.g. DEVICES=2xH200
 # ALSO_DEVICES=1xH200, and STREAMING_ARGS added to the benchmark's, e.g. "--breakdown
 # --lookahead 24 12"; windows: WINDOW_KERNELS=N adds each replay's N costliest kernels;
@@ -47,6 +48,18 @@ for part in "$@"; do
       # One Qwen3-Omni MoE layer, fused kernels against transformers' block (MOE_ARGS: e.g.
       # "--stage talker", "--sweep --tokens 1 32").
       timeout ${MOE_S:-300} python3 benchmarks/fused_moe.py ${MOE_ARGS:-} 2>&1 | tee "$OUT/fused_moe.log"
+      ;;
+    frames)
+      # Qwen3-TTS's frame step at real size, eager and graphs, batches 1, 16, 64 (FRAMES_ARGS
+      # added to benchmarks/tts_frames.py's flags).
+      timeout ${FRAMES_S:-300} python3 benchmarks/tts_frames.py ${FRAMES_ARGS:-} 2>&1 \
+        | grep -v -i "warn" | tee "$OUT/tts_frames.log"
+      ;;
+    tts)
+      # Qwen3-TTS served over HTTP at c = 1, 16, 64 (TTS_ARGS added to tts_serve.py's flags).
+      (cd /tmp && timeout ${TTS_S:-400} python3 "$here/benchmarks/tts_serve.py" --devices 1xH200 \
+        --no-clone --frames 64 ${TTS_ARGS:-}) 2>&1 | grep -v -i "warn\|model config" \
+        | tee "$OUT/tts_serve.log"
       ;;
     kernels)
       timeout ${KERNELS_S:-150} python3 benchmarks/stage_steps.py --modes graphs --batches 1 10 \

@@ -52,13 +52,41 @@ value into its request's slot: one forward for a batch of prompts, no DynamicCac
 copy out of it. Otherwise the backend prefills through the model's forward and `join`
 copies that cache into the slot.
 
+Frames. A codec LM whose step emits a frame of G codebooks (a talker: codebook 0 from its
+own head, codebooks 1..G-1 from a small second decoder, the code predictor, conditioned on
+the talker's hidden state) gives the static decoder a `FrameSpec` (`Component.frame_spec`),
+and the step completes each row's frame on the device (`FrameCompleter`), after codebook 0
+is sampled and before the rows advance: the predictor's G positions (the talker's hidden
+state, codebook 0's embedding, then codebooks 1..G-2 as they are sampled) run one row a slot
+over a scratch KV cache of its own, `[layers, slots, kv_heads, G, head_dim]`, allocated at
+load and overwritten from column 0 every frame (so nothing is reset or moved between
+frames); each codebook is sampled by the fused sampler with the request's sub-stream (its
+seed + `SUB_SEED`, step `frame * MAX_SUB_STEPS + codebook`: the draws
+`transformers_ar.sample_sub_step` makes on CUDA, so the eager and static paths draw the
+same codes from the same logits), greedily where the request is greedy, else with the
+spec's sampling. The frame's G codes go to a per-slot buffer that the host reads back with
+the ids (one copy each a step), and the row's next input embedding becomes the frame's
+summed codebook embeddings (`FrameSpec.frame_embeds`) in place of its last id's embedding,
+plus the component's extra row as before. With `capture`, the talker's step, the
+predictor's G positions and every sampling step are one graph per bucket. A request's
+first frame (sampled at its prefill) is completed by the component's eager `frames`; the
+slot takes that frame's summed embeddings when it joins.
+
+Minimum length. A component with `min_tokens` has its end ids masked while a row's step is
+below its per-slot minimum (set at join), on the device; the component's `suppress` ids are
+masked in every step, as on the eager path.
+
 What the static path supports (`unsupported` says why not): decoders whose layers are the
-Llama/Qwen2 shape (`input_layernorm`, `self_attn` with q/k/v/o projections, GQA allowed,
-no q/k norms and no sliding window, `post_attention_layernorm`, `mlp`), a final `norm`, and
-the default RoPE of the model's `rotary_emb` (multimodal RoPE included: in decode its three
-position components are equal, so its rotation is the plain one). Attention is
-`scaled_dot_product_attention` with the query heads of each key/value head as its query
-rows, so keys and values are read once and never repeated per query head.
+Llama/Qwen2/Qwen3 shape (`input_layernorm`, `self_attn` with q/k/v/o projections, GQA
+allowed, per-head q/k RMSNorms before the rotary allowed (Qwen3's `q_norm`, `k_norm`: on the
+fused path the rotary kernel normalizes each head first), no sliding window,
+`post_attention_layernorm`, `mlp`), a final `norm`, and the default RoPE of the model's
+`rotary_emb` (multimodal RoPE included: in decode its three position components are equal,
+so its rotation is the plain one); beside them a decoder may hold input tables its forward
+never reads when given input embeddings (a talker's text embedding, a code predictor's
+codebook tables). Attention is `scaled_dot_product_attention` with the query heads of each
+key/value head as its query rows, so keys and values are read once and never repeated per
+query head.
 """
 
 from __future__ import annotations
@@ -66,26 +94,50 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from omniflow.backends.cuda_graphs import capture_graph
+from omniflow.backends.sampling_params import Sampling
 from omniflow.kernels import rms_norm, rope_cache, silu_mul, skinny_matmul
 from omniflow.kernels import sampling as sampler
 
 _DECODER_PARTS = {"embed_tokens", "layers", "norm", "rotary_emb"}
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
 _ATTENTION_PARTS = {"q_proj", "k_proj", "v_proj", "o_proj"}
+_QK_NORMS = {"q_norm", "k_norm"}
+_MLP_PARTS = {"gate_proj", "up_proj", "down_proj"}
 # The smallest length bucket; the cache's columns are a multiple of it.
 COLUMN_QUANTUM = 128
+# Sub-steps a frame's second model may take: the stream steps of a frame's draws.
+MAX_SUB_STEPS = 64
+# Added to a request's seed for the draws of its frames' second model, so that they do not
+# share the (seed, step) stream of its LM's own draws.
+SUB_SEED = 0x5851F42D4C957F2D
+
+
+def sub_stream(seed: int) -> int:
+    """The sampler's seed for the draws of a request's frame sub-steps (its own `seed`'s
+    stream is its LM's draws)."""
+    return (seed + SUB_SEED) & (2**63 - 1)
+
+
+def _is_table(module: torch.nn.Module) -> bool:
+    """An embedding table, or a list of them: inputs a decoder's forward never reads when
+    it is given input embeddings."""
+    if isinstance(module, torch.nn.ModuleList):
+        return all(isinstance(m, torch.nn.Embedding) for m in module)
+    return isinstance(module, torch.nn.Embedding)
 
 
 def unsupported(decoder: torch.nn.Module) -> str | None:
     """Why the static path cannot run `decoder` (None: it can)."""
     parts = {name for name, _ in decoder.named_children()}
-    if not {"layers", "norm", "rotary_emb"} <= parts or parts - _DECODER_PARTS:
+    others = [getattr(decoder, name) for name in parts - _DECODER_PARTS]
+    if not {"layers", "norm", "rotary_emb"} <= parts or not all(map(_is_table, others)):
         return f"its decoder has parts {sorted(parts)}"
     if getattr(decoder.rotary_emb, "rope_type", "default") != "default":
         return f"its RoPE is of type {decoder.rotary_emb.rope_type!r}"
@@ -94,13 +146,22 @@ def unsupported(decoder: torch.nn.Module) -> str | None:
         attention = getattr(layer, "self_attn", None)
         if parts != _LAYER_PARTS:
             return f"layer {i} has parts {sorted(parts)}"
-        if {name for name, _ in attention.named_children()} != _ATTENTION_PARTS:
-            return f"layer {i}'s attention has parts {sorted(n for n, _ in attention.named_children())}"
+        names = {name for name, _ in attention.named_children()}
+        if names not in (_ATTENTION_PARTS, _ATTENTION_PARTS | _QK_NORMS):
+            return f"layer {i}'s attention has parts {sorted(names)}"
         if getattr(attention, "sliding_window", None):
             return f"layer {i} attends through a sliding window"
         if not hasattr(attention, "head_dim") or not hasattr(attention, "scaling"):
             return f"layer {i}'s attention has no head_dim or scaling"
+        if not _dense(layer.mlp):  # a mixture of experts picks its experts on the host
+            return f"layer {i}'s MLP is not a dense gated one ({type(layer.mlp).__name__})"
     return None
+
+
+def _dense(mlp: torch.nn.Module) -> bool:
+    """Whether `mlp` is a dense gated MLP: gate, up and down projections (and an activation)."""
+    parts = {name for name, _ in mlp.named_children()}
+    return _MLP_PARTS <= parts <= _MLP_PARTS | {"act_fn"}
 
 
 def _is_silu(act) -> bool:
@@ -114,21 +175,15 @@ def _is_silu(act) -> bool:
 
 def fusable(decoder: torch.nn.Module) -> bool:
     """Whether the fused step (`StaticDecoder(fused=True)`) can run `decoder`: RMSNorms
-    with a weight and `variance_epsilon`, SwiGLU MLPs (gate, up, down projections, SiLU,
-    no gate/up bias)."""
+    with a weight and `variance_epsilon` (q/k norms too, where the attention has them),
+    SwiGLU MLPs (gate, up, down projections, SiLU, no gate/up bias)."""
     norms = [decoder.norm]
     for layer in decoder.layers:
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        if hasattr(layer.self_attn, "q_norm"):
+            norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
         mlp = layer.mlp
-        parts = {name for name, _ in mlp.named_children()}
-        if not {"gate_proj", "up_proj", "down_proj"} <= parts or parts - {
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-            "act_fn",
-        }:
-            return False
-        if not _is_silu(getattr(mlp, "act_fn", None)):
+        if not _dense(mlp) or not _is_silu(getattr(mlp, "act_fn", None)):
             return False
         if mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
             return False
@@ -217,20 +272,270 @@ def _project(x, weight, bias=None, *, gated: bool = False, split: bool = False):
 
 @dataclass
 class Launched:
-    """A step queued on the device: where its ids arrive (a host buffer), and the event
-    that says they have (None off CUDA, where the step ran before `launch` returned)."""
+    """A step queued on the device: where its ids (and, with frames, its frames' codes
+    `[rows, G]`) arrive, host buffers, and the event that says they have (None off CUDA,
+    where the step ran before `launch` returned)."""
 
     ids: torch.Tensor
     done: torch.cuda.Event | None
+    codes: torch.Tensor | None = None
 
 
-class StaticDecoder:
+class DecoderCache:
+    """A decoder's layers run one row a slot over a static KV cache `[layers, slots,
+    kv_heads, columns, head_dim]`: the model's own modules op by op, or the fused kernels
+    (`fused`; see the module docstring). What `StaticDecoder`'s step and its
+    `FrameCompleter`'s predictor both run."""
+
+    def __init__(self, decoder: torch.nn.Module, *, slots: int, columns: int, device, fused):
+        self.layers = list(decoder.layers)
+        self.norm, self.rotary = decoder.norm, decoder.rotary_emb
+        attention = self.layers[0].self_attn
+        self.head_dim = attention.head_dim
+        self.q_heads = attention.q_proj.weight.shape[0] // self.head_dim
+        self.kv_heads = attention.k_proj.weight.shape[0] // self.head_dim
+        self.scaling = attention.scaling
+        self.slots, self.columns, self.device = slots, columns, torch.device(device)
+        self.fused = fused
+        self.merged = [_merged(layer) for layer in self.layers] if fused else []
+        with torch.inference_mode():
+            shape = (len(self.layers), slots, self.kv_heads, columns, self.head_dim)
+            dtype = attention.k_proj.weight.dtype
+            self.keys = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.values = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.columns_index = torch.arange(columns, device=self.device)
+
+    def move_columns(self, source: int, target: int, filled: int) -> None:
+        """Copy slot `source`'s first `filled` columns of keys and values to slot `target`."""
+        self.keys[:, target, :, :filled].copy_(self.keys[:, source, :, :filled])
+        self.values[:, target, :, :filled].copy_(self.values[:, source, :, :filled])
+
+    def decode(
+        self, x: torch.Tensor, positions: torch.Tensor, filled: torch.Tensor, length: int
+    ) -> torch.Tensor:
+        """One position of slots 0..B-1: inputs `x` `[B, H]` (what the layers take) at
+        rotary `positions` `[B]`, each row's key and value written to column `filled[b]`
+        of its slot, attending over the columns <= it among the first `length`. Returns
+        the final hidden states `[B, H]`. Device work only."""
+        cos, sin = self._rotary(x, positions)
+        if self.fused:
+            return self._decode_fused(x, cos, sin, filled, length)
+        return self._decode_layers(x, cos, sin, filled, length)
+
+    def _rotary(self, x: torch.Tensor, positions: torch.Tensor):
+        """cos, sin `[B, d]` of each row's position."""
+        cos, sin = self.rotary(x[:, None], positions[:, None])
+        if cos.dim() == 4:  # multimodal RoPE's three (equal) position components
+            cos, sin = cos[0], sin[0]
+        return cos[:, 0], sin[:, 0]
+
+    def _attend(self, q, keys, values, mask):
+        """q `[B, kv_heads, group, d]` against keys/values `[B, kv_heads, T, d]`."""
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+
+    def _decode_fused(self, x, cos, sin, filled, length: int) -> torch.Tensor:
+        b, d, group = x.shape[0], self.head_dim, self.q_heads // self.kv_heads
+        visible = self.columns_index[:length][None] <= filled[:, None]
+        mask = torch.where(visible, 0.0, -math.inf).to(x.dtype)[:, None, None]
+
+        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
+            keys, values = self.keys[i, :b, :, :length], self.values[i, :b, :, :length]
+            out = self._attend(q.view(b, self.kv_heads, group, d), keys, values, mask)
+            return out.reshape(b, self.q_heads * d)
+
+        return self._fused(x, cos, sin, filled, attend)
+
+    def _fused(self, x, cos, sin, columns, attend, slots=None) -> torch.Tensor:
+        """The decoder on the fused kernels over rows `x` `[N, H]` (at rotary `cos`, `sin`
+        `[N, d]`): per layer, add + norm, one q/k/v product, (q/k norms and) rotary + the
+        write of each row's key and value into column `columns[r]` of slot r (`slots[r]`
+        where given), attention (`attend(layer, q)`: `[N, Hq * d]`), o projection, add +
+        norm, one gate/up product and SiLU x up, down projection (`_project`). Returns the
+        final hidden states `[N, H]`."""
+        residual, delta = x, None
+        for i, layer in enumerate(self.layers):
+            qkv_weight, qkv_bias, gate_up = self.merged[i]
+            norm, attention = layer.input_layernorm, layer.self_attn
+            h, residual = rms_norm.add_rms_norm_triton(
+                residual, delta, norm.weight, norm.variance_epsilon
+            )
+            q = rope_cache.rope_cache_triton(
+                F.linear(h, qkv_weight, qkv_bias), cos, sin, columns, self.keys[i],
+                self.values[i], self.q_heads, self.kv_heads, slots, *_qk_norms(attention),
+            )  # fmt: skip
+            norm, o_proj = layer.post_attention_layernorm, attention.o_proj
+            h, residual = rms_norm.add_rms_norm_triton(
+                residual,
+                _project(attend(i, q), o_proj.weight, o_proj.bias, split=True),
+                norm.weight,
+                norm.variance_epsilon,
+            )
+            down = layer.mlp.down_proj
+            act = _project(h, gate_up, gated=True)
+            delta = _project(act, down.weight, down.bias, split=True)
+        hidden, _ = rms_norm.add_rms_norm_triton(
+            residual, delta, self.norm.weight, self.norm.variance_epsilon
+        )
+        return hidden
+
+    def _decode_layers(self, x, cos, sin, filled, length: int) -> torch.Tensor:
+        """The decoder through the model's own modules (norms, projections, MLPs), op by op
+        as HF's forward runs them."""
+        b, d = x.shape[0], self.head_dim
+        group = self.q_heads // self.kv_heads
+        x = x[:, None]  # [B, 1, H]
+        cos, sin = cos[:, None, None], sin[:, None, None]  # [B, 1, 1, d]
+        mask = (self.columns_index[:length][None] <= filled[:, None])[:, None, None]
+        where = filled.clamp(max=self.columns - 1).view(b, 1, 1, 1)
+        where = where.expand(b, self.kv_heads, 1, d)
+        for i, layer in enumerate(self.layers):
+            attention = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attention.q_proj(h).view(b, 1, self.q_heads, d)
+            k = attention.k_proj(h).view(b, 1, self.kv_heads, d)
+            if hasattr(attention, "q_norm"):  # Qwen3: each head normalized before the rotary
+                q, k = attention.q_norm(q), attention.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            v = attention.v_proj(h).view(b, 1, self.kv_heads, d).transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            keys, values = self.keys[i, :b], self.values[i, :b]
+            keys.scatter_(2, where, k)
+            values.scatter_(2, where, v)
+            out = self._attend(
+                q.reshape(b, self.kv_heads, group, d),
+                keys[:, :, :length],
+                values[:, :, :length],
+                mask,
+            )
+            x = x + attention.o_proj(out.reshape(b, 1, self.q_heads * d))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)[:, 0]
+
+    def close(self) -> None:
+        self.keys = self.values = None
+
+
+def _qk_norms(attention: torch.nn.Module) -> tuple:
+    """The rotary kernel's q/k norm arguments: the weights and epsilon (None, None, 0.0:
+    the attention has none)."""
+    if not hasattr(attention, "q_norm"):
+        return None, None, 0.0
+    return attention.q_norm.weight, attention.k_norm.weight, attention.q_norm.variance_epsilon
+
+
+@dataclass
+class FrameSpec:
+    """How a codec LM's step completes its frame of G codebooks on the device (its
+    component's `frame_spec`; see the module docstring). Codebook 0 is the LM's own sampled
+    id, fed to the predictor through the LM's input embedding."""
+
+    predictor: torch.nn.Module  # the second decoder (layers, norm, rotary_emb): `unsupported`
+    project: Callable[[torch.Tensor], torch.Tensor]  # the LM's width -> the predictor's
+    tables: Sequence[torch.nn.Module]  # codebooks 1..G-1's input embeddings (the LM's width)
+    heads: Sequence[torch.nn.Module]  # codebooks 1..G-1's logits from the predictor's states
+    frame_embeds: Callable[[torch.Tensor], torch.Tensor]  # codes [n, G] -> the LM's next input
+    sampling: Sampling | None  # the predictor's warpers where its row samples (None: greedy)
+
+    @property
+    def groups(self) -> int:
+        return len(self.heads) + 1
+
+
+class FrameCompleter:
+    """Completes every row's frame inside the static step: the predictor's G positions
+    one row a slot over a scratch cache of G columns, each codebook drawn by the fused
+    sampler from the request's sub-stream; writes the frames' codes and, for the rows that
+    advance, their next input embeddings (see the module docstring)."""
+
+    def __init__(self, spec: FrameSpec, embed, *, slots: int, device, fused, use_triton: bool):
+        self.spec, self.embed, self.groups = spec, embed, spec.groups
+        predictor = spec.predictor
+        self.cache = DecoderCache(
+            predictor, slots=slots, columns=self.groups, device=device,
+            fused=fused and fusable(predictor),
+        )  # fmt: skip
+        self.use_triton = use_triton
+        sampling = spec.sampling
+        vocab = spec.heads[0].out_features
+        top_p = sampling.top_p if sampling is not None else 1.0
+        on = {"device": torch.device(device)}
+        with torch.inference_mode():
+            self.codes = torch.zeros(slots, self.groups, dtype=torch.int64, **on)
+            self.input = torch.zeros(slots, embed.weight.shape[1], dtype=embed.weight.dtype, **on)
+            # Per slot: the sub-stream's seed, and its temperature (0: the request is greedy).
+            self.seed = torch.zeros(slots, dtype=torch.int64, **on)
+            self.temperature = torch.zeros(slots, dtype=torch.float32, **on)
+            # The same for every row: the spec's warpers, and each sub-step's column.
+            top_k = sampling.top_k if sampling is not None else -1
+            self.top_k = torch.full((slots,), top_k, dtype=torch.int32, **on)
+            self.top_p = torch.full((slots,), top_p, dtype=torch.float64, **on)
+            self.budget = torch.full((slots,), 1 - top_p if top_p < 1 else 0.0, **on)
+            self.penalty = torch.ones(slots, dtype=torch.float32, **on)
+            self.step = torch.zeros(slots, dtype=torch.int64, **on)
+            self.column = torch.arange(self.groups, **on)[:, None].expand(-1, slots).contiguous()
+            self.scratch = (
+                torch.empty(slots, 5 * vocab, dtype=torch.float32, **on) if use_triton else None
+            )
+        self.per_slot = [self.input, self.seed, self.temperature]
+
+    @torch.inference_mode()
+    def join(self, slot: int, seed: int, sampled: bool, frame: torch.Tensor) -> None:
+        """A request joins `slot`: its sub-stream (`seed`; `sampled`: it draws, else it is
+        greedy) and its next input, the embeddings of `frame` `[G]`, its frame sampled last."""
+        sampling = self.spec.sampling
+        self.seed[slot] = sub_stream(seed)
+        self.temperature[slot] = sampling.temperature if sampled and sampling is not None else 0.0
+        codes = frame.to(self.codes.device).reshape(1, self.groups)
+        self.input[slot].copy_(self.spec.frame_embeds(codes)[0])
+
+    def complete(self, b: int, hidden, first, frame, active) -> None:
+        """Slots 0..b-1's frames from the LM's final hidden states `hidden` `[b, H]` and
+        sampled codebook-0 ids `first` `[b]`, as their frames number `frame` `[b]`: codes
+        into `codes[:b]`, the next inputs of the rows `active` marks into `input[:b]`."""
+        spec, cache, column = self.spec, self.cache, self.column
+        cache.decode(spec.project(hidden), column[0, :b], column[0, :b], 1)
+        states = cache.decode(spec.project(self.embed(first)), column[1, :b], column[1, :b], 2)
+        params = sampler.Params.of_buffers(
+            temperature=self.temperature[:b],
+            top_k=self.top_k[:b],
+            top_p=self.top_p[:b],
+            budget=self.budget[:b],
+            repetition_penalty=self.penalty[:b],
+            seed=self.seed[:b],
+            step=self.step[:b],
+        )
+        codes = [first]
+        for g in range(1, self.groups):
+            self.step[:b].copy_(frame * MAX_SUB_STEPS + g)
+            logits = spec.heads[g - 1](states).float()
+            if self.use_triton:
+                code, _ = sampler.sample_triton(logits, params, scratch=self.scratch[:b])
+            else:
+                code = sampler.reference(logits, params)
+            codes.append(code)
+            if g < self.groups - 1:
+                at = column[g + 1, :b]
+                states = cache.decode(spec.project(spec.tables[g - 1](code)), at, at, g + 2)
+        frames = torch.stack(codes, dim=1)
+        self.codes[:b].copy_(frames)
+        self.input[:b].copy_(
+            torch.where(active[:, None], spec.frame_embeds(frames), self.input[:b])
+        )
+
+    def close(self) -> None:
+        self.cache.close()
+        self.scratch = None
+
+
+class StaticDecoder(DecoderCache):
     """A component's decode step over a static KV cache of `slots` x `columns`, eager or
     replayed from CUDA graphs (`capture`). `extra`: the component adds an extra input
     embedding to each step's (`launch` is given it). `fused`: run the step through the fused
     kernels (`omniflow.kernels.rms_norm`, `rope_cache`, `silu_mul`, with each layer's q/k/v
     and gate/up projections merged into one matrix product each); by default on CUDA where
-    Triton and the model allow. See the module docstring."""
+    Triton and the model allow. `frames`: the component's `FrameSpec`, whose frames the
+    step completes. See the module docstring."""
 
     def __init__(
         self,
@@ -242,19 +547,16 @@ class StaticDecoder:
         capture: bool,
         extra: bool,
         fused: bool | None = None,
+        frames: FrameSpec | None = None,
     ):
         if columns % COLUMN_QUANTUM or columns <= 0:
             raise ValueError(f"columns must be a positive multiple of {COLUMN_QUANTUM}")
-        self.component = component
         decoder = component.decoder
-        self.layers = list(decoder.layers)
-        self.norm, self.rotary = decoder.norm, decoder.rotary_emb
-        attention = self.layers[0].self_attn
-        self.head_dim = attention.head_dim
-        self.q_heads = attention.q_proj.weight.shape[0] // self.head_dim
-        self.kv_heads = attention.k_proj.weight.shape[0] // self.head_dim
-        self.scaling = attention.scaling
-        self.slots, self.columns, self.device = slots, columns, torch.device(device)
+        self.use_triton = torch.device(device).type == "cuda" and sampler.triton is not None
+        if fused is None:
+            fused = self.use_triton and fusable(decoder)
+        super().__init__(decoder, slots=slots, columns=columns, device=device, fused=fused)
+        self.component = component
         self.has_extra = extra
         self.batch_buckets = batch_buckets(slots)
         self.length_buckets = length_buckets(columns)
@@ -262,27 +564,24 @@ class StaticDecoder:
         self.captures = 0  # graphs captured (all at load)
         self.capture_seconds = 0.0  # what capturing them took, part of the stage's load
         self.replays = 0
-        self.use_triton = self.device.type == "cuda" and sampler.triton is not None
-        if fused is None:
-            fused = self.use_triton and fusable(decoder)
-        self.fused = fused
-        self.merged = [_merged(layer) for layer in self.layers] if fused else []
-        kv_dtype = attention.k_proj.weight.dtype
         embed = component.embed.weight
         vocab = component.head.out_features
         hidden = self.norm.weight.shape[0]
+        self.frames = None
+        if frames is not None:
+            self.frames = FrameCompleter(
+                frames, component.embed, slots=slots, device=device, fused=fused,
+                use_triton=self.use_triton,
+            )  # fmt: skip
         with torch.inference_mode():
-            shape = (len(self.layers), slots, self.kv_heads, columns, self.head_dim)
             on = {"device": self.device}
-            self.keys = torch.zeros(shape, dtype=kv_dtype, **on)
-            self.values = torch.zeros(shape, dtype=kv_dtype, **on)
             self.length = torch.zeros(slots, dtype=torch.int64, **on)
             self.offset = torch.zeros(slots, dtype=torch.int64, **on)
             self.last = torch.zeros(slots, dtype=torch.int64, **on)
             self.active = torch.zeros(slots, dtype=torch.bool, **on)
             self.extra = torch.zeros(slots, embed.shape[1], dtype=embed.dtype, **on)
             self.ids = torch.zeros(slots, dtype=torch.int64, **on)
-            self.hidden = torch.zeros(slots, hidden, dtype=kv_dtype, **on)
+            self.hidden = torch.zeros(slots, hidden, dtype=self.keys.dtype, **on)
             self.embeds = torch.zeros(slots, embed.shape[1], dtype=embed.dtype, **on)
             self.seen = torch.zeros(slots, vocab, dtype=torch.bool, **on)
             self.temperature = torch.zeros(slots, dtype=torch.float32, **on)
@@ -292,6 +591,7 @@ class StaticDecoder:
             self.penalty = torch.ones(slots, dtype=torch.float32, **on)
             self.seed = torch.zeros(slots, dtype=torch.int64, **on)
             self.step_count = torch.zeros(slots, dtype=torch.int64, **on)
+            self.min_tokens = torch.zeros(slots, dtype=torch.int64, **on)
             self.scratch = (
                 torch.empty(slots, 5 * vocab, dtype=torch.float32, **on)
                 if self.use_triton
@@ -299,7 +599,9 @@ class StaticDecoder:
             )
             suppress = tuple(component.suppress)
             self.suppress = torch.tensor(suppress, **on) if suppress else None
-            self.columns_index = torch.arange(columns, **on)
+            # The ids masked while a row is below its minimum length (None: no minimum).
+            ends = sorted(component.eos_ids) if getattr(component, "min_tokens", 0) else ()
+            self.ends = torch.tensor(ends, **on) if ends else None
             pin = self.device.type == "cuda"
             # Two of each host buffer a step copies from or into: while one step's copies
             # may still be queued, the next step fills the other (see `launch`).
@@ -309,10 +611,15 @@ class StaticDecoder:
             self.host_ids = [
                 torch.zeros(slots, dtype=torch.int64, pin_memory=pin) for _ in range(2)
             ]
+            self.host_codes = [
+                torch.zeros(slots, frames.groups, dtype=torch.int64, pin_memory=pin)
+                for _ in range(2 if frames is not None else 0)
+            ]
         self.launches = 0
         self._per_slot = [
             self.length, self.offset, self.last, self.extra, self.seen, self.temperature,
             self.top_k, self.top_p, self.budget, self.penalty, self.seed, self.step_count,
+            self.min_tokens, *(self.frames.per_slot if self.frames is not None else ()),
         ]  # fmt: skip
         if capture:
             began = time.perf_counter()
@@ -323,9 +630,10 @@ class StaticDecoder:
     @torch.inference_mode()
     def join(self, slot: int, state: dict, keys=None, values=None) -> None:
         """Put a prefilled request in `slot`: its per-slot state (`length`, `offset`, `last`,
-        `step`, `temperature`, `top_k`, `top_p`, `repetition_penalty`, `seed`, and `seen`, a
-        `[V]` bool mask or None) and, unless `prefill` wrote them there, its keys and values
-        `[layers, kv_heads, L, head_dim]` into columns 0..L-1."""
+        `step`, `temperature`, `top_k`, `top_p`, `repetition_penalty`, `seed`, `seen`, a
+        `[V]` bool mask or None, `min_tokens`, and with frames `frame`, the codes `[G]` of
+        the frame it sampled last) and, unless `prefill` wrote them there, its keys and
+        values `[layers, kv_heads, L, head_dim]` into columns 0..L-1."""
         if keys is not None:
             filled = keys.shape[2]
             self.keys[:, slot, :, :filled].copy_(keys)
@@ -342,6 +650,7 @@ class StaticDecoder:
             self.budget: 1 - top_p if top_p < 1 else 0.0,
             self.penalty: state["repetition_penalty"],
             self.seed: state["seed"],
+            self.min_tokens: state.get("min_tokens", 0),
         }
         for buffer, value in numbers.items():
             buffer[slot] = value
@@ -349,12 +658,13 @@ class StaticDecoder:
             self.seen[slot] = False
         else:
             self.seen[slot].copy_(state["seen"])
+        if self.frames is not None:
+            self.frames.join(slot, state["seed"], state["temperature"] > 0, state["frame"])
 
     @torch.inference_mode()
     def move(self, source: int, target: int, filled: int) -> None:
         """Move the request in slot `source` (its first `filled` columns) to slot `target`."""
-        self.keys[:, target, :, :filled].copy_(self.keys[:, source, :, :filled])
-        self.values[:, target, :, :filled].copy_(self.values[:, source, :, :filled])
+        self.move_columns(source, target, filled)
         for buffer in self._per_slot:
             buffer[target].copy_(buffer[source])
         self.free(source)
@@ -381,9 +691,9 @@ class StaticDecoder:
         """Queue one decode step over slots 0..rows-1, of which the slots in `active` advance
         (`extra`: their extra input embeddings, in that order), and return at once. `wait`
         gives the ids sampled for slots 0..rows-1 (those of rows not in `active` mean
-        nothing); the step after it may be launched first, so the device runs it while the
-        host handles this one's ids (a third launch before this one's `wait` would
-        overwrite them)."""
+        nothing), and with frames their codes; the step after it may be launched first, so
+        the device runs it while the host handles this one's ids (a third launch before
+        this one's `wait` would overwrite them)."""
         batch, length = self.buckets(rows, longest)
         turn = self.launches % 2
         self.launches += 1
@@ -405,15 +715,19 @@ class StaticDecoder:
             self._run(batch, length)
         ids = self.host_ids[turn][:rows]
         ids.copy_(self.ids[:rows], non_blocking=True)
+        codes = None
+        if self.frames is not None:
+            codes = self.host_codes[turn][:rows]
+            codes.copy_(self.frames.codes[:rows], non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return Launched(ids, done)
+        return Launched(ids, done, codes)
 
     @staticmethod
     def wait(launched: Launched) -> list[int]:
-        """The ids a launched step sampled, once the device has them."""
+        """The ids a launched step sampled, once the device has them (and its `codes`)."""
         if launched.done is not None:
             launched.done.synchronize()
         return launched.ids.tolist()
@@ -485,121 +799,41 @@ class StaticDecoder:
             cos, _ = self.rotary(self.norm.weight[None, None], probe)
         return cos.dim() == 3
 
-    def _attend(self, q, keys, values, mask):
-        """q `[B, kv_heads, group, d]` against keys/values `[B, kv_heads, T, d]`."""
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
-
     def _run(self, batch: int, length: int) -> None:
-        """The step at buckets (batch, length): device work only (what a graph captures)."""
-        layers = self._layers_fused if self.fused else self._layers
-        self._sample(batch, layers(batch, length))
+        """The step at buckets (batch, length): device work only (what a graph captures).
+        The decoder's layers, the head and the sampler, the frames' completion, and the
+        active rows' advance."""
+        b = batch
+        filled = self.length[:b]
+        hidden = self.decode(self._inputs(b), filled + self.offset[:b], filled, length)
+        self._sample(b, hidden)
+        if self.frames is not None:
+            frame = self.step_count[:b]
+            self.frames.complete(b, hidden, self.ids[:b], frame, self.active[:b])
+        self._advance(b)
 
-    def _inputs(self, b: int):
-        """The step's input embeddings (recorded) and their projection `[B, H]`."""
+    def _inputs(self, b: int) -> torch.Tensor:
+        """The step's input embeddings (recorded) and their projection `[B, H]`: the last
+        id's embedding (with frames, the last frame's), plus the extra row."""
         c = self.component
-        embeds = c.embed(self.last[:b])
+        embeds = self.frames.input[:b] if self.frames is not None else c.embed(self.last[:b])
         if self.has_extra:
             embeds = embeds + self.extra[:b]
         self.embeds[:b].copy_(embeds)
         return c.project(embeds)
 
-    def _rotary(self, x: torch.Tensor, b: int):
-        """cos, sin `[B, d]` of each row's position."""
-        cos, sin = self.rotary(x, (self.length[:b] + self.offset[:b])[:, None])
-        if cos.dim() == 4:  # multimodal RoPE's three (equal) position components
-            cos, sin = cos[0], sin[0]
-        return cos[:, 0], sin[:, 0]
-
-    def _layers_fused(self, b: int, length: int) -> torch.Tensor:
-        """The decode step's layers on the fused kernels: one row a request, attending over
-        the first `length` columns of its slot. Returns the final hidden states `[B, H]`."""
-        d, group = self.head_dim, self.q_heads // self.kv_heads
-        x = self._inputs(b)
-        cos, sin = self._rotary(x[:, None], b)
-        filled = self.length[:b]
-        visible = self.columns_index[:length][None] <= filled[:, None]
-        mask = torch.where(visible, 0.0, -math.inf).to(x.dtype)[:, None, None]
-
-        def attend(i: int, q: torch.Tensor) -> torch.Tensor:
-            keys, values = self.keys[i, :b, :, :length], self.values[i, :b, :, :length]
-            out = self._attend(q.view(b, self.kv_heads, group, d), keys, values, mask)
-            return out.reshape(b, self.q_heads * d)
-
-        return self._fused(x, cos, sin, filled, attend)
-
-    def _fused(self, x, cos, sin, columns, attend, slots=None) -> torch.Tensor:
-        """The decoder on the fused kernels over rows `x` `[N, H]` (at rotary `cos`, `sin`
-        `[N, d]`): per layer, add + norm, one q/k/v product, rotary + the write of each row's
-        key and value into column `columns[r]` of slot r (`slots[r]` where given), attention
-        (`attend(layer, q)`: `[N, Hq * d]`), o projection, add + norm, one gate/up product
-        and SiLU x up, down projection (`_project`). Returns the final hidden states
-        `[N, H]`."""
-        residual, delta = x, None
-        for i, layer in enumerate(self.layers):
-            qkv_weight, qkv_bias, gate_up = self.merged[i]
-            norm = layer.input_layernorm
-            h, residual = rms_norm.add_rms_norm_triton(
-                residual, delta, norm.weight, norm.variance_epsilon
-            )
-            q = rope_cache.rope_cache_triton(
-                F.linear(h, qkv_weight, qkv_bias), cos, sin, columns, self.keys[i],
-                self.values[i], self.q_heads, self.kv_heads, slots,
-            )  # fmt: skip
-            norm, o_proj = layer.post_attention_layernorm, layer.self_attn.o_proj
-            h, residual = rms_norm.add_rms_norm_triton(
-                residual,
-                _project(attend(i, q), o_proj.weight, o_proj.bias, split=True),
-                norm.weight,
-                norm.variance_epsilon,
-            )
-            down = layer.mlp.down_proj
-            act = _project(h, gate_up, gated=True)
-            delta = _project(act, down.weight, down.bias, split=True)
-        hidden, _ = rms_norm.add_rms_norm_triton(
-            residual, delta, self.norm.weight, self.norm.variance_epsilon
-        )
-        return hidden
-
-    def _layers(self, batch: int, length: int) -> torch.Tensor:
-        """The decoder through the model's own modules (norms, projections, MLPs), op by op
-        as HF's forward runs them. Returns the final hidden states `[B, H]`."""
-        b, d = batch, self.head_dim
-        group = self.q_heads // self.kv_heads
-        x = self._inputs(b)[:, None]  # [B, 1, H]
-        cos, sin = self._rotary(x, b)
-        cos, sin = cos[:, None, None], sin[:, None, None]  # [B, 1, 1, d]
-        filled = self.length[:b]
-        mask = (self.columns_index[:length][None] <= filled[:, None])[:, None, None]
-        where = filled.clamp(max=self.columns - 1).view(b, 1, 1, 1)
-        where = where.expand(b, self.kv_heads, 1, d)
-        for i, layer in enumerate(self.layers):
-            attention = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attention.q_proj(h).view(b, 1, self.q_heads, d).transpose(1, 2)
-            k = attention.k_proj(h).view(b, 1, self.kv_heads, d).transpose(1, 2)
-            v = attention.v_proj(h).view(b, 1, self.kv_heads, d).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
-            keys, values = self.keys[i, :b], self.values[i, :b]
-            keys.scatter_(2, where, k)
-            values.scatter_(2, where, v)
-            out = self._attend(
-                q.reshape(b, self.kv_heads, group, d),
-                keys[:, :, :length],
-                values[:, :, :length],
-                mask,
-            )
-            x = x + attention.o_proj(out.reshape(b, 1, self.q_heads * d))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)[:, 0]
-
     def _sample(self, b: int, hidden: torch.Tensor) -> None:
-        """The head, the fused sampler, and the active rows' advance."""
+        """The head, the masks (suppressed ids; end ids below the minimum length) and the
+        fused sampler: ids into `ids[:b]`."""
         c = self.component
         self.hidden[:b].copy_(hidden)
         logits = c.logits(hidden)
         if self.suppress is not None:
             logits.index_fill_(1, self.suppress, -math.inf)
+        if self.ends is not None:
+            early = (self.step_count[:b] < self.min_tokens[:b])[:, None]
+            ends = logits.index_select(1, self.ends).masked_fill(early, -math.inf)
+            logits.index_copy_(1, self.ends, ends)
         params = sampler.Params.of_buffers(
             temperature=self.temperature[:b],
             top_k=self.top_k[:b],
@@ -614,7 +848,10 @@ class StaticDecoder:
             sampler.sample_triton(logits, params, seen, out=self.ids[:b], scratch=self.scratch[:b])
         else:
             self.ids[:b].copy_(sampler.reference(logits, params, seen))
-        ids, advance = self.ids[:b], self.active[:b]
+
+    def _advance(self, b: int) -> None:
+        """The active rows take their sampled ids: last id, length, step, seen mask."""
+        ids, advance, seen = self.ids[:b], self.active[:b], self.seen[:b]
         self.last[:b].copy_(torch.where(advance, ids, self.last[:b]))
         self.length[:b].add_(advance)
         self.step_count[:b].add_(advance)
@@ -640,4 +877,7 @@ class StaticDecoder:
 
     def close(self) -> None:
         self.graphs.clear()
-        self.keys = self.values = self.seen = self.scratch = None
+        super().close()
+        if self.frames is not None:
+            self.frames.close()
+        self.seen = self.scratch = None

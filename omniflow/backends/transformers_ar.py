@@ -41,7 +41,10 @@ What it owns:
   is launched before the previous one's tokens are emitted, so the host's work of a step
   (emitting, detokenizing, bookkeeping) runs while the device computes the next: a row
   that ends at step t has step t+1 computed and discarded, and a request dropped while a
-  step is in flight loses that step's token.
+  step is in flight loses that step's token. A codec LM whose steps emit frames of several
+  codebooks takes this path where its component gives a `frame_spec`: the step completes
+  each frame on the device (its second decoder's sub-steps and their sampling, inside the
+  same graph) and reads the frame's codes back with the ids.
   `decode="eager"` (the default on CPU) is the batched `DynamicCache` path above,
   token-identical to `generate`.
 - Streaming: per generated token, `tokens` `[1, 1]` int64, `codes` `[1, Q]` (codec LMs),
@@ -117,6 +120,15 @@ class Component(ABC):
     tokenizer = None
     eos_ids: frozenset[int]
     suppress: tuple[int, ...] = ()
+    # The end ids are masked while fewer tokens than this were generated (min_new_tokens).
+    min_tokens: int = 0
+    # A codec LM whose step emits a frame of several codebooks: how the static decode step
+    # completes each frame on the device (None: a frame, if any, is the sampled token's
+    # `code`). Its eager `frames` and `step_embeds` must compute what the spec says: the
+    # frame's codes, and as the next step's input the frame's `frame_embeds` plus
+    # `step_extra`'s row; its `frames` value's last row is the frame sampled (rows before
+    # it: context sent with it).
+    frame_spec: static_decode.FrameSpec | None = None
     defaults: dict  # sampling defaults of the model (subset of SAMPLING_KEYS)
 
     def new_cache(self):
@@ -165,9 +177,10 @@ class Component(ABC):
         return embeds if extra is None else embeds + extra
 
     def step_extra(self, seqs: list[Sequence]) -> torch.Tensor | None:
-        """[n, E] added to each sequence's last-id embedding in its next decode step, or None
-        (nothing added). The static decode path calls only this, so a component whose step
-        inputs are not this sum overrides `step_embeds` and decodes eagerly."""
+        """[n, E] added to each sequence's last-id embedding (with a `frame_spec`, its last
+        frame's embeddings) in its next decode step, or None (nothing added); the step is
+        the sequence's `next_step`. The static decode path calls only this, so a component
+        whose step inputs are not this sum overrides `step_embeds` and decodes eagerly."""
         return None
 
     def code(self, token: int) -> torch.Tensor | None:
@@ -182,13 +195,15 @@ class Component(ABC):
         hidden states `hidden` `[n, H]`, one per sequence: by default each token's `code`. A
         codec LM whose frame holds more than the sampled token computes the frames here, for
         the batch at once (Qwen3-Omni's talker: its code predictor fills the other
-        codebooks from the hidden state). The static decode path calls only `code`."""
+        codebooks from the hidden state). The static decode path calls this for a prefill's
+        first token only; its steps emit `code`, or with a `frame_spec`, the frames they
+        completed on the device (none for an end id)."""
         return [self.code(token) for token in ids]
 
     def mask_logits(self, seqs: list[Sequence], logits: torch.Tensor) -> None:  # noqa: B027
-        """Per-request changes to a step's logits `[n, V]` before sampling, in place (a
-        minimum length's end-of-speech mask); by default none. The static decode path
-        samples on the device without it, so a component that masks decodes eagerly."""
+        """Per-request changes to a step's logits `[n, V]` before sampling, in place; by
+        default none (a minimum length is `min_tokens`). The static decode path samples on
+        the device without it, so a component that masks decodes eagerly."""
 
     def hidden_value(self, hidden: torch.Tensor, embeds: torch.Tensor, prompt: bool):
         """The `hidden` output of one forward of one request, from its last-layer hidden
@@ -357,13 +372,6 @@ def _sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     return ids.tolist()
 
 
-# Sub-steps a frame's second model may take (`sample_sub_step`): its draws' stream steps.
-MAX_SUB_STEPS = 64
-# Added to a request's seed for the draws of its frames' second model, so that they do not
-# share the (seed, step) stream of its LM's own draws.
-_SUB_SEED = 0x5851F42D4C957F2D
-
-
 def sub_sampling(temperature: float, top_k: int, top_p: float) -> Sampling:
     """How a frame's second model (a code predictor) samples: warpers only (no penalty,
     no length, no stop)."""
@@ -383,8 +391,9 @@ def sample_sub_step(
     `sampling` is None; else drawn with `sampling`'s warpers, as the LM's own draws are:
     on CPU from the request's generator, right after its LM draw (what `generate` does),
     row by row; on CUDA in one pass of the fused sampler, keyed by the request's seed and
-    (frame, sub-step), so no id leaves the device (`on_device` picks the path; the fused
-    sampler's torch reference runs it on CPU)."""
+    (frame, sub-step) as the static step's frames are (`static_decode.FrameCompleter`), so
+    no id leaves the device (`on_device` picks the path; the fused sampler's torch
+    reference runs it on CPU)."""
     if logits.is_cuda if on_device is None else on_device:
         rows = functools.partial(torch.tensor, device=logits.device)
         greedy = sampling is None
@@ -395,8 +404,8 @@ def sample_sub_step(
             ),
             top_k=-1 if greedy else sampling.top_k,
             top_p=1.0 if greedy else sampling.top_p,
-            seed=rows([(s.seed + _SUB_SEED) & (2**63 - 1) for s in seqs]),
-            step=rows([s.generated * MAX_SUB_STEPS + sub_step for s in seqs]),
+            seed=rows([static_decode.sub_stream(s.seed) for s in seqs]),
+            step=rows([s.generated * static_decode.MAX_SUB_STEPS + sub_step for s in seqs]),
         )
     chosen = []
     for row, seq in zip(logits, seqs, strict=True):
@@ -576,7 +585,11 @@ class TransformersAR(Backend):
         mode = plan.settings["decode"]
         cuda = torch.device(self.device).type == "cuda"
         why = static_decode.unsupported(c.decoder)
-        if why is None and type(c).step_embeds is not Component.step_embeds:
+        if why is None and c.frame_spec is not None:
+            why = static_decode.unsupported(c.frame_spec.predictor)
+            why = why and f"its frames' second decoder: {why}"
+        own_inputs = type(c).step_embeds is not Component.step_embeds
+        if why is None and own_inputs and c.frame_spec is None:
             why = f"{type(c).__name__} builds its own step inputs"
         if why is None and type(c).mask_logits is not Component.mask_logits:
             why = f"{type(c).__name__} masks its logits per request"
@@ -597,6 +610,7 @@ class TransformersAR(Backend):
             device=self.device,
             capture=mode == "graphs",
             extra=type(c).step_extra is not Component.step_extra,
+            frames=c.frame_spec,
         )
         return mode, decoder
 
@@ -759,18 +773,18 @@ class TransformersAR(Backend):
                 for i, (s, p) in enumerate(started)
             ]
         last = torch.stack([hidden[i, s.length - 1] for i, s in enumerate(seqs)])
-        self._advance(seqs, last, values)
+        codes = self._advance(seqs, last, values)
         if direct:  # each took the slot it was prefilled into; a finished one leaves again
-            for seq in seqs:
-                self._join_static(seq)
+            for seq, code in zip(seqs, codes, strict=True):
+                self._join_static(seq, code)
             self._evict([s for s in seqs if s.call.finished])
             return
         rows = [_row_states(cache, i, s.length) for i, s in enumerate(seqs)]
-        for seq, states in zip(seqs, rows, strict=True):
+        for seq, states, code in zip(seqs, rows, codes, strict=True):
             if seq.call.finished:
                 continue
             if self.static:
-                self._join_static(seq, states)
+                self._join_static(seq, code, states)
             else:
                 self._join(seq, states, cache)
 
@@ -828,26 +842,43 @@ class TransformersAR(Backend):
             if seq.slot < 0 or seq.call.finished or seq.call.error is not None:
                 continue
             seq.length += 1
-            code = self.component.code(ids[slot]) if "codes" in self.spec.outputs else None
+            code = self._code(ids[slot], launch.launched.codes, slot)
             hidden = None if launch.hidden is None else launch.hidden[i : i + 1]
             self._emit(seq, ids[slot], hidden, code)
         self._evict([s for s in launch.seqs if s.call.finished and s.slot >= 0])
 
-    def _advance(self, seqs: list[Sequence], hidden: torch.Tensor, values: list) -> None:
-        """Sample each sequence's next token from its last hidden state, and emit it."""
-        logits = self.component.logits(hidden)
-        if self.component.suppress:
-            logits[:, list(self.component.suppress)] = -float("inf")
-        self.component.mask_logits(seqs, logits)
+    def _code(self, token: int, frames: torch.Tensor | None, slot: int) -> torch.Tensor | None:
+        """The `codes` output of a static step's token (None: none): its frame, completed on
+        the device (`frames`: the step's codes `[rows, G]`; an end id has none), else the
+        component's `code`."""
+        if "codes" not in self.spec.outputs:
+            return None
+        if frames is None:
+            return self.component.code(token)
+        return None if token in self.component.eos_ids else frames[slot : slot + 1].clone()
+
+    def _advance(self, seqs: list[Sequence], hidden: torch.Tensor, values: list) -> list:
+        """Sample each sequence's next token from its last hidden state, and emit it; returns
+        each one's `codes` value (None: none)."""
+        c = self.component
+        logits = c.logits(hidden)
+        if c.suppress:
+            logits[:, list(c.suppress)] = -float("inf")
+        early = [i for i, s in enumerate(seqs) if s.generated < c.min_tokens]
+        if early and c.eos_ids:  # the end ids wait for the minimum length
+            rows, ends = (torch.tensor(x, device=logits.device) for x in (early, sorted(c.eos_ids)))
+            logits[rows[:, None], ends] = -float("inf")
+        c.mask_logits(seqs, logits)
         if logits.is_cuda:
             ids = _sample_on_device(logits, seqs)
         else:
             ids = _sample_row_by_row(logits, seqs)
         codes = [None] * len(seqs)
         if "codes" in self.spec.outputs:
-            codes = self.component.frames(seqs, ids, hidden)
+            codes = c.frames(seqs, ids, hidden)
         for seq, token, value, code in zip(seqs, ids, values, codes, strict=True):
             self._emit(seq, token, value, code)
+        return codes
 
     def _emit(self, seq: Sequence, token: int, value, code: torch.Tensor | None = None) -> None:
         """Emit a sampled token and its outputs (`code`: its `codes` value, if any)."""
@@ -892,10 +923,14 @@ class TransformersAR(Backend):
         self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(own, width)])
 
     def _join_static(
-        self, seq: Sequence, states: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self,
+        seq: Sequence,
+        code: torch.Tensor | None,
+        states: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         """Put a prefilled request in the next free slot (its row), copying its keys and
-        values (`states`) there unless its prefill wrote them into that slot."""
+        values (`states`) there unless its prefill wrote them into that slot; `code` is its
+        first token's `codes` value (with frames, the frame is its last row)."""
         seq.slot = len(self.rows)
         self.rows.append(seq)
         sampling = seq.sampling
@@ -918,6 +953,8 @@ class TransformersAR(Backend):
                 "repetition_penalty": sampling.repetition_penalty,
                 "seed": seq.seed,
                 "seen": seq.seen,
+                "min_tokens": self.component.min_tokens,
+                "frame": None if code is None else code[-1],
             },
             **kv,
         )

@@ -290,6 +290,69 @@ def test_the_static_path_crosses_length_buckets_as_the_dynamic_one_decodes(plan)
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def qwen3_lm() -> transformers_ar.CausalLM:
+    """A random-weight Qwen3 LM of tiny:qwen2's dimensions and tokenizer (Qwen3's layers:
+    per-head q/k RMSNorms before the rotary), as a plain causal LM component."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = build_tiny("qwen2")
+    with quiet():
+        qwen2 = AutoModelForCausalLM.from_pretrained(path)
+    c = qwen2.config
+    config = Qwen3Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.hidden_size // c.num_attention_heads, rms_norm_eps=c.rms_norm_eps,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():  # weights large enough that greedy tokens vary
+        for param in model.parameters():
+            param.normal_(0.0, 0.2) if param.dim() > 1 else param.uniform_(0.5, 1.5)
+    model.generation_config = qwen2.generation_config
+    return transformers_ar.CausalLM(model, AutoTokenizer.from_pretrained(path))
+
+
+def test_a_qwen3_decoder_decodes_on_the_static_path_as_on_the_dynamic_one(plan):
+    """Qwen3's layers (q/k norms before the rotary) run on the static path, and give the
+    dynamic path's greedy tokens, batched at different steps with a row leaving."""
+    lm = qwen3_lm()
+    assert static_decode.unsupported(lm.decoder) is None and static_decode.fusable(lm.decoder)
+
+    def decode(mode: str) -> list[list[int]]:
+        stage = with_decode(plan, mode)
+        backend = TransformersAR(StageSpec.from_channels(stage, plan.channels), "cpu", lm)
+        calls = [request(p, max_tokens=12) for p in PROMPTS]
+        return [o.tokens for o in run(backend, calls, joins=[0, 1, 1, 3], cancel={1: 6})]
+
+    want, got = decode("eager"), decode("static")
+    assert [got[i] for i in (0, 2, 3)] == [want[i] for i in (0, 2, 3)]
+    # The dropped row: its tokens until then (the static path's step in flight emits none).
+    assert got[1] == want[1][: len(got[1])] and len(got[1]) >= 4
+    assert len({tuple(t) for t in want}) == len(want) and max(map(len, want)) == 12
+
+
+def test_the_static_path_refuses_a_mixture_of_experts():
+    """A routed MoE MLP (its experts picked by host control flow, which no graph captures)
+    keeps a decoder off the static path."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    decoder = qwen3_lm().decoder
+    layer = decoder.layers[1]
+    dense = layer.mlp
+    config = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4)
+    try:
+        layer.mlp = Qwen3MoeSparseMoeBlock(config)
+        assert "layer 1's MLP is not a dense gated one" in static_decode.unsupported(decoder)
+        assert not static_decode.fusable(decoder)
+    finally:
+        layer.mlp = dense
+    assert static_decode.unsupported(decoder) is None
+
+
 def test_the_static_cache_is_sized_from_the_plan_and_refuses_what_cannot_fit(plan):
     backend = make_backend(plan, "static", max_len=16)  # 16 + 12 columns: one quantum
     assert backend.static.columns == 128 and backend.static.length_buckets == [128]

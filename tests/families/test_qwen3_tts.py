@@ -19,6 +19,8 @@ codes (Mimi encoder) identical; streamed decode vs whole decode ~1e-6 (tolerance
 from __future__ import annotations
 
 import base64
+import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -388,6 +390,118 @@ def test_the_code_predictors_device_draws_do_not_depend_on_the_batch():
     draws = [sample_sub_step(logits, seqs, how, g, on_device=True)[1] for g in range(1, 16)]
     assert len(set(map(int, draws))) > 1 and other_step.shape == together.shape
     assert torch.equal(sample_sub_step(logits, seqs, None, 4, on_device=True), logits.argmax(-1))
+
+
+# --- the static decode path: frames completed inside the step ------------------------------
+
+
+def talker_backend(plan, decode: str, device: str = "cpu") -> TransformersAR:
+    stage = plan.stage("talker")
+    stage = dataclasses.replace(stage, settings={**stage.settings, "decode": decode})
+    return TransformersAR(StageSpec.from_channels(stage, plan.channels), device)
+
+
+def frame_requests(ref_wav: str, task: str = "CustomVoice") -> list[tuple]:
+    """(inputs, params, join step, dropped before step) of requests decoding together:
+    greedy ones joining at steps 0, 2 and 3, one ending at its max_tokens while the others
+    run, one dropped mid-way, and one sampled with a seed; for Base, voice clones (one with
+    its reference codes sent ahead of its first frame)."""
+    if task == "Base":
+        return [
+            (*request_of("clone_icl", ref_wav)[1:], 0, None),
+            (*request_of("clone_xvec", ref_wav, max_tokens=5)[1:], 1, None),
+            (*request_of("clone_icl", ref_wav, temperature=0.9, seed=4)[1:], 2, None),
+        ]
+    return [
+        (*request_of("cv_en", ref_wav, max_tokens=12)[1:], 0, None),
+        (*request_of("cv_dialect", ref_wav, max_tokens=5)[1:], 2, None),
+        (*request_of("cv_en", ref_wav, max_tokens=10)[1:], 3, 7),
+        (*request_of("cv_dialect", ref_wav, max_tokens=9, temperature=0.9, seed=5)[1:], 1, None),
+    ]
+
+
+def serve_frames(backend: TransformersAR, requests: list[tuple]) -> list[torch.Tensor]:
+    """Step `frame_requests` through the talker, each offered from its join step until it
+    ends (or is dropped); each one's codes `[frames, 16]`. No row is left behind."""
+    calls = []
+    for i, (inputs, params, _, _) in enumerate(requests):
+        streams = {port: InputStream(kind) for port, kind in backend.spec.inputs.items()}
+        for port, stream in streams.items():
+            stream.push(inputs.get(port) or None, True)
+        calls.append(Call(f"r{i}", params, streams))
+    live: list[Call] = []
+    for step in itertools.count():
+        for call, (_, _, join, drop) in zip(calls, requests, strict=True):
+            if join == step:
+                live.append(call)
+            if drop == step and call in live:
+                backend.drop(call)
+                live.remove(call)
+        if not live and step > max(r[2] for r in requests):
+            break
+        assert step < 200, "the requests never ended"
+        ready = [c for c in live if backend.ready(c)]
+        backend.step(ready)
+        for call in ready:
+            assert call.error is None, call.error
+            if call.finished:
+                backend.drop(call)
+                live.remove(call)
+    assert backend.rows == []
+    return [torch.cat([v for port, v in c.emitted if port == "codes"]) for c in calls]
+
+
+def assert_same_frames(got: list, want: list, requests: list[tuple], rows=None) -> None:
+    """Equal codes for `rows` (default all); a dropped request's as far as both went (the
+    static path's step in flight when it is dropped emits nothing)."""
+    for i in range(len(requests)) if rows is None else rows:
+        if requests[i][3] is None:
+            assert torch.equal(got[i], want[i]), i
+        else:
+            n = min(len(got[i]), len(want[i]))
+            assert n >= 3 and torch.equal(got[i][:n], want[i][:n]), i
+
+
+def test_the_static_step_completes_the_eager_paths_frames(plans, talkers, ref_wav):
+    """decode="static" (the step CUDA graphs capture, here run eagerly: the code predictor's
+    sub-steps and their sampling inside it) gives the eager path's codes, greedily:
+    requests joining at different steps, one ending while the others run, one dropped, a
+    sampled one beside them; and voice clones, one sending its reference codes ahead of
+    its first frame. (Sampled draws differ off CUDA, where the eager path draws from each
+    request's generator, as `generate` does.)"""
+    for task in ("CustomVoice", "Base"):
+        static = talker_backend(plans[task], "static")
+        assert static.static is not None and static.static.frames is not None
+        requests = frame_requests(ref_wav, task)
+        want = serve_frames(talkers[task], requests)
+        got = serve_frames(static, requests)
+        greedy = [i for i, r in enumerate(requests) if r[1]["temperature"] == 0]
+        assert_same_frames(got, want, requests, greedy)
+        assert all(len(w) > 1 for w in want)
+    assert talker_backend(plans["CustomVoice"], "auto").decode == "eager"  # the CPU default
+
+
+@pytest.mark.gpu
+def test_captured_frames_are_the_eager_static_steps_and_the_dynamic_paths(plans, ref_wav):
+    """On CUDA the talker takes the captured static step by default, and replaying it gives
+    exactly the codes of the same step run eagerly, greedy and sampled (seeded), with
+    nothing captured after load; the dynamic path on the GPU (the same (seed, frame,
+    sub-step) draws) gives the same codes too."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    plan = plans["CustomVoice"]
+    graphed = talker_backend(plan, "auto", "cuda:0")
+    assert graphed.decode == "graphs" and graphed.static.frames is not None
+    captured = graphed.static.captures
+    requests = frame_requests(ref_wav)
+    got = serve_frames(graphed, requests)
+    assert graphed.static.captures == captured and graphed.static.replays > 0
+    assert_same_frames(
+        got, serve_frames(talker_backend(plan, "static", "cuda:0"), requests), requests
+    )
+    assert_same_frames(
+        got, serve_frames(talker_backend(plan, "eager", "cuda:0"), requests), requests
+    )
 
 
 def test_requests_that_do_not_fit_the_checkpoint_fail_alone(talkers, ref_wav):

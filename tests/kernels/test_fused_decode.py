@@ -1,8 +1,9 @@
 """The static decode step on the fused kernels (merged q/k/v and gate/up products, add +
-RMSNorm, rotary + cache write, SiLU x up), interpreted on the CPU: tiny:qwen2 and the tiny
-Qwen2.5-Omni thinker decode the tokens the op-by-op static step decodes (and so HF's
-`generate`: tests/backends/test_transformers_ar.py), with requests batched at different
-lengths and one leaving early."""
+RMSNorm, (q/k norms and) rotary + cache write, SiLU x up), interpreted on the CPU: tiny:qwen2,
+the tiny Qwen2.5-Omni thinker and a random Qwen3 LM decode the tokens the op-by-op static
+step decodes (and so HF's `generate`: tests/backends/test_transformers_ar.py), with requests
+batched at different lengths and one leaving early; the tiny Qwen3-TTS talker, its frames
+completed inside the step (the code predictor fused too), the op-by-op step's codes."""
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from omniflow.backends.static_decode import StaticDecoder
 from omniflow.backends.transformers_ar import TransformersAR
 from omniflow.compiler import compile_source
 from omniflow.runtime.stage import Call, InputStream, StageSpec
-from tests.backends.test_transformers_ar import forward_shapes, run
+from tests.backends.test_transformers_ar import forward_shapes, qwen3_lm, run
+from tests.families import test_qwen3_tts as tts
 
 SOURCE = """
 pipeline chat {{
@@ -29,16 +31,22 @@ PROMPTS = ["Tell me a short story.", "hi", "red hello short short cat small hell
 SYSTEM = {"role": "system", "content": "Be brief."}
 
 
-def static_backend(model: str, fused: bool) -> TransformersAR:
-    """The model's `lm` stage on the static path, on the fused layers or op by op."""
+def static_backend(model: str, fused: bool, component=None) -> TransformersAR:
+    """The model's `lm` stage on the static path (`component` in place of the model's),
+    on the fused layers or op by op."""
     torch.set_num_threads(1)
     plan = compile_source(SOURCE.format(model=model, component=MODELS[model]), devices="cpu")
-    backend = TransformersAR(StageSpec.from_channels(plan.stage("lm"), plan.channels), "cpu")
+    spec = StageSpec.from_channels(plan.stage("lm"), plan.channels)
+    return with_fused(TransformersAR(spec, "cpu", component), fused)
+
+
+def with_fused(backend: TransformersAR, fused: bool) -> TransformersAR:
+    """`backend` with its static decoder rebuilt on the fused layers where `fused`."""
     static = backend.static
     if fused:
         backend.static = StaticDecoder(
             backend.component, slots=static.slots, columns=static.columns, device="cpu",
-            capture=False, extra=static.has_extra, fused=True,
+            capture=False, extra=static.has_extra, fused=True, frames=backend.component.frame_spec,
         )  # fmt: skip
     return backend
 
@@ -84,8 +92,24 @@ def prefilled(model: str, fused: bool) -> dict:
 
 
 def decode_each(fused: bool) -> list[list[list[int]]]:
-    """`decode` for every model."""
-    return [decode(model, fused) for model in MODELS]
+    """`decode` for every model, then for the Qwen3 LM."""
+    backend = static_backend("tiny:qwen2", fused, qwen3_lm())
+    qwen3 = [out.tokens for out in run(backend, calls_for([10, 4, 10]), joins=[0, 1, 1])]
+    return [*(decode(model, fused) for model in MODELS), qwen3]
+
+
+def tts_frames(fused: bool) -> list[torch.Tensor]:
+    """Two greedy requests of the tiny Qwen3-TTS talker on the static path, joining at
+    different steps: their codes."""
+    torch.set_num_threads(1)
+    plan = compile_source(tts.PROGRAM.format(model=tts.MODELS["CustomVoice"]), devices="cpu")
+    backend = with_fused(tts.talker_backend(plan, "static"), fused)
+    assert backend.static.fused == backend.static.frames.cache.fused == fused
+    requests = [
+        (*tts.request_of("cv_en", "", max_tokens=5)[1:], 0, None),
+        (*tts.request_of("cv_dialect", "", max_tokens=3)[1:], 2, None),
+    ]
+    return tts.serve_frames(backend, requests)
 
 
 def prefilled_each(fused: bool) -> list[dict]:
@@ -93,8 +117,8 @@ def prefilled_each(fused: bool) -> list[dict]:
 
 
 def fused_each() -> dict:
-    """Both, on the fused layers: one interpreted process for the file (each costs seconds)."""
-    return {"decode": decode_each(True), "prefilled": prefilled_each(True)}
+    """All, on the fused layers: one interpreted process for the file (each costs seconds)."""
+    return {"decode": decode_each(True), "prefilled": prefilled_each(True), "tts": tts_frames(True)}
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +128,17 @@ def fused(interpret) -> dict:
 
 def test_the_fused_step_decodes_the_op_by_op_steps_tokens(fused):
     want = decode_each(fused=False)
-    assert [[len(t) for t in tokens] for tokens in want] == [[10, 4, 10]] * len(MODELS)
+    assert [[len(t) for t in tokens] for tokens in want[: len(MODELS)]] == [[10, 4, 10]] * len(
+        MODELS
+    )
     assert fused["decode"] == want
+
+
+def test_the_fused_step_completes_the_op_by_op_steps_frames(fused):
+    want = tts_frames(fused=False)
+    assert [len(codes) for codes in want] == [5, 3]
+    for got, codes in zip(fused["tts"], want, strict=True):
+        assert torch.equal(got, codes)
 
 
 def test_the_fused_prefill_writes_the_slots_the_model_forward_fills(fused):

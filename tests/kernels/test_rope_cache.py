@@ -1,6 +1,7 @@
 """Rotary embedding fused with the static cache write, for decode rows (one a slot) and
-prefill rows (a prompt's positions, many to a slot): its reference is HF's
-`apply_rotary_pos_emb` and an indexed copy, and its Triton kernel (interpreted on the CPU,
+prefill rows (a prompt's positions, many to a slot), with and without Qwen3's per-head q/k
+RMSNorm before it: its reference is HF's `Qwen3RMSNorm`, `apply_rotary_pos_emb` and an
+indexed copy, and its Triton kernel (interpreted on the CPU,
 compiled on a GPU) agrees with the reference: to the bit on float32 in the interpreter,
 within a step of bfloat16 on the GPU."""
 
@@ -21,8 +22,8 @@ def cases() -> list[dict]:
     times as many, each naming its slot, distinct columns of a slot)."""
     found = []
     g = torch.Generator().manual_seed(0)
-    for (rows, q_heads, kv_heads, d, slots, columns), dtype, prefill in itertools.product(
-        SHAPES, (torch.float32, torch.bfloat16), (False, True)
+    for (rows, q_heads, kv_heads, d, slots, columns), dtype, prefill, normed in itertools.product(
+        SHAPES, (torch.float32, torch.bfloat16), (False, True), (False, True)
     ):
         n = 3 * rows if prefill else rows
         qkv = torch.randn(n, (q_heads + 2 * kv_heads) * d, generator=g).to(dtype)
@@ -33,10 +34,14 @@ def cases() -> list[dict]:
         if prefill:
             slot = torch.randint(0, slots, (n,), generator=g)
             filled = torch.tensor([int((slot[:r] == slot[r]).sum()) for r in range(n)])
+        norms = {}
+        if normed:
+            weights = (1 + 0.5 * torch.randn(2, d, generator=g)).to(dtype)
+            norms = {"q_norm": weights[0], "k_norm": weights[1], "eps": 1e-6}
         found.append({
             "qkv": qkv, "cos": angle.cos().to(dtype), "sin": angle.sin().to(dtype),
             "filled": filled, "keys": cache[0], "values": cache[1],
-            "q_heads": q_heads, "kv_heads": kv_heads, "slots": slot,
+            "q_heads": q_heads, "kv_heads": kv_heads, "slots": slot, **norms,
         })  # fmt: skip
     return found
 
@@ -48,12 +53,20 @@ def run_kernel(found: list[dict]) -> list[tuple]:
 
 def test_the_reference_is_hf_rotary():
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    def hf_norm(weight: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+        norm = Qwen3RMSNorm(weight.shape[0], eps).to(weight.dtype)
+        norm.weight.data.copy_(weight)
+        return norm(x)
 
     for case in cases():
         rows, d = case["qkv"].shape[0], case["keys"].shape[-1]
         heads = case["qkv"].view(rows, -1, d)
         q = heads[:, : case["q_heads"], None]  # [B, Hq, 1, d] as HF's attention holds it
         k = heads[:, case["q_heads"] : case["q_heads"] + case["kv_heads"], None]
+        if "q_norm" in case:  # Qwen3: each head normalized before the rotation
+            q, k = hf_norm(case["q_norm"], q, case["eps"]), hf_norm(case["k_norm"], k, case["eps"])
         want_q, want_k = apply_rotary_pos_emb(q, k, case["cos"][:, None], case["sin"][:, None])
         keys = case["keys"].clone()
         got_q = rope_cache.reference(**{**case, "keys": keys, "values": case["values"].clone()})
@@ -72,13 +85,14 @@ def assert_agree(got: torch.Tensor, want: torch.Tensor, steps: int) -> None:
 
 def test_kernel_agrees_with_the_reference(interpret):
     """Triton's interpreter rounds float32 to bfloat16 towards zero (the GPU rounds to
-    nearest, as torch does): its bf16 results may sit a few steps off; float32 is exact."""
+    nearest, as torch does): its bf16 results may sit a few steps off; float32 is exact
+    (with q/k norms, to rounding: the kernel sums the mean square in another order)."""
     found = cases()
     for case, (q, keys, values) in zip(found, interpret(run_kernel, found), strict=True):
         mine = {**case, "keys": case["keys"].clone(), "values": case["values"].clone()}
         want = rope_cache.reference(**mine)
         assert torch.equal(values, mine["values"])  # copied, never rounded
-        if q.dtype == torch.float32:
+        if q.dtype == torch.float32 and "q_norm" not in case:
             assert torch.equal(q, want) and torch.equal(keys, mine["keys"])
         assert_agree(q, want, steps=4)
         assert_agree(keys, mine["keys"], steps=4)
@@ -90,6 +104,8 @@ def test_shapes_are_checked():
         rope_cache.rope_cache(**{**case, "q_heads": 3})
     with pytest.raises(rope_cache.RopeError, match="slots must be"):
         rope_cache.rope_cache(**{**case, "slots": torch.zeros(5, dtype=torch.int64)})
+    with pytest.raises(rope_cache.RopeError, match="q_norm and k_norm"):
+        rope_cache.rope_cache(**{**case, "q_norm": torch.ones(16)})
 
 
 @pytest.mark.gpu

@@ -16,10 +16,17 @@ Sampling is `Qwen3TTSForConditionalGeneration.generate`'s: the checkpoint's
 generation_config.json (temperature 0.9, top-k 50, top-p 1, repetition penalty 1.05 over
 the codebook-0 ids generated so far), every special id but end-of-speech suppressed
 (the top 1024 of the 3072), end-of-speech masked for the first two steps
-(`min_new_tokens=2`, `mask_logits`). The code predictor samples with the sub-talker's
-settings (`subtalker_*`; `transformers_ar.sample_sub_step`): on CPU from the request's own
-generator, right after the talker's draw, as `generate` does; on CUDA with the fused
-sampler, keyed by the request's seed. A greedy request (temperature 0) is greedy in both.
+(`min_new_tokens=2`, the component's `min_tokens`). The code predictor samples with the
+sub-talker's settings (`subtalker_*`; `transformers_ar.sample_sub_step`): on CPU from the
+request's own generator, right after the talker's draw, as `generate` does; on CUDA with
+the fused sampler, keyed by the request's seed. A greedy request (temperature 0) is greedy
+in both.
+
+Decode paths: eager (the batched DynamicCache; `frames` runs the code predictor for the
+batch, `step_embeds` feeds the frame back), or static (the default on CUDA, graph-captured:
+`frame_spec` gives the backend's static step the code predictor, its codebook tables and
+heads, and `Talker.frame_embeds`, and the step completes each frame on the device,
+`omniflow.backends.static_decode`; `step_extra` is the text-side row both paths add).
 The same checks of a request against the checkpoint run at admission
 (`voices.admission`) and here (`config.check_task_inputs`).
 
@@ -49,6 +56,7 @@ import torch
 
 from omniflow.backends.checkpoint_files import read_json
 from omniflow.backends.sampling_params import Sampling
+from omniflow.backends.static_decode import FrameSpec
 from omniflow.backends.transformers_ar import (
     ARBackendError,
     Component,
@@ -133,6 +141,7 @@ class QwenTTSTalker(Component):
     }
     required = frozenset({"prompt"})
     outputs = frozenset({"codes", "tokens"})
+    min_tokens = MIN_NEW_TOKENS
 
     def __init__(self, talker: Talker, tokenizer, config: TTSConfig, generation: dict, encoders):
         self.model = talker
@@ -160,7 +169,16 @@ class QwenTTSTalker(Component):
                 generation["subtalker_top_p"],
             )
         self.encoders = encoders  # Base: (speaker encoder, speech tokenizer encoder)
-        self.codebook_size = talker.code_predictor.lm_head[0].out_features
+        predictor = talker.code_predictor
+        self.codebook_size = predictor.lm_head[0].out_features
+        self.frame_spec = FrameSpec(
+            predictor=predictor.model,
+            project=predictor.small_to_mtp_projection,
+            tables=predictor.model.codec_embedding,
+            heads=predictor.lm_head,
+            frame_embeds=talker.frame_embeds,
+            sampling=self.sub_sampling,
+        )
 
     # --- prompts ----------------------------------------------------------------------------
     def can_start(self, call: Call) -> bool:
@@ -250,11 +268,6 @@ class QwenTTSTalker(Component):
         return Prompt(built.embeds, [])
 
     # --- steps ------------------------------------------------------------------------------
-    def mask_logits(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        for row, seq in enumerate(seqs):
-            if seq.generated < MIN_NEW_TOKENS:
-                logits[row, self.layout.codec_eos] = -float("inf")
-
     def frames(self, seqs: list[Sequence], ids: list[int], hidden: torch.Tensor):
         """Complete every row's frame with the code predictor, all rows in each of its
         sub-steps, with one read-back for the batch; None for the end of speech."""
@@ -275,12 +288,14 @@ class QwenTTSTalker(Component):
                 out[i], state.context = torch.cat([state.context, out[i]]), None
         return out
 
+    def step_extra(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Each row's text side of its next step: after n frames, row n - 1 of the trailing
+        text (the prefill fed the rows before them), then the pad."""
+        return torch.stack([s.call.state[_STATE].text_side(s.next_step - 1) for s in seqs])
+
     def step_embeds(self, seqs: list[Sequence]) -> torch.Tensor:
-        rows = []
-        for seq in seqs:
-            state = seq.call.state[_STATE]
-            rows.append(state.next + state.text_side(seq.generated - 1))
-        return torch.stack(rows)
+        frames = torch.stack([s.call.state[_STATE].next for s in seqs])
+        return frames + self.step_extra(seqs)
 
 
 @torch.inference_mode()

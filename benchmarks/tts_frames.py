@@ -1,0 +1,181 @@
+"""Claim: Qwen3-TTS's frame step (the talker's decode step, its code predictor's 15
+sub-steps and every sampling step of the frame) replayed as one CUDA graph per batch bucket
+takes milliseconds at any batch up to 64, where the eager step (a DynamicCache and 15
+predictor forwards with host work between them) is bound by the host.
+
+Loads the talker stage of a real-size random-weight Qwen3-TTS-12Hz-1.7B-CustomVoice
+(`omniflow models build-scaled`, built once into the cache; `--tiny`: the tiny checkpoint,
+anywhere) through the transformers `ar` backend in each decode mode, prefills `batch`
+requests together (the serving benchmark's text, speaker Vivian, the checkpoint's own
+sampling: temperature 0.9, top-k 50, repetition penalty 1.05, the code predictor sampled
+likewise), then times `--steps` decode steps on the host. Each step is one frame of every
+request: `backend.step` returns with the frames of the step before on the host (static
+paths, whose own step runs meanwhile) or its own (eager), so in a steady run its wall time
+is the time of a frame. Also times the graph replay alone (CUDA events, no host work).
+A frame is 80 ms of audio: a step time t at batch b speaks b x 80 / t seconds of audio a
+second.
+
+    python benchmarks/tts_frames.py                      # on a GPU: eager and graphs, 1/16/64
+    python benchmarks/tts_frames.py --tiny --modes eager static --batches 1 4 --steps 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.tts_serve import CUSTOM, TEXT  # noqa: E402
+from omniflow.backends.transformers_ar import TransformersAR  # noqa: E402
+from omniflow.compiler import compile_source  # noqa: E402
+from omniflow.runtime.stage import Call, InputStream, StageSpec  # noqa: E402
+
+SOURCE = """
+pipeline frames {{
+  model {model}
+  stage talker = ar(component="talker", max_batch={slots}, max_len=256, max_tokens={frames},
+                    language="English", decode="{decode}")
+  input text: text -> talker
+  input voice: text = "" -> talker.voice
+  talker.codes -> output codes
+}}
+"""
+
+
+def backend_for(model: str, mode: str, slots: int, frames: int, device: str):
+    source = SOURCE.format(model=f'"{model}"', slots=slots, frames=frames, decode=mode)
+    plan = compile_source(source, devices="1xH200" if device.startswith("cuda") else "cpu")
+    start = time.perf_counter()
+    backend = TransformersAR(StageSpec.from_channels(plan.stage("talker"), plan.channels), device)
+    sync(device)
+    return backend, time.perf_counter() - start
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def new_calls(batch: int, frames: int, tag: str) -> list[Call]:
+    calls = []
+    for i in range(batch):
+        text, voice = InputStream("text"), InputStream("text")
+        text.push(TEXT, end=True)
+        voice.push("Vivian", end=True)
+        params = {"max_tokens": frames, "seed": i}
+        calls.append(Call(f"{tag}-{batch}-{i}", params, {"prompt": text, "voice": voice}))
+    return calls
+
+
+def frame_times(backend: TransformersAR, batch: int, steps: int, frames: int) -> tuple:
+    """Wall ms of the prefill of `batch` requests together, the median wall ms of a decode
+    step over them, and of the graph replay alone (None without graphs)."""
+    device = str(backend.device)
+    calls = new_calls(batch, frames, "warm")  # a first prefill of the shape pays set-up
+    backend.step(calls)
+    for call in calls:
+        backend.drop(call)
+    calls = new_calls(batch, frames, "timed")
+    sync(device)
+    start = time.perf_counter()
+    backend.step(calls)  # prefill, and each request's first frame
+    sync(device)
+    prefill = (time.perf_counter() - start) * 1e3
+    times = []
+    for step in range(3 + steps):  # 3 to warm up
+        live = [c for c in calls if not c.finished]  # (the tiny checkpoint's speech ends)
+        start = time.perf_counter()
+        backend.step(live)
+        if step >= 3:
+            times.append(time.perf_counter() - start)
+        for call in calls:
+            call.emitted.clear()
+    assert not any(c.error for c in calls), [c.error for c in calls]
+    replay = None
+    static = backend.static
+    if static is not None and static.graphs:
+        longest = max(s.length + s.ahead for s in backend.rows)
+        graph = static.graphs[static.buckets(len(backend.rows), longest)]
+        sync(device)
+        with torch.inference_mode():  # (the static buffers are inference tensors)
+            static.active.zero_()  # no row advances in the replays below
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        replays = []
+        for _ in range(10):
+            begin.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            replays.append(begin.elapsed_time(end))
+        replay = statistics.median(replays)
+    for call in calls:
+        backend.drop(call)
+    return prefill, statistics.median(times) * 1e3, replay
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--modes", nargs="+", default=["eager", "graphs"],
+                        choices=["eager", "static", "graphs"])  # fmt: skip
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--steps", type=int, default=24, help="timed decode steps")
+    parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint (any machine)")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cuda = args.device.startswith("cuda")
+    if args.tiny:
+        model = "tiny:qwen3-tts-customvoice"
+    else:
+        from omniflow.checkpoints.scaled import scaled_checkpoint
+
+        model = str(scaled_checkpoint(CUSTOM, 1.0, args.device))
+    name = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"Qwen3-TTS frame steps, {time.strftime('%Y-%m-%d %H:%M')}, {name}, {model}")
+    slots, frames = max(args.batches), args.steps + 16
+    rows = []
+    for mode in args.modes:
+        backend, load_s = backend_for(model, mode, slots, frames, args.device)
+        static = backend.static
+        note = f"{mode} ({backend.decode}): loaded in {load_s:.1f} s"
+        if static is not None:
+            note += (
+                f", fused {static.fused}, {static.captures} graphs captured in "
+                f"{static.capture_seconds:.1f} s, cache {static.slots} x {static.columns}"
+            )
+        print(note, flush=True)
+        captured = static.captures if static is not None else 0
+        for batch in args.batches:
+            prefill, step, replay = frame_times(backend, batch, args.steps, frames)
+            rows.append((mode, batch, prefill, step, replay))
+            print(
+                f"  batch {batch:>3}: prefill {prefill:8.1f} ms, frame {step:8.2f} ms"
+                + (f", replay {replay:.2f} ms" if replay is not None else ""),
+                flush=True,
+            )
+        if static is not None:  # serving captured nothing new
+            assert static.captures == captured, (static.captures, captured)
+        backend.close()
+        del backend
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    print(
+        f"\n{'mode':>7} {'batch':>5} {'prefill ms':>10} {'frame ms':>9} {'replay ms':>9} "
+        f"{'audio-s/s':>9}"
+    )
+    for mode, batch, prefill, step, replay in rows:
+        shown = f"{replay:9.2f}" if replay is not None else f"{'-':>9}"
+        print(f"{mode:>7} {batch:5d} {prefill:10.1f} {step:9.2f} {shown} {batch * 80 / step:9.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
