@@ -47,9 +47,9 @@ decodes each window at its own length, so the same seed gives the same bits in e
 mode and order. Padding never reaches kept samples: a window is padded on the right only if
 its kept frames end at least the decoder's lookahead reach before its end, else on the
 left only if they start at least its context reach after its start, and never if it is
-shorter than the decoder's `min_frames` (a stateful decoder's windows always are padded on the
-right); a window that allows none of these (a whole short
-utterance) goes in a forward of windows of its own length. A decoder with static windows
+shorter than the decoder's `min_frames` (a stateful decoder's windows always are padded on
+the right); a window that allows none of these (a whole short utterance) goes in a forward
+of windows of its own length. A decoder with static windows
 (the stage's `decode` "graphs" or "static": token2wav, docs/backends.md) has buffers, and on
 CUDA captured graphs, for the lengths the grid makes while a stream runs (`grid_lengths`)
 at each batch bucket; a forward is padded up to the shortest such length by the same rule
@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 
 import torch
@@ -185,7 +184,7 @@ def padded(windows: list[Window], frames: int, part: Callable[[Window], torch.Te
 # --- decoders ----------------------------------------------------------------------------
 
 
-class Decoder(ABC):
+class Decoder:
     """One architecture's decode: a padded batch of code windows -> their waveforms.
 
     `reach` is that of the part of the decoder that padding is not masked out of;
@@ -230,9 +229,10 @@ class Decoder(ABC):
         and how many of its first frames are such; by default none."""
         return chunk, 0
 
-    @abstractmethod
     def decode(self, windows: list[Window], frames: int) -> torch.Tensor:
-        """`[len(windows), frames * samples_per_frame]` float32 audio of the padded batch."""
+        """`[len(windows), frames * samples_per_frame]` float32 audio of the padded batch
+        (every decoder but a stateful one, which decodes by `step`)."""
+        raise VocoderError(f"{type(self).__name__} decodes only with its carried state")
 
     # Whether the decoder is causal and carries each stream's state from one window to the
     # next (`init_state`, `step`), so that a window holds only new frames.

@@ -78,18 +78,12 @@ class Code2Wav(Decoder):
         codes[:count] -= self.codebook_size
         return codes, count
 
-    def _codes(self, windows: list[Window], frames: int) -> torch.Tensor:
-        return padded(windows, frames, Window.codes, self.device).transpose(1, 2)
-
-    def decode(self, windows: list[Window], frames: int) -> torch.Tensor:
-        return self.model(self._codes(windows, frames)).reshape(len(windows), -1)
-
     def init_state(self) -> Carry:
         return self.fresh
 
     def step(
         self, states: list[Carry], windows: list[Window], frames: int
     ) -> tuple[torch.Tensor, list[Carry]]:
-        lengths = [w.frames for w in windows]
-        audio, states = self.model.stream(self._codes(windows, frames), states, lengths)
+        codes = padded(windows, frames, Window.codes, self.device).transpose(1, 2)
+        audio, states = self.model.stream(codes, states, [w.frames for w in windows])
         return audio.reshape(len(windows), -1), states
