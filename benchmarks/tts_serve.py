@@ -18,12 +18,24 @@ Goals (issue 27, one H200, real size): c=1 TTFP <= 40 ms and RTF <= 0.12; c=16 T
 150 ms; c=64 RTF <= 0.8, audio throughput >= 100 audio-s/s, p99 underrun <= 100 ms; voice
 clone c=1 TTFP <= 80 ms. The script prints each figure beside its goal.
 
+Open loop (`--open-loop`, or `--rates R ...`): requests arrive as a Poisson process at R
+requests/s for `--duration` seconds, whatever the server has yet to finish, each speaking
+one of a fixed set of everyday English sentences (arrival times and sentences drawn from
+`--seed`), as the independent speech-serving benchmark runs every engine. Per rate: p50,
+p95 and p99 TTFP, RTF, and the share of streams with any playback gap: a stream has one
+when at some moment the audio it has received is less than the wall time since its first
+packet (a playback underrun above zero). Then the highest rate tried at which no stream
+had a gap and no request failed, every lower rate too. Goals (issue 37, one H200, real
+size): p95 TTFP <= 34 ms at 10 requests/s and <= 77 ms at 20, no stream with a gap.
+
     # on a GPU: real-size random-weight checkpoints (built once into the cache), then:
     omniflow models build-scaled Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice
     omniflow models build-scaled Qwen/Qwen3-TTS-12Hz-1.7B-Base
     python benchmarks/tts_serve.py --devices 1xH200
+    python benchmarks/tts_serve.py --devices 1xH200 --rates 1 5 10 20 --duration 60
     # anywhere (slowly on a CPU): the tiny checkpoints, to check the script works
     python benchmarks/tts_serve.py --tiny --levels 1,4 --requests 4
+    python benchmarks/tts_serve.py --tiny --rates 0.5 2 --duration 10
 
 The server is `omniflow run` on graphs/qwen3_tts.omni (its copies for the scaled folders,
 with `max_batch` raised to the largest level so that no request is refused), in executor
@@ -66,6 +78,27 @@ TEXT = (
     "that cross it, and the people who keep its lighthouses burning through the night."
 )
 REF_TEXT = "The quick brown fox jumps over the lazy dog."
+# The open loop's sentences: everyday English, a few words to two short clauses.
+SENTENCES = (
+    "Good morning! Did you sleep well?",
+    "Could you pass me the salt, please?",
+    "The train to the city leaves at half past eight.",
+    "I'll call you back in five minutes.",
+    "Don't forget to buy milk on your way home.",
+    "It looks like it's going to rain this afternoon.",
+    "Thank you so much for your help yesterday.",
+    "Where did you park the car?",
+    "Let's meet for coffee on Friday.",
+    "The meeting has been moved to Thursday at ten.",
+    "Please turn the music down a little.",
+    "My phone battery is almost empty.",
+    "We need to leave in ten minutes if we want to catch the bus.",
+    "Have you seen my keys anywhere?",
+    "The restaurant on the corner makes the best pizza in town.",
+    "Happy birthday! I hope you have a wonderful day.",
+)
+# Open loop (issue 37): rate -> p95 TTFP bound (ms); no stream may have a gap.
+OPEN_LOOP_GOALS = {10.0: 34.0, 20.0: 77.0}
 GOALS = {  # (level, metric) -> (bound, "<=" or ">=")
     ("CustomVoice c=1", "ttfp"): (40.0, "<="),
     ("CustomVoice c=1", "rtf"): (0.12, "<="),
@@ -120,6 +153,43 @@ async def level(base: str, body: dict, concurrency: int, total: int) -> tuple[li
         return results, time.perf_counter() - began
 
 
+def arrivals(rate: float, duration: float, rng: np.random.Generator) -> list[float]:
+    """Arrival times (seconds from the start) of a Poisson process at `rate` per second
+    within `duration`."""
+    times, t = [], rng.exponential(1 / rate)
+    while t < duration:
+        times.append(t)
+        t += rng.exponential(1 / rate)
+    return times
+
+
+async def open_loop(base: str, body: dict, rate: float, duration: float, seed: int) -> dict:
+    """Requests arriving at `rate` per second for `duration` seconds, each sent when it
+    arrives whatever is still running, each one of SENTENCES (arrivals and sentences drawn
+    from `seed` and the rate); their results (a failed one: its error), the wall seconds
+    until the last ended, and how late the latest was sent after its arrival."""
+    rng = np.random.default_rng([seed, round(rate * 1000)])
+    times = arrivals(rate, duration, rng)
+    sentences = rng.integers(len(SENTENCES), size=len(times))
+    late: list[float] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base, timeout=1800, limits=limits) as client:
+        began = time.perf_counter()
+
+        async def arrive(i: int, at: float) -> dict:
+            await asyncio.sleep(max(0.0, began + at - time.perf_counter()))
+            late.append(time.perf_counter() - began - at)
+            request = {**body, "input": SENTENCES[sentences[i]], "seed": seed * 100_000 + i}
+            try:
+                return await speak(client, request)
+            except (RuntimeError, httpx.HTTPError) as err:
+                return {"error": f"{type(err).__name__}: {err}"}
+
+        results = await asyncio.gather(*(arrive(i, at) for i, at in enumerate(times)))
+        wall = time.perf_counter() - began
+    return {"rate": rate, "results": results, "wall": wall, "late": max(late, default=0.0)}
+
+
 def reference_clip(seconds: float = 5.0) -> bytes:
     """A 5 s reference as the peer sends one: an mp3 (a chirp with noise; random weights
     make no use of real speech)."""
@@ -146,11 +216,29 @@ def graph_variant(folder: Path, name: str, model: str | None, batch: int) -> Pat
 
 
 # --- the run --------------------------------------------------------------------------------
-def run_levels(args, base: str, model: str, clone_model: str | None) -> list[tuple]:
-    body = {"model": model, "input": TEXT, "voice": "Vivian", "language": "English",
-            "stream": True, "response_format": "pcm", "max_new_tokens": args.frames}  # fmt: skip
-    rows = []
+def custom_voice(model: str, frames: int) -> dict:
+    """The CustomVoice request body, as the peer's client sends it."""
+    return {"model": model, "input": TEXT, "voice": "Vivian", "language": "English",
+            "stream": True, "response_format": "pcm", "max_new_tokens": frames}  # fmt: skip
+
+
+def measure(args, base: str, model: str, clone_model: str | None) -> None:
+    """The chosen mode's runs against the server at `base`, and their report."""
+    body = custom_voice(model, args.frames)
     asyncio.run(level(base, body, 1, 2))  # warm-up: first requests compile and allocate
+    if args.rates:
+        runs = []
+        for rate in args.rates:
+            runs.append(asyncio.run(open_loop(base, body, rate, args.duration, args.seed)))
+            print(f"  done: {rate:g} requests/s ({len(runs[-1]['results'])} requests, "
+                  f"{runs[-1]['wall']:.1f} s)", flush=True)  # fmt: skip
+        report_open_loop(runs)
+    else:
+        report(run_levels(args, base, body, clone_model))
+
+
+def run_levels(args, base: str, body: dict, clone_model: str | None) -> list[tuple]:
+    rows = []
     for concurrency in args.levels:
         total = args.requests or max(8, 2 * concurrency)
         results, wall = asyncio.run(level(base, body, concurrency, total))
@@ -213,6 +301,67 @@ def report(rows: list[tuple]) -> None:
         )
 
 
+def open_loop_summary(run: dict) -> dict:
+    """A rate's figures: TTFP and RTF percentiles over the requests that succeeded, the
+    share of streams with a playback gap, failures, audio throughput."""
+    done = [r for r in run["results"] if "error" not in r]
+    ttfp = [r["ttfp"] for r in done if r["ttfp"] is not None]
+    rtf = [r["rtf"] for r in done if r["rtf"] is not None]
+    return {
+        "n": len(run["results"]),
+        "failed": len(run["results"]) - len(done),
+        "ttfp": [percentile(ttfp, q) for q in (0.5, 0.95, 0.99)],
+        "rtf": [percentile(rtf, q) for q in (0.5, 0.95)],
+        "gaps": sum(r["underrun"] > 0 for r in done) / len(done) if done else float("nan"),
+        "underrun": percentile([r["underrun"] for r in done], 0.99),
+        "throughput": sum(r["audio_s"] for r in done) / run["wall"],
+        "late": run["late"],
+    }
+
+
+def highest_gap_free(summaries: dict[float, dict]) -> float | None:
+    """The highest rate at which, as at every lower rate tried, no stream had a gap and no
+    request failed."""
+    best = None
+    for rate in sorted(summaries):
+        figures = summaries[rate]
+        if figures["failed"] or figures["gaps"] != 0:
+            break
+        best = rate
+    return best
+
+
+def report_open_loop(runs: list[dict]) -> None:
+    head = (
+        f"{'req/s':>6} {'n':>4} {'failed':>6} {'TTFP ms p50':>11} {'p95':>8} {'p99':>8} "
+        f"{'RTF p50':>7} {'p95':>6} {'gaps %':>6} {'underrun p99 s':>14} {'audio-s/s':>9} "
+        f"{'late ms':>7}"
+    )
+    print("\n" + head + "\n" + "-" * len(head))
+    summaries = {run["rate"]: open_loop_summary(run) for run in runs}
+    for rate, f in summaries.items():
+        print(
+            f"{rate:6g} {f['n']:4d} {f['failed']:6d} {f['ttfp'][0]:11.1f} {f['ttfp'][1]:8.1f} "
+            f"{f['ttfp'][2]:8.1f} {f['rtf'][0]:7.3f} {f['rtf'][1]:6.3f} {100 * f['gaps']:6.1f} "
+            f"{f['underrun']:14.3f} {f['throughput']:9.2f} {1e3 * f['late']:7.1f}"
+        )
+    best = highest_gap_free(summaries)
+    print(
+        "\nhighest gap-free rate: "
+        + (f"{best:g} requests/s" if best is not None else f"none (gaps at {min(summaries):g})")
+    )
+    print("goals (issue 37, one H200, real size):")
+    for rate, bound in OPEN_LOOP_GOALS.items():
+        if rate not in summaries:
+            continue
+        f = summaries[rate]
+        met = f["ttfp"][1] <= bound and f["gaps"] == 0 and not f["failed"]
+        print(
+            f"  {rate:g} requests/s: p95 TTFP {f['ttfp'][1]:.1f} ms <= {bound:g}, streams with "
+            f"a gap {100 * f['gaps']:.1f} % = 0: {'met' if met else 'MISSED'}"
+        )
+
+
 def summarise(results: list[dict], wall: float) -> dict:
     """A level's figures the goals name: median TTFP and RTF, audio throughput, p99
     underrun."""
@@ -236,11 +385,23 @@ def main() -> int:
     parser.add_argument("--frames", type=int, default=128,
                         help="max_new_tokens: frames of 80 ms each request speaks (default 128)")  # fmt: skip
     parser.add_argument("--no-clone", action="store_true", help="skip the voice clone level")
+    parser.add_argument("--open-loop", action="store_true",
+                        help="Poisson arrivals at each of --rates instead of the levels")  # fmt: skip
+    parser.add_argument("--rates", type=float, nargs="+", metavar="R",
+                        help="open loop at these requests/s (default 1 5 10 20)")  # fmt: skip
+    parser.add_argument("--duration", type=float, default=60.0, metavar="T",
+                        help="open loop: seconds of arrivals at each rate (default 60)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0,
+                        help="open loop: draws the arrivals, the sentences and the requests' seeds")  # fmt: skip
     parser.add_argument("--url", help="a running server instead of starting one")
     parser.add_argument("--model", default="qwen3_tts", help="with --url: the CustomVoice pipeline")
     parser.add_argument("--clone-model", default="qwen3_tts_clone", help="with --url: the Base one")
     args = parser.parse_args()
     args.levels = [int(c) for c in re.split(r"[, ]+", args.levels) if c]
+    if args.open_loop and not args.rates:
+        args.rates = [1.0, 5.0, 10.0, 20.0]
+    if args.rates and (min(args.rates) <= 0 or args.duration <= 0):
+        parser.error("--rates and --duration must be positive")
     if args.tiny and args.devices == "1xH200":
         args.devices = "cpu"
     if not args.tiny and args.url is None:
@@ -260,10 +421,9 @@ def main() -> int:
     print(f"omniflow Qwen3-TTS serving benchmark, {time.strftime('%Y-%m-%d %H:%M')}, "
           f"{platform.node()}, {os.cpu_count()} CPUs, {gpu}")  # fmt: skip
     print(f"command: {' '.join(sys.argv)}")
-    clone_model = None if args.no_clone else args.clone_model
+    clone_model = None if args.no_clone or args.rates else args.clone_model
     if args.url is not None:
-        rows = run_levels(args, args.url, args.model, clone_model)
-        report(rows)
+        measure(args, args.url, args.model, clone_model)
         return 0
     with tempfile.TemporaryDirectory() as folder:
         custom = base = None
@@ -282,10 +442,9 @@ def main() -> int:
         log = Path(folder) / "server.log"
         server = Server([*map(str, graphs), *flags, "--devices", args.devices], log)
         try:
-            rows = run_levels(args, server.base, "qwen3_tts", clone_model)
+            measure(args, server.base, "qwen3_tts", clone_model)
         finally:
             server.stop()
-    report(rows)
     return 0
 
 

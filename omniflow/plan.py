@@ -96,6 +96,8 @@ class ChannelPlan:
     max_steps: int
     schedule: list[int] | None  # None: the whole output in one message
     context: int = 0
+    # The consumer carries each stream's state from chunk to chunk: it needs no context.
+    carries_state: bool = False
     adapter: str | None = None
     adapter_impl: str | None = None  # "module:factory" of a named adapter (a user's: None)
     maps: list[str] = field(default_factory=list)

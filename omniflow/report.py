@@ -162,6 +162,12 @@ def render_plan(plan: Plan, console: Console, timings: bool = False) -> None:
         console.print(
             f"device memory: {human_bytes(plan.device_ring_bytes)} in {_rings(on_device)}"
         )
+    for c in plan.channels:
+        if c.carries_state:
+            console.print(
+                f"carried state: {c.dst} keeps each stream's decoder state from one chunk of "
+                f"{c.name} to the next (no left context)"
+            )
     for w in plan.warnings:
         console.print(f"warning: {w}", style="yellow")
     if timings:

@@ -19,6 +19,17 @@ samples per frame are those the walk found. A decoder's default lookahead is its
 decoder that looks no farther than the context and lookahead streams exactly its
 whole-utterance decode, up to rounding.
 
+Carried state. A causal decoder that says it carries each stream's state from one window to
+the next (`Decoder.stateful`: convolution tails, attention caches; `init_state`, `step`)
+decodes each window's new frames alone, after the state the stream's last window left:
+no left context is re-decoded (the edge's `context` is not used, and the compiler plans
+none), a window of n frames costs n frames of work, and the first window may be a single
+frame. The stream's state is kept with the request and dropped with it (finished, failed
+or cancelled). A voice clone's reference frames (`context_frames`) go through the decoder
+with the first window, advancing the state, and emit nothing. Such windows are padded on
+the right to the longest in their forward, and the decoder takes each row's state at its
+own last frame, so requests of any lengths share a forward.
+
 Windows lie on a grid, so a request's waveform does not depend on how its codes happened
 to be timed: a decoder that is not local on one of `unit` frames, windows of one unit,
 then two, four and more (`WINDOW_BLOCKS` in the model catalog, which the compiler sizes
@@ -36,8 +47,9 @@ decodes each window at its own length, so the same seed gives the same bits in e
 mode and order. Padding never reaches kept samples: a window is padded on the right only if
 its kept frames end at least the decoder's lookahead reach before its end, else on the
 left only if they start at least its context reach after its start, and never if it is
-shorter than the decoder's `min_frames`; a window that allows none of these (a whole short
-utterance) goes in a forward of windows of its own length. A decoder with static windows
+shorter than the decoder's `min_frames` (a stateful decoder's windows always are padded on
+the right); a window that allows none of these (a whole short utterance) goes in a forward
+of windows of its own length. A decoder with static windows
 (the stage's `decode` "graphs" or "static": token2wav, docs/backends.md) has buffers, and on
 CUDA captured graphs, for the lengths the grid makes while a stream runs (`grid_lengths`)
 at each batch bucket; a forward is padded up to the shortest such length by the same rule
@@ -48,7 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable
 
 import torch
@@ -115,6 +126,8 @@ class _Stream:
     opened: float = 0.0  # monotonic seconds: when its first codes arrived
     first_sent: float | None = None  # when its first audio was emitted
     backlog: bool = False  # windows ready that the last step left for later
+    carried: object = None  # a stateful decoder's state after frame `decoded`
+    decoded: int = 0  # frames a stateful decoder has decoded (reference frames too)
 
     @property
     def arrived(self) -> int:
@@ -171,7 +184,7 @@ def padded(windows: list[Window], frames: int, part: Callable[[Window], torch.Te
 # --- decoders ----------------------------------------------------------------------------
 
 
-class Decoder(ABC):
+class Decoder:
     """One architecture's decode: a padded batch of code windows -> their waveforms.
 
     `reach` is that of the part of the decoder that padding is not masked out of;
@@ -216,9 +229,27 @@ class Decoder(ABC):
         and how many of its first frames are such; by default none."""
         return chunk, 0
 
-    @abstractmethod
     def decode(self, windows: list[Window], frames: int) -> torch.Tensor:
-        """`[len(windows), frames * samples_per_frame]` float32 audio of the padded batch."""
+        """`[len(windows), frames * samples_per_frame]` float32 audio of the padded batch
+        (every decoder but a stateful one, which decodes by `step`)."""
+        raise VocoderError(f"{type(self).__name__} decodes only with its carried state")
+
+    # Whether the decoder is causal and carries each stream's state from one window to the
+    # next (`init_state`, `step`), so that a window holds only new frames.
+    stateful = False
+
+    def init_state(self) -> object:
+        """A stateful decoder's state of a stream before its first frame."""
+        raise VocoderError(f"{type(self).__name__} carries no state")
+
+    def step(
+        self, states: list[object], windows: list[Window], frames: int
+    ) -> tuple[torch.Tensor, list[object]]:
+        """A stateful decoder's decode of each window's frames after its stream's state,
+        the batch padded on the right to `frames`: `[len(windows), frames *
+        samples_per_frame]` float32 audio, and each stream's state after its window's last
+        frame (which the padding after it does not reach)."""
+        raise VocoderError(f"{type(self).__name__} carries no state")
 
     # The arithmetic `set_precision` accepts: the model's own float32, unless a decoder
     # runs more (token2wav: see its PRECISIONS).
@@ -319,14 +350,28 @@ class Vocoder(Backend):
                 f"{spec.plan.model} [{spec.plan.component}] makes "
                 f"{self.decoder.samples_per_frame} samples per frame"
             )
+        component = load_component_config(spec.plan.model, spec.plan.component)
+        self.stateful = self.decoder.stateful
+        if component.carries_state and not self.stateful:
+            raise VocoderError(
+                f"stage '{spec.plan.name}': the plan has {spec.plan.model} "
+                f"[{spec.plan.component}] carry its state from window to window (no left "
+                f"context), but its decoder, {type(self.decoder).__name__}, does not"
+            )
+        if self.stateful and self.decoder.reach.lookahead:
+            raise VocoderError(
+                f"{type(self.decoder).__name__} carries its state but looks "
+                f"{self.decoder.reach.lookahead} frames ahead: only a causal decoder can"
+            )
         align = self.decoder.unit or 1
-        context = spec.contexts.get(self.port, 0)
+        # A stateful decoder re-decodes no context: its state holds what the context would.
+        context = 0 if self.stateful else spec.contexts.get(self.port, 0)
         self.context = context - context % align
         self.lookahead = spec.plan.settings.get("lookahead", self.decoder.lookahead)
         self.grid_end = _grid(self.decoder.unit, spec.schedules.get(self.port))
         self.decode_mode = self._static_windows(spec, device)
         # Seconds of audio a frame plays for, which slack ordering needs (None: unknown rate).
-        rate = load_component_config(spec.plan.model, spec.plan.component).frame_rate
+        rate = component.frame_rate
         slack = spec.plan.settings["order"] == "slack" and rate
         self.frame_s = 1 / rate if slack else None
 
@@ -419,6 +464,7 @@ class Vocoder(Backend):
                 lookahead,
                 torch.zeros(0, 0, dtype=torch.int64, device=self.device),
                 opened=time.monotonic(),
+                carried=decoder.init_state() if self.stateful else None,
             )
             call.state["stream"] = stream
         chunk = call.inputs[self.port].take()
@@ -465,6 +511,12 @@ class Vocoder(Backend):
                     break
                 spans.append((done, min(end, arrived)))
                 done = end
+        if self.stateful:  # each window decodes the frames after the one before it
+            windows, start = [], stream.decoded
+            for k0, k1 in spans:
+                windows.append(Window(stream, start, k1, k0, k1))
+                start = k1
+            return windows
         return [
             Window(stream, max(0, k0 - self.context), min(arrived, k1 + stream.lookahead), k0, k1)
             for k0, k1 in spans
@@ -487,10 +539,18 @@ class Vocoder(Backend):
         return frames, batch
 
     def _decode(self, batch: list[Window], frames: int) -> dict[Window, torch.Tensor]:
-        """Each window's kept audio, `[kept frames, samples_per_frame]`."""
+        """Each window's kept audio, `[kept frames, samples_per_frame]`; a stateful
+        decoder's streams carry their state past their windows."""
         per_frame = self.decoder.samples_per_frame
         with torch.inference_mode():
-            audio = self.decoder.decode(batch, frames).float().cpu()
+            if self.stateful:
+                states = [w.stream.carried for w in batch]
+                audio, states = self.decoder.step(states, batch, frames)
+                for w, state in zip(batch, states, strict=True):
+                    w.stream.carried, w.stream.decoded = state, w.end
+            else:
+                audio = self.decoder.decode(batch, frames)
+            audio = audio.float().cpu()
         out = {}
         for row, w in zip(audio, batch, strict=True):
             first = (w.offset + w.keep_start - w.start) * per_frame
@@ -504,7 +564,8 @@ class Vocoder(Backend):
         for w in reversed(windows):
             pad = frames - w.frames
             long_enough = w.frames >= reach.min_frames
-            if pad == 0 or long_enough and w.end - w.keep_end >= reach.lookahead:
+            right = self.stateful or long_enough and w.end - w.keep_end >= reach.lookahead
+            if pad == 0 or right:
                 w.offset = 0  # padded on the right, if at all
             elif long_enough and w.keep_start - w.start >= reach.context:
                 w.offset = pad

@@ -152,6 +152,12 @@ class ComponentConfig:
         return self.part.block_grid(self.config)
 
     @property
+    def carries_state(self) -> bool:
+        """Whether a vocoder decodes causally, carrying each stream's state from one window
+        to the next (its family's part says): it re-decodes no left context."""
+        return self.category == "vocoder" and self.part is not None and self.part.carries_state
+
+    @property
     def frame_rate(self) -> float | None:
         """Codec frames per second of audio (sample_rate / samples_per_frame)."""
         rate, per_frame = self.sample_rate, self.samples_per_frame

@@ -43,7 +43,10 @@ class Part:
 
     A vocoder part whose config layout the generic rules do not read says how many samples
     it makes per codec frame (`samples_per_frame`), and one that decodes on a grid of blocks
-    the grid: `block_grid(config)` -> (codes per block, codes of lookahead). An encoder part
+    the grid: `block_grid(config)` -> (codes per block, codes of lookahead); one whose decoder
+    is causal and carries each stream's state from one window to the next (`carries_state`:
+    its windows need no left context and cost only their new frames) says so, and its
+    decoder is then `stateful` (omniflow.backends.vocoders). An encoder part
     whose `hidden` output is wider than the width its config names says how wide
     (`hidden_width(config)`: a vision tower that sends features of its inner layers beside
     its embeddings, as Qwen3-Omni's deepstack tower does). What a part costs is its family's
@@ -63,6 +66,7 @@ class Part:
     dtype: str | None = None
     samples_per_frame: Callable[[Mapping[str, Any]], int] | None = None
     block_grid: Callable[[Mapping[str, Any]], tuple[int, int]] | None = None
+    carries_state: bool = False
     hidden_width: Callable[[Mapping[str, Any]], int] | None = None
 
 

@@ -10,7 +10,7 @@ from omniflow.plan import ChannelPlan, PointwisePlan
 
 def lower_channel(graph: Graph, edge: Edge) -> ChannelPlan:
     ring, item, kernel = edge.meta["channel"], edge.meta["item"], edge.meta.get("pointwise")
-    schedule = edge.meta["schedule"]
+    schedule, carried = edge.meta["schedule"], edge.meta.get("carries_state", False)
     return ChannelPlan(
         edge.name,
         edge.src,
@@ -25,7 +25,8 @@ def lower_channel(graph: Graph, edge: Edge) -> ChannelPlan:
         list(item.item.shape),
         item.max_steps,
         list(schedule) if schedule is not None else None,
-        edge.context,
+        0 if carried else edge.context,
+        carried,
         edge.adapter,
         adapter_impl(edge.adapter),
         [str(op) for op in edge.maps],

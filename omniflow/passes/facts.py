@@ -19,9 +19,10 @@ replace`), since copies of a graph share their facts. Each prints as one short p
 | `executors` | the graph | `tuple[ExecutorGroup, ...]` | fuse_stages |
 | `pointwise` | edges with maps | `PointwiseKernel` | fuse_pointwise |
 | `schedule` | edges | `tuple[int, ...] | None` (None: whole output) | size_chunks |
+| `carries_state` | edges | `bool`: its consumer carries each stream's state (no context) | size_chunks |
 | `channel` | edges | `Channel` | plan_buffers |
 | `shm_bytes` | the graph | `int` | plan_buffers |
-| `warnings` | the graph | `tuple[str, ...]` | place, plan_buffers |
+| `warnings` | the graph | `tuple[str, ...]` | place, size_chunks, plan_buffers |
 """
 
 from __future__ import annotations

@@ -9,6 +9,15 @@ from the stages' cost estimates:
 
 Small first chunks give a low time to first packet; large steady chunks, throughput.
 
+A vocoder that carries each stream's state from one chunk to the next (its family says:
+`ComponentConfig.carries_state`, Qwen3-TTS's code2wav) re-decodes no left context, so a
+chunk costs its own frames and the call's overhead, and the edge's `context` is not used
+(a warning says so where a program declares one; the edge is marked `carries_state`, which
+the plan prints). Its first chunk is the smallest n whose audio plays at least as long as
+making and decoding the next, twice as long, chunk takes: after it the listener never
+waits, so the first packet leaves after a single frame wherever a frame is made and decoded
+well within the time it plays.
+
 A vocoder that decodes on a grid of blocks (Qwen2.5-Omni token2wav) cannot use codes before
 a whole window and its lookahead exist, so its input edge's schedule is what each of its
 windows needs to arrive (`vocoder_windows` in the model catalog: 36, 24, 48, then 192
@@ -25,7 +34,7 @@ from omniflow.ir.graph import OUTPUT, Edge, Graph, Node
 from omniflow.passes.common import Target
 
 READS = ("model", "cost", "placement")
-WRITES = ("schedule",)
+WRITES = ("schedule", "carries_state", "warnings")
 
 # Fixed cost of one consumer call: a cross-process hop plus a forward's launch overhead.
 CALL_OVERHEAD_S = {"gpu": 2e-3, "cpu": 1e-3}
@@ -56,15 +65,23 @@ def item_seconds(target: Target, node: Node) -> float:
     return cost.flops_per_item / _device(target, node).flops if cost else 1e-5
 
 
-def auto_schedule(target: Target, producer: Node, consumer: Node, context: int) -> list[int]:
+def auto_schedule(
+    target: Target, producer: Node, consumer: Node, context: int, plays: float | None = None
+) -> list[int]:
+    """`plays`: seconds of audio a step plays for, for a consumer that carries its state
+    (its `context` is then 0); None for one that re-decodes `context` steps each chunk."""
     overhead = CALL_OVERHEAD_S["gpu" if _device(target, consumer).is_gpu else "cpu"]
     per_item = max(item_seconds(target, consumer), 1e-9)
     per_step = step_seconds(target, producer)
     steady = math.ceil((1 - OVERHEAD_SHARE) / OVERHEAD_SHARE * overhead / per_item) - context
     steady = min(MAX_STEADY, max(steady, context, 1))
-    # Decode chunk n (with context) within the time the producer makes the next 2n steps.
-    denom = 2 * per_step - per_item
-    first = steady if denom <= 0 else max(1, math.ceil((overhead + per_item * context) / denom))
+    if plays is None:
+        # Decode chunk n (with context) within the time the producer makes the next 2n steps.
+        denom, fixed = 2 * per_step - per_item, overhead + per_item * context
+    else:
+        # Chunk n plays while the next 2n steps are made and decoded (one call's overhead).
+        denom, fixed = plays - 2 * (per_step + per_item), overhead
+    first = steady if denom <= 0 else max(1, math.ceil(fixed / denom))
     schedule = [min(first, steady)]
     while schedule[-1] < steady:
         schedule.append(min(schedule[-1] * 2, steady))
@@ -82,7 +99,15 @@ def _schedule(graph: Graph, target: Target, edge: Edge) -> list[int]:
     windows = _windows(graph, dst)
     if windows is not None:
         return windows[1]
+    if edge.meta["carries_state"]:
+        return auto_schedule(target, src, dst, 0, 1 / dst.meta["model"].config.frame_rate)
     return auto_schedule(target, src, dst, edge.context)
+
+
+def _carries_state(graph: Graph, edge: Edge) -> bool:
+    """Whether the edge streams into a vocoder that carries each stream's state."""
+    dst = graph.node(edge.dst)
+    return edge.stream and dst.op == "vocoder" and dst.meta["model"].config.carries_state
 
 
 def _windows(graph: Graph, node: Node) -> tuple[list[int], list[int]] | None:
@@ -103,8 +128,16 @@ def _calls(graph: Graph, node: Node) -> list[int]:
 
 def size_chunks(graph: Graph, target: Target) -> Graph:
     graph = graph.copy()
+    warnings = list(graph.meta.get("warnings", ()))
     for node in graph.topo_order():
         for edge in graph.out_edges(node.name):
+            edge.meta["carries_state"] = _carries_state(graph, edge)
+            if edge.meta["carries_state"] and edge.context:
+                warnings.append(
+                    f"{edge.name}: context={edge.context} is not used: {edge.dst} carries "
+                    "its decoder's state from one chunk to the next"
+                )
             schedule = _schedule(graph, target, edge) if edge.stream else None
             edge.meta["schedule"] = tuple(schedule) if schedule is not None else None
+    graph.meta["warnings"] = tuple(warnings)
     return graph

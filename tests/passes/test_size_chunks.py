@@ -1,4 +1,7 @@
-from omniflow.passes.size_chunks import MAX_STEADY
+from omniflow.compiler import compile_source
+from omniflow.devices import parse_devices
+from omniflow.passes.pipeline import Target
+from omniflow.passes.size_chunks import MAX_STEADY, auto_schedule, step_seconds
 from tests.passes.helpers import GRAPHS, run_until
 
 
@@ -18,9 +21,50 @@ def test_auto_ramps_from_a_small_first_chunk_to_a_steady_one():
     graph = run_until("size_chunks", "qwen3_tts")
     schedule = _schedule(graph, "talker.codes->code2wav.codes")
     assert schedule == sorted(schedule) and schedule[0] < schedule[-1]
-    assert schedule[-1] >= 25  # no smaller than the left context it re-decodes
     assert schedule[-1] <= MAX_STEADY
     assert all(b <= 2 * a for a, b in zip(schedule, schedule[1:], strict=False))
+
+
+def _tts_ends(devices: str):
+    """The target, and qwen3_tts's talker and code2wav as size_chunks sees them."""
+    graph = run_until("size_chunks", "qwen3_tts", devices=devices)
+    return Target(tuple(parse_devices(devices))), graph.node("talker"), graph.node("code2wav")
+
+
+def test_a_decoder_that_re_decodes_context_gets_chunks_no_smaller_than_it():
+    target, talker, code2wav = _tts_ends("2xH200")
+    schedule = auto_schedule(target, talker, code2wav, 25)
+    assert schedule[-1] >= 25 and schedule[0] >= auto_schedule(target, talker, code2wav, 0)[0]
+
+
+def test_a_decoder_that_carries_state_sends_the_first_frame_alone():
+    """Qwen3-TTS's code2wav carries each stream's state: its edge is marked so, needs no
+    context, and on one H200 a frame is made and decoded in far less than its 80 ms of
+    audio, so the first chunk is one frame (it was 2 with 25 frames of context)."""
+    graph = run_until("size_chunks", "qwen3_tts", devices="1xH200")
+    edge = next(e for e in graph.edges if e.name == "talker.codes->code2wav.codes")
+    assert edge.meta["carries_state"] and edge.context == 0
+    assert _schedule(graph, edge.name)[0] == 1
+    assert not any(e.meta["carries_state"] for e in graph.edges if e is not edge)
+
+
+def test_a_carried_states_first_chunk_follows_how_long_a_frame_plays():
+    """The first chunk must play while the next, twice as long, is made and decoded."""
+    target, talker, code2wav = _tts_ends("1xH200")
+    step = step_seconds(target, talker)
+    assert auto_schedule(target, talker, code2wav, 0, plays=0.08)[0] == 1
+    assert auto_schedule(target, talker, code2wav, 0, plays=4 * step)[0] > 1
+    # A producer slower than the audio plays: no first chunk keeps ahead; start steady.
+    assert auto_schedule(target, talker, code2wav, 0, plays=step) == [MAX_STEADY]
+
+
+def test_a_context_the_decoder_does_not_need_is_dropped_with_a_warning():
+    source = (GRAPHS / "qwen3_tts.omni").read_text()
+    source = source.replace("[stream, chunk=auto]", "[stream, chunk=auto, context=25]")
+    plan = compile_source(source, "qwen3_tts.omni", devices="1xH200")
+    channel = next(c for c in plan.channels if c.name == "talker.codes->code2wav.codes")
+    assert channel.carries_state and channel.context == 0 and channel.schedule[0] == 1
+    assert any("context=25 is not used" in w and "code2wav" in w for w in plan.warnings)
 
 
 def test_a_vocoder_streams_out_what_each_chunk_decodes():
@@ -49,12 +93,10 @@ def test_a_vocoders_lookahead_moves_its_windows_sooner():
 
 
 def test_a_slower_producer_allows_a_smaller_first_chunk():
-    gpu = _schedule(
-        run_until("size_chunks", "qwen3_tts", devices="2xH200"), "talker.codes->code2wav.codes"
-    )
-    slow = _schedule(
-        run_until("size_chunks", "qwen3_tts", devices="2xL4"), "talker.codes->code2wav.codes"
-    )
+    # A decoder that re-decodes 25 frames of context each chunk (the rule before a decoder
+    # carried its state).
+    gpu = auto_schedule(*_tts_ends("2xH200"), 25)
+    slow = auto_schedule(*_tts_ends("2xL4"), 25)
     assert slow[0] <= gpu[0]
 
 

@@ -15,6 +15,7 @@ import asyncio
 import base64
 import io
 import json
+import re
 import subprocess
 import time
 
@@ -27,7 +28,10 @@ import torch
 import websockets
 from openai import OpenAI
 
+from omniflow.catalog.resolve import model_path
+from omniflow.compiler import compile_file
 from omniflow.media import audio_bytes
+from omniflow.runtime.interpreter import Interpreter
 from tests.server.conftest import GRAPHS, ServerProcess, idle, metric, run_async, wait_until
 from tests.server.fuzz import fuzz
 
@@ -120,6 +124,44 @@ def test_the_peers_request_needs_no_model_and_streams_pcm(http):
             data += chunk
     assert first is not None and len(data) % 2 == 0
     assert 0 < len(data) // 2 <= 6 * FRAME and len(data) // 2 % FRAME == 0
+
+
+def talker_codes(tmp_path, inputs: dict, params: dict) -> torch.Tensor:
+    """The codes the graph's talker makes for a request (the graph cut after its talker,
+    run by the reference interpreter on the same tiny checkpoint), and code2wav's decoder."""
+    source = (GRAPHS / "qwen3_tts.omni").read_text()
+    source = re.sub(r"  stage code2wav = .*\n|  talker.codes -> code2wav.*\n", "", source)
+    source = re.sub(
+        r"  code2wav.audio -> .*\n", "  talker.codes -> output codes [stream]\n", source
+    )
+    path = tmp_path / "qwen3_tts_codes.omni"
+    path.write_text(source)
+    return Interpreter(compile_file(path, devices="cpu", tiny=True)).run(inputs, params)["codes"]
+
+
+def test_streamed_audio_is_the_whole_decode_of_its_codes(http, tmp_path):
+    """code2wav decodes each chunk after the state its stream carried from the last (the
+    first chunk a single frame), and the PCM a client streams is the whole-utterance decode
+    of the codes the talker made: within 1e-4, plus half a PCM step."""
+    from omniflow.families.qwen3_tts.speech_tokenizer import load_decoder
+
+    body = {"input": "Good morning to all of you.", "voice": "vivian", "language": "English",
+            "seed": 9, "stream": True, "response_format": "pcm"}  # fmt: skip
+    with http.stream("POST", SPEECH, json=body) as reply:
+        assert reply.status_code == 200, reply.read()
+        data = b"".join(reply.iter_bytes())
+    served = torch.from_numpy(np.frombuffer(data, "<i2").astype(np.float32)) / 32767
+    codes = talker_codes(
+        tmp_path,
+        {"text": body["input"], "voice": "Vivian"},
+        {"seed": 9, "language": "English", "max_tokens": 6},
+    )
+    plan = compile_file(GRAPHS / "qwen3_tts.omni", devices="cpu", tiny=True)
+    decoder = load_decoder(model_path(plan.stage("code2wav").model), "cpu")
+    with torch.inference_mode():
+        whole = decoder(codes.T[None]).reshape(-1)
+    assert 0 < len(codes) <= 6 and served.shape == whole.shape
+    assert float((served - whole).abs().max()) < 1e-4 + 0.5 / 32767
 
 
 def test_whole_replies_in_every_format_decode(http):

@@ -86,6 +86,7 @@ FAMILY = Family(
             ("decoder_config",),
             file="speech_tokenizer/config.json",
             weights=("decoder.",),
+            carries_state=True,
         ),
     },
     runtime={

@@ -2,12 +2,14 @@
 backend (`omniflow.backends.vocoders`).
 
 Frames arrive as int64 `[n, 16]` rows (codebook 0 first) and decode to 1920 samples each.
-The decoder is causal, so it needs no lookahead and its reach behind is what its layers
-walk to (`speech_tokenizer.SpeechDecoder.field`); an edge whose left context covers it
-streams exactly the whole-utterance decode (up to float rounding), and a shorter one
-(Qwen's own streaming decode keeps 25 frames) approximates it. Windows of several
-requests are padded on the right (causal: padding after a window reaches none of its
-samples) and decoded in one forward.
+The decoder is causal and carries each stream's state from one window to the next
+(`stateful`: its convolutions' last inputs, its attention layers' keys and values,
+`speech_tokenizer.Carry`), so a window decodes only its new frames and a stream's audio is
+its whole-utterance decode, up to float rounding, in windows of any size, one frame
+included. Windows of several requests are padded on the right (each row's state is taken
+at its own last frame) and decoded in one forward. Its reach behind (what its layers walk
+to, `speech_tokenizer.SpeechDecoder.field`) is what a decode without carried state would
+need as left context; Qwen's own streaming decode keeps 25 frames and approximates it.
 
 A voice clone with reference codes (ICL) starts with the reference's frames, every code
 offset by the codebook size (2048): they are decoded as the first frames' context and
@@ -26,7 +28,7 @@ from omniflow.backends.vocoders import (
     field_reach,
     padded,
 )
-from omniflow.families.qwen3_tts.speech_tokenizer import SpeechDecoder, load_decoder
+from omniflow.families.qwen3_tts.speech_tokenizer import Carry, SpeechDecoder, load_decoder
 
 
 def load(root: str, component: str | None, device: str) -> Code2Wav:
@@ -42,6 +44,8 @@ def load(root: str, component: str | None, device: str) -> Code2Wav:
 
 
 class Code2Wav(Decoder):
+    stateful = True
+
     def __init__(self, model: SpeechDecoder, device: str):
         self.model = model
         self.device = device
@@ -53,6 +57,7 @@ class Code2Wav(Decoder):
 
         with torch.inference_mode():
             per_frame = checked_samples_per_frame(field, decode)
+            self.fresh = model.fresh()  # shared by every new stream: states are never changed
         reach = field_reach(field)
         super().__init__(
             per_frame, model.num_quantizers, model.codebook_size, reach, reach.lookahead
@@ -73,6 +78,12 @@ class Code2Wav(Decoder):
         codes[:count] -= self.codebook_size
         return codes, count
 
-    def decode(self, windows: list[Window], frames: int) -> torch.Tensor:
+    def init_state(self) -> Carry:
+        return self.fresh
+
+    def step(
+        self, states: list[Carry], windows: list[Window], frames: int
+    ) -> tuple[torch.Tensor, list[Carry]]:
         codes = padded(windows, frames, Window.codes, self.device).transpose(1, 2)
-        return self.model(codes).reshape(len(windows), -1)
+        audio, states = self.model.stream(codes, states, [w.frames for w in windows])
+        return audio.reshape(len(windows), -1), states

@@ -22,6 +22,16 @@ convolutions' few more, 580 frames for the published 8 layers of window 72. A wi
 starts at least that far before the frames it keeps decodes them as the whole utterance
 does (the rotary attention depends on position differences only).
 
+Streamed (`SpeechDecoder.stream`), it decodes only new frames and carries what the next ones
+need (`Carry`): each causal conv its last `(kernel - 1) * dilation` inputs, each transposed
+conv the inputs its overlap spans (one for kernel 2 x stride, none for kernel = stride), each
+attention layer its rotated keys and values of the last `window - 1` frames, and the frames
+decoded so far (the next frame's position, so positions are the whole utterance's). A
+fresh stream carries zeros, which is what the whole decode pads with; so frames streamed in
+any windows, one at a time or several, give the whole decode up to float rounding, and a
+window of n frames costs n frames of work. Rows of a batch are padded on the right to the
+longest: what each row carries is taken at its own last frame, so padding never reaches it.
+
 Encoder (`encoder.*`): transformers' `MimiModel` without its decoder parts, from
 `encoder_config`; `encode` keeps the first `encoder_valid_num_quantizers` (16) codebooks.
 It turns a voice-clone request's reference audio into the reference codes.
@@ -30,6 +40,7 @@ It turns a voice-clone request's reference audio into the reference codes.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +68,67 @@ def read_config(root: str) -> dict:
     return config
 
 
+# --- what a stream carries from one window to the next ------------------------------------
+
+
+@dataclass(frozen=True)
+class Carry:
+    """One stream's decoder state after `frames` frames: the tensors its layers carry, in
+    forward order, each `[1, ...]`. Replaced after each window, never changed in place, so
+    fresh streams share one zero state."""
+
+    frames: int
+    tensors: tuple[torch.Tensor, ...]
+
+
+def _last(x: torch.Tensor, ends: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+    """Per row b, the `n` positions of `x` along `dim` that end at `ends[b] + n`: the last n
+    before a row's end, in an `x` that starts with n carried positions."""
+    shape = [1] * x.dim()
+    shape[0], shape[dim] = len(ends), n
+    index = (ends[:, None] + torch.arange(n, device=x.device)).view(shape)
+    sizes = list(x.shape)
+    sizes[dim] = n
+    return x.gather(dim, index.expand(sizes))
+
+
+class Carried:
+    """A streamed forward's walk through what its rows carry. Each layer that looks back, in
+    forward order, `take`s its carried tensor (`[B, ...]`; zeros of the shape it names on the
+    walk that makes a fresh stream's state, `carries` None) and keeps what the next window
+    needs (`keep_last`). `frames`: frames each row decoded before; `lengths`: its new frames
+    (rows are padded on the right to the longest); `per_frame`: positions per frame where
+    the walk is (transposed convs multiply it)."""
+
+    def __init__(self, carries: list[Carry] | None, lengths: list[int], device):
+        self.fresh = carries is None
+        carries = carries or [Carry(0, ())]
+        self.frames = torch.tensor([c.frames for c in carries], device=device)
+        self.lengths = torch.tensor(lengths, device=device)
+        self.per_frame = 1
+        rows = [c.tensors for c in carries]
+        self._taken = iter([] if self.fresh else map(torch.cat, zip(*rows, strict=True)))
+        self.kept: list[torch.Tensor] = []
+
+    def take(self, like: torch.Tensor, *shape: int) -> torch.Tensor:
+        if self.fresh:
+            return like.new_zeros((1, *shape))
+        return next(self._taken)
+
+    def keep_last(self, x: torch.Tensor, n: int, dim: int = -1) -> None:
+        """Keep each row's last `n` positions of `x` along `dim` (`x` starts with the n it
+        took) up to its own end."""
+        dim = dim % x.dim()
+        self.kept.append(_last(x, self.lengths * self.per_frame, n, dim))
+
+    def carries(self) -> list[Carry]:
+        """Each row's state after its new frames: views of the forward's kept tensors (no
+        copy per row; a forward's tensors live until each of its streams has moved on)."""
+        frames = (self.frames + self.lengths).tolist()
+        rows = zip(*(t.split(1) for t in self.kept), strict=True)
+        return [Carry(f, tensors) for f, tensors in zip(frames, rows, strict=True)]
+
+
 # --- layers ------------------------------------------------------------------------------
 
 
@@ -72,7 +144,13 @@ class CausalConv(nn.Module):
         self.stride = stride
         self.padding = self.span - stride
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, carried: Carried | None = None) -> torch.Tensor:
+        if carried is not None and self.padding:
+            if self.stride != 1:
+                raise Qwen3TTSError("a strided causal conv cannot stream")
+            x = torch.cat([carried.take(x, x.shape[1], self.padding), x], -1)
+            carried.keep_last(x, self.padding)
+            return self.conv(x)
         length = x.shape[-1]
         frames = math.ceil((length - self.span + self.padding) / self.stride + 1)
         extra = (frames - 1) * self.stride + (self.span - self.padding) - length
@@ -92,8 +170,18 @@ class CausalConvTranspose(nn.Module):
         super().__init__()
         self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.trim = kernel - stride
+        # Inputs before a window whose outputs overlap its own: they are carried.
+        self.overlap = -(-self.trim // stride)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, carried: Carried | None = None) -> torch.Tensor:
+        if carried is not None:
+            length, stride = x.shape[-1], self.conv.stride[0]
+            if self.overlap:
+                x = torch.cat([carried.take(x, x.shape[1], self.overlap), x], -1)
+                carried.keep_last(x, self.overlap)
+            carried.per_frame *= stride
+            start = self.overlap * stride
+            return self.conv(x)[..., start : start + length * stride]
         x = self.conv(x)
         return (x[..., : x.shape[-1] - self.trim] if self.trim > 0 else x).contiguous()
 
@@ -125,8 +213,8 @@ class ConvNeXtBlock(nn.Module):
         self.pwconv2 = nn.Linear(4 * dim, dim)
         self.gamma = nn.Parameter(1e-6 * torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.dwconv(x).permute(0, 2, 1)
+    def forward(self, x: torch.Tensor, carried: Carried | None = None) -> torch.Tensor:
+        h = self.dwconv(x, carried).permute(0, 2, 1)
         h = self.pwconv2(self.act(self.pwconv1(self.norm(h))))
         return x + (self.gamma * h).permute(0, 2, 1)
 
@@ -142,8 +230,8 @@ class ResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv(dim, dim, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.conv2(self.act2(self.conv1(self.act1(x))))
+    def forward(self, x: torch.Tensor, carried: Carried | None = None) -> torch.Tensor:
+        return x + self.conv2(self.act2(self.conv1(self.act1(x), carried)))
 
     def field(self, field: Field) -> Field:
         return receptive_field.union(field, self.conv2.field(self.conv1.field(field)))
@@ -157,9 +245,10 @@ class DecoderBlock(nn.Module):
             + [ResidualUnit(cout, d) for d in (1, 3, 9)]
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.block:
-            x = layer(x)
+    def forward(self, x: torch.Tensor, carried: Carried | None = None) -> torch.Tensor:
+        x = self.block[0](x)  # SnakeBeta: per sample
+        for layer in self.block[1:]:
+            x = layer(x, carried)
         return x
 
     def field(self, field: Field) -> Field:
@@ -206,12 +295,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c["hidden_size"], self.kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.heads * self.head_dim, c["hidden_size"], bias=bias)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, carried: Carried | None = None, past: int = 0):
+        """`past`: with `carried`, the frames before the window whose (rotated) keys and
+        values it carries."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if carried is not None:
+            k = torch.cat([carried.take(k, self.kv_heads, past, self.head_dim), k], 2)
+            v = torch.cat([carried.take(v, self.kv_heads, past, self.head_dim), v], 2)
+            carried.keep_last(k, past, dim=2)
+            carried.keep_last(v, past, dim=2)
         if self.kv_heads != self.heads:
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
@@ -243,8 +339,9 @@ class TransformerLayer(nn.Module):
         self.self_attn_layer_scale = LayerScale(c["hidden_size"], c["layer_scale_initial_scale"])
         self.mlp_layer_scale = LayerScale(c["hidden_size"], c["layer_scale_initial_scale"])
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, mask))
+    def forward(self, x, cos, sin, mask, carried: Carried | None = None, past: int = 0):
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, mask, carried, past)
+        x = x + self.self_attn_layer_scale(attn)
         return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -265,17 +362,24 @@ class Transformer(nn.Module):
         )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, carried: Carried | None = None) -> torch.Tensor:
+        """Frames `x` `[B, T, latent]`: the whole utterance, or (`carried`) the frames after
+        those each row decoded before, attending to the `window - 1` frames it carries."""
         t = x.shape[1]
-        positions = torch.arange(t, device=x.device, dtype=torch.float32)
-        freqs = positions[:, None] * self.inv_freq.to(x.device)[None]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        new = torch.arange(t, device=x.device)
+        first = carried.frames[:, None] if carried is not None else new.new_zeros(1, 1)
+        past = self.window - 1 if carried is not None else 0
+        q = first + new  # [B or 1, T] positions in the utterance
+        keys = torch.cat([first - past + torch.arange(past, device=x.device), q], 1)
+        freqs = q[..., None].float() * self.inv_freq.to(x.device)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B or 1, 1, T, head_dim]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        q = torch.arange(t, device=x.device)
-        mask = (q[None] <= q[:, None]) & (q[None] > q[:, None] - self.window)
+        # Keys before the utterance's start (carried zeros) are masked out.
+        k, q = keys[:, None, None, :], q[:, None, :, None]
+        mask = (k <= q) & (k > q - self.window) & (k >= 0)
         h = self.input_proj(x)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, mask, carried, past)
         return self.output_proj(self.norm(h))
 
     def field(self, field: Field) -> Field:
@@ -375,17 +479,38 @@ class SpeechDecoder(nn.Module):
         self.decoder = nn.ModuleList(layers)
         self.samples_per_frame = math.prod(list(rates) + list(c["upsampling_ratios"]))
 
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+    def forward(self, codes: torch.Tensor, carried: Carried | None = None) -> torch.Tensor:
+        """The waveform of `codes`: the whole utterance's, or (`carried`) that of the frames
+        after those each row decoded before."""
         if codes.shape[1] != self.num_quantizers:
             raise Qwen3TTSError(f"expected {self.num_quantizers} codebooks, got {codes.shape[1]}")
-        h = self.pre_conv(self.quantizer.decode(codes)).transpose(1, 2)
-        h = self.pre_transformer(h).permute(0, 2, 1)
+        h = self.pre_conv(self.quantizer.decode(codes), carried).transpose(1, 2)
+        h = self.pre_transformer(h, carried).permute(0, 2, 1)
         for blocks in self.upsample:
             for block in blocks:
-                h = block(h)
+                h = block(h, carried)
         for layer in self.decoder:
-            h = layer(h)
+            h = layer(h) if isinstance(layer, SnakeBeta) else layer(h, carried)
         return h.clamp(min=-1, max=1)
+
+    def fresh(self) -> Carry:
+        """The state of a stream before its first frame: zeros (what the whole decode
+        pads with), walked out of a one-frame decode."""
+        weight = self.pre_conv.conv.weight
+        codes = torch.zeros(1, self.num_quantizers, 1, dtype=torch.int64, device=weight.device)
+        carried = Carried(None, [0], weight.device)
+        self(codes, carried)
+        return Carry(0, tuple(torch.zeros_like(t) for t in carried.kept))
+
+    def stream(
+        self, codes: torch.Tensor, carries: list[Carry], lengths: list[int]
+    ) -> tuple[torch.Tensor, list[Carry]]:
+        """The waveforms `[B, 1, T * samples_per_frame]` of each row's next frames, codes
+        `[B, 16, T]` padded on the right past the row's `lengths[b]`, after what it
+        `carries`; and what each row carries after its own last frame."""
+        carried = Carried(carries, lengths, codes.device)
+        audio = self(codes, carried)
+        return audio, carried.carries()
 
     def field(self) -> Field:
         """Where frame 0 reaches, walked through the layers in forward order."""
