@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import json
 import logging
 import time
 import uuid
@@ -42,7 +41,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from omniflow.media import audio_bytes
 from omniflow.server import chat
 from omniflow.server.errors import APIError, bad_request
-from omniflow.server.sockets import CLOSE_BAD_REQUEST, Sender, refused
+from omniflow.server.sockets import CLOSE_BAD_REQUEST, Sender, client_message, refused
 
 log = logging.getLogger("omniflow.server")
 PATH = "/v1/realtime"
@@ -178,18 +177,7 @@ class RealtimeSession:
 
     # --- client events --------------------------------------------------------------------------
     def _event(self, message: dict) -> dict:
-        text = message.get("text")
-        if text is None:
-            raise _invalid("events are JSON text frames", "type")
-        if len(text) > MAX_EVENT_BYTES:
-            raise _invalid(f"an event is at most {MAX_EVENT_BYTES} bytes", "type", "too_large")
-        try:
-            event = json.loads(text)
-        except (ValueError, RecursionError) as err:  # nested past Python's limit: not ours
-            raise _invalid(f"an event is not valid JSON: {err}", "type") from None
-        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
-            raise _invalid("each event is a JSON object with a 'type'", "type")
-        return event
+        return client_message(message, MAX_EVENT_BYTES, "event")
 
     async def _handle(self, event: dict) -> None:
         kind = event["type"]

@@ -1,6 +1,7 @@
-"""What every WebSocket endpoint shares: the API key check at the handshake, and one sender
-task per socket through which everything the server says leaves in order (so that a reader
-and the tasks producing output never write to the socket at once)."""
+"""What every WebSocket endpoint shares: the API key check at the handshake, the parsing of
+a client's JSON messages (bounded in size and nesting), and one sender task per socket
+through which everything the server says leaves in order (so that a reader and the tasks
+producing output never write to the socket at once)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import hmac
 import json
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from omniflow.server.errors import bad_request
 
 CLOSE_BAD_REQUEST, CLOSE_FAILED, CLOSE_BUSY = 1008, 1011, 1013
 
@@ -36,6 +39,30 @@ async def refused(server, websocket: WebSocket) -> bool:
         await websocket.close(code=CLOSE_BUSY, reason="the server is shutting down")
         return True
     return False
+
+
+def client_message(message: dict, max_chars: int, what: str = "message") -> dict:
+    """A client's frame (an ASGI `websocket.receive`) as a JSON object with a string `type`,
+    or a 400 naming `type` that says why not: a binary frame, more than `max_chars`, not
+    JSON, nested deeper than the parser goes, or not such an object."""
+    text = message.get("text")
+    if text is None:
+        raise bad_request(f"a {what} is a JSON text frame", param="type")
+    if len(text) > max_chars:
+        raise bad_request(
+            f"a {what} is at most {max_chars} characters, not {len(text)}",
+            param="type",
+            code="too_large",
+        )
+    try:
+        body = json.loads(text)
+    except RecursionError:  # nested past what Python's parser recurses through
+        raise bad_request(f"a {what} is JSON nested too deeply", param="type") from None
+    except ValueError as err:
+        raise bad_request(f"a {what} is not valid JSON: {err}", param="type") from None
+    if not isinstance(body, dict) or not isinstance(body.get("type"), str):
+        raise bad_request(f"each {what} is a JSON object with a 'type'", param="type")
+    return body
 
 
 class Sender:
