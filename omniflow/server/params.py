@@ -87,6 +87,8 @@ class Params:
         self.plan = served.plan
         self.values: dict = {}
         self.source: dict[str, str] = {}
+        # Pipeline inputs filled from a request field of another name (speech's `input`).
+        self.input_fields: dict[str, str] = {}
 
     @property
     def names(self) -> list[str]:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
+from omniflow.server.auth import bearer_matches, token_matches
 from omniflow.server.errors import bad_request
 
 CLOSE_BAD_REQUEST, CLOSE_FAILED, CLOSE_BUSY = 1008, 1011, 1013
@@ -23,10 +23,10 @@ def authorised(server, websocket: WebSocket) -> bool:
     key = server.config.api_key
     if not key:
         return True
-    scheme, _, token = websocket.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        token = websocket.query_params.get("api_key", "")
-    return hmac.compare_digest(token.strip().encode(), key.encode())
+    header = websocket.headers.get("authorization", "")
+    if header.partition(" ")[0].lower() == "bearer":
+        return bearer_matches(header, key)
+    return token_matches(websocket.query_params.get("api_key", ""), key)
 
 
 async def refused(server, websocket: WebSocket) -> bool:
