@@ -142,6 +142,9 @@ def prompt_limits(plan: Plan) -> tuple[PromptLimit, ...]:
             continue
         tokenizer = _local_tokenizer(stage.model)
         if tokenizer is not None:
+            # Counting a prompt past the checkpoint's own context is this check's job: no
+            # warning that it would not fit the model (transformers logs one per tokenizer).
+            tokenizer.model_max_length = 1 << 62
             limits.append(
                 PromptLimit(
                     stage.name,

@@ -155,14 +155,17 @@ class RealtimeSession:
         gauge.inc()
         self.config = self._default_config()
         self.send("session.created", session=self._session())
+        closing = None
         try:
-            await self._read_loop()
+            closing = await self._read_loop()
         except WebSocketDisconnect:
             pass
         finally:
             await self._cancel_response()
-            self.server.realtime_sessions -= 1
+            self.server.realtime_sessions -= 1  # before the close: the client may reconnect
             gauge.dec()
+            if closing is not None:
+                await self._close(*closing)
             await self.out.stop()
 
     async def _close(self, code: int, reason: str) -> None:
@@ -189,7 +192,9 @@ class RealtimeSession:
         finally:
             receiving.cancel()
 
-    async def _read_loop(self) -> None:
+    async def _read_loop(self) -> tuple[int, str]:
+        """Client events until the client goes away (WebSocketDisconnect), or the session
+        has been idle too long: then the close code and reason."""
         while True:
             message = await self._next_message()
             if message is None:
@@ -197,8 +202,7 @@ class RealtimeSession:
                 self._error(_invalid(f"the session was idle for {idle_s:g} s "
                                      "(--realtime-idle-timeout): closed", "type",
                                      "session_expired"))  # fmt: skip
-                await self._close(1000, "idle")
-                return
+                return 1000, "idle"
             if message["type"] == "websocket.disconnect":
                 raise WebSocketDisconnect(message.get("code", 1000))
             event_id = None
