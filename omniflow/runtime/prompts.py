@@ -8,7 +8,9 @@ that brings the most.
 
 Counting never costs more than the limit is worth: a text of more bytes than `max_len`
 tokens can stand for (the vocabulary's longest token, in bytes, times `max_len`) is refused
-untokenized, so a megabyte of text is refused in microseconds. A chat with media parts
+untokenized, so a megabyte of text is refused in microseconds. (A token stands for at most
+its own spelling's bytes of the text in byte-level BPE and SentencePiece vocabularies; a
+tokenizer whose normalizer dropped text wholesale would be refused too early.) A chat with media parts
 counts its text alone (the stage adds the media's tokens when it expands them: at least
 that many).
 

@@ -30,6 +30,7 @@ import re
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -350,12 +351,12 @@ def http(target):
         yield client
 
 
+@dataclass
 class Outcome:
-    def __init__(self, result, seconds: float, slowest_health: float, rss_growth_kib: int):
-        self.result = result
-        self.seconds = seconds
-        self.slowest_health = slowest_health
-        self.rss_growth_kib = rss_growth_kib
+    result: object
+    seconds: float
+    slowest_health: float
+    rss_growth_kib: int
 
     def assert_harmless(self, within: float = FAST_S) -> None:
         """Answered within `within`, /health answering meanwhile, memory bounded."""
@@ -490,25 +491,25 @@ def test_the_access_log_has_a_line_per_request(target, http):
 # --- the speech WebSocket -------------------------------------------------------------------------
 
 
-async def speech_session(target: Attacked, frames: list[str], until: str | None = None):
-    """Open a session, send `frames` (after session.start), read its control messages until
-    one of type `until` (or the close); the messages, and the close code."""
+async def speech_session(target: Attacked, frames: list[str]) -> tuple[list[dict], int]:
+    """Send `frames`, then read the session's control messages until the server closes it;
+    those messages, and the close code."""
     messages = []
     async with websockets.connect(target.ws(speech_stream.PATH), additional_headers=AUTH,
                                   max_size=None) as ws:  # fmt: skip
-        await ws.send(json.dumps({"type": "session.start", "voice": "Ryan"}))
-        messages.append(json.loads(await ws.recv()))
         try:
             for frame in frames:
                 await ws.send(frame)
             async for frame in ws:
                 if isinstance(frame, str):
                     messages.append(json.loads(frame))
-                    if messages[-1]["type"] == until:
-                        break
         except websockets.ConnectionClosedError:
             pass  # a close code other than 1000: the caller checks it
         return messages, ws.close_code
+
+
+def start_frame(**fields) -> str:
+    return json.dumps({"type": "session.start", "voice": "Ryan", **fields})
 
 
 def text_frame(text: str) -> str:
@@ -518,14 +519,18 @@ def text_frame(text: str) -> str:
 @pytest.mark.parametrize(
     "frames, code, says",
     [
-        (["[" * 100000], "invalid_request_error", "nested too deeply"),
-        ([text_frame("." * (MAX_BUFFER_CHARS + 1))], "too_much_text", "at most 65536"),
-        ([text_frame("a. " * 21000)] * 3, "too_much_text", "segments wait"),
-        ([text_frame("x" * 1000)] * 80, "too_much_text", "characters wait"),
-        (["x" * (speech_stream.MAX_MESSAGE_CHARS + 1)], "too_large", "at most"),
+        ([start_frame(), "[" * 100000], "invalid_request_error", "nested too deeply"),
+        ([start_frame(), text_frame("." * (MAX_BUFFER_CHARS + 1))], "too_much_text",
+         "at most 65536"),
+        ([start_frame(), *[text_frame("a. " * 21000)] * 3], "too_much_text", "segments wait"),
+        ([start_frame(), *[text_frame("x" * 1000)] * 80], "too_much_text", "characters wait"),
+        ([start_frame(), "x" * (speech_stream.MAX_MESSAGE_CHARS + 1)], "too_large", "at most"),
+        ([start_frame(instructions="word " * 5000)], "context_length_exceeded",
+         "at most 4096 tokens"),
     ],
-    ids=["nested", "over the text bound", "tiny sentences", "many messages", "huge frame"],
-)
+    ids=["nested", "over the text bound", "tiny sentences", "many messages", "huge frame",
+         "long instructions"],
+)  # fmt: skip
 def test_a_hostile_speech_session_gets_an_error_event_and_a_close(target, http, frames, code, says):
     outcome = under_attack(target, lambda: speech_session(target, frames))
     messages, close = outcome.result
