@@ -276,6 +276,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--max-realtime-sessions",
         type=int,
         default=64,
+        metavar="N",
         help="/v1/realtime sessions open at once (default 64); beyond it a new one gets an "
         "error event and is closed (1013)",
     )

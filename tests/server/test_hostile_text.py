@@ -45,6 +45,7 @@ from omniflow.server import speech_stream
 from omniflow.server.errors import APIError, public
 from omniflow.server.params import parse_form_value
 from omniflow.server.protocol import parse_json
+from omniflow.server.run import StopScanner
 from omniflow.server.sockets import client_message
 from omniflow.server.speech_stream import MAX_BUFFER_CHARS, MAX_SEGMENT_CHARS, Segmenter
 from tests.server.conftest import (
@@ -204,6 +205,21 @@ def test_json_nested_past_the_parsers_depth_is_a_400():
         with pytest.raises(APIError) as refused:
             parse()
         assert refused.value.status == 400 and says in refused.value.message
+
+
+@pytest.mark.parametrize("name", ADVERSARIAL)
+def test_stop_strings_are_scanned_fast_at_the_size_limit(name):
+    """A stop string as long as the text holds all of it back, chunk after chunk; each chunk
+    is searched once, not the whole held text again."""
+    text = ADVERSARIAL[name]
+    scanner = StopScanner([text + "!", "never!"])
+    began = time.perf_counter()
+    out = [scanner.feed(text[i : i + 3]) for i in range(0, len(text), 3)]
+    assert time.perf_counter() - began < FAST_S
+    assert "".join(piece for piece, _ in out) + scanner.flush() == text
+    assert not any(stopped for _, stopped in out)
+    scanner = StopScanner([text + "!", "never!"])
+    assert scanner.feed(text) == ("", False) and scanner.feed("never!") == (text, True)
 
 
 @pytest.mark.parametrize("name", ADVERSARIAL)
