@@ -312,6 +312,30 @@ def make_parser() -> argparse.ArgumentParser:
         help="seconds a finished video job and its MP4 are kept (default 3600)",
     )
     serving.add_argument(
+        "--max-realtime-sessions",
+        type=int,
+        default=64,
+        metavar="N",
+        help="/v1/realtime sessions open at once (default 64); beyond it a new one gets an "
+        "error event and is closed (1013)",
+    )
+    serving.add_argument(
+        "--max-realtime-text",
+        type=int,
+        default=256 << 10,
+        metavar="CHARS",
+        help="characters of text a realtime session holds, its instructions and items "
+        "(default 262144)",
+    )
+    serving.add_argument(
+        "--realtime-idle-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a realtime session with no client event and no response running for this "
+        "long is closed (default 600)",
+    )
+    serving.add_argument(
         "--log-stats", action="store_true", help="print per-request stats tables after each"
     )
     serving.add_argument(

@@ -33,13 +33,16 @@ class FamilyCode:
     name (what each is called with is that backend's contract: docs/backends.md),
     `speakers` the reader of a checkpoint's speakers, `admission` the family's checks of a
     request against its checkpoint, `voices` its encoder of reference clips into voice
-    prompts ("" where it has none: docs/models.md, "Adding a model family")."""
+    prompts ("" where it has none: docs/models.md, "Adding a model family");
+    `prompt_inputs` the input ports beside `prompt` whose text the stage puts into its
+    prompt (admission counts them against its length)."""
 
     name: str
     code: dict[str, str] = field(default_factory=dict)
     speakers: str = ""
     admission: str = ""
     voices: str = ""
+    prompt_inputs: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -462,10 +462,11 @@ class TextStream:
         before = self._decode(self.ids[self.prefix : self.read])
         after = self._decode(self.ids[self.prefix :])
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            start = max(0, len(self.text) - self.hold)
+            scanned = len(self.text)  # holds no stop string: only one ending after it is new
             self.text += after[len(before) :]
             self.prefix, self.read = self.read, len(self.ids)
-            found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+            starts = (max(0, scanned - len(s) + 1) for s in self.stops)
+            found = [i for i in map(self.text.find, self.stops, starts) if i >= 0]
             if found:
                 self.text = self.text[: min(found)]
                 self.stopped = True

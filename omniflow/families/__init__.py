@@ -167,8 +167,8 @@ def knowing(architectures: Sequence[str]) -> list[Family]:
 def stage_code(architectures: Sequence[str], kind: str) -> FamilyCode | None:
     """What the families that know a component's `architectures` (outermost first) give a
     stage of `kind`: their code by backend (an outer family's first), the speaker reader,
-    admission checks and voice encoder, named after the outermost; None when no family
-    knows any of them."""
+    admission checks and voice encoder, named after the outermost, and every input port
+    they put into its prompt; None when no family knows any of them."""
     known = knowing(architectures)
     if not known:
         return None
@@ -179,7 +179,8 @@ def stage_code(architectures: Sequence[str], kind: str) -> FamilyCode | None:
         what: next((getattr(f, what) for f in known if getattr(f, what)), "")
         for what in ("speakers", "admission", "voices")
     }
-    return FamilyCode(known[0].name, code, **first)
+    prompt = [port for f in known for port in f.prompt_inputs.get(kind, ())]
+    return FamilyCode(known[0].name, code, **first, prompt_inputs=list(dict.fromkeys(prompt)))
 
 
 @functools.cache

@@ -132,6 +132,10 @@ class Family:
       ports (-> accepted types) a stage of that kind takes when it runs one of the
       family's models, beyond the kind's own (a TTS talker's `language`, `ref_audio`);
       the request fields of the same names reach them;
+    - `prompt_inputs`: stage kind -> the input ports (beyond the kind's `prompt`) whose text
+      a stage of that kind puts into its prompt when it runs one of the family's models (a
+      TTS talker's `instructions` and `ref_text`): admission counts them against the
+      stage's prompt length with the prompt's own;
     - `cost`: its cost rule, a torch-free function of a component (`omniflow.catalog`'s
       `ComponentConfig`) that returns the `omniflow.catalog.costs.Estimator` its formulas
       make of it (an `LM` with its decoders' layout defaults, a `DiT` or `Vocoder` subclass
@@ -160,6 +164,7 @@ class Family:
     voices: str | None = None
     stage_params: Mapping[str, Mapping[str, ParamSpec]] = field(default_factory=dict)
     stage_inputs: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
+    prompt_inputs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     cost: Callable[[Any], Any] | None = None
     tiny: tuple[TinyModel, ...] = ()
     scaled: Mapping[str, str] = field(default_factory=dict)

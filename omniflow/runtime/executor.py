@@ -13,9 +13,11 @@ import ctypes
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from abc import ABC, abstractmethod
@@ -28,9 +30,17 @@ from omniflow.errors import OmniflowError
 from omniflow.plan import Program
 from omniflow.runtime import control, events
 from omniflow.runtime.loop import ProgramLoop
+from omniflow.runtime.shm_ring import (
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    cleanup_stale_segments,
+    process_alive,
+)
 from omniflow.runtime.wakeup import wait
 
 IDLE_WAIT_S = 0.05
+ENGINE_WATCH_S = 0.2  # how often an executor process checks that its engine is alive
+ENGINE_EXIT_WAIT_S = 2.0  # how long one told to stop waits for its engine's end, to clean up
 PURGE_EVERY_S = 10.0
 # zmq.POLLIN as a plain int: the flag enum costs microseconds per use in the hot loop.
 ZMQ_POLLIN = int(zmq.POLLIN)
@@ -174,8 +184,8 @@ def _obey(loop: ProgramLoop, end: ControlEnd, message: control.Message) -> bool:
 
 
 def _die_with_parent() -> None:
-    """Have the kernel send SIGTERM if the engine dies, and turn SIGTERM into a clean exit
-    (rings closed, segments unlinked)."""
+    """Have the kernel send SIGTERM when the engine's thread that started this process
+    ends, and turn SIGTERM into a clean exit (rings closed, segments unlinked)."""
     libc = ctypes.CDLL(None, use_errno=True)
     pr_set_pdeathsig = 1
     libc.prctl(pr_set_pdeathsig, signal.SIGTERM)
@@ -185,6 +195,35 @@ def _die_with_parent() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if os.getppid() == 1:  # the engine died before prctl took effect
         sys.exit(0)
+
+
+def _watch_engine(engine: int, log_dir: str | None) -> None:
+    """Exit at once when the engine process `engine` ends, removing what it would have:
+    this process's rings, the engine's, and its log folder `log_dir`. The kernel's SIGTERM
+    (the engine's thread that started this process ended) says so when Python gets to run
+    its handler, which a stage in one long computation may keep it from for minutes; so a
+    thread also watches for this process's re-parenting (it runs meanwhile: torch releases
+    the GIL in its kernels)."""
+
+    def leave(*_) -> None:
+        for path in SHM_DIR.glob(f"{SEGMENT_PREFIX}{os.getpid()}-*"):
+            path.unlink(missing_ok=True)
+        deadline = time.monotonic() + ENGINE_EXIT_WAIT_S
+        while process_alive(engine) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the engine's threads end before its process does
+        if not process_alive(engine):
+            cleanup_stale_segments()
+            if log_dir is not None:
+                shutil.rmtree(log_dir, ignore_errors=True)
+        os._exit(0)
+
+    def watch() -> None:
+        while os.getppid() == engine:
+            time.sleep(ENGINE_WATCH_S)
+        leave()
+
+    signal.signal(signal.SIGTERM, leave)
+    threading.Thread(target=watch, name="omniflow-engine-watch", daemon=True).start()
 
 
 def torch_threads(program: Program, engine: int | None, host_executors: int) -> int | None:
@@ -222,8 +261,10 @@ def start_loop(config: dict, end: ControlEnd) -> ProgramLoop:
 
 
 def main() -> None:
+    engine = os.getppid()
     _die_with_parent()
     config = json.loads(sys.stdin.read())
+    _watch_engine(engine, config.get("log_dir"))
     end = ZmqControl(config["control"], config["name"], config["start_queue_fd"])
     try:
         loop = start_loop(config, end)

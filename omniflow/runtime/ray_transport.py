@@ -205,10 +205,7 @@ class RayTransport(ProcessTransport):
             self.ray.wait(runs, num_returns=len(runs), timeout=CLOSE_TIMEOUT_S)
         for actor in self.actors.values():
             self.ray.kill(actor, no_restart=True)
-        for queue in self.start_queues.values():
-            queue.close()
-        self.router.close()
-        self.context.term()
+        self.release()
 
 
 def ray_plan(devices: list[DevicePlan]) -> bool:

@@ -531,13 +531,14 @@ def cleanup_stale_segments() -> list[str]:
     removed = []
     for path in SHM_DIR.glob(SEGMENT_PREFIX + "*"):
         pid = path.name[len(SEGMENT_PREFIX) :].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             _unlink_quietly(path.name)
             removed.append(path.name)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed but not yet reaped, does not)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:

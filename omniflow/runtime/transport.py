@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import select
+import shutil
 import socket
 import subprocess
 import sys
@@ -41,6 +42,7 @@ from omniflow.runtime.shm_ring import cleanup_stale_segments
 from omniflow.runtime.wakeup import Waker, wait
 
 LINK_TIMEOUT_S = 300.0
+CLOSE_TIMEOUT_S = 10.0  # how long executors told to Shutdown may take to leave, together
 TICK_S = 0.05
 
 # on_message(executor, message): a control message the engine handles (Failed, Loaded, ...).
@@ -197,6 +199,8 @@ class ProcessTransport(Transport):
             "control": self.address,
             "backends": self.backends,
             "start_queue_fd": theirs.fileno(),
+            # Removed by an executor left behind by an engine killed outright (main()).
+            "log_dir": str(self.log_dir),
             # The engine's torch threads: reductions split by thread count round differently,
             # and a seed must replay a request bit for bit in every run mode.
             "torch_threads": _torch_threads(),
@@ -323,16 +327,29 @@ class ProcessTransport(Transport):
                 self.frontend.waker.drain()
 
     def close(self) -> None:
+        """Wait for the executors (told to Shutdown) to leave, all within one
+        `CLOSE_TIMEOUT_S`; kill those still busy (a stage in one long computation hears no
+        Shutdown) and remove the rings they could not."""
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
+        killed = False
         for proc in self.processes.values():
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+                killed = True
+        if killed:
+            cleanup_stale_segments()
+        self.release()
+
+    def release(self) -> None:
+        """Release what linked the executors: start queues, the control socket, the logs."""
         for queue in self.start_queues.values():
             queue.close()
         self.router.close()
         self.context.term()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 class ThreadControl(ControlEnd):

@@ -12,7 +12,6 @@ request in every stage; its slot is released when its handler ends.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,6 +32,7 @@ from omniflow.media import VIDEO_MIME
 from omniflow.profiler.dashboard import URLS as DASHBOARD_URLS
 from omniflow.profiler.dashboard import Dashboard
 from omniflow.runtime.gpu_timeline import ProfileError
+from omniflow.runtime.prompts import PromptTooLong
 from omniflow.runtime.requests import RequestError
 from omniflow.server import (
     chat,
@@ -44,6 +44,7 @@ from omniflow.server import (
     videos,
     voices,
 )
+from omniflow.server.auth import bearer_matches
 from omniflow.server.errors import APIError, bad_request, error_body
 from omniflow.server.log_stats import StatsLog
 from omniflow.server.metrics import Metrics
@@ -81,6 +82,9 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     max_video_jobs: int = 32  # video jobs held at once: queued, running or kept (429 beyond)
     video_ttl_s: float = 3600.0  # how long a finished video job (and its MP4) is kept
+    max_realtime_sessions: int = 64  # /v1/realtime sessions at once (beyond: closed, 1013)
+    max_realtime_text: int = 256 << 10  # characters of text one realtime session holds
+    realtime_idle_timeout_s: float = 600.0  # a realtime session idle this long is closed
 
 
 class Server:
@@ -99,6 +103,7 @@ class Server:
         self.stats_log = stats_log or StatsLog(None, None)
         self.draining = False
         self.started = time.time()
+        self.realtime_sessions = 0  # open /v1/realtime sessions
         self.videos = videos.VideoJobs(self, config.max_video_jobs, config.video_ttl_s)
 
     @property
@@ -156,8 +161,11 @@ class Server:
         except RequestError as err:
             chat = served.chat_input
             field = "messages" if chat is not None and err.field == chat.name else err.field
-            param = params.source.get(field, field) if field else None
-            raise bad_request(str(err), param=param, code="invalid_value") from None
+            names = {**params.input_fields, **params.source}
+            param = names.get(field, field) if field else None
+            # OpenAI's code for a prompt past the model's context.
+            code = "context_length_exceeded" if isinstance(err, PromptTooLong) else "invalid_value"
+            raise bad_request(str(err), param=param, code=code) from None
         return admitted
 
     async def fetch_media(self, url: str, where: str) -> bytes:
@@ -223,7 +231,8 @@ class HeldStream(StreamingResponse):
 
 async def until_disconnect(request: Request, work):
     """`await work`, unless the client goes away first: then `work` is cancelled (and with it
-    the request in every stage) and ClientDisconnect is raised."""
+    the request in every stage, or its wait in the admission queue) and ClientDisconnect is
+    raised."""
     task = asyncio.ensure_future(work)
 
     async def gone() -> None:
@@ -318,7 +327,7 @@ def create_app(server: Server) -> FastAPI:
         context["model"] = served.name
         job = await chat.parse(server, served, body)
         admitted = server.admit(served, job.inputs, job.params)
-        slot = await served.acquire()
+        slot = await until_disconnect(request, served.acquire())
         run = context["run"] = chat.make_run(job, admitted, chat.new_id(), context["began"])
         headers = {"x-omniflow-seed": str(run.seed), "x-request-id": run.request_id}
         if job.request.stream:
@@ -335,7 +344,7 @@ def create_app(server: Server) -> FastAPI:
         context["model"] = served.name
         job = await speech.parse(server, served, body)
         admitted = server.admit(served, job.inputs, job.params)
-        slot = await served.acquire()
+        slot = await until_disconnect(request, served.acquire())
         run = context["run"] = Run(
             served, admitted, chat.new_id().replace("chatcmpl", "speech"), {job.audio_port.name},
             context["began"],
@@ -353,7 +362,7 @@ def create_app(server: Server) -> FastAPI:
         admitted = [
             server.admit(served, inputs, _Fixed(params, job.params)) for inputs, params in asked
         ]
-        slot = await served.acquire(len(admitted))
+        slot = await until_disconnect(request, served.acquire(len(admitted)))
         prefix = chat.new_id().replace("chatcmpl", "img")
         runs = [
             Run(served, a, f"{prefix}-{i}", {job.image_port.name}, context["began"])
@@ -466,7 +475,7 @@ def create_app(server: Server) -> FastAPI:
     async def videos_sync(request: Request, context) -> Response:
         video = await video_request(request, context)
         served = video.served
-        slot = await served.acquire()
+        slot = await until_disconnect(request, served.acquire())
         run = context["run"] = Run(
             served, video.admitted, "video_" + chat.new_id()[9:], {served.video_port.name},
             context["began"],
@@ -527,6 +536,9 @@ def create_app(server: Server) -> FastAPI:
             return JSONResponse(
                 {"status": "draining"}, status_code=503, headers={"Retry-After": "5"}
             )
+        key = server.config.api_key
+        if key and not bearer_matches(request.headers.get("authorization", ""), key):
+            return JSONResponse({"status": "ok"})  # what it serves is for key holders
         return JSONResponse({"status": "ok", "models": list(server.served)})
 
     def metrics_endpoint(request: Request) -> Response:
@@ -673,6 +685,7 @@ class _Fixed:
     def __init__(self, values: dict, params):
         self.values = values
         self.source = params.source
+        self.input_fields = params.input_fields
 
     def result(self) -> dict:
         return self.values
@@ -712,23 +725,22 @@ class Guard:
             return
         config = self.server.config
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if config.api_key and self._protected(scope["path"]):
-            given = headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if not (
-                scheme.lower() == "bearer"
-                and hmac.compare_digest(token.strip().encode(), config.api_key.encode())
-            ):
-                await _send_error(
-                    send,
-                    APIError(
-                        401,
-                        "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                        code="invalid_api_key",
-                        headers={"WWW-Authenticate": "Bearer"},
-                    ),
-                )
-                return
+        key = config.api_key
+        if (
+            key
+            and self._protected(scope["path"])
+            and not bearer_matches(headers.get("authorization", ""), key)
+        ):
+            await _send_error(
+                send,
+                APIError(
+                    401,
+                    "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                ),
+            )
+            return
         limit = config.max_body_bytes
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:

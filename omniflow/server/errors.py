@@ -8,6 +8,8 @@ only when a stage failed or an executor died while running a good request.
 
 from __future__ import annotations
 
+import re
+
 from starlette.responses import JSONResponse
 
 from omniflow.errors import OmniflowError
@@ -24,6 +26,21 @@ TYPES = {
 }
 
 
+# An object's default repr names its address ("<_io.BytesIO object at 0x7f...>", as
+# Pillow's "cannot identify image file" does): nothing a client should see.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+MAX_MESSAGE_CHARS = 4096  # a message echoing a huge value is cut
+
+
+def public(message: str) -> str:
+    """`message` as a client may see it: no object addresses, at most MAX_MESSAGE_CHARS."""
+    message = _ADDRESS.sub("", message)
+    if len(message) > MAX_MESSAGE_CHARS:
+        cut = len(message) - MAX_MESSAGE_CHARS
+        message = f"{message[:MAX_MESSAGE_CHARS]}... ({cut} characters more)"
+    return message
+
+
 class APIError(OmniflowError):
     """An answer other than 200: its status, message, the request field it is about
     (`param`) and a machine-readable `code`."""
@@ -37,6 +54,7 @@ class APIError(OmniflowError):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ):
+        message = public(message)
         super().__init__(message)
         self.status = status
         self.message = message
@@ -53,7 +71,7 @@ class APIError(OmniflowError):
 
 def error_body(status: int, message: str, *, param=None, code=None) -> dict:
     kind = TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": public(message), "type": kind, "param": param, "code": code}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shlex
 import signal
@@ -272,6 +273,9 @@ def serve(args) -> int:
         drain_timeout_s=args.drain_timeout,
         max_video_jobs=args.max_video_jobs,
         video_ttl_s=args.video_ttl,
+        max_realtime_sessions=args.max_realtime_sessions,
+        max_realtime_text=args.max_realtime_text,
+        realtime_idle_timeout_s=args.realtime_idle_timeout,
     )
     sock = bind(args.host, args.port)
     engines: dict = {}
@@ -287,6 +291,13 @@ def serve(args) -> int:
                 )
             if args.max_video_jobs < 1 or not args.video_ttl > 0:
                 raise ServeError("--max-video-jobs must be at least 1 and --video-ttl above 0")
+            if min(args.max_realtime_sessions, args.max_realtime_text) < 1 or not (
+                args.realtime_idle_timeout > 0
+            ):
+                raise ServeError(
+                    "--max-realtime-sessions and --max-realtime-text must be at least 1 and "
+                    "--realtime-idle-timeout above 0"
+                )
             backends = "standin" if args.standin else "auto"
             checks = {p.pipeline: () if args.standin else _preflight(p) for p in plans}
             defaults = param_defaults(args.param, plans, checks)
@@ -435,4 +446,6 @@ def _run_uvicorn(app, server: Server, sock: socket.socket, console: Console, acc
         timeout_graceful_shutdown=2,
         timeout_keep_alive=5,
     )
+    if access_log:  # uvicorn's access lines are INFO, below the level the rest logs at
+        logging.getLogger("uvicorn.access").setLevel(logging.INFO)
     Uvicorn(config).run(sockets=[sock])  # uvloop and httptools where installed

@@ -87,6 +87,8 @@ class Params:
         self.plan = served.plan
         self.values: dict = {}
         self.source: dict[str, str] = {}
+        # Pipeline inputs filled from a request field of another name (speech's `input`).
+        self.input_fields: dict[str, str] = {}
 
     @property
     def names(self) -> list[str]:
@@ -235,7 +237,7 @@ def parse_form_value(field: str, text: str, like):
             if not isinstance(value, kind):
                 raise ValueError
             return value
-    except ValueError:
+    except (ValueError, RecursionError):  # (JSON nested past what the parser recurses)
         what = {bool: "a boolean (True or False)", int: "an integer", float: "a number"}.get(
             kind, f"a JSON {kind.__name__}"
         )

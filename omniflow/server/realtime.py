@@ -26,7 +26,8 @@ decides what is speech), cancels it in every stage at once and it ends `cancelle
 client that goes away cancels it too, and frees its admission slot. A mistaken event is an
 `error` event and the session goes on; settings are checked against the pipeline when they
 are set, so a bad one never reaches a response. What a session keeps is bounded (the audio
-buffer, the conversation's items and their audio, one event's size).
+buffer, the conversation's items, their audio and text, one event's size), as are the
+sessions a server holds at once and how long one may sit idle (`ServerConfig`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import json
 import logging
 import time
 import uuid
@@ -44,8 +44,14 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omniflow.media import audio_bytes
 from omniflow.server import chat, realtime_schema
-from omniflow.server.errors import APIError, bad_request
-from omniflow.server.sockets import CLOSE_BAD_REQUEST, Sender, refused
+from omniflow.server.errors import APIError, bad_request, busy
+from omniflow.server.sockets import (
+    CLOSE_BAD_REQUEST,
+    CLOSE_BUSY,
+    Sender,
+    client_message,
+    refused,
+)
 
 log = logging.getLogger("omniflow.server")
 PATH = "/v1/realtime"
@@ -127,6 +133,7 @@ class RealtimeSession:
         self.items: list[dict] = []  # the conversation: realtime items, in order
         self.audio_bytes = 0  # committed audio the items hold
         self.response: tuple[str, asyncio.Task] | None = None  # the running one
+        self.active = time.monotonic()  # the last client event, or a response's end
         self.cancel_reason = "client_cancelled"  # why the running one was cancelled
         self.ga = False  # whether the client speaks today's schema (realtime_schema.py)
 
@@ -141,22 +148,65 @@ class RealtimeSession:
             return
         await self.ws.accept()
         self.out = Sender(self.ws)
+        limit = self.server.config.max_realtime_sessions
+        if self.server.realtime_sessions >= limit:
+            self._error(busy(f"this server holds at most {limit} realtime sessions at once "
+                             "(--max-realtime-sessions); retry later"))  # fmt: skip
+            await self._close(CLOSE_BUSY, "too many sessions")
+            return
+        self.server.realtime_sessions += 1
         gauge = self.server.metrics.websocket_sessions.labels(self.served.name, PATH)
         gauge.inc()
         self.config = self._default_config()
         self.send("session.created", session=self._session())
+        closing = None
         try:
-            await self._read_loop()
+            closing = await self._read_loop()
         except WebSocketDisconnect:
             pass
         finally:
             await self._cancel_response()
+            self.server.realtime_sessions -= 1  # before the close: the client may reconnect
             gauge.dec()
+            if closing is not None:
+                await self._close(*closing)
             await self.out.stop()
 
-    async def _read_loop(self) -> None:
+    async def _close(self, code: int, reason: str) -> None:
+        """Close the socket once what was queued to send has gone."""
+        self.out.close(code, reason)
+        await self.out.flush()
+        await self.out.stop()
+
+    async def _next_message(self) -> dict | None:
+        """The client's next message; None once the session has been idle (no client event,
+        no response running) for the server's idle timeout."""
+        idle_s = self.server.config.realtime_idle_timeout_s
+        receiving = asyncio.ensure_future(self.ws.receive())
+        try:
+            while True:
+                quiet = time.monotonic() - self.active
+                wait = idle_s if self.response is not None else idle_s - quiet
+                if wait <= 0:
+                    return None
+                done, _ = await asyncio.wait({receiving}, timeout=wait)
+                if done:
+                    self.active = time.monotonic()
+                    return receiving.result()
+        finally:
+            receiving.cancel()
+
+    async def _read_loop(self) -> tuple[int, str]:
+        """Client events until the client goes away (WebSocketDisconnect), or the session
+        has been idle too long: then the close code and reason."""
         while True:
-            message = await self.ws.receive()
+            message = await self._next_message()
+            if message is None:
+                idle_s = self.server.config.realtime_idle_timeout_s
+                self._error(_invalid(f"the session was idle for {idle_s:g} s "
+                                     "(--realtime-idle-timeout): closed", "type",
+                                     "session_expired"))  # fmt: skip
+                return 1000, "idle"
             if message["type"] == "websocket.disconnect":
                 raise WebSocketDisconnect(message.get("code", 1000))
             event_id = None
@@ -183,18 +233,7 @@ class RealtimeSession:
 
     # --- client events --------------------------------------------------------------------------
     def _event(self, message: dict) -> dict:
-        text = message.get("text")
-        if text is None:
-            raise _invalid("events are JSON text frames", "type")
-        if len(text) > MAX_EVENT_BYTES:
-            raise _invalid(f"an event is at most {MAX_EVENT_BYTES} bytes", "type", "too_large")
-        try:
-            event = json.loads(text)
-        except (ValueError, RecursionError) as err:  # nested past Python's limit: not ours
-            raise _invalid(f"an event is not valid JSON: {err}", "type") from None
-        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
-            raise _invalid("each event is a JSON object with a 'type'", "type")
-        return event
+        return client_message(message, MAX_EVENT_BYTES, "event")
 
     async def _handle(self, event: dict) -> None:
         kind = event["type"]
@@ -223,6 +262,7 @@ class RealtimeSession:
             raise _invalid("session.update takes a 'session' object", "session")
         update = self._beta(update, SESSION_FIELDS, "session")
         config = self._merged(update, SESSION_FIELDS, "session")
+        self._check_text(self._text_held(config), "session.instructions")
         # Checked against the pipeline now (an unknown voice, a token limit beyond the plan):
         # a setting kept unchecked would fail every later response, far from its cause.
         await self._check_settings(config)
@@ -243,6 +283,9 @@ class RealtimeSession:
             job = await chat.parse(self.server, self.served, body)
             self.server.admit(self.served, job.inputs, job.params)
         except APIError as err:
+            if err.code == "context_length_exceeded":  # the instructions alone are too long
+                raise _invalid(f"'session.instructions': {err.message}", "session.instructions",
+                               err.code) from None  # fmt: skip
             if err.param not in CHAT_FIELDS:
                 return  # about the stand-in conversation, not a setting
             raise _about_settings(err, overridden) from None
@@ -417,6 +460,7 @@ class RealtimeSession:
                 "item",
                 "conversation_full",
             )
+        self._check_text(self._text_held(self.config) + _text_of(item), "item")
         held = _audio_of(item)
         if self.audio_bytes + held > MAX_CONVERSATION_AUDIO_BYTES:
             raise _invalid(
@@ -435,6 +479,22 @@ class RealtimeSession:
         self.items.append(item)
         self.audio_bytes += held
         return {"previous": previous, "item": item}
+
+    def _text_held(self, config: dict) -> int:
+        """The characters of text the session holds with `config`: its instructions and
+        every item's text."""
+        return len(config.get("instructions") or "") + sum(map(_text_of, self.items))
+
+    def _check_text(self, held: int, param: str) -> None:
+        limit = self.server.config.max_realtime_text
+        if held > limit:
+            raise _invalid(
+                f"a session holds at most {limit} characters of text, its instructions and "
+                f"items' (--max-realtime-text), not {held}; delete some items "
+                "(conversation.item.delete) or start a new session",
+                param,
+                "conversation_full",
+            )
 
     def _announce(self, added: dict) -> None:
         item = dict(added["item"])
@@ -574,6 +634,7 @@ class RealtimeSession:
         usage = run.usage if run is not None else None
         response = self._response(response_id, outcome, [item], usage, reason)
         self.send("response.done", response=response)
+        self.active = time.monotonic()
         if self.response is not None and self.response[0] == response_id:
             self.response = None
 
@@ -644,6 +705,11 @@ class RealtimeSession:
 
 def _internal(err: Exception) -> APIError:
     return APIError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
+
+
+def _text_of(item: dict) -> int:
+    """The characters of text (or transcript) an item holds."""
+    return sum(len(p.get("text") or p.get("transcript") or "") for p in item["content"])
 
 
 def _audio_of(item: dict) -> int:

@@ -65,8 +65,10 @@ class StopScanner:
     def feed(self, text: str) -> tuple[str, bool]:
         if not self.stops:
             return text, False
+        scanned = len(self.pending)  # holds no stop string: only one ending in `text` is new
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        starts = (max(0, scanned - len(s) + 1) for s in self.stops)
+        hits = [i for i in map(self.pending.find, self.stops, starts) if i >= 0]
         if hits:
             out, self.pending = self.pending[: min(hits)], ""
             return out, True

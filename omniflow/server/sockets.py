@@ -1,15 +1,18 @@
-"""What every WebSocket endpoint shares: the API key check at the handshake, and one sender
-task per socket through which everything the server says leaves in order (so that a reader
-and the tasks producing output never write to the socket at once)."""
+"""What every WebSocket endpoint shares: the API key check at the handshake, the parsing of
+a client's JSON messages (bounded in size and nesting), and one sender task per socket
+through which everything the server says leaves in order (so that a reader and the tasks
+producing output never write to the socket at once)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from omniflow.server.auth import bearer_matches, token_matches
+from omniflow.server.errors import bad_request
 
 CLOSE_BAD_REQUEST, CLOSE_FAILED, CLOSE_BUSY = 1008, 1011, 1013
 
@@ -20,10 +23,10 @@ def authorised(server, websocket: WebSocket) -> bool:
     key = server.config.api_key
     if not key:
         return True
-    scheme, _, token = websocket.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer":
-        token = websocket.query_params.get("api_key", "")
-    return hmac.compare_digest(token.strip().encode(), key.encode())
+    header = websocket.headers.get("authorization", "")
+    if header.partition(" ")[0].lower() == "bearer":
+        return bearer_matches(header, key)
+    return token_matches(websocket.query_params.get("api_key", ""), key)
 
 
 async def refused(server, websocket: WebSocket) -> bool:
@@ -36,6 +39,30 @@ async def refused(server, websocket: WebSocket) -> bool:
         await websocket.close(code=CLOSE_BUSY, reason="the server is shutting down")
         return True
     return False
+
+
+def client_message(message: dict, max_chars: int, what: str = "message") -> dict:
+    """A client's frame (an ASGI `websocket.receive`) as a JSON object with a string `type`,
+    or a 400 naming `type` that says why not: a binary frame, more than `max_chars`, not
+    JSON, nested deeper than the parser goes, or not such an object."""
+    text = message.get("text")
+    if text is None:
+        raise bad_request(f"a {what} is a JSON text frame", param="type")
+    if len(text) > max_chars:
+        raise bad_request(
+            f"a {what} is at most {max_chars} characters, not {len(text)}",
+            param="type",
+            code="too_large",
+        )
+    try:
+        body = json.loads(text)
+    except RecursionError:  # nested past what Python's parser recurses through
+        raise bad_request(f"a {what} is JSON nested too deeply", param="type") from None
+    except ValueError as err:
+        raise bad_request(f"a {what} is not valid JSON: {err}", param="type") from None
+    if not isinstance(body, dict) or not isinstance(body.get("type"), str):
+        raise bad_request(f"each {what} is a JSON object with a 'type'", param="type")
+    return body
 
 
 class Sender:

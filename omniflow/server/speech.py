@@ -79,6 +79,7 @@ async def parse(server, served, body: dict) -> SpeechJob:
     stream = bool(request.stream)
     fmt = check_format(request.response_format, stream)
     params = Params(served)
+    params.input_fields[served.speech_input.name] = "input"
     job = SpeechJob(served, {served.speech_input.name: request.input}, params, fmt, stream)
     fields = request.model_dump(include=set(TEXT_FIELDS) | set(PARAM_FIELDS), exclude_none=True)
     extras = dict(request.model_extra or {})

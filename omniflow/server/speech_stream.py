@@ -9,12 +9,16 @@ the protocol; in short:
   messages JSON text frames: `session.started`, `segment.started`, `segment.done`,
   `cancelled`, `error`, `session.done`.
 
-The text is cut into segments where a sentence ends (or a clause, past `MAX_SEGMENT_CHARS`;
-`input.flush` and `input.done` end one too); each segment is one request to the pipeline,
+The text is cut into segments where a sentence ends (or at the last word boundary, where a
+sentence runs past `MAX_SEGMENT_CHARS`; `input.flush` and `input.done` end one too), by a
+scan linear in the text however it arrives; each segment is one request to the pipeline,
 admitted like a `POST /v1/audio/speech` with the session's fields, so segments batch with
 every other request in every stage. Up to `AHEAD` segments run at once: the next is being
 synthesised while the one before it plays. Their audio goes out in order, each segment's
 as its pipeline makes it. The voice (a clone's reference too) is resolved once per session.
+
+What a session holds is bounded: `MAX_BUFFER_CHARS` of text waiting to be spoken (buffered
+or in segments not yet done), `MAX_SEGMENTS` such segments, `MAX_MESSAGE_CHARS` a message.
 
 A client that drops the socket, or sends `cancel`, cancels its segments in every stage;
 their admission slots are free within a second. A mistake in a message is an `error`
@@ -36,53 +40,88 @@ from omniflow.media import Tempo, audio_bytes, streaming_wav_header
 from omniflow.server import chat, speech
 from omniflow.server.errors import APIError, bad_request
 from omniflow.server.run import Run
-from omniflow.server.sockets import CLOSE_BAD_REQUEST, CLOSE_FAILED, Sender, refused
+from omniflow.server.sockets import (
+    CLOSE_BAD_REQUEST,
+    CLOSE_FAILED,
+    Sender,
+    client_message,
+    refused,
+)
 
 PATH = "/v1/audio/speech/stream"
 STREAM_FORMATS = ("pcm", "wav")
 AHEAD = 2  # segments synthesised at once per session
-MAX_SEGMENT_CHARS = 240  # past this, a segment ends at a clause or word boundary
-MAX_BUFFER_CHARS = 64 << 10  # text waiting to be spoken, at most
+MAX_SEGMENT_CHARS = 240  # past this, a segment ends at a word boundary
+MAX_BUFFER_CHARS = 64 << 10  # text waiting to be spoken (buffered, or in segments not done)
+# Segments waiting to be spoken: prose averages well over 64 characters a sentence, so this
+# never refuses text within MAX_BUFFER_CHARS; it bounds what a text of tiny "sentences" costs.
+MAX_SEGMENTS = MAX_BUFFER_CHARS // 64
+# One client message: the most text a session holds, JSON-escaped (\uXXXX: 6 characters each).
+MAX_MESSAGE_CHARS = 6 * MAX_BUFFER_CHARS + 1024
 
-# A sentence ends at . ! ? ; (and their CJK forms) or a newline, followed by space or the end.
-_SENTENCE = re.compile(r"[.!?;…]+[\"')\]]*(?=\s)|[。！？；]+|\n")
-_CLAUSE = re.compile(r"[,:、，：]\s|\s")
+# A sentence ends after a run of . ! ? ; … (then any closing quotes or brackets) that white
+# space follows, after a run of 。！？； and at a newline. Found by a scan that looks at each
+# character a bounded number of times, whatever the text (a regex with a lookahead after a
+# repeated class backtracks quadratically on a long run of dots).
+_MARK = re.compile(r"[.!?;…。！？；\n]")
+_LATIN_END = re.compile(r"[.!?;…]+[\"')\]]*")
+_CJK_END = re.compile(r"[。！？；]+")
+_SPACE = re.compile(r"\s")
+
+
+def sentence_end(text: str, start: int, limit: int) -> tuple[int | None, int]:
+    """The end of the first sentence of `text` that ends at `limit` at the latest, searched
+    from `start`; None if none does (yet). Also where a later search must start again (the
+    text grown, or `limit` moved on): no sentence can end between `start` and there."""
+    pos = start
+    while (mark := _MARK.search(text, pos, limit)) is not None:
+        at = mark.start()
+        if text[at] == "\n":
+            return at + 1, at + 1
+        if text[at] in "。！？；":
+            end = _CJK_END.match(text, at, limit + 1).end()
+            return (end, end) if end <= limit else (None, at)
+        end = _LATIN_END.match(text, at, limit + 1).end()
+        if end > limit or end == len(text):
+            return None, at  # it ends past the limit, or what follows it has not come yet
+        if text[end].isspace():
+            return end, end
+        pos = end
+    return None, min(limit, len(text))
+
+
+def word_end(head: str) -> int:
+    """Where text with no sentence end in `head` is cut: after the last white space of
+    `head`, else at its end."""
+    return max((space.end() for space in _SPACE.finditer(head)), default=len(head))
 
 
 class Segmenter:
-    """Text pieces -> the segments they complete, in order."""
+    """Text pieces -> the segments they complete, in order: each ends where a sentence ends,
+    or, where none does within MAX_SEGMENT_CHARS, at the last word boundary before that.
+    However the text arrives, each character is scanned a bounded number of times (what
+    was searched is not searched again when more comes)."""
 
     def __init__(self):
         self.text = ""
+        self.resume = 0  # where the next sentence search starts
 
     def add(self, piece: str) -> list[str]:
-        self.text += piece
-        if len(self.text) > MAX_BUFFER_CHARS:
-            raise bad_request(
-                f"'text': more than {MAX_BUFFER_CHARS} characters wait to be spoken; "
-                "end a sentence or send input.flush",
-                param="text",
-            )
-        done = []
-        while True:
-            cut = self._cut()
-            if cut is None:
-                return [s for s in done if s.strip()]
-            done.append(self.text[:cut].strip())
-            self.text = self.text[cut:]
-
-    def _cut(self) -> int | None:
-        match = _SENTENCE.search(self.text)
-        if match is not None:
-            return match.end()
-        if len(self.text) <= MAX_SEGMENT_CHARS:
-            return None
-        head = self.text[:MAX_SEGMENT_CHARS]
-        ends = [m.end() for m in _CLAUSE.finditer(head)]
-        return ends[-1] if ends else MAX_SEGMENT_CHARS
+        text, begin, done = self.text + piece, 0, []
+        while begin < len(text):
+            limit = begin + MAX_SEGMENT_CHARS
+            end, self.resume = sentence_end(text, max(self.resume, begin), limit)
+            if end is None:
+                if len(text) <= limit:
+                    break  # the segment may end in text still to come
+                end = begin + word_end(text[begin:limit])
+            done.append(text[begin:end].strip())
+            begin = end
+        self.text, self.resume = text[begin:], max(0, self.resume - begin)
+        return [s for s in done if s]
 
     def flush(self) -> str | None:
-        text, self.text = self.text.strip(), ""
+        text, self.text, self.resume = self.text.strip(), "", 0
         return text or None
 
 
@@ -153,17 +192,7 @@ class SpeechSession:
     # --- messages -----------------------------------------------------------------------------
     async def _handle(self, message: dict) -> None:
         """One client message."""
-        if message.get("text") is None:
-            raise bad_request(
-                "messages are JSON text frames (the server sends the audio as binary ones)",
-                param="type",
-            )
-        try:
-            body = json.loads(message["text"])
-        except ValueError as err:
-            raise bad_request(f"a message is not valid JSON: {err}", param="type") from None
-        if not isinstance(body, dict) or not isinstance(body.get("type"), str):
-            raise bad_request("each message is a JSON object with a 'type'", param="type")
+        body = client_message(message, MAX_MESSAGE_CHARS)
         kind = body.pop("type")
         if kind == "session.start":
             await self._start(body)
@@ -176,13 +205,21 @@ class SpeechSession:
             text = body.get("text")
             if not isinstance(text, str) or set(body) != {"text"}:
                 raise bad_request("input.text takes one field, 'text' (a string)", param="text")
-            for piece in self.segmenter.add(text):
-                self._speak(piece)
+            held = sum(len(s.text) for s in self.running) + len(self.segmenter.text)
+            if held + len(text) > MAX_BUFFER_CHARS:
+                raise bad_request(
+                    f"'text': {held} characters wait to be spoken and this message brings "
+                    f"{len(text)}; a session holds at most {MAX_BUFFER_CHARS} (send more as "
+                    "segment.done messages come)",
+                    param="text",
+                    code="too_much_text",
+                )
+            self._speak_all(self.segmenter.add(text))
         elif kind in ("input.flush", "input.done"):
             if body:
                 raise bad_request(f"{kind} takes no fields", param=next(iter(body)))
             if (rest := self.segmenter.flush()) is not None:
-                self._speak(rest)
+                self._speak_all([rest])
             if kind == "input.done":
                 self.ended = True
                 self.segments.put_nowait(None)  # the speaker ends the session after the rest
@@ -231,6 +268,20 @@ class SpeechSession:
         )
 
     # --- segments -----------------------------------------------------------------------------
+    def _speak_all(self, texts: list[str]) -> None:
+        """Queue segments to be spoken; a 400 if that makes more wait than a session holds
+        (a text of many tiny sentences: each is a request to the pipeline)."""
+        if len(self.running) + len(texts) > MAX_SEGMENTS:
+            raise bad_request(
+                f"'text': {len(self.running)} segments wait to be spoken and this message "
+                f"completes {len(texts)}; a session holds at most {MAX_SEGMENTS} (send more "
+                "as segment.done messages come)",
+                param="text",
+                code="too_much_text",
+            )
+        for text in texts:
+            self._speak(text)
+
     def _speak(self, text: str) -> None:
         segment = Segment(self.count, text)
         self.count += 1

@@ -118,6 +118,8 @@ FAMILY = Family(
             "ref_text": ("text",),
         }
     },
+    # The talker's prompt holds the instruction and a clone's transcript beside the text.
+    prompt_inputs={"ar": ("instructions", "ref_text")},
     tiny=tuple(
         TinyModel(
             f"qwen3-tts-{task}",
