@@ -157,7 +157,7 @@ def test_an_internal_error_is_one_line_and_debug_shows_the_traceback(capsys, mon
     def broken(*args, **kwargs):
         raise ZeroDivisionError("injected")
 
-    monkeypatch.setattr("omniflow.compiler.compile_file", broken)
+    monkeypatch.setattr("omniflow.compiler.optimize_file", broken)
     code, _, err = run(capsys, "compile", str(GRAPHS / "tts.omni"))
     assert code == 1 and "internal error: ZeroDivisionError: injected" in err
     assert "--debug" in err and "Traceback" not in err
