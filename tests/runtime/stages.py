@@ -62,3 +62,16 @@ def ticker(call):
         call.emit("out", "tick ")
         time.sleep(_delay())
         yield
+
+
+def late_on_gpu(call):
+    """`n` (text: a count) -> tokens 0..n-1 on the GPU, one a step, each written by a kernel
+    queued behind a long GPU sleep: a consumer on another stream that did not wait for it
+    would read the tensor before it was written."""
+    text = yield from call.read_all("n")
+    for i in range(int(text.split()[0])):
+        value = torch.empty(1, 1, dtype=torch.int64, device="cuda")
+        torch.cuda._sleep(2_000_000)  # a few ms of GPU time, queued on the stage's stream
+        value.fill_(i)
+        call.emit("out", value)
+        yield
