@@ -139,6 +139,8 @@ class StageRunner:
             traceback.print_exc()
             for call in batch:
                 call.fail(err)
+        if any(call.error is not None for call in batch):
+            self.stream.check_context(self.name)  # a failure that broke the GPU's ends us
         took = time.monotonic_ns() - began
         self.totals.add(len(batch), took)
         if self.recorder is not None:

@@ -16,6 +16,13 @@ made the chunk, and the consumer's stream waits for that event before its next w
 producer's stream while the consumer may still read it. Nothing is copied and the host
 never waits.
 
+A step that breaks its GPU's CUDA context (a device-side assert, an illegal address: every
+later call on that GPU fails) has broken it for every stage of the process: the stage's
+stream says so after a failed step (`check_context`), and the executor ends, so that the
+engine fails the requests in flight through any of its stages and restarts it with all of
+them. A failure that leaves the context usable (out of memory, a bad input) fails only the
+requests of the step that raised.
+
 Everywhere else -- a CPU executor, the frontend, a GPU plan run where its GPUs are absent
 (stand-in stages on a CPU machine, as the tests run the examples) -- a stage's stream is
 `PROGRAM_ORDER`: its work runs on the current stream, in the order the loop issues it, and a
@@ -30,6 +37,7 @@ from collections.abc import Iterator
 import torch
 
 from omniflow.devices import local_name
+from omniflow.errors import OmniflowError
 from omniflow.plan import Program
 
 
@@ -41,8 +49,16 @@ def cuda_here(device: str) -> bool:
     return (torch.device(name).index or 0) < torch.cuda.device_count()
 
 
+class GpuContextLost(OmniflowError):
+    """A stage's step left its GPU's CUDA context unusable: the executor must restart."""
+
+
 class StageStream:
     """Program order: the stage's work runs on the current stream; nothing to order."""
+
+    def check_context(self, stage: str) -> None:
+        """After `stage`'s step raised: GpuContextLost if the step broke its GPU's context
+        (off GPUs there is none to break)."""
 
     def active(self) -> contextlib.AbstractContextManager:
         """While entered, the stage's work runs on its stream, after the chunks handed to it."""
@@ -59,6 +75,7 @@ class CudaStageStream(StageStream):
     """A CUDA stream of the stage's own."""
 
     def __init__(self, device: str, priority: int):
+        self.device = device
         self.stream = torch.cuda.Stream(device=local_name(device), priority=priority)
         # Per consumer: the event this stream records after the work of its hand-offs to it.
         self._recorded: dict[int, torch.cuda.Event] = {}
@@ -73,6 +90,16 @@ class CudaStageStream(StageStream):
         self._waits.clear()
         with torch.cuda.stream(self.stream):
             yield
+
+    def check_context(self, stage: str) -> None:
+        try:
+            self.stream.synchronize()  # a broken context fails every call; only on a failure
+        except RuntimeError as err:  # torch's AcceleratorError is one
+            cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise GpuContextLost(
+                f"stage '{stage}' broke the CUDA context of {self.device} ({cause}); the "
+                "executor restarts with all its stages"
+            ) from err
 
     def hand_off(self, value, consumer: StageStream) -> None:
         tensors = _cuda_tensors(value)

@@ -75,3 +75,15 @@ def late_on_gpu(call):
         value.fill_(i)
         call.emit("out", value)
         yield
+
+
+def break_gpu_on_boom(batch):
+    """text -> text, upper-cased; a prompt containing 'boom' reads far out of bounds on the
+    GPU: a device-side assert, which leaves the process's CUDA context unusable."""
+    out = []
+    for item in batch:
+        if "boom" in item["in"]:
+            far = torch.tensor([1 << 30], device="cuda")
+            torch.zeros(1, device="cuda")[far].cpu()
+        out.append({"out": item["in"].upper()})
+    return out

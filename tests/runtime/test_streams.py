@@ -10,9 +10,10 @@ import torch
 from omniflow.compiler import compile_source
 from omniflow.errors import OmniflowError
 from omniflow.runtime.budgets import OverBudget, check_budget, load_within_budget
-from omniflow.runtime.engine import Engine
+from omniflow.runtime.engine import Engine, RequestFailed
 from omniflow.runtime.loop import ProgramLoop
 from omniflow.runtime.streams import PROGRAM_ORDER, CudaStageStream
+from tests.runtime.test_failures import no_leaks, wait_until  # noqa: F401 (a fixture)
 
 MiB = 1 << 20
 CHAIN = """pipeline chain {
@@ -110,3 +111,27 @@ def test_a_stage_over_its_budget_stops_its_executor_naming_it():
     assert plan.stage("hungry").budget_bytes < 64 * MiB
     with pytest.raises(OmniflowError, match="stage 'hungry' took 64.0 MiB of cuda:0 to load"):
         Engine(plan, "process")
+
+
+@pytest.mark.gpu
+def test_a_step_that_breaks_the_gpus_context_restarts_the_executor_with_all_its_stages(
+    no_leaks,  # noqa: F811
+):
+    plan = compile_source(
+        """pipeline p {
+          stage up = python(fn=tests.runtime.stages.break_gpu_on_boom, inputs="in:text", outputs="out:text")
+          stage again = python(fn=tests.runtime.stages.break_gpu_on_boom, inputs="in:text", outputs="out:text")
+          input prompt: text -> up
+          up.out -> again
+          again.out -> output out
+        }""",
+        "p.omni",
+        devices="1xH200",
+    )
+    (executor,) = plan.executors
+    with Engine(plan, "process") as engine:
+        before = engine.executor_pids[executor.name]
+        with pytest.raises(RequestFailed, match="broke the CUDA context"):
+            engine.generate({"prompt": "boom"})
+        wait_until(lambda: engine.executor_pids[executor.name] != before)
+        assert engine.generate({"prompt": "fine"})["out"] == "FINE"  # both stages are back
