@@ -182,16 +182,23 @@ def test_an_executor_of_several_stages_killed_mid_stream_fails_all_their_request
         assert engine.executor_pids[executor.name] != killed
 
 
+TWO_TEXT_STAGES = """pipeline p {
+  stage up = python(fn=tests.runtime.stages.FN, inputs="in:text", outputs="out:text")
+  stage again = python(fn=tests.runtime.stages.FN, inputs="in:text", outputs="out:text")
+  input prompt: text -> up
+  up.out -> again
+  again.out -> output out
+}"""
+
+
+def two_text_stages_on_one_gpu(fn: str) -> Plan:
+    """Two text stages running `fn` (of tests/runtime/stages.py), one after the other, in the
+    one executor of one GPU."""
+    return one_gpu(TWO_TEXT_STAGES.replace("FN", fn))
+
+
 def test_a_stage_that_raises_fails_its_own_requests_and_spares_the_stages_beside_it(no_leaks):
-    plan = one_gpu(
-        """pipeline p {
-          stage up = python(fn=tests.runtime.stages.fail_on_boom, inputs="in:text", outputs="out:text")
-          stage again = python(fn=tests.runtime.stages.fail_on_boom, inputs="in:text", outputs="out:text")
-          input prompt: text -> up
-          up.out -> again
-          again.out -> output out
-        }"""
-    )
+    plan = two_text_stages_on_one_gpu("fail_on_boom")
     (executor,) = plan.executors
     with Engine(plan, "process", backends="standin") as engine:
         pids = engine.executor_pids

@@ -13,7 +13,11 @@ from omniflow.runtime.budgets import OverBudget, check_budget, load_within_budge
 from omniflow.runtime.engine import Engine, RequestFailed
 from omniflow.runtime.loop import ProgramLoop
 from omniflow.runtime.streams import PROGRAM_ORDER, CudaStageStream
-from tests.runtime.test_failures import no_leaks, wait_until  # noqa: F401 (a fixture)
+from tests.runtime.test_failures import (  # noqa: F401 (no_leaks: a fixture)
+    no_leaks,
+    two_text_stages_on_one_gpu,
+    wait_until,
+)
 
 MiB = 1 << 20
 CHAIN = """pipeline chain {
@@ -117,17 +121,7 @@ def test_a_stage_over_its_budget_stops_its_executor_naming_it():
 def test_a_step_that_breaks_the_gpus_context_restarts_the_executor_with_all_its_stages(
     no_leaks,  # noqa: F811
 ):
-    plan = compile_source(
-        """pipeline p {
-          stage up = python(fn=tests.runtime.stages.break_gpu_on_boom, inputs="in:text", outputs="out:text")
-          stage again = python(fn=tests.runtime.stages.break_gpu_on_boom, inputs="in:text", outputs="out:text")
-          input prompt: text -> up
-          up.out -> again
-          again.out -> output out
-        }""",
-        "p.omni",
-        devices="1xH200",
-    )
+    plan = two_text_stages_on_one_gpu("break_gpu_on_boom")
     (executor,) = plan.executors
     with Engine(plan, "process") as engine:
         before = engine.executor_pids[executor.name]
