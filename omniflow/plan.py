@@ -21,7 +21,9 @@ from omniflow.ir.values import PlanValue
 # 4: stages name their model family and its code (`StagePlan.family`); channels name their
 # adapter's code; every setting a backend reads is in the stage's settings; devices and
 # pointwise kernels are structs.
-PLAN_VERSION = 4
+# 5: the stages of a GPU share its executor, each on a CUDA stream of the priority its
+# program gives (`Program.stream_priorities`).
+PLAN_VERSION = 5
 # The program that holds the pipeline's inputs and outputs: the engine's own.
 FRONTEND = "frontend"
 
@@ -116,7 +118,10 @@ class ChannelPlan:
 class Program:
     """What one executor runs: its stages in topological order, the channels it reads from
     other programs (`inbound`: it creates their rings), writes to them (`outbound`: it
-    attaches to theirs) and passes between its own stages or ports (`local`)."""
+    attaches to theirs) and passes between its own stages or ports (`local`), why the
+    compiler formed it (`reasons`), and on a GPU the priority of each stage's CUDA stream
+    (`stream_priorities`, stage -> priority, lower runs first; empty: the program runs its
+    stages on the device's one stream, as on a CPU)."""
 
     name: str
     devices: list[str]
@@ -125,6 +130,7 @@ class Program:
     outbound: list[ChannelPlan]
     local: list[ChannelPlan]
     reasons: list[str] = field(default_factory=list)
+    stream_priorities: dict[str, int] = field(default_factory=dict)
 
     @property
     def stage_names(self) -> list[str]:

@@ -14,7 +14,7 @@ from rich.measure import Measurement
 from rich.table import Table
 
 from omniflow.devices import human_bytes, node_of
-from omniflow.plan import ChannelPlan, Plan
+from omniflow.plan import FRONTEND, ChannelPlan, Plan
 
 _UNBOUNDED = 1 << 20  # columns, to measure what a table needs at the least
 
@@ -61,9 +61,14 @@ def _stages(plan: Plan) -> Table:
 
 
 def _executors(plan: Plan) -> Table:
-    table = _table("executors", "executor", "device", "stages", wrap=("device", "stages"))
+    """A row per stage, under its executor's name and devices: on a GPU, the priority of the
+    stage's own CUDA stream (lower runs first); off GPUs, none ("-")."""
+    table = _table("executors", "executor", "device", "stage", "stream priority", wrap=("device",))
     for x in plan.executors:
-        table.add_row(x.name, ", ".join(x.devices), ", ".join(x.stage_names))
+        for i, stage in enumerate(x.stage_names):
+            priority = x.stream_priorities.get(stage)
+            head = (x.name, ", ".join(x.devices)) if i == 0 else ("", "")
+            table.add_row(*head, stage, "-" if priority is None else str(priority))
     return table
 
 
@@ -111,12 +116,21 @@ def _buffers(plan: Plan) -> Table:
     return table
 
 
+def _runs_with(c: ChannelPlan) -> str:
+    """Where an edge's kernel runs, by the stage beside it there (an executor's name lists
+    all its stages) or the frontend."""
+    runs_in = c.pointwise.runs_in
+    if runs_in == FRONTEND:
+        return runs_in
+    return c.src if runs_in == c.src_executor else c.dst
+
+
 def _kernels(plan: Plan) -> Table:
-    table = _table("fused pointwise kernels", "edge", "kernel", "dtypes", "runs in")
+    table = _table("fused pointwise kernels", "edge", "kernel", "dtypes", "runs with")
     for c in plan.channels:
         if c.pointwise:
             p = c.pointwise
-            table.add_row(c.name, p.kernel, f"{p.in_dtype}->{p.out_dtype}", p.runs_in)
+            table.add_row(c.name, p.kernel, f"{p.in_dtype}->{p.out_dtype}", _runs_with(c))
     return table
 
 

@@ -177,6 +177,20 @@ def test_omni_chat_plan_has_budgets_and_a_fused_executor():
     assert ["thinker", "talker"] in [x.stage_names for x in plan.executors]
 
 
+def test_one_gpu_prints_one_executor_with_each_stages_stream_priority(capsys):
+    code, out, err = _cli(capsys, "compile", "graphs/omni_chat.omni", "--devices", "1xH200")
+    assert code == 0, err
+    table = out[out.index("executors") : out.index("edges")]
+    rows = [line.split() for line in table.splitlines() if set(line.strip()) - {"─"}]
+    executor = "hearing+vision+thinker+talker+code2wav"
+    assert rows[2] == [executor, "cuda:0", "hearing", "0"]
+    assert rows[3:7] == [["vision", "0"], ["thinker", "-1"], ["talker", "-2"], ["code2wav", "-3"]]
+    assert rows[8][:5] == [executor, "one", "process", "per", "GPU:"]
+    plan = compile_file(ROOT / "graphs/omni_chat.omni", devices="1xH200")
+    assert {c.kind for c in plan.channels if c.src_executor == c.dst_executor} == {"local"}
+    assert not any(c.kind == "cuda-ipc" for c in plan.channels)  # one process: no device rings
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_plan_json_round_trips(path):
     plan = compile_file(path, devices="2xH200")

@@ -176,11 +176,13 @@ class VisionEncoder(Backend):
             grids.append(features["image_grid_thw"])
         if not owners:
             return
-        grid = torch.cat(grids).to(self.device)
-        embeds = self.tower(
-            torch.cat(pixels).to(self.device, self.tower.dtype), grid_thw=grid
-        ).pooler_output
+        # Sizes from the processor's grid, on the host: read back from the device, they would
+        # wait for the tower's forward and hold up the other stages of the process meanwhile.
+        grid = torch.cat(grids)
         sizes = (grid.prod(-1) // self.tower.spatial_merge_size**2).tolist()
+        embeds = self.tower(
+            torch.cat(pixels).to(self.device, self.tower.dtype), grid_thw=grid.to(self.device)
+        ).pooler_output
         for call, mine, thw in zip(owners, embeds.split(sizes), grid.tolist(), strict=True):
             call.emit("hidden", pack_image(mine, tuple(thw)))
             call.finish()

@@ -61,6 +61,9 @@ COMMON_PARAMS: dict[str, ParamSpec] = {
         _STR, "auto", choices=("auto", "transformers", "diffusers", "vllm", "python")
     ),
     "memory": ParamSpec(_STR),  # an explicit budget such as "20GiB" overrides the estimate
+    # A process of its own, though it shares a GPU: the stage's host work would hold the
+    # interpreter lock the other stages' steps need (fuse_stages).
+    "isolate": ParamSpec((bool,), False),
 }
 
 # A request's seed: what `random.getrandbits(63)` draws, so it fits every generator's seed.

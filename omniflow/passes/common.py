@@ -1,6 +1,7 @@
 """What several passes share, so that no pass imports another: the `Target` they compile
 for, the stage facts more than one pass reads (a stage's dtype, the guidance path, the
-tokens an input image adds), and the disjoint sets that group stages.
+tokens an input image adds, whether it shares its GPU's process), and the disjoint sets
+that group stages.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
-from omniflow.devices import Device, GiB
+from omniflow.devices import Device, GiB, local_name
 from omniflow.errors import GraphError
 from omniflow.ir.graph import INPUT, Graph, Node
 from omniflow.ir.values import Ref
@@ -23,11 +24,29 @@ class Target:
     """What the passes compile for: the device inventory and the knobs they share."""
 
     devices: tuple[Device, ...]
-    # Per executor process on a GPU: CUDA context, allocator slack, kernels.
+    # Per executor process on a GPU (one per GPU, plus one per isolated stage): CUDA context,
+    # allocator slack, kernels.
     process_overhead: int = 1 * GiB
     # Fraction of each device's memory left unassigned as a safety margin.
     reserve: float = 0.05
     overrides: dict = field(default_factory=dict)
+
+
+def on_gpus(devices: tuple[str, ...]) -> bool:
+    """Whether these devices (a stage's placement) are all GPUs."""
+    return bool(devices) and all(local_name(d).startswith("cuda") for d in devices)
+
+
+def isolated(graph: Graph, node: Node) -> bool:
+    """Whether the stage asked for a process of its own (`isolate=true`)."""
+    return bool(graph.param_value(node, "isolate"))
+
+
+def shares_gpu_process(graph: Graph, node: Node, devices: tuple[str, ...]) -> bool:
+    """The executor rule's first half: a stage on GPUs runs in the one process of its device
+    set, beside every other stage there, unless it asked to stay apart. Placement charges a
+    CUDA context per such process, stage fusion forms it."""
+    return on_gpus(devices) and not isolated(graph, node)
 
 
 def stage_dtype(graph: Graph, node: Node) -> str:

@@ -2,7 +2,8 @@
 
 `meta["cost"]` is a `CostFacts`: the StageCost at the stage's effective batch (doubled on
 the path of a classifier-free-guidance companion), and the bytes its budget must cover:
-weights + KV cache + activations, or the explicit `memory=` the program gives. An edit
+weights + KV cache + activations, or the explicit `memory=` the program gives (a python
+stage has nothing to estimate: its `memory=`, else nothing). An edit
 pipeline's stages pay for the input image too: its tokens in the text encoder's and the
 DiT's sequences, and the VAE the DiT stage encodes it with.
 """
@@ -81,8 +82,9 @@ def estimate_costs(graph: Graph, target: Target) -> Graph:
     graph = graph.copy()
     doubled = cfg_path(graph)
     for node in graph.stages:
-        if node.op == "python":
-            node.meta["cost"] = CostFacts(None, 0)
+        explicit = graph.param_value(node, "memory")
+        if node.op == "python":  # nothing to estimate: what it says, else nothing
+            node.meta["cost"] = CostFacts(None, parse_size(explicit) if explicit else 0)
             continue
         batch = graph.param_value(node, "max_batch") * (2 if node.name in doubled else 1)
         cost = estimate_cost(
@@ -97,7 +99,6 @@ def estimate_costs(graph: Graph, target: Target) -> Graph:
             cost = with_encoder(cost, _image_encoder_cost(graph, node))
         for expert in node.meta["model"].experts:  # loaded beside it, run at other steps
             cost = with_encoder(cost, _expert_cost(graph, node, expert, batch))
-        explicit = graph.param_value(node, "memory")
         need = parse_size(explicit) if explicit else cost.total_bytes
         node.meta["cost"] = CostFacts(cost, need, batch, doubled.get(node.name))
     return graph

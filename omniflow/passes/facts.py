@@ -154,18 +154,24 @@ class DeviceUse:
 
 @dataclass(frozen=True)
 class ExecutorGroup:
-    """One executor: its stages (in topological order), devices, and why its boundaries are
-    where they are."""
+    """One executor: its stages (in topological order), devices, why its boundaries are
+    where they are, and on a GPU each stage's CUDA stream priority (`priorities[i]` is
+    `stages[i]`'s, lower runs first; empty off GPUs, where stages share the one stream)."""
 
     name: str
     devices: tuple[str, ...]
     stages: tuple[str, ...]
     reasons: tuple[str, ...] = ()
+    priorities: tuple[int, ...] = ()
 
     def __str__(self) -> str:
         where = f" on {', '.join(self.devices)}" if self.devices else ""
         why = f" ({'; '.join(self.reasons)})" if self.reasons else ""
-        return f"{self.name}{where}: {', '.join(self.stages)}{why}"
+        stages = self.stages
+        if self.priorities:
+            pairs = zip(self.stages, self.priorities, strict=True)
+            stages = [f"{stage} (stream priority {p})" for stage, p in pairs]
+        return f"{self.name}{where}: {', '.join(stages)}{why}"
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,13 @@ Stages are placed largest first, honoring pins and colocate/separate constraints
 prefers the device of a neighbour it exchanges per-token streams with (so stage fusion can
 remove the hop), then a device on that neighbour's node (on a cluster only chunked edges
 should cross nodes; a per-token stream that must is warned about), then the device left
-least full. The placement says where and why. What a device has beyond the stages' needs is shared out as budget in proportion to their KV caches (more concurrent requests),
-or to their needs when no stage there has one. A pipeline that cannot fit fails here,
-naming the stage, the bytes it needs and the bytes available.
+least full. The placement says where and why. A device is charged its stages' needs and a
+CUDA context per executor process on it: one for the process its stages share, one more per
+stage that asked to be isolated (the executor rule, `common.shares_gpu_process`). What a
+device has beyond that is shared out as budget in proportion to the stages' KV caches (more
+concurrent requests), or to their needs when no stage there has one; a budget is what the
+stage's own allocations may reach, the context is not in it. A pipeline that cannot fit
+fails here, naming the stage, the bytes it needs and the bytes available.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections import defaultdict
 from omniflow.devices import Device, GiB, node_of, parse_devices
 from omniflow.errors import PlacementError
 from omniflow.ir.graph import Graph, Node
-from omniflow.passes.common import PER_TOKEN_CHUNK, DisjointSets, Target
+from omniflow.passes.common import PER_TOKEN_CHUNK, DisjointSets, Target, shares_gpu_process
 from omniflow.passes.facts import DeviceUse, Placement
 
 READS = ("cost",)
@@ -63,16 +67,26 @@ class _Placer:
         self.where: dict[str, list[str]] = {}
         self.placed: dict[str, list[str]] = defaultdict(list)  # per device, why there
         self.budget: dict[str, int] = {}
+        self.shared_process: set[str] = set()  # GPUs whose stages' shared process is charged
         self.separate = defaultdict(set)
         for c in graph.constraints:
             if c.kind == "separate":
                 for a in c.stages:
                     self.separate[a] |= set(c.stages) - {a}
 
-    def _charge(self, node: Node, device: str) -> int:
-        return node.meta["cost"].need + (
-            self.target.process_overhead if self.devices[device].is_gpu else 0
-        )
+    def _processes(self, group: list[Node], device: str) -> int:
+        """The executor processes placing `group` on `device` adds, each a CUDA context: one
+        per isolated stage, and the device's shared one if it holds none yet (none off a GPU)."""
+        if not self.devices[device].is_gpu:
+            return 0
+        sharing = [n for n in group if shares_gpu_process(self.graph, n, (device,))]
+        return len(group) - len(sharing) + bool(sharing and device not in self.shared_process)
+
+    def _charge(self, group: list[Node], device: str) -> int:
+        """What placing `group` on `device` takes of it: the stages' needs and the contexts of
+        the processes it adds."""
+        needs = sum(n.meta["cost"].need for n in group)
+        return needs + self._processes(group, device) * self.target.process_overhead
 
     def _pinned_device(self, node: Node) -> str | None:
         pin = node.device
@@ -148,17 +162,15 @@ class _Placer:
                 f"no device left for {', '.join(n.name for n in group)}: "
                 "pins and separate constraints exclude every device"
             )
-        fits = [
-            d
-            for d in candidates
-            if self.used[d] + sum(self._charge(n, d) for n in group) <= self.capacity[d]
-        ]
+        fits = [d for d in candidates if self.used[d] + self._charge(group, d) <= self.capacity[d]]
         if not fits:
             self._fail(group, candidates)
         best = max(fits, key=lambda d: (self._affinity(group, d), -self.used[d] / self.capacity[d]))
         why = self._why(group, best, fits)
+        self.used[best] += self._charge(group, best)
+        if any(shares_gpu_process(self.graph, n, (best,)) for n in group):
+            self.shared_process.add(best)
         for n in group:
-            self.used[best] += self._charge(n, best)
             self.where.setdefault(n.name, []).append(best)
             self.placed[n.name].append(f"{best}: {why}")
 
@@ -169,7 +181,7 @@ class _Placer:
         verb = "holds" if len(there) == 1 else "hold"
         held = f"; {', '.join(there)} already {verb} {gib(self.used[roomiest])}" if there else ""
         who = group[0] if len(group) == 1 else None
-        need = _need_text(who) if who else gib(sum(self._charge(n, roomiest) for n in group))
+        need = _need_text(who) if who else gib(self._charge(group, roomiest))
         name = (
             f"stage '{who.name}'" if who else f"colocated stages {', '.join(n.name for n in group)}"
         )
@@ -189,7 +201,7 @@ class _Placer:
                 weight = {s: c.need for s, c in costs.items()}
             total = sum(weight.values()) or 1
             for n in here:
-                self.budget[n.name] = self._charge(n, device) + slack * weight[n.name] // total
+                self.budget[n.name] = costs[n.name].need + slack * weight[n.name] // total
 
 
 def _same_node(devices: list[str], device: str) -> bool:

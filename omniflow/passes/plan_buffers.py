@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from omniflow.devices import GiB, node_of
 from omniflow.errors import PlacementError
-from omniflow.ir.graph import Edge, Graph
+from omniflow.ir.graph import Edge, Graph, Node
 from omniflow.ir.types import TENSOR_TYPES
 from omniflow.passes.common import Target
 from omniflow.passes.facts import Channel
@@ -68,19 +68,28 @@ def edge_kind(graph: Graph, target: Target, edge: Edge) -> tuple[str, str]:
     return "shm", ""
 
 
+def _room(node: Node) -> int:
+    """What a stage's budget holds beyond its need: its share of its device's slack."""
+    return node.meta["placement"].budget - node.meta["cost"].need
+
+
 def _charge_device_ring(graph: Graph, edge: Edge, ring_bytes: int) -> None:
-    """A device ring lives in its consumer's GPU memory: it comes out of that stage's budget
-    (placement shared the device's slack out as budgets), never on top of it."""
+    """A device ring lives in its consumer's GPU memory: it comes out of the slack placement
+    shared out as budgets on that GPU, never on top of them: out of the consumer's budget,
+    or where that has no room (a stage without a KV cache beside one that has, which took
+    the slack), out of the budget with the most room on that GPU."""
     consumer = graph.node(edge.dst)
-    placement = consumer.meta["placement"]
-    left = placement.budget - ring_bytes
-    if left < consumer.meta["cost"].need:
+    device = consumer.meta["placement"].device
+    beside = [n for n in graph.stages if n.meta["placement"].device == device]
+    payer = consumer if _room(consumer) >= ring_bytes else max(beside, key=_room)
+    if _room(payer) < ring_bytes:
         raise PlacementError(
             f"the {ring_bytes / GiB:.1f} GiB device ring of {edge.name} does not fit beside "
-            f"stage '{consumer.name}' on {placement.device}; lower the consumer's "
-            "max_batch or the edge's credits"
+            f"stage '{consumer.name}' on {device}; lower the consumer's max_batch or the "
+            "edge's credits"
         )
-    consumer.meta["placement"] = replace(placement, budget=left)
+    placement = payer.meta["placement"]
+    payer.meta["placement"] = replace(placement, budget=placement.budget - ring_bytes)
 
 
 def plan_buffers(graph: Graph, target: Target) -> Graph:

@@ -36,6 +36,7 @@ from omniflow.runtime.shm_ring import (
     cleanup_stale_segments,
     process_alive,
 )
+from omniflow.runtime.streams import GpuContextLost
 from omniflow.runtime.wakeup import wait
 
 IDLE_WAIT_S = 0.05
@@ -276,6 +277,11 @@ def main() -> None:
         sys.exit(3)
     try:
         serve(loop, end)
+    except GpuContextLost as err:
+        # Its last words, for the engine's error; then out at once: tearing down would call
+        # into the broken context. The engine restarts it, and the janitor removes its rings.
+        print(f"omniflow executor ends: {err}", flush=True)
+        os._exit(4)
     finally:
         end.close()
 

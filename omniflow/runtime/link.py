@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from omniflow.devices import local_name
 from omniflow.plan import ChannelPlan
 from omniflow.runtime.device_ring import DeviceConsumer, DeviceProducer
 from omniflow.runtime.doorbells import ChunkMeta, Ending
@@ -43,6 +42,7 @@ from omniflow.runtime.shm_ring import (
     local_channel,
     slot_layout,
 )
+from omniflow.runtime.streams import cuda_here
 from omniflow.runtime.wakeup import Waker
 
 
@@ -162,9 +162,7 @@ def _on_device(channel: ChannelPlan) -> bool:
     stages on a CPU machine, as the tests run the examples -- links host rings instead (real
     stages never get here: preflight refuses the plan); both ends of a ring run on one host,
     so they decide alike."""
-    if not channel.device or not torch.cuda.is_available():
-        return False
-    return (torch.device(local_name(channel.device)).index or 0) < torch.cuda.device_count()
+    return bool(channel.device) and cuda_here(channel.device)
 
 
 def node_address() -> str:

@@ -8,6 +8,12 @@ the stages in topological order, passes outputs along local channels by referenc
 other programs through their rings. The frontend's program has no stages: the engine
 `inject`s a request's inputs into it, and its sink delivers outputs to the request.
 
+On a GPU the program's stages each run on a CUDA stream of their own (streams.py): the
+loop enters a stage's stream for everything it does for that stage -- reading the rings
+into it, its step, routing what the step produced, putting what waited for credits -- and
+a chunk passed to another stage of the program is ordered on the GPU by an event, never by
+a host copy or a host sync. Off GPUs the streams are program order and change nothing.
+
 Whoever drives the loop (the executor's `serve`, the engine's I/O thread) calls `pump`
 until it says nothing is left to do, then sleeps on `poll_fds`. A request's parameters
 arrive as a `Start`, read from the start queue only when the request's first chunk
@@ -23,20 +29,23 @@ import traceback
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 
 from omniflow.backends.registry import load_backend
 from omniflow.devices import local_name
 from omniflow.errors import ChannelError, PayloadTooLarge
 from omniflow.plan import ChannelPlan, Program
 from omniflow.runtime import control, events
+from omniflow.runtime.budgets import load_within_budget
 from omniflow.runtime.doorbells import Ending
 from omniflow.runtime.edges import StreamWriter, arriving, leaving, transformed
 from omniflow.runtime.events import RecordedEvents, Recorder
 from omniflow.runtime.gpu_timeline import KernelTimeline, on_cuda
-from omniflow.runtime.link import Links
+from omniflow.runtime.link import Inbound, Links
 from omniflow.runtime.port_values import nbytes, steps
 from omniflow.runtime.requests import Admitted, describe
 from omniflow.runtime.stage import Backend, Call, InputStream, StageSpec
+from omniflow.runtime.streams import PROGRAM_ORDER, StageStream, settle_loads, stage_streams
 from omniflow.runtime.tallies import Tallies
 from omniflow.runtime.wakeup import Waker
 
@@ -62,11 +71,18 @@ class Event:
 
 
 class StageRunner:
-    def __init__(self, spec: StageSpec, backend: Backend, max_batch: int):
+    def __init__(
+        self,
+        spec: StageSpec,
+        backend: Backend,
+        max_batch: int,
+        stream: StageStream = PROGRAM_ORDER,
+    ):
         self.spec = spec
         self.name = spec.plan.name
         self.backend = backend
         self.max_batch = max_batch
+        self.stream = stream  # what the loop enters for the stage's work (streams.py)
         self.calls: dict[str, Call] = {}
         self.tombstones: dict[str, float] = {}
         # Whether a step could find a call ready: something reached the stage since its last
@@ -123,6 +139,8 @@ class StageRunner:
             traceback.print_exc()
             for call in batch:
                 call.fail(err)
+        if any(call.error is not None for call in batch):
+            self.stream.check_context(self.name)  # a failure that broke the GPU's ends us
         took = time.monotonic_ns() - began
         self.totals.add(len(batch), took)
         if self.recorder is not None:
@@ -177,9 +195,11 @@ class StageRunner:
         self.tombstones[request_id] = time.monotonic()
         call = self.calls.pop(request_id, None)
         if call is not None:
-            for stream in call.inputs.values():
-                stream.release_spent(everything=True)
-            self.backend.drop(call)
+            # A device ring's slot is freed after the work queued on the stage's stream.
+            with self.stream.active():
+                for stream in call.inputs.values():
+                    stream.release_spent(everything=True)
+                self.backend.drop(call)
             self.maybe_ready = bool(self.calls)
 
     def drop_all(self) -> None:
@@ -223,14 +243,21 @@ class ProgramLoop:
         self.links = Links()
         channels = [*program.inbound, *program.outbound, *program.local]
         self.runners: dict[str, StageRunner] = {}
+        streams = stage_streams(program)
         for stage in program.stages:
             began = time.monotonic()
             spec = StageSpec.from_channels(stage, channels)
             device = local_name(stage.devices[0]) if stage.devices else "cpu"
-            backend = load_backend(spec, device, backends)
-            self.runners[stage.name] = StageRunner(spec, backend, stage.settings["max_batch"])
+            stream = streams[stage.name]
+            with stream.active():  # its weights are made on the stream its steps read them on
+                load = partial(load_backend, spec, device, backends)
+                backend = load_within_budget(stage, device, load)
+            self.runners[stage.name] = StageRunner(
+                spec, backend, stage.settings["max_batch"], stream
+            )
             loaded = control.Loaded(stage.name, time.monotonic() - began, backend.capture_seconds)
             on_loaded(loaded)
+        settle_loads(streams)
         self.tallies = (
             Tallies(list(self.runners), lambda stats: self.report(stats)) if request_stats else None
         )
@@ -245,6 +272,11 @@ class ProgramLoop:
                     channel, self._sender(channel), leaving(channel, stages.get(channel.src))
                 )
             )
+
+    def _stream(self, stage: str) -> StageStream:
+        """The stream a stage's work runs on (an input's or output's: program order)."""
+        runner = self.runners.get(stage)
+        return PROGRAM_ORDER if runner is None else runner.stream
 
     # --- overridden by whoever drives the loop ----------------------------------------------
     def report(self, message: control.Message) -> None:
@@ -264,9 +296,13 @@ class ProgramLoop:
         arrive = self.arrive[channel.name]
         if channel.dst in self.runners:
             runner = self.runners[channel.dst]
-            return lambda rid, index, value, end, ending: runner.feed(
-                rid, channel.dst_port, arrive(value), end
-            )
+            producer = self._stream(channel.src)
+
+            def hand_off(rid: str, index: int, value, end: bool, ending) -> None:
+                producer.hand_off(value, runner.stream)
+                runner.feed(rid, channel.dst_port, arrive(value), end)
+
+            return hand_off
         return lambda rid, index, value, end, ending: self.sink(
             rid, channel.dst, arrive(value), end, ending
         )
@@ -305,13 +341,15 @@ class ProgramLoop:
         self.receive()
         for name, outbound in list(self.links.outbound.items()):
             try:
-                outbound.flush()
+                with self._stream(outbound.channel.src).active():  # a device ring's copy
+                    outbound.flush()
             except ChannelError:
                 self.links.outbound.pop(name).close()
         for runner in self.runners.values():
             if not self.congested(runner):
-                for event in runner.step():
-                    self.route(event)
+                with runner.stream.active():
+                    for event in runner.step():
+                        self.route(event)
         # A congested stage waits for credits, which wake the loop.
         return any(r.maybe_ready and not self.congested(r) for r in self.runners.values())
 
@@ -319,36 +357,37 @@ class ProgramLoop:
         """Feed every chunk waiting in the inbound rings to its stage (or the sink)."""
         unstarted = set()  # requests whose first chunk came before their Start was read
         for name, inbound in list(self.links.inbound.items()):
-            channel = inbound.channel
-            arrive = self.arrive[name]
-            runner = self.runners.get(channel.dst)
-            handoffs = self.handoffs[name]
+            stage = inbound.channel.dst
             try:
-                for meta, value, release in inbound.receive():
-                    rid, end, taken = meta.request_id, meta.end, time.monotonic_ns()
-                    handoffs.add(taken - meta.sent)
-                    if self.recorder is not None:
-                        self.recorder.add(
-                            events.RECV, name, rid, taken, 0, nbytes(value), meta.chunk
-                        )
-                    value = transformed(
-                        self.recorder, arrive, value, name, rid, meta.chunk, events.MAPS
-                    )
-                    if self.tallies is not None:
-                        arrived = time.monotonic_ns()
-                        self.tallies.received(
-                            rid, name, (arrived - taken) / 1e9, (taken - meta.sent) / 1e9
-                        )
-                    if runner is None:
-                        owned = value.clone() if hasattr(value, "clone") else value
-                        release()
-                        self.sink(rid, channel.dst, owned, end, meta.ending)
-                    elif runner.feed(rid, channel.dst_port, value, end, release):
-                        unstarted.add(rid)
+                with self._stream(stage).active():  # a device ring's wait for its copy
+                    self._receive_from(inbound, self.runners.get(stage), unstarted)
             except ChannelError:
                 self.links.inbound.pop(name).close()  # its producer is gone: it is re-linked
         if unstarted:
             self.take_queued_starts(unstarted)
+
+    def _receive_from(
+        self, inbound: Inbound, runner: StageRunner | None, unstarted: set[str]
+    ) -> None:
+        """Feed the chunks waiting in one inbound ring to its stage (`runner`; None: the
+        sink), noting in `unstarted` the requests whose Start has not been read yet."""
+        name = inbound.channel.name
+        arrive, handoffs = self.arrive[name], self.handoffs[name]
+        for meta, value, release in inbound.receive():
+            rid, end, taken = meta.request_id, meta.end, time.monotonic_ns()
+            handoffs.add(taken - meta.sent)
+            if self.recorder is not None:
+                self.recorder.add(events.RECV, name, rid, taken, 0, nbytes(value), meta.chunk)
+            value = transformed(self.recorder, arrive, value, name, rid, meta.chunk, events.MAPS)
+            if self.tallies is not None:
+                arrived = time.monotonic_ns()
+                self.tallies.received(rid, name, (arrived - taken) / 1e9, (taken - meta.sent) / 1e9)
+            if runner is None:
+                owned = value.clone() if hasattr(value, "clone") else value
+                release()
+                self.sink(rid, inbound.channel.dst, owned, end, meta.ending)
+            elif runner.feed(rid, inbound.channel.dst_port, value, end, release):
+                unstarted.add(rid)
 
     def congested(self, runner: StageRunner) -> bool:
         """Backpressure: a stage waits while a ring it feeds has no credit for what it sent."""

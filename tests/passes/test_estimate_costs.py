@@ -27,6 +27,15 @@ def test_an_explicit_memory_budget_overrides_the_estimate():
     assert run_until("estimate_costs", src).node("lm").meta["cost"].need == 3 * GiB
 
 
+def test_a_python_stage_needs_what_its_memory_says_else_nothing():
+    src = (
+        'pipeline p {\n stage a = python(fn=m.f, memory="2GiB")\n stage b = python(fn=m.f)\n'
+        " input x: tokens -> a\n a.out -> b\n b.out -> output y }"
+    )
+    graph = run_until("estimate_costs", src)
+    assert [graph.node(s).meta["cost"].need for s in "ab"] == [2 * GiB, 0]
+
+
 def test_an_edit_pays_for_its_input_image():
     edit = run_until("estimate_costs", "image_edit")
     plain = run_until("estimate_costs", "text_to_image")

@@ -1,5 +1,6 @@
 import pytest
 
+from omniflow.devices import GiB
 from omniflow.errors import PassError, PlacementError
 from omniflow.passes.pipeline import Target
 from tests.passes.helpers import run_until
@@ -46,9 +47,8 @@ def test_per_token_streams_pull_stages_onto_one_device():
 def test_slack_goes_to_kv_caches():
     graph = run_until("place", "omni_chat")
     thinker, talker = graph.node("thinker").meta, graph.node("talker").meta
-    overhead = Target(()).process_overhead  # each GPU executor's share, charged per stage
-    extra_thinker = thinker["placement"].budget - thinker["cost"].need - overhead
-    extra_talker = talker["placement"].budget - talker["cost"].need - overhead
+    extra_thinker = thinker["placement"].budget - thinker["cost"].need
+    extra_talker = talker["placement"].budget - talker["cost"].need
     ratio = thinker["cost"].cost.kv_cache_bytes / talker["cost"].cost.kv_cache_bytes
     assert extra_thinker / extra_talker == pytest.approx(ratio, rel=1e-3)
 
@@ -75,9 +75,12 @@ def test_pin_to_a_missing_device_is_an_error():
         run_until("place", two_lms(dev_a="@ cuda:5"), devices="2xH200")
 
 
-def chain_of_budgeted_stages(names: str) -> str:
-    """Stages of 10 GiB each (11 GiB with a GPU process's overhead), in a line."""
-    stages = "\n".join(f'  stage {n} = ar(memory="10GiB")' for n in names)
+def chain_of_budgeted_stages(names: str, isolate: str = "") -> str:
+    """Stages of 10 GiB each, in a line; on a GPU, their process adds 1 GiB (a CUDA context),
+    and so does each stage named in `isolate`, which asks for a process of its own."""
+    stages = "\n".join(
+        f'  stage {n} = ar(memory="10GiB"{", isolate=true" if n in isolate else ""})' for n in names
+    )
     flows = "\n".join(
         f"  {a}.hidden -> {b} [stream, chunk=1]" for a, b in zip(names, names[1:], strict=False)
     )
@@ -91,16 +94,27 @@ def chain_of_budgeted_stages(names: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("names", "devices", "held"),
+    ("names", "isolate", "devices", "held"),
     [
-        ("ab", "cuda:0=16GiB", "a already holds 11.0 GiB"),
-        ("abc", "cuda:0=24GiB", "a, b already hold 22.0 GiB"),
+        ("ab", "", "cuda:0=16GiB", "a already holds 11.0 GiB"),
+        ("abc", "", "cuda:0=24GiB", "a, b already hold 21.0 GiB"),  # one process: one context
+        ("abc", "b", "cuda:0=24GiB", "a, b already hold 22.0 GiB"),  # b's process: one more
     ],
 )
-def test_a_placement_failure_says_what_the_device_already_holds(names, devices, held):
+def test_a_placement_failure_says_what_the_device_already_holds(names, isolate, devices, held):
     with pytest.raises(PassError) as info:
-        run_until("place", chain_of_budgeted_stages(names), devices=devices)
+        run_until("place", chain_of_budgeted_stages(names, isolate), devices=devices)
     assert held in str(info.value.cause)
+
+
+def test_a_gpu_is_charged_one_context_per_process():
+    overhead = Target(()).process_overhead
+    for isolate, processes in (("", 1), ("b", 2), ("abc", 3)):
+        graph = run_until("place", chain_of_budgeted_stages("abc", isolate), devices="1xH200")
+        (use,) = graph.meta["devices"]
+        assert use.used == 3 * 10 * GiB + processes * overhead
+    graph = run_until("place", chain_of_budgeted_stages("abc"), devices="cpu=64GiB")
+    assert graph.meta["devices"][0].used == 3 * 10 * GiB  # no CUDA context off GPUs
 
 
 # node1's GPU comes before node0's second in the inventory, so only the node preference

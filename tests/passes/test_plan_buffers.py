@@ -1,6 +1,6 @@
 from omniflow.passes.facts import Channel
 from omniflow.passes.plan_buffers import DEFAULT_CREDITS, SLOT_ALIGN
-from tests.passes.helpers import run_until
+from tests.passes.helpers import GRAPHS, run_until
 
 
 def _channel(graph, name):
@@ -50,10 +50,21 @@ def test_edge_kinds_follow_placement_on_two_gpus():
     assert kinds["prompt.out->thinker.prompt"] == ("shm", "")
 
 
+def isolated_decoder_tts() -> str:
+    """graphs/tts.omni with its decoder in a process of its own."""
+    text = (GRAPHS / "tts.omni").read_text()
+    return text.replace("max_batch=32)", "max_batch=32, isolate=true)")
+
+
+def test_one_gpu_passes_references_between_its_stages():
+    kinds = _kinds(run_until("plan_buffers", "tts", devices="1xH200"))
+    assert kinds["codec_lm.codes->decoder.codes"] == ("local", "")  # one process on cuda:0
+
+
 def test_two_processes_on_one_gpu_share_a_device_ring():
-    graph = run_until("plan_buffers", "tts", devices="1xH200")
+    graph = run_until("plan_buffers", isolated_decoder_tts(), devices="1xH200")
     kinds = _kinds(graph)
-    # chunked codes do not fuse codec_lm and decoder: two processes on cuda:0
+    # the decoder asked for a process of its own: two processes on cuda:0
     assert kinds["codec_lm.codes->decoder.codes"] == ("cuda-ipc", "cuda:0")
     assert kinds["decoder.audio->audio.in"] == ("shm", "")
     device_ring = next(e for e in graph.edges if e.name == "codec_lm.codes->decoder.codes")
@@ -67,10 +78,28 @@ def test_cpu_keeps_every_crossing_edge_on_host_rings():
     assert {k for k, _ in kinds.values()} == {"shm"}
 
 
+def _budgets(graph) -> dict[str, int]:
+    return {n.name: n.meta["placement"].budget for n in graph.stages}
+
+
 def test_a_device_ring_comes_out_of_its_consumers_budget():
-    before = run_until("place", "tts", devices="1xH200").node("decoder").meta["placement"].budget
-    graph = run_until("plan_buffers", "tts", devices="1xH200")
+    before = _budgets(run_until("place", "omni_chat", devices="2xH200"))
+    graph = run_until("plan_buffers", "omni_chat", devices="2xH200")
+    ring = next(e for e in graph.edges if e.name == "talker.codes->code2wav.codes")
+    assert ring.meta["channel"].device == "cuda:1"
+    after = _budgets(graph)
+    assert after["code2wav"] == before["code2wav"] - ring.meta["channel"].ring_bytes
+    # the other stages on cuda:1 keep theirs (the towers' rings are in the thinker's GPU)
+    assert [after[s] for s in ("hearing", "vision")] == [before[s] for s in ("hearing", "vision")]
+
+
+def test_a_consumer_without_room_leaves_its_device_ring_to_the_roomiest_budget():
+    # The isolated decoder has no KV cache: its GPU's slack went to the codec LM's.
+    source = isolated_decoder_tts()
+    placed = run_until("place", source, devices="1xH200")
+    before = _budgets(placed)
+    assert before["decoder"] == placed.node("decoder").meta["cost"].need
+    graph = run_until("plan_buffers", source, devices="1xH200")
     ring = next(e for e in graph.edges if e.name == "codec_lm.codes->decoder.codes")
-    assert (
-        graph.node("decoder").meta["placement"].budget == before - ring.meta["channel"].ring_bytes
-    )
+    after = _budgets(graph)
+    assert after == {**before, "codec_lm": before["codec_lm"] - ring.meta["channel"].ring_bytes}

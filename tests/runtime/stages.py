@@ -62,3 +62,28 @@ def ticker(call):
         call.emit("out", "tick ")
         time.sleep(_delay())
         yield
+
+
+def late_on_gpu(call):
+    """`n` (text: a count) -> tokens 0..n-1 on the GPU, one a step, each written by a kernel
+    queued behind a long GPU sleep: a consumer on another stream that did not wait for it
+    would read the tensor before it was written."""
+    text = yield from call.read_all("n")
+    for i in range(int(text.split()[0])):
+        value = torch.empty(1, 1, dtype=torch.int64, device="cuda")
+        torch.cuda._sleep(2_000_000)  # a few ms of GPU time, queued on the stage's stream
+        value.fill_(i)
+        call.emit("out", value)
+        yield
+
+
+def break_gpu_on_boom(batch):
+    """text -> text, upper-cased; a prompt containing 'boom' reads far out of bounds on the
+    GPU: a device-side assert, which leaves the process's CUDA context unusable."""
+    out = []
+    for item in batch:
+        if "boom" in item["in"]:
+            far = torch.tensor([1 << 30], device="cuda")
+            torch.zeros(1, device="cuda")[far].cpu()
+        out.append({"out": item["in"].upper()})
+    return out

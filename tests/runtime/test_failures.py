@@ -14,6 +14,7 @@ import pytest
 
 from omniflow.compiler import compile_source
 from omniflow.errors import OmniflowError
+from omniflow.plan import Plan
 from omniflow.runtime.engine import Engine, RequestCancelled, RequestFailed
 from omniflow.runtime.shm_ring import SEGMENT_PREFIX, SHM_DIR
 
@@ -146,6 +147,66 @@ def test_killed_executor_fails_its_requests_fast_restarts_and_leaks_nothing(no_l
         out = engine.generate({"n": "20"})["out"]
         assert out.flatten().tolist() == [2 * i for i in range(20)]
         assert engine.executor_pids["dst"] != killed
+
+
+def one_gpu(source: str) -> Plan:
+    """`source` compiled for one GPU, where the executor rule puts every stage in one
+    process. The plan runs here without that GPU (stand-ins for model stages; these python
+    stages run their own functions), as a GPU plan runs on a CPU machine."""
+    return compile_source(source, "one_gpu.omni", devices="1xH200")
+
+
+def test_an_executor_of_several_stages_killed_mid_stream_fails_all_their_requests_and_restarts(
+    no_leaks, monkeypatch
+):
+    monkeypatch.setenv("OMNIFLOW_TEST_DELAY", "0.01")
+    plan = one_gpu(CHAIN.format(chunk=8, credits=2, batch=4))
+    (executor,) = plan.executors
+    assert executor.stage_names == ["src", "dst"]
+    with Engine(plan, "process", backends="standin") as engine:
+        streams = [engine.stream_sync({"n": "400"}) for _ in range(3)]
+        for stream in streams:
+            next(stream)  # every request streams through both stages
+        killed = engine.executor_pids[executor.name]
+        os.kill(killed, signal.SIGKILL)
+        start = time.monotonic()
+        for stream in streams:
+            with pytest.raises(RequestFailed) as info:
+                for _ in stream:
+                    pass
+            assert "executor 'src+dst' (stages src, dst) died" in str(info.value)
+        assert time.monotonic() - start < 2.0
+        monkeypatch.setenv("OMNIFLOW_TEST_DELAY", "0")
+        out = engine.generate({"n": "20"})["out"]  # both stages are back
+        assert out.flatten().tolist() == [2 * i for i in range(20)]
+        assert engine.executor_pids[executor.name] != killed
+
+
+TWO_TEXT_STAGES = """pipeline p {
+  stage up = python(fn=tests.runtime.stages.FN, inputs="in:text", outputs="out:text")
+  stage again = python(fn=tests.runtime.stages.FN, inputs="in:text", outputs="out:text")
+  input prompt: text -> up
+  up.out -> again
+  again.out -> output out
+}"""
+
+
+def two_text_stages_on_one_gpu(fn: str) -> Plan:
+    """Two text stages running `fn` (of tests/runtime/stages.py), one after the other, in the
+    one executor of one GPU."""
+    return one_gpu(TWO_TEXT_STAGES.replace("FN", fn))
+
+
+def test_a_stage_that_raises_fails_its_own_requests_and_spares_the_stages_beside_it(no_leaks):
+    plan = two_text_stages_on_one_gpu("fail_on_boom")
+    (executor,) = plan.executors
+    with Engine(plan, "process", backends="standin") as engine:
+        pids = engine.executor_pids
+        with pytest.raises(RequestFailed, match="stage 'up' failed: ValueError: boom"):
+            engine.generate({"prompt": "boom now"})
+        assert engine.generate({"prompt": "fine"})["out"] == "FINE"  # through both stages
+        assert engine.executor_pids == pids  # the executor lives on
+    assert executor.stage_names == ["up", "again"]
 
 
 def cancel_mid_stream(engine: Engine) -> None:
