@@ -47,6 +47,8 @@ def _shown(fact) -> list[str]:
     """What of a fact's own fields the printout must show: names and numbers as one reads
     them (a fact type this does not know fails the test, so a new one is printed too)."""
     match fact:
+        case True:  # a flag, set
+            return ["yes"]
         case str():
             return [fact]
         case tuple():  # a chunk schedule
@@ -102,7 +104,7 @@ def test_the_graph_printout_shows_every_fact_the_passes_wrote(path, capsys):
         on_line = facts_of(f"input  {name}:", f"stage  {name} =", f"output {name}",
                            f"edge   {name} :")  # fmt: skip
         for key, fact in meta.items():
-            if fact is None:  # a whole-output edge's schedule: nothing to show
+            if fact is None or fact is False:  # no schedule (whole output), a flag unset
                 continue
             assert f"{key}=" in on_line or not str(fact), (name, key, on_line)
             for text in _shown(fact):

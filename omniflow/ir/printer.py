@@ -69,10 +69,13 @@ def to_dsl(graph: Graph) -> str:
 
 
 def _fact(key: str, value) -> str:
-    """A fact as one phrase ("" for none): a tuple (a chunk schedule: its sizes, the last
-    repeating) comma separated, a byte count as one reads it."""
-    if value is None:  # a whole-output edge's schedule
+    """A fact as one phrase ("" for none): a flag "yes" where set (unset: nothing), a tuple
+    (a chunk schedule: its sizes, the last repeating) comma separated, a byte count as one
+    reads it."""
+    if value is None or value is False:  # a whole-output edge's schedule; a flag unset
         return ""
+    if value is True:
+        return "yes"
     if isinstance(value, (tuple, list)):
         return ",".join(map(str, value))
     if key.endswith("_bytes") and isinstance(value, int):
