@@ -8,6 +8,10 @@ diffusion backend imports `cfg_euler`, and GPU tests need them compiled), so
 subprocess with the variable set, and returns its result. Arguments and results travel by
 `torch.save` (tensors, numbers, None, and lists, tuples and dicts of them). Each call costs
 a Python start (about a second): run all of a file's kernel cases in one job.
+
+A file's GPU tests take the operands its interpreted test takes (its `cases()`, or the same
+makers at other sizes, which a CPU test here also runs), so a change to a kernel's operands
+or signature fails on the CPU first; only the compiled kernels need the GPU.
 """
 
 import inspect
