@@ -78,7 +78,7 @@ say "installing omniflow[dev] from $REPO (editable)"
 "$VENV/bin/python" -m pip install -q -e "$REPO[dev]"
 drop_torch_extras  # in case the project's dependencies pulled one back in
 
-(cd "$REPO" && "$VENV/bin/python" -c '
+(cd "$REPO" && "$VENV/bin/python" -P -c '
 import torch, transformers, vllm, omniflow.backends.vllm_ar
 print(f"vllm-env: ready: torch {torch.__version__}, transformers {transformers.__version__}, vllm {vllm.__version__}")
 ')
