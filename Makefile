@@ -33,8 +33,10 @@ demo: setup
 plan: setup
 	$(VENV)/bin/omniflow compile graphs/omni_chat.omni --devices $(DEVICES)
 
+# -P: the working directory (this repository) stays off the front of sys.path, where its
+# top-level kernels/ would shadow PyPI's `kernels`, which transformers imports.
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -P -m pytest -q
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.serve import Server, chat_deltas, percentile  # noqa: E402
 from omniflow.server.playback import Playback  # noqa: E402

@@ -49,7 +49,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.load import on_models, prompt_of  # noqa: E402
 from benchmarks.serve import Server, chat_deltas  # noqa: E402

@@ -79,7 +79,7 @@ class Server:
     def __init__(self, args: list[str], log: Path | None = None):
         self.log = log.open("w+") if log is not None else None
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "omniflow.cli", "run", "--port", "0", *args],
+            [sys.executable, "-P", "-m", "omniflow.cli", "run", "--port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=self.log or subprocess.DEVNULL,
             cwd=ROOT,

@@ -63,7 +63,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.serve import Server, percentile  # noqa: E402
 from omniflow.server.playback import Playback  # noqa: E402

@@ -414,6 +414,11 @@ class UsageError(OmniflowError):
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    # A pipeline's python stages and adapters import from the working directory too, after
+    # installed packages (`python -P -m omniflow.cli` keeps it off sys.path, where a folder
+    # named as an installed package would shadow that package).
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
     debug = args.debug or os.environ.get("OMNIFLOW_DEBUG", "") not in ("", "0")
     for path in [getattr(args, "path", None), *getattr(args, "paths", [])]:
         if path and not Path(path).is_file():

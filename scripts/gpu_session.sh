@@ -1,9 +1,10 @@
 #!/bin/bash
-# Run on a lent GPU machine from a copy of this tree (see docs/benchmarks.md): installs the
+# Run on a lent GPU machine from a copy of this tree (see docs/testing.md): installs the
 # carried wheels into /tmp/site, links dsl/ and kernels/ into omniflow/ (as pyproject's
-# package-dir maps them), then runs the parts named as arguments: setup tests edges steps
-# skinny moe kernels frames tts windows build streaming long load omni-input diffusion cold
-# cold-fresh
+# package-dir maps them) and omniflow/ into /tmp/site (so this tree's root, whose kernels/
+# would shadow PyPI's `kernels`, never goes on sys.path: Python runs with -P from here), then
+# runs the parts named as arguments: setup tests edges steps skinny moe kernels frames tts
+# windows build streaming long load omni-input diffusion cold cold-fresh
 # (streaming and long: DEVICES, default 1xH200, and ALSO_DEVICES beside it, e.g. DEVICES=2xH200
 # ALSO_DEVICES=1xH200, and STREAMING_ARGS added to the benchmark's, e.g. "--breakdown
 # --lookahead 24 12"; windows: WINDOW_KERNELS=N adds each replay's N costliest kernels;
@@ -18,7 +19,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export OMNIFLOW_CACHE=${OMNIFLOW_CACHE:-/tmp/omniflow-cache}
-export PYTHONPATH=$here:/tmp/site
+export PYTHONPATH=/tmp/site
 for part in "$@"; do
   start=$(date +%s)
   case $part in
@@ -27,11 +28,12 @@ for part in "$@"; do
         --target /tmp/site .whl/*.whl .whl-serve/*.whl > "$OUT/setup.log" 2>&1 \
         || { cat "$OUT/setup.log"; exit 1; }
       ln -sfn ../dsl omniflow/dsl && ln -sfn ../kernels omniflow/kernels
-      python3 -c "import torch, transformers, triton, omniflow.kernels.sampling, omniflow.dsl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/setup.log"
+      ln -sfn "$here/omniflow" /tmp/site/omniflow
+      python3 -P -c "import torch, transformers, triton, omniflow.kernels.sampling, omniflow.dsl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/setup.log"
       ;;
     tests)
       # GPU_TESTS: the test files to run (default: every file with tests marked gpu).
-      timeout ${TESTS_S:-200} python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
+      timeout ${TESTS_S:-200} python3 -P -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
         ${GPU_TESTS:-$(grep -rl "mark.gpu" tests)} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
       ;;
     edges)
@@ -73,11 +75,9 @@ for part in "$@"; do
       ;;
     build)
       # BUILD_MODEL: the real model whose random-weight build to make (default Qwen2.5-Omni-7B).
-      timeout ${BUILD_S:-200} python3 -c "from omniflow.checkpoints.scaled import scaled_checkpoint; print(scaled_checkpoint('${BUILD_MODEL:-Qwen/Qwen2.5-Omni-7B}', 1.0, 'cuda'))" 2>&1 | tail -3 | tee "$OUT/build.log"
+      timeout ${BUILD_S:-200} python3 -P -c "from omniflow.checkpoints.scaled import scaled_checkpoint; print(scaled_checkpoint('${BUILD_MODEL:-Qwen/Qwen2.5-Omni-7B}', 1.0, 'cuda'))" 2>&1 | tail -3 | tee "$OUT/build.log"
       ;;
     streaming)
-      # From /tmp: executors start as `python -m omniflow.runtime.executor`, which puts the
-      # working directory first on sys.path, and this tree's omniflow/ lacks dsl/ and kernels/.
       (cd /tmp && timeout ${STREAMING_S:-330} python3 "$here/benchmarks/streaming.py" \
         --devices ${DEVICES:-1xH200} ${ALSO_DEVICES:+--also-devices $ALSO_DEVICES} --scaled 1 \
         --concurrency 1 10 --baseline-requests 1 --max-tokens 32 --audio-tokens 160 \

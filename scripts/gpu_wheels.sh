@@ -8,7 +8,7 @@
 set -eu
 cd "$(dirname "$0")/.."
 MODELS="lark msgspec pyzmq transformers tokenizers huggingface_hub safetensors httpx2 httpcore2
-  click hf-xet typing_extensions regex anyio idna truststore h11"
+  click hf-xet typing_extensions regex anyio idna truststore h11 kernels tomlkit"
 SERVE="diffusers fastapi starlette uvicorn pydantic pydantic_core annotated-types annotated-doc
   typing-inspection python-multipart soundfile cffi pycparser httptools openai jiter
   sniffio opentelemetry-api importlib_metadata zipp websockets"

@@ -264,7 +264,16 @@ def test_a_huge_device_count_fails_at_once(capsys):
 
 def test_console_script_runs():
     result = subprocess.run(
-        [sys.executable, "-m", "omniflow.cli", "compile", "graphs/tts.omni", "--devices", "2xH200"],
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "omniflow.cli",
+            "compile",
+            "graphs/tts.omni",
+            "--devices",
+            "2xH200",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

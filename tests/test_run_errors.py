@@ -194,7 +194,7 @@ def test_ctrl_c_cancels_cleanly_and_leaves_nothing_behind(tmp_path):
     # mid-request however loaded the machine is.
     (tmp_path / "ticking.omni").write_text(TICKING)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "omniflow.cli", "run", "--once", str(tmp_path / "ticking.omni"),
+        [sys.executable, "-P", "-m", "omniflow.cli", "run", "--once", str(tmp_path / "ticking.omni"),
          "--input", "n=1000000", "--out", str(tmp_path / "out")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "OMNIFLOW_TEST_DELAY": "0.05"},

@@ -1,6 +1,6 @@
 """An executor: a `ProgramLoop` driven by the engine's control messages, in a process of its
-own (`python -m omniflow.runtime.executor`, its program and control address as JSON on
-stdin) or in a thread of the engine's process (transport.py).
+own (`python -P -m omniflow.runtime.executor`, its program, control address and the
+engine's sys.path as JSON on stdin) or in a thread of the engine's process (transport.py).
 
 `serve` is the executor's life: obey control messages, pump the loop, sleep when there is
 nothing to do. The control plane arrives through a `ControlEnd` -- a zmq DEALER plus the
@@ -242,9 +242,18 @@ def torch_threads(program: Program, engine: int | None, host_executors: int) -> 
     return min(engine, share) if engine else share
 
 
+def take_engine_path(engine_path: list[str]) -> None:
+    """Import as the engine does (a python stage's module, an adapter): its sys.path first,
+    then this process's own entries behind it. A Ray worker puts its working directory
+    first, where a folder named as an installed package would shadow that package (this
+    repository's kernels/ shadows PyPI's `kernels`, which transformers imports)."""
+    sys.path[:] = [*engine_path, *(p for p in sys.path if p not in engine_path)]
+
+
 def start_loop(config: dict, end: ControlEnd) -> ProgramLoop:
     """An executor's loop for the program in `config` (what the engine's transport sends),
     its stages loaded and the rings it reads created and announced (`Hello`)."""
+    take_engine_path(config["sys_path"])
     program = Program.from_json(config["program"])
     threads = torch_threads(program, config.get("torch_threads"), config.get("host_executors", 1))
     if threads:

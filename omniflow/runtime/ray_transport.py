@@ -20,6 +20,7 @@ actor is killed for good first (no Ray-side restart races ours).
 from __future__ import annotations
 
 import os
+import sys
 
 from omniflow.cluster import cluster_devices, connect, import_ray
 from omniflow.devices import local_name, node_of
@@ -136,6 +137,7 @@ class RayTransport(ProcessTransport):
             "torch_threads": _torch_threads(),
             "host_executors": host_executors(self.plan, name),
             "request_stats": self.request_stats,
+            "sys_path": sys.path,  # executor.take_engine_path
         }
         actor = (
             _actor_class()

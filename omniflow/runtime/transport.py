@@ -206,11 +206,14 @@ class ProcessTransport(Transport):
             "torch_threads": _torch_threads(),
             "host_executors": host_executors(self.plan, name),
             "request_stats": self.request_stats,
+            # Executors import as the engine does (`take_engine_path`); they start with -P,
+            # which keeps their working directory off the front of sys.path.
+            "sys_path": sys.path,
         }
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the child keeps it)
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "omniflow.runtime.executor"],
+                [sys.executable, "-P", "-m", "omniflow.runtime.executor"],
                 stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -28,6 +28,7 @@ from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import RequestFailed
 from omniflow.runtime.stage import Call, InputStream, StageSpec
+from tests.gpu_wiring import stages_on_cpu
 
 torch.set_num_threads(1)
 
@@ -245,6 +246,18 @@ def test_talker_needs_the_adapter_and_a_known_speaker(plan):
         RequestFailed, match="unknown speaker 'Nobody'; this model has Chelsie, Ethan"
     ):
         Interpreter(plan).run({"prompt": "hi"}, {"max_tokens": 3, "speaker": "Nobody"})
+
+
+def test_the_gpu_tests_plan_loads_on_the_cpu():
+    """The GPU test's plan, both stages on cuda:0 capturing graphs, loads here (its graphs'
+    static buffers run eagerly)."""
+    plan = decoding("graphs", "1xH200")
+    assert {s.name: (s.devices, s.settings["decode"]) for s in plan.stages} == {
+        "thinker": (["cuda:0"], "graphs"),
+        "talker": (["cuda:0"], "graphs"),
+    }
+    with stages_on_cpu(plan) as stages:
+        assert all(s.decode == "static" and s.static is not None for s in stages.values())
 
 
 @pytest.mark.gpu

@@ -100,6 +100,8 @@ def test_a_window_decodes_as_with_the_layers():
     assert float((got - want).abs().max()) < 1e-4
 
 
+# Its set-up (`decoder_on`, `fused_and_layers`, `window_batch`, `_vocode`) is what the CPU
+# tests here run on the CPU.
 @pytest.mark.gpu
 def test_cuda_decodes_on_the_fused_kernels_within_tolerance():
     if not torch.cuda.is_available():

@@ -376,6 +376,8 @@ def test_the_static_cache_is_sized_from_the_plan_and_refuses_what_cannot_fit(pla
 def test_decode_graphs_needs_cuda(plan):
     with pytest.raises(ARBackendError, match="needs a CUDA device"):
         make_backend(plan, "graphs")
+    # The GPU tests' `make_backend_from`: "auto" decodes on the dynamic cache off CUDA.
+    assert make_backend_from(make_backend(plan, "static"), "auto").decode == "eager"
 
 
 def test_seeded_sampling_is_per_request(backend):
@@ -459,6 +461,10 @@ def test_runs_in_a_plan_under_the_interpreter(plan, backend):
     assert out["tokens"].reshape(-1).tolist() == want.tokens
     assert out["text"] == want.text
     assert out["hidden"].shape == (8, 1, 64)
+
+
+# The GPU tests build their backends as the CPU tests do (`make_backend`, `make_backend_from`
+# on this module's plan), on cuda:0.
 
 
 @pytest.fixture(scope="module")

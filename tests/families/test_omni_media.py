@@ -241,14 +241,20 @@ def test_the_media_change_the_codes(spoken):
     assert all(len(c) > 1 for c in codes)
 
 
-@pytest.mark.parametrize("seconds", [0.03, 5.0, 31.0])
-def test_audio_features_are_the_processors(path, seconds):
-    """The tower's features of a clip padded by one FFT window are the frames the processor's
-    30 s window keeps (a longer clip cut at 30 s)."""
+def noisy_clip(path, seconds: float):
+    """The checkpoint's feature extractor, and a tone of `seconds` with noise."""
     from transformers import WhisperFeatureExtractor
 
     extractor = WhisperFeatureExtractor.from_pretrained(path)
     clip = media.audio(seconds, 330.0) + 0.01 * torch.randn(int(seconds * towers.SAMPLE_RATE))
+    return extractor, clip
+
+
+@pytest.mark.parametrize("seconds", [0.03, 5.0, 31.0])
+def test_audio_features_are_the_processors(path, seconds):
+    """The tower's features of a clip padded by one FFT window are the frames the processor's
+    30 s window keeps (a longer clip cut at 30 s)."""
+    extractor, clip = noisy_clip(path, seconds)
     out = extractor(clip.numpy(), sampling_rate=16000, padding="max_length",
                     return_attention_mask=True, return_tensors="pt")  # fmt: skip
     kept = out["attention_mask"][0].bool()
@@ -260,11 +266,9 @@ def test_audio_features_are_the_processors(path, seconds):
 @pytest.mark.gpu
 @pytest.mark.parametrize("seconds", [0.03, 5.0, 31.0])
 def test_audio_features_on_the_gpu_are_the_cpus(path, seconds):
-    """A tower on a GPU computes the features there: the CPU's frames, within float32 noise."""
-    from transformers import WhisperFeatureExtractor
-
-    extractor = WhisperFeatureExtractor.from_pretrained(path)
-    clip = media.audio(seconds, 330.0) + 0.01 * torch.randn(int(seconds * towers.SAMPLE_RATE))
+    """A tower on a GPU computes the features there: the CPU's frames, within float32 noise.
+    (Its set-up, `noisy_clip` and the CPU's features, is the test above's.)"""
+    extractor, clip = noisy_clip(path, seconds)
     options = towers.AudioTower.feature_options
     on_cpu, length = towers.audio_features(extractor, clip, **options)
     on_gpu, gpu_length = towers.audio_features(extractor, clip, device="cuda", **options)
@@ -305,19 +309,35 @@ def test_the_audio_tower_in_one_pass_is_transformers_forward(path, static):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.gpu
-def test_the_audio_tower_in_one_pass_at_real_size_on_the_gpu():
-    """The same at Qwen2.5-Omni-7B's audio tower size in bf16 on CUDA (random weights),
-    eagerly and replaying the tower's CUDA graphs."""
+def real_size_audio_tower(device: str):
+    """Qwen2.5-Omni-7B's audio tower (random bf16 weights, none on the meta device) and its
+    chunk-count graphs (captured on CUDA)."""
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
 
     from omniflow.checkpoints.scaled import initialising_bf16_on
     from omniflow.families.qwen2_5_omni.checkpoints import scaled_omni_config
 
     config = scaled_omni_config(1.0)[0].thinker_config.audio_config
-    with initialising_bf16_on("cuda"):
+    with initialising_bf16_on(device):
         model = Qwen2_5OmniAudioEncoder(config).eval()
-    graphs = towers.clip_graphs(model, capture=True)
+    return model, towers.clip_graphs(model, capture=device.startswith("cuda"))
+
+
+def test_the_real_size_audio_tower_has_graphs_for_all_but_the_largest_batch():
+    """The GPU test's tower and graphs, built on the meta device: every batch of
+    AUDIO_BATCHES but the last fits a graph's chunk count, so all but it replay."""
+    model, graphs = real_size_audio_tower("meta")
+    assert sorted(graphs.keys()) == [1, 2, 4, 8, 16, 24, 32]
+    window = model.n_window * 2
+    chunks = [sum(-(-n // window) for n in lengths) for lengths in AUDIO_BATCHES]
+    assert [c > max(graphs.keys()) for c in chunks] == [False] * (len(AUDIO_BATCHES) - 1) + [True]
+
+
+@pytest.mark.gpu
+def test_the_audio_tower_in_one_pass_at_real_size_on_the_gpu():
+    """The same at Qwen2.5-Omni-7B's audio tower size in bf16 on CUDA (random weights),
+    eagerly and replaying the tower's CUDA graphs."""
+    model, graphs = real_size_audio_tower("cuda")
     assert graphs.captures == len(graphs.keys())
     for replay in (None, graphs):
         for ours, theirs in _audio_tower_cases(

@@ -376,19 +376,21 @@ def test_the_tiny_checkpoint_rebuilds_to_the_same_bytes(path, tmp_path):
     assert sum(entry["bytes"] for entry in files.values()) < 5_000_000
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("component", ["thinker", "talker"])
-def test_on_cuda_the_experts_run_on_the_fused_kernels(path, component):
+def test_the_experts_run_on_the_fused_kernels_on_cuda(path, component, device):
     """Loaded on CUDA, the thinker's and the talker's MoE experts run on
-    `omniflow.kernels.fused_moe`; the logits agree with transformers' own experts."""
-    if not torch.cuda.is_available():
+    `omniflow.kernels.fused_moe` (on the CPU, on transformers' own); the logits agree with
+    transformers' eager experts."""
+    if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from omniflow.families.qwen3_omni.thinker_talker import load
     from omniflow.kernels import fused_moe
 
-    model = load(str(path), component, "cuda", torch.float32).model
-    assert model.config.get_text_config()._experts_implementation == fused_moe.IMPLEMENTATION
-    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0)).cuda()
+    model = load(str(path), component, device, torch.float32).model
+    experts = model.config.get_text_config()._experts_implementation
+    assert (experts == fused_moe.IMPLEMENTATION) == (device == "cuda")
+    ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.no_grad():
         embeds = model.get_input_embeddings()(ids)  # the talker takes embeddings only
         fused = model(inputs_embeds=embeds).logits

@@ -284,6 +284,27 @@ TOWER_ITEMS = {
 }
 
 
+@torch.inference_mode()  # as the encoder stage runs it
+def encoded(path, kind: str, device: str) -> list:
+    """TOWER_ITEMS' values of `kind` encoded by their tower moved onto `device`."""
+    component, values = TOWER_ITEMS[kind]
+    tower = towers.load(str(path), component, torch.float32)
+    tower.to(device)
+    return tower.forward(kind, [tower.prepare(kind, value) for value in values])
+
+
+@pytest.mark.parametrize("kind", TOWER_ITEMS)
+def test_the_towers_items_fit_the_plans_edges(path, plan, kind):
+    """What the GPU test encodes, on the CPU: an item per value, `meta[0]` rows each, as wide
+    as the plan's edge from its stage to the thinker."""
+    stage = "hearing" if kind == "audio" else "vision"
+    edge = next(c for c in plan.channels if c.src == stage and c.dst == "thinker")
+    items = encoded(path, kind, "cpu")
+    assert len(items) == len(TOWER_ITEMS[kind][1])
+    for item in items:
+        assert item.kind == kind and item.embeds.shape == (item.meta[0], edge.item_shape[1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", TOWER_ITEMS)
 def test_on_cuda_the_towers_give_the_cpus_items(path, kind):
@@ -291,15 +312,7 @@ def test_on_cuda_the_towers_give_the_cpus_items(path, kind):
     encode each kind as on the CPU: the same integers, embeddings within float32 noise."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    component, values = TOWER_ITEMS[kind]
-
-    @torch.inference_mode()  # as the encoder stage runs it
-    def encoded(device):
-        tower = towers.load(str(path), component, torch.float32)
-        tower.to(device)
-        return tower.forward(kind, [tower.prepare(kind, value) for value in values])
-
-    for on_cpu, on_gpu in zip(encoded("cpu"), encoded("cuda"), strict=True):
+    for on_cpu, on_gpu in zip(encoded(path, kind, "cpu"), encoded(path, kind, "cuda"), strict=True):
         assert on_gpu.embeds.is_cuda and on_gpu.meta == on_cpu.meta
         scale = float(on_cpu.embeds.abs().max())
         torch.testing.assert_close(on_gpu.embeds.cpu(), on_cpu.embeds, atol=1e-3 * scale, rtol=0)

@@ -5,12 +5,18 @@ interpreted or a compiled function when it decorates, and Triton decorates its o
 (`tl.rand`, `tl.cumsum`, ...) on import. This process may already hold compiled kernels (the
 diffusion backend imports `cfg_euler`, and GPU tests need them compiled), so
 `interpret(job, *args)` calls `job`, a module-level function of a test file, in a
-subprocess with the variable set, and returns its result. Arguments and results travel by
+subprocess with the variable set (`python -P` on this process's sys.path: see
+tests/conftest.py), and returns its result. Arguments and results travel by
 `torch.save` (tensors, numbers, None, and lists, tuples and dicts of them). Each call costs
 a Python start (about a second): run all of a file's kernel cases in one job.
+
+A file's GPU tests take the operands its interpreted test takes (its `cases()`, or the same
+makers at other sizes, which a CPU test here also runs), so a change to a kernel's operands
+or signature fails on the CPU first; only the compiled kernels need the GPU.
 """
 
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -19,8 +25,9 @@ import pytest
 import torch
 
 _RUNNER = """
-import importlib.util, sys, torch
-path, name, args, result = sys.argv[1:]
+import importlib.util, json, sys, torch
+path, name, args, result, search = sys.argv[1:]
+sys.path[:] = json.loads(search)  # the test process's: the files import `tests.`
 spec = importlib.util.spec_from_file_location("interpreted_job", path)
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
@@ -35,9 +42,9 @@ def interpret(tmp_path_factory):
     def run(job, *args):
         folder = tmp_path_factory.mktemp(job.__name__)
         torch.save(args, folder / "args.pt")
-        command = [sys.executable, "-c", _RUNNER, inspect.getfile(job), job.__name__]
+        command = [sys.executable, "-P", "-c", _RUNNER, inspect.getfile(job), job.__name__]
         done = subprocess.run(
-            [*command, str(folder / "args.pt"), str(folder / "result.pt")],
+            [*command, str(folder / "args.pt"), str(folder / "result.pt"), json.dumps(sys.path)],
             env={**os.environ, "TRITON_INTERPRET": "1"},
             capture_output=True,
             text=True,

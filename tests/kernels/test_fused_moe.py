@@ -99,6 +99,8 @@ def block(stage: str, config: dict, state: dict | None = None, seed: int = 0, **
     if state is not None:
         module.load_state_dict(state)
         return module
+    if module.gate.weight.is_meta:  # shapes only: no weights to draw
+        return module
     g = torch.Generator(on.get("device", "cpu")).manual_seed(seed)
     with torch.no_grad():
         for param in module.parameters():
@@ -280,8 +282,21 @@ def test_kernel_agrees_with_the_reference_on_gpu(dtype):
         assert_agree(got, fused_moe.reference(**tuning_free(on)), steps=4)
 
 
-def real_block(stage: str):
-    return block(stage, real_config(stage), seed=4, device="cuda", dtype=torch.bfloat16)
+def real_block(stage: str, device: str = "cuda"):
+    return block(stage, real_config(stage), seed=4, device=device, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("stage", ["thinker", "talker"])
+def test_the_real_blocks_build_from_the_published_config(stage):
+    """The GPU tests' blocks at Qwen3-Omni-30B-A3B's sizes, on the meta device: the experts'
+    matrices as the kernels take them, [E, 2 I, H] and [E, H, I]."""
+    config = real_config(stage)
+    module = real_block(stage, "meta")
+    experts, width = config["num_experts"], config["hidden_size"]
+    inner = config["moe_intermediate_size"]
+    assert module.gate.weight.shape == (experts, width)
+    assert module.experts.gate_up_proj.shape == (experts, 2 * inner, width)
+    assert module.experts.down_proj.shape == (experts, width, inner)
 
 
 @pytest.mark.gpu
@@ -319,7 +334,8 @@ def test_a_decode_step_captures_in_a_cuda_graph(tokens):
     g = torch.Generator("cuda").manual_seed(6)
 
     def draw() -> torch.Tensor:
-        return torch.randn(tokens, 2048, generator=g, device="cuda").to(torch.bfloat16)
+        width = module.gate.weight.shape[1]
+        return torch.randn(tokens, width, generator=g, device="cuda").to(torch.bfloat16)
 
     static = draw()
     with torch.no_grad():

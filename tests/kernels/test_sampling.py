@@ -141,11 +141,22 @@ def test_uniform_is_uniform():
     assert (u != other).float().mean() > 0.99
 
 
-def test_sample_runs_the_reference_off_cuda():
-    logits, seen, columns = inputs(6, 1000, seed=3)
+# The GPU test's sizes: past one 4096-wide block, and Qwen2.5's vocabulary.
+GPU_SIZES = [(6, 4099), (6, 152064)]
+
+
+@pytest.mark.parametrize(("rows", "vocab"), GPU_SIZES)
+def test_sample_runs_the_reference_off_cuda(rows, vocab):
+    """The GPU test's inputs sampled on the CPU: the reference's tokens, greedy rows the
+    argmax of their penalized logits."""
+    logits, seen, columns = inputs(rows, vocab, seed=vocab)
+    p = params(logits, columns)
     got = sampling.sample(logits, seen=seen, **columns)
     assert got.dtype == torch.int64
-    assert torch.equal(got, sampling.reference(logits, params(logits, columns), seen))
+    assert torch.equal(got, sampling.reference(logits, p, seen))
+    penalized, _, _ = sampling.reference_filter(logits, p, seen)
+    greedy = p.temperature == 0
+    assert greedy.any() and torch.equal(got[greedy], penalized[greedy].argmax(-1))
     assert torch.equal(sampling.sample(logits, temperature=0), logits.argmax(-1))
 
 
@@ -159,7 +170,7 @@ def test_bad_inputs_are_refused():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("rows", "vocab"), [(6, 4099), (6, 152064)])
+@pytest.mark.parametrize(("rows", "vocab"), GPU_SIZES)
 def test_kernel_matches_reference_on_gpu(rows, vocab):
     logits, seen, columns = inputs(rows, vocab, seed=vocab)
     logits, seen = logits.cuda(), seen.cuda()

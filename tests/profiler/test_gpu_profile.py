@@ -12,6 +12,7 @@ from omniflow.profiler.trace import GPU_TRACK, chrome_trace
 from omniflow.runtime.control import Profiled
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.gpu_timeline import KernelTimeline, ProfileError
+from tests.gpu_wiring import stages_on_cpu
 
 GPU_CHAIN = """pipeline gpu {
   stage a = python(fn=tests.profiler.stages.double_on_gpu, max_batch=4)
@@ -59,9 +60,25 @@ def test_a_gpu_profile_of_a_plan_without_gpu_stages_is_a_clear_error():
         engine.start_profile(gpu=True)
 
 
+def gpu_plan():
+    """GPU_CHAIN compiled for one GPU: the stage that launches kernels is on it."""
+    plan = compile_source(GPU_CHAIN, "gpu.omni", devices="cuda:0=8GiB")
+    assert plan.stage("a").devices == ["cuda:0"]
+    return plan
+
+
+def test_the_gpu_tests_plan_loads_on_the_cpu():
+    """Its stages load here (the GPU one's function imports; it runs only on CUDA)."""
+    with stages_on_cpu(gpu_plan()) as stages:
+        assert {name: type(b).__name__ for name, b in stages.items()} == {
+            "a": "GeneratorBackend",
+            "b": "GeneratorBackend",
+        }
+
+
 @pytest.mark.gpu
 def test_a_gpu_stage_adds_its_cuda_kernels_on_the_profiles_clock():
-    plan = compile_source(GPU_CHAIN, "gpu.omni", devices="cuda:0=8GiB")
+    plan = gpu_plan()
     with Engine(plan, "process") as engine:
         engine.generate({"x": [[0]]})  # CUDA initialised, not profiled
         engine.start_profile(gpu=True)

@@ -199,16 +199,23 @@ def test_a_killed_producer_leaves_the_consumers_ring_and_closing_frees_it(proces
     assert settled_free_bytes(baseline, 64 * MiB) >= baseline - 64 * MiB
 
 
-def test_an_engine_runs_a_cuda_ipc_edge_and_matches_the_interpreter():
+def cuda_ipc_plan():
+    """graphs/tts.omni on one H200: the codes reach the decoder through a cuda-ipc ring."""
     from pathlib import Path
 
     from omniflow.compiler import compile_file
-    from omniflow.runtime.engine import Engine
-    from omniflow.runtime.interpreter import Interpreter
 
     plan = compile_file(Path(__file__).parents[2] / "graphs" / "tts.omni", devices="1xH200")
     edge = next(c for c in plan.channels if c.name == "codec_lm.codes->decoder.codes")
     assert (edge.kind, edge.device) == ("cuda-ipc", "cuda:0")
+    return plan
+
+
+def test_an_engine_runs_a_cuda_ipc_edge_and_matches_the_interpreter():
+    from omniflow.runtime.engine import Engine
+    from omniflow.runtime.interpreter import Interpreter
+
+    plan = cuda_ipc_plan()
     reference = Interpreter(plan, "standin")
     with Engine(plan, "process", backends="standin") as engine:
         decoder = next(pid for name, pid in engine.executor_pids.items() if "decoder" in name)

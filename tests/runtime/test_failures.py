@@ -262,6 +262,7 @@ def test_backpressure_bounds_memory_and_loses_nothing(no_leaks, monkeypatch):
 
 SCRIPT = """
 import sys, time
+sys.path.append({root!r})  # its python stages are the tests' (run with -P: see conftest.py)
 from omniflow.compiler import compile_source
 from omniflow.runtime.engine import Engine
 plan = compile_source({source!r}, "chain.omni")
@@ -280,9 +281,9 @@ finally:
 )
 def test_engine_process_ending_leaves_no_segment_and_no_executor(how, no_leaks):
     source = CHAIN.format(chunk=8, credits=2, batch=2)
-    script = textwrap.dedent(SCRIPT.format(source=source))
+    script = textwrap.dedent(SCRIPT.format(source=source, root=str(ROOT)))
     proc = subprocess.Popen(
-        [sys.executable, "-c", script],
+        [sys.executable, "-P", "-c", script],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,

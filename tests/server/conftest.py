@@ -34,7 +34,7 @@ class ServerProcess:
     def __init__(self, args: list[str], env: dict | None = None):
         self.args = args
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "omniflow.cli", "run", "--port", "0", *args],
+            [sys.executable, "-P", "-m", "omniflow.cli", "run", "--port", "0", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=ROOT,

@@ -190,9 +190,10 @@ class MediaThinker(CausalLM):
     audio markers); the embeddings go in place of those tokens' (`masked_scatter` per kind);
     the prefill's positions are the model's own multimodal RoPE, `get_rope_index(ids,
     image_grid_thw, video_grid_thw, mask, use_audio_in_video, audio feature lengths,
-    second_per_grids)`, and each decode step's the cache length plus its rope delta."""
+    second_per_grids)`, and each decode step's the cache length plus its rope delta. Its
+    prompt may be a text or token ids too, as a plain causal LM's (then without media)."""
 
-    inputs = {"prompt": ("chat",), "embeds": ("hidden",), "audio_embeds": ("hidden",)}
+    inputs = {**CausalLM.inputs, "embeds": ("hidden",), "audio_embeds": ("hidden",)}
     required = frozenset({"prompt"})
 
     def __init__(self, model, tokenizer, audio_markers: tuple[str, str]):

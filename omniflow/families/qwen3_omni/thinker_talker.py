@@ -269,10 +269,7 @@ class Thinker(MediaThinker):
     embeddings (`towers`), which the prefill adds to the outputs of the first decoder
     layers at the image and video positions (the text model's `visual_pos_masks` and
     `deepstack_visual_embeds`, as the thinker's forward passes them). Decode steps have no
-    visual positions: they take none. Its prompt may be a text or token ids too, as a plain
-    causal LM's (then without media)."""
-
-    inputs = {**MediaThinker.inputs, "prompt": ("chat", "text", "tokens")}
+    visual positions: they take none."""
 
     def __init__(self, model, tokenizer, layout: dict):
         super().__init__(model, tokenizer, AUDIO_TOKENS)
