@@ -68,9 +68,15 @@ spec's sampling. The frame's G codes go to a per-slot buffer that the host reads
 the ids (one copy each a step), and the row's next input embedding becomes the frame's
 summed codebook embeddings (`FrameSpec.frame_embeds`) in place of its last id's embedding,
 plus the component's extra row as before. With `capture`, the talker's step, the
-predictor's G positions and every sampling step are one graph per bucket. A request's
-first frame (sampled at its prefill) is completed by the component's eager `frames`; the
-slot takes that frame's summed embeddings when it joins.
+predictor's G positions and every sampling step are one graph per bucket.
+
+First tokens. A request's first token is sampled from its prefill's last hidden state by
+the device work of a step after its layers: `first` takes the prefilled rows (they joined
+their slots first), runs the head, the masks and the sampler, completes their frames, and
+advances them without a column (their prefill filled theirs), at the batch bucket of the
+slots up to the last new one with only the new rows advancing: one graph per batch bucket,
+replayed once a prefill (a batch of prompts), then one read-back. A first frame takes no
+host sync between its sub-steps, as no later one does.
 
 Minimum length. A component with `min_tokens` has its end ids masked while a row's step is
 below its per-slot minimum (set at join), on the device; the component's `suppress` ids are
@@ -268,6 +274,24 @@ def _project(x, weight, bias=None, *, gated: bool = False, split: bool = False):
     most = rms_norm.most_parts(weight.shape[0]) if split else 1
     splits = skinny_matmul.split_count(x, weight, most)
     return skinny_matmul.skinny_matmul_triton(x, weight, bias, gated=gated, splits=splits)
+
+
+@dataclass
+class _Host:
+    """Pinned host buffers a step copies its active rows from and its ids (and frames'
+    codes) into."""
+
+    active: torch.Tensor
+    ids: torch.Tensor
+    codes: torch.Tensor | None
+
+    @classmethod
+    def make(cls, slots: int, groups: int | None, pin: bool) -> _Host:
+        def host(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
+
+        codes = host(slots, groups, dtype=torch.int64) if groups is not None else None
+        return cls(host(slots, dtype=torch.bool), host(slots, dtype=torch.int64), codes)
 
 
 @dataclass
@@ -480,14 +504,12 @@ class FrameCompleter:
         self.per_slot = [self.input, self.seed, self.temperature]
 
     @torch.inference_mode()
-    def join(self, slot: int, seed: int, sampled: bool, frame: torch.Tensor) -> None:
+    def join(self, slot: int, seed: int, sampled: bool) -> None:
         """A request joins `slot`: its sub-stream (`seed`; `sampled`: it draws, else it is
-        greedy) and its next input, the embeddings of `frame` `[G]`, its frame sampled last."""
+        greedy). Its next input is its first frame's, which the first step completes."""
         sampling = self.spec.sampling
         self.seed[slot] = sub_stream(seed)
         self.temperature[slot] = sampling.temperature if sampled and sampling is not None else 0.0
-        codes = frame.to(self.codes.device).reshape(1, self.groups)
-        self.input[slot].copy_(self.spec.frame_embeds(codes)[0])
 
     def complete(self, b: int, hidden, first, frame, active) -> None:
         """Slots 0..b-1's frames from the LM's final hidden states `hidden` `[b, H]` and
@@ -561,9 +583,10 @@ class StaticDecoder(DecoderCache):
         self.batch_buckets = batch_buckets(slots)
         self.length_buckets = length_buckets(columns)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.first_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # `first`'s, by batch bucket
         self.captures = 0  # graphs captured (all at load)
         self.capture_seconds = 0.0  # what capturing them took, part of the stage's load
-        self.replays = 0
+        self.replays = 0  # steps and first steps replayed from their graphs
         embed = component.embed.weight
         vocab = component.head.out_features
         hidden = self.norm.weight.shape[0]
@@ -602,20 +625,15 @@ class StaticDecoder(DecoderCache):
             # The ids masked while a row is below its minimum length (None: no minimum).
             ends = sorted(component.eos_ids) if getattr(component, "min_tokens", 0) else ()
             self.ends = torch.tensor(ends, **on) if ends else None
+            # Two sets of host buffers for the steps: while one step's copies may still be
+            # queued, the next step fills the other (see `launch`); `first` has its own, as
+            # it waits for its copies before it returns.
+            groups = frames.groups if frames is not None else None
             pin = self.device.type == "cuda"
-            # Two of each host buffer a step copies from or into: while one step's copies
-            # may still be queued, the next step fills the other (see `launch`).
-            self.host_active = [
-                torch.zeros(slots, dtype=torch.bool, pin_memory=pin) for _ in range(2)
-            ]
-            self.host_ids = [
-                torch.zeros(slots, dtype=torch.int64, pin_memory=pin) for _ in range(2)
-            ]
-            self.host_codes = [
-                torch.zeros(slots, frames.groups, dtype=torch.int64, pin_memory=pin)
-                for _ in range(2 if frames is not None else 0)
-            ]
+            self.host = [_Host.make(slots, groups, pin) for _ in range(2)]
+            self.host_first = _Host.make(slots, groups, pin)
         self.launches = 0
+        self.first_steps = 0  # `first` calls: one a prefill
         self._per_slot = [
             self.length, self.offset, self.last, self.extra, self.seen, self.temperature,
             self.top_k, self.top_p, self.budget, self.penalty, self.seed, self.step_count,
@@ -629,11 +647,11 @@ class StaticDecoder(DecoderCache):
     # --- requests in and out ----------------------------------------------------------------
     @torch.inference_mode()
     def join(self, slot: int, state: dict, keys=None, values=None) -> None:
-        """Put a prefilled request in `slot`: its per-slot state (`length`, `offset`, `last`,
-        `step`, `temperature`, `top_k`, `top_p`, `repetition_penalty`, `seed`, `seen`, a
-        `[V]` bool mask or None, `min_tokens`, and with frames `frame`, the codes `[G]` of
-        the frame it sampled last) and, unless `prefill` wrote them there, its keys and
-        values `[layers, kv_heads, L, head_dim]` into columns 0..L-1."""
+        """Put a prefilled request in `slot`, before its first token (`first` samples it):
+        its per-slot state (`length`, `offset`, `temperature`, `top_k`, `top_p`,
+        `repetition_penalty`, `seed`, `seen`, a `[V]` bool mask or None, `min_tokens`) and,
+        unless `prefill` wrote them there, its keys and values `[layers, kv_heads, L,
+        head_dim]` into columns 0..L-1."""
         if keys is not None:
             filled = keys.shape[2]
             self.keys[:, slot, :, :filled].copy_(keys)
@@ -642,8 +660,8 @@ class StaticDecoder(DecoderCache):
         numbers = {
             self.length: state["length"],
             self.offset: state["offset"],
-            self.last: state["last"],
-            self.step_count: state["step"],
+            self.last: 0,
+            self.step_count: 0,
             self.temperature: state["temperature"],
             self.top_k: state["top_k"],
             self.top_p: top_p,
@@ -659,7 +677,7 @@ class StaticDecoder(DecoderCache):
         else:
             self.seen[slot].copy_(state["seen"])
         if self.frames is not None:
-            self.frames.join(slot, state["seed"], state["temperature"] > 0, state["frame"])
+            self.frames.join(slot, state["seed"], state["temperature"] > 0)
 
     @torch.inference_mode()
     def move(self, source: int, target: int, filled: int) -> None:
@@ -695,12 +713,8 @@ class StaticDecoder(DecoderCache):
         the device runs it while the host handles this one's ids (a third launch before
         this one's `wait` would overwrite them)."""
         batch, length = self.buckets(rows, longest)
-        turn = self.launches % 2
+        host = self.host[self.launches % 2]
         self.launches += 1
-        host_active = self.host_active[turn]
-        host_active.zero_()
-        host_active[active] = True
-        self.active.copy_(host_active, non_blocking=True)
         if extra is not None:
             extra = extra.to(self.extra.dtype)
             if _leading(active):
@@ -708,22 +722,47 @@ class StaticDecoder(DecoderCache):
             else:
                 self.extra.index_copy_(0, self._index(active), extra)
         graph = self.graphs.get((batch, length))
+        return self._queue(host, rows, active, graph, functools.partial(self._run, batch, length))
+
+    def _queue(self, host: _Host, rows: int, active, graph, run: Callable[[], None]) -> Launched:
+        """Queue a step over slots 0..rows-1 in which the slots `active` advance: the graph's
+        replay (`run` where there is none), then the copies of its ids (and codes) into
+        `host`'s buffers."""
+        host.active.zero_()
+        host.active[active] = True
+        self.active.copy_(host.active, non_blocking=True)
         if graph is not None:
             graph.replay()
             self.replays += 1
         else:
-            self._run(batch, length)
-        ids = self.host_ids[turn][:rows]
+            run()
+        ids = host.ids[:rows]
         ids.copy_(self.ids[:rows], non_blocking=True)
         codes = None
         if self.frames is not None:
-            codes = self.host_codes[turn][:rows]
+            codes = host.codes[:rows]
             codes.copy_(self.frames.codes[:rows], non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
         return Launched(ids, done, codes)
+
+    @torch.inference_mode()
+    def first(self, start: int, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+        """The first tokens of the requests that joined slots start..start+n-1 (before any
+        step ran them), from their prefills' last hidden states `hidden` `[n, H]`: sampled,
+        and with frames completed, on the device (see the module docstring). Waits for them:
+        returns the ids of slots 0..start+n-1 (those before `start` mean nothing) and, with
+        frames, their codes `[start + n, G]` (host buffers, overwritten by the next call)."""
+        rows = start + hidden.shape[0]
+        batch, _ = self.buckets(rows, 0)
+        self.hidden[start:rows].copy_(hidden)
+        self.first_steps += 1
+        graph = self.first_graphs.get(batch)
+        run = functools.partial(self._first, batch)
+        launched = self._queue(self.host_first, rows, slice(start, rows), graph, run)
+        return self.wait(launched), launched.codes
 
     @staticmethod
     def wait(launched: Launched) -> list[int]:
@@ -806,6 +845,18 @@ class StaticDecoder(DecoderCache):
         b = batch
         filled = self.length[:b]
         hidden = self.decode(self._inputs(b), filled + self.offset[:b], filled, length)
+        self.hidden[:b].copy_(hidden)
+        self._finish(b, hidden)
+        self.length[:b].add_(self.active[:b])
+
+    def _first(self, batch: int) -> None:
+        """`first`'s device work at batch bucket `batch` (what its graph captures): the
+        active rows' first tokens and frames from their hidden states, no column taken."""
+        self._finish(batch, self.hidden[:batch])
+
+    def _finish(self, b: int, hidden: torch.Tensor) -> None:
+        """A step from its final hidden states `[b, H]` on: sample, complete the frames, and
+        advance the active rows (all but their length)."""
         self._sample(b, hidden)
         if self.frames is not None:
             frame = self.step_count[:b]
@@ -826,7 +877,6 @@ class StaticDecoder(DecoderCache):
         """The head, the masks (suppressed ids; end ids below the minimum length) and the
         fused sampler: ids into `ids[:b]`."""
         c = self.component
-        self.hidden[:b].copy_(hidden)
         logits = c.logits(hidden)
         if self.suppress is not None:
             logits.index_fill_(1, self.suppress, -math.inf)
@@ -850,10 +900,9 @@ class StaticDecoder(DecoderCache):
             self.ids[:b].copy_(sampler.reference(logits, params, seen))
 
     def _advance(self, b: int) -> None:
-        """The active rows take their sampled ids: last id, length, step, seen mask."""
+        """The active rows take their sampled ids: last id, step, seen mask."""
         ids, advance, seen = self.ids[:b], self.active[:b], self.seen[:b]
         self.last[:b].copy_(torch.where(advance, ids, self.last[:b]))
-        self.length[:b].add_(advance)
         self.step_count[:b].add_(advance)
         at = ids[:, None]
         seen.scatter_(1, at, seen.gather(1, at) | advance[:, None])
@@ -861,22 +910,26 @@ class StaticDecoder(DecoderCache):
     # --- capture ----------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (batch, length) bucket's step into a CUDA graph, largest first, in
-        one memory pool; each is run once eagerly first (kernels compiled and libraries set
-        up outside the capture). No row is active, so no request state changes."""
+        """Capture every (batch, length) bucket's step and every batch bucket's first step
+        (`first`) into a CUDA graph, largest first, in one memory pool; each is run once
+        eagerly first (kernels compiled and libraries set up outside the capture). No row is
+        active, so no request state changes."""
         self.active.zero_()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for batch in reversed(self.batch_buckets):
             for length in reversed(self.length_buckets):
                 run = functools.partial(self._run, batch, length)
-                graph, _ = capture_graph(run, pool, stream)
-                self.graphs[batch, length] = graph
+                self.graphs[batch, length], _ = capture_graph(run, pool, stream)
                 self.captures += 1
+            run = functools.partial(self._first, batch)
+            self.first_graphs[batch], _ = capture_graph(run, pool, stream)
+            self.captures += 1
         torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         self.graphs.clear()
+        self.first_graphs.clear()
         super().close()
         if self.frames is not None:
             self.frames.close()
