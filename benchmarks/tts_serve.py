@@ -25,6 +25,14 @@ clone c=1 TTFP <= 80 ms. The script prints each figure beside its goal.
     # anywhere (slowly on a CPU): the tiny checkpoints, to check the script works
     python benchmarks/tts_serve.py --tiny --levels 1,4 --requests 4
 
+With `--trace FILE` it then profiles one more round at c = 1 (`--trace-requests`, one at a
+time) and one at c = 16 (16 at once) with the server's own profiler (`POST /start_profile`;
+`--trace-gpu` adds the CUDA kernels) into FILE, and prints where each level's first packet
+waited (the mean of each component of the requests' TTFP critical paths,
+omniflow.profiler.analysis) and each stage's steps (count, mean batch, median / p90 / max
+ms, and the median of the steps in which a request started: the talker's prefill and
+first frame).
+
 The server is `omniflow run` on graphs/qwen3_tts.omni (its copies for the scaled folders,
 with `max_batch` raised to the largest level so that no request is refused), in executor
 processes; `--url` measures a running one instead (its pipelines named by `--model` and
@@ -53,7 +61,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serve import Server, percentile  # noqa: E402
+from benchmarks.serve import Server, percentile, print_paths  # noqa: E402
 from omniflow.server.playback import Playback  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,9 +154,13 @@ def graph_variant(folder: Path, name: str, model: str | None, batch: int) -> Pat
 
 
 # --- the run --------------------------------------------------------------------------------
-def run_levels(args, base: str, model: str, clone_model: str | None) -> list[tuple]:
-    body = {"model": model, "input": TEXT, "voice": "Vivian", "language": "English",
+def custom_body(args, model: str) -> dict:
+    return {"model": model, "input": TEXT, "voice": "Vivian", "language": "English",
             "stream": True, "response_format": "pcm", "max_new_tokens": args.frames}  # fmt: skip
+
+
+def run_levels(args, base: str, model: str, clone_model: str | None) -> list[tuple]:
+    body = custom_body(args, model)
     rows = []
     asyncio.run(level(base, body, 1, 2))  # warm-up: first requests compile and allocate
     for concurrency in args.levels:
@@ -181,6 +193,40 @@ def run_levels(args, base: str, model: str, clone_model: str | None) -> list[tup
     httpx.delete(f"{base}/v1/audio/voices/{name}", params={"model": clone_model})
     print("  done: voice clone c=1", flush=True)
     return rows
+
+
+def traced(args, server: Server, model: str) -> None:
+    """A profiled round at c = 1 and one at c = 16 (see the module docstring)."""
+    from omniflow.profiler.analysis import timelines
+
+    body, rounds = custom_body(args, model), {"c=1": (1, args.trace_requests), "c=16": (16, 16)}
+
+    def run() -> None:
+        for concurrency, total in rounds.values():
+            asyncio.run(level(server.base, body, concurrency, total))
+
+    profile, _ = server.profiled(run, args.trace, args.trace_gpu)
+    spoken = [r for r in timelines(profile) if "audio" in r.path_ttfp]  # by start, c=1's first
+    paths, start = {}, 0
+    for name, (_, total) in rounds.items():
+        paths[name] = [r.path_ttfp["audio"] for r in spoken[start : start + total]]
+        start += total
+    print_paths(f"\nTTFP critical path, mean ms (trace: {args.trace})", paths)
+    print(f"\n{'stage':>10} {'steps':>6} {'batch':>6} {'med ms':>7} {'p90':>7} {'max':>7} "
+          f"{'start med':>9}")  # fmt: skip
+    for stage, steps in profile.steps.items():
+        seen: set[str] = set()
+        starts = []  # the steps in which a request stepped first (a prefill, its first output)
+        for step in steps:
+            new = {rid for rid, _, _ in step.calls} - seen
+            seen |= new
+            if new:
+                starts.append(step.dur / 1e3)
+        ms = [step.dur / 1e3 for step in steps]
+        batch = statistics.fmean(step.batch for step in steps)
+        first = statistics.median(starts) if starts else float("nan")
+        print(f"{stage:>10} {len(steps):6d} {batch:6.1f} {statistics.median(ms):7.2f} "
+              f"{percentile(ms, 0.9):7.2f} {max(ms):7.2f} {first:9.2f}")  # fmt: skip
 
 
 def report(rows: list[tuple]) -> None:
@@ -239,7 +285,12 @@ def main() -> int:
     parser.add_argument("--url", help="a running server instead of starting one")
     parser.add_argument("--model", default="qwen3_tts", help="with --url: the CustomVoice pipeline")
     parser.add_argument("--clone-model", default="qwen3_tts_clone", help="with --url: the Base one")
+    parser.add_argument("--trace", type=Path, help="profile a c=1 and a c=16 round into this file")
+    parser.add_argument("--trace-requests", type=int, default=4, help="the c=1 round's requests")
+    parser.add_argument("--trace-gpu", action="store_true", help="the trace has the CUDA kernels")
     args = parser.parse_args()
+    if args.trace and args.url:
+        parser.error("--trace profiles the server this script starts (not with --url)")
     args.levels = [int(c) for c in re.split(r"[, ]+", args.levels) if c]
     if args.tiny and args.devices == "1xH200":
         args.devices = "cpu"
@@ -283,6 +334,8 @@ def main() -> int:
         server = Server([*map(str, graphs), *flags, "--devices", args.devices], log)
         try:
             rows = run_levels(args, server.base, "qwen3_tts", clone_model)
+            if args.trace:
+                traced(args, server, "qwen3_tts")
         finally:
             server.stop()
     report(rows)

@@ -255,8 +255,9 @@ def test_the_static_path_runs_one_step_per_decode_step_on_compact_rows(plan):
     static._run = lambda batch, length: (shapes.append((batch, length)), run_step(batch, length))
     try:
         batch = [request(PROMPTS[i], max_tokens=6) for i in (0, 1, 3)]
-        backend.step(batch)  # three prefills, eager; no static step
+        backend.step(batch)  # three prefilled together, their first tokens in one first step
         assert shapes == [] and [s.slot for s in backend.rows] == [0, 1, 2]
+        assert static.first_steps == 1
         backend.step(batch[:2])  # the third row idles in the step
         assert shapes == [(4, 128)]  # every row, padded to the batch bucket
         backend.drop(batch[0])  # the last row moves into slot 0
@@ -511,10 +512,11 @@ def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(p
     and serving captures none."""
     static = graphed.static
     captured = static.captures
-    assert captured == len(static.batch_buckets) * len(static.length_buckets)
+    assert captured == len(static.batch_buckets) * (len(static.length_buckets) + 1)
     assert set(static.graphs) == {
         (b, t) for b in static.batch_buckets for t in static.length_buckets
     }
+    assert set(static.first_graphs) == set(static.batch_buckets)  # a prefill's first tokens
     eager = make_backend(plan, "static", "cuda:0")
     assert eager.static.graphs == {}
     # What capturing took is reported with the load (control.Loaded.captured), and only there.
@@ -537,9 +539,9 @@ def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(p
         )
         return greedy + seeded
 
-    replays = static.replays
+    replays = static.replays - static.launches - static.first_steps
     want, got = serve(eager), serve(graphed)
-    assert static.replays > replays
+    assert static.replays - static.launches - static.first_steps == replays  # every one
     assert static.captures == captured
     for a, b in zip(got, want, strict=True):
         assert a.tokens == b.tokens
