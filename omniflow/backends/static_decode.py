@@ -49,8 +49,12 @@ Prefill. On the fused path new requests' prompts go straight into their slots: `
 runs the fused layers over every prompt position at once (the prompts right-padded to the
 longest, causal attention over each), the rotary kernel writing each position's key and
 value into its request's slot: one forward for a batch of prompts, no DynamicCache and no
-copy out of it. Otherwise the backend prefills through the model's forward and `join`
-copies that cache into the slot.
+copy out of it. A lone prompt (one request starting, text positions: the prefill in front of
+a first token at concurrency 1) is padded to the next of `prefill_widths` (powers of two
+from PREFILL_QUANTUM to PREFILL_CAPTURED) and, with `capture`, replayed from that width's
+graph: its ~14 launches a layer, not its arithmetic, bound a short prompt's prefill. (Only a
+lone one: a batch's padding rows would need slots of their own.) Otherwise the backend
+prefills through the model's forward and `join` copies that cache into the slot.
 
 Frames. A codec LM whose step emits a frame of G codebooks (a talker: codebook 0 from its
 own head, codebooks 1..G-1 from a small second decoder, the code predictor, conditioned on
@@ -118,6 +122,11 @@ _QK_NORMS = {"q_norm", "k_norm"}
 _MLP_PARTS = {"gate_proj", "up_proj", "down_proj"}
 # The smallest length bucket; the cache's columns are a multiple of it.
 COLUMN_QUANTUM = 128
+# A lone prompt's prefill is padded to a power of two from this width up to PREFILL_CAPTURED
+# (within the cache's columns), and captured at each; a longer one runs eagerly at its own
+# width, where its arithmetic outweighs its launches.
+PREFILL_QUANTUM = 16
+PREFILL_CAPTURED = 1024
 # Sub-steps a frame's second model may take: the stream steps of a frame's draws.
 MAX_SUB_STEPS = 64
 # Added to a request's seed for the draws of its frames' second model, so that they do not
@@ -247,6 +256,16 @@ def length_buckets(columns: int) -> list[int]:
         sizes.append(size)
         size *= 2
     return [*sizes, columns]
+
+
+def prefill_widths(columns: int) -> list[int]:
+    """The widths a lone prompt's prefill is padded to: powers of two from PREFILL_QUANTUM
+    up to PREFILL_CAPTURED and `columns`."""
+    widths, width = [], PREFILL_QUANTUM
+    while width <= min(columns, PREFILL_CAPTURED):
+        widths.append(width)
+        width *= 2
+    return widths
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -584,9 +603,13 @@ class StaticDecoder(DecoderCache):
         self.length_buckets = length_buckets(columns)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.first_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # `first`'s, by batch bucket
+        # A lone prompt's prefill, by width: the graph and its hidden states [1, width, H].
+        self.prefill_widths = prefill_widths(columns) if fused else []
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0  # graphs captured (all at load)
         self.capture_seconds = 0.0  # what capturing them took, part of the stage's load
         self.replays = 0  # steps and first steps replayed from their graphs
+        self.prefill_replays = 0  # lone prompts' prefills replayed from theirs
         embed = component.embed.weight
         vocab = component.head.out_features
         hidden = self.norm.weight.shape[0]
@@ -606,6 +629,10 @@ class StaticDecoder(DecoderCache):
             self.ids = torch.zeros(slots, dtype=torch.int64, **on)
             self.hidden = torch.zeros(slots, hidden, dtype=self.keys.dtype, **on)
             self.embeds = torch.zeros(slots, embed.shape[1], dtype=embed.dtype, **on)
+            # A lone prompt's input embeddings, padded with zeros, and its slot.
+            widest = self.prefill_widths[-1] if self.prefill_widths else 0
+            self.lone_embeds = torch.zeros(1, widest, embed.shape[1], dtype=embed.dtype, **on)
+            self.lone_slot = torch.zeros(1, dtype=torch.int64, **on)
             self.seen = torch.zeros(slots, vocab, dtype=torch.bool, **on)
             self.temperature = torch.zeros(slots, dtype=torch.float32, **on)
             self.top_k = torch.full((slots,), -1, dtype=torch.int32, **on)
@@ -794,14 +821,35 @@ class StaticDecoder(DecoderCache):
         every real position, never before one, and its keys land past its request's length,
         in columns no step reads before it overwrites them), at rotary `positions` `[B, W]`,
         or `[3, B, W]` for multimodal RoPE where `takes_positions` (None: 0..W-1). Writes
-        every layer's keys and values; returns the final hidden states `[B, W, H]`. Eager
-        (one forward per prefill), without a DynamicCache and the copy from it into the
-        slots."""
+        every layer's keys and values; returns the final hidden states `[B, W, H]`. One
+        forward, without a DynamicCache and the copy from it into the slots: eager, but for
+        a lone prompt of text positions, padded to its width in `prefill_widths` and
+        replayed from that width's graph where one was captured."""
+        b, w = embeds.shape[:2]
+        width = next((x for x in self.prefill_widths if x >= w), None)
+        if b > 1 or positions is not None or width is None:
+            return self._prefill(self._index(slots), embeds, positions)
+        self.lone_embeds[:, :w].copy_(embeds)
+        self.lone_embeds[:, w:width].zero_()
+        self.lone_slot.fill_(slots[0])
+        captured = self.prefill_graphs.get(width)
+        if captured is None:
+            hidden = self._prefill(self.lone_slot, self.lone_embeds[:, :width], None)
+        else:
+            graph, hidden = captured
+            graph.replay()
+            self.prefill_replays += 1
+        return hidden[:, :w].clone()  # (the graph's buffer: the next replay overwrites it)
+
+    def _prefill(
+        self, where: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`prefill`'s forward into the slots `where` (on the device): device work only (what
+        a lone prompt's graph captures)."""
         b, w = embeds.shape[:2]
         d, group = self.head_dim, self.q_heads // self.kv_heads
         x = self.component.project(embeds).reshape(b * w, -1)
         columns = torch.arange(w, device=self.device).repeat(b)
-        where = self._index(slots)
         if positions is None:
             rope = columns[None]
         elif positions.dim() == 3:
@@ -910,13 +958,21 @@ class StaticDecoder(DecoderCache):
     # --- capture ----------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (batch, length) bucket's step and every batch bucket's first step
-        (`first`) into a CUDA graph, largest first, in one memory pool; each is run once
-        eagerly first (kernels compiled and libraries set up outside the capture). No row is
-        active, so no request state changes."""
+        """Capture a lone prompt's prefill at every width of `prefill_widths`, every (batch,
+        length) bucket's step and every batch bucket's first step (`first`) into a CUDA
+        graph, largest first, in one memory pool; each is run once eagerly first (kernels
+        compiled and libraries set up outside the capture). No row is active, so no request
+        state changes (the prefills write slot 0's columns, which its next request's
+        prefill overwrites)."""
         self.active.zero_()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
+        for width in reversed(self.prefill_widths):
+            run = functools.partial(
+                self._prefill, self.lone_slot, self.lone_embeds[:, :width], None
+            )
+            self.prefill_graphs[width] = capture_graph(run, pool, stream)
+            self.captures += 1
         for batch in reversed(self.batch_buckets):
             for length in reversed(self.length_buckets):
                 run = functools.partial(self._run, batch, length)
@@ -930,6 +986,7 @@ class StaticDecoder(DecoderCache):
     def close(self) -> None:
         self.graphs.clear()
         self.first_graphs.clear()
+        self.prefill_graphs.clear()
         super().close()
         if self.frames is not None:
             self.frames.close()

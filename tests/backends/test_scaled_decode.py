@@ -65,8 +65,11 @@ def test_real_size_graph_replay_gives_the_eager_static_steps_greedy_tokens(stage
     vocab = len(component.tokenizer) if stage == "thinker" else 8192
     graphed = backend(stage, component, "graphs")
     captured = graphed.static.captures
-    # batch 1, 2, 4, 8 x 128, 256 columns, and each batch's first step
-    assert captured == len(graphed.static.graphs) + len(graphed.static.first_graphs) == 4 * 3
+    # batch 1, 2, 4, 8 x 128, 256 columns, each batch's first step, a lone prompt's prefill
+    # at widths 16 to 256
+    static = graphed.static
+    assert captured == len(static.graphs) + len(static.first_graphs) + len(static.prefill_graphs)
+    assert captured == 4 * 3 + 5
     want = greedy(backend(stage, component, "static"), vocab)
     got = greedy(graphed, vocab)
     assert [len(t) for t in got] == [64] * len(PROMPTS)

@@ -357,6 +357,9 @@ def test_the_static_path_refuses_a_mixture_of_experts():
 def test_the_static_cache_is_sized_from_the_plan_and_refuses_what_cannot_fit(plan):
     backend = make_backend(plan, "static", max_len=16)  # 16 + 12 columns: one quantum
     assert backend.static.columns == 128 and backend.static.length_buckets == [128]
+    # A lone prompt's prefill widths: powers of two from 16, within the columns, to 1024.
+    assert static_decode.prefill_widths(128) == [16, 32, 64, 128]
+    assert static_decode.prefill_widths(4224)[-1] == 1024
     long = request(" ".join(["hello"] * 150))
     short = request(PROMPTS[1], max_tokens=2)
     backend.step([long, short])
@@ -512,11 +515,13 @@ def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(p
     and serving captures none."""
     static = graphed.static
     captured = static.captures
-    assert captured == len(static.batch_buckets) * (len(static.length_buckets) + 1)
+    steps = len(static.batch_buckets) * (len(static.length_buckets) + 1)
+    assert captured == steps + len(static.prefill_widths)
     assert set(static.graphs) == {
         (b, t) for b in static.batch_buckets for t in static.length_buckets
     }
     assert set(static.first_graphs) == set(static.batch_buckets)  # a prefill's first tokens
+    assert set(static.prefill_graphs) == set(static.prefill_widths)  # a lone prompt's prefill
     eager = make_backend(plan, "static", "cuda:0")
     assert eager.static.graphs == {}
     # What capturing took is reported with the load (control.Loaded.captured), and only there.
@@ -540,8 +545,10 @@ def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(p
         return greedy + seeded
 
     replays = static.replays - static.launches - static.first_steps
+    lone = static.prefill_replays
     want, got = serve(eager), serve(graphed)
     assert static.replays - static.launches - static.first_steps == replays  # every one
+    assert static.prefill_replays - lone == 4  # the requests that started alone
     assert static.captures == captured
     for a, b in zip(got, want, strict=True):
         assert a.tokens == b.tokens

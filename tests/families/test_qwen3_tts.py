@@ -511,7 +511,7 @@ def test_captured_frames_are_the_eager_static_steps_and_the_dynamic_paths(plans,
     """On CUDA the talker takes the captured static step by default, and replaying it gives
     exactly the codes of the same step run eagerly, greedy and sampled (seeded), with
     nothing captured after load and every step replayed, the first step after each
-    prefill (its first frames) included; the dynamic path on the GPU (the same (seed,
+    prefill (its first frames) and each lone prompt's prefill included; the dynamic path on the GPU (the same (seed,
     frame, sub-step) draws) gives the same codes too."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -525,6 +525,7 @@ def test_captured_frames_are_the_eager_static_steps_and_the_dynamic_paths(plans,
     got = serve_frames(graphed, requests)
     assert static.captures == captured and static.first_steps == len({r[2] for r in requests})
     assert static.replays == static.launches + static.first_steps
+    assert static.prefill_replays == static.first_steps  # each started alone
     assert_same_frames(
         got, serve_frames(talker_backend(plan, "static", "cuda:0"), requests), requests
     )
