@@ -53,7 +53,9 @@ copy out of it. A lone prompt (one request starting, text positions: the prefill
 a first token at concurrency 1) is padded to the next of `prefill_widths` (powers of two
 from PREFILL_QUANTUM to PREFILL_CAPTURED) and, with `capture`, replayed from that width's
 graph: its ~14 launches a layer, not its arithmetic, bound a short prompt's prefill. (Only a
-lone one: a batch's padding rows would need slots of their own.) Otherwise the backend
+lone one: a batch's padding rows would need slots of their own; and only where prompts may
+come without positions: a component whose every prompt has them, `prompt_positions`, gets
+none.) Otherwise the backend
 prefills through the model's forward and `join` copies that cache into the slot.
 
 Frames. A codec LM whose step emits a frame of G codebooks (a talker: codebook 0 from its
@@ -604,7 +606,8 @@ class StaticDecoder(DecoderCache):
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.first_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # `first`'s, by batch bucket
         # A lone prompt's prefill, by width: the graph and its hidden states [1, width, H].
-        self.prefill_widths = prefill_widths(columns) if fused else []
+        lone = fused and not getattr(component, "prompt_positions", False)
+        self.prefill_widths = prefill_widths(columns) if lone else []
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0  # graphs captured (all at load)
         self.capture_seconds = 0.0  # what capturing them took, part of the stage's load

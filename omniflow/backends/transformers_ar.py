@@ -125,6 +125,9 @@ class Component(ABC):
     suppress: tuple[int, ...] = ()
     # The end ids are masked while fewer tokens than this were generated (min_new_tokens).
     min_tokens: int = 0
+    # Every prompt carries position ids (`Prompt.positions`: multimodal RoPE), so the static
+    # path's lone-prompt prefill graphs would never replay: none are captured.
+    prompt_positions: bool = False
     # A codec LM whose step emits a frame of several codebooks: how the static decode step
     # completes each frame on the device (None: a frame, if any, is the sampled token's
     # `code`). Its eager `frames` and `step_embeds` must compute what the spec says: the

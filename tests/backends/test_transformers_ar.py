@@ -377,6 +377,23 @@ def test_the_static_cache_is_sized_from_the_plan_and_refuses_what_cannot_fit(pla
     assert transformers_ar.cache_columns(stage, per_token) == 4224  # max_len 4096 + 12
 
 
+def test_a_lone_prompt_is_prefilled_at_a_captured_width_unless_prompts_carry_positions(plan):
+    """The fused static path pads a lone prompt's prefill to a power-of-two width (captured
+    at load on CUDA); a component whose every prompt carries positions (a thinker's
+    multimodal RoPE) would never replay those graphs, and gets none."""
+    component = make_backend(plan, "eager").component
+
+    def widths() -> list[int]:
+        return static_decode.StaticDecoder(
+            component, slots=2, columns=128, device="cpu", capture=False, extra=False,
+            fused=True,
+        ).prefill_widths  # fmt: skip
+
+    assert widths() == [16, 32, 64, 128]
+    component.prompt_positions = True
+    assert widths() == []
+
+
 def test_decode_graphs_needs_cuda(plan):
     with pytest.raises(ARBackendError, match="needs a CUDA device"):
         make_backend(plan, "graphs")
