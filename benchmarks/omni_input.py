@@ -52,7 +52,7 @@ import numpy as np
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.load import on_models, prompt_of  # noqa: E402
-from benchmarks.serve import Server, chat_deltas  # noqa: E402
+from benchmarks.serve import Server, chat_deltas, print_paths  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPH = ROOT / "graphs" / "omni_chat.omni"
@@ -234,32 +234,25 @@ def hearing_seconds(base: str, model: str) -> float:
     return spent
 
 
-def traced(base: str, ways: dict, rounds: int, devices: str, file: Path) -> None:
+def traced(server: Server, ways: dict, rounds: int, devices: str, file: Path) -> None:
     """`rounds` profiled rounds of typed-long and spoken at c = 1, the trace written to `file`;
     prints each way's mean TTFP critical path and the spoken requests' hearing steps."""
-    from omniflow.profiler.analysis import parse_trace, timelines
+    from omniflow.profiler.analysis import timelines
 
-    options = {"gpu": devices != "cpu"}
-    httpx.post(f"{base}/start_profile", json=options, timeout=60).raise_for_status()
-    asyncio.run(chat_rounds(base, {w: ways[w] for w in ("typed-long", "spoken")}, 1, rounds))
-    httpx.post(f"{base}/stop_profile", timeout=300).raise_for_status()
-    trace = httpx.get(f"{base}/profile/trace.json", timeout=300).json()
-    file.write_text(json.dumps(trace))
-    profile = parse_trace(trace)
+    chosen = {w: ways[w] for w in ("typed-long", "spoken")}
+    profile, trace = server.profiled(
+        lambda: asyncio.run(chat_rounds(server.base, chosen, 1, rounds)), file, devices != "cpu"
+    )
     heard = {rid for step in profile.steps.get("hearing", []) for rid, n, _ in step.calls if n}
     paths = {"typed-long": [], "spoken": []}
     for request in timelines(profile):
         if "audio" in request.path_ttfp:
             way = "spoken" if request.id in heard else "typed-long"
             paths[way].append(request.path_ttfp["audio"])
-    print(f"\nTTFP critical path, mean ms of {rounds + 1} profiled rounds at c = 1 (trace: {file})")
-    parts = sorted({part for way in paths.values() for path in way for part in path})
-    print(f"{'component':>40} " + " ".join(f"{way:>11}" for way in paths))
-    for part in parts:
-        means = [
-            sum(p.get(part, 0) for p in way) / max(len(way), 1) / 1e3 for way in paths.values()
-        ]
-        print(f"{part:>40} " + " ".join(f"{m:11.1f}" for m in means))
+    print_paths(
+        f"\nTTFP critical path, mean ms of {rounds + 1} profiled rounds at c = 1 (trace: {file})",
+        paths,
+    )
     kernels = _kernels(trace, profile.stage_executor.get("hearing"))
     for step in profile.steps.get("hearing", []):
         if any(n for _, n, _ in step.calls):
@@ -328,7 +321,7 @@ def main() -> None:
                            f"{spent / (clients * args.rounds) * 1e3:.1f} ms a spoken request)",
                            rounds, ("typed", "typed-long"))  # fmt: skip
                 if args.trace:
-                    traced(server.base, ways, args.rounds, args.devices, args.trace)
+                    traced(server, ways, args.rounds, args.devices, args.trace)
             if "realtime" in parts:
                 rounds = asyncio.run(
                     realtime_rounds(server.base, "omni_chat", clip, args.max_tokens, args.rounds)

@@ -62,6 +62,17 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
 
 
+def print_paths(title: str, paths: dict[str, list[dict[str, float]]]) -> None:
+    """The mean ms of each component of each group's critical paths (component -> µs, as
+    `omniflow.profiler.analysis.RequestTimeline.path_ttfp` gives them)."""
+    print(title)
+    parts = sorted({part for group in paths.values() for path in group for part in path})
+    print(f"{'component':>40} " + " ".join(f"{group:>11}" for group in paths))
+    for part in parts:
+        means = [sum(p.get(part, 0) for p in g) / max(len(g), 1) / 1e3 for g in paths.values()]
+        print(f"{part:>40} " + " ".join(f"{m:11.1f}" for m in means))
+
+
 def summary(values: list[float]) -> str:
     if not values:
         return "       -        -        -        -"
@@ -95,6 +106,19 @@ class Server:
             self.log.seek(0)
         said = f":\n{self.log.read()[-3000:]}" if self.log is not None else ""
         raise RuntimeError(f"the server exited {code}{said}")
+
+    def profiled(self, run, file: Path, gpu: bool = False):
+        """`run()` (requests to this server) under the server's own profiler (`POST
+        /start_profile`, with the CUDA kernels if `gpu`), its trace written to `file`:
+        the trace parsed (`omniflow.profiler.analysis.Profile`) and the trace itself."""
+        from omniflow.profiler.analysis import parse_trace
+
+        httpx.post(f"{self.base}/start_profile", json={"gpu": gpu}, timeout=60).raise_for_status()
+        run()
+        httpx.post(f"{self.base}/stop_profile", timeout=300).raise_for_status()
+        trace = httpx.get(f"{self.base}/profile/trace.json", timeout=300).json()
+        file.write_text(json.dumps(trace))
+        return parse_trace(trace), trace
 
     def stop(self) -> None:
         self.proc.terminate()

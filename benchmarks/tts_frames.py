@@ -11,7 +11,9 @@ sampling: temperature 0.9, top-k 50, repetition penalty 1.05, the code predictor
 likewise), then times `--steps` decode steps on the host. Each step is one frame of every
 request: `backend.step` returns with the frames of the step before on the host (static
 paths, whose own step runs meanwhile) or its own (eager), so in a steady run its wall time
-is the time of a frame. Also times the graph replay alone (CUDA events, no host work).
+is the time of a frame. Also times the graph replay alone (CUDA events, no host work), the
+step's and the first step's (`StaticDecoder.first`: a prefill's first tokens and frames,
+which the prefill's wall time includes).
 A frame is 80 ms of audio: a step time t at batch b speaks b x 80 / t seconds of audio a
 second.
 
@@ -75,8 +77,9 @@ def new_calls(batch: int, frames: int, tag: str) -> list[Call]:
 
 
 def frame_times(backend: TransformersAR, batch: int, steps: int, frames: int) -> tuple:
-    """Wall ms of the prefill of `batch` requests together, the median wall ms of a decode
-    step over them, and of the graph replay alone (None without graphs)."""
+    """Wall ms of the prefill of `batch` requests together (their first frames included),
+    the median wall ms of a decode step over them, and of the step's and the first step's
+    graph replays alone (None without graphs)."""
     device = str(backend.device)
     calls = new_calls(batch, frames, "warm")  # a first prefill of the shape pays set-up
     backend.step(calls)
@@ -98,26 +101,32 @@ def frame_times(backend: TransformersAR, batch: int, steps: int, frames: int) ->
         for call in calls:
             call.emitted.clear()
     assert not any(c.error for c in calls), [c.error for c in calls]
-    replay = None
+    replay = first = None
     static = backend.static
     if static is not None and static.graphs:
         longest = max(s.length + s.ahead for s in backend.rows)
-        graph = static.graphs[static.buckets(len(backend.rows), longest)]
+        buckets = static.buckets(len(backend.rows), longest)
         sync(device)
         with torch.inference_mode():  # (the static buffers are inference tensors)
             static.active.zero_()  # no row advances in the replays below
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        replays = []
-        for _ in range(10):
-            begin.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            replays.append(begin.elapsed_time(end))
-        replay = statistics.median(replays)
+        replay = replay_ms(static.graphs[buckets])
+        first = replay_ms(static.first_graphs[buckets[0]])
     for call in calls:
         backend.drop(call)
-    return prefill, statistics.median(times) * 1e3, replay
+    return prefill, statistics.median(times) * 1e3, replay, first
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    """The median ms of 10 replays of `graph` (CUDA events)."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replays = []
+    for _ in range(10):
+        begin.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        replays.append(begin.elapsed_time(end))
+    return statistics.median(replays)
 
 
 def main() -> int:
@@ -153,11 +162,11 @@ def main() -> int:
         print(note, flush=True)
         captured = static.captures if static is not None else 0
         for batch in args.batches:
-            prefill, step, replay = frame_times(backend, batch, args.steps, frames)
-            rows.append((mode, batch, prefill, step, replay))
+            prefill, step, replay, first = frame_times(backend, batch, args.steps, frames)
+            rows.append((mode, batch, prefill, step, replay, first))
             print(
                 f"  batch {batch:>3}: prefill {prefill:8.1f} ms, frame {step:8.2f} ms"
-                + (f", replay {replay:.2f} ms" if replay is not None else ""),
+                + (f", replay {replay:.2f} ms, first {first:.2f} ms" if replay else ""),
                 flush=True,
             )
         if static is not None:  # serving captured nothing new
@@ -169,10 +178,10 @@ def main() -> int:
             torch.cuda.empty_cache()
     print(
         f"\n{'mode':>7} {'batch':>5} {'prefill ms':>10} {'frame ms':>9} {'replay ms':>9} "
-        f"{'audio-s/s':>9}"
+        f"{'first ms':>9} {'audio-s/s':>9}"
     )
-    for mode, batch, prefill, step, replay in rows:
-        shown = f"{replay:9.2f}" if replay is not None else f"{'-':>9}"
+    for mode, batch, prefill, step, replay, first in rows:
+        shown = " ".join(f"{x:9.2f}" if x is not None else f"{'-':>9}" for x in (replay, first))
         print(f"{mode:>7} {batch:5d} {prefill:10.1f} {step:9.2f} {shown} {batch * 80 / step:9.1f}")
     return 0
 

@@ -37,6 +37,14 @@ size): p95 TTFP <= 34 ms at 10 requests/s and <= 77 ms at 20, no stream with a g
     python benchmarks/tts_serve.py --tiny --levels 1,4 --requests 4
     python benchmarks/tts_serve.py --tiny --rates 0.5 2 --duration 10
 
+With `--trace FILE` it then profiles one more round at c = 1 (`--trace-requests`, one at a
+time) and one at c = 16 (16 at once) with the server's own profiler (`POST /start_profile`;
+`--trace-gpu` adds the CUDA kernels) into FILE, and prints where each level's first packet
+waited (the mean of each component of the requests' TTFP critical paths,
+omniflow.profiler.analysis) and each stage's steps (count, mean batch, median / p90 / max
+ms, and the median of the steps in which a request started: the talker's prefill and
+first frame).
+
 The server is `omniflow run` on graphs/qwen3_tts.omni (its copies for the scaled folders,
 with `max_batch` raised to the largest level so that no request is refused), in executor
 processes; `--url` measures a running one instead (its pipelines named by `--model` and
@@ -65,7 +73,7 @@ import numpy as np
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serve import Server, percentile  # noqa: E402
+from benchmarks.serve import Server, percentile, print_paths  # noqa: E402
 from omniflow.server.playback import Playback  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,6 +279,40 @@ def run_levels(args, base: str, body: dict, clone_model: str | None) -> list[tup
     return rows
 
 
+def traced(args, server: Server, model: str) -> None:
+    """A profiled round at c = 1 and one at c = 16 (see the module docstring)."""
+    from omniflow.profiler.analysis import timelines
+
+    body, rounds = custom_voice(model, args.frames), {"c=1": (1, args.trace_requests), "c=16": (16, 16)}
+
+    def run() -> None:
+        for concurrency, total in rounds.values():
+            asyncio.run(level(server.base, body, concurrency, total))
+
+    profile, _ = server.profiled(run, args.trace, args.trace_gpu)
+    spoken = [r for r in timelines(profile) if "audio" in r.path_ttfp]  # by start, c=1's first
+    paths, start = {}, 0
+    for name, (_, total) in rounds.items():
+        paths[name] = [r.path_ttfp["audio"] for r in spoken[start : start + total]]
+        start += total
+    print_paths(f"\nTTFP critical path, mean ms (trace: {args.trace})", paths)
+    print(f"\n{'stage':>10} {'steps':>6} {'batch':>6} {'med ms':>7} {'p90':>7} {'max':>7} "
+          f"{'start med':>9}")  # fmt: skip
+    for stage, steps in profile.steps.items():
+        seen: set[str] = set()
+        starts = []  # the steps in which a request stepped first (a prefill, its first output)
+        for step in steps:
+            new = {rid for rid, _, _ in step.calls} - seen
+            seen |= new
+            if new:
+                starts.append(step.dur / 1e3)
+        ms = [step.dur / 1e3 for step in steps]
+        batch = statistics.fmean(step.batch for step in steps)
+        first = statistics.median(starts) if starts else float("nan")
+        print(f"{stage:>10} {len(steps):6d} {batch:6.1f} {statistics.median(ms):7.2f} "
+              f"{percentile(ms, 0.9):7.2f} {max(ms):7.2f} {first:9.2f}")  # fmt: skip
+
+
 def report(rows: list[tuple]) -> None:
     head = (
         f"{'level':28} {'n':>4} {'TTFP ms med':>11} {'p99':>8} {'RTF med':>8} {'p99':>7} "
@@ -396,7 +438,12 @@ def main() -> int:
     parser.add_argument("--url", help="a running server instead of starting one")
     parser.add_argument("--model", default="qwen3_tts", help="with --url: the CustomVoice pipeline")
     parser.add_argument("--clone-model", default="qwen3_tts_clone", help="with --url: the Base one")
+    parser.add_argument("--trace", type=Path, help="profile a c=1 and a c=16 round into this file")
+    parser.add_argument("--trace-requests", type=int, default=4, help="the c=1 round's requests")
+    parser.add_argument("--trace-gpu", action="store_true", help="the trace has the CUDA kernels")
     args = parser.parse_args()
+    if args.trace and args.url:
+        parser.error("--trace profiles the server this script starts (not with --url)")
     args.levels = [int(c) for c in re.split(r"[, ]+", args.levels) if c]
     if args.open_loop and not args.rates:
         args.rates = [1.0, 5.0, 10.0, 20.0]
@@ -443,6 +490,8 @@ def main() -> int:
         server = Server([*map(str, graphs), *flags, "--devices", args.devices], log)
         try:
             measure(args, server.base, "qwen3_tts", clone_model)
+            if args.trace:
+                traced(args, server, "qwen3_tts")
         finally:
             server.stop()
     return 0

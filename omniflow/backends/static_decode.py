@@ -49,8 +49,14 @@ Prefill. On the fused path new requests' prompts go straight into their slots: `
 runs the fused layers over every prompt position at once (the prompts right-padded to the
 longest, causal attention over each), the rotary kernel writing each position's key and
 value into its request's slot: one forward for a batch of prompts, no DynamicCache and no
-copy out of it. Otherwise the backend prefills through the model's forward and `join`
-copies that cache into the slot.
+copy out of it. A lone prompt (one request starting, text positions: the prefill in front of
+a first token at concurrency 1) is padded to the next of `prefill_widths` (powers of two
+from PREFILL_QUANTUM to PREFILL_CAPTURED) and, with `capture`, replayed from that width's
+graph: its ~14 launches a layer, not its arithmetic, bound a short prompt's prefill. (Only a
+lone one: a batch's padding rows would need slots of their own; and only where prompts may
+come without positions: a component whose every prompt has them, `prompt_positions`, gets
+none.) Otherwise the backend
+prefills through the model's forward and `join` copies that cache into the slot.
 
 Frames. A codec LM whose step emits a frame of G codebooks (a talker: codebook 0 from its
 own head, codebooks 1..G-1 from a small second decoder, the code predictor, conditioned on
@@ -68,9 +74,15 @@ spec's sampling. The frame's G codes go to a per-slot buffer that the host reads
 the ids (one copy each a step), and the row's next input embedding becomes the frame's
 summed codebook embeddings (`FrameSpec.frame_embeds`) in place of its last id's embedding,
 plus the component's extra row as before. With `capture`, the talker's step, the
-predictor's G positions and every sampling step are one graph per bucket. A request's
-first frame (sampled at its prefill) is completed by the component's eager `frames`; the
-slot takes that frame's summed embeddings when it joins.
+predictor's G positions and every sampling step are one graph per bucket.
+
+First tokens. A request's first token is sampled from its prefill's last hidden state by
+the device work of a step after its layers: `first` takes the prefilled rows (they joined
+their slots first), runs the head, the masks and the sampler, completes their frames, and
+advances them without a column (their prefill filled theirs), at the batch bucket of the
+slots up to the last new one with only the new rows advancing: one graph per batch bucket,
+replayed once a prefill (a batch of prompts), then one read-back. A first frame takes no
+host sync between its sub-steps, as no later one does.
 
 Minimum length. A component with `min_tokens` has its end ids masked while a row's step is
 below its per-slot minimum (set at join), on the device; the component's `suppress` ids are
@@ -112,6 +124,11 @@ _QK_NORMS = {"q_norm", "k_norm"}
 _MLP_PARTS = {"gate_proj", "up_proj", "down_proj"}
 # The smallest length bucket; the cache's columns are a multiple of it.
 COLUMN_QUANTUM = 128
+# A lone prompt's prefill is padded to a power of two from this width up to PREFILL_CAPTURED
+# (within the cache's columns), and captured at each; a longer one runs eagerly at its own
+# width, where its arithmetic outweighs its launches.
+PREFILL_QUANTUM = 16
+PREFILL_CAPTURED = 1024
 # Sub-steps a frame's second model may take: the stream steps of a frame's draws.
 MAX_SUB_STEPS = 64
 # Added to a request's seed for the draws of its frames' second model, so that they do not
@@ -243,6 +260,16 @@ def length_buckets(columns: int) -> list[int]:
     return [*sizes, columns]
 
 
+def prefill_widths(columns: int) -> list[int]:
+    """The widths a lone prompt's prefill is padded to: powers of two from PREFILL_QUANTUM
+    up to PREFILL_CAPTURED and `columns`."""
+    widths, width = [], PREFILL_QUANTUM
+    while width <= min(columns, PREFILL_CAPTURED):
+        widths.append(width)
+        width *= 2
+    return widths
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -268,6 +295,24 @@ def _project(x, weight, bias=None, *, gated: bool = False, split: bool = False):
     most = rms_norm.most_parts(weight.shape[0]) if split else 1
     splits = skinny_matmul.split_count(x, weight, most)
     return skinny_matmul.skinny_matmul_triton(x, weight, bias, gated=gated, splits=splits)
+
+
+@dataclass
+class _Host:
+    """Pinned host buffers a step copies its active rows from and its ids (and frames'
+    codes) into."""
+
+    active: torch.Tensor
+    ids: torch.Tensor
+    codes: torch.Tensor | None
+
+    @classmethod
+    def make(cls, slots: int, groups: int | None, pin: bool) -> _Host:
+        def host(*shape, dtype):
+            return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
+
+        codes = host(slots, groups, dtype=torch.int64) if groups is not None else None
+        return cls(host(slots, dtype=torch.bool), host(slots, dtype=torch.int64), codes)
 
 
 @dataclass
@@ -480,14 +525,12 @@ class FrameCompleter:
         self.per_slot = [self.input, self.seed, self.temperature]
 
     @torch.inference_mode()
-    def join(self, slot: int, seed: int, sampled: bool, frame: torch.Tensor) -> None:
+    def join(self, slot: int, seed: int, sampled: bool) -> None:
         """A request joins `slot`: its sub-stream (`seed`; `sampled`: it draws, else it is
-        greedy) and its next input, the embeddings of `frame` `[G]`, its frame sampled last."""
+        greedy). Its next input is its first frame's, which the first step completes."""
         sampling = self.spec.sampling
         self.seed[slot] = sub_stream(seed)
         self.temperature[slot] = sampling.temperature if sampled and sampling is not None else 0.0
-        codes = frame.to(self.codes.device).reshape(1, self.groups)
-        self.input[slot].copy_(self.spec.frame_embeds(codes)[0])
 
     def complete(self, b: int, hidden, first, frame, active) -> None:
         """Slots 0..b-1's frames from the LM's final hidden states `hidden` `[b, H]` and
@@ -561,9 +604,15 @@ class StaticDecoder(DecoderCache):
         self.batch_buckets = batch_buckets(slots)
         self.length_buckets = length_buckets(columns)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.first_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # `first`'s, by batch bucket
+        # A lone prompt's prefill, by width: the graph and its hidden states [1, width, H].
+        lone = fused and not getattr(component, "prompt_positions", False)
+        self.prefill_widths = prefill_widths(columns) if lone else []
+        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0  # graphs captured (all at load)
         self.capture_seconds = 0.0  # what capturing them took, part of the stage's load
-        self.replays = 0
+        self.replays = 0  # steps and first steps replayed from their graphs
+        self.prefill_replays = 0  # lone prompts' prefills replayed from theirs
         embed = component.embed.weight
         vocab = component.head.out_features
         hidden = self.norm.weight.shape[0]
@@ -583,6 +632,10 @@ class StaticDecoder(DecoderCache):
             self.ids = torch.zeros(slots, dtype=torch.int64, **on)
             self.hidden = torch.zeros(slots, hidden, dtype=self.keys.dtype, **on)
             self.embeds = torch.zeros(slots, embed.shape[1], dtype=embed.dtype, **on)
+            # A lone prompt's input embeddings, padded with zeros, and its slot.
+            widest = self.prefill_widths[-1] if self.prefill_widths else 0
+            self.lone_embeds = torch.zeros(1, widest, embed.shape[1], dtype=embed.dtype, **on)
+            self.lone_slot = torch.zeros(1, dtype=torch.int64, **on)
             self.seen = torch.zeros(slots, vocab, dtype=torch.bool, **on)
             self.temperature = torch.zeros(slots, dtype=torch.float32, **on)
             self.top_k = torch.full((slots,), -1, dtype=torch.int32, **on)
@@ -602,20 +655,15 @@ class StaticDecoder(DecoderCache):
             # The ids masked while a row is below its minimum length (None: no minimum).
             ends = sorted(component.eos_ids) if getattr(component, "min_tokens", 0) else ()
             self.ends = torch.tensor(ends, **on) if ends else None
+            # Two sets of host buffers for the steps: while one step's copies may still be
+            # queued, the next step fills the other (see `launch`); `first` has its own, as
+            # it waits for its copies before it returns.
+            groups = frames.groups if frames is not None else None
             pin = self.device.type == "cuda"
-            # Two of each host buffer a step copies from or into: while one step's copies
-            # may still be queued, the next step fills the other (see `launch`).
-            self.host_active = [
-                torch.zeros(slots, dtype=torch.bool, pin_memory=pin) for _ in range(2)
-            ]
-            self.host_ids = [
-                torch.zeros(slots, dtype=torch.int64, pin_memory=pin) for _ in range(2)
-            ]
-            self.host_codes = [
-                torch.zeros(slots, frames.groups, dtype=torch.int64, pin_memory=pin)
-                for _ in range(2 if frames is not None else 0)
-            ]
+            self.host = [_Host.make(slots, groups, pin) for _ in range(2)]
+            self.host_first = _Host.make(slots, groups, pin)
         self.launches = 0
+        self.first_steps = 0  # `first` calls: one a prefill
         self._per_slot = [
             self.length, self.offset, self.last, self.extra, self.seen, self.temperature,
             self.top_k, self.top_p, self.budget, self.penalty, self.seed, self.step_count,
@@ -629,11 +677,11 @@ class StaticDecoder(DecoderCache):
     # --- requests in and out ----------------------------------------------------------------
     @torch.inference_mode()
     def join(self, slot: int, state: dict, keys=None, values=None) -> None:
-        """Put a prefilled request in `slot`: its per-slot state (`length`, `offset`, `last`,
-        `step`, `temperature`, `top_k`, `top_p`, `repetition_penalty`, `seed`, `seen`, a
-        `[V]` bool mask or None, `min_tokens`, and with frames `frame`, the codes `[G]` of
-        the frame it sampled last) and, unless `prefill` wrote them there, its keys and
-        values `[layers, kv_heads, L, head_dim]` into columns 0..L-1."""
+        """Put a prefilled request in `slot`, before its first token (`first` samples it):
+        its per-slot state (`length`, `offset`, `temperature`, `top_k`, `top_p`,
+        `repetition_penalty`, `seed`, `seen`, a `[V]` bool mask or None, `min_tokens`) and,
+        unless `prefill` wrote them there, its keys and values `[layers, kv_heads, L,
+        head_dim]` into columns 0..L-1."""
         if keys is not None:
             filled = keys.shape[2]
             self.keys[:, slot, :, :filled].copy_(keys)
@@ -642,8 +690,8 @@ class StaticDecoder(DecoderCache):
         numbers = {
             self.length: state["length"],
             self.offset: state["offset"],
-            self.last: state["last"],
-            self.step_count: state["step"],
+            self.last: 0,
+            self.step_count: 0,
             self.temperature: state["temperature"],
             self.top_k: state["top_k"],
             self.top_p: top_p,
@@ -659,7 +707,7 @@ class StaticDecoder(DecoderCache):
         else:
             self.seen[slot].copy_(state["seen"])
         if self.frames is not None:
-            self.frames.join(slot, state["seed"], state["temperature"] > 0, state["frame"])
+            self.frames.join(slot, state["seed"], state["temperature"] > 0)
 
     @torch.inference_mode()
     def move(self, source: int, target: int, filled: int) -> None:
@@ -695,12 +743,8 @@ class StaticDecoder(DecoderCache):
         the device runs it while the host handles this one's ids (a third launch before
         this one's `wait` would overwrite them)."""
         batch, length = self.buckets(rows, longest)
-        turn = self.launches % 2
+        host = self.host[self.launches % 2]
         self.launches += 1
-        host_active = self.host_active[turn]
-        host_active.zero_()
-        host_active[active] = True
-        self.active.copy_(host_active, non_blocking=True)
         if extra is not None:
             extra = extra.to(self.extra.dtype)
             if _leading(active):
@@ -708,22 +752,47 @@ class StaticDecoder(DecoderCache):
             else:
                 self.extra.index_copy_(0, self._index(active), extra)
         graph = self.graphs.get((batch, length))
+        return self._queue(host, rows, active, graph, functools.partial(self._run, batch, length))
+
+    def _queue(self, host: _Host, rows: int, active, graph, run: Callable[[], None]) -> Launched:
+        """Queue a step over slots 0..rows-1 in which the slots `active` advance: the graph's
+        replay (`run` where there is none), then the copies of its ids (and codes) into
+        `host`'s buffers."""
+        host.active.zero_()
+        host.active[active] = True
+        self.active.copy_(host.active, non_blocking=True)
         if graph is not None:
             graph.replay()
             self.replays += 1
         else:
-            self._run(batch, length)
-        ids = self.host_ids[turn][:rows]
+            run()
+        ids = host.ids[:rows]
         ids.copy_(self.ids[:rows], non_blocking=True)
         codes = None
         if self.frames is not None:
-            codes = self.host_codes[turn][:rows]
+            codes = host.codes[:rows]
             codes.copy_(self.frames.codes[:rows], non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
         return Launched(ids, done, codes)
+
+    @torch.inference_mode()
+    def first(self, start: int, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+        """The first tokens of the requests that joined slots start..start+n-1 (before any
+        step ran them), from their prefills' last hidden states `hidden` `[n, H]`: sampled,
+        and with frames completed, on the device (see the module docstring). Waits for them:
+        returns the ids of slots 0..start+n-1 (those before `start` mean nothing) and, with
+        frames, their codes `[start + n, G]` (host buffers, overwritten by the next call)."""
+        rows = start + hidden.shape[0]
+        batch, _ = self.buckets(rows, 0)
+        self.hidden[start:rows].copy_(hidden)
+        self.first_steps += 1
+        graph = self.first_graphs.get(batch)
+        run = functools.partial(self._first, batch)
+        launched = self._queue(self.host_first, rows, slice(start, rows), graph, run)
+        return self.wait(launched), launched.codes
 
     @staticmethod
     def wait(launched: Launched) -> list[int]:
@@ -755,14 +824,35 @@ class StaticDecoder(DecoderCache):
         every real position, never before one, and its keys land past its request's length,
         in columns no step reads before it overwrites them), at rotary `positions` `[B, W]`,
         or `[3, B, W]` for multimodal RoPE where `takes_positions` (None: 0..W-1). Writes
-        every layer's keys and values; returns the final hidden states `[B, W, H]`. Eager
-        (one forward per prefill), without a DynamicCache and the copy from it into the
-        slots."""
+        every layer's keys and values; returns the final hidden states `[B, W, H]`. One
+        forward, without a DynamicCache and the copy from it into the slots: eager, but for
+        a lone prompt of text positions, padded to its width in `prefill_widths` and
+        replayed from that width's graph where one was captured."""
+        b, w = embeds.shape[:2]
+        width = next((x for x in self.prefill_widths if x >= w), None)
+        if b > 1 or positions is not None or width is None:
+            return self._prefill(self._index(slots), embeds, positions)
+        self.lone_embeds[:, :w].copy_(embeds)
+        self.lone_embeds[:, w:width].zero_()
+        self.lone_slot.fill_(slots[0])
+        captured = self.prefill_graphs.get(width)
+        if captured is None:
+            hidden = self._prefill(self.lone_slot, self.lone_embeds[:, :width], None)
+        else:
+            graph, hidden = captured
+            graph.replay()
+            self.prefill_replays += 1
+        return hidden[:, :w].clone()  # (the graph's buffer: the next replay overwrites it)
+
+    def _prefill(
+        self, where: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`prefill`'s forward into the slots `where` (on the device): device work only (what
+        a lone prompt's graph captures)."""
         b, w = embeds.shape[:2]
         d, group = self.head_dim, self.q_heads // self.kv_heads
         x = self.component.project(embeds).reshape(b * w, -1)
         columns = torch.arange(w, device=self.device).repeat(b)
-        where = self._index(slots)
         if positions is None:
             rope = columns[None]
         elif positions.dim() == 3:
@@ -806,6 +896,18 @@ class StaticDecoder(DecoderCache):
         b = batch
         filled = self.length[:b]
         hidden = self.decode(self._inputs(b), filled + self.offset[:b], filled, length)
+        self.hidden[:b].copy_(hidden)
+        self._finish(b, hidden)
+        self.length[:b].add_(self.active[:b])
+
+    def _first(self, batch: int) -> None:
+        """`first`'s device work at batch bucket `batch` (what its graph captures): the
+        active rows' first tokens and frames from their hidden states, no column taken."""
+        self._finish(batch, self.hidden[:batch])
+
+    def _finish(self, b: int, hidden: torch.Tensor) -> None:
+        """A step from its final hidden states `[b, H]` on: sample, complete the frames, and
+        advance the active rows (all but their length)."""
         self._sample(b, hidden)
         if self.frames is not None:
             frame = self.step_count[:b]
@@ -826,7 +928,6 @@ class StaticDecoder(DecoderCache):
         """The head, the masks (suppressed ids; end ids below the minimum length) and the
         fused sampler: ids into `ids[:b]`."""
         c = self.component
-        self.hidden[:b].copy_(hidden)
         logits = c.logits(hidden)
         if self.suppress is not None:
             logits.index_fill_(1, self.suppress, -math.inf)
@@ -850,10 +951,9 @@ class StaticDecoder(DecoderCache):
             self.ids[:b].copy_(sampler.reference(logits, params, seen))
 
     def _advance(self, b: int) -> None:
-        """The active rows take their sampled ids: last id, length, step, seen mask."""
+        """The active rows take their sampled ids: last id, step, seen mask."""
         ids, advance, seen = self.ids[:b], self.active[:b], self.seen[:b]
         self.last[:b].copy_(torch.where(advance, ids, self.last[:b]))
-        self.length[:b].add_(advance)
         self.step_count[:b].add_(advance)
         at = ids[:, None]
         seen.scatter_(1, at, seen.gather(1, at) | advance[:, None])
@@ -861,22 +961,35 @@ class StaticDecoder(DecoderCache):
     # --- capture ----------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every (batch, length) bucket's step into a CUDA graph, largest first, in
-        one memory pool; each is run once eagerly first (kernels compiled and libraries set
-        up outside the capture). No row is active, so no request state changes."""
+        """Capture a lone prompt's prefill at every width of `prefill_widths`, every (batch,
+        length) bucket's step and every batch bucket's first step (`first`) into a CUDA
+        graph, largest first, in one memory pool; each is run once eagerly first (kernels
+        compiled and libraries set up outside the capture). No row is active, so no request
+        state changes (the prefills write slot 0's columns, which its next request's
+        prefill overwrites)."""
         self.active.zero_()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
+        for width in reversed(self.prefill_widths):
+            run = functools.partial(
+                self._prefill, self.lone_slot, self.lone_embeds[:, :width], None
+            )
+            self.prefill_graphs[width] = capture_graph(run, pool, stream)
+            self.captures += 1
         for batch in reversed(self.batch_buckets):
             for length in reversed(self.length_buckets):
                 run = functools.partial(self._run, batch, length)
-                graph, _ = capture_graph(run, pool, stream)
-                self.graphs[batch, length] = graph
+                self.graphs[batch, length], _ = capture_graph(run, pool, stream)
                 self.captures += 1
+            run = functools.partial(self._first, batch)
+            self.first_graphs[batch], _ = capture_graph(run, pool, stream)
+            self.captures += 1
         torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         self.graphs.clear()
+        self.first_graphs.clear()
+        self.prefill_graphs.clear()
         super().close()
         if self.frames is not None:
             self.frames.close()

@@ -36,15 +36,18 @@ What it owns:
   its batch and length buckets (`omniflow.backends.static_decode`); prefill stays eager:
   where the step is fused, the fused layers over the prompts' positions write straight into
   the slots (`StaticDecoder.prefill`), else the forward above, whose cache is then copied
-  into the request's slot. The step's inputs, sampling parameters and seen masks live on
-  the device; a step writes which rows advance and reads back the sampled ids. Each step
+  into the request's slot; the prefilled requests' first tokens are then sampled by the
+  static step's own head and sampler, one graph per batch bucket (`StaticDecoder.first`),
+  so a first token takes the draws, masks and read-back every later one does. The step's
+  inputs, sampling parameters and seen masks live on the device; a step writes which rows advance and reads back the sampled ids. Each step
   is launched before the previous one's tokens are emitted, so the host's work of a step
   (emitting, detokenizing, bookkeeping) runs while the device computes the next: a row
   that ends at step t has step t+1 computed and discarded, and a request dropped while a
   step is in flight loses that step's token. A codec LM whose steps emit frames of several
   codebooks takes this path where its component gives a `frame_spec`: the step completes
   each frame on the device (its second decoder's sub-steps and their sampling, inside the
-  same graph) and reads the frame's codes back with the ids.
+  same graph; a prefill's first frames inside its first step's) and reads the frame's
+  codes back with the ids.
   `decode="eager"` (the default on CPU) is the batched `DynamicCache` path above,
   token-identical to `generate`.
 - Streaming: per generated token, `tokens` `[1, 1]` int64, `codes` `[1, Q]` (codec LMs),
@@ -122,12 +125,15 @@ class Component(ABC):
     suppress: tuple[int, ...] = ()
     # The end ids are masked while fewer tokens than this were generated (min_new_tokens).
     min_tokens: int = 0
+    # Every prompt carries position ids (`Prompt.positions`: multimodal RoPE), so the static
+    # path's lone-prompt prefill graphs would never replay: none are captured.
+    prompt_positions: bool = False
     # A codec LM whose step emits a frame of several codebooks: how the static decode step
     # completes each frame on the device (None: a frame, if any, is the sampled token's
     # `code`). Its eager `frames` and `step_embeds` must compute what the spec says: the
     # frame's codes, and as the next step's input the frame's `frame_embeds` plus
     # `step_extra`'s row; its `frames` value's last row is the frame sampled (rows before
-    # it: context sent with it).
+    # it: context sent with the first frame, which the static path adds by `first_code`).
     frame_spec: static_decode.FrameSpec | None = None
     defaults: dict  # sampling defaults of the model (subset of SAMPLING_KEYS)
 
@@ -195,10 +201,17 @@ class Component(ABC):
         hidden states `hidden` `[n, H]`, one per sequence: by default each token's `code`. A
         codec LM whose frame holds more than the sampled token computes the frames here, for
         the batch at once (Qwen3-Omni's talker: its code predictor fills the other
-        codebooks from the hidden state). The static decode path calls this for a prefill's
-        first token only; its steps emit `code`, or with a `frame_spec`, the frames they
-        completed on the device (none for an end id)."""
+        codebooks from the hidden state). The static decode path never calls this: its
+        steps, and the first step after a prefill, emit `code`, or with a `frame_spec`, the
+        frames they completed on the device (none for an end id), the first through
+        `first_code`."""
         return [self.code(token) for token in ids]
+
+    def first_code(self, seq: Sequence, code: torch.Tensor) -> torch.Tensor:
+        """The `codes` output of a request's first token, whose own is `code` `[1, Q]` (on
+        the static path; the dynamic path's `frames` makes it): by default that one; a
+        codec LM may send context ahead of it (rows before the last)."""
+        return code
 
     def mask_logits(self, seqs: list[Sequence], logits: torch.Tensor) -> None:  # noqa: B027
         """Per-request changes to a step's logits `[n, V]` before sampling, in place; by
@@ -567,13 +580,13 @@ class TransformersAR(Backend):
         self.pending: _Launch | None = None  # the static step launched last, not settled
         if self.static is not None:
             self.capture_seconds = self.static.capture_seconds
-        if torch.device(device).type == "cuda":
+        if torch.device(device).type == "cuda" and self.static is None:
             self._compile_first_token_sampler()
 
     def _compile_first_token_sampler(self) -> None:
-        """Run the eager sampler a prefill's first tokens take, with and without seen masks,
-        so that Triton compiles those variants at load and not in a first request (a
-        graph-captured step samples with its own)."""
+        """Run the eager sampler the dynamic path's tokens take, with and without seen masks,
+        so that Triton compiles those variants at load and not in a first request (the
+        static path samples with its step's)."""
         logits = torch.zeros(1, self.component.head.out_features, device=self.device)
         for seen in (None, torch.zeros_like(logits, dtype=torch.bool)):
             sample(logits, temperature=1.0, repetition_penalty=1.05, seen=seen)
@@ -741,10 +754,11 @@ class TransformersAR(Backend):
 
     def _prefill_group(self, started: list[tuple[Sequence, Prompt]]) -> None:
         """One causal forward over the prompts, right-padded to the longest; then each
-        request samples its first token and joins the running rows. On the fused static
-        path (nothing but embeddings and positions, multimodal ones where its rotary takes
-        them) the forward writes the slots itself; else it is the model's forward into a
-        DynamicCache, whose rows then join."""
+        request samples its first token and joins the running rows (on the static path,
+        joins its slot and then the batch's first tokens are sampled on the device, in one
+        `StaticDecoder.first`). On the fused static path (nothing but embeddings and
+        positions, multimodal ones where its rotary takes them) the forward writes the slots
+        itself; else it is the model's forward into a DynamicCache, whose rows then join."""
         seqs = [seq for seq, _ in started]
         width = max(seq.length for seq in seqs)
         embeds = torch.stack([F.pad(p.embeds, (0, 0, 0, width - s.length)) for s, p in started])
@@ -774,20 +788,27 @@ class TransformersAR(Backend):
                 for i, (s, p) in enumerate(started)
             ]
         last = torch.stack([hidden[i, s.length - 1] for i, s in enumerate(seqs)])
-        codes = self._advance(seqs, last, values)
-        if direct:  # each took the slot it was prefilled into; a finished one leaves again
-            for seq, code in zip(seqs, codes, strict=True):
-                self._join_static(seq, code)
-            self._evict([s for s in seqs if s.call.finished])
+        # (taken before any joins: the first row to join the dynamic path's empty batch takes
+        # over the prefill's cache object)
+        rows = [None if direct else _row_states(cache, i, s.length) for i, s in enumerate(seqs)]
+        if self.static is None:
+            self._advance(seqs, last, values)
+            for seq, states in zip(seqs, rows, strict=True):
+                if not seq.call.finished:
+                    self._join(seq, states, cache)
             return
-        rows = [_row_states(cache, i, s.length) for i, s in enumerate(seqs)]
-        for seq, states, code in zip(seqs, rows, codes, strict=True):
-            if seq.call.finished:
-                continue
-            if self.static:
-                self._join_static(seq, code, states)
-            else:
-                self._join(seq, states, cache)
+        # Each joins its slot (the one it was prefilled into, if direct), then the static
+        # step's sampler gives the first tokens (and frames); a finished one leaves again.
+        start = len(self.rows)
+        for seq, states in zip(seqs, rows, strict=True):
+            self._join_static(seq, states)
+        ids, frames = self.static.first(start, last)
+        for seq, value in zip(seqs, values, strict=True):
+            code = self._code(ids[seq.slot], frames, seq.slot)
+            if code is not None:
+                code = self.component.first_code(seq, code)
+            self._emit(seq, ids[seq.slot], value, code)
+        self._evict([s for s in seqs if s.call.finished])
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """One forward over every row; the rows of `seqs` advance, the others idle."""
@@ -858,9 +879,9 @@ class TransformersAR(Backend):
             return self.component.code(token)
         return None if token in self.component.eos_ids else frames[slot : slot + 1].clone()
 
-    def _advance(self, seqs: list[Sequence], hidden: torch.Tensor, values: list) -> list:
-        """Sample each sequence's next token from its last hidden state, and emit it; returns
-        each one's `codes` value (None: none)."""
+    def _advance(self, seqs: list[Sequence], hidden: torch.Tensor, values: list) -> None:
+        """Sample each sequence's next token from its last hidden state, and emit it (the
+        dynamic path)."""
         c = self.component
         logits = c.logits(hidden)
         if c.suppress:
@@ -879,7 +900,6 @@ class TransformersAR(Backend):
             codes = c.frames(seqs, ids, hidden)
         for seq, token, value, code in zip(seqs, ids, values, codes, strict=True):
             self._emit(seq, token, value, code)
-        return codes
 
     def _emit(self, seq: Sequence, token: int, value, code: torch.Tensor | None = None) -> None:
         """Emit a sampled token and its outputs (`code`: its `codes` value, if any)."""
@@ -924,14 +944,11 @@ class TransformersAR(Backend):
         self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(own, width)])
 
     def _join_static(
-        self,
-        seq: Sequence,
-        code: torch.Tensor | None,
-        states: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        self, seq: Sequence, states: list[tuple[torch.Tensor, torch.Tensor]] | None
     ) -> None:
-        """Put a prefilled request in the next free slot (its row), copying its keys and
-        values (`states`) there unless its prefill wrote them into that slot; `code` is its
-        first token's `codes` value (with frames, the frame is its last row)."""
+        """Put a prefilled request in the next free slot (its row), before its first token,
+        copying its keys and values (`states`) there unless its prefill wrote them into that
+        slot."""
         seq.slot = len(self.rows)
         self.rows.append(seq)
         sampling = seq.sampling
@@ -946,8 +963,6 @@ class TransformersAR(Backend):
             {
                 "length": seq.length,
                 "offset": seq.position_offset,
-                "last": seq.last,
-                "step": seq.generated,
                 "temperature": sampling.temperature if seq.generator is not None else 0.0,
                 "top_k": sampling.top_k,
                 "top_p": sampling.top_p,
@@ -955,7 +970,6 @@ class TransformersAR(Backend):
                 "seed": seq.seed,
                 "seen": seq.seen,
                 "min_tokens": self.component.min_tokens,
-                "frame": None if code is None else code[-1],
             },
             **kv,
         )

@@ -255,8 +255,9 @@ def test_the_static_path_runs_one_step_per_decode_step_on_compact_rows(plan):
     static._run = lambda batch, length: (shapes.append((batch, length)), run_step(batch, length))
     try:
         batch = [request(PROMPTS[i], max_tokens=6) for i in (0, 1, 3)]
-        backend.step(batch)  # three prefills, eager; no static step
+        backend.step(batch)  # three prefilled together, their first tokens in one first step
         assert shapes == [] and [s.slot for s in backend.rows] == [0, 1, 2]
+        assert static.first_steps == 1
         backend.step(batch[:2])  # the third row idles in the step
         assert shapes == [(4, 128)]  # every row, padded to the batch bucket
         backend.drop(batch[0])  # the last row moves into slot 0
@@ -356,6 +357,9 @@ def test_the_static_path_refuses_a_mixture_of_experts():
 def test_the_static_cache_is_sized_from_the_plan_and_refuses_what_cannot_fit(plan):
     backend = make_backend(plan, "static", max_len=16)  # 16 + 12 columns: one quantum
     assert backend.static.columns == 128 and backend.static.length_buckets == [128]
+    # A lone prompt's prefill widths: powers of two from 16, within the columns, to 1024.
+    assert static_decode.prefill_widths(128) == [16, 32, 64, 128]
+    assert static_decode.prefill_widths(4224)[-1] == 1024
     long = request(" ".join(["hello"] * 150))
     short = request(PROMPTS[1], max_tokens=2)
     backend.step([long, short])
@@ -371,6 +375,23 @@ def test_the_static_cache_is_sized_from_the_plan_and_refuses_what_cannot_fit(pla
     )
     assert transformers_ar.cache_columns(tight, per_token) == 256
     assert transformers_ar.cache_columns(stage, per_token) == 4224  # max_len 4096 + 12
+
+
+def test_a_lone_prompt_is_prefilled_at_a_captured_width_unless_prompts_carry_positions(plan):
+    """The fused static path pads a lone prompt's prefill to a power-of-two width (captured
+    at load on CUDA); a component whose every prompt carries positions (a thinker's
+    multimodal RoPE) would never replay those graphs, and gets none."""
+    component = make_backend(plan, "eager").component
+
+    def widths() -> list[int]:
+        return static_decode.StaticDecoder(
+            component, slots=2, columns=128, device="cpu", capture=False, extra=False,
+            fused=True,
+        ).prefill_widths  # fmt: skip
+
+    assert widths() == [16, 32, 64, 128]
+    component.prompt_positions = True
+    assert widths() == []
 
 
 def test_decode_graphs_needs_cuda(plan):
@@ -517,10 +538,13 @@ def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(p
     and serving captures none."""
     static = graphed.static
     captured = static.captures
-    assert captured == len(static.batch_buckets) * len(static.length_buckets)
+    steps = len(static.batch_buckets) * (len(static.length_buckets) + 1)
+    assert captured == steps + len(static.prefill_widths)
     assert set(static.graphs) == {
         (b, t) for b in static.batch_buckets for t in static.length_buckets
     }
+    assert set(static.first_graphs) == set(static.batch_buckets)  # a prefill's first tokens
+    assert set(static.prefill_graphs) == set(static.prefill_widths)  # a lone prompt's prefill
     eager = make_backend(plan, "static", "cuda:0")
     assert eager.static.graphs == {}
     # What capturing took is reported with the load (control.Loaded.captured), and only there.
@@ -543,9 +567,11 @@ def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(p
         )
         return greedy + seeded
 
-    replays = static.replays
+    replays = static.replays - static.launches - static.first_steps
+    lone = static.prefill_replays
     want, got = serve(eager), serve(graphed)
-    assert static.replays > replays
+    assert static.replays - static.launches - static.first_steps == replays  # every one
+    assert static.prefill_replays - lone == 4  # the requests that started alone
     assert static.captures == captured
     for a, b in zip(got, want, strict=True):
         assert a.tokens == b.tokens

@@ -461,40 +461,70 @@ def assert_same_frames(got: list, want: list, requests: list[tuple], rows=None) 
             assert n >= 3 and torch.equal(got[i][:n], want[i][:n]), i
 
 
-def test_the_static_step_completes_the_eager_paths_frames(plans, talkers, ref_wav):
-    """decode="static" (the step CUDA graphs capture, here run eagerly: the code predictor's
-    sub-steps and their sampling inside it) gives the eager path's codes, greedily:
-    requests joining at different steps, one ending while the others run, one dropped, a
-    sampled one beside them; and voice clones, one sending its reference codes ahead of
-    its first frame. (Sampled draws differ off CUDA, where the eager path draws from each
-    request's generator, as `generate` does.)"""
+def never_called(*args):
+    raise AssertionError("the static path ran the component's eager frames")
+
+
+def test_the_static_step_completes_the_eager_paths_frames(plans, talkers, ref_wav, monkeypatch):
+    """decode="static" (the steps CUDA graphs capture, here run eagerly: the code predictor's
+    sub-steps and their sampling inside them) gives the eager path's codes, greedily, the
+    first frame after each prefill included, which the static path's first step completes
+    (the component's eager `frames` made to fail): requests joining at different steps,
+    one ending while the others run, one dropped, a sampled one beside them; and voice
+    clones, one sending its reference codes ahead of its first frame. (Sampled draws differ
+    off CUDA, where the eager path draws from each request's generator, as `generate`
+    does.)"""
     for task in ("CustomVoice", "Base"):
         static = talker_backend(plans[task], "static")
         assert static.static is not None and static.static.frames is not None
+        monkeypatch.setattr(static.component, "frames", never_called)
         requests = frame_requests(ref_wav, task)
         want = serve_frames(talkers[task], requests)
         got = serve_frames(static, requests)
         greedy = [i for i, r in enumerate(requests) if r[1]["temperature"] == 0]
         assert_same_frames(got, want, requests, greedy)
         assert all(len(w) > 1 for w in want)
+        assert static.static.first_steps == len({r[2] for r in requests})  # one a prefill
     assert talker_backend(plans["CustomVoice"], "auto").decode == "eager"  # the CPU default
+
+
+def test_requests_starting_together_share_one_prefill_and_first_step(plans, talkers, ref_wav):
+    """Requests that start in the same step are prefilled together and their first frames
+    completed in one first step (the static path), each giving its codes of the eager
+    path; a request that starts later takes a first step of its own beside the running
+    rows."""
+    requests = [
+        (*request_of("cv_en", ref_wav, max_tokens=4)[1:], 0, None),
+        (*request_of("cv_dialect", ref_wav, max_tokens=6)[1:], 0, None),
+        (*request_of("cv_en", ref_wav, max_tokens=3)[1:], 0, None),
+        (*request_of("cv_dialect", ref_wav, max_tokens=3)[1:], 2, None),
+    ]
+    static = talker_backend(plans["CustomVoice"], "static")
+    got = serve_frames(static, requests)
+    assert static.static.first_steps == 2
+    assert_same_frames(got, serve_frames(talkers["CustomVoice"], requests), requests)
 
 
 @pytest.mark.gpu
 def test_captured_frames_are_the_eager_static_steps_and_the_dynamic_paths(plans, ref_wav):
     """On CUDA the talker takes the captured static step by default, and replaying it gives
     exactly the codes of the same step run eagerly, greedy and sampled (seeded), with
-    nothing captured after load; the dynamic path on the GPU (the same (seed, frame,
-    sub-step) draws) gives the same codes too."""
+    nothing captured after load and every step replayed, the first step after each
+    prefill (its first frames) and each lone prompt's prefill included; the dynamic path on the GPU (the same (seed,
+    frame, sub-step) draws) gives the same codes too."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     plan = plans["CustomVoice"]
     graphed = talker_backend(plan, "auto", "cuda:0")
-    assert graphed.decode == "graphs" and graphed.static.frames is not None
-    captured = graphed.static.captures
+    static = graphed.static
+    assert graphed.decode == "graphs" and static.frames is not None
+    assert set(static.first_graphs) == set(static.batch_buckets)
+    captured = static.captures
     requests = frame_requests(ref_wav)
     got = serve_frames(graphed, requests)
-    assert graphed.static.captures == captured and graphed.static.replays > 0
+    assert static.captures == captured and static.first_steps == len({r[2] for r in requests})
+    assert static.replays == static.launches + static.first_steps
+    assert static.prefill_replays == static.first_steps  # each started alone
     assert_same_frames(
         got, serve_frames(talker_backend(plan, "static", "cuda:0"), requests), requests
     )

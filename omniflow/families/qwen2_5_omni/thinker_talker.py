@@ -195,6 +195,7 @@ class MediaThinker(CausalLM):
 
     inputs = {**CausalLM.inputs, "embeds": ("hidden",), "audio_embeds": ("hidden",)}
     required = frozenset({"prompt"})
+    prompt_positions = True
 
     def __init__(self, model, tokenizer, audio_markers: tuple[str, str]):
         super().__init__(model, tokenizer)

@@ -25,8 +25,10 @@ in both.
 Decode paths: eager (the batched DynamicCache; `frames` runs the code predictor for the
 batch, `step_embeds` feeds the frame back), or static (the default on CUDA, graph-captured:
 `frame_spec` gives the backend's static step the code predictor, its codebook tables and
-heads, and `Talker.frame_embeds`, and the step completes each frame on the device,
-`omniflow.backends.static_decode`; `step_extra` is the text-side row both paths add).
+heads, and `Talker.frame_embeds`, and the step completes each frame on the device, the
+first one after the prefill included, `omniflow.backends.static_decode`; `step_extra` is
+the text-side row both paths add; `first_code` puts an ICL clone's context ahead of its
+first frame on both).
 The same checks of a request against the checkpoint run at admission
 (`voices.admission`) and here (`config.check_task_inputs`).
 
@@ -281,12 +283,18 @@ class QwenTTSTalker(Component):
         sums = self.model.frame_embeds(codes)
         host = codes.cpu()
         for j, (i, seq) in enumerate(zip(rows, sub, strict=True)):
-            state = seq.call.state[_STATE]
-            state.next = sums[j]
-            out[i] = host[j : j + 1]
-            if state.context is not None:
-                out[i], state.context = torch.cat([state.context, out[i]]), None
+            seq.call.state[_STATE].next = sums[j]
+            out[i] = self.first_code(seq, host[j : j + 1])
         return out
+
+    def first_code(self, seq: Sequence, code: torch.Tensor) -> torch.Tensor:
+        """A frame's `codes` value: an ICL clone's reference frames ahead of its first (sent
+        once), else the frame."""
+        state = seq.call.state[_STATE]
+        if state.context is None:
+            return code
+        context, state.context = state.context, None
+        return torch.cat([context, code])
 
     def step_extra(self, seqs: list[Sequence]) -> torch.Tensor:
         """Each row's text side of its next step: after n frames, row n - 1 of the trailing
