@@ -200,12 +200,18 @@ def test_a_killed_producer_leaves_the_consumers_ring_and_closing_frees_it(proces
 
 
 def cuda_ipc_plan():
-    """graphs/tts.omni on one H200: the codes reach the decoder through a cuda-ipc ring."""
+    """graphs/tts.omni on one H200 with its decoder isolated (`isolate=true`: a process of its
+    own, where the stages of one GPU would otherwise share one): the codes reach the decoder
+    through a cuda-ipc ring."""
     from pathlib import Path
 
-    from omniflow.compiler import compile_file
+    from omniflow.compiler import compile_source
 
-    plan = compile_file(Path(__file__).parents[2] / "graphs" / "tts.omni", devices="1xH200")
+    source = (Path(__file__).parents[2] / "graphs" / "tts.omni").read_text()
+    stage = 'vocoder(component="code2wav", max_batch=32)'
+    assert stage in source
+    source = source.replace(stage, stage[:-1] + ", isolate=true)")
+    plan = compile_source(source, devices="1xH200")
     edge = next(c for c in plan.channels if c.name == "codec_lm.codes->decoder.codes")
     assert (edge.kind, edge.device) == ("cuda-ipc", "cuda:0")
     return plan
