@@ -10,7 +10,8 @@ least full. The placement says where and why. A device is charged its stages' ne
 CUDA context per executor process on it: one for the process its stages share, one more per
 stage that asked to be isolated (the executor rule, `common.shares_gpu_process`). What a
 device has beyond that is shared out as budget in proportion to the stages' KV caches (more
-concurrent requests), or to their needs when no stage there has one; a budget is what the
+concurrent requests), or to their needs when no stage there has one, or equally when none
+states a need; a budget is what the
 stage's own allocations may reach, the context is not in it. A pipeline that cannot fit
 fails here, naming the stage, the bytes it needs and the bytes available.
 """
@@ -199,6 +200,8 @@ class _Placer:
             weight = {s: c.cost.kv_cache_bytes if c.cost else 0 for s, c in costs.items()}
             if not any(weight.values()):
                 weight = {s: c.need for s, c in costs.items()}
+            if not any(weight.values()):  # none states a need (python stages): equal shares
+                weight = dict.fromkeys(costs, 1)
             total = sum(weight.values()) or 1
             for n in here:
                 self.budget[n.name] = costs[n.name].need + slack * weight[n.name] // total

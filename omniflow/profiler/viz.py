@@ -32,6 +32,7 @@ CATEGORIES = {
     "executors": "fusion",
     "pointwise": "fusion",
     "schedule": "chunks",
+    "carries_state": "chunks",
     "channel": "buffers",
     "shm_bytes": "buffers",
 }
