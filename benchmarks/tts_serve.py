@@ -283,7 +283,8 @@ def traced(args, server: Server, model: str) -> None:
     """A profiled round at c = 1 and one at c = 16 (see the module docstring)."""
     from omniflow.profiler.analysis import timelines
 
-    body, rounds = custom_voice(model, args.frames), {"c=1": (1, args.trace_requests), "c=16": (16, 16)}
+    body = custom_voice(model, args.frames)
+    rounds = {"c=1": (1, args.trace_requests), "c=16": (16, 16)}
 
     def run() -> None:
         for concurrency, total in rounds.values():
