@@ -26,7 +26,7 @@ no left context is re-decoded (the edge's `context` is not used, and the compile
 none), a window of n frames costs n frames of work, and the first window may be a single
 frame. The states live in the decoder's slots, allocated once when the stage loads, one per
 stream the stage batches (its max_batch): a stream takes a free slot with its first window
-and gives it back when it is dropped (finished, failed or cancelled); a stream whose first
+and gives it back when it ends, fails or is cancelled; a stream whose first
 window finds every slot taken waits for one. A step passes each row's slot and position
 (frames decoded before; 0 starts a stream afresh, whatever its slot held), so the forward's
 inputs are index tensors and codes, its buffers fixed: it can be captured (the stage's
@@ -479,13 +479,19 @@ class Vocoder(Backend):
             stream, ended = call.state["stream"], call.inputs[self.port].ended
             stream.backlog = bool(self._windows(stream, ended))
             if ended and stream.emitted == stream.arrived:
+                self._free_slot(stream)
                 call.finish()
 
     def drop(self, call: Call) -> None:
         """Forget the request's stream (finished, failed or cancelled); its slot is free."""
         stream = call.state.pop("stream", None)
-        if stream is not None and stream.slot is not None:
+        if stream is not None:
+            self._free_slot(stream)
+
+    def _free_slot(self, stream: _Stream) -> None:
+        if stream.slot is not None:
             self.free_slots.append(stream.slot)
+            stream.slot = None
 
     def _receive(self, call: Call) -> _Stream:
         """Open the request's stream on its first step, and append what arrived."""
