@@ -22,11 +22,11 @@ kernel, from the codebook lookups to the last conv, is one forward of fixed shap
 those inputs and the slot buffers, so it is captured as a CUDA graph per (batch bucket,
 window length): batch buckets 1, 2, 4, then multiples of 8 up to max_batch
 (`static_decode.batch_buckets`), window lengths powers of two up to the edge's longest
-chunk (`Vocoder.grid_lengths`). A step pads its rows up to its batch bucket with rows of
+chunk (`Vocoder.grid_lengths`), while batch x length is at most GRAPH_FRAMES. A step pads its rows up to its batch bucket with rows of
 length 0 in the scratch slot, and its windows on the right up to the window length, and
-replays; captured at load, largest first, in one pool, none after. A window longer than
-every length (a voice clone's first window, with its reference frames) runs the same
-forward eagerly at its own shape; "static" (CPU) runs the same buffers eagerly, so the CPU
+replays; captured at load, largest first, in one pool, none after. A forward without a
+graph (longer than every length, as a voice clone's first window with its reference
+frames, or more frames than GRAPH_FRAMES) runs the same forward eagerly at its own shape; "static" (CPU) runs the same buffers eagerly, so the CPU
 tests exercise the replayed path's bookkeeping.
 
 A voice clone with reference codes (ICL) starts with the reference's frames, every code
@@ -49,6 +49,11 @@ from omniflow.backends.vocoders import (
     padded,
 )
 from omniflow.families.qwen3_tts.speech_tokenizer import SpeechDecoder, StateSlots, load_decoder
+
+# The most frames (batch x window length) a captured step holds: a larger forward's kernels
+# are long enough that launching them one by one costs little, and each graph's activations
+# stay in the graphs' pool (a real-size step of 32 windows of 64 frames would hold GBs).
+GRAPH_FRAMES = 512
 
 
 def load(root: str, component: str | None, device: str) -> Code2Wav:
@@ -110,23 +115,27 @@ class Code2Wav(Decoder):
     @torch.inference_mode()
     def prepare(self, lengths: list[int], max_batch: int, capture: bool) -> None:
         """Static inputs for windows of each of `lengths` frames at each batch bucket up to
-        `max_batch` (at most the slots), captured as CUDA graphs when `capture`; each
-        length's forward runs eagerly once, at its largest batch, before its captures (in
-        the scratch slot: no stream's state is touched)."""
+        `max_batch` (at most the slots) holding up to GRAPH_FRAMES frames (one window
+        always), captured as CUDA graphs when `capture`; each length's forward runs eagerly
+        once, at its largest batch, before its captures (in the scratch slot: no stream's
+        state is touched)."""
         self.graphs = Graphs(self.device, capture)
         self.batch_buckets = batch_buckets(min(max_batch, self.states.slots))
         self.window_lengths = sorted(lengths)
         on = {"device": self.device, "dtype": torch.int64}
         for frames in reversed(self.window_lengths):
+            warmed = False
             for batch in reversed(self.batch_buckets):
+                if batch > 1 and batch * frames > GRAPH_FRAMES:
+                    continue
                 inputs = {
                     "codes": torch.zeros(batch, self.num_codebooks, frames, **on),
                     "slots": torch.full((batch,), self.states.scratch, **on),
                     "positions": torch.zeros(batch, **on),
                     "lengths": torch.zeros(batch, **on),
                 }
-                warm_up = batch == self.batch_buckets[-1]
-                self.graphs.add((batch, frames), self._stream, inputs, warm_up)
+                self.graphs.add((batch, frames), self._stream, inputs, not warmed)
+                warmed = True
         self.graphs.synchronize()
 
     def step(
