@@ -34,6 +34,8 @@ from tests.backends.test_stateful_vocoder import (
 from tests.backends.test_token2wav_graphs import (
     BF16_MAX_TOLERANCE,
     BF16_RMS_TOLERANCE,
+    HOST_ROUND_TRIPS,
+    _Ops,
     relative_rms,
 )
 
@@ -72,6 +74,19 @@ def test_static_windows_stream_the_whole_decode_on_the_cpu(plan):  # noqa: F811
         for audio in (static_audio[f"r{i}"], eager_audio[f"r{i}"]):
             assert audio.shape == want.shape
             assert float((audio - want).abs().max()) < TOLERANCE
+
+
+def test_the_step_is_device_work_only(plan):  # noqa: F811
+    """What a graph captures, a static window's forward over the slots, makes no host round
+    trip (checked op by op on the CPU; on CUDA each would fail the capture)."""
+    decoder = code2wav(plan, SCHEDULE, decode="static").decoder
+    batch, frames = decoder.batch_buckets[-1], decoder.window_lengths[-1]
+    inputs = decoder.graphs.inputs((batch, frames))
+    ops = _Ops()
+    with torch.inference_mode(), ops:
+        decoder._stream(**inputs)
+    assert "index_copy_" in ops.names and "index_select" in ops.names  # the slots, by index
+    assert not ops.names & HOST_ROUND_TRIPS, ops.names & HOST_ROUND_TRIPS
 
 
 @pytest.mark.gpu
