@@ -3,8 +3,8 @@
 # carried wheels into /tmp/site, links dsl/ and kernels/ into omniflow/ (as pyproject's
 # package-dir maps them) and omniflow/ into /tmp/site (so this tree's root, whose kernels/
 # would shadow PyPI's `kernels`, never goes on sys.path: Python runs with -P from here), then
-# runs the parts named as arguments: setup tests edges steps skinny moe kernels frames tts
-# windows build streaming long load omni-input diffusion cold cold-fresh
+# runs the parts named as arguments: setup tests edges steps skinny moe kernels frames
+# code2wav tts windows build streaming long load omni-input diffusion cold cold-fresh
 # (streaming and long: DEVICES, default 1xH200, and ALSO_DEVICES beside it, e.g. DEVICES=2xH200
 # ALSO_DEVICES=1xH200, and STREAMING_ARGS added to the benchmark's, e.g. "--breakdown
 # --lookahead 24 12"; windows: WINDOW_KERNELS=N adds each replay's N costliest kernels;
@@ -56,6 +56,12 @@ for part in "$@"; do
       # added to benchmarks/tts_frames.py's flags).
       timeout ${FRAMES_S:-300} python3 benchmarks/tts_frames.py ${FRAMES_ARGS:-} 2>&1 \
         | grep -v -i "warn" | tee "$OUT/tts_frames.log"
+      ;;
+    code2wav)
+      # Qwen3-TTS's code2wav step per (batch, window) at real size, eager and replayed from
+      # its graphs (CODE2WAV_ARGS added to benchmarks/code2wav_step.py's flags).
+      timeout ${CODE2WAV_S:-240} python3 benchmarks/code2wav_step.py ${CODE2WAV_ARGS:-} 2>&1 \
+        | grep -v -i "warn" | tee "$OUT/code2wav_step.log"
       ;;
     tts)
       # Qwen3-TTS served over HTTP at c = 1, 16, 64 (TTS_ARGS added to tts_serve.py's flags).

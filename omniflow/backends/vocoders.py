@@ -20,15 +20,21 @@ decoder that looks no farther than the context and lookahead streams exactly its
 whole-utterance decode, up to rounding.
 
 Carried state. A causal decoder that says it carries each stream's state from one window to
-the next (`Decoder.stateful`: convolution tails, attention caches; `init_state`, `step`)
+the next (`Decoder.stateful`: convolution tails, attention caches; `init_states`, `step`)
 decodes each window's new frames alone, after the state the stream's last window left:
 no left context is re-decoded (the edge's `context` is not used, and the compiler plans
 none), a window of n frames costs n frames of work, and the first window may be a single
-frame. The stream's state is kept with the request and dropped with it (finished, failed
-or cancelled). A voice clone's reference frames (`context_frames`) go through the decoder
-with the first window, advancing the state, and emit nothing. Such windows are padded on
-the right to the longest in their forward, and the decoder takes each row's state at its
-own last frame, so requests of any lengths share a forward.
+frame. The states live in the decoder's slots, allocated once when the stage loads, one per
+stream the stage batches (its max_batch): a stream takes a free slot with its first window
+and gives it back when it ends, fails or is cancelled; a stream whose first
+window finds every slot taken waits for one. A step passes each row's slot and position
+(frames decoded before; 0 starts a stream afresh, whatever its slot held), so the forward's
+inputs are index tensors and codes, its buffers fixed: it can be captured (the stage's
+`decode` "graphs", the default on CUDA where the decoder has static windows; "static" runs
+the same buffers eagerly). A voice clone's reference frames (`context_frames`) go through
+the decoder with the first window, advancing the state, and emit nothing. Such windows are
+padded on the right to the longest in their forward, and the decoder takes each row's state
+at its own last frame, so requests of any lengths share a forward.
 
 Windows lie on a grid, so a request's waveform does not depend on how its codes happened
 to be timed: a decoder that is not local on one of `unit` frames, windows of one unit,
@@ -50,9 +56,10 @@ left only if they start at least its context reach after its start, and never if
 shorter than the decoder's `min_frames` (a stateful decoder's windows always are padded on
 the right); a window that allows none of these (a whole short utterance) goes in a forward
 of windows of its own length. A decoder with static windows
-(the stage's `decode` "graphs" or "static": token2wav, docs/backends.md) has buffers, and on
-CUDA captured graphs, for the lengths the grid makes while a stream runs (`grid_lengths`)
-at each batch bucket; a forward is padded up to the shortest such length by the same rule
+(the stage's `decode` "graphs" or "static": token2wav, code2wav, docs/backends.md) has
+buffers, and on CUDA captured graphs, for the lengths the grid makes while a stream runs
+(`grid_lengths`; a stateful decoder's: powers of two up to the edge's longest chunk) at
+each batch bucket; a forward is padded up to the shortest such length by the same rule
 where its windows allow, so a stream's last windows replay too.
 """
 
@@ -126,7 +133,7 @@ class _Stream:
     opened: float = 0.0  # monotonic seconds: when its first codes arrived
     first_sent: float | None = None  # when its first audio was emitted
     backlog: bool = False  # windows ready that the last step left for later
-    carried: object = None  # a stateful decoder's state after frame `decoded`
+    slot: int | None = None  # a stateful decoder's state slot, from the first window on
     decoded: int = 0  # frames a stateful decoder has decoded (reference frames too)
 
     @property
@@ -235,20 +242,23 @@ class Decoder:
         raise VocoderError(f"{type(self).__name__} decodes only with its carried state")
 
     # Whether the decoder is causal and carries each stream's state from one window to the
-    # next (`init_state`, `step`), so that a window holds only new frames.
+    # next in a slot of its own (`init_states`, `step`), so that a window holds only new
+    # frames.
     stateful = False
 
-    def init_state(self) -> object:
-        """A stateful decoder's state of a stream before its first frame."""
+    def init_states(self, slots: int) -> None:
+        """Allocate a stateful decoder's state slots, `slots` streams' at once (numbered
+        0..slots-1), once: when the stage loads, before `prepare`."""
         raise VocoderError(f"{type(self).__name__} carries no state")
 
     def step(
-        self, states: list[object], windows: list[Window], frames: int
-    ) -> tuple[torch.Tensor, list[object]]:
-        """A stateful decoder's decode of each window's frames after its stream's state,
-        the batch padded on the right to `frames`: `[len(windows), frames *
-        samples_per_frame]` float32 audio, and each stream's state after its window's last
-        frame (which the padding after it does not reach)."""
+        self, slots: list[int], positions: list[int], windows: list[Window], frames: int
+    ) -> torch.Tensor:
+        """A stateful decoder's decode of each window's frames after the `positions[b]`
+        frames its stream decoded before (0: a new stream, whatever its slot held), the
+        batch padded on the right to `frames`: `[len(windows), frames * samples_per_frame]`
+        float32 audio. Slot `slots[b]` holds the stream's state and then its state after
+        the window's last frame (which the padding after it does not reach)."""
         raise VocoderError(f"{type(self).__name__} carries no state")
 
     # The arithmetic `set_precision` accepts: the model's own float32, unless a decoder
@@ -270,10 +280,19 @@ class Decoder:
         eagerly."""
         raise VocoderError(f"{type(self).__name__} has no static windows")
 
+    # The static windows `prepare` made: their batch buckets and lengths (frames).
+    batch_buckets: tuple[int, ...] | list[int] = ()
+    window_lengths: tuple[int, ...] | list[int] = ()
+
+    def batch_bucket(self, rows: int) -> int:
+        """The batch a forward of `rows` windows runs at: the smallest bucket that holds them
+        (`rows` itself without static windows)."""
+        return next((b for b in self.batch_buckets if b >= rows), rows)
+
     def window_frames(self, frames: int) -> int:
         """The length a forward whose longest window has `frames` frames is padded to, where
         its windows allow: the shortest static window that long (`frames` if none)."""
-        return frames
+        return min((n for n in self.window_lengths if n >= frames), default=frames)
 
 
 def _grid(unit: int | None, schedule: list[int] | None) -> Callable[[int], int] | None:
@@ -368,7 +387,12 @@ class Vocoder(Backend):
         context = 0 if self.stateful else spec.contexts.get(self.port, 0)
         self.context = context - context % align
         self.lookahead = spec.plan.settings.get("lookahead", self.decoder.lookahead)
-        self.grid_end = _grid(self.decoder.unit, spec.schedules.get(self.port))
+        self.schedule = spec.schedules.get(self.port)
+        self.grid_end = _grid(self.decoder.unit, self.schedule)
+        # A stateful decoder's state slots, one per stream the stage batches at once.
+        self.free_slots = list(range(max(1, spec.plan.batch))) if self.stateful else []
+        if self.stateful:
+            self.decoder.init_states(len(self.free_slots))
         self.decode_mode = self._static_windows(spec, device)
         # Seconds of audio a frame plays for, which slack ordering needs (None: unknown rate).
         rate = component.frame_rate
@@ -387,7 +411,7 @@ class Vocoder(Backend):
             precision = "bfloat16" if cuda and "bfloat16" in decoder.precisions else "float32"
         decoder.set_precision(precision)
         mode = settings["decode"]
-        static = decoder.static_windows and decoder.unit is not None
+        static = decoder.static_windows and (decoder.unit is not None or self.stateful)
         if mode == "auto":
             mode = "graphs" if cuda and static else "eager"
         if mode == "eager":
@@ -406,7 +430,13 @@ class Vocoder(Backend):
         """The lengths of the windows the grid makes while a stream runs (each with its full
         lookahead and as much context as there is before it); past the context and the
         window sizes' ramp (WINDOW_BLOCKS) they repeat. The last windows of a stream are
-        shorter, and are padded up to one of these where their reach allows."""
+        shorter, and are padded up to one of these where their reach allows. A stateful
+        decoder's windows hold new frames only, any number up to the edge's longest chunk:
+        powers of two below it, then it (a stream's first window, which a voice clone's
+        reference frames lengthen, may be longer: it decodes eagerly)."""
+        if self.stateful:
+            longest = max(self.schedule or [1])
+            return [*(2**k for k in range(longest.bit_length()) if 2**k < longest), longest]
         unit, lookahead, lengths, done = self.decoder.unit, self.lookahead, set(), 0
         while done <= self.context + unit * sum(WINDOW_BLOCKS):
             end = self.grid_end(done)
@@ -427,6 +457,10 @@ class Vocoder(Backend):
                 call.fail(err)
                 continue
             if windows := self._windows(stream, call.inputs[self.port].ended):
+                if self.stateful and stream.slot is None:
+                    if not self.free_slots:
+                        continue  # every slot is a live stream's: this one waits for one
+                    stream.slot = self.free_slots.pop()
                 nexts[windows[0]] = call
         if nexts:
             frames, batch = self._forward(list(nexts))
@@ -445,10 +479,19 @@ class Vocoder(Backend):
             stream, ended = call.state["stream"], call.inputs[self.port].ended
             stream.backlog = bool(self._windows(stream, ended))
             if ended and stream.emitted == stream.arrived:
+                self._free_slot(stream)
                 call.finish()
 
     def drop(self, call: Call) -> None:
-        call.state.pop("stream", None)
+        """Forget the request's stream (finished, failed or cancelled); its slot is free."""
+        stream = call.state.pop("stream", None)
+        if stream is not None:
+            self._free_slot(stream)
+
+    def _free_slot(self, stream: _Stream) -> None:
+        if stream.slot is not None:
+            self.free_slots.append(stream.slot)
+            stream.slot = None
 
     def _receive(self, call: Call) -> _Stream:
         """Open the request's stream on its first step, and append what arrived."""
@@ -464,7 +507,6 @@ class Vocoder(Backend):
                 lookahead,
                 torch.zeros(0, 0, dtype=torch.int64, device=self.device),
                 opened=time.monotonic(),
-                carried=decoder.init_state() if self.stateful else None,
             )
             call.state["stream"] = stream
         chunk = call.inputs[self.port].take()
@@ -544,10 +586,10 @@ class Vocoder(Backend):
         per_frame = self.decoder.samples_per_frame
         with torch.inference_mode():
             if self.stateful:
-                states = [w.stream.carried for w in batch]
-                audio, states = self.decoder.step(states, batch, frames)
-                for w, state in zip(batch, states, strict=True):
-                    w.stream.carried, w.stream.decoded = state, w.end
+                slots = [w.stream.slot for w in batch]
+                audio = self.decoder.step(slots, [w.stream.decoded for w in batch], batch, frames)
+                for w in batch:
+                    w.stream.decoded = w.end
             else:
                 audio = self.decoder.decode(batch, frames)
             audio = audio.float().cpu()

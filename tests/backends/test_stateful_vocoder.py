@@ -2,7 +2,11 @@
 (tiny CustomVoice checkpoint): driven through the runtime's own stage runner, frames arriving
 one per round as a talker makes them, windows of 1 frame, of 3 and of a mixed schedule, two
 requests interleaved and decoded in shared forwards, each request's audio is its
-whole-utterance decode; each frame is decoded once; a cancelled request's state is freed.
+whole-utterance decode; each frame is decoded once. The states live in fixed slots (one per
+stream the stage batches): decoded eagerly at each forward's shape, and through the static
+windows (batch buckets x window lengths, the buffers CUDA graphs replay; eager on the CPU)
+alike; a cancelled or finished request's slot is freed and the next stream reuses it, its
+old contents unread; a stream that finds every slot taken waits for one.
 
 Tolerance: 1e-4 (max abs, waveforms of std ~0.3 clamped to +-1). Measured on 2 CPU cores:
 up to 5e-5, the rounding of other window lengths' conv and attention summation orders
@@ -13,8 +17,6 @@ two. A window decoded without its stream's state is off by the signal's size (> 
 from __future__ import annotations
 
 import dataclasses
-import gc
-import weakref
 from pathlib import Path
 
 import pytest
@@ -38,10 +40,16 @@ def plan():
     return compile_file(GRAPH, devices="cpu", tiny=True)
 
 
-def code2wav(plan, schedule: list[int]) -> Vocoder:
-    """The graph's code2wav stage, its edge's chunks (so its windows) `schedule`."""
-    spec = StageSpec.from_channels(plan.stage("code2wav"), plan.channels)
-    return Vocoder(dataclasses.replace(spec, schedules={"codes": schedule}), "cpu")
+def code2wav(plan, schedule: list[int], device="cpu", slots=None, **settings) -> Vocoder:
+    """The graph's code2wav stage on `device`, its edge's chunks (so its windows)
+    `schedule`, `slots` streams at once (default: the graph's max_batch), `settings`
+    (decode: "eager", "static" or "graphs") over the graph's."""
+    stage = plan.stage("code2wav")
+    stage = dataclasses.replace(
+        stage, settings={**stage.settings, **settings}, batch=slots or stage.batch
+    )
+    spec = StageSpec.from_channels(stage, plan.channels)
+    return Vocoder(dataclasses.replace(spec, schedules={"codes": schedule}), device)
 
 
 def request_codes() -> list[torch.Tensor]:
@@ -51,31 +59,47 @@ def request_codes() -> list[torch.Tensor]:
 
 def whole(vocoder: Vocoder, codes: torch.Tensor) -> torch.Tensor:
     with torch.inference_mode():
-        return vocoder.decoder.model(codes.T[None]).reshape(-1)
+        model = vocoder.decoder.model
+        return model(codes.T[None].to(model.pre_conv.conv.weight.device)).reshape(-1).cpu()
 
 
 class Driver:
     """The requests through a `StageRunner` (what an executor runs per stage): round by
     round, each live request gets its next frame, then the runner steps. Records every
-    decoder forward as its windows' (request, start, end)."""
+    decoder forward as its windows' (request, start, end), and each request's slot."""
 
     def __init__(self, vocoder: Vocoder, codes: list[torch.Tensor], delays=DELAYS):
         self.runner = StageRunner(vocoder.spec, vocoder, 4)
-        self.vocoder, self.codes, self.delays = vocoder, codes, delays
+        self.vocoder, self.codes, self.delays = vocoder, list(codes), list(delays)
         self.sent = [0] * len(codes)
         self.audio: dict[str, list[torch.Tensor]] = {f"r{i}": [] for i in range(len(codes))}
         self.forwards: list[list[tuple[str, int, int]]] = []
+        self.slots: dict[str, int] = {}
+        self.shapes: list[tuple[int, int]] = []  # each forward's (windows, frames)
         self.round = 0
         for request_id in self.audio:
             self.runner.start(request_id, {})
         step = vocoder.decoder.step
 
-        def logged(states, windows, frames):
+        def logged(slots, positions, windows, frames):
             names = {id(c.state.get("stream")): r for r, c in self.runner.calls.items()}
             self.forwards.append([(names[id(w.stream)], w.start, w.end) for w in windows])
-            return step(states, windows, frames)
+            self.shapes.append((len(windows), frames))
+            for w, slot in zip(windows, slots, strict=True):
+                assert self.slots.setdefault(names[id(w.stream)], slot) == slot
+            return step(slots, positions, windows, frames)
 
         vocoder.decoder.step = logged
+
+    def add(self, codes: torch.Tensor) -> str:
+        """Start one more request now; its id."""
+        request_id = f"r{len(self.codes)}"
+        self.codes.append(codes)
+        self.delays.append(self.round)
+        self.sent.append(0)
+        self.audio[request_id] = []
+        self.runner.start(request_id, {})
+        return request_id
 
     def round_(self) -> None:
         for i, codes in enumerate(self.codes):
@@ -103,10 +127,11 @@ def kept_windows(forwards, request_id: str) -> list[int]:
     return [end - start for forward in forwards for r, start, end in forward if r == request_id]
 
 
+@pytest.mark.parametrize("decode", ["eager", "static"])
 @pytest.mark.parametrize("schedule", [[1], [3], [1, 2, 4, 3, 5]], ids=["1", "3", "mixed"])
-def test_carried_state_streams_the_whole_decode(plan, schedule):
-    vocoder = code2wav(plan, schedule)
-    assert vocoder.stateful and vocoder.context == 0
+def test_carried_state_streams_the_whole_decode(plan, schedule, decode):
+    vocoder = code2wav(plan, schedule, decode=decode)
+    assert vocoder.stateful and vocoder.context == 0 and vocoder.decode_mode == decode
     codes = request_codes()
     driver = Driver(vocoder, codes)
     audio = driver.run()
@@ -123,6 +148,18 @@ def test_carried_state_streams_the_whole_decode(plan, schedule):
     assert shared, "the two requests never shared a forward"
     if schedule == [1, 2, 4, 3, 5]:  # windows of different lengths, padded on the right
         assert any(f[0][2] - f[0][1] != f[1][2] - f[1][1] for f in shared)
+    decoder = vocoder.decoder
+    if decode == "static":  # every forward ran on a static window's buffers
+        lengths = {"1": [1], "3": [1, 2, 3], "mixed": [1, 2, 4, 5]}
+        assert (
+            decoder.window_lengths == lengths[str(schedule[0]) if len(schedule) == 1 else "mixed"]
+        )
+        assert all((decoder.batch_bucket(n), f) in decoder.graphs for n, f in driver.shapes)
+        if len(schedule) > 1:  # a lone window of 3 padded to 4, its state taken at frame 3
+            assert any(
+                n == 1 and f > w[0][2] - w[0][1]
+                for w, (n, f) in zip(driver.forwards, driver.shapes, strict=True)
+            )
 
 
 def test_a_window_without_its_state_is_far_off(plan):
@@ -130,31 +167,50 @@ def test_a_window_without_its_state_is_far_off(plan):
     fresh state, are not the whole decode's."""
     vocoder = code2wav(plan, [1])
     (codes, _) = request_codes()
-    model = vocoder.decoder.model
+    model, states = vocoder.decoder.model, vocoder.decoder.states
+    index = torch.tensor([0])
     with torch.inference_mode():
-        cold, _ = model.stream(codes[10:].T[None], [model.fresh()], [len(codes) - 10])
+        cold = model.stream(codes[10:].T[None], states, index, 0 * index, index + len(codes) - 10)
     assert float((cold.reshape(-1) - whole(vocoder, codes)[1920 * 10 :]).abs().max()) > 1e-2
 
 
-def test_a_cancelled_request_frees_its_state_and_the_other_goes_on(plan):
-    vocoder = code2wav(plan, [1])
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_a_cancelled_request_frees_its_slot_for_the_next(plan, decode):
+    """A request cancelled mid-stream gives its slot back; a request that starts after it
+    takes that slot (its old state unread: it decodes to its own whole decode), and the one
+    still running goes on. When all have ended every slot is free."""
+    vocoder = code2wav(plan, [1], decode=decode)
+    free = sorted(vocoder.free_slots)
     codes = request_codes()
     driver = Driver(vocoder, codes)
     for _ in range(6):
         driver.round_()
     victim = driver.runner.calls["r0"].state["stream"]
-    carried = weakref.ref(victim.carried)
-    assert victim.decoded == 6
-    del victim
+    slot = victim.slot
+    assert victim.decoded == 6 and slot == driver.slots["r0"] and slot not in vocoder.free_slots
     driver.runner.drop("r0")  # what an executor does when a request is cancelled
-    gc.collect()
-    assert carried() is None, "the cancelled request's state is still held"
-    survivor = driver.runner.calls["r1"].state["stream"]
-    kept = weakref.ref(survivor.carried)
-    del survivor
+    assert slot in vocoder.free_slots and victim.slot is None
+    late = driver.add(codes[0][:9])
     audio = driver.run()
     assert not driver.runner.calls
-    gc.collect()
-    assert kept() is None, "a finished request's state is still held"
-    got, want = audio["r1"], whole(vocoder, codes[1])
-    assert got.shape == want.shape and float((got - want).abs().max()) < TOLERANCE
+    assert driver.slots[late] == driver.slots["r0"], "the freed slot was not reused"
+    assert sorted(vocoder.free_slots) == free
+    for request_id, c in (("r1", codes[1]), (late, codes[0][:9])):
+        got, want = audio[request_id], whole(vocoder, c)
+        assert got.shape == want.shape and float((got - want).abs().max()) < TOLERANCE
+
+
+def test_a_stream_waits_for_a_free_slot(plan):
+    """With one slot, the second request's windows wait until the first has ended; both
+    decode to their whole decodes."""
+    vocoder = code2wav(plan, [2], slots=1, decode="static")
+    codes = request_codes()
+    driver = Driver(vocoder, codes)
+    audio = driver.run()
+    assert driver.slots == {"r0": 0, "r1": 0}
+    assert all(len(forward) == 1 for forward in driver.forwards)
+    first_of_r1 = next(i for i, f in enumerate(driver.forwards) if f[0][0] == "r1")
+    assert all(f[0][0] == "r1" for f in driver.forwards[first_of_r1:])
+    for i, c in enumerate(codes):
+        got, want = audio[f"r{i}"], whole(vocoder, c)
+        assert got.shape == want.shape and float((got - want).abs().max()) < TOLERANCE

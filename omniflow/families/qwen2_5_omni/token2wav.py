@@ -415,15 +415,6 @@ class Token2Wav(Decoder):
             torch.set_float32_matmul_precision(before)
 
     # --- static windows -------------------------------------------------------------------
-    def batch_bucket(self, rows: int) -> int:
-        """The batch a forward of `rows` windows runs at: the smallest bucket that holds them
-        (`rows` itself without static windows)."""
-        return next((b for b in self.batch_buckets if b >= rows), rows)
-
-    def window_frames(self, frames: int) -> int:
-        """The shortest static window length of at least `frames` (`frames` if none)."""
-        return min((n for n in self.window_lengths if n >= frames), default=frames)
-
     @torch.inference_mode()
     def prepare(self, lengths: list[int], max_batch: int, capture: bool) -> None:
         """Static buffers for windows of each of `lengths` codes at each batch bucket up to

@@ -23,14 +23,22 @@ starts at least that far before the frames it keeps decodes them as the whole ut
 does (the rotary attention depends on position differences only).
 
 Streamed (`SpeechDecoder.stream`), it decodes only new frames and carries what the next ones
-need (`Carry`): each causal conv its last `(kernel - 1) * dilation` inputs, each transposed
-conv the inputs its overlap spans (one for kernel 2 x stride, none for kernel = stride), each
-attention layer its rotated keys and values of the last `window - 1` frames, and the frames
-decoded so far (the next frame's position, so positions are the whole utterance's). A
-fresh stream carries zeros, which is what the whole decode pads with; so frames streamed in
-any windows, one at a time or several, give the whole decode up to float rounding, and a
-window of n frames costs n frames of work. Rows of a batch are padded on the right to the
-longest: what each row carries is taken at its own last frame, so padding never reaches it.
+need: each causal conv its last `(kernel - 1) * dilation` inputs, each transposed conv the
+inputs its overlap spans (one for kernel 2 x stride, none for kernel = stride), each
+attention layer its rotated keys and values of the last `window - 1` frames; the frames
+decoded so far (the next frame's position, so positions are the whole utterance's) the
+caller passes. A new stream (position 0) reads zeros, which is what the whole decode pads
+with; so frames streamed in any windows, one at a time or several, give the whole decode
+up to float rounding, and a window of n frames costs n frames of work.
+
+Where the state lives (`StateSlots`): one device buffer per carried tensor, `[slots + 1,
+...]`, allocated once when the stage loads; a stream owns a slot for its life. A streamed
+forward reads each row's state from its slot (`index_select` by a slot index tensor) and
+writes what the row carries after its own last frame back into it (`index_copy_`): rows of
+a batch are padded on the right to the longest, and what each keeps is taken at its own
+length, so padding never reaches it. Padding rows (a batch bucket's rows past the real ones)
+use the scratch slot. The forward's only inputs are the codes, slot indices, positions and
+lengths, and its state buffers never move: a CUDA graph captures it (`code2wav`).
 
 Encoder (`encoder.*`): transformers' `MimiModel` without its decoder parts, from
 `encoder_config`; `encode` keeps the first `encoder_valid_num_quantizers` (16) codebooks.
@@ -40,7 +48,6 @@ It turns a voice-clone request's reference audio into the reference codes.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -71,16 +78,6 @@ def read_config(root: str) -> dict:
 # --- what a stream carries from one window to the next ------------------------------------
 
 
-@dataclass(frozen=True)
-class Carry:
-    """One stream's decoder state after `frames` frames: the tensors its layers carry, in
-    forward order, each `[1, ...]`. Replaced after each window, never changed in place, so
-    fresh streams share one zero state."""
-
-    frames: int
-    tensors: tuple[torch.Tensor, ...]
-
-
 def _last(x: torch.Tensor, ends: torch.Tensor, n: int, dim: int) -> torch.Tensor:
     """Per row b, the `n` positions of `x` along `dim` that end at `ends[b] + n`: the last n
     before a row's end, in an `x` that starts with n carried positions."""
@@ -92,41 +89,64 @@ def _last(x: torch.Tensor, ends: torch.Tensor, n: int, dim: int) -> torch.Tensor
     return x.gather(dim, index.expand(sizes))
 
 
+class StateSlots:
+    """Every stream's carried state, in buffers allocated once: for each tensor a layer
+    carries (in forward order), `[slots + 1, ...]`. A stream owns slot s from its first
+    window to its end; the last slot is scratch, which a batch's padding rows read and
+    write. Nothing in a slot is reset when a stream takes it: a row at position 0 reads
+    zeros instead (`Carried.take`)."""
+
+    def __init__(self, model: SpeechDecoder, slots: int):
+        device = model.pre_conv.conv.weight.device
+        one = torch.ones(1, dtype=torch.int64, device=device)
+        walk = Carried(None, None, one - 1, one)
+        model(torch.zeros(1, model.num_quantizers, 1, dtype=torch.int64, device=device), walk)
+        self.slots = slots
+        self.scratch = slots
+        self.buffers = [t.new_zeros((slots + 1, *t.shape[1:])) for t in walk.shapes]
+
+
 class Carried:
     """A streamed forward's walk through what its rows carry. Each layer that looks back, in
-    forward order, `take`s its carried tensor (`[B, ...]`; zeros of the shape it names on the
-    walk that makes a fresh stream's state, `carries` None) and keeps what the next window
-    needs (`keep_last`). `frames`: frames each row decoded before; `lengths`: its new frames
-    (rows are padded on the right to the longest); `per_frame`: positions per frame where
-    the walk is (transposed convs multiply it)."""
+    forward order, `take`s its carried tensor `[B, ...]` (rows at position 0: zeros, what the
+    whole decode pads with) and keeps what the next window needs (`keep_last`), written into
+    each row's slot. `frames`: frames each row decoded before (its position); `lengths`: its
+    new frames (rows are padded on the right to the longest); `per_frame`: positions per
+    frame where the walk is (transposed convs multiply it). With `states` None, the walk
+    that sizes the slots: zeros in, each carried tensor's shape recorded."""
 
-    def __init__(self, carries: list[Carry] | None, lengths: list[int], device):
-        self.fresh = carries is None
-        carries = carries or [Carry(0, ())]
-        self.frames = torch.tensor([c.frames for c in carries], device=device)
-        self.lengths = torch.tensor(lengths, device=device)
+    def __init__(
+        self,
+        states: StateSlots | None,
+        slots: torch.Tensor | None,
+        frames: torch.Tensor,
+        lengths: torch.Tensor,
+    ):
+        self.states, self.slots = states, slots
+        self.frames, self.lengths = frames, lengths
+        self.started = frames > 0
         self.per_frame = 1
-        rows = [c.tensors for c in carries]
-        self._taken = iter([] if self.fresh else map(torch.cat, zip(*rows, strict=True)))
-        self.kept: list[torch.Tensor] = []
+        self._taken = self._kept = 0  # carried tensors taken and kept so far
+        self.shapes: list[torch.Tensor] = []
 
     def take(self, like: torch.Tensor, *shape: int) -> torch.Tensor:
-        if self.fresh:
-            return like.new_zeros((1, *shape))
-        return next(self._taken)
+        if self.states is None:
+            zeros = like.new_zeros((len(self.frames), *shape))
+            self.shapes.append(zeros)
+            return zeros
+        taken = self.states.buffers[self._taken].index_select(0, self.slots)
+        self._taken += 1
+        started = self.started.view(-1, *[1] * len(shape))
+        return torch.where(started, taken, torch.zeros((), dtype=taken.dtype, device=taken.device))
 
     def keep_last(self, x: torch.Tensor, n: int, dim: int = -1) -> None:
         """Keep each row's last `n` positions of `x` along `dim` (`x` starts with the n it
-        took) up to its own end."""
-        dim = dim % x.dim()
-        self.kept.append(_last(x, self.lengths * self.per_frame, n, dim))
-
-    def carries(self) -> list[Carry]:
-        """Each row's state after its new frames: views of the forward's kept tensors (no
-        copy per row; a forward's tensors live until each of its streams has moved on)."""
-        frames = (self.frames + self.lengths).tolist()
-        rows = zip(*(t.split(1) for t in self.kept), strict=True)
-        return [Carry(f, tensors) for f, tensors in zip(frames, rows, strict=True)]
+        took) up to its own end, in its slot."""
+        if self.states is None:
+            return
+        kept = _last(x, self.lengths * self.per_frame, n, dim % x.dim())
+        self.states.buffers[self._kept].index_copy_(0, self.slots, kept)
+        self._kept += 1
 
 
 # --- layers ------------------------------------------------------------------------------
@@ -493,24 +513,20 @@ class SpeechDecoder(nn.Module):
             h = layer(h) if isinstance(layer, SnakeBeta) else layer(h, carried)
         return h.clamp(min=-1, max=1)
 
-    def fresh(self) -> Carry:
-        """The state of a stream before its first frame: zeros (what the whole decode
-        pads with), walked out of a one-frame decode."""
-        weight = self.pre_conv.conv.weight
-        codes = torch.zeros(1, self.num_quantizers, 1, dtype=torch.int64, device=weight.device)
-        carried = Carried(None, [0], weight.device)
-        self(codes, carried)
-        return Carry(0, tuple(torch.zeros_like(t) for t in carried.kept))
-
     def stream(
-        self, codes: torch.Tensor, carries: list[Carry], lengths: list[int]
-    ) -> tuple[torch.Tensor, list[Carry]]:
+        self,
+        codes: torch.Tensor,
+        states: StateSlots,
+        slots: torch.Tensor,
+        frames: torch.Tensor,
+        lengths: torch.Tensor,
+    ) -> torch.Tensor:
         """The waveforms `[B, 1, T * samples_per_frame]` of each row's next frames, codes
-        `[B, 16, T]` padded on the right past the row's `lengths[b]`, after what it
-        `carries`; and what each row carries after its own last frame."""
-        carried = Carried(carries, lengths, codes.device)
-        audio = self(codes, carried)
-        return audio, carried.carries()
+        `[B, 16, T]` padded on the right past the row's `lengths[b]`, after the `frames[b]`
+        its stream decoded before (0: a new stream), whose state is in slot `slots[b]` of
+        `states`; each slot then holds its row's state after its own last frame. Device
+        work only, at the inputs' shapes: no host syncs (what a CUDA graph captures)."""
+        return self(codes, Carried(states, slots, frames, lengths))
 
     def field(self) -> Field:
         """Where frame 0 reaches, walked through the layers in forward order."""
