@@ -1,4 +1,5 @@
-"""The `omniflow` command line. Exit codes: 0 ok, 1 compile or run error, 2 usage error."""
+"""The `omniflow` command line. Exit codes: 0 ok, 1 compile or run error, 2 usage error, 141
+the reader of stdout left (a pipe into `head`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from omniflow.errors import OmniflowError, SourceError
+from omniflow.devices import this_machine
+from omniflow.errors import OmniflowError, PassError, PlacementError, SourceError
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -23,9 +25,17 @@ def _compile(args: argparse.Namespace) -> int:
         from omniflow.profiler.viz import PassSnapshots
 
         snapshots = PassSnapshots()
-    graph = optimize_file(
-        args.path, devices=args.devices, tiny=args.tiny, progress=True, on_pass=snapshots
-    )
+    for_this_machine = args.devices is None
+    if for_this_machine:
+        args.devices = this_machine()
+    try:
+        graph = optimize_file(
+            args.path, devices=args.devices, tiny=args.tiny, progress=True, on_pass=snapshots
+        )
+    except PassError as err:
+        if not (for_this_machine and isinstance(err.cause, PlacementError)):
+            raise
+        raise OmniflowError(_does_not_fit(args.path, args.devices)) from err
     plan = lower(graph)
     if snapshots is not None:
         _write_viz(args, snapshots, plan.pipeline)
@@ -40,8 +50,29 @@ def _compile(args: argparse.Namespace) -> int:
     elif args.graph:
         sys.stdout.write(f"{graph}\n")
     else:
-        render_plan(plan, Console(width=args.width, highlight=False), timings=args.timings)
+        render_plan(plan, _StdoutConsole(width=args.width, highlight=False), timings=args.timings)
     return 0
+
+
+class _StdoutConsole(Console):
+    """A console on stdout that leaves a closed pipe to `main` (rich's own exits 1)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
+def _does_not_fit(path: str, here: str) -> str:
+    """One line for a graph too big for this machine: which flags would compile it."""
+    from omniflow.compiler import SUGGESTED_INVENTORIES, flags_that_fit
+
+    need = "needs a GPU" if here == "cpu" else f"needs more than {here}"
+    hints = {"--tiny": "--tiny for the built-in tiny models"}
+    flags = [hints.get(flag, flag) for flag in flags_that_fit(path, here)]
+    if not flags:
+        tried = f"{SUGGESTED_INVENTORIES[0]} to {SUGGESTED_INVENTORIES[-1]}"
+        return f"{path} does not fit this machine ({here}) nor {tried}; give --devices"
+    return f"{path} does not fit this machine ({here}): {need}: try {', or '.join(flags)}"
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -154,13 +185,20 @@ def make_parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", help="show Python tracebacks (also: OMNIFLOW_DEBUG=1)"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    comp = sub.add_parser("compile", help="compile a .omni file to a plan and print it")
+    comp = sub.add_parser(
+        "compile",
+        help="compile a .omni file to a plan and print it",
+        description="Compile a .omni pipeline for a device inventory and print the plan: its "
+        "executors, each stage's device, memory budget and batch, and the edges between them "
+        "(docs/language.md). With no --devices, for this machine.",
+    )
     comp.add_argument("path", help="the .omni file")
     comp.add_argument(
         "--devices",
-        default="cpu",
+        default=None,
         help="device inventory: cpu | cuda:0,cuda:1 | 2xH200 | cuda:0=80GiB | "
-        "node0=2xH200,node1=2xH200 | ray:auto | ray://HOST:PORT",
+        "node0=2xH200,node1=2xH200 | ray:auto | ray://HOST:PORT (default: this machine's "
+        "CUDA devices, else cpu)",
     )
     comp.add_argument("-o", "--output", help="also write the plan JSON to this file")
     shown = comp.add_mutually_exclusive_group()
@@ -408,6 +446,9 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_BROKEN_PIPE = 141
+
+
 class UsageError(OmniflowError):
     """A command line that cannot be carried out as written."""
 
@@ -425,7 +466,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"omniflow: error: no such file: {path}", file=sys.stderr)
             return 2
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # The reader left (`omniflow compile ... | head`): end quietly, as a shell tool killed
+        # by SIGPIPE does (128 + 13), with stdout pointed where the final flush cannot fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         print("omniflow: interrupted", file=sys.stderr)
         return 130
