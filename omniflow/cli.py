@@ -131,6 +131,9 @@ def _models(args: argparse.Namespace) -> int:
     from omniflow import families
     from omniflow.checkpoints.tiny import build_tiny, is_complete, tiny_cache_dir
 
+    if args.models_command is None:  # bare `omniflow models`: what it can do
+        sys.stdout.write(args.models_help())
+        return 0
     if args.models_command == "build-scaled":
         from omniflow.checkpoints.scaled import scaled_checkpoint
 
@@ -184,7 +187,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--debug", action="store_true", help="show Python tracebacks (also: OMNIFLOW_DEBUG=1)"
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, help="what to do")
     comp = sub.add_parser(
         "compile",
         help="compile a .omni file to a plan and print it",
@@ -241,7 +244,13 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--standin", action="store_true", help="deterministic stand-in stages instead of models"
     )
-    run.add_argument("--mode", default="process", choices=("process", "inprocess", "ray"))
+    run.add_argument(
+        "--mode",
+        default="process",
+        choices=("process", "inprocess", "ray"),
+        help="where executors run: process (default) one OS process each; inprocess threads of "
+        "this process (debugging); ray: Ray actors (a ray: inventory implies it)",
+    )
     run.add_argument(
         "--param",
         action="append",
@@ -408,26 +417,40 @@ def make_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(run=_run)
     prof = sub.add_parser(
-        "profile", help="make a self-contained HTML report of a profile's trace (trace.json)"
+        "profile",
+        help="make a self-contained HTML report of a profile's trace (trace.json)",
+        description="Make a self-contained HTML report of a trace written by `omniflow run "
+        "--profile` or a server's /stop_profile (docs/profiling.md).",
     )
     prof.add_argument("path", metavar="TRACE.json", help="a trace written by a profile")
     prof.add_argument("-o", "--output", help="the report's path (default: TRACE.html)")
     prof.set_defaults(run=_profile)
     models = sub.add_parser(
-        "models", help="tiny random-weight checkpoints of the real architectures"
+        "models",
+        help="the models supported, and their tiny and scaled random-weight builds",
+        description="The models supported, and random-weight checkpoints of their "
+        "architectures: tiny ones that run anywhere, scaled ones at the real widths.",
     )
-    verbs = models.add_subparsers(dest="models_command", required=True)
-    verbs.add_parser("list", help="the built-in tiny models and whether they are built")
+    verbs = models.add_subparsers(dest="models_command", metavar="VERB", help="what to do")
+    verbs.add_parser(
+        "list",
+        help="the built-in tiny models and whether they are built",
+        description="The built-in tiny models and whether each is built.",
+    )
     build = verbs.add_parser(
-        "build-tiny", help="build (or reuse) a tiny checkpoint and print its folder"
+        "build-tiny",
+        help="build (or reuse) a tiny checkpoint and print its folder",
+        description="Build (or reuse) a tiny random-weight checkpoint and print its folder.",
     )
-    build.add_argument("name")
+    build.add_argument("name", help="the tiny model (omniflow models list names them)")
     build.add_argument(
         "--out", help="folder to build into (default: the cache, $OMNIFLOW_CACHE/tiny/NAME)"
     )
     scaled = verbs.add_parser(
         "build-scaled",
         help="build a random-weight model at the real model's widths, for GPU measurements",
+        description="Build a random-weight model at the real model's widths and print its "
+        "folder, for GPU measurements without the real weights.",
     )
     scaled.add_argument(
         "model",
@@ -442,7 +465,7 @@ def make_parser() -> argparse.ArgumentParser:
     scaled.add_argument(
         "--out", help="folder to build into (default: $OMNIFLOW_CACHE/scaled/MODEL-DEPTH)"
     )
-    models.set_defaults(run=_models)
+    models.set_defaults(run=_models, models_help=models.format_help)
     return parser
 
 
