@@ -484,10 +484,14 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     debug = args.debug or os.environ.get("OMNIFLOW_DEBUG", "") not in ("", "0")
-    for path in [getattr(args, "path", None), *getattr(args, "paths", [])]:
-        if path and not Path(path).is_file():
-            print(f"omniflow: error: no such file: {path}", file=sys.stderr)
-            return 2
+    try:  # a bare example name (`qwen3_tts`) is that example graph, here or installed
+        if getattr(args, "path", None):
+            args.path = _existing_file(args.path)
+        if getattr(args, "paths", None):
+            args.paths = [_existing_file(path) for path in args.paths]
+    except UsageError as err:
+        print(_one_message(err), file=sys.stderr)
+        return 2
     try:
         code = args.run(args)
         sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
@@ -505,6 +509,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(_one_message(err), file=sys.stderr)
         return 2 if isinstance(err, UsageError) else 1
+
+
+def _existing_file(name: str) -> str:
+    from omniflow.examples import find_pipeline
+
+    found = find_pipeline(name)
+    if found is None:
+        raise UsageError(f"no such file: {name}")
+    return str(found)
 
 
 def _one_message(err: Exception) -> str:
