@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -141,14 +142,34 @@ def _models(args: argparse.Namespace) -> int:
         return 0
     tiny = families.tiny_models()
     if args.models_command == "list":
-        for name, model in tiny.items():
-            built = "built" if is_complete(tiny_cache_dir() / name, name) else "not built"
-            print(f"{name:18} {built:10} {model.description}")
+        _list_models(tiny, lambda name: is_complete(tiny_cache_dir() / name, name))
         return 0
     if args.name not in tiny:
         raise OmniflowError(f"unknown tiny model '{args.name}'; built-in: {', '.join(tiny)}")
     print(build_tiny(args.name, args.out, progress=True))
     return 0
+
+
+def _list_models(tiny: dict, built: Callable[[str], bool]) -> None:
+    """The real models supported, each with its example graph and tiny build; then every
+    tiny model, built or not."""
+    from omniflow.catalog.supported import supported_models
+
+    def state(name: str) -> str:
+        return "built" if built(name) else "not built"
+
+    rows = [("model", "graph", "tiny build", "real-size")]
+    for m in supported_models():
+        graph = "-" if m.graph is None else f"{m.graph}{'' if m.named else ' (--model)'}"
+        tiny_build = f"{m.tiny} ({state(m.tiny)})" if m.tiny else "-"
+        rows.append((m.model, graph, tiny_build, "build-scaled" if m.scaled else "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)), row[-1])
+    print("\n(--model): the graph serves another model of its family; name this one with --model")
+    print("\ntiny models (--tiny swaps them in; omniflow models build-tiny NAME builds one)")
+    for name, model in tiny.items():
+        print(f"{name:22} {state(name):10} {model.description}")
 
 
 def _write_viz(args: argparse.Namespace, snapshots, pipeline: str) -> None:
@@ -434,8 +455,10 @@ def make_parser() -> argparse.ArgumentParser:
     verbs = models.add_subparsers(dest="models_command", metavar="VERB", help="what to do")
     verbs.add_parser(
         "list",
-        help="the built-in tiny models and whether they are built",
-        description="The built-in tiny models and whether each is built.",
+        help="the real models supported, their example graphs and tiny builds",
+        description="The real models supported: each with the example graph that serves it, "
+        "its tiny build (and whether it is built) and whether a real-size random-weight "
+        "build exists; then every built-in tiny model.",
     )
     build = verbs.add_parser(
         "build-tiny",
