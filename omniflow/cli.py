@@ -31,7 +31,12 @@ def _compile(args: argparse.Namespace) -> int:
         args.devices = this_machine()
     try:
         graph = optimize_file(
-            args.path, devices=args.devices, tiny=args.tiny, progress=True, on_pass=snapshots
+            args.path,
+            devices=args.devices,
+            tiny=args.tiny,
+            progress=True,
+            on_pass=snapshots,
+            model=args.model,
         )
     except PassError as err:
         if not (for_this_machine and isinstance(err.cause, PlacementError)):
@@ -77,6 +82,11 @@ def _does_not_fit(path: str, here: str) -> str:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.model and (len(args.paths) != 1 or not args.paths[0].endswith(".omni")):
+        raise UsageError(
+            "--model replaces the model line of one .omni pipeline: "
+            "omniflow run PIPELINE.omni --model MODEL_ID (or: omniflow serve MODEL_ID)"
+        )
     if not (args.once or args.input or args.out is not None or args.profile is not None):
         # --input, --out and --profile imply --once
         from omniflow.server.launch import serve
@@ -97,7 +107,9 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("--profile-gpu adds to a profile: give --profile DIR too")
     inputs = dict(_key_value(item) for item in args.input)
     params = {k: _param_value(v) for k, v in map(_key_value, args.param)}
-    plan = compile_file(args.paths[0], devices=args.devices, tiny=args.tiny, progress=True)
+    plan = compile_file(
+        args.paths[0], devices=args.devices, tiny=args.tiny, progress=True, model=args.model
+    )
     backends = "standin" if args.standin else "auto"
     console = Console(stderr=True, highlight=False)
     return run_once(
@@ -111,6 +123,25 @@ def _run(args: argparse.Namespace) -> int:
         profile=None if args.profile is None else Path(args.profile),
         profile_gpu=args.profile_gpu,
     )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """`omniflow serve MODEL`: `run` on the example graph that serves the model."""
+    from omniflow.catalog.supported import serving_graph, supported_models
+    from omniflow.examples import example_graphs
+    from omniflow.hints import did_you_mean
+
+    graph, _ = serving_graph(args.model_id)
+    if graph is None:
+        known = [m.model for m in supported_models() if m.graph]
+        hint = did_you_mean(args.model_id, known, ignore_case=True) or "omniflow models list"
+        raise OmniflowError(
+            f"no example graph serves '{args.model_id}'; {hint} (or: omniflow run "
+            "PIPELINE.omni --model MODEL)"
+        )
+    args.paths, args.model = [str(example_graphs()[graph])], args.model_id
+    print(f"omniflow: serving {args.model_id} on {args.paths[0]}", file=sys.stderr)
+    return _run(args)
 
 
 def _key_value(item: str) -> tuple[str, str]:
@@ -201,6 +232,12 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+MODEL_HELP = (
+    "serve this model (a hub id or a local folder) in place of the pipeline's model line: "
+    "another model of its family, e.g. Qwen/Qwen3-TTS-12Hz-1.7B-Base on graphs/qwen3_tts.omni"
+)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omniflow", description="Compile and serve .omni pipelines."
@@ -237,6 +274,7 @@ def make_parser() -> argparse.ArgumentParser:
     comp.add_argument(
         "--tiny", action="store_true", help="use the built-in tiny models of the same architectures"
     )
+    comp.add_argument("--model", metavar="MODEL_ID", help=MODEL_HELP)
     comp.add_argument("--timings", action="store_true", help="print how long each pass took")
     comp.add_argument(
         "--viz", metavar="OUT.html", help="also draw the graph after each pass into this HTML file"
@@ -253,26 +291,103 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "paths", nargs="*", metavar="PIPELINE", help=".omni files or plan JSON files to serve"
     )
-    run.add_argument(
+    _add_serving_options(run)
+    run.set_defaults(run=_run)
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model by its hub id or folder, on the example graph of its architecture",
+        description="Serve a model by its hub id (omniflow models list) or a local checkpoint "
+        "folder: the example graph that serves its family and architecture, with the model "
+        "in place of the graph's own (as omniflow run GRAPH.omni --model MODEL). Takes run's "
+        "flags.",
+    )
+    serve.add_argument(
+        "model_id", metavar="MODEL", help="a hub id (omniflow models list) or a checkpoint folder"
+    )
+    _add_serving_options(serve, with_model=False)
+    serve.set_defaults(run=_serve)
+    prof = sub.add_parser(
+        "profile",
+        help="make a self-contained HTML report of a profile's trace (trace.json)",
+        description="Make a self-contained HTML report of a trace written by `omniflow run "
+        "--profile` or a server's /stop_profile (docs/profiling.md).",
+    )
+    prof.add_argument("path", metavar="TRACE.json", help="a trace written by a profile")
+    prof.add_argument("-o", "--output", help="the report's path (default: TRACE.html)")
+    prof.set_defaults(run=_profile)
+    models = sub.add_parser(
+        "models",
+        help="the models supported, and their tiny and scaled random-weight builds",
+        description="The models supported, and random-weight checkpoints of their "
+        "architectures: tiny ones that run anywhere, scaled ones at the real widths.",
+    )
+    verbs = models.add_subparsers(dest="models_command", metavar="VERB", help="what to do")
+    verbs.add_parser(
+        "list",
+        help="the real models supported, their example graphs and tiny builds",
+        description="The real models supported: each with the example graph that serves it, "
+        "its tiny build (and whether it is built) and whether a real-size random-weight "
+        "build exists; then every built-in tiny model.",
+    )
+    build = verbs.add_parser(
+        "build-tiny",
+        help="build (or reuse) a tiny checkpoint and print its folder",
+        description="Build (or reuse) a tiny random-weight checkpoint and print its folder.",
+    )
+    build.add_argument("name", help="the tiny model (omniflow models list names them)")
+    build.add_argument(
+        "--out", help="folder to build into (default: the cache, $OMNIFLOW_CACHE/tiny/NAME)"
+    )
+    scaled = verbs.add_parser(
+        "build-scaled",
+        help="build a random-weight model at the real model's widths, for GPU measurements",
+        description="Build a random-weight model at the real model's widths and print its "
+        "folder, for GPU measurements without the real weights.",
+    )
+    scaled.add_argument(
+        "model",
+        nargs="?",
+        default="Qwen/Qwen2.5-Omni-7B",
+        help="the real model to build (default Qwen/Qwen2.5-Omni-7B)",
+    )
+    scaled.add_argument(
+        "--depth", type=float, default=1.0, help="fraction of the real layer counts (default 1)"
+    )
+    scaled.add_argument("--device", default="cuda", help="where to initialise it (default cuda)")
+    scaled.add_argument(
+        "--out", help="folder to build into (default: $OMNIFLOW_CACHE/scaled/MODEL-DEPTH)"
+    )
+    models.set_defaults(run=_models, models_help=models.format_help)
+    return parser
+
+
+EXIT_BROKEN_PIPE = 141
+
+
+def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+    """The flags of `run` and `serve`: devices, models, serving limits, --once."""
+    parser.add_argument(
         "--devices",
         default="cpu",
         help="device inventory, as for compile; ray:auto or ray://HOST:PORT runs the executors "
         "as Ray actors on that cluster (docs/deploy.md)",
     )
-    run.add_argument(
+    parser.add_argument(
         "--tiny", action="store_true", help="use the built-in tiny models of the same architectures"
     )
-    run.add_argument(
+    if with_model:
+        parser.add_argument("--model", metavar="MODEL_ID", help=MODEL_HELP)
+    parser.add_argument(
         "--standin", action="store_true", help="deterministic stand-in stages instead of models"
     )
-    run.add_argument(
+    parser.add_argument(
         "--mode",
         default="process",
         choices=("process", "inprocess", "ray"),
         help="where executors run: process (default) one OS process each; inprocess threads of "
         "this process (debugging); ray: Ray actors (a ray: inventory implies it)",
     )
-    run.add_argument(
+    parser.add_argument(
         "--param",
         action="append",
         default=[],
@@ -280,7 +395,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="a parameter value (JSON, else a string): --param steps=4 --param speaker=Ethan; "
         "served, it is the requests' default ([PIPELINE.]NAME=VALUE)",
     )
-    serving = run.add_argument_group("serving")
+    serving = parser.add_argument_group("serving")
     serving.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serving.add_argument(
         "--port", type=int, default=8091, help="port to listen on (default 8091; 0: any free one)"
@@ -410,7 +525,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--log-stats-json", metavar="FILE", help="append per-request stats as JSON lines to FILE"
     )
     serving.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    once = run.add_argument_group("one request (--once)")
+    once = parser.add_argument_group("one request (--once)")
     once.add_argument(
         "--once",
         action="store_true",
@@ -436,63 +551,6 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --profile: add the CUDA kernel timeline of the GPU stages (torch profiler)",
     )
-    run.set_defaults(run=_run)
-    prof = sub.add_parser(
-        "profile",
-        help="make a self-contained HTML report of a profile's trace (trace.json)",
-        description="Make a self-contained HTML report of a trace written by `omniflow run "
-        "--profile` or a server's /stop_profile (docs/profiling.md).",
-    )
-    prof.add_argument("path", metavar="TRACE.json", help="a trace written by a profile")
-    prof.add_argument("-o", "--output", help="the report's path (default: TRACE.html)")
-    prof.set_defaults(run=_profile)
-    models = sub.add_parser(
-        "models",
-        help="the models supported, and their tiny and scaled random-weight builds",
-        description="The models supported, and random-weight checkpoints of their "
-        "architectures: tiny ones that run anywhere, scaled ones at the real widths.",
-    )
-    verbs = models.add_subparsers(dest="models_command", metavar="VERB", help="what to do")
-    verbs.add_parser(
-        "list",
-        help="the real models supported, their example graphs and tiny builds",
-        description="The real models supported: each with the example graph that serves it, "
-        "its tiny build (and whether it is built) and whether a real-size random-weight "
-        "build exists; then every built-in tiny model.",
-    )
-    build = verbs.add_parser(
-        "build-tiny",
-        help="build (or reuse) a tiny checkpoint and print its folder",
-        description="Build (or reuse) a tiny random-weight checkpoint and print its folder.",
-    )
-    build.add_argument("name", help="the tiny model (omniflow models list names them)")
-    build.add_argument(
-        "--out", help="folder to build into (default: the cache, $OMNIFLOW_CACHE/tiny/NAME)"
-    )
-    scaled = verbs.add_parser(
-        "build-scaled",
-        help="build a random-weight model at the real model's widths, for GPU measurements",
-        description="Build a random-weight model at the real model's widths and print its "
-        "folder, for GPU measurements without the real weights.",
-    )
-    scaled.add_argument(
-        "model",
-        nargs="?",
-        default="Qwen/Qwen2.5-Omni-7B",
-        help="the real model to build (default Qwen/Qwen2.5-Omni-7B)",
-    )
-    scaled.add_argument(
-        "--depth", type=float, default=1.0, help="fraction of the real layer counts (default 1)"
-    )
-    scaled.add_argument("--device", default="cuda", help="where to initialise it (default cuda)")
-    scaled.add_argument(
-        "--out", help="folder to build into (default: $OMNIFLOW_CACHE/scaled/MODEL-DEPTH)"
-    )
-    models.set_defaults(run=_models, models_help=models.format_help)
-    return parser
-
-
-EXIT_BROKEN_PIPE = 141
 
 
 class UsageError(OmniflowError):

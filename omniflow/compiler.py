@@ -52,11 +52,14 @@ def optimize_file(
     tiny: bool = False,
     progress: bool = False,
     on_pass: PassHook | None = None,
+    model: str | None = None,
 ) -> Graph:
-    """The file's graph after the passes, what `lower` takes. `tiny`: swap every model for
-    its built-in tiny counterpart (same architecture), built on first use (`progress`: with
-    a progress bar)."""
+    """The file's graph after the passes, what `lower` takes. `model`: serve it in place of
+    the file's model line (`--model`). `tiny`: swap every model for its built-in tiny
+    counterpart (same architecture), built on first use (`progress`: with a progress bar)."""
     graph = load_graph(path)
+    if model:
+        graph = with_model(graph, model)
     if tiny:
         graph = use_tiny_models(graph)
         for model in sorted({graph.model, *(s.params.get("model") for s in graph.stages)} - {None}):
@@ -65,7 +68,8 @@ def optimize_file(
 
 
 def compile_file(path: str | Path, devices: str = "cpu", **options) -> Plan:
-    """optimize_file's graph (`options`: its `tiny`, `progress`, `on_pass`) lowered to a plan."""
+    """optimize_file's graph (`options`: its `tiny`, `progress`, `on_pass`, `model`) lowered
+    to a plan."""
     return lower(optimize_file(path, devices, **options))
 
 
@@ -94,3 +98,24 @@ def _places(graph: Graph, devices: str) -> bool:
             return False
         raise
     return True
+
+
+def with_model(graph: Graph, model: str) -> Graph:
+    """A copy of `graph` that serves `model` in place of its model line (stages that name a
+    model of their own keep it). A model of another family than the line's is refused,
+    naming the example graph that serves it."""
+    from omniflow.catalog.supported import family_of, serving_graph
+
+    if not graph.model:
+        raise ModelConfigError(f"pipeline '{graph.name}' has no model line for --model to replace")
+    ours, theirs = family_of(graph.model), family_of(model)
+    if ours is not None and theirs is not None and ours is not theirs:
+        serving, _ = serving_graph(model)
+        where = f"; graphs/{serving}.omni serves it" if serving else ""
+        raise ModelConfigError(
+            f"--model {model}: pipeline '{graph.name}' serves {ours.name} models, and "
+            f"{model} is a {theirs.name} model{where}"
+        )
+    graph = graph.copy()
+    graph.model = model
+    return graph

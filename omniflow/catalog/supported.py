@@ -3,15 +3,18 @@ that serves it and its tiny and real-size random-weight builds.
 
 `omniflow models list` prints it, and docs/models.md carries it as a table that
 `supported_models_markdown` writes (tests/catalog/test_supported.py keeps the two equal).
-An example graph serves a model when it names it, or names another model of the same family
-and architecture (a sibling size, another checkpoint of the same classes): which graph serves
+An example graph serves a model (a hub id, or a checkpoint folder by the architecture its
+config declares) when it names it, or names another model of the same family and
+architecture (a sibling size, another checkpoint of the same classes): which graph serves
 what is read off graphs/*.omni, never kept beside them.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from omniflow import families
 from omniflow.catalog.resolve import TINY_SCHEME
@@ -28,12 +31,24 @@ class SupportedModel:
     scaled: bool  # whether `omniflow models build-scaled` builds it at real size
 
 
+# The files whose fields name a checkpoint's architecture (`Family.architectures`).
+DECLARING_FILES = ("config.json", "model_index.json")
+
+
 def architecture(model: str) -> str | None:
-    """The architecture a model's published config declares, or None where none ships."""
-    files = families.published_configs().get(model, {}).get("files", {})
-    return files.get("config.json", {}).get("model_type") or files.get("model_index.json", {}).get(
-        "_class_name"
-    )
+    """The architecture a checkpoint folder's config declares, or for a hub id its published
+    config's; None where there is none."""
+    folder = Path(model)
+    if folder.is_dir():
+        files = {
+            name: json.loads((folder / name).read_text(encoding="utf-8"))
+            for name in DECLARING_FILES
+            if (folder / name).is_file()
+        }
+    else:
+        files = families.published_configs().get(model, {}).get("files", {})
+    model_type = files.get("config.json", {}).get("model_type")
+    return model_type or files.get("model_index.json", {}).get("_class_name")
 
 
 @functools.cache
@@ -42,7 +57,10 @@ def _family_by_model() -> dict[str, families.Family]:
 
 
 def family_of(model: str) -> families.Family | None:
-    """The family that names `model` (hub ids match case-insensitively)."""
+    """The family that names `model` (hub ids match case-insensitively), or whose
+    architecture a checkpoint folder declares."""
+    if Path(model).is_dir():
+        return families.for_architecture(architecture(model))
     by_lower = {m.lower(): f for m, f in _family_by_model().items()}
     return by_lower.get(model.lower())
 

@@ -79,7 +79,8 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def load_plan(path: str, devices: str, tiny: bool) -> Plan:
+def load_plan(path: str, devices: str, tiny: bool, model: str | None = None) -> Plan:
+    """A plan JSON as written, or a .omni file compiled (`model`: in place of its own)."""
     if path.endswith(".json"):
         try:
             return Plan.from_json(Path(path).read_bytes())
@@ -87,7 +88,7 @@ def load_plan(path: str, devices: str, tiny: bool) -> Plan:
             raise ServeError(f"cannot read plan {path}: {err.strerror}") from None
     from omniflow.compiler import compile_file
 
-    return compile_file(path, devices=devices, tiny=tiny, progress=True)
+    return compile_file(path, devices=devices, tiny=tiny, progress=True, model=model)
 
 
 def param_defaults(items: list[str], plans: list[Plan], checks: dict) -> dict[str, dict]:
@@ -280,7 +281,7 @@ def serve(args) -> int:
     engines: dict = {}
     try:
         with _sigterm_interrupts():
-            plans = [load_plan(path, args.devices, tiny) for path in paths]
+            plans = [load_plan(path, args.devices, tiny, args.model) for path in paths]
             names = [p.pipeline for p in plans]
             twice = sorted({n for n in names if names.count(n) > 1})
             if twice:
