@@ -327,6 +327,10 @@ def test_a_graph_too_big_for_this_machine_says_in_one_line_which_flags_fit(capsy
         "omniflow: error: graphs/omni_chat.omni does not fit this machine (cpu): needs a GPU: "
         "try --devices 1xH200, or --tiny for the built-in tiny models\n"
     )
+    assert (
+        f"$ omniflow compile graphs/omni_chat.omni    # on a CPU-only machine\n{err}"
+        in (ROOT / "README.md").read_text()
+    )  # the README shows it as it is
     for flags in (["--devices", "1xH200"], ["--tiny"]):  # and each suggestion does compile
         code, out, err = _cli(capsys, "compile", "graphs/omni_chat.omni", *flags)
         assert code == 0 and "pipeline omni_chat" in out, err
