@@ -127,9 +127,9 @@ def _run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     """`omniflow serve MODEL`: `run` on the example graph that serves the model."""
-    from omniflow.catalog.supported import serving_graph, supported_models
     from omniflow.examples import example_graphs
     from omniflow.hints import did_you_mean
+    from omniflow.supported import serving_graph, supported_models
 
     graph, _ = serving_graph(args.model_id)
     if graph is None:
@@ -184,7 +184,7 @@ def _models(args: argparse.Namespace) -> int:
 def _list_models(tiny: dict, built: Callable[[str], bool]) -> None:
     """The real models supported, each with its example graph and tiny build; then every
     tiny model, built or not."""
-    from omniflow.catalog.supported import supported_models
+    from omniflow.supported import supported_models
 
     def state(name: str) -> str:
         return "built" if built(name) else "not built"

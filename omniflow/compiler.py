@@ -104,7 +104,7 @@ def with_model(graph: Graph, model: str) -> Graph:
     """A copy of `graph` that serves `model` in place of its model line (stages that name a
     model of their own keep it). A model of another family than the line's is refused,
     naming the example graph that serves it."""
-    from omniflow.catalog.supported import family_of, serving_graph
+    from omniflow.supported import family_of, serving_graph
 
     if not graph.model:
         raise ModelConfigError(f"pipeline '{graph.name}' has no model line for --model to replace")

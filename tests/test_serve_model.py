@@ -1,6 +1,6 @@
 """A model picked by name: `--model` serves another model of a graph's family in place of its
 model line, and `omniflow serve MODEL` picks the example graph that serves the model's family
-and architecture (tests/catalog/test_supported.py: which graph that is)."""
+and architecture (tests/test_supported.py: which graph that is)."""
 
 import json
 import wave
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from omniflow.catalog.supported import supported_models
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.cli import main
 from omniflow.families import published_configs
+from omniflow.supported import supported_models
 
 ROOT = Path(__file__).parents[1]
 BASE = "Qwen/Qwen3-TTS-12Hz-1.7B-Base"

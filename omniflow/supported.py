@@ -2,7 +2,7 @@
 that serves it and its tiny and real-size random-weight builds.
 
 `omniflow models list` prints it, and docs/models.md carries it as a table that
-`supported_models_markdown` writes (tests/catalog/test_supported.py keeps the two equal).
+`supported_models_markdown` writes (tests/test_supported.py keeps the two equal).
 An example graph serves a model (a hub id, or a checkpoint folder by the architecture its
 config declares) when it names it, or names another model of the same family and
 architecture (a sibling size, another checkpoint of the same classes): which graph serves

@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 
 from omniflow import families
-from omniflow.catalog.supported import (
+from omniflow.supported import (
     graph_models,
     serving_graph,
     supported_models,
     supported_models_markdown,
 )
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[1]
 DOCS = ROOT / "docs/models.md"
 BLOCK = re.compile(
     r"(<!-- supported models: begin -->\n)(.*?)(<!-- supported models: end -->)", re.DOTALL
