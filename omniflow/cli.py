@@ -1,4 +1,5 @@
-"""The `omniflow` command line. Exit codes: 0 ok, 1 compile or run error, 2 usage error."""
+"""The `omniflow` command line. Exit codes: 0 ok, 1 compile or run error, 2 usage error, 141
+the reader of stdout left (a pipe into `head`)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
 
-from omniflow.errors import OmniflowError, SourceError
+from omniflow.devices import this_machine
+from omniflow.errors import OmniflowError, PassError, PlacementError, SourceError
 
 
 def _compile(args: argparse.Namespace) -> int:
@@ -23,9 +26,22 @@ def _compile(args: argparse.Namespace) -> int:
         from omniflow.profiler.viz import PassSnapshots
 
         snapshots = PassSnapshots()
-    graph = optimize_file(
-        args.path, devices=args.devices, tiny=args.tiny, progress=True, on_pass=snapshots
-    )
+    for_this_machine = args.devices is None
+    if for_this_machine:
+        args.devices = this_machine()
+    try:
+        graph = optimize_file(
+            args.path,
+            devices=args.devices,
+            tiny=args.tiny,
+            progress=True,
+            on_pass=snapshots,
+            model=args.model,
+        )
+    except PassError as err:
+        if not (for_this_machine and isinstance(err.cause, PlacementError)):
+            raise
+        raise OmniflowError(_does_not_fit(args.path, args.devices)) from err
     plan = lower(graph)
     if snapshots is not None:
         _write_viz(args, snapshots, plan.pipeline)
@@ -40,11 +56,37 @@ def _compile(args: argparse.Namespace) -> int:
     elif args.graph:
         sys.stdout.write(f"{graph}\n")
     else:
-        render_plan(plan, Console(width=args.width, highlight=False), timings=args.timings)
+        render_plan(plan, _StdoutConsole(width=args.width, highlight=False), timings=args.timings)
     return 0
 
 
+class _StdoutConsole(Console):
+    """A console on stdout that leaves a closed pipe to `main` (rich's own exits 1)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
+def _does_not_fit(path: str, here: str) -> str:
+    """One line for a graph too big for this machine: which flags would compile it."""
+    from omniflow.compiler import SUGGESTED_INVENTORIES, flags_that_fit
+
+    need = "needs a GPU" if here == "cpu" else f"needs more than {here}"
+    hints = {"--tiny": "--tiny for the built-in tiny models"}
+    flags = [hints.get(flag, flag) for flag in flags_that_fit(path, here)]
+    if not flags:
+        tried = f"{SUGGESTED_INVENTORIES[0]} to {SUGGESTED_INVENTORIES[-1]}"
+        return f"{path} does not fit this machine ({here}) nor {tried}; give --devices"
+    return f"{path} does not fit this machine ({here}): {need}: try {', or '.join(flags)}"
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.model and (len(args.paths) != 1 or not args.paths[0].endswith(".omni")):
+        raise UsageError(
+            "--model replaces the model line of one .omni pipeline: "
+            "omniflow run PIPELINE.omni --model MODEL_ID (or: omniflow serve MODEL_ID)"
+        )
     if not (args.once or args.input or args.out is not None or args.profile is not None):
         # --input, --out and --profile imply --once
         from omniflow.server.launch import serve
@@ -65,7 +107,9 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("--profile-gpu adds to a profile: give --profile DIR too")
     inputs = dict(_key_value(item) for item in args.input)
     params = {k: _param_value(v) for k, v in map(_key_value, args.param)}
-    plan = compile_file(args.paths[0], devices=args.devices, tiny=args.tiny, progress=True)
+    plan = compile_file(
+        args.paths[0], devices=args.devices, tiny=args.tiny, progress=True, model=args.model
+    )
     backends = "standin" if args.standin else "auto"
     console = Console(stderr=True, highlight=False)
     return run_once(
@@ -79,6 +123,25 @@ def _run(args: argparse.Namespace) -> int:
         profile=None if args.profile is None else Path(args.profile),
         profile_gpu=args.profile_gpu,
     )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """`omniflow serve MODEL`: `run` on the example graph that serves the model."""
+    from omniflow.examples import example_graphs
+    from omniflow.hints import did_you_mean
+    from omniflow.supported import serving_graph, supported_models
+
+    graph, _ = serving_graph(args.model_id)
+    if graph is None:
+        known = [m.model for m in supported_models() if m.graph]
+        hint = did_you_mean(args.model_id, known, ignore_case=True) or "omniflow models list"
+        raise OmniflowError(
+            f"no example graph serves '{args.model_id}'; {hint} (or: omniflow run "
+            "PIPELINE.omni --model MODEL)"
+        )
+    args.paths, args.model = [str(example_graphs()[graph])], args.model_id
+    print(f"omniflow: serving {args.model_id} on {args.paths[0]}", file=sys.stderr)
+    return _run(args)
 
 
 def _key_value(item: str) -> tuple[str, str]:
@@ -100,6 +163,9 @@ def _models(args: argparse.Namespace) -> int:
     from omniflow import families
     from omniflow.checkpoints.tiny import build_tiny, is_complete, tiny_cache_dir
 
+    if args.models_command is None:  # bare `omniflow models`: what it can do
+        sys.stdout.write(args.models_help())
+        return 0
     if args.models_command == "build-scaled":
         from omniflow.checkpoints.scaled import scaled_checkpoint
 
@@ -107,14 +173,34 @@ def _models(args: argparse.Namespace) -> int:
         return 0
     tiny = families.tiny_models()
     if args.models_command == "list":
-        for name, model in tiny.items():
-            built = "built" if is_complete(tiny_cache_dir() / name, name) else "not built"
-            print(f"{name:18} {built:10} {model.description}")
+        _list_models(tiny, lambda name: is_complete(tiny_cache_dir() / name, name))
         return 0
     if args.name not in tiny:
         raise OmniflowError(f"unknown tiny model '{args.name}'; built-in: {', '.join(tiny)}")
     print(build_tiny(args.name, args.out, progress=True))
     return 0
+
+
+def _list_models(tiny: dict, built: Callable[[str], bool]) -> None:
+    """The real models supported, each with its example graph and tiny build; then every
+    tiny model, built or not."""
+    from omniflow.supported import supported_models
+
+    def state(name: str) -> str:
+        return "built" if built(name) else "not built"
+
+    rows = [("model", "graph", "tiny build", "real-size")]
+    for m in supported_models():
+        graph = "-" if m.graph is None else f"{m.graph}{'' if m.named else ' (--model)'}"
+        tiny_build = f"{m.tiny} ({state(m.tiny)})" if m.tiny else "-"
+        rows.append((m.model, graph, tiny_build, "build-scaled" if m.scaled else "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)), row[-1])
+    print("\n(--model): the graph serves another model of its family; name this one with --model")
+    print("\ntiny models (--tiny swaps them in; omniflow models build-tiny NAME builds one)")
+    for name, model in tiny.items():
+        print(f"{name:22} {state(name):10} {model.description}")
 
 
 def _write_viz(args: argparse.Namespace, snapshots, pipeline: str) -> None:
@@ -146,6 +232,12 @@ def _profile(args: argparse.Namespace) -> int:
     return 0
 
 
+MODEL_HELP = (
+    "serve this model (a hub id or a local folder) in place of the pipeline's model line: "
+    "another model of its family, e.g. Qwen/Qwen3-TTS-12Hz-1.7B-Base on graphs/qwen3_tts.omni"
+)
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omniflow", description="Compile and serve .omni pipelines."
@@ -153,14 +245,21 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--debug", action="store_true", help="show Python tracebacks (also: OMNIFLOW_DEBUG=1)"
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    comp = sub.add_parser("compile", help="compile a .omni file to a plan and print it")
+    sub = parser.add_subparsers(dest="command", required=True, help="what to do")
+    comp = sub.add_parser(
+        "compile",
+        help="compile a .omni file to a plan and print it",
+        description="Compile a .omni pipeline for a device inventory and print the plan: its "
+        "executors, each stage's device, memory budget and batch, and the edges between them "
+        "(docs/language.md). With no --devices, for this machine.",
+    )
     comp.add_argument("path", help="the .omni file")
     comp.add_argument(
         "--devices",
-        default="cpu",
+        default=None,
         help="device inventory: cpu | cuda:0,cuda:1 | 2xH200 | cuda:0=80GiB | "
-        "node0=2xH200,node1=2xH200 | ray:auto | ray://HOST:PORT",
+        "node0=2xH200,node1=2xH200 | ray:auto | ray://HOST:PORT (default: this machine's "
+        "CUDA devices, else cpu)",
     )
     comp.add_argument("-o", "--output", help="also write the plan JSON to this file")
     shown = comp.add_mutually_exclusive_group()
@@ -175,6 +274,7 @@ def make_parser() -> argparse.ArgumentParser:
     comp.add_argument(
         "--tiny", action="store_true", help="use the built-in tiny models of the same architectures"
     )
+    comp.add_argument("--model", metavar="MODEL_ID", help=MODEL_HELP)
     comp.add_argument("--timings", action="store_true", help="print how long each pass took")
     comp.add_argument(
         "--viz", metavar="OUT.html", help="also draw the graph after each pass into this HTML file"
@@ -191,20 +291,103 @@ def make_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "paths", nargs="*", metavar="PIPELINE", help=".omni files or plan JSON files to serve"
     )
-    run.add_argument(
+    _add_serving_options(run)
+    run.set_defaults(run=_run)
+    serve = sub.add_parser(
+        "serve",
+        help="serve a model by its hub id or folder, on the example graph of its architecture",
+        description="Serve a model by its hub id (omniflow models list) or a local checkpoint "
+        "folder: the example graph that serves its family and architecture, with the model "
+        "in place of the graph's own (as omniflow run GRAPH.omni --model MODEL). Takes run's "
+        "flags.",
+    )
+    serve.add_argument(
+        "model_id", metavar="MODEL", help="a hub id (omniflow models list) or a checkpoint folder"
+    )
+    _add_serving_options(serve, with_model=False)
+    serve.set_defaults(run=_serve)
+    prof = sub.add_parser(
+        "profile",
+        help="make a self-contained HTML report of a profile's trace (trace.json)",
+        description="Make a self-contained HTML report of a trace written by `omniflow run "
+        "--profile` or a server's /stop_profile (docs/profiling.md).",
+    )
+    prof.add_argument("path", metavar="TRACE.json", help="a trace written by a profile")
+    prof.add_argument("-o", "--output", help="the report's path (default: TRACE.html)")
+    prof.set_defaults(run=_profile)
+    models = sub.add_parser(
+        "models",
+        help="the models supported, and their tiny and scaled random-weight builds",
+        description="The models supported, and random-weight checkpoints of their "
+        "architectures: tiny ones that run anywhere, scaled ones at the real widths.",
+    )
+    verbs = models.add_subparsers(dest="models_command", metavar="VERB", help="what to do")
+    verbs.add_parser(
+        "list",
+        help="the real models supported, their example graphs and tiny builds",
+        description="The real models supported: each with the example graph that serves it, "
+        "its tiny build (and whether it is built) and whether a real-size random-weight "
+        "build exists; then every built-in tiny model.",
+    )
+    build = verbs.add_parser(
+        "build-tiny",
+        help="build (or reuse) a tiny checkpoint and print its folder",
+        description="Build (or reuse) a tiny random-weight checkpoint and print its folder.",
+    )
+    build.add_argument("name", help="the tiny model (omniflow models list names them)")
+    build.add_argument(
+        "--out", help="folder to build into (default: the cache, $OMNIFLOW_CACHE/tiny/NAME)"
+    )
+    scaled = verbs.add_parser(
+        "build-scaled",
+        help="build a random-weight model at the real model's widths, for GPU measurements",
+        description="Build a random-weight model at the real model's widths and print its "
+        "folder, for GPU measurements without the real weights.",
+    )
+    scaled.add_argument(
+        "model",
+        nargs="?",
+        default="Qwen/Qwen2.5-Omni-7B",
+        help="the real model to build (default Qwen/Qwen2.5-Omni-7B)",
+    )
+    scaled.add_argument(
+        "--depth", type=float, default=1.0, help="fraction of the real layer counts (default 1)"
+    )
+    scaled.add_argument("--device", default="cuda", help="where to initialise it (default cuda)")
+    scaled.add_argument(
+        "--out", help="folder to build into (default: $OMNIFLOW_CACHE/scaled/MODEL-DEPTH)"
+    )
+    models.set_defaults(run=_models, models_help=models.format_help)
+    return parser
+
+
+EXIT_BROKEN_PIPE = 141
+
+
+def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+    """The flags of `run` and `serve`: devices, models, serving limits, --once."""
+    parser.add_argument(
         "--devices",
         default="cpu",
         help="device inventory, as for compile; ray:auto or ray://HOST:PORT runs the executors "
         "as Ray actors on that cluster (docs/deploy.md)",
     )
-    run.add_argument(
+    parser.add_argument(
         "--tiny", action="store_true", help="use the built-in tiny models of the same architectures"
     )
-    run.add_argument(
+    if with_model:
+        parser.add_argument("--model", metavar="MODEL_ID", help=MODEL_HELP)
+    parser.add_argument(
         "--standin", action="store_true", help="deterministic stand-in stages instead of models"
     )
-    run.add_argument("--mode", default="process", choices=("process", "inprocess", "ray"))
-    run.add_argument(
+    parser.add_argument(
+        "--mode",
+        default="process",
+        choices=("process", "inprocess", "ray"),
+        help="where executors run: process (default) one OS process each; inprocess threads of "
+        "this process (debugging); ray: Ray actors (a ray: inventory implies it)",
+    )
+    parser.add_argument(
         "--param",
         action="append",
         default=[],
@@ -212,7 +395,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="a parameter value (JSON, else a string): --param steps=4 --param speaker=Ethan; "
         "served, it is the requests' default ([PIPELINE.]NAME=VALUE)",
     )
-    serving = run.add_argument_group("serving")
+    serving = parser.add_argument_group("serving")
     serving.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serving.add_argument(
         "--port", type=int, default=8091, help="port to listen on (default 8091; 0: any free one)"
@@ -342,7 +525,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--log-stats-json", metavar="FILE", help="append per-request stats as JSON lines to FILE"
     )
     serving.add_argument("--access-log", action="store_true", help="log every HTTP request")
-    once = run.add_argument_group("one request (--once)")
+    once = parser.add_argument_group("one request (--once)")
     once.add_argument(
         "--once",
         action="store_true",
@@ -368,44 +551,6 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --profile: add the CUDA kernel timeline of the GPU stages (torch profiler)",
     )
-    run.set_defaults(run=_run)
-    prof = sub.add_parser(
-        "profile", help="make a self-contained HTML report of a profile's trace (trace.json)"
-    )
-    prof.add_argument("path", metavar="TRACE.json", help="a trace written by a profile")
-    prof.add_argument("-o", "--output", help="the report's path (default: TRACE.html)")
-    prof.set_defaults(run=_profile)
-    models = sub.add_parser(
-        "models", help="tiny random-weight checkpoints of the real architectures"
-    )
-    verbs = models.add_subparsers(dest="models_command", required=True)
-    verbs.add_parser("list", help="the built-in tiny models and whether they are built")
-    build = verbs.add_parser(
-        "build-tiny", help="build (or reuse) a tiny checkpoint and print its folder"
-    )
-    build.add_argument("name")
-    build.add_argument(
-        "--out", help="folder to build into (default: the cache, $OMNIFLOW_CACHE/tiny/NAME)"
-    )
-    scaled = verbs.add_parser(
-        "build-scaled",
-        help="build a random-weight model at the real model's widths, for GPU measurements",
-    )
-    scaled.add_argument(
-        "model",
-        nargs="?",
-        default="Qwen/Qwen2.5-Omni-7B",
-        help="the real model to build (default Qwen/Qwen2.5-Omni-7B)",
-    )
-    scaled.add_argument(
-        "--depth", type=float, default=1.0, help="fraction of the real layer counts (default 1)"
-    )
-    scaled.add_argument("--device", default="cuda", help="where to initialise it (default cuda)")
-    scaled.add_argument(
-        "--out", help="folder to build into (default: $OMNIFLOW_CACHE/scaled/MODEL-DEPTH)"
-    )
-    models.set_defaults(run=_models)
-    return parser
 
 
 class UsageError(OmniflowError):
@@ -420,12 +565,23 @@ def main(argv: list[str] | None = None) -> int:
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())
     debug = args.debug or os.environ.get("OMNIFLOW_DEBUG", "") not in ("", "0")
-    for path in [getattr(args, "path", None), *getattr(args, "paths", [])]:
-        if path and not Path(path).is_file():
-            print(f"omniflow: error: no such file: {path}", file=sys.stderr)
-            return 2
+    try:  # a bare example name (`qwen3_tts`) is that example graph, here or installed
+        if getattr(args, "path", None):
+            args.path = _existing_file(args.path)
+        if getattr(args, "paths", None):
+            args.paths = [_existing_file(path) for path in args.paths]
+    except UsageError as err:
+        print(_one_message(err), file=sys.stderr)
+        return 2
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # The reader left (`omniflow compile ... | head`): end quietly, as a shell tool killed
+        # by SIGPIPE does (128 + 13), with stdout pointed where the final flush cannot fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except KeyboardInterrupt:
         print("omniflow: interrupted", file=sys.stderr)
         return 130
@@ -434,6 +590,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(_one_message(err), file=sys.stderr)
         return 2 if isinstance(err, UsageError) else 1
+
+
+def _existing_file(name: str) -> str:
+    from omniflow.examples import find_pipeline
+
+    found = find_pipeline(name)
+    if found is None:
+        raise UsageError(f"no such file: {name}")
+    return str(found)
 
 
 def _one_message(err: Exception) -> str:

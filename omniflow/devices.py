@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from omniflow.errors import DeviceSpecError
 
@@ -147,6 +149,18 @@ def _detected_gpu(index: int) -> Device | None:
     props = torch.cuda.get_device_properties(index)
     model = next((m for m in ACCELERATORS if m in props.name), None)
     return _gpu(index, model, props.total_memory)
+
+
+def this_machine() -> str:
+    """This machine's inventory as `--devices` spells it: its CUDA devices where torch sees
+    any (`cuda:0,cuda:1`, sized by _detected_gpu), else `cpu`."""
+    if not (Path("/proc/driver/nvidia").exists() or shutil.which("nvidia-smi")):
+        return "cpu"  # no NVIDIA driver: spare the seconds importing torch takes
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    return ",".join(f"cuda:{i}" for i in range(torch.cuda.device_count()))
 
 
 def parse_devices(spec: str) -> list[Device]:

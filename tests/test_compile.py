@@ -3,6 +3,7 @@ the passes' facts (`--graph`), exit codes."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -12,9 +13,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from omniflow.cli import main
+from omniflow.cli import EXIT_BROKEN_PIPE, main
 from omniflow.compiler import compile_file, compile_source, load_graph, optimize_file
-from omniflow.devices import human_bytes
+from omniflow.devices import human_bytes, this_machine
 from omniflow.passes import facts
 from omniflow.plan import PLAN_VERSION, Plan
 from omniflow.report import render_plan
@@ -309,3 +310,53 @@ def test_a_multi_node_plan_shows_edge_kinds_and_why_each_stage_is_where_it_is(ca
     assert ["code2wav.audio->audio.in", "shm"] in rows
     assert "talker on node1/cuda:0: with thinker: per-token streams stay on one device" in out
     assert "code2wav on node0/cuda:0:" in out
+
+
+def test_with_no_devices_compile_is_for_this_machine(capsys):
+    code, out, err = _cli(capsys, "compile", "graphs/tts.omni", "--width", "160")
+    assert code == 0, err
+    first_device = this_machine().split(",")[0]
+    assert re.search(rf"^{re.escape(first_device)} +[\d.]+ GiB", out, re.MULTILINE), out
+
+
+@pytest.mark.skipif(this_machine() != "cpu", reason="omni_chat fits a GPU machine")
+def test_a_graph_too_big_for_this_machine_says_in_one_line_which_flags_fit(capsys):
+    code, out, err = _cli(capsys, "compile", "graphs/omni_chat.omni")
+    assert code == 1 and out == ""
+    assert err == (
+        "omniflow: error: graphs/omni_chat.omni does not fit this machine (cpu): needs a GPU: "
+        "try --devices 1xH200, or --tiny for the built-in tiny models\n"
+    )
+    assert (
+        f"$ omniflow compile graphs/omni_chat.omni    # on a CPU-only machine\n{err}"
+        in (ROOT / "README.md").read_text()
+    )  # the README shows it as it is
+    for flags in (["--devices", "1xH200"], ["--tiny"]):  # and each suggestion does compile
+        code, out, err = _cli(capsys, "compile", "graphs/omni_chat.omni", *flags)
+        assert code == 0 and "pipeline omni_chat" in out, err
+
+
+def test_a_graph_that_fits_no_suggested_inventory_says_so(tmp_path, capsys):
+    huge = tmp_path / "huge.omni"
+    huge.write_text(
+        "pipeline huge {\n  stage big = python(fn=tests.runtime.stages.silent, "
+        'inputs="in:text", outputs="out:audio", memory="9TiB")\n'
+        "  input text: text -> big\n  big.out -> output audio [rate=16000]\n}\n"
+    )
+    code, _, err = _cli(capsys, "compile", str(huge))
+    assert code == 1
+    assert err.count("\n") == 1 and "nor 1xH200 to 8xH200; give --devices" in err, err
+
+
+@pytest.mark.parametrize("printout", [[], ["--graph"]], ids=["tables", "graph"])
+def test_a_reader_that_leaves_early_ends_the_printout_quietly(printout):
+    """`omniflow compile ... | head`: the pipe closes before the plan is written; the command
+    exits 141 as a tool killed by SIGPIPE does, and prints nothing about it."""
+    proc = subprocess.Popen(
+        [sys.executable, "-P", "-m", "omniflow.cli", "compile", "graphs/tts.omni",
+         "--devices", "2xH200", *printout],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    proc.stdout.close()  # long before the child has compiled anything
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == EXIT_BROKEN_PIPE and err == ""

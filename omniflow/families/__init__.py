@@ -38,6 +38,7 @@ __all__ = [
     "adapters",
     "families",
     "for_architecture",
+    "model_ids",
     "published_configs",
     "register",
     "stage_code",
@@ -225,11 +226,19 @@ def counterparts() -> dict[str, str]:
 @functools.cache
 def published_configs() -> dict[str, dict[str, Any]]:
     """The builtin catalog: every family's published configs (`configs/*.json`), by model id."""
-    entries = {}
-    for family in families():
-        if family.configs is None:
-            continue
-        for path in sorted(Path(family.configs).glob("*.json")):
-            entry = json.loads(path.read_text(encoding="utf-8"))
-            entries[entry["model"]] = entry
-    return entries
+    return {entry["model"]: entry for family in families() for entry in _config_entries(family)}
+
+
+def _config_entries(family: Family) -> list[dict[str, Any]]:
+    if family.configs is None:
+        return []
+    paths = sorted(Path(family.configs).glob("*.json"))
+    return [json.loads(path.read_text(encoding="utf-8")) for path in paths]
+
+
+def model_ids(family: Family) -> list[str]:
+    """The real hub ids `family` names: those its tiny checkpoints stand in for, then its
+    published configs' and its real-size builders' (each once, in that order)."""
+    named = [c for t in family.tiny for c in t.counterparts]
+    named += [entry["model"] for entry in _config_entries(family)]
+    return list(dict.fromkeys([*named, *family.scaled]))

@@ -33,6 +33,7 @@ from pathlib import Path
 from rich.console import Console
 
 from omniflow.errors import OmniflowError
+from omniflow.examples import DEFAULT_GRAPH, find_pipeline
 from omniflow.plan import Plan
 from omniflow.server import media_in
 from omniflow.server.app import Server, ServerConfig, create_app
@@ -41,22 +42,20 @@ from omniflow.server.metrics import Metrics
 from omniflow.server.served import ENDPOINTS, QUEUE_PER_SLOT, Served, capacity
 from omniflow.server.voices import VoiceStore
 
-DEFAULT_PIPELINE = "graphs/omni_chat.omni"
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
 
 class ServeError(OmniflowError):
     """The server cannot start as asked (port, pipelines, flags)."""
 
 
 def default_pipeline() -> Path:
-    for candidate in (Path(DEFAULT_PIPELINE), REPO_ROOT / DEFAULT_PIPELINE):
-        if candidate.is_file():
-            return candidate
-    raise ServeError(
-        f"no pipeline given and {DEFAULT_PIPELINE} is not here; name a .omni file or a plan "
-        "JSON: omniflow run PIPELINE.omni"
-    )
+    """graphs/omni_chat.omni of the working directory, else the one omniflow carries."""
+    found = find_pipeline(f"graphs/{DEFAULT_GRAPH}.omni")
+    if found is None:
+        raise ServeError(
+            f"no pipeline given and graphs/{DEFAULT_GRAPH}.omni is not here; name a .omni file "
+            "or a plan JSON: omniflow run PIPELINE.omni"
+        )
+    return found
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -80,7 +79,8 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def load_plan(path: str, devices: str, tiny: bool) -> Plan:
+def load_plan(path: str, devices: str, tiny: bool, model: str | None = None) -> Plan:
+    """A plan JSON as written, or a .omni file compiled (`model`: in place of its own)."""
     if path.endswith(".json"):
         try:
             return Plan.from_json(Path(path).read_bytes())
@@ -88,7 +88,7 @@ def load_plan(path: str, devices: str, tiny: bool) -> Plan:
             raise ServeError(f"cannot read plan {path}: {err.strerror}") from None
     from omniflow.compiler import compile_file
 
-    return compile_file(path, devices=devices, tiny=tiny, progress=True)
+    return compile_file(path, devices=devices, tiny=tiny, progress=True, model=model)
 
 
 def param_defaults(items: list[str], plans: list[Plan], checks: dict) -> dict[str, dict]:
@@ -281,7 +281,7 @@ def serve(args) -> int:
     engines: dict = {}
     try:
         with _sigterm_interrupts():
-            plans = [load_plan(path, args.devices, tiny) for path in paths]
+            plans = [load_plan(path, args.devices, tiny, args.model) for path in paths]
             names = [p.pipeline for p in plans]
             twice = sorted({n for n in names if names.count(n) > 1})
             if twice:
