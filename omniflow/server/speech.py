@@ -150,6 +150,7 @@ async def apply_voice(server, job: SpeechJob, voice, ref_audio, ref_text) -> Non
     data = await server.fetch_media(ref_audio, "ref_audio")
     if entry is not None:  # read here (a 400 for what is not audio); encoded in the plan
         await decode_reference(server, data, "ref_audio")
+        served.metrics.voice_encodes.labels(served.name).inc()
     name = entry.input if entry is not None else "ref_audio"
     inputs[name] = "data:;base64," + base64.b64encode(data).decode("ascii")
 
