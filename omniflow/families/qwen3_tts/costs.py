@@ -49,11 +49,11 @@ class VoiceEncoder(Estimator):
 
     def __init__(self, cfg: ComponentConfig):
         c = {**SPEAKER_ENCODER_DEFAULTS, **cfg.config}
-        count = NONE
-        if cfg.config.get("tts_model_type", "base") == "base":  # a Base checkpoint
+        count, self.width = NONE, 0  # a checkpoint that clones no voices: nothing runs
+        if cfg.config.get("tts_model_type", "base") == "base":
             count = speaker_encoder(c) + linear(MIMI_ENCODER_PARAMS, 1)
+            self.width = max(c["enc_channels"])
         super().__init__(cfg, count, "formula")
-        self.width = max(c["enc_channels"])
 
     def activation_bytes(self, s: Shape) -> float:
         frames = MEL_FRAMES_PER_SECOND * MAX_CLIP_SECONDS
