@@ -1,6 +1,6 @@
 """Qwen3-TTS's cost rule (torch-free; the descriptor's `cost`): Qwen3-Omni's for the talker
 and the decoder (the same architectures, `omniflow.families.qwen3_omni.costs`), and
-`VoiceEncoder` for the `voice_encoder` part, a Base checkpoint's ECAPA speaker encoder
+`VoiceEncoderCost` for the `voice_encoder` part, a Base checkpoint's ECAPA speaker encoder
 with the speech tokenizer's Mimi encoder beside it.
 
 The speaker encoder is counted from its config (`speaker_encoder_config`: convolutions of
@@ -42,7 +42,7 @@ def speaker_encoder(c) -> Count:
     return count + conv(2 * channels[-1], c["enc_dim"], 1)
 
 
-class VoiceEncoder(Estimator):
+class VoiceEncoderCost(Estimator):
     """A reference clip -> its x-vector and codes, costed per mel frame of the longest clip."""
 
     item = "mel frame"
@@ -68,5 +68,5 @@ def cost(cfg: ComponentConfig) -> Estimator | None:
     else Qwen3-Omni's rule."""
     c = cfg.config
     if cfg.category == "audio_encoder" and ("enc_dim" in c or c.get("model_type") == ARCH):
-        return VoiceEncoder(cfg)
+        return VoiceEncoderCost(cfg)
     return codec_cost(cfg)
