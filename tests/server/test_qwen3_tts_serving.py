@@ -440,7 +440,8 @@ def test_the_plan_encodes_uploads_in_an_executor_process(clone_process):
             )
         )
         upload.start()
-        time.sleep(2.0)  # the upload reaches the stopped executor
+        time.sleep(2.0)  # the upload reaches the stopped executor, and waits there
+        assert upload.is_alive()
         os.kill(encoder, signal.SIGKILL)
         upload.join(60)
         error = result["reply"].json()["error"]
