@@ -163,9 +163,10 @@ def admit(
         needed = {c.src for c in plan.channels if c.dst in scope | outputs}
     values = _check_params(plan, dict(params or {}))
     given, wire = _prepare_inputs(plan, inputs, needed)
-    absent = frozenset(i.name for i in plan.inputs if i.name not in given)
-    if scope is None:
-        absent = frozenset(i.name for i in plan.inputs if i.optional and i.name not in given)
+    # Left out: optional inputs not given; in a scoped request, every input it does not read.
+    absent = frozenset(
+        i.name for i in plan.inputs if i.name not in given and (i.optional or scope is not None)
+    )
     admitted = Admitted(given, values, wire, absent, scope)
     check_request(admitted, checks)
     return admitted
