@@ -220,3 +220,15 @@ class Plan:
 
     def stage(self, name: str) -> StagePlan:
         return next(s for s in self.stages if s.name == name)
+
+    def upstream(self, outputs: frozenset[str]) -> frozenset[str]:
+        """The stages a request for only `outputs` runs: those any of them depends on."""
+        stages = {s.name for s in self.stages}
+        found: set[str] = set()
+        todo = [c.src for c in self.channels if c.dst in outputs]
+        while todo:
+            name = todo.pop()
+            if name in stages and name not in found:
+                found.add(name)
+                todo += [c.src for c in self.channels if c.dst == name]
+        return frozenset(found)

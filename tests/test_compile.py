@@ -102,8 +102,8 @@ def test_the_graph_printout_shows_every_fact_the_passes_wrote(path, capsys):
     shown = 0
     for where, meta in [*((n, n.meta) for n in graph.nodes), *((e, e.meta) for e in graph.edges)]:
         name = where.name
-        on_line = facts_of(f"input  {name}:", f"stage  {name} =", f"output {name}",
-                           f"edge   {name} :")  # fmt: skip
+        on_line = facts_of(f"input  {name}:", f"stage  {name} =", f"output {name} ",
+                           f"output {name}(", f"edge   {name} :")  # fmt: skip
         for key, fact in meta.items():
             if fact is None or fact is False:  # no schedule (whole output), a flag unset
                 continue

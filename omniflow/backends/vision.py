@@ -28,6 +28,7 @@ What a request emits on `hidden`, in the tower's dtype, is one value `[1, 1 + n,
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -307,11 +308,51 @@ def encoder_backend(spec: StageSpec, device: str) -> Backend:
     """The transformers backend of an `encoder` stage with media inputs: what the stage's
     model family loads. A (tower, loading info, image processor) triple is a one-image
     vision tower (`VisionEncoder`); a `MediaTower` takes images, videos and audio clips,
-    several per request (`MediaEncoder`)."""
+    several per request (`MediaEncoder`); a `RequestEncoder` encodes each request's
+    values its own way (`RequestEncoderBackend`)."""
     loaded = _load_family(spec, device)
     if isinstance(loaded, tuple):
         return VisionEncoder(spec, device, loaded)
+    if isinstance(loaded, RequestEncoder):
+        return RequestEncoderBackend(spec, device, loaded)
     return MediaEncoder(spec, device, loaded)
+
+
+class RequestEncoder(ABC):
+    """A family's encoder of whole request values into whole output values (a voice clone's
+    reference clip into its voice prompt), one request at a time: `encode` takes the
+    values of the stage's input ports (None: the port had nothing) and gives those of its
+    output ports (a port left out gets nothing). A request it cannot take is an
+    OmniflowError, which fails that request alone."""
+
+    @abstractmethod
+    def to(self, device: str) -> RequestEncoder: ...
+
+    @abstractmethod
+    def encode(self, values: dict[str, Any]) -> dict[str, Any]: ...
+
+
+class RequestEncoderBackend(Backend):
+    """Runs a `RequestEncoder`: each ready call's inputs, whole, through `encode`."""
+
+    def __init__(self, spec: StageSpec, device: str, encoder: RequestEncoder):
+        super().__init__(spec, device)
+        self.encoder = encoder
+
+    def ready(self, call: Call) -> bool:
+        return call.inputs_ended()
+
+    def step(self, calls: list[Call]) -> None:
+        for call in calls:
+            values = {port: stream.take() for port, stream in call.inputs.items()}
+            try:
+                encoded = self.encoder.encode(values)
+            except OmniflowError as err:
+                call.fail(err)
+                continue
+            for port, value in encoded.items():
+                call.emit(port, value)
+            call.finish()
 
 
 def _load_family(spec: StageSpec, device: str):

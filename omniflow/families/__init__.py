@@ -146,7 +146,7 @@ def _lowered_counterparts(family: Family) -> set[str]:
 
 def _clear_views() -> None:
     views = (_by_architecture, adapters, tiny_models, _counterparts, published_configs)
-    for view in (*views, extra_params, extra_inputs):
+    for view in (*views, extra_params, extra_inputs, extra_outputs):
         view.cache_clear()
 
 
@@ -194,6 +194,13 @@ def extra_params(kind: str) -> dict[str, ParamSpec]:
 def extra_inputs(kind: str) -> dict[str, tuple[str, ...]]:
     """The input ports some family lets a stage of `kind` take beyond the kind's own."""
     return {port: types for f in families() for port, types in f.stage_inputs.get(kind, {}).items()}
+
+
+@functools.cache
+def extra_outputs(kind: str) -> dict[str, str]:
+    """The output ports (and their types) some family lets a stage of `kind` have beyond
+    the kind's own."""
+    return {port: typ for f in families() for port, typ in f.stage_outputs.get(kind, {}).items()}
 
 
 @functools.cache

@@ -125,13 +125,14 @@ class Family:
       language it does not speak): a function of (the stage's parameters, its inputs
       from the pipeline's) that raises `omniflow.runtime.requests.StageRequestError`
       naming the parameter or input port; None where it has none for that stage;
-    - `voices`: "module:function(path, device)", the encoder of a reference clip into the
-      voice prompt the family's stage takes (a voice clone's x-vector and codes), which
-      the server computes once per uploaded voice (`omniflow.server.voices`);
-    - `stage_params`, `stage_inputs`: stage kind -> parameters (`ParamSpec`s) and input
-      ports (-> accepted types) a stage of that kind takes when it runs one of the
-      family's models, beyond the kind's own (a TTS talker's `language`, `ref_audio`);
-      the request fields of the same names reach them;
+    - `voices`: "module:function(path)", torch-free: whether the checkpoint at `path`
+      clones voices (a stage of the plan encodes their reference clips; the server asks
+      before it sends an upload there, `omniflow.server.voices`);
+    - `stage_params`, `stage_inputs`, `stage_outputs`: stage kind -> parameters
+      (`ParamSpec`s), input ports (-> accepted types) and output ports (-> type) a stage of
+      that kind has when it runs one of the family's models, beyond the kind's own (a TTS
+      talker's `language`, `ref_audio`; a voice encoder's `voice`); the request fields of
+      the same names reach the inputs;
     - `prompt_inputs`: stage kind -> the input ports (beyond the kind's `prompt`) whose text
       a stage of that kind puts into its prompt when it runs one of the family's models (a
       TTS talker's `instructions` and `ref_text`): admission counts them against the
@@ -164,6 +165,7 @@ class Family:
     voices: str | None = None
     stage_params: Mapping[str, Mapping[str, ParamSpec]] = field(default_factory=dict)
     stage_inputs: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)
+    stage_outputs: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     prompt_inputs: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     cost: Callable[[Any], Any] | None = None
     tiny: tuple[TinyModel, ...] = ()

@@ -63,7 +63,10 @@ class Node:
         if self.op == OUTPUT:
             return {OUTPUT_PORT: PORT_TYPES}, {}
         ins, outs = stage_ports(self.op, self.params)
-        return {**ins, **families.extra_inputs(self.op)}, outs
+        return (
+            {**ins, **families.extra_inputs(self.op)},
+            {**outs, **families.extra_outputs(self.op)},
+        )
 
 
 @dataclass(eq=False)

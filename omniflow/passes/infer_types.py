@@ -125,6 +125,9 @@ def _out_spec(graph: Graph, node: Node, port: str) -> PortSteps:
         return INPUT_SPECS[node.params["type"]]
     if node.op == "python":
         return DEFAULT_SPECS[stage_ports("python", node.params)[1][port]]
+    added = families.extra_outputs(node.op)
+    if port in added and port not in stage_ports(node.op, node.params)[1]:
+        return DEFAULT_SPECS[added[port]]  # a model family's own output: one value a request
     return _stage_spec(graph, node, port)
 
 

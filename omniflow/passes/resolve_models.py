@@ -40,11 +40,17 @@ def _check_family_additions(graph: Graph, node: Node, config: ComponentConfig) -
     own = families.knowing(config.architectures)
     params = {n for f in own for n in f.stage_params.get(node.op, {})}
     ports = {p for f in own for p in f.stage_inputs.get(node.op, {})}
+    outs = {p for f in own for p in f.stage_outputs.get(node.op, {})}
     added = [(f"parameter '{k}'", k in params) for k in node.params if k not in kind.params]
     added += [
         (f"input port '{e.dst_port}'", e.dst_port in ports)
         for e in graph.in_edges(node.name)
         if e.dst_port not in kind.inputs
+    ]
+    added += [
+        (f"output port '{e.src_port}'", e.src_port in outs)
+        for e in graph.out_edges(node.name)
+        if e.src_port not in kind.outputs
     ]
     for what, ok in added:
         if not ok:

@@ -112,12 +112,24 @@ class _Core:
     # --- requests -------------------------------------------------------------------------------
     def submit(self, request: _Request) -> None:
         self.requests[request.id] = request
+        scope = request.admitted.scope
         request.open_outputs = {o.name for o in self.plan.outputs}
+        if scope is not None:  # only the outputs of the stages it runs
+            request.open_outputs = {
+                c.dst
+                for c in self.plan.channels
+                if c.dst in request.open_outputs and c.src in scope
+            }
         if self.on_stats is not None:
             request.awaiting_stats = {p.name for p in self.plan.executors}
         # Before the inputs go out: an executor finds the Start queued when they reach it.
+        # A stage outside the request's scope gets no parameters: it never starts it.
         for program in self.plan.executors:
-            params = {s.name: stage_params(s, request.admitted) for s in program.stages}
+            params = {
+                s.name: stage_params(s, request.admitted)
+                for s in program.stages
+                if scope is None or s.name in scope
+            }
             self.transport.send_start(program.name, control.Start(request.id, params))
         if self.frontend.recorder is not None:
             queued = time.monotonic_ns() - request.arrived
@@ -368,11 +380,14 @@ class Engine:
         self._command("submit", request)
         return request_id
 
-    def admit(self, inputs: dict, params: dict | None = None) -> Admitted:
+    def admit(
+        self, inputs: dict, params: dict | None = None, outputs: frozenset[str] | None = None
+    ) -> Admitted:
         """The request checked against the plan (RequestError if it does not fit: its
         prompts' lengths too); its `params` hold every parameter, the seed included, so
-        passing them back replays it."""
-        admitted = admit(self.plan, inputs, params, self.checks)
+        passing them back replays it. With `outputs`, it asks for those alone and runs
+        only the stages they depend on (`requests.admit`)."""
+        admitted = admit(self.plan, inputs, params, self.checks, outputs)
         for limit in self.prompt_limits:
             limit.check(admitted)
         return admitted

@@ -439,9 +439,14 @@ class ProgramLoop:
                     return
 
     def start(self, message: control.Start) -> None:
-        for stage, params in message.params.items():
-            if stage in self.runners:
-                self.runners[stage].start(message.request_id, params)
+        for name, runner in self.runners.items():
+            params = message.params.get(name)
+            if params is not None:
+                runner.start(message.request_id, params)
+            else:  # outside the request's scope: what reaches the stage for it is dropped
+                runner.drop(message.request_id)
+                if self.tallies is not None:
+                    self.tallies.ended(message.request_id, name)
 
     def cancel(self, request_id: str) -> None:
         if self.tallies is not None:

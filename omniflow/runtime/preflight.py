@@ -119,8 +119,15 @@ def plan_voices(plan: Plan, paths: dict[str, str]) -> tuple[Voice, ...]:
 
 def family_checks(plan: Plan, paths: dict[str, str]) -> tuple[FamilyCheck, ...]:
     """Each stage's family's checks of a request against its local checkpoint
-    (`Family.admission`), where it has some."""
+    (`Family.admission`), where it has some. A port fed by an encoder stage that one
+    pipeline input feeds is checked as that input's value, what the encoder encodes (a
+    voice clone's reference audio)."""
     inputs = {i.name for i in plan.inputs}
+    encoded = {}  # encoder stage -> the one pipeline input it encodes
+    for stage in plan.stages:
+        sources = {c.src for c in plan.channels if c.dst == stage.name}
+        if stage.kind == "encoder" and len(sources) == 1 and sources <= inputs:
+            encoded[stage.name] = next(iter(sources))
     checks = []
     for stage in plan.stages:
         reader = stage.family.admission if stage.family is not None else ""
@@ -131,7 +138,9 @@ def family_checks(plan: Plan, paths: dict[str, str]) -> tuple[FamilyCheck, ...]:
         if checker is None:
             continue
         feeds = {
-            c.dst_port: c.src for c in plan.channels if c.dst == stage.name and c.src in inputs
+            c.dst_port: encoded.get(c.src, c.src)
+            for c in plan.channels
+            if c.dst == stage.name and (c.src in inputs or c.src in encoded)
         }
         checks.append(FamilyCheck(stage, feeds, checker))
     return tuple(checks)

@@ -61,6 +61,9 @@ class Admitted:
     wire: dict = field(default_factory=dict, compare=False, repr=False)
     # Optional inputs the request left out: their edges end with nothing on them.
     absent: frozenset = frozenset()
+    # The stages it runs (None: all): a request for some of the outputs runs only the
+    # stages they depend on (`admit`'s `outputs`), and the others never start it.
+    scope: frozenset | None = None
 
     @property
     def seed(self) -> int:
@@ -138,27 +141,50 @@ class Check(Protocol):
 
 
 def admit(
-    plan: Plan, inputs: dict, params: dict | None = None, checks: tuple[Check, ...] = ()
+    plan: Plan,
+    inputs: dict,
+    params: dict | None = None,
+    checks: tuple[Check, ...] = (),
+    outputs: frozenset[str] | None = None,
 ) -> Admitted:
-    """The request resolved against `plan`, or a RequestError naming what does not fit."""
+    """The request resolved against `plan`, or a RequestError naming what does not fit.
+    With `outputs` (some of the plan's), it runs only the stages they depend on and takes
+    only the inputs those stages read; the others are left out."""
+    scope = None
+    needed = None
+    if outputs is not None:
+        known = {o.name for o in plan.outputs}
+        if not outputs or not outputs <= known:
+            raise RequestError(
+                f"unknown output(s) {', '.join(sorted(outputs - known)) or '(none)'}; "
+                f"the pipeline has {', '.join(sorted(known))}"
+            )
+        scope = plan.upstream(outputs)
+        needed = {c.src for c in plan.channels if c.dst in scope | outputs}
     values = _check_params(plan, dict(params or {}))
-    given, wire = _prepare_inputs(plan, inputs)
-    absent = frozenset(i.name for i in plan.inputs if i.optional and i.name not in given)
-    admitted = Admitted(given, values, wire, absent)
+    given, wire = _prepare_inputs(plan, inputs, needed)
+    # Left out: optional inputs not given; in a scoped request, every input it does not read.
+    absent = frozenset(
+        i.name for i in plan.inputs if i.name not in given and (i.optional or scope is not None)
+    )
+    admitted = Admitted(given, values, wire, absent, scope)
     check_request(admitted, checks)
     return admitted
 
 
 def check_request(admitted: Admitted, checks: tuple[Check, ...]) -> None:
     """Refuse what the models themselves would (a speaker a model does not have, a task its
-    checkpoint does not do): each check raises a RequestError naming the field."""
+    checkpoint does not do): each check raises a RequestError naming the field. A stage's
+    checks pass over a request that does not run it."""
     for check in checks:
-        check.check(admitted)
+        stage = getattr(check, "stage", None)
+        if admitted.scope is None or stage is None or stage.name in admitted.scope:
+            check.check(admitted)
 
 
-def _prepare_inputs(plan: Plan, inputs: dict) -> tuple[dict, dict]:
-    """Every input of the pipeline with its value (given, else its default), checked, and
-    as it travels."""
+def _prepare_inputs(plan: Plan, inputs: dict, needed: set[str] | None) -> tuple[dict, dict]:
+    """Every input of the pipeline (of those `needed`, if given) with its value (given,
+    else its default), checked, and as it travels."""
     known = {i.name: i for i in plan.inputs}
     unknown = set(inputs) - set(known)
     if unknown:
@@ -168,6 +194,8 @@ def _prepare_inputs(plan: Plan, inputs: dict) -> tuple[dict, dict]:
         )
     values = {}
     for name, port in known.items():
+        if needed is not None and name not in needed:
+            continue  # read by no stage the request runs
         if name in inputs and inputs[name] is None and port.optional:
             continue  # left out: its edges end empty
         if name in inputs:

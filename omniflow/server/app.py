@@ -12,6 +12,7 @@ request in every stage; its slot is released when its handler ends.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -408,7 +409,7 @@ def create_app(server: Server) -> FastAPI:
 
     async def upload_voice(request: Request, context) -> Response:
         """A reference clip (`audio`, a file), its transcript (`ref_text`) and a `name`:
-        encoded once by the pipeline's own encoders and kept (`omniflow.server.voices`)."""
+        encoded once by the plan's voice encoder stage and kept (`omniflow.server.voices`)."""
         what = "an upload is a multipart/form-data request ('name', 'audio' file, 'ref_text')"
         form = await parse_form(request, what, 2, 16, kinds="multipart/form-data")
         try:
@@ -437,8 +438,8 @@ def create_app(server: Server) -> FastAPI:
                 raise bad_request("'ref_text' must be text", param="ref_text")
         finally:
             await form.close()
-        encoder = await speech.clone_encoder(served)
-        if encoder is None:
+        entry = await speech.clone_entry(served)
+        if entry is None:
             raise bad_request(
                 f"pipeline '{served.name}' clones no voices: its models have no voice encoder "
                 "(serve a checkpoint that clones voices)",
@@ -446,7 +447,8 @@ def create_app(server: Server) -> FastAPI:
                 code="unsupported",
             )
         samples, rate = await speech.decode_reference(server, data, field)
-        inputs = await voices.encode(encoder, samples, rate, ref_text, field)
+        clip = "data:;base64," + base64.b64encode(data).decode("ascii")
+        inputs = await entry.encode(clip, ref_text, field)
         voice = UploadedVoice(name, served.name, inputs, ref_text, len(samples) / rate)
         server.voices.add(voice)
         return JSONResponse(voice.entry(), status_code=201)

@@ -65,13 +65,13 @@ class Served:
     draining: bool = False
 
     def __post_init__(self):
-        from omniflow.server.voices import encoders_of
+        from omniflow.server.voices import voice_entry
 
         if self.max_queue is None:
             self.max_queue = QUEUE_PER_SLOT * self.limit
         self.waiting: deque[tuple[int, asyncio.Future]] = deque()  # (slots, granted), in order
         self.stats = PipelineStats()
-        self.encoders = encoders_of(self)
+        self.voice_entry = voice_entry(self)
         self.metrics.admission_limit.labels(self.name).set(self.limit)
         self.metrics.in_flight.labels(self.name).set(0)
         self.metrics.queued.labels(self.name).set(0)

@@ -5,8 +5,9 @@ Fields: `input` (the pipeline's `text` input), `voice` (a named speaker: the pip
 `speaker` parameter or `voice` input; or a voice uploaded to the server, whose encoded
 prompt it brings), the Qwen TTS fields (`task_type`, `language`, `x_vector_only_mode` and
 `max_new_tokens` reach parameters, `instructions` and `ref_text` text inputs, of those
-names), `ref_audio` (a voice clone's reference, fetched and encoded here into the voice
-prompt its model takes: `omniflow.server.voices`), `speed` (the pipeline's `speed`
+names), `ref_audio` (a voice clone's reference, fetched and checked here, encoded into
+the voice prompt its model takes by the plan's voice encoder stage:
+`omniflow.server.voices`), `speed` (the pipeline's `speed`
 parameter if it has one, else the audio is time-stretched here, pitch kept), `stream`,
 `response_format`. Every field is checked before admission; a bad one is a 400 naming it.
 """
@@ -122,8 +123,8 @@ def take_speed(job: SpeechJob, speed: float | None) -> float | None:
 
 
 async def apply_voice(server, job: SpeechJob, voice, ref_audio, ref_text) -> None:
-    """`voice` (a named speaker or an uploaded voice) and `ref_audio` (encoded here into
-    the voice prompt the model clones from) into the job's inputs and parameters."""
+    """`voice` (a named speaker or an uploaded voice) and `ref_audio` (the clip, which the
+    plan's voice encoder stage encodes) into the job's inputs and parameters."""
     served, inputs = job.served, job.inputs
     uploaded = server.voices.get(served.name, voice) if isinstance(voice, str) else None
     if uploaded is not None:
@@ -143,23 +144,21 @@ async def apply_voice(server, job: SpeechJob, voice, ref_audio, ref_text) -> Non
         set_voice(served, job.params, inputs, voice, "voice")
     if ref_audio is None:
         return
-    encoder = await clone_encoder(served)
-    if encoder is None and served.input_named("ref_audio", "text") is None:
+    entry = await clone_entry(served)
+    if entry is None and served.input_named("ref_audio", "text") is None:
         raise job.params.unknown(["ref_audio"])
     data = await server.fetch_media(ref_audio, "ref_audio")
-    if encoder is None:  # the pipeline's input takes the file itself: admission says
-        inputs["ref_audio"] = "data:;base64," + base64.b64encode(data).decode("ascii")
-        return
-    samples, rate = await decode_reference(server, data, "ref_audio")
-    inputs.update(await voices.encode(encoder, samples, rate, ref_text or "", "ref_audio"))
+    if entry is not None:  # read here (a 400 for what is not audio); encoded in the plan
+        await decode_reference(server, data, "ref_audio")
+        served.metrics.voice_encodes.labels(served.name).inc()
+    name = entry.input if entry is not None else "ref_audio"
+    inputs[name] = "data:;base64," + base64.b64encode(data).decode("ascii")
 
 
-async def clone_encoder(served) -> voices.Encoder | None:
-    """The encoder of the first of the pipeline's stages whose model clones voices."""
-    for encoder in served.encoders:
-        if await encoder.available():
-            return encoder
-    return None
+async def clone_entry(served) -> voices.VoiceEntry | None:
+    """The pipeline's voice entry, if its models clone voices."""
+    entry = served.voice_entry
+    return entry if entry is not None and await entry.available() else None
 
 
 async def decode_reference(server, data: bytes, where: str) -> tuple[torch.Tensor, int]:

@@ -2,15 +2,17 @@
 to the server (`POST /v1/audio/voices`), each a reference clip encoded once into the voice
 prompt its model clones from.
 
-A stage whose model family encodes voices (`Family.voices`, in the plan as
-`FamilyCode.voices`) gets a `VoiceEncoder`, loaded on first use from the stage's own
-checkpoint (on the stage's device where this process can reach it, else the CPU). It turns
-a clip into the values of the stage's input ports (Qwen3-TTS: `ref_audio` the x-vector and
-codes as one text, `ref_text` the transcript); the server maps those ports to the pipeline
-inputs that feed them. A request naming an uploaded voice gets those values as they were
-stored, so nothing is encoded again; a request with inline `ref_audio` is encoded the same
-way before admission. The store is bounded (`--max-voices`, a clip's length); an upload
-beyond it is a 400, never an eviction.
+The encoding runs in the plan, never here: a pipeline that clones voices has a
+`voice_prompt` output, made by a stage of its own (Qwen3-TTS: `voice_encoder`, an encoder
+stage beside the talker) from the one input that feeds it (`ref_audio`). An upload is a
+request for that output alone (`VoiceEntry`: the engine runs only the stages it depends
+on), so the API process loads no model and touches no GPU; whether the pipeline clones at
+all is its stages' families' torch-free answer (`Family.voices`). The prompt is kept with
+the transcript as the pipeline inputs a request naming the voice gets: sent back on that
+same input, it passes the encoder stage as it is, and nothing is encoded again. An inline
+`ref_audio` goes to the pipeline as the clip itself and is encoded by the same stage. The
+store is bounded (`--max-voices`, a clip's length); an upload beyond it is a 400, never an
+eviction.
 """
 
 from __future__ import annotations
@@ -18,20 +20,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from omniflow.errors import OmniflowError
-from omniflow.plan import StagePlan
 from omniflow.runtime.python_backend import import_function
-from omniflow.server.errors import bad_request
+from omniflow.runtime.requests import RequestError, RequestFailed
+from omniflow.runtime.transport import EngineError
+from omniflow.server.errors import APIError, bad_request
 
 log = logging.getLogger("omniflow.server")
 MAX_VOICES = 64
 MAX_CLIP_SECONDS = 60.0
+# The plan's output a voice upload asks for alone, and the input its transcript goes on.
+VOICE_OUTPUT = "voice_prompt"
+TRANSCRIPT = "ref_text"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # matched whole (no "bob\n")
 
 
@@ -58,76 +61,83 @@ class UploadedVoice:
         }
 
 
-class Encoder:
-    """One stage's voice encoder (its family's), loaded on first use: a clip -> the
-    pipeline inputs that carry it to the stage."""
+class VoiceEntry:
+    """A pipeline's plan-level "encode a voice" entry: its `voice_prompt` output. A request
+    for that output alone runs only the stages it depends on (the voice encoder stage, in
+    an executor: placed, budgeted, profiled and restarted like any stage) with only the
+    input that feeds them, the clip; what comes out is the voice prompt, which a request
+    naming the voice sends back on that input (the stage passes a prompt on as it is)."""
 
-    def __init__(self, served, stage: StagePlan, factory: str):
+    def __init__(self, served):
+        plan = served.plan
         self.served = served
-        self.stage = stage
-        self.factory = factory
-        self.lock = threading.Lock()
-        self.loaded = False
-        self.model = None
-        self.count = 0  # clips encoded
-        inputs = {p.name for p in served.plan.inputs}
-        self.feeds = {
-            c.dst_port: c.src
-            for c in served.plan.channels
-            if c.dst == stage.name and c.src in inputs
-        }
-
-    def _load(self):
-        with self.lock:
-            if not self.loaded:
-                from omniflow.runtime.preflight import locate_model
-
-                try:
-                    path = locate_model(self.stage.model)
-                    self.model = import_function(self.factory)(path, _device(self.stage))
-                except OmniflowError as err:  # no model here (stand-ins), or no encoder in it
-                    log.warning("stage %s encodes no voices: %s", self.stage.name, err)
-                    self.model = None
-                self.loaded = True
-        return self.model
+        self.scope = plan.upstream(frozenset({VOICE_OUTPUT}))
+        names = {p.name for p in plan.inputs}
+        fed = sorted({c.src for c in plan.channels if c.dst in self.scope and c.src in names})
+        self.input = fed[0] if len(fed) == 1 else None  # where the clip goes
+        self.transcript = TRANSCRIPT if TRANSCRIPT in names else None
+        self.clones: bool | None = None  # asked of the stages' families on first use
 
     async def available(self) -> bool:
-        """Whether the stage's model clones voices (loading the encoder, the first time, in
-        a thread: the server goes on serving meanwhile)."""
-        return await asyncio.to_thread(self._load) is not None
+        """Whether the pipeline clones voices: a stage of the entry runs a checkpoint its
+        family says clones them (`Family.voices`: torch-free; no model loads here)."""
+        if self.clones is None:
+            self.clones = await asyncio.to_thread(self._clones)
+        return self.clones
 
-    def encode(self, samples: torch.Tensor, rate: int, ref_text: str) -> dict[str, str]:
-        """The pipeline inputs of a clone of `samples` (mono float at `rate`): what the
-        stage's ports take, under the names of the inputs that feed them."""
-        model = self._load()
-        values = model.encode(samples, rate, ref_text)
-        self.count += 1
+    def _clones(self) -> bool:
+        from omniflow.runtime.preflight import locate_model
+
+        for stage in self.served.plan.stages:
+            family = stage.family
+            if stage.name not in self.scope or family is None or not family.voices:
+                continue
+            try:
+                if import_function(family.voices)(locate_model(stage.model)):
+                    return True
+            except OmniflowError as err:  # no model here (stand-ins)
+                log.warning("stage %s encodes no voices: %s", stage.name, err)
+        return False
+
+    async def encode(self, clip: str, ref_text: str, where: str) -> dict[str, str]:
+        """The pipeline inputs of a clone of `clip` (the input's value: a `data:` URI of an
+        audio file): the voice prompt the plan's voice encoder made of it, on the input
+        that carries it, and the transcript. Admission's refusal is a 400 at `where`; a
+        failed stage or a dead executor fails this upload alone (500)."""
+        engine = self.served.engine
+        try:
+            admitted = engine.admit({self.input: clip}, None, frozenset({VOICE_OUTPUT}))
+        except RequestError as err:
+            raise bad_request(f"'{where}': {err}", param=where) from None
+        prompt = []
+        try:
+            async for chunk in engine.stream(admitted):
+                if chunk.value is not None:
+                    prompt.append(chunk.value)
+        except RequestFailed as err:
+            raise APIError(
+                500, f"encoding the voice failed: {err}", code="pipeline_failed"
+            ) from None
+        except EngineError as err:
+            raise APIError(
+                503, f"the pipeline is not running: {err}", code="engine_closed"
+            ) from None
+        if not prompt:
+            raise APIError(500, "the voice encoder sent no voice prompt", code="pipeline_failed")
         self.served.metrics.voice_encodes.labels(self.served.name).inc()
-        missing = [port for port in values if port not in self.feeds]
-        if missing:
-            raise OmniflowError(
-                f"pipeline '{self.served.name}' has no input into {self.stage.name}."
-                f"{', '.join(missing)}, where its voices go"
-            )
-        return {self.feeds[port]: value for port, value in values.items()}
+        inputs = {self.input: "".join(prompt)}
+        if self.transcript is not None:
+            inputs[self.transcript] = ref_text
+        return inputs
 
 
-def encoders_of(served) -> list[Encoder]:
-    """The voice encoders of a pipeline's stages (where their families have one) that
-    pipeline inputs feed: where a request's voice can go."""
-    encoders = [
-        Encoder(served, stage, stage.family.voices)
-        for stage in served.plan.stages
-        if stage.family is not None and stage.family.voices and stage.model
-    ]
-    return [e for e in encoders if e.feeds]
-
-
-def _device(stage: StagePlan) -> str:
-    device = stage.devices[0] if stage.devices else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        return "cpu"
-    return device if device.startswith(("cuda", "cpu")) else "cpu"
+def voice_entry(served) -> VoiceEntry | None:
+    """The pipeline's voice entry, where it has a `voice_prompt` output that one pipeline
+    input feeds."""
+    if VOICE_OUTPUT not in {o.name for o in served.plan.outputs}:
+        return None
+    entry = VoiceEntry(served)
+    return entry if entry.input is not None else None
 
 
 class VoiceStore:
@@ -174,12 +184,3 @@ def check_name(name) -> str:
             param="name",
         )
     return name
-
-
-async def encode(encoder: Encoder, samples: torch.Tensor, rate: int, ref_text: str, where: str):
-    """`encoder.encode` off the event loop; a clip the model cannot take is a 400 at
-    `where`."""
-    try:
-        return await asyncio.to_thread(encoder.encode, samples, rate, ref_text)
-    except OmniflowError as err:
-        raise bad_request(f"'{where}': {err}", param=where) from None

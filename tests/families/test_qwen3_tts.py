@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -39,14 +40,17 @@ from omniflow.backends.transformers_ar import (
     sample_sub_step,
     sub_sampling,
 )
+from omniflow.backends.vision import RequestEncoderBackend, encoder_backend
 from omniflow.backends.vocoders import Vocoder
 from omniflow.catalog.resolve import model_path
 from omniflow.cli import main
 from omniflow.compiler import compile_file, compile_source
+from omniflow.families.qwen3_tts import voices
+from omniflow.families.qwen3_tts.config import Qwen3TTSError
+from omniflow.families.qwen3_tts.costs import MIMI_ENCODER_PARAMS
 from omniflow.families.qwen3_tts.prompt import TTSRequest
 from omniflow.families.qwen3_tts.reference import reference_generate
-from omniflow.families.qwen3_tts.voices import PROMPT_PREFIX
-from omniflow.families.qwen3_tts.voices import load_encoder as load_voice_encoder
+from omniflow.families.qwen3_tts.voices import PROMPT_PREFIX, VoiceEncoder
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.preflight import preflight
 from omniflow.runtime.requests import RequestError, admit
@@ -114,10 +118,12 @@ pipeline q3 {{
                     temperature=$temperature, language=$language, task_type=$task_type,
                     x_vector_only_mode=$x_vector_only_mode, non_streaming_mode=$non_streaming_mode)
   stage code2wav = vocoder(component="code2wav", max_batch=4)
+  stage voice_encoder = encoder(component="voice_encoder", backend="transformers")
   input text: text -> talker
   input voice: text = "" -> talker.voice
   input instructions: text = "" -> talker.instructions
-  input ref_audio: text = "" -> talker.ref_audio
+  input ref_audio: text = "" -> voice_encoder.ref_audio
+  voice_encoder.voice -> talker.ref_audio
   input ref_text: text = "" -> talker.ref_text
   talker.codes -> code2wav [stream, chunk=auto]
   code2wav.audio -> output audio [stream, rate=24000]
@@ -179,15 +185,43 @@ def request_of(name: str, ref_wav: str, **params):
     return task, inputs, {"temperature": 0.0, "max_tokens": FRAMES, **base, **params}
 
 
-def run_talker(backend: TransformersAR, requests: list[tuple[dict, dict]]) -> list:
-    """Step the requests (inputs, params) through the talker together; each one's codes
-    `[frames, 16]`, or its error."""
+@functools.cache
+def voice_encoder(task: str = "Base") -> VoiceEncoder:
+    """The voice_encoder stage's model of a tiny checkpoint (the stage's backend's)."""
+    return voices.load(model_path(MODELS[task]), "voice_encoder", "auto")
+
+
+def encoded(backend: TransformersAR, inputs: dict) -> dict:
+    """A request's talker inputs as the pipeline gives them: a Base checkpoint's reference
+    through the voice encoder stage (which raises what would fail the request there)."""
+    if backend.component.config.task != "Base":
+        return inputs
+    prompt = voice_encoder().encode({"ref_audio": inputs.get("ref_audio")})
+    return {**inputs, "ref_audio": prompt.get("voice", "")}
+
+
+def calls_of(backend: TransformersAR, requests) -> list:
+    """A Call per (inputs, params, ...) request, its inputs whole; a request whose
+    reference the voice encoder refuses is that error."""
     calls = []
-    for i, (inputs, params) in enumerate(requests):
+    for i, (inputs, params, *_) in enumerate(requests):
+        try:
+            inputs = encoded(backend, inputs)
+        except Qwen3TTSError as err:
+            calls.append(err)
+            continue
         streams = {port: InputStream(kind) for port, kind in backend.spec.inputs.items()}
         for port, stream in streams.items():
             stream.push(inputs.get(port) or None, True)
         calls.append(Call(f"r{i}", params, streams))
+    return calls
+
+
+def run_talker(backend: TransformersAR, requests: list[tuple[dict, dict]]) -> list:
+    """Step the requests (inputs, params) through the talker together; each one's codes
+    `[frames, 16]`, or its error."""
+    made = calls_of(backend, requests)
+    calls = [c for c in made if isinstance(c, Call)]
     for _ in range(1000):
         ready = [c for c in calls if not c.finished and c.error is None and backend.ready(c)]
         if not ready:
@@ -196,8 +230,10 @@ def run_talker(backend: TransformersAR, requests: list[tuple[dict, dict]]) -> li
     for call in calls:
         backend.drop(call)
     return [
-        call.error or torch.cat([v for port, v in call.emitted if port == "codes"])
-        for call in calls
+        call
+        if isinstance(call, Exception)
+        else call.error or torch.cat([v for port, v in call.emitted if port == "codes"])
+        for call in made
     ]
 
 
@@ -302,18 +338,20 @@ def test_the_real_size_builds_have_the_catalogs_parameter_counts():
         parsed = TTSConfig.of(config)
         with torch.device("meta"):
             talker = parameter_count(Talker(parsed))
-            if task == "base":
-                talker += parameter_count(build_speaker_encoder(parsed))
+            speaker = parameter_count(build_speaker_encoder(parsed)) if task == "base" else 0
             decoder = parameter_count(SpeechDecoder(speech["decoder_config"]))
         real = REAL_MODELS[task]
         assert talker == count_parameters(load_component_config(real, "talker")), task
         assert decoder == count_parameters(load_component_config(real, "code2wav")) == 114_323_137
-    assert talker == 1_916_676_352 + 12_001_088  # the Base talker and its speaker encoder
+        # The voice encoder stage: the speaker encoder beside the speech tokenizer's encoder.
+        voice = count_parameters(load_component_config(real, "voice_encoder"))
+        assert voice == (speaker + MIMI_ENCODER_PARAMS if speaker else 0), task
+    assert talker == 1_916_676_352 and speaker == 12_001_088  # the Base talker, its encoder
     builders = {m: path for f in families.families() for m, path in f.scaled.items()}
     assert builders[REAL_MODELS["voicedesign"]].endswith("checkpoints:build_scaled_voicedesign")
     for task, model in MODELS.items():
         files = load_file(Path(model_path(model)) / "model.safetensors")
-        counted = sum(v.numel() for v in files.values())
+        counted = sum(v.numel() for k, v in files.items() if not k.startswith("speaker_encoder."))
         assert counted == count_parameters(load_component_config(model, "talker")), task
 
 
@@ -422,12 +460,7 @@ def frame_requests(ref_wav: str, task: str = "CustomVoice") -> list[tuple]:
 def serve_frames(backend: TransformersAR, requests: list[tuple]) -> list[torch.Tensor]:
     """Step `frame_requests` through the talker, each offered from its join step until it
     ends (or is dropped); each one's codes `[frames, 16]`. No row is left behind."""
-    calls = []
-    for i, (inputs, params, _, _) in enumerate(requests):
-        streams = {port: InputStream(kind) for port, kind in backend.spec.inputs.items()}
-        for port, stream in streams.items():
-            stream.push(inputs.get(port) or None, True)
-        calls.append(Call(f"r{i}", params, streams))
+    calls = calls_of(backend, requests)
     live: list[Call] = []
     for step in itertools.count():
         for call, (_, _, join, drop) in zip(calls, requests, strict=True):
@@ -570,45 +603,64 @@ def test_requests_that_do_not_fit_the_checkpoint_fail_alone(talkers, ref_wav):
 
 
 def test_reference_audio_forms_agree(talkers, ref_wav):
-    """A WAV path, its base64, a data: URI and 24 kHz samples are the same voice clone."""
+    """A WAV path, its base64, a data: URI and 24 kHz samples give the voice encoder stage
+    the same voice prompt, hence the same clone."""
     data = Path(ref_wav).read_bytes()
     forms = [
         ref_wav,
         base64.b64encode(data).decode(),
         "data:audio/wav;base64," + base64.b64encode(data).decode(),
+        torch.from_numpy(sf.read(ref_wav, dtype="float32")[0]),
     ]
+    prompts = [voice_encoder().encode({"ref_audio": f})["voice"] for f in forms]
+    assert all(p == prompts[0] for p in prompts)
     _, inputs, params = request_of("clone_xvec", ref_wav, max_tokens=3)
     results = run_talker(talkers["Base"], [({**inputs, "ref_audio": f}, params) for f in forms])
     assert all(torch.equal(r, results[0]) for r in results)
 
 
-def test_a_voice_prompt_clones_as_its_reference_audio(talkers, golden, ref_wav):
-    """The voice encoder (the server's, `Family.voices`) encodes the reference once into a
-    voice prompt; the talker given the prompt makes the codes it makes from the audio."""
-    encoder = load_voice_encoder(model_path(MODELS["Base"]), "cpu")
-    samples = golden["ref_audio"].numpy()
-    encoded = encoder.encode(samples, 24000, "Hello there.")
-    assert encoded["ref_audio"].startswith(PROMPT_PREFIX) and encoded["ref_text"] == "Hello there."
-    assert len(encoded["ref_audio"]) < 8000  # x-vector and 19 frames of codes
-    stereo = encoder.encode(np.stack([samples, samples], axis=1), 24000)
-    assert stereo["ref_audio"] == encoded["ref_audio"]
-    for name in ("clone_xvec", "clone_icl"):
-        _, inputs, params = request_of(name, ref_wav)
-        prompted = {**inputs, "ref_audio": encoded["ref_audio"]}
-        from_audio, from_prompt = run_talker(
-            talkers["Base"], [(inputs, params), (prompted, params)]
-        )
-        assert torch.equal(from_audio, from_prompt), name
-    assert load_voice_encoder(model_path(MODELS["CustomVoice"]), "cpu") is None
+def test_the_voice_encoder_stage_makes_the_prompt_the_talker_clones_from(plans, ref_wav):
+    """The voice_encoder stage (an encoder stage: `voices.VoiceEncoder`) encodes the
+    reference once into a voice prompt, x-vector and codes; a prompt passes it as it is (an
+    uploaded voice, encoded before), no reference sends nothing, and a checkpoint that
+    clones no voices refuses a reference. The talker loads no encoder."""
+    backend = encoder_backend(stage_spec(plans["Base"], "voice_encoder"), "cpu")
+    assert isinstance(backend, RequestEncoderBackend)
+    encoder = backend.encoder
+    prompt = encoder.encode({"ref_audio": ref_wav})["voice"]
+    assert prompt.startswith(PROMPT_PREFIX)
+    assert len(prompt) < 8000  # x-vector and 19 frames of codes
+    x_vector, codes = voices.decode_prompt(prompt)
+    assert x_vector.shape == (64,) and codes.shape == (19, 16)  # the tiny talker's width
+    assert encoder.encode({"ref_audio": prompt}) == {"voice": prompt}
+    assert encoder.encode({"ref_audio": None}) == {} == encoder.encode({"ref_audio": ""})
+    with pytest.raises(Qwen3TTSError, match="clones no voices"):
+        voice_encoder("CustomVoice").encode({"ref_audio": ref_wav})
+    with pytest.raises(Qwen3TTSError, match="unencoded"):
+        run_talker_unencoded(plans, ref_wav)
+
+
+def run_talker_unencoded(plans, ref_wav) -> None:
+    """A Base talker given raw audio (no voice encoder stage before it) fails."""
+    backend = TransformersAR(stage_spec(plans["Base"], "talker"), "cpu")
+    assert not hasattr(backend.component, "encoders")
+    _, inputs, params = request_of("clone_xvec", ref_wav)
+    call = Call("raw", params, {p: InputStream(k) for p, k in backend.spec.inputs.items()})
+    for port, stream in call.inputs.items():
+        stream.push(inputs.get(port) or None, True)
+    backend.component.request(call)
 
 
 def test_admission_refuses_what_the_checkpoint_does_not_do(plans, ref_wav):
     """The family's admission checks (`Family.admission`) refuse at admission, naming the
     request's field, what the talker stage would fail: no stage runs for them."""
     cv_inputs = {"text": "Hi.", "voice": "Vivian"}
-    prompt = load_voice_encoder(model_path(MODELS["Base"]), "cpu").encode(
-        reference_samples(), 24000, "Hello there."
-    )
+    prompt = {
+        "ref_audio": voice_encoder().encode({"ref_audio": torch.from_numpy(reference_samples())})[
+            "voice"
+        ],
+        "ref_text": "Hello there.",
+    }
     bad = {
         "CustomVoice": [
             ({**cv_inputs, "voice": "Nobody"}, {}, "voice", "unknown speaker 'Nobody'"),

@@ -11,6 +11,7 @@ import torch
 from omniflow.compiler import compile_file, compile_source
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
+from omniflow.runtime.requests import RequestError
 
 GRAPHS = Path(__file__).parents[2] / "graphs"
 IMAGE_FILE = str(GRAPHS / "image_understanding.omni")
@@ -160,3 +161,38 @@ def test_an_empty_text_input_is_a_value(mode):
     with Engine(plan, mode) as engine:
         assert engine.generate({"prompt": ""}) == {"out": ""}
         assert engine.generate({"prompt": "still here"})["out"] == "STILL HERE"
+
+
+SCOPED = """pipeline scoped {
+  stage up = python(fn=tests.runtime.stages.fail_on_boom, inputs="in:text", outputs="out:text")
+  stage join = python(fn=tests.runtime.stages.join, inputs="a:text, b:text", outputs="out:text")
+  input word: text -> up
+  input rest: text -> join.b
+  up.out -> join.a
+  up.out -> output loud
+  join.out -> output sentence
+}"""
+
+
+@pytest.mark.parametrize("mode", ["inprocess", "process"])
+def test_a_request_for_some_outputs_runs_only_their_stages(mode):
+    """`admit(..., outputs=)`: the request runs the stages those outputs depend on, takes
+    only the inputs they read (`rest`, required, is not asked for), and ends when they do;
+    the other stages never start it, though a stage it runs feeds them, and serve the next
+    request as before."""
+    plan = compile_source(SCOPED, "scoped.omni")
+    stats = []
+    with Engine(plan, mode, on_stats=stats.append) as engine:
+        with pytest.raises(RequestError, match="unknown output"):
+            engine.admit({"word": "hi"}, outputs=frozenset({"nope"}))
+        scoped = engine.admit({"word": "hi"}, outputs=frozenset({"loud"}))
+        assert scoped.scope == {"up"} and "rest" in scoped.absent
+        assert engine.generate(scoped) == {"loud": "HI"}
+        steps = {
+            stage: totals.steps
+            for found in engine.inspect().values()
+            for stage, totals in found.stages.items()
+        }
+        assert steps == {"up": 1, "join": 0}
+        assert engine.generate({"word": "a", "rest": "b"}) == {"loud": "A", "sentence": "A b"}
+        assert len(stats) == 2  # each request's tables came, the scoped one's too

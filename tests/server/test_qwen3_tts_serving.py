@@ -15,9 +15,13 @@ import asyncio
 import base64
 import io
 import json
+import os
 import re
+import signal
 import subprocess
+import threading
 import time
+from pathlib import Path
 
 import av
 import httpx
@@ -72,6 +76,14 @@ def stop(server: ServerProcess) -> None:
     assert "Traceback" not in err, err
 
 
+def clone_source() -> str:
+    """graphs/qwen3_tts.omni on the Base checkpoint."""
+    source = (GRAPHS / "qwen3_tts.omni").read_text()
+    return source.replace("1.7B-CustomVoice", "1.7B-Base").replace(
+        "pipeline qwen3_tts", "pipeline qwen3_tts_clone"
+    )
+
+
 @pytest.fixture(scope="module")
 def custom(tmp_path_factory):
     """graphs/qwen3_tts.omni on tiny:qwen3-tts-customvoice."""
@@ -83,13 +95,20 @@ def custom(tmp_path_factory):
 @pytest.fixture(scope="module")
 def clone(tmp_path_factory):
     """The same graph on tiny:qwen3-tts-base, keeping at most 3 uploaded voices."""
-    source = (GRAPHS / "qwen3_tts.omni").read_text()
-    source = source.replace("1.7B-CustomVoice", "1.7B-Base").replace(
-        "pipeline qwen3_tts", "pipeline qwen3_tts_clone"
-    )
     path = tmp_path_factory.mktemp("clone") / "qwen3_tts_clone.omni"
-    path.write_text(source)
+    path.write_text(clone_source())
     server = ServerProcess([str(path), *FLAGS, "--max-voices", "3"])
+    yield server
+    stop(server)
+
+
+@pytest.fixture(scope="module")
+def clone_process(tmp_path_factory):
+    """The clone graph served with every stage in an executor process of its own."""
+    path = tmp_path_factory.mktemp("clone_process") / "qwen3_tts_clone.omni"
+    path.write_text(clone_source())
+    flags = [f if f != "inprocess" else "process" for f in FLAGS]
+    server = ServerProcess([str(path), *flags])
     yield server
     stop(server)
 
@@ -368,6 +387,79 @@ def test_the_voice_store_is_bounded_and_checks_its_uploads(clone_http):
     for name in names:
         assert clone_http.delete(f"/v1/audio/voices/{name}").status_code == 200
     assert clone_http.delete("/v1/audio/voices/v1").status_code == 404
+
+
+def executor_pid(server: ServerProcess, name: str) -> int:
+    """The pid of the executor process named `name` (its stdout is its own log file)."""
+    for pid in server.pids() - {server.proc.pid}:
+        if Path(os.readlink(f"/proc/{pid}/fd/1")).name == f"{name}.log":
+            return pid
+    raise AssertionError(f"no executor {name} among {server.pids()}")
+
+
+def stage_steps(http, model: str) -> dict[str, int]:
+    """Each stage's steps so far, and the executor it runs in, from /debug/inspect."""
+    executors = http.get("/debug/inspect").json()[model]["executors"]
+    return {
+        (stage, name): totals[0]
+        for name, found in executors.items()
+        for stage, totals in found["stages"].items()
+    }
+
+
+def test_the_plan_encodes_uploads_in_an_executor_process(clone_process):
+    """In process mode an upload runs the voice_encoder stage alone, in its executor (a
+    process of its own, the plan's: the API process loads no encoder); a voice named by a
+    request clones as its clip given inline does, with the same seed; an executor killed
+    during an upload fails that upload (a 500 that says so) and the next one works."""
+    with clone_process.client(timeout=60) as http:
+        model = "qwen3_tts_clone"
+        before = stage_steps(http, model)
+        assert ("voice_encoder", "voice_encoder") in before  # its own executor
+        clip = wav_file(reference_clip())
+        files = {"audio": ("ref.wav", clip, "audio/wav")}
+        data = {"name": "carol", "ref_text": "Hello there."}
+        assert http.post("/v1/audio/voices", data=data, files=files).status_code == 201
+        after = stage_steps(http, model)
+        ran = {key: after[key] - before[key] for key in after if after[key] != before[key]}
+        assert ran == {("voice_encoder", "voice_encoder"): 1}, ran  # nothing else ran
+        body = {"input": "Good morning.", "voice": "carol", "seed": 5, "response_format": "pcm"}
+        named = http.post(SPEECH, json=body)
+        inline = {**body, "voice": None, "ref_text": "Hello there.",
+                  "ref_audio": "data:audio/wav;base64," + base64.b64encode(clip).decode()}  # fmt: skip
+        assert named.status_code == 200 and named.content
+        assert http.post(SPEECH, json=inline).content == named.content
+
+        # SIGSTOP holds the encoder mid-upload; SIGKILL ends it there.
+        encoder = executor_pid(clone_process, "voice_encoder")
+        os.kill(encoder, signal.SIGSTOP)
+        result = {}
+        upload = threading.Thread(
+            target=lambda: result.update(
+                reply=http.post("/v1/audio/voices", data={**data, "name": "dave"}, files=files)
+            )
+        )
+        upload.start()
+        time.sleep(2.0)  # the upload reaches the stopped executor, and waits there
+        assert upload.is_alive()
+        os.kill(encoder, signal.SIGKILL)
+        upload.join(60)
+        error = result["reply"].json()["error"]
+        assert result["reply"].status_code == 500 and "died" in error["message"], error
+        assert "dave" not in http.get("/v1/audio/voices").json()["voices"]
+        wait_until(
+            lambda: (
+                http.post(
+                    "/v1/audio/voices", data={**data, "name": "erin"}, files=files
+                ).status_code
+                == 201
+            ),
+            timeout=60,
+            step=0.5,
+        )
+        assert executor_pid(clone_process, "voice_encoder") != encoder  # restarted
+        erin = http.post(SPEECH, json={**body, "voice": "erin"})
+        assert erin.content == named.content  # encoded as before the restart
 
 
 # --- WebSocket /v1/audio/speech/stream -----------------------------------------------------------

@@ -14,8 +14,8 @@ Run-time half:
 - `prompt`: the talker's prompt for CustomVoice, VoiceDesign and Base.
 - `talker`: the transformers `ar` backend's component (the talker stage).
 - `code2wav`: the vocoder backend's decoder (the code2wav stage).
-- `voices`: a reference clip encoded once into a clone's prompt (x-vector and codes), the
-  server's voice encoder; the family's admission checks.
+- `voices`: a reference clip encoded once into a clone's prompt (x-vector and codes): the
+  `voice_encoder` stage's model (an `encoder` stage); the family's admission checks.
 - `reference`: the unsplit generation the staged pipeline is compared against.
 - `checkpoints`: tiny random-weight checkpoints in the real layout, and real-size ones.
 
@@ -28,7 +28,7 @@ import json
 from pathlib import Path
 
 from omniflow.families.family import Family, Part, TinyModel
-from omniflow.families.qwen3_omni.costs import cost
+from omniflow.families.qwen3_tts.costs import cost
 from omniflow.ir.kinds import ParamSpec
 
 _HERE = __name__
@@ -50,6 +50,12 @@ def checkpoint_config(path: str | Path) -> dict | None:
         return None
     layout = json.loads(config.read_text(encoding="utf-8"))
     return layout if layout.get("model_type") == ARCHITECTURE else None
+
+
+def clones_voices(path: str | Path) -> bool:
+    """`Family.voices`: whether a local checkpoint is a Base one, which clones voices."""
+    layout = checkpoint_config(path)
+    return layout is not None and TASKS.get(layout.get("tts_model_type", "")) == "Base"
 
 
 def speakers(path: str | Path) -> tuple[str, ...] | None:
@@ -77,9 +83,12 @@ FAMILY = Family(
                 "text_embedding": ("talker.model.text_embedding.",),
                 "text_projection": ("talker.text_projection.",),
                 # (The code predictor is in the formula: its `code_predictor_config`.)
-                # Only the voice-cloning (Base) checkpoints carry a speaker encoder.
-                "speaker_encoder": ("speaker_encoder.",),
             },
+        ),
+        # Only the voice-cloning (Base) checkpoints carry a speaker encoder; the speech
+        # tokenizer's Mimi encoder beside it encodes the reference's codes.
+        "voice_encoder": Part(
+            "audio_encoder", ("speaker_encoder_config?",), weights=("speaker_encoder.",)
         ),
         "code2wav": Part(
             "vocoder",
@@ -92,10 +101,11 @@ FAMILY = Family(
     runtime={
         ("ar", "transformers"): f"{_HERE}.talker:load",
         ("vocoder", "transformers"): f"{_HERE}.code2wav:load",
+        ("encoder", "transformers"): f"{_HERE}.voices:load",
     },
     speakers=f"{_HERE}:speakers",
     admission=f"{_HERE}.voices:admission",
-    voices=f"{_HERE}.voices:load_encoder",
+    voices=f"{_HERE}:clones_voices",
     stage_params={
         "ar": {
             # The language spoken ("Auto", "English", ... as the checkpoint lists them).
@@ -112,12 +122,16 @@ FAMILY = Family(
         "ar": {
             # CustomVoice's style instruction, or VoiceDesign's voice description.
             "instructions": ("text",),
-            # A voice clone's reference audio (a file path, data: URI or base64 file, or
-            # a voice prompt `voices.encode` made; or samples), and its transcript.
+            # A voice clone's voice prompt (`voice_encoder`'s `voice`), and its transcript.
             "ref_audio": ("text", "audio"),
             "ref_text": ("text",),
-        }
+        },
+        # The voice encoder's reference: a file path, data: URI or base64 of an audio
+        # file, samples, or a voice prompt made before (passed on as it is).
+        "encoder": {"ref_audio": ("text", "audio")},
     },
+    # The voice encoder's voice prompt (x-vector and codes, `voices.encode_prompt`).
+    stage_outputs={"encoder": {"voice": "text"}},
     # The talker's prompt holds the instruction and a clone's transcript beside the text.
     prompt_inputs={"ar": ("instructions", "ref_text")},
     tiny=tuple(

@@ -40,9 +40,9 @@ Request inputs (ports) and parameters:
   speaker); given audio, it is the reference audio of a voice clone.
 - `instructions` (text): CustomVoice's style instruction (1.7B only) or VoiceDesign's voice
   description; empty: none.
-- `ref_audio` (text: a voice prompt `voices.VoiceEncoder` made, the x-vector and codes
-  encoded once; a file path, a `data:` URI or base64 of an audio file; or audio: float
-  samples at 24 kHz) and `ref_text` (text): a Base checkpoint's voice clone.
+- `ref_audio` (text: the voice prompt the `voice_encoder` stage, `voices.VoiceEncoder`,
+  made of the reference: its x-vector and codes) and `ref_text` (text): a Base
+  checkpoint's voice clone. This stage loads no encoder.
 - parameters `language` (Auto, Chinese, English, ... as the config lists them),
   `task_type` (CustomVoice, VoiceDesign or Base: must be the checkpoint's own; empty: it),
   `x_vector_only_mode` (clone from the speaker embedding alone; else ICL, which needs
@@ -77,12 +77,7 @@ from omniflow.families.qwen3_tts.config import (
     TTSConfig,
     check_task_inputs,
 )
-from omniflow.families.qwen3_tts.modeling import (
-    Talker,
-    load_speaker_encoder,
-    load_talker,
-    speaker_embedding,
-)
+from omniflow.families.qwen3_tts.modeling import Talker, load_talker
 from omniflow.runtime.stage import Call
 
 _STATE = "qwen3_tts"
@@ -105,19 +100,11 @@ def load(path: str, component: str | None, device: str, dtype) -> QwenTTSTalker:
     try:
         config = TTSConfig.of(raw)
         talker = load_talker(path, config, dtype, device)
-        encoders = None
-        if config.task == "Base":
-            from omniflow.families.qwen3_tts.speech_tokenizer import load_encoder
-
-            encoders = (
-                load_speaker_encoder(path, config, dtype, device),
-                load_encoder(path, device),
-            )
     except Qwen3TTSError as err:
         raise ARBackendError(str(err)) from err
     tokenizer = AutoTokenizer.from_pretrained(path)
     generation = {**SAMPLING_DEFAULTS, **(read_json(path, GENERATION_CONFIG) or {})}
-    return QwenTTSTalker(talker, tokenizer, config, generation, encoders)
+    return QwenTTSTalker(talker, tokenizer, config, generation)
 
 
 @dataclass
@@ -145,7 +132,7 @@ class QwenTTSTalker(Component):
     outputs = frozenset({"codes", "tokens"})
     min_tokens = MIN_NEW_TOKENS
 
-    def __init__(self, talker: Talker, tokenizer, config: TTSConfig, generation: dict, encoders):
+    def __init__(self, talker: Talker, tokenizer, config: TTSConfig, generation: dict):
         self.model = talker
         self.decoder = talker.model
         self.head = talker.codec_head
@@ -170,7 +157,6 @@ class QwenTTSTalker(Component):
                 generation["subtalker_top_k"],
                 generation["subtalker_top_p"],
             )
-        self.encoders = encoders  # Base: (speaker encoder, speech tokenizer encoder)
         predictor = talker.code_predictor
         self.codebook_size = predictor.lm_head[0].out_features
         self.frame_spec = FrameSpec(
@@ -235,26 +221,27 @@ class QwenTTSTalker(Component):
         return request
 
     def _clone(self, ref_audio, x_vector_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A clone's x-vector and reference codes: a voice prompt's (`voices`, encoded
-        once elsewhere), or encoded here from reference audio (codes only if used)."""
-        speaker, tokenizer = self.encoders
-        weight = next(speaker.parameters())
-        if voices.is_prompt(ref_audio):
-            x_vector, codes = voices.decode_prompt(ref_audio)
-            width = self.model.config.hidden_size
-            if x_vector.shape[0] != width:
-                raise Qwen3TTSError(
-                    f"ref_audio is a voice prompt of another model (an x-vector of "
-                    f"{x_vector.shape[0]}; this model's are {width} wide)"
-                )
-            if codes is not None and codes.shape[1] != self.model.groups:
-                raise Qwen3TTSError(
-                    f"ref_audio is a voice prompt of another model ({codes.shape[1]} codebooks)"
-                )
-            return x_vector.to(weight.device, weight.dtype), codes
-        audio = voices.check_length(voices.reference_audio(ref_audio), self.config)
-        x_vector = speaker_embedding(speaker, audio)
-        return x_vector, None if x_vector_only else tokenizer.encode(audio)
+        """A clone's x-vector and reference codes, from the voice prompt the voice encoder
+        stage made of its reference (`voices.VoiceEncoder`): this stage encodes nothing."""
+        if not voices.is_prompt(ref_audio):
+            raise Qwen3TTSError(
+                "ref_audio reached the talker unencoded: a voice clone's reference goes "
+                "through the voice_encoder stage (graphs/qwen3_tts.omni), which makes its "
+                "voice prompt"
+            )
+        x_vector, codes = voices.decode_prompt(ref_audio)
+        width = self.model.config.hidden_size
+        if x_vector.shape[0] != width:
+            raise Qwen3TTSError(
+                f"ref_audio is a voice prompt of another model (an x-vector of "
+                f"{x_vector.shape[0]}; this model's are {width} wide)"
+            )
+        if codes is not None and codes.shape[1] != self.model.groups:
+            raise Qwen3TTSError(
+                f"ref_audio is a voice prompt of another model ({codes.shape[1]} codebooks)"
+            )
+        weight = self.head.weight
+        return x_vector.to(weight.device, weight.dtype), codes
 
     def prompt(self, call: Call) -> Prompt:
         try:

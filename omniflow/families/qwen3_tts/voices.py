@@ -4,13 +4,12 @@ family's admission checks.
 A voice clone (a Base checkpoint) starts from reference audio: its x-vector (the speaker
 encoder's embedding of its mel spectrogram) and, unless `x_vector_only_mode`, its codes
 (the speech tokenizer's Mimi encoder, 16 codebooks a 12.5 Hz frame) with its transcript.
-`VoiceEncoder` computes both once, with the checkpoint's own encoders, as a voice prompt:
-a text (`PROMPT_PREFIX` + base64 of a safetensors file holding `x_vector` `[D]` float32
-and `ref_codes` `[frames, 16]` int16) that the talker stage takes on its `ref_audio` port
-in place of audio, and encodes nothing. The server keeps uploaded voices so
-(`omniflow.server.voices`, `Family.voices`) and encodes a request's inline `ref_audio` the
-same way; `ref_audio` may also be audio itself (a file path, base64 or a `data:` URI of an
-audio file, or 24 kHz samples), which the talker encodes.
+`VoiceEncoder`, the model of the graph's `voice_encoder` stage, computes both as a voice
+prompt: a text (`PROMPT_PREFIX` + base64 of a safetensors file holding `x_vector` `[D]`
+float32 and `ref_codes` `[frames, 16]` int16) that it sends the talker stage on its
+`ref_audio` port; the talker decodes it and encodes nothing. The server keeps uploaded
+voices as their prompts (a request for the plan's `voice_prompt` output alone runs this
+stage alone) and sends them back as `ref_audio`, which the encoder passes on as it is.
 
 `admission(stage, path)` is `Family.admission`: a request checked against the checkpoint
 at admission (`config.check_task_inputs`, the talker's own rules), so that a task it does
@@ -21,12 +20,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import os
-import threading
 from collections.abc import Callable
 
 import torch
 
+from omniflow.backends.vision import RequestEncoder
 from omniflow.families.qwen3_tts.config import (
     Qwen3TTSError,
     RequestProblem,
@@ -128,53 +128,75 @@ def mono_24k(samples: torch.Tensor, rate: int) -> torch.Tensor:
 
 
 # --- the voice encoder ------------------------------------------------------------------------
-class VoiceEncoder:
-    """A Base checkpoint's speaker encoder and speech tokenizer encoder, loaded once: a
-    reference clip -> the voice prompt its talker takes (`encode`). One encode runs at a
-    time (callers on several threads wait their turn)."""
+class VoiceEncoder(RequestEncoder):
+    """The `voice_encoder` stage's model: a Base checkpoint's speaker encoder and speech
+    tokenizer encoder. Its `ref_audio` (audio: a file path, base64 or a `data:` URI of an
+    audio file, or 24 kHz samples) becomes the voice prompt on `voice`; a voice prompt
+    passes on as it is (encoded before: an uploaded voice), and no reference sends nothing.
+    A checkpoint that clones no voices (`speaker` None) loads nothing and refuses audio."""
 
-    def __init__(self, path: str, config: TTSConfig, device: str):
-        from omniflow.families.qwen3_tts.modeling import load_speaker_encoder
-        from omniflow.families.qwen3_tts.speech_tokenizer import load_encoder
-
-        self.path = path
+    def __init__(self, config: TTSConfig, speaker, tokenizer):
         self.config = config
-        self.speaker = load_speaker_encoder(path, config, "auto", device)
-        self.tokenizer = load_encoder(path, device)
-        self.lock = threading.Lock()
+        self.speaker = speaker
+        self.tokenizer = tokenizer
 
-    def encode(self, samples: torch.Tensor, rate: int, ref_text: str = "") -> dict[str, str]:
-        """The talker's inputs for a clone of `samples` (`[n]` or `[n, channels]` at
-        `rate`): `ref_audio` its voice prompt (x-vector and codes), `ref_text` the
-        transcript. Qwen3TTSError if the audio has no samples."""
+    def to(self, device: str) -> VoiceEncoder:
+        if self.speaker is not None:
+            self.speaker.to(device)
+            self.tokenizer.to(device)
+        return self
+
+    def encode(self, values: dict) -> dict:
+        ref_audio = values.get("ref_audio")
+        if ref_audio is None or (isinstance(ref_audio, str) and not ref_audio):
+            return {}
+        if is_prompt(ref_audio):
+            return {"voice": ref_audio}
+        if self.speaker is None:
+            raise Qwen3TTSError(
+                f"this {self.config.task} checkpoint clones no voices: ref_audio takes a Base one"
+            )
         from omniflow.families.qwen3_tts.modeling import speaker_embedding
 
-        audio = check_length(mono_24k(torch.as_tensor(samples), rate), self.config)
-        with self.lock, torch.inference_mode():
+        audio = check_length(reference_audio(ref_audio), self.config)
+        with torch.inference_mode():
             x_vector = speaker_embedding(self.speaker, audio)
             codes = self.tokenizer.encode(audio)
-        return {"ref_audio": encode_prompt(x_vector, codes), "ref_text": ref_text}
+        return {"voice": encode_prompt(x_vector, codes)}
 
 
-def load_encoder(path: str, device: str) -> VoiceEncoder | None:
-    """`Family.voices`: the voice encoder of the checkpoint at `path`; None unless it
-    clones voices (a Base checkpoint)."""
+def load(path: str, component: str | None, dtype) -> VoiceEncoder:
+    """The `encoder` stage's model (`component="voice_encoder"`), on the CPU until the
+    backend moves it."""
+    from omniflow.families.qwen3_tts.modeling import load_speaker_encoder
+    from omniflow.families.qwen3_tts.speech_tokenizer import load_encoder
+
+    if component != "voice_encoder":
+        raise Qwen3TTSError(
+            f"Qwen3-TTS has no '{component}' encoder; use component=\"voice_encoder\""
+        )
     config = _config(path)
-    if config is None or config.task != "Base":
-        return None
-    return VoiceEncoder(path, config, device)
+    if config is None:
+        raise Qwen3TTSError(f"{path} is not a Qwen3-TTS checkpoint")
+    if config.task != "Base":
+        return VoiceEncoder(config, None, None)
+    speaker = load_speaker_encoder(path, config, dtype, "cpu")
+    return VoiceEncoder(config, speaker, load_encoder(path, "cpu"))
 
 
 # --- admission -------------------------------------------------------------------------------
 def admission(stage: StagePlan, path: str) -> Callable[[dict, dict], None] | None:
     """`Family.admission`: a talker stage's requests checked against its checkpoint (the
-    task it does, its languages, speakers, what a voice clone needs, that `ref_audio`
-    reads) before any stage sees them."""
+    task it does, its languages, speakers, what a voice clone needs) and a voice encoder
+    stage's reference (that `ref_audio` reads, and that the checkpoint clones voices)
+    before any stage sees them."""
     from omniflow.runtime.requests import StageRequestError
 
     config = _config(path)
-    if config is None or stage.kind != "ar":
+    if config is None or stage.kind not in ("ar", "encoder"):
         return None
+    if stage.kind == "encoder":
+        return functools.partial(_check_reference, config)
 
     def check(params: dict, inputs: dict) -> None:
         voice_field = "voice" if "voice" in inputs else "speaker"
@@ -184,8 +206,6 @@ def admission(stage: StagePlan, path: str) -> Callable[[dict, dict], None] | Non
             voice, ref_audio = None, voice if ref_audio in (None, "") else ref_audio
         given = isinstance(ref_audio, torch.Tensor) or bool(ref_audio)
         try:
-            if given and config.task == "Base":
-                _readable(ref_audio, config)
             check_task_inputs(
                 config,
                 task_type=params.get("task_type") or None,
@@ -205,13 +225,23 @@ def admission(stage: StagePlan, path: str) -> Callable[[dict, dict], None] | Non
     return check
 
 
-def _readable(ref_audio, config: TTSConfig) -> None:
-    """Raise Qwen3TTSError unless `ref_audio` is a voice prompt, or decodable audio long
-    enough to encode."""
-    if is_prompt(ref_audio):
-        decode_prompt(ref_audio)
-    else:
-        check_length(reference_audio(ref_audio), config)
+def _check_reference(config: TTSConfig, params: dict, inputs: dict) -> None:
+    """The voice encoder stage's check: a Base checkpoint's `ref_audio` is a voice prompt,
+    or decodable audio long enough to encode."""
+    from omniflow.runtime.requests import StageRequestError
+
+    ref_audio = inputs.get("ref_audio")
+    if ref_audio is None or (isinstance(ref_audio, str) and not ref_audio):
+        return
+    if config.task != "Base":
+        return  # the talker's check names what the checkpoint does instead
+    try:
+        if is_prompt(ref_audio):
+            decode_prompt(ref_audio)
+        else:
+            check_length(reference_audio(ref_audio), config)
+    except Qwen3TTSError as err:
+        raise StageRequestError(str(err), "ref_audio") from None
 
 
 def _text(value) -> str:
