@@ -18,6 +18,7 @@ keeps only the frames asked for (`pick`).
 
 from __future__ import annotations
 
+import contextlib
 import fractions
 import io
 from collections.abc import Callable, Sequence
@@ -438,20 +439,33 @@ def probe_video(data: bytes, max_pixels: int | None = None) -> VideoInfo:
     the header lied). Its info, with the frames it really has."""
     import av
 
-    try:
+    with _not_video_errors():
         with av.open(io.BytesIO(data)) as container:
             info = _video_info(container)
         if info.width * info.height <= 0:
             raise MediaError(f"{NOT_VIDEO}: it declares a {info.width}x{info.height} picture")
         _check_video_pixels(info.pixels, max_pixels)
-        frames = _decode_frames(data, max_pixels, set())[1]
-    except MediaError:
+        frames = _has_frames(_decode_frames(data, max_pixels, set())[1])
+    return VideoInfo(frames, info.width, info.height, info.rate, info.codec)
+
+
+@contextlib.contextmanager
+def _not_video_errors():
+    """What PyAV raises on a file that is not a readable video, as a MediaError."""
+    import av
+
+    try:
+        yield
+    except MediaError:  # a ValueError too, already saying what is wrong
         raise
     except (av.error.FFmpegError, IndexError, ValueError) as err:
         raise MediaError(f"{NOT_VIDEO}: {err}") from err
+
+
+def _has_frames(frames):
     if not frames:
         raise MediaError(f"{NOT_VIDEO}: it has no frames")
-    return VideoInfo(frames, info.width, info.height, info.rate, info.codec)
+    return frames
 
 
 def decode_video(
@@ -468,7 +482,7 @@ def decode_video(
     the true one."""
     import av
 
-    try:
+    with _not_video_errors():
         with av.open(io.BytesIO(data)) as container:
             info = _video_info(container)
             _check_video_pixels(info.pixels, max_pixels)
@@ -481,13 +495,7 @@ def decode_video(
                 if decoded == total:
                     break
                 total = decoded
-    except MediaError:
-        raise
-    except (av.error.FFmpegError, IndexError, ValueError) as err:
-        raise MediaError(f"{NOT_VIDEO}: {err}") from err
-    if not frames:
-        raise MediaError(f"{NOT_VIDEO}: it has no frames")
-    return torch.from_numpy(np.stack(frames)), info.rate, info.codec
+    return torch.from_numpy(np.stack(_has_frames(frames))), info.rate, info.codec
 
 
 NOT_VIDEO = "not a video file PyAV can read"

@@ -487,6 +487,21 @@ class FrameSpec:
         return len(self.heads) + 1
 
 
+def _sampling_params(owner, b: int, step: torch.Tensor) -> sampler.Params:
+    """The fused sampler's parameters over the first `b` rows of `owner`'s per-slot buffers
+    (temperature, top_k, top_p, budget, penalty, seed), drawing at `step`: views, so a
+    captured step reads what the host last wrote into them."""
+    return sampler.Params.of_buffers(
+        temperature=owner.temperature[:b],
+        top_k=owner.top_k[:b],
+        top_p=owner.top_p[:b],
+        budget=owner.budget[:b],
+        repetition_penalty=owner.penalty[:b],
+        seed=owner.seed[:b],
+        step=step[:b],
+    )
+
+
 class FrameCompleter:
     """Completes every row's frame inside the static step: the predictor's G positions
     one row a slot over a scratch cache of G columns, each codebook drawn by the fused
@@ -539,15 +554,7 @@ class FrameCompleter:
         spec, cache, column = self.spec, self.cache, self.column
         cache.decode(spec.project(hidden), column[0, :b], column[0, :b], 1)
         states = cache.decode(spec.project(self.embed(first)), column[1, :b], column[1, :b], 2)
-        params = sampler.Params.of_buffers(
-            temperature=self.temperature[:b],
-            top_k=self.top_k[:b],
-            top_p=self.top_p[:b],
-            budget=self.budget[:b],
-            repetition_penalty=self.penalty[:b],
-            seed=self.seed[:b],
-            step=self.step[:b],
-        )
+        params = _sampling_params(self, b, self.step)
         codes = [first]
         for g in range(1, self.groups):
             self.step[:b].copy_(frame * MAX_SUB_STEPS + g)
@@ -935,15 +942,7 @@ class StaticDecoder(DecoderCache):
             early = (self.step_count[:b] < self.min_tokens[:b])[:, None]
             ends = logits.index_select(1, self.ends).masked_fill(early, -math.inf)
             logits.index_copy_(1, self.ends, ends)
-        params = sampler.Params.of_buffers(
-            temperature=self.temperature[:b],
-            top_k=self.top_k[:b],
-            top_p=self.top_p[:b],
-            budget=self.budget[:b],
-            repetition_penalty=self.penalty[:b],
-            seed=self.seed[:b],
-            step=self.step_count[:b],
-        )
+        params = _sampling_params(self, b, self.step_count)
         seen = self.seen[:b]
         if self.use_triton:
             sampler.sample_triton(logits, params, seen, out=self.ids[:b], scratch=self.scratch[:b])

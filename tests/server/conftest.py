@@ -81,6 +81,16 @@ class ServerProcess:
         wait_until(lambda: not any(map(alive, pids)))
         return self.proc.returncode, err
 
+    def stop_cleanly(self) -> str:
+        """Stop with SIGTERM and check that it ended well: exit 0, no traceback in its log,
+        none of its shared-memory segments left; its log."""
+        pids = self.pids()
+        code, err = self.stop()
+        assert code == 0, err
+        assert "Traceback" not in err, err
+        assert segments_of(pids) == []
+        return err
+
     def client(self, **kwargs) -> httpx.Client:
         return httpx.Client(base_url=self.base, **{"timeout": 60, **kwargs})
 
@@ -163,11 +173,7 @@ def served(tmp_path_factory):
     )
     server.stats_path = stats
     yield server
-    pids = server.pids()
-    code, err = server.stop()
-    assert code == 0, err
-    assert "Traceback" not in err, err
-    assert segments_of(pids) == []
+    server.stop_cleanly()
 
 
 @pytest.fixture

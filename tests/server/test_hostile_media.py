@@ -38,7 +38,7 @@ import torch
 from PIL import Image
 
 from omniflow.media import mp4_bytes
-from tests.server.conftest import GRAPHS, HERE, ServerProcess, segments_of
+from tests.server.conftest import GRAPHS, HERE, ServerProcess
 
 RATE = 24000
 SPEECH = "/v1/audio/speech"
@@ -139,11 +139,7 @@ def server(files, tmp_path_factory):
         env={"TMPDIR": str(temp)},
     )
     yield server
-    pids = server.pids()
-    code, err = server.stop()
-    assert code == 0, err
-    assert "Traceback" not in err, err
-    assert segments_of(pids) == []
+    server.stop_cleanly()
     # torch keeps its compile cache in the temp dir, on purpose; nothing else may stay.
     assert [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor")] == []
 

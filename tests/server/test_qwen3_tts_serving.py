@@ -70,12 +70,6 @@ def decoded_seconds(data: bytes) -> float:
     return sum(f.samples for f in frames) / frames[0].sample_rate
 
 
-def stop(server: ServerProcess) -> None:
-    code, err = server.stop()
-    assert code == 0, err
-    assert "Traceback" not in err, err
-
-
 def clone_source() -> str:
     """graphs/qwen3_tts.omni on the Base checkpoint."""
     source = (GRAPHS / "qwen3_tts.omni").read_text()
@@ -89,7 +83,7 @@ def custom(tmp_path_factory):
     """graphs/qwen3_tts.omni on tiny:qwen3-tts-customvoice."""
     server = ServerProcess([str(GRAPHS / "qwen3_tts.omni"), *FLAGS])
     yield server
-    stop(server)
+    server.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +93,7 @@ def clone(tmp_path_factory):
     path.write_text(clone_source())
     server = ServerProcess([str(path), *FLAGS, "--max-voices", "3"])
     yield server
-    stop(server)
+    server.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +104,7 @@ def clone_process(tmp_path_factory):
     flags = [f if f != "inprocess" else "process" for f in FLAGS]
     server = ServerProcess([str(path), *flags])
     yield server
-    stop(server)
+    server.stop_cleanly()
 
 
 @pytest.fixture(scope="module")

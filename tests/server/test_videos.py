@@ -47,9 +47,7 @@ def server(request):
         ]  # fmt: skip
     )
     yield server
-    code, err = server.stop()
-    assert code == 0, err
-    assert "Traceback" not in err, err
+    server.stop_cleanly()
 
 
 @pytest.fixture
