@@ -48,7 +48,10 @@ def server():
     server = ServerProcess(
         [str(GRAPHS / "omni_chat.omni"), str(HERE / "listen.omni"), str(HERE / "probe.omni"),
          "--tiny", "--mode", "inprocess", "--api-key", KEY,
-         "--param", "omni_chat.max_tokens=8", "--param", "omni_chat.max_audio_tokens=48"]
+         "--param", "omni_chat.max_tokens=8", "--param", "omni_chat.max_audio_tokens=48",
+         # A greedy talker: a sampled one may end its speech at once on the tiny weights,
+         # and the tests check that a turn's audio arrives.
+         "--param", "omni_chat.audio_temperature=0"]
     )  # fmt: skip
     yield server
     server.stop_cleanly()
