@@ -56,7 +56,7 @@ MAX_BUFFER_CHARS = 64 << 10  # text waiting to be spoken (buffered, or in segmen
 # Segments waiting to be spoken: prose averages well over 64 characters a sentence, so this
 # never refuses text within MAX_BUFFER_CHARS; it bounds what a text of tiny "sentences" costs.
 MAX_SEGMENTS = MAX_BUFFER_CHARS // 64
-# One client message: the most text a session holds, JSON-escaped (a \\u escape is 6 characters).
+# One client message: the most text a session holds, JSON-escaped (a \u escape is 6 characters).
 MAX_MESSAGE_CHARS = 6 * MAX_BUFFER_CHARS + 1024
 
 # A sentence ends after a run of . ! ? ; … (then any closing quotes or brackets) that white
