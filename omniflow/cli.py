@@ -336,7 +336,8 @@ def make_parser() -> argparse.ArgumentParser:
     )
     build.add_argument("name", help="the tiny model (omniflow models list names them)")
     build.add_argument(
-        "--out", help="folder to build into (default: the cache, $OMNIFLOW_CACHE/tiny/NAME)"
+        "--out",
+        help="folder to build into (default: the cache, $OMNIFLOW_CACHE/tiny/LIBRARIES/NAME)",
     )
     scaled = verbs.add_parser(
         "build-scaled",

@@ -50,12 +50,13 @@ def test_a_graph_serves_what_it_names_and_its_familys_siblings_of_the_same_archi
 
 
 def test_models_list_shows_each_model_with_its_graph_and_whether_its_tiny_build_is_built(
-    tmp_path,
+    tmp_path, monkeypatch
 ):
-    from omniflow.checkpoints.tiny import build_tiny
+    from omniflow.checkpoints.tiny import build_tiny, tiny_cache_dir
 
     cache = tmp_path / "cache"
-    build_tiny("qwen2", cache / "tiny" / "qwen2")  # the smallest; every other is unbuilt here
+    monkeypatch.setenv("OMNIFLOW_CACHE", str(cache))
+    build_tiny("qwen2", tiny_cache_dir() / "qwen2")  # the smallest; every other is unbuilt here
     result = subprocess.run(
         [sys.executable, "-P", "-m", "omniflow.cli", "models", "list"],
         cwd=ROOT, env={**os.environ, "OMNIFLOW_CACHE": str(cache)},

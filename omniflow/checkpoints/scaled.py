@@ -114,13 +114,13 @@ def scaled_checkpoint(
 ) -> Path:
     """The scaled checkpoint of the real `model` at `depth`, built on first use into `out`
     (default: under `$OMNIFLOW_CACHE/scaled/`) by its family's builder."""
-    from omniflow.checkpoints.tiny import tiny_cache_dir
+    from omniflow.checkpoints.tiny import cache_root
 
     builders = {m: path for f in families.families() for m, path in f.scaled.items()}
     if model not in builders:
         raise ModelConfigError(f"no scaled build of '{model}'; there are {', '.join(builders)}")
     if out is None:
-        out = tiny_cache_dir().parent / "scaled" / f"{model.replace('/', '--')}-{depth:g}"
+        out = cache_root() / "scaled" / f"{model.replace('/', '--')}-{depth:g}"
     out = Path(out)
     if not (out / MANIFEST).exists():
         print(f"building {out} ...", flush=True)

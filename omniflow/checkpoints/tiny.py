@@ -8,7 +8,9 @@ through the same `from_pretrained(local_dir)` path as a real checkpoint. Each fa
 that omniflow's staged pipelines are compared against.
 
 - `build_tiny(name)` builds a checkpoint directory, or reuses a complete one, under
-  `$OMNIFLOW_CACHE/tiny/<name>` (OMNIFLOW_CACHE defaults to ~/.cache/omniflow). A build
+  `$OMNIFLOW_CACHE/tiny/<libraries>/<name>` (OMNIFLOW_CACHE defaults to ~/.cache/omniflow;
+  `<libraries>` is a short hash of the recipe and library versions, so environments with
+  different versions keep their own builds instead of rebuilding each other's). A build
   writes into a temporary sibling directory and renames it into place, and a directory
   counts as complete only with its manifest (written last), so an interrupted build is
   never mistaken for a complete one.
@@ -45,10 +47,17 @@ def list_tiny() -> list[str]:
     return sorted(families.tiny_models())
 
 
-def tiny_cache_dir() -> Path:
-    """Where `build_tiny` puts checkpoints by default: `$OMNIFLOW_CACHE/tiny`."""
+def cache_root() -> Path:
+    """omniflow's build cache: `$OMNIFLOW_CACHE`, by default ~/.cache/omniflow."""
     root = os.environ.get("OMNIFLOW_CACHE") or Path.home() / ".cache" / "omniflow"
-    return Path(root).expanduser() / "tiny"
+    return Path(root).expanduser()
+
+
+def tiny_cache_dir() -> Path:
+    """Where `build_tiny` puts checkpoints by default: `$OMNIFLOW_CACHE/tiny/<libraries>`, one
+    folder per set of recipe and library versions (a build's bytes depend on them)."""
+    key = hashlib.sha256(json.dumps(_built_with(), sort_keys=True).encode()).hexdigest()[:12]
+    return cache_root() / "tiny" / key
 
 
 def build_tiny(name: str, out_dir: str | Path | None = None, progress: bool = False) -> Path:

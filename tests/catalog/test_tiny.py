@@ -16,7 +16,13 @@ import pytest
 import torch
 
 from omniflow import families
-from omniflow.checkpoints.tiny import MANIFEST, build_tiny, is_complete, list_tiny
+from omniflow.checkpoints.tiny import (
+    MANIFEST,
+    build_tiny,
+    is_complete,
+    list_tiny,
+    tiny_cache_dir,
+)
 from omniflow.checkpoints.tiny_recipes import portable_uniform
 from omniflow.families.codec_tts.checkpoints import read_tts_index, reference_tts
 from omniflow.families.qwen2_5_omni.checkpoints import omni_prompt_ids, reference_omni_generate
@@ -77,7 +83,7 @@ def test_registry_names_every_required_model():
 
 def test_builds_into_the_cache_and_reuses_it(cache, built):
     directory = built["qwen2"]
-    assert directory == cache / "tiny" / "qwen2"
+    assert directory == tiny_cache_dir() / "qwen2" and directory.is_relative_to(cache / "tiny")
     assert is_complete(directory, "qwen2")
     before = {p: p.stat().st_mtime_ns for p in directory.rglob("*")}
     start = time.perf_counter()

@@ -26,7 +26,7 @@ from omniflow.checkpoints.scaled import (
     initialising_bf16_on,
     scale_into,
 )
-from omniflow.checkpoints.tiny import tiny_cache_dir
+from omniflow.checkpoints.tiny import cache_root
 from omniflow.checkpoints.tiny_recipes import (
     CODEBOOK_SIZE,
     MROPE,
@@ -421,7 +421,7 @@ def scaled_token2wav(depth: float = 1.0, device: str = "cuda") -> Path:
     token2wav decoder loads, without the ~20 GB of the whole model."""
     from transformers import Qwen2_5OmniToken2WavModel
 
-    out = tiny_cache_dir().parent / "scaled" / f"qwen2.5-omni-token2wav-{depth:g}"
+    out = cache_root() / "scaled" / f"qwen2.5-omni-token2wav-{depth:g}"
     if (out / MANIFEST).exists():
         return out
     config, speaker_bos, _ = scaled_omni_config(depth)
