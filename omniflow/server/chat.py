@@ -16,6 +16,7 @@ chunk), so the first audio delta leaves when the pipeline's first audio chunk ar
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -311,6 +312,12 @@ def make_run(job: ChatJob, admitted, request_id: str, began: float) -> Run:
     return Run(job.served, admitted, request_id, job.outputs, began, stops=job.stops)
 
 
+def _encoded_audio(parts: list[torch.Tensor], rate: int, fmt: str) -> str:
+    """The reply's audio chunks as one file in `fmt`, base64-encoded."""
+    samples = concat("audio", parts) if parts else torch.zeros(0, dtype=torch.int16)
+    return base64.b64encode(audio_bytes(samples, rate, fmt)).decode()
+
+
 async def answer(job: ChatJob, run: Run) -> dict:
     """The whole reply, as `chat.completion`."""
     texts, audio = [], []
@@ -319,11 +326,11 @@ async def answer(job: ChatJob, run: Run) -> dict:
     text = "".join(texts) if job.want_text else None
     message: dict = {"role": "assistant", "content": text}
     if job.want_audio:
-        samples = concat("audio", audio) if audio else torch.zeros(0, dtype=torch.int16)
-        data = audio_bytes(samples, run.timeline.rate, job.audio_format)
+        # Off the event loop: a long reply's encoding takes seconds the other clients need.
+        data = await asyncio.to_thread(_encoded_audio, audio, run.timeline.rate, job.audio_format)
         message["audio"] = {
             "id": f"audio_{run.request_id}",
-            "data": base64.b64encode(data).decode(),
+            "data": data,
             "expires_at": int(time.time()) + AUDIO_LIFETIME_S,
         }
         if text is not None:  # what was spoken, when the text was asked for too

@@ -14,6 +14,7 @@ parameter if it has one, else the audio is time-stretched here, pitch kept), `st
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import torch
@@ -192,11 +193,17 @@ class AudioOut:
 
 async def whole(job: SpeechJob, run: Run) -> bytes:
     parts = [value async for _, value in run.chunks()]
+    # Minutes of audio take seconds to stretch and encode: off the event loop, which serves
+    # every other client meanwhile.
+    return await asyncio.to_thread(_encode_whole, job, parts, run.timeline.rate)
+
+
+def _encode_whole(job: SpeechJob, parts: list[torch.Tensor], rate: int) -> bytes:
     samples = concat("audio", parts) if parts else torch.zeros(0, dtype=torch.int16)
     if job.speed is not None:
-        tempo = Tempo(job.speed, run.timeline.rate)
+        tempo = Tempo(job.speed, rate)
         samples = torch.cat([tempo.feed(samples), tempo.close()])
-    return audio_bytes(samples, run.timeline.rate, job.format)
+    return audio_bytes(samples, rate, job.format)
 
 
 async def streamed(job: SpeechJob, run: Run):
