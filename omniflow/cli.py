@@ -520,6 +520,22 @@ def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = Tru
         "long is closed (default 600)",
     )
     serving.add_argument(
+        "--max-speech-sessions",
+        type=int,
+        default=64,
+        metavar="N",
+        help="/v1/audio/speech/stream sessions open at once (default 64); beyond it a new "
+        "one gets an error message and is closed (1013)",
+    )
+    serving.add_argument(
+        "--speech-idle-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="a speech stream session with no client message and nothing being spoken for "
+        "this long is closed (default 600)",
+    )
+    serving.add_argument(
         "--log-stats", action="store_true", help="print per-request stats tables after each"
     )
     serving.add_argument(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -86,6 +87,8 @@ class ServerConfig:
     max_realtime_sessions: int = 64  # /v1/realtime sessions at once (beyond: closed, 1013)
     max_realtime_text: int = 256 << 10  # characters of text one realtime session holds
     realtime_idle_timeout_s: float = 600.0  # a realtime session idle this long is closed
+    max_speech_sessions: int = 64  # speech stream sessions at once (beyond: closed, 1013)
+    speech_idle_timeout_s: float = 600.0  # a speech stream session idle this long is closed
 
 
 class Server:
@@ -104,7 +107,7 @@ class Server:
         self.stats_log = stats_log or StatsLog(None, None)
         self.draining = False
         self.started = time.time()
-        self.realtime_sessions = 0  # open /v1/realtime sessions
+        self.sessions: collections.Counter[str] = collections.Counter()  # open, by path
         self.videos = videos.VideoJobs(self, config.max_video_jobs, config.video_ttl_s)
 
     @property

@@ -276,6 +276,8 @@ def serve(args) -> int:
         max_realtime_sessions=args.max_realtime_sessions,
         max_realtime_text=args.max_realtime_text,
         realtime_idle_timeout_s=args.realtime_idle_timeout,
+        max_speech_sessions=args.max_speech_sessions,
+        speech_idle_timeout_s=args.speech_idle_timeout,
     )
     sock = bind(args.host, args.port)
     engines: dict = {}
@@ -291,12 +293,12 @@ def serve(args) -> int:
                 )
             if args.max_video_jobs < 1 or not args.video_ttl > 0:
                 raise ServeError("--max-video-jobs must be at least 1 and --video-ttl above 0")
-            if min(args.max_realtime_sessions, args.max_realtime_text) < 1 or not (
-                args.realtime_idle_timeout > 0
-            ):
+            counts = (args.max_realtime_sessions, args.max_realtime_text, args.max_speech_sessions)
+            if min(counts) < 1 or not min(args.realtime_idle_timeout, args.speech_idle_timeout) > 0:
                 raise ServeError(
-                    "--max-realtime-sessions and --max-realtime-text must be at least 1 and "
-                    "--realtime-idle-timeout above 0"
+                    "--max-realtime-sessions, --max-realtime-text and --max-speech-sessions "
+                    "must be at least 1 and --realtime-idle-timeout and --speech-idle-timeout "
+                    "above 0"
                 )
             backends = "standin" if args.standin else "auto"
             checks = {p.pipeline: () if args.standin else _preflight(p) for p in plans}

@@ -44,12 +44,15 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from omniflow.media import audio_bytes
 from omniflow.server import chat, realtime_schema
-from omniflow.server.errors import APIError, bad_request, busy
+from omniflow.server.errors import APIError, bad_request
 from omniflow.server.sockets import (
     CLOSE_BAD_REQUEST,
     CLOSE_BUSY,
+    IdleReceiver,
     Sender,
     client_message,
+    close_session,
+    open_session,
     refused,
 )
 
@@ -133,7 +136,7 @@ class RealtimeSession:
         self.items: list[dict] = []  # the conversation: realtime items, in order
         self.audio_bytes = 0  # committed audio the items hold
         self.response: tuple[str, asyncio.Task] | None = None  # the running one
-        self.active = time.monotonic()  # the last client event, or a response's end
+        self.inbox: IdleReceiver | None = None  # the client's events, until idle too long
         self.cancel_reason = "client_cancelled"  # why the running one was cancelled
         self.ga = False  # whether the client speaks today's schema (realtime_schema.py)
 
@@ -148,13 +151,16 @@ class RealtimeSession:
             return
         await self.ws.accept()
         self.out = Sender(self.ws)
-        limit = self.server.config.max_realtime_sessions
-        if self.server.realtime_sessions >= limit:
-            self._error(busy(f"this server holds at most {limit} realtime sessions at once "
-                             "(--max-realtime-sessions); retry later"))  # fmt: skip
+        config = self.server.config
+        full = open_session(self.server, PATH, config.max_realtime_sessions,
+                            "--max-realtime-sessions")  # fmt: skip
+        if full is not None:
+            self._error(full)
             await self._close(CLOSE_BUSY, "too many sessions")
             return
-        self.server.realtime_sessions += 1
+        self.inbox = IdleReceiver(
+            self.ws, config.realtime_idle_timeout_s, lambda: self.response is not None
+        )
         gauge = self.server.metrics.websocket_sessions.labels(self.served.name, PATH)
         gauge.inc()
         self.config = self._default_config()
@@ -166,7 +172,7 @@ class RealtimeSession:
             pass
         finally:
             await self._cancel_response()
-            self.server.realtime_sessions -= 1  # before the close: the client may reconnect
+            close_session(self.server, PATH)  # before the close: the client may reconnect
             gauge.dec()
             if closing is not None:
                 await self._close(*closing)
@@ -178,29 +184,11 @@ class RealtimeSession:
         await self.out.flush()
         await self.out.stop()
 
-    async def _next_message(self) -> dict | None:
-        """The client's next message; None once the session has been idle (no client event,
-        no response running) for the server's idle timeout."""
-        idle_s = self.server.config.realtime_idle_timeout_s
-        receiving = asyncio.ensure_future(self.ws.receive())
-        try:
-            while True:
-                quiet = time.monotonic() - self.active
-                wait = idle_s if self.response is not None else idle_s - quiet
-                if wait <= 0:
-                    return None
-                done, _ = await asyncio.wait({receiving}, timeout=wait)
-                if done:
-                    self.active = time.monotonic()
-                    return receiving.result()
-        finally:
-            receiving.cancel()
-
     async def _read_loop(self) -> tuple[int, str]:
         """Client events until the client goes away (WebSocketDisconnect), or the session
         has been idle too long: then the close code and reason."""
         while True:
-            message = await self._next_message()
+            message = await self.inbox.receive()
             if message is None:
                 idle_s = self.server.config.realtime_idle_timeout_s
                 self._error(_invalid(f"the session was idle for {idle_s:g} s "
@@ -634,7 +622,7 @@ class RealtimeSession:
         usage = run.usage if run is not None else None
         response = self._response(response_id, outcome, [item], usage, reason)
         self.send("response.done", response=response)
-        self.active = time.monotonic()
+        self.inbox.touch()
         if self.response is not None and self.response[0] == response_id:
             self.response = None
 

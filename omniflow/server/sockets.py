@@ -1,18 +1,21 @@
-"""What every WebSocket endpoint shares: the API key check at the handshake, the parsing of
-a client's JSON messages (bounded in size and nesting), and one sender task per socket
-through which everything the server says leaves in order (so that a reader and the tasks
-producing output never write to the socket at once)."""
+"""What every WebSocket endpoint shares: the API key check at the handshake, the cap on an
+endpoint's open sessions, the parsing of a client's JSON messages (bounded in size and
+nesting), the idle timeout of a session, and one sender task per socket through which
+everything the server says leaves in order (so that a reader and the tasks producing output
+never write to the socket at once)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import time
+from collections.abc import Callable
 
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omniflow.server.auth import bearer_matches, token_matches
-from omniflow.server.errors import bad_request
+from omniflow.server.errors import APIError, bad_request, busy
 
 CLOSE_BAD_REQUEST, CLOSE_FAILED, CLOSE_BUSY = 1008, 1011, 1013
 
@@ -39,6 +42,50 @@ async def refused(server, websocket: WebSocket) -> bool:
         await websocket.close(code=CLOSE_BUSY, reason="the server is shutting down")
         return True
     return False
+
+
+def open_session(server, path: str, limit: int, flag: str) -> APIError | None:
+    """Count a new session of the endpoint `path`; the 503 it gets instead when `limit` are
+    open already (`flag` sets the limit). `close_session` uncounts it."""
+    if server.sessions[path] >= limit:
+        return busy(
+            f"this server holds at most {limit} {path} sessions at once ({flag}); retry later"
+        )
+    server.sessions[path] += 1
+    return None
+
+
+def close_session(server, path: str) -> None:
+    server.sessions[path] -= 1
+
+
+class IdleReceiver:
+    """A session's client messages (ASGI `websocket.receive` dicts), or None once it has been
+    idle for `idle_s`: no client message, and nothing of it running (`busy()`), since the
+    last message or `touch()`."""
+
+    def __init__(self, websocket: WebSocket, idle_s: float, busy: Callable[[], bool]):
+        self.ws, self.idle_s, self.busy = websocket, idle_s, busy
+        self.active = time.monotonic()
+
+    def touch(self) -> None:
+        """Something the session ran has ended: its idle time counts from now."""
+        self.active = time.monotonic()
+
+    async def receive(self) -> dict | None:
+        receiving = asyncio.ensure_future(self.ws.receive())
+        try:
+            while True:
+                quiet = time.monotonic() - self.active
+                wait = self.idle_s if self.busy() else self.idle_s - quiet
+                if wait <= 0:
+                    return None
+                done, _ = await asyncio.wait({receiving}, timeout=wait)
+                if done:
+                    self.active = time.monotonic()
+                    return receiving.result()
+        finally:
+            receiving.cancel()
 
 
 def client_message(message: dict, max_chars: int, what: str = "message") -> dict:

@@ -18,7 +18,9 @@ synthesised while the one before it plays. Their audio goes out in order, each s
 as its pipeline makes it. The voice (a clone's reference too) is resolved once per session.
 
 What a session holds is bounded: `MAX_BUFFER_CHARS` of text waiting to be spoken (buffered
-or in segments not yet done), `MAX_SEGMENTS` such segments, `MAX_MESSAGE_CHARS` a message.
+or in segments not yet done), `MAX_SEGMENTS` such segments, `MAX_MESSAGE_CHARS` a message;
+and so is what sessions hold: `--max-speech-sessions` open at once (beyond, an `error` and
+1013), each closed after `--speech-idle-timeout` with no message and nothing being spoken.
 
 A client that drops the socket, or sends `cancel`, cancels its segments in every stage;
 their admission slots are free within a second. A mistake in a message is an `error`
@@ -42,9 +44,13 @@ from omniflow.server.errors import APIError, bad_request
 from omniflow.server.run import Run
 from omniflow.server.sockets import (
     CLOSE_BAD_REQUEST,
+    CLOSE_BUSY,
     CLOSE_FAILED,
+    IdleReceiver,
     Sender,
     client_message,
+    close_session,
+    open_session,
     refused,
 )
 
@@ -163,21 +169,37 @@ class SpeechSession:
             return
         await self.ws.accept()
         self.out = Sender(self.ws)
+        config = self.server.config
+        full = open_session(self.server, PATH, config.max_speech_sessions, "--max-speech-sessions")
+        if full is not None:
+            await self._fail(full, CLOSE_BUSY)
+            await self.out.stop()
+            return
+        inbox = IdleReceiver(self.ws, config.speech_idle_timeout_s, lambda: bool(self.running))
         try:
-            await self._read_loop()
+            await self._read_loop(inbox)
         except WebSocketDisconnect:
             pass
         finally:
+            close_session(self.server, PATH)  # before the close: the client may reconnect
             await self._cancel_all()
             if self.served is not None:
                 self.server.metrics.websocket_sessions.labels(self.served.name, PATH).dec()
             await self.out.stop()
 
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, inbox: IdleReceiver) -> None:
         """Client messages until the socket closes (after `session.done`, an error, or the
-        client's going away) or a message is wrong."""
+        client's going away), a message is wrong, or the session has been idle too long (no
+        message, no segment being spoken)."""
         while True:
-            message = await self.ws.receive()
+            message = await inbox.receive()
+            if message is None:
+                idle_s = self.server.config.speech_idle_timeout_s
+                expired = bad_request(f"the session was idle for {idle_s:g} s "
+                                      "(--speech-idle-timeout): closed", param="type",
+                                      code="session_expired")  # fmt: skip
+                await self._fail(expired, 1000)
+                return
             if message["type"] == "websocket.disconnect":
                 raise WebSocketDisconnect(message.get("code", 1000))
             try:

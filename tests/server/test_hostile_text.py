@@ -351,7 +351,8 @@ def target(tmp_path_factory):
          "--mode", "inprocess", "--api-key", KEY, "--access-log",
          "--param", "max_tokens=6", "--param", "omni_chat.max_audio_tokens=48",
          "--max-realtime-sessions", "2", "--max-realtime-text", "65536",
-         "--realtime-idle-timeout", "3"],
+         "--realtime-idle-timeout", "3", "--max-speech-sessions", "2",
+         "--speech-idle-timeout", "3"],
         tmp,
     )  # fmt: skip
     yield attacked
@@ -581,6 +582,46 @@ def test_a_long_run_of_dots_is_spoken_without_stalling_the_server(target, http):
     assert cancelled["segments"][0] == 0
     outcome.assert_harmless(within=10 * FAST_S)
     wait_until(lambda: idle(http, "qwen3_tts"))
+
+
+def test_speech_sessions_are_capped_and_an_idle_one_is_closed(target, http):
+    sessions = lambda: metric(  # noqa: E731
+        http, "omniflow_websocket_sessions", model="qwen3_tts", endpoint=speech_stream.PATH
+    )
+    wait_until(lambda: sessions() == 0)  # the sessions of the tests before have ended
+
+    def connect():
+        return websockets.connect(target.ws(speech_stream.PATH), additional_headers=AUTH)
+
+    async def started(ws) -> dict:
+        await ws.send(start_frame())
+        return json.loads(await ws.recv())
+
+    async def run():
+        first, second = await connect(), await connect()
+        for ws in (first, second):
+            assert (await started(ws))["type"] == "session.started"
+        third = await connect()
+        refused = json.loads(await third.recv())
+        with pytest.raises(websockets.ConnectionClosed):
+            await third.recv()
+        await second.close()
+        began = time.monotonic()
+        expired = json.loads(await first.recv())  # idle: no message sent, nothing spoken
+        idle_for = time.monotonic() - began
+        with pytest.raises(websockets.ConnectionClosed):
+            await first.recv()
+        fourth = await connect()  # room again
+        again = await started(fourth)
+        await fourth.close()
+        return refused, third.close_code, expired, first.close_code, idle_for, again
+
+    refused, refused_code, expired, expired_code, idle_for, again = run_async(run)
+    assert refused["type"] == "error" and refused["error"]["code"] == "server_busy"
+    assert "--max-speech-sessions" in refused["error"]["message"] and refused_code == 1013
+    assert expired["error"]["code"] == "session_expired" and expired_code == 1000
+    assert idle_for < 10  # the 3 s idle timeout, generously
+    assert again["type"] == "session.started"
 
 
 # --- realtime sessions ----------------------------------------------------------------------------
