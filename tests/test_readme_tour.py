@@ -2,8 +2,10 @@
 labelled `# graphs/omni_chat.omni` is that file, the plan printed under it is what the
 command it names prints, and the mistake shown is what `compile` says of that file with
 'talker' misspelled. Only what depends on the terminal is fixed: the width (80 columns, what
-a pipe gets) and the blanks rich pads each line with. The executor processes the README
-says the default pipeline runs in are its plan's."""
+a pipe gets) and the blanks rich pads each line with. The executor processes the README says
+the default pipeline runs in are its plan's, and its Python examples (the Python API, a
+launched engine) run and print what they say. Its client snippets are run against a server
+by tests/server/test_readme.py."""
 
 import os
 import re
@@ -12,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import omniflow
 
 ROOT = Path(__file__).parents[1]
@@ -19,10 +23,12 @@ README = (ROOT / "README.md").read_text()
 GRAPH = ROOT / "graphs" / "omni_chat.omni"
 
 
+README_BLOCKS = re.findall(r"^```([a-z]*)\n(.*?)^```$", README, re.MULTILINE | re.DOTALL)
+
+
 def fenced_block(first_line: str) -> str:
     """The one fenced block of the README whose first line is `first_line`, fences left out."""
-    blocks = re.findall(r"^```[a-z]*\n(.*?)^```$", README, re.MULTILINE | re.DOTALL)
-    found = [b for b in blocks if b.startswith(first_line + "\n")]
+    found = [b for _, b in README_BLOCKS if b.startswith(first_line + "\n")]
     assert len(found) == 1, f"{len(found)} README blocks start with {first_line!r}"
     return found[0]
 
@@ -85,3 +91,36 @@ def test_the_executor_processes_the_readme_names_are_the_plans():
     assert executors("cpu") == [["hearing"], ["vision"], ["thinker", "talker"], ["code2wav"]]
     assert executors("1xH200") == [["hearing", "vision", "thinker", "talker", "code2wav"]]
     assert len(executors("2xH200")) == 2  # one process per GPU
+
+
+def python_block(needle: str) -> str:
+    found = [b for lang, b in README_BLOCKS if lang == "python" and needle in b]
+    assert len(found) == 1, needle
+    return found[0]
+
+
+def run_python(source: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-P", "-c", source], cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_the_python_api_example_prints_the_graph_as_omni():
+    printed = run_python(python_block("omniflow.Pipeline("))
+    assert printed.startswith('pipeline chat {\n  model "Qwen/Qwen2.5-0.5B-Instruct"\n')
+    assert "  lm.text -> output text [stream]\n" in printed
+
+
+@pytest.mark.slow
+def test_the_launch_example_generates_and_streams():
+    printed = run_python(python_block("omniflow.launch(")).splitlines()
+    text, seed = printed[0].rsplit(" ", 1)
+    assert text and int(seed) >= 0
+    chunks = [line.split() for line in printed[1:]]
+    assert {output for output, _, _ in chunks} == {"text", "audio"}
+    for output in ("text", "audio"):  # each output's chunks count up and the last ends it
+        mine = [(int(index), end) for name, index, end in chunks if name == output]
+        assert [i for i, _ in mine] == list(range(len(mine)))
+        assert [end for _, end in mine] == ["False"] * (len(mine) - 1) + ["True"]
