@@ -266,7 +266,7 @@ def test_the_example_runs_as_written(needle, servers, folder):
     lang, body = example(needle)
     for port, server in servers.items():
         body = body.replace(f"127.0.0.1:{port}", server.base.removeprefix("http://"))
-    command = ["bash", "-euo", "pipefail", "-c", body] if lang == "bash" else [sys.executable]
+    command = ["bash", "-euo", "pipefail", "-c", body] if lang == "bash" else [sys.executable, "-P"]
     done = subprocess.run(
         command,
         input=body if lang == "python" else None,
