@@ -6,9 +6,11 @@ is what it prints, as is docs/architecture.md's executors table; every mistake s
 mistake made in it. Only what depends on the terminal is fixed: the width (80 columns, what
 a pipe gets) and the blanks rich pads each line with. The executor processes the README says
 the default pipeline runs in are its plan's, and its Python examples (the Python API, a
-launched engine) run and print what they say. Its client snippets are run against a server
+launched engine) run and print what they say; the tiny builds docs/language.md and
+docs/models.md name are those there are. The README's client snippets are run against a server
 by tests/server/test_readme.py, docs/server.md's by tests/server/test_server_examples.py."""
 
+import json
 import os
 import re
 import shlex
@@ -170,3 +172,13 @@ def test_the_launch_example_generates_and_streams():
         mine = [(int(index), end) for name, index, end in chunks if name == output]
         assert [i for i, _ in mine] == list(range(len(mine)))
         assert [end for _, end in mine] == ["False"] * (len(mine) - 1) + ["True"]
+
+
+def test_the_docs_name_every_tiny_build():
+    from omniflow.checkpoints.tiny import list_tiny
+
+    names = re.search(r"`omniflow models list`\s+prints the names \(([^)]*)\)", LANGUAGE)
+    assert sorted(re.findall(r"`([^`]+)`", names.group(1))) == sorted(list_tiny())
+    models = (ROOT / "docs" / "models.md").read_text()
+    shown = re.search(r"^list_tiny\(\)  # (\[.*?\])$", models, re.MULTILINE | re.DOTALL).group(1)
+    assert json.loads(re.sub(r"\n#\s+", " ", shown).replace("'", '"')) == list_tiny()
