@@ -10,6 +10,7 @@ launched engine) run and print what they say; the tiny builds docs/language.md a
 docs/models.md name are those there are. The README's client snippets are run against a server
 by tests/server/test_readme.py, docs/server.md's by tests/server/test_server_examples.py."""
 
+import argparse
 import json
 import os
 import re
@@ -182,3 +183,25 @@ def test_the_docs_name_every_tiny_build():
     models = (ROOT / "docs" / "models.md").read_text()
     shown = re.search(r"^list_tiny\(\)  # (\[.*?\])$", models, re.MULTILINE | re.DOTALL).group(1)
     assert json.loads(re.sub(r"\n#\s+", " ", shown).replace("'", '"')) == list_tiny()
+
+
+def test_every_command_line_option_is_documented():
+    """Each option of each `omniflow` command is named, in code, in the README or docs/."""
+    from omniflow.cli import make_parser
+
+    docs = [README, *(p.read_text() for p in (ROOT / "docs").glob("*.md"))]
+    fence = re.compile(r"^```\w*\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+    blocks = [block for doc in docs for block in fence.findall(doc)]
+    spans = [span for doc in docs for span in re.findall(r"`([^`]+)`", fence.sub("", doc))]
+    code = " ".join(blocks + spans)
+    named = set(re.findall(r"(?<![\w-])(--?[a-z][a-z0-9-]*)", code))
+    commands = next(a for a in make_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    undocumented = [
+        f"{command} {action.option_strings[-1]}"
+        for command, parser in commands.choices.items()
+        for action in parser._actions
+        if action.option_strings
+        and action.help not in (argparse.SUPPRESS, "show this help message and exit")
+        and not named & set(action.option_strings)
+    ]
+    assert undocumented == []
