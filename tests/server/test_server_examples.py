@@ -189,6 +189,7 @@ def curl_models(folder: Path, out: str) -> None:
     models = json.loads((folder / "models.json").read_text())["data"]
     assert [m["id"] for m in models] == SERVED
     assert models[0]["endpoints"] == ["/v1/chat/completions"]
+    assert models[0]["root"] == "tiny:qwen2.5-omni" and models[0]["max_in_flight"] > 0
     assert json.loads((folder / "health.json").read_text()) == {"status": "ok", "models": SERVED}
     requests = (folder / "requests.txt").read_text().splitlines()
     assert requests and all(line.startswith("omniflow_requests_total{") for line in requests)
