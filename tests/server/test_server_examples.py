@@ -77,7 +77,12 @@ def servers():
     commands = dict(map(server_args, SERVER_COMMANDS))
     assert sorted(commands) == sorted(PORTS)
     with ThreadPoolExecutor(len(commands)) as pool:
-        started = dict(zip(commands, pool.map(ServerProcess, commands.values()), strict=True))
+        starting = {port: pool.submit(ServerProcess, args) for port, args in commands.items()}
+    started = {port: future.result() for port, future in starting.items() if not future.exception()}
+    if len(started) < len(starting):  # one did not start: stop the other, say why
+        for server in started.values():
+            server.stop()
+        raise next(f.exception() for f in starting.values() if f.exception())
     yield started
     for server in started.values():
         server.stop_cleanly()
