@@ -7,7 +7,8 @@ mistake made in it. Only what depends on the terminal is fixed: the width (80 co
 a pipe gets) and the blanks rich pads each line with. The executor processes the README says
 the default pipeline runs in are its plan's, and its Python examples (the Python API, a
 launched engine) run and print what they say; the tiny builds docs/language.md and
-docs/models.md name are those there are. The README's client snippets are run against a server
+docs/models.md name are those there are; every command-line option is documented, and
+every repository path the docs name exists. The README's client snippets are run against a server
 by tests/server/test_readme.py, docs/server.md's by tests/server/test_server_examples.py."""
 
 import argparse
@@ -205,3 +206,31 @@ def test_every_command_line_option_is_documented():
         and not named & set(action.option_strings)
     ]
     assert undocumented == []
+
+
+NOT_HERE = {
+    "omniflow/graphs": "the installed package's copy of graphs/",
+    "scripts/convert_wan_to_diffusers.py": "diffusers' own script",
+}
+
+
+def test_every_repository_path_the_docs_name_is_there():
+    """A file or folder of this repository named in the README or docs/ exists (a glob
+    matches, a module's function names its file; docs/testing.md names tests by their path
+    in tests/)."""
+    docs = {"README.md": README} | {
+        f"docs/{p.name}": p.read_text()
+        for p in (ROOT / "docs").glob("*.md")
+        if p.name != "benchmarks-log.md"  # a dated log: what was there then
+    }
+    tops = "omniflow|tests|graphs|benchmarks|scripts|docs|dsl|kernels"
+    missing = [
+        f"{name}: {path}"
+        for name, doc in docs.items()
+        for path in set(re.findall(rf"(?<![\w/.-])((?:{tops})/[\w./*-]*\w)", doc))
+        if path not in NOT_HERE
+        and not list(ROOT.glob(path + "*"))
+        and not list((ROOT / "tests").glob(path + "*"))  # docs/testing.md's table is in tests/
+        and not (ROOT / (path.rsplit(".", 1)[0] + ".py")).exists()
+    ]
+    assert missing == []
