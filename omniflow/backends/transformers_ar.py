@@ -61,6 +61,7 @@ from __future__ import annotations
 import functools
 import os
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -577,7 +578,8 @@ class TransformersAR(Backend):
         self.cache = None  # one row per entry of self.rows
         self.mask: torch.Tensor | None = None  # [rows, columns]: a row's own cache columns
         self.decode, self.static = self._static_decoder()
-        self.pending: _Launch | None = None  # the static step launched last, not settled
+        # The static steps launched and not settled yet, oldest first (at most IN_FLIGHT).
+        self.launches: deque[_Launch] = deque()
         if self.static is not None:
             self.capture_seconds = self.static.capture_seconds
         if torch.device(device).type == "cuda" and self.static is None:
@@ -637,7 +639,16 @@ class TransformersAR(Backend):
         seq = call.state.get(_STATE)
         if seq is None:
             return self.component.can_start(call) and len(self.rows) < self.capacity
-        return seq.ahead > 0 or self._may_step(seq)
+        if self.static is None:
+            return self._may_step(seq)
+        # On the static path a step makes progress if it can read a landed step's tokens or
+        # launch another; a row whose tokens are still on their way waits without blocking.
+        landed = bool(self.launches) and self.launches[0].launched.landed()
+        launchable = len(self.launches) < static_decode.IN_FLIGHT or landed
+        return seq.ahead > 0 and landed or self._may_step(seq) and launchable
+
+    def in_flight(self) -> bool:
+        return bool(self.launches)
 
     def _may_step(self, seq: Sequence) -> bool:
         return seq.next_step < seq.sampling.max_tokens and self.component.can_step(seq)
@@ -659,9 +670,7 @@ class TransformersAR(Backend):
             elif self._may_step(seq):
                 stepping.append(seq)
         if self.static is not None:
-            launched = self._launch(stepping) if stepping else None
-            self._settle()  # the previous step's tokens, while the device runs this one
-            self.pending = launched
+            self._launch_and_settle(stepping)
         elif stepping:
             self._decode(stepping)
         if starting:  # after the decode step, so new rows get no dummy column
@@ -673,7 +682,7 @@ class TransformersAR(Backend):
             self._evict([seq])
 
     def close(self) -> None:
-        self.rows, self.cache, self.mask, self.pending = [], None, None, None
+        self.rows, self.cache, self.mask, self.launches = [], None, None, deque()
         if self.static is not None:
             self.static.close()
             self.static = None
@@ -851,13 +860,27 @@ class TransformersAR(Backend):
             seq.ahead += 1
         return _Launch(seqs, slots, launched, hidden)
 
-    def _settle(self) -> None:
-        """Emit the tokens of the step launched last (its ids are the only read-back), and
-        evict the rows that finished. A row launched after its end (its end was learned
-        while that step was queued) or dropped since gets nothing."""
-        launch, self.pending = self.pending, None
-        if launch is None:
-            return
+    def _launch_and_settle(self, stepping: list[Sequence]) -> None:
+        """The static path's step, which never waits for the device: settle landed steps
+        until there is room to launch, launch one over `stepping` (those still stepping),
+        then settle the older steps that have landed. The step launched last stays in
+        flight, so the host handles its predecessor's tokens while the device runs it; a
+        step not landed yet is left for a later turn of the loop (`ready` says when)."""
+        while len(self.launches) >= static_decode.IN_FLIGHT and self.launches[0].launched.landed():
+            self._settle(self.launches.popleft())
+        stepping = [s for s in stepping if s.slot >= 0 and self._may_step(s)]
+        launched = None
+        if stepping and len(self.launches) < static_decode.IN_FLIGHT:
+            launched = self._launch(stepping)
+        while self.launches and self.launches[0].launched.landed():
+            self._settle(self.launches.popleft())
+        if launched is not None:
+            self.launches.append(launched)
+
+    def _settle(self, launch: _Launch) -> None:
+        """Emit the tokens of a landed step (its ids are the only read-back), and evict the
+        rows that finished. A row launched after its end (its end was learned while that
+        step was queued) or dropped since gets nothing."""
         ids = self.static.wait(launch.launched)
         for i, (seq, slot) in enumerate(zip(launch.seqs, launch.slots, strict=True)):
             seq.ahead -= 1

@@ -126,7 +126,9 @@ class StageRunner:
     def step(self) -> list[Event]:
         """Step up to `max_batch` ready requests; what they produced."""
         ready = [c for c in self.calls.values() if c.params is not None and self.backend.ready(c)]
-        self.maybe_ready = False
+        # A backend with device work in flight is polled again next turn (its read-back
+        # lands without waking the loop).
+        self.maybe_ready = self.backend.in_flight()
         if not ready:
             return []
         batch = ready[: self.max_batch]
@@ -173,7 +175,7 @@ class StageRunner:
         for call in batch:
             if call.request_id in self.calls:
                 self.calls[call.request_id] = self.calls.pop(call.request_id)
-        self.maybe_ready = bool(self.calls)
+        self.maybe_ready = bool(self.calls) or self.backend.in_flight()
         return events
 
     def _record(self, batch: list[Call], began: int, took: int) -> None:

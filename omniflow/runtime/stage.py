@@ -168,6 +168,14 @@ class Backend(ABC):
     def step(self, calls: list[Call]) -> None:
         """Advance each call by one step (one batched forward, where the backend batches)."""
 
+    def in_flight(self) -> bool:
+        """Whether device work the backend queued has results it has not taken yet (a step
+        whose read-back may still be on its way): while it has, the loop keeps turning and
+        asks `ready` again instead of sleeping. A backend never waits for the device in
+        `step` -- that would stall every stage sharing its process -- it says here that a
+        later step will take what lands."""
+        return False
+
     def progress(self, call: Call) -> tuple[int, int] | None:
         """How far a call has come, (done, total) steps, where the backend knows (a
         denoiser: its denoising steps); None otherwise. Read between steps, for
