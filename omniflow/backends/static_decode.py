@@ -121,6 +121,7 @@ from omniflow.backends.cuda_graphs import capture_graph
 from omniflow.backends.sampling_params import Sampling
 from omniflow.kernels import rms_norm, rope_cache, silu_mul, skinny_matmul
 from omniflow.kernels import sampling as sampler
+from omniflow.runtime.readback import IN_FLIGHT
 
 _DECODER_PARTS = {"embed_tokens", "layers", "norm", "rotary_emb"}
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -318,10 +319,6 @@ class _Host:
 
         codes = host(slots, groups, dtype=torch.int64) if groups is not None else None
         return cls(host(slots, dtype=torch.bool), host(slots, dtype=torch.int64), codes)
-
-
-# Steps launched and not yet read back, at most: each has its own set of host buffers.
-IN_FLIGHT = 2
 
 
 @dataclass

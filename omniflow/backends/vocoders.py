@@ -67,7 +67,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Hashable
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 
@@ -77,6 +78,7 @@ from omniflow.backends.registry import family_code
 from omniflow.catalog.components import WINDOW_BLOCKS, load_component_config
 from omniflow.catalog.resolve import model_path
 from omniflow.errors import OmniflowError
+from omniflow.runtime.readback import IN_FLIGHT, HostCopies, HostCopy
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 
@@ -129,7 +131,8 @@ class _Stream:
     codes: torch.Tensor
     side: torch.Tensor | None = None  # per-frame decoder inputs beside the codes (noise)
     base: int = 0
-    emitted: int = 0
+    queued: int = 0  # frames whose audio is decoded (or that were context alone)
+    emitted: int = 0  # ... and whose audio has been emitted (read back to the host)
     opened: float = 0.0  # monotonic seconds: when its first codes arrived
     first_sent: float | None = None  # when its first audio was emitted
     backlog: bool = False  # windows ready that the last step left for later
@@ -177,6 +180,25 @@ class Window:
 
     def side(self) -> torch.Tensor:
         return self.stream.side[self.start - self.stream.base : self.end - self.stream.base]
+
+
+@dataclasses.dataclass
+class _Decoded:
+    """A decoded forward whose audio is on its way to the host: its windows, whose calls
+    they are, and the copy of its audio `[windows, frames * samples_per_frame]`."""
+
+    windows: list[Window]
+    calls: list[Call]
+    audio: HostCopy
+
+    def kept(self, per_frame: int) -> Iterator[tuple[Window, Call, torch.Tensor]]:
+        """Each window, its call and its kept audio `[kept frames, per_frame]` (its own
+        memory: the host buffer is reused)."""
+        for row, w, call in zip(self.audio.value, self.windows, self.calls, strict=True):
+            first = (w.offset + w.keep_start - w.start) * per_frame
+            kept = row[first : first + (w.keep_end - w.keep_start) * per_frame]
+            kept = kept.reshape(-1, per_frame)
+            yield w, call, kept.clone() if self.audio.reused else kept.contiguous()
 
 
 def padded(windows: list[Window], frames: int, part: Callable[[Window], torch.Tensor], device):
@@ -398,6 +420,9 @@ class Vocoder(Backend):
         rate = component.frame_rate
         slack = spec.plan.settings["order"] == "slack" and rate
         self.frame_s = 1 / rate if slack else None
+        # Decoded forwards whose audio is on its way to the host (readback.py), oldest first.
+        self.reading: deque[_Decoded] = deque()
+        self.host_copies = HostCopies()
 
     def _static_windows(self, spec: StageSpec, device: str) -> str:
         """Set the decoder's precision and make its static windows (the grid's window lengths
@@ -446,9 +471,21 @@ class Vocoder(Backend):
 
     def ready(self, call: Call) -> bool:
         codes, stream = call.inputs[self.port], call.state.get("stream")
-        return codes.available() or codes.ended or stream is not None and stream.backlog
+        landed = bool(self.reading) and self.reading[0].audio.landed()
+        if stream is not None and stream.queued > stream.emitted:
+            if landed:
+                return True  # its audio may be on the host: the step emits it
+            if codes.ended:
+                return False  # all that is left is on its way
+        room = len(self.reading) < IN_FLIGHT or landed
+        fresh = codes.available() or codes.ended or stream is not None and stream.backlog
+        return room and fresh
+
+    def in_flight(self) -> bool:
+        return bool(self.reading)
 
     def step(self, calls: list[Call]) -> None:
+        self._emit_landed()
         nexts: dict[Window, Call] = {}
         for call in calls:
             try:
@@ -462,17 +499,15 @@ class Vocoder(Backend):
                         continue  # every slot is a live stream's: this one waits for one
                     stream.slot = self.free_slots.pop()
                 nexts[windows[0]] = call
-        if nexts:
+        if nexts and len(self.reading) < IN_FLIGHT:
             frames, batch = self._forward(list(nexts))
             audio = self._decode(batch, frames)
-            now = time.monotonic()
             for window in batch:
-                stream = window.stream
-                nexts[window].emit("audio", audio[window])
-                stream.emitted = window.keep_end
-                stream.forget_before(stream.emitted - self.context)
-                if stream.first_sent is None:
-                    stream.first_sent = now
+                window.stream.queued = window.keep_end
+                window.stream.forget_before(window.keep_end - self.context)
+            calls_of = [nexts[w] for w in batch]
+            self.reading.append(_Decoded(batch, calls_of, self.host_copies.copy(audio)))
+            self._emit_landed()  # off CUDA, at once
         for call in calls:
             if call.error is not None:
                 continue
@@ -481,6 +516,18 @@ class Vocoder(Backend):
             if ended and stream.emitted == stream.arrived:
                 self._free_slot(stream)
                 call.finish()
+
+    def _emit_landed(self) -> None:
+        """Emit the audio of the decoded forwards whose read-back has landed, oldest first
+        (a stream's windows in order)."""
+        while self.reading and self.reading[0].audio.landed():
+            decoded = self.reading.popleft()
+            now = time.monotonic()
+            for window, call, audio in decoded.kept(self.decoder.samples_per_frame):
+                call.emit("audio", audio)
+                window.stream.emitted = window.keep_end
+                if window.stream.first_sent is None:
+                    window.stream.first_sent = now
 
     def drop(self, call: Call) -> None:
         """Forget the request's stream (finished, failed or cancelled); its slot is free."""
@@ -533,7 +580,9 @@ class Vocoder(Backend):
         codes = chunk.to(device=self.device, dtype=torch.int64)
         # cat copies: the chunk may be a view into a channel slot released after the step.
         stream.codes = torch.cat([stream.codes.reshape(-1, codes.shape[1]), codes])
-        stream.emitted += context_only  # decoded as the next windows' context, never emitted
+        # Decoded as the next windows' context, never emitted.
+        stream.queued += context_only
+        stream.emitted += context_only
         side = decoder.side(stream.state, len(codes))
         if side is not None:
             side = side.to(self.device)
@@ -541,7 +590,7 @@ class Vocoder(Backend):
         return stream
 
     def _windows(self, stream: _Stream, ended: bool) -> list[Window]:
-        arrived, done = stream.arrived, stream.emitted
+        arrived, done = stream.arrived, stream.queued
         ready = arrived if ended else arrived - stream.lookahead
         if self.grid_end is None:
             spans = [(done, ready)] if ready > done else []
@@ -580,10 +629,9 @@ class Vocoder(Backend):
         batch, _ = self._fit([lead, *(w for w in others if w.frames <= frames)], frames)
         return frames, batch
 
-    def _decode(self, batch: list[Window], frames: int) -> dict[Window, torch.Tensor]:
-        """Each window's kept audio, `[kept frames, samples_per_frame]`; a stateful
-        decoder's streams carry their state past their windows."""
-        per_frame = self.decoder.samples_per_frame
+    def _decode(self, batch: list[Window], frames: int) -> torch.Tensor:
+        """The batch's float32 audio `[len(batch), frames * samples_per_frame]`, left on
+        the device; a stateful decoder's streams carry their state past their windows."""
         with torch.inference_mode():
             if self.stateful:
                 slots = [w.stream.slot for w in batch]
@@ -592,13 +640,7 @@ class Vocoder(Backend):
                     w.stream.decoded = w.end
             else:
                 audio = self.decoder.decode(batch, frames)
-            audio = audio.float().cpu()
-        out = {}
-        for row, w in zip(audio, batch, strict=True):
-            first = (w.offset + w.keep_start - w.start) * per_frame
-            kept = row[first : first + (w.keep_end - w.keep_start) * per_frame]
-            out[w] = kept.reshape(-1, per_frame).contiguous()
-        return out
+            return audio.float()
 
     def _fit(self, windows: list[Window], frames: int) -> tuple[list[Window], list[Window]]:
         """The windows that may be padded to `frames` (their offsets set), and the rest."""
