@@ -59,10 +59,12 @@ What it owns:
 from __future__ import annotations
 
 import functools
+import math
 import os
+import time
 from abc import ABC, abstractmethod
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -77,6 +79,7 @@ from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
 from omniflow.kernels.sampling import sample
 from omniflow.runtime.doorbells import Ending
+from omniflow.runtime.slack import Playback, urgent_first
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 # Where a request's decoding state lives in `call.state`.
@@ -523,6 +526,8 @@ class Sequence:
     seed: int = 0  # the GPU sampler's stream: (seed, generated) picks each draw
     slot: int = -1  # on the static path: its slot (= its row) in the static cache; -1: gone
     ahead: int = 0  # decode steps launched whose tokens are not emitted yet (static path)
+    # Its audio as its listener hears it, where a step plays for a known time (slack.py).
+    playback: Playback = field(default_factory=lambda: Playback(time.monotonic()))
 
     @property
     def next_step(self) -> int:
@@ -574,6 +579,8 @@ class TransformersAR(Backend):
             )
         self.defaults = neutral_defaults() | c.defaults
         self.capacity = max(1, spec.plan.batch)
+        # Seconds of audio a step plays for, where its steps become audio (slack order).
+        self.plays_s = next(iter(spec.plays.values()), None)
         self.rows: list[Sequence] = []
         self.cache = None  # one row per entry of self.rows
         self.mask: torch.Tensor | None = None  # [rows, columns]: a row's own cache columns
@@ -649,6 +656,18 @@ class TransformersAR(Backend):
 
     def in_flight(self) -> bool:
         return bool(self.launches)
+
+    def urgent_first(self, calls: list[Call]) -> list[Call]:
+        """Slack first where steps become audio: requests waiting to start (in arrival
+        order), then the streams whose listeners run dry first."""
+        if self.plays_s is None:
+            return calls
+
+        def runs_out(call: Call) -> float:
+            seq = call.state.get(_STATE)
+            return -math.inf if seq is None else seq.playback.runs_out(self.plays_s)
+
+        return urgent_first(calls, runs_out)
 
     def _may_step(self, seq: Sequence) -> bool:
         return seq.next_step < seq.sampling.max_tokens and self.component.can_step(seq)
@@ -935,6 +954,8 @@ class TransformersAR(Backend):
             call.emit("tokens", torch.tensor([[token]]))
         if code is not None:
             call.emit("codes", code)
+            if self.plays_s is not None:
+                seq.playback.send(1, time.monotonic())  # (a clone's reference frames play not)
         if value is not None:
             call.emit("hidden", value)
         stopped = token in self.component.eos_ids or token in sampling.stop_ids

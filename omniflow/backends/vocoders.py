@@ -66,6 +66,8 @@ where its windows allow, so a stream's last windows replay too.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
@@ -78,7 +80,9 @@ from omniflow.backends.registry import family_code
 from omniflow.catalog.components import WINDOW_BLOCKS, load_component_config
 from omniflow.catalog.resolve import model_path
 from omniflow.errors import OmniflowError
+from omniflow.runtime.edges import chunk_end
 from omniflow.runtime.readback import IN_FLIGHT, HostCopies, HostCopy
+from omniflow.runtime.slack import Playback, StepTimer, cut_short, urgent_first
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 
@@ -138,6 +142,7 @@ class _Stream:
     backlog: bool = False  # windows ready that the last step left for later
     slot: int | None = None  # a stateful decoder's state slot, from the first window on
     decoded: int = 0  # frames a stateful decoder has decoded (reference frames too)
+    producer: StepTimer = dataclasses.field(default_factory=StepTimer)  # its frames' pace
 
     @property
     def arrived(self) -> int:
@@ -147,9 +152,7 @@ class _Stream:
         """When a listener who started at the first packet has played all it was sent
         (monotonic seconds); before the first packet, when the stream opened. Without a
         frame duration, every stream counts as never sent anything: arrival order."""
-        if self.first_sent is None or frame_s is None:
-            return self.opened
-        return self.first_sent + self.emitted * frame_s
+        return Playback(self.opened, self.first_sent, self.emitted).runs_out(frame_s)
 
     def forget_before(self, frame: int) -> None:
         drop = max(0, frame - self.base)
@@ -327,15 +330,7 @@ def _grid(unit: int | None, schedule: list[int] | None) -> Callable[[int], int] 
         return lambda done: done + unit * _window_units(done // unit)
     if schedule is None:
         return None
-
-    def chunk_end(done: int) -> int:
-        edge, chunk = 0, 0
-        while edge <= done:
-            edge += schedule[min(chunk, len(schedule) - 1)]
-            chunk += 1
-        return edge
-
-    return chunk_end
+    return functools.partial(chunk_end, schedule)
 
 
 def _window_units(start: int) -> int:
@@ -484,6 +479,18 @@ class Vocoder(Backend):
     def in_flight(self) -> bool:
         return bool(self.reading)
 
+    def urgent_first(self, calls: list[Call]) -> list[Call]:
+        """Slack first (`order="slack"`): requests not opened yet, then the streams whose
+        listeners run dry first."""
+        if self.frame_s is None:
+            return calls
+
+        def runs_out(call: Call) -> float:
+            stream = call.state.get("stream")
+            return -math.inf if stream is None else stream.runs_out(self.frame_s)
+
+        return urgent_first(calls, runs_out)
+
     def step(self, calls: list[Call]) -> None:
         self._emit_landed()
         nexts: dict[Window, Call] = {}
@@ -578,6 +585,7 @@ class Vocoder(Backend):
                 "a codec LM's token ids need its codec offset subtracted"
             )
         codes = chunk.to(device=self.device, dtype=torch.int64)
+        stream.producer.add(len(codes), time.monotonic())
         # cat copies: the chunk may be a view into a channel slot released after the step.
         stream.codes = torch.cat([stream.codes.reshape(-1, codes.shape[1]), codes])
         # Decoded as the next windows' context, never emitted.
@@ -599,6 +607,8 @@ class Vocoder(Backend):
             while done < arrived:
                 end = self.grid_end(done)
                 if end > ready and not ended:
+                    if self._cut_short(stream, end - arrived):
+                        spans.append((done, arrived))
                     break
                 spans.append((done, min(end, arrived)))
                 done = end
@@ -612,6 +622,16 @@ class Vocoder(Backend):
             Window(stream, max(0, k0 - self.context), min(arrived, k1 + stream.lookahead), k0, k1)
             for k0, k1 in spans
         ]
+
+    def _cut_short(self, stream: _Stream, missing: int) -> bool:
+        """Whether a carried-state stream's window decodes the frames it has, `missing`
+        short of its grid's, because its listener would run dry waiting for the rest (its
+        producer's writer cuts its chunks by the same rule, slack.py). Its first window is
+        never cut: that is the edge's planned first chunk."""
+        if not self.stateful or self.frame_s is None or stream.first_sent is None:
+            return False
+        slack = stream.runs_out(self.frame_s) - time.monotonic()
+        return cut_short(slack, missing, stream.producer.step_s)
 
     def _forward(self, windows: list[Window]) -> tuple[int, list[Window]]:
         """The step's forward, (frames, windows at their offsets), from each request's next

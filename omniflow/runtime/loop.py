@@ -131,7 +131,7 @@ class StageRunner:
         self.maybe_ready = self.backend.in_flight()
         if not ready:
             return []
-        batch = ready[: self.max_batch]
+        batch = self.backend.urgent_first(ready)[: self.max_batch]
         began = time.monotonic_ns()
         try:
             self.backend.step(batch)
