@@ -954,8 +954,8 @@ class TransformersAR(Backend):
             call.emit("tokens", torch.tensor([[token]]))
         if code is not None:
             call.emit("codes", code)
-            if self.plays_s is not None:
-                seq.playback.send(1, time.monotonic())  # (a clone's reference frames play not)
+        if self.plays_s is not None:  # (a voice clone's reference frames play not)
+            seq.playback.send(1, time.monotonic())
         if value is not None:
             call.emit("hidden", value)
         stopped = token in self.component.eos_ids or token in sampling.stop_ids

@@ -276,6 +276,40 @@ def test_on_the_gpu_a_step_returns_while_the_device_is_busy(plan):
     assert backend.ready(call)
 
 
+def test_when_rows_contend_the_stream_whose_listener_runs_dry_first_steps_first(plan):
+    """An `ar` stage whose steps become audio (each token 10 s of it here, as a talker's
+    frame is 80 ms) orders what it steps by playback slack: a runner that can step one
+    request a turn steps the one that arrived later but has sent less audio (its listener
+    runs dry sooner) before the one that arrived first; a request waiting to start goes
+    before both. Without a duration a step, arrival order."""
+    lm = plan.stage("lm")
+    spec = StageSpec.from_channels(lm, plan.channels)
+    assert spec.plays == {}  # text: no step plays for a known time
+    backend = TransformersAR(dataclasses.replace(spec, plays={"tokens": 10.0}), "cpu")
+    runner = StageRunner(backend.spec, backend, max_batch=1)
+
+    def arrive(request_id: str) -> None:
+        runner.start(request_id, {"max_tokens": 12, "temperature": 0.0})
+        runner.feed(request_id, "prompt", [{"role": "user", "content": PROMPTS[0]}], True)
+
+    def stepped() -> list[str]:
+        return sorted({e.request_id for e in runner.step()})
+
+    arrive("first")
+    assert [stepped() for _ in range(3)] == [["first"]] * 3  # three tokens: 30 s of audio
+    arrive("later")
+    assert list(runner.calls) == ["first", "later"]  # arrival order would step "first"
+    assert stepped() == ["later"]  # the prefill's token: 10 s, it runs dry 20 s sooner
+    assert stepped() == ["later"]  # still sooner: 10 s sent against 30 s
+    arrive("new")
+    urgent = backend.urgent_first(list(runner.calls.values()))
+    assert [c.request_id for c in urgent] == ["new", "later", "first"]
+    plain = make_backend(plan, "eager")  # no duration a step: arrival order
+    calls = list(runner.calls.values())
+    assert plain.urgent_first(calls) == calls
+    runner.drop_all()
+
+
 @contextlib.contextmanager
 def forward_shapes(decoder):
     """The (rows, positions) of each decoder forward while the block runs."""
