@@ -45,7 +45,13 @@ from omniflow.runtime.link import Inbound, Links
 from omniflow.runtime.port_values import nbytes, steps
 from omniflow.runtime.requests import Admitted, describe
 from omniflow.runtime.stage import Backend, Call, InputStream, StageSpec
-from omniflow.runtime.streams import PROGRAM_ORDER, StageStream, settle_loads, stage_streams
+from omniflow.runtime.streams import (
+    PROGRAM_ORDER,
+    CudaStageStream,
+    StageStream,
+    settle_loads,
+    stage_streams,
+)
 from omniflow.runtime.tallies import Tallies
 from omniflow.runtime.wakeup import Waker
 
@@ -494,14 +500,22 @@ class ProgramLoop:
             self.recorder = Recorder(names, ask.capacity, tuple(ask.requests)) if names else None
             if ask.gpu and names and on_cuda(self.program) and self.timeline is None:
                 self.timeline = KernelTimeline("cuda")
-                self.timeline.start()
+                self.timeline.start(
+                    {
+                        name: runner.stream.stream
+                        for name, runner in self.runners.items()
+                        if isinstance(runner.stream, CudaStageStream)
+                    }
+                )
         recorded = None if ask.on or self.recorder is None else self.recorder.dump()
         if not ask.on:
             self.recorder = None
             if self.timeline is not None:
-                kernels, self.timeline = self.timeline.stop(), None
+                timeline, self.timeline = self.timeline, None
+                kernels = timeline.stop()
                 if recorded is not None:
                     recorded.kernels = kernels
+                    recorded.streams = sorted(timeline.streams.items())
         for runner in self.runners.values():
             runner.recorder = self.recorder
         for writers in self.writers.values():
