@@ -36,8 +36,15 @@ the decoder with the first window, advancing the state, and emit nothing. Such w
 padded on the right to the longest in their forward, and the decoder takes each row's state
 at its own last frame, so requests of any lengths share a forward.
 
+Read-back. A forward's audio is copied to pinned host buffers without waiting for the GPU
+(runtime/readback.py) and emitted in a later step, once its event says it has landed; a
+stream's frames count as decoded (`queued`) at once and as sent (`emitted`) then. At most
+IN_FLIGHT forwards are on their way; meanwhile the stage says it has work in flight, so the
+executor's loop steps its other stages instead of waiting.
+
 Windows lie on a grid, so a request's waveform does not depend on how its codes happened
-to be timed: a decoder that is not local on one of `unit` frames, windows of one unit,
+to be timed (a stateful decoder's window may end short of the grid where its listener
+would run dry waiting for the rest, as its producer's writer sends it: runtime/slack.py): a decoder that is not local on one of `unit` frames, windows of one unit,
 then two, four and more (`WINDOW_BLOCKS` in the model catalog, which the compiler sizes
 the edge's chunks by; token2wav: see its module); a local codec on the boundaries of the
 chunks its edge was planned to carry. On a whole-output edge every ready frame is one window.
