@@ -633,9 +633,10 @@ class Vocoder(Backend):
     def _cut_short(self, stream: _Stream, missing: int) -> bool:
         """Whether a carried-state stream's window decodes the frames it has, `missing`
         short of its grid's, because its listener would run dry waiting for the rest (its
-        producer's writer cuts its chunks by the same rule, slack.py). Its first window is
-        never cut: that is the edge's planned first chunk."""
-        if not self.stateful or self.frame_s is None or stream.first_sent is None:
+        edge is paced: its writer cuts its chunks by the same rule, slack.py). Its first
+        window is never cut: that is the edge's planned first chunk."""
+        paced = self.stateful and self.port in self.spec.paced and self.frame_s is not None
+        if not paced or stream.first_sent is None:
             return False
         slack = stream.runs_out(self.frame_s) - time.monotonic()
         return cut_short(slack, missing, stream.producer.step_s)

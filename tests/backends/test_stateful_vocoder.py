@@ -17,6 +17,7 @@ two. A window decoded without its stream's state is off by the signal's size (> 
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,27 @@ def test_audio_still_on_its_way_to_the_host_is_polled_for_not_waited_for(plan):
         assert float((got - want).abs().max()) < TOLERANCE
         assert sum(kept_windows(driver.forwards, f"r{i}")) == len(c)  # each frame once
     assert not vocoder.reading and not vocoder.in_flight()
+
+
+def test_a_paced_stream_whose_listener_runs_dry_decodes_what_it_has(plan):
+    """On a paced edge (a GPU plan's; slack.py) a stream whose listener has run dry does
+    not wait for the rest of its grid window: frames arriving every 50 ms, slower than the
+    80 ms each plays only after the first window, leave the listener dry, and each window
+    holds what has arrived, shorter than the grid's 8; the audio is still the whole
+    decode. (A slower machine only makes the listener drier.)"""
+    vocoder = code2wav(plan, [1, 8])
+    vocoder.spec = dataclasses.replace(vocoder.spec, paced=frozenset({"codes"}))
+    codes = request_codes()[:1]
+    driver = Driver(vocoder, codes, delays=[0])
+    while driver.runner.calls and driver.round < 1000:
+        driver.round_()
+        time.sleep(0.05)
+    del vocoder.decoder.step
+    windows = kept_windows(driver.forwards, "r0")
+    assert windows[0] == 1 and sum(windows) == len(codes[0])
+    assert any(w < 8 for w in windows[1:-1])  # cut short of the grid, not just at the end
+    got, want = torch.cat(driver.audio["r0"]), whole(vocoder, codes[0])
+    assert got.shape == want.shape and float((got - want).abs().max()) < TOLERANCE
 
 
 def test_a_window_without_its_state_is_far_off(plan):

@@ -71,15 +71,20 @@ def test_a_context_the_decoder_does_not_need_is_dropped_with_a_warning():
 
 
 def test_a_carried_state_edge_says_how_long_a_step_plays_for_its_producer_to_pace_by():
-    """The talker's codes edge carries each frame's audio duration (80 ms at 12.5 Hz): its
-    writer paces chunks by it and the talker orders its rows by it (runtime/slack.py);
-    every other edge has none."""
-    plan = compile_source((GRAPHS / "qwen3_tts.omni").read_text(), "qwen3_tts.omni")
+    """On a GPU the talker's codes edge carries each frame's audio duration (80 ms at
+    12.5 Hz): its writer paces chunks by it, the talker orders its rows by it and code2wav
+    decodes what a paced chunk brings (runtime/slack.py); every other edge has none. On a
+    CPU none does: its runs stay the same bits whatever their timing."""
+    source = (GRAPHS / "qwen3_tts.omni").read_text()
+    plan = compile_source(source, "qwen3_tts.omni", devices="1xH200")
     codes = next(c for c in plan.channels if c.name == "talker.codes->code2wav.codes")
     assert math.isclose(codes.plays_s, 0.08)
     assert all(c.plays_s is None for c in plan.channels if c is not codes)
     talker = StageSpec.from_channels(plan.stage("talker"), plan.channels)
     assert talker.plays == {"codes": codes.plays_s}
+    assert StageSpec.from_channels(plan.stage("code2wav"), plan.channels).paced == {"codes"}
+    on_cpu = compile_source(source, "qwen3_tts.omni")
+    assert all(c.plays_s is None for c in on_cpu.channels)
 
 
 def test_a_vocoder_streams_out_what_each_chunk_decodes():
