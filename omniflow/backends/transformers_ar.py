@@ -954,7 +954,7 @@ class TransformersAR(Backend):
             call.emit("tokens", torch.tensor([[token]]))
         if code is not None:
             call.emit("codes", code)
-        if self.plays_s is not None:  # (a voice clone's reference frames play not)
+        if self.plays_s is not None:  # one step, one frame (a clone's reference frames: silent)
             seq.playback.send(1, time.monotonic())
         if value is not None:
             call.emit("hidden", value)

@@ -42,12 +42,13 @@ stream's frames count as decoded (`queued`) at once and as sent (`emitted`) then
 IN_FLIGHT forwards are on their way; meanwhile the stage says it has work in flight, so the
 executor's loop steps its other stages instead of waiting.
 
-Windows lie on a grid, so a request's waveform does not depend on how its codes happened
-to be timed (a stateful decoder's window may end short of the grid where its listener
-would run dry waiting for the rest, as its producer's writer sends it: runtime/slack.py): a decoder that is not local on one of `unit` frames, windows of one unit,
-then two, four and more (`WINDOW_BLOCKS` in the model catalog, which the compiler sizes
-the edge's chunks by; token2wav: see its module); a local codec on the boundaries of the
-chunks its edge was planned to carry. On a whole-output edge every ready frame is one window.
+Windows lie on a grid, so a request's waveform does not depend on how its codes happened to
+be timed (a stateful decoder's window may end short of the grid where its listener would run
+dry waiting for the rest, as its producer's writer sends it: runtime/slack.py): a decoder
+that is not local on one of `unit` frames, windows of one unit, then two, four and more
+(`WINDOW_BLOCKS` in the model catalog, which the compiler sizes the edge's chunks by;
+token2wav: see its module); a local codec on the boundaries of the chunks its edge was
+planned to carry. On a whole-output edge every ready frame is one window.
 
 Batching. A step decodes one forward: the next window of the request whose listener runs
 out of audio first (the one that has played longest past what it was sent, or a request

@@ -11,12 +11,12 @@ Small first chunks give a low time to first packet; large steady chunks, through
 
 A vocoder that carries each stream's state from one chunk to the next (its family says:
 `ComponentConfig.carries_state`, Qwen3-TTS's code2wav) re-decodes no left context, so a
-chunk costs its own frames and the call's overhead, and the edge's `context` is not used
-(a warning says so where a program declares one; the edge is marked `carries_state`, which
-the plan prints), and on a GPU gets `plays_s`, the seconds of audio a frame plays for, by
-which the runtime paces its chunks (runtime/slack.py: the schedule widens only while the
-stream is ahead of its listener). Its first chunk is the smallest n whose audio plays at least as long as
-making and decoding the next, twice as long, chunk takes: after it the listener never
+chunk costs its own frames and the call's overhead, and the edge's `context` is not used (a
+warning says so where a program declares one; the edge is marked `carries_state`, which the
+plan prints), and on a GPU gets `plays_s`, the seconds of audio a frame plays for, by which
+the runtime paces its chunks (runtime/slack.py: the schedule widens only while the stream is
+ahead of its listener). Its first chunk is the smallest n whose audio plays at least as long
+as making and decoding the next, twice as long, chunk takes: after it the listener never
 waits, so the first packet leaves after a single frame wherever a frame is made and decoded
 well within the time it plays.
 

@@ -5,7 +5,7 @@ A listener who started playing at the stream's first packet runs dry at `runs_ou
 first packet's time plus the seconds of audio sent since (`plays_s` a step). The stages
 that make audio put the stream that runs dry first first:
 
-- an `ar` stage whose steps become audio (Qwen3-TTS's talker: one codec frame a step) and
+- an `ar` stage whose steps become audio (a talker that makes one codec frame a step) and
   a vocoder order the requests they step by it when rows contend -- a full batch, or
   requests waiting to start -- (`urgent_first`); a request that has sent nothing yet is
   the most urgent, the earliest first;
