@@ -636,10 +636,10 @@ class Vocoder(Backend):
         short of its grid's, because its listener would run dry waiting for the rest (its
         edge is paced: its writer cuts its chunks by the same rule, slack.py). Its first
         window is never cut: that is the edge's planned first chunk."""
-        paced = self.stateful and self.port in self.spec.paced and self.frame_s is not None
-        if not paced or stream.first_sent is None:
+        plays_s = self.spec.paced.get(self.port)
+        if not self.stateful or plays_s is None or stream.first_sent is None:
             return False
-        slack = stream.runs_out(self.frame_s) - time.monotonic()
+        slack = stream.runs_out(plays_s) - time.monotonic()
         return cut_short(slack, missing, stream.producer.step_s)
 
     def _forward(self, windows: list[Window]) -> tuple[int, list[Window]]:

@@ -38,8 +38,8 @@ class StageSpec:
     schedules: dict[str, list[int] | None] = field(default_factory=dict)  # input port -> chunks
     # Output port -> seconds of audio a step plays for, where its edge knows (slack.py).
     plays: dict[str, float] = field(default_factory=dict)
-    # The input ports whose edges are paced by playback slack (slack.py).
-    paced: frozenset[str] = frozenset()
+    # Input port -> seconds of audio a step plays for, where its edge is paced (slack.py).
+    paced: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_channels(cls, stage: StagePlan, channels: list[ChannelPlan]) -> StageSpec:
@@ -52,7 +52,7 @@ class StageSpec:
         into = [c for c in channels if c.dst == stage.name]
         contexts = {c.dst_port: c.context for c in into}
         plays = {c.src_port: c.plays_s for c in channels if c.src == stage.name and c.plays_s}
-        paced = frozenset(c.dst_port for c in into if c.plays_s)
+        paced = {c.dst_port: c.plays_s for c in into if c.plays_s}
         schedules = {c.dst_port: c.schedule for c in into}
         return cls(stage, ins, outs, contexts, schedules, plays, paced)
 

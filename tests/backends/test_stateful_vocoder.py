@@ -209,7 +209,7 @@ def test_a_paced_stream_whose_listener_runs_dry_decodes_what_it_has(plan):
     holds what has arrived, shorter than the grid's 8; the audio is still the whole
     decode. (A slower machine only makes the listener drier.)"""
     vocoder = code2wav(plan, [1, 8])
-    vocoder.spec = dataclasses.replace(vocoder.spec, paced=frozenset({"codes"}))
+    vocoder.spec = dataclasses.replace(vocoder.spec, paced={"codes": 0.08})
     codes = request_codes()[:1]
     driver = Driver(vocoder, codes, delays=[0])
     while driver.runner.calls and driver.round < 1000:
