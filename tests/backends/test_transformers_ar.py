@@ -254,8 +254,8 @@ def test_a_step_whose_tokens_have_not_landed_stays_in_flight_and_the_loop_polls_
 def test_on_the_gpu_a_step_returns_while_the_device_is_busy(plan):
     """A static step on a GPU that is busy for a good while (a spin kernel queued on the
     stage's stream first) returns long before the spin ends: the tokens stay in flight,
-    and another stage of the process would run meanwhile. Compared against the spin's own
-    time, measured on the same stream."""
+    and another stage's work on its own stream runs and finishes meanwhile. Compared
+    against the spin's own time, measured on the same stream."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     backend = make_backend(plan, "static", "cuda:0")
@@ -272,7 +272,15 @@ def test_on_the_gpu_a_step_returns_while_the_device_is_busy(plan):
         backend.step([call])
         returned = time.perf_counter() - began
         assert backend.in_flight() and returned < spin / 2
-        stream.synchronize()
+    # Another stage's work on its own stream runs meanwhile, and is done long before.
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        torch.ones(1024, device="cuda:0").sum()
+        done = torch.cuda.Event()
+        done.record()
+    done.synchronize()
+    assert not backend.launches[0].launched.landed()
+    stream.synchronize()
     assert backend.ready(call)
 
 
