@@ -655,7 +655,9 @@ class TransformersAR(Backend):
         return seq.ahead > 0 and landed or self._may_step(seq) and launchable
 
     def in_flight(self) -> bool:
-        return bool(self.launches)
+        # A step launched after its rows' end was learned waits, harmless, for the next
+        # step to settle it: only a live row's tokens keep the loop polling.
+        return any(seq.slot >= 0 for launch in self.launches for seq in launch.seqs)
 
     def urgent_first(self, calls: list[Call]) -> list[Call]:
         """Slack first where steps become audio: requests waiting to start (in arrival

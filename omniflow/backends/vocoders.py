@@ -485,7 +485,9 @@ class Vocoder(Backend):
         return room and fresh
 
     def in_flight(self) -> bool:
-        return bool(self.reading)
+        # A dropped request's audio still on its way is taken by the next step: only a live
+        # request's keeps the loop polling.
+        return any("stream" in call.state for d in self.reading for call in d.calls)
 
     def urgent_first(self, calls: list[Call]) -> list[Call]:
         """Slack first (`order="slack"`): requests not opened yet, then the streams whose

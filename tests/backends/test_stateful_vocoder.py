@@ -200,6 +200,15 @@ def test_audio_still_on_its_way_to_the_host_is_polled_for_not_waited_for(plan):
         assert float((got - want).abs().max()) < TOLERANCE
         assert sum(kept_windows(driver.forwards, f"r{i}")) == len(c)  # each frame once
     assert not vocoder.reading and not vocoder.in_flight()
+    # Requests cancelled while their audio is on its way keep no loop polling.
+    driver = Driver(vocoder, codes)
+    while not vocoder.reading:
+        driver.round_()
+    for request_id in list(driver.runner.calls):
+        driver.runner.drop(request_id)
+    assert driver.runner.step() == [] and not driver.runner.maybe_ready
+    assert vocoder.reading and not vocoder.in_flight()
+    del vocoder.decoder.step
 
 
 def test_a_paced_stream_whose_listener_runs_dry_decodes_what_it_has(plan):

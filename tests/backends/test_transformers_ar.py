@@ -250,6 +250,28 @@ def test_a_step_whose_tokens_have_not_landed_stays_in_flight_and_the_loop_polls_
     assert got == want and not backend.launches and not runner.maybe_ready
 
 
+def test_a_step_launched_past_a_requests_end_keeps_no_loop_polling(plan):
+    """A request that ends on an end id leaves the step launched while its end was not yet
+    known in flight; with no live row in it, the runner stops polling the stage (an idle
+    executor sleeps), and the next request settles it and decodes as it would alone."""
+    backend = make_backend(plan, "static")
+    want = alone(backend, PROMPTS[3]).tokens
+    runner = StageRunner(backend.spec, backend, max_batch=4)
+    for request_id, prompt in (("ends", PROMPTS[2]), ("next", PROMPTS[3])):
+        runner.start(request_id, {"max_tokens": 12, "temperature": 0.0})
+        runner.feed(request_id, "prompt", [{"role": "user", "content": prompt}], True)
+        got = []
+        for _ in range(30):
+            got += [int(e.value) for e in runner.step() if e.port == "tokens"]
+            if request_id not in runner.calls:
+                break
+        assert len(got) == (EOS_AFTER[2] if request_id == "ends" else len(want))
+        assert not runner.maybe_ready and not backend.in_flight()
+        if request_id == "ends":
+            assert backend.launches  # the step launched past its end, not settled
+    assert got == want
+
+
 @pytest.mark.gpu
 def test_on_the_gpu_a_step_returns_while_the_device_is_busy(plan):
     """A static step on a GPU that is busy for a good while (a spin kernel queued on the
