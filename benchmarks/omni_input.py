@@ -264,11 +264,11 @@ def traced(server: Server, ways: dict, rounds: int, devices: str, file: Path) ->
 
 def _kernels(trace: dict, executor: str | None) -> list[dict]:
     """The CUDA kernels of the executor named `executor` (trace.py: a process per executor,
-    its kernels on a track of their own); none on a CPU."""
+    its kernels on a track per CUDA stream); none on a CPU."""
     meta = [e for e in trace["traceEvents"] if e.get("ph") == "M"]
     pids = {e["pid"] for e in meta if e["name"] == "process_name" and e["args"]["name"] == executor}
     tracks = {(e["pid"], e["tid"]) for e in meta if e["name"] == "thread_name"
-              and e["pid"] in pids and e["args"]["name"].endswith(": kernels")}  # fmt: skip
+              and e["pid"] in pids and e["args"]["name"].endswith("kernels")}  # fmt: skip
     return [
         e for e in trace["traceEvents"] if e.get("ph") == "X" and (e["pid"], e["tid"]) in tracks
     ]

@@ -112,6 +112,10 @@ class ChannelPlan:
     ring_bytes: int = 0
     credits: int = 0
     device: str = ""  # the GPU whose memory holds a cuda-ipc or p2p ring ("" for host rings)
+    # Seconds of audio one step plays for, where the edge streams into a vocoder that
+    # carries its state (None: not known): the writer paces its chunks by the listener's
+    # slack, and the producer orders its requests by it (runtime/slack.py).
+    plays_s: float | None = None
 
 
 @dataclass

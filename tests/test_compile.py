@@ -52,6 +52,8 @@ def _shown(fact) -> list[str]:
             return ["yes"]
         case str():
             return [fact]
+        case float():  # seconds (a step's audio)
+            return [str(fact)]
         case tuple():  # a chunk schedule
             return [",".join(map(str, fact))]
         case facts.ModelFacts():

@@ -21,9 +21,14 @@ ids, run the decoder's layers (the model's own modules: norms, projections, MLPs
 rotary embedding) with the keys scattered into the slot's next column and attention over
 the first T columns, the head, the fused sampler, then advance the rows that were active
 (last id, length, step, seen). The host writes which rows advance, reads back the ids, and
-nothing else crosses. `launch` queues a step and returns at once, `wait` reads its ids: the
-backend launches step t+1 before it handles step t's ids, so the host's work of a step runs
-while the device computes the next one.
+nothing else crosses. `launch` queues a step and returns at once: the step's ids are copied
+without blocking into pinned host buffers (allocated once) and an event recorded after the
+copies on the current stream, the stage's own. `Launched.landed` asks that event whether
+they have arrived, without waiting; `wait` reads them. The backend launches step t+1 before
+it handles step t's ids, so the host's work of a step runs while the device computes the
+next one, and it reads step t's ids only once they have landed: until then it returns to
+the executor's loop, which drives the other stages of the process meanwhile (a host wait
+would stall them all).
 
 Buckets. A step runs at a batch bucket B >= the number of rows (1, 2, 4, then multiples of
 8 up to max_batch, as vLLM pads) and a length bucket T > the longest active row's length
@@ -116,6 +121,7 @@ from omniflow.backends.cuda_graphs import capture_graph
 from omniflow.backends.sampling_params import Sampling
 from omniflow.kernels import rms_norm, rope_cache, silu_mul, skinny_matmul
 from omniflow.kernels import sampling as sampler
+from omniflow.runtime.readback import IN_FLIGHT
 
 _DECODER_PARTS = {"embed_tokens", "layers", "norm", "rotary_emb"}
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -324,6 +330,11 @@ class Launched:
     ids: torch.Tensor
     done: torch.cuda.Event | None
     codes: torch.Tensor | None = None
+
+    def landed(self) -> bool:
+        """Whether the step's ids (and codes) are in their host buffers: asked of its event,
+        never waited for."""
+        return self.done is None or self.done.query()
 
 
 class DecoderCache:
@@ -662,12 +673,12 @@ class StaticDecoder(DecoderCache):
             # The ids masked while a row is below its minimum length (None: no minimum).
             ends = sorted(component.eos_ids) if getattr(component, "min_tokens", 0) else ()
             self.ends = torch.tensor(ends, **on) if ends else None
-            # Two sets of host buffers for the steps: while one step's copies may still be
-            # queued, the next step fills the other (see `launch`); `first` has its own, as
-            # it waits for its copies before it returns.
+            # IN_FLIGHT sets of host buffers for the steps: while one step's copies may still
+            # be queued, the next step fills the other (see `launch`); `first` has its own,
+            # as it waits for its copies before it returns.
             groups = frames.groups if frames is not None else None
             pin = self.device.type == "cuda"
-            self.host = [_Host.make(slots, groups, pin) for _ in range(2)]
+            self.host = [_Host.make(slots, groups, pin) for _ in range(IN_FLIGHT)]
             self.host_first = _Host.make(slots, groups, pin)
         self.launches = 0
         self.first_steps = 0  # `first` calls: one a prefill
@@ -748,9 +759,9 @@ class StaticDecoder(DecoderCache):
         gives the ids sampled for slots 0..rows-1 (those of rows not in `active` mean
         nothing), and with frames their codes; the step after it may be launched first, so
         the device runs it while the host handles this one's ids (a third launch before
-        this one's `wait` would overwrite them)."""
+        this one's `wait` would overwrite them: at most IN_FLIGHT are)."""
         batch, length = self.buckets(rows, longest)
-        host = self.host[self.launches % 2]
+        host = self.host[self.launches % IN_FLIGHT]
         self.launches += 1
         if extra is not None:
             extra = extra.to(self.extra.dtype)
@@ -803,7 +814,8 @@ class StaticDecoder(DecoderCache):
 
     @staticmethod
     def wait(launched: Launched) -> list[int]:
-        """The ids a launched step sampled, once the device has them (and its `codes`)."""
+        """The ids a launched step sampled (and its `codes`), waiting for them unless they
+        have `landed` (only `first` waits: the backend's steps read landed ones)."""
         if launched.done is not None:
             launched.done.synchronize()
         return launched.ids.tolist()

@@ -59,9 +59,12 @@ What it owns:
 from __future__ import annotations
 
 import functools
+import math
 import os
+import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -76,6 +79,7 @@ from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
 from omniflow.kernels.sampling import sample
 from omniflow.runtime.doorbells import Ending
+from omniflow.runtime.slack import Playback, urgent_first
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 # Where a request's decoding state lives in `call.state`.
@@ -522,6 +526,8 @@ class Sequence:
     seed: int = 0  # the GPU sampler's stream: (seed, generated) picks each draw
     slot: int = -1  # on the static path: its slot (= its row) in the static cache; -1: gone
     ahead: int = 0  # decode steps launched whose tokens are not emitted yet (static path)
+    # Its audio as its listener hears it, where a step plays for a known time (slack.py).
+    playback: Playback = field(default_factory=lambda: Playback(time.monotonic()))
 
     @property
     def next_step(self) -> int:
@@ -573,11 +579,14 @@ class TransformersAR(Backend):
             )
         self.defaults = neutral_defaults() | c.defaults
         self.capacity = max(1, spec.plan.batch)
+        # Seconds of audio a step plays for, where its steps become audio (slack order).
+        self.plays_s = next(iter(spec.plays.values()), None)
         self.rows: list[Sequence] = []
         self.cache = None  # one row per entry of self.rows
         self.mask: torch.Tensor | None = None  # [rows, columns]: a row's own cache columns
         self.decode, self.static = self._static_decoder()
-        self.pending: _Launch | None = None  # the static step launched last, not settled
+        # The static steps launched and not settled yet, oldest first (at most IN_FLIGHT).
+        self.launches: deque[_Launch] = deque()
         if self.static is not None:
             self.capture_seconds = self.static.capture_seconds
         if torch.device(device).type == "cuda" and self.static is None:
@@ -637,7 +646,30 @@ class TransformersAR(Backend):
         seq = call.state.get(_STATE)
         if seq is None:
             return self.component.can_start(call) and len(self.rows) < self.capacity
-        return seq.ahead > 0 or self._may_step(seq)
+        if self.static is None:
+            return self._may_step(seq)
+        # On the static path a step makes progress if it can read a landed step's tokens or
+        # launch another; a row whose tokens are still on their way waits without blocking.
+        landed = bool(self.launches) and self.launches[0].launched.landed()
+        launchable = len(self.launches) < static_decode.IN_FLIGHT or landed
+        return seq.ahead > 0 and landed or self._may_step(seq) and launchable
+
+    def in_flight(self) -> bool:
+        # A step launched after its rows' end was learned waits, harmless, for the next
+        # step to settle it: only a live row's tokens keep the loop polling.
+        return any(seq.slot >= 0 for launch in self.launches for seq in launch.seqs)
+
+    def urgent_first(self, calls: list[Call]) -> list[Call]:
+        """Slack first where steps become audio: requests waiting to start (in arrival
+        order), then the streams whose listeners run dry first."""
+        if self.plays_s is None:
+            return calls
+
+        def runs_out(call: Call) -> float:
+            seq = call.state.get(_STATE)
+            return -math.inf if seq is None else seq.playback.runs_out(self.plays_s)
+
+        return urgent_first(calls, runs_out)
 
     def _may_step(self, seq: Sequence) -> bool:
         return seq.next_step < seq.sampling.max_tokens and self.component.can_step(seq)
@@ -659,9 +691,7 @@ class TransformersAR(Backend):
             elif self._may_step(seq):
                 stepping.append(seq)
         if self.static is not None:
-            launched = self._launch(stepping) if stepping else None
-            self._settle()  # the previous step's tokens, while the device runs this one
-            self.pending = launched
+            self._launch_and_settle(stepping)
         elif stepping:
             self._decode(stepping)
         if starting:  # after the decode step, so new rows get no dummy column
@@ -673,7 +703,7 @@ class TransformersAR(Backend):
             self._evict([seq])
 
     def close(self) -> None:
-        self.rows, self.cache, self.mask, self.pending = [], None, None, None
+        self.rows, self.cache, self.mask, self.launches = [], None, None, deque()
         if self.static is not None:
             self.static.close()
             self.static = None
@@ -851,13 +881,27 @@ class TransformersAR(Backend):
             seq.ahead += 1
         return _Launch(seqs, slots, launched, hidden)
 
-    def _settle(self) -> None:
-        """Emit the tokens of the step launched last (its ids are the only read-back), and
-        evict the rows that finished. A row launched after its end (its end was learned
-        while that step was queued) or dropped since gets nothing."""
-        launch, self.pending = self.pending, None
-        if launch is None:
-            return
+    def _launch_and_settle(self, stepping: list[Sequence]) -> None:
+        """The static path's step, which never waits for the device: settle landed steps
+        until there is room to launch, launch one over `stepping` (those still stepping),
+        then settle the older steps that have landed. The step launched last stays in
+        flight, so the host handles its predecessor's tokens while the device runs it; a
+        step not landed yet is left for a later turn of the loop (`ready` says when)."""
+        while len(self.launches) >= static_decode.IN_FLIGHT and self.launches[0].launched.landed():
+            self._settle(self.launches.popleft())
+        stepping = [s for s in stepping if s.slot >= 0 and self._may_step(s)]
+        launched = None
+        if stepping and len(self.launches) < static_decode.IN_FLIGHT:
+            launched = self._launch(stepping)
+        while self.launches and self.launches[0].launched.landed():
+            self._settle(self.launches.popleft())
+        if launched is not None:
+            self.launches.append(launched)
+
+    def _settle(self, launch: _Launch) -> None:
+        """Emit the tokens of a landed step (its ids are the only read-back), and evict the
+        rows that finished. A row launched after its end (its end was learned while that
+        step was queued) or dropped since gets nothing."""
         ids = self.static.wait(launch.launched)
         for i, (seq, slot) in enumerate(zip(launch.seqs, launch.slots, strict=True)):
             seq.ahead -= 1
@@ -912,6 +956,8 @@ class TransformersAR(Backend):
             call.emit("tokens", torch.tensor([[token]]))
         if code is not None:
             call.emit("codes", code)
+        if self.plays_s is not None:  # one step, one frame (a clone's reference frames: silent)
+            seq.playback.send(1, time.monotonic())
         if value is not None:
             call.emit("hidden", value)
         stopped = token in self.component.eos_ids or token in sampling.stop_ids

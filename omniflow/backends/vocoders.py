@@ -36,11 +36,19 @@ the decoder with the first window, advancing the state, and emit nothing. Such w
 padded on the right to the longest in their forward, and the decoder takes each row's state
 at its own last frame, so requests of any lengths share a forward.
 
-Windows lie on a grid, so a request's waveform does not depend on how its codes happened
-to be timed: a decoder that is not local on one of `unit` frames, windows of one unit,
-then two, four and more (`WINDOW_BLOCKS` in the model catalog, which the compiler sizes
-the edge's chunks by; token2wav: see its module); a local codec on the boundaries of the
-chunks its edge was planned to carry. On a whole-output edge every ready frame is one window.
+Read-back. A forward's audio is copied to pinned host buffers without waiting for the GPU
+(runtime/readback.py) and emitted in a later step, once its event says it has landed; a
+stream's frames count as decoded (`queued`) at once and as sent (`emitted`) then. At most
+IN_FLIGHT forwards are on their way; meanwhile the stage says it has work in flight, so the
+executor's loop steps its other stages instead of waiting.
+
+Windows lie on a grid, so a request's waveform does not depend on how its codes happened to
+be timed (a stateful decoder's window may end short of the grid where its listener would run
+dry waiting for the rest, as its producer's writer sends it: runtime/slack.py): a decoder
+that is not local on one of `unit` frames, windows of one unit, then two, four and more
+(`WINDOW_BLOCKS` in the model catalog, which the compiler sizes the edge's chunks by;
+token2wav: see its module); a local codec on the boundaries of the chunks its edge was
+planned to carry. On a whole-output edge every ready frame is one window.
 
 Batching. A step decodes one forward: the next window of the request whose listener runs
 out of audio first (the one that has played longest past what it was sent, or a request
@@ -66,8 +74,11 @@ where its windows allow, so a stream's last windows replay too.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import time
-from collections.abc import Callable, Hashable
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator
 
 import torch
 
@@ -77,6 +88,9 @@ from omniflow.backends.registry import family_code
 from omniflow.catalog.components import WINDOW_BLOCKS, load_component_config
 from omniflow.catalog.resolve import model_path
 from omniflow.errors import OmniflowError
+from omniflow.runtime.edges import chunk_end
+from omniflow.runtime.readback import IN_FLIGHT, HostCopies, HostCopy
+from omniflow.runtime.slack import Playback, StepTimer, cut_short, urgent_first
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 
@@ -129,12 +143,14 @@ class _Stream:
     codes: torch.Tensor
     side: torch.Tensor | None = None  # per-frame decoder inputs beside the codes (noise)
     base: int = 0
-    emitted: int = 0
+    queued: int = 0  # frames whose audio is decoded (or that were context alone)
+    emitted: int = 0  # ... and whose audio has been emitted (read back to the host)
     opened: float = 0.0  # monotonic seconds: when its first codes arrived
     first_sent: float | None = None  # when its first audio was emitted
     backlog: bool = False  # windows ready that the last step left for later
     slot: int | None = None  # a stateful decoder's state slot, from the first window on
     decoded: int = 0  # frames a stateful decoder has decoded (reference frames too)
+    producer: StepTimer = dataclasses.field(default_factory=StepTimer)  # its frames' pace
 
     @property
     def arrived(self) -> int:
@@ -144,9 +160,7 @@ class _Stream:
         """When a listener who started at the first packet has played all it was sent
         (monotonic seconds); before the first packet, when the stream opened. Without a
         frame duration, every stream counts as never sent anything: arrival order."""
-        if self.first_sent is None or frame_s is None:
-            return self.opened
-        return self.first_sent + self.emitted * frame_s
+        return Playback(self.opened, self.first_sent, self.emitted).runs_out(frame_s)
 
     def forget_before(self, frame: int) -> None:
         drop = max(0, frame - self.base)
@@ -177,6 +191,25 @@ class Window:
 
     def side(self) -> torch.Tensor:
         return self.stream.side[self.start - self.stream.base : self.end - self.stream.base]
+
+
+@dataclasses.dataclass
+class _Decoded:
+    """A decoded forward whose audio is on its way to the host: its windows, whose calls
+    they are, and the copy of its audio `[windows, frames * samples_per_frame]`."""
+
+    windows: list[Window]
+    calls: list[Call]
+    audio: HostCopy
+
+    def kept(self, per_frame: int) -> Iterator[tuple[Window, Call, torch.Tensor]]:
+        """Each window, its call and its kept audio `[kept frames, per_frame]` (its own
+        memory: the host buffer is reused)."""
+        for row, w, call in zip(self.audio.value, self.windows, self.calls, strict=True):
+            first = (w.offset + w.keep_start - w.start) * per_frame
+            kept = row[first : first + (w.keep_end - w.keep_start) * per_frame]
+            kept = kept.reshape(-1, per_frame)
+            yield w, call, kept.clone() if self.audio.reused else kept.contiguous()
 
 
 def padded(windows: list[Window], frames: int, part: Callable[[Window], torch.Tensor], device):
@@ -305,15 +338,7 @@ def _grid(unit: int | None, schedule: list[int] | None) -> Callable[[int], int] 
         return lambda done: done + unit * _window_units(done // unit)
     if schedule is None:
         return None
-
-    def chunk_end(done: int) -> int:
-        edge, chunk = 0, 0
-        while edge <= done:
-            edge += schedule[min(chunk, len(schedule) - 1)]
-            chunk += 1
-        return edge
-
-    return chunk_end
+    return functools.partial(chunk_end, schedule)
 
 
 def _window_units(start: int) -> int:
@@ -398,6 +423,9 @@ class Vocoder(Backend):
         rate = component.frame_rate
         slack = spec.plan.settings["order"] == "slack" and rate
         self.frame_s = 1 / rate if slack else None
+        # Decoded forwards whose audio is on its way to the host (readback.py), oldest first.
+        self.reading: deque[_Decoded] = deque()
+        self.host_copies = HostCopies()
 
     def _static_windows(self, spec: StageSpec, device: str) -> str:
         """Set the decoder's precision and make its static windows (the grid's window lengths
@@ -446,9 +474,35 @@ class Vocoder(Backend):
 
     def ready(self, call: Call) -> bool:
         codes, stream = call.inputs[self.port], call.state.get("stream")
-        return codes.available() or codes.ended or stream is not None and stream.backlog
+        landed = bool(self.reading) and self.reading[0].audio.landed()
+        if stream is not None and stream.queued > stream.emitted:
+            if landed:
+                return True  # its audio may be on the host: the step emits it
+            if codes.ended:
+                return False  # all that is left is on its way
+        room = len(self.reading) < IN_FLIGHT or landed
+        fresh = codes.available() or codes.ended or stream is not None and stream.backlog
+        return room and fresh
+
+    def in_flight(self) -> bool:
+        # A dropped request's audio still on its way is taken by the next step: only a live
+        # request's keeps the loop polling.
+        return any("stream" in call.state for d in self.reading for call in d.calls)
+
+    def urgent_first(self, calls: list[Call]) -> list[Call]:
+        """Slack first (`order="slack"`): requests not opened yet, then the streams whose
+        listeners run dry first."""
+        if self.frame_s is None:
+            return calls
+
+        def runs_out(call: Call) -> float:
+            stream = call.state.get("stream")
+            return -math.inf if stream is None else stream.runs_out(self.frame_s)
+
+        return urgent_first(calls, runs_out)
 
     def step(self, calls: list[Call]) -> None:
+        self._emit_landed()
         nexts: dict[Window, Call] = {}
         for call in calls:
             try:
@@ -462,17 +516,15 @@ class Vocoder(Backend):
                         continue  # every slot is a live stream's: this one waits for one
                     stream.slot = self.free_slots.pop()
                 nexts[windows[0]] = call
-        if nexts:
+        if nexts and len(self.reading) < IN_FLIGHT:
             frames, batch = self._forward(list(nexts))
             audio = self._decode(batch, frames)
-            now = time.monotonic()
             for window in batch:
-                stream = window.stream
-                nexts[window].emit("audio", audio[window])
-                stream.emitted = window.keep_end
-                stream.forget_before(stream.emitted - self.context)
-                if stream.first_sent is None:
-                    stream.first_sent = now
+                window.stream.queued = window.keep_end
+                window.stream.forget_before(window.keep_end - self.context)
+            calls_of = [nexts[w] for w in batch]
+            self.reading.append(_Decoded(batch, calls_of, self.host_copies.copy(audio)))
+            self._emit_landed()  # off CUDA, at once
         for call in calls:
             if call.error is not None:
                 continue
@@ -481,6 +533,18 @@ class Vocoder(Backend):
             if ended and stream.emitted == stream.arrived:
                 self._free_slot(stream)
                 call.finish()
+
+    def _emit_landed(self) -> None:
+        """Emit the audio of the decoded forwards whose read-back has landed, oldest first
+        (a stream's windows in order)."""
+        while self.reading and self.reading[0].audio.landed():
+            decoded = self.reading.popleft()
+            now = time.monotonic()
+            for window, call, audio in decoded.kept(self.decoder.samples_per_frame):
+                call.emit("audio", audio)
+                window.stream.emitted = window.keep_end
+                if window.stream.first_sent is None:
+                    window.stream.first_sent = now
 
     def drop(self, call: Call) -> None:
         """Forget the request's stream (finished, failed or cancelled); its slot is free."""
@@ -531,9 +595,12 @@ class Vocoder(Backend):
                 "a codec LM's token ids need its codec offset subtracted"
             )
         codes = chunk.to(device=self.device, dtype=torch.int64)
+        stream.producer.add(len(codes), time.monotonic())
         # cat copies: the chunk may be a view into a channel slot released after the step.
         stream.codes = torch.cat([stream.codes.reshape(-1, codes.shape[1]), codes])
-        stream.emitted += context_only  # decoded as the next windows' context, never emitted
+        # Decoded as the next windows' context, never emitted.
+        stream.queued += context_only
+        stream.emitted += context_only
         side = decoder.side(stream.state, len(codes))
         if side is not None:
             side = side.to(self.device)
@@ -541,7 +608,7 @@ class Vocoder(Backend):
         return stream
 
     def _windows(self, stream: _Stream, ended: bool) -> list[Window]:
-        arrived, done = stream.arrived, stream.emitted
+        arrived, done = stream.arrived, stream.queued
         ready = arrived if ended else arrived - stream.lookahead
         if self.grid_end is None:
             spans = [(done, ready)] if ready > done else []
@@ -550,6 +617,8 @@ class Vocoder(Backend):
             while done < arrived:
                 end = self.grid_end(done)
                 if end > ready and not ended:
+                    if self._cut_short(stream, end - arrived):
+                        spans.append((done, arrived))
                     break
                 spans.append((done, min(end, arrived)))
                 done = end
@@ -563,6 +632,17 @@ class Vocoder(Backend):
             Window(stream, max(0, k0 - self.context), min(arrived, k1 + stream.lookahead), k0, k1)
             for k0, k1 in spans
         ]
+
+    def _cut_short(self, stream: _Stream, missing: int) -> bool:
+        """Whether a carried-state stream's window decodes the frames it has, `missing`
+        short of its grid's, because its listener would run dry waiting for the rest (its
+        edge is paced: its writer cuts its chunks by the same rule, slack.py). Its first
+        window is never cut: that is the edge's planned first chunk."""
+        plays_s = self.spec.paced.get(self.port)
+        if not self.stateful or plays_s is None or stream.first_sent is None:
+            return False
+        slack = stream.runs_out(plays_s) - time.monotonic()
+        return cut_short(slack, missing, stream.producer.step_s)
 
     def _forward(self, windows: list[Window]) -> tuple[int, list[Window]]:
         """The step's forward, (frames, windows at their offsets), from each request's next
@@ -580,10 +660,9 @@ class Vocoder(Backend):
         batch, _ = self._fit([lead, *(w for w in others if w.frames <= frames)], frames)
         return frames, batch
 
-    def _decode(self, batch: list[Window], frames: int) -> dict[Window, torch.Tensor]:
-        """Each window's kept audio, `[kept frames, samples_per_frame]`; a stateful
-        decoder's streams carry their state past their windows."""
-        per_frame = self.decoder.samples_per_frame
+    def _decode(self, batch: list[Window], frames: int) -> torch.Tensor:
+        """The batch's float32 audio `[len(batch), frames * samples_per_frame]`, left on
+        the device; a stateful decoder's streams carry their state past their windows."""
         with torch.inference_mode():
             if self.stateful:
                 slots = [w.stream.slot for w in batch]
@@ -592,13 +671,7 @@ class Vocoder(Backend):
                     w.stream.decoded = w.end
             else:
                 audio = self.decoder.decode(batch, frames)
-            audio = audio.float().cpu()
-        out = {}
-        for row, w in zip(audio, batch, strict=True):
-            first = (w.offset + w.keep_start - w.start) * per_frame
-            kept = row[first : first + (w.keep_end - w.keep_start) * per_frame]
-            out[w] = kept.reshape(-1, per_frame).contiguous()
-        return out
+            return audio.float()
 
     def _fit(self, windows: list[Window], frames: int) -> tuple[list[Window], list[Window]]:
         """The windows that may be padded to `frames` (their offsets set), and the rest."""

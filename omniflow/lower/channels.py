@@ -36,6 +36,7 @@ def lower_channel(graph: Graph, edge: Edge) -> ChannelPlan:
         ring.ring_bytes,
         ring.credits,
         ring.device,
+        edge.meta.get("plays_s"),
     )
 
 

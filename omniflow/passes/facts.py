@@ -20,6 +20,7 @@ replace`), since copies of a graph share their facts. Each prints as one short p
 | `pointwise` | edges with maps | `PointwiseKernel` | fuse_pointwise |
 | `schedule` | edges | `tuple[int, ...] | None` (None: whole output) | size_chunks |
 | `carries_state` | edges | `bool`: its consumer carries each stream's state (no context) | size_chunks |
+| `plays_s` | edges | `float | None`: seconds of audio a step plays for (carried-state edges) | size_chunks |
 | `channel` | edges | `Channel` | plan_buffers |
 | `shm_bytes` | the graph | `int` | plan_buffers |
 | `warnings` | the graph | `tuple[str, ...]` | place, size_chunks, plan_buffers |

@@ -11,10 +11,12 @@ Small first chunks give a low time to first packet; large steady chunks, through
 
 A vocoder that carries each stream's state from one chunk to the next (its family says:
 `ComponentConfig.carries_state`, Qwen3-TTS's code2wav) re-decodes no left context, so a
-chunk costs its own frames and the call's overhead, and the edge's `context` is not used
-(a warning says so where a program declares one; the edge is marked `carries_state`, which
-the plan prints). Its first chunk is the smallest n whose audio plays at least as long as
-making and decoding the next, twice as long, chunk takes: after it the listener never
+chunk costs its own frames and the call's overhead, and the edge's `context` is not used (a
+warning says so where a program declares one; the edge is marked `carries_state`, which the
+plan prints), and on a GPU gets `plays_s`, the seconds of audio a frame plays for, by which
+the runtime paces its chunks (runtime/slack.py: the schedule widens only while the stream is
+ahead of its listener). Its first chunk is the smallest n whose audio plays at least as long
+as making and decoding the next, twice as long, chunk takes: after it the listener never
 waits, so the first packet leaves after a single frame wherever a frame is made and decoded
 well within the time it plays.
 
@@ -34,7 +36,7 @@ from omniflow.ir.graph import OUTPUT, Edge, Graph, Node
 from omniflow.passes.common import Target
 
 READS = ("model", "cost", "placement")
-WRITES = ("schedule", "carries_state", "warnings")
+WRITES = ("schedule", "carries_state", "plays_s", "warnings")
 
 # Fixed cost of one consumer call: a cross-process hop plus a forward's launch overhead.
 CALL_OVERHEAD_S = {"gpu": 2e-3, "cpu": 1e-3}
@@ -100,7 +102,8 @@ def _schedule(graph: Graph, target: Target, edge: Edge) -> list[int]:
     if windows is not None:
         return windows[1]
     if edge.meta["carries_state"]:
-        return auto_schedule(target, src, dst, 0, 1 / dst.meta["model"].config.frame_rate)
+        rate = dst.meta["model"].config.frame_rate
+        return auto_schedule(target, src, dst, 0, 1 / rate if rate else None)
     return auto_schedule(target, src, dst, edge.context)
 
 
@@ -108,6 +111,18 @@ def _carries_state(graph: Graph, edge: Edge) -> bool:
     """Whether the edge streams into a vocoder that carries each stream's state."""
     dst = graph.node(edge.dst)
     return edge.stream and dst.op == "vocoder" and dst.meta["model"].config.carries_state
+
+
+def _plays(graph: Graph, target: Target, edge: Edge) -> float | None:
+    """Seconds of audio a step of a carried-state edge plays for (its vocoder's frame), by
+    which the runtime paces its chunks; None elsewhere, and where the vocoder runs on a CPU:
+    pacing makes a stream's windows depend on timing, which moves its audio by rounding,
+    and a CPU plan (the reference, the tests) keeps its runs bit for bit."""
+    if not edge.meta["carries_state"]:
+        return None
+    dst = graph.node(edge.dst)
+    rate = dst.meta["model"].config.frame_rate
+    return 1 / rate if rate and _device(target, dst).is_gpu else None
 
 
 def _windows(graph: Graph, node: Node) -> tuple[list[int], list[int]] | None:
@@ -132,6 +147,7 @@ def size_chunks(graph: Graph, target: Target) -> Graph:
     for node in graph.topo_order():
         for edge in graph.out_edges(node.name):
             edge.meta["carries_state"] = _carries_state(graph, edge)
+            edge.meta["plays_s"] = _plays(graph, target, edge)
             if edge.meta["carries_state"] and edge.context:
                 warnings.append(
                     f"{edge.name}: context={edge.context} is not used: {edge.dst} carries "

@@ -1,8 +1,9 @@
 """Recorded events -> Chrome trace-event JSON, which Perfetto UI and chrome://tracing open.
 
 One process per executor (the frontend too), one track per stage, one for the program's
-channels and one for its loop's sleeps; with a GPU profile, one more for each GPU executor's
-CUDA kernels (gpu_timeline.py puts them on the same clock); on the frontend, one for
+channels and one for its loop's sleeps; with a GPU profile, one more for each CUDA stream of
+a GPU executor, its kernels (gpu_timeline.py puts them on the same clock), named by the
+stage that runs on it, so that the stages sharing a GPU show overlapping; on the frontend, one for
 admission: per request, `admit` (checking it against the plan) then `queued` (until its
 inputs go out). A stage step is a slice whose args name its batch: the requests in it and
 what each emitted. A chunk is a slice on the channels track where it was put and another
@@ -31,6 +32,7 @@ from omniflow.runtime.control import Profiled
 from omniflow.runtime.events import RecordedEvents
 
 LOOP_TRACK, CHANNEL_TRACK, GPU_TRACK, ADMISSION_TRACK = 0, 1, 2, 3
+GPU_STREAM_TRACKS = 4  # a GPU's further streams: GPU_STREAM_TRACKS + 1, + 2, ...
 
 
 def chrome_trace(
@@ -107,6 +109,28 @@ def counters(trace: list[dict]) -> list[dict]:
     return out
 
 
+def _kernel_tracks(pid: int, profile: Profiled, out: list[dict]) -> dict[int, str]:
+    """The GPU timeline's slices, one track per (device, stream): the first GPU_TRACK, the
+    others after the fixed tracks, named by the stage that runs on the stream where the
+    profile knows it (those first, by stage name), so that the stages'
+    overlap shows."""
+    stage_of = dict(profile.streams)
+    keys = sorted(
+        {(device, stream) for *_, device, stream in profile.kernels},
+        key=lambda k: (k[1] not in stage_of, stage_of.get(k[1], ""), k),
+    )
+    tids = {key: GPU_TRACK if i == 0 else GPU_STREAM_TRACKS + i for i, key in enumerate(keys)}
+    for name, start, dur, device, stream in profile.kernels:
+        args = {"device": device, "stream": stream}
+        out.append(_slice(pid, tids[device, stream], name, start / 1e3, dur, args))
+    return {
+        tid: f"gpu {device} stream {stream}: " + (
+            f"{stage_of[stream]}'s kernels" if stream in stage_of else "kernels"
+        )
+        for (device, stream), tid in tids.items()
+    }  # fmt: skip
+
+
 def _process(pid: int, profile: Profiled, received: set[tuple]) -> list[dict]:
     recorded = RecordedEvents(profile.names, profile.requests, profile.rows, profile.dropped)
     names, requests = recorded.names, recorded.requests
@@ -114,10 +138,7 @@ def _process(pid: int, profile: Profiled, received: set[tuple]) -> list[dict]:
     track_of: dict[str, int] = {}
     out = [_meta(pid, 0, "process_name", profile.executor)]
     if profile.kernels:
-        devices = sorted({device for *_, device in profile.kernels})
-        tracks[GPU_TRACK] = f"gpu {', '.join(map(str, devices))}: kernels"
-        for name, start, dur, device in profile.kernels:
-            out.append(_slice(pid, GPU_TRACK, name, start / 1e3, dur, {"device": device}))
+        tracks.update(_kernel_tracks(pid, profile, out))
     calls: dict[tuple[str, int], list] = defaultdict(list)
     rows = recorded.events()
     if any(kind == events.ADMIT for _t, _dur, kind, *_ in rows):

@@ -33,6 +33,7 @@ CATEGORIES = {
     "pointwise": "fusion",
     "schedule": "chunks",
     "carries_state": "chunks",
+    "plays_s": "chunks",
     "channel": "buffers",
     "shm_bytes": "buffers",
 }

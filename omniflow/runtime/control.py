@@ -104,14 +104,17 @@ class Profile(msgspec.Struct, tag=True):
 
 class Profiled(msgspec.Struct, tag=True):
     """An executor's recorded events (events.py): names, request ids, packed int64 rows;
-    `kernels`: its GPU timeline (gpu_timeline.py), on the same clock."""
+    `kernels`: its GPU timeline (gpu_timeline.py), on the same clock, and `streams`: the
+    stage each CUDA stream of it runs."""
 
     executor: str
     names: list[str] = []
     requests: list[str] = []
     rows: bytes = b""
     dropped: int = 0
-    kernels: list[tuple[str, int, int, int]] = []  # name, start ns, duration ns, device
+    # name, start ns, duration ns, device, stream; and which stage's each stream is
+    kernels: list[tuple[str, int, int, int, int]] = []
+    streams: list[tuple[int, str]] = []
 
 
 class StageTotals(msgspec.Struct, array_like=True):

@@ -19,6 +19,7 @@ from omniflow.runtime import events
 from omniflow.runtime.doorbells import Ending
 from omniflow.runtime.events import Recorder
 from omniflow.runtime.port_values import TEXT_TYPES, concat, steps
+from omniflow.runtime.slack import Playback, StepTimer, cut_short
 
 # send(request_id, chunk_index, value or None, end_of_stream, the producer's Ending or None)
 Send = Callable[[str, int, object, bool, Ending | None], None]
@@ -86,17 +87,36 @@ def load_adapter(channel: ChannelPlan, source: StagePlan | None) -> Transform | 
     return import_function(channel.adapter_impl or channel.adapter)(source)
 
 
+def chunk_end(schedule: list[int], done: int) -> int:
+    """Where the chunk of `schedule` (the last size repeating) that holds step `done` ends:
+    the grid a paced edge's writer and its carried-state vocoder both keep to."""
+    edge, chunk = 0, 0
+    while edge <= done:
+        edge += schedule[min(chunk, len(schedule) - 1)]
+        chunk += 1
+    return edge
+
+
 @dataclass
 class _Pending:
     parts: list = field(default_factory=list)
     steps: int = 0
     index: int = 0
+    sent: int = 0  # steps sent
+    playback: Playback | None = None  # on a paced edge: its listener's (slack.py)
+    producer: StepTimer = field(default_factory=StepTimer)
 
 
 class StreamWriter:
     """Accumulates each request's steps on one edge and sends chunks of the scheduled sizes
     (the whole stream at once for a whole-output edge), each through `leave`; the last
-    chunk carries the end of the stream."""
+    chunk carries the end of the stream.
+
+    A paced edge (`plays_s`: into a vocoder that carries its state) keeps its chunks on the
+    schedule's grid while its stream is ahead of its listener, and sends what it has at
+    once when waiting for the rest of a chunk would leave the listener without audio
+    (slack.py); its next chunk still ends on the grid.
+    """
 
     def __init__(self, channel: ChannelPlan, send: Send, leave: Transform = identity):
         self.channel = channel
@@ -112,19 +132,46 @@ class StreamWriter:
 
     def write(self, request_id: str, value) -> None:
         p = self.pending.setdefault(request_id, _Pending())
-        typ = self.channel.type
         p.parts.append(value)
-        p.steps += steps(typ, value)
+        added = steps(self.channel.type, value)
+        p.steps += added
+        if self.channel.plays_s is not None and self.channel.schedule is not None:
+            self._paced(request_id, p, added)
+            return
         target = self._target(p.index)
         while target is not None and p.steps >= target:
-            if typ in TEXT_TYPES:
-                head, p.parts = concat(typ, p.parts[:target]), p.parts[target:]
-            else:
-                joined = concat(typ, p.parts)
-                head, p.parts = joined[:target], [joined[target:]] if p.steps > target else []
-            p.steps -= target
-            self._send(request_id, p, head, False)
+            self._send(request_id, p, self._cut(p, target), False)
             target = self._target(p.index)
+
+    def _paced(self, request_id: str, p: _Pending, added: int) -> None:
+        """Send a paced edge's chunks: those the grid completes, then what is pending if
+        the listener would run dry waiting for the rest of its chunk."""
+        now = time.monotonic()
+        p.producer.add(added, now)
+        if p.playback is None:
+            p.playback = Playback(now)
+        while p.steps:
+            target = chunk_end(self.channel.schedule, p.sent) - p.sent
+            if p.steps < target:
+                started = p.playback.first_sent is not None  # a first chunk is never cut
+                slack = p.playback.runs_out(self.channel.plays_s) - now
+                if not started or not cut_short(slack, target - p.steps, p.producer.step_s):
+                    return
+                target = p.steps
+            p.playback.send(target, now)
+            self._send(request_id, p, self._cut(p, target), False)
+
+    def _cut(self, p: _Pending, n: int):
+        """The first `n` pending steps, taken off the pending ones."""
+        typ = self.channel.type
+        if typ in TEXT_TYPES:
+            head, p.parts = concat(typ, p.parts[:n]), p.parts[n:]
+        else:
+            joined = concat(typ, p.parts)
+            head, p.parts = joined[:n], [joined[n:]] if p.steps > n else []
+        p.steps -= n
+        p.sent += n
+        return head
 
     def end(self, request_id: str, ending: Ending | None = None) -> None:
         p = self.pending.pop(request_id, _Pending())

@@ -130,7 +130,8 @@ class RecordedEvents:
     requests: list[str]
     rows: bytes
     dropped: int = 0
-    kernels: list[tuple[str, int, int, int]] = field(default_factory=list)  # gpu_timeline.py
+    kernels: list[tuple[str, int, int, int, int]] = field(default_factory=list)  # gpu_timeline
+    streams: list[tuple[int, str]] = field(default_factory=list)  # a kernel's stream, its stage
 
     def events(self) -> list[tuple[int, ...]]:
         values = array.array("q")

@@ -11,6 +11,13 @@ reading; the pair from the narrowest of a few tries is kept (the error is at mos
 window, a fraction of a microsecond), once when the profile starts and once when it stops.
 Their mean is the offset: a wall clock slewed by NTP in between moves it by half the drift,
 not all of it.
+
+Streams. Each stage of a GPU executor runs on a CUDA stream of its own (streams.py), and
+each kernel is recorded with the stream that ran it (kineto's resource id: CUPTI's stream
+id), so the trace gives each stream a track and the stages' overlap shows. Which stage a
+stream is: when the profile starts, the GPU is drained and each stage's stream runs one tiny
+kernel alone, between two monotonic readings; the stream of the kernel that ran in a
+stage's window is that stage's (`streams`). Once per profile, never on a serving path.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ import time
 from omniflow.errors import OmniflowError
 from omniflow.plan import Plan, Program
 
-Kernel = tuple[str, int, int, int]  # name, start (monotonic ns), duration ns, device index
+# name, start (monotonic ns), duration ns, device index, stream (CUPTI's id; off CUDA, the
+# recording thread's)
+Kernel = tuple[str, int, int, int, int]
 
 
 class ProfileError(OmniflowError):
@@ -81,10 +90,24 @@ class KernelTimeline:
         self.device_type = devices.upper()
         self.profiler = profile(activities=[activity])
         self.offset_at_start = 0
+        self.marks: list[tuple[str, int, int]] = []  # stage, monotonic ns before and after
+        self.streams: dict[int, str] = {}  # stream -> its stage, found by `stop`
 
-    def start(self) -> None:
+    def start(self, stages: dict | None = None) -> None:
+        """Start recording; `stages`: each stage's CUDA stream (torch.cuda.Stream), marked
+        so that `stop` can name their tracks."""
         self.profiler.start()
         self.offset_at_start = clock_offset()[0]
+        if stages:
+            import torch
+
+            torch.cuda.synchronize()  # nothing else runs during the marks
+            for stage, stream in stages.items():
+                with torch.cuda.stream(stream):
+                    before = time.monotonic_ns()
+                    torch.empty(1, device=stream.device).fill_(0)
+                    stream.synchronize()
+                    self.marks.append((stage, before, time.monotonic_ns()))
 
     def stop(self) -> list[Kernel]:
         """The events recorded, oldest first, their start on the monotonic clock."""
@@ -94,9 +117,25 @@ class KernelTimeline:
             torch.cuda.synchronize()  # kernels still queued would be missing
         offset = (self.offset_at_start + clock_offset()[0]) // 2
         self.profiler.stop()
-        found = [
-            (e.name(), e.start_ns() - offset, e.duration_ns(), e.device_index())
-            for e in self.profiler.profiler.kineto_results.events()
-            if e.device_type().name == self.device_type
-        ]
-        return sorted(found, key=lambda k: k[1])
+        found = sorted(
+            (
+                (e.name(), e.start_ns() - offset, e.duration_ns(), e.device_index(), stream)
+                for e in self.profiler.profiler.kineto_results.events()
+                if e.device_type().name == self.device_type
+                for stream in [e.device_resource_id()]
+            ),
+            key=lambda k: k[1],
+        )
+        self.streams = named_streams(found, self.marks)
+        return found
+
+
+def named_streams(kernels: list[Kernel], marks: list[tuple[str, int, int]]) -> dict[int, str]:
+    """Each marked stage's stream: that of the first kernel that began within the stage's
+    mark (`marks`: stage, monotonic ns before and after its marker ran alone)."""
+    streams: dict[int, str] = {}
+    for stage, before, after in marks:
+        stream = next((k[4] for k in kernels if before <= k[1] <= after), None)
+        if stream is not None and stream not in streams:
+            streams[stream] = stage
+    return streams

@@ -45,7 +45,13 @@ from omniflow.runtime.link import Inbound, Links
 from omniflow.runtime.port_values import nbytes, steps
 from omniflow.runtime.requests import Admitted, describe
 from omniflow.runtime.stage import Backend, Call, InputStream, StageSpec
-from omniflow.runtime.streams import PROGRAM_ORDER, StageStream, settle_loads, stage_streams
+from omniflow.runtime.streams import (
+    PROGRAM_ORDER,
+    CudaStageStream,
+    StageStream,
+    settle_loads,
+    stage_streams,
+)
 from omniflow.runtime.tallies import Tallies
 from omniflow.runtime.wakeup import Waker
 
@@ -126,10 +132,12 @@ class StageRunner:
     def step(self) -> list[Event]:
         """Step up to `max_batch` ready requests; what they produced."""
         ready = [c for c in self.calls.values() if c.params is not None and self.backend.ready(c)]
-        self.maybe_ready = False
+        # A backend with device work in flight is polled again next turn (its read-back
+        # lands without waking the loop).
+        self.maybe_ready = self.backend.in_flight()
         if not ready:
             return []
-        batch = ready[: self.max_batch]
+        batch = self.backend.urgent_first(ready)[: self.max_batch]
         began = time.monotonic_ns()
         try:
             self.backend.step(batch)
@@ -173,7 +181,7 @@ class StageRunner:
         for call in batch:
             if call.request_id in self.calls:
                 self.calls[call.request_id] = self.calls.pop(call.request_id)
-        self.maybe_ready = bool(self.calls)
+        self.maybe_ready = bool(self.calls) or self.backend.in_flight()
         return events
 
     def _record(self, batch: list[Call], began: int, took: int) -> None:
@@ -492,14 +500,22 @@ class ProgramLoop:
             self.recorder = Recorder(names, ask.capacity, tuple(ask.requests)) if names else None
             if ask.gpu and names and on_cuda(self.program) and self.timeline is None:
                 self.timeline = KernelTimeline("cuda")
-                self.timeline.start()
+                self.timeline.start(
+                    {
+                        name: runner.stream.stream
+                        for name, runner in self.runners.items()
+                        if isinstance(runner.stream, CudaStageStream)
+                    }
+                )
         recorded = None if ask.on or self.recorder is None else self.recorder.dump()
         if not ask.on:
             self.recorder = None
             if self.timeline is not None:
-                kernels, self.timeline = self.timeline.stop(), None
+                timeline, self.timeline = self.timeline, None
+                kernels = timeline.stop()
                 if recorded is not None:
                     recorded.kernels = kernels
+                    recorded.streams = sorted(timeline.streams.items())
         for runner in self.runners.values():
             runner.recorder = self.recorder
         for writers in self.writers.values():

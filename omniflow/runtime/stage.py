@@ -36,6 +36,10 @@ class StageSpec:
     outputs: dict[str, PortSpec]
     contexts: dict[str, int]  # input port -> left context its edge declares
     schedules: dict[str, list[int] | None] = field(default_factory=dict)  # input port -> chunks
+    # Output port -> seconds of audio a step plays for, where its edge knows (slack.py).
+    plays: dict[str, float] = field(default_factory=dict)
+    # Input port -> seconds of audio a step plays for, where its edge is paced (slack.py).
+    paced: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_channels(cls, stage: StagePlan, channels: list[ChannelPlan]) -> StageSpec:
@@ -47,7 +51,10 @@ class StageSpec:
         }
         into = [c for c in channels if c.dst == stage.name]
         contexts = {c.dst_port: c.context for c in into}
-        return cls(stage, ins, outs, contexts, {c.dst_port: c.schedule for c in into})
+        plays = {c.src_port: c.plays_s for c in channels if c.src == stage.name and c.plays_s}
+        paced = {c.dst_port: c.plays_s for c in into if c.plays_s}
+        schedules = {c.dst_port: c.schedule for c in into}
+        return cls(stage, ins, outs, contexts, schedules, plays, paced)
 
 
 class Wait:
@@ -167,6 +174,21 @@ class Backend(ABC):
     @abstractmethod
     def step(self, calls: list[Call]) -> None:
         """Advance each call by one step (one batched forward, where the backend batches)."""
+
+    def in_flight(self) -> bool:
+        """Whether device work the backend queued has results it has not taken yet (a step
+        whose read-back may still be on its way): while it has, the loop keeps turning and
+        asks `ready` again instead of sleeping. A backend never waits for the device in
+        `step` -- that would stall every stage sharing its process -- it says here that a
+        later step will take what lands."""
+        return False
+
+    def urgent_first(self, calls: list[Call]) -> list[Call]:
+        """The ready `calls` in the order they should be stepped when not all fit a step
+        (the runner takes the first `max_batch`): by default as given, arrival order; a
+        stage that makes audio puts the stream whose listener runs dry first first
+        (slack.py)."""
+        return calls
 
     def progress(self, call: Call) -> tuple[int, int] | None:
         """How far a call has come, (done, total) steps, where the backend knows (a

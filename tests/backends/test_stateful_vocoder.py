@@ -17,6 +17,7 @@ two. A window decoded without its stream's state is off by the signal's size (> 
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ import torch
 from omniflow.backends.vocoders import Vocoder
 from omniflow.compiler import compile_file
 from omniflow.runtime.loop import StageRunner
+from omniflow.runtime.readback import IN_FLIGHT, HostCopy
 from omniflow.runtime.stage import StageSpec
 
 torch.set_num_threads(1)
@@ -160,6 +162,74 @@ def test_carried_state_streams_the_whole_decode(plan, schedule, decode):
                 n == 1 and f > w[0][2] - w[0][1]
                 for w, (n, f) in zip(driver.forwards, driver.shapes, strict=True)
             )
+
+
+def test_audio_still_on_its_way_to_the_host_is_polled_for_not_waited_for(plan):
+    """A forward's audio is read back without waiting for the device: held back here for
+    three rounds (as a busy GPU would), the stage decodes the next forward meanwhile (at
+    most IN_FLIGHT on their way), then decodes nothing more and emits nothing until the
+    oldest lands, while the runner keeps polling it; every request's audio still comes out
+    whole and in order."""
+    vocoder = code2wav(plan, [1, 2, 4])
+    codes = request_codes()
+    driver = Driver(vocoder, codes)
+    copy = vocoder.host_copies.copy
+
+    @dataclasses.dataclass
+    class Held(HostCopy):
+        due: int = 0
+
+        def landed(self) -> bool:
+            return driver.round >= self.due
+
+    vocoder.host_copies.copy = lambda audio: Held(copy(audio).value, due=driver.round + 3)
+    full, polled = 0, 0
+    while driver.runner.calls and driver.round < 1000:
+        before = len(driver.forwards)
+        driver.round_()
+        if len(vocoder.reading) == IN_FLIGHT:
+            full += 1
+            # Full: no forward until the oldest lands, and the loop is told to come back.
+            assert driver.runner.maybe_ready
+            polled += len(driver.forwards) == before
+    del vocoder.decoder.step
+    assert full and polled
+    for i, c in enumerate(codes):
+        got, want = torch.cat(driver.audio[f"r{i}"]), whole(vocoder, c)
+        assert got.shape == want.shape
+        assert float((got - want).abs().max()) < TOLERANCE
+        assert sum(kept_windows(driver.forwards, f"r{i}")) == len(c)  # each frame once
+    assert not vocoder.reading and not vocoder.in_flight()
+    # Requests cancelled while their audio is on its way keep no loop polling.
+    driver = Driver(vocoder, codes)
+    while not vocoder.reading:
+        driver.round_()
+    for request_id in list(driver.runner.calls):
+        driver.runner.drop(request_id)
+    assert driver.runner.step() == [] and not driver.runner.maybe_ready
+    assert vocoder.reading and not vocoder.in_flight()
+    del vocoder.decoder.step
+
+
+def test_a_paced_stream_whose_listener_runs_dry_decodes_what_it_has(plan):
+    """On a paced edge (a GPU plan's; slack.py) a stream whose listener has run dry does
+    not wait for the rest of its grid window: frames arriving every 50 ms, slower than the
+    80 ms each plays only after the first window, leave the listener dry, and each window
+    holds what has arrived, shorter than the grid's 8; the audio is still the whole
+    decode. (A slower machine only makes the listener drier.)"""
+    vocoder = code2wav(plan, [1, 8])
+    vocoder.spec = dataclasses.replace(vocoder.spec, paced={"codes": 0.08})
+    codes = request_codes()[:1]
+    driver = Driver(vocoder, codes, delays=[0])
+    while driver.runner.calls and driver.round < 1000:
+        driver.round_()
+        time.sleep(0.05)
+    del vocoder.decoder.step
+    windows = kept_windows(driver.forwards, "r0")
+    assert windows[0] == 1 and sum(windows) == len(codes[0])
+    assert any(w < 8 for w in windows[1:-1])  # cut short of the grid, not just at the end
+    got, want = torch.cat(driver.audio["r0"]), whole(vocoder, codes[0])
+    assert got.shape == want.shape and float((got - want).abs().max()) < TOLERANCE
 
 
 def test_a_window_without_its_state_is_far_off(plan):

@@ -10,6 +10,7 @@ step gives, and nothing is captured after load."""
 import contextlib
 import dataclasses
 import itertools
+import time
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from omniflow.checkpoints.tiny import build_tiny
 from omniflow.compiler import compile_source
 from omniflow.hf_logging import quiet
 from omniflow.runtime.interpreter import Interpreter
+from omniflow.runtime.loop import StageRunner
 from omniflow.runtime.stage import Call, InputStream, StageSpec
 
 torch.set_num_threads(1)
@@ -123,6 +125,10 @@ def run(
             if at == step and calls[i] in live:
                 backend.drop(calls[i])
                 live.remove(calls[i])
+        if backend.in_flight() and backend.device.startswith("cuda"):
+            # Steps here count turns that make progress, as on the CPU: a turn that found
+            # the last step's tokens still on their way would move `held` and `cancel`.
+            torch.cuda.synchronize()
         offered = [c for c in live if step not in held.get(calls.index(c), ())]
         ready = [c for c in offered if backend.ready(c)]
         if not live and step > max(joins):
@@ -195,6 +201,143 @@ def test_rows_left_out_of_a_step_and_dropped_rows_change_nothing(backend):
     # dropped emits nothing.
     emitted = 4 if backend.static is None else 3
     assert batched[1].tokens == singles[1].tokens[:emitted]
+
+
+def test_a_step_whose_tokens_have_not_landed_stays_in_flight_and_the_loop_polls_it(
+    plan, monkeypatch
+):
+    """The static path never waits for the device: a step whose read-back has not landed
+    (held back here, as a busy GPU would) leaves its tokens for a later turn, a second step
+    is launched meanwhile, a third waits for room; the runner keeps polling the stage
+    while anything is in flight; once the read-backs land the tokens come out in order,
+    the same as a run that never waited."""
+    backend = make_backend(plan, "static")
+    want = alone(backend, PROMPTS[0], max_tokens=6).tokens
+    late: set[int] = set()  # the launched steps whose read-back has not landed
+    busy = [True]  # whether the "device" holds back the read-backs of new launches
+    landed = static_decode.Launched.landed
+    monkeypatch.setattr(
+        static_decode.Launched, "landed", lambda self: id(self) not in late and landed(self)
+    )
+    launch = backend.static.launch
+
+    def slow_launch(*args, **kwargs):
+        launched = launch(*args, **kwargs)
+        if busy[0]:
+            late.add(id(launched))
+        return launched
+
+    monkeypatch.setattr(backend.static, "launch", slow_launch)
+    runner = StageRunner(backend.spec, backend, max_batch=4)
+    runner.start("r", {"max_tokens": 6, "temperature": 0.0})
+    runner.feed("r", "prompt", [{"role": "user", "content": PROMPTS[0]}], True)
+
+    def tokens(events) -> list[int]:
+        return [int(e.value) for e in events if e.port == "tokens"]
+
+    assert tokens(runner.step()) == want[:1]  # the prefill's token (`first` reads it back)
+    assert tokens(runner.step()) == [] and len(backend.launches) == 1
+    assert tokens(runner.step()) == [] and len(backend.launches) == 2  # the next one, at once
+    assert not backend.ready(runner.calls["r"])  # no room, nothing landed: nothing to do
+    assert runner.step() == [] and runner.maybe_ready  # ... but the loop keeps polling
+    busy[0] = False
+    late.clear()  # the device catches up
+    got = want[:1]
+    for _ in range(20):  # (a bound: a broken stage would spin forever)
+        got += tokens(runner.step())
+        if "r" not in runner.calls:
+            break
+    assert got == want and not backend.launches and not runner.maybe_ready
+
+
+def test_a_step_launched_past_a_requests_end_keeps_no_loop_polling(plan):
+    """A request that ends on an end id leaves the step launched while its end was not yet
+    known in flight; with no live row in it, the runner stops polling the stage (an idle
+    executor sleeps), and the next request settles it and decodes as it would alone."""
+    backend = make_backend(plan, "static")
+    want = alone(backend, PROMPTS[3]).tokens
+    runner = StageRunner(backend.spec, backend, max_batch=4)
+    for request_id, prompt in (("ends", PROMPTS[2]), ("next", PROMPTS[3])):
+        runner.start(request_id, {"max_tokens": 12, "temperature": 0.0})
+        runner.feed(request_id, "prompt", [{"role": "user", "content": prompt}], True)
+        got = []
+        for _ in range(30):
+            got += [int(e.value) for e in runner.step() if e.port == "tokens"]
+            if request_id not in runner.calls:
+                break
+        assert len(got) == (EOS_AFTER[2] if request_id == "ends" else len(want))
+        assert not runner.maybe_ready and not backend.in_flight()
+        if request_id == "ends":
+            assert backend.launches  # the step launched past its end, not settled
+    assert got == want
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_step_returns_while_the_device_is_busy(plan):
+    """A static step on a GPU that is busy for a good while (a spin kernel queued on the
+    stage's stream first) returns long before the spin ends: the tokens stay in flight,
+    and another stage's work on its own stream runs and finishes meanwhile. Compared
+    against the spin's own time, measured on the same stream."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    backend = make_backend(plan, "static", "cuda:0")
+    call = request(PROMPTS[0], max_tokens=8)
+    backend.step([call])  # the prefill and first token
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        began = time.perf_counter()
+        torch.cuda._sleep(200_000_000)  # about 0.1 s on a recent GPU
+        stream.synchronize()
+        spin = time.perf_counter() - began
+        torch.cuda._sleep(200_000_000)
+        began = time.perf_counter()
+        backend.step([call])
+        returned = time.perf_counter() - began
+        assert backend.in_flight() and returned < spin / 2
+    # Another stage's work on its own stream runs meanwhile, and is done long before.
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        torch.ones(1024, device="cuda:0").sum()
+        done = torch.cuda.Event()
+        done.record()
+    done.synchronize()
+    assert not backend.launches[0].launched.landed()
+    stream.synchronize()
+    assert backend.ready(call)
+
+
+def test_when_rows_contend_the_stream_whose_listener_runs_dry_first_steps_first(plan):
+    """An `ar` stage whose steps become audio (each token 10 s of it here, as a talker's
+    frame is 80 ms) orders what it steps by playback slack: a runner that can step one
+    request a turn steps the one that arrived later but has sent less audio (its listener
+    runs dry sooner) before the one that arrived first; a request waiting to start goes
+    before both. Without a duration a step, arrival order."""
+    lm = plan.stage("lm")
+    spec = StageSpec.from_channels(lm, plan.channels)
+    assert spec.plays == {}  # text: no step plays for a known time
+    backend = TransformersAR(dataclasses.replace(spec, plays={"tokens": 10.0}), "cpu")
+    runner = StageRunner(backend.spec, backend, max_batch=1)
+
+    def arrive(request_id: str) -> None:
+        runner.start(request_id, {"max_tokens": 12, "temperature": 0.0})
+        runner.feed(request_id, "prompt", [{"role": "user", "content": PROMPTS[0]}], True)
+
+    def stepped() -> list[str]:
+        return sorted({e.request_id for e in runner.step()})
+
+    arrive("first")
+    assert [stepped() for _ in range(3)] == [["first"]] * 3  # three tokens: 30 s of audio
+    arrive("later")
+    assert list(runner.calls) == ["first", "later"]  # arrival order would step "first"
+    assert stepped() == ["later"]  # the prefill's token: 10 s, it runs dry 20 s sooner
+    assert stepped() == ["later"]  # still sooner: 10 s sent against 30 s
+    arrive("new")
+    urgent = backend.urgent_first(list(runner.calls.values()))
+    assert [c.request_id for c in urgent] == ["new", "later", "first"]
+    plain = make_backend(plan, "eager")  # no duration a step: arrival order
+    calls = list(runner.calls.values())
+    assert plain.urgent_first(calls) == calls
+    runner.drop_all()
 
 
 @contextlib.contextmanager

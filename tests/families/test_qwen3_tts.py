@@ -51,6 +51,7 @@ from omniflow.families.qwen3_tts.costs import MIMI_ENCODER_PARAMS
 from omniflow.families.qwen3_tts.prompt import TTSRequest
 from omniflow.families.qwen3_tts.reference import reference_generate
 from omniflow.families.qwen3_tts.voices import PROMPT_PREFIX, VoiceEncoder
+from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.preflight import preflight
 from omniflow.runtime.requests import RequestError, admit
@@ -758,6 +759,7 @@ def test_streamed_decode_is_the_whole_decode(code2wav):
 
 
 # --- the pipeline ---------------------------------------------------------------------------
+CODES_EDGE = "talker.codes->code2wav.codes"
 
 
 def test_same_seed_same_bytes_through_the_graph():
@@ -773,6 +775,40 @@ def test_same_seed_same_bytes_through_the_graph():
 
     first = audio(11)
     assert audio(11) == first and audio(12) != first
+
+
+def test_a_paced_codes_edge_through_the_engine_sends_each_frame_while_its_listener_is_dry():
+    """The graph through the engine, seeded, its codes edge paced as a GPU plan's is
+    (`plays_s`; a CPU plan has none): a frame that plays for a nanosecond leaves the
+    listener dry from the first packet on, so the talker's writer sends every frame as it is
+    made and code2wav decodes each alone, a window of one frame a step; a frame that plays
+    for 1000 s keeps the listener far ahead, and the chunks keep the schedule's grid (1, 2,
+    4, ...), as unpaced. The audio is the same up to the carried state's rounding."""
+    frames = 12
+    params = {"max_tokens": frames, "seed": 11, "language": "English"}
+
+    def run(plays_s: float | None) -> tuple[np.ndarray, int]:
+        plan = compile_file(str(GRAPH), devices="cpu", tiny=True)
+        ends = [c for p in plan.programs for c in (*p.inbound, *p.outbound, *p.local)]
+        for channel in [*plan.channels, *ends]:
+            if channel.name == CODES_EDGE:
+                channel.plays_s = plays_s
+        with Engine(plan, "inprocess") as engine:
+            out = engine.generate({"text": "Good morning.", "voice": "Ryan"}, params)
+            steps = sum(
+                i.stages["code2wav"].steps
+                for i in engine.inspect().values()
+                if "code2wav" in i.stages
+            )
+        return out["audio"].numpy().astype(np.int32), steps
+
+    (plain, plain_steps), (ahead, ahead_steps), (dry, dry_steps) = map(run, (None, 1e3, 1e-9))
+    spoken = len(plain)  # frames of 1920 samples: this seed speaks 8 of its 12
+    assert spoken >= 4
+    assert ahead_steps == plain_steps < spoken  # windows of 1, 2, 4, ... frames
+    assert dry_steps >= spoken  # one frame a window
+    assert np.array_equal(ahead, plain)
+    assert dry.shape == plain.shape and np.abs(dry - plain).max() <= 8  # pcm16 LSBs
 
 
 def test_omniflow_run_writes_a_wav(tmp_path, capsys):

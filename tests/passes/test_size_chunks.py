@@ -1,7 +1,10 @@
+import math
+
 from omniflow.compiler import compile_source
 from omniflow.devices import parse_devices
 from omniflow.passes.pipeline import Target
 from omniflow.passes.size_chunks import MAX_STEADY, auto_schedule, step_seconds
+from omniflow.runtime.stage import StageSpec
 from tests.passes.helpers import GRAPHS, run_until
 
 
@@ -65,6 +68,24 @@ def test_a_context_the_decoder_does_not_need_is_dropped_with_a_warning():
     channel = next(c for c in plan.channels if c.name == "talker.codes->code2wav.codes")
     assert channel.carries_state and channel.context == 0 and channel.schedule[0] == 1
     assert any("context=25 is not used" in w and "code2wav" in w for w in plan.warnings)
+
+
+def test_a_carried_state_edge_says_how_long_a_step_plays_for_its_producer_to_pace_by():
+    """On a GPU the talker's codes edge carries each frame's audio duration (80 ms at
+    12.5 Hz): its writer paces chunks by it, the talker orders its rows by it and code2wav
+    decodes what a paced chunk brings (runtime/slack.py); every other edge has none. On a
+    CPU none does: its runs stay the same bits whatever their timing."""
+    source = (GRAPHS / "qwen3_tts.omni").read_text()
+    plan = compile_source(source, "qwen3_tts.omni", devices="1xH200")
+    codes = next(c for c in plan.channels if c.name == "talker.codes->code2wav.codes")
+    assert math.isclose(codes.plays_s, 0.08)
+    assert all(c.plays_s is None for c in plan.channels if c is not codes)
+    talker = StageSpec.from_channels(plan.stage("talker"), plan.channels)
+    assert talker.plays == {"codes": codes.plays_s}
+    code2wav = StageSpec.from_channels(plan.stage("code2wav"), plan.channels)
+    assert code2wav.paced == {"codes": codes.plays_s}
+    on_cpu = compile_source(source, "qwen3_tts.omni")
+    assert all(c.plays_s is None for c in on_cpu.channels)
 
 
 def test_a_vocoder_streams_out_what_each_chunk_decodes():

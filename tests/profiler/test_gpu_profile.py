@@ -11,7 +11,7 @@ from omniflow.compiler import compile_source
 from omniflow.profiler.trace import GPU_TRACK, chrome_trace
 from omniflow.runtime.control import Profiled
 from omniflow.runtime.engine import Engine
-from omniflow.runtime.gpu_timeline import KernelTimeline, ProfileError
+from omniflow.runtime.gpu_timeline import KernelTimeline, ProfileError, named_streams
 from tests.gpu_wiring import stages_on_cpu
 
 GPU_CHAIN = """pipeline gpu {
@@ -33,7 +33,7 @@ def test_the_torch_profilers_events_land_between_the_monotonic_readings_around_t
         windows.append((before, time.monotonic_ns()))
     ops = [k for k in timeline.stop() if k[0] == "aten::matmul"]
     assert len(ops) == 3
-    for (_name, start, dur, _device), (before, after) in zip(ops, windows, strict=True):
+    for (_name, start, dur, _device, _stream), (before, after) in zip(ops, windows, strict=True):
         assert before <= start and start + dur <= after
 
 
@@ -46,9 +46,46 @@ def test_the_timeline_becomes_a_track_of_its_executor_in_the_trace():
     profile = Profiled("a", ["a"], [], b"", kernels=ops)
     trace = chrome_trace([profile], "p")["traceEvents"]
     names = {(e["tid"], e["args"]["name"]) for e in trace if e["name"] == "thread_name"}
-    assert (GPU_TRACK, f"gpu {ops[0][3]}: kernels") in names
+    assert (GPU_TRACK, f"gpu {ops[0][3]} stream {ops[0][4]}: kernels") in names
     slices = [e for e in trace if e["ph"] == "X" and e["tid"] == GPU_TRACK]
     assert len(slices) == len(ops) and min(e["ts"] for e in slices) >= began / 1e3
+
+
+def test_each_stream_is_a_track_named_by_its_stage_so_their_overlap_shows():
+    """Kernels of two stages' streams that overlap in time go on two tracks, each named by
+    its stage (the streams' stages first); a stream no stage was found for keeps its id."""
+    kernels = [
+        ("talker step", 1_000, 5_000, 0, 7),
+        ("code2wav window", 2_000, 3_000, 0, 13),
+        ("talker step", 6_500, 5_000, 0, 7),
+        ("memcpy", 3_000, 100, 0, 21),
+    ]
+    profile = Profiled("gpu0", ["talker"], [], b"", kernels=kernels, streams=[(13, "code2wav")])
+    profile.streams.append((7, "talker"))
+    trace = chrome_trace([profile], "p")["traceEvents"]
+    names = {e["args"]["name"]: e["tid"] for e in trace if e["name"] == "thread_name"}
+    assert names["gpu 0 stream 13: code2wav's kernels"] == GPU_TRACK  # stage order: by name
+    talker, other = names["gpu 0 stream 7: talker's kernels"], names["gpu 0 stream 21: kernels"]
+    assert len({GPU_TRACK, talker, other}) == 3
+    slices = [e for e in trace if e["ph"] == "X"]
+    by_track = {tid: [e for e in slices if e["tid"] == tid] for tid in (GPU_TRACK, talker)}
+    assert [e["name"] for e in by_track[talker]] == ["talker step"] * 2
+    (window,) = by_track[GPU_TRACK]
+    first = by_track[talker][0]
+    assert first["ts"] < window["ts"] < first["ts"] + first["dur"]  # they overlap
+
+
+def test_a_stage_is_named_on_the_stream_whose_kernel_ran_in_its_mark():
+    """`named_streams`: the stream of the kernel that began inside a stage's mark (the
+    window a marker kernel ran alone in) is that stage's, checked on the CPU timeline (the
+    recording thread is its "stream")."""
+    timeline = KernelTimeline("cpu")
+    timeline.start()
+    before = time.monotonic_ns()
+    torch.ones(4).sum()
+    marks = [("a", before, time.monotonic_ns()), ("b", 0, 1)]  # b's window saw nothing
+    kernels = timeline.stop()
+    assert named_streams(kernels, marks) == {kernels[0][4]: "a"}
 
 
 def test_a_gpu_profile_of_a_plan_without_gpu_stages_is_a_clear_error():
@@ -99,3 +136,7 @@ def test_a_gpu_stage_adds_its_cuda_kernels_on_the_profiles_clock():
     # first step that launched one began and before the last step's end.
     first, last = min(e["ts"] for e in steps), max(e["ts"] + e["dur"] for e in steps)
     assert all(first <= k["ts"] <= last for k in kernels)
+    # The stage's stream is a track named by it.
+    assert "a" in dict(gpu.streams).values()
+    tracks = {e["args"]["name"] for e in trace if e["name"] == "thread_name" and e["pid"] == pid}
+    assert any(name.endswith("a's kernels") for name in tracks)

@@ -1,0 +1,83 @@
+"""Playback slack (runtime/slack.py): when a listener runs dry, the order that puts the
+driest first, when a chunk goes out short; and a paced edge's writer, whose chunks keep the
+schedule's grid while its stream is ahead and go out at once while it is behind."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from omniflow.plan import ChannelPlan
+from omniflow.runtime.edges import StreamWriter, chunk_end
+from omniflow.runtime.slack import Playback, StepTimer, cut_short, urgent_first
+
+
+def test_a_listener_runs_dry_when_what_it_was_sent_has_played():
+    playback = Playback(opened=5.0)
+    assert playback.runs_out(0.08) == 5.0  # nothing sent: as urgent as its opening
+    playback.send(1, now=6.0)
+    playback.send(9, now=6.5)
+    assert math.isclose(playback.runs_out(0.08), 6.0 + 10 * 0.08)
+    assert playback.runs_out(None) == 5.0  # no duration known: arrival order
+
+
+def test_the_driest_goes_first_and_ties_keep_arrival_order():
+    # (name, runs_out): the unsent ones count from their opening, the earliest first.
+    streams = [("a", 10.0), ("b", 3.0), ("c", -math.inf), ("d", 3.0), ("e", -math.inf)]
+    order = urgent_first(streams, lambda s: s[1])
+    assert [name for name, _ in order] == ["c", "e", "b", "d", "a"]
+
+
+def test_a_chunk_goes_out_short_when_its_listener_would_run_dry_waiting():
+    assert cut_short(slack_s=0.1, missing=3, step_s=0.05)  # 0.15 s of making > 0.1 s left
+    assert not cut_short(slack_s=1.0, missing=3, step_s=0.05)
+    assert cut_short(slack_s=-0.2, missing=1, step_s=0.0)  # already dry
+    assert not cut_short(slack_s=-0.2, missing=1, step_s=None)  # pace not known yet
+    timer = StepTimer()
+    timer.add(1, now=1.0)
+    assert timer.step_s is None
+    timer.add(2, now=1.2)
+    assert math.isclose(timer.step_s, 0.1)
+
+
+def paced_edge(plays_s: float) -> ChannelPlan:
+    return ChannelPlan(
+        "talker.codes->code2wav.codes", "talker", "codes", "code2wav", "codes", "codes",
+        "shm", "a", "b", "int64", [4], 64, [1, 2, 4, 8], carries_state=True, plays_s=plays_s,
+    )  # fmt: skip
+
+
+def chunks_of(edge: ChannelPlan, frames: int, switch: dict[int, float] | None = None):
+    """The chunk sizes a paced writer sends for `frames` frames written one by one (the
+    edge's plays_s changed to switch[i] before frame i), and the frames they carry."""
+    sent = []
+    writer = StreamWriter(edge, lambda rid, index, value, end, ending: sent.append(value))
+    for i in range(frames):
+        if switch and i in switch:
+            edge.plays_s = switch[i]
+        writer.write("r", torch.full((1, 4), i))
+    writer.end("r")
+    values = [v for v in sent if v is not None]
+    return [len(v) for v in values], torch.cat(values)[:, 0].tolist()
+
+
+def test_a_paced_edge_widens_on_its_grid_while_its_stream_is_ahead():
+    # Each frame plays for 1000 s: the listener is always far ahead of running dry.
+    sizes, frames = chunks_of(paced_edge(1000.0), 20)
+    assert sizes == [1, 2, 4, 8, 5] and frames == list(range(20))
+
+
+def test_a_paced_edge_sends_what_it_has_while_its_stream_is_behind_then_widens_on_its_grid():
+    # A frame plays for a nanosecond: after its first chunk the listener is always dry, so
+    # each frame goes out at once; once frames play long, the chunks end on the grid again.
+    edge = paced_edge(1e-9)
+    sizes, frames = chunks_of(edge, 5)
+    assert sizes == [1, 1, 1, 1, 1] and frames == list(range(5))
+    sizes, frames = chunks_of(dataclasses.replace(edge), 18, switch={3: 1000.0})
+    # Frames 0-2 one by one (behind); then ahead: the grid's 3..7 and 7..15, and the rest.
+    assert sizes == [1, 1, 1, 4, 8, 3] and frames == list(range(18))
+    assert [chunk_end([1, 2, 4, 8], done) for done in (0, 1, 2, 3, 6, 7, 15)] == [
+        1, 3, 3, 7, 7, 15, 23,
+    ]  # fmt: skip
