@@ -58,13 +58,13 @@ import torch
 from stage_steps import matmul_rate
 
 from omniflow.backends.diffusion import DiffusionSteps, pack_prompts
+from omniflow.backends.dit_blocks import modules_forward
 from omniflow.catalog.components import load_component_config
 from omniflow.catalog.costs import estimate_cost
 from omniflow.catalog.resolve import model_path, use_tiny_models
 from omniflow.checkpoints.scaled import scaled_checkpoint
 from omniflow.compiler import compile_graph, load_graph
 from omniflow.families.qwen_image.checkpoints import REAL_IMAGE
-from omniflow.families.qwen_image.fused_blocks import modules_forward
 from omniflow.kernels.timing import kernel_table
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.stage import Call, InputStream, StageSpec
@@ -142,7 +142,7 @@ def step_rows(plan, device: str, text_tokens: int, repeats: int, kernels: int = 
         return timed_ms(lambda: forward(slice(0, 2)), device, repeats)
 
     pair = timed_pair("fused blocks")
-    with modules_forward(transformer):
+    with modules_forward(transformer.transformer_blocks):
         modules = timed_pair("diffusers' blocks")
     apart = timed_ms(lambda: (forward(slice(0, 1)), forward(slice(1, 2))), device, repeats)
     # The backend's own step of one guided request, its forwards watched.

@@ -9,12 +9,9 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
+from omniflow.backends.dit_blocks import modules_forward
 from omniflow.checkpoints.tiny import build_tiny
-from omniflow.families.qwen_image.fused_blocks import (
-    FusedQwenImageBlock,
-    fuse_blocks,
-    modules_forward,
-)
+from omniflow.families.qwen_image.fused_blocks import FusedQwenImageBlock, fuse_blocks
 
 torch.set_num_threads(1)
 
@@ -104,7 +101,7 @@ def test_the_transformer_with_fused_blocks_gives_its_own_output():
     assert all(isinstance(b.forward, FusedQwenImageBlock) for b in transformer.transformer_blocks)
     with torch.no_grad():
         (fused,) = transformer(**inputs)
-        with modules_forward(transformer):
+        with modules_forward(transformer.transformer_blocks):
             assert not any("forward" in vars(b) for b in transformer.transformer_blocks)
             (modules,) = transformer(**inputs)
     assert all(isinstance(b.forward, FusedQwenImageBlock) for b in transformer.transformer_blocks)
