@@ -12,12 +12,13 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, WanTransformerBlock
 
-from omniflow.backends.dit_blocks import Attention, AttentionError, modules_forward
+from omniflow.backends.dit_blocks import Attention, AttentionError
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.compiler import compile_source
 from omniflow.families.wan.fused_blocks import FusedWanBlock, fuse_blocks
 from omniflow.runtime.interpreter import Interpreter
 from tests.backends.test_diffusion import Stages
+from tests.backends.test_qwen_image_fused import both_ways
 from tests.families.test_wan import SMALL, T2V, denoise, load, reference
 
 torch.set_num_threads(1)
@@ -105,13 +106,7 @@ def fused_and_own_forward(style: str) -> tuple[torch.Tensor, torch.Tensor]:
     inputs = transformer_inputs(transformer, style)
     fuse_blocks(transformer)
     assert all(isinstance(b.forward, FusedWanBlock) for b in transformer.blocks)
-    with torch.no_grad():
-        (fused,) = transformer(**inputs)
-        with modules_forward(transformer.blocks):
-            assert not any("forward" in vars(b) for b in transformer.blocks)
-            (own,) = transformer(**inputs)
-    assert all(isinstance(b.forward, FusedWanBlock) for b in transformer.blocks)
-    return fused, own
+    return both_ways(transformer, transformer.blocks, inputs)
 
 
 @pytest.mark.parametrize("style", STYLES)
