@@ -12,7 +12,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, WanTransformerBlock
 
-from omniflow.backends.dit_blocks import Attention, AttentionError
+from omniflow.backends.dit_blocks import Attention, AttentionError, fastest
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.compiler import compile_source
 from omniflow.families.wan.fused_blocks import FusedWanBlock, fuse_blocks
@@ -121,6 +121,24 @@ def test_a_bf16_fused_block_is_the_modules_block(style):
     got, want = fused_and_modules(style, torch.bfloat16)
     assert got.dtype == want.dtype == torch.bfloat16
     assert_bf16_close(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("style", STYLES)
+def test_a_bf16_fused_block_on_the_gpu_is_the_modules_block(style):
+    """The compiled kernels, at a few hundred tokens, each attention kernel that runs here
+    (`auto`'s candidates) in turn."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    block = random_block(torch.bfloat16).cuda()
+    hidden, text, temb, (cos, sin) = block_inputs(style, torch.bfloat16, grid=(3, 8, 12))
+    args = (hidden.cuda(), text.cuda(), temb.cuda(), (cos.cuda(), sin.cuda()))
+    times = fastest(HEADS, WIDTH // HEADS, torch.bfloat16, "cuda")
+    assert "sdpa" in times
+    with torch.no_grad():
+        want = block(*args)
+        for kernel in times:
+            assert_bf16_close(FusedWanBlock(block, Attention(kernel))(*args), want)
 
 
 def test_a_block_with_an_image_context_runs_diffusers_forward():
