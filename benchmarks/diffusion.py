@@ -117,6 +117,8 @@ def step_rows(plan, device: str, text_tokens: int, repeats: int, kernels: int = 
     the backend's blocks are fused; "diffusers' blocks" runs the modules' forward); with
     `kernels`, each way's costliest kernels of the pair forward."""
     backend = DiffusionSteps(StageSpec.from_channels(plan.stage("dit"), plan.channels), device)
+    if backend.attention is not None:  # the attention="auto" choice, made at load
+        print(f"the backend's fused blocks attend with {backend.attention.kernel}")
     transformer, dtype = backend.transformer, backend.transformer.dtype
     config = transformer.config
     generator = torch.Generator().manual_seed(0)
