@@ -71,8 +71,8 @@ def time_kernel(kernel: str, q, k, v, cuda: bool, repeats: int) -> float | str:
         return "not installed"
     except torch.cuda.OutOfMemoryError:
         return "out of memory"
-    except RuntimeError as err:
-        return str(err).splitlines()[0][:60]
+    except Exception as err:  # any refusal is a row saying why
+        return str(err).splitlines()[0][:60] if str(err) else type(err).__name__
     finally:
         if cuda:
             torch.cuda.empty_cache()
