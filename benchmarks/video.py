@@ -1,10 +1,13 @@
-"""Wan2.2 on the step-wise denoiser (issue 30): what a DiT step costs against its FLOP
-roofline, what a video costs end to end, what step caching saves, and what batching
-concurrent videos gives against the DiT's compute bound.
+"""Wan2.2 on the step-wise denoiser (issues 30 and 40): what a DiT step costs against its FLOP
+roofline, what a video costs end to end (in the engine and over HTTP, with the GPU's peak
+memory), what step caching saves, and what batching concurrent videos gives against the
+DiT's compute bound.
 
-(a) One denoising step of a guided request at `--size` and `--frames`: its conditional and
-    unconditional rows (the video's tokens and 512 text tokens each) as one forward of each
-    expert (A14B: the high-noise `transformer` and the low-noise `transformer_2`), and the
+(a) One denoising step of a guided request at `--width`, `--height` and `--frames`: its
+    conditional and unconditional rows (the video's tokens and 512 text tokens each) as one
+    forward of each expert (A14B: the high-noise `transformer` and the low-noise
+    `transformer_2`; on CUDA on the backend's fused blocks, and beside it the same forward
+    on diffusers' blocks), and the
     DiffusionSteps backend's own step (the forward, CFG and UniPC's update), against the
     forward's FLOPs (`omniflow.catalog.costs`' Wan DiT count: every projection and MLP of
     every block, self-attention over the video's tokens, cross-attention over the text's)
