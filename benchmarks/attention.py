@@ -30,13 +30,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 
 import torch
 from diffusion import timed_ms
 from stage_steps import matmul_rate
 
-from omniflow.backends.dit_blocks import AUTO_TOKENS, KERNELS, Attention, AttentionError, fastest
+from omniflow.backends.dit_blocks import AUTO_TOKENS, KERNELS, Attention, fastest, refusal
 from omniflow.kernels.timing import cuda_median_ms
 
 TEXT_TOKENS = 512  # Wan pads every prompt to 512 rows
@@ -59,23 +58,15 @@ def tiny_shapes() -> list[tuple[str, int, int, int, int]]:
 
 def time_kernel(kernel: str, q, k, v, cuda: bool, repeats: int) -> float | str:
     """Milliseconds of `kernel` on (q, k, v), or why it cannot run them."""
-    try:
-        attend = Attention(kernel)
-        with warnings.catch_warnings():  # SDPA warns why a forced backend cannot run
-            warnings.simplefilter("ignore")
-            attend(q, k, v)
-            if cuda:
-                return cuda_median_ms(lambda: attend(q, k, v), iters=repeats)
-            return timed_ms(lambda: attend(q, k, v), "cpu", repeats)
-    except AttentionError:
-        return "not installed"
-    except torch.cuda.OutOfMemoryError:
-        return "out of memory"
-    except Exception as err:  # any refusal is a row saying why
-        return str(err).splitlines()[0][:60] if str(err) else type(err).__name__
-    finally:
-        if cuda:
-            torch.cuda.empty_cache()
+    why = refusal(kernel, q, k, v)  # also its first call: a warm-up
+    if why is not None:
+        return why[:60]
+    attend = Attention(kernel)
+    if cuda:
+        ms = cuda_median_ms(lambda: attend(q, k, v), iters=repeats)
+        torch.cuda.empty_cache()
+        return ms
+    return timed_ms(lambda: attend(q, k, v), "cpu", repeats)
 
 
 def main() -> None:

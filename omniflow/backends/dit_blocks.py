@@ -109,7 +109,7 @@ class Attention:
         self.flash_attn = _flash_attn_func() if kernel == "flash_attn" else None
         if kernel == "flash_attn" and self.flash_attn is None:
             raise AttentionError(
-                "attention 'flash_attn': neither flash_attn_interface nor flash_attn imports"
+                "flash_attn is not installed (neither flash_attn_interface nor flash_attn imports)"
             )
 
     def __call__(self, q, k, v, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -123,16 +123,16 @@ class Attention:
         return out.transpose(1, 2)
 
 
-def runs(kernel: str, q: torch.Tensor) -> bool:
-    """Whether `kernel` imports and runs on operands like `q` (`[B, S, H, Dh]`)."""
+def refusal(kernel: str, q: torch.Tensor, k=None, v=None) -> str | None:
+    """Why `kernel` does not run on `q`, `k`, `v` (`[B, S, H, Dh]`; k and v: q when not given),
+    or None: it runs."""
     try:
         with warnings.catch_warnings():  # SDPA warns why a forced backend cannot run
             warnings.simplefilter("ignore")
-            Attention(kernel)(q, q, q)
+            Attention(kernel)(q, q if k is None else k, q if v is None else v)
     except Exception as err:  # a probe: any kernel's refusal means "not here"
-        log.debug("attention %s does not run here: %s", kernel, err)
-        return False
-    return True
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    return None
 
 
 def fastest(heads: int, head_dim: int, dtype: torch.dtype, device) -> dict[str, float]:
@@ -141,7 +141,7 @@ def fastest(heads: int, head_dim: int, dtype: torch.dtype, device) -> dict[str, 
     q = torch.randn(2, AUTO_TOKENS, heads, head_dim, device=device, dtype=dtype)
     found = {}
     for kernel in KERNELS:
-        if runs(kernel, q):
+        if refusal(kernel, q) is None:
             attend = Attention(kernel)
             found[kernel] = cuda_median_ms(lambda attend=attend: attend(q, q, q), iters=3)
     return dict(sorted(found.items(), key=lambda item: item[1]))
@@ -152,6 +152,10 @@ def attention_for(setting: str, heads: int, head_dim: int, dtype: torch.dtype, d
     if setting not in CHOICES:
         raise AttentionError(f"attention {setting!r}: one of {', '.join(CHOICES)}")
     if setting != "auto":
+        probe = torch.randn(2, 64, heads, head_dim, device=device, dtype=dtype)
+        why = refusal(setting, probe)
+        if why is not None:
+            raise AttentionError(f"attention {setting!r} does not run here: {why}")
         return Attention(setting)
     if torch.device(device).type != "cuda":
         return Attention("sdpa")

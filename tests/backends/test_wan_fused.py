@@ -12,7 +12,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, WanTransformerBlock
 
-from omniflow.backends.dit_blocks import Attention, AttentionError, fastest
+from omniflow.backends.dit_blocks import Attention, AttentionError, attention_for, fastest
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.compiler import compile_source
 from omniflow.families.wan.fused_blocks import FusedWanBlock, fuse_blocks
@@ -177,6 +177,10 @@ def test_an_attention_kernel_that_cannot_run_is_named():
         Attention("flash_attn")
     with pytest.raises(AttentionError, match="one of auto, sdpa"):
         Attention("fastest")
+    # A named kernel is probed at load: cuDNN's has no CPU kernel.
+    with pytest.raises(AttentionError, match="'cudnn' does not run here"):
+        attention_for("cudnn", 2, 8, torch.float32, "cpu")
+    assert attention_for("auto", 2, 8, torch.float32, "cpu").kernel == "sdpa"
 
 
 def test_the_stage_with_fused_blocks_matches_the_pipeline():
