@@ -13,7 +13,7 @@ the q/k RMSNorms over all heads, the rotary and the `[B, S, H, Dh]` layout
 affine norm (as a modulation of scale `w - 1` and shift `b`), the cross-attention (its q/k
 norms torch's `RMSNorm`, one kernel each; the text's k and v one product), its residual add
 fused with the MLP's modulated norm (gate one), the MLP, and its gated residual add. In
-diffusers' ops that is some thirty elementwise kernels with float32 intermediates over the
+diffusers' ops that is some forty elementwise kernels with float32 intermediates over the
 video's tokens. Weights are not copied: the projections' weights become views of the stacked
 matrices.
 
