@@ -58,13 +58,13 @@ import torch
 from stage_steps import matmul_rate
 
 from omniflow.backends.diffusion import DiffusionSteps, pack_prompts
+from omniflow.backends.dit_blocks import modules_forward
 from omniflow.catalog.components import load_component_config
 from omniflow.catalog.costs import estimate_cost
 from omniflow.catalog.resolve import model_path, use_tiny_models
 from omniflow.checkpoints.scaled import scaled_checkpoint
 from omniflow.compiler import compile_graph, load_graph
 from omniflow.families.qwen_image.checkpoints import REAL_IMAGE
-from omniflow.families.qwen_image.fused_blocks import modules_forward
 from omniflow.kernels.timing import kernel_table
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.stage import Call, InputStream, StageSpec
@@ -117,6 +117,8 @@ def step_rows(plan, device: str, text_tokens: int, repeats: int, kernels: int = 
     the backend's blocks are fused; "diffusers' blocks" runs the modules' forward); with
     `kernels`, each way's costliest kernels of the pair forward."""
     backend = DiffusionSteps(StageSpec.from_channels(plan.stage("dit"), plan.channels), device)
+    if backend.attention is not None:  # the attention="auto" choice, made at load
+        print(f"the backend's fused blocks attend with {backend.attention.kernel}")
     transformer, dtype = backend.transformer, backend.transformer.dtype
     config = transformer.config
     generator = torch.Generator().manual_seed(0)
@@ -142,7 +144,7 @@ def step_rows(plan, device: str, text_tokens: int, repeats: int, kernels: int = 
         return timed_ms(lambda: forward(slice(0, 2)), device, repeats)
 
     pair = timed_pair("fused blocks")
-    with modules_forward(transformer):
+    with modules_forward(transformer.transformer_blocks):
         modules = timed_pair("diffusers' blocks")
     apart = timed_ms(lambda: (forward(slice(0, 1)), forward(slice(1, 2))), device, repeats)
     # The backend's own step of one guided request, its forwards watched.

@@ -1,10 +1,13 @@
-"""Wan2.2 on the step-wise denoiser (issue 30): what a DiT step costs against its FLOP
-roofline, what a video costs end to end, what step caching saves, and what batching
-concurrent videos gives against the DiT's compute bound.
+"""Wan2.2 on the step-wise denoiser (issues 30 and 40): what a DiT step costs against its FLOP
+roofline, what a video costs end to end (in the engine and over HTTP, with the GPU's peak
+memory), what step caching saves, and what batching concurrent videos gives against the
+DiT's compute bound.
 
-(a) One denoising step of a guided request at `--size` and `--frames`: its conditional and
-    unconditional rows (the video's tokens and 512 text tokens each) as one forward of each
-    expert (A14B: the high-noise `transformer` and the low-noise `transformer_2`), and the
+(a) One denoising step of a guided request at `--width`, `--height` and `--frames`: its
+    conditional and unconditional rows (the video's tokens and 512 text tokens each) as one
+    forward of each expert (A14B: the high-noise `transformer` and the low-noise
+    `transformer_2`; on CUDA on the backend's fused blocks, and beside it the same forward
+    on diffusers' blocks), and the
     DiffusionSteps backend's own step (the forward, CFG and UniPC's update), against the
     forward's FLOPs (`omniflow.catalog.costs`' Wan DiT count: every projection and MLP of
     every block, self-attention over the video's tokens, cross-attention over the text's)
@@ -19,10 +22,19 @@ concurrent videos gives against the DiT's compute bound.
     quality: that needs the real weights.
 (d) `--concurrency` videos at once against the same videos one after another (videos/s),
     beside the DiT's bound (steps x pair FLOPs / matmul rate).
+(e) One video through the HTTP server (`omniflow run` on the same graph, its own executor
+    processes) as the peer's client makes it: `POST /v1/videos` (multipart; image-to-video
+    with an `input_reference` PNG), the job polled (`GET /v1/videos/{id}`: each change of
+    status and progress, with its time), the MP4 fetched and decoded (PyAV: frames, size),
+    its wall time.
+On CUDA (b) and (e) report the GPU's peak memory in use while they run (nvidia-smi sampled
+every 0.2 s: every process on the device, this one's CUDA context included).
+`--parts` picks among them (default all; (d) also needs `--concurrency` > 0).
 
     python benchmarks/video.py                                      # tiny T2V, CPU smoke run
     python benchmarks/video.py --device cuda --scaled 0.5           # T2V-A14B, 20 of 40 layers
     python benchmarks/video.py --device cuda --model ti2v --scaled 1   # TI2V-5B, real size
+    python benchmarks/video.py --parts e                            # tiny T2V over HTTP, CPU
 
 `--scaled DEPTH` builds once, under $OMNIFLOW_CACHE/scaled/, a random-weight Wan2.2 at the
 published widths with DEPTH x each expert's and the text encoder's layers
@@ -35,18 +47,27 @@ from __future__ import annotations
 
 import argparse
 import gc
+import io
 import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
+import av
+import httpx
 import torch
 from diffusion import timed_ms
+from PIL import Image
+from serve import Server
 from stage_steps import matmul_rate
 
 from omniflow.backends.diffusion import DiffusionSteps, pack_prompts
+from omniflow.backends.dit_blocks import modules_forward
 from omniflow.catalog.components import load_component_config
 from omniflow.catalog.costs import estimate_cost
 from omniflow.catalog.resolve import model_path
@@ -143,8 +164,12 @@ def step_rows(plan, device: str, args, kernels: int):
             print(f"  {part} pair forward: its {kernels} costliest kernels")
             kernel_table(forward, kernels, calls=2)
         model_dir = model_path(plan.stage("dit").model)
-        rows.append((f"{part}, pair", timed_ms(forward, device, args.repeats),
-                     pair_flops(model_dir, part, tokens)))  # fmt: skip
+        flops = pair_flops(model_dir, part, tokens)
+        rows.append((f"{part}, pair", timed_ms(forward, device, args.repeats), flops))
+        if backend.attention is not None:  # the blocks are fused: diffusers' own beside them
+            with modules_forward(expert.blocks):
+                rows.append((f"{part}, diffusers' blocks", timed_ms(forward, device, args.repeats),
+                             flops))  # fmt: skip
     # The backend's own step of one guided request (the forward, CFG, UniPC's update).
     cond = InputStream("hidden")
     cond.push(pack_prompts([text[0], text[1]]), end=True)
@@ -160,7 +185,93 @@ def step_rows(plan, device: str, args, kernels: int):
     assert call.error is None, call.error
     rows.append(("backend step", timed_ms(lambda: backend.step([call]), device, args.repeats),
                  rows[0][2]))  # fmt: skip
-    return rows, tokens
+    kernel = "diffusers' blocks" if backend.attention is None else backend.attention.kernel
+    return rows, tokens, kernel
+
+
+class PeakGpuMemory:
+    """Inside: the GPU's memory in use, every process's (nvidia-smi), sampled every 0.2 s;
+    `peak_gb` after (None without nvidia-smi)."""
+
+    def __init__(self, cuda: bool):
+        self.command = shutil.which("nvidia-smi") if cuda else None
+        self.peak_gb = None
+        self.stopping = threading.Event()
+
+    def sample(self) -> None:
+        query = [self.command, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i",
+                 str(torch.cuda.current_device())]  # fmt: skip
+        while not self.stopping.wait(0.2):
+            used = subprocess.run(query, capture_output=True, text=True).stdout.strip()
+            if used:
+                gb = int(used.splitlines()[0]) / 1024  # MiB
+                self.peak_gb = gb if self.peak_gb is None else max(self.peak_gb, gb)
+
+    def __enter__(self):
+        if self.command:
+            self.thread = threading.Thread(target=self.sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopping.set()
+        if self.command:
+            self.thread.join()
+        return False
+
+    def __str__(self) -> str:
+        return "n/a" if self.peak_gb is None else f"{self.peak_gb:.1f} GB"
+
+
+def serve_video(graph: str, args, cuda: bool) -> None:
+    """(e): one video through `omniflow run`'s /v1/videos, as a job."""
+    folder = Path(tempfile.mkdtemp(prefix="video-serve-"))
+    (folder / "video.omni").write_text(graph, encoding="utf-8")
+    start = time.perf_counter()
+    devices = "1xH200" if cuda else "cpu"
+    server = Server([str(folder / "video.omni"), "--devices", devices], log=folder / "server.log")
+    print(f"\n(e) one video over HTTP: server up in {time.perf_counter() - start:.1f} s "
+          f"(its log: {folder / 'server.log'})")  # fmt: skip
+    try:
+        with httpx.Client(base_url=server.base, timeout=600) as client, PeakGpuMemory(cuda) as peak:
+            model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+            fields = {"model": model, "prompt": PROMPT, "negative_prompt": NEGATIVE,
+                      "size": f"{args.width}x{args.height}", "num_frames": args.frames,
+                      "num_inference_steps": args.steps, "guidance_scale": 4.0, "seed": 0}  # fmt: skip
+            files = {}
+            if args.model == "i2v":
+                png = io.BytesIO()
+                Image.new("RGB", (args.width, args.height), (90, 140, 60)).save(png, "PNG")
+                files = {"input_reference": ("image.png", png.getvalue(), "image/png")}
+            start = time.perf_counter()
+            reply = client.post("/v1/videos", data={k: str(v) for k, v in fields.items()},
+                                files=files or None)  # fmt: skip
+            job = reply.raise_for_status().json()
+            seen = None
+            print(f"{'s':>7} {'status':>12} {'progress':>8}")
+            while True:
+                now = (job["status"], job["progress"])
+                if now != seen:
+                    print(f"{time.perf_counter() - start:7.2f} {now[0]:>12} {now[1]:>8}")
+                    seen = now
+                if job["status"] not in ("queued", "in_progress"):
+                    break
+                time.sleep(0.2)
+                job = client.get(f"/v1/videos/{job['id']}").raise_for_status().json()
+            done = time.perf_counter() - start
+            if job["status"] != "completed":
+                sys.exit(f"the video job ended {job['status']}: {job.get('error')}")
+            mp4 = client.get(f"/v1/videos/{job['id']}/content").raise_for_status().content
+            wall = time.perf_counter() - start
+        with av.open(io.BytesIO(mp4)) as container:
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        height, width = frames[0].shape[:2]
+        print(f"job completed in {done:.2f} s; MP4 fetched at {wall:.2f} s: {len(mp4) / 1e6:.2f} MB,"
+              f" {len(frames)} frames of {width}x{height}; peak GPU memory {peak}")  # fmt: skip
+        if (len(frames), width, height) != (args.frames, args.width, args.height):
+            sys.exit(f"expected {args.frames} frames of {args.width}x{args.height}")
+    finally:
+        server.stop()
 
 
 def serve(engine: Engine, requests, concurrent: bool) -> tuple[float, list]:
@@ -221,6 +332,8 @@ def main() -> None:
     parser.add_argument("--cache", type=float, nargs="*", default=[0.1, 0.5, 1.0, 1.5],
                         help="(c)'s thresholds (none: skip)")  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=2, help="(d); 0: skip")
+    parser.add_argument("--parts", nargs="+", default=list("abcde"), choices=list("abcde"),
+                        help="which parts to run (default all)")  # fmt: skip
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -232,35 +345,45 @@ def main() -> None:
     torch.set_num_threads(1)  # the engine's executors get the cores
     _, real, tiny = MODELS[args.model]
     model_dir = str(scaled_checkpoint(real, args.scaled, args.device)) if args.scaled else tiny
-    plan = compile_source(
-        graph_text(args.model, model_dir, cuda), devices="1xH200" if cuda else "cpu"
-    )
+    graph = graph_text(args.model, model_dir, cuda)
+    plan = compile_source(graph, devices="1xH200" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     rate = matmul_rate(args.device, 8192 if cuda else 512, dtype)
     name = torch.cuda.get_device_name() if cuda else "cpu"
     print(f"{name}: {str(dtype)[6:]} matmul {rate / 1e12:.2f} TFLOP/s; {args.model} {model_dir}")
     print(f"video {args.width}x{args.height}, {args.frames} frames")
 
-    rows, tokens = step_rows(plan, args.device, args, args.kernels)
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    print(f"\n(a) one guided DiT step: cond + uncond rows of {tokens} video + {TEXT_TOKENS} text "
-          "tokens")  # fmt: skip
-    print(f"{'variant':>22} {'GFLOP':>10} {'roof ms':>9} {'ms':>9} {'vs roof':>8}")
-    for label, ms, flops in rows:
-        roof = flops / rate * 1e3
-        print(f"{label:>22} {flops / 1e9:10.1f} {roof:9.2f} {ms:9.2f} {ms / roof:7.2f}x")
+    rows = []
+    if "a" in args.parts:
+        rows, tokens, kernel = step_rows(plan, args.device, args, args.kernels)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        print(f"\n(a) one guided DiT step: cond + uncond rows of {tokens} video + {TEXT_TOKENS} "
+              f"text tokens; the blocks' attention: {kernel}")  # fmt: skip
+        print(f"{'variant':>32} {'GFLOP':>10} {'roof ms':>9} {'ms':>9} {'vs roof':>8}")
+        for label, ms, flops in rows:
+            roof = flops / rate * 1e3
+            print(f"{label:>32} {flops / 1e9:10.1f} {roof:9.2f} {ms:9.2f} {ms / roof:7.2f}x")
+    if set(args.parts) & set("bcd"):
+        engine_parts(plan, args, rows, rate, cuda)
+    if "e" in args.parts:
+        serve_video(graph, args, cuda)
 
+
+def engine_parts(plan, args, rows, rate: float, cuda: bool) -> None:
+    """(b), (c) and (d), on one engine."""
     start = time.perf_counter()
     with Engine(plan, "process") as engine:
         warm = request_of(args.model, args, 0, steps=2)
         engine.generate(*warm)
         print(f"\nengine up and one 2-step video served in {time.perf_counter() - start:.1f} s")
         before = snapshot(engine)
-        wall, (video,) = serve(engine, [request_of(args.model, args)], concurrent=False)
+        with PeakGpuMemory(cuda) as peak:
+            wall, (video,) = serve(engine, [request_of(args.model, args)], concurrent=False)
         stages = spent(engine, before)
-        print(f"\n(b) one video, {args.steps} steps, guidance 4: {wall:.2f} s")
+        print(f"\n(b) one video, {args.steps} steps, guidance 4: {wall:.2f} s; peak GPU memory "
+              f"{peak}")  # fmt: skip
         print(f"{'stage':>8} {'steps':>6} {'busy s':>8} {'of wall':>8}")
         for stage, (steps, busy, _, _) in stages.items():
             print(f"{stage:>8} {steps:>6} {busy:8.2f} {busy / wall:7.0%}")
@@ -270,7 +393,7 @@ def main() -> None:
             print(f"real-size estimate (DiT and text encoder busy time / {args.scaled:g}): "
                   f"{estimate:.2f} s")  # fmt: skip
 
-        if args.cache:
+        if args.cache and "c" in args.parts:
             print(f"\n(c) step caching, {args.steps} steps (random weights: what it saves, not "
                   "what it costs in quality)")  # fmt: skip
             print(f"{'threshold':>9} {'computed':>9} {'reused':>7} {'forwards saved':>15} "
@@ -288,7 +411,7 @@ def main() -> None:
                 print(f"{threshold:9.3g} {computed:9d} {reused:7d} {saved:14.0%} {took:7.2f} "
                       f"{diff.max():14.0f} {diff.mean():8.2f}")  # fmt: skip
 
-        if args.concurrency:
+        if args.concurrency and "d" in args.parts and rows:
             n = args.concurrency
             requests = [request_of(args.model, args, seed=i) for i in range(n)]
             walls = {False: [], True: []}

@@ -12,13 +12,17 @@ kernels"): launches, not bytes or FLOPs, bound it. The kernel takes the add befo
 and the modulation after it into the norm's one pass.
 
 Layout: `x` and `delta` are `[R, D]` (rows of one batch row's sequence contiguous, in batch
-order); `shift`, `scale` and `gate` are `[M, D]` views (e.g. chunks of the adaLN product)
-sharing one row stride, where M divides R and row r takes modulation row `r // (R // M)`
-(M = 1: one modulation for every row, as for a time embedding shared by the batch).
+order); `shift` and `scale` are `[M, D]` views (e.g. chunks of the adaLN product) sharing
+one row stride, where M divides R and row r takes modulation row `r // (R // M)` (M = 1: one
+modulation for every row, as for a time embedding shared by the batch; M = R: per token, as
+Wan2.2-TI2V's); `gate` is `[G, D]` the same way with its own G and stride (Wan's norm
+before cross-attention is a fixed affine, M = 1, after a residual gated per batch row).
 
 Numerics are transformers' `DiTDecoderLayer` in the input dtype: `gate * delta` rounded,
 the sum rounded, the norm in float32 rounded, `1 + scale` rounded, the product rounded,
-plus `shift` rounded. The kernel computes the mean and variance in another order than
+plus `shift` rounded. With `round_once` they are Wan's (`WanTransformerBlock`: float32
+modulation, `FP32LayerNorm`): everything in float32, the sum and the output each rounded
+once to the input dtype. The kernel computes the mean and variance in another order than
 torch's `layer_norm`, so an output can differ from the reference by a step of the dtype.
 """
 
@@ -28,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from omniflow.errors import OmniflowError
-from omniflow.kernels.triton_guard import jit, tl, triton
+from omniflow.kernels.triton_guard import jit, on_triton, tl, triton
 
 
 class AdaNormError(OmniflowError):
@@ -38,8 +42,9 @@ class AdaNormError(OmniflowError):
 @jit
 def _ada_norm_kernel(
     x_ptr, delta_ptr, gate_ptr, shift_ptr, scale_ptr, sum_ptr, out_ptr,
-    D, rows_per_modulation, eps, x_stride, delta_stride, mod_stride, sum_stride, out_stride,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+    D, rows_per_modulation, rows_per_gate, eps, x_stride, delta_stride, mod_stride,
+    gate_stride, sum_stride, out_stride,
+    HAS_DELTA: tl.constexpr, ROUND_ONCE: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     mod = (row // rows_per_modulation) * mod_stride
@@ -49,40 +54,51 @@ def _ada_norm_kernel(
     dtype = x.dtype
     if HAS_DELTA:
         delta = tl.load(delta_ptr + row * delta_stride + offs, mask=inside, other=0.0)
-        gate = tl.load(gate_ptr + mod + offs, mask=inside, other=0.0)
-        gated = (gate.to(tl.float32) * delta.to(tl.float32)).to(dtype)
-        x = (x.to(tl.float32) + gated.to(tl.float32)).to(dtype)
+        gate = tl.load(
+            gate_ptr + (row // rows_per_gate) * gate_stride + offs, mask=inside, other=0.0
+        )
+        gated = gate.to(tl.float32) * delta.to(tl.float32)
+        if not ROUND_ONCE:
+            gated = gated.to(dtype).to(tl.float32)
+        x = (x.to(tl.float32) + gated).to(dtype)
         tl.store(sum_ptr + row * sum_stride + offs, x, mask=inside)
     xf = x.to(tl.float32)
     mean = tl.sum(xf, 0) / D
     centred = tl.where(inside, xf - mean, 0.0)
     variance = tl.sum(centred * centred, 0) / D
-    normed = (centred * (1.0 / tl.sqrt(variance + eps))).to(dtype)
-    scale = tl.load(scale_ptr + mod + offs, mask=inside, other=0.0)
-    shift = tl.load(shift_ptr + mod + offs, mask=inside, other=0.0)
-    factor = (1.0 + scale.to(tl.float32)).to(dtype)
-    out = (normed.to(tl.float32) * factor.to(tl.float32)).to(dtype)
-    out = out.to(tl.float32) + shift.to(tl.float32)
+    normed = centred * (1.0 / tl.sqrt(variance + eps))
+    scale = tl.load(scale_ptr + mod + offs, mask=inside, other=0.0).to(tl.float32)
+    shift = tl.load(shift_ptr + mod + offs, mask=inside, other=0.0).to(tl.float32)
+    if ROUND_ONCE:
+        out = normed * (1.0 + scale) + shift
+    else:
+        factor = (1.0 + scale).to(dtype).to(tl.float32)
+        out = (normed.to(dtype).to(tl.float32) * factor).to(dtype).to(tl.float32) + shift
     tl.store(out_ptr + row * out_stride + offs, out.to(dtype), mask=inside)
 
 
-def _check(x, shift, scale, delta, gate) -> int:
-    """Rows per modulation row."""
+def _rows_per(name: str, t: torch.Tensor, rows: int, width: int) -> int:
+    """Rows of x per row of the modulation `t` (`[M, D]`, M dividing R)."""
+    if t.dim() != 2 or t.shape[1] != width or t.stride(1) != 1:
+        raise AdaNormError(f"{name} must be [M, {width}] with contiguous rows")
+    if t.shape[0] == 0 or rows % t.shape[0]:
+        raise AdaNormError(f"{t.shape[0]} {name} rows for {rows} rows (M must divide R)")
+    return rows // t.shape[0]
+
+
+def _check(x, shift, scale, delta, gate) -> tuple[int, int]:
+    """Rows per modulation row, and per gate row."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise AdaNormError(f"x must be [R, D] with contiguous rows, not {list(x.shape)}")
     rows, width = x.shape
-    mods = [shift, scale] + ([] if delta is None else [gate])
     if (delta is None) != (gate is None):
         raise AdaNormError("delta and gate come together")
     if delta is not None and (delta.shape != x.shape or delta.stride(1) != 1):
         raise AdaNormError(f"delta {list(delta.shape)} is not x's {list(x.shape)}")
-    m = shift.shape[0] if shift.dim() == 2 else 0
-    for t in mods:
-        if t.dim() != 2 or t.shape != (m, width) or t.stride() != shift.stride():
-            raise AdaNormError(f"shift, scale and gate must be [M, {width}] views of one stride")
-    if m == 0 or rows % m or shift.stride(1) != 1:
-        raise AdaNormError(f"{m} modulation rows for {rows} rows (M must divide R)")
-    return rows // m
+    per = _rows_per("shift", shift, rows, width)
+    if scale.shape != shift.shape or scale.stride() != shift.stride():
+        raise AdaNormError("shift and scale must be [M, D] views of one stride")
+    return per, per if gate is None else _rows_per("gate", gate, rows, width)
 
 
 def ada_norm_triton(
@@ -92,20 +108,22 @@ def ada_norm_triton(
     delta: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     eps: float = 1e-6,
+    round_once: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(layernorm(s) * (1 + scale) + shift, s) with the Triton kernel, where s = x + gate *
     delta, or x without a delta."""
-    per = _check(x, shift, scale, delta, gate)
+    per, per_gate = _check(x, shift, scale, delta, gate)
     rows, width = x.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     total = torch.empty_like(out) if delta is not None else x
     if rows:
+        gate = shift if gate is None else gate
         _ada_norm_kernel[(rows,)](
-            x, x if delta is None else delta, shift if gate is None else gate, shift, scale,
-            total, out, width, per, eps, x.stride(0), 0 if delta is None else delta.stride(0),
-            shift.stride(0), total.stride(0), out.stride(0),
-            HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(width),
-            num_warps=4 if width <= 2048 else 8,
+            x, x if delta is None else delta, gate, shift, scale, total, out, width, per,
+            per_gate, eps, x.stride(0), 0 if delta is None else delta.stride(0),
+            shift.stride(0), gate.stride(0), total.stride(0), out.stride(0),
+            HAS_DELTA=delta is not None, ROUND_ONCE=round_once,
+            BLOCK=triton.next_power_of_2(width), num_warps=4 if width <= 2048 else 8,
         )  # fmt: skip
     return out, total
 
@@ -117,17 +135,24 @@ def reference(
     delta: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     eps: float = 1e-6,
+    round_once: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """transformers' DiTDecoderLayer ops, in its order: `hidden + gate * delta`, then
-    `norm(hidden) * (1 + scale) + shift`."""
-    per = _check(x, shift, scale, delta, gate)
-    rows, width = x.shape
-    total = x.view(-1, per, width)
+    `norm(hidden) * (1 + scale) + shift`; with `round_once`, Wan's: both in float32, each
+    rounded once to x's dtype."""
+    per, per_gate = _check(x, shift, scale, delta, gate)
+    width = x.shape[1]
+    if round_once:
+        shift, scale = shift.float(), scale.float()
+        gate = None if gate is None else gate.float()
+    total = x
     if delta is not None:
-        total = total + gate[:, None] * delta.view(-1, per, width)
-    normed = F.layer_norm(total, (width,), eps=eps)
-    out = normed * (1 + scale[:, None]) + shift[:, None]
-    return out.reshape(rows, width), total.reshape(rows, width)
+        gated = gate.repeat_interleave(per_gate, 0) * delta
+        total = (x.float() + gated).to(x.dtype) if round_once else x + gated.to(x.dtype)
+    normed = F.layer_norm(total.float() if round_once else total, (width,), eps=eps)
+    scale, shift = scale.repeat_interleave(per, 0), shift.repeat_interleave(per, 0)
+    out = normed * (1 + scale) + shift
+    return out.to(x.dtype), total
 
 
 def ada_norm(
@@ -137,8 +162,8 @@ def ada_norm(
     delta: torch.Tensor | None = None,
     gate: torch.Tensor | None = None,
     eps: float = 1e-6,
+    round_once: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel on CUDA, the reference elsewhere."""
-    if x.is_cuda and triton is not None:
-        return ada_norm_triton(x, shift, scale, delta, gate, eps)
-    return reference(x, shift, scale, delta, gate, eps)
+    """The kernel on CUDA (and under Triton's interpreter), the reference elsewhere."""
+    run = ada_norm_triton if on_triton(x) else reference
+    return run(x, shift, scale, delta, gate, eps, round_once)

@@ -4,7 +4,8 @@
 # package-dir maps them) and omniflow/ into /tmp/site (so this tree's root, whose kernels/
 # would shadow PyPI's `kernels`, never goes on sys.path: Python runs with -P from here), then
 # runs the parts named as arguments: setup tests edges steps skinny moe kernels frames
-# code2wav tts windows build streaming long load omni-input diffusion cold cold-fresh
+# code2wav tts windows build streaming long load omni-input diffusion attention wan-build
+# wan-a14b wan-ti2v wan-serve cold cold-fresh
 # (streaming and long: DEVICES, default 1xH200, and ALSO_DEVICES beside it, e.g. DEVICES=2xH200
 # ALSO_DEVICES=1xH200, and STREAMING_ARGS added to the benchmark's, e.g. "--breakdown
 # --lookahead 24 12"; windows: WINDOW_KERNELS=N adds each replay's N costliest kernels;
@@ -20,6 +21,14 @@ cd "$here"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export OMNIFLOW_CACHE=${OMNIFLOW_CACHE:-/tmp/omniflow-cache}
 export PYTHONPATH=/tmp/site
+# Wan2.2-A14B at full depth is 69 GB, more than the 64 GiB disk: its build lives on /dev/shm.
+wan_cache() {  # MODEL DEPTH
+  case "$1 $2" in
+    *A14B*" 1"|*A14B*" 1.0"|"t2v 1"|"t2v 1.0")
+      export OMNIFLOW_CACHE=/dev/shm/omniflow-cache
+      echo "OMNIFLOW_CACHE=$OMNIFLOW_CACHE: $(df -h /dev/shm | tail -1)" ;;
+  esac
+}
 for part in "$@"; do
   start=$(date +%s)
   case $part in
@@ -108,6 +117,49 @@ for part in "$@"; do
       # Text-to-image at real width, 15 of the DiT's 60 layers (DIFFUSION_ARGS: e.g. --kernels 12).
       (cd /tmp && timeout ${DIFFUSION_S:-300} python3 "$here/benchmarks/diffusion.py" --device cuda \
         --scaled 0.25 ${DIFFUSION_ARGS:-}) 2>&1 | grep -v -i "warn" | tee "$OUT/diffusion.log"
+      ;;
+    attention)
+      # Which attention kernel is fastest at the DiT shapes (ATTENTION_ARGS: e.g. --tiny on a CPU).
+      (cd /tmp && timeout ${ATTENTION_S:-300} python3 "$here/benchmarks/attention.py" \
+        ${ATTENTION_ARGS:-}) 2>&1 | grep -v -i "warn" | tee "$OUT/attention.log"
+      ;;
+    wan-build)
+      # The random-weight Wan2.2 builds the wan-* parts load (else each builds its own on first
+      # use): T2V-A14B at WAN_DEPTH (default 0.5, 35 GB; 1 is 69 GB, on /dev/shm), TI2V-5B at
+      # TI2V_DEPTH (default 1, 23 GB).
+      for build in "Wan-AI/Wan2.2-T2V-A14B-Diffusers ${WAN_DEPTH-0.5}" \
+                   "Wan-AI/Wan2.2-TI2V-5B-Diffusers ${TI2V_DEPTH-1}"; do
+        read -r model depth <<< "$build"
+        [ -n "${depth:-}" ] || continue
+        (wan_cache "$model" "$depth"; timeout ${WAN_BUILD_S:-580} python3 -P -c "from omniflow.checkpoints.scaled import scaled_checkpoint; print(scaled_checkpoint('$model', $depth, 'cuda'))") 2>&1 \
+          | grep -v -i "warn" | tee -a "$OUT/wan_build.log"
+      done
+      ;;
+    wan-a14b|wan-ti2v|wan-serve)
+      # Wan2.2 on benchmarks/video.py, 4 steps, on CUDA (WAN_DEVICE). wan-a14b: T2V-A14B
+      # 832x480x81 at WAN_DEPTH (default 0.5; 1 loads from /dev/shm): both experts across
+      # boundary_ratio 0.875, a guided step of each against its roofline and beside diffusers'
+      # blocks, one video end to end with the GPU's peak memory. wan-ti2v: TI2V-5B at
+      # TI2V_DEPTH (default 1) and TI2V_SIZE (default 1280x704x121), the same. wan-serve: one
+      # video through omniflow run's /v1/videos (job, progress, MP4, peak memory) of
+      # WAN_SERVE_MODEL (t2v, default, at WAN_DEPTH; or ti2v). WAN_ARGS added to video.py's
+      # flags, e.g. "--parts a b c --cache 0.1 0.5" (step caching) or "--kernels 12"; at
+      # WAN_DEPTH=1 run "--parts a" and "--parts b" as two calls (each loads 57 GB of experts).
+      # Tiny on a CPU (the dry check): WAN_DEVICE=cpu WAN_DEPTH= TI2V_DEPTH= TI2V_SIZE="--width 64"
+      case $part in
+        wan-a14b) model=Wan-AI/Wan2.2-T2V-A14B-Diffusers depth=${WAN_DEPTH-0.5}
+                  video="--model t2v --parts a b" ;;
+        wan-ti2v) model=Wan-AI/Wan2.2-TI2V-5B-Diffusers depth=${TI2V_DEPTH-1}
+                  video="--model ti2v ${TI2V_SIZE---width 1280 --height 704 --frames 121} --parts a b" ;;
+        wan-serve) model=${WAN_SERVE_MODEL:-t2v} depth=${WAN_DEPTH-0.5}
+                   [ "$model" = ti2v ] && depth=${TI2V_DEPTH-1}
+                   video="--model $model --parts e"
+                   [ "$model" = ti2v ] && video="$video ${TI2V_SIZE---width 1280 --height 704 --frames 121}"
+                   [ "$model" = ti2v ] && model=Wan-AI/Wan2.2-TI2V-5B-Diffusers ;;
+      esac
+      (wan_cache "$model" "$depth"; cd /tmp && timeout ${WAN_S:-580} python3 "$here/benchmarks/video.py" \
+        --device ${WAN_DEVICE:-cuda} --steps 4 --repeats 3 ${depth:+--scaled $depth} $video \
+        ${WAN_ARGS:-}) 2>&1 | grep -v -i "warn" | tee "$OUT/$part.log"
       ;;
     omni-input)
       # A 5 s spoken turn against the same turn typed, over HTTP at c = 1 and 10 and in a

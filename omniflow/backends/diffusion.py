@@ -18,7 +18,10 @@ The family's pipeline object (its `PIPELINES`) gives the denoiser:
   `pipeline_class(index, image)`: the pipeline class to load them with, or None for the
   index's own; `conditions_on_image(pipe, kind)`: whether a stage of `kind` of it takes
   an input image; `setup(pipe, path, device)`: what the pipeline's `__init__` would derive
-  from parts the stage does not load, and the family's kernels on CUDA;
+  from parts the stage does not load; `fuse_blocks(pipe, attend)` (optional): the
+  transformers' blocks on the family's fused kernels, their attention on `attend`
+  (`omniflow.backends.dit_blocks.Attention`), which the stage's `blocks` setting turns on
+  (`auto`: on CUDA) and whose kernel its `attention` setting picks;
 - `prepare(pipe, Prepare) -> Denoising`: a request's latents, scheduler and timesteps,
   drawn and set as its `__call__` does, from its knobs (the stage's settings overlaid with
   the request's parameters); a `DiffusersBackendError` fails that request alone;
@@ -70,6 +73,7 @@ import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 from PIL import Image
 
+from omniflow.backends.dit_blocks import Attention, AttentionError, attention_for
 from omniflow.backends.registry import family_code
 from omniflow.backends.step_cache import StepCache
 from omniflow.backends.vision import VisionBackendError, read_image
@@ -356,7 +360,33 @@ class DiffusionSteps(Backend):
         self.edits = edits(spec, self.pipe, self.code)
         self.transformer = self.pipe.transformer
         self.code.setup(self.pipe, model_path(spec.plan.model), device)
+        self.attention = self._fuse_blocks(spec.plan.settings, device)
         self.cache = StepCache(self.pipe, self.code)
+
+    def _fuse_blocks(self, settings: dict, device: str) -> Attention | None:
+        """The family's fused blocks (`fuse_blocks(pipe, attend)`), as the stage's `blocks`
+        setting says, on its `attention` kernel; the kernel, or None for diffusers' blocks."""
+        blocks = settings.get("blocks", "auto")
+        fusable = getattr(self.code, "fuse_blocks", None)
+        if blocks == "modules" or (blocks == "auto" and torch.device(device).type != "cuda"):
+            return None
+        if fusable is None:
+            if blocks == "fused":
+                raise DiffusersBackendError(
+                    f"stage '{self.spec.plan.name}': blocks='fused', but "
+                    f"{self.spec.plan.model} has no fused blocks (use 'auto' or 'modules')"
+                )
+            return None
+        config = self.transformer.config
+        try:
+            attend = attention_for(
+                settings.get("attention", "auto"), config.num_attention_heads,
+                config.attention_head_dim, self.transformer.dtype, device,
+            )  # fmt: skip
+        except AttentionError as err:
+            raise DiffusersBackendError(f"stage '{self.spec.plan.name}': {err}") from err
+        fusable(self.pipe, attend)
+        return attend
 
     def ready(self, call: Call) -> bool:
         return "denoising" in call.state or call.inputs_ended()

@@ -67,6 +67,8 @@ COMMON_PARAMS: dict[str, ParamSpec] = {
 }
 
 # A request's seed: what `random.getrandbits(63)` draws, so it fits every generator's seed.
+# The diffusion stage's attention kernels (omniflow.backends.dit_blocks runs them).
+DIT_ATTENTION = ("auto", "sdpa", "flash", "efficient", "cudnn", "math", "flash_attn")
 SEED_BITS = 63
 SEED = ParamSpec(_INT, low=0, high=(1 << SEED_BITS) - 1)
 # The parameter every program has without declaring it: the request's seed.
@@ -160,6 +162,13 @@ KINDS: dict[str, StageKind] = {
                 "cache_warmup": ParamSpec(_INT, 2, low=0, high=1000),
                 # At most this many steps in a row reused (0: no limit).
                 "cache_max_reuse": ParamSpec(_INT, 0, low=0, high=1000),
+                # The transformer's blocks: "fused" (the family's blocks on fused kernels,
+                # `fused_blocks`: the same computation), "modules" (diffusers' own forward);
+                # "auto" is "fused" on CUDA where the family has fused blocks. Set at load.
+                "blocks": ParamSpec(_STR, "auto", choices=("auto", "fused", "modules")),
+                # The fused blocks' attention kernel (omniflow.backends.dit_blocks): "auto"
+                # times those that run here at load and keeps the fastest (CUDA; else "sdpa").
+                "attention": ParamSpec(_STR, "auto", choices=DIT_ATTENTION),
             },
         ),
         _kind(

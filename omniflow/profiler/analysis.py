@@ -53,8 +53,10 @@ class Step:
     dur: float
     batch: int
     calls: list[tuple[str, int, bool]]  # (request, emitted, ended)
-    # What the backend counted over the step's calls (a denoiser's steps computed, reused).
+    # What the backend counted over the step's calls (a denoiser's steps computed, reused),
+    # and per request.
     counters: dict[str, int] = field(default_factory=dict)
+    call_counters: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -112,6 +114,8 @@ class RequestTimeline:
     path_ttfp: dict[str, float] = field(default_factory=dict)  # component -> µs
     path_e2e: dict[str, float] = field(default_factory=dict)
     route: list[str] = field(default_factory=list)  # stages on the E2E critical path, in order
+    # stage -> what its backend counted for this request (a denoiser's steps computed, reused)
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -178,11 +182,12 @@ def parse_trace(trace: dict) -> Profile:
             args = e.get("args", {})
             calls = [(c["request"], int(c["emitted"]), bool(c["ended"])) for c in args["calls"]]
             counters: dict[str, int] = {}
-            for c in args["calls"]:
-                for key, value in c.get("counters", {}).items():
+            call_counters = {c["request"]: c["counters"] for c in args["calls"] if "counters" in c}
+            for counted in call_counters.values():
+                for key, value in counted.items():
                     counters[key] = counters.get(key, 0) + int(value)
             batch = int(args.get("batch", len(calls)))
-            steps[stage].append(Step(ts, dur, batch, calls, counters))
+            steps[stage].append(Step(ts, dur, batch, calls, counters, call_counters))
         elif name.startswith(("put ", "take ")):
             verb, channel = name.split(" ", 1)
             args = e["args"]
@@ -318,10 +323,13 @@ def graph_order(
 def timelines(profile: Profile) -> list[RequestTimeline]:
     """Every request the trace saw, by the time its inputs went out."""
     calls: dict[str, dict[str, list[Call]]] = defaultdict(lambda: defaultdict(list))
+    counted: dict[str, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
     for stage, stage_steps in profile.steps.items():
         for step in stage_steps:
             for rid, emitted, ended in step.calls:
                 calls[rid][stage].append(Call(step.ts, step.ts + step.dur, emitted, ended))
+            for rid, counters in step.call_counters.items():
+                counted[rid][stage].update(counters)
     trips: dict[str, dict[str, list[ChunkTrip]]] = defaultdict(lambda: defaultdict(list))
     for channel, by_key in profile.trips.items():
         for trip in by_key.values():
@@ -331,7 +339,9 @@ def timelines(profile: Profile) -> list[RequestTimeline]:
     for rid in set(calls) | set(trips):
         request_trips = {c: sorted(t, key=lambda t: t.index) for c, t in trips[rid].items()}
         request_calls = {s: sorted(cs, key=lambda c: c.start) for s, cs in calls[rid].items()}
-        requests.append(_timeline(profile, rid, request_calls, request_trips, busy))
+        request = _timeline(profile, rid, request_calls, request_trips, busy)
+        request.counters = {stage: dict(c) for stage, c in counted.get(rid, {}).items()}
+        requests.append(request)
     requests.sort(key=lambda r: (r.t0, r.id))
     return requests
 

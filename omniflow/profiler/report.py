@@ -113,6 +113,7 @@ def _request(
         "cpT": [path(r.path_ttfp[o]) if o in r.path_ttfp else None for o in profile.outputs],
         "route": [lanes.index(s) for s in r.route if s in lanes],
         "last": _last_output(r, profile),
+        "counted": r.counters,
     }
 
 

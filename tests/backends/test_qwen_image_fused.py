@@ -9,12 +9,9 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
+from omniflow.backends.dit_blocks import modules_forward
 from omniflow.checkpoints.tiny import build_tiny
-from omniflow.families.qwen_image.fused_blocks import (
-    FusedQwenImageBlock,
-    fuse_blocks,
-    modules_forward,
-)
+from omniflow.families.qwen_image.fused_blocks import FusedQwenImageBlock, fuse_blocks
 
 torch.set_num_threads(1)
 
@@ -101,14 +98,22 @@ def test_the_transformer_with_fused_blocks_gives_its_own_output():
         "return_dict": False,
     }
     fuse_blocks(transformer)
-    assert all(isinstance(b.forward, FusedQwenImageBlock) for b in transformer.transformer_blocks)
+    fused, modules = both_ways(transformer, transformer.transformer_blocks, inputs)
+    assert relative(fused, modules) < 1e-5
+
+
+def both_ways(transformer, blocks, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """`transformer`'s output with its `blocks` fused (as they are), then within
+    `modules_forward` (diffusers' blocks), and the blocks fused again after."""
+    fused_type = type(blocks[0].forward)
+    assert all(type(b.forward) is fused_type for b in blocks) and "forward" in vars(blocks[0])
     with torch.no_grad():
         (fused,) = transformer(**inputs)
-        with modules_forward(transformer):
-            assert not any("forward" in vars(b) for b in transformer.transformer_blocks)
+        with modules_forward(blocks):
+            assert not any("forward" in vars(b) for b in blocks)
             (modules,) = transformer(**inputs)
-    assert all(isinstance(b.forward, FusedQwenImageBlock) for b in transformer.transformer_blocks)
-    assert relative(fused, modules) < 1e-5
+    assert all(type(b.forward) is fused_type for b in blocks)
+    return fused, modules
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

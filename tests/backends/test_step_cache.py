@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from omniflow.compiler import compile_source
-from omniflow.profiler.analysis import parse_trace, stage_stats
+from omniflow.profiler.analysis import parse_trace, stage_stats, timelines
+from omniflow.profiler.report import report_data
 from omniflow.profiler.trace import chrome_trace
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
@@ -119,7 +120,8 @@ def test_counters_reach_the_totals_the_request_stats_and_the_profile(plan):
 
         asyncio.run(run())
         totals = {n: t for i in engine.inspect().values() for n, t in i.stages.items()}
-        profile = parse_trace(chrome_trace(engine.stop_profile(), plan))
+        trace = chrome_trace(engine.stop_profile(), plan)
+    profile = parse_trace(trace)
     (dit,) = [row for row in stage_stats(profile) if row["stage"] == "dit"]
     assert dit["counters"] == totals["dit"].counters
     counters = totals["dit"].counters
@@ -127,3 +129,8 @@ def test_counters_reach_the_totals_the_request_stats_and_the_profile(plan):
     assert counters["steps_reused"] > 0
     (request_stats,) = [s for s in stats if "dit" in s.stages]
     assert request_stats.stages["dit"]["steps_reused"] == counters["steps_reused"]
+    # The profile's per-request record, and the report's page data built from it.
+    (timeline,) = [r for r in timelines(profile) if "dit" in r.counters]
+    assert timeline.counters["dit"] == counters
+    (page_request,) = [r for r in report_data(trace)["requests"] if r["counted"]]
+    assert page_request["counted"] == {"dit": counters}

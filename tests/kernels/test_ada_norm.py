@@ -27,6 +27,15 @@ def cases() -> list[dict]:
             found.append(
                 {"x": x, "shift": chunks[0], "scale": chunks[1], "delta": delta, "gate": chunks[2]}
             )
+            # Wan's: float32 modulation rounded once, a fixed affine (one row) after a
+            # residual gated per modulation row.
+            wan = torch.randn(mods, 3 * width, generator=g).chunk(3, dim=1)
+            affine = torch.randn(2, width, generator=g)
+            found.append({"x": x, "shift": wan[0], "scale": wan[1], "round_once": True})
+            found.append(
+                {"x": x, "shift": affine[:1], "scale": affine[1:], "delta": delta,
+                 "gate": wan[2], "round_once": True}
+            )  # fmt: skip
     return found
 
 
@@ -65,6 +74,33 @@ def test_the_reference_is_transformers_layer_ops():
         assert torch.equal(total.view(2, per, width), summed)
 
 
+def test_round_once_is_wans_block_ops():
+    """`WanTransformerBlock`'s: `(norm(x.float()) * (1 + scale) + shift).type_as(x)` with float32
+    modulation, and `(x.float() + delta * gate).type_as(x)` before its affine norm."""
+    from diffusers.models.normalization import FP32LayerNorm
+
+    g = torch.Generator().manual_seed(2)
+    width = 64
+    x, delta = (torch.randn(6, width, generator=g).bfloat16() for _ in range(2))
+    shift, scale, gate = torch.randn(2, 3 * width, generator=g).chunk(3, dim=1)
+    norm = FP32LayerNorm(width, 1e-6, elementwise_affine=False)
+    affine = FP32LayerNorm(width, 1e-6, elementwise_affine=True)
+    with torch.no_grad():
+        affine.weight.uniform_(0.5, 1.5, generator=g)
+        affine.bias.uniform_(-1, 1, generator=g)
+        rows = x.view(2, 3, width)
+        want = (norm(rows.float()) * (1 + scale[:, None]) + shift[:, None]).type_as(x)
+        got, _ = ada_norm.reference(x, shift, scale, round_once=True)
+        assert torch.equal(got, want.view(6, width))
+        summed = (rows.float() + delta.view(2, 3, width) * gate[:, None]).type_as(x)
+        want = affine(summed.float()).type_as(x)
+        got, total = ada_norm.reference(
+            x, affine.bias[None], (affine.weight - 1)[None], delta, gate, round_once=True
+        )
+        assert torch.equal(total, summed.view(6, width))
+        torch.testing.assert_close(got, want.view(6, width), rtol=0, atol=2**-7 * want.abs().max())
+
+
 def test_kernel_agrees_with_the_reference(interpret):
     """Triton's interpreter rounds float32 to bfloat16 towards zero (the GPU to nearest), so
     interpreted bf16 results may sit a few steps off."""
@@ -88,5 +124,5 @@ def test_kernel_agrees_with_the_reference_on_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     for case in cases():
-        on = {k: v.cuda() for k, v in case.items()}
+        on = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
         assert_agree(ada_norm.ada_norm(**on), ada_norm.reference(**on), steps=2)

@@ -34,6 +34,11 @@ def cases() -> list[dict]:
                     "eps": 1e-6,
                 }
             )
+            # Wan's: one norm over every head (weights [H * Dh]).
+            across = torch.rand(2, heads * width, generator=g).to(dtype) + 0.5
+            found.append(
+                {**found[-1], "q_weight": across[0], "k_weight": across[1], "across_heads": True}
+            )
     return found
 
 
@@ -82,6 +87,37 @@ def test_the_reference_is_diffusers_ops():
             qk_norm_rope.reference(qkv, norm_q.weight, norm_k.weight, freqs, *joint, 2, 1e-6)
         for got, expected in zip(joint, want, strict=True):
             assert torch.equal(got, expected)
+
+
+def test_across_heads_is_wans_ops():
+    """`WanAttnProcessor`'s: `torch.nn.RMSNorm` over all heads, then its real rotary of
+    (even, odd) pairs by `WanRotaryPosEmbed`'s (cos, sin) (float32, as Wan keeps them)."""
+    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+    batch, heads, width, grid = 2, 3, 16, (2, 2, 3)
+    tokens = grid[0] * grid[1] * grid[2]
+    g = torch.Generator().manual_seed(3)
+    cos, sin = WanRotaryPosEmbed(width, (1, 2, 2), 64)(
+        torch.zeros(batch, 1, grid[0], 2 * grid[1], 2 * grid[2])
+    )
+    freqs = torch.complex(cos[0, :, 0, 0::2].float(), sin[0, :, 0, 1::2].float())
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv = torch.randn(batch * tokens, 3 * heads * width, generator=g).to(dtype)
+        norm = torch.nn.RMSNorm(heads * width, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5, generator=g)
+        query = qkv.view(batch, tokens, 3, heads * width)[:, :, 0]
+        normed = norm(query).unflatten(2, (heads, width))
+        x1, x2 = normed.unflatten(-1, (-1, 2)).unbind(-1)
+        c, s_ = cos[..., 0::2].float(), sin[..., 1::2].float()
+        want = torch.empty_like(normed)
+        want[..., 0::2], want[..., 1::2] = x1 * c - x2 * s_, x1 * s_ + x2 * c
+        q, k, v = (torch.zeros(batch, tokens, heads, width, dtype=dtype) for _ in range(3))
+        with torch.no_grad():
+            qk_norm_rope.reference(
+                qkv, norm.weight, norm.weight, freqs, q, k, v, 0, 1e-6, across_heads=True
+            )
+        assert torch.equal(q, want)
 
 
 def test_kernel_agrees_with_the_reference(interpret):

@@ -19,26 +19,13 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniToken2WavDiTModel,
 )
 
+from omniflow.backends.dit_blocks import stack_linears
 from omniflow.kernels.ada_norm import ada_norm
 from omniflow.kernels.dit_rope import rope_first_head
-
-
-def stack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One weight and bias for `linears`' outputs side by side; each module's own become
-    views of them."""
-    weight = torch.cat([m.weight.detach() for m in linears])
-    bias = torch.cat([m.bias.detach() for m in linears])
-    start = 0
-    for m in linears:
-        rows = m.weight.shape[0]
-        m.weight.data, m.bias.data = weight[start : start + rows], bias[start : start + rows]
-        start += rows
-    return weight, bias
 
 
 class FusedDiT:

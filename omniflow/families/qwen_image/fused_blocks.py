@@ -18,9 +18,6 @@ attention kwargs or run in float16 run diffusers' own forward.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 from diffusers.models.transformers.transformer_qwenimage import (
@@ -28,17 +25,18 @@ from diffusers.models.transformers.transformer_qwenimage import (
     QwenImageTransformerBlock,
 )
 
-from omniflow.families.qwen2_5_omni.token2wav_dit import stack_linears
+from omniflow.backends.dit_blocks import Attention, fuse, stack_linears
 from omniflow.kernels.ada_norm import ada_norm
 from omniflow.kernels.qk_norm_rope import qk_norm_rope
 
 
 class FusedQwenImageBlock:
     """`block`'s forward on fused kernels (in the dtype the block already has: stack after
-    any `.to()`, which would split the views again)."""
+    any `.to()`, which would split the views again), its attention on `attend`."""
 
-    def __init__(self, block: QwenImageTransformerBlock):
+    def __init__(self, block: QwenImageTransformerBlock, attend: Attention | None = None):
         self.block = block
+        self.attend = attend or Attention()
         attn = block.attn
         self.img_qkv = stack_linears([attn.to_q, attn.to_k, attn.to_v])
         self.txt_qkv = stack_linears([attn.add_q_proj, attn.add_k_proj, attn.add_v_proj])
@@ -88,9 +86,7 @@ class FusedQwenImageBlock:
         if encoder_hidden_states_mask is not None:
             image_mask = torch.ones((batch, image), dtype=torch.bool, device=img.device)
             mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)[:, None, None, :]
-        attended = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
-        ).transpose(1, 2)
+        attended = self.attend(q, k, v, mask)
         img_attn = attn.to_out[0](attended[:, text:].reshape(batch * image, width))
         txt_attn = attn.to_add_out(attended[:, :text].reshape(batch * text, width))
 
@@ -103,22 +99,6 @@ class FusedQwenImageBlock:
         return txt, img
 
 
-def fuse_blocks(transformer: QwenImageTransformer2DModel) -> None:
+def fuse_blocks(transformer: QwenImageTransformer2DModel, attend: Attention | None = None):
     """Every block of `transformer` forwards on fused kernels from now on."""
-    for block in transformer.transformer_blocks:
-        block.forward = FusedQwenImageBlock(block)
-
-
-@contextlib.contextmanager
-def modules_forward(transformer: QwenImageTransformer2DModel) -> Iterator[None]:
-    """Within: `transformer`'s blocks run diffusers' forward (to measure or check the fused
-    blocks against)."""
-    fused = {}
-    for block in transformer.transformer_blocks:
-        fused[block] = block.__dict__.pop("forward", None)
-    try:
-        yield
-    finally:
-        for block, forward in fused.items():
-            if forward is not None:
-                block.forward = forward
+    fuse(transformer.transformer_blocks, lambda block: FusedQwenImageBlock(block, attend))

@@ -134,15 +134,14 @@ class QwenImagePipelines:
         return ("transformer", "scheduler") + (("vae",) if image else ())
 
     def setup(self, pipe, path: str, device: str) -> None:
-        """The VAE scale the pipeline derives from the VAE (which the stage may not load);
-        on CUDA, the transformer's blocks on fused kernels (the same computation)."""
+        """The VAE scale the pipeline derives from the VAE (which the stage may not load)."""
         config = AutoencoderKLQwenImage.load_config(path, subfolder="vae")
         pipe.vae_scale_factor = 2 ** len(config["temperal_downsample"])
-        transformer = pipe.transformer
-        if torch.device(device).type == "cuda" and isinstance(
-            transformer, QwenImageTransformer2DModel
-        ):
-            fuse_blocks(transformer)
+
+    def fuse_blocks(self, pipe, attend) -> None:
+        """The transformer's blocks on fused kernels (the same computation)."""
+        if isinstance(pipe.transformer, QwenImageTransformer2DModel):
+            fuse_blocks(pipe.transformer, attend)
 
     # --- the text encoder ---
     def negative_prompt(self, text: str | None) -> str | None:

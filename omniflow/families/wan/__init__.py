@@ -16,7 +16,8 @@ and, per request, what the checkpoint's configs fix for `__call__`: the pipeline
 `boundary_ratio` and the scheduler's `flow_shift`. The peer's client sends all of them.
 
 Run-time half: `pipeline` (what the diffusers backends need of the pipelines' own code),
-`checkpoints` (tiny and real-size random-weight builds). The video DiT's cost formula is
+`fused_blocks` (the video DiT's blocks on fused kernels on CUDA), `checkpoints` (tiny and
+real-size random-weight builds). The video DiT's cost formula is
 `costs` (torch-free, the compiler's).
 """
 

@@ -26,6 +26,9 @@ What `WanPipeline.__call__` (and the image-to-video pipeline's) decides, as it d
 - plain CFG, `uncond + scale x (cond - uncond)`, then the scheduler's (UniPC's) step.
 - the VAE's latent statistics (the pipeline divides by the reciprocal of the std).
 
+On CUDA each expert's blocks run on fused kernels (`fused_blocks`; the stage's `blocks`
+setting turns them off).
+
 Two experts share no forward: a request's rows go to the expert of its current step, so
 requests at steps on either side of the boundary run as two forwards of one `step()`.
 """
@@ -33,7 +36,7 @@ requests at steps on either side of the boundary run as two forwards of one `ste
 from __future__ import annotations
 
 import torch
-from diffusers import AutoencoderKLWan, WanImageToVideoPipeline
+from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanTransformer3DModel
 from diffusers.video_processor import VideoProcessor
 
 from omniflow.backends.diffusion import (
@@ -44,6 +47,7 @@ from omniflow.backends.diffusion import (
     open_image,
 )
 from omniflow.backends.step_cache import CacheLayout
+from omniflow.families.wan.fused_blocks import fuse_blocks
 
 # What `WanPipeline.__call__` defaults its knobs to.
 GUIDANCE_SCALE = 5.0
@@ -126,6 +130,13 @@ class WanPipelines:
             pipe.vae_scale_factor_temporal = config["scale_factor_temporal"]
             pipe.vae_scale_factor_spatial = config["scale_factor_spatial"]
             pipe.video_processor = VideoProcessor(vae_scale_factor=pipe.vae_scale_factor_spatial)
+
+    def fuse_blocks(self, pipe, attend) -> None:
+        """Each expert's blocks on fused kernels (`fused_blocks`: the same computation)."""
+        for part in ("transformer", "transformer_2"):
+            expert = getattr(pipe, part, None)
+            if isinstance(expert, WanTransformer3DModel):
+                fuse_blocks(expert, attend)
 
     # --- the text encoder ---
     def negative_prompt(self, text: str | None) -> str:

@@ -224,7 +224,11 @@
       return;
     }
     const ttfp = headline >= 0 ? r.ttfp[headline] : null;
-    title.textContent = `Request ${r.id}: TTFP ${O.ms(ttfp)}, E2E ${O.ms(r.e2e)}${r.ok ? "" : " (partial: it began or ended outside the profile)"}`;
+    // What backends counted for it (a denoiser's step cache: steps computed and reused; what
+    // reuse costs in the image is measured against an uncached run by benchmarks/diffusion.py
+    // and video.py, and needs real weights to mean anything).
+    const counted = Object.entries(r.counted || {}).map(([stage, c]) => `${stage} ${Object.entries(c).map(([k, v]) => `${k} ${v}`).join(", ")}`);
+    title.textContent = `Request ${r.id}: TTFP ${O.ms(ttfp)}, E2E ${O.ms(r.e2e)}${counted.length ? `; ${counted.join("; ")}` : ""}${r.ok ? "" : " (partial: it began or ended outside the profile)"}`;
     note.textContent = "A bar is a step of the stage that advanced this request (neighbouring steps merge when they are too close to see; the tooltip says how many); a line is a chunk handed from one lane to the next.";
     const datasets = waterfallData(r);
     if (waterfall) {
