@@ -327,6 +327,82 @@ def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     return reference(hidden, w_gate_up, w_down, **routing)
 
 
+def experts_gathered(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts as `experts_reference` computes them, in torch ops whose count and
+    shapes depend on the shapes only: each (token, expert) entry's matrices gathered and
+    multiplied as a batch, so nothing is read back to the host and a step can be captured.
+    It reads T k experts' weights a step (copies of them, where the kernels stream them
+    once): the stand-in for the kernels where they cannot run, not a fast path."""
+    _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
+    tokens, top_k = topk_ids.shape
+    experts = topk_ids.reshape(-1)
+    x = hidden.repeat_interleave(top_k, dim=0)[:, :, None]  # [T k, H, 1]
+    act = silu_mul.reference(torch.bmm(w_gate_up[experts], x)[..., 0])
+    out = torch.bmm(w_down[experts], act[:, :, None])[..., 0] * topk_weights.reshape(-1, 1)
+    return out.to(hidden.dtype).view(tokens, top_k, -1).sum(1)
+
+
+def capturable_moe(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    router_logits: torch.Tensor | None = None,
+    top_k: int | None = None,
+    renormalize: bool = False,
+    topk_ids: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`fused_moe` with no host readback anywhere (what a captured step may run): the kernels
+    on CUDA, `experts_gathered` elsewhere."""
+    ids, weights = _routing(
+        hidden, w_gate_up, w_down, router_logits, top_k, renormalize, topk_ids, topk_weights
+    )
+    experts = experts_triton if hidden.is_cuda and triton is not None else experts_gathered
+    return experts(hidden, w_gate_up, w_down, ids, weights)
+
+
+def routed(block: torch.nn.Module) -> bool:
+    """Whether `block` is a sparse MoE block `moe_forward` computes: a router `gate` (its
+    `weight` `[E, H]`, `top_k`, `norm_topk_prob`) and `experts` in the layout the kernels
+    take, and beside them nothing or a shared expert with its gate (`shared_expert`,
+    `shared_expert_gate`, which `moe_forward` gates by a sigmoid). Asked of the structure,
+    and of the router's own forward on a probe (it must pick and weigh as `route` does), so
+    any model built of such blocks is, and one routing otherwise is not."""
+    parts = {name for name, _ in block.named_children()}
+    shared = {"shared_expert", "shared_expert_gate"}
+    if parts not in ({"gate", "experts"}, {"gate", "experts"} | shared):
+        return False
+    gate = block.gate
+    if not all(hasattr(gate, name) for name in ("weight", "top_k", "norm_topk_prob")):
+        return False
+    try:
+        _experts_weights(block.experts)
+    except MoEError:
+        return False
+    return _routes_as_route(gate)
+
+
+def _routes_as_route(gate: torch.nn.Module) -> bool:
+    """Whether the router's forward gives (logits, weights, ids) with the weights and ids
+    `route` gives, on a fixed probe of 4 tokens."""
+    weight = gate.weight
+    probe = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    probe = probe.to(weight.device, weight.dtype)
+    with torch.no_grad():
+        out = gate(probe)
+        ids, weights = route(F.linear(probe, weight), gate.top_k, gate.norm_topk_prob)
+    if not isinstance(out, tuple) or len(out) != 3:
+        return False
+    return torch.equal(out[2], ids) and torch.equal(out[1], weights)
+
+
 def _experts_weights(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """A transformers experts module's (gate_up_proj, down_proj), refusing other layouts."""
     act = getattr(getattr(experts, "config", None), "hidden_act", "silu")

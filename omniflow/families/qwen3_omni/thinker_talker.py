@@ -63,9 +63,9 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-from torch import nn
 
 from omniflow.backends.checkpoint_files import CONFIG, read_json
+from omniflow.backends.tapped_decoder import TappedDecoder
 from omniflow.backends.transformers_ar import (
     ARBackendError,
     Component,
@@ -214,36 +214,6 @@ def _top_level(layout: dict, key: str):
 # --- the thinker -------------------------------------------------------------------------------
 
 
-class _WithAcceptLayer(nn.Module):
-    """The thinker's text model, whose `last_hidden_state` also carries the hidden state
-    the talker accepts: `[..., 2H]`, the final (normed) state then that of layer
-    `accept_hidden_layer` (generate's `hidden_states[accept_hidden_layer]`: the output of
-    layer `accept_hidden_layer - 1`; 0 is the input embedding)."""
-
-    def __init__(self, text_model: nn.Module, layer: int):
-        super().__init__()
-        self.text_model = text_model
-        self.layer = layer
-        self.captured: torch.Tensor | None = None
-        if 0 < layer < len(text_model.layers):
-            text_model.layers[layer - 1].register_forward_hook(self._capture)
-
-    def _capture(self, module, args, output) -> None:
-        self.captured = output[0] if isinstance(output, tuple) else output
-
-    def forward(self, inputs_embeds, **kwargs):
-        out = self.text_model(inputs_embeds=inputs_embeds, **kwargs)
-        final = out.last_hidden_state
-        if self.layer == 0:
-            accepted = inputs_embeds
-        elif self.layer >= len(self.text_model.layers):
-            accepted = final
-        else:
-            accepted, self.captured = self.captured, None
-        out.last_hidden_state = torch.cat((final, accepted.to(final.dtype)), dim=-1)
-        return out
-
-
 @dataclass
 class _Media:
     """What a media prompt carries beside its embeddings (`Prompt.prefill`): its token ids,
@@ -280,7 +250,7 @@ class Thinker(MediaThinker):
             from transformers import Qwen3OmniMoeTalkerConfig
 
             layer = Qwen3OmniMoeTalkerConfig().accept_hidden_layer
-        self.decoder = _WithAcceptLayer(self.decoder, layer)
+        self.decoder = TappedDecoder(self.decoder, layer)
         # generate() ends the thinker at `thinker_eos_token_id`: the model's <|im_end|>.
         self.eos_ids = frozenset({int(_top_level(layout, "im_end_token_id"))})
 
