@@ -525,6 +525,16 @@ class FrameSpec:
         return len(self.heads) + 1
 
 
+def summed_codebooks(first: torch.nn.Module, tables: Sequence[torch.nn.Module], codes):
+    """`[N, D]`: each frame's codebook embeddings summed, codebook 0 in the LM's table
+    `first`, codebook g >= 1 in `tables[g - 1]`: a talker's next input from frames `codes`
+    `[N, G]` (what a `FrameSpec.frame_embeds` computes)."""
+    total = first(codes[:, 0])
+    for g, table in enumerate(tables, start=1):
+        total = total + table(codes[:, g])
+    return total
+
+
 def _sampling_params(owner, b: int, step: torch.Tensor) -> sampler.Params:
     """The fused sampler's parameters over the first `b` rows of `owner`'s per-slot buffers
     (temperature, top_k, top_p, budget, penalty, seed), drawing at `step`: views, so a

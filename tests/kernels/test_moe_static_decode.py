@@ -4,7 +4,10 @@ op by op (`fused_moe.capturable_moe`: gathered expert products, no host readback
 the fused kernels under Triton's interpreter (`fused_moe.fused_moe_triton` in place of the
 gate/up and down products), it decodes the dynamic path's greedy tokens and items, batched
 at different steps with a row leaving early; and a seeded sampled request draws the same
-tokens on both static paths, run after run."""
+tokens on both static paths, run after run. The talker (MoE layers with a shared expert)
+with its `frame_spec`: the static step, its code predictor's 15 steps and their draws
+inside, gives the dynamic path's frames greedily (its eager `frames` never called), and a
+seed's frames on both static paths, run after run."""
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ import torch
 from omniflow.backends import static_decode
 from omniflow.backends.transformers_ar import TransformersAR
 from omniflow.compiler import compile_source
+from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.stage import Call, InputStream, StageSpec
 from tests.backends.test_transformers_ar import run
 from tests.kernels.test_fused_decode import PROMPTS, SYSTEM, calls_for, with_fused
@@ -106,3 +110,86 @@ def test_a_seed_draws_the_same_tokens_on_both_static_paths_run_after_run(fused):
     assert fused["sampled"] == want == sampled(False, 7)
     assert [len(t) for t in want] == [8, 8]
     assert sampled(False, 8) != want  # the draws follow the seed
+
+
+# --- the talker: its frames completed inside the static step ---------------------------------
+
+PIPELINE = """
+pipeline q3_ar {{
+  model "tiny:qwen3-omni"
+  param speaker = "Ethan"
+  param seed = 0
+  stage thinker = ar(component="thinker", max_batch=2, max_tokens=8, temperature=0.0)
+  stage talker  = ar(component="talker", max_batch=2, max_tokens={frames},
+                    temperature={temperature}, seed=$seed, speaker=$speaker, decode="{decode}")
+  input prompt: chat -> thinker
+  thinker.hidden -> talker [stream, chunk=1, adapter=qwen3_omni.thinker_to_talker]
+  thinker.tokens -> output tokens [stream]
+  talker.codes -> output codes [stream]
+}}
+"""
+
+
+def speak(decode: str, *, fused=False, frames=39, temperature=0.0, seeds=(0,)) -> list:
+    """The talker's codes `[n, 16]` for each of `seeds` on "Hello! How are you today?",
+    the thinker eager, the talker on `decode`'s path (the static one on the fused layers,
+    its code predictor's too, where `fused`); on the static path the component's eager
+    `frames` fails if called."""
+    torch.set_num_threads(1)
+    source = PIPELINE.format(frames=frames, temperature=temperature, decode=decode)
+    interpreter = Interpreter(compile_source(source, devices="cpu"))
+    talker = with_fused(interpreter.backends["talker"], fused)
+    if talker.static is not None:
+        assert talker.static.fused == talker.static.frames.cache.fused == fused
+        talker.component.frames = _never_called
+    chat = [{"role": "user", "content": "Hello! How are you today?"}]
+    return [
+        interpreter.run({"prompt": chat}, {"speaker": "Chelsie", "seed": seed})["codes"]
+        for seed in seeds
+    ]
+
+
+def _never_called(*args):
+    raise AssertionError("the static path ran the component's eager frames")
+
+
+SAMPLED = {"frames": 2, "temperature": 0.9}
+
+
+def fused_talker() -> dict:
+    """The talker on the fused layers, interpreted: a few frames (each is 16 interpreted
+    decodes), greedy and sampled."""
+    return {
+        "greedy": speak("static", fused=True, frames=3),
+        "sampled": speak("static", fused=True, seeds=(3, 4), **SAMPLED),
+    }
+
+
+@pytest.fixture(scope="module")
+def fused_frames(interpret) -> dict:
+    return interpret(fused_talker)
+
+
+def test_the_talkers_static_step_completes_the_dynamic_paths_frames():
+    """Greedy: the same codes frame for frame, to the end of speech (the talker's MoE layers
+    and its code predictor's 15 steps inside the step)."""
+    (want,) = speak("eager")
+    (got,) = speak("static")
+    assert want.shape[1:] == (16,) and len(want) > 4
+    assert torch.equal(got, want)
+
+
+def test_the_fused_talker_step_completes_the_same_frames(fused_frames):
+    (want,) = speak("eager", frames=3)
+    (got,) = fused_frames["greedy"]
+    assert len(want) == 3 and torch.equal(got, want)
+
+
+def test_a_seed_gives_the_talker_the_same_frames_on_both_static_paths(fused_frames):
+    """Sampled (codebook 0 and the code predictor's draws): a seed's frames on the op-by-op
+    static step, again, and on the fused one; another seed's differ. (The dynamic path on
+    the CPU draws from each request's generator, as `generate` does: other draws.)"""
+    same, again, other = speak("static", seeds=(3, 3, 4), **SAMPLED)
+    assert len(same) == 2 and torch.equal(same, again) and not torch.equal(same, other)
+    for got, want in zip(fused_frames["sampled"], (same, other), strict=True):
+        assert torch.equal(got, want)
