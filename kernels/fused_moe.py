@@ -312,19 +312,30 @@ def reference(
     renormalize: bool = False,
     topk_ids: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
+    experts=None,
 ) -> torch.Tensor:
-    """`fused_moe_triton`'s result as torch computes it (`route`, `experts_reference`)."""
+    """`fused_moe_triton`'s result as torch computes it (`route`, then `experts`:
+    `experts_reference` by default)."""
     ids, weights = _routing(
         hidden, w_gate_up, w_down, router_logits, top_k, renormalize, topk_ids, topk_weights
     )
-    return experts_reference(hidden, w_gate_up, w_down, ids, weights)
+    return (experts or experts_reference)(hidden, w_gate_up, w_down, ids, weights)
 
 
-def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, **routing):
-    """The kernels on CUDA, the reference elsewhere."""
+def fused_moe(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    capturable: bool = False,
+    **routing,
+):
+    """The kernels on CUDA, the reference elsewhere (`capturable`: its experts by
+    `experts_gathered`, with no host readback, so that a captured step may run it)."""
     if hidden.is_cuda and triton is not None:
         return fused_moe_triton(hidden, w_gate_up, w_down, **routing)
-    return reference(hidden, w_gate_up, w_down, **routing)
+    experts = experts_gathered if capturable else experts_reference
+    return reference(hidden, w_gate_up, w_down, experts=experts, **routing)
 
 
 def experts_gathered(
@@ -346,26 +357,6 @@ def experts_gathered(
     act = silu_mul.reference(torch.bmm(w_gate_up[experts], x)[..., 0])
     out = torch.bmm(w_down[experts], act[:, :, None])[..., 0] * topk_weights.reshape(-1, 1)
     return out.to(hidden.dtype).view(tokens, top_k, -1).sum(1)
-
-
-def capturable_moe(
-    hidden: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    *,
-    router_logits: torch.Tensor | None = None,
-    top_k: int | None = None,
-    renormalize: bool = False,
-    topk_ids: torch.Tensor | None = None,
-    topk_weights: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`fused_moe` with no host readback anywhere (what a captured step may run): the kernels
-    on CUDA, `experts_gathered` elsewhere."""
-    ids, weights = _routing(
-        hidden, w_gate_up, w_down, router_logits, top_k, renormalize, topk_ids, topk_weights
-    )
-    experts = experts_triton if hidden.is_cuda and triton is not None else experts_gathered
-    return experts(hidden, w_gate_up, w_down, ids, weights)
 
 
 def routed(block: torch.nn.Module) -> bool:

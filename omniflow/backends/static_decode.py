@@ -492,11 +492,14 @@ class DecoderCache:
 
 def _mlp(mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
     """A layer's MLP op by op: the module's own forward, but for a sparse MoE block, whose
-    forward reads the experts it hit back to the host, `fused_moe.moe_forward` on
-    `capturable_moe` (the kernels on CUDA, a gathered torch product elsewhere)."""
+    forward reads the experts it hit back to the host, `fused_moe.moe_forward` with no
+    readback (the kernels on CUDA, the gathered torch products elsewhere)."""
     if _dense(mlp):
         return mlp(h)
-    return fused_moe.moe_forward(mlp, h, moe=fused_moe.capturable_moe)
+    return fused_moe.moe_forward(mlp, h, moe=_capturable_moe)
+
+
+_capturable_moe = functools.partial(fused_moe.fused_moe, capturable=True)
 
 
 def _qk_norms(attention: torch.nn.Module) -> tuple:
