@@ -92,13 +92,21 @@ What the static path supports (`unsupported` says why not): decoders whose layer
 Llama/Qwen2/Qwen3 shape (`input_layernorm`, `self_attn` with q/k/v/o projections, GQA
 allowed, per-head q/k RMSNorms before the rotary allowed (Qwen3's `q_norm`, `k_norm`: on the
 fused path the rotary kernel normalizes each head first), no sliding window,
-`post_attention_layernorm`, `mlp`), a final `norm`, and the default RoPE of the model's
+`post_attention_layernorm`, `mlp`: dense and gated, or a sparse MoE block that
+`omniflow.kernels.fused_moe` computes, `fused_moe.routed`: routed experts, optionally a
+shared one), a final `norm`, and the default RoPE of the model's
 `rotary_emb` (multimodal RoPE included: in decode its three position components are equal,
 so its rotation is the plain one); beside them a decoder may hold input tables its forward
 never reads when given input embeddings (a talker's text embedding, a code predictor's
 codebook tables). Attention is `scaled_dot_product_attention` with the query heads of each
 key/value head as its query rows, so keys and values are read once and never repeated per
-query head.
+query head. A MoE block runs without reading anything back to the host (transformers' own
+forward reads the experts it hit), so its step is captured like a dense one: on the fused
+path through the fused MoE kernels (router, align, grouped gate/up with SiLU x up, grouped
+down; a shared expert through its own modules, gated by its sigmoid), op by op through
+`fused_moe.fused_moe(capturable=True)` (the kernels on CUDA, gathered expert products
+elsewhere). A `TappedDecoder` (`omniflow.backends.tapped_decoder`) runs as the model it
+wraps, its step's hidden states `[B, 2H]`: the final ones, then its tapped layer's.
 """
 
 from __future__ import annotations

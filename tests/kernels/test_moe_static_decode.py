@@ -36,19 +36,20 @@ pipeline chat {{
 LENGTHS = [6, 3, 6]
 
 
-def thinker(decode: str, fused: bool = False) -> TransformersAR:
-    """tiny:qwen3-omni's thinker stage on `decode`'s path (the static one on the fused
-    layers where `fused`)."""
+def thinker(decode: str, fused: bool = False, device: str = "cpu") -> TransformersAR:
+    """tiny:qwen3-omni's thinker stage on `decode`'s path (on the CPU, the static one on the
+    fused layers where `fused`; on CUDA they are its default)."""
     torch.set_num_threads(1)
     plan = compile_source(THINKER.format(decode=decode), devices="cpu")
     spec = StageSpec.from_channels(plan.stage("lm"), plan.channels)
-    return with_fused(TransformersAR(spec, "cpu"), fused)
+    backend = TransformersAR(spec, device)
+    return backend if device != "cpu" else with_fused(backend, fused)
 
 
-def greedy(decode: str, fused: bool = False) -> dict:
+def greedy(decode: str, fused: bool = False, device: str = "cpu") -> dict:
     """PROMPTS batched (joining at steps 0, 1, 1; the second ends early): tokens and items."""
-    backend = thinker(decode, fused)
-    assert backend.static is None or backend.static.fused == fused
+    backend = thinker(decode, fused, device)
+    assert backend.static is None or backend.static.fused == (fused or device != "cpu")
     outputs = run(backend, calls_for(LENGTHS), joins=[0, 1, 1])
     return {"tokens": [o.tokens for o in outputs], "hidden": [o.hidden for o in outputs]}
 
@@ -63,9 +64,9 @@ def sampled_calls(seed: int) -> list[Call]:
     return calls
 
 
-def sampled(fused: bool, seed: int) -> list[list[int]]:
-    """Two sampled requests with seeds `seed`, `seed + 1` on the static path."""
-    outputs = run(thinker("static", fused), sampled_calls(seed), joins=[0, 1])
+def sampled(fused: bool, seed: int, decode: str = "static", device: str = "cpu") -> list:
+    """Two sampled requests with seeds `seed`, `seed + 1` on the static path (or `decode`'s)."""
+    outputs = run(thinker(decode, fused, device), sampled_calls(seed), joins=[0, 1])
     return [o.tokens for o in outputs]
 
 
@@ -134,15 +135,23 @@ pipeline q3_ar {{
 """
 
 
-def speak(decode: str, *, fused=False, frames=39, temperature=0.0, seeds=(0,)) -> list:
+def speak(
+    decode: str, *, fused=False, frames=39, temperature=0.0, seeds=(0,), device="cpu"
+) -> list:
     """The talker's codes `[n, 16]` for each of `seeds` on "Hello! How are you today?",
-    the thinker eager, the talker on `decode`'s path (the static one on the fused layers,
-    its code predictor's too, where `fused`); on the static path the component's eager
-    `frames` fails if called."""
+    the thinker eager on the CPU, the talker on `device` on `decode`'s path (on the CPU the
+    static one on the fused layers, its code predictor's too, where `fused`; on CUDA they
+    are its default); on the static path the component's eager `frames` fails if called."""
     torch.set_num_threads(1)
     source = PIPELINE.format(frames=frames, temperature=temperature, decode=decode)
     interpreter = Interpreter(compile_source(source, devices="cpu"))
-    talker = with_fused(interpreter.backends["talker"], fused)
+    if device == "cpu":
+        talker = with_fused(interpreter.backends["talker"], fused)
+    else:
+        interpreter.backends["talker"].close()
+        talker = TransformersAR(interpreter.specs["talker"], device)
+        interpreter.backends["talker"] = talker
+        fused = talker.static is not None
     if talker.static is not None:
         assert talker.static.fused == talker.static.frames.cache.fused == fused
         talker.component.frames = _never_called
@@ -160,18 +169,20 @@ def _never_called(*args):
 SAMPLED = {"frames": 2, "temperature": 0.9}
 
 
-def fused_talker() -> dict:
+def fused_greedy_talker() -> list:
     """The talker on the fused layers, interpreted: a few frames (each is 16 interpreted
-    decodes), greedy and sampled."""
-    return {
-        "greedy": speak("static", fused=True, frames=3),
-        "sampled": speak("static", fused=True, seeds=(3, 4), **SAMPLED),
-    }
+    decodes), greedy."""
+    return speak("static", fused=True, frames=2)
+
+
+def fused_sampled_talker() -> list:
+    """The same, sampled: one interpreted process each (the interpreter's time limit)."""
+    return speak("static", fused=True, seeds=(3, 4), **SAMPLED)
 
 
 @pytest.fixture(scope="module")
 def fused_frames(interpret) -> dict:
-    return interpret(fused_talker)
+    return {"greedy": interpret(fused_greedy_talker), "sampled": interpret(fused_sampled_talker)}
 
 
 def test_the_talkers_static_step_completes_the_dynamic_paths_frames():
@@ -184,9 +195,9 @@ def test_the_talkers_static_step_completes_the_dynamic_paths_frames():
 
 
 def test_the_fused_talker_step_completes_the_same_frames(fused_frames):
-    (want,) = speak("eager", frames=3)
+    (want,) = speak("eager", frames=2)
     (got,) = fused_frames["greedy"]
-    assert len(want) == 3 and torch.equal(got, want)
+    assert len(want) == 2 and torch.equal(got, want)
 
 
 def test_a_seed_gives_the_talker_the_same_frames_on_both_static_paths(fused_frames):
@@ -197,3 +208,39 @@ def test_a_seed_gives_the_talker_the_same_frames_on_both_static_paths(fused_fram
     assert len(same) == 2 and torch.equal(same, again) and not torch.equal(same, other)
     for got, want in zip(fused_frames["sampled"], (same, other), strict=True):
         assert torch.equal(got, want)
+
+
+# --- on the GPU: the captured steps ---------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_captured_thinker_decodes_the_static_and_dynamic_paths_tokens():
+    """The thinker's captured steps (fused MoE kernels inside the graphs) give the same step
+    run eagerly exactly, greedy and sampled, with nothing captured after load; the dynamic
+    path's greedy tokens too (float32 on the GPU)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    graphed = thinker("auto", device="cuda:0")
+    assert graphed.decode == "graphs" and graphed.static.fused
+    captured = graphed.static.captures
+    got = run(graphed, calls_for(LENGTHS), joins=[0, 1, 1])
+    assert graphed.static.captures == captured
+    tokens = [o.tokens for o in got]
+    assert tokens == greedy("static", device="cuda:0")["tokens"]
+    assert tokens == greedy("eager", device="cuda:0")["tokens"]
+    draws = sampled(True, 7, "graphs", "cuda:0")
+    assert draws == sampled(True, 7, "static", "cuda:0") and [len(t) for t in draws] == [5, 5]
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_captured_talker_frame_is_the_static_and_dynamic_paths():
+    """The talker's captured frame step (its MoE step, the code predictor's 15 steps and
+    their draws in one graph) gives the eagerly run static step's frames, greedy and
+    sampled, and the dynamic path's on the GPU (the same (seed, frame, sub-step) draws)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for how in ({"frames": 39}, {**SAMPLED, "frames": 8, "seeds": (3, 4)}):
+        got = speak("graphs", device="cuda:0", **how)
+        for decode in ("static", "eager"):
+            want = speak(decode, device="cuda:0", **how)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), decode
