@@ -66,17 +66,6 @@ pipeline steps {{
   thinker.hidden -> output hidden [stream]
 }}
 """,
-    "qwen3-thinker": """
-pipeline steps {{
-  model "tiny:qwen3-omni"
-  stage thinker = ar(component="thinker", max_batch={batch}, max_len={max_len},
-                     max_tokens={max_tokens}, decode="{decode}")
-  input prompt: tokens -> thinker
-  thinker.text -> output text [stream]
-  thinker.tokens -> output tokens [stream]
-  thinker.hidden -> output hidden [stream]
-}}
-""",
     "talker": """
 pipeline steps {{
   model "tiny:qwen2"
@@ -87,6 +76,9 @@ pipeline steps {{
 }}
 """,
 }
+# Qwen3-Omni's thinker (`--checkpoint`): the same stage on tiny:qwen3-omni's plan (the
+# component loaded from the checkpoint takes the tiny one's place).
+SOURCES["qwen3-thinker"] = SOURCES["thinker"].replace("tiny:qwen2.5-omni", "tiny:qwen3-omni")
 # The sampling each stage runs with in the omni pipeline: the thinker greedy (omni_chat's
 # temperature 0), the talker with generate's talker defaults (the component's own).
 PARAMS = {"thinker": {"temperature": 0.0}, "qwen3-thinker": {"temperature": 0.0}, "talker": {}}
@@ -328,7 +320,9 @@ def main() -> None:
                 )
                 weights = decode_weight_bytes(component, batch)
                 read = weights + kv * per_token
-                flops = 2 * (weights / component.head.weight.element_size()) * batch
+                # (each row multiplies by a token's weights: of a MoE layer, its top_k experts)
+                per_row = decode_weight_bytes(component, 1) / component.head.weight.element_size()
+                flops = 2 * per_row * batch
                 roof_ms = max(read / bandwidth, flops / rate) * 1e3
                 rows.append((stage, mode, batch, prefill, step_ms, replay_ms, roof_ms, weights))
                 print(
