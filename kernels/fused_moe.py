@@ -24,7 +24,13 @@ experts module (`Qwen3OmniMoeThinkerTextExperts`, `Qwen3OmniMoeTalkerTextExperts
 `F.linear` takes) and `down_proj` `[E, H, I]`; the router (`block.gate`) has `weight`
 `[E, H]`. `moe_forward(block, hidden)` runs a transformers sparse MoE block on these
 kernels from the block's own parameters; `register()` also makes them a transformers
-experts implementation (`experts_implementation="omniflow_fused_moe"`).
+experts implementation (`experts_implementation="omniflow_fused_moe"`). `routed(block)`
+says whether a block is one `moe_forward` computes (its structure, and its router's rule
+probed), which is what lets the static decode step (`omniflow.backends.static_decode`) take
+a MoE layer; `fused_moe(..., capturable=True)` is the path with no host readback anywhere
+that a captured step runs: the kernels on CUDA, elsewhere `experts_gathered` (each entry's
+expert matrices gathered and multiplied as a batch; `experts_reference`, like transformers,
+reads the experts hit back to the host).
 
 Why: at decode each token reads top_k experts' weights (the thinker's: 9.4 MB an expert,
 75 MB a token) for a few rows each, so the layer is bound by how fast those weights stream.
@@ -382,12 +388,13 @@ def routed(block: torch.nn.Module) -> bool:
 
 def _routes_as_route(gate: torch.nn.Module) -> bool:
     """Whether the router's forward gives (logits, weights, ids) with the weights and ids
-    `route` gives, on a fixed probe of 4 tokens."""
-    weight = gate.weight
-    probe = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0))
-    probe = probe.to(weight.device, weight.dtype)
+    `route` gives: its own forward on the CPU, with random float32 weights in place of its
+    own (the rule is what is asked; its weights may be on the meta device), 4 tokens."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(tuple(gate.weight.shape), generator=generator)
+    probe = torch.randn(4, weight.shape[1], generator=generator)
     with torch.no_grad():
-        out = gate(probe)
+        out = torch.func.functional_call(gate, {"weight": weight}, (probe,))
         ids, weights = route(F.linear(probe, weight), gate.top_k, gate.norm_topk_prob)
     if not isinstance(out, tuple) or len(out) != 3:
         return False
