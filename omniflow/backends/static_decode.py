@@ -228,8 +228,9 @@ def fusable(decoder: torch.nn.Module) -> bool:
 
 def _merged(layer: torch.nn.Module) -> tuple:
     """The layer's q/k/v projections as one matrix (and bias), and its gate/up projections
-    as one (None for a sparse MoE block: its experts are stacked already): made once, with the layer's own projections pointed at views of them, so the
-    weights are held once and prefill reads the same memory."""
+    as one (None for a sparse MoE block: its experts are stacked already): made once, with
+    the layer's own projections pointed at views of them, so the weights are held once and
+    prefill reads the same memory."""
     merged = getattr(layer, "_omniflow_merged", None)
     if merged is not None:
         return merged

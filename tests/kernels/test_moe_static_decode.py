@@ -2,8 +2,8 @@
 sparse MoE block; its `hidden` items carry the accept layer's state, a `TappedDecoder`):
 op by op (`fused_moe.fused_moe(capturable=True)`: gathered expert products, no host
 readback) and on the fused kernels under Triton's interpreter (`fused_moe.fused_moe_triton`
-in place of the gate/up and down products), it decodes the dynamic path's greedy tokens and items, batched
-at different steps with a row leaving early; and a seeded sampled request draws the same
+in place of the gate/up and down products), it decodes the dynamic path's greedy tokens
+and items, batched at different steps with a row leaving early; and a seeded sampled request draws the same
 tokens on both static paths, run after run. The talker (MoE layers with a shared expert)
 with its `frame_spec`: the static step, its code predictor's 15 steps and their draws
 inside, gives the dynamic path's frames greedily (its eager `frames` never called), and a

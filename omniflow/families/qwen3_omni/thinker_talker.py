@@ -26,8 +26,8 @@ suppressed but end of speech, repetition penalty over the codes it sampled); its
 code predictor then generates codebooks 1..15 from the talker's last hidden state and that
 code, 15 steps of its own (the talker's `frame_spec`: on the dynamic path the backend's
 `frames`, on the static one inside the decode step, `omniflow.backends.static_decode`,
-its draws keyed as the backend's `sample_sub_step` keys them). The stage emits each frame whole on `codes`,
-int64 `[1, 16]`, as it is sampled. `generate` runs the code predictor one step later (in
+its draws keyed as the backend's `sample_sub_step` keys them). The stage emits each frame
+whole on `codes`, int64 `[1, 16]`, as it is sampled. `generate` runs the code predictor one step later (in
 the step that feeds the frame back), so a talker stopped by `talker_max_new_tokens=N` makes
 N - 1 frames there and N here; before the end of speech they agree frame for frame.
 
