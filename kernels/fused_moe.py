@@ -10,7 +10,8 @@ be captured in a CUDA graph):
   padded to BLOCK_M rows, with the expert of each block of BLOCK_M rows (-1 for the blocks
   past the last used one, whose programs return at once). Fourteen small torch ops on the
   device (a sort, a search, a cumsum, two scatters and the arithmetic between): their
-  count depends on neither E nor T;
+  count depends on neither E nor T; three at T = 1 (a sort, a fill, a strided copy: one
+  token's experts are distinct, one block each);
 - a grouped product of each block's tokens by its expert's gate/up matrix, with
   `silu(gate) * up` applied to the products in registers: the `[T k, I]` activations are
   written, never the `[T k, 2 I]` products;
@@ -162,11 +163,18 @@ def align(
     within one), each expert's run starting a block and padded with `T * k`; and
     `expert_ids` `[most_blocks]`: each block's expert, -1 past the last used block. Both on
     the ids' device, from torch ops whose count and shapes depend only on the shapes (no
-    host sync, no loop over experts)."""
+    host sync, no loop over experts). One token (a decode step at batch 1) takes three:
+    its k experts are distinct, so each is one entry and one block."""
     flat = topk_ids.reshape(-1)
     entries = flat.numel()
     blocks = most_blocks(entries, num_experts, block_m)
     experts, order = torch.sort(flat, stable=True)
+    if topk_ids.shape[0] == 1:
+        sorted_ids = torch.full(
+            (entries * block_m,), entries, dtype=order.dtype, device=flat.device
+        )
+        sorted_ids[::block_m] = order
+        return sorted_ids, experts
     # Each entry's rank among its expert's: its sorted position less its expert's first.
     rank = torch.arange(entries, device=flat.device) - torch.searchsorted(experts, experts)
     within = rank % block_m
