@@ -224,7 +224,8 @@ def main() -> None:
             graph.write_text(
                 source if order == "default" else source.replace("= vocoder(", ordered)
             )
-            server = Server([str(graph), *flags])
+            # (its log: an exit before it is ready raises with its tail)
+            server = Server([str(graph), *flags], log=Path(folder) / f"{order}-server.log")
             try:
                 asyncio.run(level(server.base, name, {**workload, "audio_tokens": 24}, 1, 1))
                 for clients in args.concurrency:
