@@ -18,6 +18,16 @@ decodes first), one after the other in the same run, and prints their rows toget
 
 `--scaled DEPTH` serves the graph on a random-weight build of its model at the real widths
 and DEPTH x its layers (`omniflow.checkpoints.scaled`, built once into the cache).
+
+`--preset a|b` is one of the peer's two published Qwen3-Omni workloads (issue 39), on
+graphs/qwen3_omni.omni: (a) 2,500 prompt tokens, 900 text tokens with their audio, at
+c = 1, 8, 16, 32; (b) 100 in, 100 out at c = 1, 10. The audio is capped at
+CODES_PER_TEXT_TOKEN codes a text token (a random-weight talker never ends its speech by
+itself). Flags given beside a preset override its values:
+
+    python benchmarks/load.py --preset a --devices 1xH200 --scaled 1
+    python benchmarks/load.py --preset b --tiny --prompt-tokens 20 --max-tokens 8 \
+        --audio-tokens 16 --concurrency 1 2                               # a CPU check
 """
 
 from __future__ import annotations
@@ -41,6 +51,35 @@ from omniflow.server.playback import Playback  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RATE = 24000
+# The speech of a text token, in 12.5 Hz codec frames: English speech runs ~3 tokens a
+# second, ~4 frames a token.
+CODES_PER_TEXT_TOKEN = 4
+# The peer's workloads: prompt tokens, text tokens, concurrency levels (on Qwen3-Omni).
+PRESETS = {
+    "a": {"prompt_tokens": 2500, "max_tokens": 900, "concurrency": [1, 8, 16, 32]},
+    "b": {"prompt_tokens": 100, "max_tokens": 100, "concurrency": [1, 10]},
+}
+PRESET_GRAPH = ROOT / "graphs" / "qwen3_omni.omni"
+# Without a preset.
+DEFAULTS = {
+    "graph": str(ROOT / "graphs" / "omni_chat.omni"),
+    "concurrency": [1, 10],
+    "prompt_tokens": 100,
+    "max_tokens": 100,
+    "audio_tokens": 1250,
+}
+
+
+def workload_args(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with what was not given filled from its preset (if any), then the defaults."""
+    preset = {}
+    if args.preset:
+        preset = {**PRESETS[args.preset], "graph": str(PRESET_GRAPH)}
+        preset["audio_tokens"] = preset["max_tokens"] * CODES_PER_TEXT_TOKEN
+    for key, default in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, preset.get(key, default))
+    return args
 
 
 def prompt_of(tokens: int) -> str:
@@ -152,20 +191,21 @@ def on_models(source: str, scaled: float | None, tiny: bool, devices: str) -> tu
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--graph", default=str(ROOT / "graphs" / "omni_chat.omni"))
+    parser.add_argument("--preset", choices=sorted(PRESETS), help="one of the peer's workloads")
+    parser.add_argument("--graph", help="the chat graph (default: omni_chat, or the preset's)")
     parser.add_argument("--devices", default="cpu")
     parser.add_argument("--tiny", action="store_true", help="the graph's tiny models")
     parser.add_argument("--scaled", type=float, help="a random-weight build at DEPTH x layers")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 10])
+    parser.add_argument("--concurrency", type=int, nargs="+")
     parser.add_argument("--rounds", type=int, default=1, help="requests each client sends")
-    parser.add_argument("--prompt-tokens", type=int, default=100)
-    parser.add_argument("--max-tokens", type=int, default=100)
-    parser.add_argument("--audio-tokens", type=int, default=1250)
+    parser.add_argument("--prompt-tokens", type=int)
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--audio-tokens", type=int)
     parser.add_argument("--server-args", default="", help="more `omniflow run` flags")
     parser.add_argument(
         "--orders", nargs="+", choices=("slack", "arrival"), help="the vocoder orders to compare"
     )
-    args = parser.parse_args()
+    args = workload_args(parser.parse_args())
     source = Path(args.graph).read_text()
     name = re.search(r"pipeline (\w+)", source).group(1)
     flags = ["--devices", args.devices, *args.server_args.split()]
@@ -184,7 +224,8 @@ def main() -> None:
             graph.write_text(
                 source if order == "default" else source.replace("= vocoder(", ordered)
             )
-            server = Server([str(graph), *flags])
+            # (its log: an exit before it is ready raises with its tail)
+            server = Server([str(graph), *flags], log=Path(folder) / f"{order}-server.log")
             try:
                 asyncio.run(level(server.base, name, {**workload, "audio_tokens": 24}, 1, 1))
                 for clients in args.concurrency:
@@ -195,8 +236,10 @@ def main() -> None:
                     print(rows[-1], flush=True)
             finally:
                 server.stop()
+    preset = f"preset {args.preset}: " if args.preset else ""
     print(
-        f"\n{name} on {args.devices}{' (scaled ' + str(args.scaled) + ')' if args.scaled else ''}: "
+        f"\n{preset}{name} on {args.devices}"
+        f"{' (scaled ' + str(args.scaled) + ')' if args.scaled else ''}: "
         f"{args.prompt_tokens} prompt tokens, {args.max_tokens} text tokens, "
         f"{args.audio_tokens} codes; {args.rounds} request(s) per client"
     )

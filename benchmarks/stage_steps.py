@@ -23,6 +23,17 @@ measured in the same run (8192^3).
     python benchmarks/stage_steps.py                       # real size, batches 1 and 10
     python benchmarks/stage_steps.py --depth 0.25 --batches 1 4 --steps 16
     python benchmarks/stage_steps.py --modes graphs --batches 1 --kernels 12   # what bounds a replay
+
+`--checkpoint DIR` measures Qwen3-Omni's thinker from a built checkpoint instead (the
+random-weight build at real size, `omniflow models build-scaled
+Qwen/Qwen3-Omni-30B-A3B-Instruct`, or tiny:qwen3-omni's folder for a CPU smoke run), loaded
+as the serving stage loads it (`omniflow.families.qwen3_omni.thinker_talker.load`). Its
+layers are sparse MoE blocks: a step reads the attention, router and norms of every layer
+and, of its experts, only those its rows pick; the roofline counts the distinct experts
+`batch` tokens pick in a layer when each picks top_k of E uniformly,
+E (1 - (1 - k / E)^batch) (a random router's picks; a trained one's are no more spread).
+
+    python benchmarks/stage_steps.py --checkpoint /dev/shm/q3 --batches 1 32 --modes graphs
 """
 
 from __future__ import annotations
@@ -35,9 +46,11 @@ import time
 import torch
 
 from omniflow.backends import static_decode
+from omniflow.backends.tapped_decoder import untapped
 from omniflow.backends.transformers_ar import Component, TransformersAR, cache_columns
 from omniflow.compiler import compile_source
 from omniflow.families.qwen2_5_omni.checkpoints import scaled_stage
+from omniflow.kernels import fused_moe
 from omniflow.kernels.timing import kernel_table
 from omniflow.runtime.stage import Call, InputStream, StageSpec
 
@@ -63,9 +76,12 @@ pipeline steps {{
 }}
 """,
 }
+# Qwen3-Omni's thinker (`--checkpoint`): the same stage on tiny:qwen3-omni's plan (the
+# component loaded from the checkpoint takes the tiny one's place).
+SOURCES["qwen3-thinker"] = SOURCES["thinker"].replace("tiny:qwen2.5-omni", "tiny:qwen3-omni")
 # The sampling each stage runs with in the omni pipeline: the thinker greedy (omni_chat's
 # temperature 0), the talker with generate's talker defaults (the component's own).
-PARAMS = {"thinker": {"temperature": 0.0}, "talker": {}}
+PARAMS = {"thinker": {"temperature": 0.0}, "qwen3-thinker": {"temperature": 0.0}, "talker": {}}
 
 
 def backend_for(stage: str, component, mode: str, slots: int, max_len: int, max_tokens: int):
@@ -75,7 +91,7 @@ def backend_for(stage: str, component, mode: str, slots: int, max_len: int, max_
     )
     device = str(component.head.weight.device)
     plan = compile_source(source, devices="1xH200" if device.startswith("cuda") else "cpu")
-    spec = StageSpec.from_channels(plan.stage(stage), plan.channels)
+    spec = StageSpec.from_channels(plan.stages[0], plan.channels)
     start = time.perf_counter()
     backend = TransformersAR(spec, device, component=component)
     if unfused:  # the static decoder of `decode`, on the model's own modules
@@ -204,20 +220,48 @@ def matmul_rate(device: str, n: int = 8192, dtype: torch.dtype = torch.bfloat16)
     return 2 * n**3 / _seconds(lambda: a @ b, device)
 
 
-def decode_weight_bytes(component) -> int:
-    """Bytes of the weights one decode step reads: the decoder's layers and final norm, the
-    head, and the input projection where the component has one."""
-    modules = [component.decoder.layers, component.decoder.norm, component.head]
+def decode_weight_bytes(component, batch: int) -> int:
+    """Bytes of the weights one decode step of `batch` rows reads: the decoder's layers and
+    final norm, the head, and the input projection where the component has one; of a
+    sparse MoE layer's experts, those `batch` tokens pick (`picked_experts`)."""
+    decoder, _ = untapped(component.decoder)
+    modules = [decoder.layers, decoder.norm, component.head]
     projection = getattr(component.model, "thinker_to_talker_proj", None)
     if projection is not None:
         modules.append(projection)
-    return sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+    total = sum(p.numel() * p.element_size() for m in modules for p in m.parameters())
+    for layer in decoder.layers:
+        if fused_moe.routed(layer.mlp):
+            experts = layer.mlp.experts
+            stacks = (experts.gate_up_proj, experts.down_proj)
+            per_expert = sum(w[0].numel() * w.element_size() for w in stacks)
+            unread = experts.gate_up_proj.shape[0] - picked_experts(layer.mlp, batch)
+            total -= unread * per_expert
+    return total
+
+
+def picked_experts(block, batch: int) -> float:
+    """Distinct experts `batch` tokens pick when each picks top_k of E uniformly."""
+    count, top_k = block.experts.gate_up_proj.shape[0], block.gate.top_k
+    return count * (1 - (1 - top_k / count) ** batch)
+
+
+def load_stage(stage: str, args):
+    """The stage's component: Qwen3-Omni's thinker from `--checkpoint`, else the scaled
+    Qwen2.5-Omni stage made in memory."""
+    if stage != "qwen3-thinker":
+        return scaled_stage(stage, args.depth, args.device)
+    from omniflow.families.qwen3_omni.thinker_talker import load
+
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    return load(args.checkpoint, "thinker", args.device, dtype)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--depth", type=float, default=1.0, help="layers x the real model's")
     parser.add_argument("--stages", nargs="+", default=["thinker", "talker"])
+    parser.add_argument("--checkpoint", help="a Qwen3-Omni build: measure its thinker")
     parser.add_argument(
         "--modes", nargs="+", default=["eager", "graphs-unfused", "graphs"],
         choices=["eager", "static", "static-unfused", "graphs", "graphs-unfused"],
@@ -235,6 +279,8 @@ def main() -> None:
         help="print each replay's N costliest kernels",
     )
     args = parser.parse_args()
+    if args.checkpoint:
+        args.stages = ["qwen3-thinker"]
     torch.set_num_threads(1)
     cuda = args.device.startswith("cuda")
     if cuda:
@@ -249,11 +295,10 @@ def main() -> None:
     )
     rows = []
     for stage in args.stages:
-        component = scaled_stage(stage, args.depth, args.device)
-        weights = decode_weight_bytes(component)
+        component = load_stage(stage, args)
         per_token = 0
         # Prompt ids: text the tokenizer has, or codec ids.
-        vocab = len(component.tokenizer) if stage == "thinker" else 8192
+        vocab = len(component.tokenizer) if stage != "talker" else 8192
         for mode in args.modes:
             backend, load_s = backend_for(
                 stage, component, mode, args.slots, args.prompt, args.steps + 16
@@ -273,8 +318,11 @@ def main() -> None:
                 prefill, step_ms, replay_ms, kv = step_times(
                     backend, stage, batch, args.prompt, args.steps, vocab, args.kernels
                 )
+                weights = decode_weight_bytes(component, batch)
                 read = weights + kv * per_token
-                flops = 2 * (weights / component.head.weight.element_size()) * batch
+                # (each row multiplies by a token's weights: of a MoE layer, its top_k experts)
+                per_row = decode_weight_bytes(component, 1) / component.head.weight.element_size()
+                flops = 2 * per_row * batch
                 roof_ms = max(read / bandwidth, flops / rate) * 1e3
                 rows.append((stage, mode, batch, prefill, step_ms, replay_ms, roof_ms, weights))
                 print(
@@ -312,7 +360,7 @@ def main() -> None:
         "median wall time of a decode step (a backend step, ids on the host); replay: the "
         "CUDA graph alone; roofline: (decode weights + KV read) / copy bandwidth, or FLOPs / matmul rate if "
         "larger; weights: "
-        + ", ".join(f"{s} {w / 1e9:.2f} GB" for s, w in {r[0]: r[7] for r in rows}.items())
+        + ", ".join(f"{r[0]} at {r[2]} {r[7] / 1e9:.2f} GB" for r in rows if r[1] == rows[0][1])
         + ")"
     )
 

@@ -10,7 +10,8 @@ be captured in a CUDA graph):
   padded to BLOCK_M rows, with the expert of each block of BLOCK_M rows (-1 for the blocks
   past the last used one, whose programs return at once). Fourteen small torch ops on the
   device (a sort, a search, a cumsum, two scatters and the arithmetic between): their
-  count depends on neither E nor T;
+  count depends on neither E nor T; three at T = 1 (a sort, a fill, a strided copy: one
+  token's experts are distinct, one block each);
 - a grouped product of each block's tokens by its expert's gate/up matrix, with
   `silu(gate) * up` applied to the products in registers: the `[T k, I]` activations are
   written, never the `[T k, 2 I]` products;
@@ -24,7 +25,13 @@ experts module (`Qwen3OmniMoeThinkerTextExperts`, `Qwen3OmniMoeTalkerTextExperts
 `F.linear` takes) and `down_proj` `[E, H, I]`; the router (`block.gate`) has `weight`
 `[E, H]`. `moe_forward(block, hidden)` runs a transformers sparse MoE block on these
 kernels from the block's own parameters; `register()` also makes them a transformers
-experts implementation (`experts_implementation="omniflow_fused_moe"`).
+experts implementation (`experts_implementation="omniflow_fused_moe"`). `routed(block)`
+says whether a block is one `moe_forward` computes (its structure, and its router's rule
+probed), which is what lets the static decode step (`omniflow.backends.static_decode`) take
+a MoE layer; `fused_moe(..., capturable=True)` is the path with no host readback anywhere
+that a captured step runs: the kernels on CUDA, elsewhere `experts_gathered` (each entry's
+expert matrices gathered and multiplied as a batch; `experts_reference`, like transformers,
+reads the experts hit back to the host).
 
 Why: at decode each token reads top_k experts' weights (the thinker's: 9.4 MB an expert,
 75 MB a token) for a few rows each, so the layer is bound by how fast those weights stream.
@@ -156,11 +163,18 @@ def align(
     within one), each expert's run starting a block and padded with `T * k`; and
     `expert_ids` `[most_blocks]`: each block's expert, -1 past the last used block. Both on
     the ids' device, from torch ops whose count and shapes depend only on the shapes (no
-    host sync, no loop over experts)."""
+    host sync, no loop over experts). One token (a decode step at batch 1) takes three:
+    its k experts are distinct, so each is one entry and one block."""
     flat = topk_ids.reshape(-1)
     entries = flat.numel()
     blocks = most_blocks(entries, num_experts, block_m)
     experts, order = torch.sort(flat, stable=True)
+    if topk_ids.shape[0] == 1:
+        sorted_ids = torch.full(
+            (entries * block_m,), entries, dtype=order.dtype, device=flat.device
+        )
+        sorted_ids[::block_m] = order
+        return sorted_ids, experts
     # Each entry's rank among its expert's: its sorted position less its expert's first.
     rank = torch.arange(entries, device=flat.device) - torch.searchsorted(experts, experts)
     within = rank % block_m
@@ -312,19 +326,87 @@ def reference(
     renormalize: bool = False,
     topk_ids: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
+    experts=None,
 ) -> torch.Tensor:
-    """`fused_moe_triton`'s result as torch computes it (`route`, `experts_reference`)."""
+    """`fused_moe_triton`'s result as torch computes it (`route`, then `experts`:
+    `experts_reference` by default)."""
     ids, weights = _routing(
         hidden, w_gate_up, w_down, router_logits, top_k, renormalize, topk_ids, topk_weights
     )
-    return experts_reference(hidden, w_gate_up, w_down, ids, weights)
+    return (experts or experts_reference)(hidden, w_gate_up, w_down, ids, weights)
 
 
-def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, **routing):
-    """The kernels on CUDA, the reference elsewhere."""
+def fused_moe(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    *,
+    capturable: bool = False,
+    **routing,
+):
+    """The kernels on CUDA, the reference elsewhere (`capturable`: its experts by
+    `experts_gathered`, with no host readback, so that a captured step may run it)."""
     if hidden.is_cuda and triton is not None:
         return fused_moe_triton(hidden, w_gate_up, w_down, **routing)
-    return reference(hidden, w_gate_up, w_down, **routing)
+    experts = experts_gathered if capturable else experts_reference
+    return reference(hidden, w_gate_up, w_down, experts=experts, **routing)
+
+
+def experts_gathered(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The routed experts as `experts_reference` computes them, in torch ops whose count and
+    shapes depend on the shapes only: each (token, expert) entry's matrices gathered and
+    multiplied as a batch, so nothing is read back to the host and a step can be captured.
+    It reads T k experts' weights a step (copies of them, where the kernels stream them
+    once): the stand-in for the kernels where they cannot run, not a fast path."""
+    _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
+    tokens, top_k = topk_ids.shape
+    experts = topk_ids.reshape(-1)
+    x = hidden.repeat_interleave(top_k, dim=0)[:, :, None]  # [T k, H, 1]
+    act = silu_mul.reference(torch.bmm(w_gate_up[experts], x)[..., 0])
+    out = torch.bmm(w_down[experts], act[:, :, None])[..., 0] * topk_weights.reshape(-1, 1)
+    return out.to(hidden.dtype).view(tokens, top_k, -1).sum(1)
+
+
+def routed(block: torch.nn.Module) -> bool:
+    """Whether `block` is a sparse MoE block `moe_forward` computes: a router `gate` (its
+    `weight` `[E, H]`, `top_k`, `norm_topk_prob`) and `experts` in the layout the kernels
+    take, and beside them nothing or a shared expert with its gate (`shared_expert`,
+    `shared_expert_gate`, which `moe_forward` gates by a sigmoid). Asked of the structure,
+    and of the router's own forward on a probe (it must pick and weigh as `route` does), so
+    any model built of such blocks is, and one routing otherwise is not."""
+    parts = {name for name, _ in block.named_children()}
+    shared = {"shared_expert", "shared_expert_gate"}
+    if parts not in ({"gate", "experts"}, {"gate", "experts"} | shared):
+        return False
+    gate = block.gate
+    if not all(hasattr(gate, name) for name in ("weight", "top_k", "norm_topk_prob")):
+        return False
+    try:
+        _experts_weights(block.experts)
+    except MoEError:
+        return False
+    return _routes_as_route(gate)
+
+
+def _routes_as_route(gate: torch.nn.Module) -> bool:
+    """Whether the router's forward gives (logits, weights, ids) with the weights and ids
+    `route` gives: its own forward on the CPU, with random float32 weights in place of its
+    own (the rule is what is asked; its weights may be on the meta device), 4 tokens."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(tuple(gate.weight.shape), generator=generator)
+    probe = torch.randn(4, weight.shape[1], generator=generator)
+    with torch.no_grad():
+        out = torch.func.functional_call(gate, {"weight": weight}, (probe,))
+        ids, weights = route(F.linear(probe, weight), gate.top_k, gate.norm_topk_prob)
+    if not isinstance(out, tuple) or len(out) != 3:
+        return False
+    return torch.equal(out[2], ids) and torch.equal(out[1], weights)
 
 
 def _experts_weights(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

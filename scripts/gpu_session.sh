@@ -6,6 +6,10 @@
 # runs the parts named as arguments: setup tests edges steps skinny moe kernels frames
 # code2wav tts windows build streaming long load omni-input diffusion attention wan-build
 # wan-a14b wan-ti2v wan-serve cold cold-fresh
+# omni-build omni-steps omni-load (Qwen3-Omni at full depth, built into memory: their
+# OMNIFLOW_CACHE is /dev/shm/omniflow-cache, or where /dev/shm cannot hold the whole build
+# the disk's cache with the shards that do not fit there spilling into /dev/shm; omni-load:
+# OMNI_PRESETS, default "b a", and OMNI_ARGS added to load.py's flags)
 # (streaming and long: DEVICES, default 1xH200, and ALSO_DEVICES beside it, e.g. DEVICES=2xH200
 # ALSO_DEVICES=1xH200, and STREAMING_ARGS added to the benchmark's, e.g. "--breakdown
 # --lookahead 24 12"; windows: WINDOW_KERNELS=N adds each replay's N costliest kernels;
@@ -29,6 +33,20 @@ wan_cache() {  # MODEL DEPTH
       echo "OMNIFLOW_CACHE=$OMNIFLOW_CACHE: $(df -h /dev/shm | tail -1)" ;;
   esac
 }
+OMNI_MODEL=Qwen/Qwen3-Omni-30B-A3B-Instruct
+OMNI_BUILD=Qwen--Qwen3-Omni-30B-A3B-Instruct-1  # scaled_checkpoint's folder for depth 1
+OMNI_GIB=70  # the build's ~66 GiB and some room
+free_gib() { mkdir -p "$1" && df -B1G --output=avail "$1" | tail -1 | tr -d ' '; }
+omni_cache() {
+  # The cache the full-depth build is in, else the one it goes into: /dev/shm where it
+  # holds the whole build, else the disk's (the builder spills what does not fit there
+  # into /dev/shm: scaled.build_scaled).
+  for dir in /dev/shm/omniflow-cache "$OMNIFLOW_CACHE"; do
+    [ -e "$dir/scaled/$OMNI_BUILD/MANIFEST" ] && { echo "$dir"; return; }
+  done
+  if [ "$(free_gib /dev/shm)" -ge $OMNI_GIB ]; then echo /dev/shm/omniflow-cache; else echo "$OMNIFLOW_CACHE"; fi
+}
+OMNI_CACHE=$(omni_cache)
 for part in "$@"; do
   start=$(date +%s)
   case $part in
@@ -167,6 +185,42 @@ for part in "$@"; do
       (cd /tmp && timeout ${OMNI_INPUT_S:-400} python3 "$here/benchmarks/omni_input.py" \
         --devices ${DEVICES:-1xH200} --scaled 1 ${OMNI_INPUT_ARGS:-}) 2>&1 \
         | grep -v -i "warn\|model config" | tee "$OUT/omni_input.log"
+      ;;
+    omni-build)
+      # The full-depth random-weight Qwen3-Omni (~66 GB, bf16) built on the GPU and written
+      # shard by shard under /dev/shm (memory: the 64 GiB disk cannot hold it), once; the
+      # other omni-* parts read it there. Refused up front where /dev/shm has no room.
+      shm=$(free_gib /dev/shm); disk=0
+      [ "$OMNI_CACHE" = /dev/shm/omniflow-cache ] || disk=$(free_gib "$OMNI_CACHE")
+      if [ ! -e "$OMNI_CACHE/scaled/$OMNI_BUILD/MANIFEST" ] && [ $((shm + disk)) -lt $OMNI_GIB ]; then
+        echo "omni-build: /dev/shm has $shm GiB free and $OMNI_CACHE's disk $disk; the build needs ~66 GiB" \
+          | tee "$OUT/omni_build.log"
+      else
+        echo "omni-build into $OMNI_CACHE (/dev/shm: $shm GiB free)" | tee "$OUT/omni_build.log"
+        OMNIFLOW_CACHE=$OMNI_CACHE timeout ${OMNI_BUILD_S:-580} python3 -P -c "from omniflow.checkpoints.scaled import scaled_checkpoint; print(scaled_checkpoint('$OMNI_MODEL', 1.0, 'cuda'))" 2>&1 \
+          | grep -v -i "warn" | tail -3 | tee -a "$OUT/omni_build.log"
+        du -shL "$OMNI_CACHE/scaled/$OMNI_BUILD" 2>&1 | tee -a "$OUT/omni_build.log"
+      fi
+      ;;
+    omni-steps)
+      # The thinker's decode step (fused MoE kernels, captured) at batch 1 and 32 against
+      # its weight-read bound: the attention, router and norms, and the experts its rows
+      # pick (benchmarks/stage_steps.py --checkpoint; the issue's goal: within 1.5x).
+      OMNIFLOW_CACHE=$OMNI_CACHE timeout ${OMNI_STEPS_S:-580} python3 benchmarks/stage_steps.py \
+        --checkpoint "$OMNI_CACHE/scaled/$OMNI_BUILD" --modes graphs graphs-unfused \
+        --batches 1 32 --slots 32 --steps 24 ${OMNI_STEPS_ARGS:-} 2>&1 | grep -v -i "warn" \
+        | tee "$OUT/omni_steps.log"
+      ;;
+    omni-load)
+      # The peer's two workloads (benchmarks/load.py --preset a: 2,500 prompt tokens, 900
+      # out with audio, c = 1, 8, 16, 32; b: 100 in, 100 out, c = 1, 10) through HTTP on
+      # the full-depth build, one H200 (a preset a run may need its levels split over calls:
+      # OMNI_ARGS="--concurrency 1 8", then "--concurrency 16 32").
+      for preset in ${OMNI_PRESETS:-b a}; do
+        (cd /tmp && OMNIFLOW_CACHE=$OMNI_CACHE timeout ${OMNI_LOAD_S:-580} python3 \
+          "$here/benchmarks/load.py" --preset "$preset" --devices 1xH200 --scaled 1 \
+          ${OMNI_ARGS:-}) 2>&1 | grep -v -i "warn\|model config" | tee "$OUT/omni_load_$preset.log"
+      done
       ;;
     cold)
       (cd /tmp && timeout ${COLD_S:-200} python3 "$here/benchmarks/cold_start.py" --devices 1xH200 \

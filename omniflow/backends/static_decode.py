@@ -97,13 +97,21 @@ What the static path supports (`unsupported` says why not): decoders whose layer
 Llama/Qwen2/Qwen3 shape (`input_layernorm`, `self_attn` with q/k/v/o projections, GQA
 allowed, per-head q/k RMSNorms before the rotary allowed (Qwen3's `q_norm`, `k_norm`: on the
 fused path the rotary kernel normalizes each head first), no sliding window,
-`post_attention_layernorm`, `mlp`), a final `norm`, and the default RoPE of the model's
+`post_attention_layernorm`, `mlp`: dense and gated, or a sparse MoE block that
+`omniflow.kernels.fused_moe` computes, `fused_moe.routed`: routed experts, optionally a
+shared one), a final `norm`, and the default RoPE of the model's
 `rotary_emb` (multimodal RoPE included: in decode its three position components are equal,
 so its rotation is the plain one); beside them a decoder may hold input tables its forward
 never reads when given input embeddings (a talker's text embedding, a code predictor's
 codebook tables). Attention is `scaled_dot_product_attention` with the query heads of each
 key/value head as its query rows, so keys and values are read once and never repeated per
-query head.
+query head. A MoE block runs without reading anything back to the host (transformers' own
+forward reads the experts it hit), so its step is captured like a dense one: on the fused
+path through the fused MoE kernels (router, align, grouped gate/up with SiLU x up, grouped
+down; a shared expert through its own modules, gated by its sigmoid), op by op through
+`fused_moe.fused_moe(capturable=True)` (the kernels on CUDA, gathered expert products
+elsewhere). A `TappedDecoder` (`omniflow.backends.tapped_decoder`) runs as the model it
+wraps, its step's hidden states `[B, 2H]`: the final ones, then its tapped layer's.
 """
 
 from __future__ import annotations
@@ -119,7 +127,8 @@ import torch.nn.functional as F
 
 from omniflow.backends.cuda_graphs import capture_graph
 from omniflow.backends.sampling_params import Sampling
-from omniflow.kernels import rms_norm, rope_cache, silu_mul, skinny_matmul
+from omniflow.backends.tapped_decoder import untapped
+from omniflow.kernels import fused_moe, rms_norm, rope_cache, silu_mul, skinny_matmul
 from omniflow.kernels import sampling as sampler
 from omniflow.runtime.readback import IN_FLIGHT
 
@@ -158,6 +167,7 @@ def _is_table(module: torch.nn.Module) -> bool:
 
 def unsupported(decoder: torch.nn.Module) -> str | None:
     """Why the static path cannot run `decoder` (None: it can)."""
+    decoder, _ = untapped(decoder)
     parts = {name for name, _ in decoder.named_children()}
     others = [getattr(decoder, name) for name in parts - _DECODER_PARTS]
     if not {"layers", "norm", "rotary_emb"} <= parts or not all(map(_is_table, others)):
@@ -176,8 +186,11 @@ def unsupported(decoder: torch.nn.Module) -> str | None:
             return f"layer {i} attends through a sliding window"
         if not hasattr(attention, "head_dim") or not hasattr(attention, "scaling"):
             return f"layer {i}'s attention has no head_dim or scaling"
-        if not _dense(layer.mlp):  # a mixture of experts picks its experts on the host
-            return f"layer {i}'s MLP is not a dense gated one ({type(layer.mlp).__name__})"
+        if not _dense(layer.mlp) and not fused_moe.routed(layer.mlp):
+            return (
+                f"layer {i}'s MLP is neither a dense gated one nor a sparse MoE block the"
+                f" fused MoE kernels compute ({type(layer.mlp).__name__})"
+            )
     return None
 
 
@@ -199,13 +212,17 @@ def _is_silu(act) -> bool:
 def fusable(decoder: torch.nn.Module) -> bool:
     """Whether the fused step (`StaticDecoder(fused=True)`) can run `decoder`: RMSNorms
     with a weight and `variance_epsilon` (q/k norms too, where the attention has them),
-    SwiGLU MLPs (gate, up, down projections, SiLU, no gate/up bias)."""
+    SwiGLU MLPs (gate, up, down projections, SiLU, no gate/up bias) or sparse MoE blocks
+    (`fused_moe.routed`: SwiGLU experts, run on the fused MoE kernels)."""
+    decoder, _ = untapped(decoder)
     norms = [decoder.norm]
     for layer in decoder.layers:
         norms += [layer.input_layernorm, layer.post_attention_layernorm]
         if hasattr(layer.self_attn, "q_norm"):
             norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
         mlp = layer.mlp
+        if fused_moe.routed(mlp):
+            continue
         if not _dense(mlp) or not _is_silu(getattr(mlp, "act_fn", None)):
             return False
         if mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
@@ -217,8 +234,9 @@ def fusable(decoder: torch.nn.Module) -> bool:
 
 def _merged(layer: torch.nn.Module) -> tuple:
     """The layer's q/k/v projections as one matrix (and bias), and its gate/up projections
-    as one: made once, with the layer's own projections pointed at views of them, so the
-    weights are held once and prefill reads the same memory."""
+    as one (None for a sparse MoE block: its experts are stacked already): made once, with
+    the layer's own projections pointed at views of them, so the weights are held once and
+    prefill reads the same memory."""
     merged = getattr(layer, "_omniflow_merged", None)
     if merged is not None:
         return merged
@@ -239,13 +257,14 @@ def _merged(layer: torch.nn.Module) -> tuple:
     projections = [attention.q_proj, attention.k_proj, attention.v_proj]
     with torch.no_grad():
         qkv = fuse(projections, all(p.bias is not None for p in projections))
-        gate_up, _ = fuse([mlp.gate_proj, mlp.up_proj], False)
+        gate_up = fuse([mlp.gate_proj, mlp.up_proj], False)[0] if _dense(mlp) else None
     layer._omniflow_merged = (*qkv, gate_up)
     return layer._omniflow_merged
 
 
 def kv_bytes_per_token(decoder: torch.nn.Module) -> int:
     """Bytes of keys and values one position of one request holds, every layer."""
+    decoder, _ = untapped(decoder)
     attention = decoder.layers[0].self_attn
     weight = attention.k_proj.weight
     return 2 * len(decoder.layers) * weight.shape[0] * weight.element_size()
@@ -341,9 +360,11 @@ class DecoderCache:
     """A decoder's layers run one row a slot over a static KV cache `[layers, slots,
     kv_heads, columns, head_dim]`: the model's own modules op by op, or the fused kernels
     (`fused`; see the module docstring). What `StaticDecoder`'s step and its
-    `FrameCompleter`'s predictor both run."""
+    `FrameCompleter`'s predictor both run. A `TappedDecoder`'s hidden states carry its
+    tapped layer's after the final ones (`[B, 2H]`), as its forward's do."""
 
     def __init__(self, decoder: torch.nn.Module, *, slots: int, columns: int, device, fused):
+        decoder, self.tap = untapped(decoder)
         self.layers = list(decoder.layers)
         self.norm, self.rotary = decoder.norm, decoder.rotary_emb
         attention = self.layers[0].self_attn
@@ -408,13 +429,15 @@ class DecoderCache:
         where given), attention (`attend(layer, q)`: `[N, Hq * d]`), o projection, add +
         norm, one gate/up product and SiLU x up, down projection (`_project`). Returns the
         final hidden states `[N, H]`."""
-        residual, delta = x, None
+        residual, delta, tapped = x, None, x
         for i, layer in enumerate(self.layers):
             qkv_weight, qkv_bias, gate_up = self.merged[i]
             norm, attention = layer.input_layernorm, layer.self_attn
             h, residual = rms_norm.add_rms_norm_triton(
                 residual, delta, norm.weight, norm.variance_epsilon
             )
+            if i == self.tap:  # (the residual stream: layer i - 1's output)
+                tapped = residual
             q = rope_cache.rope_cache_triton(
                 F.linear(h, qkv_weight, qkv_bias), cos, sin, columns, self.keys[i],
                 self.values[i], self.q_heads, self.kv_heads, slots, *_qk_norms(attention),
@@ -426,13 +449,25 @@ class DecoderCache:
                 norm.weight,
                 norm.variance_epsilon,
             )
-            down = layer.mlp.down_proj
-            act = _project(h, gate_up, gated=True)
-            delta = _project(act, down.weight, down.bias, split=True)
+            if gate_up is None:  # a sparse MoE block: the fused MoE kernels
+                delta = fused_moe.moe_forward(layer.mlp, h, moe=fused_moe.fused_moe_triton)
+            else:
+                down = layer.mlp.down_proj
+                act = _project(h, gate_up, gated=True)
+                delta = _project(act, down.weight, down.bias, split=True)
         hidden, _ = rms_norm.add_rms_norm_triton(
             residual, delta, self.norm.weight, self.norm.variance_epsilon
         )
-        return hidden
+        return self._with_tap(hidden, tapped)
+
+    def _with_tap(self, hidden: torch.Tensor, tapped: torch.Tensor) -> torch.Tensor:
+        """The final hidden states, then (a `TappedDecoder`'s) its tapped layer's: `tapped`
+        where the tap is inside the stack, the final states at or past its end."""
+        if self.tap is None:
+            return hidden
+        if self.tap >= len(self.layers):
+            tapped = hidden
+        return torch.cat((hidden, tapped.to(hidden.dtype)), dim=-1)
 
     def _decode_layers(self, x, cos, sin, filled, length: int) -> torch.Tensor:
         """The decoder through the model's own modules (norms, projections, MLPs), op by op
@@ -444,7 +479,10 @@ class DecoderCache:
         mask = (self.columns_index[:length][None] <= filled[:, None])[:, None, None]
         where = filled.clamp(max=self.columns - 1).view(b, 1, 1, 1)
         where = where.expand(b, self.kv_heads, 1, d)
+        tapped = x
         for i, layer in enumerate(self.layers):
+            if i == self.tap:
+                tapped = x
             attention = layer.self_attn
             h = layer.input_layernorm(x)
             q = attention.q_proj(h).view(b, 1, self.q_heads, d)
@@ -465,11 +503,23 @@ class DecoderCache:
                 mask,
             )
             x = x + attention.o_proj(out.reshape(b, 1, self.q_heads * d))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)[:, 0]
+            x = x + _mlp(layer.mlp, layer.post_attention_layernorm(x))
+        return self._with_tap(self.norm(x), tapped)[:, 0]
 
     def close(self) -> None:
         self.keys = self.values = None
+
+
+def _mlp(mlp: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """A layer's MLP op by op: the module's own forward, but for a sparse MoE block, whose
+    forward reads the experts it hit back to the host, `fused_moe.moe_forward` with no
+    readback (the kernels on CUDA, the gathered torch products elsewhere)."""
+    if _dense(mlp):
+        return mlp(h)
+    return fused_moe.moe_forward(mlp, h, moe=_capturable_moe)
+
+
+_capturable_moe = functools.partial(fused_moe.fused_moe, capturable=True)
 
 
 def _qk_norms(attention: torch.nn.Module) -> tuple:
@@ -496,6 +546,16 @@ class FrameSpec:
     @property
     def groups(self) -> int:
         return len(self.heads) + 1
+
+
+def summed_codebooks(first: torch.nn.Module, tables: Sequence[torch.nn.Module], codes):
+    """`[N, D]`: each frame's codebook embeddings summed, codebook 0 in the LM's table
+    `first`, codebook g >= 1 in `tables[g - 1]`: a talker's next input from frames `codes`
+    `[N, G]` (what a `FrameSpec.frame_embeds` computes)."""
+    total = first(codes[:, 0])
+    for g, table in enumerate(tables, start=1):
+        total = total + table(codes[:, g])
+    return total
 
 
 def _sampling_params(owner, b: int, step: torch.Tensor) -> sampler.Params:
@@ -633,7 +693,7 @@ class StaticDecoder(DecoderCache):
         self.prefill_replays = 0  # lone prompts' prefills replayed from theirs
         embed = component.embed.weight
         vocab = component.head.out_features
-        hidden = self.norm.weight.shape[0]
+        hidden = self.norm.weight.shape[0] * (1 if self.tap is None else 2)
         self.frames = None
         if frames is not None:
             self.frames = FrameCompleter(

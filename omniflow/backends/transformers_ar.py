@@ -132,12 +132,12 @@ class Component(ABC):
     # Every prompt carries position ids (`Prompt.positions`: multimodal RoPE), so the static
     # path's lone-prompt prefill graphs would never replay: none are captured.
     prompt_positions: bool = False
-    # A codec LM whose step emits a frame of several codebooks: how the static decode step
-    # completes each frame on the device (None: a frame, if any, is the sampled token's
-    # `code`). Its eager `frames` and `step_embeds` must compute what the spec says: the
+    # A codec LM whose step emits a frame of several codebooks: how its frames are completed
+    # (None: a frame, if any, is the sampled token's `code`), on the device inside the static
+    # step, and by `frames` (`complete_frames`) and `step_embeds` on the dynamic path: the
     # frame's codes, and as the next step's input the frame's `frame_embeds` plus
-    # `step_extra`'s row; its `frames` value's last row is the frame sampled (rows before
-    # it: context sent with the first frame, which the static path adds by `first_code`).
+    # `step_extra`'s row; a `frames` value's last row is the frame sampled (rows before it:
+    # context sent with the first frame, `first_code`).
     frame_spec: static_decode.FrameSpec | None = None
     defaults: dict  # sampling defaults of the model (subset of SAMPLING_KEYS)
 
@@ -180,9 +180,14 @@ class Component(ABC):
 
     def step_embeds(self, seqs: list[Sequence]) -> torch.Tensor:
         """[n, E]: the input embedding of each sequence's next decode step: the embedding of
-        the id it sampled last, plus `step_extra`'s row if the component has one."""
-        ids = torch.tensor([s.last for s in seqs], device=self.embed.weight.device)
-        embeds = self.embed(ids)
+        the id it sampled last (with a `frame_spec`, its last frame's `frame_embeds`), plus
+        `step_extra`'s row if the component has one."""
+        if self.frame_spec is not None:
+            embeds = torch.stack([s.frame_input for s in seqs])
+        else:
+            embeds = self.embed(
+                torch.tensor([s.last for s in seqs], device=self.embed.weight.device)
+            )
         extra = self.step_extra(seqs)
         return embeds if extra is None else embeds + extra
 
@@ -202,14 +207,28 @@ class Component(ABC):
         self, seqs: list[Sequence], ids: list[int], hidden: torch.Tensor
     ) -> list[torch.Tensor | None]:
         """The `codes` outputs of the tokens `ids` that `seqs` just sampled from their last
-        hidden states `hidden` `[n, H]`, one per sequence: by default each token's `code`. A
-        codec LM whose frame holds more than the sampled token computes the frames here, for
-        the batch at once (Qwen3-Omni's talker: its code predictor fills the other
-        codebooks from the hidden state). The static decode path never calls this: its
-        steps, and the first step after a prefill, emit `code`, or with a `frame_spec`, the
-        frames they completed on the device (none for an end id), the first through
-        `first_code`."""
-        return [self.code(token) for token in ids]
+        hidden states `hidden` `[n, H]`, one per sequence: by default each token's `code`;
+        with a `frame_spec`, each frame completed by its second decoder (`complete_frames`,
+        the batch at once; none for an end id), each sequence's next input kept
+        (`Sequence.frame_input`), the first through `first_code`. The static decode path
+        never calls this: its steps, and the first step after a prefill, emit `code`, or the
+        frames they completed on the device."""
+        spec = self.frame_spec
+        if spec is None:
+            return [self.code(token) for token in ids]
+        out: list[torch.Tensor | None] = [None] * len(ids)
+        rows = [i for i, token in enumerate(ids) if token not in self.eos_ids]
+        if not rows:
+            return out
+        sub = [seqs[i] for i in rows]
+        first = torch.tensor([ids[i] for i in rows], device=hidden.device)
+        codes = complete_frames(spec, self.embed, hidden[rows], first, sub)
+        inputs = spec.frame_embeds(codes)
+        host = codes.cpu()  # one read-back for the batch
+        for j, (i, seq) in enumerate(zip(rows, sub, strict=True)):
+            seq.frame_input = inputs[j]
+            out[i] = self.first_code(seq, host[j : j + 1])
+        return out
 
     def first_code(self, seq: Sequence, code: torch.Tensor) -> torch.Tensor:
         """The `codes` output of a request's first token, whose own is `code` `[1, Q]` (on
@@ -434,6 +453,49 @@ def sample_sub_step(
     return torch.stack(chosen)
 
 
+@torch.inference_mode()
+def complete_frames(
+    spec: static_decode.FrameSpec,
+    embed: torch.nn.Module,
+    hidden: torch.Tensor,
+    first: torch.Tensor,
+    seqs: list[Sequence] | None = None,
+) -> torch.Tensor:
+    """Codebooks `[n, G]` of n frames on the dynamic path, as `spec` says (what the static
+    step's `FrameCompleter` computes on the device): `first` (codebook 0, fed through the
+    LM's `embed`) and what the second decoder gives for 1..G-1 from each row's LM hidden
+    state `[n, H]`, sub-step by sub-step over a DynamicCache, all rows in each forward
+    (their positions agree: no padding). Greedy without `seqs`; else each row as its
+    request samples (`sample_sub_step` with the spec's sampling)."""
+    from transformers import DynamicCache
+
+    predictor = spec.predictor
+    cache = DynamicCache(config=predictor.config)
+
+    def forward(embeds: torch.Tensor, start: int) -> torch.Tensor:
+        """The last position's hidden states of LM-wide `embeds` `[n, L, H]` at start.."""
+        positions = torch.arange(start, start + embeds.shape[1], device=embeds.device)
+        out = predictor(
+            inputs_embeds=spec.project(embeds),
+            position_ids=positions[None].expand(len(embeds), -1),
+            cache=cache,
+            use_cache=True,
+        )
+        return out.last_hidden_state[:, -1]
+
+    states = forward(torch.stack([hidden, embed(first)], dim=1), 0)
+    codes = [first]
+    for g in range(1, spec.groups):
+        logits = spec.heads[g - 1](states).float()
+        code = (
+            logits.argmax(-1) if seqs is None else sample_sub_step(logits, seqs, spec.sampling, g)
+        )
+        codes.append(code)
+        if g < spec.groups - 1:
+            states = forward(spec.tables[g - 1](code)[:, None], g + 1)
+    return torch.stack(codes, dim=1)
+
+
 def _warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Temperature, then top-k, then top-p, as transformers' logits warpers do."""
     logits = logits / sampling.temperature
@@ -528,6 +590,7 @@ class Sequence:
     ahead: int = 0  # decode steps launched whose tokens are not emitted yet (static path)
     # Its audio as its listener hears it, where a step plays for a known time (slack.py).
     playback: Playback = field(default_factory=lambda: Playback(time.monotonic()))
+    frame_input: torch.Tensor | None = None  # [E]: its last frame's embeddings (dynamic path)
 
     @property
     def next_step(self) -> int:

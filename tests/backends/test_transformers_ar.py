@@ -478,23 +478,39 @@ def test_a_qwen3_decoder_decodes_on_the_static_path_as_on_the_dynamic_one(plan):
     assert len({tuple(t) for t in want}) == len(want) and max(map(len, want)) == 12
 
 
-def test_the_static_path_refuses_a_mixture_of_experts():
-    """A routed MoE MLP (its experts picked by host control flow, which no graph captures)
-    keeps a decoder off the static path."""
-    from transformers import Qwen3MoeConfig
+def test_the_static_path_takes_routed_moe_blocks_and_refuses_other_routers(plan):
+    """A sparse MoE block of the Qwen-MoE shape (a router that picks and weighs as
+    `fused_moe.route` does, stacked SwiGLU experts) runs on the static path, with no host
+    readback, and gives the dynamic path's greedy tokens; a router of another rule
+    (Mixtral's: no `norm_topk_prob`) keeps the decoder off it."""
+    from transformers import MixtralConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    decoder = qwen3_lm().decoder
-    layer = decoder.layers[1]
-    dense = layer.mlp
-    config = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=4)
-    try:
-        layer.mlp = Qwen3MoeSparseMoeBlock(config)
-        assert "layer 1's MLP is not a dense gated one" in static_decode.unsupported(decoder)
-        assert not static_decode.fusable(decoder)
-    finally:
-        layer.mlp = dense
-    assert static_decode.unsupported(decoder) is None
+    lm = qwen3_lm()
+    layer = lm.decoder.layers[1]
+    sizes = {"hidden_size": 64, "num_experts_per_tok": 2}
+    torch.manual_seed(0)
+    layer.mlp = Qwen3MoeSparseMoeBlock(
+        Qwen3MoeConfig(moe_intermediate_size=32, num_experts=4, **sizes)
+    ).eval()
+    with torch.no_grad():
+        for param in layer.mlp.parameters():
+            param.normal_(0.0, 0.2)
+    assert static_decode.unsupported(lm.decoder) is None and static_decode.fusable(lm.decoder)
+
+    def decode(mode: str) -> list[list[int]]:
+        stage = with_decode(plan, mode)
+        backend = TransformersAR(StageSpec.from_channels(stage, plan.channels), "cpu", lm)
+        calls = [request(p, max_tokens=8) for p in PROMPTS[:3]]
+        return [o.tokens for o in run(backend, calls, joins=[0, 1, 1])]
+
+    want = decode("eager")
+    assert decode("static") == want and len({tuple(t) for t in want}) == len(want)
+    mixtral = MixtralConfig(intermediate_size=32, num_local_experts=4, **sizes)
+    layer.mlp = MixtralSparseMoeBlock(mixtral)
+    assert "nor a sparse MoE block" in static_decode.unsupported(lm.decoder)
+    assert not static_decode.fusable(lm.decoder)
 
 
 def test_the_static_cache_is_sized_from_the_plan_and_refuses_what_cannot_fit(plan):

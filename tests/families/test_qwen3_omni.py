@@ -151,6 +151,18 @@ def test_stages_give_generates_text_and_frames(plan, references):
     assert [int(out["codec_tokens"][-1]) for out in outs[:2]] == [eos, eos]
 
 
+def test_the_static_path_gives_generates_text_and_frames(references):
+    """The thinker and the talker on the static decode path (MoE layers with no host
+    readback, the talker's frames completed inside its step: what CUDA captures) give
+    `generate`'s text and frames, to the end of speech and to max_tokens."""
+    source = SOURCE.replace("temperature=0.0)", 'temperature=0.0, decode="static")')
+    source = source.replace("speaker=$speaker)", 'speaker=$speaker, decode="static")')
+    interpreter = Interpreter(compile_source(source, devices="cpu"))
+    assert {interpreter.backends[s].decode for s in ("thinker", "talker")} == {"static"}
+    for case, ref in zip(CASES, references, strict=True):
+        assert_matches(run_case(interpreter.run, case), ref)
+
+
 def test_batched_in_one_engine_each_request_gets_its_own_frames(plan, references):
     """All cases at once: the thinker and the talker batch them, and the code predictor runs
     for every talker row of a step in one batch, rows joining and leaving at other steps."""

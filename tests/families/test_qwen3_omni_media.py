@@ -227,6 +227,29 @@ def test_tokens_and_frames_match_generate(interpreter, references, name):
     assert torch.equal(out["codes"], codes)
 
 
+@pytest.fixture(scope="module")
+def static_interpreter():
+    """The plan with the thinker and the talker on the static decode path (their MoE layers
+    without host readback, the talker's frames inside its step; what CUDA captures)."""
+    source = SOURCE.replace(
+        "use_audio_in_video=$use_audio_in_video)",
+        'use_audio_in_video=$use_audio_in_video, decode="static")',
+    ).replace("temperature=0.0)\n", 'temperature=0.0, decode="static")\n')
+    interpreter = Interpreter(compile_source(source, devices="cpu"))
+    assert {interpreter.backends[s].decode for s in ("thinker", "talker")} == {"static"}
+    return interpreter
+
+
+def test_the_static_path_gives_generates_tokens_and_frames(static_interpreter, references):
+    """Media prompts (3-D positions, deepstack features into a prefill that then joins its
+    slot) decode on the static path as `generate` decodes them."""
+    for name in CASES:
+        out = _run(static_interpreter.run, name)
+        text_ids, codes = references[name]
+        assert out["tokens"].reshape(-1).tolist() == text_ids, name
+        assert torch.equal(out["codes"], codes), name
+
+
 def test_the_media_change_the_answer(references):
     """Guards against a reference that ignores its media: every case answers differently."""
     answers = [tuple(ids) for ids, _ in references.values()]

@@ -347,3 +347,28 @@ def test_a_decode_step_captures_in_a_cuda_graph(tokens):
             static.copy_(draw())
             graph.replay()
             assert_agree(out, fused_moe.moe_forward(module, static))
+
+
+def test_routed_blocks_are_known_by_their_shape_and_their_routers_rule():
+    """`routed` (what lets the static decode step take a MoE layer) holds for both stages'
+    blocks, at the published sizes on the meta device too (the router's rule is probed on
+    the CPU with weights of its own); it fails for a router that picks by another rule, and
+    for experts in another layout."""
+    for stage in BLOCKS:
+        assert fused_moe.routed(block(stage, tiny_config(stage, True)))
+        assert fused_moe.routed(block(stage, real_config(stage), device="meta"))
+    module = block("thinker", tiny_config("thinker", True))
+    softmax_router = type(module.gate)
+
+    class SigmoidRouter(softmax_router):  # DeepSeek-V3-like scores: sigmoid, not softmax
+        def forward(self, hidden):
+            logits = hidden @ self.weight.T
+            weights, ids = torch.topk(torch.sigmoid(logits), self.top_k, dim=-1)
+            return logits, weights.to(logits.dtype), ids
+
+    module.gate.__class__ = SigmoidRouter
+    assert not fused_moe.routed(module)
+    module.gate.__class__ = softmax_router
+    assert fused_moe.routed(module)
+    module.experts.has_bias = True
+    assert not fused_moe.routed(module)

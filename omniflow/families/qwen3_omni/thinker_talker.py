@@ -24,8 +24,10 @@ inputs. There the talker's input embeddings are built from the thinker's run:
 Each talker step samples codebook 0 of a frame from the codec head (the upper 1024 ids
 suppressed but end of speech, repetition penalty over the codes it sampled); its 5-layer
 code predictor then generates codebooks 1..15 from the talker's last hidden state and that
-code, 15 steps of its own (`Talker.frames`). The stage emits each frame whole on `codes`,
-int64 `[1, 16]`, as it is sampled. `generate` runs the code predictor one step later (in
+code, 15 steps of its own (the talker's `frame_spec`: on the dynamic path the backend's
+`frames`, on the static one inside the decode step, `omniflow.backends.static_decode`,
+its draws keyed as the backend's `sample_sub_step` keys them). The stage emits each frame
+whole on `codes`, int64 `[1, 16]`, as it is sampled. `generate` runs the code predictor one step later (in
 the step that feeds the frame back), so a talker stopped by `talker_max_new_tokens=N` makes
 N - 1 frames there and N here; before the end of speech they agree frame for frame.
 
@@ -51,6 +53,12 @@ and the thinker but not for the talker loaded alone, so `load` registers the sam
 for the talker's class first. On CUDA both load with their MoE experts on omniflow's fused
 kernels (`omniflow.kernels.fused_moe`, registered as a transformers experts
 implementation); elsewhere on transformers' own.
+
+Static decode (decode="static", or "graphs", the default on CUDA): both decoders' layers are
+sparse MoE blocks, which the static step runs on the fused MoE kernels with no host
+readback (`fused_moe.routed`); the thinker's decoder is a `TappedDecoder` (its rows carry
+the accept layer's state), and the talker's frame, its code predictor's 15 steps and their
+draws, is completed inside its step.
 """
 
 from __future__ import annotations
@@ -66,12 +74,13 @@ import torch
 from torch import nn
 
 from omniflow.backends.checkpoint_files import CONFIG, read_json
+from omniflow.backends.static_decode import FrameSpec, summed_codebooks
+from omniflow.backends.tapped_decoder import TappedDecoder
 from omniflow.backends.transformers_ar import (
     ARBackendError,
     Component,
     Prompt,
     Sequence,
-    sample_sub_step,
     sub_sampling,
 )
 from omniflow.backends.vision import media_header, read_media_header
@@ -88,7 +97,6 @@ SUPPRESSED_SPECIALS = 1024
 _STATE = "qwen3_omni"  # a talker request's conditioning in call.state
 # The talker prompt's assistant part: 3 text rows, 4 tts pads, tts bos, the first reply.
 _ASSISTANT_ROWS = 9
-_FRAME = "qwen3_omni.frame"  # the frame a talker request sampled last, [16] on the device
 
 
 # --- adapters ---------------------------------------------------------------------------------
@@ -214,36 +222,6 @@ def _top_level(layout: dict, key: str):
 # --- the thinker -------------------------------------------------------------------------------
 
 
-class _WithAcceptLayer(nn.Module):
-    """The thinker's text model, whose `last_hidden_state` also carries the hidden state
-    the talker accepts: `[..., 2H]`, the final (normed) state then that of layer
-    `accept_hidden_layer` (generate's `hidden_states[accept_hidden_layer]`: the output of
-    layer `accept_hidden_layer - 1`; 0 is the input embedding)."""
-
-    def __init__(self, text_model: nn.Module, layer: int):
-        super().__init__()
-        self.text_model = text_model
-        self.layer = layer
-        self.captured: torch.Tensor | None = None
-        if 0 < layer < len(text_model.layers):
-            text_model.layers[layer - 1].register_forward_hook(self._capture)
-
-    def _capture(self, module, args, output) -> None:
-        self.captured = output[0] if isinstance(output, tuple) else output
-
-    def forward(self, inputs_embeds, **kwargs):
-        out = self.text_model(inputs_embeds=inputs_embeds, **kwargs)
-        final = out.last_hidden_state
-        if self.layer == 0:
-            accepted = inputs_embeds
-        elif self.layer >= len(self.text_model.layers):
-            accepted = final
-        else:
-            accepted, self.captured = self.captured, None
-        out.last_hidden_state = torch.cat((final, accepted.to(final.dtype)), dim=-1)
-        return out
-
-
 @dataclass
 class _Media:
     """What a media prompt carries beside its embeddings (`Prompt.prefill`): its token ids,
@@ -280,7 +258,7 @@ class Thinker(MediaThinker):
             from transformers import Qwen3OmniMoeTalkerConfig
 
             layer = Qwen3OmniMoeTalkerConfig().accept_hidden_layer
-        self.decoder = _WithAcceptLayer(self.decoder, layer)
+        self.decoder = TappedDecoder(self.decoder, layer)
         # generate() ends the thinker at `thinker_eos_token_id`: the model's <|im_end|>.
         self.eos_ids = frozenset({int(_top_level(layout, "im_end_token_id"))})
 
@@ -422,6 +400,16 @@ class Talker(Component):
         self.embed = model.get_input_embeddings()
         self.predictor = model.code_predictor
         self.groups = config.num_code_groups
+        tables = self.predictor.model.codec_embedding
+        # The talker's and the code predictor's widths agree: nothing projects between them.
+        self.frame_spec = FrameSpec(
+            predictor=self.predictor.model,
+            project=nn.Identity(),
+            tables=tables,
+            heads=self.predictor.lm_head,
+            frame_embeds=functools.partial(summed_codebooks, self.embed, tables),
+            sampling=_PREDICTOR_SAMPLING,
+        )
         self.thinker_width = config.thinker_hidden_size
         vocab = config.text_config.vocab_size
         eos = config.codec_eos_token_id
@@ -636,58 +624,15 @@ class Talker(Component):
         # The prefill fed A[3]; the decode step after n sampled frames feeds A[3 + n].
         return self._known(seq.call, 3 + seq.next_step)
 
-    def step_embeds(self, seqs: list[Sequence]) -> torch.Tensor:
-        """A decode step's input: the summed embeddings of the frame sampled last (codebook 0
-        by the talker's table, 1..15 by the code predictor's), plus A[3 + frames sampled]
-        (then tts eos, then tts pad)."""
-        frames = torch.stack([s.call.state[_FRAME] for s in seqs])
-        tables = self.predictor.model.codec_embedding
-        codec = [self.embed(frames[:, 0])]
-        codec += [tables[g - 1](frames[:, g]) for g in range(1, self.groups)]
-        summed = torch.stack(codec, dim=1).sum(dim=1)
-        text = [self._text(s.call.state[_STATE], 3 + s.next_step) for s in seqs]
-        return summed + torch.stack(text)
-
-    # --- the code predictor -----------------------------------------------------------------
-    def frames(self, seqs: list[Sequence], ids: list[int], hidden: torch.Tensor):
-        """Each sampled codebook-0 code's frame `[1, 16]`: the code predictor's 15 steps from
-        the talker's last hidden state and that code's embedding (batched over the rows that
-        did not end the speech); None for the end of speech."""
-        out: list[torch.Tensor | None] = [None] * len(seqs)
-        rows = [i for i, token in enumerate(ids) if token not in self.eos_ids]
-        if not rows:
-            return out
-        device = hidden.device
-        first = torch.tensor([ids[i] for i in rows], device=device)
-        sub = [seqs[i] for i in rows]
-        inputs = torch.stack((hidden[rows], self.embed(first)), dim=1)
-        codes = [first]
-        cache = _new_cache(self.predictor.model.config)
-        model, heads = self.predictor.model, self.predictor.lm_head
-        tables = model.codec_embedding
-        for group in range(1, self.groups):
-            states = model(inputs_embeds=inputs, cache=cache, use_cache=True).last_hidden_state
-            logits = heads[group - 1](states)[:, -1].float()
-            code = sample_sub_step(logits, sub, _PREDICTOR_SAMPLING, group)
-            codes.append(code)
-            inputs = tables[group - 1](code)[:, None]
-        frames = torch.stack(codes, dim=1)
-        host = frames.cpu()  # one read-back for the batch
-        for j, (i, seq) in enumerate(zip(rows, sub, strict=True)):
-            seq.call.state[_FRAME] = frames[j]
-            out[i] = host[j : j + 1]
-        return out
+    def step_extra(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Each row's text side of its next step: A[3 + frames sampled], then tts eos, then
+        tts pad (added to the last frame's summed codebook embeddings, `frame_spec`)."""
+        return torch.stack([self._text(s.call.state[_STATE], 3 + s.next_step) for s in seqs])
 
 
 # What `generate` has the code predictor sample with when the talker samples: top-k 50,
 # top-p 0.8, its generation config's temperature 1.
 _PREDICTOR_SAMPLING = sub_sampling(temperature=1.0, top_k=50, top_p=0.8)
-
-
-def _new_cache(config):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=config)
 
 
 def _talker_defaults() -> dict:

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from omniflow.backends.static_decode import summed_codebooks
 from omniflow.families.qwen3_tts.config import (
     CODE_PREDICTOR_DEFAULTS,
     SPEAKER_ENCODER_DEFAULTS,
@@ -212,10 +213,9 @@ class Talker(nn.Module):
     def frame_embeds(self, codes: torch.Tensor) -> torch.Tensor:
         """`[N, D]`: each frame's input to the talker, the sum of its G codebooks'
         embeddings (codebook 0 in the talker's table, g >= 1 in the code predictor's)."""
-        total = self.codec_embedding(codes[:, 0])
-        for g in range(1, self.groups):
-            total = total + self.code_predictor.model.codec_embedding[g - 1](codes[:, g])
-        return total
+        return summed_codebooks(
+            self.codec_embedding, self.code_predictor.model.codec_embedding, codes
+        )
 
     def state_dict_renames(self) -> dict[str, str]:
         return dict(_TALKER_RENAMES)

@@ -16,8 +16,9 @@ from typing import NamedTuple
 
 import torch
 
+from omniflow.backends.transformers_ar import complete_frames
 from omniflow.families.qwen3_tts import prompt as prompts
-from omniflow.families.qwen3_tts.talker import MIN_NEW_TOKENS, load, predict_codes
+from omniflow.families.qwen3_tts.talker import MIN_NEW_TOKENS, load
 
 
 class Reference(NamedTuple):
@@ -71,7 +72,9 @@ def reference_generate(
         if token == layout.codec_eos:
             break
         seen.append(token)
-        frame = predict_codes(talker, last[None], torch.tensor([token]))
+        frame = complete_frames(
+            component.frame_spec, talker.codec_embedding, last[None], torch.tensor([token])
+        )
         frames.append(frame[0])
         side = built.trailing[step] if step < len(built.trailing) else built.pad
         embeds = (talker.frame_embeds(frame) + side)[None]

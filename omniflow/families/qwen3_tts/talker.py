@@ -22,13 +22,14 @@ request's own generator, right after the talker's draw, as `generate` does; on C
 the fused sampler, keyed by the request's seed. A greedy request (temperature 0) is greedy
 in both.
 
-Decode paths: eager (the batched DynamicCache; `frames` runs the code predictor for the
-batch, `step_embeds` feeds the frame back), or static (the default on CUDA, graph-captured:
-`frame_spec` gives the backend's static step the code predictor, its codebook tables and
-heads, and `Talker.frame_embeds`, and the step completes each frame on the device, the
-first one after the prefill included, `omniflow.backends.static_decode`; `step_extra` is
-the text-side row both paths add; `first_code` puts an ICL clone's context ahead of its
-first frame on both).
+Decode paths: eager (the batched DynamicCache; the backend's `frames` runs the code
+predictor for the batch from `frame_spec`, `transformers_ar.complete_frames`, and its
+`step_embeds` feeds the frame back), or static (the default on CUDA, graph-captured: the
+same `frame_spec` (the code predictor, its codebook tables and heads, and
+`Talker.frame_embeds`) has the step complete each frame on the device, the first one after
+the prefill included, `omniflow.backends.static_decode`); `step_extra` is the text-side
+row both paths add; `first_code` puts an ICL clone's context ahead of its first frame on
+both.
 The same checks of a request against the checkpoint run at admission
 (`voices.admission`) and here (`config.check_task_inputs`).
 
@@ -57,14 +58,12 @@ from dataclasses import dataclass
 import torch
 
 from omniflow.backends.checkpoint_files import read_json
-from omniflow.backends.sampling_params import Sampling
 from omniflow.backends.static_decode import FrameSpec
 from omniflow.backends.transformers_ar import (
     ARBackendError,
     Component,
     Prompt,
     Sequence,
-    sample_sub_step,
     sub_sampling,
 )
 from omniflow.families.qwen3_tts import prompt as prompts
@@ -113,7 +112,6 @@ class _Request:
 
     trailing: torch.Tensor  # [T, D]
     pad: torch.Tensor  # [D]
-    next: torch.Tensor | None = None  # [D]: the last frame's codebook embeddings, summed
     context: torch.Tensor | None = None  # an ICL clone's reference frames, not yet sent
 
     def text_side(self, step: int) -> torch.Tensor:
@@ -256,24 +254,7 @@ class QwenTTSTalker(Component):
         call.state[_STATE] = _Request(built.trailing, built.pad, context=context)
         return Prompt(built.embeds, [])
 
-    # --- steps ------------------------------------------------------------------------------
-    def frames(self, seqs: list[Sequence], ids: list[int], hidden: torch.Tensor):
-        """Complete every row's frame with the code predictor, all rows in each of its
-        sub-steps, with one read-back for the batch; None for the end of speech."""
-        rows = [i for i, token in enumerate(ids) if token not in self.eos_ids]
-        out: list[torch.Tensor | None] = [None] * len(ids)
-        if not rows:
-            return out
-        first = torch.tensor([ids[i] for i in rows], device=hidden.device)
-        sub = [seqs[i] for i in rows]
-        codes = predict_codes(self.model, hidden[rows], first, sub, self.sub_sampling)
-        sums = self.model.frame_embeds(codes)
-        host = codes.cpu()
-        for j, (i, seq) in enumerate(zip(rows, sub, strict=True)):
-            seq.call.state[_STATE].next = sums[j]
-            out[i] = self.first_code(seq, host[j : j + 1])
-        return out
-
+    # --- steps ---------------------------------------------------------------------------
     def first_code(self, seq: Sequence, code: torch.Tensor) -> torch.Tensor:
         """A frame's `codes` value: an ICL clone's reference frames ahead of its first (sent
         once), else the frame."""
@@ -287,37 +268,3 @@ class QwenTTSTalker(Component):
         """Each row's text side of its next step: after n frames, row n - 1 of the trailing
         text (the prefill fed the rows before them), then the pad."""
         return torch.stack([s.call.state[_STATE].text_side(s.next_step - 1) for s in seqs])
-
-    def step_embeds(self, seqs: list[Sequence]) -> torch.Tensor:
-        frames = torch.stack([s.call.state[_STATE].next for s in seqs])
-        return frames + self.step_extra(seqs)
-
-
-@torch.inference_mode()
-def predict_codes(
-    talker: Talker,
-    hidden: torch.Tensor,
-    first: torch.Tensor,
-    seqs: list[Sequence] | None = None,
-    sampling: Sampling | None = None,
-) -> torch.Tensor:
-    """Codebooks `[n, G]` of n frames: `first` (codebook 0) and what the code predictor
-    gives for 1..G-1 from each row's talker hidden state `[n, D]`, sub-step by sub-step,
-    all rows in each forward (their positions agree: no padding). Greedy without `seqs`;
-    else each row as its request samples (`sample_sub_step`: greedy requests greedily,
-    the others with `sampling`, from their own generators)."""
-    from transformers import DynamicCache
-
-    predictor = talker.code_predictor
-    cache = DynamicCache(config=predictor.model.config)
-    embeds = torch.stack([hidden, talker.codec_embedding(first)], dim=1)
-    h = predictor.forward_step(embeds, cache, 0)[:, -1]
-    codes = [first]
-    for g in range(1, talker.groups):
-        logits = predictor.lm_head[g - 1](h).float()
-        code = logits.argmax(-1) if seqs is None else sample_sub_step(logits, seqs, sampling, g)
-        codes.append(code)
-        if g < talker.groups - 1:
-            step = predictor.model.codec_embedding[g - 1](code)[:, None]
-            h = predictor.forward_step(step, cache, g + 1)[:, -1]
-    return torch.stack(codes, dim=1)
