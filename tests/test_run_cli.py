@@ -10,6 +10,7 @@ import torch
 from PIL import Image
 
 from omniflow.cli import main
+from omniflow.devices import this_machine
 from omniflow.media import pcm16, png_bytes, wav_bytes
 
 
@@ -51,6 +52,23 @@ def test_bad_request_is_a_clean_error(tmp_path, capsys):
     )
     assert code == 1
     assert "unknown input(s) txt; the pipeline takes text, voice" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(this_machine() != "cpu", reason="omni_chat fits a GPU machine")
+def test_run_without_devices_is_for_this_machine_as_compile_is(tmp_path, capsys):
+    """No --devices: this machine's devices (here a CPU), as `compile` detects them; a graph
+    too big for it gets compile's one line, once or served, before anything is written."""
+    assert main(["compile", "graphs/omni_chat.omni"]) == 1
+    compiled = capsys.readouterr().err
+    assert "does not fit this machine (cpu): needs a GPU: try --devices 1xH200" in compiled
+    once = ["--once", "--input", "prompt=hi", "--out", str(tmp_path / "chat")]
+    for flags in (once, ["--port", "0"]):  # one request; a server
+        assert main(["run", "graphs/omni_chat.omni", *flags]) == 1
+        assert capsys.readouterr().err == compiled
+    assert not (tmp_path / "chat").exists()
+    code = main(["run", "graphs/tts.omni", "--once", "--standin", "--mode", "inprocess",
+                 "--input", "text=hello", "--out", str(tmp_path / "tts")])  # fmt: skip
+    assert code == 0 and (tmp_path / "tts" / "audio.wav").is_file()
 
 
 def test_media_encoders_round_trip():
