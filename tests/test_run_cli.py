@@ -11,7 +11,7 @@ from PIL import Image
 
 from omniflow.cli import main
 from omniflow.devices import this_machine
-from omniflow.media import pcm16, png_bytes, wav_bytes
+from omniflow.media import decode_video, mp4_bytes, pcm16, png_bytes, wav_bytes
 
 
 def test_run_writes_text_and_a_playable_wav(tmp_path, capsys):
@@ -78,6 +78,17 @@ def test_media_encoders_round_trip():
     pixels = torch.arange(2 * 3 * 3, dtype=torch.uint8).reshape(1, 2, 3, 3)
     image = Image.open(io.BytesIO(png_bytes(pixels)))
     assert torch.equal(torch.from_numpy(np.array(image)), pixels[0])
+
+
+def test_an_mp4_encode_reports_each_frame_written():
+    """What a video job's last phase shows: every frame, as its packet is written."""
+    frames = torch.randint(0, 256, (12, 32, 48, 3), generator=torch.Generator().manual_seed(0))
+    heard = []
+    data = mp4_bytes(
+        frames.to(torch.uint8), 8, on_frame=lambda done, total: heard.append((done, total))
+    )
+    assert heard == [(i, 12) for i in range(1, 13)]
+    assert decode_video(data)[0].shape == (12, 32, 48, 3)
 
 
 def test_models_cli_lists_and_builds_tiny_checkpoints(tmp_path, capsys):

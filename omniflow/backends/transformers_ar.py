@@ -579,6 +579,7 @@ class TransformersAR(Backend):
         self.decode, self.static = self._static_decoder()
         self.pending: _Launch | None = None  # the static step launched last, not settled
         if self.static is not None:
+            self.captures = self.static.captures
             self.capture_seconds = self.static.capture_seconds
         if torch.device(device).type == "cuda" and self.static is None:
             self._compile_first_token_sampler()

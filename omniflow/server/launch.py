@@ -164,7 +164,8 @@ def start_engines(
     engines, errors = {}, {}
 
     def loaded(pipeline: str, message) -> None:
-        console.print(f"loaded {pipeline}/{message.stage} in {message.seconds:.1f} s")
+        for line in message.lines(f"{pipeline}/{message.stage}"):
+            console.print(line)
 
     def build(plan: Plan) -> None:
         try:

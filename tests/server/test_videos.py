@@ -107,6 +107,22 @@ def test_a_peer_text_to_video_job_completes_with_an_h264_mp4(http):
     assert http.get(f"/v1/videos/{job['id']}").status_code == 404
 
 
+def test_progress_moves_through_the_vae_decode_frame_by_frame(http):
+    """The final phase reports too: the VAE decodes a latent frame a step, and the job's
+    progress moves through 85..95 as it does (it used to sit at the denoiser's last value
+    for the whole decode), then through the MP4's encode, to 100."""
+    reply = create(http, width="256", height="256", num_frames="33", num_inference_steps="1")
+    assert reply.status_code == 200, reply.text
+    done = finished(http, reply.json()["id"], timeout=180)
+    assert done["status"] == "completed", done
+    progress = [p for _, p in done["seen"]]
+    assert progress == sorted(progress) and progress[-1] == 100
+    decoding = {p for p in progress if 85 <= p < 95}
+    assert len(decoding) >= 2, progress  # seen moving, not one value for the whole decode
+    frames, _, _ = decode_video(http.get(f"/v1/videos/{reply.json()['id']}/content").content)
+    assert frames.shape == (33, 256, 256, 3)
+
+
 def test_the_same_seed_gives_the_same_video_and_sync_gives_it_too(http):
     first = finished(http, create(http, seed="11").json()["id"])
     second = finished(http, create(http, seed="11").json()["id"])
