@@ -17,6 +17,7 @@ import io
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import threading
@@ -356,6 +357,27 @@ def test_the_openai_client_clones_inline_and_uploaded(clone, clone_http):
     )  # fmt: skip
     assert named.content == inline.content
     assert clone_http.delete("/v1/audio/voices/openai_voice").status_code == 200
+
+
+def test_the_suggested_requests_speak_and_clone(custom, clone, clone_http, tmp_path):
+    """The `curl` lines each server prints at start-up, pasted as printed: a named-voice
+    server's one speech request; a clone server's upload of the user's clip (here a
+    reference.wav) and a request naming it. Each capped (max_new_tokens), each in seconds."""
+    (wav,) = custom.suggested("qwen3_tts")
+    upload, speak = clone.suggested("qwen3_tts_clone")
+    (tmp_path / "reference.wav").write_bytes(wav_file(reference_clip()))
+    for line, status in ((wav, "200"), (upload, "201"), (speak, "200")):
+        assert "max_new_tokens" in line or line is upload
+        began = time.monotonic()
+        done = subprocess.run(
+            [*shlex.split(line), "-s", "-o", "reply", "-w", "%{http_code}"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.stdout == status, (tmp_path / "reply").read_text(errors="replace")
+        assert time.monotonic() - began < 60
+    assert soundfile.read(tmp_path / "reply")[1] == RATE
+    voice = json.loads(shlex.split(speak)[-1])["voice"]
+    assert clone_http.delete(f"/v1/audio/voices/{voice}").status_code == 200
 
 
 @pytest.mark.parametrize(
