@@ -2,7 +2,11 @@
 
 import io
 import json
+import re
+import shlex
+import time
 import wave
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +29,25 @@ def test_run_writes_text_and_a_playable_wav(tmp_path, capsys):
     with wave.open(str(tmp_path / "audio.wav")) as audio:
         assert (audio.getnchannels(), audio.getsampwidth(), audio.getframerate()) == (1, 2, 24000)
         assert audio.getnframes() > 0 and audio.getnframes() % 480 == 0  # whole codec frames
+
+
+@pytest.mark.slow
+def test_the_readmes_once_command_as_written_finishes_in_seconds(tmp_path, capsys):
+    """The README's `--once` line, run as written (its out/ here): its limits keep the
+    tiny model's random text and speech short (the request itself takes seconds), where the
+    graph's defaults (2048 tokens) ran for a minute and a half."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    (command,) = re.findall(r"`(omniflow run graphs/omni_chat\.omni --once [^`]*)`", readme)
+    argv = shlex.split(command.replace("\n", " "))[1:]
+    assert argv[-2:] == ["--out", "out/"] and "max_tokens=24" in argv
+    began = time.monotonic()
+    assert main([*argv[:-1], str(tmp_path / "out")]) == 0
+    assert time.monotonic() - began < 120  # most of it the executors' start on 2 busy cores
+    text = (tmp_path / "out" / "text.txt").read_text()
+    assert text and text in capsys.readouterr().out
+    # The speech: up to 240 codes (random weights may end it at once).
+    with wave.open(str(tmp_path / "out" / "audio.wav")) as audio:
+        assert audio.getframerate() == 24000
 
 
 def test_run_writes_a_png_with_parameter_overrides(tmp_path):
