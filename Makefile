@@ -14,13 +14,10 @@ PORT ?= 8091
 
 setup: $(VENV)/.ready
 
-# torch is installed first and pinned: on CPU machines torch==2.13.0 is a CPU build, and
-# the project's own `torch>=2.1` then adds nothing.
+# scripts/setup-venv.sh: torch pinned first, then the project; a line a step and a line a
+# package fetched, with its size.
 $(VENV)/.ready: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,ray]'
+	bash scripts/setup-venv.sh $(PYTHON) $(VENV)
 	touch $@
 
 serve: setup

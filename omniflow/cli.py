@@ -4,10 +4,11 @@ the reader of stdout left (a pipe into `head`)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rich.console import Console
@@ -26,10 +27,7 @@ def _compile(args: argparse.Namespace) -> int:
         from omniflow.profiler.viz import PassSnapshots
 
         snapshots = PassSnapshots()
-    for_this_machine = args.devices is None
-    if for_this_machine:
-        args.devices = this_machine()
-    try:
+    with _for_this_machine(args, args.path):
         graph = optimize_file(
             args.path,
             devices=args.devices,
@@ -38,10 +36,6 @@ def _compile(args: argparse.Namespace) -> int:
             on_pass=snapshots,
             model=args.model,
         )
-    except PassError as err:
-        if not (for_this_machine and isinstance(err.cause, PlacementError)):
-            raise
-        raise OmniflowError(_does_not_fit(args.path, args.devices)) from err
     plan = lower(graph)
     if snapshots is not None:
         _write_viz(args, snapshots, plan.pipeline)
@@ -68,6 +62,22 @@ class _StdoutConsole(Console):
         raise BrokenPipeError
 
 
+@contextlib.contextmanager
+def _for_this_machine(args: argparse.Namespace, path: str | None) -> Iterator[None]:
+    """With no `--devices`, compile for this machine (`args.devices` becomes its inventory);
+    a graph at `path` that does not fit it fails with one line naming the flags that would
+    compile it (`path` None: several graphs, the placement error as it is)."""
+    detected = args.devices is None
+    if detected:
+        args.devices = this_machine()
+    try:
+        yield
+    except PassError as err:
+        if not (detected and path is not None and isinstance(err.cause, PlacementError)):
+            raise
+        raise OmniflowError(_does_not_fit(path, args.devices)) from err
+
+
 def _does_not_fit(path: str, here: str) -> str:
     """One line for a graph too big for this machine: which flags would compile it."""
     from omniflow.compiler import SUGGESTED_INVENTORIES, flags_that_fit
@@ -91,7 +101,8 @@ def _run(args: argparse.Namespace) -> int:
         # --input, --out and --profile imply --once
         from omniflow.server.launch import serve
 
-        return serve(args)
+        with _for_this_machine(args, args.paths[0] if len(args.paths) == 1 else None):
+            return serve(args)
     from omniflow.compiler import compile_file
     from omniflow.run_once import run_once
 
@@ -107,9 +118,10 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError("--profile-gpu adds to a profile: give --profile DIR too")
     inputs = dict(_key_value(item) for item in args.input)
     params = {k: _param_value(v) for k, v in map(_key_value, args.param)}
-    plan = compile_file(
-        args.paths[0], devices=args.devices, tiny=args.tiny, progress=True, model=args.model
-    )
+    with _for_this_machine(args, args.paths[0]):
+        plan = compile_file(
+            args.paths[0], devices=args.devices, tiny=args.tiny, progress=True, model=args.model
+        )
     backends = "standin" if args.standin else "auto"
     console = Console(stderr=True, highlight=False)
     return run_once(
@@ -369,9 +381,10 @@ def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = Tru
     """The flags of `run` and `serve`: devices, models, serving limits, --once."""
     parser.add_argument(
         "--devices",
-        default="cpu",
-        help="device inventory, as for compile; ray:auto or ray://HOST:PORT runs the executors "
-        "as Ray actors on that cluster (docs/deploy.md)",
+        default=None,
+        help="device inventory, as for compile (default: this machine's CUDA devices, else "
+        "cpu); ray:auto or ray://HOST:PORT runs the executors as Ray actors on that cluster "
+        "(docs/deploy.md)",
     )
     parser.add_argument(
         "--tiny", action="store_true", help="use the built-in tiny models of the same architectures"

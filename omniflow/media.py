@@ -388,10 +388,16 @@ VIDEO_MIME = "video/mp4"
 VIDEO_CRF = 18
 
 
-def mp4_bytes(frames: torch.Tensor, fps: int, crf: int = VIDEO_CRF) -> bytes:
+def mp4_bytes(
+    frames: torch.Tensor,
+    fps: int,
+    crf: int = VIDEO_CRF,
+    on_frame: Callable[[int, int], None] | None = None,
+) -> bytes:
     """uint8 frames `[..., F, H, W, 3]` as an H.264 (libx264, yuv420p) MP4 at `fps`, written
     with FFmpeg through PyAV. 4:2:0 chroma needs even sides: an odd side is padded by
-    repeating its last row or column."""
+    repeating its last row or column. `on_frame(done, total)` hears of each frame as its
+    encoded packet is written (a long video's encode reports its progress)."""
     import av
 
     frames = frames.reshape(frames.shape[-4:]).to(torch.uint8)
@@ -408,11 +414,19 @@ def mp4_bytes(frames: torch.Tensor, fps: int, crf: int = VIDEO_CRF) -> bytes:
         stream.width, stream.height = width + pad_w, height + pad_h
         stream.pix_fmt = "yuv420p"
         stream.options = {"crf": str(crf)}
-        for frame in frames.contiguous().numpy():
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+        muxed = 0
+
+        def mux(packets) -> None:
+            nonlocal muxed
+            for packet in packets:  # one a frame, as the encoder finishes it (it buffers)
                 container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
+                muxed += 1
+                if on_frame is not None:
+                    on_frame(min(muxed, count), count)
+
+        for frame in frames.contiguous().numpy():
+            mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        mux(stream.encode())
     return buffer.getvalue()
 
 

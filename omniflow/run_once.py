@@ -187,9 +187,8 @@ class _loading:
 
     def loaded(self, message) -> None:
         self.progress.advance(self.task)
-        self.progress.console.print(
-            f"loaded {message.stage} in {message.seconds:.1f} s", highlight=False
-        )
+        for line in message.lines(message.stage):
+            self.progress.console.print(line, highlight=False)
 
     def __exit__(self, *exc) -> None:
         self.progress.stop()

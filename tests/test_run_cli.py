@@ -2,7 +2,11 @@
 
 import io
 import json
+import re
+import shlex
+import time
 import wave
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +14,8 @@ import torch
 from PIL import Image
 
 from omniflow.cli import main
-from omniflow.media import pcm16, png_bytes, wav_bytes
+from omniflow.devices import this_machine
+from omniflow.media import decode_video, mp4_bytes, pcm16, png_bytes, wav_bytes
 
 
 def test_run_writes_text_and_a_playable_wav(tmp_path, capsys):
@@ -24,6 +29,25 @@ def test_run_writes_text_and_a_playable_wav(tmp_path, capsys):
     with wave.open(str(tmp_path / "audio.wav")) as audio:
         assert (audio.getnchannels(), audio.getsampwidth(), audio.getframerate()) == (1, 2, 24000)
         assert audio.getnframes() > 0 and audio.getnframes() % 480 == 0  # whole codec frames
+
+
+@pytest.mark.slow
+def test_the_readmes_once_command_as_written_finishes_in_seconds(tmp_path, capsys):
+    """The README's `--once` line, run as written (its out/ here): its limits keep the
+    tiny model's random text and speech short (the request itself takes seconds), where the
+    graph's defaults (2048 tokens) ran for a minute and a half."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    (command,) = re.findall(r"`(omniflow run graphs/omni_chat\.omni --once [^`]*)`", readme)
+    argv = shlex.split(command.replace("\n", " "))[1:]
+    assert argv[-2:] == ["--out", "out/"] and "max_tokens=24" in argv
+    began = time.monotonic()
+    assert main([*argv[:-1], str(tmp_path / "out")]) == 0
+    assert time.monotonic() - began < 120  # most of it the executors' start on 2 busy cores
+    text = (tmp_path / "out" / "text.txt").read_text()
+    assert text and text in capsys.readouterr().out
+    # The speech: up to 240 codes (random weights may end it at once).
+    with wave.open(str(tmp_path / "out" / "audio.wav")) as audio:
+        assert audio.getframerate() == 24000
 
 
 def test_run_writes_a_png_with_parameter_overrides(tmp_path):
@@ -53,6 +77,23 @@ def test_bad_request_is_a_clean_error(tmp_path, capsys):
     assert "unknown input(s) txt; the pipeline takes text, voice" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(this_machine() != "cpu", reason="omni_chat fits a GPU machine")
+def test_run_without_devices_is_for_this_machine_as_compile_is(tmp_path, capsys):
+    """No --devices: this machine's devices (here a CPU), as `compile` detects them; a graph
+    too big for it gets compile's one line, once or served, before anything is written."""
+    assert main(["compile", "graphs/omni_chat.omni"]) == 1
+    compiled = capsys.readouterr().err
+    assert "does not fit this machine (cpu): needs a GPU: try --devices 1xH200" in compiled
+    once = ["--once", "--input", "prompt=hi", "--out", str(tmp_path / "chat")]
+    for flags in (once, ["--port", "0"]):  # one request; a server
+        assert main(["run", "graphs/omni_chat.omni", *flags]) == 1
+        assert capsys.readouterr().err == compiled
+    assert not (tmp_path / "chat").exists()
+    code = main(["run", "graphs/tts.omni", "--once", "--standin", "--mode", "inprocess",
+                 "--input", "text=hello", "--out", str(tmp_path / "tts")])  # fmt: skip
+    assert code == 0 and (tmp_path / "tts" / "audio.wav").is_file()
+
+
 def test_media_encoders_round_trip():
     samples = torch.tensor([[0.0, 0.5], [-1.0, 2.0]])
     assert pcm16(samples).tolist() == [0, 16384, -32767, 32767]
@@ -60,6 +101,17 @@ def test_media_encoders_round_trip():
     pixels = torch.arange(2 * 3 * 3, dtype=torch.uint8).reshape(1, 2, 3, 3)
     image = Image.open(io.BytesIO(png_bytes(pixels)))
     assert torch.equal(torch.from_numpy(np.array(image)), pixels[0])
+
+
+def test_an_mp4_encode_reports_each_frame_written():
+    """What a video job's last phase shows: every frame, as its packet is written."""
+    frames = torch.randint(0, 256, (12, 32, 48, 3), generator=torch.Generator().manual_seed(0))
+    heard = []
+    data = mp4_bytes(
+        frames.to(torch.uint8), 8, on_frame=lambda done, total: heard.append((done, total))
+    )
+    assert heard == [(i, 12) for i in range(1, 13)]
+    assert decode_video(data)[0].shape == (12, 32, 48, 3)
 
 
 def test_models_cli_lists_and_builds_tiny_checkpoints(tmp_path, capsys):

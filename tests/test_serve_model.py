@@ -82,14 +82,21 @@ def test_serve_an_unknown_model_suggests_the_closest(capsys):
     )
 
 
-def test_serve_a_model_runs_its_familys_graph_on_that_model(capsys, tmp_path):
-    """The Base checkpoint (voice clones) on graphs/qwen3_tts.omni, written for CustomVoice:
-    the family's check of a request against the Base checkpoint answers, before any work."""
+@pytest.mark.parametrize(
+    "argv, graph",
+    [(["serve", BASE], "qwen3_tts_clone"), (["run", "qwen3_tts", "--model", BASE], "qwen3_tts")],
+    ids=["its-own-graph", "its-familys-graph"],
+)
+def test_the_base_checkpoint_checks_requests_as_a_clone_model(argv, graph, capsys, tmp_path):
+    """The Base checkpoint (voice clones), served by name on the graph written for it, or by
+    --model on graphs/qwen3_tts.omni, written for CustomVoice: either way the family's check
+    of a request against the Base checkpoint answers, before any work."""
     build_tiny("qwen3-tts-base")
-    code, _, err = cli(capsys, "serve", BASE, "--tiny", "--once", "--input", "text=Hello",
+    code, _, err = cli(capsys, *argv, "--tiny", "--once", "--input", "text=Hello",
                        "--out", str(tmp_path / "out"))  # fmt: skip
     assert code == 1
-    assert f"serving {BASE} on {ROOT / 'graphs/qwen3_tts.omni'}" in err
+    if argv[0] == "serve":
+        assert f"serving {BASE} on {ROOT / f'graphs/{graph}.omni'}" in err
     assert "voice cloning (Base) needs ref_audio" in err and not (tmp_path / "out").exists()
 
 

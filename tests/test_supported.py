@@ -45,6 +45,9 @@ def test_a_graph_serves_what_it_names_and_its_familys_siblings_of_the_same_archi
     assert serving_graph("Qwen/Qwen2.5-Omni-3B") == ("omni_chat", False)
     # Same family, other classes: each of Qwen-Image's pipelines has its own graph.
     assert serving_graph("Qwen/Qwen-Image-Edit") == ("image_edit", True)
+    # Qwen3-TTS: voice clones (Base) have their graph; VoiceDesign is served by CustomVoice's.
+    assert serving_graph("Qwen/Qwen3-TTS-12Hz-1.7B-Base") == ("qwen3_tts_clone", True)
+    assert serving_graph("Qwen/Qwen3-TTS-12Hz-1.7B-VoiceDesign") == ("qwen3_tts", False)
     assert serving_graph("Qwen/Qwen2.5-0.5B-Instruct") == (None, False)  # no graph for it
     assert serving_graph("someone/unknown-model") == (None, False)
 

@@ -30,6 +30,9 @@ The family's pipeline object (its `PIPELINES`) gives the denoiser:
   shapes, and for a two-expert DiT the expert); `cache_layout(pipe, group)`: where the
   step cache (`omniflow.backends.step_cache`) may split that forward.
 
+and the VAE: `decode(vae, latents)`, a batch's whole decode, and optionally
+`decode_in_steps(vae, latents) -> FrameDecoding`: a video's decode a latent frame a step.
+
 `DiffusionSteps` runs one denoising step of every request it is handed per `step()`:
 
 - prepare (a request's first step): its conditioning is copied out of the input chunk; its
@@ -54,9 +57,12 @@ The family's pipeline object (its `PIPELINES`) gives the denoiser:
 
 After its last step a request emits `latents`: an image's `[1, C, H/8, W/8]` or a video's
 `[1, C, F', H/8, W/8]`, still normalised — the VAE stage applies the VAE's latent
-statistics. `VaeDecode` decodes every request of a batch that shares a latent size and
-decode options (`vae_use_tiling`, `vae_use_slicing`) in one forward and emits `image`
-`[1, H, W, 3]` or `video` `[1, F, H, W, 3]` in [-1, 1].
+statistics. `VaeDecode` decodes a video a latent frame a step where its family can
+(`decode_in_steps`, without tiling or slicing): minutes of decode on a slow device then
+report their progress between frames (`progress`, what a video job's progress reads), and
+other requests' frames interleave. Otherwise it decodes every request of a batch that
+shares a latent size and decode options (`vae_use_tiling`, `vae_use_slicing`) in one
+forward. It emits `image` `[1, H, W, 3]` or `video` `[1, F, H, W, 3]` in [-1, 1].
 """
 
 from __future__ import annotations
@@ -332,6 +338,23 @@ class Denoising(abc.ABC):
         self.index += 1
 
 
+class FrameDecoding(abc.ABC):
+    """One video's VAE decode between steps, a latent frame at a time: `advance` decodes
+    the next, `result` is the video once all `total` are (`done`)."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.done = 0
+
+    @abc.abstractmethod
+    def advance(self) -> None:
+        """Decode the next latent frame."""
+
+    @abc.abstractmethod
+    def result(self) -> torch.Tensor:
+        """The frames `[1, F, H, W, 3]` in [-1, 1], once every latent frame is decoded."""
+
+
 def _plain_euler(scheduler) -> bool:
     """Whether `scheduler.step` is the deterministic flow-matching Euler update (not the
     stochastic variant, which draws noise from the request's generator)."""
@@ -479,19 +502,37 @@ class VaeDecode(Backend):
     def ready(self, call: Call) -> bool:
         return call.inputs["latents"].ended
 
+    def progress(self, call: Call) -> tuple[int, int] | None:
+        decoding = call.state.get("decoding")
+        return None if decoding is None else (decoding.done, decoding.total)
+
     def step(self, calls: list[Call]) -> None:
         groups = defaultdict(list)
-        for call in calls:
-            latents = call.inputs["latents"].take()
-            if latents is None or latents.dim() != self.rank or latents.shape[0] != 1:
-                shape = None if latents is None else list(latents.shape)
-                want = "[1, C, F, h, w]" if self.rank == 5 else "[1, C, h, w]"
-                call.fail(DiffusersBackendError(f"expected latents {want}, got {shape}"))
-                continue
-            settings = knobs(self.spec, call)
-            options = (bool(settings.get("vae_use_tiling")), bool(settings.get("vae_use_slicing")))
-            groups[tuple(latents.shape), options].append((call, latents))
         with torch.no_grad():
+            for call in calls:
+                decoding = call.state.get("decoding")
+                if decoding is None:
+                    latents = call.inputs["latents"].take()
+                    if latents is None or latents.dim() != self.rank or latents.shape[0] != 1:
+                        shape = None if latents is None else list(latents.shape)
+                        want = "[1, C, F, h, w]" if self.rank == 5 else "[1, C, h, w]"
+                        call.fail(DiffusersBackendError(f"expected latents {want}, got {shape}"))
+                        continue
+                    settings = knobs(self.spec, call)
+                    options = (
+                        bool(settings.get("vae_use_tiling")),
+                        bool(settings.get("vae_use_slicing")),
+                    )
+                    decoding = self._in_steps(latents, options)
+                    if decoding is None:
+                        groups[tuple(latents.shape), options].append((call, latents))
+                        continue
+                    call.state["decoding"] = decoding
+                decoding.advance()
+                if decoding.done == decoding.total:
+                    call.emit(self.port, decoding.result().contiguous())
+                    call.state.pop("decoding")
+                    call.finish()
             for (_, (tiling, slicing)), group in groups.items():
                 latents = torch.cat([lat for _, lat in group]).to(self.device, self.vae.dtype)
                 with decode_options(self.vae, tiling, slicing):
@@ -499,6 +540,14 @@ class VaeDecode(Backend):
                 for i, (call, _) in enumerate(group):
                     call.emit(self.port, pixels[i : i + 1].contiguous())
                     call.finish()
+
+    def _in_steps(self, latents: torch.Tensor, options: tuple[bool, bool]):
+        """A video's decode a frame a step, where its family decodes so and neither tiling
+        nor slicing is asked for (diffusers' own decode does those); else None."""
+        in_steps = getattr(self.code, "decode_in_steps", None)
+        if in_steps is None or self.rank != 5 or any(options):
+            return None
+        return in_steps(self.vae, latents.to(self.device, self.vae.dtype))
 
 
 class decode_options:

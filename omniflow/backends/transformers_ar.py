@@ -651,6 +651,7 @@ class TransformersAR(Backend):
         # The static steps launched and not settled yet, oldest first (at most IN_FLIGHT).
         self.launches: deque[_Launch] = deque()
         if self.static is not None:
+            self.captures = self.static.captures
             self.capture_seconds = self.static.capture_seconds
         if torch.device(device).type == "cuda" and self.static is None:
             self._compile_first_token_sampler()

@@ -313,7 +313,9 @@ class Decoder:
         eagerly."""
         raise VocoderError(f"{type(self).__name__} has no static windows")
 
-    # The static windows `prepare` made: their batch buckets and lengths (frames).
+    # The static windows `prepare` made: their batch buckets and lengths (frames), and their
+    # decodes (`cuda_graphs.Graphs`, which counts the graphs it captured).
+    graphs = None
     batch_buckets: tuple[int, ...] | list[int] = ()
     window_lengths: tuple[int, ...] | list[int] = ()
 
@@ -451,7 +453,11 @@ class Vocoder(Backend):
             )
         if mode == "graphs" and not cuda:
             raise VocoderError(f"stage '{name}': decode='graphs' needs a CUDA device, not {device}")
+        began = time.perf_counter()
         decoder.prepare(self.grid_lengths(), max(1, spec.plan.batch), capture=mode == "graphs")
+        if mode == "graphs":
+            self.captures = decoder.graphs.captures
+            self.capture_seconds = time.perf_counter() - began
         return mode
 
     def grid_lengths(self) -> list[int]:

@@ -114,7 +114,7 @@ def scaled_checkpoint(
 ) -> Path:
     """The scaled checkpoint of the real `model` at `depth`, built on first use into `out`
     (default: under `$OMNIFLOW_CACHE/scaled/`) by its family's builder."""
-    from omniflow.checkpoints.tiny import cache_root
+    from omniflow.checkpoints.tiny import announce_build, cache_root
 
     builders = {m: path for f in families.families() for m, path in f.scaled.items()}
     if model not in builders:
@@ -123,9 +123,9 @@ def scaled_checkpoint(
         out = cache_root() / "scaled" / f"{model.replace('/', '--')}-{depth:g}"
     out = Path(out)
     if not (out / MANIFEST).exists():
-        print(f"building {out} ...", flush=True)
-        import_function(builders[model])(out, depth, device)
-        (out / MANIFEST).write_text(json.dumps({"model": model, "depth": depth}))
+        with announce_build(f"{model} at depth {depth:g}, random weights, on {device}", out):
+            import_function(builders[model])(out, depth, device)
+            (out / MANIFEST).write_text(json.dumps({"model": model, "depth": depth}))
     return out
 
 

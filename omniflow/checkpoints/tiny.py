@@ -15,6 +15,10 @@ that omniflow's staged pipelines are compared against.
   counts as complete only with its manifest (written last), so an interrupted build is
   never mistaken for a complete one.
 - `list_tiny()` names what can be built (`omniflow.families.tiny_models()` describes each).
+
+A build (not a reuse) says so on stderr, a line as it starts and one with its time and size
+when it is done (`announce_build`, which the scaled builds share): a server's first start
+builds its tiny models, and a person watching its log should see why it waits.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import importlib.metadata
 import json
 import os
 import shutil
+import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -77,14 +83,31 @@ def build_tiny(name: str, out_dir: str | Path | None = None, progress: bool = Fa
     temp = final.with_name(f".{final.name}{_TEMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     temp.mkdir()
     try:
-        with quiet(), _progress_bar(recipe, progress) as start_part:
-            for part in import_function(recipe.build)(temp):
-                start_part(part)
-        _write_manifest(temp, name)
-        _publish(temp, final, name)
+        with announce_build(f"tiny {name}", final):
+            with quiet(), _progress_bar(recipe, progress) as start_part:
+                for part in import_function(recipe.build)(temp):
+                    start_part(part)
+            _write_manifest(temp, name)
+            _publish(temp, final, name)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
     return final
+
+
+@contextlib.contextmanager
+def announce_build(what: str, folder: Path) -> Iterator[None]:
+    """Say on stderr that `what` is being built (first use), and, once the block is done,
+    how long that took and what `folder` then holds."""
+    print(f"omniflow: building {what} (first use) ...", file=sys.stderr, flush=True)
+    began = time.perf_counter()
+    yield
+    size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+    print(
+        f"omniflow: built {what} in {time.perf_counter() - began:.1f} s "
+        f"({size / 1e6:.1f} MB): {folder}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def is_complete(directory: str | Path, name: str) -> bool:

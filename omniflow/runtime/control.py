@@ -44,6 +44,15 @@ class Loaded(msgspec.Struct, tag=True):
     stage: str
     seconds: float
     captured: float = 0.0  # of `seconds`, capturing CUDA graphs
+    graphs: int = 0  # the CUDA graphs captured
+
+    def lines(self, where: str) -> list[str]:
+        """What a person watching `where` (`pipeline/stage`) load is told: the load's time,
+        and the CUDA-graph capture's, which can be most of it."""
+        told = [f"loaded {where} in {self.seconds:.1f} s"]
+        if self.graphs:
+            told.append(f"{where}: captured {self.graphs} CUDA graphs in {self.captured:.1f} s")
+        return told
 
 
 class Connect(msgspec.Struct, tag=True):

@@ -263,7 +263,9 @@ class ProgramLoop:
             self.runners[stage.name] = StageRunner(
                 spec, backend, stage.settings["max_batch"], stream
             )
-            loaded = control.Loaded(stage.name, time.monotonic() - began, backend.capture_seconds)
+            loaded = control.Loaded(
+                stage.name, time.monotonic() - began, backend.capture_seconds, backend.captures
+            )
             on_loaded(loaded)
         settle_loads(streams)
         self.tallies = (

@@ -6,12 +6,17 @@ a stage).
 
 Each check fails in seconds with an error that names what is missing and the ways to
 provide it; without them a missing model would surface as an executor's traceback after
-its other stages had spent their time loading.
+its other stages had spent their time loading. A model the hub can give but this machine
+lacks is downloaded here, in the front process, with the hub's progress bars on the
+terminal (an executor's output goes to its log): a first download of real weights is
+gigabytes and minutes, and a person should see it move.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import time
 from pathlib import Path
 
 from omniflow.catalog.components import cached_snapshot
@@ -55,7 +60,7 @@ def check_devices(plan: Plan) -> None:
 
 def locate_model(model: str) -> str:
     """Where `model` loads from: a tiny checkpoint (built on first use), a local folder, the
-    Hugging Face cache, or the hub when it can be reached (the executor downloads it)."""
+    Hugging Face cache, or the hub when it can be reached (downloaded into the cache now)."""
     if model.startswith(TINY_SCHEME) or Path(model).expanduser().is_dir():
         return model_path(model)
     snapshot = cached_snapshot(model)
@@ -63,7 +68,7 @@ def locate_model(model: str) -> str:
         return str(snapshot[1])
     reason = _hub_unreachable(model)
     if reason is None:
-        return model
+        return download(model)
     raise PreflightError(
         f"model '{model}' is not on this machine and cannot be downloaded ({reason}); "
         f"provide it in one of these ways: run with --tiny (the built-in tiny model of the "
@@ -71,6 +76,23 @@ def locate_model(model: str) -> str:
         f"(`huggingface-cli download {model}`) and copy the Hugging Face cache here "
         f"(HF_HOME); or name a local checkpoint folder as the model in the .omni file"
     )
+
+
+def download(model: str) -> str:
+    """`model` from the hub into its cache, saying so on stderr as it starts and when it
+    is done; the hub's own progress bars show the files as they come."""
+    import huggingface_hub
+
+    print(f"omniflow: downloading {model} from the Hugging Face hub (first use) ...",
+          file=sys.stderr, flush=True)  # fmt: skip
+    began = time.perf_counter()
+    try:
+        path = huggingface_hub.snapshot_download(model)
+    except Exception as err:  # the network, the disk: one line, not a traceback
+        raise PreflightError(f"could not download model '{model}': {err}") from err
+    took = time.perf_counter() - began
+    print(f"omniflow: downloaded {model} in {took:.0f} s: {path}", file=sys.stderr, flush=True)
+    return path
 
 
 def _hub_unreachable(model: str) -> str | None:

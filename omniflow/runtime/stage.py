@@ -160,7 +160,9 @@ class Call:
 class Backend(ABC):
     """A stage implementation. Construct = load weights; one instance serves every request."""
 
-    # Of the load, the seconds spent capturing CUDA graphs (a backend that captures sets it).
+    # The CUDA graphs captured at load, and the seconds of the load that took (a backend that
+    # captures sets both).
+    captures = 0
     capture_seconds = 0.0
 
     def __init__(self, spec: StageSpec, device: str):

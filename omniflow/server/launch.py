@@ -23,7 +23,6 @@ import contextlib
 import json
 import logging
 import os
-import shlex
 import signal
 import socket
 import threading
@@ -40,6 +39,7 @@ from omniflow.server.app import Server, ServerConfig, create_app
 from omniflow.server.log_stats import StatsLog
 from omniflow.server.metrics import Metrics
 from omniflow.server.served import ENDPOINTS, QUEUE_PER_SLOT, Served, capacity
+from omniflow.server.suggested import suggested_requests
 from omniflow.server.voices import VoiceStore
 
 
@@ -164,7 +164,8 @@ def start_engines(
     engines, errors = {}, {}
 
     def loaded(pipeline: str, message) -> None:
-        console.print(f"loaded {pipeline}/{message.stage} in {message.seconds:.1f} s")
+        for line in message.lines(f"{pipeline}/{message.stage}"):
+            console.print(line)
 
     def build(plan: Plan) -> None:
         try:
@@ -367,33 +368,11 @@ def _print_ready(console: Console, server: Server, host: str, port: int) -> None
         f"  health: {base}/health · metrics: {base}/metrics · API docs: {base}/docs",
         soft_wrap=True,
     )
-    example = _curl(server, base)
-    if example:
-        console.print(f"  try: {example}", soft_wrap=True, markup=False)
-    print(f"omniflow: ready at {base}", flush=True)  # stdout: what scripts wait for
-
-
-def _curl(server: Server, base: str) -> str | None:
-    auth = ' -H "Authorization: Bearer $OMNIFLOW_API_KEY"' if server.config.api_key else ""
     for s in server.served.values():
-        if "chat" in s.capabilities:
-            body = {"model": s.name, "messages": [{"role": "user", "content": "Hello!"}]}
-            if "max_tokens" in s.plan.limits:
-                body["max_tokens"] = 16
-            path = ENDPOINTS["chat"]
-        elif "speech" in s.capabilities:
-            body, path = {"model": s.name, "input": "Hello!"}, ENDPOINTS["speech"]
-        elif "images" in s.capabilities:
-            body, path = {"model": s.name, "prompt": "a red boat"}, ENDPOINTS["images"]
-        elif "videos" in s.capabilities and s.input_named("image", "image") is None:
-            body, path = {"model": s.name, "prompt": "a cat walks"}, ENDPOINTS["videos"]
-        else:
-            continue
-        return (
-            f"curl {base}{path}{auth} -H 'Content-Type: application/json' "
-            f"-d {shlex.quote(json.dumps(body))}"
-        )
-    return None
+        for i, line in enumerate(suggested_requests(s, base, bool(server.config.api_key))):
+            label = f"try {s.name}:" if i == 0 else " " * len(f"try {s.name}:")
+            console.print(f"  {label} {line}", soft_wrap=True, markup=False, highlight=False)
+    print(f"omniflow: ready at {base}", flush=True)  # stdout: what scripts wait for
 
 
 def _run_uvicorn(app, server: Server, sock: socket.socket, console: Console, access_log: bool):

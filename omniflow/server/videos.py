@@ -15,8 +15,9 @@ created: a mistake is a 400 then, never a failed job.
 
 A job is the server's, not its client's: it runs as a task of the server's event loop,
 which survives the client's disconnect. It waits (queued) for an admission slot of its
-pipeline, runs (in_progress: `progress` 0-100 follows its denoiser's steps, from
-`engine.inspect()`), and keeps its MP4 until it expires (`--video-ttl`, from its end). The
+pipeline, runs (in_progress: `progress` 0-100 follows its denoiser's steps, then the VAE's
+frames, from `engine.inspect()`, then the MP4's frames as they are encoded: no phase sits
+still for its whole length), and keeps its MP4 until it expires (`--video-ttl`, from its end). The
 store is bounded (`--max-video-jobs`: jobs queued, running or kept): a create beyond it is
 a 429 with Retry-After, and while the server drains a 503; queued jobs fail when it stops.
 """
@@ -51,6 +52,13 @@ DEFAULT_FPS = 16
 STATUSES = ("queued", "in_progress", "completed", "failed")
 # How long a job's live progress is reused before the engine is inspected again.
 PROGRESS_CACHE_S = 0.5
+# A job's progress (0-100) through its phases: the stages before the denoiser; the
+# denoiser's steps; a stage after it, by its own steps where it reports them (the VAE's
+# frames); the MP4's frames, encoded here. 100: done.
+BEFORE_DENOISING = 2
+DENOISING = (5, 85)
+AFTER_DENOISING = (85, 95)
+ENCODING = (95, 99)
 
 
 @dataclass
@@ -319,7 +327,14 @@ class VideoJobs:
                     video = value
             if video is None:
                 raise APIError(500, f"pipeline '{served.name}' produced no video", code="no_output")
-            job.content = await asyncio.to_thread(mp4_bytes, video, job.request.fps)
+            job.progress = max(job.progress, ENCODING[0])
+
+            def encoded(done: int, total: int) -> None:
+                job.progress = max(job.progress, _within(ENCODING, done, total))
+
+            job.content = await asyncio.to_thread(
+                mp4_bytes, video, job.request.fps, on_frame=encoded
+            )
             job.status, job.progress, status = "completed", 100, 200
         except APIError as err:
             job.status, status = "failed", err.status
@@ -341,21 +356,27 @@ class VideoJobs:
 
 
 def live_progress(plan, request_id: str, found: dict) -> int | None:
-    """0-100 from the engine's inspection: a denoiser's steps make 5..95, a stage after it
-    95, one before it 2."""
+    """The job's progress from the engine's inspection, by the furthest stage that holds
+    its request (module constants: BEFORE_DENOISING, DENOISING, AFTER_DENOISING); None
+    where no stage does, or the pipeline has no denoiser."""
     names = [s.name for s in plan.stages]
     denoisers = [s.name for s in plan.stages if s.kind == "diffusion"]
-    for inspection in found.values():
-        for stage, requests in getattr(inspection, "progress", {}).items():
-            if request_id in requests and stage in denoisers:
-                done, total = requests[request_id]
-                return 5 + int(90 * done / max(total, 1))
     where = [
-        names.index(stage)
+        (names.index(stage), getattr(inspection, "progress", {}).get(stage, {}).get(request_id))
         for inspection in found.values()
         for stage, calls in getattr(inspection, "calls", {}).items()
         if request_id in calls and stage in names
     ]
     if not where or not denoisers:
         return None
-    return 95 if max(where) > names.index(denoisers[0]) else 2
+    index, steps = max(where, key=lambda found: found[0])
+    if index < names.index(denoisers[0]):
+        return BEFORE_DENOISING
+    phase = DENOISING if names[index] in denoisers else AFTER_DENOISING
+    return phase[0] if steps is None else _within(phase, *steps)
+
+
+def _within(phase: tuple[int, int], done: int, total: int) -> int:
+    """The progress `done` of `total` steps into `phase` (its first and last percent)."""
+    low, high = phase
+    return low + int((high - low) * done / max(total, 1))

@@ -79,13 +79,14 @@ class VoiceEntry:
         self.clones: bool | None = None  # asked of the stages' families on first use
 
     async def available(self) -> bool:
-        """Whether the pipeline clones voices: a stage of the entry runs a checkpoint its
-        family says clones them (`Family.voices`: torch-free; no model loads here)."""
+        """Whether the pipeline clones voices (`clones_voices`), off the event loop."""
         if self.clones is None:
-            self.clones = await asyncio.to_thread(self._clones)
+            self.clones = await asyncio.to_thread(self.clones_voices)
         return self.clones
 
-    def _clones(self) -> bool:
+    def clones_voices(self) -> bool:
+        """Whether the pipeline clones voices: a stage of the entry runs a checkpoint its
+        family says clones them (`Family.voices`: torch-free; no model loads here)."""
         from omniflow.runtime.preflight import locate_model
 
         for stage in self.served.plan.stages:

@@ -63,6 +63,8 @@ def static_against_eager(plan, device: str) -> tuple[Vocoder, dict, dict]:  # no
     assert fast.decode_mode == static and fast.decoder.window_lengths == SCHEDULE
     assert captured == (len(graphs.keys()) if device == "cuda" else 0)
     assert graphs.captures == captured, "serving captured a graph"
+    # What its load line reports (`captured N CUDA graphs in S s`): nothing on the CPU.
+    assert fast.captures == captured and (fast.capture_seconds > 0) == (device == "cuda")
     assert graphs.replays > 0 if device == "cuda" else graphs.replays == 0
     return fast, fast_audio, eager_audio
 

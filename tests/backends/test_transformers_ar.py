@@ -699,6 +699,9 @@ def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(p
     captured = static.captures
     steps = len(static.batch_buckets) * (len(static.length_buckets) + 1)
     assert captured == steps + len(static.prefill_widths)
+    # What the stage's load line reports (`captured N CUDA graphs in S s`).
+    assert (graphed.captures, graphed.capture_seconds) == (captured, static.capture_seconds)
+    assert graphed.capture_seconds > 0
     assert set(static.graphs) == {
         (b, t) for b in static.batch_buckets for t in static.length_buckets
     }

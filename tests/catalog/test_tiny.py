@@ -8,9 +8,11 @@ train-mode randomness shows up as a mismatch.
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +30,8 @@ from omniflow.families.codec_tts.checkpoints import read_tts_index, reference_tt
 from omniflow.families.qwen2_5_omni.checkpoints import omni_prompt_ids, reference_omni_generate
 from omniflow.families.qwen2_5_vl.checkpoints import reference_vl_generate
 from omniflow.hf_logging import quiet
+
+ROOT = Path(__file__).parents[2]
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -140,6 +144,27 @@ def test_progress_bar_is_drawn_on_stderr(tmp_path, capsys):
     build_tiny("qwen2", tmp_path / "qwen2", progress=True)
     out, err = capsys.readouterr()
     assert "tiny qwen2" in err and not out  # stdout stays for what a script reads
+
+
+def test_a_first_use_build_says_what_it_builds_and_how_long_it_took(tmp_path):
+    """A server's first start on --tiny builds its models while it compiles its graphs:
+    stderr says so, a line as the build starts and one with its time and size, and a second
+    start, reusing the build, says nothing of it. (`omniflow compile`: the same code path,
+    without the server.)"""
+    env = {**os.environ, "OMNIFLOW_CACHE": str(tmp_path / "cache")}
+    argv = [sys.executable, "-P", "-m", "omniflow.cli", "compile", "graphs/tts.omni", "--tiny"]
+    runs = [
+        subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        for _ in range(2)
+    ]
+    assert all(run.returncode == 0 for run in runs), runs[0].stderr
+    first = runs[0].stderr.splitlines()
+    assert "omniflow: building tiny tts (first use) ..." in first
+    (done,) = [line for line in first if line.startswith("omniflow: built tiny tts in ")]
+    folder = tmp_path / "cache" / "tiny" / "tts"
+    assert re.fullmatch(rf"omniflow: built tiny tts in [\d.]+ s \([\d.]+ MB\): {folder}", done)
+    assert "pipeline tts" in runs[0].stdout  # the plan, on stdout alone
+    assert "building" not in runs[1].stderr and "built" not in runs[1].stderr
 
 
 def test_portable_weights_are_pinned():

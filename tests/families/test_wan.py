@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from diffusers import DiffusionPipeline, WanImageToVideoPipeline
+from diffusers import AutoencoderKLWan, DiffusionPipeline, WanImageToVideoPipeline
 from PIL import Image
 
 from omniflow.backends.diffusion import DiffusersBackendError
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.compiler import compile_file, compile_source
+from omniflow.families.wan.pipeline import PIPELINES
 from omniflow.hf_logging import quiet
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
@@ -172,6 +173,27 @@ def test_frames_match_the_pipeline_in_the_engine():
     want = to_uint8(torch.from_numpy(want))
     assert (video.int() - want.int()).abs().max() <= 1
     assert video.float().std() > 5  # not flat
+
+
+@pytest.mark.parametrize("name", ["wan2.2-t2v", "wan2.2-ti2v"])
+def test_the_vae_decodes_a_frame_a_step_as_it_decodes_whole(name):
+    """A video decoded a latent frame a step (what lets a long decode report progress) is
+    its whole decode to the bit, with two videos' steps interleaved (each has its own
+    causal cache); TI2V-5B's VAE patchifies."""
+    with quiet():
+        vae = AutoencoderKLWan.from_pretrained(build_tiny(name), subfolder="vae")
+    generator = torch.Generator().manual_seed(0)
+    videos = [torch.randn(1, vae.config.z_dim, 3, 4, 6, generator=generator) for _ in range(2)]
+    with torch.no_grad():
+        whole = [PIPELINES.decode(vae, latents) for latents in videos]
+        decodings = [PIPELINES.decode_in_steps(vae, latents) for latents in videos]
+        assert [d.total for d in decodings] == [3, 3]
+        for _ in range(3):
+            for decoding in decodings:
+                decoding.advance()
+        for decoding, want in zip(decodings, whole, strict=True):
+            assert decoding.done == 3
+            torch.testing.assert_close(decoding.result(), want, rtol=0, atol=0)
 
 
 def test_knobs_are_per_request(t2v):

@@ -58,6 +58,34 @@ class ServerProcess:
         self.proc.kill()
         raise RuntimeError(f"the server did not start in {START_TIMEOUT_S} s: {self.stderr()}")
 
+    def startup_log(self) -> str:
+        """What the server wrote on stderr while it started (all of it is in the pipe once it
+        is ready), read the first time without waiting for more; `stop` gets the rest."""
+        if not hasattr(self, "_startup_log"):
+            fd, chunks = self.proc.stderr.fileno(), []
+            while select.select([fd], [], [], 0.5)[0]:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+            self._startup_log = b"".join(chunks).decode(errors="replace")
+        return self._startup_log
+
+    def suggested(self, pipeline: str) -> list[str]:
+        """The `curl` lines the server suggested for `pipeline` at start-up: `  try NAME:
+        curl ...`, and each line after it indented to its `curl`."""
+        label = f"  try {pipeline}: "
+        lines = self.startup_log().splitlines()
+        first = next((i for i, line in enumerate(lines) if line.startswith(label)), None)
+        if first is None:
+            return []
+        found = [lines[first].removeprefix(label)]
+        for line in lines[first + 1 :]:
+            if not line.startswith(" " * len(label) + "curl "):
+                break
+            found.append(line.strip())
+        return found
+
     def stderr(self) -> str:
         try:
             return self.proc.communicate(timeout=10)[1]

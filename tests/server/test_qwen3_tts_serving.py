@@ -5,8 +5,8 @@ streamed and whole, `speed`, the Qwen TTS fields checked at admission), the voic
 real WebSocket client (text in pieces, cancel, errors, a dropped socket).
 
 Two servers, each serving one speech pipeline so that no request needs a `model`:
-graphs/qwen3_tts.omni on the CustomVoice checkpoint, and the same graph on the Base (voice
-clone) one.
+graphs/qwen3_tts.omni on the CustomVoice checkpoint, and graphs/qwen3_tts_clone.omni on the
+Base (voice clone) one, as shipped.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import io
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import threading
@@ -44,6 +45,7 @@ FRAME = 1920  # samples of one 12.5 Hz frame
 SPEECH = "/v1/audio/speech"
 SOCKET = "/v1/audio/speech/stream"
 FLAGS = ["--tiny", "--mode", "inprocess", "--param", "max_tokens=6"]
+CLONE_GRAPH = GRAPHS / "qwen3_tts_clone.omni"  # the Base checkpoint's: voice clones
 
 
 def reference_clip(seconds: float = 1.5) -> np.ndarray:
@@ -70,14 +72,6 @@ def decoded_seconds(data: bytes) -> float:
     return sum(f.samples for f in frames) / frames[0].sample_rate
 
 
-def clone_source() -> str:
-    """graphs/qwen3_tts.omni on the Base checkpoint."""
-    source = (GRAPHS / "qwen3_tts.omni").read_text()
-    return source.replace("1.7B-CustomVoice", "1.7B-Base").replace(
-        "pipeline qwen3_tts", "pipeline qwen3_tts_clone"
-    )
-
-
 @pytest.fixture(scope="module")
 def custom(tmp_path_factory):
     """graphs/qwen3_tts.omni on tiny:qwen3-tts-customvoice."""
@@ -87,22 +81,18 @@ def custom(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def clone(tmp_path_factory):
-    """The same graph on tiny:qwen3-tts-base, keeping at most 3 uploaded voices."""
-    path = tmp_path_factory.mktemp("clone") / "qwen3_tts_clone.omni"
-    path.write_text(clone_source())
-    server = ServerProcess([str(path), *FLAGS, "--max-voices", "3"])
+def clone():
+    """graphs/qwen3_tts_clone.omni on tiny:qwen3-tts-base, keeping at most 3 uploaded voices."""
+    server = ServerProcess([str(CLONE_GRAPH), *FLAGS, "--max-voices", "3"])
     yield server
     server.stop_cleanly()
 
 
 @pytest.fixture(scope="module")
-def clone_process(tmp_path_factory):
+def clone_process():
     """The clone graph served with every stage in an executor process of its own."""
-    path = tmp_path_factory.mktemp("clone_process") / "qwen3_tts_clone.omni"
-    path.write_text(clone_source())
     flags = [f if f != "inprocess" else "process" for f in FLAGS]
-    server = ServerProcess([str(path), *flags])
+    server = ServerProcess([str(CLONE_GRAPH), *flags])
     yield server
     server.stop_cleanly()
 
@@ -342,6 +332,52 @@ def test_a_clone_as_the_peer_sends_it(clone_http):
     assert clone_http.post(SPEECH, json={**body, "x_vector_only_mode": True}).status_code == 200
     reply = clone_http.post(SPEECH, json=body)  # ICL needs the transcript
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "ref_text"
+
+
+def test_the_openai_client_clones_inline_and_uploaded(clone, clone_http):
+    """The shipped clone graph through the `openai` client: a reference inline (extra_body),
+    then the same clip uploaded and named as the voice: the same seed, the same speech."""
+    client = OpenAI(base_url=clone.url, api_key="unused", max_retries=0, timeout=60)
+    clip = wav_file(reference_clip())
+    inline = client.audio.speech.create(
+        model="qwen3_tts_clone", voice="", input="Good morning.", response_format="wav",
+        extra_body={"ref_audio": "data:audio/wav;base64," + base64.b64encode(clip).decode(),
+                    "ref_text": "Hello there.", "seed": 7},
+    )  # fmt: skip
+    samples, rate = soundfile.read(io.BytesIO(inline.content), dtype="int16")
+    assert rate == RATE and len(samples) and len(samples) % FRAME == 0
+    files = {"audio": ("ref.wav", clip, "audio/wav")}
+    reply = clone_http.post(
+        "/v1/audio/voices", data={"name": "openai_voice", "ref_text": "Hello there."}, files=files
+    )
+    assert reply.status_code == 201, reply.text
+    named = client.audio.speech.create(
+        model="qwen3_tts_clone", voice="openai_voice", input="Good morning.",
+        response_format="wav", extra_body={"seed": 7},
+    )  # fmt: skip
+    assert named.content == inline.content
+    assert clone_http.delete("/v1/audio/voices/openai_voice").status_code == 200
+
+
+def test_the_suggested_requests_speak_and_clone(custom, clone, clone_http, tmp_path):
+    """The `curl` lines each server prints at start-up, pasted as printed: a named-voice
+    server's one speech request; a clone server's upload of the user's clip (here a
+    reference.wav) and a request naming it. Each capped (max_new_tokens), each in seconds."""
+    (wav,) = custom.suggested("qwen3_tts")
+    upload, speak = clone.suggested("qwen3_tts_clone")
+    (tmp_path / "reference.wav").write_bytes(wav_file(reference_clip()))
+    for line, status in ((wav, "200"), (upload, "201"), (speak, "200")):
+        assert "max_new_tokens" in line or line is upload
+        began = time.monotonic()
+        done = subprocess.run(
+            [*shlex.split(line), "-s", "-o", "reply", "-w", "%{http_code}"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.stdout == status, (tmp_path / "reply").read_text(errors="replace")
+        assert time.monotonic() - began < 60
+    assert soundfile.read(tmp_path / "reply")[1] == RATE
+    voice = json.loads(shlex.split(speak)[-1])["voice"]
+    assert clone_http.delete(f"/v1/audio/voices/{voice}").status_code == 200
 
 
 @pytest.mark.parametrize(

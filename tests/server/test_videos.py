@@ -8,6 +8,9 @@ same video, also from `/v1/videos/sync`; a job outlives its client; the store is
 pipeline cannot take is a 400 at once, one that fails in a stage a failed job."""
 
 import io
+import json
+import shlex
+import subprocess
 import time
 
 import httpx
@@ -105,6 +108,41 @@ def test_a_peer_text_to_video_job_completes_with_an_h264_mp4(http):
     deleted = http.delete(f"/v1/videos/{job['id']}")
     assert deleted.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}
     assert http.get(f"/v1/videos/{job['id']}").status_code == 404
+
+
+def test_progress_moves_through_the_vae_decode_frame_by_frame(http):
+    """The final phase reports too: the VAE decodes a latent frame a step, and the job's
+    progress moves through 85..95 as it does (it used to sit at the denoiser's last value
+    for the whole decode), then through the MP4's encode, to 100."""
+    reply = create(http, width="256", height="256", num_frames="33", num_inference_steps="1")
+    assert reply.status_code == 200, reply.text
+    done = finished(http, reply.json()["id"], timeout=180)
+    assert done["status"] == "completed", done
+    progress = [p for _, p in done["seen"]]
+    assert progress == sorted(progress) and progress[-1] == 100
+    decoding = {p for p in progress if 85 <= p < 95}
+    assert len(decoding) >= 2, progress  # seen moving, not one value for the whole decode
+    job_id = reply.json()["id"]
+    frames, _, _ = decode_video(http.get(f"/v1/videos/{job_id}/content").content)
+    assert frames.shape == (33, 256, 256, 3)
+    assert http.delete(f"/v1/videos/{job_id}").status_code == 200  # the store holds 3
+
+
+def test_the_suggested_video_request_finishes_in_seconds(server, http):
+    """The `curl` line the server prints at start-up, run as pasted: a small video (not the
+    pipeline's 832x480, 81 frames, 40 steps: minutes on a CPU), done in seconds."""
+    (line,) = server.suggested("text_to_video")
+    assert server.suggested("image_to_video") == []  # it needs an image: none suggested
+    began = time.monotonic()
+    created = subprocess.run([*shlex.split(line), "-s"], capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+    job = json.loads(created.stdout)
+    done = finished(http, job["id"], timeout=120)
+    assert done["status"] == "completed" and done["size"] == "256x256", done
+    assert time.monotonic() - began < 60
+    frames, _, _ = decode_video(http.get(f"/v1/videos/{job['id']}/content").content)
+    assert frames.shape == (9, 256, 256, 3)
+    assert http.delete(f"/v1/videos/{job['id']}").status_code == 200
 
 
 def test_the_same_seed_gives_the_same_video_and_sync_gives_it_too(http):

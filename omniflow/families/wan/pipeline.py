@@ -37,11 +37,13 @@ from __future__ import annotations
 
 import torch
 from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanTransformer3DModel
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
 from diffusers.video_processor import VideoProcessor
 
 from omniflow.backends.diffusion import (
     Denoising,
     DiffusersBackendError,
+    FrameDecoding,
     Prepare,
     check_sizes,
     open_image,
@@ -249,14 +251,49 @@ class WanPipelines:
     # --- the VAE ---
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
         """Normalised latents `[B, C, F', h, w]` -> frames `[B, F, H, W, 3]` in [-1, 1]."""
-        config = vae.config
-        shape = (1, config.z_dim, 1, 1, 1)
-        mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(
-            latents.device, latents.dtype
-        )
-        video = vae.decode(latents / inv_std + mean, return_dict=False)[0]
+        video = vae.decode(_vae_latents(vae, latents), return_dict=False)[0]
         return video.permute(0, 2, 3, 4, 1).float()
+
+    def decode_in_steps(self, vae, latents: torch.Tensor) -> WanFrameDecoding:
+        """`decode` of one video a latent frame a step (the same frames)."""
+        return WanFrameDecoding(vae, _vae_latents(vae, latents))
+
+
+def _vae_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Normalised latents with the VAE's latent statistics applied, as the pipeline does."""
+    config = vae.config
+    shape = (1, config.z_dim, 1, 1, 1)
+    mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
+    inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
+    return latents / inv_std + mean
+
+
+class WanFrameDecoding(FrameDecoding):
+    """`AutoencoderKLWan._decode` (no tiling), a latent frame a step: its causal decoder
+    runs each frame on the cache of the frames before, here this decode's own (the VAE's
+    own cache is one for all), so several videos' decodes may interleave."""
+
+    def __init__(self, vae, latents: torch.Tensor):
+        super().__init__(total=latents.shape[2])
+        self.vae = vae
+        self.latents = vae.post_quant_conv(latents)
+        convs = sum(isinstance(m, WanCausalConv3d) for m in vae.decoder.modules())
+        self.cache: list = [None] * convs
+        self.frames: list[torch.Tensor] = []
+
+    def advance(self) -> None:
+        i = self.done
+        frame = self.latents[:, :, i : i + 1]
+        self.frames.append(
+            self.vae.decoder(frame, feat_cache=self.cache, feat_idx=[0], first_chunk=i == 0)
+        )
+        self.done += 1
+
+    def result(self) -> torch.Tensor:
+        video = torch.cat(self.frames, 2)
+        if self.vae.config.patch_size is not None:
+            video = unpatchify(video, patch_size=self.vae.config.patch_size)
+        return video.clamp(-1.0, 1.0).permute(0, 2, 3, 4, 1).float()
 
 
 PIPELINES = WanPipelines()
