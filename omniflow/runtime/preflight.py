@@ -78,6 +78,19 @@ def locate_model(model: str) -> str:
     )
 
 
+# Weights for other frameworks that some repositories carry beside the torch ones: never
+# loaded here, and as large as the torch weights.
+OTHER_FRAMEWORKS = [
+    "*.msgpack",
+    "*.h5",
+    "*.ckpt.index",
+    "*.onnx",
+    "*.onnx_data",
+    "*.tflite",
+    "*.ot",
+]
+
+
 def download(model: str) -> str:
     """`model` from the hub into its cache, saying so on stderr as it starts and when it
     is done; the hub's own progress bars show the files as they come."""
@@ -87,7 +100,7 @@ def download(model: str) -> str:
           file=sys.stderr, flush=True)  # fmt: skip
     began = time.perf_counter()
     try:
-        path = huggingface_hub.snapshot_download(model)
+        path = huggingface_hub.snapshot_download(model, ignore_patterns=OTHER_FRAMEWORKS)
     except Exception as err:  # the network, the disk: one line, not a traceback
         raise PreflightError(f"could not download model '{model}': {err}") from err
     took = time.perf_counter() - began
