@@ -42,7 +42,7 @@ from omniflow.families.qwen3_omni.checkpoints import (
     prompt_ids,
     reference_generate,
 )
-from omniflow.families.qwen3_omni.code2wav import Code2Wav, code2wav_field
+from omniflow.families.qwen3_omni.code2wav import code2wav_field, load
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import RequestFailed
@@ -204,7 +204,7 @@ def test_the_talker_needs_a_known_speaker_and_an_assistant_turn(plan):
 
 
 def test_code2wav_decodes_what_transformers_decodes(path, model, references):
-    decoder = Code2Wav(str(path), "cpu")
+    decoder = load(str(path), "code2wav", "cpu")
     assert (decoder.samples_per_frame, decoder.tail) == (1920, 555)
     assert (decoder.reach.context, decoder.reach.lookahead) == (152, 1)  # 2 x 71 + 10
     codes = references[2].codes  # 39 frames
@@ -263,7 +263,8 @@ def test_the_graph_runs_end_to_end_in_executor_processes(graph_plan, references)
     audio = out["audio"].reshape(-1)
     assert audio.dtype == torch.int16 and len(audio) == len(ref.codes) * 1920
     expected = (ref.waveform.clamp(-1, 1) * 32767).round()
-    assert (audio[: len(expected)].float() - expected).abs().max() <= 1
+    # pcm16's own rounding (1), and the streamed decode's float rounding (TOLERANCE).
+    assert (audio[: len(expected)].float() - expected).abs().max() <= 1 + TOLERANCE * 32767
     assert not audio[len(expected) :].any()
 
 

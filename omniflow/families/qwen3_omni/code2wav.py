@@ -6,24 +6,33 @@ How far it looks is walked from its modules (`code2wav_field`), as for the codec
 
 - back: every transformer layer attends `sliding_window` frames (itself and the 71 before
   it, in the published config), and stacked layers add up (8 x 71 = 568 frames), then the
-  convolutions' left context, a few frames more. A stream whose left context covers that
-  decodes exactly its whole-utterance decode. `chunked_decode`, which `generate` uses, gives
-  each 300-code chunk 25 frames of left context only: past 300 codes it is not that decode
-  (nor, below, continuous).
+  convolutions' left context, a few frames more (578 in all). `chunked_decode`, which
+  `generate` uses, gives each 300-code chunk 25 frames of left context only: past 300 codes
+  it is not the whole decode (nor, below, continuous).
 - ahead: its "causal" transposed convolutions trim `kernel - stride` samples off both ends,
   so each upsampling block's output reads one input position ahead: one frame of lookahead
   in all. The same trim leaves a decode of n frames `tail` samples short of n x 1920 (555
-  in the published config): the last frame's end is never computed, whatever follows. A
-  window here emits only frames whose lookahead arrived, so a stream's audio equals the
-  whole decode, and its last frame ends in `tail` zeros where the whole decode ends early.
-  (`chunked_decode` drops those samples at the end of every chunk.)
+  in the published config): the last frame's end is never computed, whatever follows.
 
-The ConvNet's own reach is a few frames (`convnet_field`): a window runs the transformer
-over its whole context and the ConvNet only over what its kept frames need.
+Carried state. It decodes statefully (`omniflow.backends.carried_state`): each stream's
+convolution tails and each attention layer's keys and values of the last 71 frames live in
+its slot, allocated when the stage loads, so a window decodes only its new frames (no left
+context: the family's `code2wav` part `carries_state`) and a stream's audio is its
+whole-utterance decode, up to float rounding, in windows of any size, one frame included.
+`carried_forward` walks transformers' own modules (their weights) with that state. The left
+trims make the streamed ConvNet run late: a window's samples end `tail` samples short of
+its last frame (`Carried.delay`; a new stream's positions before its start are zeroed, as
+the whole decode pads). So a window returns the audio of the frames one before its new ones
+(`lag`, its lookahead), completed with the samples the previous window computed past its
+last whole frame (carried too); a stream's last window runs one frame past its end, and the
+samples that no decode computes there are zeros: the stage's audio is the whole decode and
+then `tail` zeros, as `generate`'s plus the rest of its last frame.
 
-Padding: the convolutions pad with zeros on the left as the utterance's start does, but a
-padded frame's codes still embed to something, so windows are padded only where the
-vocoder backend's reach rule allows (right after the lookahead, or left before the context).
+Static windows: a step's inputs are the padded codes and each row's slot, position and
+length, so it is captured as a CUDA graph per (batch bucket, window length) on CUDA (the
+stage's decode "graphs"; "static" runs the same buffers eagerly on the CPU), as
+Qwen3-TTS's code2wav: `carried_state.StatefulDecoder`. Precision "auto" on CUDA is
+bfloat16, the checkpoint's dtype; the slots follow the model's dtype.
 """
 
 from __future__ import annotations
@@ -60,7 +69,15 @@ def load(root: str, component: str | None, device: str) -> Code2Wav:
             f"Qwen3-Omni's vocoder is its '{COMPONENT}', not '{component}'; "
             f'use component="{COMPONENT}" (the thinker and talker run on ar stages)'
         )
-    return Code2Wav(root, device)
+    from transformers import Qwen3OmniMoeConfig
+
+    with quiet():
+        config = Qwen3OmniMoeConfig.from_pretrained(root).code2wav_config
+        # The checkpoint holds the whole model; code2wav's weights sit under `code2wav.`.
+        model = Qwen3OmniMoeCode2Wav.from_pretrained(
+            root, config=config, key_mapping={r"^code2wav\.": ""}, dtype=torch.float32
+        )
+    return Code2Wav(model, device)
 
 
 # --- the receptive field, walked in forward order --------------------------------------------
@@ -139,15 +156,8 @@ class Code2Wav(StatefulDecoder):
 
     precisions = PRECISIONS
 
-    def __init__(self, root: str, device: str):
-        from transformers import Qwen3OmniMoeConfig
-
-        with quiet():
-            config = Qwen3OmniMoeConfig.from_pretrained(root).code2wav_config
-            # The checkpoint holds the whole model; code2wav's weights sit under `code2wav.`.
-            model = Qwen3OmniMoeCode2Wav.from_pretrained(
-                root, config=config, key_mapping={r"^code2wav\.": ""}, dtype=torch.float32
-            )
+    def __init__(self, model: Qwen3OmniMoeCode2Wav, device: str):
+        config = model.config
         self.model = model.to(device).eval()
         self.device = device
         if any(kind != "sliding_attention" for kind in config.layer_types):
