@@ -85,8 +85,9 @@ for part in "$@"; do
         | grep -v -i "warn" | tee "$OUT/tts_frames.log"
       ;;
     code2wav)
-      # Qwen3-TTS's code2wav step per (batch, window) at real size, eager and replayed from
-      # its graphs (CODE2WAV_ARGS added to benchmarks/code2wav_step.py's flags).
+      # code2wav's step per (batch, window) at real size, eager and replayed from its graphs
+      # (CODE2WAV_ARGS added to benchmarks/code2wav_step.py's flags: Qwen3-TTS's by default,
+      # "--family qwen3-omni --precision bfloat16" for Qwen3-Omni's as served).
       timeout ${CODE2WAV_S:-240} python3 benchmarks/code2wav_step.py ${CODE2WAV_ARGS:-} 2>&1 \
         | grep -v -i "warn" | tee "$OUT/code2wav_step.log"
       ;;

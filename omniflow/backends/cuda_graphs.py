@@ -1,6 +1,7 @@
 """CUDA graph capture shared by the backends that replay captured steps: the AR decode step
-(`omniflow.backends.static_decode`) and token2wav's window solve
-(`omniflow.families.qwen2_5_omni.token2wav`).
+(`omniflow.backends.static_decode`), token2wav's window solve
+(`omniflow.families.qwen2_5_omni.token2wav`) and the steps of decoders that carry their
+state (`omniflow.backends.carried_state`).
 
 `capture_graph` captures one function of static device buffers the way both need it: run
 once eagerly first (Triton kernels compiled, cuBLAS and cuDNN set up, lazily loaded kernels

@@ -24,7 +24,11 @@ the next (`Decoder.stateful`: convolution tails, attention caches; `init_states`
 decodes each window's new frames alone, after the state the stream's last window left:
 no left context is re-decoded (the edge's `context` is not used, and the compiler plans
 none), a window of n frames costs n frames of work, and the first window may be a single
-frame. The states live in the decoder's slots, allocated once when the stage loads, one per
+frame. A stateful decoder may still look ahead (`lag` frames, its reach's lookahead: its
+last samples need the frame after them, as Qwen3-Omni's code2wav's transposed convolutions
+make it): it then returns each window's audio `lag` frames behind its new frames, what the
+frames before them completed; a stream's last window is padded with `lag` frames past its
+end, whose audio the decoder zeroes. The states live in the decoder's slots, allocated once when the stage loads, one per
 stream the stage batches (its max_batch): a stream takes a free slot with its first window
 and gives it back when it ends, fails or is cancelled; a stream whose first
 window finds every slot taken waits for one. A step passes each row's slot and position
@@ -201,12 +205,13 @@ class _Decoded:
     windows: list[Window]
     calls: list[Call]
     audio: HostCopy
+    lag: int = 0  # frames each row's audio starts before its window (a stateful decoder's)
 
     def kept(self, per_frame: int) -> Iterator[tuple[Window, Call, torch.Tensor]]:
         """Each window, its call and its kept audio `[kept frames, per_frame]` (its own
         memory: the host buffer is reused)."""
         for row, w, call in zip(self.audio.value, self.windows, self.calls, strict=True):
-            first = (w.offset + w.keep_start - w.start) * per_frame
+            first = (w.offset + w.keep_start - w.start + self.lag) * per_frame
             kept = row[first : first + (w.keep_end - w.keep_start) * per_frame]
             kept = kept.reshape(-1, per_frame)
             yield w, call, kept.clone() if self.audio.reused else kept.contiguous()
@@ -290,8 +295,10 @@ class Decoder:
         """A stateful decoder's decode of each window's frames after the `positions[b]`
         frames its stream decoded before (0: a new stream, whatever its slot held), the
         batch padded on the right to `frames`: `[len(windows), frames * samples_per_frame]`
-        float32 audio. Slot `slots[b]` holds the stream's state and then its state after
-        the window's last frame (which the padding after it does not reach)."""
+        float32 audio, of the frames from `reach.lookahead` before each window's first on
+        (the samples after what its frames complete: zeros). Slot `slots[b]` holds the
+        stream's state and then its state after the window's last frame (which the padding
+        after it does not reach)."""
         raise VocoderError(f"{type(self).__name__} carries no state")
 
     # The arithmetic `set_precision` accepts: the model's own float32, unless a decoder
@@ -404,11 +411,8 @@ class Vocoder(Backend):
                 f"[{spec.plan.component}] carry its state from window to window (no left "
                 f"context), but its decoder, {type(self.decoder).__name__}, does not"
             )
-        if self.stateful and self.decoder.reach.lookahead:
-            raise VocoderError(
-                f"{type(self.decoder).__name__} carries its state but looks "
-                f"{self.decoder.reach.lookahead} frames ahead: only a causal decoder can"
-            )
+        # Frames a stateful decoder's audio lags the new frames it decodes by.
+        self.lag = int(self.decoder.reach.lookahead) if self.stateful else 0
         align = self.decoder.unit or 1
         # A stateful decoder re-decodes no context: its state holds what the context would.
         context = 0 if self.stateful else spec.contexts.get(self.port, 0)
@@ -465,11 +469,12 @@ class Vocoder(Backend):
         lookahead and as much context as there is before it); past the context and the
         window sizes' ramp (WINDOW_BLOCKS) they repeat. The last windows of a stream are
         shorter, and are padded up to one of these where their reach allows. A stateful
-        decoder's windows hold new frames only, any number up to the edge's longest chunk:
-        powers of two below it, then it (a stream's first window, which a voice clone's
-        reference frames lengthen, may be longer: it decodes eagerly)."""
+        decoder's windows hold new frames only, any number up to the edge's longest chunk
+        and its `lag` (a stream's first and last windows'): powers of two below that, then
+        it (a stream's first window, which a voice clone's reference frames lengthen, may be
+        longer: it decodes eagerly)."""
         if self.stateful:
-            longest = max(self.schedule or [1])
+            longest = max(self.schedule or [1]) + self.lag
             return [*(2**k for k in range(longest.bit_length()) if 2**k < longest), longest]
         unit, lookahead, lengths, done = self.decoder.unit, self.lookahead, set(), 0
         while done <= self.context + unit * sum(WINDOW_BLOCKS):
@@ -529,7 +534,8 @@ class Vocoder(Backend):
                 window.stream.queued = window.keep_end
                 window.stream.forget_before(window.keep_end - self.context)
             calls_of = [nexts[w] for w in batch]
-            self.reading.append(_Decoded(batch, calls_of, self.host_copies.copy(audio)))
+            copy = self.host_copies.copy(audio)
+            self.reading.append(_Decoded(batch, calls_of, copy, self.lag))
             self._emit_landed()  # off CUDA, at once
         for call in calls:
             if call.error is not None:
@@ -615,7 +621,7 @@ class Vocoder(Backend):
 
     def _windows(self, stream: _Stream, ended: bool) -> list[Window]:
         arrived, done = stream.arrived, stream.queued
-        ready = arrived if ended else arrived - stream.lookahead
+        ready = arrived if ended else arrived - max(stream.lookahead, self.lag)
         if self.grid_end is None:
             spans = [(done, ready)] if ready > done else []
         else:
@@ -623,16 +629,17 @@ class Vocoder(Backend):
             while done < arrived:
                 end = self.grid_end(done)
                 if end > ready and not ended:
-                    if self._cut_short(stream, end - arrived):
-                        spans.append((done, arrived))
+                    if ready > done and self._cut_short(stream, end - arrived):
+                        spans.append((done, ready))
                     break
                 spans.append((done, min(end, arrived)))
                 done = end
         if self.stateful:  # each window decodes the frames after the one before it
             windows, start = [], stream.decoded
             for k0, k1 in spans:
-                windows.append(Window(stream, start, k1, k0, k1))
-                start = k1
+                end = max(start, min(arrived, k1 + self.lag))
+                windows.append(Window(stream, start, end, k0, k1))
+                start = end
             return windows
         return [
             Window(stream, max(0, k0 - self.context), min(arrived, k1 + stream.lookahead), k0, k1)
@@ -660,11 +667,16 @@ class Vocoder(Backend):
         others = [
             w for w in windows if w is not lead and self.decoder.group(w.stream.state) == group
         ]
-        frames = self.decoder.window_frames(lead.frames)
-        if frames > lead.frames and not self._fit([lead], frames)[0]:
+        frames = self.decoder.window_frames(self._span(lead))
+        if frames > self._span(lead) and not self._fit([lead], frames)[0]:
             frames = lead.frames  # a static length the lead cannot be padded to
-        batch, _ = self._fit([lead, *(w for w in others if w.frames <= frames)], frames)
+        batch, _ = self._fit([lead, *(w for w in others if self._span(w) <= frames)], frames)
         return frames, batch
+
+    def _span(self, w: Window) -> int:
+        """The frames a forward needs for window `w`: its own, and a stateful decoder's
+        stream's last window the `lag` frames after it, whose audio completes its last."""
+        return max(w.end, w.keep_end + self.lag) - w.start
 
     def _decode(self, batch: list[Window], frames: int) -> torch.Tensor:
         """The batch's float32 audio `[len(batch), frames * samples_per_frame]`, left on

@@ -127,7 +127,11 @@ FAMILY = Family(
             },
         ),
         "code2wav": Part(
-            "vocoder", ("code2wav_config",), weights=("code2wav.",), defaults={"sample_rate": 24000}
+            "vocoder",
+            ("code2wav_config",),
+            weights=("code2wav.",),
+            defaults={"sample_rate": 24000},
+            carries_state=True,
         ),
     },
     runtime={

@@ -6,29 +6,39 @@ How far it looks is walked from its modules (`code2wav_field`), as for the codec
 
 - back: every transformer layer attends `sliding_window` frames (itself and the 71 before
   it, in the published config), and stacked layers add up (8 x 71 = 568 frames), then the
-  convolutions' left context, a few frames more. A stream whose left context covers that
-  decodes exactly its whole-utterance decode. `chunked_decode`, which `generate` uses, gives
-  each 300-code chunk 25 frames of left context only: past 300 codes it is not that decode
-  (nor, below, continuous).
+  convolutions' left context, a few frames more (578 in all). `chunked_decode`, which
+  `generate` uses, gives each 300-code chunk 25 frames of left context only: past 300 codes
+  it is not the whole decode (nor, below, continuous).
 - ahead: its "causal" transposed convolutions trim `kernel - stride` samples off both ends,
   so each upsampling block's output reads one input position ahead: one frame of lookahead
   in all. The same trim leaves a decode of n frames `tail` samples short of n x 1920 (555
-  in the published config): the last frame's end is never computed, whatever follows. A
-  window here emits only frames whose lookahead arrived, so a stream's audio equals the
-  whole decode, and its last frame ends in `tail` zeros where the whole decode ends early.
-  (`chunked_decode` drops those samples at the end of every chunk.)
+  in the published config): the last frame's end is never computed, whatever follows.
 
-The ConvNet's own reach is a few frames (`convnet_field`): a window runs the transformer
-over its whole context and the ConvNet only over what its kept frames need.
+Carried state. It decodes statefully (`omniflow.backends.carried_state`): each stream's
+convolution tails and each attention layer's keys and values of the last 71 frames live in
+its slot, allocated when the stage loads, so a window decodes only its new frames (no left
+context: the family's `code2wav` part `carries_state`) and a stream's audio is its
+whole-utterance decode, up to float rounding, in windows of any size, one frame included.
+`carried_forward` walks transformers' own modules (their weights) with that state. The left
+trims make the streamed ConvNet run late: a window's samples end `tail` samples short of
+its last frame (`Carried.delay`; a new stream's positions before its start are zeroed, as
+the whole decode pads). So a window returns the audio of the frames one before its new ones
+(`lag`, its lookahead), completed with the samples the previous window computed past its
+last whole frame (carried too); a stream's last window runs one frame past its end, and the
+samples that no decode computes there are zeros: the stage's audio is the whole decode and
+then `tail` zeros, as `generate`'s plus the rest of its last frame.
 
-Padding: the convolutions pad with zeros on the left as the utterance's start does, but a
-padded frame's codes still embed to something, so windows are padded only where the
-vocoder backend's reach rule allows (right after the lookahead, or left before the context).
+Static windows: a step's inputs are the padded codes and each row's slot, position and
+length, so it is captured as a CUDA graph per (batch bucket, window length) on CUDA (the
+stage's decode "graphs"; "static" runs the same buffers eagerly on the CPU), as
+Qwen3-TTS's code2wav: `carried_state.StatefulDecoder`. Precision "auto" on CUDA is
+bfloat16, the checkpoint's dtype; the slots follow the model's dtype.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeCausalConvNet,
     Qwen3OmniMoeCausalTransConvNet,
@@ -37,18 +47,13 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeCode2WavDecoderResidualUnit,
     Qwen3OmniMoeConvNeXtBlock,
     Qwen3OmniMoeSnakeBeta,
+    apply_rotary_pos_emb,
 )
 
 from omniflow.backends import receptive_field
+from omniflow.backends.carried_state import Carried, StatefulDecoder, sliding_window
 from omniflow.backends.receptive_field import Field
-from omniflow.backends.vocoders import (
-    Decoder,
-    VocoderError,
-    Window,
-    checked_samples_per_frame,
-    field_reach,
-    padded,
-)
+from omniflow.backends.vocoders import VocoderError, checked_samples_per_frame, field_reach
 from omniflow.hf_logging import quiet
 
 COMPONENT = "code2wav"
@@ -64,7 +69,15 @@ def load(root: str, component: str | None, device: str) -> Code2Wav:
             f"Qwen3-Omni's vocoder is its '{COMPONENT}', not '{component}'; "
             f'use component="{COMPONENT}" (the thinker and talker run on ar stages)'
         )
-    return Code2Wav(root, device)
+    from transformers import Qwen3OmniMoeConfig
+
+    with quiet():
+        config = Qwen3OmniMoeConfig.from_pretrained(root).code2wav_config
+        # The checkpoint holds the whole model; code2wav's weights sit under `code2wav.`.
+        model = Qwen3OmniMoeCode2Wav.from_pretrained(
+            root, config=config, key_mapping={r"^code2wav\.": ""}, dtype=torch.float32
+        )
+    return Code2Wav(model, device)
 
 
 # --- the receptive field, walked in forward order --------------------------------------------
@@ -136,78 +149,127 @@ def _convnext(field: Field, block: Qwen3OmniMoeConvNeXtBlock) -> Field:
 # --- the decoder -------------------------------------------------------------------------
 
 
-class Code2Wav(Decoder):
-    """Qwen3-Omni code2wav: a local decoder (no grid), frames of `num_quantizers` codes.
-
-    A window runs the transformer over all its frames (its left context is the
-    transformer's long reach), and the ConvNet only from `convnet_context` frames before
-    the first frame it keeps: the ConvNet's own reach, far shorter, where nearly all of the
-    decode's work is. Every kept sample is what the whole forward gives."""
+class Code2Wav(StatefulDecoder):
+    """Qwen3-Omni code2wav, streamed with its carried state (see the module docstring):
+    `carried_forward` walks transformers' own modules, their weights, with each stream's
+    convolution tails and attention keys and values carried in its slot."""
 
     precisions = PRECISIONS
 
-    def __init__(self, root: str, device: str):
-        from transformers import Qwen3OmniMoeConfig
-
-        with quiet():
-            config = Qwen3OmniMoeConfig.from_pretrained(root).code2wav_config
-            # The checkpoint holds the whole model; code2wav's weights sit under `code2wav.`.
-            model = Qwen3OmniMoeCode2Wav.from_pretrained(
-                root, config=config, key_mapping={r"^code2wav\.": ""}, dtype=torch.float32
-            )
+    def __init__(self, model: Qwen3OmniMoeCode2Wav, device: str):
+        config = model.config
         self.model = model.to(device).eval()
         self.device = device
-        self.codebooks = config.num_quantizers
+        if any(kind != "sliding_attention" for kind in config.layer_types):
+            raise VocoderError(f"code2wav with {config.layer_types} layers: not one it streams")
         field, self.tail = code2wav_field(self.model)
         self.per_frame = field.per_frame
-        self.convnet_context = int(receptive_field.context(convnet_field(model, Field(0, 0))[0]))
 
         def decode(frames: int) -> torch.Tensor:
-            codes = torch.zeros(1, self.codebooks, frames, dtype=torch.int64, device=device)
-            return self._run(codes, 0)
+            codes = torch.zeros(1, config.num_quantizers, frames, dtype=torch.int64, device=device)
+            return F.pad(self.model(codes), (0, self.tail))
 
         with torch.inference_mode():
             samples = checked_samples_per_frame(field, decode)
         reach = field_reach(field)
+        # Frames a window's audio lags its new frames by: those the `tail` samples span.
+        self.lag = -(-self.tail // self.per_frame)
+        if self.lag != reach.lookahead:
+            raise VocoderError(
+                f"code2wav's last {self.tail} samples span {self.lag} frames, but it looks "
+                f"{reach.lookahead} ahead"
+            )
         super().__init__(
             samples_per_frame=samples,
-            num_codebooks=self.codebooks,
+            num_codebooks=config.num_quantizers,
             codebook_size=config.codebook_size,
             reach=reach,
-            lookahead=int(reach.lookahead),
+            lookahead=self.lag,
         )
 
     def set_precision(self, precision: str) -> None:
         super().set_precision(precision)
         self.model.to(torch.bfloat16 if precision == "bfloat16" else torch.float32)
+        if self.states is not None:  # the slots hold the model's dtype
+            self.init_states(self.states.slots)
 
-    def _run(self, codes: torch.Tensor, keep: int) -> torch.Tensor:
-        """codes `[B, Q, T]` -> audio `[B, T * samples per frame]` from frame `keep` on (zeros
-        before it): `Qwen3OmniMoeCode2Wav.forward` in two halves, the ConvNet started at
-        `keep - convnet_context`; then `tail` zeros where the waveform ends short."""
-        if codes.shape[1] != self.codebooks:
+    def carried_forward(self, codes: torch.Tensor, carried: Carried) -> torch.Tensor:
+        """`Qwen3OmniMoeCode2Wav.forward` over each row's new frames, then aligned: the audio
+        of the frames `lag` before them, which ends `tail` samples into the row's last frame
+        (the samples after it zeros)."""
+        if codes.shape[1] != self.num_codebooks:
             raise VocoderError(
-                f"code2wav decodes frames of {self.codebooks} codebooks, not {codes.shape[1]}"
+                f"code2wav decodes frames of {self.num_codebooks} codebooks, not {codes.shape[1]}"
             )
         model, frames = self.model, codes.shape[-1]
         hidden = model.code_embedding(codes + model.code_offset).mean(1)
-        hidden = model.pre_transformer(inputs_embeds=hidden).last_hidden_state
-        start = max(0, keep - self.convnet_context)
-        wav = hidden[:, start:].permute(0, 2, 1)
-        for blocks in model.upsample:
-            for block in blocks:
-                wav = block(wav)
+        wav = _streamed_transformer(model.pre_transformer, hidden, carried).permute(0, 2, 1)
+        for transposed, convnext in model.upsample:
+            wav = carried.transposed_conv(transposed.conv, wav, transposed.left_pad)
+            wav = _streamed_convnext(convnext, wav, carried)
         for block in model.decoder:
-            wav = block(wav)
-        wav = wav.clamp(min=-1, max=1)[:, 0]
-        if wav.shape[-1] != (frames - start) * self.per_frame - self.tail:
-            raise VocoderError(
-                f"{frames - start} frames decode to {wav.shape[-1]} samples, not the "
-                f"{(frames - start) * self.per_frame - self.tail} that code2wav's layers make"
-            )
-        return torch.nn.functional.pad(wav, (start * self.per_frame, self.tail))
+            if isinstance(block, Qwen3OmniMoeCode2WavDecoderBlock):
+                for layer in block.block:
+                    wav = _streamed(layer, wav, carried)
+            else:
+                wav = _streamed(block, wav, carried)
+        if carried.delay != self.tail:
+            raise VocoderError(f"code2wav streamed {carried.delay} samples late, not {self.tail}")
+        # Before it, the last frames' samples the previous window computed (the `lag` frames
+        # end `tail` samples short): `lag` frames of audio back, whole frames again.
+        pending = self.lag * self.per_frame - self.tail
+        wav = carried.extend(wav.clamp(min=-1, max=1), pending)[..., : frames * self.per_frame]
+        sample = torch.arange(wav.shape[-1], device=wav.device)
+        computed = sample[None] < carried.lengths[:, None] * self.per_frame + pending
+        return torch.where(
+            computed[:, None], wav, torch.zeros((), dtype=wav.dtype, device=wav.device)
+        )
 
-    def decode(self, windows: list[Window], frames: int) -> torch.Tensor:
-        codes = padded(windows, frames, Window.codes, self.device).transpose(1, 2)
-        keep = min(w.offset + w.keep_start - w.start for w in windows)
-        return self._run(codes, keep)
+
+def _streamed_transformer(pre, hidden: torch.Tensor, carried: Carried) -> torch.Tensor:
+    """`Qwen3OmniMoeCode2WavTransformerModel.forward` over the new frames, each attention
+    layer's keys and values of the `sliding_window - 1` frames before them carried."""
+    b, t, _ = hidden.shape
+    window = pre.layers[0].self_attn.sliding_window
+    positions, mask, past = sliding_window(carried, t, window, hidden.device)
+    cos, sin = pre.rotary_emb(hidden, positions)
+    for layer in pre.layers:
+        attn = layer.self_attn
+        x = layer.input_layernorm(hidden)
+        shape = (b, t, -1, attn.head_dim)
+        q = attn.q_norm(attn.q_proj(x).view(shape)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(x).view(shape)).transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k, v = carried.extend(k, past, dim=2), carried.extend(v, past, dim=2)
+        if attn.num_key_value_groups > 1:
+            k = k.repeat_interleave(attn.num_key_value_groups, dim=1)
+            v = v.repeat_interleave(attn.num_key_value_groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling)
+        out = attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        hidden = hidden + layer.self_attn_layer_scale(out)
+        mlp = layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = hidden + layer.mlp_layer_scale(mlp)
+    return pre.norm(hidden)
+
+
+def _streamed_convnext(
+    block: Qwen3OmniMoeConvNeXtBlock, x: torch.Tensor, carried: Carried
+) -> torch.Tensor:
+    h = carried.causal_conv(block.dwconv.conv, x, block.dwconv.padding).permute(0, 2, 1)
+    h = block.gamma * block.pwconv2(block.act(block.pwconv1(block.norm(h))))
+    return x + h.permute(0, 2, 1)
+
+
+def _streamed(layer, x: torch.Tensor, carried: Carried) -> torch.Tensor:
+    """One of the ConvNet's layers after the upsampling stages, streamed."""
+    if isinstance(layer, Qwen3OmniMoeCausalConvNet):
+        return carried.causal_conv(layer.conv, x, layer.padding)
+    if isinstance(layer, Qwen3OmniMoeCausalTransConvNet):
+        return carried.transposed_conv(layer.conv, x, layer.left_pad)
+    if isinstance(layer, Qwen3OmniMoeCode2WavDecoderResidualUnit):
+        h = _streamed(layer.conv1, layer.act1(x), carried)
+        return x + _streamed(layer.conv2, layer.act2(h), carried)
+    if isinstance(layer, Qwen3OmniMoeSnakeBeta):
+        return layer(x)
+    raise VocoderError(f"no streamed form of {type(layer).__name__}")

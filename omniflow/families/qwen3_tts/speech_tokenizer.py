@@ -23,22 +23,13 @@ starts at least that far before the frames it keeps decodes them as the whole ut
 does (the rotary attention depends on position differences only).
 
 Streamed (`SpeechDecoder.stream`), it decodes only new frames and carries what the next ones
-need: each causal conv its last `(kernel - 1) * dilation` inputs, each transposed conv the
-inputs its overlap spans (one for kernel 2 x stride, none for kernel = stride), each
-attention layer its rotated keys and values of the last `window - 1` frames; the frames
-decoded so far (the next frame's position, so positions are the whole utterance's) the
-caller passes. A new stream (position 0) reads zeros, which is what the whole decode pads
-with; so frames streamed in any windows, one at a time or several, give the whole decode
-up to float rounding, and a window of n frames costs n frames of work.
-
-Where the state lives (`StateSlots`): one device buffer per carried tensor, `[slots + 1,
-...]`, allocated once when the stage loads; a stream owns a slot for its life. A streamed
-forward reads each row's state from its slot (`index_select` by a slot index tensor) and
-writes what the row carries after its own last frame back into it (`index_copy_`): rows of
-a batch are padded on the right to the longest, and what each keeps is taken at its own
-length, so padding never reaches it. Padding rows (a batch bucket's rows past the real ones)
-use the scratch slot. The forward's only inputs are the codes, slot indices, positions and
-lengths, and its state buffers never move: a CUDA graph captures it (`code2wav`).
+need, each stream's in its slot (`omniflow.backends.carried_state`: `Carried`, `StateSlots`):
+each causal conv its last `(kernel - 1) * dilation` inputs, each transposed conv the inputs
+its overlap spans (one for kernel 2 x stride, none for kernel = stride), each attention
+layer its rotated keys and values of the last `window - 1` frames; the frames decoded so far
+(the next frame's position, so positions are the whole utterance's) the caller passes. Its
+transposed convs cut on the right only, so nothing is delayed: a window of n frames emits
+its n frames, the whole decode's up to float rounding, and costs n frames of work.
 
 Encoder (`encoder.*`): transformers' `MimiModel` without its decoder parts, from
 `encoder_config`; `encode` keeps the first `encoder_valid_num_quantizers` (16) codebooks.
@@ -54,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omniflow.backends import receptive_field
+from omniflow.backends.carried_state import Carried, StateSlots, sliding_window
 from omniflow.backends.receptive_field import Field
 from omniflow.families.qwen3_tts.config import DECODER_DEFAULTS, SPEECH_TOKENIZER, Qwen3TTSError
 from omniflow.families.qwen3_tts.modeling import load_weights, local_file, read_tensors
@@ -75,80 +67,6 @@ def read_config(root: str) -> dict:
     return config
 
 
-# --- what a stream carries from one window to the next ------------------------------------
-
-
-def _last(x: torch.Tensor, ends: torch.Tensor, n: int, dim: int) -> torch.Tensor:
-    """Per row b, the `n` positions of `x` along `dim` that end at `ends[b] + n`: the last n
-    before a row's end, in an `x` that starts with n carried positions."""
-    shape = [1] * x.dim()
-    shape[0], shape[dim] = len(ends), n
-    index = (ends[:, None] + torch.arange(n, device=x.device)).view(shape)
-    sizes = list(x.shape)
-    sizes[dim] = n
-    return x.gather(dim, index.expand(sizes))
-
-
-class StateSlots:
-    """Every stream's carried state, in buffers allocated once: for each tensor a layer
-    carries (in forward order), `[slots + 1, ...]`. A stream owns slot s from its first
-    window to its end; the last slot is scratch, which a batch's padding rows read and
-    write. Nothing in a slot is reset when a stream takes it: a row at position 0 reads
-    zeros instead (`Carried.take`)."""
-
-    def __init__(self, model: SpeechDecoder, slots: int):
-        device = model.pre_conv.conv.weight.device
-        one = torch.ones(1, dtype=torch.int64, device=device)
-        walk = Carried(None, None, one - 1, one)
-        model(torch.zeros(1, model.num_quantizers, 1, dtype=torch.int64, device=device), walk)
-        self.slots = slots
-        self.scratch = slots
-        self.buffers = [t.new_zeros((slots + 1, *t.shape[1:])) for t in walk.shapes]
-
-
-class Carried:
-    """A streamed forward's walk through what its rows carry. Each layer that looks back, in
-    forward order, `take`s its carried tensor `[B, ...]` (rows at position 0: zeros, what the
-    whole decode pads with) and keeps what the next window needs (`keep_last`), written into
-    each row's slot. `frames`: frames each row decoded before (its position); `lengths`: its
-    new frames (rows are padded on the right to the longest); `per_frame`: positions per
-    frame where the walk is (transposed convs multiply it). With `states` None, the walk
-    that sizes the slots: zeros in, each carried tensor's shape recorded."""
-
-    def __init__(
-        self,
-        states: StateSlots | None,
-        slots: torch.Tensor | None,
-        frames: torch.Tensor,
-        lengths: torch.Tensor,
-    ):
-        self.states, self.slots = states, slots
-        self.frames, self.lengths = frames, lengths
-        self.started = frames > 0
-        self.per_frame = 1
-        self._taken = self._kept = 0  # carried tensors taken and kept so far
-        self.shapes: list[torch.Tensor] = []
-
-    def take(self, like: torch.Tensor, *shape: int) -> torch.Tensor:
-        if self.states is None:
-            zeros = like.new_zeros((len(self.frames), *shape))
-            self.shapes.append(zeros)
-            return zeros
-        taken = self.states.buffers[self._taken].index_select(0, self.slots)
-        self._taken += 1
-        started = self.started.view(-1, *[1] * len(shape))
-        return torch.where(started, taken, torch.zeros((), dtype=taken.dtype, device=taken.device))
-
-    def keep_last(self, x: torch.Tensor, n: int, dim: int = -1) -> None:
-        """Keep each row's last `n` positions of `x` along `dim` (`x` starts with the n it
-        took) up to its own end, in its slot."""
-        if self.states is None:
-            return
-        kept = _last(x, self.lengths * self.per_frame, n, dim % x.dim())
-        self.states.buffers[self._kept].index_copy_(0, self.slots, kept)
-        self._kept += 1
-
-
 # --- layers ------------------------------------------------------------------------------
 
 
@@ -165,12 +83,8 @@ class CausalConv(nn.Module):
         self.padding = self.span - stride
 
     def forward(self, x: torch.Tensor, carried: Carried | None = None) -> torch.Tensor:
-        if carried is not None and self.padding:
-            if self.stride != 1:
-                raise Qwen3TTSError("a strided causal conv cannot stream")
-            x = torch.cat([carried.take(x, x.shape[1], self.padding), x], -1)
-            carried.keep_last(x, self.padding)
-            return self.conv(x)
+        if carried is not None:
+            return carried.causal_conv(self.conv, x, self.padding)
         length = x.shape[-1]
         frames = math.ceil((length - self.span + self.padding) / self.stride + 1)
         extra = (frames - 1) * self.stride + (self.span - self.padding) - length
@@ -190,18 +104,10 @@ class CausalConvTranspose(nn.Module):
         super().__init__()
         self.conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.trim = kernel - stride
-        # Inputs before a window whose outputs overlap its own: they are carried.
-        self.overlap = -(-self.trim // stride)
 
     def forward(self, x: torch.Tensor, carried: Carried | None = None) -> torch.Tensor:
         if carried is not None:
-            length, stride = x.shape[-1], self.conv.stride[0]
-            if self.overlap:
-                x = torch.cat([carried.take(x, x.shape[1], self.overlap), x], -1)
-                carried.keep_last(x, self.overlap)
-            carried.per_frame *= stride
-            start = self.overlap * stride
-            return self.conv(x)[..., start : start + length * stride]
+            return carried.transposed_conv(self.conv, x)
         x = self.conv(x)
         return (x[..., : x.shape[-1] - self.trim] if self.trim > 0 else x).contiguous()
 
@@ -324,10 +230,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         if carried is not None:
-            k = torch.cat([carried.take(k, self.kv_heads, past, self.head_dim), k], 2)
-            v = torch.cat([carried.take(v, self.kv_heads, past, self.head_dim), v], 2)
-            carried.keep_last(k, past, dim=2)
-            carried.keep_last(v, past, dim=2)
+            k, v = carried.extend(k, past, dim=2), carried.extend(v, past, dim=2)
         if self.kv_heads != self.heads:
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
@@ -385,18 +288,10 @@ class Transformer(nn.Module):
     def forward(self, x: torch.Tensor, carried: Carried | None = None) -> torch.Tensor:
         """Frames `x` `[B, T, latent]`: the whole utterance, or (`carried`) the frames after
         those each row decoded before, attending to the `window - 1` frames it carries."""
-        t = x.shape[1]
-        new = torch.arange(t, device=x.device)
-        first = carried.frames[:, None] if carried is not None else new.new_zeros(1, 1)
-        past = self.window - 1 if carried is not None else 0
-        q = first + new  # [B or 1, T] positions in the utterance
-        keys = torch.cat([first - past + torch.arange(past, device=x.device), q], 1)
+        q, mask, past = sliding_window(carried, x.shape[1], self.window, x.device)
         freqs = q[..., None].float() * self.inv_freq.to(x.device)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B or 1, 1, T, head_dim]
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        # Keys before the utterance's start (carried zeros) are masked out.
-        k, q = keys[:, None, None, :], q[:, None, :, None]
-        mask = (k <= q) & (k > q - self.window) & (k >= 0)
         h = self.input_proj(x)
         for layer in self.layers:
             h = layer(h, cos, sin, mask, carried, past)
