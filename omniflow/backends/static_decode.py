@@ -792,12 +792,10 @@ class StaticDecoder(DecoderCache):
             ends = sorted(component.eos_ids) if getattr(component, "min_tokens", 0) else ()
             self.ends = torch.tensor(ends, **on) if ends else None
             # IN_FLIGHT sets of host buffers for the steps: while one step's copies may still
-            # be queued, the next step fills the other (see `launch`); `first` has its own,
-            # as it waits for its copies before it returns.
+            # be queued, the next step fills the other (see `launch`; `first` makes its own).
             groups = frames.groups if frames is not None else None
             pin = self.device.type == "cuda"
             self.host = [_Host.make(slots, groups, pin) for _ in range(IN_FLIGHT)]
-            self.host_first = _Host.make(slots, groups, pin)
         self.launches = 0
         self.first_steps = 0  # `first` calls: one a prefill
         self._per_slot = [
@@ -930,23 +928,27 @@ class StaticDecoder(DecoderCache):
         return out
 
     @torch.inference_mode()
-    def first(self, start: int, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
-        """The first tokens of the requests that joined slots start..start+n-1 (before any
-        step ran them), from their prefills' last hidden states `hidden` `[n, H]`: sampled,
-        and with frames completed, on the device (see the module docstring). Waits for them:
-        returns the ids of slots 0..start+n-1 (those before `start` mean nothing) and, with
-        frames, their codes `[start + n, G]` (host buffers, overwritten by the next call)."""
+    def first(self, start: int, hidden: torch.Tensor) -> Launched:
+        """Queue the first tokens of the requests that joined slots start..start+n-1 (before
+        any step ran them), from their prefills' last hidden states `hidden` `[n, H]`:
+        sampled, and with frames completed, on the device (see the module docstring), and
+        return at once, as `launch` does: its ids are those of slots 0..start+n-1 (those
+        before `start` mean nothing) and, with frames, its codes `[start + n, G]`. Each
+        call has host buffers of its own (pinned ones come from torch's caching host
+        allocator, which reuses them once their copies are done), so any number may be in
+        flight beside the steps'."""
         rows = start + hidden.shape[0]
         batch, _ = self.buckets(rows, 0)
         self.hidden[start:rows].copy_(hidden)
         self.first_steps += 1
-        launched = self._queue(self.host_first, rows, slice(start, rows), batch, None)
-        return self.wait(launched), launched.codes
+        groups = self.frames.groups if self.frames is not None else None
+        host = _Host.make(self.slots, groups, self.device.type == "cuda")
+        return self._queue(host, rows, slice(start, rows), batch, None)
 
     @staticmethod
     def wait(launched: Launched) -> list[int]:
         """The ids a launched step sampled (and its `codes`), waiting for them unless they
-        have `landed` (only `first` waits: the backend's steps read landed ones)."""
+        have `landed` (the backend reads landed ones)."""
         if launched.done is not None:
             launched.done.synchronize()
         return launched.ids.tolist()

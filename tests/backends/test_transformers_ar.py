@@ -235,7 +235,7 @@ def test_a_step_whose_tokens_have_not_landed_stays_in_flight_and_the_loop_polls_
     def tokens(events) -> list[int]:
         return [int(e.value) for e in events if e.port == "tokens"]
 
-    assert tokens(runner.step()) == want[:1]  # the prefill's token (`first` reads it back)
+    assert tokens(runner.step()) == want[:1]  # the prefill's token (`first`'s: landed)
     assert tokens(runner.step()) == [] and len(backend.launches) == 1
     assert tokens(runner.step()) == [] and len(backend.launches) == 2  # the next one, at once
     assert not backend.ready(runner.calls["r"])  # no room, nothing landed: nothing to do
@@ -248,6 +248,52 @@ def test_a_step_whose_tokens_have_not_landed_stays_in_flight_and_the_loop_polls_
         if "r" not in runner.calls:
             break
     assert got == want and not backend.launches and not runner.maybe_ready
+
+
+def test_first_tokens_that_have_not_landed_leave_the_loop_polling_and_come_out_first(
+    plan, monkeypatch
+):
+    """A prefill's first tokens (`StaticDecoder.first`) are read back as a step's are,
+    never waited for: while they have not landed the stage emits nothing, the runner keeps
+    polling, the request's first step is launched meanwhile, and a second request's prefill
+    queues its own; once they land each request's tokens come out in order, the same as
+    runs that never waited."""
+    backend = make_backend(plan, "static")
+    want = [alone(backend, PROMPTS[i], max_tokens=5).tokens for i in (0, 1)]
+    late: set[int] = set()  # the first tokens whose read-back has not landed
+    landed = static_decode.Launched.landed
+    monkeypatch.setattr(
+        static_decode.Launched, "landed", lambda self: id(self) not in late and landed(self)
+    )
+    first = backend.static.first
+
+    def slow_first(*args):
+        launched = first(*args)
+        late.add(id(launched))
+        return launched
+
+    monkeypatch.setattr(backend.static, "first", slow_first)
+    runner = StageRunner(backend.spec, backend, max_batch=4)
+    got: dict[str, list[int]] = {"a": [], "b": []}
+
+    def step() -> None:
+        for event in runner.step():
+            if event.port == "tokens":
+                got[event.request_id].append(int(event.value))
+
+    for request_id, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1])):
+        runner.start(request_id, {"max_tokens": 5, "temperature": 0.0})
+        runner.feed(request_id, "prompt", [{"role": "user", "content": prompt}], True)
+        step()  # a: its prefill (its first tokens queued); b: its prefill, and a's first step
+        assert got == {"a": [], "b": []} and runner.maybe_ready and backend.in_flight()
+    assert len(backend.firsts) == 2 and len(backend.launches) == 1
+    late.clear()  # the device catches up
+    for _ in range(20):  # (a bound: a broken stage would spin forever)
+        step()
+        if not runner.calls:
+            break
+    assert [got["a"], got["b"]] == want
+    assert not backend.firsts and not backend.launches and not runner.maybe_ready
 
 
 def test_a_step_launched_past_a_requests_end_keeps_no_loop_polling(plan):
