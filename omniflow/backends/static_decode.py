@@ -1147,6 +1147,13 @@ class StaticDecoder(DecoderCache):
             self.warm_ups += c.warm_up
         torch.cuda.synchronize(self.device)
 
+    def replay(self, batch: int, length: int | None = None) -> None:
+        """Replay the captured step at buckets (batch, length), its LM step's graph then its
+        finish's, or without `length` a first step's finish: what benchmarks time."""
+        if length is not None:
+            self.graphs[batch, length].replay()
+        self.finish_graphs[batch].replay()
+
     def close(self) -> None:
         self.graphs.clear()
         self.finish_graphs.clear()
