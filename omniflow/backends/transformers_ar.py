@@ -662,6 +662,8 @@ class TransformersAR(Backend):
         if self.static is not None:
             self.captures = self.static.captures
             self.capture_seconds = self.static.capture_seconds
+            if self.captures:
+                self.capture_work = self.static.capture_work().line()
         if torch.device(device).type == "cuda" and self.static is None:
             self._compile_first_token_sampler()
 
