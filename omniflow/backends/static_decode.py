@@ -33,11 +33,20 @@ would stall them all).
 Buckets. A step runs at a batch bucket B >= the number of rows (1, 2, 4, then multiples of
 8 up to max_batch, as vLLM pads) and a length bucket T > the longest active row's length
 (powers of two from 128, then `columns`): rows past the live ones and rows not advancing
-this step compute and are discarded. With `capture`, every (B, T) step is captured into a
-CUDA graph at load, largest first, all in one memory pool (the graphs never run at once),
-and `launch` replays the graph of its buckets: no capture happens after load (`captures`
-counts them). Without it, `launch` runs `_run` eagerly at the same shapes, so a graph's
-replay and the eager step compute identical results.
+this step compute and are discarded. A step is two pieces of device work queued back to
+back with nothing read between them: the LM's step at (B, T) (`_run`: its layers, each
+active row's key into its next column) and the step's finish at B (`_finish`: the head, the
+masks, the sampler, a frame's completion, the rows' advance), which reads only B rows and
+so has no length bucket. With `capture`, every (B, T) step and every B's finish is captured
+into a CUDA graph at load (`capture_plan`), largest first, all in one memory pool (the
+graphs never run at once), and `launch` replays its buckets' two graphs: no capture happens
+after load (`captures` counts them, `dispatched` what each step replayed by kind and key,
+eager or not). Without it, `launch` runs the same functions eagerly at the same shapes, so
+replays and the eager step compute identical results. Capturing takes most of a stage's
+load, so it runs no more than it must: an eager warm-up run before a capture only where
+something has not yet run at those shapes (`capture_plan` says why each batch bucket's
+shorter lengths need none), and a talker's frame once per batch bucket, in the finish, not
+once per (B, T) (`capture_work` counts what that saves).
 
 The fused step (`fused`, the default on CUDA where `fusable`): each layer's q/k/v and
 gate/up projections are merged into one matrix each (the model's own projections become
@@ -78,15 +87,18 @@ same codes from the same logits), greedily where the request is greedy, else wit
 spec's sampling. The frame's G codes go to a per-slot buffer that the host reads back with
 the ids (one copy each a step), and the row's next input embedding becomes the frame's
 summed codebook embeddings (`FrameSpec.frame_embeds`) in place of its last id's embedding,
-plus the component's extra row as before. With `capture`, the talker's step, the
-predictor's G positions and every sampling step are one graph per bucket.
+plus the component's extra row as before. With `capture`, the predictor's G positions and
+every sampling step are in the finish's graph, one per batch bucket, replayed right after
+the talker's step graph.
 
 First tokens. A request's first token is sampled from its prefill's last hidden state by
 the device work of a step after its layers: `first` takes the prefilled rows (they joined
 their slots first), runs the head, the masks and the sampler, completes their frames, and
 advances them without a column (their prefill filled theirs), at the batch bucket of the
-slots up to the last new one with only the new rows advancing: one graph per batch bucket,
-replayed once a prefill (a batch of prompts), then one read-back. A first frame takes no
+slots up to the last new one with only the new rows advancing: the step's finish, whose
+graph at that batch bucket is replayed once a prefill (a batch of prompts), then one
+read-back, queued as a step's is (its own host buffers) and returned at once as a
+`Launched`: the backend emits the first tokens once they have landed. A first frame takes no
 host sync between its sub-steps, as no later one does.
 
 Minimum length. A component with `min_tokens` has its end ids masked while a row's step is
