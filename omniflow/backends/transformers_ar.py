@@ -32,13 +32,15 @@ What it owns:
   from the `ar` kind's defaults.
 - Decode on a static cache (`decode`: "graphs", the default on CUDA, or "static"): every
   request owns a slot of a KV cache pre-allocated at load, sized from the stage's budget
-  (`cache_columns`), and a decode step is replayed from a CUDA graph captured at load for
-  its batch and length buckets (`omniflow.backends.static_decode`); prefill stays eager:
+  (`cache_columns`), and a decode step is replayed from CUDA graphs captured at load, the
+  decoder's step at its batch and length buckets and the step's finish (sampling, frames)
+  at its batch bucket (`omniflow.backends.static_decode`); prefill stays eager:
   where the step is fused, the fused layers over the prompts' positions write straight into
   the slots (`StaticDecoder.prefill`), else the forward above, whose cache is then copied
   into the request's slot; the prefilled requests' first tokens are then sampled by the
-  static step's own head and sampler, one graph per batch bucket (`StaticDecoder.first`),
-  so a first token takes the draws, masks and read-back every later one does. The step's
+  static step's own head and sampler, the finish's graph (`StaticDecoder.first`), so a
+  first token takes the draws, masks and read-back every later one does, and like a
+  step's is emitted once it has landed, never waited for. The step's
   inputs, sampling parameters and seen masks live on the device; a step writes which rows advance and reads back the sampled ids. Each step
   is launched before the previous one's tokens are emitted, so the host's work of a step
   (emitting, detokenizing, bookkeeping) runs while the device computes the next: a row
@@ -46,7 +48,7 @@ What it owns:
   step is in flight loses that step's token. A codec LM whose steps emit frames of several
   codebooks takes this path where its component gives a `frame_spec`: the step completes
   each frame on the device (its second decoder's sub-steps and their sampling, inside the
-  same graph; a prefill's first frames inside its first step's) and reads the frame's
+  finish's graph; a prefill's first frames inside its first step's) and reads the frame's
   codes back with the ids.
   `decode="eager"` (the default on CPU) is the batched `DynamicCache` path above,
   token-identical to `generate`.
