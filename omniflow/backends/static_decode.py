@@ -310,6 +310,12 @@ def prefill_widths(columns: int) -> list[int]:
     return widths
 
 
+def _graph_key(key: tuple[int, ...]) -> tuple[int, int] | int:
+    """A `Capture` key as its graph's dict keys it: a step's (batch, length) pair, else the
+    one number (a finish's batch, a prefill's width)."""
+    return key if len(key) > 1 else key[0]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -927,7 +933,7 @@ class StaticDecoder(DecoderCache):
         or where none was captured its function run eagerly at the same shapes. Returns its
         output (a lone prefill's hidden states)."""
         self.dispatched[kind, key] += 1
-        captured = self._by_kind[kind].get(key if len(key) > 1 else key[0])
+        captured = self._by_kind[kind].get(_graph_key(key))
         if captured is None:
             return getattr(self, _WORK[kind])(*key)
         if kind == "prefill":
@@ -1153,8 +1159,9 @@ class StaticDecoder(DecoderCache):
         for c in self.capture_plan():
             run = functools.partial(getattr(self, _WORK[c.kind]), *c.key)
             graph, out = capture_graph(run, pool, stream, warm_up=c.warm_up)
-            key = c.key if len(c.key) > 1 else c.key[0]
-            self._by_kind[c.kind][key] = (graph, out) if c.kind == "prefill" else graph
+            self._by_kind[c.kind][_graph_key(c.key)] = (
+                (graph, out) if c.kind == "prefill" else graph
+            )
             self.captures += 1
             self.warm_ups += c.warm_up
         torch.cuda.synchronize(self.device)
