@@ -163,6 +163,8 @@ def main() -> int:
                 f", fused {static.fused}, {static.captures} graphs captured in "
                 f"{static.capture_seconds:.1f} s, cache {static.slots} x {static.columns}"
             )
+            if static.captures:  # what the capture ran, and saved against whole frame steps
+                note += f"\n  capture ran {static.capture_work().line()}"
         print(note, flush=True)
         captured = static.captures if static is not None else 0
         for batch in args.batches:
