@@ -868,9 +868,10 @@ class TransformersAR(Backend):
         """One causal forward over the prompts, right-padded to the longest; then each
         request samples its first token and joins the running rows (on the static path,
         joins its slot and then the batch's first tokens are sampled on the device, in one
-        `StaticDecoder.first`, emitted once they land: `_settle_firsts`). On the fused static path (nothing but embeddings and
-        positions, multimodal ones where its rotary takes them) the forward writes the slots
-        itself; else it is the model's forward into a DynamicCache, whose rows then join."""
+        `StaticDecoder.first`, emitted once they land: `_settle_firsts`). On the fused
+        static path (nothing but embeddings and positions, multimodal ones where its rotary
+        takes them) the forward writes the slots itself; else it is the model's forward into
+        a DynamicCache, whose rows then join."""
         seqs = [seq for seq, _ in started]
         width = max(seq.length for seq in seqs)
         embeds = torch.stack([F.pad(p.embeds, (0, 0, 0, width - s.length)) for s, p in started])
