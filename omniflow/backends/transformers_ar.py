@@ -40,9 +40,9 @@ What it owns:
   into the request's slot; the prefilled requests' first tokens are then sampled by the
   static step's own head and sampler, the finish's graph (`StaticDecoder.first`), so a
   first token takes the draws, masks and read-back every later one does, and like a
-  step's is emitted once it has landed, never waited for. The step's
-  inputs, sampling parameters and seen masks live on the device; a step writes which rows advance and reads back the sampled ids. Each step
-  is launched before the previous one's tokens are emitted, so the host's work of a step
+  step's is emitted once it has landed, never waited for. The step's inputs, sampling
+  parameters and seen masks live on the device; a step writes which rows advance and
+  reads back the sampled ids. Each step is launched before the previous one's tokens are emitted, so the host's work of a step
   (emitting, detokenizing, bookkeeping) runs while the device computes the next: a row
   that ends at step t has step t+1 computed and discarded, and a request dropped while a
   step is in flight loses that step's token. A codec LM whose steps emit frames of several

@@ -560,11 +560,13 @@ def test_requests_starting_together_share_one_prefill_and_first_step(plans, talk
 
 @pytest.mark.gpu
 def test_captured_frames_are_the_eager_static_steps_and_the_dynamic_paths(plans, ref_wav):
-    """On CUDA the talker takes the captured static step by default, and replaying it gives
-    exactly the codes of the same step run eagerly, greedy and sampled (seeded), with
-    nothing captured after load and every step replayed, the first step after each
-    prefill (its first frames) and each lone prompt's prefill included; the dynamic path on the GPU (the same (seed,
-    frame, sub-step) draws) gives the same codes too."""
+    """On CUDA the talker takes the captured static step by default (the talker's step
+    graph, then the frame's finish graph), and replaying it gives exactly the codes of the
+    same step run eagerly, greedy and sampled (seeded), with nothing captured after load
+    and every step replayed, the first step after each prefill (its first frames) and each
+    lone prompt's prefill included, and each batch bucket's shorter lengths captured without
+    a warm-up; the dynamic path on the GPU (the same (seed, frame, sub-step) draws) gives
+    the same codes too."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     plan = plans["CustomVoice"]
