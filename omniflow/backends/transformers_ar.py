@@ -42,10 +42,10 @@ What it owns:
   first token takes the draws, masks and read-back every later one does, and like a
   step's is emitted once it has landed, never waited for. The step's inputs, sampling
   parameters and seen masks live on the device; a step writes which rows advance and
-  reads back the sampled ids. Each step is launched before the previous one's tokens are emitted, so the host's work of a step
-  (emitting, detokenizing, bookkeeping) runs while the device computes the next: a row
-  that ends at step t has step t+1 computed and discarded, and a request dropped while a
-  step is in flight loses that step's token. A codec LM whose steps emit frames of several
+  reads back the sampled ids. Each step is launched before the previous one's tokens are
+  emitted, so the host's work of a step (emitting, detokenizing, bookkeeping) runs while
+  the device computes the next: a row that ends at step t has step t+1 computed and
+  discarded, and a request dropped while a step is in flight loses that step's token. A codec LM whose steps emit frames of several
   codebooks takes this path where its component gives a `frame_spec`: the step completes
   each frame on the device (its second decoder's sub-steps and their sampling, inside the
   finish's graph; a prefill's first frames inside its first step's) and reads the frame's
