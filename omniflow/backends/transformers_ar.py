@@ -45,11 +45,11 @@ What it owns:
   reads back the sampled ids. Each step is launched before the previous one's tokens are
   emitted, so the host's work of a step (emitting, detokenizing, bookkeeping) runs while
   the device computes the next: a row that ends at step t has step t+1 computed and
-  discarded, and a request dropped while a step is in flight loses that step's token. A codec LM whose steps emit frames of several
-  codebooks takes this path where its component gives a `frame_spec`: the step completes
-  each frame on the device (its second decoder's sub-steps and their sampling, inside the
-  finish's graph; a prefill's first frames inside its first step's) and reads the frame's
-  codes back with the ids.
+  discarded, and a request dropped while a step is in flight loses that step's token. A
+  codec LM whose steps emit frames of several codebooks takes this path where its component
+  gives a `frame_spec`: the step completes each frame on the device (its second decoder's
+  sub-steps and their sampling, inside the finish's graph; a prefill's first frames inside
+  its first step's) and reads the frame's codes back with the ids.
   `decode="eager"` (the default on CPU) is the batched `DynamicCache` path above,
   token-identical to `generate`.
 - Streaming: per generated token, `tokens` `[1, 1]` int64, `codes` `[1, Q]` (codec LMs),
