@@ -1,5 +1,6 @@
 """Claim: Qwen3-TTS's frame step (the talker's decode step, its code predictor's 15
-sub-steps and every sampling step of the frame) replayed as one CUDA graph per batch bucket
+sub-steps and every sampling step of the frame) replayed from two CUDA graphs back to back,
+the talker's step at its (batch, length) bucket and the frame's finish at its batch bucket,
 takes milliseconds at any batch up to 64, where the eager step (a DynamicCache and 15
 predictor forwards with host work between them) is bound by the host.
 
@@ -11,9 +12,10 @@ sampling: temperature 0.9, top-k 50, repetition penalty 1.05, the code predictor
 likewise), then times `--steps` decode steps on the host. Each step is one frame of every
 request: `backend.step` returns with the frames of the step before on the host (static
 paths, whose own step runs meanwhile) or its own (eager), so in a steady run its wall time
-is the time of a frame. Also times the graph replay alone (CUDA events, no host work), the
-step's and the first step's (`StaticDecoder.first`: a prefill's first tokens and frames,
-which the prefill's wall time includes).
+is the time of a frame. Also times the graph replays alone (CUDA events, no host work), the
+step's (both graphs) and the first step's (`StaticDecoder.first`: a prefill's first tokens
+and frames, the finish alone, which the prefill's wall time includes: it waits for the
+device).
 A frame is 80 ms of audio: a step time t at batch b speaks b x 80 / t seconds of audio a
 second.
 
@@ -24,10 +26,12 @@ second.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -109,20 +113,20 @@ def frame_times(backend: TransformersAR, batch: int, steps: int, frames: int) ->
         sync(device)
         with torch.inference_mode():  # (the static buffers are inference tensors)
             static.active.zero_()  # no row advances in the replays below
-        replay = replay_ms(static.graphs[buckets])
-        first = replay_ms(static.first_graphs[buckets[0]])
+        replay = replay_ms(functools.partial(static.replay, *buckets))
+        first = replay_ms(functools.partial(static.replay, buckets[0]))
     for call in calls:
         backend.drop(call)
     return prefill, statistics.median(times) * 1e3, replay, first
 
 
-def replay_ms(graph: torch.cuda.CUDAGraph) -> float:
-    """The median ms of 10 replays of `graph` (CUDA events)."""
+def replay_ms(replay: Callable[[], None]) -> float:
+    """The median ms of 10 calls of `replay` (graph replays; CUDA events)."""
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     replays = []
     for _ in range(10):
         begin.record()
-        graph.replay()
+        replay()
         end.record()
         torch.cuda.synchronize()
         replays.append(begin.elapsed_time(end))
@@ -159,6 +163,8 @@ def main() -> int:
                 f", fused {static.fused}, {static.captures} graphs captured in "
                 f"{static.capture_seconds:.1f} s, cache {static.slots} x {static.columns}"
             )
+            if static.captures:  # what the capture ran, and saved against whole frame steps
+                note += f"\n  capture ran {static.capture_work().line()}"
         print(note, flush=True)
         captured = static.captures if static is not None else 0
         for batch in args.batches:

@@ -33,11 +33,20 @@ would stall them all).
 Buckets. A step runs at a batch bucket B >= the number of rows (1, 2, 4, then multiples of
 8 up to max_batch, as vLLM pads) and a length bucket T > the longest active row's length
 (powers of two from 128, then `columns`): rows past the live ones and rows not advancing
-this step compute and are discarded. With `capture`, every (B, T) step is captured into a
-CUDA graph at load, largest first, all in one memory pool (the graphs never run at once),
-and `launch` replays the graph of its buckets: no capture happens after load (`captures`
-counts them). Without it, `launch` runs `_run` eagerly at the same shapes, so a graph's
-replay and the eager step compute identical results.
+this step compute and are discarded. A step is two pieces of device work queued back to
+back with nothing read between them: the LM's step at (B, T) (`_run`: its layers, each
+active row's key into its next column) and the step's finish at B (`_finish`: the head, the
+masks, the sampler, a frame's completion, the rows' advance), which reads only B rows and
+so has no length bucket. With `capture`, every (B, T) step and every B's finish is captured
+into a CUDA graph at load (`capture_plan`), largest first, all in one memory pool (the
+graphs never run at once), and `launch` replays its buckets' two graphs: no capture happens
+after load (`captures` counts them, `dispatched` what each step replayed by kind and key,
+eager or not). Without it, `launch` runs the same functions eagerly at the same shapes, so
+replays and the eager step compute identical results. Capturing takes most of a stage's
+load, so it runs no more than it must: an eager warm-up run before a capture only where
+something has not yet run at those shapes (`capture_plan` says why each batch bucket's
+shorter lengths need none), and a talker's frame once per batch bucket, in the finish, not
+once per (B, T) (`capture_work` counts what that saves).
 
 The fused step (`fused`, the default on CUDA where `fusable`): each layer's q/k/v and
 gate/up projections are merged into one matrix each (the model's own projections become
@@ -78,15 +87,18 @@ same codes from the same logits), greedily where the request is greedy, else wit
 spec's sampling. The frame's G codes go to a per-slot buffer that the host reads back with
 the ids (one copy each a step), and the row's next input embedding becomes the frame's
 summed codebook embeddings (`FrameSpec.frame_embeds`) in place of its last id's embedding,
-plus the component's extra row as before. With `capture`, the talker's step, the
-predictor's G positions and every sampling step are one graph per bucket.
+plus the component's extra row as before. With `capture`, the predictor's G positions and
+every sampling step are in the finish's graph, one per batch bucket, replayed right after
+the talker's step graph.
 
 First tokens. A request's first token is sampled from its prefill's last hidden state by
 the device work of a step after its layers: `first` takes the prefilled rows (they joined
 their slots first), runs the head, the masks and the sampler, completes their frames, and
 advances them without a column (their prefill filled theirs), at the batch bucket of the
-slots up to the last new one with only the new rows advancing: one graph per batch bucket,
-replayed once a prefill (a batch of prompts), then one read-back. A first frame takes no
+slots up to the last new one with only the new rows advancing: the step's finish, whose
+graph at that batch bucket is replayed once a prefill (a batch of prompts), then one
+read-back, queued as a step's is (its own host buffers) and returned at once as a
+`Launched`: the backend emits the first tokens once they have landed. A first frame takes no
 host sync between its sub-steps, as no later one does.
 
 Minimum length. A component with `min_tokens` has its end ids masked while a row's step is
@@ -119,6 +131,7 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -146,6 +159,8 @@ PREFILL_QUANTUM = 16
 PREFILL_CAPTURED = 1024
 # Sub-steps a frame's second model may take: the stream steps of a frame's draws.
 MAX_SUB_STEPS = 64
+# The method that does each kind of `capture_plan`'s device work (looked up when run).
+_WORK = {"prefill": "_lone_prefill", "step": "_run", "finish": "_finish"}
 # Added to a request's seed for the draws of its frames' second model, so that they do not
 # share the (seed, step) stream of its LM's own draws.
 SUB_SEED = 0x5851F42D4C957F2D
@@ -295,6 +310,12 @@ def prefill_widths(columns: int) -> list[int]:
     return widths
 
 
+def _graph_key(key: tuple[int, ...]) -> tuple[int, int] | int:
+    """A `Capture` key as its graph's dict keys it: a step's (batch, length) pair, else the
+    one number (a finish's batch, a prefill's width)."""
+    return key if len(key) > 1 else key[0]
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -354,6 +375,53 @@ class Launched:
         """Whether the step's ids (and codes) are in their host buffers: asked of its event,
         never waited for."""
         return self.done is None or self.done.query()
+
+
+@dataclass(frozen=True)
+class Capture:
+    """One graph of `StaticDecoder.capture_plan`: its kind ("prefill": a lone prompt's at
+    width key[0]; "step": the LM's step at buckets key = (batch, length); "finish": a
+    step's sampling, frames and advance at batch bucket key[0]), and whether an eager run
+    precedes its capture."""
+
+    kind: str
+    key: tuple[int, ...]
+    warm_up: bool
+
+
+@dataclass(frozen=True)
+class CaptureWork:
+    """Positions run at load to capture a static decoder's graphs (a lone prefill's
+    counted as one), the captures' and the warm-ups' apart, and the same for the design
+    before the split, which captured the whole step, the LM's position and the frame's
+    G positions, at every (batch, length) bucket and a first step's frame at every batch
+    bucket, each after a warm-up."""
+
+    graphs: int
+    warm_ups: int
+    captured: int  # positions captured
+    warmed: int  # positions run eagerly first
+    whole_step_captured: int
+    whole_step_warmed: int
+
+    @classmethod
+    def of(cls, plan: list[Capture], groups: int) -> CaptureWork:
+        size = {"prefill": 1, "step": 1, "finish": groups}
+        steps = sum(c.kind == "step" for c in plan)
+        captured = sum(size[c.kind] for c in plan)
+        before = captured + steps * groups
+        warmed = sum(size[c.kind] for c in plan if c.warm_up)
+        warm_ups = sum(c.warm_up for c in plan)
+        return cls(len(plan), warm_ups, captured, warmed, before, before)
+
+    def line(self) -> str:
+        """What it saves, said in a line."""
+        now, then = self.captured + self.warmed, self.whole_step_captured + self.whole_step_warmed
+        return (
+            f"{self.graphs} graphs, {self.warm_ups} warmed up: {self.captured} positions"
+            f" captured + {self.warmed} warmed = {now} (whole steps: {self.whole_step_captured}"
+            f" + {self.whole_step_warmed} = {then}; {then - now} fewer)"
+        )
 
 
 class DecoderCache:
@@ -681,16 +749,24 @@ class StaticDecoder(DecoderCache):
         self.has_extra = extra
         self.batch_buckets = batch_buckets(slots)
         self.length_buckets = length_buckets(columns)
+        # The LM's step by (batch, length) bucket; a step's finish (sampling, the frames, the
+        # advance) by batch bucket: a step replays both, a prefill's first tokens the finish.
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.first_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # `first`'s, by batch bucket
+        self.finish_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # A lone prompt's prefill, by width: the graph and its hidden states [1, width, H].
         lone = fused and not getattr(component, "prompt_positions", False)
         self.prefill_widths = prefill_widths(columns) if lone else []
         self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0  # graphs captured (all at load)
+        self.warm_ups = 0  # of them, those run eagerly first (`capture_plan`)
         self.capture_seconds = 0.0  # what capturing them took, part of the stage's load
-        self.replays = 0  # steps and first steps replayed from their graphs
+        self.replays = 0  # steps' and finishes' graphs replayed
         self.prefill_replays = 0  # lone prompts' prefills replayed from theirs
+        # Each piece of device work `launch`, `first` and `prefill` dispatched, by (kind, key)
+        # as in `capture_plan`, replayed or (no graph captured) run eagerly at its shapes.
+        self.dispatched: Counter[tuple[str, tuple[int, ...]]] = Counter()
+        self._by_kind = {"prefill": self.prefill_graphs, "step": self.graphs}
+        self._by_kind["finish"] = self.finish_graphs
         embed = component.embed.weight
         vocab = component.head.out_features
         hidden = self.norm.weight.shape[0] * (1 if self.tap is None else 2)
@@ -734,12 +810,10 @@ class StaticDecoder(DecoderCache):
             ends = sorted(component.eos_ids) if getattr(component, "min_tokens", 0) else ()
             self.ends = torch.tensor(ends, **on) if ends else None
             # IN_FLIGHT sets of host buffers for the steps: while one step's copies may still
-            # be queued, the next step fills the other (see `launch`); `first` has its own,
-            # as it waits for its copies before it returns.
+            # be queued, the next step fills the other (see `launch`; `first` makes its own).
             groups = frames.groups if frames is not None else None
             pin = self.device.type == "cuda"
             self.host = [_Host.make(slots, groups, pin) for _ in range(IN_FLIGHT)]
-            self.host_first = _Host.make(slots, groups, pin)
         self.launches = 0
         self.first_steps = 0  # `first` calls: one a prefill
         self._per_slot = [
@@ -829,21 +903,19 @@ class StaticDecoder(DecoderCache):
                 self.extra[: len(active)].copy_(extra)
             else:
                 self.extra.index_copy_(0, self._index(active), extra)
-        graph = self.graphs.get((batch, length))
-        return self._queue(host, rows, active, graph, functools.partial(self._run, batch, length))
+        return self._queue(host, rows, active, batch, length)
 
-    def _queue(self, host: _Host, rows: int, active, graph, run: Callable[[], None]) -> Launched:
-        """Queue a step over slots 0..rows-1 in which the slots `active` advance: the graph's
-        replay (`run` where there is none), then the copies of its ids (and codes) into
-        `host`'s buffers."""
+    def _queue(self, host: _Host, rows: int, active, batch: int, length: int | None) -> Launched:
+        """Queue a step over slots 0..rows-1 in which the slots `active` advance: the LM's
+        step at buckets (batch, length) (none: a prefill's first tokens) and the finish at
+        `batch`, back to back on the stream with nothing read between them, then the copies
+        of its ids (and codes) into `host`'s buffers."""
         host.active.zero_()
         host.active[active] = True
         self.active.copy_(host.active, non_blocking=True)
-        if graph is not None:
-            graph.replay()
-            self.replays += 1
-        else:
-            run()
+        if length is not None:
+            self._dispatch("step", batch, length)
+        self._dispatch("finish", batch)
         ids = host.ids[:rows]
         ids.copy_(self.ids[:rows], non_blocking=True)
         codes = None
@@ -856,26 +928,45 @@ class StaticDecoder(DecoderCache):
             done.record()
         return Launched(ids, done, codes)
 
+    def _dispatch(self, kind: str, *key: int) -> torch.Tensor | None:
+        """One piece of device work of `capture_plan`'s `kind` at `key`: its graph replayed,
+        or where none was captured its function run eagerly at the same shapes. Returns its
+        output (a lone prefill's hidden states)."""
+        self.dispatched[kind, key] += 1
+        captured = self._by_kind[kind].get(_graph_key(key))
+        if captured is None:
+            return getattr(self, _WORK[kind])(*key)
+        if kind == "prefill":
+            graph, out = captured
+            self.prefill_replays += 1
+        else:
+            graph, out = captured, None
+            self.replays += 1
+        graph.replay()
+        return out
+
     @torch.inference_mode()
-    def first(self, start: int, hidden: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
-        """The first tokens of the requests that joined slots start..start+n-1 (before any
-        step ran them), from their prefills' last hidden states `hidden` `[n, H]`: sampled,
-        and with frames completed, on the device (see the module docstring). Waits for them:
-        returns the ids of slots 0..start+n-1 (those before `start` mean nothing) and, with
-        frames, their codes `[start + n, G]` (host buffers, overwritten by the next call)."""
+    def first(self, start: int, hidden: torch.Tensor) -> Launched:
+        """Queue the first tokens of the requests that joined slots start..start+n-1 (before
+        any step ran them), from their prefills' last hidden states `hidden` `[n, H]`:
+        sampled, and with frames completed, on the device (see the module docstring), and
+        return at once, as `launch` does: its ids are those of slots 0..start+n-1 (those
+        before `start` mean nothing) and, with frames, its codes `[start + n, G]`. Each
+        call has host buffers of its own (pinned ones come from torch's caching host
+        allocator, which reuses them once their copies are done), so any number may be in
+        flight beside the steps'."""
         rows = start + hidden.shape[0]
         batch, _ = self.buckets(rows, 0)
         self.hidden[start:rows].copy_(hidden)
         self.first_steps += 1
-        graph = self.first_graphs.get(batch)
-        run = functools.partial(self._first, batch)
-        launched = self._queue(self.host_first, rows, slice(start, rows), graph, run)
-        return self.wait(launched), launched.codes
+        groups = self.frames.groups if self.frames is not None else None
+        host = _Host.make(self.slots, groups, self.device.type == "cuda")
+        return self._queue(host, rows, slice(start, rows), batch, None)
 
     @staticmethod
     def wait(launched: Launched) -> list[int]:
         """The ids a launched step sampled (and its `codes`), waiting for them unless they
-        have `landed` (only `first` waits: the backend's steps read landed ones)."""
+        have `landed` (the backend reads landed ones)."""
         if launched.done is not None:
             launched.done.synchronize()
         return launched.ids.tolist()
@@ -914,14 +1005,12 @@ class StaticDecoder(DecoderCache):
         self.lone_embeds[:, :w].copy_(embeds)
         self.lone_embeds[:, w:width].zero_()
         self.lone_slot.fill_(slots[0])
-        captured = self.prefill_graphs.get(width)
-        if captured is None:
-            hidden = self._prefill(self.lone_slot, self.lone_embeds[:, :width], None)
-        else:
-            graph, hidden = captured
-            graph.replay()
-            self.prefill_replays += 1
+        hidden = self._dispatch("prefill", width)
         return hidden[:, :w].clone()  # (the graph's buffer: the next replay overwrites it)
+
+    def _lone_prefill(self, width: int) -> torch.Tensor:
+        """A lone prompt's prefill at `width` (what its graph captures)."""
+        return self._prefill(self.lone_slot, self.lone_embeds[:, :width], None)
 
     def _prefill(
         self, where: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor | None
@@ -969,24 +1058,22 @@ class StaticDecoder(DecoderCache):
         return cos.dim() == 3
 
     def _run(self, batch: int, length: int) -> None:
-        """The step at buckets (batch, length): device work only (what a graph captures).
-        The decoder's layers, the head and the sampler, the frames' completion, and the
-        active rows' advance."""
+        """The LM's step at buckets (batch, length): device work only (what a step graph
+        captures). The decoder's layers into `hidden`, each active row taking its column;
+        the step's `_finish` follows."""
         b = batch
         filled = self.length[:b]
         hidden = self.decode(self._inputs(b), filled + self.offset[:b], filled, length)
         self.hidden[:b].copy_(hidden)
-        self._finish(b, hidden)
-        self.length[:b].add_(self.active[:b])
+        self.length[:b].add_(self.active[:b])  # (nothing the finish does reads the lengths)
 
-    def _first(self, batch: int) -> None:
-        """`first`'s device work at batch bucket `batch` (what its graph captures): the
-        active rows' first tokens and frames from their hidden states, no column taken."""
-        self._finish(batch, self.hidden[:batch])
-
-    def _finish(self, b: int, hidden: torch.Tensor) -> None:
-        """A step from its final hidden states `[b, H]` on: sample, complete the frames, and
-        advance the active rows (all but their length)."""
+    def _finish(self, batch: int) -> None:
+        """A step from its final hidden states `hidden[:batch]` on, at batch bucket `batch`
+        (what a finish graph captures; no length bucket: the frames' predictor runs over its
+        own G columns): sample, complete the frames, and advance the active rows (all but
+        their length, which their LM step took, or their prefill for a first token)."""
+        b = batch
+        hidden = self.hidden[:b]
         self._sample(b, hidden)
         if self.frames is not None:
             frame = self.step_count[:b]
@@ -1030,36 +1117,65 @@ class StaticDecoder(DecoderCache):
         seen.scatter_(1, at, seen.gather(1, at) | advance[:, None])
 
     # --- capture ----------------------------------------------------------------------------
+    def capture_plan(self) -> list[Capture]:
+        """The graphs `capture` makes, in order (largest first, so the pool's later captures
+        fit in what the earlier ones took): a lone prompt's prefill at every width of
+        `prefill_widths`; then per batch bucket B the LM's step at every length bucket T
+        and B's finish (see the module docstring).
+
+        Warm-ups. An eager run before a capture is there for what happens the first time
+        work runs at some shapes (Triton compiles a kernel's specialisation, cuBLAS and
+        cuDNN set up, lazily loaded kernels load), which must not happen inside a capture.
+        At one batch bucket the steps of the different length buckets run the same kernels
+        with the same specialisations: every Triton kernel of the step (norms, rotary and
+        cache write, the skinny products, the MoE kernels) sees B rows and the whole
+        cache's strides, never T; T reaches only torch's mask and attention, whose kernels
+        do not depend on it (T is a multiple of COLUMN_QUANTUM = 128, so a Triton
+        specialisation on == 1 or divisibility by 16 could not tell lengths apart either).
+        So each batch bucket's step is warmed up once, at its largest T, which runs first,
+        and its shorter ones are captured cold. Everything else is warmed up: the finishes
+        (the sampler and the predictor specialise on B) and the prefill widths (whose row
+        counts pick cuBLAS's kernels and the attention's)."""
+        plan = [Capture("prefill", (w,), True) for w in reversed(self.prefill_widths)]
+        for batch in reversed(self.batch_buckets):
+            lengths = list(reversed(self.length_buckets))
+            plan += [Capture("step", (batch, t), warm_up=t == lengths[0]) for t in lengths]
+            plan.append(Capture("finish", (batch,), True))
+        return plan
+
+    def capture_work(self) -> CaptureWork:
+        """What `capture_plan` costs in positions run, and what it saves against a whole
+        step (the LM's position and the frame) captured at every (batch, length) bucket."""
+        return CaptureWork.of(self.capture_plan(), self.frames.groups if self.frames else 0)
+
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture a lone prompt's prefill at every width of `prefill_widths`, every (batch,
-        length) bucket's step and every batch bucket's first step (`first`) into a CUDA
-        graph, largest first, in one memory pool; each is run once eagerly first (kernels
-        compiled and libraries set up outside the capture). No row is active, so no request
-        state changes (the prefills write slot 0's columns, which its next request's
-        prefill overwrites)."""
+        """Capture `capture_plan`'s graphs into one memory pool (each after an eager run
+        where it says). No row is active, so no request state changes (the prefills write
+        slot 0's columns, which its next request's prefill overwrites)."""
         self.active.zero_()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        for width in reversed(self.prefill_widths):
-            run = functools.partial(
-                self._prefill, self.lone_slot, self.lone_embeds[:, :width], None
+        for c in self.capture_plan():
+            run = functools.partial(getattr(self, _WORK[c.kind]), *c.key)
+            graph, out = capture_graph(run, pool, stream, warm_up=c.warm_up)
+            self._by_kind[c.kind][_graph_key(c.key)] = (
+                (graph, out) if c.kind == "prefill" else graph
             )
-            self.prefill_graphs[width] = capture_graph(run, pool, stream)
             self.captures += 1
-        for batch in reversed(self.batch_buckets):
-            for length in reversed(self.length_buckets):
-                run = functools.partial(self._run, batch, length)
-                self.graphs[batch, length], _ = capture_graph(run, pool, stream)
-                self.captures += 1
-            run = functools.partial(self._first, batch)
-            self.first_graphs[batch], _ = capture_graph(run, pool, stream)
-            self.captures += 1
+            self.warm_ups += c.warm_up
         torch.cuda.synchronize(self.device)
+
+    def replay(self, batch: int, length: int | None = None) -> None:
+        """Replay the captured step at buckets (batch, length), its LM step's graph then its
+        finish's, or without `length` a first step's finish: what benchmarks time."""
+        if length is not None:
+            self.graphs[batch, length].replay()
+        self.finish_graphs[batch].replay()
 
     def close(self) -> None:
         self.graphs.clear()
-        self.first_graphs.clear()
+        self.finish_graphs.clear()
         self.prefill_graphs.clear()
         super().close()
         if self.frames is not None:

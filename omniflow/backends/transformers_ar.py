@@ -32,22 +32,24 @@ What it owns:
   from the `ar` kind's defaults.
 - Decode on a static cache (`decode`: "graphs", the default on CUDA, or "static"): every
   request owns a slot of a KV cache pre-allocated at load, sized from the stage's budget
-  (`cache_columns`), and a decode step is replayed from a CUDA graph captured at load for
-  its batch and length buckets (`omniflow.backends.static_decode`); prefill stays eager:
+  (`cache_columns`), and a decode step is replayed from CUDA graphs captured at load, the
+  decoder's step at its batch and length buckets and the step's finish (sampling, frames)
+  at its batch bucket (`omniflow.backends.static_decode`); prefill stays eager:
   where the step is fused, the fused layers over the prompts' positions write straight into
   the slots (`StaticDecoder.prefill`), else the forward above, whose cache is then copied
   into the request's slot; the prefilled requests' first tokens are then sampled by the
-  static step's own head and sampler, one graph per batch bucket (`StaticDecoder.first`),
-  so a first token takes the draws, masks and read-back every later one does. The step's
-  inputs, sampling parameters and seen masks live on the device; a step writes which rows advance and reads back the sampled ids. Each step
-  is launched before the previous one's tokens are emitted, so the host's work of a step
-  (emitting, detokenizing, bookkeeping) runs while the device computes the next: a row
-  that ends at step t has step t+1 computed and discarded, and a request dropped while a
-  step is in flight loses that step's token. A codec LM whose steps emit frames of several
-  codebooks takes this path where its component gives a `frame_spec`: the step completes
-  each frame on the device (its second decoder's sub-steps and their sampling, inside the
-  same graph; a prefill's first frames inside its first step's) and reads the frame's
-  codes back with the ids.
+  static step's own head and sampler, the finish's graph (`StaticDecoder.first`), so a
+  first token takes the draws, masks and read-back every later one does, and like a
+  step's is emitted once it has landed, never waited for. The step's inputs, sampling
+  parameters and seen masks live on the device; a step writes which rows advance and
+  reads back the sampled ids. Each step is launched before the previous one's tokens are
+  emitted, so the host's work of a step (emitting, detokenizing, bookkeeping) runs while
+  the device computes the next: a row that ends at step t has step t+1 computed and
+  discarded, and a request dropped while a step is in flight loses that step's token. A
+  codec LM whose steps emit frames of several codebooks takes this path where its component
+  gives a `frame_spec`: the step completes each frame on the device (its second decoder's
+  sub-steps and their sampling, inside the finish's graph; a prefill's first frames inside
+  its first step's) and reads the frame's codes back with the ids.
   `decode="eager"` (the default on CPU) is the batched `DynamicCache` path above,
   token-identical to `generate`.
 - Streaming: per generated token, `tokens` `[1, 1]` int64, `codes` `[1, Q]` (codec LMs),
@@ -588,25 +590,31 @@ class Sequence:
     seed: int = 0  # the GPU sampler's stream: (seed, generated) picks each draw
     slot: int = -1  # on the static path: its slot (= its row) in the static cache; -1: gone
     ahead: int = 0  # decode steps launched whose tokens are not emitted yet (static path)
+    first_ahead: bool = False  # its first token launched and not emitted yet (static path)
     # Its audio as its listener hears it, where a step plays for a known time (slack.py).
     playback: Playback = field(default_factory=lambda: Playback(time.monotonic()))
     frame_input: torch.Tensor | None = None  # [E]: its last frame's embeddings (dynamic path)
 
     @property
     def next_step(self) -> int:
-        """The index of the decode step launched next: tokens emitted plus steps in flight."""
-        return self.generated + self.ahead
+        """The index of the decode step launched next: tokens emitted plus those in flight
+        (its first token takes no column: `ahead` counts the steps, which do)."""
+        return self.generated + self.ahead + self.first_ahead
 
 
 @dataclass
 class _Launch:
     """A static decode step in flight: the rows that advance in it, their slots at launch
-    (its ids are read by those), and their `hidden` values, copied at launch."""
+    (its ids are read by those), and their `hidden` values, copied at launch; or, with
+    `values`, a prefill's first tokens (`StaticDecoder.first`), the requests' prompt
+    values to emit with them. `order`: when it was queued among the others."""
 
     seqs: list[Sequence]
     slots: list[int]
     launched: static_decode.Launched
     hidden: torch.Tensor | None
+    order: int
+    values: list | None = None
 
 
 class TransformersAR(Backend):
@@ -648,11 +656,16 @@ class TransformersAR(Backend):
         self.cache = None  # one row per entry of self.rows
         self.mask: torch.Tensor | None = None  # [rows, columns]: a row's own cache columns
         self.decode, self.static = self._static_decoder()
-        # The static steps launched and not settled yet, oldest first (at most IN_FLIGHT).
+        # The static steps launched and not settled yet, oldest first (at most IN_FLIGHT),
+        # and the prefills' first tokens (any number), each settled in the order queued.
         self.launches: deque[_Launch] = deque()
+        self.firsts: deque[_Launch] = deque()
+        self.queued = 0  # static launches and first tokens queued (their `order`)
         if self.static is not None:
             self.captures = self.static.captures
             self.capture_seconds = self.static.capture_seconds
+            if self.captures:
+                self.capture_work = self.static.capture_work().line()
         if torch.device(device).type == "cuda" and self.static is None:
             self._compile_first_token_sampler()
 
@@ -712,16 +725,20 @@ class TransformersAR(Backend):
             return self.component.can_start(call) and len(self.rows) < self.capacity
         if self.static is None:
             return self._may_step(seq)
-        # On the static path a step makes progress if it can read a landed step's tokens or
-        # launch another; a row whose tokens are still on their way waits without blocking.
+        # On the static path a step makes progress if it can read landed tokens (a step's
+        # or a prefill's first) or launch another; a row whose tokens are still on their way
+        # waits without blocking.
         landed = bool(self.launches) and self.launches[0].launched.landed()
         launchable = len(self.launches) < static_decode.IN_FLIGHT or landed
-        return seq.ahead > 0 and landed or self._may_step(seq) and launchable
+        landed = landed or bool(self.firsts) and self.firsts[0].launched.landed()
+        waiting = seq.ahead > 0 or seq.first_ahead
+        return waiting and landed or self._may_step(seq) and launchable
 
     def in_flight(self) -> bool:
         # A step launched after its rows' end was learned waits, harmless, for the next
         # step to settle it: only a live row's tokens keep the loop polling.
-        return any(seq.slot >= 0 for launch in self.launches for seq in launch.seqs)
+        queued = [*self.firsts, *self.launches]
+        return any(seq.slot >= 0 for launch in queued for seq in launch.seqs)
 
     def urgent_first(self, calls: list[Call]) -> list[Call]:
         """Slack first where steps become audio: requests waiting to start (in arrival
@@ -767,7 +784,8 @@ class TransformersAR(Backend):
             self._evict([seq])
 
     def close(self) -> None:
-        self.rows, self.cache, self.mask, self.launches = [], None, None, deque()
+        self.rows, self.cache, self.mask = [], None, None
+        self.launches, self.firsts = deque(), deque()
         if self.static is not None:
             self.static.close()
             self.static = None
@@ -850,9 +868,10 @@ class TransformersAR(Backend):
         """One causal forward over the prompts, right-padded to the longest; then each
         request samples its first token and joins the running rows (on the static path,
         joins its slot and then the batch's first tokens are sampled on the device, in one
-        `StaticDecoder.first`). On the fused static path (nothing but embeddings and
-        positions, multimodal ones where its rotary takes them) the forward writes the slots
-        itself; else it is the model's forward into a DynamicCache, whose rows then join."""
+        `StaticDecoder.first`, emitted once they land: `_settle_firsts`). On the fused
+        static path (nothing but embeddings and positions, multimodal ones where its rotary
+        takes them) the forward writes the slots itself; else it is the model's forward into
+        a DynamicCache, whose rows then join."""
         seqs = [seq for seq, _ in started]
         width = max(seq.length for seq in seqs)
         embeds = torch.stack([F.pad(p.embeds, (0, 0, 0, width - s.length)) for s, p in started])
@@ -892,17 +911,16 @@ class TransformersAR(Backend):
                     self._join(seq, states, cache)
             return
         # Each joins its slot (the one it was prefilled into, if direct), then the static
-        # step's sampler gives the first tokens (and frames); a finished one leaves again.
+        # step's sampler gives the first tokens (and frames), queued like a step's: emitted
+        # when they land (now, if they have), a finished one leaving again then.
         start = len(self.rows)
         for seq, states in zip(seqs, rows, strict=True):
             self._join_static(seq, states)
-        ids, frames = self.static.first(start, last)
-        for seq, value in zip(seqs, values, strict=True):
-            code = self._code(ids[seq.slot], frames, seq.slot)
-            if code is not None:
-                code = self.component.first_code(seq, code)
-            self._emit(seq, ids[seq.slot], value, code)
-        self._evict([s for s in seqs if s.call.finished])
+            seq.first_ahead = True
+        launched = self.static.first(start, last)
+        slots = [seq.slot for seq in seqs]
+        self.firsts.append(_Launch(seqs, slots, launched, None, self._order(), values))
+        self._settle_firsts()
 
     def _decode(self, seqs: list[Sequence]) -> None:
         """One forward over every row; the rows of `seqs` advance, the others idle."""
@@ -943,7 +961,11 @@ class TransformersAR(Backend):
             hidden = self.component.hidden_rows(*self.static.outputs(slots))
         for seq in seqs:
             seq.ahead += 1
-        return _Launch(seqs, slots, launched, hidden)
+        return _Launch(seqs, slots, launched, hidden, self._order())
+
+    def _order(self) -> int:
+        self.queued += 1
+        return self.queued
 
     def _launch_and_settle(self, stepping: list[Sequence]) -> None:
         """The static path's step, which never waits for the device: settle landed steps
@@ -951,6 +973,7 @@ class TransformersAR(Backend):
         then settle the older steps that have landed. The step launched last stays in
         flight, so the host handles its predecessor's tokens while the device runs it; a
         step not landed yet is left for a later turn of the loop (`ready` says when)."""
+        self._settle_firsts()
         while len(self.launches) >= static_decode.IN_FLIGHT and self.launches[0].launched.landed():
             self._settle(self.launches.popleft())
         stepping = [s for s in stepping if s.slot >= 0 and self._may_step(s)]
@@ -965,7 +988,9 @@ class TransformersAR(Backend):
     def _settle(self, launch: _Launch) -> None:
         """Emit the tokens of a landed step (its ids are the only read-back), and evict the
         rows that finished. A row launched after its end (its end was learned while that
-        step was queued) or dropped since gets nothing."""
+        step was queued) or dropped since gets nothing. First tokens queued before it are
+        emitted first (they have landed: the device ran them before it)."""
+        self._settle_firsts(before=launch.order)
         ids = self.static.wait(launch.launched)
         for i, (seq, slot) in enumerate(zip(launch.seqs, launch.slots, strict=True)):
             seq.ahead -= 1
@@ -976,6 +1001,27 @@ class TransformersAR(Backend):
             hidden = None if launch.hidden is None else launch.hidden[i : i + 1]
             self._emit(seq, ids[slot], hidden, code)
         self._evict([s for s in launch.seqs if s.call.finished and s.slot >= 0])
+
+    def _settle_firsts(self, before: int | None = None) -> None:
+        """Emit the first tokens (and frames) of the prefills whose tokens have landed,
+        oldest first, or of all those queued `before` a step's order (landed, as that step
+        has), and evict the requests that finished with them."""
+
+        def due(first: _Launch) -> bool:
+            return first.order < before if before is not None else first.launched.landed()
+
+        while self.firsts and due(self.firsts[0]):
+            first = self.firsts.popleft()
+            ids = self.static.wait(first.launched)
+            for seq, slot, value in zip(first.seqs, first.slots, first.values, strict=True):
+                seq.first_ahead = False
+                if seq.slot < 0 or seq.call.finished or seq.call.error is not None:
+                    continue  # dropped (or failed) before its first token landed
+                code = self._code(ids[slot], first.launched.codes, slot)
+                if code is not None:
+                    code = self.component.first_code(seq, code)
+                self._emit(seq, ids[slot], value, code)
+            self._evict([s for s in first.seqs if s.call.finished and s.slot >= 0])
 
     def _code(self, token: int, frames: torch.Tensor | None, slot: int) -> torch.Tensor | None:
         """The `codes` output of a static step's token (None: none): its frame, completed on

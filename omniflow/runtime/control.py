@@ -45,6 +45,7 @@ class Loaded(msgspec.Struct, tag=True):
     seconds: float
     captured: float = 0.0  # of `seconds`, capturing CUDA graphs
     graphs: int = 0  # the CUDA graphs captured
+    capture_work: str = ""  # what capturing them ran (`Backend.capture_work`)
 
     def lines(self, where: str) -> list[str]:
         """What a person watching `where` (`pipeline/stage`) load is told: the load's time,
@@ -52,6 +53,8 @@ class Loaded(msgspec.Struct, tag=True):
         told = [f"loaded {where} in {self.seconds:.1f} s"]
         if self.graphs:
             told.append(f"{where}: captured {self.graphs} CUDA graphs in {self.captured:.1f} s")
+            if self.capture_work:
+                told.append(f"{where}: capture ran {self.capture_work}")
         return told
 
 

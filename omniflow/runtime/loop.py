@@ -264,7 +264,11 @@ class ProgramLoop:
                 spec, backend, stage.settings["max_batch"], stream
             )
             loaded = control.Loaded(
-                stage.name, time.monotonic() - began, backend.capture_seconds, backend.captures
+                stage.name,
+                time.monotonic() - began,
+                backend.capture_seconds,
+                backend.captures,
+                backend.capture_work,
             )
             on_loaded(loaded)
         settle_loads(streams)

@@ -161,9 +161,10 @@ class Backend(ABC):
     """A stage implementation. Construct = load weights; one instance serves every request."""
 
     # The CUDA graphs captured at load, and the seconds of the load that took (a backend that
-    # captures sets both).
+    # captures sets both), and what the capture ran, said in a line ("": nothing to say).
     captures = 0
     capture_seconds = 0.0
+    capture_work = ""
 
     def __init__(self, spec: StageSpec, device: str):
         self.spec = spec

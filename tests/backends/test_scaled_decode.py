@@ -95,12 +95,12 @@ def test_real_size_graph_replay_gives_the_eager_static_steps_greedy_tokens(stage
     vocab = prompt_vocab(stage, component)
     graphed = backend(stage, component, "graphs")
     captured = graphed.static.captures
-    # batch 1, 2, 4, 8 x 128, 256 columns, each batch's first step, a lone prompt's prefill
+    # batch 1, 2, 4, 8 x 128, 256 columns, each batch's finish, a lone prompt's prefill
     # at widths 16 to 256 (none for the thinker, whose prompts carry multimodal positions)
     static = graphed.static
     lone = [] if stage == "thinker" or not static.fused else [16, 32, 64, 128, 256]
     assert static.prefill_widths == lone
-    assert captured == len(static.graphs) + len(static.first_graphs) + len(static.prefill_graphs)
+    assert captured == len(static.graphs) + len(static.finish_graphs) + len(static.prefill_graphs)
     assert captured == 4 * 3 + len(lone)
     want = greedy(backend(stage, component, "static"), vocab)
     got = greedy(graphed, vocab)

@@ -235,7 +235,7 @@ def test_a_step_whose_tokens_have_not_landed_stays_in_flight_and_the_loop_polls_
     def tokens(events) -> list[int]:
         return [int(e.value) for e in events if e.port == "tokens"]
 
-    assert tokens(runner.step()) == want[:1]  # the prefill's token (`first` reads it back)
+    assert tokens(runner.step()) == want[:1]  # the prefill's token (`first`'s: landed)
     assert tokens(runner.step()) == [] and len(backend.launches) == 1
     assert tokens(runner.step()) == [] and len(backend.launches) == 2  # the next one, at once
     assert not backend.ready(runner.calls["r"])  # no room, nothing landed: nothing to do
@@ -248,6 +248,52 @@ def test_a_step_whose_tokens_have_not_landed_stays_in_flight_and_the_loop_polls_
         if "r" not in runner.calls:
             break
     assert got == want and not backend.launches and not runner.maybe_ready
+
+
+def test_first_tokens_that_have_not_landed_leave_the_loop_polling_and_come_out_first(
+    plan, monkeypatch
+):
+    """A prefill's first tokens (`StaticDecoder.first`) are read back as a step's are,
+    never waited for: while they have not landed the stage emits nothing, the runner keeps
+    polling, the request's first step is launched meanwhile, and a second request's prefill
+    queues its own; once they land each request's tokens come out in order, the same as
+    runs that never waited."""
+    backend = make_backend(plan, "static")
+    want = [alone(backend, PROMPTS[i], max_tokens=5).tokens for i in (0, 1)]
+    late: set[int] = set()  # the first tokens whose read-back has not landed
+    landed = static_decode.Launched.landed
+    monkeypatch.setattr(
+        static_decode.Launched, "landed", lambda self: id(self) not in late and landed(self)
+    )
+    first = backend.static.first
+
+    def slow_first(*args):
+        launched = first(*args)
+        late.add(id(launched))
+        return launched
+
+    monkeypatch.setattr(backend.static, "first", slow_first)
+    runner = StageRunner(backend.spec, backend, max_batch=4)
+    got: dict[str, list[int]] = {"a": [], "b": []}
+
+    def step() -> None:
+        for event in runner.step():
+            if event.port == "tokens":
+                got[event.request_id].append(int(event.value))
+
+    for request_id, prompt in (("a", PROMPTS[0]), ("b", PROMPTS[1])):
+        runner.start(request_id, {"max_tokens": 5, "temperature": 0.0})
+        runner.feed(request_id, "prompt", [{"role": "user", "content": prompt}], True)
+        step()  # a: its prefill (its first tokens queued); b: its prefill, and a's first step
+        assert got == {"a": [], "b": []} and runner.maybe_ready and backend.in_flight()
+    assert len(backend.firsts) == 2 and len(backend.launches) == 1
+    late.clear()  # the device catches up
+    for _ in range(20):  # (a bound: a broken stage would spin forever)
+        step()
+        if not runner.calls:
+            break
+    assert [got["a"], got["b"]] == want
+    assert not backend.firsts and not backend.launches and not runner.maybe_ready
 
 
 def test_a_step_launched_past_a_requests_end_keeps_no_loop_polling(plan):
@@ -416,6 +462,50 @@ def test_the_static_path_runs_one_step_per_decode_step_on_compact_rows(plan):
     for call in batch:
         backend.drop(call)
     assert backend.rows == [] and static.length.tolist() == [0] * 4
+
+
+def test_the_capture_plan_captures_each_steps_finish_once_per_batch_bucket(plan):
+    """What "graphs" captures (`capture_plan`, read on the CPU without capturing): every
+    (batch, length) bucket's LM step, warmed up only at its batch's largest length, one
+    finish per batch bucket, every lone prefill width; and what a step dispatches (the
+    graphs it would replay): its LM step at its buckets, then its batch's finish."""
+    static = make_backend(plan, "static").static
+    plan_ = static.capture_plan()
+    batches, lengths = static.batch_buckets, static.length_buckets
+    assert (batches, lengths) == ([1, 2, 4], [128, 256, 512, 1024, 2048, 4096, 4224])
+    steps = [c for c in plan_ if c.kind == "step"]
+    assert [c.key for c in steps] == [(b, t) for b in batches[::-1] for t in lengths[::-1]]
+    assert [c.key for c in steps if c.warm_up] == [(b, lengths[-1]) for b in batches[::-1]]
+    finishes = [c for c in plan_ if c.kind == "finish"]
+    assert [c.key for c in finishes] == [(b,) for b in batches[::-1]]
+    assert all(c.warm_up for c in plan_ if c.kind != "step")
+    prefills = [c.key for c in plan_ if c.kind == "prefill"]
+    assert prefills == [(w,) for w in static.prefill_widths[::-1]]
+    # Largest first: each batch's steps, then its finish.
+    kinds = [c.kind for c in plan_ if c.kind != "prefill"]
+    assert kinds == (["step"] * len(lengths) + ["finish"]) * len(batches)
+    work = static.capture_work()
+    assert work.graphs == len(plan_) == len(prefills) + len(batches) * (len(lengths) + 1)
+    assert work.warm_ups == len(prefills) + 2 * len(batches)
+    # No frames here: the same positions captured, but each length warmed up no more.
+    steps = len(batches) * len(lengths)
+    assert (work.captured, work.whole_step_captured) == (len(prefills) + steps,) * 2
+    assert work.warmed == len(prefills) + len(batches) < work.whole_step_warmed
+    assert f"{work.graphs} graphs" in work.line()
+    # Nothing is captured off CUDA; what a step dispatches is the same.
+    backend = make_backend(plan, "static")
+    static = backend.static
+    assert static.captures == static.warm_ups == static.replays == 0
+    calls = [request(PROMPTS[i], max_tokens=4) for i in (0, 1, 3)]
+    backend.step(calls)  # prefilled together: one first step, at batch bucket 4
+    assert static.dispatched == {("finish", (4,)): 1}
+    backend.step(calls)
+    assert list(static.dispatched.items()) == [(("finish", (4,)), 2), (("step", (4, 128)), 1)]
+    for call in calls:
+        backend.drop(call)
+    static.dispatched.clear()
+    alone(backend, PROMPTS[0], max_tokens=3)  # its first token, then two steps at batch 1
+    assert static.dispatched == {("finish", (1,)): 3, ("step", (1, 128)): 2}
 
 
 def test_the_static_path_crosses_length_buckets_as_the_dynamic_one_decodes(plan):
@@ -705,7 +795,7 @@ def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(p
     assert set(static.graphs) == {
         (b, t) for b in static.batch_buckets for t in static.length_buckets
     }
-    assert set(static.first_graphs) == set(static.batch_buckets)  # a prefill's first tokens
+    assert set(static.finish_graphs) == set(static.batch_buckets)  # and a first step's
     assert set(static.prefill_graphs) == set(static.prefill_widths)  # a lone prompt's prefill
     eager = make_backend(plan, "static", "cuda:0")
     assert eager.static.graphs == {}
@@ -729,10 +819,11 @@ def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(p
         )
         return greedy + seeded
 
-    replays = static.replays - static.launches - static.first_steps
+    # Every step replays its LM step's graph and its finish's; a first step its finish's.
+    replays = static.replays - 2 * static.launches - static.first_steps
     lone = static.prefill_replays
     want, got = serve(eager), serve(graphed)
-    assert static.replays - static.launches - static.first_steps == replays  # every one
+    assert static.replays - 2 * static.launches - static.first_steps == replays  # every one
     assert static.prefill_replays - lone == 4  # the requests that started alone
     assert static.captures == captured
     for a, b in zip(got, want, strict=True):

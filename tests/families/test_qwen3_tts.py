@@ -522,6 +522,25 @@ def test_the_static_step_completes_the_eager_paths_frames(plans, talkers, ref_wa
     assert talker_backend(plans["CustomVoice"], "auto").decode == "eager"  # the CPU default
 
 
+def test_the_frame_is_captured_once_per_batch_bucket_not_per_length(plans):
+    """The talker's graphs (`capture_plan`, read on the CPU): the frame's completion, G
+    positions of the code predictor and G samplings, is in one finish graph per batch
+    bucket, while the talker's own step is captured per (batch, length) bucket, so the
+    positions captured at load fall by (steps x G) against a whole frame step per bucket."""
+    static = talker_backend(plans["CustomVoice"], "static").static
+    groups = static.frames.groups
+    plan = static.capture_plan()
+    steps = sum(c.kind == "step" for c in plan)
+    finishes = [c.key for c in plan if c.kind == "finish"]
+    assert steps == len(static.batch_buckets) * len(static.length_buckets) > len(finishes)
+    assert finishes == [(b,) for b in reversed(static.batch_buckets)]
+    work = static.capture_work()
+    assert work.whole_step_captured - work.captured == steps * groups
+    assert work.captured == sum(c.kind != "finish" for c in plan) + len(finishes) * groups
+    assert work.whole_step_warmed - work.warmed > steps * groups
+    print(work.line())
+
+
 def test_requests_starting_together_share_one_prefill_and_first_step(plans, talkers, ref_wav):
     """Requests that start in the same step are prefilled together and their first frames
     completed in one first step (the static path), each giving its codes of the eager
@@ -541,23 +560,27 @@ def test_requests_starting_together_share_one_prefill_and_first_step(plans, talk
 
 @pytest.mark.gpu
 def test_captured_frames_are_the_eager_static_steps_and_the_dynamic_paths(plans, ref_wav):
-    """On CUDA the talker takes the captured static step by default, and replaying it gives
-    exactly the codes of the same step run eagerly, greedy and sampled (seeded), with
-    nothing captured after load and every step replayed, the first step after each
-    prefill (its first frames) and each lone prompt's prefill included; the dynamic path on the GPU (the same (seed,
-    frame, sub-step) draws) gives the same codes too."""
+    """On CUDA the talker takes the captured static step by default (the talker's step
+    graph, then the frame's finish graph), and replaying it gives exactly the codes of the
+    same step run eagerly, greedy and sampled (seeded), with nothing captured after load
+    and every step replayed, the first step after each prefill (its first frames) and each
+    lone prompt's prefill included, and each batch bucket's shorter lengths captured without
+    a warm-up; the dynamic path on the GPU (the same (seed, frame, sub-step) draws) gives
+    the same codes too."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     plan = plans["CustomVoice"]
     graphed = talker_backend(plan, "auto", "cuda:0")
     static = graphed.static
     assert graphed.decode == "graphs" and static.frames is not None
-    assert set(static.first_graphs) == set(static.batch_buckets)
+    assert set(static.finish_graphs) == set(static.batch_buckets)
+    assert static.warm_ups == static.capture_work().warm_ups < static.captures
     captured = static.captures
     requests = frame_requests(ref_wav)
     got = serve_frames(graphed, requests)
     assert static.captures == captured and static.first_steps == len({r[2] for r in requests})
-    assert static.replays == static.launches + static.first_steps
+    # A step replays the talker's step and the frame's finish, a first step the finish.
+    assert static.replays == 2 * static.launches + static.first_steps
     assert static.prefill_replays == static.first_steps  # each started alone
     assert_same_frames(
         got, serve_frames(talker_backend(plan, "static", "cuda:0"), requests), requests

@@ -59,3 +59,6 @@ def test_the_start_up_says_each_stage_loaded_and_what_its_graph_capture_took(ser
         "loaded omni_chat/talker in 41.2 s",
         "omni_chat/talker: captured 24 CUDA graphs in 33.1 s",
     ]
+    work = "24 graphs, 6 warmed up: ..."  # (a static decoder's `capture_work().line()`)
+    loaded = control.decode(control.encode(control.Loaded("talker", 41.24, 33.08, 24, work)))
+    assert loaded.lines("omni_chat/talker")[2] == f"omni_chat/talker: capture ran {work}"
