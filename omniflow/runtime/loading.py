@@ -17,10 +17,13 @@ naming its stage. A failure says its stage in either order.
 
 from __future__ import annotations
 
+import builtins
+import contextlib
+import importlib
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import NoReturn
@@ -121,29 +124,56 @@ def _at_once(
         threading.Thread(target=run, args=(stage,), name=f"omniflow-load-{stage.name}")
         for stage in stages
     ]
-    for thread in threads:
-        thread.start()
     loaded: dict[str, LoadedStage] = {}
     failure: tuple[str, BaseException] | None = None
-    try:
-        for _ in stages:
-            name, outcome = ended.get()
-            if isinstance(outcome, BaseException):
-                failure = failure or (name, outcome)
-                continue
-            loaded[name] = outcome
-            if failure is None:
-                others = [(d.began, d.ended) for n, d in loaded.items() if n != name]
-                others += [(began, outcome.ended)] * (len(stages) - len(loaded))
-                on_loaded(_message(outcome, _overlap((outcome.began, outcome.ended), others)))
-    finally:  # a failure, or the executor told to stop while its stages load
+    with _imports_one_at_a_time():
         for thread in threads:
-            thread.join()
+            thread.start()
+        try:
+            for _ in stages:
+                name, outcome = ended.get()
+                if isinstance(outcome, BaseException):
+                    failure = failure or (name, outcome)
+                    continue
+                loaded[name] = outcome
+                if failure is None:
+                    others = [(d.began, d.ended) for n, d in loaded.items() if n != name]
+                    others += [(began, outcome.ended)] * (len(stages) - len(loaded))
+                    alongside = _overlap((outcome.began, outcome.ended), others)
+                    on_loaded(_message(outcome, alongside))
+        finally:  # a failure, or the executor told to stop while its stages load
+            for thread in threads:
+                thread.join()
     if failure is not None:
         for done in loaded.values():
             _close(done.backend)
         _raise_naming(*failure)
     return loaded
+
+
+@contextlib.contextmanager
+def _imports_one_at_a_time() -> Iterator[None]:
+    """While inside, one thread of the process imports at a time. Libraries' modules import
+    each other in cycles (transformers' lazy modules), and two threads importing them at once
+    can each hold a module the other needs: Python then hands one of them a module half made
+    ("cannot import name ..."). Loads import what they need as they begin, so this costs them
+    little; their reading weights and capturing graphs still overlap."""
+    lock = threading.RLock()
+    statement, function = builtins.__import__, importlib.import_module
+
+    def import_statement(*args, **kwargs):
+        with lock:
+            return statement(*args, **kwargs)
+
+    def import_module(*args, **kwargs):
+        with lock:
+            return function(*args, **kwargs)
+
+    builtins.__import__, importlib.import_module = import_statement, import_module
+    try:
+        yield
+    finally:
+        builtins.__import__, importlib.import_module = statement, function
 
 
 def _overlap(own: tuple[float, float], others: list[tuple[float, float]]) -> float:
