@@ -16,7 +16,12 @@ notes its graph pool, which the load's measure then counts.
 Captures run one at a time per process, whichever thread's (`one_capture_at_a_time`):
 torch does not promise that captures in several threads at once are safe (even each with
 `capture_error_mode="thread_local"` and its own pool and stream), and a capture's warm-up
-run compiles Triton kernels. The other stages' weights keep loading meanwhile.
+run compiles Triton kernels. The other stages' weights keep loading meanwhile. A device-wide
+`torch.cuda.synchronize` in another thread breaks a capture in flight on that GPU whatever
+its mode (and fails itself), so while stages load at once such a call waits for the capture
+to end (`synchronize_between_captures`); syncs on a stage's own stream (`.item()`, a copy to
+the host) do not touch a capture on another thread's stream (torch's streams are
+non-blocking) and run as they are.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ import torch
 
 from omniflow.devices import local_name
 
-# One CUDA-graph capture (its warm-up run and the capture) at a time in this process.
-_CAPTURING = threading.Lock()
+# One CUDA-graph capture (its warm-up run and the capture) at a time in this process, and no
+# device-wide synchronize during one (`synchronize_between_captures`). Reentrant: a capture's
+# warm-up run may synchronize.
+_CAPTURING = threading.RLock()
 # The stage load running on this thread, if any: its `LoadPool`.
 _loading = threading.local()
 
@@ -101,3 +108,20 @@ def capturing(graph: torch.cuda.CUDAGraph) -> Iterator[None]:
     finally:
         load._route()
     load.graph_pools.add(tuple(graph.pool()))
+
+
+@contextlib.contextmanager
+def synchronize_between_captures() -> Iterator[None]:
+    """While inside, `torch.cuda.synchronize` (a backend's wait for its load's GPU work) waits
+    for any capture in flight to end first (see the module docstring)."""
+    synchronize = torch.cuda.synchronize
+
+    def between_captures(device=None) -> None:
+        with _CAPTURING:
+            synchronize(device)
+
+    torch.cuda.synchronize = between_captures
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = synchronize

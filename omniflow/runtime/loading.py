@@ -12,7 +12,9 @@ In both, each stage loads on its own stream (streams.py) and is held to its own 
 Loaded at once, the executor's thread waits for the loads and hears each as it ends: it says
 `Loaded` for each (with how long the load ran beside the executor's other loads), and on the
 first that fails it waits for the others, closes those that loaded and raises that failure,
-naming its stage. A failure says its stage in either order.
+naming its stage. A failure says its stage in either order. While they load at once, one
+thread imports at a time, and a device-wide synchronize waits for a CUDA-graph capture in
+flight (load_pools.py).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from omniflow.errors import OmniflowError
 from omniflow.plan import Program, StagePlan
 from omniflow.runtime import control
 from omniflow.runtime.budgets import load_in_own_pool, load_within_budget
-from omniflow.runtime.load_pools import LoadPool
+from omniflow.runtime.load_pools import LoadPool, synchronize_between_captures
 from omniflow.runtime.stage import Backend, StageSpec
 from omniflow.runtime.streams import CudaStageStream, StageStream
 
@@ -126,7 +128,7 @@ def _at_once(
     ]
     loaded: dict[str, LoadedStage] = {}
     failure: tuple[str, BaseException] | None = None
-    with _imports_one_at_a_time():
+    with _imports_one_at_a_time(), synchronize_between_captures():
         for thread in threads:
             thread.start()
         try:
