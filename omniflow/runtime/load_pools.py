@@ -19,7 +19,7 @@ torch does not promise that captures in several threads at once are safe (even e
 run compiles Triton kernels. The other stages' weights keep loading meanwhile. A device-wide
 `torch.cuda.synchronize` in another thread breaks a capture in flight on that GPU whatever
 its mode (and fails itself), so while stages load at once such a call waits for the capture
-to end (`synchronize_between_captures`); syncs on a stage's own stream (`.item()`, a copy to
+to end (`between_captures`); syncs on a stage's own stream (`.item()`, a copy to
 the host) do not touch a capture on another thread's stream (torch's streams are
 non-blocking) and run as they are.
 """
@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from omniflow.devices import local_name
 
 # One CUDA-graph capture (its warm-up run and the capture) at a time in this process, and no
-# device-wide synchronize during one (`synchronize_between_captures`). Reentrant: a capture's
+# device-wide synchronize during one (`between_captures`). Reentrant: a capture's
 # warm-up run may synchronize.
 _CAPTURING = threading.RLock()
 # The stage load running on this thread, if any: its `LoadPool`.
@@ -110,18 +110,13 @@ def capturing(graph: torch.cuda.CUDAGraph) -> Iterator[None]:
     load.graph_pools.add(tuple(graph.pool()))
 
 
-@contextlib.contextmanager
-def synchronize_between_captures() -> Iterator[None]:
-    """While inside, `torch.cuda.synchronize` (a backend's wait for its load's GPU work) waits
-    for any capture in flight to end first (see the module docstring)."""
-    synchronize = torch.cuda.synchronize
+def between_captures(synchronize: Callable[..., None]) -> Callable[..., None]:
+    """`torch.cuda.synchronize` (a backend's wait for its load's GPU work) that waits for any
+    capture in flight to end first (see the module docstring); loading.py puts it in place
+    while stages load at once."""
 
-    def between_captures(device=None) -> None:
+    def synchronized(device=None) -> None:
         with _CAPTURING:
             synchronize(device)
 
-    torch.cuda.synchronize = between_captures
-    try:
-        yield
-    finally:
-        torch.cuda.synchronize = synchronize
+    return synchronized

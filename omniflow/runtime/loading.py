@@ -30,13 +30,15 @@ from dataclasses import dataclass
 from functools import partial
 from typing import NoReturn
 
+import torch
+
 from omniflow.backends.registry import load_backend
 from omniflow.devices import local_name
 from omniflow.errors import OmniflowError
 from omniflow.plan import Program, StagePlan
 from omniflow.runtime import control
 from omniflow.runtime.budgets import load_in_own_pool, load_within_budget
-from omniflow.runtime.load_pools import LoadPool, synchronize_between_captures
+from omniflow.runtime.load_pools import LoadPool, between_captures
 from omniflow.runtime.stage import Backend, StageSpec
 from omniflow.runtime.streams import CudaStageStream, StageStream
 
@@ -57,7 +59,7 @@ class LoadedStage:
 
 
 def load_order(program: Program, streams: dict[str, StageStream], asked: str) -> str:
-    """ "sequential" or "parallel": what `asked` (one of LOAD_ORDERS) means for `program`."""
+    """What `asked` (one of LOAD_ORDERS) means for `program`: "sequential" or "parallel"."""
     if asked not in LOAD_ORDERS:
         raise OmniflowError(f"unknown load order '{asked}'; use one of {', '.join(LOAD_ORDERS)}")
     if asked != "auto":
@@ -128,7 +130,7 @@ def _at_once(
     ]
     loaded: dict[str, LoadedStage] = {}
     failure: tuple[str, BaseException] | None = None
-    with _imports_one_at_a_time(), synchronize_between_captures():
+    with _while_loading_at_once():
         for thread in threads:
             thread.start()
         try:
@@ -153,29 +155,57 @@ def _at_once(
     return loaded
 
 
+# Libraries' modules import each other in cycles (transformers' lazy modules), and two threads
+# importing them at once can each hold a module the other needs: Python then hands one of
+# them a module half made ("cannot import name ..."). While stages load at once, one thread
+# of the process imports at a time. Loads import what they need as they begin, so this costs
+# them little; their reading weights and capturing graphs still overlap.
+_IMPORTING = threading.RLock()
+
+
+def _one_at_a_time(do_import: Callable) -> Callable:
+    def imported(*args, **kwargs):
+        with _IMPORTING:
+            return do_import(*args, **kwargs)
+
+    return imported
+
+
 @contextlib.contextmanager
-def _imports_one_at_a_time() -> Iterator[None]:
-    """While inside, one thread of the process imports at a time. Libraries' modules import
-    each other in cycles (transformers' lazy modules), and two threads importing them at once
-    can each hold a module the other needs: Python then hands one of them a module half made
-    ("cannot import name ..."). Loads import what they need as they begin, so this costs them
-    little; their reading weights and capturing graphs still overlap."""
-    lock = threading.RLock()
-    statement, function = builtins.__import__, importlib.import_module
+def _while_loading_at_once() -> Iterator[None]:
+    """While any executor of the process loads its stages at once: imports one at a time, and
+    a device-wide synchronize waits for a capture in flight (load_pools.py)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_patched(builtins, "__import__", _one_at_a_time))
+        stack.enter_context(_patched(importlib, "import_module", _one_at_a_time))
+        stack.enter_context(_patched(torch.cuda, "synchronize", between_captures))
+        yield
 
-    def import_statement(*args, **kwargs):
-        with lock:
-            return statement(*args, **kwargs)
 
-    def import_module(*args, **kwargs):
-        with lock:
-            return function(*args, **kwargs)
+_PATCHING = threading.Lock()
+_patches: dict[tuple[int, str], list] = {}  # (id(owner), name) -> [original, users]
 
-    builtins.__import__, importlib.import_module = import_statement, import_module
+
+@contextlib.contextmanager
+def _patched(owner: object, name: str, wrap: Callable[[Callable], Callable]) -> Iterator[None]:
+    """`owner.name` is `wrap(original)` while any thread is inside (engines of one process
+    may load at once in threads of their own: the last one out puts the original back)."""
+    key = (id(owner), name)
+    with _PATCHING:
+        patch = _patches.get(key)
+        if patch is None:
+            original = getattr(owner, name)
+            patch = _patches[key] = [original, 0]
+            setattr(owner, name, wrap(original))
+        patch[1] += 1
     try:
         yield
     finally:
-        builtins.__import__, importlib.import_module = statement, function
+        with _PATCHING:
+            patch[1] -= 1
+            if patch[1] == 0:
+                setattr(owner, name, patch[0])
+                del _patches[key]
 
 
 def _overlap(own: tuple[float, float], others: list[tuple[float, float]]) -> float:

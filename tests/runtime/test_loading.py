@@ -6,6 +6,8 @@ On a CPU machine a GPU plan's stages load here in program order, unmeasured; the
 faults are injected by wrapping the backend loader (`loading.load_backend`): a delay, an
 error. The `gpu` tests measure concurrent loads in their allocator pools where a GPU is."""
 
+import builtins
+import importlib
 import threading
 import time
 
@@ -85,7 +87,10 @@ def test_stages_loaded_at_once_overlap_and_say_how_long_they_ran_beside_each_oth
     assert all(m.alongside == 0 for m in said)
     assert said[0].lines("p/slow") == [f"loaded p/slow in {said[0].seconds:.1f} s"]
 
+    patched = (builtins.__import__, importlib.import_module, torch.cuda.synchronize)
     at_once, said = timed_load(program, "parallel")
+    # Imports one at a time and syncs between captures while loading at once, not after.
+    assert (builtins.__import__, importlib.import_module, torch.cuda.synchronize) == patched
     assert at_once < one_by_one - 1.0  # three sleeps at once, on any machine
     assert sorted(m.stage for m in said) == ["broken", "quick", "slow"]
     for message in said:
