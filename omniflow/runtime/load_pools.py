@@ -4,7 +4,10 @@ executor are each measured alone (budgets.py), and CUDA-graph captures one at a 
 While a stage loads on its thread, every allocation that thread makes on the stage's GPU
 goes to the stage's `LoadPool` (a `torch.cuda.MemPool`, entered for the current thread
 only); what the stage allocates later, on the executor's thread, goes to the default pool as
-it always did. The pool outlives the load: it holds the stage's weights and caches.
+it always did. The pool outlives the load: it holds the stage's weights and caches, and the
+memory its load freed stays reserved in it, for no other stage. Only the loading thread's
+allocations are routed: a thread the load starts itself (a library's loader threads)
+allocates in the default pool, unmeasured.
 
 A CUDA graph captured during a load (`capture_graph`, backends/cuda_graphs.py) allocates in
 its own graph pool, never in the stage's pool: torch's allocator gives an allocation to the
@@ -19,9 +22,9 @@ torch does not promise that captures in several threads at once are safe (even e
 run compiles Triton kernels. The other stages' weights keep loading meanwhile. A device-wide
 `torch.cuda.synchronize` in another thread breaks a capture in flight on that GPU whatever
 its mode (and fails itself), so while stages load at once such a call waits for the capture
-to end (`between_captures`); syncs on a stage's own stream (`.item()`, a copy to
-the host) do not touch a capture on another thread's stream (torch's streams are
-non-blocking) and run as they are.
+to end (`between_captures`); syncs on a stage's own stream (`.item()`, a copy to the host)
+do not touch a capture on another thread's stream (torch's streams are non-blocking) and
+run as they are.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ import torch
 from omniflow.devices import local_name
 
 # One CUDA-graph capture (its warm-up run and the capture) at a time in this process, and no
-# device-wide synchronize during one (`between_captures`). Reentrant: a capture's
-# warm-up run may synchronize.
+# device-wide synchronize during one (`between_captures`). Reentrant: a capture's warm-up
+# run may synchronize.
 _CAPTURING = threading.RLock()
 # The stage load running on this thread, if any: its `LoadPool`.
 _loading = threading.local()
