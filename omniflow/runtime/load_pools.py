@@ -22,9 +22,9 @@ torch does not promise that captures in several threads at once are safe (even e
 run compiles Triton kernels. The other stages' weights keep loading meanwhile. A device-wide
 `torch.cuda.synchronize` in another thread breaks a capture in flight on that GPU whatever
 its mode (and fails itself), so while stages load at once such a call waits for the capture
-to end (`between_captures`); syncs on a stage's own stream (`.item()`, a copy to the host)
-do not touch a capture on another thread's stream (torch's streams are non-blocking) and
-run as they are.
+to end (`between_captures`). A sync on one stream (`.item()`, a copy to the host) should not
+touch a capture on another thread's stream, torch's streams being non-blocking, and runs as
+it is (tests/runtime/test_loading.py's GPU test copies weights beside a capture).
 """
 
 from __future__ import annotations
