@@ -15,6 +15,9 @@ order they happen:
   graphs: decode="graphs", the CUDA default), with what the capture ran (graphs, warm-ups,
   positions: `StaticDecoder.capture_work`);
 - link: from the last stage loaded to the engine being ready;
+- loads of an executor of several stages: from its first stage beginning to load to its last
+  loaded (one after another, the sum of its stages' loads; at once, about the longest), and
+  per stage the seconds it ran beside the executor's other loads;
 - ready: process start -> ready (from the engine's start; compile and preflight excluded);
 - first request, then a second one (what the first paid for being first): `--inputs`, a
   request's inputs as JSON (omni chat's default: a prompt; another graph's: none, and no
@@ -25,6 +28,14 @@ order they happen:
     python benchmarks/cold_start.py --graph graphs/qwen3_tts.omni --tiny \\
         --inputs '{"text": "Hello there.", "voice": "Vivian"}' --params '{"max_tokens": 8}'
     python benchmarks/cold_start.py --graph graphs/qwen3_tts.omni --devices 1xH200 --scaled 1
+
+`--load` runs one cold start per order, printed side by side: "sequential" (an executor's
+stages one after another: the default), "parallel" (at once, a thread each), "auto" (at once
+where two or more of an executor's stages are on a GPU). The page cache favours whichever
+start comes later: name the orders both ways (`--load sequential parallel parallel
+sequential`) to see how much.
+
+    python benchmarks/cold_start.py --devices 1xH200 --scaled 1 --load sequential parallel
 
 `--scaled DEPTH` loads a random-weight build of the graph's model at its real widths and
 DEPTH x its layers (built once into the cache); `--tiny` (the default without `--scaled` or
@@ -49,6 +60,7 @@ from omniflow.checkpoints.scaled import scaled_checkpoint
 from omniflow.compiler import compile_graph, graph_from_source
 from omniflow.runtime import control
 from omniflow.runtime.engine import Engine
+from omniflow.runtime.loading import LOAD_ORDERS
 from omniflow.runtime.preflight import preflight
 
 # The codec tokens of an omni chat request's speech.
@@ -67,6 +79,13 @@ def arguments() -> argparse.Namespace:
     )
     parser.add_argument("--inputs", type=json.loads, help="a request's inputs, as JSON")
     parser.add_argument("--params", type=json.loads, default=None, help="its parameters")
+    parser.add_argument(
+        "--load",
+        nargs="+",
+        default=["sequential"],
+        choices=LOAD_ORDERS,
+        help="how each executor loads its stages, one cold start per order, side by side",
+    )
     args = parser.parse_args()
     args.graph = args.graph.resolve()
     if args.scaled:  # built (once, into the cache) before the clock starts
@@ -102,6 +121,49 @@ def request_seconds(engine: Engine, inputs: dict, params: dict | None) -> float:
     return time.perf_counter() - start
 
 
+def cold_start(plan, checks, order: str, args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """One cold start of `plan` with its executors loading their stages in `order`: each
+    part's seconds, in the order they happen, and what each stage's capture ran."""
+    started = time.perf_counter()
+    loaded: list[tuple[float, control.Loaded]] = []  # (when it reached the engine, message)
+    requests = []
+    with Engine(
+        plan,
+        "process",
+        checks=checks,
+        on_loaded=lambda m: loaded.append((time.perf_counter(), m)),
+        load=order,
+    ) as engine:
+        ready = time.perf_counter()
+        if args.inputs is not None:
+            requests = [request_seconds(engine, args.inputs, args.params) for _ in range(2)]
+
+    parts: dict[str, float] = {}
+    arrived = {m.stage: (at, m) for at, m in loaded}
+    for executor in plan.executors:
+        # Its loads began when the first of its stages to say Loaded began (one after
+        # another or at once alike): `seconds` before that message arrived.
+        mine = [arrived[s] for s in executor.stage_names]
+        at, m = min(mine, key=lambda pair: pair[0])
+        parts[f"process start {executor.name}"] = at - m.seconds - started
+        if len(mine) > 1:
+            parts[f"loads of {executor.name}"] = max(at for at, _m in mine) - (at - m.seconds)
+    notes = []
+    for _at, m in loaded:
+        parts[f"load {m.stage}"] = m.seconds
+        if m.alongside:
+            parts[f"  of which beside other stages {m.stage}"] = m.alongside
+        if m.captured:
+            parts[f"  of which graph capture {m.stage}"] = m.captured
+        if m.capture_work:
+            notes.append(f"{order}: {m.stage} captured {m.capture_work}")
+    parts["link"] = ready - max(at for at, _m in loaded)
+    parts["ready (process start -> ready)"] = ready - started
+    if requests:
+        parts["first request"], parts["second request"] = requests
+    return parts, notes
+
+
 def main() -> None:
     args = arguments()
     began = time.perf_counter()
@@ -109,44 +171,37 @@ def main() -> None:
     compiled = time.perf_counter()
     checks = preflight(plan)
     checked = time.perf_counter()
-    loaded: list[tuple[float, control.Loaded]] = []  # (when it reached the engine, message)
-    requests = []
-    with Engine(
-        plan, "process", checks=checks, on_loaded=lambda m: loaded.append((time.perf_counter(), m))
-    ) as engine:
-        ready = time.perf_counter()
-        if args.inputs is not None:
-            requests = [request_seconds(engine, args.inputs, args.params) for _ in range(2)]
-
-    rows = [("compile", compiled - began), ("preflight", checked - compiled)]
-    arrived = {m.stage: (at, m) for at, m in loaded}
-    for executor in plan.executors:
-        # An executor loads its stages one after another: it began loading the first
-        # `seconds` before that stage's Loaded arrived.
-        at, m = min((arrived[s] for s in executor.stage_names), key=lambda pair: pair[0])
-        rows.append((f"process start {executor.name}", at - m.seconds - checked))
-    notes = []
-    for _at, m in loaded:
-        rows.append((f"load {m.stage}", m.seconds))
-        if m.captured:
-            rows.append((f"  of which graph capture {m.stage}", m.captured))
-        if m.capture_work:
-            notes.append(f"{m.stage} captured {m.capture_work}")
-    rows.append(("link", ready - max(at for at, _m in loaded)))
-    rows.append(("ready (process start -> ready)", ready - checked))
-    if requests:
-        rows += [("first request", requests[0]), ("second request", requests[1])]
-        rows.append(("total to first answer", ready - began + requests[0]))
-    print(f"{'part':<40} {'s':>8}")
-    for part, seconds in rows:
-        print(f"{part:<40} {seconds:>8.2f}")
+    runs, notes = [], []
+    for order in args.load:
+        parts, said = cold_start(plan, checks, order, args)
+        runs.append(parts)
+        notes += said
+    for run in runs:
+        if "first request" in run:
+            run["total to first answer"] = (
+                checked - began + run["ready (process start -> ready)"] + run["first request"]
+            )
+    names = ["compile", "preflight"]
+    for run in runs:  # a part one run has and another lacks goes after its run's previous one
+        for before, part in zip(["preflight", *run], run, strict=False):
+            if part not in names:
+                names.insert(names.index(before) + 1, part)
+    rows = {part: [run.get(part) for run in runs] for part in names}
+    rows["compile"] = [compiled - began] * len(runs)
+    rows["preflight"] = [checked - compiled] * len(runs)
+    print(f"{'part':<48}" + "".join(f" {'s, ' + order:>16}" for order in args.load))
+    for part, values in rows.items():
+        cells = "".join(f" {'-' if v is None else f'{v:.2f}':>16}" for v in values)
+        print(f"{part:<48}{cells}")
     for note in notes:
         print(note)
     print(
         f"({args.graph.name} on devices {args.devices}; model {args.model_dir or 'tiny'}; "
-        f"request {json.dumps(args.inputs) if requests else 'none'} {args.params or ''}; "
-        "executors start in parallel, so process start and load overlap across executors "
-        "and do not add up)"
+        f"request {json.dumps(args.inputs) if args.inputs is not None else 'none'} "
+        f"{args.params or ''}; executors start in parallel, so process start and load overlap "
+        "across executors and do not add up, and so do the loads of one executor's stages "
+        "loaded at once (`beside other stages`); a later cold start of a run finds the page "
+        "cache warmer)"
     )
 
 

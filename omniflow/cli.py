@@ -131,6 +131,7 @@ def _run(args: argparse.Namespace) -> int:
         Path(args.out or "out"),
         mode=args.mode,
         backends=backends,
+        load=args.load,
         console=console,
         profile=None if args.profile is None else Path(args.profile),
         profile_gpu=args.profile_gpu,
@@ -400,6 +401,14 @@ def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = Tru
         choices=("process", "inprocess", "ray"),
         help="where executors run: process (default) one OS process each; inprocess threads of "
         "this process (debugging); ray: Ray actors (a ray: inventory implies it)",
+    )
+    parser.add_argument(
+        "--load",
+        default="sequential",
+        choices=("auto", "sequential", "parallel"),
+        help="how an executor loads its stages: sequential (default: one after another), "
+        "parallel (a thread each, each held to its budget in its own allocator pool), auto "
+        "(parallel where two or more of an executor's stages are on a GPU)",
     )
     parser.add_argument(
         "--param",

@@ -79,6 +79,7 @@ def run_once(
     *,
     mode: str = "process",
     backends: str = "auto",
+    load: str = "sequential",
     console: Console,
     profile: Path | None = None,
     profile_gpu: bool = False,
@@ -97,7 +98,7 @@ def run_once(
     parts: dict[str, list] = {name: [] for name in types}
     live = next((o.name for o in plan.outputs if o.type == "text"), None)  # shown as it comes
     with _loading(plan, console) as on_loaded:
-        engine = Engine(plan, mode, backends, checks=checks, on_loaded=on_loaded)
+        engine = Engine(plan, mode, backends, checks=checks, on_loaded=on_loaded, load=load)
     recording = (
         contextlib.nullcontext()
         if profile is None

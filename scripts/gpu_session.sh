@@ -5,7 +5,7 @@
 # would shadow PyPI's `kernels`, never goes on sys.path: Python runs with -P from here), then
 # runs the parts named as arguments: setup tests edges steps skinny moe kernels frames
 # code2wav tts windows build streaming long load omni-input diffusion attention wan-build
-# wan-a14b wan-ti2v wan-serve cold cold-fresh tts-cold
+# wan-a14b wan-ti2v wan-serve cold cold-load cold-fresh tts-cold
 # omni-build omni-steps omni-load (Qwen3-Omni at full depth, built into memory: their
 # OMNIFLOW_CACHE is /dev/shm/omniflow-cache, or where /dev/shm cannot hold the whole build
 # the disk's cache with the shards that do not fit there spilling into /dev/shm; omni-load:
@@ -239,6 +239,13 @@ for part in "$@"; do
           --params '{"max_tokens": 16}' ${TTS_COLD_ARGS:-}) 2>&1 \
           | grep -v -i "warn\|model config" | tee "$OUT/tts_cold_$run.log"
       done
+      ;;
+    cold-load)
+      # An executor's stages loaded one after another, then at once (issue 38), in one run;
+      # then at once first, as the page cache favours whichever order runs second.
+      (cd /tmp && timeout ${COLD_S:-400} python3 "$here/benchmarks/cold_start.py" --devices 1xH200 \
+        --scaled 1 --load sequential parallel parallel sequential) 2>&1 \
+        | grep -v -i "warn\|model config" | tee "$OUT/cold_start_load.log"
       ;;
     cold-fresh)
       # As on a machine that has never compiled the fused kernels: an empty Triton cache.

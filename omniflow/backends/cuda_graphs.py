@@ -10,7 +10,9 @@ at another batch of the same shapes may skip its eager run: what compiles or loa
 in place by then, and an eager run costs as much host time as the capture itself. Graphs
 sharing a pool must never run at once; a backend's graphs replay one at a time on one
 stream, and whatever a graph's output is stays referenced, so no later capture reuses its
-memory.
+memory. One capture runs at a time in a process, whichever stage's load it belongs to
+(`omniflow.runtime.load_pools`: the stages of one executor load at once, each measured in its
+own allocator pool, which a capture leaves for its graph pool).
 
 `Graphs` keeps a set of such functions by key (a bucket), each with its static inputs and
 output, and counts captures and replays. With `capture` False (CPU, or the eager "static"
@@ -24,6 +26,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from omniflow.runtime.load_pools import capturing, one_capture_at_a_time
+
 
 def capture_graph(
     fn: Callable[[], object], pool, stream, warm_up: bool = True
@@ -31,18 +35,19 @@ def capture_graph(
     """`fn` (device work only: no host syncs, no data-dependent shapes) captured into a new
     graph in `pool` on `stream`, after one eager run on the current stream if `warm_up`.
     Returns the graph and what the captured call returned (its output buffers)."""
-    if warm_up:
-        fn()
-    graph = torch.cuda.CUDAGraph()
-    current = torch.cuda.current_stream(stream.device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        try:
-            out = fn()
-        finally:
-            graph.capture_end()
-    current.wait_stream(stream)
+    with one_capture_at_a_time():  # stages of one executor load at once (load_pools.py)
+        if warm_up:
+            fn()
+        graph = torch.cuda.CUDAGraph()
+        current = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream), capturing(graph):
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            try:
+                out = fn()
+            finally:
+                graph.capture_end()
+        current.wait_stream(stream)
     return graph, out
 
 

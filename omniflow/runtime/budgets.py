@@ -2,10 +2,17 @@
 
 The stages of one GPU share one process, so they share its CUDA context and torch's caching
 allocator: a per-process cap (`torch.cuda.set_per_process_memory_fraction`) would bound them
-together, not each. Instead a stage's load is measured: what torch's allocator holds on its
-GPU after the stage loaded (weights, caches sized at load, captured graphs' pools) less what
-it held before, and a stage whose load took more than its budget stops the executor's start
-with an error naming it. Stages load one after another, so each measure is its own.
+together, not each. Instead a stage's load is measured, and a stage whose load took more than
+its budget stops the executor's start with an error naming it. How it is measured depends on
+how the executor loads its stages (loading.py):
+
+- one after another (`load_within_budget`): what torch's allocator holds on the stage's GPU
+  after the stage loaded (weights, caches sized at load, captured graphs' pools) less what it
+  held before -- its own, since nothing else loads meanwhile;
+- at once, a thread each (`load_in_own_pool`): the stage loads in an allocator pool of its
+  own (load_pools.py: every allocation its thread makes goes there, a CUDA graph it captures
+  to the graph pool it notes), and its load is what those pools hold afterwards, which no
+  other stage's load touches.
 
 Off CUDA (a CPU executor, or a GPU plan run where its GPUs are absent) there is no allocator
 to measure and the check passes. A budget of 0 is one placement planned nothing for (a
@@ -22,6 +29,7 @@ import torch
 from omniflow.devices import human_bytes, local_name
 from omniflow.errors import OmniflowError
 from omniflow.plan import StagePlan
+from omniflow.runtime.load_pools import LoadPool
 from omniflow.runtime.streams import cuda_here
 
 Loaded = TypeVar("Loaded")
@@ -53,3 +61,26 @@ def load_within_budget(stage: StagePlan, device: str, load: Callable[[], Loaded]
     loaded = load()
     check_budget(stage, device, allocated(device) - before)
     return loaded
+
+
+def load_in_own_pool(
+    stage: StagePlan,
+    device: str,
+    load: Callable[[], Loaded],
+    discard: Callable[[Loaded], None],
+) -> tuple[Loaded, LoadPool | None]:
+    """`load()` in an allocator pool of its own on `device`, measured as what that pool and
+    its captures' graph pools hold, and held to the stage's budget (over it, what loaded is
+    `discard`ed first); other stages may load at the same time on other threads. Returns
+    what loaded and its pool, which holds its memory (None off CUDA: nothing is measured)."""
+    if not cuda_here(device):
+        return load(), None
+    pool = LoadPool(device)
+    with pool.entered():
+        loaded = load()
+    try:
+        check_budget(stage, device, pool.held())
+    except OverBudget:
+        discard(loaded)
+        raise
+    return loaded, pool

@@ -46,11 +46,15 @@ class Loaded(msgspec.Struct, tag=True):
     captured: float = 0.0  # of `seconds`, capturing CUDA graphs
     graphs: int = 0  # the CUDA graphs captured
     capture_work: str = ""  # what capturing them ran (`Backend.capture_work`)
+    alongside: float = 0.0  # of `seconds`, while another stage of its executor loaded too
 
     def lines(self, where: str) -> list[str]:
         """What a person watching `where` (`pipeline/stage`) load is told: the load's time,
-        and the CUDA-graph capture's, which can be most of it."""
+        how much of it ran beside the executor's other loads, and the CUDA-graph capture's,
+        which can be most of it."""
         told = [f"loaded {where} in {self.seconds:.1f} s"]
+        if self.alongside:
+            told[0] += f" ({self.alongside:.1f} s of it beside its executor's other stages)"
         if self.graphs:
             told.append(f"{where}: captured {self.graphs} CUDA graphs in {self.captured:.1f} s")
             if self.capture_work:

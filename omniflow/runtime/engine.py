@@ -31,6 +31,7 @@ from omniflow.plan import FRONTEND, Plan
 from omniflow.runtime import control, events
 from omniflow.runtime.doorbells import Ending
 from omniflow.runtime.gpu_timeline import ProfileError, gpu_executors
+from omniflow.runtime.loading import LOAD_ORDERS
 from omniflow.runtime.loop import ProgramLoop
 from omniflow.runtime.port_values import concat
 from omniflow.runtime.preflight import preflight
@@ -83,6 +84,7 @@ class _Core:
         backends: str,
         on_loaded: Callable[[control.Loaded], None],
         on_stats: Callable[[control.RequestStats], None] | None,
+        load: str,
     ):
         self.plan = plan
         self.on_loaded = on_loaded
@@ -102,7 +104,7 @@ class _Core:
         )
         self.frontend.report = lambda message: self.on_message(FRONTEND, message)
         self.transport = transport_class(mode)(
-            plan, self.frontend, backends, self.on_message, stats
+            plan, self.frontend, backends, self.on_message, stats, load
         )
 
     def start(self) -> None:
@@ -311,7 +313,8 @@ class Engine:
     passes its `checks`;
     `on_loaded` hears of each stage whose model has loaded. With `on_stats`, every executor
     keeps per-request tables (tallies.py) and each request's reach `on_stats` (from the I/O
-    thread) before its last chunk reaches the caller.
+    thread) before its last chunk reaches the caller. `load` is how each executor loads its
+    stages: "sequential", "parallel" (a thread each) or "auto" (loading.py).
     """
 
     def __init__(
@@ -322,9 +325,12 @@ class Engine:
         checks: tuple[Check, ...] | None = None,
         on_loaded: Callable[[control.Loaded], None] = lambda loaded: None,
         on_stats: Callable[[control.RequestStats], None] | None = None,
+        load: str = "sequential",
     ):
         if mode not in MODES:
             raise EngineError(f"unknown mode '{mode}'; use {' or '.join(map(repr, MODES))}")
+        if load not in LOAD_ORDERS:
+            raise EngineError(f"unknown load '{load}'; use {' or '.join(map(repr, LOAD_ORDERS))}")
         if mode == "process" and ray_plan(plan.devices):
             mode = "ray"  # compiled for a Ray cluster: its executors run there
         self.plan = plan
@@ -332,7 +338,7 @@ class Engine:
             checks = () if backends == "standin" else preflight(plan)
         self.checks = checks
         self.prompt_limits = () if backends == "standin" else prompt_limits(plan)
-        self._core = _Core(plan, mode, backends, on_loaded, on_stats)
+        self._core = _Core(plan, mode, backends, on_loaded, on_stats, load)
         self._ids = itertools.count()
         started = threading.Event()
         failure: list[BaseException] = []

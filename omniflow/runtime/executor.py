@@ -265,6 +265,7 @@ def start_loop(config: dict, end: ControlEnd) -> ProgramLoop:
         config["backends"],
         on_loaded=end.send,
         request_stats=config.get("request_stats", False),
+        load=config.get("load", "sequential"),
     )
     end.send(control.Hello(loop.name, loop.links.create_rings(program.inbound)))
     return loop

@@ -29,19 +29,16 @@ import traceback
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
 
-from omniflow.backends.registry import load_backend
-from omniflow.devices import local_name
 from omniflow.errors import ChannelError, PayloadTooLarge
 from omniflow.plan import ChannelPlan, Program
 from omniflow.runtime import control, events
-from omniflow.runtime.budgets import load_within_budget
 from omniflow.runtime.doorbells import Ending
 from omniflow.runtime.edges import StreamWriter, arriving, leaving, transformed
 from omniflow.runtime.events import RecordedEvents, Recorder
 from omniflow.runtime.gpu_timeline import KernelTimeline, on_cuda
 from omniflow.runtime.link import Inbound, Links
+from omniflow.runtime.loading import load_order, load_stages
 from omniflow.runtime.port_values import nbytes, steps
 from omniflow.runtime.requests import Admitted, describe
 from omniflow.runtime.stage import Backend, Call, InputStream, StageSpec
@@ -239,6 +236,7 @@ class ProgramLoop:
         on_loaded: Callable[[control.Loaded], None] = lambda loaded: None,
         sink: Sink | None = None,
         request_stats: bool = False,
+        load: str = "sequential",
     ):
         self.program = program
         self.name = program.name
@@ -249,28 +247,20 @@ class ProgramLoop:
         self.channel_totals = {c.name: control.ChannelTotals() for c in program.outbound}
         self.handoffs = {c.name: control.HandoffTotals() for c in program.inbound}
         self.links = Links()
-        channels = [*program.inbound, *program.outbound, *program.local]
-        self.runners: dict[str, StageRunner] = {}
         streams = stage_streams(program)
-        for stage in program.stages:
-            began = time.monotonic()
-            spec = StageSpec.from_channels(stage, channels)
-            device = local_name(stage.devices[0]) if stage.devices else "cpu"
-            stream = streams[stage.name]
-            with stream.active():  # its weights are made on the stream its steps read them on
-                load = partial(load_backend, spec, device, backends)
-                backend = load_within_budget(stage, device, load)
-            self.runners[stage.name] = StageRunner(
-                spec, backend, stage.settings["max_batch"], stream
+        order = load_order(program, streams, load)
+        loaded = load_stages(program, backends, streams, order, on_loaded)
+        self.runners: dict[str, StageRunner] = {
+            stage.name: StageRunner(
+                loaded[stage.name].spec,
+                loaded[stage.name].backend,
+                stage.settings["max_batch"],
+                streams[stage.name],
             )
-            loaded = control.Loaded(
-                stage.name,
-                time.monotonic() - began,
-                backend.capture_seconds,
-                backend.captures,
-                backend.capture_work,
-            )
-            on_loaded(loaded)
+            for stage in program.stages
+        }
+        # Where stages loaded at once on a GPU, each one's allocator pool holds its memory.
+        self.load_pools = [d.pool for d in loaded.values() if d.pool is not None]
         settle_loads(streams)
         self.tallies = (
             Tallies(list(self.runners), lambda stats: self.report(stats)) if request_stats else None
@@ -572,3 +562,4 @@ class ProgramLoop:
         for runner in self.runners.values():
             runner.drop_all()
             runner.backend.close()
+        self.load_pools.clear()

@@ -137,6 +137,7 @@ class RayTransport(ProcessTransport):
             "torch_threads": _torch_threads(),
             "host_executors": host_executors(self.plan, name),
             "request_stats": self.request_stats,
+            "load": self.load,
             "sys_path": sys.path,  # executor.take_engine_path
         }
         actor = (

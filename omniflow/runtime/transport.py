@@ -72,12 +72,14 @@ class Transport(ABC):
         backends: str,
         on_message: OnMessage,
         request_stats: bool = False,
+        load: str = "sequential",
     ):
         self.plan = plan
         self.frontend = frontend
         self.backends = backends
         self.on_message = on_message
         self.request_stats = request_stats
+        self.load = load  # how each executor loads its stages (loading.py)
         self.names = [p.name for p in plan.executors]
         self.stages_of = {p.name: p.stage_names for p in plan.executors}
         self.closing = False
@@ -206,6 +208,7 @@ class ProcessTransport(Transport):
             "torch_threads": _torch_threads(),
             "host_executors": host_executors(self.plan, name),
             "request_stats": self.request_stats,
+            "load": self.load,
             # Executors import as the engine does (`take_engine_path`); they start with -P,
             # which keeps their working directory off the front of sys.path.
             "sys_path": sys.path,
@@ -418,6 +421,7 @@ class ThreadTransport(Transport):
                 waker=self.controls[name].waker,
                 on_loaded=lambda loaded, name=name: self.on_message(name, loaded),
                 request_stats=self.request_stats,
+                load=self.load,
             )
         loops[self.frontend.name] = self.frontend
         crossing = [c for c in self.plan.channels if c.src_executor != c.dst_executor]

@@ -154,6 +154,7 @@ def start_engines(
     backends: str,
     console: Console,
     stats: dict | None = None,
+    load: str = "sequential",
 ):
     """Every plan's engine, started at once (with executor processes; one after the other
     with threads); SIGINT blocked in their threads (so in their executors) and an
@@ -176,6 +177,7 @@ def start_engines(
                 checks=checks[plan.pipeline],
                 on_loaded=lambda message: loaded(plan.pipeline, message),
                 on_stats=None if stats is None else lambda tables: stats[plan.pipeline](tables),
+                load=load,
             )
         except BaseException as err:  # reported below, in the main thread
             errors[plan.pipeline] = err
@@ -311,7 +313,7 @@ def serve(args) -> int:
                 "--max-queue", args.max_queue, {n: QUEUE_PER_SLOT * k for n, k in limits.items()}, 0
             )
             stats = {} if args.log_stats or args.log_stats_json else None
-            engines = start_engines(plans, checks, args.mode, backends, console, stats)
+            engines = start_engines(plans, checks, args.mode, backends, console, stats, args.load)
         metrics = Metrics()
         served = [
             Served(

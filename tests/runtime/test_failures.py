@@ -355,6 +355,7 @@ def test_a_stage_that_cannot_load_is_one_clear_error(mode):
         "p.omni",
     )
     with pytest.raises(
-        OmniflowError, match="cannot import 'tests.runtime.stages.no_such_function'"
+        OmniflowError,
+        match="stage 'broken' could not load: cannot import 'tests.runtime.stages.no_such_function'",
     ):
         Engine(plan, mode)
