@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from omniflow.backends.vocoders import Vocoder, Window, _Stream
 from omniflow.compiler import compile_file
+from tests.backends.test_code2wav_graphs import check_device_work_only
 from tests.backends.test_stateful_vocoder import TOLERANCE, Driver, code2wav, request_codes
-from tests.backends.test_token2wav_graphs import HOST_ROUND_TRIPS, _Ops
 
 torch.set_num_threads(1)
 
@@ -141,15 +141,7 @@ def test_a_window_without_its_state_is_far_off(plan):
 
 
 def test_the_step_is_device_work_only(plan):
-    """What a graph captures, a static window's forward over the slots, makes no host round
-    trip (checked op by op on the CPU; on CUDA each would fail the capture)."""
-    decoder = code2wav(plan, [1, 2, 4], decode="static").decoder
-    inputs = decoder.graphs.inputs((decoder.batch_buckets[-1], decoder.window_lengths[-1]))
-    ops = _Ops()
-    with torch.inference_mode(), ops:
-        decoder._stream(**inputs)
-    assert "index_copy_" in ops.names and "index_select" in ops.names  # the slots, by index
-    assert not ops.names & HOST_ROUND_TRIPS, ops.names & HOST_ROUND_TRIPS
+    check_device_work_only(code2wav(plan, [1, 2, 4], decode="static").decoder)
 
 
 @pytest.mark.gpu

@@ -584,44 +584,59 @@ def test_a_long_run_of_dots_is_spoken_without_stalling_the_server(target, http):
     wait_until(lambda: idle(http, "qwen3_tts"))
 
 
-def test_speech_sessions_are_capped_and_an_idle_one_is_closed(target, http):
+def check_capped_and_idle(
+    http, model: str, path: str, connect, opened, opened_type: str, flag: str
+) -> None:
+    """With a cap of 2 sessions of `path` and a 3 s idle timeout: a third session is refused
+    (`server_busy`, 1013, naming `flag`), an idle one is closed (`session_expired`, 1000),
+    and then there is room again. `connect()` opens a socket, `opened(ws)` is the message
+    that says its session is open (of type `opened_type`)."""
     sessions = lambda: metric(  # noqa: E731
-        http, "omniflow_websocket_sessions", model="qwen3_tts", endpoint=speech_stream.PATH
+        http, "omniflow_websocket_sessions", model=model, endpoint=path
     )
     wait_until(lambda: sessions() == 0)  # the sessions of the tests before have ended
-
-    def connect():
-        return websockets.connect(target.ws(speech_stream.PATH), additional_headers=AUTH)
-
-    async def started(ws) -> dict:
-        await ws.send(start_frame())
-        return json.loads(await ws.recv())
 
     async def run():
         first, second = await connect(), await connect()
         for ws in (first, second):
-            assert (await started(ws))["type"] == "session.started"
+            assert (await opened(ws))["type"] == opened_type
         third = await connect()
         refused = json.loads(await third.recv())
         with pytest.raises(websockets.ConnectionClosed):
             await third.recv()
         await second.close()
         began = time.monotonic()
-        expired = json.loads(await first.recv())  # idle: no message sent, nothing spoken
+        expired = json.loads(await first.recv())  # idle: nothing sent, nothing running
         idle_for = time.monotonic() - began
         with pytest.raises(websockets.ConnectionClosed):
             await first.recv()
         fourth = await connect()  # room again
-        again = await started(fourth)
+        again = await opened(fourth)
         await fourth.close()
         return refused, third.close_code, expired, first.close_code, idle_for, again
 
     refused, refused_code, expired, expired_code, idle_for, again = run_async(run)
     assert refused["type"] == "error" and refused["error"]["code"] == "server_busy"
-    assert "--max-speech-sessions" in refused["error"]["message"] and refused_code == 1013
+    assert flag in refused["error"]["message"] and refused_code == 1013
     assert expired["error"]["code"] == "session_expired" and expired_code == 1000
     assert idle_for < 10  # the 3 s idle timeout, generously
-    assert again["type"] == "session.started"
+    assert again["type"] == opened_type
+
+
+def test_speech_sessions_are_capped_and_an_idle_one_is_closed(target, http):
+    async def started(ws) -> dict:
+        await ws.send(start_frame())
+        return json.loads(await ws.recv())
+
+    check_capped_and_idle(
+        http,
+        "qwen3_tts",
+        speech_stream.PATH,
+        lambda: websockets.connect(target.ws(speech_stream.PATH), additional_headers=AUTH),
+        started,
+        "session.started",
+        "--max-speech-sessions",
+    )
 
 
 # --- realtime sessions ----------------------------------------------------------------------------
@@ -674,37 +689,18 @@ def test_a_hostile_realtime_event_is_an_error_and_the_session_goes_on(target):
 
 
 def test_realtime_sessions_are_capped_and_an_idle_one_is_closed(target, http):
-    sessions = lambda: metric(  # noqa: E731
-        http, "omniflow_websocket_sessions", model="omni_chat", endpoint="/v1/realtime"
+    async def created(ws) -> dict:
+        return json.loads(await ws.recv())
+
+    check_capped_and_idle(
+        http,
+        "omni_chat",
+        "/v1/realtime",
+        lambda: websockets.connect(realtime_url(target)),
+        created,
+        "session.created",
+        "--max-realtime-sessions",
     )
-    wait_until(lambda: sessions() == 0)  # the sessions of the tests before have ended
-
-    async def run():
-        first = await websockets.connect(realtime_url(target))
-        second = await websockets.connect(realtime_url(target))
-        for ws in (first, second):
-            assert json.loads(await ws.recv())["type"] == "session.created"
-        third = await websockets.connect(realtime_url(target))
-        refused = json.loads(await third.recv())
-        with pytest.raises(websockets.ConnectionClosed):
-            await third.recv()
-        await second.close()
-        began = time.monotonic()
-        expired = json.loads(await first.recv())  # idle: no event sent
-        idle_for = time.monotonic() - began
-        with pytest.raises(websockets.ConnectionClosed):
-            await first.recv()
-        fourth = await websockets.connect(realtime_url(target))  # room again
-        created = json.loads(await fourth.recv())
-        await fourth.close()
-        return refused, third.close_code, expired, first.close_code, idle_for, created
-
-    refused, refused_code, expired, expired_code, idle_for, created = run_async(run)
-    assert refused["type"] == "error" and refused["error"]["code"] == "server_busy"
-    assert "--max-realtime-sessions" in refused["error"]["message"] and refused_code == 1013
-    assert expired["error"]["code"] == "session_expired" and expired_code == 1000
-    assert idle_for < 10  # the 3 s idle timeout, generously
-    assert created["type"] == "session.created"
 
 
 # --- process lifetime -----------------------------------------------------------------------------
