@@ -15,13 +15,13 @@ how the executor loads its stages (loading.py):
   other stage's load touches.
 
 Off CUDA (a CPU executor, or a GPU plan run where its GPUs are absent) there is no allocator
-to measure and the check passes.
+to measure and the check passes. A budget of 0 is one placement planned nothing for (a
+python stage without `memory=`): it is not checked.
 
 Once its stages loaded, an executor process says what it holds on each of its GPUs
 (`memory_after_load`: `control.Memory`, the `... torch reserved X of the Y planned` line of
 the server log), so that a plan's budgets can be checked against what loading took; off
-CUDA it says nothing. A budget of 0 is one placement planned nothing for (a
-python stage without `memory=`): it is not checked.
+CUDA it says nothing.
 """
 
 from __future__ import annotations
