@@ -21,7 +21,12 @@ order they happen:
 - ready: process start -> ready (from the engine's start; compile and preflight excluded);
 - first request, then a second one (what the first paid for being first): `--inputs`, a
   request's inputs as JSON (omni chat's default: a prompt; another graph's: none, and no
-  request is sent), with `--params`.
+  request is sent), with `--params`;
+- memory after load, a row per GPU and load order (on CUDA only): the plan's total for it
+  (its stages' budgets plus the CUDA contexts of its executor processes: the devices table
+  of `omniflow compile`), what torch reserved there once the stages loaded (each executor
+  process's `Memory` message, summed over those on the GPU), and the GPU's bytes in use
+  (every process's, contexts included: the most any executor saw).
 
     python benchmarks/cold_start.py                                  # tiny models, CPU
     python benchmarks/cold_start.py --devices 1xH200 --scaled 1      # real size, one H200
@@ -58,6 +63,7 @@ from streaming import GRAPH, PROMPTS, plan_for
 from omniflow.catalog.resolve import use_tiny_models
 from omniflow.checkpoints.scaled import scaled_checkpoint
 from omniflow.compiler import compile_graph, graph_from_source
+from omniflow.devices import human_bytes
 from omniflow.runtime import control
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.loading import LOAD_ORDERS
@@ -65,6 +71,7 @@ from omniflow.runtime.preflight import preflight
 
 # The codec tokens of an omni chat request's speech.
 OMNI_AUDIO_TOKENS = 32
+MEMORY_COLUMNS = ("planned", "reserved", "used")
 
 
 def arguments() -> argparse.Namespace:
@@ -121,22 +128,40 @@ def request_seconds(engine: Engine, inputs: dict, params: dict | None) -> float:
     return time.perf_counter() - start
 
 
-def cold_start(plan, checks, order: str, args: argparse.Namespace) -> tuple[dict, list[str]]:
+def memory_rows(plan, reports: list[control.Memory], order: str) -> list[list[str]]:
+    """A row per GPU the executors reported on: planned (the plan's total), reserved (summed
+    over its executor processes) and used (the most any of them saw), after `order`'s loads."""
+    rows = []
+    for device in plan.devices:
+        here = [m for m in reports if m.device == device.name]
+        if here:
+            reserved, used = sum(m.reserved for m in here), max(m.used for m in here)
+            sizes = (device.total_bytes, reserved, used)
+            rows.append([f"{device.name}, {order}", *map(human_bytes, sizes)])
+    return rows
+
+
+def cold_start(
+    plan, checks, order: str, args: argparse.Namespace
+) -> tuple[dict, list[str], list[list[str]]]:
     """One cold start of `plan` with its executors loading their stages in `order`: each
-    part's seconds, in the order they happen, and what each stage's capture ran."""
+    part's seconds, in the order they happen, what each stage's capture ran, and what the
+    loads left on each GPU (`memory_rows`)."""
     started = time.perf_counter()
-    loaded: list[tuple[float, control.Loaded]] = []  # (when it reached the engine, message)
+    said: list[tuple[float, control.StartupReport]] = []  # (when it reached the engine, it)
     requests = []
     with Engine(
         plan,
         "process",
         checks=checks,
-        on_loaded=lambda m: loaded.append((time.perf_counter(), m)),
+        on_loaded=lambda m: said.append((time.perf_counter(), m)),
         load=order,
     ) as engine:
         ready = time.perf_counter()
         if args.inputs is not None:
             requests = [request_seconds(engine, args.inputs, args.params) for _ in range(2)]
+    loaded = [(at, m) for at, m in said if isinstance(m, control.Loaded)]
+    memory = [m for _at, m in said if isinstance(m, control.Memory)]
 
     parts: dict[str, float] = {}
     arrived = {m.stage: (at, m) for at, m in loaded}
@@ -161,7 +186,7 @@ def cold_start(plan, checks, order: str, args: argparse.Namespace) -> tuple[dict
     parts["ready (process start -> ready)"] = ready - started
     if requests:
         parts["first request"], parts["second request"] = requests
-    return parts, notes
+    return parts, notes, memory_rows(plan, memory, order)
 
 
 def main() -> None:
@@ -171,11 +196,12 @@ def main() -> None:
     compiled = time.perf_counter()
     checks = preflight(plan)
     checked = time.perf_counter()
-    runs, notes = [], []
+    runs, notes, memory = [], [], []
     for order in args.load:
-        parts, said = cold_start(plan, checks, order, args)
+        parts, said, held = cold_start(plan, checks, order, args)
         runs.append(parts)
         notes += said
+        memory += held
     for run in runs:
         if "first request" in run:
             run["total to first answer"] = (
@@ -195,6 +221,10 @@ def main() -> None:
         print(f"{part:<48}{cells}")
     for note in notes:
         print(note)
+    if memory:  # on CUDA only
+        print(f"{'memory after load':<32}" + "".join(f" {h:>12}" for h in MEMORY_COLUMNS))
+        for name, *sizes in memory:
+            print(f"{name:<32}" + "".join(f" {size:>12}" for size in sizes))
     print(
         f"({args.graph.name} on devices {args.devices}; model {args.model_dir or 'tiny'}; "
         f"request {json.dumps(args.inputs) if args.inputs is not None else 'none'} "

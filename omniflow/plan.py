@@ -173,12 +173,17 @@ class ParamLimit:
 @dataclass
 class DevicePlan:
     """A device the plan was compiled for: bytes its stages and rings use, bytes usable, and
-    its cluster node's id ("" off a cluster)."""
+    its cluster node's id ("" off a cluster); the CUDA contexts of the executor processes
+    on it (`contexts`, each charged `context_bytes`; none off GPUs) and its total: its
+    stages' budgets plus those contexts, what it is planned to hold at most."""
 
     name: str
     used_bytes: int
     usable_bytes: int
     node_id: str = ""
+    contexts: int = 0
+    context_bytes: int = 0
+    total_bytes: int = 0
 
 
 @dataclass

@@ -135,9 +135,16 @@ def _kernels(plan: Plan) -> Table:
 
 
 def _devices(plan: Plan) -> Table:
-    table = _table("devices", "device", "assigned", "usable")
+    table = _table("devices", "device", "assigned", "contexts", "total", "usable")
     for d in plan.devices:
-        table.add_row(d.name, human_bytes(d.used_bytes), human_bytes(d.usable_bytes))
+        contexts = f"{d.contexts} x {human_bytes(d.context_bytes)}" if d.contexts else "0"
+        table.add_row(
+            d.name,
+            human_bytes(d.used_bytes),
+            contexts,
+            human_bytes(d.total_bytes),
+            human_bytes(d.usable_bytes),
+        )
     return table
 
 

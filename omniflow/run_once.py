@@ -26,6 +26,7 @@ from omniflow.errors import OmniflowError
 from omniflow.media import mp4_bytes, png_bytes, wav_bytes
 from omniflow.plan import Plan, PortPlan
 from omniflow.profiler.capture import profile_to
+from omniflow.runtime import control
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.gpu_timeline import gpu_executors
 from omniflow.runtime.port_values import concat
@@ -186,9 +187,10 @@ class _loading:
         self.progress.start()
         return self.loaded
 
-    def loaded(self, message) -> None:
-        self.progress.advance(self.task)
-        for line in message.lines(message.stage):
+    def loaded(self, message: control.StartupReport) -> None:
+        if isinstance(message, control.Loaded):
+            self.progress.advance(self.task)
+        for line in message.lines(message.about):
             self.progress.console.print(line, highlight=False)
 
     def __exit__(self, *exc) -> None:

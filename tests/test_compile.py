@@ -81,7 +81,8 @@ def _shown(fact) -> list[str]:
                     f"{fact.credits} credits", fact.device] if fact.slots else []  # fmt: skip
             return [fact.kind, *ring]
         case facts.DeviceUse():
-            return [fact.name, human_bytes(fact.used), human_bytes(fact.usable)]
+            return [fact.name, human_bytes(fact.used), human_bytes(fact.usable),
+                    human_bytes(fact.total)]  # fmt: skip
         case facts.ExecutorGroup():
             return [fact.name, *fact.devices, *fact.stages, *fact.reasons]
     raise AssertionError(f"the test does not know the fact {fact!r}")
@@ -194,6 +195,23 @@ def test_one_gpu_prints_one_executor_with_each_stages_stream_priority(capsys):
     plan = compile_file(ROOT / "graphs/omni_chat.omni", devices="1xH200")
     assert {c.kind for c in plan.channels if c.src_executor == c.dst_executor} == {"local"}
     assert not any(c.kind == "cuda-ipc" for c in plan.channels)  # one process: no device rings
+
+
+def test_the_devices_table_says_each_gpus_contexts_and_total(capsys):
+    """One GPU: its five stages in one process, one CUDA context; the JSON plan and the
+    printout both say so, and the total is the stages' budgets plus that context."""
+    code, out, err = _cli(capsys, "compile", "graphs/omni_chat.omni", "--devices", "1xH200")
+    assert code == 0, err
+    table = out[out.index("\ndevices") :].splitlines()
+    (row,) = [line.split() for line in table if line.startswith("cuda:0")]
+    plan = compile_file(ROOT / "graphs/omni_chat.omni", devices="1xH200")
+    (gpu,) = plan.devices
+    budgets = sum(s.budget_bytes for s in plan.stages)
+    assert (gpu.contexts, gpu.total_bytes) == (1, budgets + gpu.context_bytes)
+    shown = [human_bytes(gpu.used_bytes), f"1 x {human_bytes(gpu.context_bytes)}"]
+    assert " ".join(row).startswith(" ".join(["cuda:0", *shown, human_bytes(gpu.total_bytes)]))
+    data = json.loads(plan.to_json())["devices"][0]
+    assert (data["contexts"], data["total_bytes"]) == (1, gpu.total_bytes)
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

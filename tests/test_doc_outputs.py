@@ -1,7 +1,7 @@
 """What the README and docs/ show of files and commands is what the files and commands give,
 so that it cannot drift: the README tour's block labelled `# graphs/omni_chat.omni`, and
 docs/language.md's copy, are that file; the plan printed under the tour's `compile` command
-is what it prints, as is docs/architecture.md's executors table; every mistake shown
+is what it prints, as are docs/architecture.md's executors and devices tables; every mistake shown
 (README, docs/language.md) is what `compile` says of graphs/omni_chat.omni with that
 mistake made in it. Only what depends on the terminal is fixed: the width (80 columns, what
 a pipe gets) and the blanks rich pads each line with. The executor processes the README says
@@ -92,6 +92,7 @@ def test_the_architecture_docs_executors_are_what_compile_prints():
     command = "omniflow compile graphs/omni_chat.omni --devices 1xH200"
     assert f"(`{command}`): ``` executors" in " ".join(ARCHITECTURE.split())  # the doc names it
     assert only(fenced(ARCHITECTURE), "executors\nexecutor ") in printed_plan(command)
+    assert only(fenced(ARCHITECTURE), "devices\ndevice ") in printed_plan(command)
 
 
 def shown_mistakes() -> list[tuple[str, str, str]]:

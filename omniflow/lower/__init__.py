@@ -31,7 +31,10 @@ def lower(graph: Graph) -> Plan:
         pipeline=graph.name,
         model=graph.model,
         params={k: plain(v) for k, v in graph.params.items()},
-        devices=[DevicePlan(d.name, d.used, d.usable, d.node_id) for d in graph.meta["devices"]],
+        devices=[
+            DevicePlan(d.name, d.used, d.usable, d.node_id, d.contexts, d.context_bytes, d.total)
+            for d in graph.meta["devices"]
+        ],
         programs=programs(graph, stages, channels),
         stages=stages,
         inputs=[

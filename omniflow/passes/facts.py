@@ -142,15 +142,26 @@ class Placement:
 
 @dataclass(frozen=True)
 class DeviceUse:
-    """A device of the target: bytes placed on it, bytes usable, its cluster node's id."""
+    """A device of the target: bytes placed on it (its stages' needs and its executor
+    processes' CUDA contexts), bytes usable, its cluster node's id; the contexts (one per
+    executor process on a GPU: the one its stages share, one more per isolated stage; none
+    off GPUs), the bytes charged for each, and its total: its stages' budgets plus its
+    contexts, what the plan expects the device to hold at most."""
 
     name: str
     used: int
     usable: int
     node_id: str = ""
+    contexts: int = 0
+    context_bytes: int = 0
+    total: int = 0
 
     def __str__(self) -> str:
-        return f"{self.name}: {human_bytes(self.used)} of {human_bytes(self.usable)}"
+        return (
+            f"{self.name}: {human_bytes(self.used)} of {human_bytes(self.usable)}, "
+            f"CUDA contexts {self.contexts} x {human_bytes(self.context_bytes)}, "
+            f"total {human_bytes(self.total)}"
+        )
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ stage that asked to be isolated (the executor rule, `common.shares_gpu_process`)
 device has beyond that is shared out as budget in proportion to the stages' KV caches (more
 concurrent requests), or to their needs when no stage there has one, or equally when none
 states a need; a budget is what the
-stage's own allocations may reach, the context is not in it. A pipeline that cannot fit
+stage's own allocations may reach, the context is not in it. A device's total is its stages'
+budgets plus its contexts (`DeviceUse`): what the plan expects it to hold at most. A pipeline that cannot fit
 fails here, naming the stage, the bytes it needs and the bytes available.
 """
 
@@ -65,6 +66,7 @@ class _Placer:
         self.devices: dict[str, Device] = {d.name: d for d in target.devices}
         self.capacity = {d.name: int(d.memory * (1 - target.reserve)) for d in target.devices}
         self.used: dict[str, int] = defaultdict(int)
+        self.contexts: dict[str, int] = defaultdict(int)  # per device, its processes' contexts
         self.where: dict[str, list[str]] = {}
         self.placed: dict[str, list[str]] = defaultdict(list)  # per device, why there
         self.budget: dict[str, int] = {}
@@ -168,6 +170,7 @@ class _Placer:
             self._fail(group, candidates)
         best = max(fits, key=lambda d: (self._affinity(group, d), -self.used[d] / self.capacity[d]))
         why = self._why(group, best, fits)
+        self.contexts[best] += self._processes(group, best)
         self.used[best] += self._charge(group, best)
         if any(shares_gpu_process(self.graph, n, (best,)) for n in group):
             self.shared_process.add(best)
@@ -205,6 +208,22 @@ class _Placer:
             total = sum(weight.values()) or 1
             for n in here:
                 self.budget[n.name] = costs[n.name].need + slack * weight[n.name] // total
+
+    def use(self, device: str, node_id: str) -> DeviceUse:
+        """What the plan gives out of `device`: its stages' needs and budgets, and the CUDA
+        contexts of the executor processes on it, which no budget holds."""
+        budgets = sum(self.budget[s] for s, ds in self.where.items() if device in ds)
+        contexts = self.contexts[device]
+        context_bytes = self.target.process_overhead
+        return DeviceUse(
+            device,
+            self.used[device],
+            self.capacity[device],
+            node_id,
+            contexts=contexts,
+            context_bytes=context_bytes,
+            total=budgets + contexts * context_bytes,
+        )
 
 
 def _same_node(devices: list[str], device: str) -> bool:
@@ -247,8 +266,5 @@ def place(graph: Graph, target: Target) -> Graph:
         )
     # The cluster manager's id of each device's node, for a transport that pins executors.
     node_ids = {d.name: d.node_id for d in target.devices if d.node_id}
-    graph.meta["devices"] = tuple(
-        DeviceUse(d, placer.used[d], placer.capacity[d], node_ids.get(d, ""))
-        for d in placer.capacity
-    )
+    graph.meta["devices"] = tuple(placer.use(d, node_ids.get(d, "")) for d in placer.capacity)
     return graph

@@ -17,6 +17,11 @@ how the executor loads its stages (loading.py):
 Off CUDA (a CPU executor, or a GPU plan run where its GPUs are absent) there is no allocator
 to measure and the check passes. A budget of 0 is one placement planned nothing for (a
 python stage without `memory=`): it is not checked.
+
+Once its stages loaded, an executor process says what it holds on each of its GPUs
+(`memory_after_load`: `control.Memory`, the `... torch reserved X of the Y planned` line of
+the server log), so that a plan's budgets can be checked against what loading took; off
+CUDA it says nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import torch
 
 from omniflow.devices import human_bytes, local_name
 from omniflow.errors import OmniflowError
-from omniflow.plan import StagePlan
+from omniflow.plan import Program, StagePlan
+from omniflow.runtime import control
 from omniflow.runtime.load_pools import LoadPool
 from omniflow.runtime.streams import cuda_here
 
@@ -42,6 +48,28 @@ class OverBudget(OmniflowError):
 def allocated(device: str) -> int:
     """Bytes torch's caching allocator holds in tensors on `device` (0 off CUDA)."""
     return torch.cuda.memory_allocated(local_name(device)) if cuda_here(device) else 0
+
+
+def gpu_memory(device: str) -> tuple[int, int] | None:
+    """What `device` holds now: the bytes torch's allocator reserved there in this process,
+    and the device's bytes in use (every process's, CUDA contexts included); None off CUDA."""
+    if not cuda_here(device):
+        return None
+    name = local_name(device)
+    free, total = torch.cuda.mem_get_info(name)
+    return torch.cuda.memory_reserved(name), total - free
+
+
+def memory_after_load(program: Program) -> list[control.Memory]:
+    """What `program`'s executor holds on each of its GPUs once its stages loaded, beside
+    what the plan gave its stages there (empty off CUDA)."""
+    reports = []
+    for device in dict.fromkeys(program.devices):
+        held = gpu_memory(device)
+        if held is not None:
+            planned = sum(s.budget_bytes for s in program.stages if device in s.devices)
+            reports.append(control.Memory(program.name, device, planned, *held))
+    return reports
 
 
 def check_budget(stage: StagePlan, device: str, took: int) -> None:

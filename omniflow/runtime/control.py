@@ -1,6 +1,8 @@
 """The control plane's typed messages (msgspec, msgpack on the wire; never pickle).
 
-Linking: each executor says `Loaded` as each of its stages' models loads, then creates shared-memory rings for the cross-process channels it
+Linking: each executor says `Loaded` as each of its stages' models loads, and on a GPU
+`Memory` once they all have (what torch reserved there beside what the plan gave its
+stages), then creates shared-memory rings for the cross-process channels it
 consumes and says `Hello` with their names; the engine tells every producer where to attach
 (`Connect`), and each answers `Linked`. Serving: `Start` carries a request's parameters for
 the stages of one executor, `Cancel` withdraws the request, `Failed` reports that a stage
@@ -16,6 +18,8 @@ from __future__ import annotations
 from bisect import bisect_left
 
 import msgspec
+
+from omniflow.devices import human_bytes
 
 # The upper bounds of the always-on histograms' buckets (Prometheus `le`: a value lands in
 # the first bucket whose bound is >= it; one more bucket counts the rest). `/metrics`
@@ -60,6 +64,43 @@ class Loaded(msgspec.Struct, tag=True):
             if self.capture_work:
                 told.append(f"{where}: capture ran {self.capture_work}")
         return told
+
+    @property
+    def about(self) -> str:
+        """Whom its lines are about: the stage."""
+        return self.stage
+
+
+class Memory(msgspec.Struct, tag=True):
+    """What an executor process's GPU holds once its stages loaded (sent after their
+    `Loaded`, before its `Hello`; only where the GPU is): the bytes torch's allocator
+    reserved there (`torch.cuda.memory_reserved`: its stages' weights, caches, captured
+    graphs' pools, and what the allocator keeps cached) beside `planned`, its stages'
+    budgets on that GPU, and the GPU's bytes in use (`torch.cuda.mem_get_info`): every
+    process's, CUDA contexts included, which no budget holds."""
+
+    executor: str
+    device: str
+    planned: int
+    reserved: int
+    used: int
+
+    @property
+    def about(self) -> str:
+        """Whom its lines are about: the executor."""
+        return self.executor
+
+    def lines(self, where: str) -> list[str]:
+        """What a person watching `where` (`pipeline/executor`) start is told."""
+        return [
+            f"{where} on {self.device}: torch reserved {human_bytes(self.reserved)} of the "
+            f"{human_bytes(self.planned)} planned for its stages; the GPU has "
+            f"{human_bytes(self.used)} in use (every process, CUDA contexts included)"
+        ]
+
+
+# What an executor says while it starts, each with its `lines` for a person watching.
+StartupReport = Loaded | Memory
 
 
 class Connect(msgspec.Struct, tag=True):
@@ -204,6 +245,7 @@ class Inspection(msgspec.Struct, tag=True):
 Message = (
     Hello
     | Loaded
+    | Memory
     | Connect
     | Linked
     | Start

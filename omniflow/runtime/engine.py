@@ -82,7 +82,7 @@ class _Core:
         plan: Plan,
         mode: str,
         backends: str,
-        on_loaded: Callable[[control.Loaded], None],
+        on_loaded: Callable[[control.StartupReport], None],
         on_stats: Callable[[control.RequestStats], None] | None,
         load: str,
     ):
@@ -174,7 +174,7 @@ class _Core:
         request.deliver(None)
 
     def on_message(self, executor: str, message: control.Message) -> None:
-        if isinstance(message, control.Loaded):
+        if isinstance(message, control.StartupReport):
             self.on_loaded(message)
         elif isinstance(message, control.RequestStats):
             request = self.requests.get(message.request_id)
@@ -311,7 +311,8 @@ class Engine:
     Before any executor starts, the plan is checked against this machine (`preflight`:
     devices, models, speakers, the families' own checks) unless the caller did so and
     passes its `checks`;
-    `on_loaded` hears of each stage whose model has loaded. With `on_stats`, every executor
+    `on_loaded` hears of each stage whose model has loaded (`control.Loaded`) and, from each
+    executor process on a GPU, what its stages' loads left there (`control.Memory`). With `on_stats`, every executor
     keeps per-request tables (tallies.py) and each request's reach `on_stats` (from the I/O
     thread) before its last chunk reaches the caller. `load` is how each executor loads its
     stages: "sequential", "parallel" (a thread each) or "auto" (loading.py).
@@ -323,7 +324,7 @@ class Engine:
         mode: str = "process",
         backends: str = "auto",
         checks: tuple[Check, ...] | None = None,
-        on_loaded: Callable[[control.Loaded], None] = lambda loaded: None,
+        on_loaded: Callable[[control.StartupReport], None] = lambda loaded: None,
         on_stats: Callable[[control.RequestStats], None] | None = None,
         load: str = "sequential",
     ):

@@ -29,6 +29,7 @@ from omniflow.devices import local_name
 from omniflow.errors import OmniflowError
 from omniflow.plan import Program
 from omniflow.runtime import control, events
+from omniflow.runtime.budgets import memory_after_load
 from omniflow.runtime.loop import ProgramLoop
 from omniflow.runtime.shm_ring import (
     SEGMENT_PREFIX,
@@ -252,7 +253,8 @@ def take_engine_path(engine_path: list[str]) -> None:
 
 def start_loop(config: dict, end: ControlEnd) -> ProgramLoop:
     """An executor's loop for the program in `config` (what the engine's transport sends),
-    its stages loaded and the rings it reads created and announced (`Hello`)."""
+    its stages loaded, what they hold of its GPUs said (`Memory`), and the rings it reads
+    created and announced (`Hello`)."""
     take_engine_path(config["sys_path"])
     program = Program.from_json(config["program"])
     threads = torch_threads(program, config.get("torch_threads"), config.get("host_executors", 1))
@@ -267,6 +269,8 @@ def start_loop(config: dict, end: ControlEnd) -> ProgramLoop:
         request_stats=config.get("request_stats", False),
         load=config.get("load", "sequential"),
     )
+    for report in memory_after_load(program):
+        end.send(report)
     end.send(control.Hello(loop.name, loop.links.create_rings(program.inbound)))
     return loop
 

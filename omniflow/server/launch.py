@@ -165,7 +165,7 @@ def start_engines(
     engines, errors = {}, {}
 
     def loaded(pipeline: str, message) -> None:
-        for line in message.lines(f"{pipeline}/{message.stage}"):
+        for line in message.lines(f"{pipeline}/{message.about}"):
             console.print(line)
 
     def build(plan: Plan) -> None:

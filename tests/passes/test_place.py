@@ -117,6 +117,19 @@ def test_a_gpu_is_charged_one_context_per_process():
     assert graph.meta["devices"][0].used == 3 * 10 * GiB  # no CUDA context off GPUs
 
 
+@pytest.mark.parametrize(("isolate", "contexts"), [("", 1), ("c", 2), ("ce", 3)])
+def test_a_gpus_total_is_its_stages_budgets_and_one_context_per_process(isolate, contexts):
+    """Five stages on one GPU share one process: one CUDA context; each isolated stage's
+    process adds one. The device's total is its stages' budgets plus those contexts."""
+    graph = run_until("place", chain_of_budgeted_stages("abcde", isolate), devices="1xH200")
+    (use,) = graph.meta["devices"]
+    overhead = Target(()).process_overhead
+    assert (use.contexts, use.context_bytes) == (contexts, overhead)
+    budgets = sum(n.meta["placement"].budget for n in graph.stages)
+    assert use.total == budgets + contexts * overhead <= use.usable
+    assert f"CUDA contexts {contexts} x 1.0 GiB" in str(use)
+
+
 # node1's GPU comes before node0's second in the inventory, so only the node preference
 # keeps b beside a when a separate constraint keeps it off a's device.
 INTERLEAVED = "node0=cuda:0=140GiB,node1=cuda:0=140GiB,node0=cuda:1=140GiB"
