@@ -8,7 +8,9 @@ diffusion backend imports `cfg_euler`, and GPU tests need them compiled), so
 subprocess with the variable set (`python -P` on this process's sys.path: see
 tests/conftest.py), and returns its result. Arguments and results travel by
 `torch.save` (tensors, numbers, None, and lists, tuples and dicts of them). Each call costs
-a Python start (about a second): run all of a file's kernel cases in one job.
+a Python start (about a second): run all of a file's kernel cases in one job, unless that
+job takes a large share of the 120 s limit (over ~20 s on an idle 2-core machine: a loaded
+one runs it two or three times slower); then split it, a job per test.
 
 A file's GPU tests take the operands its interpreted test takes (its `cases()`, or the same
 makers at other sizes, which a CPU test here also runs), so a change to a kernel's operands

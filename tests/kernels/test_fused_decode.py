@@ -5,7 +5,6 @@ step decodes (and so HF's `generate`: tests/backends/test_transformers_ar.py), w
 batched at different lengths and one leaving early; the tiny Qwen3-TTS talker, its frames
 completed inside the step (the code predictor fused too), the op-by-op step's codes."""
 
-import pytest
 import torch
 
 from omniflow.backends.static_decode import StaticDecoder
@@ -116,37 +115,32 @@ def prefilled_each(fused: bool) -> list[dict]:
     return [prefilled(model, fused) for model in MODELS]
 
 
-def fused_each() -> dict:
-    """All, on the fused layers: one interpreted process for the file (each costs seconds)."""
-    return {"decode": decode_each(True), "prefilled": prefilled_each(True), "tts": tts_frames(True)}
+# Each test interprets its own job (a process of its own): one job for the whole file took
+# ~40 s of the interpreter's 120 s limit on an idle 2-core machine, too near it when loaded.
 
 
-@pytest.fixture(scope="module")
-def fused(interpret) -> dict:
-    return interpret(fused_each)
-
-
-def test_the_fused_step_decodes_the_op_by_op_steps_tokens(fused):
+def test_the_fused_step_decodes_the_op_by_op_steps_tokens(interpret):
     want = decode_each(fused=False)
     assert [[len(t) for t in tokens] for tokens in want[: len(MODELS)]] == [[10, 4, 10]] * len(
         MODELS
     )
-    assert fused["decode"] == want
+    assert interpret(decode_each, True) == want
 
 
-def test_the_fused_step_completes_the_op_by_op_steps_frames(fused):
+def test_the_fused_step_completes_the_op_by_op_steps_frames(interpret):
     want = tts_frames(fused=False)
     assert [len(codes) for codes in want] == [5, 3]
-    for got, codes in zip(fused["tts"], want, strict=True):
+    for got, codes in zip(interpret(tts_frames, True), want, strict=True):
         assert torch.equal(got, codes)
 
 
-def test_the_fused_prefill_writes_the_slots_the_model_forward_fills(fused):
+def test_the_fused_prefill_writes_the_slots_the_model_forward_fills(interpret):
     """On the fused layers a batch of prompts is prefilled straight into its slots, without
     the model's forward: the same keys and values (within float32 rounding) and the same
     tokens on from there as the model's forward and the copy into the slots; a request
     that ends at its first token gives its slot to the last row."""
-    for want, got in zip(prefilled_each(False), fused["prefilled"], strict=True):
+    fused = interpret(prefilled_each, True)
+    for want, got in zip(prefilled_each(False), fused, strict=True):
         assert [rows for rows, _ in want["forwards"]] == [3] and got["forwards"] == []
         assert (
             got["slots"]

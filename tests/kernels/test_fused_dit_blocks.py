@@ -8,6 +8,7 @@ Tolerances: float32 1e-5 of the output's rms (measured ~1e-6); bf16 a few steps
 (`assert_bf16_close`: the kernels sum in other orders than torch, and the interpreter's
 bf16 steps carry through a block's products)."""
 
+import pytest
 import torch
 
 from omniflow.families.qwen_image.fused_blocks import FusedQwenImageBlock
@@ -22,15 +23,16 @@ from tests.backends.test_wan_fused import (
 )
 
 
-def run_blocks() -> dict:
-    """Runs under TRITON_INTERPRET=1."""
+def run_blocks(model: str) -> dict:
+    """Runs under TRITON_INTERPRET=1: `model`'s blocks, fused and not (a Wan modulation
+    style's blocks and whole transformer, or "qwen": Qwen-Image's text and image streams)."""
     torch.set_num_threads(1)
     out = {"interpreted": on_triton(torch.zeros(1))}
-    for style in STYLES:
+    if model in STYLES:
         for dtype in (torch.float32, torch.bfloat16):
-            out[style, str(dtype)] = fused_and_modules(style, dtype)
-        out[style, "transformer"] = fused_and_own_forward(style)
-    for dtype in (torch.float32, torch.bfloat16):
+            out[model, str(dtype)] = fused_and_modules(model, dtype)
+        out[model, "transformer"] = fused_and_own_forward(model)
+    for dtype in (torch.float32, torch.bfloat16) if model == "qwen" else ():
         block = qwen.random_block(dtype, "cpu")
         inputs = qwen.block_inputs(block, batch=2, image=24, text=5, device="cpu")
         with torch.no_grad():
@@ -40,14 +42,17 @@ def run_blocks() -> dict:
     return out
 
 
-def test_the_fused_blocks_on_the_kernels_are_diffusers_blocks(interpret):
-    out = interpret(run_blocks)
-    assert out.pop("interpreted") is True
-    for (model, what), pairs in out.items():
-        pairs = pairs if model == "qwen" else [pairs]
+# A job per model: all in one took ~22 s of the interpreter's 120 s limit on an idle 2-core
+# machine, both Wan styles in one ~19 s (kernels/conftest.py).
+@pytest.mark.parametrize("model, cases", [*((style, 3) for style in STYLES), ("qwen", 2)])
+def test_the_fused_blocks_on_the_kernels_are_diffusers_blocks(interpret, model, cases):
+    out = interpret(run_blocks, model)
+    assert out.pop("interpreted") is True and len(out) == cases
+    for (name, what), pairs in out.items():
+        pairs = pairs if name == "qwen" else [pairs]
         for got, want in pairs:
-            assert got.shape == want.shape, (model, what)
+            assert got.shape == want.shape, (name, what)
             if what == str(torch.bfloat16):
                 assert_bf16_close(got, want)
             else:
-                assert relative(got, want) < 1e-5, (model, what)
+                assert relative(got, want) < 1e-5, (name, what)

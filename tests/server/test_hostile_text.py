@@ -282,11 +282,13 @@ def test_every_text_of_the_talkers_prompt_counts_and_the_largest_is_named(limits
             tts.check(request)
         assert refused.value.field == field, str(refused.value)
         assert "at most 4096 tokens (max_len)" in str(refused.value)
-    huge = admit(plan, {"text": "hi", "instructions": "x" * 1_000_000})
+    # Ten megabytes, which the tiny tokenizer takes seconds to tokenize (a megabyte: ~0.7 s
+    # on a 2-core machine), so a bound generous on a loaded machine still tells them apart.
+    huge = admit(plan, {"text": "hi", "instructions": "x" * 10_000_000})
     began = time.perf_counter()
-    with pytest.raises(PromptTooLong, match="at least 50000 tokens"):
-        tts.check(huge)  # refused by its size alone: a megabyte is never tokenized
-    assert time.perf_counter() - began < 0.1
+    with pytest.raises(PromptTooLong, match="at least 500000 tokens"):
+        tts.check(huge)  # refused by its size alone: the text is never tokenized
+    assert time.perf_counter() - began < FAST_S
 
 
 # --- a server under attack -----------------------------------------------------------------------

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -243,7 +242,8 @@ def test_ctrl_c_in_a_terminal_drains_with_the_executors_alive(start_server):
     pids = server.pids()
     assert len(pids) == 2  # the server and its executor
     thread, result = in_background(server, "wait 1.5")
-    time.sleep(0.5)
+    with server.client(headers=AUTH) as http:  # Ctrl-C once the request is in, not before
+        wait_until(lambda: inspect(http)["in_flight"] == 1)
     os.killpg(server.proc.pid, signal.SIGINT)  # what Ctrl-C sends: the whole process group
     thread.join(30)
     assert result["reply"].status_code == 200
