@@ -470,7 +470,10 @@ def test_the_plan_encodes_uploads_in_an_executor_process(clone_process):
             )
         )
         upload.start()
-        time.sleep(2.0)  # the upload reaches the stopped executor, and waits there
+        # The upload reaches the stopped executor and waits there: parsing and admitting a
+        # short clip takes well under a second, given generous room on a loaded machine
+        # (an upload admitted only after the restart would succeed, and the check fail).
+        time.sleep(5.0)
         assert upload.is_alive()
         os.kill(encoder, signal.SIGKILL)
         upload.join(60)
