@@ -41,6 +41,8 @@ exercise the replayed path's bookkeeping.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 from torch import nn
 
@@ -171,7 +173,7 @@ class StateSlots:
         self.buffers = [t.new_zeros((slots + 1, *t.shape[1:])) for t in walk.shapes]
 
 
-class StatefulDecoder(Decoder):
+class StatefulDecoder(Decoder, ABC):
     """A causal `Decoder` that carries each stream's state in its slot (`stateful`): a
     family gives `carried_forward` (and `device`); slots, static windows and steps are here.
     """
@@ -181,11 +183,11 @@ class StatefulDecoder(Decoder):
     device: str
     states: StateSlots | None = None
 
+    @abstractmethod
     def carried_forward(self, codes: torch.Tensor, carried: Carried) -> torch.Tensor:
         """The audio `[B, ..., T * samples_per_frame]` of codes `[B, codebooks, T]`, the
         frames after those each row decoded before, through `carried`; device work only, at
         the inputs' shapes (what a CUDA graph captures)."""
-        raise NotImplementedError
 
     @torch.inference_mode()
     def init_states(self, slots: int) -> None:
