@@ -31,9 +31,10 @@ plan: setup
 	$(VENV)/bin/omniflow compile graphs/omni_chat.omni --devices $(DEVICES)
 
 # -P: the working directory (this repository) stays off the front of sys.path, where its
-# top-level kernels/ would shadow PyPI's `kernels`, which transformers imports.
+# top-level kernels/ would shadow PyPI's `kernels`, which transformers imports. The slowest
+# tests are listed at the end, so a suite drifting toward its time limit shows where.
 test: setup
-	$(PY) -P -m pytest -q
+	$(PY) -P -m pytest -q --durations=20
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
