@@ -115,6 +115,24 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def close_stage(backend: TransformersAR, captured: int, cuda: bool) -> None:
+    """Tear down a measured `ar` stage: check that serving it captured no graph beyond the
+    `captured` of its load, close it and release its memory for the next one measured."""
+    static = backend.static
+    if static is not None:  # serving captured nothing new
+        assert static.captures == captured, (static.captures, captured)
+    backend.close()
+    release_memory(cuda)
+
+
+def release_memory(cuda: bool) -> None:
+    """Collect what was dropped now (cycles too) and, on `cuda`, give the caching
+    allocator's free blocks back to the device, so the next thing measured loads into it."""
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
 def new_calls(stage: str, batch: int, prompt: int, steps: int, vocab: int, tag: str) -> list[Call]:
     """`batch` requests of `prompt` random ids, each good for `steps` decode steps and more."""
     generator = torch.Generator().manual_seed(batch)
@@ -333,17 +351,9 @@ def main() -> None:
                     + f", roofline {roof_ms:.2f} ms",
                     flush=True,
                 )
-            if static is not None:  # serving captured nothing new
-                assert static.captures == captured, (static.captures, captured)
-            backend.close()
-            del backend
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+            close_stage(backend, captured, cuda)
         del component
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        release_memory(cuda)
     print()
     print(
         f"{'stage':>8} {'mode':>14} {'batch':>5} {'prefill ms':>10} {'step ms':>9} "

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.stage_steps import close_stage, sync  # noqa: E402
 from benchmarks.tts_serve import CUSTOM, TEXT  # noqa: E402
 from omniflow.backends.transformers_ar import TransformersAR  # noqa: E402
 from omniflow.compiler import compile_source  # noqa: E402
@@ -62,11 +62,6 @@ def backend_for(model: str, mode: str, slots: int, frames: int, device: str):
     backend = TransformersAR(StageSpec.from_channels(plan.stage("talker"), plan.channels), device)
     sync(device)
     return backend, time.perf_counter() - start
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def new_calls(batch: int, frames: int, tag: str) -> list[Call]:
@@ -175,13 +170,7 @@ def main() -> int:
                 + (f", replay {replay:.2f} ms, first {first:.2f} ms" if replay else ""),
                 flush=True,
             )
-        if static is not None:  # serving captured nothing new
-            assert static.captures == captured, (static.captures, captured)
-        backend.close()
-        del backend
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        close_stage(backend, captured, cuda)
     print(
         f"\n{'mode':>7} {'batch':>5} {'prefill ms':>10} {'frame ms':>9} {'replay ms':>9} "
         f"{'first ms':>9} {'audio-s/s':>9}"
