@@ -43,6 +43,7 @@ import functools
 import gc
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -196,15 +197,7 @@ def step_times(
         # A step's graphs: the LM's step at its buckets, then its finish.
         replay_step = functools.partial(static.replay, *static.buckets(rows, longest))
         static.active.zero_()  # after the steps queued: no row advances in the replays below
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        replays = []
-        for _ in range(10):
-            start.record()
-            replay_step()
-            end.record()
-            torch.cuda.synchronize()
-            replays.append(start.elapsed_time(end))
-        replay = statistics.median(replays)
+        replay = replay_ms(replay_step)
         if kernels:
             print(f"  decode replay at {batch}:")
             kernel_table(replay_step, kernels)
@@ -212,6 +205,19 @@ def step_times(
     for call in calls:
         backend.drop(call)
     return prefill_took, statistics.median(times) * 1e3, replay, kv
+
+
+def replay_ms(replay: Callable[[], None]) -> float:
+    """The median ms of 10 calls of `replay` (graph replays; CUDA events)."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replays = []
+    for _ in range(10):
+        begin.record()
+        replay()
+        end.record()
+        torch.cuda.synchronize()
+        replays.append(begin.elapsed_time(end))
+    return statistics.median(replays)
 
 
 def _seconds(fn, device: str, repeats: int = 12) -> float:

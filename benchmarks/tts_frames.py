@@ -30,14 +30,13 @@ import functools
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.stage_steps import close_stage, sync  # noqa: E402
+from benchmarks.stage_steps import close_stage, replay_ms, sync  # noqa: E402
 from benchmarks.tts_serve import CUSTOM, TEXT  # noqa: E402
 from omniflow.backends.transformers_ar import TransformersAR  # noqa: E402
 from omniflow.compiler import compile_source  # noqa: E402
@@ -113,19 +112,6 @@ def frame_times(backend: TransformersAR, batch: int, steps: int, frames: int) ->
     for call in calls:
         backend.drop(call)
     return prefill, statistics.median(times) * 1e3, replay, first
-
-
-def replay_ms(replay: Callable[[], None]) -> float:
-    """The median ms of 10 calls of `replay` (graph replays; CUDA events)."""
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replays = []
-    for _ in range(10):
-        begin.record()
-        replay()
-        end.record()
-        torch.cuda.synchronize()
-        replays.append(begin.elapsed_time(end))
-    return statistics.median(replays)
 
 
 def main() -> int:
