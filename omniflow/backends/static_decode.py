@@ -26,11 +26,10 @@ them, `omniflow.runtime.readback.HostCopies`). `launch` queues a step and return
 the step's ids are copied without blocking into its turn's host buffers and an event
 recorded after the copies on the current stream, the stage's own; the step's read-back
 (`Launched`, a `HostCopy`) asks that event whether they have arrived, `landed`, without
-waiting; `wait` reads them. The backend launches step t+1 before
-it handles step t's ids, so the host's work of a step runs while the device computes the
-next one, and it reads step t's ids only once they have landed: until then it returns to
-the executor's loop, which drives the other stages of the process meanwhile (a host wait
-would stall them all).
+waiting; `wait` reads them. The backend launches step t+1 before it handles step t's ids,
+so the host's work of a step runs while the device computes the next one, and it reads
+step t's ids only once they have landed: until then it returns to the executor's loop,
+which drives the other stages of the process meanwhile (a host wait would stall them all).
 
 Buckets. A step runs at a batch bucket B >= the number of rows (1, 2, 4, then multiples of
 8 up to max_batch, as vLLM pads) and a length bucket T > the longest active row's length
@@ -868,7 +867,7 @@ class StaticDecoder(DecoderCache):
         gives the ids sampled for slots 0..rows-1 (those of rows not in `active` mean
         nothing), and with frames their codes; the step after it may be launched first, so
         the device runs it while the host handles this one's ids (a third launch before
-        this one's `wait` would overwrite them: at most IN_FLIGHT are)."""
+        this one's `wait` would overwrite them: at most readback.IN_FLIGHT are)."""
         batch, length = self.buckets(rows, longest)
         turn = self.host_copies.turn()
         self.launches += 1

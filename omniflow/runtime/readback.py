@@ -15,9 +15,10 @@ meanwhile the loop keeps turning (`Backend.in_flight`). A turn of its own (`turn
 keeps nothing: its buffers are new pinned ones, which torch's caching host allocator reuses
 only once the copies that used them are done, so any number may be in flight.
 
-Off CUDA a tensor is already on the host: `copy` hands it back as it is, landed, unless the
-caller keeps host tensors too (`HostCopies(host_too=True)`: tensors it overwrites before it
-takes the copy), which are copied into the turn's unpinned buffers.
+Off CUDA a tensor is already on the host: `copy` hands it back as it is, landed; a caller
+that overwrites its tensors before it takes their copies (a static decode step's output
+buffers) asks for copies of host tensors too, `HostCopies(host_too=True)`, into the turn's
+unpinned buffers.
 """
 
 from __future__ import annotations
