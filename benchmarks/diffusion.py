@@ -47,7 +47,6 @@ parameters, 57.7 GB in bf16: on the GPU host's 64 GiB disk put OMNIFLOW_CACHE on
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import threading
@@ -55,7 +54,7 @@ import time
 from pathlib import Path
 
 import torch
-from stage_steps import matmul_rate
+from stage_steps import matmul_rate, release_memory
 
 from omniflow.backends.diffusion import DiffusionSteps, pack_prompts
 from omniflow.backends.dit_blocks import modules_forward
@@ -353,9 +352,7 @@ def main() -> None:
             print(f"{label:>24} {forwards:>8} {rows:>4} {ms:9.2f} {ms / roof:7.2f}x")
         print("(ms: medians; vs roof: ms / (FLOPs / matmul rate); backend step: one guided "
               "request's DiffusionSteps.step, its forwards and their rows counted)")  # fmt: skip
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        release_memory(cuda)
 
     start = time.perf_counter()
     with Engine(plan, "process") as engine:

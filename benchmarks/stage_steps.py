@@ -43,6 +43,7 @@ import functools
 import gc
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -115,6 +116,24 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def close_stage(backend: TransformersAR, captured: int, cuda: bool) -> None:
+    """Tear down a measured `ar` stage: check that serving it captured no graph beyond the
+    `captured` of its load, close it and release its memory for the next one measured."""
+    static = backend.static
+    if static is not None:  # serving captured nothing new
+        assert static.captures == captured, (static.captures, captured)
+    backend.close()
+    release_memory(cuda)
+
+
+def release_memory(cuda: bool) -> None:
+    """Collect what was dropped now (cycles too) and, on `cuda`, give the caching
+    allocator's free blocks back to the device, so the next thing measured loads into it."""
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
 def new_calls(stage: str, batch: int, prompt: int, steps: int, vocab: int, tag: str) -> list[Call]:
     """`batch` requests of `prompt` random ids, each good for `steps` decode steps and more."""
     generator = torch.Generator().manual_seed(batch)
@@ -178,15 +197,7 @@ def step_times(
         # A step's graphs: the LM's step at its buckets, then its finish.
         replay_step = functools.partial(static.replay, *static.buckets(rows, longest))
         static.active.zero_()  # after the steps queued: no row advances in the replays below
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        replays = []
-        for _ in range(10):
-            start.record()
-            replay_step()
-            end.record()
-            torch.cuda.synchronize()
-            replays.append(start.elapsed_time(end))
-        replay = statistics.median(replays)
+        replay = replay_ms(replay_step)
         if kernels:
             print(f"  decode replay at {batch}:")
             kernel_table(replay_step, kernels)
@@ -194,6 +205,19 @@ def step_times(
     for call in calls:
         backend.drop(call)
     return prefill_took, statistics.median(times) * 1e3, replay, kv
+
+
+def replay_ms(replay: Callable[[], None]) -> float:
+    """The median ms of 10 calls of `replay` (graph replays; CUDA events)."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replays = []
+    for _ in range(10):
+        begin.record()
+        replay()
+        end.record()
+        torch.cuda.synchronize()
+        replays.append(begin.elapsed_time(end))
+    return statistics.median(replays)
 
 
 def _seconds(fn, device: str, repeats: int = 12) -> float:
@@ -333,17 +357,9 @@ def main() -> None:
                     + f", roofline {roof_ms:.2f} ms",
                     flush=True,
                 )
-            if static is not None:  # serving captured nothing new
-                assert static.captures == captured, (static.captures, captured)
-            backend.close()
-            del backend
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+            close_stage(backend, captured, cuda)
         del component
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        release_memory(cuda)
     print()
     print(
         f"{'stage':>8} {'mode':>14} {'batch':>5} {'prefill ms':>10} {'step ms':>9} "

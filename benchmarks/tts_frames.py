@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.stage_steps import close_stage, replay_ms, sync  # noqa: E402
 from benchmarks.tts_serve import CUSTOM, TEXT  # noqa: E402
 from omniflow.backends.transformers_ar import TransformersAR  # noqa: E402
 from omniflow.compiler import compile_source  # noqa: E402
@@ -62,11 +61,6 @@ def backend_for(model: str, mode: str, slots: int, frames: int, device: str):
     backend = TransformersAR(StageSpec.from_channels(plan.stage("talker"), plan.channels), device)
     sync(device)
     return backend, time.perf_counter() - start
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def new_calls(batch: int, frames: int, tag: str) -> list[Call]:
@@ -120,19 +114,6 @@ def frame_times(backend: TransformersAR, batch: int, steps: int, frames: int) ->
     return prefill, statistics.median(times) * 1e3, replay, first
 
 
-def replay_ms(replay: Callable[[], None]) -> float:
-    """The median ms of 10 calls of `replay` (graph replays; CUDA events)."""
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    replays = []
-    for _ in range(10):
-        begin.record()
-        replay()
-        end.record()
-        torch.cuda.synchronize()
-        replays.append(begin.elapsed_time(end))
-    return statistics.median(replays)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", nargs="+", default=["eager", "graphs"],
@@ -175,13 +156,7 @@ def main() -> int:
                 + (f", replay {replay:.2f} ms, first {first:.2f} ms" if replay else ""),
                 flush=True,
             )
-        if static is not None:  # serving captured nothing new
-            assert static.captures == captured, (static.captures, captured)
-        backend.close()
-        del backend
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        close_stage(backend, captured, cuda)
     print(
         f"\n{'mode':>7} {'batch':>5} {'prefill ms':>10} {'frame ms':>9} {'replay ms':>9} "
         f"{'first ms':>9} {'audio-s/s':>9}"

@@ -21,14 +21,15 @@ ids, run the decoder's layers (the model's own modules: norms, projections, MLPs
 rotary embedding) with the keys scattered into the slot's next column and attention over
 the first T columns, the head, the fused sampler, then advance the rows that were active
 (last id, length, step, seen). The host writes which rows advance, reads back the ids, and
-nothing else crosses. `launch` queues a step and returns at once: the step's ids are copied
-without blocking into pinned host buffers (allocated once) and an event recorded after the
-copies on the current stream, the stage's own. `Launched.landed` asks that event whether
-they have arrived, without waiting; `wait` reads them. The backend launches step t+1 before
-it handles step t's ids, so the host's work of a step runs while the device computes the
-next one, and it reads step t's ids only once they have landed: until then it returns to
-the executor's loop, which drives the other stages of the process meanwhile (a host wait
-would stall them all).
+nothing else crosses, both through pinned host buffers allocated once (IN_FLIGHT turns of
+them, `omniflow.runtime.readback.HostCopies`). `launch` queues a step and returns at once:
+the step's ids are copied without blocking into its turn's host buffers and an event
+recorded after the copies on the current stream, the stage's own; the step's read-back
+(`Launched`, a `HostCopy`) asks that event whether they have arrived, `landed`, without
+waiting; `wait` reads them. The backend launches step t+1 before it handles step t's ids,
+so the host's work of a step runs while the device computes the next one, and it reads
+step t's ids only once they have landed: until then it returns to the executor's loop,
+which drives the other stages of the process meanwhile (a host wait would stall them all).
 
 Buckets. A step runs at a batch bucket B >= the number of rows (1, 2, 4, then multiples of
 8 up to max_batch, as vLLM pads) and a length bucket T > the longest active row's length
@@ -97,7 +98,7 @@ their slots first), runs the head, the masks and the sampler, completes their fr
 advances them without a column (their prefill filled theirs), at the batch bucket of the
 slots up to the last new one with only the new rows advancing: the step's finish, whose
 graph at that batch bucket is replayed once a prefill (a batch of prompts), then one
-read-back, queued as a step's is (its own host buffers) and returned at once as a
+read-back, queued as a step's is (a turn of its own host buffers) and returned at once as a
 `Launched`: the backend emits the first tokens once they have landed. A first frame takes no
 host sync between its sub-steps, as no later one does.
 
@@ -143,7 +144,7 @@ from omniflow.backends.sampling_params import Sampling
 from omniflow.backends.tapped_decoder import untapped
 from omniflow.kernels import fused_moe, rms_norm, rope_cache, silu_mul, skinny_matmul
 from omniflow.kernels import sampling as sampler
-from omniflow.runtime.readback import IN_FLIGHT
+from omniflow.runtime.readback import HostCopies, HostCopy, HostTurn
 
 _DECODER_PARTS = {"embed_tokens", "layers", "norm", "rotary_emb"}
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -343,38 +344,9 @@ def _project(x, weight, bias=None, *, gated: bool = False, split: bool = False):
     return skinny_matmul.skinny_matmul_triton(x, weight, bias, gated=gated, splits=splits)
 
 
-@dataclass
-class _Host:
-    """Pinned host buffers a step copies its active rows from and its ids (and frames'
-    codes) into."""
-
-    active: torch.Tensor
-    ids: torch.Tensor
-    codes: torch.Tensor | None
-
-    @classmethod
-    def make(cls, slots: int, groups: int | None, pin: bool) -> _Host:
-        def host(*shape, dtype):
-            return torch.zeros(*shape, dtype=dtype, pin_memory=pin)
-
-        codes = host(slots, groups, dtype=torch.int64) if groups is not None else None
-        return cls(host(slots, dtype=torch.bool), host(slots, dtype=torch.int64), codes)
-
-
-@dataclass
-class Launched:
-    """A step queued on the device: where its ids (and, with frames, its frames' codes
-    `[rows, G]`) arrive, host buffers, and the event that says they have (None off CUDA,
-    where the step ran before `launch` returned)."""
-
-    ids: torch.Tensor
-    done: torch.cuda.Event | None
-    codes: torch.Tensor | None = None
-
-    def landed(self) -> bool:
-        """Whether the step's ids (and codes) are in their host buffers: asked of its event,
-        never waited for."""
-        return self.done is None or self.done.query()
+# A queued step's (or first tokens') read-back (runtime/readback.py): its ids `[rows]` are
+# the copy's `value` and, with frames, its codes `[rows, G]` its `more`.
+Launched = HostCopy
 
 
 @dataclass(frozen=True)
@@ -809,11 +781,13 @@ class StaticDecoder(DecoderCache):
             # The ids masked while a row is below its minimum length (None: no minimum).
             ends = sorted(component.eos_ids) if getattr(component, "min_tokens", 0) else ()
             self.ends = torch.tensor(ends, **on) if ends else None
-            # IN_FLIGHT sets of host buffers for the steps: while one step's copies may still
-            # be queued, the next step fills the other (see `launch`; `first` makes its own).
-            groups = frames.groups if frames is not None else None
-            pin = self.device.type == "cuda"
-            self.host = [_Host.make(slots, groups, pin) for _ in range(IN_FLIGHT)]
+            # The steps' host buffers, IN_FLIGHT turns of them allocated now: while one
+            # step's copies may still be queued, the next step fills the other's (see
+            # `launch`; `first` takes turns of its own). Off CUDA too (`host_too`): a step's
+            # ids are in buffers the next step overwrites before the backend reads them.
+            self.host_copies = HostCopies(host_too=True)
+            codes = (self.frames.codes,) if self.frames is not None else ()
+            self.host_copies.reserve(self.active, self.ids, *codes)
         self.launches = 0
         self.first_steps = 0  # `first` calls: one a prefill
         self._per_slot = [
@@ -893,9 +867,9 @@ class StaticDecoder(DecoderCache):
         gives the ids sampled for slots 0..rows-1 (those of rows not in `active` mean
         nothing), and with frames their codes; the step after it may be launched first, so
         the device runs it while the host handles this one's ids (a third launch before
-        this one's `wait` would overwrite them: at most IN_FLIGHT are)."""
+        this one's `wait` would overwrite them: at most readback.IN_FLIGHT are)."""
         batch, length = self.buckets(rows, longest)
-        host = self.host[self.launches % IN_FLIGHT]
+        turn = self.host_copies.turn()
         self.launches += 1
         if extra is not None:
             extra = extra.to(self.extra.dtype)
@@ -903,30 +877,26 @@ class StaticDecoder(DecoderCache):
                 self.extra[: len(active)].copy_(extra)
             else:
                 self.extra.index_copy_(0, self._index(active), extra)
-        return self._queue(host, rows, active, batch, length)
+        return self._queue(turn, rows, active, batch, length)
 
-    def _queue(self, host: _Host, rows: int, active, batch: int, length: int | None) -> Launched:
+    def _queue(self, turn: HostTurn, rows: int, active, batch: int, length: int | None) -> Launched:
         """Queue a step over slots 0..rows-1 in which the slots `active` advance: the LM's
         step at buckets (batch, length) (none: a prefill's first tokens) and the finish at
         `batch`, back to back on the stream with nothing read between them, then the copies
-        of its ids (and codes) into `host`'s buffers."""
-        host.active.zero_()
-        host.active[active] = True
-        self.active.copy_(host.active, non_blocking=True)
+        of its ids (and codes) into `turn`'s host buffers. The active rows go through the
+        turn's staged buffer, which the step's host-to-device copy reads: the host writes
+        that buffer again only in the turn that reuses it, which starts once this step's
+        read-back was taken, so after its event, recorded behind that copy, fired."""
+        staged = turn.staged(self.active)
+        staged.zero_()
+        staged[active] = True
+        self.active.copy_(staged, non_blocking=True)
         if length is not None:
             self._dispatch("step", batch, length)
         self._dispatch("finish", batch)
-        ids = host.ids[:rows]
-        ids.copy_(self.ids[:rows], non_blocking=True)
-        codes = None
-        if self.frames is not None:
-            codes = host.codes[:rows]
-            codes.copy_(self.frames.codes[:rows], non_blocking=True)
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        return Launched(ids, done, codes)
+        if self.frames is None:
+            return turn.copy(self.ids[:rows])
+        return turn.copy(self.ids[:rows], self.frames.codes[:rows])
 
     def _dispatch(self, kind: str, *key: int) -> torch.Tensor | None:
         """One piece of device work of `capture_plan`'s `kind` at `key`: its graph replayed,
@@ -952,24 +922,23 @@ class StaticDecoder(DecoderCache):
         sampled, and with frames completed, on the device (see the module docstring), and
         return at once, as `launch` does: its ids are those of slots 0..start+n-1 (those
         before `start` mean nothing) and, with frames, its codes `[start + n, G]`. Each
-        call has host buffers of its own (pinned ones come from torch's caching host
-        allocator, which reuses them once their copies are done), so any number may be in
-        flight beside the steps'."""
+        call takes a turn of host buffers of its own (`HostCopies.turn(own=True)`: pinned
+        ones come from torch's caching host allocator, which reuses them once their copies
+        are done), so any number may be in flight beside the steps'."""
         rows = start + hidden.shape[0]
         batch, _ = self.buckets(rows, 0)
         self.hidden[start:rows].copy_(hidden)
         self.first_steps += 1
-        groups = self.frames.groups if self.frames is not None else None
-        host = _Host.make(self.slots, groups, self.device.type == "cuda")
-        return self._queue(host, rows, slice(start, rows), batch, None)
+        turn = self.host_copies.turn(own=True)
+        return self._queue(turn, rows, slice(start, rows), batch, None)
 
     @staticmethod
-    def wait(launched: Launched) -> list[int]:
-        """The ids a launched step sampled (and its `codes`), waiting for them unless they
-        have `landed` (the backend reads landed ones)."""
-        if launched.done is not None:
-            launched.done.synchronize()
-        return launched.ids.tolist()
+    def wait(launched: Launched) -> tuple[list[int], torch.Tensor | None]:
+        """The ids a launched step sampled and, with frames, its codes `[rows, G]` (in a host
+        buffer a later step reuses), waiting for them unless they have `landed` (the backend
+        reads landed ones)."""
+        launched.wait()
+        return launched.value.tolist(), launched.more[0] if launched.more else None
 
     def outputs(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The last step's hidden states `[n, H]` and input embeddings `[n, E]` of `slots`

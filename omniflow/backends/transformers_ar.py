@@ -81,6 +81,7 @@ from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
 from omniflow.kernels.sampling import sample
 from omniflow.runtime.doorbells import Ending
+from omniflow.runtime.readback import IN_FLIGHT
 from omniflow.runtime.slack import Playback, urgent_first
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
@@ -729,7 +730,7 @@ class TransformersAR(Backend):
         # or a prefill's first) or launch another; a row whose tokens are still on their way
         # waits without blocking.
         landed = bool(self.launches) and self.launches[0].launched.landed()
-        launchable = len(self.launches) < static_decode.IN_FLIGHT or landed
+        launchable = len(self.launches) < IN_FLIGHT or landed
         landed = landed or bool(self.firsts) and self.firsts[0].launched.landed()
         waiting = seq.ahead > 0 or seq.first_ahead
         return waiting and landed or self._may_step(seq) and launchable
@@ -974,11 +975,11 @@ class TransformersAR(Backend):
         flight, so the host handles its predecessor's tokens while the device runs it; a
         step not landed yet is left for a later turn of the loop (`ready` says when)."""
         self._settle_firsts()
-        while len(self.launches) >= static_decode.IN_FLIGHT and self.launches[0].launched.landed():
+        while len(self.launches) >= IN_FLIGHT and self.launches[0].launched.landed():
             self._settle(self.launches.popleft())
         stepping = [s for s in stepping if s.slot >= 0 and self._may_step(s)]
         launched = None
-        if stepping and len(self.launches) < static_decode.IN_FLIGHT:
+        if stepping and len(self.launches) < IN_FLIGHT:
             launched = self._launch(stepping)
         while self.launches and self.launches[0].launched.landed():
             self._settle(self.launches.popleft())
@@ -987,20 +988,10 @@ class TransformersAR(Backend):
 
     def _settle(self, launch: _Launch) -> None:
         """Emit the tokens of a landed step (its ids are the only read-back), and evict the
-        rows that finished. A row launched after its end (its end was learned while that
-        step was queued) or dropped since gets nothing. First tokens queued before it are
-        emitted first (they have landed: the device ran them before it)."""
+        rows that finished. First tokens queued before it are emitted first (they have
+        landed: the device ran them before it)."""
         self._settle_firsts(before=launch.order)
-        ids = self.static.wait(launch.launched)
-        for i, (seq, slot) in enumerate(zip(launch.seqs, launch.slots, strict=True)):
-            seq.ahead -= 1
-            if seq.slot < 0 or seq.call.finished or seq.call.error is not None:
-                continue
-            seq.length += 1
-            code = self._code(ids[slot], launch.launched.codes, slot)
-            hidden = None if launch.hidden is None else launch.hidden[i : i + 1]
-            self._emit(seq, ids[slot], hidden, code)
-        self._evict([s for s in launch.seqs if s.call.finished and s.slot >= 0])
+        self._emit_read_back(launch)
 
     def _settle_firsts(self, before: int | None = None) -> None:
         """Emit the first tokens (and frames) of the prefills whose tokens have landed,
@@ -1011,17 +1002,31 @@ class TransformersAR(Backend):
             return first.order < before if before is not None else first.launched.landed()
 
         while self.firsts and due(self.firsts[0]):
-            first = self.firsts.popleft()
-            ids = self.static.wait(first.launched)
-            for seq, slot, value in zip(first.seqs, first.slots, first.values, strict=True):
+            self._emit_read_back(self.firsts.popleft())
+
+    def _emit_read_back(self, launch: _Launch) -> None:
+        """Emit a landed read-back's tokens (and codes), a step's or, with `values`, a
+        prefill's first tokens, and evict the rows that finished. A row launched after its
+        end (its end was learned while the read-back was queued), dropped or failed since
+        gets nothing."""
+        firsts = launch.values is not None
+        ids, codes = self.static.wait(launch.launched)
+        for i, (seq, slot) in enumerate(zip(launch.seqs, launch.slots, strict=True)):
+            if firsts:
                 seq.first_ahead = False
-                if seq.slot < 0 or seq.call.finished or seq.call.error is not None:
-                    continue  # dropped (or failed) before its first token landed
-                code = self._code(ids[slot], first.launched.codes, slot)
-                if code is not None:
-                    code = self.component.first_code(seq, code)
-                self._emit(seq, ids[slot], value, code)
-            self._evict([s for s in first.seqs if s.call.finished and s.slot >= 0])
+            else:
+                seq.ahead -= 1
+            if seq.slot < 0 or seq.call.finished or seq.call.error is not None:
+                continue
+            code = self._code(ids[slot], codes, slot)
+            if firsts:
+                value = launch.values[i]
+                code = None if code is None else self.component.first_code(seq, code)
+            else:
+                seq.length += 1
+                value = None if launch.hidden is None else launch.hidden[i : i + 1]
+            self._emit(seq, ids[slot], value, code)
+        self._evict([s for s in launch.seqs if s.call.finished and s.slot >= 0])
 
     def _code(self, token: int, frames: torch.Tensor | None, slot: int) -> torch.Tensor | None:
         """The `codes` output of a static step's token (None: none): its frame, completed on
