@@ -104,6 +104,15 @@ class Outputs:
         return "".join(self.pieces)
 
 
+def wait_for_device(backend) -> None:
+    """Where `backend` has device work in flight on a GPU, wait for it: a test's steps then
+    count turns that make progress, as on the CPU, where a step's tokens land at once (a
+    turn that found the last step's tokens still on their way would move the steps a
+    request joins, is held or is dropped at)."""
+    if backend.in_flight() and backend.device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def run(
     backend,
     calls: list[Call],
@@ -125,10 +134,7 @@ def run(
             if at == step and calls[i] in live:
                 backend.drop(calls[i])
                 live.remove(calls[i])
-        if backend.in_flight() and backend.device.startswith("cuda"):
-            # Steps here count turns that make progress, as on the CPU: a turn that found
-            # the last step's tokens still on their way would move `held` and `cancel`.
-            torch.cuda.synchronize()
+        wait_for_device(backend)
         offered = [c for c in live if step not in held.get(calls.index(c), ())]
         ready = [c for c in offered if backend.ready(c)]
         if not live and step > max(joins):
