@@ -739,6 +739,26 @@ def test_runs_in_a_plan_under_the_interpreter(plan, backend):
     assert out["hidden"].shape == (8, 1, 64)
 
 
+def test_the_interpreter_waits_for_a_static_steps_tokens_on_their_way(plan, monkeypatch):
+    """On a GPU a static step's tokens land a while after its launch, and the stage is not
+    ready meanwhile: the interpreter polls it (as a program loop does), not an error. Here
+    each step's tokens land three polls late (the device's latency, injected)."""
+    static = compile_source(
+        SOURCE.replace("$temperature)", '$temperature, decode="static")'), devices="cpu"
+    )
+    landed = static_decode.Launched.landed
+
+    def late(launched) -> bool:
+        launched.polls = getattr(launched, "polls", 0) + 1
+        return launched.polls > 3 and landed(launched)
+
+    monkeypatch.setattr(static_decode.Launched, "landed", late)
+    out = Interpreter(static).run({"prompt": PROMPTS[1]}, {"max_tokens": 8})
+    want = Interpreter(plan).run({"prompt": PROMPTS[1]}, {"max_tokens": 8})
+    assert out["tokens"].reshape(-1).tolist() == want["tokens"].reshape(-1).tolist()
+    assert len(want["tokens"].reshape(-1)) == 8
+
+
 # The GPU tests build their backends as the CPU tests do (`make_backend`, `make_backend_from`
 # on this module's plan), on cuda:0.
 
