@@ -8,8 +8,9 @@ each decode mode of the transformers backend, drives the backend itself: `batch`
 of `--prompt` tokens are prefilled together (that step timed too, after one untimed
 prefill of the same shape), then `--steps` decode steps are timed on the host (each
 `backend.step` ends with sampled ids on the host: on the eager path its own step's, on the
-static ones those of the step launched before it, while its own runs; in a steady run of
-steps its wall time is a step's either way). "eager" is the dynamic-cache path (the CPU
+static ones those of a step launched before it, while its own runs; a static step is
+timed from when it may run, `step_when_ready`, so in a steady run of steps its wall time
+is a step's either way). "eager" is the dynamic-cache path (the CPU
 default), "graphs" the static cache with a CUDA graph replayed per step on the fused
 kernels (the CUDA default), "graphs-unfused" the same graphs over the model's own modules
 op by op. Also times the graph replay alone (CUDA events, no host work around it).
@@ -161,6 +162,16 @@ def prefill_ms(backend, calls: list[Call]) -> float:
     return took
 
 
+def step_when_ready(backend: TransformersAR, calls: list[Call]) -> None:
+    """One decode step of `calls`, the wait for it to be able to run included: the static
+    path reads each step's ids back without waiting, and a `backend.step` while the steps
+    in flight have not landed returns having done nothing (the executor's loop polls
+    `ready` first, as here)."""
+    while calls and not any(backend.ready(call) for call in calls):
+        pass
+    backend.step(calls)
+
+
 def step_times(
     backend, stage: str, batch: int, prompt: int, steps: int, vocab: int, kernels: int = 0
 ):
@@ -180,11 +191,11 @@ def step_times(
     calls = new_calls(stage, batch, prompt, steps, vocab, "timed")
     backend.step(calls)  # prefill every request
     for _ in range(3):  # warm up
-        backend.step(calls)
+        step_when_ready(backend, calls)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
-        backend.step(calls)
+        step_when_ready(backend, calls)
         times.append(time.perf_counter() - start)
         for call in calls:
             call.emitted.clear()

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.stage_steps import close_stage, replay_ms, sync  # noqa: E402
+from benchmarks.stage_steps import close_stage, replay_ms, step_when_ready, sync  # noqa: E402
 from benchmarks.tts_serve import CUSTOM, TEXT  # noqa: E402
 from omniflow.backends.transformers_ar import TransformersAR  # noqa: E402
 from omniflow.compiler import compile_source  # noqa: E402
@@ -93,7 +93,7 @@ def frame_times(backend: TransformersAR, batch: int, steps: int, frames: int) ->
     for step in range(3 + steps):  # 3 to warm up
         live = [c for c in calls if not c.finished]  # (the tiny checkpoint's speech ends)
         start = time.perf_counter()
-        backend.step(live)
+        step_when_ready(backend, live)
         if step >= 3:
             times.append(time.perf_counter() - start)
         for call in calls:

@@ -60,7 +60,7 @@ for part in "$@"; do
       ;;
     tests)
       # GPU_TESTS: the test files to run (default: every file with tests marked gpu).
-      timeout ${TESTS_S:-200} python3 -P -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
+      timeout ${TESTS_S:-450} python3 -P -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
         ${GPU_TESTS:-$(grep -rl "mark.gpu" tests)} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
       ;;
     edges)

@@ -110,7 +110,8 @@ class KernelTimeline:
                     self.marks.append((stage, before, time.monotonic_ns()))
 
     def stop(self) -> list[Kernel]:
-        """The events recorded, oldest first, their start on the monotonic clock."""
+        """The events recorded, oldest first, their start on the monotonic clock; the
+        markers `start` ran to name the streams are not among them (no stage's work)."""
         if self.device_type == "CUDA":
             import torch
 
@@ -127,7 +128,7 @@ class KernelTimeline:
             key=lambda k: k[1],
         )
         self.streams = named_streams(found, self.marks)
-        return found
+        return [k for k in found if not any(b <= k[1] <= a for _, b, a in self.marks)]
 
 
 def named_streams(kernels: list[Kernel], marks: list[tuple[str, int, int]]) -> dict[int, str]:

@@ -53,6 +53,8 @@ class Interpreter:
             backend = self.backends[stage.name]
             while not call.finished:
                 if not backend.ready(call):
+                    if backend.in_flight():  # its device work is on its way (a GPU's)
+                        continue
                     raise OmniflowError(
                         f"stage '{stage.name}' waits for input that will never come"
                     )

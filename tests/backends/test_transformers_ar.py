@@ -104,6 +104,15 @@ class Outputs:
         return "".join(self.pieces)
 
 
+def wait_for_device(backend) -> None:
+    """Where `backend` has device work in flight on a GPU, wait for it: a test's steps then
+    count turns that make progress, as on the CPU, where a step's tokens land at once (a
+    turn that found the last step's tokens still on their way would move the steps a
+    request joins, is held or is dropped at)."""
+    if backend.in_flight() and backend.device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def run(
     backend,
     calls: list[Call],
@@ -125,10 +134,7 @@ def run(
             if at == step and calls[i] in live:
                 backend.drop(calls[i])
                 live.remove(calls[i])
-        if backend.in_flight() and backend.device.startswith("cuda"):
-            # Steps here count turns that make progress, as on the CPU: a turn that found
-            # the last step's tokens still on their way would move `held` and `cancel`.
-            torch.cuda.synchronize()
+        wait_for_device(backend)
         offered = [c for c in live if step not in held.get(calls.index(c), ())]
         ready = [c for c in offered if backend.ready(c)]
         if not live and step > max(joins):
@@ -731,6 +737,26 @@ def test_runs_in_a_plan_under_the_interpreter(plan, backend):
     assert out["tokens"].reshape(-1).tolist() == want.tokens
     assert out["text"] == want.text
     assert out["hidden"].shape == (8, 1, 64)
+
+
+def test_the_interpreter_waits_for_a_static_steps_tokens_on_their_way(plan, monkeypatch):
+    """On a GPU a static step's tokens land a while after its launch, and the stage is not
+    ready meanwhile: the interpreter polls it (as a program loop does), not an error. Here
+    each step's tokens land three polls late (the device's latency, injected)."""
+    static = compile_source(
+        SOURCE.replace("$temperature)", '$temperature, decode="static")'), devices="cpu"
+    )
+    landed = static_decode.Launched.landed
+
+    def late(launched) -> bool:
+        launched.polls = getattr(launched, "polls", 0) + 1
+        return launched.polls > 3 and landed(launched)
+
+    monkeypatch.setattr(static_decode.Launched, "landed", late)
+    out = Interpreter(static).run({"prompt": PROMPTS[1]}, {"max_tokens": 8})
+    want = Interpreter(plan).run({"prompt": PROMPTS[1]}, {"max_tokens": 8})
+    assert out["tokens"].reshape(-1).tolist() == want["tokens"].reshape(-1).tolist()
+    assert len(want["tokens"].reshape(-1)) == 8
 
 
 # The GPU tests build their backends as the CPU tests do (`make_backend`, `make_backend_from`

@@ -56,6 +56,7 @@ from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.preflight import preflight
 from omniflow.runtime.requests import RequestError, admit
 from omniflow.runtime.stage import Call, InputStream, StageSpec
+from tests.backends.test_transformers_ar import wait_for_device
 
 torch.set_num_threads(1)
 
@@ -473,6 +474,7 @@ def serve_frames(backend: TransformersAR, requests: list[tuple]) -> list[torch.T
         if not live and step > max(r[2] for r in requests):
             break
         assert step < 200, "the requests never ended"
+        wait_for_device(backend)
         ready = [c for c in live if backend.ready(c)]
         backend.step(ready)
         for call in ready:

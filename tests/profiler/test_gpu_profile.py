@@ -88,6 +88,22 @@ def test_a_stage_is_named_on_the_stream_whose_kernel_ran_in_its_mark():
     assert named_streams(kernels, marks) == {kernels[0][4]: "a"}
 
 
+def test_the_markers_that_name_the_streams_are_not_in_the_timeline():
+    """The marker each stage's stream runs when the profile starts names the stream but is
+    no stage's work: `stop` leaves it out (on the GPU it ran before any step), keeping what
+    ran after (the CPU timeline, a mark set as `start` sets it on CUDA)."""
+    timeline = KernelTimeline("cpu")
+    timeline.start()
+    before = time.monotonic_ns()
+    torch.ones(4).sum()
+    timeline.marks.append(("a", before, time.monotonic_ns()))
+    after = time.monotonic_ns()
+    torch.ones(4).sum()
+    kernels = timeline.stop()
+    assert list(timeline.streams.values()) == ["a"]
+    assert kernels and all(k[1] >= after for k in kernels)
+
+
 def test_a_gpu_profile_of_a_plan_without_gpu_stages_is_a_clear_error():
     plan = compile_source(GPU_CHAIN, "gpu.omni")  # compiled for the CPU
     with (
