@@ -49,6 +49,7 @@ from torch import nn
 from omniflow.backends.cuda_graphs import Graphs
 from omniflow.backends.static_decode import batch_buckets
 from omniflow.backends.vocoders import Decoder, Window, padded
+from omniflow.runtime.readback import upload
 
 # The most frames (batch x window length) a captured step holds: a larger forward's kernels
 # are long enough that launching them one by one costs little, and each graph's activations
@@ -229,11 +230,11 @@ class StatefulDecoder(Decoder, ABC):
         codes = padded(windows, frames, Window.codes, self.device).transpose(1, 2)
         batch = self.batch_bucket(rows)
         pad = batch - rows
-        on = {"device": self.device, "dtype": torch.int64}
+        # Sent without waiting for the stream's queued steps (a pageable copy would).
         values = {
-            "slots": torch.tensor(slots + [self.states.scratch] * pad, **on),
-            "positions": torch.tensor(positions + [0] * pad, **on),
-            "lengths": torch.tensor([w.frames for w in windows] + [0] * pad, **on),
+            "slots": upload(slots + [self.states.scratch] * pad, self.device, torch.int64),
+            "positions": upload(positions + [0] * pad, self.device, torch.int64),
+            "lengths": upload([w.frames for w in windows] + [0] * pad, self.device, torch.int64),
         }
         if self.graphs is not None and (batch, frames) in self.graphs:
             audio = self.graphs.run((batch, frames), {"codes": codes, **values})[:rows]

@@ -144,7 +144,7 @@ from omniflow.backends.sampling_params import Sampling
 from omniflow.backends.tapped_decoder import untapped
 from omniflow.kernels import fused_moe, rms_norm, rope_cache, silu_mul, skinny_matmul
 from omniflow.kernels import sampling as sampler
-from omniflow.runtime.readback import HostCopies, HostCopy, HostTurn
+from omniflow.runtime.readback import HostCopies, HostCopy, HostTurn, upload
 
 _DECODER_PARTS = {"embed_tokens", "layers", "norm", "rotary_emb"}
 _LAYER_PARTS = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
@@ -876,7 +876,7 @@ class StaticDecoder(DecoderCache):
             if _leading(active):
                 self.extra[: len(active)].copy_(extra)
             else:
-                self.extra.index_copy_(0, self._index(active), extra)
+                self.extra.index_copy_(0, upload(active, self.device), extra)
         return self._queue(turn, rows, active, batch, length)
 
     def _queue(self, turn: HostTurn, rows: int, active, batch: int, length: int | None) -> Launched:
@@ -945,14 +945,8 @@ class StaticDecoder(DecoderCache):
         (copies: the buffers are overwritten by the next step)."""
         if _leading(slots):
             return self.hidden[: len(slots)].clone(), self.embeds[: len(slots)].clone()
-        where = self._index(slots)
+        where = upload(slots, self.device)
         return self.hidden.index_select(0, where), self.embeds.index_select(0, where)
-
-    def _index(self, slots: list[int]) -> torch.Tensor:
-        """`slots` as an index on the device, copied from pinned memory without waiting for
-        the device (a copy from pageable memory waits for the work queued before it)."""
-        staged = torch.tensor(slots, pin_memory=self.device.type == "cuda")
-        return staged.to(self.device, non_blocking=True)
 
     @torch.inference_mode()
     def prefill(
@@ -970,7 +964,7 @@ class StaticDecoder(DecoderCache):
         b, w = embeds.shape[:2]
         width = next((x for x in self.prefill_widths if x >= w), None)
         if b > 1 or positions is not None or width is None:
-            return self._prefill(self._index(slots), embeds, positions)
+            return self._prefill(upload(slots, self.device), embeds, positions)
         self.lone_embeds[:, :w].copy_(embeds)
         self.lone_embeds[:, w:width].zero_()
         self.lone_slot.fill_(slots[0])

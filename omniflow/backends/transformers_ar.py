@@ -81,7 +81,7 @@ from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
 from omniflow.kernels.sampling import sample
 from omniflow.runtime.doorbells import Ending
-from omniflow.runtime.readback import IN_FLIGHT
+from omniflow.runtime.readback import IN_FLIGHT, upload
 from omniflow.runtime.slack import Playback, urgent_first
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
@@ -288,8 +288,7 @@ class CausalLM(Component):
     def prompt(self, call: Call) -> Prompt:
         stream = call.inputs["prompt"]
         ids = prompt_ids(self.tokenizer, stream.take(), stream.type, self.head.out_features)
-        tensor = torch.tensor(ids, device=self.embed.weight.device)
-        return Prompt(self.embed(tensor), ids)
+        return Prompt(self.embed(upload(ids, self.embed.weight.device)), ids)
 
 
 def _as_ids(value) -> list[int]:

@@ -93,7 +93,7 @@ from omniflow.catalog.components import WINDOW_BLOCKS, load_component_config
 from omniflow.catalog.resolve import model_path
 from omniflow.errors import OmniflowError
 from omniflow.runtime.edges import chunk_end
-from omniflow.runtime.readback import IN_FLIGHT, HostCopies, HostCopy
+from omniflow.runtime.readback import IN_FLIGHT, HostCopies, HostCopy, upload
 from omniflow.runtime.slack import Playback, StepTimer, cut_short, urgent_first
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
@@ -606,7 +606,7 @@ class Vocoder(Backend):
                 f"code {low if low < 0 else high} is outside the codebook (0..{decoder.codebook_size - 1}); "
                 "a codec LM's token ids need its codec offset subtracted"
             )
-        codes = chunk.to(device=self.device, dtype=torch.int64)
+        codes = upload(chunk, self.device, torch.int64)  # (not waiting for queued steps)
         stream.producer.add(len(codes), time.monotonic())
         # cat copies: the chunk may be a view into a channel slot released after the step.
         stream.codes = torch.cat([stream.codes.reshape(-1, codes.shape[1]), codes])
@@ -615,7 +615,7 @@ class Vocoder(Backend):
         stream.emitted += context_only
         side = decoder.side(stream.state, len(codes))
         if side is not None:
-            side = side.to(self.device)
+            side = upload(side, self.device)
             stream.side = side if stream.side is None else torch.cat([stream.side, side])
         return stream
 

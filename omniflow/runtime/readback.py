@@ -1,4 +1,5 @@
-"""Reading results back from a GPU without waiting for it.
+"""Moving a step's values between host and GPU without waiting for the GPU: results read
+back (`HostCopies`), inputs sent (`upload`).
 
 A stage that needs a step's results on the host (sampled ids, audio to send) must not wait
 for its GPU: the executor's loop drives every stage of its process from one thread, so a
@@ -19,6 +20,12 @@ Off CUDA a tensor is already on the host: `copy` hands it back as it is, landed;
 that overwrites its tensors before it takes their copies (a static decode step's output
 buffers) asks for copies of host tensors too, `HostCopies(host_too=True)`, into the turn's
 unpinned buffers.
+
+The other direction has the same trap: a copy to the GPU from pageable host memory (what
+`torch.tensor(values, device=...)` and `.to(device)` of a host tensor do) waits for all the
+work queued on the current stream before it returns. `upload` copies through a pinned
+staging tensor without blocking; torch's caching host allocator keeps that tensor until its
+copy is done.
 """
 
 from __future__ import annotations
@@ -26,6 +33,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+def upload(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`values` (a tensor, or a list of numbers) on `device` as `dtype`; from the host to a
+    GPU, copied without waiting for the device's queued work (see the module docstring)."""
+    device = torch.device(device)
+    on_host = not isinstance(values, torch.Tensor) or values.device.type == "cpu"
+    if device.type != "cuda" or not on_host:
+        return torch.as_tensor(values, dtype=dtype, device=device)
+    if isinstance(values, torch.Tensor):
+        staged = torch.empty(values.shape, dtype=dtype or values.dtype, pin_memory=True)
+        staged.copy_(values)
+    else:
+        staged = torch.tensor(values, dtype=dtype, pin_memory=True)
+    return staged.to(device, non_blocking=True)
+
 
 # Turns pending at once, at most: each has its own host buffers, reused once it is taken.
 IN_FLIGHT = 2

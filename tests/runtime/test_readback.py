@@ -1,11 +1,13 @@
 """Host copies in turns (omniflow/runtime/readback.py), on the CPU: what a caller that
 overwrites its tensors gets back (`host_too`), how turns rotate over buffers allocated once,
-several tensors under one copy, and turns of their own. (The pinned buffers and the event
+several tensors under one copy, and turns of their own; `upload`'s values and dtypes, and on
+a GPU that it does not wait for the stream's queued work. (The pinned buffers and the event
 are CUDA's: tests/backends/test_transformers_ar.py's GPU test and the vocoders' cover them.)"""
 
+import pytest
 import torch
 
-from omniflow.runtime.readback import IN_FLIGHT, HostCopies
+from omniflow.runtime.readback import IN_FLIGHT, HostCopies, upload
 
 
 def test_off_cuda_a_copy_is_the_tensor_itself_unless_the_caller_overwrites_its_tensors():
@@ -62,3 +64,29 @@ def test_a_buffer_grows_only_for_a_longer_result_and_a_turn_of_its_own_keeps_not
     own = copies.turn(own=True).copy(torch.arange(3))
     assert own.value.tolist() == [0, 1, 2] and not own.reused
     assert copies.turns == 5 and [[b.data_ptr() for b in t] for t in copies.buffers] == before
+
+
+def test_an_upload_is_the_values_on_the_device_in_the_dtype_asked():
+    assert upload([3, 1, 2], "cpu").tolist() == [3, 1, 2]
+    assert upload([3, 1, 2], "cpu").dtype == torch.int64
+    codes = torch.arange(6, dtype=torch.int32).view(2, 3)
+    sent = upload(codes, "cpu", torch.int64)
+    assert sent.dtype == torch.int64 and torch.equal(sent, codes.long())
+    assert upload([0.5], "cpu", torch.float32).dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_an_upload_does_not_wait_for_the_streams_queued_work():
+    """A copy from pageable memory waits for the work queued on the stream; `upload` returns
+    while a long kernel still runs, and the values arrive after it, in order."""
+    queued = torch.cuda.Event()
+    torch.cuda._sleep(2_000_000_000)  # about a second of spinning on the current stream
+    queued.record()
+    ids = upload([5, 6, 7], "cuda")
+    codes = upload(torch.arange(4, dtype=torch.int32), "cuda", torch.int64)
+    assert not queued.query(), "upload waited for the stream's queued kernel"
+    assert ids.tolist() == [5, 6, 7] and codes.tolist() == [0, 1, 2, 3]
+    torch.cuda._sleep(2_000_000_000)
+    queued.record()
+    torch.tensor([5, 6, 7], device="cuda")  # what upload replaces: it waits
+    assert queued.query()

@@ -88,6 +88,7 @@ from omniflow.families.qwen2_5_omni.thinker_talker import MediaThinker
 from omniflow.families.qwen3_omni import AUDIO_TOKENS, CODEBOOK_OFFSETS
 from omniflow.kernels import fused_moe
 from omniflow.plan import StagePlan
+from omniflow.runtime.readback import upload
 from omniflow.runtime.stage import Call
 
 ROLE_PROMPT, ROLE_REPLY = 0.0, 1.0
@@ -556,7 +557,7 @@ class Talker(Component):
 
         def tensor(kind, pick, dtype=torch.long):
             rows = [pick(meta) for meta in metas[kind]]
-            return torch.tensor(rows, dtype=dtype, device=device) if rows else None
+            return upload(rows, device, dtype) if rows else None
 
         positions, delta = self.model.get_rope_index(
             talker_ids,
@@ -615,7 +616,7 @@ class Talker(Component):
         c = self.codec
         ids = [c["codec_nothink_id"], c["codec_think_bos_id"], c["codec_think_eos_id"]]
         ids += [self.speakers[speaker.lower()], c["codec_pad_id"], c["codec_bos_id"]]
-        codec = self.embed(torch.tensor(ids, device=text.device))
+        codec = self.embed(upload(ids, text.device))
         codec = torch.cat((codec.new_zeros(3, codec.shape[1]), codec))
         embeds = torch.cat((cond.user, text + codec))
         return Prompt(embeds, [], cond.positions, cond.offset)

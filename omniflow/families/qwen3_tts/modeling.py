@@ -38,6 +38,7 @@ from omniflow.families.qwen3_tts.config import (
     TTSConfig,
     qwen3_config,
 )
+from omniflow.runtime.readback import upload
 
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -202,12 +203,12 @@ class Talker(nn.Module):
 
     def text(self, ids) -> torch.Tensor:
         """Projected text embeddings `[L, D]` of text token ids."""
-        ids = torch.as_tensor(ids, device=self.codec_head.weight.device).reshape(-1)
+        ids = upload(ids, self.codec_head.weight.device).reshape(-1)
         return self.text_projection(self.model.text_embedding(ids))
 
     def codec(self, ids) -> torch.Tensor:
         """Codec embeddings `[L, D]` of talker ids (codebook 0 and the specials)."""
-        ids = torch.as_tensor(ids, device=self.codec_head.weight.device).reshape(-1)
+        ids = upload(ids, self.codec_head.weight.device).reshape(-1)
         return self.codec_embedding(ids)
 
     def frame_embeds(self, codes: torch.Tensor) -> torch.Tensor:
