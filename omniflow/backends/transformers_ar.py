@@ -170,6 +170,10 @@ class Component(ABC):
         """Whether streamed input is waiting to be taken."""
         return False
 
+    def in_flight(self) -> bool:
+        """Whether streamed input is on its way to the host (the loop keeps polling)."""
+        return False
+
     @abstractmethod
     def can_start(self, call: Call) -> bool:
         """Whether the request's prompt (or first conditioning) is complete."""
@@ -738,7 +742,8 @@ class TransformersAR(Backend):
         # A step launched after its rows' end was learned waits, harmless, for the next
         # step to settle it: only a live row's tokens keep the loop polling.
         queued = [*self.firsts, *self.launches]
-        return any(seq.slot >= 0 for launch in queued for seq in launch.seqs)
+        live = any(seq.slot >= 0 for launch in queued for seq in launch.seqs)
+        return live or self.component.in_flight()
 
     def urgent_first(self, calls: list[Call]) -> list[Call]:
         """Slack first where steps become audio: requests waiting to start (in arrival

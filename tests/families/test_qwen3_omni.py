@@ -45,6 +45,7 @@ from omniflow.families.qwen3_omni.checkpoints import (
 from omniflow.families.qwen3_omni.code2wav import code2wav_field, load
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
+from omniflow.runtime.readback import HostCopy
 from omniflow.runtime.requests import RequestFailed
 from omniflow.runtime.stage import Call, InputStream, StageSpec
 
@@ -156,6 +157,30 @@ def test_the_static_path_gives_generates_text_and_frames(references):
     assert {interpreter.backends[s].decode for s in ("thinker", "talker")} == {"static"}
     for case, ref in zip(CASES, references, strict=True):
         assert_matches(run_case(interpreter.run, case), ref)
+
+
+def test_the_talker_takes_thinker_items_once_their_roles_land(references, monkeypatch):
+    """On a GPU the roles of the thinker's items (where its prompt ends) reach the host a
+    while after the items arrive, and nothing waits for them (`RoleRows`): the talker takes
+    a chunk once its roles have landed and the loop polls meanwhile. Here, on the static
+    path, every read-back (roles, tokens) lands three polls late, as a busy GPU's would:
+    `generate`'s text and frames all the same."""
+    source = SOURCE.replace("temperature=0.0)", 'temperature=0.0, decode="static")')
+    source = source.replace("speaker=$speaker)", 'speaker=$speaker, decode="static")')
+    interpreter = Interpreter(compile_source(source, devices="cpu"))
+    landed, held_back = HostCopy.landed, []
+
+    def late(copy) -> bool:
+        copy.polls = getattr(copy, "polls", 0) + 1
+        if copy.polls == 2:
+            held_back.append(copy)
+        return copy.polls > 3 and landed(copy)
+
+    monkeypatch.setattr(HostCopy, "landed", late)
+    for case, ref in zip(CASES, references, strict=True):
+        assert_matches(run_case(interpreter.run, case), ref)
+    role_copies = [c for c in held_back if c.value.dtype.is_floating_point]
+    assert role_copies, "no thinker item's roles were held back"
 
 
 def test_batched_in_one_engine_each_request_gets_its_own_frames(plan, references):

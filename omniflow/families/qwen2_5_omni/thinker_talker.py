@@ -61,6 +61,7 @@ from pathlib import Path
 
 import torch
 
+from omniflow.backends.role_rows import RoleRows
 from omniflow.backends.transformers_ar import (
     ARBackendError,
     CausalLM,
@@ -404,6 +405,8 @@ class OmniTalker(Component):
         self.head = model.codec_head
         self.embed = model.get_input_embeddings()
         self.width = config.embedding_size
+        # The thinker's rows, their roles (row 1) read back without waiting.
+        self.conditioning = RoleRows("embeds", lambda rows: rows[:, 1, 0])
         self.eos_ids = frozenset({config.tts_codec_pad_token_id, config.tts_codec_end_token_id})
         self.suppress = (config.tts_codec_start_token_id,)
         # generate() feeds the talker ids [codec mask] * prompt length + [codec pad, codec bos]
@@ -432,43 +435,43 @@ class OmniTalker(Component):
 
     # --- conditioning -----------------------------------------------------------------------
     def has_news(self, call: Call) -> bool:
-        return call.inputs["embeds"].available()
+        return self.conditioning.available(call)
+
+    def in_flight(self) -> bool:
+        return self.conditioning.in_flight()
 
     def receive(self, calls: list[Call]) -> None:
-        taken = []
         for call in calls:
             chunk = call.inputs["embeds"].take()
-            if chunk is None or call.error is not None:
+            if call.error is not None:
                 continue
-            if chunk.dim() != 3 or tuple(chunk.shape[1:]) != (2, self.width):
-                call.fail(
-                    ARBackendError(
-                        f"the talker takes conditioning rows [n, 2, {self.width}] from the thinker "
-                        f"through adapter qwen_omni.thinker_to_talker; got {list(chunk.shape)}"
+            if chunk is not None:
+                if chunk.dim() != 3 or tuple(chunk.shape[1:]) != (2, self.width):
+                    call.fail(
+                        ARBackendError(
+                            f"the talker takes conditioning rows [n, 2, {self.width}] from the "
+                            "thinker through adapter qwen_omni.thinker_to_talker; got "
+                            f"{list(chunk.shape)}"
+                        )
                     )
-                )
-                continue
-            taken.append(
-                (call, chunk.to(self.embed.weight.device, self.embed.weight.dtype, copy=True))
-            )
-        if not taken:
-            return
-        # Every chunk's roles (where its prompt ends) in one read-back; the rows stay put.
-        roles = torch.cat([rows[:, 1, 0] for _, rows in taken]).tolist()
-        for call, rows in taken:
-            reply, roles = [role == ROLE_REPLY for role in roles[: len(rows)]], roles[len(rows) :]
-            prompt = reply.index(True) if True in reply else len(reply)
-            cond = call.state.setdefault(_CONDITIONING, _Conditioning())
-            if (cond.replies and prompt) or not all(reply[prompt:]):
-                call.fail(ARBackendError("thinker prompt rows arrived after its reply rows"))
-                continue
-            if prompt:
-                cond.prompt.append(rows[:prompt, 0])
-            cond.replies.extend(rows[prompt:, 0].unbind())
+                    continue
+                # A copy: the chunk may be a view into a channel slot released after the step.
+                weight = self.embed.weight
+                self.conditioning.arrive(call, chunk.to(weight.device, weight.dtype, copy=True))
+            for rows, roles in self.conditioning.take(call):
+                reply = [role == ROLE_REPLY for role in roles]
+                prompt = reply.index(True) if True in reply else len(reply)
+                cond = call.state.setdefault(_CONDITIONING, _Conditioning())
+                if (cond.replies and prompt) or not all(reply[prompt:]):
+                    call.fail(ARBackendError("thinker prompt rows arrived after its reply rows"))
+                    break
+                if prompt:
+                    cond.prompt.append(rows[:prompt, 0])
+                cond.replies.extend(rows[prompt:, 0].unbind())
 
     def can_start(self, call: Call) -> bool:
         cond = call.state.get(_CONDITIONING)
-        return cond is not None and (bool(cond.replies) or call.inputs["embeds"].ended)
+        return cond is not None and (bool(cond.replies) or self.conditioning.ended(call))
 
     def _text_side(self, cond: _Conditioning, t: int) -> torch.Tensor:
         """The thinker-side row of talker step t (call only once it is known)."""
@@ -491,7 +494,7 @@ class OmniTalker(Component):
 
     def can_step(self, seq: Sequence) -> bool:
         cond = seq.call.state[_CONDITIONING]
-        return seq.next_step < len(cond.replies) or seq.call.inputs["embeds"].ended
+        return seq.next_step < len(cond.replies) or self.conditioning.ended(seq.call)
 
     def step_extra(self, seqs: list[Sequence]) -> torch.Tensor:
         """Step t's text side: the thinker's row for reply token t, then text eos, then pad."""

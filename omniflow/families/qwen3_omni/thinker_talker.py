@@ -74,6 +74,7 @@ import torch
 from torch import nn
 
 from omniflow.backends.checkpoint_files import CONFIG, read_json
+from omniflow.backends.role_rows import RoleRows
 from omniflow.backends.static_decode import FrameSpec, summed_codebooks
 from omniflow.backends.tapped_decoder import TappedDecoder
 from omniflow.backends.transformers_ar import (
@@ -412,6 +413,8 @@ class Talker(Component):
             sampling=_PREDICTOR_SAMPLING,
         )
         self.thinker_width = config.thinker_hidden_size
+        # The thinker's items, their roles (row 2) read back without waiting.
+        self.items = RoleRows("embeds", lambda items: items[:, 2, 0])
         vocab = config.text_config.vocab_size
         eos = config.codec_eos_token_id
         self.eos_ids = frozenset({eos})
@@ -454,7 +457,10 @@ class Talker(Component):
 
     # --- conditioning -----------------------------------------------------------------------
     def has_news(self, call: Call) -> bool:
-        return call.inputs["embeds"].available()
+        return self.items.available(call)
+
+    def in_flight(self) -> bool:
+        return self.items.in_flight()
 
     def receive(self, calls: list[Call]) -> None:
         for call in calls:
@@ -462,17 +468,25 @@ class Talker(Component):
             if call.error is not None:
                 continue
             if chunk is not None:
-                self._take(call, chunk)
+                self._arrive(call, chunk)
+            for items, roles in self.items.take(call):
+                if call.error is None:
+                    self._take(call, items, roles)
             cond = call.state.get(_STATE)
-            ended = call.inputs["embeds"].ended
-            if cond is not None and not cond.complete and (cond.replies or ended):
+            ended = self.items.ended(call)
+            if (
+                call.error is None
+                and cond is not None
+                and not cond.complete
+                and (cond.replies or ended)
+            ):
                 try:
                     self._segment(cond)
                 except ARBackendError as err:
                     call.fail(err)
 
-    def _take(self, call: Call, chunk: torch.Tensor) -> None:
-        """Keep a chunk of thinker items: prompt positions, then replies' embeddings."""
+    def _arrive(self, call: Call, chunk: torch.Tensor) -> None:
+        """Check a chunk of thinker items and keep a copy while its roles come to the host."""
         if chunk.dim() != 3 or tuple(chunk.shape[1:]) != (3, self.thinker_width):
             call.fail(
                 ARBackendError(
@@ -482,8 +496,11 @@ class Talker(Component):
             )
             return
         # A copy: the chunk may be a view into a channel slot released after the step.
-        chunk = chunk.to(self.embed.weight.device, copy=True)
-        reply = (chunk[:, 2, 0] == ROLE_REPLY).tolist()
+        self.items.arrive(call, chunk.to(self.embed.weight.device, copy=True))
+
+    def _take(self, call: Call, chunk: torch.Tensor, roles: list[float]) -> None:
+        """Keep a chunk of thinker items: prompt positions, then replies' embeddings."""
+        reply = [role == ROLE_REPLY for role in roles]
         prompt = reply.index(True) if True in reply else len(reply)
         cond = call.state.setdefault(_STATE, _Conditioning())
         if (cond.replies and prompt) or not all(reply[prompt:]):
@@ -583,7 +600,7 @@ class Talker(Component):
         """Whether the text-side row `row` of the request's A stream is known yet."""
         cond = call.state[_STATE]
         prompt_rows = len(cond.assistant) - cond.projected
-        return row < prompt_rows + len(cond.replies) or call.inputs["embeds"].ended
+        return row < prompt_rows + len(cond.replies) or self.items.ended(call)
 
     def _text(self, cond: _Conditioning, row: int) -> torch.Tensor:
         """Row `row` of A, then tts eos, then tts pad (call once it is known)."""
@@ -595,7 +612,7 @@ class Talker(Component):
     def can_start(self, call: Call) -> bool:
         cond = call.state.get(_STATE)
         if cond is None:  # nothing came: `prompt` fails the request
-            return call.inputs["embeds"].ended
+            return self.items.ended(call)
         return cond.complete and self._known(call, 3)
 
     def prompt(self, call: Call) -> Prompt:
