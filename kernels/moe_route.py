@@ -49,7 +49,9 @@ where `renormalize`, rounded to the logits' dtype) but for the order of two floa
 weight is within `(2 E + 2 k + 4)` float32 rounding units (u = 2^-24) of torch's (each sum
 of n positive terms is within (n - 1) u of the exact one whatever the order, `exp` within
 a unit on each side, the divisions correctly rounded); `weight_tolerance` says so. Rounded
-to bf16 (or fp16) that is far below a step, so a weight is torch's or one step from it.
+to bf16 (or fp16) that is far below a step, so a weight is torch's or one step from it
+(also under Triton's interpreter, whose float32-to-bf16 cast truncates where the compiled
+one rounds to nearest even).
 An id can differ only where two of a row's probabilities lie within that bound of each
 other without being equal. Ties (equal logits: equal probabilities on both sides) go to
 the lower index first; torch.topk's order among equal values is unspecified on the CPU

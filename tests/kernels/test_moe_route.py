@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from omniflow.kernels import fused_moe, moe_route
-from tests.kernels.test_fused_moe import block, tiny_config, weights
+from tests.kernels.test_fused_moe import block, real_block, tiny_config, weights
 
 TOKENS = [1, 2, 7, 32]
 ROUTERS = {"thinker": (128, 8), "talker": (128, 6)}  # experts, top k
@@ -270,32 +270,45 @@ def test_the_compiled_kernel_routes_and_aligns_as_torch_on_gpu():
     assert launches(lambda: moe_route.moe_route_triton(**on)) == 1
 
 
+def real_routing(stage: str, tokens: int, device: str = "cuda") -> tuple:
+    """Qwen3-Omni-30B-A3B's MoE block of `stage` at its published sizes in bf16 (random
+    weights), a decode step of `tokens` tokens, and its router's logits as a routing case."""
+    module = real_block(stage, device)
+    width = module.gate.weight.shape[1]
+    g = torch.Generator(device if device != "meta" else "cpu").manual_seed(7)
+    x = torch.randn(tokens, width, generator=g, device=g.device).to(device, torch.bfloat16)
+    gate = module.gate
+    logits = torch.nn.functional.linear(x, gate.weight)
+    case = {"router_logits": logits, "top_k": gate.top_k, "renormalize": gate.norm_topk_prob}
+    case["block_m"] = moe_route.block_m_for(tokens * gate.top_k, logits.shape[1])
+    return module, x, case
+
+
+@pytest.mark.parametrize("stage", ["thinker", "talker"])
+def test_the_real_routing_fits_one_program(stage):
+    """The GPU test's set-up on the meta device: the published routers' logits [32, 128] fit
+    the kernel, its blocks of 16 rows."""
+    _, _, case = real_routing(stage, 32, "meta")
+    assert case["router_logits"].shape == (32, 128) and case["block_m"] == 16
+    assert moe_route.fits(32, 128, case["block_m"])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 32])
 @pytest.mark.parametrize("stage", ["thinker", "talker"])
 def test_real_blocks_routed_by_the_kernel_on_gpu(stage, tokens):
-    """Qwen3-Omni-30B-A3B's MoE blocks at their published sizes in bf16 (random weights): the
-    router's own logits routed as torch routes them (bf16 logits may tie: compared as the
-    interpreted test compares), and the layer routed by the kernel the same bits as the
-    ops' alignment of the kernel's ids and weights, run after run."""
+    """Qwen3-Omni-30B-A3B's MoE blocks at their published sizes in bf16: the router's own
+    logits routed as torch routes them (bf16 logits may tie: compared as the interpreted
+    test compares), and the layer routed by the kernel the same bits as the ops' alignment
+    of the kernel's ids and weights, run after run."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from tests.kernels.test_fused_moe import real_block
-
-    module = real_block(stage)
-    g = torch.Generator("cuda").manual_seed(7)
-    x = torch.randn(tokens, module.gate.weight.shape[1], generator=g, device="cuda")
-    x = x.to(torch.bfloat16)
-    gate, experts = module.gate, module.experts
-    w_gate_up, w_down = experts.gate_up_proj, experts.down_proj
+    module, x, case = real_routing(stage, tokens)
+    w_gate_up, w_down = module.experts.gate_up_proj, module.experts.down_proj
     with torch.no_grad():
-        logits = torch.nn.functional.linear(x, gate.weight)
-        case = {"router_logits": logits, "top_k": gate.top_k, "renormalize": gate.norm_topk_prob}
-        case["block_m"] = moe_route.block_m_for(tokens * gate.top_k, logits.shape[1])
         got = moe_route.moe_route_triton(**case)
         assert_routes_as_torch(case, got)
-        layer = {"router_logits": logits, "top_k": gate.top_k, "renormalize": case["renormalize"]}
+        layer = {k: case[k] for k in ("router_logits", "top_k", "renormalize")}
         out = fused_moe.fused_moe_triton(x, w_gate_up, w_down, **layer)
-        ops = fused_moe.experts_triton(x, w_gate_up, w_down, got[0], got[1])
-        assert torch.equal(out, ops)
+        assert torch.equal(out, fused_moe.experts_triton(x, w_gate_up, w_down, *got[:2]))
         assert torch.equal(fused_moe.fused_moe_triton(x, w_gate_up, w_down, **layer), out)
