@@ -160,7 +160,7 @@ def ways(blocks, xs) -> dict[str, tuple]:
 
         return run
 
-    ops_routed = functools.partial(fused_moe.fused_moe_triton, routing_kernel=False)
+    ops_routed = functools.partial(fused_moe.fused_moe_triton, router=moe_route.reference)
     return {
         "fused graph": (lambda i: fused_moe.moe_forward(blocks[i], xs[i]), True),
         "fused eager": (lambda i: fused_moe.moe_forward(blocks[i], xs[i]), False),

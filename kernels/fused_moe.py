@@ -10,8 +10,8 @@ be captured in a CUDA graph):
   (token, expert) entries sorted by expert, each expert's run padded to BLOCK_M rows, with
   the expert of each block of BLOCK_M rows (-1 for the blocks past the last used one, whose
   programs return at once: `align`). Both are `omniflow.kernels.moe_route`'s: one launch
-  from the router's logits where a decode step's sizes fit (T <= 64 at E = 128), else its
-  torch ops (`route` ~5, `align` three at T = 1, fourteen otherwise);
+  from the router's logits on CUDA where a decode step's sizes fit (T <= 64 at E = 128),
+  else its torch ops (`route` ~5, `align` three at T = 1, fourteen otherwise);
 - a grouped product of each block's tokens by its expert's gate/up matrix, with
   `silu(gate) * up` applied to the products in registers: the `[T k, I]` activations are
   written, never the `[T k, 2 I]` products;
@@ -150,11 +150,12 @@ def _check(hidden, w_gate_up, w_down, topk_ids, topk_weights) -> None:
 
 
 def _routing(
-    hidden, w_gate_up, w_down, router_logits, top_k, renormalize, ids, weights, align_into=None
-):
+    hidden, w_gate_up, w_down, router_logits, top_k, renormalize, ids, weights, router=None,
+    block_m=None,
+):  # fmt: skip
     """(ids, weights, aligned) from either the router's logits or the given top k; checks
-    operands. Logits with `align_into` (rows a block) are routed and aligned by
-    `moe_route.moe_route` (one launch where its kernel runs), `aligned` its (sorted_ids,
+    operands. Logits are routed by `router` where given (a `moe_route.moe_route`-like
+    callable: routing and alignment into `block_m` rows), `aligned` its (sorted_ids,
     expert_ids); else by `route`, `aligned` None (`align` is left to the caller)."""
     if (router_logits is None) == (ids is None and weights is None):
         raise MoEError("give either router_logits (and top_k) or topk_ids and topk_weights")
@@ -166,12 +167,10 @@ def _routing(
                 f"router logits {list(router_logits.shape)} and top_k {top_k} for"
                 f" {hidden.shape[0]} tokens and {experts} experts"
             )
-        if align_into:
-            ids, weights, *aligned = moe_route.moe_route(
-                router_logits, top_k, renormalize, align_into
-            )
-        else:
+        if router is None:
             ids, weights = route(router_logits, top_k, renormalize)
+        else:
+            ids, weights, *aligned = router(router_logits, top_k, renormalize, block_m)
     if ids is None or weights is None:
         raise MoEError("topk_ids and topk_weights go together")
     _check(hidden, w_gate_up, w_down, ids, weights)
@@ -262,21 +261,23 @@ def fused_moe_triton(
     renormalize: bool = False,
     topk_ids: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
-    routing_kernel: bool = True,
+    router=None,
     **tuning,
 ) -> torch.Tensor:
     """The MoE layer's routed output `[T, H]` with the kernels, routed by `router_logits`
     `[T, E]` (with `top_k`, `renormalize`) or by the given `topk_ids` and `topk_weights`
-    `[T, k]`. Logits are routed and aligned in one launch (`moe_route`) where its sizes
-    fit; `routing_kernel=False` takes `route`'s and `align`'s torch ops instead (the path
-    before it, which the tests and benchmarks/fused_moe.py set beside it). `tuning`:
-    `experts_triton`'s block sizes and depth."""
+    `[T, k]`. Logits are routed and aligned by `router`: `moe_route.moe_route` by default
+    (one launch on CUDA where its sizes fit, `route`'s and `align`'s torch ops elsewhere);
+    `moe_route.moe_route_triton`, the kernel wherever Triton runs (the tests run it under
+    Triton's interpreter); `moe_route.reference`, the ops (the path before the kernel,
+    which benchmarks/fused_moe.py times beside it). `tuning`: `experts_triton`'s block
+    sizes and depth."""
     block_m = tuning.pop("block_m", None)
-    if routing_kernel and router_logits is not None and top_k:
-        block_m = block_m or block_m_for(router_logits.shape[0] * top_k, router_logits.shape[-1])
+    if router_logits is not None and top_k:
+        block_m = block_m or block_m_for(hidden.shape[0] * top_k, router_logits.shape[-1])
     ids, weights, aligned = _routing(
         hidden, w_gate_up, w_down, router_logits, top_k, renormalize, topk_ids, topk_weights,
-        align_into=block_m if routing_kernel else None,
+        router or moe_route.moe_route, block_m,
     )  # fmt: skip
     return experts_triton(
         hidden, w_gate_up, w_down, ids, weights, block_m=block_m, aligned=aligned, **tuning

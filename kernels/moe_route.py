@@ -1,9 +1,9 @@
 """A MoE layer's routing: the router's logits `[T, E]` to what the fused experts
 (`omniflow.kernels.fused_moe`) take, each token's top-k experts and their weights and the
 (token, expert) entries sorted into each expert's blocks of `block_m` rows, in ONE launch
-where the sizes fit (`fits`: a decode step's), and the torch ops it is tested against:
+on CUDA where the sizes fit (`fits`: a decode step's), and the torch ops it is tested against:
 `route` (the router's top k) and `align` (the entries into blocks), which are also what
-runs beyond those sizes.
+runs beyond those sizes and off CUDA.
 
 Why: at one token a MoE layer's routing was the router's linear, then `route` (softmax,
 topk, sum, div, cast: ~5 kernels) and `align` (3 kernels at T = 1, ~14 otherwise), before
@@ -66,7 +66,7 @@ import torch
 
 from omniflow.errors import OmniflowError
 from omniflow.kernels.timing import cuda_median_ms
-from omniflow.kernels.triton_guard import jit, libdevice, on_triton, tl, triton
+from omniflow.kernels.triton_guard import jit, libdevice, tl, triton
 
 # The largest padded [T, E] tile one program routes (see the module docstring).
 MAX_TILE = 8192
@@ -227,6 +227,26 @@ def fits(tokens: int, num_experts: int, block_m: int) -> bool:
     return tile <= MAX_TILE and block_m & (block_m - 1) == 0
 
 
+def launch_meta(
+    tokens: int, experts: int, top_k: int, renormalize: bool, block_m: int, on_cuda: bool
+) -> dict:
+    """The kernel's compile-time arguments and options for these sizes (a warp for each 512
+    elements of the padded [T, E] tile, 4 to 16)."""
+    block_t, block_e = triton.next_power_of_2(tokens), triton.next_power_of_2(experts)
+    return {
+        "TOP_K": top_k,
+        "RENORMALIZE": renormalize,
+        "LIBDEVICE_EXP": on_cuda,
+        "BLOCK_T": block_t,
+        "BLOCK_E": block_e,
+        "BLOCK_K": triton.next_power_of_2(top_k),
+        "BLOCK_M": block_m,
+        "BLOCK_B": max(1, BLOCKS_TILE // max(block_e, block_m)),
+        "num_warps": max(4, min(16, block_t * block_e // 512)),
+        "enable_fp_fusion": False,  # torch's roundings: nothing contracted into an FMA
+    }
+
+
 def moe_route_triton(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -248,14 +268,10 @@ def moe_route_triton(
     sorted_ids = torch.empty(blocks * block_m, dtype=torch.int64, device=device)
     expert_ids = torch.empty(blocks, dtype=torch.int64, device=device)
     if tokens:
-        block_t, block_e = triton.next_power_of_2(tokens), triton.next_power_of_2(experts)
         _moe_route_kernel[(1,)](
             router_logits, ids, weights, sorted_ids, expert_ids,
             tokens, experts, router_logits.stride(0), router_logits.stride(1), blocks,
-            TOP_K=top_k, RENORMALIZE=renormalize, LIBDEVICE_EXP=router_logits.is_cuda,
-            BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k),
-            BLOCK_M=block_m, BLOCK_B=max(1, BLOCKS_TILE // max(block_e, block_m)),
-            num_warps=max(4, min(16, block_t * block_e // 512)),
+            **launch_meta(tokens, experts, top_k, renormalize, block_m, router_logits.is_cuda),
         )  # fmt: skip
     return ids, weights, sorted_ids, expert_ids
 
@@ -272,11 +288,12 @@ def reference(
 def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The kernel where it runs (`on_triton`: CUDA, or the CPU under Triton's interpreter)
-    and the sizes fit, the reference elsewhere."""
+    """The kernel on CUDA where the sizes fit, the reference elsewhere (on the CPU too under
+    Triton's interpreter: its float32 sums and `exp` are not torch's CPU ones, and the
+    static decode's tests there compare whole decodes with torch's)."""
     _check(router_logits, top_k)
     tokens, experts = router_logits.shape
-    if on_triton(router_logits) and fits(tokens, experts, block_m):
+    if router_logits.is_cuda and triton is not None and fits(tokens, experts, block_m):
         return moe_route_triton(router_logits, top_k, renormalize, block_m)
     return reference(router_logits, top_k, renormalize, block_m)
 

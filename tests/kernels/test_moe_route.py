@@ -1,5 +1,5 @@
 """A MoE layer's routing in one launch (`omniflow.kernels.moe_route`): the kernel, interpreted
-on the CPU (compiled on a GPU), gives `route`'s ids and weights (the weights within the
+on the CPU (compiled on a GPU, where `moe_route` dispatches to it), gives `route`'s ids and weights (the weights within the
 rounding bound of its own float32 sums, ties to the lower index) and `align`'s sorted entries
 and block experts on those ids, at a decode step's sizes (1, 2, 7, 32 tokens; the thinker's
 128 experts and 8 a token, the talker's 6), with random logits, logits tied on a grid,
@@ -141,19 +141,43 @@ def test_block_rows_follow_the_tokens_an_expert_gets():
     assert moe_route.most_blocks(8, 128, 16) == 8  # one block a chosen expert
 
 
+def fallback_logits(device: str = "cpu") -> torch.Tensor:
+    """65 tokens over 128 experts: one token past the kernel's tile."""
+    return torch.randn(65, 128, generator=torch.Generator().manual_seed(4)).to(device)
+
+
 def test_the_bound_and_the_fallback():
     """One program takes up to 64 tokens over 128 experts (a 64 x 128 tile), 8192 over 1;
-    past it `moe_route` runs the torch ops, and the kernel's launcher refuses, naming them."""
+    past it `moe_route` runs the torch ops (as it does off CUDA), and the kernel's launcher
+    refuses, naming them."""
     assert moe_route.fits(64, 128, 16) and not moe_route.fits(65, 128, 16)
     assert moe_route.fits(1, 8192, 16) and not moe_route.fits(1, 8193, 16)
     assert not moe_route.fits(1, 128, 24)  # blocks of a power of two rows only
-    g = torch.Generator().manual_seed(4)
-    logits = torch.randn(65, 128, generator=g)
-    got = moe_route.moe_route(logits, 8, True, 16)
-    for a, b in zip(got, moe_route.reference(logits, 8, True, 16), strict=True):
-        assert torch.equal(a, b)
+    for logits in (fallback_logits(), fallback_logits()[:32]):
+        got = moe_route.moe_route(logits, 8, True, 16)
+        for a, b in zip(got, moe_route.reference(logits, 8, True, 16), strict=True):
+            assert torch.equal(a, b)
     with pytest.raises(moe_route.RouteError, match="route and align"):
-        moe_route.moe_route_triton(logits, 8, True, 16)
+        moe_route.moe_route_triton(fallback_logits(), 8, True, 16)
+
+
+def test_the_kernel_compiles_for_an_h200():
+    """Triton's interpreter takes code its compiler refuses: the kernel at a 32-token thinker
+    step, as the launcher configures it, compiled here for sm_90 (Triton's own ptxas; no GPU
+    needed)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    meta = moe_route.launch_meta(32, 128, 8, True, 16, on_cuda=True)
+    options = {name: meta.pop(name) for name in ("num_warps", "enable_fp_fusion")}
+    pointers = {"logits_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*bf16"}
+    pointers |= {"sorted_ptr": "*i64", "expert_ids_ptr": "*i64"}
+    sizes = dict.fromkeys(["tokens", "experts", "row_stride", "col_stride", "blocks"], "i32")
+    signature = pointers | sizes | dict.fromkeys(meta, "constexpr")
+    source = ASTSource(fn=moe_route._moe_route_kernel, signature=signature, constexprs=meta)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    assert compiled.asm["cubin"] and "div.rn.f32" in compiled.asm["ptx"]
 
 
 def test_operands_are_checked():
@@ -205,8 +229,8 @@ def run_layers(found: list[dict]) -> list[torch.Tensor]:
             case["router_logits"], case["top_k"], case["renormalize"], 16
         )
         given = {k: case[k] for k in ("hidden", "w_gate_up", "w_down")}
-        results.append(fused_moe.fused_moe_triton(**case))
-        results.append(fused_moe.fused_moe_triton(**case, routing_kernel=False))
+        results.append(fused_moe.fused_moe_triton(**case, router=moe_route.moe_route_triton))
+        results.append(fused_moe.fused_moe_triton(**case, router=moe_route.reference))
         results.append(fused_moe.experts_triton(**given, topk_ids=ids, topk_weights=scales))
     return results
 
@@ -218,8 +242,8 @@ def run_blocks(blocks: list[dict]) -> list[torch.Tensor]:
     for case in blocks:
         module = block(case["stage"], case["config"], case["state"])
         with torch.no_grad():
-            for routing_kernel in (True, False):
-                moe = functools.partial(fused_moe.fused_moe_triton, routing_kernel=routing_kernel)
+            for router in (moe_route.moe_route_triton, moe_route.reference):
+                moe = functools.partial(fused_moe.fused_moe_triton, router=router)
                 results.append(fused_moe.moe_forward(module, case["x"], moe=moe))
     return results
 
@@ -268,6 +292,13 @@ def test_the_compiled_kernel_routes_and_aligns_as_torch_on_gpu():
         got = moe_route.moe_route_triton(**on)
         assert_routes_as_torch(on, got)
     assert launches(lambda: moe_route.moe_route_triton(**on)) == 1
+    # The dispatcher: the kernel up to the bound, the ops (route's and align's) past it.
+    assert launches(lambda: moe_route.moe_route(**on)) == 1
+    logits = fallback_logits("cuda")
+    assert launches(lambda: moe_route.moe_route(logits, 8, True, 16)) > 1
+    got = moe_route.moe_route(logits, 8, True, 16)
+    for a, b in zip(got, moe_route.reference(logits, 8, True, 16), strict=True):
+        assert torch.equal(a, b)
 
 
 def real_routing(stage: str, tokens: int, device: str = "cuda") -> tuple:
