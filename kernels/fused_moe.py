@@ -39,16 +39,16 @@ transformers runs the experts one by one (a host sync to find the experts hit, t
 ten small kernels an expert, `index_add_` among them), or through `torch._grouped_mm` over
 all E experts' offsets with the `[T k, 2 I]` products, activations and weighted outputs in
 memory between kernels; here a layer's experts are three launches after the router's
-linear and the routing kernel. Its speed is `benchmarks/fused_moe.py`'s to tell (docs/benchmarks.md, "Kernels";
-the runs: docs/benchmarks-log.md, "Fused MoE").
+linear and the routing kernel. Its speed is `benchmarks/fused_moe.py`'s to tell
+(docs/benchmarks.md, "Kernels"; the runs: docs/benchmarks-log.md, "Fused MoE").
 
 Numerics are transformers': the router's softmax in float32, its top-k weights
 renormalised in float32 when `renormalize` (`norm_topk_prob`), then rounded to the logits'
 dtype (`moe_route`'s kernel adds its two float32 sums in its own order: a weight within a
-rounding of that, ties to the lower index; its docstring bounds both); products accumulate in float32 (float32 inputs multiply in IEEE float32; under
-Triton's interpreter every input is upcast first), gate and up rounded to the input dtype,
-SiLU and the product as `omniflow.kernels.silu_mul` computes them, the down product
-rounded, times the weight and rounded, as transformers' experts do. transformers then adds
+rounding of that, ties to the lower index; its docstring bounds both); products accumulate
+in float32 (float32 inputs multiply in IEEE float32; under Triton's interpreter every input
+is upcast first), gate and up rounded to the input dtype, SiLU and the product as
+`omniflow.kernels.silu_mul` computes them, the down product rounded, times the weight and rounded, as transformers' experts do. transformers then adds
 the k weighted outputs into a tensor of the input dtype one expert at a time (bf16 adds);
 here they are summed in float32 and rounded once, as its `grouped_mm` implementation does.
 Sums run in another order than cuBLAS', so results differ from `reference` by rounding.

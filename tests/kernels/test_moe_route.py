@@ -1,10 +1,11 @@
 """A MoE layer's routing in one launch (`omniflow.kernels.moe_route`): the kernel, interpreted
-on the CPU (compiled on a GPU, where `moe_route` dispatches to it), gives `route`'s ids and weights (the weights within the
-rounding bound of its own float32 sums, ties to the lower index) and `align`'s sorted entries
-and block experts on those ids, at a decode step's sizes (1, 2, 7, 32 tokens; the thinker's
-128 experts and 8 a token, the talker's 6), with random logits, logits tied on a grid,
-tokens all picking the same experts, and the largest tile it takes; past it the torch ops
-run. A whole fused MoE layer routed by the kernel equals the layer routed by the ops."""
+on the CPU (compiled on a GPU, where `moe_route` dispatches to it), gives `route`'s ids and
+weights (the weights within the rounding bound of its own float32 sums, ties to the lower
+index) and `align`'s sorted entries and block experts on those ids, at a decode step's sizes
+(1, 2, 7, 32 tokens; the thinker's 128 experts and 8 a token, the talker's 6), with random
+logits, logits tied on a grid, tokens all picking the same experts, and the largest tile it
+takes; past it the torch ops run. A whole fused MoE layer routed by the kernel equals the
+layer routed by the ops."""
 
 import functools
 
@@ -20,8 +21,9 @@ KINDS = ["random", "tied", "same"]
 
 
 def router_logits(g, kind: str, tokens: int, experts: int, dtype) -> torch.Tensor:
-    """random: Gaussian (distinct, far apart next to the rounding bound); tied: on a grid of
-    eighths in [-2, 2) (33 values for 128 experts: every row ties, its gaps e^(1/8) apart);
+    """random: Gaussian (float32: distinct, far apart next to the rounding bound; bf16 ties
+    some); tied: on a grid of eighths in [-2, 2) (32 values for 128 experts: every row ties,
+    its distinct values e^(1/8) apart in probability);
     same: one tied row for every token (all pick the same experts, 2 blocks an expert at
     32 tokens)."""
     if kind == "random":
