@@ -48,9 +48,9 @@ dtype (`moe_route`'s kernel adds its two float32 sums in its own order: a weight
 rounding of that, ties to the lower index; its docstring bounds both); products accumulate
 in float32 (float32 inputs multiply in IEEE float32; under Triton's interpreter every input
 is upcast first), gate and up rounded to the input dtype, SiLU and the product as
-`omniflow.kernels.silu_mul` computes them, the down product rounded, times the weight and rounded, as transformers' experts do. transformers then adds
-the k weighted outputs into a tensor of the input dtype one expert at a time (bf16 adds);
-here they are summed in float32 and rounded once, as its `grouped_mm` implementation does.
+`omniflow.kernels.silu_mul` computes them, the down product rounded, times the weight and
+rounded, as transformers' experts do. transformers then adds the k weighted outputs into a
+tensor of the input dtype one expert at a time (bf16 adds); here they are summed in float32 and rounded once, as its `grouped_mm` implementation does.
 Sums run in another order than cuBLAS', so results differ from `reference` by rounding.
 """
 
