@@ -50,8 +50,9 @@ in float32 (float32 inputs multiply in IEEE float32; under Triton's interpreter 
 is upcast first), gate and up rounded to the input dtype, SiLU and the product as
 `omniflow.kernels.silu_mul` computes them, the down product rounded, times the weight and
 rounded, as transformers' experts do. transformers then adds the k weighted outputs into a
-tensor of the input dtype one expert at a time (bf16 adds); here they are summed in float32 and rounded once, as its `grouped_mm` implementation does.
-Sums run in another order than cuBLAS', so results differ from `reference` by rounding.
+tensor of the input dtype one expert at a time (bf16 adds); here they are summed in float32
+and rounded once, as its `grouped_mm` implementation does. Sums run in another order than
+cuBLAS', so results differ from `reference` by rounding.
 """
 
 from __future__ import annotations
