@@ -44,19 +44,25 @@ is their launches'. Past it (prefill, big batches) `route` and `align` run, whos
 the tokens amortise.
 
 Numerics: ids and weights are `route`'s (softmax in float32, top k, renormalised in float32
-where `renormalize`, rounded to the logits' dtype) but for the order of two float32 sums
-(the softmax's and the renormalisation's), which the kernel adds in its own order: a
-weight is within `(2 E + 2 k + 4)` float32 rounding units (u = 2^-24) of torch's (each sum
-of n positive terms is within (n - 1) u of the exact one whatever the order, `exp` within
-a unit on each side, the divisions correctly rounded); `weight_tolerance` says so. Rounded
-to bf16 (or fp16) that is far below a step, so a weight is torch's or one step from it
-(also under Triton's interpreter, whose float32-to-bf16 cast truncates where the compiled
-one rounds to nearest even).
-An id can differ only where two of a row's probabilities lie within that bound of each
-other without being equal. Ties (equal logits: equal probabilities on both sides) go to
-the lower index first; torch.topk's order among equal values is unspecified on the CPU
-and on CUDA (pytorch/pytorch#127196 shows CUDA's putting the higher index first), so
-`route` may take another of the tied experts: the same probabilities, another id.
+where `renormalize`, rounded to the logits' dtype). What can differ is the order of its two
+float32 sums (the softmax's and the renormalisation's) and `exp`; the kernel adds both in
+the orders torch's CUDA kernels do at these sizes (`_softmax_sum`: PersistentSoftmax's warp
+softmax, up to 1024 experts; `_weights_sum`: ATen's sum over a last dimension of k), calls
+libdevice's `expf` without flushing subnormals (as nvcc compiles torch's `std::exp`),
+divides correctly rounded and contracts nothing into an FMA: on CUDA its weights are
+expected to be torch's bits (tests/kernels/test_moe_route.py checks on the CPU that it adds
+in those orders, and on a GPU that the bits match). Whatever torch's orders, a weight is
+within `(2 E + 2 k + 4)` float32 rounding units (u = 2^-24) of torch's (each sum of n
+positive terms is within (n - 1) u of the exact one whatever the order, `exp` within a
+unit on each side, the divisions correctly rounded): `weight_tolerance`; rounded to bf16
+(or fp16) that is far below a step, so a weight is torch's or one step from it. Under
+Triton's interpreter (the CPU tests) `exp` is numpy's and the float32-to-bf16 cast
+truncates, so there the bound is what holds. An id can differ only where two of a row's
+probabilities lie within that bound of each other without being equal. Ties (equal
+logits: equal probabilities on both sides) go to the lower index first; torch.topk's order
+among equal values is unspecified on the CPU and on CUDA (pytorch/pytorch#127196 shows
+CUDA's putting the higher index first), so `route` may take another of the tied experts:
+the same probabilities, another id.
 `sorted_ids`/`expert_ids` are `align`'s on the kernel's ids (int64, as `align`'s).
 """
 
@@ -85,6 +91,8 @@ def _moe_route_kernel(
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
+    SOFTMAX_LANES: tl.constexpr, SOFTMAX_ROUNDS: tl.constexpr,
+    SUM_LANES: tl.constexpr, SUM_ROUNDS: tl.constexpr,
 ):  # fmt: skip
     rows = tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
@@ -96,7 +104,8 @@ def _moe_route_kernel(
     top = tl.where(row_in, tl.max(x, axis=1), 0.0)
     shifted = x - top[:, None]
     scores = libdevice.exp(shifted) if LIBDEVICE_EXP else tl.exp(shifted)
-    total = tl.where(row_in, tl.sum(scores, axis=1), 1.0)
+    total = _softmax_sum(scores, BLOCK_T, BLOCK_E, SOFTMAX_LANES, SOFTMAX_ROUNDS)
+    total = tl.where(row_in, total, 1.0)
     # Below every probability (>= 0), so padding is never taken; taken ones go lower still.
     probs = tl.where(inside, tl.math.div_rn(scores, total[:, None]), -1.0)
 
@@ -114,7 +123,8 @@ def _moe_route_kernel(
         ids = tl.where(slots[None, :] == j, pick[:, None], ids)
         weights = tl.where(slots[None, :] == j, best[:, None], weights)
     if RENORMALIZE:
-        weights = tl.math.div_rn(weights, tl.sum(weights, axis=1)[:, None])
+        chosen_sum = _weights_sum(weights, BLOCK_T, BLOCK_K, SUM_LANES, SUM_ROUNDS)
+        weights = tl.math.div_rn(weights, chosen_sum[:, None])
     out = rows[:, None] * TOP_K + slots[None, :]
     kept = row_in[:, None] & (slots < TOP_K)[None, :]
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=kept)
@@ -148,6 +158,40 @@ def _moe_route_kernel(
         pad = (block_rows[None, :] >= held[:, None]) & block_in[:, None]
         padding = tl.full((BLOCK_B, BLOCK_M), entries, tl.int64)
         tl.store(sorted_ptr + block[:, None] * BLOCK_M + block_rows[None, :], padding, mask=pad)
+
+
+@jit
+def _softmax_sum(
+    scores, ROWS: tl.constexpr, COLS: tl.constexpr, LANES: tl.constexpr, ROUNDS: tl.constexpr
+):
+    """Each row's sum in the order of torch's CUDA warp softmax (PersistentSoftmax.cuh, up to
+    1024 columns): lane l of `LANES` adds columns l, l + LANES, ... in turn from 0, then the
+    lanes pairwise, the upper half onto the lower each round (`__shfl_xor_sync` from the
+    top offset down). A sum over an axis of two is one add, whichever way round."""
+    steps: tl.constexpr = COLS // LANES
+    by_step = tl.reshape(scores, (ROWS, steps, LANES))
+    step = tl.arange(0, steps)[None, :, None]
+    lanes = tl.zeros((ROWS, LANES), dtype=tl.float32)
+    for i in tl.static_range(steps):  # a sum of one value and zeros: that value
+        lanes += tl.sum(tl.where(step == i, by_step, 0.0), axis=1)
+    for r in tl.static_range(ROUNDS):
+        lanes = tl.sum(tl.reshape(lanes, (ROWS, 2, LANES >> (r + 1))), axis=1)
+    return tl.reshape(lanes, (ROWS,))
+
+
+@jit
+def _weights_sum(
+    weights, ROWS: tl.constexpr, COLS: tl.constexpr, LANES: tl.constexpr, ROUNDS: tl.constexpr
+):
+    """Each row's sum of its k weights in the order of ATen's CUDA sum over a last dimension
+    of k (Reduce.cuh at these sizes: `LANES`, the largest power of two <= k, threads, lane t
+    adding columns t and t + LANES; then lanes pairwise, neighbours first: `shfl_down` by
+    1, 2, 4, ...). Columns past k are zeros."""
+    # Two columns to a lane where k is not a power of two, else one (a sum of one: itself).
+    lanes = tl.sum(tl.reshape(weights, (ROWS, COLS // LANES, LANES)), axis=1)
+    for r in tl.static_range(ROUNDS):
+        lanes = tl.sum(tl.reshape(lanes, (ROWS, LANES >> (r + 1), 2)), axis=2)
+    return tl.reshape(lanes, (ROWS,))
 
 
 def route(
@@ -229,22 +273,33 @@ def fits(tokens: int, num_experts: int, block_m: int) -> bool:
 
 def launch_meta(
     tokens: int, experts: int, top_k: int, renormalize: bool, block_m: int, on_cuda: bool
-) -> dict:
-    """The kernel's compile-time arguments and options for these sizes (a warp for each 512
-    elements of the padded [T, E] tile, 4 to 16)."""
+) -> tuple[dict, dict]:
+    """The kernel's compile-time arguments and its compile options for these sizes (a warp
+    for each 512 elements of the padded [T, E] tile, 4 to 16)."""
     block_t, block_e = triton.next_power_of_2(tokens), triton.next_power_of_2(experts)
-    return {
+    block_k = triton.next_power_of_2(top_k)
+    softmax_lanes = min(block_e, 32)
+    sum_lanes = block_k if block_k == top_k else block_k // 2
+    constexprs = {
         "TOP_K": top_k,
         "RENORMALIZE": renormalize,
         "LIBDEVICE_EXP": on_cuda,
         "BLOCK_T": block_t,
         "BLOCK_E": block_e,
-        "BLOCK_K": triton.next_power_of_2(top_k),
+        "BLOCK_K": block_k,
         "BLOCK_M": block_m,
         "BLOCK_B": max(1, BLOCKS_TILE // max(block_e, block_m)),
+        "SOFTMAX_LANES": softmax_lanes,
+        "SOFTMAX_ROUNDS": softmax_lanes.bit_length() - 1,
+        "SUM_LANES": sum_lanes,
+        "SUM_ROUNDS": sum_lanes.bit_length() - 1,
+    }
+    options = {
         "num_warps": max(4, min(16, block_t * block_e // 512)),
         "enable_fp_fusion": False,  # torch's roundings: nothing contracted into an FMA
+        "enable_reflect_ftz": False,  # libdevice's expf as nvcc compiles torch's: no flush
     }
+    return constexprs, options
 
 
 def moe_route_triton(
@@ -268,10 +323,13 @@ def moe_route_triton(
     sorted_ids = torch.empty(blocks * block_m, dtype=torch.int64, device=device)
     expert_ids = torch.empty(blocks, dtype=torch.int64, device=device)
     if tokens:
+        constexprs, options = launch_meta(
+            tokens, experts, top_k, renormalize, block_m, router_logits.is_cuda
+        )
         _moe_route_kernel[(1,)](
             router_logits, ids, weights, sorted_ids, expert_ids,
             tokens, experts, router_logits.stride(0), router_logits.stride(1), blocks,
-            **launch_meta(tokens, experts, top_k, renormalize, block_m, router_logits.is_cuda),
+            **constexprs, **options,
         )  # fmt: skip
     return ids, weights, sorted_ids, expert_ids
 

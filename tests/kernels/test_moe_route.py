@@ -9,6 +9,7 @@ layer routed by the ops."""
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -44,7 +45,7 @@ def cases() -> list[dict]:
                         {
                             "router_logits": logits,
                             "top_k": top_k,
-                            "renormalize": len(found) % 2 == 0,
+                            "renormalize": len(found) // 2 % 2 == 0,
                             "block_m": moe_route.block_m_for(tokens * top_k, experts),
                         }
                     )
@@ -97,6 +98,46 @@ def test_the_kernel_routes_and_aligns_as_torch(interpret):
     found = cases()
     for case, got in zip(found, interpret(run_routes, found), strict=True):
         assert_routes_as_torch(case, got)
+
+
+def cuda_order_weights(logits: torch.Tensor, top_k: int, renormalize: bool) -> torch.Tensor:
+    """The top-k weights [T, k] in float32 with torch's CUDA summation orders as the kernel
+    docstring gives them (the warp softmax's lanes, ATen's sum of the k), each add and
+    division IEEE float32 here, and numpy's `exp`, the interpreter's (on CUDA both sides
+    call libdevice's `expf`)."""
+    tokens, experts = logits.shape
+    padded = 1 << (experts - 1).bit_length()
+    x = torch.full((tokens, padded), float("-inf"))
+    x[:, :experts] = logits.float()
+    scores = torch.from_numpy(np.exp((x - x.max(dim=1, keepdim=True).values).numpy()))
+    lanes_n = min(padded, 32)
+    by_step = scores.view(tokens, padded // lanes_n, lanes_n)
+    lanes = torch.zeros(tokens, lanes_n)
+    for step in range(by_step.shape[1]):
+        lanes = lanes + by_step[:, step]
+    while lanes.shape[1] > 1:  # upper half onto lower
+        lanes = lanes[:, : lanes.shape[1] // 2] + lanes[:, lanes.shape[1] // 2 :]
+    probs = scores / lanes
+    ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    weights = probs.gather(1, ids)
+    if not renormalize:
+        return weights
+    width = 1 << (top_k.bit_length() - 1)  # the largest power of two <= k
+    lanes = weights[:, :width].clone()
+    lanes[:, : top_k - width] += weights[:, width:]
+    while lanes.shape[1] > 1:  # neighbours first
+        lanes = lanes[:, 0::2] + lanes[:, 1::2]
+    return weights / lanes
+
+
+def test_the_kernels_sums_run_in_torchs_cuda_order(interpret):
+    """The float32 weights of the interpreted kernel, bit for bit, those of torch's CUDA
+    summation orders (with the interpreter's `exp`): the orders the kernel reproduces so
+    that on CUDA its weights are torch's bits (the GPU test checks that half)."""
+    found = [case for case in cases() if case["router_logits"].dtype == torch.float32]
+    for case, got in zip(found, interpret(run_routes, found), strict=True):
+        want = cuda_order_weights(case["router_logits"], case["top_k"], case["renormalize"])
+        assert torch.equal(got[1], want)
 
 
 def test_ties_are_exercised():
@@ -163,16 +204,16 @@ def test_the_bound_and_the_fallback():
         moe_route.moe_route_triton(fallback_logits(), 8, True, 16)
 
 
-def test_the_kernel_compiles_for_an_h200():
+@pytest.mark.parametrize("top_k", [8, 6])
+def test_the_kernel_compiles_for_an_h200(top_k):
     """Triton's interpreter takes code its compiler refuses: the kernel at a 32-token thinker
-    step, as the launcher configures it, compiled here for sm_90 (Triton's own ptxas; no GPU
-    needed)."""
+    and talker step (k = 6: the weights' sum pairs columns), as the launcher configures it,
+    compiled here for sm_90 (Triton's own ptxas; no GPU needed)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    meta = moe_route.launch_meta(32, 128, 8, True, 16, on_cuda=True)
-    options = {name: meta.pop(name) for name in ("num_warps", "enable_fp_fusion")}
+    meta, options = moe_route.launch_meta(32, 128, top_k, True, 16, on_cuda=True)
     pointers = {"logits_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*bf16"}
     pointers |= {"sorted_ptr": "*i64", "expert_ids_ptr": "*i64"}
     sizes = dict.fromkeys(["tokens", "experts", "row_stride", "col_stride", "blocks"], "i32")
@@ -301,6 +342,21 @@ def test_the_compiled_kernel_routes_and_aligns_as_torch_on_gpu():
     got = moe_route.moe_route(logits, 8, True, 16)
     for a, b in zip(got, moe_route.reference(logits, 8, True, 16), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_weights_are_torchs_bits():
+    """Where no logits tie, the compiled kernel's weights are `route`'s on CUDA bit for bit:
+    its sums in torch's CUDA orders (the CPU test above checks the kernel adds in those
+    orders), libdevice's `expf` without flushing subnormals, correctly rounded divisions.
+    Should torch's kernels sum in other orders, this fails while the bound still holds."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    for case in cases():
+        on = {k: v.cuda() if torch.is_tensor(v) else v for k, v in case.items()}
+        if not tied(on["router_logits"], on["top_k"]):
+            got, want = moe_route.moe_route_triton(**on), moe_route.reference(**on)
+            assert torch.equal(got[1], want[1])
 
 
 def real_routing(stage: str, tokens: int, device: str = "cuda") -> tuple:
