@@ -7,13 +7,21 @@ its shared expert), random bf16 weights, at 1, 8, 32 and 256 tokens of a decode 
 (`[tokens, 1, H]`), each way timed over `--layers` layers, each its own weights and router
 (so the experts stream from HBM, not from L2), and printed per layer:
 
-- fused: `moe_forward(block, x)` (router, align step, the two kernels, the sum), replayed
-  from a CUDA graph as a decode step runs it, and called eagerly;
+- fused: `moe_forward(block, x)` (the router's linear, the routing kernel
+  `omniflow.kernels.moe_route`, the two kernels, the sum), replayed from a CUDA graph as a
+  decode step runs it, and called eagerly;
+- "ops-routed": the same layer routed by the torch ops the routing kernel replaces
+  (`route`: softmax, topk, sum, div, cast; `align`: 3 ops at one token, 14 otherwise),
+  replayed from a graph: the layer before `moe_route`, timed beside it in the same run;
 - transformers' own block forward, with its `grouped_mm` experts implementation ("HF gmm":
   replayed from a graph where it captures, and eagerly) and its `eager` one ("HF eager": an
   expert at a time, with a host sync);
 - the torch reference (`moe_forward(block, x, moe=fused_moe.reference)`), eagerly;
-- the router and align step alone, replayed from a graph.
+- the routing alone (the router's linear, then the kernel, or `route` and `align`),
+  replayed from a graph.
+
+Under each batch's row, the kernels one layer launches, fused and ops-routed (torch.profiler
+on an eager call: a graph replays the same kernels).
 
 Next to them: the distinct experts the tokens touch (averaged over the layers), the MB those
 experts (plus the router, and the talker's shared expert) hold, and the time to read them at
@@ -38,6 +46,7 @@ import triton
 from stage_steps import copy_bandwidth
 
 from omniflow.catalog.components import builtin_files
+from omniflow.kernels.timing import launches
 
 REAL = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
 H200_BANDWIDTH = 4.8e12  # B/s, HBM3e, NVIDIA's H200 figure
@@ -129,19 +138,36 @@ def with_experts(block: torch.nn.Module, implementation: str):
     return forward
 
 
+# The ways whose kernels a layer launches are printed under each batch's row (counted on an
+# eager call of the layer the graph captures).
+LAUNCHES = ("fused graph", "ops-routed graph")
+
+
+def width(name: str) -> int:
+    return max(12, len(name))
+
+
 def ways(blocks, xs) -> dict[str, tuple]:
     """name -> (callable of a layer index, whether to replay it from a graph)."""
-    from omniflow.kernels import fused_moe
+    from omniflow.kernels import fused_moe, moe_route
 
-    def align(layer: int):
-        block, x = blocks[layer], xs[layer].reshape(-1, xs[layer].shape[-1])
-        ids, _ = fused_moe.route(x @ block.gate.weight.T, block.gate.top_k, True)
-        experts = block.gate.num_experts
-        return fused_moe.align(ids, experts, fused_moe.block_m_for(ids.numel(), experts))
+    def routing(router):
+        def run(layer: int):
+            block, x = blocks[layer], xs[layer].reshape(-1, xs[layer].shape[-1])
+            entries = x.shape[0] * block.gate.top_k
+            block_m = moe_route.block_m_for(entries, block.gate.num_experts)
+            return router(x @ block.gate.weight.T, block.gate.top_k, True, block_m)
 
+        return run
+
+    ops_routed = functools.partial(fused_moe.fused_moe_triton, router=moe_route.reference)
     return {
         "fused graph": (lambda i: fused_moe.moe_forward(blocks[i], xs[i]), True),
         "fused eager": (lambda i: fused_moe.moe_forward(blocks[i], xs[i]), False),
+        "ops-routed graph": (
+            lambda i: fused_moe.moe_forward(blocks[i], xs[i], moe=ops_routed),
+            True,
+        ),
         "HF gmm graph": (lambda i: with_experts(blocks[i], "grouped_mm")(xs[i]), True),
         "HF gmm eager": (lambda i: with_experts(blocks[i], "grouped_mm")(xs[i]), False),
         "HF eager": (lambda i: with_experts(blocks[i], "eager")(xs[i]), False),
@@ -149,7 +175,8 @@ def ways(blocks, xs) -> dict[str, tuple]:
             lambda i: fused_moe.moe_forward(blocks[i], xs[i], moe=fused_moe.reference),
             False,
         ),
-        "align graph": (align, True),
+        "routing kernel graph": (routing(moe_route.moe_route_triton), True),
+        "routing ops graph": (routing(moe_route.reference), True),
     }
 
 
@@ -174,7 +201,7 @@ def main() -> None:
     blocks = build_blocks(args.stage, args.layers)
     names = list(ways(blocks, [None] * args.layers))
     header = f"{'tokens':>6} {'experts':>7} {'MB':>6} {'read':>6} {'x read':>6} {'x copy':>6}"
-    print(header + "".join(f" {name:>12}" for name in names))
+    print(header + "".join(f" {name:>{width(name)}}" for name in names))
     g = torch.Generator("cuda").manual_seed(1)
     for tokens in args.tokens:
         xs = [
@@ -193,8 +220,15 @@ def main() -> None:
         ratios = (
             f" {fused / read_us:>6.2f} {fused / copy_us:>6.2f}" if fused else f" {'-':>6} {'-':>6}"
         )
-        cells = "".join(f" {t:>12.1f}" if t else f" {'-':>12}" for t in timed.values())
+        cells = "".join(
+            f" {t:>{width(name)}.1f}" if t else f" {'-':>{width(name)}}"
+            for name, t in timed.items()
+        )
         print(f"{tokens:>6} {experts:>7.1f} {nbytes / 1e6:>6.1f} {read_us:>6.1f}{ratios}{cells}")
+        layer = ways(blocks, xs)
+        with torch.no_grad():
+            counted = {name: launches(functools.partial(layer[name][0], 0)) for name in LAUNCHES}
+        print("    kernels a layer: " + ", ".join(f"{n} {c:.0f}" for n, c in counted.items()))
         if args.sweep:
             sweep(blocks, xs, tokens, fused)
         torch.cuda.empty_cache()

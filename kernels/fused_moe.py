@@ -6,12 +6,12 @@ expert). Triton kernels on CUDA, and the torch reference (`reference`) they are 
 against. In three steps, none of which reads a value back to the host (a decode step can
 be captured in a CUDA graph):
 
-- `align`: the T x top_k (token, expert) entries sorted by expert and each expert's run
-  padded to BLOCK_M rows, with the expert of each block of BLOCK_M rows (-1 for the blocks
-  past the last used one, whose programs return at once). Fourteen small torch ops on the
-  device (a sort, a search, a cumsum, two scatters and the arithmetic between): their
-  count depends on neither E nor T; three at T = 1 (a sort, a fill, a strided copy: one
-  token's experts are distinct, one block each);
+- the routing: each token's top k experts and weights (`route`), and the T x top_k
+  (token, expert) entries sorted by expert, each expert's run padded to BLOCK_M rows, with
+  the expert of each block of BLOCK_M rows (-1 for the blocks past the last used one, whose
+  programs return at once: `align`). Both are `omniflow.kernels.moe_route`'s: one launch
+  from the router's logits on CUDA where a decode step's sizes fit (T <= 64 at E = 128),
+  else its torch ops (`route` ~5, `align` three at T = 1, fourteen otherwise);
 - a grouped product of each block's tokens by its expert's gate/up matrix, with
   `silu(gate) * up` applied to the products in registers: the `[T k, I]` activations are
   written, never the `[T k, 2 I]` products;
@@ -38,19 +38,21 @@ Why: at decode each token reads top_k experts' weights (the thinker's: 9.4 MB an
 transformers runs the experts one by one (a host sync to find the experts hit, then about
 ten small kernels an expert, `index_add_` among them), or through `torch._grouped_mm` over
 all E experts' offsets with the `[T k, 2 I]` products, activations and weighted outputs in
-memory between kernels; here a layer's experts are three launches after the router and the
-align step. Its speed is `benchmarks/fused_moe.py`'s to tell (docs/benchmarks.md, "Kernels";
-the runs: docs/benchmarks-log.md, "Fused MoE").
+memory between kernels; here a layer's experts are three launches after the router's
+linear and the routing kernel. Its speed is `benchmarks/fused_moe.py`'s to tell
+(docs/benchmarks.md, "Kernels"; the runs: docs/benchmarks-log.md, "Fused MoE").
 
 Numerics are transformers': the router's softmax in float32, its top-k weights
 renormalised in float32 when `renormalize` (`norm_topk_prob`), then rounded to the logits'
-dtype; products accumulate in float32 (float32 inputs multiply in IEEE float32; under
-Triton's interpreter every input is upcast first), gate and up rounded to the input dtype,
-SiLU and the product as `omniflow.kernels.silu_mul` computes them, the down product
-rounded, times the weight and rounded, as transformers' experts do. transformers then adds
-the k weighted outputs into a tensor of the input dtype one expert at a time (bf16 adds);
-here they are summed in float32 and rounded once, as its `grouped_mm` implementation does.
-Sums run in another order than cuBLAS', so results differ from `reference` by rounding.
+dtype (`moe_route`'s kernel adds its two float32 sums in its own order: a weight within a
+rounding of that, ties to the lower index; its docstring bounds both); products accumulate
+in float32 (float32 inputs multiply in IEEE float32; under Triton's interpreter every input
+is upcast first), gate and up rounded to the input dtype, SiLU and the product as
+`omniflow.kernels.silu_mul` computes them, the down product rounded, times the weight and
+rounded, as transformers' experts do. transformers then adds the k weighted outputs into a
+tensor of the input dtype one expert at a time (bf16 adds); here they are summed in float32
+and rounded once, as its `grouped_mm` implementation does. Sums run in another order than
+cuBLAS', so results differ from `reference` by rounding.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ import torch
 import torch.nn.functional as F
 
 from omniflow.errors import OmniflowError
-from omniflow.kernels import silu_mul
+from omniflow.kernels import moe_route, silu_mul
+from omniflow.kernels.moe_route import align, block_m_for, route
 from omniflow.kernels.triton_guard import jit, tl, triton
 
 # A program's output columns and its K tile, for both products (benchmarks/fused_moe.py
@@ -125,67 +128,6 @@ def _moe_matmul_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_in[:, None] & col_in[None, :])
 
 
-def route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top-k expert ids [T, k], their weights [T, k]): transformers' Qwen3-Omni router on
-    its logits `[T, E]`: softmax in float32, top k, renormalised to sum 1 in float32 when
-    `renormalize`, the weights rounded to the logits' dtype."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return ids, weights.to(router_logits.dtype)
-
-
-def most_blocks(entries: int, num_experts: int, block_m: int) -> int:
-    """Blocks of `block_m` rows that `entries` entries padded per expert can fill: each used
-    expert pads at most `block_m - 1` rows, and at most min(E, entries) experts are used. A
-    function of the shapes only, so the kernels' grid needs no value from the device."""
-    return (entries + min(num_experts, entries) * (block_m - 1)) // block_m
-
-
-def block_m_for(entries: int, num_experts: int) -> int:
-    """Rows a block: the entries an expert gets on average, as a power of two in [16, 64]
-    (16, the smallest tile side of Triton's tensor-core product, up to 16 tokens an expert:
-    a thinker decode step of up to 256 tokens)."""
-    average = -(-entries // num_experts)
-    return max(16, min(64, 1 << max(0, average - 1).bit_length()))
-
-
-def align(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (token, expert) entries sorted by expert, each expert's run padded to `block_m`.
-
-    `topk_ids` `[T, k]`: entry `e` is token `e // k`'s choice `e % k`. Returns
-    `sorted_ids` `[most_blocks * block_m]`: the entries, expert by expert (in entry order
-    within one), each expert's run starting a block and padded with `T * k`; and
-    `expert_ids` `[most_blocks]`: each block's expert, -1 past the last used block. Both on
-    the ids' device, from torch ops whose count and shapes depend only on the shapes (no
-    host sync, no loop over experts). One token (a decode step at batch 1) takes three:
-    its k experts are distinct, so each is one entry and one block."""
-    flat = topk_ids.reshape(-1)
-    entries = flat.numel()
-    blocks = most_blocks(entries, num_experts, block_m)
-    experts, order = torch.sort(flat, stable=True)
-    if topk_ids.shape[0] == 1:
-        sorted_ids = torch.full(
-            (entries * block_m,), entries, dtype=order.dtype, device=flat.device
-        )
-        sorted_ids[::block_m] = order
-        return sorted_ids, experts
-    # Each entry's rank among its expert's: its sorted position less its expert's first.
-    rank = torch.arange(entries, device=flat.device) - torch.searchsorted(experts, experts)
-    within = rank % block_m
-    block = torch.cumsum(within == 0, 0) - 1  # a block starts at each expert and every block_m
-    sorted_ids = torch.full((blocks * block_m,), entries, dtype=order.dtype, device=flat.device)
-    sorted_ids.scatter_(0, block * block_m + within, order)
-    expert_ids = torch.full((blocks,), -1, dtype=experts.dtype, device=flat.device)
-    expert_ids.scatter_(0, block, experts)  # each block's entries all write its one expert
-    return sorted_ids, expert_ids
-
-
 def _check(hidden, w_gate_up, w_down, topk_ids, topk_weights) -> None:
     if hidden.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
         raise MoEError(
@@ -208,10 +150,17 @@ def _check(hidden, w_gate_up, w_down, topk_ids, topk_weights) -> None:
         raise MoEError(f"top-k ids must be integers, got {topk_ids.dtype}")
 
 
-def _routing(hidden, w_gate_up, w_down, router_logits, top_k, renormalize, ids, weights):
-    """(ids, weights) from either the router's logits or the given top k; checks operands."""
+def _routing(
+    hidden, w_gate_up, w_down, router_logits, top_k, renormalize, ids, weights, router=None,
+    block_m=None,
+):  # fmt: skip
+    """(ids, weights, aligned) from either the router's logits or the given top k; checks
+    operands. Logits are routed by `router` where given (a `moe_route.moe_route`-like
+    callable: routing and alignment into `block_m` rows), `aligned` its (sorted_ids,
+    expert_ids); else by `route`, `aligned` None (`align` is left to the caller)."""
     if (router_logits is None) == (ids is None and weights is None):
         raise MoEError("give either router_logits (and top_k) or topk_ids and topk_weights")
+    aligned = None
     if router_logits is not None:
         experts = w_gate_up.shape[0] if w_gate_up.dim() == 3 else -1
         if router_logits.shape != (hidden.shape[0], experts) or not top_k:
@@ -219,11 +168,14 @@ def _routing(hidden, w_gate_up, w_down, router_logits, top_k, renormalize, ids, 
                 f"router logits {list(router_logits.shape)} and top_k {top_k} for"
                 f" {hidden.shape[0]} tokens and {experts} experts"
             )
-        ids, weights = route(router_logits, top_k, renormalize)
+        if router is None:
+            ids, weights = route(router_logits, top_k, renormalize)
+        else:
+            ids, weights, *aligned = router(router_logits, top_k, renormalize, block_m)
     if ids is None or weights is None:
         raise MoEError("topk_ids and topk_weights go together")
     _check(hidden, w_gate_up, w_down, ids, weights)
-    return ids, weights
+    return ids, weights, aligned
 
 
 def _pow2_between(n: int, low: int, high: int) -> int:
@@ -238,13 +190,16 @@ def experts_triton(
     topk_weights: torch.Tensor,
     *,
     block_m: int | None = None,
+    aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
     block_n: int = BLOCK_N,
     block_k: int = BLOCK_K,
     num_warps: int = 4,
     num_stages: int = 4,
 ) -> torch.Tensor:
     """The routed experts' weighted sum `[T, H]` in hidden's dtype, with the kernels (see the
-    module docstring). Block sizes and pipeline depth are the kernels' tuning."""
+    module docstring). Block sizes and pipeline depth are the kernels' tuning. `aligned`:
+    the entries' (sorted_ids, expert_ids) for `block_m` where the caller has them
+    (`moe_route`'s), else `align` computes them."""
     _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
     if hidden.stride(1) != 1 or w_gate_up.stride(2) != 1 or w_down.stride(2) != 1:
         raise MoEError("hidden's and the weights' rows must be contiguous")
@@ -256,7 +211,9 @@ def experts_triton(
     if not entries:
         return partial.sum(1)
     block_m = block_m or block_m_for(entries, num_experts)
-    sorted_ids, expert_ids = align(topk_ids, num_experts, block_m)
+    if aligned is None:
+        aligned = align(topk_ids, num_experts, block_m)
+    sorted_ids, expert_ids = aligned
     act = torch.empty(entries, inner, dtype=hidden.dtype, device=hidden.device)
     scale = topk_weights.reshape(-1)
     in_float32 = hidden.dtype == torch.float32 or not hidden.is_cuda
@@ -305,15 +262,27 @@ def fused_moe_triton(
     renormalize: bool = False,
     topk_ids: torch.Tensor | None = None,
     topk_weights: torch.Tensor | None = None,
+    router=None,
     **tuning,
 ) -> torch.Tensor:
     """The MoE layer's routed output `[T, H]` with the kernels, routed by `router_logits`
-    `[T, E]` (with `top_k`, `renormalize`: `route`) or by the given `topk_ids` and
-    `topk_weights` `[T, k]`. `tuning`: `experts_triton`'s block sizes and depth."""
-    ids, weights = _routing(
-        hidden, w_gate_up, w_down, router_logits, top_k, renormalize, topk_ids, topk_weights
+    `[T, E]` (with `top_k`, `renormalize`) or by the given `topk_ids` and `topk_weights`
+    `[T, k]`. Logits are routed and aligned by `router`: `moe_route.moe_route` by default
+    (one launch on CUDA where its sizes fit, `route`'s and `align`'s torch ops elsewhere);
+    `moe_route.moe_route_triton`, the kernel wherever Triton runs (the tests run it under
+    Triton's interpreter); `moe_route.reference`, the ops (the path before the kernel,
+    which benchmarks/fused_moe.py times beside it). `tuning`: `experts_triton`'s block
+    sizes and depth."""
+    block_m = tuning.pop("block_m", None)
+    if router_logits is not None and top_k:
+        block_m = block_m or block_m_for(hidden.shape[0] * top_k, router_logits.shape[-1])
+    ids, weights, aligned = _routing(
+        hidden, w_gate_up, w_down, router_logits, top_k, renormalize, topk_ids, topk_weights,
+        router or moe_route.moe_route, block_m,
+    )  # fmt: skip
+    return experts_triton(
+        hidden, w_gate_up, w_down, ids, weights, block_m=block_m, aligned=aligned, **tuning
     )
-    return experts_triton(hidden, w_gate_up, w_down, ids, weights, **tuning)
 
 
 def reference(
@@ -330,7 +299,7 @@ def reference(
 ) -> torch.Tensor:
     """`fused_moe_triton`'s result as torch computes it (`route`, then `experts`:
     `experts_reference` by default)."""
-    ids, weights = _routing(
+    ids, weights, _ = _routing(
         hidden, w_gate_up, w_down, router_logits, top_k, renormalize, topk_ids, topk_weights
     )
     return (experts or experts_reference)(hidden, w_gate_up, w_down, ids, weights)

@@ -1,6 +1,7 @@
 """Triton where it is installed, for every kernel file: `triton` and `tl` (None on CPU-only
 installs, where each file's dispatcher runs its torch reference instead) and `jit`, which
-compiles a kernel only where Triton can.
+compiles a kernel only where Triton can; `libdevice`, CUDA's math library (its functions
+compile on CUDA only: Triton's interpreter has none).
 
 `TRITON_INTERPRET=1` must be set before this module is first imported
 (tests/kernels/conftest.py).
@@ -13,8 +14,9 @@ import os
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ModuleNotFoundError:
-    triton = tl = None
+    triton = tl = libdevice = None
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -1,7 +1,7 @@
 """The fused MoE experts: the router and the reference are transformers' Qwen3-Omni sparse
 MoE block (thinker's and talker's, built tiny from their config classes with random
-weights), the align step sorts every entry into its expert's padded blocks, and the Triton
-kernels (interpreted on the CPU in float32, compiled on a GPU) agree with the reference
+weights), and the Triton kernels (interpreted on the CPU in float32, compiled on a GPU;
+routed by `moe_route`'s kernel, tests/kernels/test_moe_route.py) agree with the reference
 and with the block."""
 
 import pytest
@@ -187,38 +187,6 @@ def test_the_reference_is_transformers_experts_on_given_routing():
         with torch.no_grad():
             want = module.experts(case["hidden"], ids, scales)
         assert_agree(fused_moe.reference(**tuning_free(case)), want)
-
-
-def test_align_sorts_each_entry_into_its_experts_blocks():
-    g = torch.Generator().manual_seed(3)
-    # (tokens, experts, top k, block rows)
-    for tokens, experts, top_k, block_m in [(1, 128, 8, 16), (37, 4, 2, 16), (300, 8, 3, 32)]:
-        ids = torch.rand(tokens, experts, generator=g).topk(top_k, dim=1).indices
-        sorted_ids, expert_ids = fused_moe.align(ids, experts, block_m)
-        entries, blocks = tokens * top_k, fused_moe.most_blocks(tokens * top_k, experts, block_m)
-        assert sorted_ids.shape == (blocks * block_m,) and expert_ids.shape == (blocks,)
-        counts = torch.bincount(ids.flatten(), minlength=experts)
-        used = int(((counts + block_m - 1) // block_m).sum())
-        assert (expert_ids[:used] >= 0).all() and (expert_ids[used:] == -1).all()
-        assert (expert_ids[:used].diff() >= 0).all()
-        rows = sorted_ids.view(blocks, block_m)
-        valid = rows < entries
-        assert torch.equal(sorted_ids[sorted_ids < entries].sort().values, torch.arange(entries))
-        assert (sorted_ids[~(sorted_ids < entries)] == entries).all()
-        assert valid[:used, 0].all() and not valid[used:].any()  # no empty block is used
-        for b in range(used):
-            members = rows[b][valid[b]]
-            assert (ids.flatten()[members] == expert_ids[b]).all()
-            assert (members.diff() > 0).all()  # entry order within an expert
-            assert torch.equal(valid[b], torch.arange(block_m) < len(members))  # padded at the end
-
-
-def test_block_rows_follow_the_tokens_an_expert_gets():
-    # A thinker decode step (128 experts, 8 a token) at 1, 32, 256 tokens, then prefill.
-    assert [fused_moe.block_m_for(t * 8, 128) for t in (1, 32, 256, 512, 1024, 4096)] == [
-        16, 16, 16, 32, 64, 64,
-    ]  # fmt: skip
-    assert fused_moe.most_blocks(8, 128, 16) == 8  # one block a chosen expert
 
 
 def test_kernel_agrees_with_the_reference_and_the_block(interpret):
