@@ -16,8 +16,10 @@ flash-attn package's `flash_attn_func`, `[B, S, H, Dh]` without transposes; Flas
 load, each kernel that runs at the transformer's heads and head dim over AUTO_TOKENS tokens
 and keeps the fastest (a few tens of milliseconds); off CUDA it is `sdpa`. A masked call
 (Qwen-Image's rows of different prompt lengths) runs `sdpa` whatever the choice: the
-flash-attn functions take no mask. benchmarks/attention.py measures the same kernels at the
-real models' shapes.
+flash-attn functions take no mask. A forced SDPA backend, chosen or probed at other shapes,
+that refuses a call's (a cross-attention's few text keys, say) leaves that call to torch's
+own choice, said once a shape in the log: a request never fails on it.
+benchmarks/attention.py measures the same kernels at the real models' shapes.
 """
 
 from __future__ import annotations
@@ -100,12 +102,17 @@ def _flash_attn_func() -> Callable | None:
 
 class Attention:
     """`attend(q, k, v, mask)` on `[B, S, H, Dh]` queries, keys and values (mask: a boolean
-    `[B, 1, 1, S_k]` or None) with one kernel of KERNELS; `[B, S, H, Dh]` out."""
+    `[B, 1, 1, S_k]` or None) with one kernel of KERNELS; `[B, S, H, Dh]` out. A forced SDPA
+    backend that refuses a call's shapes leaves them to torch's own choice (`fall_back`,
+    said once a shape in the log), else raises."""
 
-    def __init__(self, kernel: str = "sdpa"):
+    def __init__(self, kernel: str = "sdpa", fall_back: bool = True):
         if kernel not in KERNELS:
             raise AttentionError(f"attention kernel {kernel!r}: one of {', '.join(CHOICES)}")
         self.kernel = kernel
+        # Shapes (q's, k's) the forced SDPA backend refused: torch's own choice runs them.
+        self.refused: set[tuple] = set()
+        self.fall_back = fall_back
         self.flash_attn = _flash_attn_func() if kernel == "flash_attn" else None
         if kernel == "flash_attn" and self.flash_attn is None:
             raise AttentionError(
@@ -118,8 +125,28 @@ class Attention:
             return out[0] if isinstance(out, tuple) else out  # FA3 also returns the LSE
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         backend = SDPA_BACKENDS.get(self.kernel) if mask is None else None
-        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        shapes = (tuple(q.shape), tuple(k.shape))
+        if backend is not None and shapes not in self.refused:
+            try:
+                with warnings.catch_warnings():  # (SDPA warns why a forced backend cannot run)
+                    warnings.simplefilter("ignore")
+                    with sdpa_kernel(backend):
+                        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+            except RuntimeError as err:
+                if not self.fall_back:
+                    raise
+                # The kernel was chosen (or probed) at other shapes: one that refuses this
+                # one (a cross-attention's few keys, say) leaves it to torch's own choice.
+                self.refused.add(shapes)
+                log.warning(
+                    "attention %s refuses queries %s over keys %s (%s): torch's SDPA choice "
+                    "runs them",
+                    self.kernel,
+                    list(q.shape),
+                    list(k.shape),
+                    str(err).splitlines()[0] if str(err) else type(err).__name__,
+                )
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return out.transpose(1, 2)
 
 
@@ -129,7 +156,7 @@ def refusal(kernel: str, q: torch.Tensor, k=None, v=None) -> str | None:
     try:
         with warnings.catch_warnings():  # SDPA warns why a forced backend cannot run
             warnings.simplefilter("ignore")
-            Attention(kernel)(q, q if k is None else k, q if v is None else v)
+            Attention(kernel, fall_back=False)(q, q if k is None else k, q if v is None else v)
     except Exception as err:  # a probe: any kernel's refusal means "not here"
         return str(err).splitlines()[0] if str(err) else type(err).__name__
     return None

@@ -7,12 +7,20 @@ forward, and the diffusion stage with `blocks="fused"` against `WanPipeline.__ca
 tests/kernels/test_fused_dit_blocks.py runs the same blocks through the Triton kernels
 under Triton's interpreter."""
 
+import logging
+
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed, WanTransformerBlock
 
-from omniflow.backends.dit_blocks import Attention, AttentionError, attention_for, fastest
+from omniflow.backends.dit_blocks import (
+    Attention,
+    AttentionError,
+    attention_for,
+    fastest,
+    refusal,
+)
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.compiler import compile_source
 from omniflow.families.wan.fused_blocks import FusedWanBlock, fuse_blocks
@@ -181,6 +189,24 @@ def test_an_attention_kernel_that_cannot_run_is_named():
     with pytest.raises(AttentionError, match="'cudnn' does not run here"):
         attention_for("cudnn", 2, 8, torch.float32, "cpu")
     assert attention_for("auto", 2, 8, torch.float32, "cpu").kernel == "sdpa"
+
+
+def test_a_forced_kernel_that_refuses_a_calls_shapes_leaves_them_to_sdpa(caplog):
+    """A kernel is chosen (`auto`) or probed at load at other shapes than a request's (a
+    cross-attention's 512 text keys under 32k video queries): where the forced SDPA backend
+    refuses a call, torch's own choice runs it, said once a shape, never a failed request.
+    cuDNN's backend refuses every CPU call; the probe still names it."""
+    q, k = torch.randn(1, 6, 2, 8), torch.randn(1, 3, 2, 8)
+    attend = Attention("cudnn")
+    with caplog.at_level(logging.WARNING, logger="omniflow.backends.dit_blocks"):
+        outs = [attend(q, k, k), attend(q, k, k), attend(q, q, q)]
+    torch.testing.assert_close(outs[0], Attention("sdpa")(q, k, k))
+    torch.testing.assert_close(outs[2], Attention("sdpa")(q, q, q))
+    refusals = [r for r in caplog.records if "refuses" in r.getMessage()]
+    assert len(refusals) == 2 and "[1, 2, 6, 8]" in refusals[0].getMessage()
+    assert refusal("cudnn", q) is not None
+    with pytest.raises(RuntimeError):
+        Attention("cudnn", fall_back=False)(q, k, k)
 
 
 def test_the_stage_with_fused_blocks_matches_the_pipeline():
