@@ -152,6 +152,13 @@ class NetProducer(_NetEndpoint, Producer):
             raise ChannelError(f"'{name}' is not a net ring's name")
         return cls(name)
 
+    def drained(self) -> bool:
+        """Whether the consumer has released every slot: all that was put has arrived and
+        been taken (a producer about to close may wait for it; closing drops what zmq has not
+        sent yet)."""
+        self._take_credits()
+        return len(self._free) == self.slots
+
     def _take_credits(self) -> None:
         # Everything waiting, not just one: zmq's fd only says when something new arrives.
         while True:

@@ -18,21 +18,28 @@ from tests.runtime.test_shm_ring import _same, _samples, _stream, drain_stream
 SPAWN = mp.get_context("spawn")
 
 
+def close_drained(producer: NetProducer) -> None:
+    """Close once the consumer has taken everything: zmq sends from its own thread, and a
+    close drops what it has not sent yet."""
+    deadline = time.monotonic() + 60
+    while not producer.drained() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    producer.close()
+
+
 def _send_samples(name: str) -> None:
     producer = NetProducer.attach(name)
     samples = _samples()
     chunks = [(t,) for t in samples] + [tuple(samples)]
     for i, chunk in enumerate(chunks):
         producer.put(chunk, ChunkMeta("req-1", i, end=i == len(chunks) - 1), timeout=30)
-    time.sleep(1)  # zmq sends from its own thread: let the last message leave
-    producer.close()
+    close_drained(producer)
 
 
 def _stream_to(name: str, n: int) -> None:
     producer = NetProducer.attach(name)
     _stream(producer, n)
-    time.sleep(1)
-    producer.close()
+    close_drained(producer)
 
 
 @pytest.fixture
@@ -43,6 +50,7 @@ def peer():
         process = SPAWN.Process(target=target, args=args)
         process.start()
         started.append(process)
+        return process
 
     yield start
     for process in started:
@@ -53,7 +61,7 @@ def peer():
 
 def test_round_trip_from_a_peer_into_the_slots(peer):
     consumer = NetConsumer.create(2, 4096)
-    peer(_send_samples, consumer.name)
+    sender = peer(_send_samples, consumer.name)
     samples = _samples()
     chunks = [(t,) for t in samples] + [tuple(samples)]
     slots = consumer._memory
@@ -66,15 +74,19 @@ def test_round_trip_from_a_peer_into_the_slots(peer):
                 if got.numel():  # a view of the pre-allocated slots, not a fresh buffer
                     start = slots.data_ptr()
                     assert start <= got.data_ptr() < start + slots.numel()
+    sender.join(30)  # it closes once every slot is back: the consumer stays open till then
+    assert sender.exitcode == 0
     consumer.close()
 
 
 def test_backpressure_holds_a_fast_producer_back_without_loss(peer):
     n = 500
     consumer = NetConsumer.create(4, 4096)
-    peer(_stream_to, consumer.name, n)
+    sender = peer(_stream_to, consumer.name, n)
     waits = drain_stream(consumer, n, 0.0005)
     assert waits > n // 2, "the producer rarely waited for a credit"
+    sender.join(30)
+    assert sender.exitcode == 0
     consumer.close()
 
 
