@@ -339,3 +339,35 @@ def test_on_cuda_the_towers_give_the_cpus_items(path, kind):
         assert on_gpu.embeds.is_cuda and on_gpu.meta == on_cpu.meta
         scale = float(on_cpu.embeds.abs().max())
         torch.testing.assert_close(on_gpu.embeds.cpu(), on_cpu.embeds, atol=1e-3 * scale, rtol=0)
+
+
+def one_gpu_plan():
+    """The media plan compiled for one H200: every stage on cuda:0, one executor."""
+    plan = compile_source(SOURCE, devices="1xH200")
+    (executor,) = plan.executors
+    assert executor.stage_names == ["hearing", "vision", "thinker", "talker"]
+    assert {device for stage in plan.stages for device in stage.devices} == {"cuda:0"}
+    return plan
+
+
+def test_on_one_gpu_the_media_plan_is_one_executor():
+    """The GPU test's plan, compiled here: its wiring breaks on any machine."""
+    one_gpu_plan()
+
+
+@pytest.mark.gpu
+def test_on_one_gpu_media_go_through_the_one_executor_plan():
+    """Image, audio and video input through the one-GPU plan: the towers, the captured
+    thinker (MoE) and talker steps in one executor process, each stage on its own stream,
+    hand-offs ordered by CUDA events, give each case the tokens and frames the same stages
+    give run one after another on the same GPU (the interpreter, no streams, no process)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    plan = one_gpu_plan()
+    interpreter = Interpreter(plan)
+    want = {name: _run(interpreter.run, name) for name in CASES}
+    with Engine(plan, "process") as engine:
+        for name in CASES:
+            out = _run(engine.generate, name)
+            assert out["tokens"].reshape(-1).tolist() == want[name]["tokens"].reshape(-1).tolist()
+            assert len(out["tokens"].reshape(-1)) and torch.equal(out["codes"], want[name]["codes"])
