@@ -59,9 +59,13 @@ for part in "$@"; do
       python3 -P -c "import torch, transformers, triton, omniflow.kernels.sampling, omniflow.dsl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/setup.log"
       ;;
     tests)
-      # GPU_TESTS: the test files to run (default: every file with tests marked gpu).
+      # GPU_TESTS: the test files to run (default: every file with tests marked gpu);
+      # TESTS_SHARD=i/n: only every n-th of them from the i-th (1-based), so that a suite
+      # longer than one call's limit runs in n calls.
+      files=$(echo ${GPU_TESTS:-$(grep -rl "mark.gpu" tests | sort)} | tr ' ' '\n' \
+        | awk -v shard="${TESTS_SHARD:-1/1}" 'BEGIN { split(shard, s, "/") } (NR - s[1]) % s[2] == 0')
       timeout ${TESTS_S:-450} python3 -P -m pytest -q -m gpu -p no:cacheprovider -o addopts="" \
-        ${GPU_TESTS:-$(grep -rl "mark.gpu" tests)} 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+        --durations=15 $files 2>&1 | tee "$OUT/gpu_tests${TESTS_SHARD:+-${TESTS_SHARD%/*}}.log" | tail -40
       ;;
     edges)
       timeout ${EDGES_S:-200} python3 benchmarks/device_edges.py 2>&1 | tee "$OUT/device_edges.log"
