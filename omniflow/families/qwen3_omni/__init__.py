@@ -13,10 +13,9 @@ of the published checkpoint that those share.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from omniflow.families.family import Family, Part, TinyModel
+from omniflow.families.family import Family, Part, TinyModel, local_config
 from omniflow.families.qwen2_5_omni import omni_adapters, omni_stages, thinker_parts
 from omniflow.families.qwen3_omni.costs import cost
 
@@ -84,11 +83,8 @@ def vision_hidden_width(config) -> int:
 def speakers(path: str | Path) -> tuple[str, ...] | None:
     """The speakers of a local Qwen3-Omni checkpoint (its talker's `speaker_id`), named as
     `generate` takes them ("Ethan"; it lowers the case); None for any other checkpoint."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return None
-    layout = json.loads(config.read_text(encoding="utf-8"))
-    if layout.get("model_type") != ARCHITECTURE:
+    layout = local_config(path, ARCHITECTURE)
+    if layout is None:
         return None
     names = (layout.get("talker_config") or {}).get("speaker_id") or {}
     return tuple(sorted(name.capitalize() for name in names)) or None
