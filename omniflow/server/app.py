@@ -487,12 +487,7 @@ def create_app(server: Server) -> FastAPI:
         )  # fmt: skip
 
         async def make() -> bytes:
-            frames = None
-            async for output, value in run.chunks():
-                if output == served.video_port.name:
-                    frames = value
-            if frames is None:
-                raise APIError(500, f"pipeline '{served.name}' produced no video", code="no_output")
+            frames = await run.last(served.video_port.name, "video")
             return await asyncio.to_thread(videos.mp4_bytes, frames, video.fps)
 
         data = await whole(request, context, slot, make())
