@@ -177,6 +177,13 @@ class Family:
     configs: str | None = None
 
 
+def diffusers_runtime(package: str) -> dict[tuple[str, str], str]:
+    """`Family.runtime` of a diffusers pipeline family: its encoder, diffusion and vae stages
+    all run by the `PIPELINES` object of its module `package.pipeline`."""
+    pipelines = f"{package}.pipeline:PIPELINES"
+    return {(kind, "diffusers"): pipelines for kind in ("encoder", "diffusion", "vae")}
+
+
 def local_config(path: str | Path, architecture: str) -> dict | None:
     """A local checkpoint's config.json if its `model_type` is `architecture`, else None (a
     family's `speakers` or `voices` reads it without loading the model)."""
