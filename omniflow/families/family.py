@@ -19,8 +19,10 @@ family's descriptor. The descriptor has two halves:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from omniflow.ir.kinds import ParamSpec
@@ -173,3 +175,20 @@ class Family:
     # The folder of its published configs (set by the registry for a family folder; a
     # family registered from elsewhere may point at its own, or have none).
     configs: str | None = None
+
+
+def diffusers_runtime(package: str) -> dict[tuple[str, str], str]:
+    """`Family.runtime` of a diffusers pipeline family: its encoder, diffusion and vae stages
+    all run by the `PIPELINES` object of its module `package.pipeline`."""
+    pipelines = f"{package}.pipeline:PIPELINES"
+    return {(kind, "diffusers"): pipelines for kind in ("encoder", "diffusion", "vae")}
+
+
+def local_config(path: str | Path, architecture: str) -> dict | None:
+    """A local checkpoint's config.json if its `model_type` is `architecture`, else None (a
+    family's `speakers` or `voices` reads it without loading the model)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    layout = json.loads(config.read_text(encoding="utf-8"))
+    return layout if layout.get("model_type") == architecture else None

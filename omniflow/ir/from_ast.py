@@ -88,11 +88,7 @@ class _GraphBuilder:
         if attr.key in NOT_YET_PARAMS and attr.key not in specs:
             raise GraphError(NOT_YET_PARAMS[attr.key], attr.span, f"remove `{attr.key}=...`")
         if attr.key not in specs:
-            raise GraphError(
-                f"unknown {what} '{attr.key}'",
-                attr.span,
-                suggest(attr.key, specs, "valid"),
-            )
+            raise _unknown(what, attr.key, attr.span, specs, "valid")
         spec = specs[attr.key]
         span = attr.value_span or attr.span
         value = True if attr.value is None and bool in spec.types else attr.value
@@ -159,11 +155,7 @@ class _GraphBuilder:
     def stage(self, s: ast.StageDecl) -> None:
         self._claim_name(s.name, s.span)
         if s.kind not in KINDS:
-            raise GraphError(
-                f"unknown stage kind '{s.kind}'",
-                s.kind_span,
-                suggest(s.kind, KINDS, "kinds"),
-            )
+            raise _unknown("stage kind", s.kind, s.kind_span, KINDS, "kinds")
         kind = KINDS[s.kind]
         # The kind's own first (the hint lists them first), then a family's (checked later,
         # against the stage's model).
@@ -204,11 +196,7 @@ class _GraphBuilder:
     def input(self, i: ast.InputDecl) -> None:
         self._claim_name(i.name, i.span)
         if i.type not in PORT_TYPES:
-            raise GraphError(
-                f"unknown type '{i.type}'",
-                i.type_span,
-                suggest(i.type, PORT_TYPES, "types"),
-            )
+            raise _unknown("type", i.type, i.type_span, PORT_TYPES, "types")
         params = {"type": i.type}
         if i.default is not None:
             params["default"] = self.value(i.default, i.span)
@@ -304,11 +292,7 @@ class _GraphBuilder:
         result = []
         for op in ops:
             if op.name not in OPS:
-                raise GraphError(
-                    f"unknown map op '{op.name}'",
-                    op.span,
-                    suggest(op.name, OPS, "ops"),
-                )
+                raise _unknown("map op", op.name, op.span, OPS, "ops")
             want = OPS[op.name].args
             if len(op.args) != len(want):
                 raise GraphError(
@@ -357,9 +341,7 @@ class _GraphBuilder:
         known = families.adapters()
         namespaces = {adapter.split(".")[0] for adapter in known}
         if name.split(".")[0] in namespaces and name not in known:
-            raise GraphError(
-                f"unknown adapter '{name}'", flow.span, suggest(name, known, "adapters")
-            )
+            raise _unknown("adapter", name, flow.span, known, "adapters")
         spec = known.get(name)
         if spec is None:
             return typ
@@ -483,3 +465,9 @@ def build(program: ast.Pipeline) -> Graph:
     builder.constraints()
     builder.structure()
     return builder.graph.lint()
+
+
+def _unknown(what: str, name: str, span: Span, known, listed: str) -> GraphError:
+    """The error for a `what` named `name` that is none of `known`: the nearest of them, or
+    the `listed` ones (`suggest`)."""
+    return GraphError(f"unknown {what} '{name}'", span, suggest(name, known, listed))

@@ -324,14 +324,20 @@ def create_app(server: Server) -> FastAPI:
         finally:
             slot.release()
 
-    # --- POST /v1/chat/completions -----------------------------------------------------------
-    async def chat_completions(request: Request, context) -> Response:
+    async def admit_json(request: Request, context, capability: str, parse):
+        """A JSON request's pipeline (routed by its `model` among those with `capability`),
+        its job (`parse(server, served, body)`), admitted, and a slot on the pipeline."""
         body = parse_json(await request.body())
-        served = server.route(body.get("model"), "chat")
+        served = server.route(body.get("model"), capability)
         context["model"] = served.name
-        job = await chat.parse(server, served, body)
+        job = await parse(server, served, body)
         admitted = server.admit(served, job.inputs, job.params)
         slot = await until_disconnect(request, served.acquire())
+        return served, job, admitted, slot
+
+    # --- POST /v1/chat/completions -----------------------------------------------------------
+    async def chat_completions(request: Request, context) -> Response:
+        _, job, admitted, slot = await admit_json(request, context, "chat", chat.parse)
         run = context["run"] = chat.make_run(job, admitted, chat.new_id(), context["began"])
         headers = {"x-omniflow-seed": str(run.seed), "x-request-id": run.request_id}
         if job.request.stream:
@@ -343,12 +349,7 @@ def create_app(server: Server) -> FastAPI:
 
     # --- POST /v1/audio/speech ------------------------------------------------------------------
     async def audio_speech(request: Request, context) -> Response:
-        body = parse_json(await request.body())
-        served = server.route(body.get("model"), "speech")
-        context["model"] = served.name
-        job = await speech.parse(server, served, body)
-        admitted = server.admit(served, job.inputs, job.params)
-        slot = await until_disconnect(request, served.acquire())
+        served, job, admitted, slot = await admit_json(request, context, "speech", speech.parse)
         run = context["run"] = Run(
             served, admitted, chat.new_id().replace("chatcmpl", "speech"), {job.audio_port.name},
             context["began"],
@@ -487,12 +488,7 @@ def create_app(server: Server) -> FastAPI:
         )  # fmt: skip
 
         async def make() -> bytes:
-            frames = None
-            async for output, value in run.chunks():
-                if output == served.video_port.name:
-                    frames = value
-            if frames is None:
-                raise APIError(500, f"pipeline '{served.name}' produced no video", code="no_output")
+            frames = await run.last(served.video_port.name, "video")
             return await asyncio.to_thread(videos.mp4_bytes, frames, video.fps)
 
         data = await whole(request, context, slot, make())

@@ -20,7 +20,7 @@ from starlette.datastructures import UploadFile
 from omniflow.ir.kinds import SEED_BITS
 from omniflow.media import IMAGE_FORMATS, decode_image, image_bytes
 from omniflow.server import media_in
-from omniflow.server.errors import APIError, bad_request
+from omniflow.server.errors import bad_request
 from omniflow.server.params import Params, parse_form_value
 from omniflow.server.protocol import ImageGenerationRequest, merge_extra_body, validate
 from omniflow.server.run import Run
@@ -142,20 +142,27 @@ def _job(served, fields: dict, inputs: dict) -> ImageJob:
             "b64_json (it keeps no files to link to)",
             param="response_format",
         )
-    size = fields.pop("size", None)
-    if size not in (None, "auto"):
-        _size(params, size)
     for name, allowed in NO_OP_STRINGS.items():
         if fields.get(name) in allowed:
             fields.pop(name)
-    for name in list(fields):  # a field naming one of the pipeline's text inputs fills it
+    take_fields(served, fields, inputs, params)
+    return ImageJob(served, inputs, params, n, fmt)
+
+
+def take_fields(served, fields: dict, inputs: dict, params: Params) -> None:
+    """The fields of an image or video request left once its own are taken: `size` "WxH"
+    (or "auto") sets the pipeline's width and height, a field naming one of the pipeline's
+    text inputs fills it (into `inputs`), the rest are its parameters (`Params.take_all`)."""
+    size = fields.pop("size", None)
+    if size not in (None, "auto"):
+        _size(params, size)
+    for name in list(fields):
         if served.input_named(name, "text") is not None:
             value = fields.pop(name)
             if not isinstance(value, str):
                 raise bad_request(f"'{name}' must be a string", param=name)
             inputs[name] = value
     params.take_all(fields)
-    return ImageJob(served, inputs, params, n, fmt)
 
 
 def _size(params: Params, size: str) -> None:
@@ -173,12 +180,7 @@ def _size(params: Params, size: str) -> None:
 
 async def answer(job: ImageJob, runs: list[Run]) -> dict:
     async def one(run: Run) -> str:
-        image = None
-        async for output, value in run.chunks():
-            if output == job.image_port.name:
-                image = value
-        if image is None:
-            raise APIError(500, f"pipeline '{job.served.name}' produced no image", code="no_output")
+        image = await run.last(job.image_port.name, "image")
         data = await asyncio.to_thread(image_bytes, image, job.format)
         return base64.b64encode(data).decode()
 

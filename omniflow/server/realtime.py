@@ -52,6 +52,7 @@ from omniflow.server.sockets import (
     Sender,
     client_message,
     close_session,
+    end_run,
     open_session,
     refused,
 )
@@ -607,11 +608,7 @@ class RealtimeSession:
             status, outcome = 499, "cancelled"
             reason = self.cancel_reason
         finally:
-            if run is not None:
-                await run.close()
-            if slot is not None:
-                slot.release()
-            self.server.finish(run, served.name, PATH, status, began)
+            await end_run(self.server, PATH, served, run, slot, status, began)
         part = {"type": "audio" if speaks else "text",
                 ("transcript" if speaks else "text"): "".join(text)}  # fmt: skip
         item = {"id": item_id, "object": "realtime.item", "type": "message", "role": "assistant",

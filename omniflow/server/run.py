@@ -145,6 +145,19 @@ class Run:
         finally:
             await self.close()
 
+    async def last(self, output: str, what: str):
+        """The last value the pipeline produces on `output` (an image or a video, whole); a
+        pipeline that produces none is the server's error (500, naming `what`)."""
+        value = None
+        async for name, chunk in self.chunks():
+            if name == output:
+                value = chunk
+        if value is None:
+            raise APIError(
+                500, f"pipeline '{self.served.name}' produced no {what}", code="no_output"
+            )
+        return value
+
     async def close(self) -> None:
         """End the request if it is still running (idempotent)."""
         if self._first is not None and not self._first.done():

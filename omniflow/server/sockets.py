@@ -1,8 +1,8 @@
 """What every WebSocket endpoint shares: the API key check at the handshake, the cap on an
-endpoint's open sessions, the parsing of a client's JSON messages (bounded in size and
-nesting), the idle timeout of a session, and one sender task per socket through which
-everything the server says leaves in order (so that a reader and the tasks producing output
-never write to the socket at once)."""
+endpoint's open sessions, the end of a session's request, the parsing of a client's JSON
+messages (bounded in size and nesting), the idle timeout of a session, and one sender task
+per socket through which everything the server says leaves in order (so that a reader and
+the tasks producing output never write to the socket at once)."""
 
 from __future__ import annotations
 
@@ -57,6 +57,16 @@ def open_session(server, path: str, limit: int, flag: str) -> APIError | None:
 
 def close_session(server, path: str) -> None:
     server.sessions[path] -= 1
+
+
+async def end_run(server, path: str, served, run, slot, status: int, began: float) -> None:
+    """A session's request done, however it ended: its run (if it started) closed, its
+    admission slot (if it got one) freed, and the server told (`finish`: metrics, log)."""
+    if run is not None:
+        await run.close()
+    if slot is not None:
+        slot.release()
+    server.finish(run, served.name, path, status, began)
 
 
 class IdleReceiver:

@@ -50,6 +50,7 @@ from omniflow.server.sockets import (
     Sender,
     client_message,
     close_session,
+    end_run,
     open_session,
     refused,
 )
@@ -334,11 +335,7 @@ class SpeechSession:
             status = 499
             raise
         finally:
-            if run is not None:
-                await run.close()
-            if slot is not None:
-                slot.release()
-            self.server.finish(run, served.name, PATH, status, began)
+            await end_run(self.server, PATH, served, run, slot, status, began)
 
     async def _speak_loop(self) -> None:
         """Each segment's audio, in order, as it arrives; after the last, the session's end."""

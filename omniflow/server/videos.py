@@ -34,7 +34,7 @@ from starlette.datastructures import UploadFile
 
 from omniflow.media import mp4_bytes
 from omniflow.server.errors import APIError, bad_request, busy
-from omniflow.server.images import _size, uploaded_image
+from omniflow.server.images import take_fields, uploaded_image
 from omniflow.server.params import Params, parse_form_value
 from omniflow.server.protocol import FORM_TYPES, merge_extra_body, parse_form, parse_json
 from omniflow.server.run import Run
@@ -187,16 +187,7 @@ def parse(server, served, fields: dict, files: dict) -> VideoRequest:
         if not isinstance(seconds, (int, float)) or not 0 < seconds <= 600:
             raise bad_request(f"'seconds' must be above 0, not {seconds!r}", param="seconds")
         typed.setdefault("num_frames", int(round(seconds * fps)) + 1)
-    size = typed.pop("size", None)
-    if size not in (None, "auto"):
-        _size(params, size)
-    for name in list(typed):  # a field naming one of the pipeline's text inputs fills it
-        if served.input_named(name, "text") is not None:
-            value = typed.pop(name)
-            if not isinstance(value, str):
-                raise bad_request(f"'{name}' must be a string", param=name)
-            inputs[name] = value
-    params.take_all(typed)
+    take_fields(served, typed, inputs, params)
     admitted = server.admit(served, inputs, params)
     values = {**served.plan.params, **params.result()}
     frames = _frames(served, params.result())
@@ -321,12 +312,7 @@ class VideoJobs:
                     await asyncio.sleep(0.05)
             job.status, job.started_at = "in_progress", time.time()
             run = Run(served, job.request.admitted, job.request_id, {served.video_port.name}, began)
-            video = None
-            async for output, value in run.chunks():
-                if output == served.video_port.name:
-                    video = value
-            if video is None:
-                raise APIError(500, f"pipeline '{served.name}' produced no video", code="no_output")
+            video = await run.last(served.video_port.name, "video")
             job.progress = max(job.progress, ENCODING[0])
 
             def encoded(done: int, total: int) -> None:

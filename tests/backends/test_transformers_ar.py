@@ -28,7 +28,13 @@ from omniflow.compiler import compile_source
 from omniflow.hf_logging import quiet
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.loop import StageRunner
-from omniflow.runtime.stage import Call, InputStream, StageSpec
+from omniflow.runtime.stage import Call, StageSpec
+from tests.backends.ar_requests import (
+    PROMPTS,
+    check_bad_parameters_fail_only_their_request,
+    join_and_cancel,
+    request,
+)
 
 torch.set_num_threads(1)
 
@@ -44,16 +50,9 @@ pipeline chat {
   lm.hidden -> output hidden [stream]
 }
 """
-# Prompts of different lengths; greedy, the third ends with EOS after 4 tokens and the
+# Of PROMPTS (different lengths), greedy, the third ends with EOS after 4 tokens and the
 # fourth after 10 (found by search), the others run to max_tokens.
-PROMPTS = [
-    "Tell me a short story.",
-    "hi",
-    "short long what tell hello the what blue",
-    "red hello short short cat small hello world short what big",
-]
 EOS_AFTER = {2: 4, 3: 10}
-_ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
@@ -80,14 +79,6 @@ def backend(plan, request):
 @pytest.fixture(scope="module")
 def tokenizer():
     return AutoTokenizer.from_pretrained(build_tiny("qwen2"))
-
-
-def request(prompt: str, **params) -> Call:
-    stream = InputStream("chat")
-    stream.push([{"role": "user", "content": prompt}], end=True)
-    return Call(
-        f"r{next(_ids)}", {"max_tokens": 12, "temperature": 0.0} | params, {"prompt": stream}
-    )
 
 
 class Outputs:
@@ -129,11 +120,7 @@ def run(
     outs = {c.request_id: Outputs() for c in calls}
     live: list[Call] = []
     for step in itertools.count():
-        live += [c for c, at in zip(calls, joins, strict=True) if at == step]
-        for i, at in cancel.items():
-            if at == step and calls[i] in live:
-                backend.drop(calls[i])
-                live.remove(calls[i])
+        join_and_cancel(backend, calls, live, step, joins, cancel)
         wait_for_device(backend)
         offered = [c for c in live if step not in held.get(calls.index(c), ())]
         ready = [c for c in offered if backend.ready(c)]
@@ -715,19 +702,7 @@ def test_text_stream_holds_incomplete_utf8(tokenizer):
 
 
 def test_bad_parameters_fail_only_their_request(backend):
-    bad = request(PROMPTS[0], temperature=-1.0)
-    media = Call("media", {}, {"prompt": InputStream("chat")})
-    media.inputs["prompt"].push(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
-        end=True,
-    )
-    good = request(PROMPTS[1], max_tokens=2)
-    backend.step([bad, media, good])
-    assert isinstance(bad.error, ARBackendError) and "temperature" in str(bad.error)
-    assert isinstance(media.error, ARBackendError) and "image" in str(media.error)
-    assert good.error is None and good.emitted
-    for call in (bad, media, good):
-        backend.drop(call)
+    check_bad_parameters_fail_only_their_request(backend, ARBackendError)
     assert backend.rows == []
 
 

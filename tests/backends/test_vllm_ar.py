@@ -28,7 +28,13 @@ from omniflow.catalog.resolve import model_path  # noqa: E402
 from omniflow.compiler import compile_source  # noqa: E402
 from omniflow.runtime.engine import Engine  # noqa: E402
 from omniflow.runtime.interpreter import Interpreter  # noqa: E402
-from omniflow.runtime.stage import Call, InputStream, StageSpec  # noqa: E402
+from omniflow.runtime.stage import Call, StageSpec  # noqa: E402
+from tests.backends.ar_requests import (  # noqa: E402
+    PROMPTS,
+    check_bad_parameters_fail_only_their_request,
+    join_and_cancel,
+    request,
+)
 
 CHAT = """
 pipeline chat {
@@ -42,14 +48,7 @@ pipeline chat {
 """
 TEXT = CHAT.replace("prompt: chat", "prompt: text")
 HIDDEN = CHAT.replace("lm.tokens -> output tokens", "lm.hidden -> output hidden")
-PROMPTS = [
-    "Tell me a short story.",
-    "hi",
-    "short long what tell hello the what blue",
-    "red hello short short cat small hello world short what big",
-]
 SAMPLED = {"temperature": 1.0, "top_p": 0.9, "top_k": 50, "max_tokens": 16}
-_ids = itertools.count()
 
 
 def chat(prompt: str) -> list[dict]:
@@ -113,14 +112,6 @@ def backend(interpreter):
     return interpreter.backends["lm"]
 
 
-def request(prompt: str, **params) -> Call:
-    stream = InputStream("chat")
-    stream.push(chat(prompt), end=True)
-    return Call(
-        f"r{next(_ids)}", {"max_tokens": 12, "temperature": 0.0} | params, {"prompt": stream}
-    )
-
-
 def run(backend, calls: list[Call], joins=None, cancel=None) -> list[dict]:
     """Step the backend until every call is done, call i offered from step joins[i] on and
     dropped before step cancel[i]; per call, its tokens and the text pieces of every step."""
@@ -129,11 +120,7 @@ def run(backend, calls: list[Call], joins=None, cancel=None) -> list[dict]:
     outs = [{"tokens": [], "pieces": [], "steps": []} for _ in calls]
     live: list[Call] = []
     for step in itertools.count():
-        live += [c for c, at in zip(calls, joins, strict=True) if at == step]
-        for i, at in cancel.items():
-            if at == step and calls[i] in live:
-                backend.drop(calls[i])
-                live.remove(calls[i])
+        join_and_cancel(backend, calls, live, step, joins, cancel)
         if not live and step > max(joins):
             break
         ready = [c for c in live if backend.ready(c)]
@@ -213,19 +200,7 @@ def test_max_tokens_seed_and_stops_are_honoured(backend, ref):
 
 
 def test_bad_parameters_fail_only_their_request(backend, ref):
-    bad = request(PROMPTS[0], temperature=-1.0)
-    media = Call("media", {}, {"prompt": InputStream("chat")})
-    media.inputs["prompt"].push(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
-        end=True,
-    )
-    good = request(PROMPTS[1], max_tokens=2)
-    backend.step([bad, media, good])
-    assert isinstance(bad.error, VllmBackendError) and "temperature" in str(bad.error)
-    assert isinstance(media.error, VllmBackendError) and "image" in str(media.error)
-    assert good.error is None and good.emitted
-    for call in (bad, media, good):
-        backend.drop(call)
+    check_bad_parameters_fail_only_their_request(backend, VllmBackendError)
     assert backend.running == {}
 
 

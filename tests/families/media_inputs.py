@@ -67,3 +67,71 @@ def png(pixels: torch.Tensor) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(pixels.numpy()).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+# --- what the omni processors do, for the references ------------------------------------------
+
+
+def vision_inputs(listed: dict, images, settings: dict, video_patches) -> tuple[dict, dict]:
+    """The model inputs of the listed images (by the image processor `images`) and videos (at
+    the video `settings`, by the towers' `video_patches`), as an omni processor gives them,
+    and each item's token count (merged 2 x 2): (kwargs, counts)."""
+    kwargs, counts = {}, {"image": [], "video": [], "audio": []}
+    if "image" in listed:
+        out = images(images=[i.numpy() for i in listed["image"]], return_tensors="pt")
+        kwargs |= {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+        counts["image"] = (out["image_grid_thw"].prod(-1) // 4).tolist()
+    if "video" in listed:
+        patches = [video_patches(v, images, settings, 2, 2) for v in listed["video"]]
+        grid = torch.stack([g for _, g in patches])
+        kwargs |= {
+            "pixel_values_videos": torch.cat([p for p, _ in patches]),
+            "video_grid_thw": grid,
+            "video_second_per_grid": torch.tensor([2 / settings["fps"]] * len(grid)),
+        }
+        counts["video"] = (grid.prod(-1) // 4).tolist()
+    return kwargs, counts
+
+
+def interleaver(processor_class, processor, kwargs: dict, counts: dict, **options):
+    """An `interleave` for `expanded_ids`: the omni `processor_class`'s own
+    `replace_video_with_audio_token` on a stand-in `processor` (its tokens), with the
+    videos' grids of `kwargs`, the clips' token `counts` and `options` (positions a second,
+    ...)."""
+
+    def interleave(video: int, audio: int) -> str:
+        return processor_class.replace_video_with_audio_token(
+            processor,
+            {
+                "video_grid_thw": kwargs["video_grid_thw"],
+                "video_second_per_grid": kwargs["video_second_per_grid"].tolist(),
+            },
+            video,
+            {"num_audio_tokens": counts["audio"]},
+            audio,
+            **options,
+        )
+
+    return interleave
+
+
+def expanded_ids(tokenizer, messages, placeholders: dict, counts: dict, interleave=None):
+    """The chat's input ids `[1, L]` with each media placeholder (`placeholders`: kind ->
+    token) repeated once per token of its item (`counts`), as an omni processor expands
+    them; with `interleave` (`use_audio_in_video`), a video's text is
+    `interleave(video index, audio index)`: its tokens and its audio track's, the next
+    audio item."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    for kind, token in placeholders.items():
+        text = text.replace(token, f"\0{kind}\0")
+    pieces, taken = text.split("\0"), dict.fromkeys(placeholders, 0)
+    for i, piece in enumerate(pieces):
+        if piece not in placeholders:
+            continue
+        if piece == "video" and interleave is not None:
+            pieces[i] = interleave(taken["video"], taken["audio"])
+            taken["audio"] += 1
+        else:
+            pieces[i] = placeholders[piece] * counts[piece][taken[piece]]
+        taken[piece] += 1
+    return tokenizer("".join(pieces), return_tensors="pt").input_ids

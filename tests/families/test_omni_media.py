@@ -30,6 +30,7 @@ from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import RequestError
 from tests.families import media_inputs as media
+from tests.families.media_inputs import expanded_ids, interleaver, vision_inputs
 
 torch.set_num_threads(1)
 
@@ -66,12 +67,9 @@ def processed(path, messages, media: dict, use_audio_in_video=False):
     extractor = WhisperFeatureExtractor.from_pretrained(path)
     config = AutoConfig.from_pretrained(path).thinker_config
     listed = {k: v if isinstance(v, list) else [v] for k, v in media.items()}
-    kwargs: dict = {"use_audio_in_video": use_audio_in_video}
-    counts = {"image": [], "video": [], "audio": []}
-    if "image" in listed:
-        out = images(images=[i.numpy() for i in listed["image"]], return_tensors="pt")
-        kwargs |= {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-        counts["image"] = (out["image_grid_thw"].prod(-1) // 4).tolist()
+    settings = towers.video_settings(path)
+    kwargs, counts = vision_inputs(listed, images, settings, towers.video_patches)
+    kwargs["use_audio_in_video"] = use_audio_in_video
     if "input_audio" in listed:
         out = extractor(
             [a.numpy() for a in listed["input_audio"]],
@@ -84,56 +82,29 @@ def processed(path, messages, media: dict, use_audio_in_video=False):
         kwargs |= {"input_features": out["input_features"], "feature_attention_mask": mask}
         lengths = mask.sum(-1)
         counts["audio"] = (((lengths - 1) // 2 + 1 - 2) // 2 + 1).tolist()
-    if "video" in listed:
-        settings = towers.video_settings(path)
-        patches = [
-            towers.video_patches(v, images, settings, 2, 2) for v in listed["video"]
-        ]  # fmt: skip
-        grid = torch.stack([g for _, g in patches])
-        kwargs |= {
-            "pixel_values_videos": torch.cat([p for p, _ in patches]),
-            "video_grid_thw": grid,
-            "video_second_per_grid": torch.tensor([2 / settings["fps"]] * len(grid)),
-        }
-        counts["video"] = (grid.prod(-1) // 4).tolist()
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     tokens = {"image": "<|IMAGE|>", "audio": "<|AUDIO|>", "video": "<|VIDEO|>"}
-    for kind, token in tokens.items():
-        text = text.replace(token, f"\0{kind}\0")
-    pieces, taken = text.split("\0"), dict.fromkeys(tokens, 0)
-    for i, piece in enumerate(pieces):
-        if piece not in tokens:
-            continue
-        n = counts[piece][taken[piece]]
-        if piece == "video" and use_audio_in_video:
-            # The processor's own interleaving, its audio the next audio item.
-            processor = SimpleNamespace(
-                video_processor=SimpleNamespace(merge_size=2),
-                audio_bos_token="<|audio_bos|>",
-                audio_eos_token="<|audio_eos|>",
-                video_token="<|VIDEO|>",
-                audio_token="<|AUDIO|>",
-            )
-            processor.get_chunked_index = functools.partial(
-                Qwen2_5OmniProcessor.get_chunked_index, processor
-            )
-            pieces[i] = Qwen2_5OmniProcessor.replace_video_with_audio_token(
-                processor,
-                {
-                    "video_grid_thw": kwargs["video_grid_thw"],
-                    "video_second_per_grid": kwargs["video_second_per_grid"].tolist(),
-                },
-                taken["video"],
-                {"num_audio_tokens": counts["audio"]},
-                taken["audio"],
-                position_id_per_seconds=config.position_id_per_seconds,
-                seconds_per_chunk=config.seconds_per_chunk,
-            )
-            taken["audio"] += 1
-        else:
-            pieces[i] = tokens[piece] * n
-        taken[piece] += 1
-    ids = tokenizer("".join(pieces), return_tensors="pt").input_ids
+    # The processor's own interleaving.
+    processor = SimpleNamespace(
+        video_processor=SimpleNamespace(merge_size=2),
+        audio_bos_token="<|audio_bos|>",
+        audio_eos_token="<|audio_eos|>",
+        video_token="<|VIDEO|>",
+        audio_token="<|AUDIO|>",
+    )
+    processor.get_chunked_index = functools.partial(
+        Qwen2_5OmniProcessor.get_chunked_index, processor
+    )
+    interleave = interleaver(
+        Qwen2_5OmniProcessor,
+        processor,
+        kwargs,
+        counts,
+        position_id_per_seconds=config.position_id_per_seconds,
+        seconds_per_chunk=config.seconds_per_chunk,
+    )
+    ids = expanded_ids(
+        tokenizer, messages, tokens, counts, interleave if use_audio_in_video else None
+    )
     return ids, kwargs | {"attention_mask": torch.ones_like(ids)}
 
 

@@ -36,6 +36,7 @@ from omniflow.hf_logging import quiet
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from tests.families import media_inputs as media
+from tests.families.media_inputs import expanded_ids, interleaver, vision_inputs
 
 torch.set_num_threads(1)
 
@@ -104,12 +105,8 @@ def processed(path, messages, media: dict, use_audio_in_video=False):
     tokenizer = AutoTokenizer.from_pretrained(path)
     images = AutoImageProcessor.from_pretrained(path, backend="pil")  # as the towers
     listed = {k: v if isinstance(v, list) else [v] for k, v in media.items()}
-    kwargs: dict = {}
-    counts: dict = {kind: [] for kind in PLACEHOLDERS}
-    if "image" in listed:
-        out = images(images=[i.numpy() for i in listed["image"]], return_tensors="pt")
-        kwargs |= {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-        counts["image"] = (out["image_grid_thw"].prod(-1) // 4).tolist()
+    settings = shared.video_settings(path, towers.VIDEO_DEFAULTS)
+    kwargs, counts = vision_inputs(listed, images, settings, shared.video_patches)
     if "input_audio" in listed:
         out = WhisperFeatureExtractor.from_pretrained(path)(
             [a.numpy() for a in listed["input_audio"]],
@@ -120,48 +117,24 @@ def processed(path, messages, media: dict, use_audio_in_video=False):
         kwargs |= {"input_features": out["input_features"], "feature_attention_mask": mask}
         lengths = _get_feat_extract_output_lengths(mask.sum(-1), Qwen3OmniMoeProcessor.n_window)
         counts["audio"] = lengths.tolist()
-    if "video" in listed:
-        settings = shared.video_settings(path, towers.VIDEO_DEFAULTS)
-        patches = [shared.video_patches(v, images, settings, 2, 2) for v in listed["video"]]
-        grid = torch.stack([g for _, g in patches])
-        kwargs |= {
-            "pixel_values_videos": torch.cat([p for p, _ in patches]),
-            "video_grid_thw": grid,
-            "video_second_per_grid": torch.tensor([2 / settings["fps"]] * len(grid)),
-        }
-        counts["video"] = (grid.prod(-1) // 4).tolist()
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    for kind, token in PLACEHOLDERS.items():
-        text = text.replace(token, f"\0{kind}\0")
-    pieces, taken = text.split("\0"), dict.fromkeys(PLACEHOLDERS, 0)
-    for i, piece in enumerate(pieces):
-        if piece not in PLACEHOLDERS:
-            continue
-        if piece == "video" and use_audio_in_video:
-            # The processor's own interleaving, its audio the next audio item.
-            processor = SimpleNamespace(
-                video_processor=SimpleNamespace(merge_size=2),
-                audio_bos_token="<|audio_start|>",
-                audio_eos_token="<|audio_end|>",
-                video_token=PLACEHOLDERS["video"],
-                audio_token=PLACEHOLDERS["audio"],
-            )
-            pieces[i] = Qwen3OmniMoeProcessor.replace_video_with_audio_token(
-                processor,
-                {
-                    "video_grid_thw": kwargs["video_grid_thw"],
-                    "video_second_per_grid": kwargs["video_second_per_grid"].tolist(),
-                },
-                taken["video"],
-                {"num_audio_tokens": counts["audio"]},
-                taken["audio"],
-                position_id_per_seconds=Qwen3OmniMoeProcessor.position_id_per_seconds,
-            )
-            taken["audio"] += 1
-        else:
-            pieces[i] = PLACEHOLDERS[piece] * counts[piece][taken[piece]]
-        taken[piece] += 1
-    ids = tokenizer("".join(pieces), return_tensors="pt").input_ids
+    # The processor's own interleaving.
+    processor = SimpleNamespace(
+        video_processor=SimpleNamespace(merge_size=2),
+        audio_bos_token="<|audio_start|>",
+        audio_eos_token="<|audio_end|>",
+        video_token=PLACEHOLDERS["video"],
+        audio_token=PLACEHOLDERS["audio"],
+    )
+    interleave = interleaver(
+        Qwen3OmniMoeProcessor,
+        processor,
+        kwargs,
+        counts,
+        position_id_per_seconds=Qwen3OmniMoeProcessor.position_id_per_seconds,
+    )
+    ids = expanded_ids(
+        tokenizer, messages, PLACEHOLDERS, counts, interleave if use_audio_in_video else None
+    )
     return ids, kwargs | {"attention_mask": torch.ones_like(ids)}
 
 

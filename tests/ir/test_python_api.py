@@ -109,8 +109,9 @@ def qwen_image_knobs(p: Pipeline) -> tuple[dict, dict, dict]:
     return dit, where, {"vae_use_tiling": tiling, "vae_use_slicing": slicing}
 
 
-def text_to_image():
-    p = Pipeline("text_to_image", model="Qwen/Qwen-Image")
+def qwen_image_stages(p: Pipeline):
+    """The Qwen-Image graphs' text encoder, denoiser (its knobs, CFG on a negative prompt)
+    and VAE, declared on `p` in the graphs' order."""
     knobs, where, vae_knobs = qwen_image_knobs(p)
     encoder = p.stage("encoder", "encoder", component="text_encoder", max_batch=16)
     negative = p.input("negative_prompt", "text", default="")
@@ -119,6 +120,12 @@ def text_to_image():
         "dit", "diffusion", component="transformer", max_batch=8, **knobs, cfg=negative, **where
     )
     vae = p.stage("vae", "vae", component="vae", max_batch=8, **vae_knobs)
+    return encoder, dit, vae
+
+
+def text_to_image():
+    p = Pipeline("text_to_image", model="Qwen/Qwen-Image")
+    encoder, dit, vae = qwen_image_stages(p)
     p.flow(p.input("prompt", "text"), encoder)
     p.flow(encoder.hidden, dit)
     p.flow(dit.latents, vae)
@@ -150,13 +157,7 @@ def image_understanding():
 
 def image_edit():
     p = Pipeline("image_edit", model="Qwen/Qwen-Image-Edit")
-    knobs, where, vae_knobs = qwen_image_knobs(p)
-    encoder = p.stage("encoder", "encoder", component="text_encoder", max_batch=16)
-    negative = p.input("negative_prompt", "text", default="")
-    dit = p.stage(
-        "dit", "diffusion", component="transformer", max_batch=8, **knobs, cfg=negative, **where
-    )
-    vae = p.stage("vae", "vae", component="vae", max_batch=8, **vae_knobs)
+    encoder, dit, vae = qwen_image_stages(p)
     image = p.input("image", "image")
     p.flow(image, encoder.image)
     p.flow(p.input("prompt", "text"), encoder.prompt)

@@ -1,5 +1,6 @@
-"""What the profiler's tests share: a pipeline of python stages (two fused into one executor,
-one on its own) and a way to profile it for real; how to start headless Chromium."""
+"""What the profiler's tests (and the runtime's) share: chains of python identity stages
+(`identity_chain`; `SPLIT`, two fused into one executor, one on its own) and a way to
+profile one for real; how to start headless Chromium."""
 
 from __future__ import annotations
 
@@ -10,18 +11,25 @@ from omniflow.compiler import compile_source
 from omniflow.profiler.trace import chrome_trace
 from omniflow.runtime.engine import Engine
 
-IDENTITY = "python(fn=omniflow.runtime.builtin_stages.identity, max_batch=4)"
+
+def identity_chain(name: str, max_batch: int, ab_chunk: int, bc_chunk: int, *more: str) -> str:
+    """Pipeline `name`: python identity stages a -> b -> c (each batching up to `max_batch`)
+    from tokens on input x to output y, streaming `ab_chunk` and `bc_chunk` tokens a chunk
+    between them, and the lines `more` (more outputs)."""
+    identity = f"python(fn=omniflow.runtime.builtin_stages.identity, max_batch={max_batch})"
+    lines = [
+        *(f"  stage {stage} = {identity}" for stage in "abc"),
+        "  input x: tokens -> a",
+        f"  a.out -> b.in [stream, chunk={ab_chunk}]",
+        f"  b.out -> c.in [stream, chunk={bc_chunk}]",
+        "  c.out -> output y [stream]",
+        *(f"  {line}" for line in more),
+    ]
+    return f"pipeline {name} {{\n" + "\n".join(lines) + "\n}"
+
+
 # a and b stream per token (fused: one executor); c reads chunks of 8 (its own executor).
-SPLIT = f"""pipeline split {{
-  stage a = {IDENTITY}
-  stage b = {IDENTITY}
-  stage c = {IDENTITY}
-  input x: tokens -> a
-  a.out -> b.in [stream, chunk=1]
-  b.out -> c.in [stream, chunk=8]
-  c.out -> output y [stream]
-  b.out -> output z [stream, chunk=2]
-}}"""
+SPLIT = identity_chain("split", 4, 1, 8, "b.out -> output z [stream, chunk=2]")
 
 CHROMIUM_ARGS = [
     "--headless",

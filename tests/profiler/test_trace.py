@@ -12,17 +12,9 @@ from omniflow.compiler import compile_source
 from omniflow.plan import Plan
 from omniflow.profiler.trace import chrome_trace, write_trace
 from omniflow.runtime.engine import Engine
+from tests.profiler.helpers import identity_chain
 
-IDENTITY = "python(fn=omniflow.runtime.builtin_stages.identity, max_batch=4)"
-CHAIN = f"""pipeline chain {{
-  stage a = {IDENTITY}
-  stage b = {IDENTITY}
-  stage c = {IDENTITY}
-  input x: tokens -> a
-  a.out -> b.in [stream, chunk=1]
-  b.out -> c.in [stream, chunk=2]
-  c.out -> output y [stream]
-}}"""
+CHAIN = identity_chain("chain", 4, 1, 2)
 
 
 @pytest.fixture(scope="module", params=["inprocess", "process"])

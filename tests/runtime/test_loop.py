@@ -14,17 +14,9 @@ from omniflow.runtime.engine import Engine
 from omniflow.runtime.link import Inbound, Outbound
 from omniflow.runtime.loop import ProgramLoop
 from omniflow.runtime.shm_ring import local_channel
+from tests.profiler.helpers import identity_chain
 
-IDENTITY = "python(fn=omniflow.runtime.builtin_stages.identity, max_batch=1)"
-CHAIN = f"""pipeline chain {{
-  stage a = {IDENTITY}
-  stage b = {IDENTITY}
-  stage c = {IDENTITY}
-  input x: tokens -> a
-  a.out -> b.in [stream, chunk=8]
-  b.out -> c.in [stream, chunk=8]
-  c.out -> output y [stream]
-}}"""
+CHAIN = identity_chain("chain", 1, 8, 8)
 PARAMS = {"b": {"fn": "omniflow.runtime.builtin_stages.identity", "max_batch": 1}}
 
 

@@ -67,17 +67,7 @@ def test_image_and_audio_parts_in_one_message(client):
         {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
         {"type": "text", "text": "What is in there?"},
     ]  # fmt: skip
-    chat = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image"},
-                {"type": "text", "text": "and"},
-                {"type": "audio"},
-                {"type": "text", "text": "What is in there?"},
-            ],
-        }
-    ]
+    chat = media.user({"type": "image"}, {"type": "text", "text": "and"}, {"type": "audio"})
     want = reference(build_tiny("qwen2.5-omni"), chat, {"image": image, "input_audio": heard})
     assert _ask(client, content) == _text(want)
 

@@ -62,17 +62,7 @@ def test_image_and_audio_parts_in_one_message(server):
         ],  # fmt: skip
         seed=1,
     )
-    chat = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image"},
-                {"type": "text", "text": "and"},
-                {"type": "audio"},
-                {"type": "text", "text": "What is in there?"},
-            ],
-        }
-    ]
+    chat = media.user({"type": "image"}, {"type": "text", "text": "and"}, {"type": "audio"})
     model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path).eval()
     want = reference_text(path, model, chat, {"image": image, "input_audio": heard})
     message = reply.choices[0].message

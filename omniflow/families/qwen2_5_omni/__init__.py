@@ -35,24 +35,73 @@ def token2wav_block_grid(config: Mapping[str, Any]) -> tuple[int, int]:
     return block // math.gcd(block, repeats), math.ceil(ahead / repeats)
 
 
-FAMILY = Family(
-    name="qwen2_5_omni",
-    doc=__doc__,
-    architectures=("qwen2_5_omni",),
-    parts={
+def thinker_parts(kind: str, **visual) -> dict[str, Part]:
+    """A Qwen omni thinker (a `kind` LM) and its audio and vision towers, parts of their own
+    (encoder stages run them); `visual`: more of the vision tower's `Part`."""
+    return {
         "thinker": Part(
-            "decoder_lm",
+            kind,
             ("thinker_config", "text_config"),
             class_level=1,
             keep=("audio_config", "vision_config"),
-            # Its towers are parts of their own (encoder stages run them).
         ),
         "audio_tower": Part(
             "audio_encoder", ("thinker_config", "audio_config"), weights=("thinker.audio_tower.",)
         ),
         "visual": Part(
-            "vision_encoder", ("thinker_config", "vision_config"), weights=("thinker.visual.",)
+            "vision_encoder",
+            ("thinker_config", "vision_config"),
+            weights=("thinker.visual.",),
+            **visual,
         ),
+    }
+
+
+def omni_stages(family: str, vocoder: str) -> dict[str, Any]:
+    """What a Qwen omni family's `Family` says of its stages, its modules in the package
+    `family` (`thinker_talker`, `towers` and the `vocoder`'s): the loaders of its run-time
+    half and the thinker's media inputs."""
+    return {
+        "runtime": {
+            ("ar", "transformers"): f"{family}.thinker_talker:load",
+            ("vocoder", "transformers"): f"{family}.{vocoder}:load",
+            ("encoder", "transformers"): f"{family}.towers:load",
+        },
+        # The thinker takes the audio tower's embeddings beside the vision tower's (`embeds`),
+        # and the processor's `use_audio_in_video` (a video's audio track interleaved).
+        "stage_inputs": {"ar": {"audio_embeds": ("hidden",)}},
+        "stage_params": {"ar": {"use_audio_in_video": USE_AUDIO_IN_VIDEO}},
+    }
+
+
+def omni_adapters(
+    prefix: str, family: str, conditioning: str, codes: str
+) -> dict[str, AdapterSpec]:
+    """A Qwen omni family's two adapters, `prefix.thinker_to_talker` and
+    `prefix.talker_to_code2wav`, in its module `family.thinker_talker`; `conditioning` and
+    `codes` say what each does."""
+    return {
+        f"{prefix}.thinker_to_talker": AdapterSpec(
+            "hidden",
+            "hidden",
+            f"{family}.thinker_talker:thinker_to_talker",
+            conditioning,
+            # Per position: a hidden state, input embedding and a prompt/reply role row.
+            source_rows=3,
+            with_prompt=True,
+        ),
+        f"{prefix}.talker_to_code2wav": AdapterSpec(
+            "codes", "codes", f"{family}.thinker_talker:talker_to_code2wav", codes
+        ),
+    }
+
+
+FAMILY = Family(
+    name="qwen2_5_omni",
+    doc=__doc__,
+    architectures=("qwen2_5_omni",),
+    parts={
+        **thinker_parts("decoder_lm"),
         "talker": Part(
             "decoder_lm",
             ("talker_config",),
@@ -71,32 +120,13 @@ FAMILY = Family(
             block_grid=token2wav_block_grid,
         ),
     },
-    runtime={
-        ("ar", "transformers"): f"{_HERE}.thinker_talker:load",
-        ("vocoder", "transformers"): f"{_HERE}.token2wav:load",
-        ("encoder", "transformers"): f"{_HERE}.towers:load",
-    },
-    # The thinker takes the audio tower's embeddings beside the vision tower's (`embeds`),
-    # and the processor's `use_audio_in_video` (a video's audio track interleaved).
-    stage_inputs={"ar": {"audio_embeds": ("hidden",)}},
-    stage_params={"ar": {"use_audio_in_video": USE_AUDIO_IN_VIDEO}},
-    adapters={
-        "qwen_omni.thinker_to_talker": AdapterSpec(
-            "hidden",
-            "hidden",
-            f"{_HERE}.thinker_talker:thinker_to_talker",
-            "thinker hidden states and token embeddings -> talker input embeddings",
-            # Per position: hidden state, input embedding and a prompt/reply role row.
-            source_rows=3,
-            with_prompt=True,
-        ),
-        "qwen_omni.talker_to_code2wav": AdapterSpec(
-            "codes",
-            "codes",
-            f"{_HERE}.thinker_talker:talker_to_code2wav",
-            "talker codec tokens -> token2wav codes (drops control tokens)",
-        ),
-    },
+    **omni_stages(_HERE, "token2wav"),
+    adapters=omni_adapters(
+        "qwen_omni",
+        _HERE,
+        "thinker hidden states and token embeddings -> talker input embeddings",
+        "talker codec tokens -> token2wav codes (drops control tokens)",
+    ),
     speakers=f"{_HERE}.thinker_talker:speakers",
     tiny=(
         TinyModel(

@@ -121,34 +121,54 @@ def speakers(path: str) -> tuple[str, ...] | None:
 
 def load(path: str, component: str | None, device: str, dtype) -> Component:
     """The thinker or the talker of the checkpoint at `path`, alone."""
-    from transformers import (
-        AutoTokenizer,
-        Qwen2_5OmniTalkerForConditionalGeneration,
-        Qwen2_5OmniThinkerForConditionalGeneration,
-    )
+    from transformers import AutoTokenizer
 
-    classes = {
-        "thinker": Qwen2_5OmniThinkerForConditionalGeneration,
-        "talker": Qwen2_5OmniTalkerForConditionalGeneration,
-    }
-    if component not in classes:
-        raise ARBackendError(
-            f'Qwen2.5-Omni has no \'{component}\' language model; use component="thinker" or "talker" '
-            "(token2wav runs on a vocoder stage)"
-        )
-    model, info = classes[component].from_pretrained(path, dtype=dtype, output_loading_info=True)
-    if info["missing_keys"]:
-        missing = sorted(info["missing_keys"])
-        raise ARBackendError(f"{path}: the {component} lacks weights {', '.join(missing[:5])}")
-    model = model.to(device).eval()
+    parts = (
+        "Qwen2_5OmniThinkerForConditionalGeneration",
+        "Qwen2_5OmniTalkerForConditionalGeneration",
+    )
+    model = load_part(path, component, device, dtype, parts, "Qwen2.5-Omni", "token2wav")
     if component == "thinker":
-        # Its towers run on encoder stages (component "audio_tower", "visual").
-        del model.model.audio_tower, model.model.visual
         return OmniThinker(model, AutoTokenizer.from_pretrained(path))
     return OmniTalker(model, path)
 
 
-def _thinker_embedding_rows(path: str, ids: list[int]) -> torch.Tensor:
+def load_part(
+    path: str,
+    component: str | None,
+    device: str,
+    dtype,
+    parts: tuple[str, str],
+    model: str,
+    vocoder: str,
+    **options,
+):
+    """The thinker or the talker (`component`) of the omni checkpoint `model` at `path`,
+    loaded alone by its transformers class (`parts`: the thinker's and the talker's;
+    `options` go to `from_pretrained`) and checked whole; a thinker without its towers,
+    which run on encoder stages (component "audio_tower", "visual"), as the `vocoder` runs
+    on a vocoder stage."""
+    import transformers
+
+    classes = dict(zip(("thinker", "talker"), parts, strict=True))
+    if component not in classes:
+        raise ARBackendError(
+            f"{model} has no '{component}' language model; use component=\"thinker\" or "
+            f'"talker" ({vocoder} runs on a vocoder stage)'
+        )
+    part, info = getattr(transformers, classes[component]).from_pretrained(
+        path, dtype=dtype, output_loading_info=True, **options
+    )
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise ARBackendError(f"{path}: the {component} lacks weights {', '.join(missing[:5])}")
+    part = part.to(device).eval()
+    if component == "thinker":
+        del part.model.audio_tower, part.model.visual
+    return part
+
+
+def thinker_embedding_rows(path: str, ids: list[int]) -> torch.Tensor:
     """Rows `ids` of the thinker's input embedding table, read without loading the table."""
     from safetensors import safe_open
     from transformers.utils import cached_file
@@ -166,12 +186,16 @@ def _thinker_embedding_rows(path: str, ids: list[int]) -> torch.Tensor:
         return torch.cat([table[i : i + 1] for i in ids])
 
 
-def _generate_default(name: str):
-    """A default of `Qwen2_5OmniForConditionalGeneration.generate` (the talker's sampling and
-    the speaker are set there, not in a generation config)."""
-    from transformers import Qwen2_5OmniForConditionalGeneration
+_WHOLE_MODEL = "Qwen2_5OmniForConditionalGeneration"
 
-    return inspect.signature(Qwen2_5OmniForConditionalGeneration.generate).parameters[name].default
+
+def generate_default(name: str, model: str = _WHOLE_MODEL):
+    """A default of the `generate` of the transformers class `model`, an omni model whole
+    (the talker's sampling, the speaker and, for some, the thinker's end of turn are set
+    there, not in a generation config)."""
+    import transformers
+
+    return inspect.signature(getattr(transformers, model).generate).parameters[name].default
 
 
 # --- the thinker -------------------------------------------------------------------------------
@@ -312,6 +336,10 @@ class MediaThinker(CausalLM):
             )
         return "".join(out)
 
+    def hidden_rows(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """A decode step's items: each row's `hidden_value` as a reply position's."""
+        return self.hidden_value(hidden, embeds, prompt=False)
+
     @abstractmethod
     def _interleaved(self, video, audio) -> str:
         """A video's placeholder text with its audio track's (`use_audio_in_video`), as the
@@ -362,9 +390,6 @@ class OmniThinker(MediaThinker):
         role = torch.full_like(hidden, ROLE_PROMPT if prompt else ROLE_REPLY)
         return torch.stack((hidden, embeds.to(hidden.dtype), role), dim=1)
 
-    def hidden_rows(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        return self.hidden_value(hidden, embeds, prompt=False)
-
 
 def _chunks(index: list, per_chunk: int) -> list[tuple[int, int]]:
     """`Qwen2_5OmniProcessor.get_chunked_index`: (start, end) slices of `index` whose values
@@ -390,23 +415,86 @@ class _Conditioning:
     replies: list[torch.Tensor] = field(default_factory=list)  # rows [H]
 
 
-class OmniTalker(Component):
-    """The talker: codec tokens conditioned on the thinker's rows and a speaker (the stage's
-    `speaker` parameter, else `generate`'s default)."""
+class ThinkerFedTalker(Component):
+    """A talker fed its thinker's rows on `embeds`, each row's role (prompt or reply) read
+    back without waiting (`RoleRows`, roles picked by `roles`): what Qwen2.5-Omni's and
+    Qwen3-Omni's talkers share (and a talker model's parts). A subclass checks an arriving chunk and hands it to
+    `self.conditioning` (`_arrive`), keeps a chunk whose roles have landed (`_take`) and may
+    act on what the request has then (`_received`); a request that failed takes no more.
+    A subclass names, too, where a request keeps its rows: `call.state[state_key]`, a
+    `state()` with lists `prompt` (chunks) and `replies` (rows), and which part of a row
+    each keeps (`prompt_part`, `reply_part`: an index into a row's second dimension)."""
+
+    state_key: str
+    state: type
+    prompt_part: int | slice
+    reply_part: int
 
     inputs = {"embeds": ("hidden",)}
     required = frozenset({"embeds"})
     outputs = frozenset({"codes", "tokens", "hidden"})
 
-    def __init__(self, model, path: str):
-        config = model.config
+    def __init__(self, model, roles: Callable[[torch.Tensor], torch.Tensor]):
         self.model = model
         self.decoder = model.model
         self.head = model.codec_head
         self.embed = model.get_input_embeddings()
-        self.width = config.embedding_size
+        self.conditioning = RoleRows("embeds", roles)
+
+    def has_news(self, call: Call) -> bool:
+        return self.conditioning.available(call)
+
+    def in_flight(self) -> bool:
+        return self.conditioning.in_flight()
+
+    def receive(self, calls: list[Call]) -> None:
+        for call in calls:
+            chunk = call.inputs["embeds"].take()
+            if call.error is not None:
+                continue
+            if chunk is not None:
+                self._arrive(call, chunk)
+            # Taken to the end on a failure too: no chunk of it stays in flight.
+            for rows, roles in self.conditioning.take(call):
+                if call.error is None:
+                    self._take(call, rows, roles)
+            if call.error is None:
+                self._received(call)
+
+    @abstractmethod
+    def _arrive(self, call: Call, chunk: torch.Tensor) -> None:
+        """Check a chunk of thinker rows and keep a copy while its roles come to the host."""
+
+    def _take(self, call: Call, chunk: torch.Tensor, roles: list[float]) -> None:
+        """Keep a chunk of thinker rows whose `roles` have landed in the request's `state`:
+        its prompt rows (`prompt_part` of each), then its replies' (`reply_part`). The
+        prompt comes whole before the replies."""
+        cond = call.state.setdefault(self.state_key, self.state())
+        reply = [role == ROLE_REPLY for role in roles]
+        start = reply.index(True) if True in reply else len(reply)
+        if (cond.replies and start) or not all(reply[start:]):
+            call.fail(ARBackendError("thinker prompt rows arrived after its reply rows"))
+            return
+        if start:
+            cond.prompt.append(chunk[:start, self.prompt_part])
+        cond.replies.extend(chunk[start:, self.reply_part].unbind())
+
+    def _received(self, call: Call) -> None:
+        """What the talker does with a request's rows once a turn's chunks are kept."""
+
+
+class OmniTalker(ThinkerFedTalker):
+    """The talker: codec tokens conditioned on the thinker's rows and a speaker (the stage's
+    `speaker` parameter, else `generate`'s default)."""
+
+    state_key, state = _CONDITIONING, _Conditioning
+    prompt_part = reply_part = 0  # the conditioning row, not the role
+
+    def __init__(self, model, path: str):
         # The thinker's rows, their roles (row 1) read back without waiting.
-        self.conditioning = RoleRows("embeds", lambda rows: rows[:, 1, 0])
+        super().__init__(model, lambda rows: rows[:, 1, 0])
+        config = model.config
+        self.width = config.embedding_size
         self.eos_ids = frozenset({config.tts_codec_pad_token_id, config.tts_codec_end_token_id})
         self.suppress = (config.tts_codec_start_token_id,)
         # generate() feeds the talker ids [codec mask] * prompt length + [codec pad, codec bos]
@@ -423,51 +511,30 @@ class OmniTalker(Component):
         names = sorted(speakers)
         ids = [config.tts_text_end_token_id, config.tts_text_pad_token_id]
         ids += [int(speakers[n]["bos_token"]) for n in names]
-        rows = _thinker_embedding_rows(path, ids).to(
+        rows = thinker_embedding_rows(path, ids).to(
             self.embed.weight.device, self.embed.weight.dtype
         )
         self.text_eos, self.text_pad = rows[0], rows[1]
         self.speakers = dict(zip(names, rows[2:], strict=True))
-        self.default_speaker = _generate_default("speaker")
+        self.default_speaker = generate_default("speaker")
 
     def project(self, embeds: torch.Tensor) -> torch.Tensor:
         return self.model.thinker_to_talker_proj(embeds)
 
     # --- conditioning -----------------------------------------------------------------------
-    def has_news(self, call: Call) -> bool:
-        return self.conditioning.available(call)
-
-    def in_flight(self) -> bool:
-        return self.conditioning.in_flight()
-
-    def receive(self, calls: list[Call]) -> None:
-        for call in calls:
-            chunk = call.inputs["embeds"].take()
-            if call.error is not None:
-                continue
-            if chunk is not None:
-                if chunk.dim() != 3 or tuple(chunk.shape[1:]) != (2, self.width):
-                    call.fail(
-                        ARBackendError(
-                            f"the talker takes conditioning rows [n, 2, {self.width}] from the "
-                            "thinker through adapter qwen_omni.thinker_to_talker; got "
-                            f"{list(chunk.shape)}"
-                        )
-                    )
-                    continue
-                # A copy: the chunk may be a view into a channel slot released after the step.
-                weight = self.embed.weight
-                self.conditioning.arrive(call, chunk.to(weight.device, weight.dtype, copy=True))
-            for rows, roles in self.conditioning.take(call):
-                reply = [role == ROLE_REPLY for role in roles]
-                prompt = reply.index(True) if True in reply else len(reply)
-                cond = call.state.setdefault(_CONDITIONING, _Conditioning())
-                if (cond.replies and prompt) or not all(reply[prompt:]):
-                    call.fail(ARBackendError("thinker prompt rows arrived after its reply rows"))
-                    break
-                if prompt:
-                    cond.prompt.append(rows[:prompt, 0])
-                cond.replies.extend(rows[prompt:, 0].unbind())
+    def _arrive(self, call: Call, chunk: torch.Tensor) -> None:
+        if chunk.dim() != 3 or tuple(chunk.shape[1:]) != (2, self.width):
+            call.fail(
+                ARBackendError(
+                    f"the talker takes conditioning rows [n, 2, {self.width}] from the "
+                    "thinker through adapter qwen_omni.thinker_to_talker; got "
+                    f"{list(chunk.shape)}"
+                )
+            )
+            return
+        # A copy: the chunk may be a view into a channel slot released after the step.
+        weight = self.embed.weight
+        self.conditioning.arrive(call, chunk.to(weight.device, weight.dtype, copy=True))
 
     def can_start(self, call: Call) -> bool:
         cond = call.state.get(_CONDITIONING)
@@ -503,10 +570,11 @@ class OmniTalker(Component):
         )
 
 
-def talker_defaults() -> dict:
-    """The talker's sampling defaults, which `generate` sets, not a generation config."""
+def talker_defaults(model: str = _WHOLE_MODEL) -> dict:
+    """The talker's sampling defaults, which `generate` of the whole `model` sets, not a
+    generation config."""
     names = ("temperature", "top_p", "top_k", "repetition_penalty")
-    defaults = {name: _generate_default(f"talker_{name}") for name in names}
-    if not _generate_default("talker_do_sample"):
+    defaults = {name: generate_default(f"talker_{name}", model) for name in names}
+    if not generate_default("talker_do_sample", model):
         defaults["temperature"] = 0.0
     return defaults

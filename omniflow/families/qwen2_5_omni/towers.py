@@ -27,6 +27,7 @@ sub-config and its weights' prefix mapped away: only the tower's tensors load.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import math
 from dataclasses import dataclass
@@ -65,23 +66,37 @@ class Prepared:
 
 def load(path: str, component: str | None, dtype):
     """The tower `component` ("audio_tower" or "visual") of the checkpoint at `path`."""
+    return load_tower(path, component, dtype, (AudioTower, VisionTower), "Qwen2.5-Omni")
+
+
+def load_tower(path: str, component: str | None, dtype, classes: tuple[type, type], model: str):
+    """The tower `component` of the `model` checkpoint at `path` (a Qwen omni one, or its
+    thinker's alone), by its class in `classes`: the audio tower's and the vision tower's."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
     thinker = getattr(config, "thinker_config", config)
+    audio, vision = classes
     if component == "audio_tower":
-        return AudioTower(path, thinker, dtype)
+        return audio(path, thinker, dtype)
     if component == "visual":
-        return VisionTower(path, thinker, dtype)
+        return vision(path, thinker, dtype)
     raise VisionBackendError(
-        f"Qwen2.5-Omni's towers are the components 'audio_tower' and 'visual', not '{component}'"
+        f"{model}'s towers are the components 'audio_tower' and 'visual', not '{component}'"
     )
 
 
-def tower_from_pretrained(cls, path, config, prefix, dtype):
-    """The tower class `cls` with `config`, its weights those of the checkpoint at `path`
-    under `prefix` (the rest of the checkpoint skipped); a weight it lacks is an error."""
-    model, info = cls.from_pretrained(
+def transformers_class(model: str, name: str):
+    """The class `name` of transformers' modeling module of the model type `model`, imported
+    only when a tower loads."""
+    return getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), name)
+
+
+def tower_from_pretrained(encoder: tuple[str, str], path, config, prefix, dtype):
+    """The tower class `encoder` (model type, class name: `transformers_class`) with
+    `config`, its weights those of the checkpoint at `path` under `prefix` (the rest of the
+    checkpoint skipped); a weight it lacks is an error."""
+    model, info = transformers_class(*encoder).from_pretrained(
         path,
         config=config,
         key_mapping={rf"^{prefix}\.": ""},
@@ -96,10 +111,11 @@ def tower_from_pretrained(cls, path, config, prefix, dtype):
 
 class AudioTower:
     """The thinker's audio tower on 16 kHz clips. (A subclass for another model's tower
-    gives its class, its processor's feature options, its token count and its forward.)"""
+    gives its class (`encoder`), its processor's feature options, its token count and its forward.)"""
 
     kinds = frozenset({"audio"})
     prefix = "thinker.audio_tower"
+    encoder = ("qwen2_5_omni", "Qwen2_5OmniAudioEncoder")  # its transformers class
     # Qwen2_5OmniProcessor's audio kwargs: every clip padded to the extractor's 30 s window.
     feature_options = {"padding": "max_length"}
 
@@ -107,21 +123,13 @@ class AudioTower:
         from transformers import WhisperFeatureExtractor
 
         self.model = tower_from_pretrained(
-            self.encoder_class(), path, thinker.audio_config, self.prefix, dtype
+            self.encoder, path, thinker.audio_config, self.prefix, dtype
         )
         self.extractor = WhisperFeatureExtractor.from_pretrained(path)
         self.width = thinker.audio_config.output_dim
         self.dtype = self.model.dtype
         self.graphs: Graphs | None = None
         self.feature_device = "cpu"
-
-    @staticmethod
-    def encoder_class():
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
-            Qwen2_5OmniAudioEncoder,
-        )
-
-        return Qwen2_5OmniAudioEncoder
 
     def to(self, device: str) -> None:
         self.model.to(device)
@@ -194,17 +202,18 @@ def audio_features(extractor, value, device: str = "cpu", **options) -> tuple[to
 
 class VisionTower:
     """The thinker's vision tower on images and videos. (A subclass for another model's
-    tower gives its class, its video processor's defaults, its width and its forward.)"""
+    tower gives its class (`encoder`), its video processor's defaults, its width and its forward.)"""
 
     kinds = frozenset({"image", "video"})
     prefix = "thinker.visual"
+    encoder = ("qwen2_5_omni", "Qwen2_5OmniVisionEncoder")  # its transformers class
     video_defaults = VIDEO_DEFAULTS
 
     def __init__(self, path: str, thinker, dtype):
         from transformers import AutoImageProcessor
 
         self.model = tower_from_pretrained(
-            self.encoder_class(), path, thinker.vision_config, self.prefix, dtype
+            self.encoder, path, thinker.vision_config, self.prefix, dtype
         )
         # The PIL backend whatever is installed: `video_patches` takes the frames through its
         # numpy steps, which the torchvision backend (transformers' default where
@@ -215,14 +224,6 @@ class VisionTower:
         self.temporal = thinker.vision_config.temporal_patch_size
         self.width = thinker.vision_config.out_hidden_size
         self.dtype = self.model.dtype
-
-    @staticmethod
-    def encoder_class():
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
-            Qwen2_5OmniVisionEncoder,
-        )
-
-        return Qwen2_5OmniVisionEncoder
 
     def to(self, device: str) -> None:
         self.model.to(device)

@@ -13,11 +13,10 @@ of the published checkpoint that those share.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from omniflow.families.family import AdapterSpec, Family, Part, TinyModel
-from omniflow.families.knobs import USE_AUDIO_IN_VIDEO
+from omniflow.families.family import Family, Part, TinyModel, local_config
+from omniflow.families.qwen2_5_omni import omni_adapters, omni_stages, thinker_parts
 from omniflow.families.qwen3_omni.costs import cost
 
 _HERE = __name__
@@ -84,11 +83,8 @@ def vision_hidden_width(config) -> int:
 def speakers(path: str | Path) -> tuple[str, ...] | None:
     """The speakers of a local Qwen3-Omni checkpoint (its talker's `speaker_id`), named as
     `generate` takes them ("Ethan"; it lowers the case); None for any other checkpoint."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return None
-    layout = json.loads(config.read_text(encoding="utf-8"))
-    if layout.get("model_type") != ARCHITECTURE:
+    layout = local_config(path, ARCHITECTURE)
+    if layout is None:
         return None
     names = (layout.get("talker_config") or {}).get("speaker_id") or {}
     return tuple(sorted(name.capitalize() for name in names)) or None
@@ -100,22 +96,7 @@ FAMILY = Family(
     architectures=(ARCHITECTURE,),
     cost=cost,
     parts={
-        "thinker": Part(
-            "moe_lm",
-            ("thinker_config", "text_config"),
-            class_level=1,
-            keep=("audio_config", "vision_config"),
-            # Its towers are parts of their own (encoder stages run them).
-        ),
-        "audio_tower": Part(
-            "audio_encoder", ("thinker_config", "audio_config"), weights=("thinker.audio_tower.",)
-        ),
-        "visual": Part(
-            "vision_encoder",
-            ("thinker_config", "vision_config"),
-            weights=("thinker.visual.",),
-            hidden_width=vision_hidden_width,
-        ),
+        **thinker_parts("moe_lm", hidden_width=vision_hidden_width),
         "talker": Part(
             "moe_lm",
             ("talker_config", "text_config"),
@@ -134,32 +115,13 @@ FAMILY = Family(
             carries_state=True,
         ),
     },
-    runtime={
-        ("ar", "transformers"): f"{_HERE}.thinker_talker:load",
-        ("vocoder", "transformers"): f"{_HERE}.code2wav:load",
-        ("encoder", "transformers"): f"{_HERE}.towers:load",
-    },
-    # The thinker takes the audio tower's embeddings beside the vision tower's (`embeds`),
-    # and the processor's `use_audio_in_video` (a video's audio track interleaved).
-    stage_inputs={"ar": {"audio_embeds": ("hidden",)}},
-    stage_params={"ar": {"use_audio_in_video": USE_AUDIO_IN_VIDEO}},
-    adapters={
-        "qwen3_omni.thinker_to_talker": AdapterSpec(
-            "hidden",
-            "hidden",
-            f"{_HERE}.thinker_talker:thinker_to_talker",
-            "thinker accept-layer hidden states and embeddings -> the talker's conditioning",
-            # Per position: accept-layer hidden state, input embedding, prompt/reply role.
-            source_rows=3,
-            with_prompt=True,
-        ),
-        "qwen3_omni.talker_to_code2wav": AdapterSpec(
-            "codes",
-            "codes",
-            f"{_HERE}.thinker_talker:talker_to_code2wav",
-            "talker frames (16 codebooks) -> code2wav codes (drops any outside the codebook)",
-        ),
-    },
+    **omni_stages(_HERE, "code2wav"),
+    adapters=omni_adapters(
+        "qwen3_omni",
+        _HERE,
+        "thinker accept-layer hidden states and embeddings -> the talker's conditioning",
+        "talker frames (16 codebooks) -> code2wav codes (drops any outside the codebook)",
+    ),
     speakers=f"{_HERE}:speakers",
     tiny=(
         TinyModel(

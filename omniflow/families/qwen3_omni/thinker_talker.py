@@ -64,8 +64,6 @@ draws, is completed inside its step.
 from __future__ import annotations
 
 import functools
-import inspect
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -74,7 +72,6 @@ import torch
 from torch import nn
 
 from omniflow.backends.checkpoint_files import CONFIG, read_json
-from omniflow.backends.role_rows import RoleRows
 from omniflow.backends.static_decode import FrameSpec, summed_codebooks
 from omniflow.backends.tapped_decoder import TappedDecoder
 from omniflow.backends.transformers_ar import (
@@ -85,15 +82,22 @@ from omniflow.backends.transformers_ar import (
     sub_sampling,
 )
 from omniflow.backends.vision import media_header, read_media_header
-from omniflow.families.qwen2_5_omni.thinker_talker import MediaThinker
+from omniflow.families.qwen2_5_omni.thinker_talker import (
+    ROLE_PROMPT,
+    ROLE_REPLY,
+    MediaThinker,
+    ThinkerFedTalker,
+    generate_default,
+    load_part,
+    talker_defaults,
+    thinker_embedding_rows,
+)
 from omniflow.families.qwen3_omni import AUDIO_TOKENS, CODEBOOK_OFFSETS
 from omniflow.kernels import fused_moe
 from omniflow.plan import StagePlan
 from omniflow.runtime.readback import upload
 from omniflow.runtime.stage import Call
 
-ROLE_PROMPT, ROLE_REPLY = 0.0, 1.0
-THINKER_EMBEDDINGS = "thinker.model.embed_tokens.weight"
 # `generate` suppresses the talker's top 1024 ids but the end of speech.
 SUPPRESSED_SPECIALS = 1024
 _STATE = "qwen3_omni"  # a talker request's conditioning in call.state
@@ -133,21 +137,8 @@ def talker_to_code2wav(source: StagePlan) -> Callable[[torch.Tensor], torch.Tens
 
 def load(path: str, component: str | None, device: str, dtype) -> Component:
     """The thinker or the talker of the checkpoint at `path`, alone."""
-    from transformers import (
-        AutoTokenizer,
-        Qwen3OmniMoeTalkerForConditionalGeneration,
-        Qwen3OmniMoeThinkerForConditionalGeneration,
-    )
+    from transformers import AutoTokenizer
 
-    classes = {
-        "thinker": Qwen3OmniMoeThinkerForConditionalGeneration,
-        "talker": Qwen3OmniMoeTalkerForConditionalGeneration,
-    }
-    if component not in classes:
-        raise ARBackendError(
-            f"Qwen3-Omni has no '{component}' language model; use component=\"thinker\" or "
-            '"talker" (code2wav runs on a vocoder stage)'
-        )
     register_talker_expert_merge()
     # The fused kernels read the experts where transformers keeps them: no copy at load.
     experts = (
@@ -155,17 +146,13 @@ def load(path: str, component: str | None, device: str, dtype) -> Component:
         if torch.device(device).type == "cuda"
         else {}
     )
-    model, info = classes[component].from_pretrained(
-        path, dtype=dtype, output_loading_info=True, **experts
+    parts = (
+        "Qwen3OmniMoeThinkerForConditionalGeneration",
+        "Qwen3OmniMoeTalkerForConditionalGeneration",
     )
-    if info["missing_keys"]:
-        missing = sorted(info["missing_keys"])
-        raise ARBackendError(f"{path}: the {component} lacks weights {', '.join(missing[:5])}")
-    model = model.to(device).eval()
+    model = load_part(path, component, device, dtype, parts, "Qwen3-Omni", "code2wav", **experts)
     layout = read_json(path, CONFIG) or {}
     if component == "thinker":
-        # Its towers run on encoder stages (component "audio_tower", "visual").
-        del model.model.audio_tower, model.model.visual
         return Thinker(model, AutoTokenizer.from_pretrained(path), layout)
     return Talker(model, path, layout)
 
@@ -186,30 +173,7 @@ def register_talker_expert_merge() -> None:
         register_checkpoint_conversion_mapping(name, get_checkpoint_conversion_mapping("qwen2_moe"))
 
 
-def thinker_embedding_rows(path: str, ids: list[int]) -> torch.Tensor:
-    """Rows `ids` of the thinker's input embedding table, read without loading the table."""
-    from safetensors import safe_open
-    from transformers.utils import cached_file
-
-    index = cached_file(
-        path, "model.safetensors.index.json", _raise_exceptions_for_missing_entries=False
-    )
-    if index is None:
-        filename = "model.safetensors"
-    else:
-        with open(index, encoding="utf-8") as f:
-            filename = json.load(f)["weight_map"][THINKER_EMBEDDINGS]
-    with safe_open(cached_file(path, filename), "pt") as f:
-        table = f.get_slice(THINKER_EMBEDDINGS)
-        return torch.cat([table[i : i + 1] for i in ids])
-
-
-def generate_default(name: str):
-    """A default of `Qwen3OmniMoeForConditionalGeneration.generate` (the talker's sampling,
-    the speaker and the thinker's end of turn are set there, not in a generation config)."""
-    from transformers import Qwen3OmniMoeForConditionalGeneration
-
-    return inspect.signature(Qwen3OmniMoeForConditionalGeneration.generate).parameters[name].default
+_WHOLE_MODEL = "Qwen3OmniMoeForConditionalGeneration"
 
 
 def _top_level(layout: dict, key: str):
@@ -364,9 +328,6 @@ class Thinker(MediaThinker):
         role = torch.full_like(accepted, ROLE_PROMPT if prompt else ROLE_REPLY)
         return torch.stack((accepted, embeds.to(accepted.dtype), role), dim=1)
 
-    def hidden_rows(self, hidden: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        return self.hidden_value(hidden, embeds, prompt=False)
-
 
 # --- the talker ---------------------------------------------------------------------------------
 
@@ -385,21 +346,19 @@ class _Conditioning:
     offset: int = 0  # its decode positions' offset
 
 
-class Talker(Component):
+class Talker(ThinkerFedTalker):
     """The talker and its code predictor: frames of 16 codebooks conditioned on the
     thinker's items and a speaker (the stage's `speaker` parameter, else `generate`'s
     default)."""
 
-    inputs = {"embeds": ("hidden",)}
-    required = frozenset({"embeds"})
-    outputs = frozenset({"codes", "tokens", "hidden"})
+    state_key, state = _STATE, _Conditioning
+    # A prompt position's whole item; a reply's input embedding (the talker projects it).
+    prompt_part, reply_part = slice(None), 1
 
     def __init__(self, model, path: str, layout: dict):
+        # The thinker's items, their roles (row 2) read back without waiting.
+        super().__init__(model, lambda items: items[:, 2, 0])
         config = model.config
-        self.model = model
-        self.decoder = model.model
-        self.head = model.codec_head
-        self.embed = model.get_input_embeddings()
         self.predictor = model.code_predictor
         self.groups = config.num_code_groups
         tables = self.predictor.model.codec_embedding
@@ -413,16 +372,14 @@ class Talker(Component):
             sampling=_PREDICTOR_SAMPLING,
         )
         self.thinker_width = config.thinker_hidden_size
-        # The thinker's items, their roles (row 2) read back without waiting.
-        self.items = RoleRows("embeds", lambda items: items[:, 2, 0])
         vocab = config.text_config.vocab_size
         eos = config.codec_eos_token_id
         self.eos_ids = frozenset({eos})
         self.suppress = tuple(i for i in range(vocab - SUPPRESSED_SPECIALS, vocab) if i != eos)
-        self.defaults = _talker_defaults()
+        self.defaults = talker_defaults(_WHOLE_MODEL)
         self.codec = {name: getattr(config, name) for name in CODEBOOK_OFFSETS}
         self.speakers = {name.lower(): int(i) for name, i in (config.speaker_id or {}).items()}
-        self.default_speaker = generate_default("speaker")
+        self.default_speaker = generate_default("speaker", _WHOLE_MODEL)
         weight = self.embed.weight
         tts = [_top_level(layout, f"tts_{t}_token_id") for t in ("bos", "eos", "pad")]
         keys = ("im_start_token_id", "assistant_token_id", "user_token_id")
@@ -456,34 +413,15 @@ class Talker(Component):
             config.audio_config = SimpleNamespace(n_window=audio.get("n_window", 50))
 
     # --- conditioning -----------------------------------------------------------------------
-    def has_news(self, call: Call) -> bool:
-        return self.items.available(call)
-
-    def in_flight(self) -> bool:
-        return self.items.in_flight()
-
-    def receive(self, calls: list[Call]) -> None:
-        for call in calls:
-            chunk = call.inputs["embeds"].take()
-            if call.error is not None:
-                continue
-            if chunk is not None:
-                self._arrive(call, chunk)
-            for items, roles in self.items.take(call):
-                if call.error is None:
-                    self._take(call, items, roles)
-            cond = call.state.get(_STATE)
-            ended = self.items.ended(call)
-            if (
-                call.error is None
-                and cond is not None
-                and not cond.complete
-                and (cond.replies or ended)
-            ):
-                try:
-                    self._segment(cond)
-                except ARBackendError as err:
-                    call.fail(err)
+    def _received(self, call: Call) -> None:
+        """Segment the prompt once all its rows are in (a reply came, or the stream ended)."""
+        cond = call.state.get(_STATE)
+        ended = self.conditioning.ended(call)
+        if cond is not None and not cond.complete and (cond.replies or ended):
+            try:
+                self._segment(cond)
+            except ARBackendError as err:
+                call.fail(err)
 
     def _arrive(self, call: Call, chunk: torch.Tensor) -> None:
         """Check a chunk of thinker items and keep a copy while its roles come to the host."""
@@ -496,19 +434,7 @@ class Talker(Component):
             )
             return
         # A copy: the chunk may be a view into a channel slot released after the step.
-        self.items.arrive(call, chunk.to(self.embed.weight.device, copy=True))
-
-    def _take(self, call: Call, chunk: torch.Tensor, roles: list[float]) -> None:
-        """Keep a chunk of thinker items: prompt positions, then replies' embeddings."""
-        reply = [role == ROLE_REPLY for role in roles]
-        prompt = reply.index(True) if True in reply else len(reply)
-        cond = call.state.setdefault(_STATE, _Conditioning())
-        if (cond.replies and prompt) or not all(reply[prompt:]):
-            call.fail(ARBackendError("thinker prompt rows arrived after its reply rows"))
-            return
-        if prompt:
-            cond.prompt.append(chunk[:prompt])
-        cond.replies.extend(chunk[prompt:, 1].unbind())
+        self.conditioning.arrive(call, chunk.to(self.embed.weight.device, copy=True))
 
     def _segment(self, cond: _Conditioning) -> None:
         """Project the prompt as `generate` does, once all its rows are in: the user part,
@@ -600,7 +526,7 @@ class Talker(Component):
         """Whether the text-side row `row` of the request's A stream is known yet."""
         cond = call.state[_STATE]
         prompt_rows = len(cond.assistant) - cond.projected
-        return row < prompt_rows + len(cond.replies) or self.items.ended(call)
+        return row < prompt_rows + len(cond.replies) or self.conditioning.ended(call)
 
     def _text(self, cond: _Conditioning, row: int) -> torch.Tensor:
         """Row `row` of A, then tts eos, then tts pad (call once it is known)."""
@@ -612,7 +538,7 @@ class Talker(Component):
     def can_start(self, call: Call) -> bool:
         cond = call.state.get(_STATE)
         if cond is None:  # nothing came: `prompt` fails the request
-            return self.items.ended(call)
+            return self.conditioning.ended(call)
         return cond.complete and self._known(call, 3)
 
     def prompt(self, call: Call) -> Prompt:
@@ -651,12 +577,3 @@ class Talker(Component):
 # What `generate` has the code predictor sample with when the talker samples: top-k 50,
 # top-p 0.8, its generation config's temperature 1.
 _PREDICTOR_SAMPLING = sub_sampling(temperature=1.0, top_k=50, top_p=0.8)
-
-
-def _talker_defaults() -> dict:
-    """The talker's sampling defaults, which `generate` sets, not a generation config."""
-    names = ("temperature", "top_p", "top_k", "repetition_penalty")
-    defaults = {name: generate_default(f"talker_{name}") for name in names}
-    if not generate_default("talker_do_sample"):
-        defaults["temperature"] = 0.0
-    return defaults

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from omniflow.backends.vision import MediaItem, VisionBackendError
+from omniflow.backends.vision import MediaItem
 from omniflow.families.qwen2_5_omni import towers
 from omniflow.families.qwen3_omni import vision_hidden_width
 
@@ -51,41 +51,24 @@ VIDEO_DEFAULTS = {
 
 def load(path: str, component: str | None, dtype):
     """The tower `component` ("audio_tower" or "visual") of the checkpoint at `path`."""
-    from transformers import AutoConfig
-
-    thinker = AutoConfig.from_pretrained(path).thinker_config
-    if component == "audio_tower":
-        return AudioTower(path, thinker, dtype)
-    if component == "visual":
-        return VisionTower(path, thinker, dtype)
-    raise VisionBackendError(
-        f"Qwen3-Omni's towers are the components 'audio_tower' and 'visual', not '{component}'"
-    )
+    return towers.load_tower(path, component, dtype, (AudioTower, VisionTower), "Qwen3-Omni")
 
 
 class AudioTower(towers.AudioTower):
     """The thinker's audio tower (AuT) on 16 kHz clips."""
 
     feature_options = FEATURE_OPTIONS
+    encoder = ("qwen3_omni_moe", "Qwen3OmniMoeAudioEncoder")
 
     def __init__(self, path: str, thinker, dtype):
         super().__init__(path, thinker, dtype)
         self.n_window = thinker.audio_config.n_window
 
-    @staticmethod
-    def encoder_class():
-        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-            Qwen3OmniMoeAudioEncoder,
-        )
-
-        return Qwen3OmniMoeAudioEncoder
-
     def tokens(self, length: int) -> int:
-        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-            _get_feat_extract_output_lengths,
+        output_lengths = towers.transformers_class(
+            "qwen3_omni_moe", "_get_feat_extract_output_lengths"
         )
-
-        return int(_get_feat_extract_output_lengths(torch.tensor(length), self.n_window))
+        return int(output_lengths(torch.tensor(length), self.n_window))
 
     def forward(self, kind: str, prepared: list[towers.Prepared]) -> list[MediaItem]:
         """One forward per group of clips whose chunks the encoder pads alike: it pads every
@@ -118,18 +101,11 @@ class VisionTower(towers.VisionTower):
     deepstack features beside them."""
 
     video_defaults = VIDEO_DEFAULTS
+    encoder = ("qwen3_omni_moe", "Qwen3OmniMoeVisionEncoder")
 
     def __init__(self, path: str, thinker, dtype):
         super().__init__(path, thinker, dtype)
         self.width = vision_hidden_width(thinker.vision_config.to_dict())
-
-    @staticmethod
-    def encoder_class():
-        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-            Qwen3OmniMoeVisionEncoder,
-        )
-
-        return Qwen3OmniMoeVisionEncoder
 
     def encode(self, pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
         out = self.model(pixels, grid_thw=grids)

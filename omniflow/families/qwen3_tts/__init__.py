@@ -24,10 +24,9 @@ This module also reads what admission needs from a local checkpoint, torch-free.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from omniflow.families.family import Family, Part, TinyModel
+from omniflow.families.family import Family, Part, TinyModel, local_config
 from omniflow.families.qwen3_tts.costs import cost
 from omniflow.ir.kinds import ParamSpec
 
@@ -45,11 +44,7 @@ _LABELS = {"customvoice": "CustomVoice", "voicedesign": "VoiceDesign", "base": "
 
 def checkpoint_config(path: str | Path) -> dict | None:
     """A local checkpoint's config.json if it is a Qwen3-TTS one, else None."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return None
-    layout = json.loads(config.read_text(encoding="utf-8"))
-    return layout if layout.get("model_type") == ARCHITECTURE else None
+    return local_config(path, ARCHITECTURE)
 
 
 def clones_voices(path: str | Path) -> bool:

@@ -9,13 +9,12 @@ The MMDiT's cost formula is `costs` (torch-free, the compiler's).
 
 from __future__ import annotations
 
-from omniflow.families.family import Family, TinyModel
+from omniflow.families.family import Family, TinyModel, diffusers_runtime
 from omniflow.families.knobs import GUIDANCE_SCALE, VAE_OPTIONS
 from omniflow.families.qwen_image.costs import cost
 from omniflow.ir.kinds import ParamSpec
 
 _HERE = __name__
-_PIPELINES = f"{_HERE}.pipeline:PIPELINES"
 
 
 def admission(stage, path: str):
@@ -58,11 +57,7 @@ FAMILY = Family(
         },
         "vae": VAE_OPTIONS,
     },
-    runtime={
-        ("encoder", "diffusers"): _PIPELINES,
-        ("diffusion", "diffusers"): _PIPELINES,
-        ("vae", "diffusers"): _PIPELINES,
-    },
+    runtime=diffusers_runtime(_HERE),
     tiny=(
         TinyModel(
             "text-to-image",

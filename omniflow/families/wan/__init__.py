@@ -23,13 +23,12 @@ real-size random-weight builds). The video DiT's cost formula is
 
 from __future__ import annotations
 
-from omniflow.families.family import Family, Part, TinyModel
+from omniflow.families.family import Family, Part, TinyModel, diffusers_runtime
 from omniflow.families.knobs import GUIDANCE_SCALE, VAE_OPTIONS
 from omniflow.families.wan.costs import cost
 from omniflow.ir.kinds import ParamSpec
 
 _HERE = __name__
-_PIPELINES = f"{_HERE}.pipeline:PIPELINES"
 _FLOAT = (float, int)
 
 
@@ -96,11 +95,7 @@ FAMILY = Family(
         )
     },
     pipeline_facts={"WanPipeline": _t2v_facts, "WanImageToVideoPipeline": _i2v_facts},
-    runtime={
-        ("encoder", "diffusers"): _PIPELINES,
-        ("diffusion", "diffusers"): _PIPELINES,
-        ("vae", "diffusers"): _PIPELINES,
-    },
+    runtime=diffusers_runtime(_HERE),
     stage_params={
         "diffusion": {
             # Unset, each is WanPipeline's: guidance_scale 5.0, guidance_scale_2 =
