@@ -468,6 +468,10 @@ class DiffusionSteps(Backend):
         hidden = torch.cat([inputs[id(s)][0] for s, _ in rows])
         timesteps = torch.cat([inputs[id(s)][1] for s, _ in rows])
         owners = [s for s, _ in rows]
+        # No token is padding where every row is as long as the longest: no mask, decided
+        # here from the host's lengths (asking the device's mask would be a host sync a step).
+        if min(lengths) == max(lengths):
+            mask = None
         noise = self.cache.forward(group, owners, hidden, timesteps, text, mask)
         row = 0
         for call, state in zip(calls, states, strict=True):

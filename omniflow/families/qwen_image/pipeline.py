@@ -244,8 +244,8 @@ class QwenImagePipelines:
             hidden_states=hidden,
             timestep=timesteps.to(hidden.dtype) / 1000,
             guidance=guidance,
-            # The pipeline passes no mask when no token is padding; neither do we.
-            encoder_hidden_states_mask=None if mask.all() else mask,
+            # The pipeline passes no mask when no token is padding; neither do we (None).
+            encoder_hidden_states_mask=mask,
             encoder_hidden_states=text,
             img_shapes=[list(shapes)] * len(hidden),
             return_dict=False,
