@@ -9,12 +9,17 @@ Each test runs a stage's steps on CUDA under torch's sync debug mode "error"
 - Qwen3-Omni's thinker and talker, both captured (MoE layers; the talker's frame step), the
   talker fed by the thinker's rows, and its code2wav on its captured windows.
 
+- Qwen-Image's denoiser (tiny:text-to-image) on its fused blocks, requests at different
+  steps sharing forwards, with and without padded prompt rows.
+
 Left out, per request: an `ar` stage's step in which a request starts (some request of the
 step had not started before it). That step builds the request's prompt (tokenised, looked
 up, a voice clone's reference codes brought to the host for the decoder to send ahead),
 prefills it and joins it to its slot: once per request, and docs/architecture.md lists
 a prompt's encoding among the syncs left. Those steps run under "warn" instead, so the GPU
-log names what they sync. A vocoder leaves nothing out: its first step of a stream opens
+log names what they sync. Likewise a denoiser's step in which a request starts: its
+conditioning's lengths are read back (`unpack_prompts`), its latents and scheduler made. A
+vocoder leaves nothing out: its first step of a stream opens
 it (host state) and sends the codes like every later one (`readback.upload`).
 
 On the CPU (the GPU tests' set-up, docs/testing.md) the same steps run on the static paths
@@ -29,12 +34,15 @@ import dataclasses
 import pytest
 import torch
 
+from omniflow.backends.registry import load_backend
 from omniflow.backends.transformers_ar import _STATE as AR_STATE
 from omniflow.backends.transformers_ar import TransformersAR
-from omniflow.compiler import compile_source
+from omniflow.compiler import compile_file, compile_source
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.stage import Call, StageSpec
 from omniflow.runtime.sync_debug import ENV, StepSyncs
+from tests.backends.test_diffusion import GRAPH as TEXT_TO_IMAGE
+from tests.backends.test_diffusion import Stages, output, request
 from tests.backends.test_stateful_vocoder import Driver, code2wav, request_codes
 from tests.families.test_qwen3_omni_code2wav import plan as omni_plan  # noqa: F401
 from tests.families.test_qwen3_tts import (  # noqa: F401 (fixtures)
@@ -58,16 +66,17 @@ def on_device(device: str) -> str:
 
 
 class SteadySyncs:
-    """`backend`'s steps from now on: one in which some request starts (an `ar` stage's
-    prefill) under sync debug "warn", every other under "error"; counted."""
+    """`backend`'s steps from now on: one in which some request starts (`key`: what the
+    backend keeps in a started request's state; an `ar` stage's by default) under sync
+    debug "warn", every other under "error"; counted."""
 
-    def __init__(self, backend):
-        self.step = backend.step
+    def __init__(self, backend, key: str = AR_STATE):
+        self.step, self.key = backend.step, key
         self.checked = self.starting = 0
         backend.step = self
 
     def __call__(self, calls: list[Call]) -> None:
-        steady = all(AR_STATE in call.state for call in calls)
+        steady = all(self.key in call.state for call in calls)
         self.checked += steady
         self.starting += not steady
         with StepSyncs("error" if steady else "warn"):
@@ -160,3 +169,31 @@ def test_qwen3_omni_code2wav_windows_make_no_host_sync(monkeypatch, omni_plan, d
     decode = on_device(device)
     monkeypatch.setenv(ENV, "error")
     assert_streams_whole(code2wav(omni_plan, [1, 2, 4, 8], device, decode=decode), decode)
+
+
+# --- diffusion --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qwen_image_denoising_steps_make_no_host_sync(device):
+    """Two guided requests of different prompt lengths (padded rows: a mask) and an
+    unguided one, starting a step apart, then sharing forwards with and without padding:
+    every step after a start under "error"."""
+    on_device(device)
+    interpreter = Interpreter(compile_file(TEXT_TO_IMAGE, devices="cpu", tiny=True))
+    for name in ("encoder", "dit"):
+        interpreter.backends[name].close()
+        interpreter.backends[name] = load_backend(interpreter.specs[name], device)
+    stages = Stages(interpreter)
+    dit = SteadySyncs(interpreter.backends["dit"], key="denoising")
+    requests = {
+        "a": request("a red cat", 4),
+        "b": request("a green field under a wide blue sky", 4),
+        "c": request("a red dog", 3, guidance=1.0),
+    }
+    calls = stages.denoiser_calls(requests)
+    a, b, c = calls.values()
+    stages.run("dit", [[a], [a, b], [a, b], [a, b, c], [b, c], [c]])
+    assert dit.starting == 3 and dit.checked == 3
+    for call in calls.values():
+        assert output(call, "latents").device.type == torch.device(device).type
