@@ -9,6 +9,7 @@ Each test runs a stage's steps on CUDA under torch's sync debug mode "error"
 - Qwen3-Omni's thinker and talker, both captured (MoE layers; the talker's frame step), the
   talker fed by the thinker's rows, and its code2wav on its captured windows.
 
+- Qwen2.5-Omni's token2wav on its captured windows, three streams;
 - Qwen-Image's denoiser (tiny:text-to-image) on its fused blocks, requests at different
   steps sharing forwards, with and without padded prompt rows.
 
@@ -30,6 +31,8 @@ which steps the GPU checks.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,7 +47,9 @@ from omniflow.runtime.sync_debug import ENV, StepSyncs
 from tests.backends.test_diffusion import GRAPH as TEXT_TO_IMAGE
 from tests.backends.test_diffusion import Stages, output, request
 from tests.backends.test_stateful_vocoder import Driver, code2wav, request_codes
-from tests.families.test_qwen3_omni_code2wav import plan as omni_plan  # noqa: F401
+from tests.backends.test_token2wav_graphs import requests as token2wav_requests
+from tests.backends.test_token2wav_graphs import vocoder as token2wav
+from tests.backends.test_vocoders import run as run_vocoder
 from tests.families.test_qwen3_tts import (  # noqa: F401 (fixtures)
     frame_requests,
     golden,
@@ -56,6 +61,12 @@ from tests.families.test_qwen3_tts import (  # noqa: F401 (fixtures)
 from tests.kernels.test_moe_static_decode import PIPELINE
 
 DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)]
+GRAPHS = Path(__file__).parents[2] / "graphs"
+
+
+@functools.cache
+def tiny_plan(graph: str):
+    return compile_file(GRAPHS / graph, devices="cpu", tiny=True)
 
 
 def on_device(device: str) -> str:
@@ -165,10 +176,31 @@ def test_qwen3_omni_thinker_and_talker_steps_make_no_host_sync(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_qwen3_omni_code2wav_windows_make_no_host_sync(monkeypatch, omni_plan, device):  # noqa: F811
+def test_qwen3_omni_code2wav_windows_make_no_host_sync(monkeypatch, device):
     decode = on_device(device)
     monkeypatch.setenv(ENV, "error")
-    assert_streams_whole(code2wav(omni_plan, [1, 2, 4, 8], device, decode=decode), decode)
+    plan = tiny_plan("qwen3_omni.omni")
+    assert_streams_whole(code2wav(plan, [1, 2, 4, 8], device, decode=decode), decode)
+
+
+# --- Qwen2.5-Omni -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qwen2_5_omni_token2wav_windows_make_no_host_sync(device):
+    """Three streams on their own schedules (a ramp, chunks of 15 and of 4; one unguided),
+    every step of them under "error", its first of a stream too (which opens it: its
+    speaker's conditioning was made at load, its noise is drawn on the host and sent)."""
+    decode = on_device(device)
+    vocoder = token2wav(tiny_plan("omni_chat.omni"), device, decode=decode)
+    assert vocoder.decode_mode == decode
+    batch = token2wav_requests()
+    with StepSyncs("error"):
+        audio = run_vocoder(vocoder, batch)
+    for got, (codes, _, _) in zip(audio, batch, strict=True):
+        assert isinstance(got, torch.Tensor) and len(got) == len(codes)
+    graphs = vocoder.decoder.graphs
+    assert (graphs.replays > 0) == (decode == "graphs")
 
 
 # --- diffusion --------------------------------------------------------------------------------
