@@ -71,6 +71,7 @@ from omniflow.backends.transformers_ar import (
 )
 from omniflow.backends.vision import unpack_media
 from omniflow.plan import StagePlan
+from omniflow.runtime.readback import owned
 from omniflow.runtime.stage import Call
 
 ROLE_PROMPT, ROLE_REPLY = 0.0, 1.0
@@ -457,7 +458,7 @@ class OmniTalker(Component):
                     continue
                 # A copy: the chunk may be a view into a channel slot released after the step.
                 weight = self.embed.weight
-                self.conditioning.arrive(call, chunk.to(weight.device, weight.dtype, copy=True))
+                self.conditioning.arrive(call, owned(chunk, weight.device, weight.dtype))
             for rows, roles in self.conditioning.take(call):
                 reply = [role == ROLE_REPLY for role in roles]
                 prompt = reply.index(True) if True in reply else len(reply)

@@ -89,7 +89,7 @@ from omniflow.families.qwen2_5_omni.thinker_talker import MediaThinker
 from omniflow.families.qwen3_omni import AUDIO_TOKENS, CODEBOOK_OFFSETS
 from omniflow.kernels import fused_moe
 from omniflow.plan import StagePlan
-from omniflow.runtime.readback import upload
+from omniflow.runtime.readback import owned, upload
 from omniflow.runtime.stage import Call
 
 ROLE_PROMPT, ROLE_REPLY = 0.0, 1.0
@@ -496,7 +496,7 @@ class Talker(Component):
             )
             return
         # A copy: the chunk may be a view into a channel slot released after the step.
-        self.items.arrive(call, chunk.to(self.embed.weight.device, copy=True))
+        self.items.arrive(call, owned(chunk, self.embed.weight.device))
 
     def _take(self, call: Call, chunk: torch.Tensor, roles: list[float]) -> None:
         """Keep a chunk of thinker items: prompt positions, then replies' embeddings."""
