@@ -4,11 +4,12 @@ On one GPU every stage of a plan runs in one process, one thread stepping them a
 host sync in one stage's step (`.item()`, `.tolist()` or `.cpu()` of a CUDA tensor, `if t:`,
 `nonzero`, a mask index, a blocking copy to or from the device) stalls every other stage
 (docs/architecture.md, "One GPU, one process"). With the variable set, each stage's step runs
-under torch's sync debug mode (`torch.cuda.set_sync_debug_mode`): "warn" prints each place a
-step syncs, once, with the Python stack that reached it; "error" makes the sync raise, which
-fails that step's requests (their error names the operation; the executor's log has the
-stack): for tests. Only steps run under it: loads, captures, warm-ups and profiles sync
-freely. A process that never used CUDA has nothing to sync on, and is left alone (torch's
+under torch's sync debug mode (`torch.cuda.set_sync_debug_mode`; process-wide, so another
+thread's sync meanwhile is named too): "warn" prints each place a step syncs, once, with the
+Python stack that reached it; "error" makes the sync raise, which fails that step's requests
+(their error names the operation; the executor's log has the stack): for tests. Only
+`Backend.step` runs under it: loads, captures, warm-ups, profiles and the loop's own work
+(`ready`, routing, rings) do not. A process that never used CUDA has nothing to sync on, and is left alone (torch's
 call would start CUDA there, or fail on a CPU-only build).
 """
 
