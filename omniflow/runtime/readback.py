@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from omniflow.runtime.sync_debug import name_wait
+
 
 def upload(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`values` (a tensor, or a list of numbers) on `device` as `dtype`; from the host to a
@@ -80,8 +82,11 @@ class HostCopy:
         return self.done is None or self.done.query()
 
     def wait(self) -> None:
-        """Wait for the copy to arrive (a caller that takes only landed ones never waits)."""
+        """Wait for the copy to arrive (a caller that takes only landed ones never waits;
+        one that would is named under OMNIFLOW_SYNC_DEBUG, sync_debug.py)."""
         if self.done is not None:
+            if not self.done.query():
+                name_wait("a read-back still on its way (HostCopy.wait)")
             self.done.synchronize()
 
 

@@ -42,7 +42,9 @@ def mode_from_env() -> str | None:
 
 class StepSyncs:
     """A context a stage's step runs in: torch's sync debug mode `mode` (None: off) while it
-    runs, where this process uses CUDA; the mode before it restored after."""
+    runs, where this process uses CUDA; the mode before it restored after. Torch's mode
+    names its copies' and streams' waits, not an event's: `HostCopy.wait` on a read-back
+    still on its way is named the same way here (`name_wait`)."""
 
     def __init__(self, mode: str | None):
         self.mode = mode
@@ -55,15 +57,32 @@ class StepSyncs:
         return cls(mode_from_env())
 
     def __enter__(self) -> StepSyncs:
+        global _stepping
         if self.mode is not None and torch.cuda.is_initialized():
             self.before = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode(self.mode)
+            _stepping = self.mode
         return self
 
     def __exit__(self, *exc) -> None:
+        global _stepping
         if self.before is not None:
             torch.cuda.set_sync_debug_mode(self.before)
+            _stepping = {1: "warn", 2: "error"}.get(self.before)
             self.before = None
+
+
+# The mode of the step running now (None: no step, or not checked).
+_stepping: str | None = None
+
+
+def name_wait(what: str) -> None:
+    """Name a host wait torch's mode does not see (`what` it waits for), as torch names its
+    own: raise under "error", warn under "warn"; nothing outside a checked step."""
+    if _stepping == "error":
+        raise RuntimeError(f"{TORCH_MESSAGE}: {what}")
+    if _stepping == "warn":
+        warnings.warn(f"{TORCH_MESSAGE}: {what}", stacklevel=3)
 
 
 def _show_stacks() -> None:

@@ -11,6 +11,7 @@ import torch
 from omniflow.errors import OmniflowError
 from omniflow.runtime.engine import Engine, RequestFailed
 from omniflow.runtime.interpreter import Interpreter
+from omniflow.runtime.readback import HostCopies
 from omniflow.runtime.sync_debug import ENV, TORCH_MESSAGE, StepSyncs, mode_from_env
 from tests.runtime.test_failures import (  # noqa: F401 (no_leaks: a fixture)
     no_leaks,
@@ -73,3 +74,19 @@ def test_with_warn_the_interpreter_names_each_sync_with_its_stack(monkeypatch, c
     assert f"host sync in a stage's step ({TORCH_MESSAGE}" in err
     assert "in sync_when_asked" in err and "interpreter.py" in err  # the stack that reached it
     assert torch.cuda.get_sync_debug_mode() == 0
+
+
+@pytest.mark.gpu
+def test_with_error_a_wait_for_a_read_back_still_on_its_way_is_named():
+    """Torch's mode does not see an event's wait; `HostCopy.wait` names one that would
+    block, and lets one that has landed through."""
+    torch.cuda.init()
+    torch.cuda._sleep(1_000_000_000)  # about half a second queued before the copy
+    copy = HostCopies().copy(torch.ones(4, device="cuda"))
+    on_its_way = f"{TORCH_MESSAGE}: a read-back still on its way"
+    with pytest.raises(RuntimeError, match=on_its_way), StepSyncs("error"):
+        copy.wait()
+    copy.wait()  # outside a step it waits, as it always did
+    with StepSyncs("error"):
+        copy.wait()  # landed: no wait
+    assert copy.value.tolist() == [1.0] * 4
