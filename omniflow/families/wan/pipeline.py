@@ -46,6 +46,7 @@ from omniflow.backends.diffusion import (
     FrameDecoding,
     Prepare,
     check_sizes,
+    latent_statistics,
     open_image,
 )
 from omniflow.backends.step_cache import CacheLayout
@@ -265,10 +266,7 @@ class WanPipelines:
 
 def _vae_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """Normalised latents with the VAE's latent statistics applied, as the pipeline does."""
-    config = vae.config
-    shape = (1, config.z_dim, 1, 1, 1)
-    mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
-    inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
+    mean, inv_std = latent_statistics(vae.config, latents.device, latents.dtype)
     return latents / inv_std + mean
 
 
