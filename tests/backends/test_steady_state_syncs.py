@@ -7,8 +7,7 @@ Each test runs a stage's steps on CUDA under torch's sync debug mode "error"
 - Qwen3-TTS's talker on its captured frame step (decode="graphs"), greedy and sampled, and
   its code2wav on its captured windows, two streams beside each other;
 - Qwen3-Omni's thinker and talker, both captured (MoE layers; the talker's frame step), the
-  talker fed by the thinker's rows, and its code2wav on its captured windows.
-
+  talker fed by the thinker's rows, and its code2wav on its captured windows;
 - Qwen2.5-Omni's token2wav on its captured windows, three streams;
 - Qwen-Image's denoiser (tiny:text-to-image) on its fused blocks, requests at different
   steps sharing forwards, with and without padded prompt rows.
@@ -20,8 +19,8 @@ prefills it and joins it to its slot: once per request, and docs/architecture.md
 a prompt's encoding among the syncs left. Those steps run under "warn" instead, so the GPU
 log names what they sync. Likewise a denoiser's step in which a request starts: its
 conditioning's lengths are read back (`unpack_prompts`), its latents and scheduler made. A
-vocoder leaves nothing out: its first step of a stream opens
-it (host state) and sends the codes like every later one (`readback.upload`).
+vocoder leaves nothing out: its first step of a stream opens it (host state) and sends the
+codes like every later one (`readback.upload`).
 
 On the CPU (the GPU tests' set-up, docs/testing.md) the same steps run on the static paths
 (the captured steps' buffers, eagerly), where the modes change nothing: the counts say
