@@ -9,8 +9,8 @@ thread's sync meanwhile is named too): "warn" prints each place a step syncs, on
 Python stack that reached it; "error" makes the sync raise, which fails that step's requests
 (their error names the operation; the executor's log has the stack): for tests. Only
 `Backend.step` runs under it: loads, captures, warm-ups, profiles and the loop's own work
-(`ready`, routing, rings) do not. A process that never used CUDA has nothing to sync on, and is left alone (torch's
-call would start CUDA there, or fail on a CPU-only build).
+(`ready`, routing, rings) do not. A process that never used CUDA has nothing to sync on, and
+is left alone (torch's call would start CUDA there, or fail on a CPU-only build).
 """
 
 from __future__ import annotations
