@@ -87,6 +87,7 @@ from omniflow.catalog.resolve import model_path
 from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
 from omniflow.kernels.cfg_euler import cfg_euler_step, guide
+from omniflow.runtime.readback import upload
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 # Image processors (Qwen2VLProcessor) refuse images whose sides differ by more than this factor.
@@ -227,6 +228,18 @@ def unpack_prompts(hidden: torch.Tensor) -> list[torch.Tensor]:
             f"{hidden.shape[1] - 1}: not the diffusers text encoder's layout"
         )
     return [hidden[i, 1 : 1 + n].clone() for i, n in enumerate(lengths.tolist())]
+
+
+def latent_statistics(config, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A VAE's latent mean and the reciprocal of its std, `[1, C, 1, 1, 1]` on `device` as
+    `dtype` (the pipelines divide by the reciprocal; so do their callers, for the same bits),
+    sent without waiting for the stage's queued work (`readback.upload`)."""
+    shape = (1, config.z_dim, 1, 1, 1)
+    mean, std = (
+        upload(torch.tensor(values).view(shape), device, dtype)
+        for values in (config.latents_mean, config.latents_std)
+    )
+    return mean, 1.0 / std
 
 
 def knobs(spec: StageSpec, call: Call) -> dict:
@@ -468,6 +481,10 @@ class DiffusionSteps(Backend):
         hidden = torch.cat([inputs[id(s)][0] for s, _ in rows])
         timesteps = torch.cat([inputs[id(s)][1] for s, _ in rows])
         owners = [s for s, _ in rows]
+        # No token is padding where every row is as long as the longest: no mask, decided
+        # here from the host's lengths (asking the device's mask would be a host sync a step).
+        if min(lengths) == max(lengths):
+            mask = None
         noise = self.cache.forward(group, owners, hidden, timesteps, text, mask)
         row = 0
         for call, state in zip(calls, states, strict=True):

@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omniflow.runtime.readback import upload
+
 
 @dataclass(frozen=True)
 class CacheLayout:
@@ -243,7 +245,7 @@ class _Split:
         reuse_any = False
         for state in self.states:
             cache, mine = state.cache, self.rows[id(state)]
-            index = torch.tensor(mine, device=probe.device)
+            index = upload(mine, probe.device)
             residual = probe.index_select(0, index)
             reuse = False
             if cache.may_reuse() and cache.reference.shape == residual.shape:
@@ -258,7 +260,7 @@ class _Split:
         if not reuse_any:
             self.compute = None  # the plain forward for every block after
         else:
-            self.compute = torch.tensor(compute, dtype=torch.long, device=probe.device)
+            self.compute = upload(compute, probe.device, torch.long)
 
     def _finish(self, out):
         """After the last block: keep the computing requests' residuals, give the reusing
@@ -280,7 +282,7 @@ class _Split:
             for state in self.states:
                 if id(state) in computing:
                     continue
-                index = torch.tensor(self.rows[id(state)], device=streams[0].device)
+                index = upload(self.rows[id(state)], streams[0].device)
                 for k, residual in zip(layout.cached, state.cache.residual, strict=True):
                     streams[k] = streams[k].index_copy(
                         0, index, first[k].index_select(0, index) + residual

@@ -833,7 +833,8 @@ class TransformersAR(Backend):
         seen = None
         if sampling.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
-            seen[prompt.context] = True
+            # (its ids sent without waiting: a list as an index is a pageable copy to the device)
+            seen[upload(prompt.context, self.device, torch.int64)] = True
         generator = None
         seed = (
             sampling.seed

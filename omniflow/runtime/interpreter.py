@@ -19,6 +19,7 @@ from omniflow.runtime.edges import StreamWriter, arriving, leaving
 from omniflow.runtime.port_values import concat
 from omniflow.runtime.requests import RequestFailed, admit, describe, stage_params
 from omniflow.runtime.stage import Call, InputStream, StageSpec
+from omniflow.runtime.sync_debug import StepSyncs
 
 Chunks = list[tuple[object, bool]]  # (value or None, end) as they reach the consumer
 
@@ -33,6 +34,7 @@ class Interpreter:
         stages = {s.name: s for s in plan.stages}
         self.leave = {c.name: leaving(c, stages.get(c.src)) for c in plan.channels}
         self.arrive = {c.name: arriving(c) for c in plan.channels}
+        self.syncs = StepSyncs.from_env()  # OMNIFLOW_SYNC_DEBUG: a step's host syncs named
 
     def run(self, inputs: dict, params: dict | None = None, request_id: str = "ref") -> dict:
         plan = self.plan
@@ -58,7 +60,8 @@ class Interpreter:
                     raise OmniflowError(
                         f"stage '{stage.name}' waits for input that will never come"
                     )
-                backend.step([call])
+                with self.syncs:
+                    backend.step([call])
                 if call.error is not None:
                     backend.drop(call)
                     raise RequestFailed(f"stage '{stage.name}' failed: {describe(call.error)}")

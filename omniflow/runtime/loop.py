@@ -49,6 +49,7 @@ from omniflow.runtime.streams import (
     settle_loads,
     stage_streams,
 )
+from omniflow.runtime.sync_debug import StepSyncs
 from omniflow.runtime.tallies import Tallies
 from omniflow.runtime.wakeup import Waker
 
@@ -86,6 +87,7 @@ class StageRunner:
         self.backend = backend
         self.max_batch = max_batch
         self.stream = stream  # what the loop enters for the stage's work (streams.py)
+        self.syncs = StepSyncs.from_env()  # OMNIFLOW_SYNC_DEBUG: a step's host syncs named
         self.calls: dict[str, Call] = {}
         self.tombstones: dict[str, float] = {}
         # Whether a step could find a call ready: something reached the stage since its last
@@ -137,7 +139,8 @@ class StageRunner:
         batch = self.backend.urgent_first(ready)[: self.max_batch]
         began = time.monotonic_ns()
         try:
-            self.backend.step(batch)
+            with self.syncs:
+                self.backend.step(batch)
         except Exception as err:  # a batched forward cannot say whose input broke it
             # The requests hear the error; the log keeps where it came from.
             print(f"stage '{self.name}': a step of {len(batch)} requests failed:", file=sys.stderr)

@@ -1,5 +1,5 @@
 """Moving a step's values between host and GPU without waiting for the GPU: results read
-back (`HostCopies`), inputs sent (`upload`).
+back (`HostCopies`), inputs sent (`upload`, and `owned` for a chunk the stage keeps).
 
 A stage that needs a step's results on the host (sampled ids, audio to send) must not wait
 for its GPU: the executor's loop drives every stage of its process from one thread, so a
@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
+from omniflow.runtime.sync_debug import name_wait
+
 
 def upload(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`values` (a tensor, or a list of numbers) on `device` as `dtype`; from the host to a
@@ -48,6 +50,16 @@ def upload(values, device: torch.device | str, dtype: torch.dtype | None = None)
     else:
         staged = torch.tensor(values, dtype=dtype, pin_memory=True)
     return staged.to(device, non_blocking=True)
+
+
+def owned(tensor: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy of `tensor` on `device` (as `dtype`) that the caller owns, for a chunk that may
+    be a view into a channel slot released after the step: from the host to a GPU through
+    `upload` (a ring's chunk is on the host), not waiting; otherwise `.to(copy=True)`."""
+    device = torch.device(device)
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return upload(tensor, device, dtype)
+    return tensor.to(device=device, dtype=dtype or tensor.dtype, copy=True)
 
 
 # Turns pending at once, at most: each has its own host buffers, reused once it is taken.
@@ -70,8 +82,11 @@ class HostCopy:
         return self.done is None or self.done.query()
 
     def wait(self) -> None:
-        """Wait for the copy to arrive (a caller that takes only landed ones never waits)."""
+        """Wait for the copy to arrive (a caller that takes only landed ones never waits;
+        one that would is named under OMNIFLOW_SYNC_DEBUG, sync_debug.py)."""
         if self.done is not None:
+            if not self.done.query():
+                name_wait("a read-back still on its way (HostCopy.wait)")
             self.done.synchronize()
 
 

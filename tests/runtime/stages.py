@@ -89,6 +89,18 @@ def break_gpu_on_boom(batch):
     return out
 
 
+def sync_when_asked(batch):
+    """text -> text, upper-cased; a prompt containing 'sync' reads a value back from the GPU
+    (the CPU where there is none) with `.item()`, a host sync."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = []
+    for item in batch:
+        if "sync" in item["in"]:
+            torch.ones(1, device=device).sum().item()
+        out.append({"out": item["in"].upper()})
+    return out
+
+
 def join(batch):
     """texts `a` and `b` -> "a b"."""
     return [{"out": f"{item['a']} {item['b']}"} for item in batch]

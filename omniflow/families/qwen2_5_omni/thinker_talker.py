@@ -71,6 +71,7 @@ from omniflow.backends.transformers_ar import (
 )
 from omniflow.backends.vision import unpack_media
 from omniflow.plan import StagePlan
+from omniflow.runtime.readback import owned
 from omniflow.runtime.stage import Call
 
 ROLE_PROMPT, ROLE_REPLY = 0.0, 1.0
@@ -534,7 +535,7 @@ class OmniTalker(ThinkerFedTalker):
             return
         # A copy: the chunk may be a view into a channel slot released after the step.
         weight = self.embed.weight
-        self.conditioning.arrive(call, chunk.to(weight.device, weight.dtype, copy=True))
+        self.conditioning.arrive(call, owned(chunk, weight.device, weight.dtype))
 
     def can_start(self, call: Call) -> bool:
         cond = call.state.get(_CONDITIONING)

@@ -65,6 +65,7 @@ from omniflow.families.qwen2_5_omni.token2wav_dit import FusedDiT
 from omniflow.hf_logging import quiet
 from omniflow.kernels import ada_norm
 from omniflow.kernels.anti_alias_snake import anti_alias_snake
+from omniflow.runtime.readback import upload
 from omniflow.runtime.stage import Call
 
 COMPONENT = "token2wav"
@@ -286,13 +287,14 @@ class Token2Wav(Decoder):
         return {
             "codes": padded(windows, frames, lambda w: w.codes()[:, 0], device),
             "noise": padded(windows, frames, Window.side, device).reshape(rows, -1, self.mel_dim),
-            # Where each window starts in the padded batch, and how long it is, in mel frames.
-            "offsets": torch.tensor([w.offset * self.repeats for w in windows], device=device),
-            "lengths": torch.tensor([w.frames * self.repeats for w in windows], device=device),
+            # Where each window starts in the padded batch, and how long it is, in mel frames
+            # (these and the guidance sent without waiting for the stage's queued work).
+            "offsets": upload([w.offset * self.repeats for w in windows], device),
+            "lengths": upload([w.frames * self.repeats for w in windows], device),
             "ref": torch.stack([s["ref"] for s in speakers]),
             "ref_dropped": torch.stack([s["ref_dropped"] for s in speakers]),
             "cond": torch.stack([s["cond"] for s in speakers]),
-            "guidance": torch.tensor([w.stream.state["guidance"] for w in windows], device=device),
+            "guidance": upload([w.stream.state["guidance"] for w in windows], device),
         }
 
     def _solve(self, codes, noise, offsets, lengths, ref, ref_dropped, cond, guidance, steps):

@@ -95,7 +95,7 @@ from omniflow.families.qwen2_5_omni.thinker_talker import (
 from omniflow.families.qwen3_omni import AUDIO_TOKENS, CODEBOOK_OFFSETS
 from omniflow.kernels import fused_moe
 from omniflow.plan import StagePlan
-from omniflow.runtime.readback import upload
+from omniflow.runtime.readback import owned, upload
 from omniflow.runtime.stage import Call
 
 # `generate` suppresses the talker's top 1024 ids but the end of speech.
@@ -434,7 +434,7 @@ class Talker(ThinkerFedTalker):
             )
             return
         # A copy: the chunk may be a view into a channel slot released after the step.
-        self.conditioning.arrive(call, chunk.to(self.embed.weight.device, copy=True))
+        self.conditioning.arrive(call, owned(chunk, self.embed.weight.device))
 
     def _segment(self, cond: _Conditioning) -> None:
         """Project the prompt as `generate` does, once all its rows are in: the user part,

@@ -39,6 +39,7 @@ from omniflow.backends.diffusion import (
     Prepare,
     check_sizes,
     condition_image,
+    latent_statistics,
 )
 from omniflow.backends.step_cache import CacheLayout
 from omniflow.families.qwen_image.fused_blocks import fuse_blocks
@@ -244,8 +245,8 @@ class QwenImagePipelines:
             hidden_states=hidden,
             timestep=timesteps.to(hidden.dtype) / 1000,
             guidance=guidance,
-            # The pipeline passes no mask when no token is padding; neither do we.
-            encoder_hidden_states_mask=None if mask.all() else mask,
+            # The pipeline passes no mask when no token is padding; neither do we (None).
+            encoder_hidden_states_mask=mask,
             encoder_hidden_states=text,
             img_shapes=[list(shapes)] * len(hidden),
             return_dict=False,
@@ -275,11 +276,7 @@ class QwenImagePipelines:
     # --- the VAE ---
     def decode(self, vae, latents: torch.Tensor) -> torch.Tensor:
         """Normalised latents `[B, C, h, w]` -> images `[B, H, W, 3]` in [-1, 1]."""
-        config = vae.config
-        shape = (1, config.z_dim, 1, 1, 1)
-        mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, vae.dtype)
-        # The pipeline divides by the reciprocal of the std; so do we, for the same bits.
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latents.device, vae.dtype)
+        mean, inv_std = latent_statistics(vae.config, latents.device, vae.dtype)
         images = vae.decode(latents[:, :, None] / inv_std + mean, return_dict=False)[0][:, :, 0]
         return images.permute(0, 2, 3, 1).float()
 

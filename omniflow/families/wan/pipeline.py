@@ -46,6 +46,7 @@ from omniflow.backends.diffusion import (
     FrameDecoding,
     Prepare,
     check_sizes,
+    latent_statistics,
     open_image,
 )
 from omniflow.backends.step_cache import CacheLayout
@@ -64,14 +65,18 @@ class WanDenoising(Denoising):
         super().__init__(*args)
         self.pipe = pipe
         self.scales = scales  # (guidance_scale, guidance_scale_2)
-        self.boundary = boundary  # the boundary timestep, or None: one expert
         self.condition = condition  # image-to-video: channels beside (A14B) or first frame
         self.mask = mask  # TI2V: 0 on the conditioning first frame, 1 elsewhere
         self.dtype = (pipe.transformer or pipe.transformer_2).dtype
+        # Each step's expert (`boundary`: the boundary timestep, or None: one expert), decided
+        # on the host once: the timesteps are on the device, and comparing one there each
+        # step would be a host sync a step.
+        self.experts = None
+        if boundary is not None:
+            self.experts = [0 if t >= boundary else 1 for t in self.timesteps.tolist()]
 
     def expert(self) -> int:
-        t = self.timesteps[self.index]
-        return 0 if self.boundary is None or t >= self.boundary else 1
+        return 0 if self.experts is None else self.experts[self.index]
 
     def group(self):
         return tuple(self.latents.shape), self.expert(), self.condition is not None
@@ -261,10 +266,7 @@ class WanPipelines:
 
 def _vae_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """Normalised latents with the VAE's latent statistics applied, as the pipeline does."""
-    config = vae.config
-    shape = (1, config.z_dim, 1, 1, 1)
-    mean = torch.tensor(config.latents_mean).view(shape).to(latents.device, latents.dtype)
-    inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(latents.device, latents.dtype)
+    mean, inv_std = latent_statistics(vae.config, latents.device, latents.dtype)
     return latents / inv_std + mean
 
 
