@@ -29,8 +29,15 @@ from omniflow.runtime.stage import Call
 class _Arriving:
     """One request's chunks whose roles are on their way, oldest first."""
 
-    def __init__(self):
+    def __init__(self, call: Call):
+        self.call = weakref.ref(call)
         self.chunks: deque[tuple[torch.Tensor, HostCopy]] = deque()
+
+    def waited_for(self) -> bool:
+        """Whether chunks are on their way for a request still running (a finished or
+        failed one takes no more: its chunks keep no loop polling)."""
+        call = self.call()
+        return bool(self.chunks) and call is not None and not call.finished and call.error is None
 
     def landed(self) -> bool:
         return bool(self.chunks) and self.chunks[0][1].landed()
@@ -51,7 +58,7 @@ class RoleRows:
     def _arriving(self, call: Call) -> _Arriving:
         arriving = call.state.get(self.key)
         if arriving is None:
-            arriving = call.state[self.key] = _Arriving()
+            arriving = call.state[self.key] = _Arriving(call)
             self.live.add(arriving)
         return arriving
 
@@ -79,4 +86,4 @@ class RoleRows:
 
     def in_flight(self) -> bool:
         """Whether some request's chunk waits for its roles to land."""
-        return any(arriving.chunks for arriving in list(self.live))
+        return any(arriving.waited_for() for arriving in list(self.live))
