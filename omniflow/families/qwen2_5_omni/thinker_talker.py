@@ -419,9 +419,10 @@ class _Conditioning:
 class ThinkerFedTalker(Component):
     """A talker fed its thinker's rows on `embeds`, each row's role (prompt or reply) read
     back without waiting (`RoleRows`, roles picked by `roles`): what Qwen2.5-Omni's and
-    Qwen3-Omni's talkers share (and a talker model's parts). A subclass checks an arriving chunk and hands it to
-    `self.conditioning` (`_arrive`), keeps a chunk whose roles have landed (`_take`) and may
-    act on what the request has then (`_received`); a request that failed takes no more.
+    Qwen3-Omni's talkers share (and a talker model's parts). A subclass checks an arriving
+    chunk and hands it to `self.conditioning` (`_arrive`); the base keeps a chunk whose roles
+    have landed (`_take`), and the subclass may act on what the request has then
+    (`_received`); a request that failed takes no more.
     A subclass names, too, where a request keeps its rows: `call.state[state_key]`, a
     `state()` with lists `prompt` (chunks) and `replies` (rows), and which part of a row
     each keeps (`prompt_part`, `reply_part`: an index into a row's second dimension)."""
