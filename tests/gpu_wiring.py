@@ -26,11 +26,24 @@ def stages_on_cpu(plan: Plan, backends: str = "auto") -> Iterator[dict[str, Back
     loaded: dict[str, Backend] = {}
     try:
         for stage in plan.stages:
-            if stage.settings.get("decode") == "graphs":
-                stage = dataclasses.replace(stage, settings={**stage.settings, "decode": "static"})
+            if "decode" in stage.settings:
+                decode = cpu_decode(stage.settings["decode"])
+                stage = dataclasses.replace(stage, settings={**stage.settings, "decode": decode})
             spec = StageSpec.from_channels(stage, plan.channels)
             loaded[stage.name] = load_backend(spec, "cpu", backends)
         yield loaded
     finally:
         for backend in loaded.values():
             backend.close()
+
+
+def cpu_decode(decode: str) -> str:
+    """The decode setting a stage takes on the CPU for `decode`: "graphs" runs "static"."""
+    return "static" if decode == "graphs" else decode
+
+
+def stage_spec(plan: Plan, name: str, **settings) -> StageSpec:
+    """Stage `name` of `plan` as a backend takes it, `settings` over its own."""
+    stage = plan.stage(name)
+    stage = dataclasses.replace(stage, settings={**stage.settings, **settings})
+    return StageSpec.from_channels(stage, plan.channels)

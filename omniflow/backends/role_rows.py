@@ -82,7 +82,9 @@ class RoleRows:
     def ended(self, call: Call) -> bool:
         """Whether the request's stream has ended and every chunk of it has been taken."""
         arriving = call.state.get(self.key)
-        return call.inputs[self.port].ended and (arriving is None or not arriving.chunks)
+        port = call.inputs[self.port]
+        untaken = port.available() or (arriving is not None and bool(arriving.chunks))
+        return port.ended and not untaken
 
     def in_flight(self) -> bool:
         """Whether some request's chunk waits for its roles to land."""

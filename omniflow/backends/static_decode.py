@@ -655,8 +655,11 @@ class FrameCompleter:
         """A request joins `slot`: its sub-stream (`seed`; `sampled`: it draws, else it is
         greedy). Its next input is its first frame's, which the first step completes."""
         sampling = self.spec.sampling
-        self.seed[slot] = sub_stream(seed)
-        self.temperature[slot] = sampling.temperature if sampled and sampling is not None else 0.0
+        # (`fill_`, not `t[slot] = x`: the latter copies a host scalar, blocking, on CUDA)
+        self.seed[slot].fill_(sub_stream(seed))
+        self.temperature[slot].fill_(
+            sampling.temperature if sampled and sampling is not None else 0.0
+        )
 
     def complete(self, b: int, hidden, first, frame, active) -> None:
         """Slots 0..b-1's frames from the LM's final hidden states `hidden` `[b, H]` and
@@ -827,9 +830,9 @@ class StaticDecoder(DecoderCache):
             self.min_tokens: state.get("min_tokens", 0),
         }
         for buffer, value in numbers.items():
-            buffer[slot] = value
+            buffer[slot].fill_(value)  # (`t[slot] = x` copies a host scalar, blocking)
         if state.get("seen") is None:
-            self.seen[slot] = False
+            self.seen[slot].fill_(False)
         else:
             self.seen[slot].copy_(state["seen"])
         if self.frames is not None:
@@ -846,7 +849,7 @@ class StaticDecoder(DecoderCache):
     @torch.inference_mode()
     def free(self, slot: int) -> None:
         """Forget slot `slot`'s request: the padding a step computes there writes column 0."""
-        self.length[slot] = 0
+        self.length[slot].fill_(0)  # (not `= 0`: a blocking copy of a host scalar on CUDA)
 
     # --- the step ---------------------------------------------------------------------------
     def buckets(self, rows: int, longest: int) -> tuple[int, int]:

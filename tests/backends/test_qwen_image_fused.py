@@ -11,7 +11,11 @@ from diffusers.models.transformers.transformer_qwenimage import QwenImageTransfo
 
 from omniflow.backends.dit_blocks import modules_forward
 from omniflow.checkpoints.tiny import build_tiny
-from omniflow.families.qwen_image.fused_blocks import FusedQwenImageBlock, fuse_blocks
+from omniflow.families.qwen_image.fused_blocks import (
+    FusedQwenImageBlock,
+    fuse_blocks,
+    text_seq_len_from_mask,
+)
 
 torch.set_num_threads(1)
 
@@ -100,6 +104,20 @@ def test_the_transformer_with_fused_blocks_gives_its_own_output():
     fuse_blocks(transformer)
     fused, modules = both_ways(transformer, transformer.transformer_blocks, inputs)
     assert relative(fused, modules) < 1e-5
+
+
+def test_the_masks_length_without_a_host_copy_is_diffusers():
+    """What `fuse_blocks` puts in place of diffusers' mask normalisation gives what diffusers'
+    gives (the text's length; each row's up to its last real token, the whole length for a
+    row of padding only; the mask as bools): rows padded, all padding, none padded."""
+    text = torch.randn(3, 7, 4)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0, 0], [0] * 7, [1] * 7])
+    length, rows, bools = text_seq_len_from_mask(text, mask)
+    assert length == 7 and rows.tolist() == [3, 7, 7]
+    assert torch.equal(bools, mask.bool())
+    assert text_seq_len_from_mask(text, None) == (7, None, None)
+    with pytest.raises(ValueError, match="must match"):
+        text_seq_len_from_mask(text, mask[:2])
 
 
 def both_ways(transformer, blocks, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,7 +119,11 @@ class Driver:
         self.round += 1
 
     def run(self) -> dict[str, torch.Tensor]:
-        while self.runner.calls and self.round < 1000:
+        # Until every stream ends, under a time limit, not a count of rounds: while a GPU
+        # still runs a step's windows, rounds step nothing, and a busy GPU takes many.
+        deadline = time.monotonic() + 120
+        while self.runner.calls:
+            assert time.monotonic() < deadline, f"streams unfinished: {list(self.runner.calls)}"
             self.round_()
         del self.vocoder.decoder.step
         return {r: torch.cat(parts) for r, parts in self.audio.items() if parts}

@@ -29,7 +29,6 @@ which steps the GPU checks.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from pathlib import Path
 
@@ -41,7 +40,7 @@ from omniflow.backends.transformers_ar import _STATE as AR_STATE
 from omniflow.backends.transformers_ar import TransformersAR
 from omniflow.compiler import compile_file, compile_source
 from omniflow.runtime.interpreter import Interpreter
-from omniflow.runtime.stage import Call, StageSpec
+from omniflow.runtime.stage import Call
 from omniflow.runtime.sync_debug import ENV, StepSyncs
 from tests.backends.test_diffusion import GRAPH as TEXT_TO_IMAGE
 from tests.backends.test_diffusion import Stages, output, request
@@ -57,6 +56,7 @@ from tests.families.test_qwen3_tts import (  # noqa: F401 (fixtures)
     serve_frames,
     talker_backend,
 )
+from tests.gpu_wiring import cpu_decode, stage_spec
 from tests.kernels.test_moe_static_decode import PIPELINE
 
 DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)]
@@ -142,14 +142,13 @@ def omni_ar_stages(device: str) -> tuple[Interpreter, SteadySyncs, SteadySyncs]:
     step watched."""
     torch.set_num_threads(1)
     decode = on_device(device)
-    source = PIPELINE.format(frames=8, temperature=0.9, decode=decode)
+    # The interpreter loads its stages on the CPU: theirs replaced below.
+    source = PIPELINE.format(frames=8, temperature=0.9, decode=cpu_decode(decode))
     interpreter = Interpreter(compile_source(source, devices="cpu"))
     watched = []
     for name in ("thinker", "talker"):
-        stage = interpreter.plan.stage(name)
-        stage = dataclasses.replace(stage, settings={**stage.settings, "decode": decode})
         interpreter.backends[name].close()
-        backend = TransformersAR(StageSpec.from_channels(stage, interpreter.plan.channels), device)
+        backend = TransformersAR(stage_spec(interpreter.plan, name, decode=decode), device)
         assert backend.decode == decode
         interpreter.backends[name] = backend
         watched.append(SteadySyncs(backend))

@@ -18,6 +18,7 @@ from omniflow.compiler import compile_source
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.stage import Call, InputStream, StageSpec
 from tests.backends.test_transformers_ar import run
+from tests.gpu_wiring import cpu_decode, stage_spec
 from tests.kernels.test_fused_decode import PROMPTS, SYSTEM, calls_for, with_fused
 
 THINKER = """
@@ -143,13 +144,14 @@ def speak(
     static one on the fused layers, its code predictor's too, where `fused`; on CUDA they
     are its default); on the static path the component's eager `frames` fails if called."""
     torch.set_num_threads(1)
-    source = PIPELINE.format(frames=frames, temperature=temperature, decode=decode)
+    # The interpreter loads its stages on the CPU; on CUDA its talker is replaced.
+    source = PIPELINE.format(frames=frames, temperature=temperature, decode=cpu_decode(decode))
     interpreter = Interpreter(compile_source(source, devices="cpu"))
     if device == "cpu":
         talker = with_fused(interpreter.backends["talker"], fused)
     else:
         interpreter.backends["talker"].close()
-        talker = TransformersAR(interpreter.specs["talker"], device)
+        talker = TransformersAR(stage_spec(interpreter.plan, "talker", decode=decode), device)
         interpreter.backends["talker"] = talker
         fused = talker.static is not None
     if talker.static is not None:

@@ -42,6 +42,12 @@ def executor():
     return program
 
 
+def slow_stage():
+    """The executor's first stage, "slow", its budget to be set."""
+    (stage,) = (s for s in executor().stages if s.name == "slow")
+    return stage
+
+
 class Faults:
     """What the injected loader does per stage (`delays`, `errors`) and what it loaded and
     closed since."""
@@ -173,7 +179,7 @@ def test_auto_loads_one_after_another_where_no_stage_has_a_cuda_stream():
 def test_two_stages_loading_at_once_on_one_gpu_are_each_measured_alone():
     # Each load allocates, then waits until the other has allocated too, so the two loads
     # hold their memory at the same time; each is measured as its own.
-    stage = executor().stage("slow")
+    stage = slow_stage()
     stage.budget_bytes, stage.need_bytes = 48 * MiB, 40 * MiB
     both = threading.Barrier(2, timeout=30)
     held, failures = {}, {}
@@ -206,7 +212,7 @@ def test_a_graph_captured_while_another_stage_loads_counts_to_its_own_load():
     # weights in from the host: the capture is intact and its graph pool is its load's.
     from omniflow.backends.cuda_graphs import capture_graph
 
-    stage = executor().stage("slow")
+    stage = slow_stage()
     stage.budget_bytes = 0
     copying = threading.Event()
     out = {}

@@ -14,12 +14,19 @@ not copied: the q/k/v modules' weights become views into the stacked matrices.
 
 Blocks that edit (`zero_cond_t`, Qwen-Image-Edit-2511's per-token modulation), take
 attention kwargs or run in float16 run diffusers' own forward.
+
+The transformer's forward normalises a padded prompt's mask with diffusers'
+`compute_text_seq_len_from_mask`, which builds its fallback length with
+`torch.as_tensor(int, device=...)`: a blocking host-to-device copy, a host sync in every
+denoising step of a batch with padded prompt rows. `fuse_blocks` puts in its place
+`text_seq_len_from_mask`, the same function without that copy.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.transformers import transformer_qwenimage
 from diffusers.models.transformers.transformer_qwenimage import (
     QwenImageTransformer2DModel,
     QwenImageTransformerBlock,
@@ -100,5 +107,28 @@ class FusedQwenImageBlock:
 
 
 def fuse_blocks(transformer: QwenImageTransformer2DModel, attend: Attention | None = None):
-    """Every block of `transformer` forwards on fused kernels from now on."""
+    """Every block of `transformer` forwards on fused kernels from now on (and its forward
+    normalises a mask without a host sync)."""
     fuse(transformer.transformer_blocks, lambda block: FusedQwenImageBlock(block, attend))
+    transformer_qwenimage.compute_text_seq_len_from_mask = text_seq_len_from_mask
+
+
+def text_seq_len_from_mask(
+    encoder_hidden_states: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None
+) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+    """diffusers' `compute_text_seq_len_from_mask` (the text length for RoPE, each row's
+    length, the mask as bools) with the fallback length a scalar operand, not a tensor
+    copied from the host."""
+    batch, length = encoder_hidden_states.shape[:2]
+    mask = encoder_hidden_states_mask
+    if mask is None:
+        return length, None, None
+    if mask.shape[:2] != (batch, length):
+        raise ValueError(
+            f"`encoder_hidden_states_mask` shape {mask.shape} must match "
+            f"(batch_size, text_seq_len)=({batch}, {length})."
+        )
+    mask = mask.to(torch.bool)
+    positions = torch.arange(length, device=mask.device)
+    last = torch.where(mask, positions, 0).max(dim=1).values
+    return length, torch.where(mask.any(dim=1), last + 1, length), mask
