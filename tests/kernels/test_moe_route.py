@@ -132,8 +132,8 @@ def cuda_order_weights(logits: torch.Tensor, top_k: int, renormalize: bool) -> t
 
 def test_the_kernels_sums_run_in_torchs_cuda_order(interpret):
     """The float32 weights of the interpreted kernel, bit for bit, those of torch's CUDA
-    summation orders (with the interpreter's `exp`): the orders the kernel reproduces so
-    that on CUDA its weights are torch's bits (the GPU test checks that half)."""
+    summation orders (with the interpreter's `exp`): the orders the kernel reproduces (on
+    CUDA torch keeps them up to 2 tokens: kernels/moe_route.py, "Numerics")."""
     found = [case for case in cases() if case["router_logits"].dtype == torch.float32]
     for case, got in zip(found, interpret(run_routes, found), strict=True):
         want = cuda_order_weights(case["router_logits"], case["top_k"], case["renormalize"])
@@ -342,21 +342,6 @@ def test_the_compiled_kernel_routes_and_aligns_as_torch_on_gpu():
     got = moe_route.moe_route(logits, 8, True, 16)
     for a, b in zip(got, moe_route.reference(logits, 8, True, 16), strict=True):
         assert torch.equal(a, b)
-
-
-@pytest.mark.gpu
-def test_on_the_gpu_the_weights_are_torchs_bits():
-    """Where no logits tie, the compiled kernel's weights are `route`'s on CUDA bit for bit:
-    its sums in torch's CUDA orders (the CPU test above checks the kernel adds in those
-    orders), libdevice's `expf` without flushing subnormals, correctly rounded divisions.
-    Should torch's kernels sum in other orders, this fails while the bound still holds."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    for case in cases():
-        on = {k: v.cuda() if torch.is_tensor(v) else v for k, v in case.items()}
-        if not tied(on["router_logits"], on["top_k"]):
-            got, want = moe_route.moe_route_triton(**on), moe_route.reference(**on)
-            assert torch.equal(got[1], want[1])
 
 
 def real_routing(stage: str, tokens: int, device: str = "cuda") -> tuple:
