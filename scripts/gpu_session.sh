@@ -47,16 +47,24 @@ omni_cache() {
   if [ "$(free_gib /dev/shm)" -ge $OMNI_GIB ]; then echo /dev/shm/omniflow-cache; else echo "$OMNIFLOW_CACHE"; fi
 }
 OMNI_CACHE=$(omni_cache)
+set_up() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl .whl-serve/*.whl > "$OUT/setup.log" 2>&1 \
+    || { cat "$OUT/setup.log"; exit 1; }
+  ln -sfn ../dsl omniflow/dsl && ln -sfn ../kernels omniflow/kernels
+  ln -sfn "$here/omniflow" /tmp/site/omniflow
+  python3 -P -c "import torch, transformers, triton, omniflow.kernels.sampling, omniflow.dsl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/setup.log"
+}
+# Each call brings a fresh copy of the tree, without setup's links: a call that does not
+# start with `setup` sets up first where they are missing.
+if [ "${1:-}" != setup ] && ! [ -e omniflow/dsl -a -e /tmp/site/omniflow/dsl ]; then
+  set_up > /dev/null
+fi
 for part in "$@"; do
   start=$(date +%s)
   case $part in
     setup)
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl .whl-serve/*.whl > "$OUT/setup.log" 2>&1 \
-        || { cat "$OUT/setup.log"; exit 1; }
-      ln -sfn ../dsl omniflow/dsl && ln -sfn ../kernels omniflow/kernels
-      ln -sfn "$here/omniflow" /tmp/site/omniflow
-      python3 -P -c "import torch, transformers, triton, omniflow.kernels.sampling, omniflow.dsl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/setup.log"
+      set_up
       ;;
     tests)
       # GPU_TESTS: the test files to run (default: every file with tests marked gpu);
