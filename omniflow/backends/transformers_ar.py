@@ -833,8 +833,9 @@ class TransformersAR(Backend):
         seen = None
         if sampling.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
-            # (its ids sent without waiting: a list as an index is a pageable copy to the device)
-            seen[upload(prompt.context, self.device, torch.int64)] = True
+            # (its ids sent without waiting: a list as an index is a pageable copy to the
+            # device, and so is `= True`'s host scalar)
+            seen.index_fill_(0, upload(prompt.context, self.device, torch.int64), True)
         generator = None
         seed = (
             sampling.seed
