@@ -834,7 +834,7 @@ class TransformersAR(Backend):
         if sampling.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
             # (its ids sent without waiting: a list as an index is a pageable copy to the
-            # device, and so is `= True`'s host scalar)
+            # device; index_fill_ takes the value as a kernel argument)
             seen.index_fill_(0, upload(prompt.context, self.device, torch.int64), True)
         generator = None
         seed = (
