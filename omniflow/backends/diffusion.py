@@ -473,12 +473,10 @@ class DiffusionSteps(Backend):
         rows = [(s, p) for s in states for p in s.rows()]
         lengths = [p.shape[0] for _, p in rows]
         text = rows[0][1].new_zeros(len(rows), max(lengths), rows[0][1].shape[1])
+        mask = torch.zeros(len(rows), max(lengths), dtype=torch.long, device=text.device)
         for i, (_, prompt) in enumerate(rows):
             text[i, : prompt.shape[0]] = prompt
-        # From the lengths sent without waiting (`mask[i, :n] = 1` would copy a host scalar,
-        # blocking, every step).
-        columns = torch.arange(max(lengths), device=text.device)
-        mask = (columns < upload(lengths, text.device)[:, None]).long()
+            mask[i, : prompt.shape[0]] = 1
         inputs = {id(s): s.model_input() for s in states}
         hidden = torch.cat([inputs[id(s)][0] for s, _ in rows])
         timesteps = torch.cat([inputs[id(s)][1] for s, _ in rows])
