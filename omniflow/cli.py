@@ -407,9 +407,9 @@ def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = Tru
         default="sequential",
         choices=("auto", "sequential", "parallel"),
         help="how an executor loads its stages: sequential (default: one after another), "
-        "parallel (a thread each, each held to its budget in its own allocator pool; "
-        "experimental: on a GPU it aborted a test process), auto (parallel where two or "
-        "more of an executor's stages are on a GPU)",
+        "parallel (a thread each, each held to its budget in its own allocator pool), auto "
+        "(parallel where two or more of an executor's stages are on a GPU); parallel is "
+        "experimental: on a GPU it aborted a test's process",
     )
     parser.add_argument(
         "--param",
