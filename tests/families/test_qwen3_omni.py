@@ -162,9 +162,10 @@ def test_the_static_path_gives_generates_text_and_frames(references):
 def test_the_talker_takes_thinker_items_once_their_roles_land(references, monkeypatch):
     """On a GPU the roles of the thinker's items (where its prompt ends) reach the host a
     while after the items arrive, and nothing waits for them (`RoleRows`): the talker takes
-    a chunk once its roles have landed and the loop polls meanwhile. Here, on the static
-    path, every read-back (roles, tokens) lands three polls late, as a busy GPU's would:
-    `generate`'s text and frames all the same."""
+    a chunk once its roles have landed and the loop polls meanwhile; likewise where the
+    prompt's turns and media are (its markers, found on the device). Here, on the static
+    path, every read-back (roles, markers, tokens) lands three polls late, as a busy GPU's
+    would: `generate`'s text and frames all the same."""
     source = SOURCE.replace("temperature=0.0)", 'temperature=0.0, decode="static")')
     source = source.replace("speaker=$speaker)", 'speaker=$speaker, decode="static")')
     interpreter = Interpreter(compile_source(source, devices="cpu"))
@@ -181,6 +182,8 @@ def test_the_talker_takes_thinker_items_once_their_roles_land(references, monkey
         assert_matches(run_case(interpreter.run, case), ref)
     role_copies = [c for c in held_back if c.value.dtype.is_floating_point]
     assert role_copies, "no thinker item's roles were held back"
+    marker_copies = [c for c in held_back if c.value.dtype == torch.bool]
+    assert len(marker_copies) == len(CASES), "not every prompt's markers were held back"
 
 
 def test_batched_in_one_engine_each_request_gets_its_own_frames(plan, references):

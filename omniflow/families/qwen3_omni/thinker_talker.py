@@ -38,7 +38,8 @@ prompt's positions come in the prefill step, then one per decode step. `generate
 the user turns, the assistant's turn and the media placeholders in the input ids; the
 talker finds them in the embeddings, which are those ids' rows of the thinker's table (it
 reads the rows of `<|im_start|>`, `user`, `assistant`, the placeholders and the media's
-start markers from the checkpoint). At a media position the item's embedding is the
+start markers from the checkpoint), on the device, and segments the prompt on the host once
+that finding has come back, never waiting for it (`Talker._find_markers`). At a media position the item's embedding is the
 placeholder's row (the talker reads no embedding there), and the role row of each media
 item's first position carries, after the role, the item's kind and integers (its grid,
 seconds per grid, audio feature length: `media_header`), which the talker's positions
@@ -64,6 +65,7 @@ draws, is completed inside its step.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -95,7 +97,7 @@ from omniflow.families.qwen2_5_omni.thinker_talker import (
 from omniflow.families.qwen3_omni import AUDIO_TOKENS, CODEBOOK_OFFSETS
 from omniflow.kernels import fused_moe
 from omniflow.plan import StagePlan
-from omniflow.runtime.readback import owned, upload
+from omniflow.runtime.readback import HostCopies, HostCopy, owned, upload
 from omniflow.runtime.stage import Call
 
 # `generate` suppresses the talker's top 1024 ids but the end of speech.
@@ -342,6 +344,10 @@ class _Conditioning:
     assistant: list[torch.Tensor] = field(default_factory=list)  # A, projected, [D] each
     projected: int = 0  # replies projected into `assistant` so far
     complete: bool = False  # the prompt's rows are all in and segmented
+    # Once they are all in: the prompt's items, and where the markers are, `[L, 8]` bools on
+    # their way to the host (`Talker._find_markers`).
+    items: torch.Tensor | None = None
+    found: HostCopy | None = None
     positions: torch.Tensor | None = None  # [3, 1, u + 9] on a prompt with media
     offset: int = 0  # its decode positions' offset
 
@@ -358,6 +364,9 @@ class Talker(ThinkerFedTalker):
     def __init__(self, model, path: str, layout: dict):
         # The thinker's items, their roles (row 2) read back without waiting.
         super().__init__(model, lambda items: items[:, 2, 0])
+        # The prompts whose markers are on their way to the host, with their requests.
+        self.copies = HostCopies()
+        self.finding: list[tuple[weakref.ref, _Conditioning]] = []
         config = model.config
         self.predictor = model.code_predictor
         self.groups = config.num_code_groups
@@ -414,14 +423,20 @@ class Talker(ThinkerFedTalker):
 
     # --- conditioning -----------------------------------------------------------------------
     def _received(self, call: Call) -> None:
-        """Segment the prompt once all its rows are in (a reply came, or the stream ended)."""
+        """Segment the prompt once all its rows are in (a reply came, or the stream ended):
+        find its markers on the device, then, once they have come to the host, segment it
+        there (a host sync a request otherwise, stalling the process's other stages)."""
         cond = call.state.get(_STATE)
         ended = self.conditioning.ended(call)
-        if cond is not None and not cond.complete and (cond.replies or ended):
-            try:
+        if cond is None or cond.complete or not (cond.replies or ended):
+            return
+        try:
+            if cond.found is None:
+                self._find_markers(call, cond)
+            if cond.found.landed():
                 self._segment(cond)
-            except ARBackendError as err:
-                call.fail(err)
+        except ARBackendError as err:
+            call.fail(err)
 
     def _arrive(self, call: Call, chunk: torch.Tensor) -> None:
         """Check a chunk of thinker items and keep a copy while its roles come to the host."""
@@ -436,19 +451,39 @@ class Talker(ThinkerFedTalker):
         # A copy: the chunk may be a view into a channel slot released after the step.
         self.conditioning.arrive(call, owned(chunk, self.embed.weight.device))
 
-    def _segment(self, cond: _Conditioning) -> None:
-        """Project the prompt as `generate` does, once all its rows are in: the user part,
-        and the assistant's turn's rows, the start of A."""
+    def has_news(self, call: Call) -> bool:
+        cond = call.state.get(_STATE)
+        markers = cond is not None and not cond.complete and cond.found is not None
+        return super().has_news(call) or (markers and cond.found.landed())
+
+    def in_flight(self) -> bool:
+        def waiting(call: Call | None, cond: _Conditioning) -> bool:
+            return call is not None and call.error is None and not cond.complete
+
+        self.finding = [(c, cond) for c, cond in self.finding if waiting(c(), cond)]
+        return super().in_flight() or bool(self.finding)
+
+    def _find_markers(self, call: Call, cond: _Conditioning) -> None:
+        """Where the prompt's `<|im_start|>`, `assistant`, `user`, media placeholders and
+        media start markers are, by their embeddings, on the device; its copy to the host
+        queued (`cond.found`)."""
         if not cond.prompt:
             raise ARBackendError("the thinker sent no prompt rows")
-        items = torch.cat(cond.prompt)
+        cond.items = torch.cat(cond.prompt)
+        embeds = cond.items[:, 1]
+        found = (embeds[:, None] == self.markers.to(embeds.dtype)[None]).all(dim=-1)  # [L, 8]
+        cond.found = self.copies.turn(own=True).copy(found)
+        self.finding.append((weakref.ref(call), cond))
+
+    def _segment(self, cond: _Conditioning) -> None:
+        """Project the prompt as `generate` does, its markers on the host: the user part,
+        and the assistant's turn's rows, the start of A."""
+        items, found = cond.items, cond.found.value
         embeds = items[:, 1]
-        markers = self.markers.to(embeds.dtype)
-        found = (embeds[:, None] == markers[None]).all(dim=-1)  # [L, 8]
         im_start, assistant, user = found[:, 0], found[:, 1], found[:, 2]
         media = found[:, 3:6].any(dim=1)
         length = len(items)
-        positions = torch.arange(length, device=embeds.device)
+        positions = torch.arange(length)
         # Each position's role token: the one after the last <|im_start|> at or before it.
         starts = torch.where(im_start, positions, torch.full_like(positions, -1))
         role = (torch.cummax(starts, dim=0).values.clamp_min(0) + 1).clamp_max(length - 1)
@@ -461,17 +496,23 @@ class Talker(ThinkerFedTalker):
             )
         projection = self.model.text_projection
         dtype = self.embed.weight.dtype
+
+        def at(mask: torch.Tensor) -> torch.Tensor:  # its positions, sent without waiting
+            return upload(mask.nonzero().flatten(), embeds.device)
+
         # All the prompt's positions in one projection (as generate does), the user's kept:
         # text positions' embeddings by `text_projection`, media positions' accept-layer
         # states by `hidden_projection`.
         if media.any():
+            text_at, media_at = at(~media), at(media)
             rows = embeds.new_empty(length, self.embed.weight.shape[1], dtype=dtype)
-            rows[~media] = projection(embeds[~media].to(dtype))
-            rows[media] = self.model.hidden_projection(items[media, 0].to(dtype))
-            cond.user = rows[in_user]
+            rows.index_copy_(0, text_at, projection(embeds.index_select(0, text_at).to(dtype)))
+            accepted = items.index_select(0, media_at)[:, 0].to(dtype)
+            rows.index_copy_(0, media_at, self.model.hidden_projection(accepted))
+            cond.user = rows.index_select(0, at(in_user))
             cond.positions, cond.offset = self._positions(items, found, in_user)
         else:
-            cond.user = projection(embeds.to(dtype))[in_user]
+            cond.user = projection(embeds.to(dtype)).index_select(0, at(in_user))
         start = int(opens[-1])
         cond.assistant = list(projection(embeds[start:].to(dtype)).unbind())
         cond.complete = True
@@ -483,9 +524,9 @@ class Talker(ThinkerFedTalker):
         per grid and audio feature lengths (the integers at each item's first position) and
         `use_audio_in_video` unset (`generate` does not pass it on to the talker). Of the
         ids it reads only the media markers and placeholders, found by their embeddings;
-        the others are -1 here."""
+        the others are -1 here (`found` and `in_user` are on the host, the ids made there)."""
         device = items.device
-        ids = torch.full((len(items),), -1, dtype=torch.long, device=device)
+        ids = torch.full((len(items),), -1, dtype=torch.long)
         for column, token in enumerate(self.marker_ids[3:], start=3):
             ids[found[:, column]] = token
         metas: dict[str, list] = {"image": [], "video": [], "audio": []}
@@ -496,7 +537,7 @@ class Talker(ThinkerFedTalker):
                 raise ARBackendError(f"the thinker's item {position} has no media header")
             metas[header[0]].append(header[1])
         assistant = ids.new_full((_ASSISTANT_ROWS,), -1)
-        talker_ids = torch.cat((ids[in_user], assistant))[None]
+        talker_ids = upload(torch.cat((ids[in_user], assistant))[None], device)
 
         def tensor(kind, pick, dtype=torch.long):
             rows = [pick(meta) for meta in metas[kind]]
