@@ -39,11 +39,12 @@ the user turns, the assistant's turn and the media placeholders in the input ids
 talker finds them in the embeddings, which are those ids' rows of the thinker's table (it
 reads the rows of `<|im_start|>`, `user`, `assistant`, the placeholders and the media's
 start markers from the checkpoint), on the device, and segments the prompt on the host once
-that finding has come back, never waiting for it (`Talker._find_markers`). At a media position the item's embedding is the
-placeholder's row (the talker reads no embedding there), and the role row of each media
-item's first position carries, after the role, the item's kind and integers (its grid,
-seconds per grid, audio feature length: `media_header`), which the talker's positions
-need. The adapter `thinker_to_talker` passes the items as they are.
+that finding has come back, never waiting for it (`Talker._find_markers`). At a media
+position the item's embedding is the placeholder's row (the talker reads no embedding
+there), and the role row of each media item's first position carries, after the role, the
+item's kind and integers (its grid, seconds per grid, audio feature length:
+`media_header`), which the talker's positions need. The adapter `thinker_to_talker` passes
+the items as they are.
 
 Loading: `Qwen3OmniMoeThinkerForConditionalGeneration.from_pretrained` (or the talker's) on
 the full checkpoint directory materializes only that part's tensors, bit-equal to the same
@@ -458,7 +459,8 @@ class Talker(ThinkerFedTalker):
 
     def in_flight(self) -> bool:
         def waiting(call: Call | None, cond: _Conditioning) -> bool:
-            return call is not None and call.error is None and not cond.complete
+            live = call is not None and not call.finished and call.error is None
+            return live and not cond.complete
 
         self.finding = [(c, cond) for c, cond in self.finding if waiting(c(), cond)]
         return super().in_flight() or bool(self.finding)
