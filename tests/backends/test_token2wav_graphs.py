@@ -17,7 +17,6 @@ Tolerances, and the errors measured on 2 CPU cores (tiny:qwen2.5-omni, waveforms
   and 1e-3 (bf16, one bf16 rounding of the velocity amplified through the ODE).
 """
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -28,8 +27,8 @@ from omniflow.backends.cuda_graphs import Graphs
 from omniflow.backends.vocoders import Vocoder, VocoderError, Window, _Stream
 from omniflow.catalog.resolve import model_path
 from omniflow.families.qwen2_5_omni.token2wav import DEFAULT_STEPS, Token2Wav
-from omniflow.runtime.stage import StageSpec
 from tests.backends.test_vocoders import BATCH_TOLERANCE, RAMP, omni_plan, run  # noqa: F401
+from tests.gpu_wiring import stage_spec
 
 torch.set_num_threads(1)
 
@@ -39,9 +38,7 @@ REPLAY_TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-3}
 
 
 def vocoder(plan, device: str, **settings) -> Vocoder:
-    stage = plan.stage("code2wav")
-    stage = dataclasses.replace(stage, settings={**stage.settings, **settings})
-    return Vocoder(StageSpec.from_channels(stage, plan.channels), device)
+    return Vocoder(stage_spec(plan, "code2wav", **settings), device)
 
 
 def forwards(backend: Vocoder, requests) -> tuple[list, list[int]]:

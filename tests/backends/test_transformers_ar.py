@@ -35,6 +35,7 @@ from tests.backends.ar_requests import (
     join_and_cancel,
     request,
 )
+from tests.gpu_wiring import stage_spec
 
 torch.set_num_threads(1)
 
@@ -67,8 +68,7 @@ def with_decode(plan, decode: str, name: str = "lm", **settings):
 
 
 def make_backend(plan, decode: str, device: str = "cpu", **settings) -> TransformersAR:
-    stage = with_decode(plan, decode, **settings)
-    return TransformersAR(StageSpec.from_channels(stage, plan.channels), device)
+    return TransformersAR(stage_spec(plan, "lm", decode=decode, **settings), device)
 
 
 @pytest.fixture(scope="module", params=["eager", "static"])
@@ -549,8 +549,7 @@ def test_a_qwen3_decoder_decodes_on_the_static_path_as_on_the_dynamic_one(plan):
     assert static_decode.unsupported(lm.decoder) is None and static_decode.fusable(lm.decoder)
 
     def decode(mode: str) -> list[list[int]]:
-        stage = with_decode(plan, mode)
-        backend = TransformersAR(StageSpec.from_channels(stage, plan.channels), "cpu", lm)
+        backend = TransformersAR(stage_spec(plan, "lm", decode=mode), "cpu", lm)
         calls = [request(p, max_tokens=12) for p in PROMPTS]
         return [o.tokens for o in run(backend, calls, joins=[0, 1, 1, 3], cancel={1: 6})]
 
@@ -583,8 +582,7 @@ def test_the_static_path_takes_routed_moe_blocks_and_refuses_other_routers(plan)
     assert static_decode.unsupported(lm.decoder) is None and static_decode.fusable(lm.decoder)
 
     def decode(mode: str) -> list[list[int]]:
-        stage = with_decode(plan, mode)
-        backend = TransformersAR(StageSpec.from_channels(stage, plan.channels), "cpu", lm)
+        backend = TransformersAR(stage_spec(plan, "lm", decode=mode), "cpu", lm)
         calls = [request(p, max_tokens=8) for p in PROMPTS[:3]]
         return [o.tokens for o in run(backend, calls, joins=[0, 1, 1])]
 

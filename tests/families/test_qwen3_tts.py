@@ -19,7 +19,6 @@ codes (Mimi encoder) identical; streamed decode vs whole decode ~1e-6 (tolerance
 from __future__ import annotations
 
 import base64
-import dataclasses
 import functools
 import itertools
 import json
@@ -55,8 +54,9 @@ from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.preflight import preflight
 from omniflow.runtime.requests import RequestError, admit
-from omniflow.runtime.stage import Call, InputStream, StageSpec
+from omniflow.runtime.stage import Call, InputStream
 from tests.backends.test_transformers_ar import wait_for_device
+from tests.gpu_wiring import stage_spec
 
 torch.set_num_threads(1)
 
@@ -158,10 +158,6 @@ def plans():
         task: compile_source(PROGRAM.format(model=m), "q3.omni", devices="cpu")
         for task, m in MODELS.items()
     }
-
-
-def stage_spec(plan, name: str) -> StageSpec:
-    return StageSpec.from_channels(plan.stage(name), plan.channels)
 
 
 @pytest.fixture(scope="module")
@@ -435,9 +431,7 @@ def test_the_code_predictors_device_draws_do_not_depend_on_the_batch():
 
 
 def talker_backend(plan, decode: str, device: str = "cpu") -> TransformersAR:
-    stage = plan.stage("talker")
-    stage = dataclasses.replace(stage, settings={**stage.settings, "decode": decode})
-    return TransformersAR(StageSpec.from_channels(stage, plan.channels), device)
+    return TransformersAR(stage_spec(plan, "talker", decode=decode), device)
 
 
 def frame_requests(ref_wav: str, task: str = "CustomVoice") -> list[tuple]:
