@@ -37,7 +37,7 @@ class _Arriving:
         """Whether chunks are on their way for a request still running (a finished or
         failed one takes no more: its chunks keep no loop polling)."""
         call = self.call()
-        return bool(self.chunks) and call is not None and not call.finished and call.error is None
+        return bool(self.chunks) and call is not None and call.running
 
     def landed(self) -> bool:
         return bool(self.chunks) and self.chunks[0][1].landed()

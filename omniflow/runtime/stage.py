@@ -139,6 +139,11 @@ class Call:
         """This request failed here; the runtime reports it with the stage's name."""
         self.error = error
 
+    @property
+    def running(self) -> bool:
+        """Neither finished nor failed here: what it has on its way is still wanted."""
+        return not self.finished and self.error is None
+
     def inputs_ended(self) -> bool:
         return all(s.ended for s in self.inputs.values())
 

@@ -423,10 +423,16 @@ class ThinkerFedTalker(Component):
     chunk and hands it to `self.conditioning` (`_arrive`); the base keeps a chunk whose roles
     have landed (`_take`), and the subclass may act on what the request has then
     (`_received`); a request that failed takes no more.
-    A subclass names, too, where a request keeps its rows: `call.state[state_key]`, a
-    `state()` with lists `prompt` (chunks) and `replies` (rows), and which part of a row
-    each keeps (`prompt_part`, `reply_part`: an index into a row's second dimension)."""
+    A subclass names, too, what a chunk's rows are (`rows_name`, each `row_shape`, through
+    `adapter`; kept as `row_dtype`, None: as they come), where a request keeps them:
+    `call.state[state_key]`, a `state()` with lists `prompt` (chunks) and `replies` (rows),
+    and which part of a row each keeps (`prompt_part`, `reply_part`: an index into a row's
+    second dimension)."""
 
+    rows_name: str
+    adapter: str
+    row_shape: tuple[int, int]
+    row_dtype: torch.dtype | None = None
     state_key: str
     state: type
     prompt_part: int | slice
@@ -463,9 +469,19 @@ class ThinkerFedTalker(Component):
             if call.error is None:
                 self._received(call)
 
-    @abstractmethod
     def _arrive(self, call: Call, chunk: torch.Tensor) -> None:
         """Check a chunk of thinker rows and keep a copy while its roles come to the host."""
+        if chunk.dim() != 3 or tuple(chunk.shape[1:]) != self.row_shape:
+            rows, want = self.rows_name, ", ".join(map(str, self.row_shape))
+            call.fail(
+                ARBackendError(
+                    f"the talker takes {rows} [n, {want}] from the thinker through adapter "
+                    f"{self.adapter}; got {list(chunk.shape)}"
+                )
+            )
+            return
+        # A copy: the chunk may be a view into a channel slot released after the step.
+        self.conditioning.arrive(call, owned(chunk, self.embed.weight.device, self.row_dtype))
 
     def _take(self, call: Call, chunk: torch.Tensor, roles: list[float]) -> None:
         """Keep a chunk of thinker rows whose `roles` have landed in the request's `state`:
@@ -489,6 +505,7 @@ class OmniTalker(ThinkerFedTalker):
     """The talker: codec tokens conditioned on the thinker's rows and a speaker (the stage's
     `speaker` parameter, else `generate`'s default)."""
 
+    rows_name, adapter = "conditioning rows", "qwen_omni.thinker_to_talker"
     state_key, state = _CONDITIONING, _Conditioning
     prompt_part = reply_part = 0  # the conditioning row, not the role
 
@@ -497,6 +514,7 @@ class OmniTalker(ThinkerFedTalker):
         super().__init__(model, lambda rows: rows[:, 1, 0])
         config = model.config
         self.width = config.embedding_size
+        self.row_shape, self.row_dtype = (2, self.width), self.embed.weight.dtype
         self.eos_ids = frozenset({config.tts_codec_pad_token_id, config.tts_codec_end_token_id})
         self.suppress = (config.tts_codec_start_token_id,)
         # generate() feeds the talker ids [codec mask] * prompt length + [codec pad, codec bos]
@@ -524,20 +542,6 @@ class OmniTalker(ThinkerFedTalker):
         return self.model.thinker_to_talker_proj(embeds)
 
     # --- conditioning -----------------------------------------------------------------------
-    def _arrive(self, call: Call, chunk: torch.Tensor) -> None:
-        if chunk.dim() != 3 or tuple(chunk.shape[1:]) != (2, self.width):
-            call.fail(
-                ARBackendError(
-                    f"the talker takes conditioning rows [n, 2, {self.width}] from the "
-                    "thinker through adapter qwen_omni.thinker_to_talker; got "
-                    f"{list(chunk.shape)}"
-                )
-            )
-            return
-        # A copy: the chunk may be a view into a channel slot released after the step.
-        weight = self.embed.weight
-        self.conditioning.arrive(call, owned(chunk, weight.device, weight.dtype))
-
     def can_start(self, call: Call) -> bool:
         cond = call.state.get(_CONDITIONING)
         return cond is not None and (bool(cond.replies) or self.conditioning.ended(call))

@@ -98,7 +98,7 @@ from omniflow.families.qwen2_5_omni.thinker_talker import (
 from omniflow.families.qwen3_omni import AUDIO_TOKENS, CODEBOOK_OFFSETS
 from omniflow.kernels import fused_moe
 from omniflow.plan import StagePlan
-from omniflow.runtime.readback import HostCopies, HostCopy, owned, upload
+from omniflow.runtime.readback import HostCopies, HostCopy, upload
 from omniflow.runtime.stage import Call
 
 # `generate` suppresses the talker's top 1024 ids but the end of speech.
@@ -358,6 +358,7 @@ class Talker(ThinkerFedTalker):
     thinker's items and a speaker (the stage's `speaker` parameter, else `generate`'s
     default)."""
 
+    rows_name, adapter = "thinker items", "qwen3_omni.thinker_to_talker"
     state_key, state = _STATE, _Conditioning
     # A prompt position's whole item; a reply's input embedding (the talker projects it).
     prompt_part, reply_part = slice(None), 1
@@ -381,7 +382,7 @@ class Talker(ThinkerFedTalker):
             frame_embeds=functools.partial(summed_codebooks, self.embed, tables),
             sampling=_PREDICTOR_SAMPLING,
         )
-        self.thinker_width = config.thinker_hidden_size
+        self.row_shape = (3, config.thinker_hidden_size)
         vocab = config.text_config.vocab_size
         eos = config.codec_eos_token_id
         self.eos_ids = frozenset({eos})
@@ -439,19 +440,6 @@ class Talker(ThinkerFedTalker):
         except ARBackendError as err:
             call.fail(err)
 
-    def _arrive(self, call: Call, chunk: torch.Tensor) -> None:
-        """Check a chunk of thinker items and keep a copy while its roles come to the host."""
-        if chunk.dim() != 3 or tuple(chunk.shape[1:]) != (3, self.thinker_width):
-            call.fail(
-                ARBackendError(
-                    f"the talker takes thinker items [n, 3, {self.thinker_width}] through "
-                    f"adapter qwen3_omni.thinker_to_talker; got {list(chunk.shape)}"
-                )
-            )
-            return
-        # A copy: the chunk may be a view into a channel slot released after the step.
-        self.conditioning.arrive(call, owned(chunk, self.embed.weight.device))
-
     def has_news(self, call: Call) -> bool:
         cond = call.state.get(_STATE)
         markers = cond is not None and not cond.complete and cond.found is not None
@@ -459,8 +447,7 @@ class Talker(ThinkerFedTalker):
 
     def in_flight(self) -> bool:
         def waiting(call: Call | None, cond: _Conditioning) -> bool:
-            live = call is not None and not call.finished and call.error is None
-            return live and not cond.complete
+            return call is not None and call.running and not cond.complete
 
         self.finding = [(c, cond) for c, cond in self.finding if waiting(c(), cond)]
         return super().in_flight() or bool(self.finding)
