@@ -111,7 +111,8 @@ def tower_from_pretrained(encoder: tuple[str, str], path, config, prefix, dtype)
 
 class AudioTower:
     """The thinker's audio tower on 16 kHz clips. (A subclass for another model's tower
-    gives its class (`encoder`), its processor's feature options, its token count and its forward.)"""
+    gives its class (`encoder`), its processor's feature options, its token count and its
+    forward.)"""
 
     kinds = frozenset({"audio"})
     prefix = "thinker.audio_tower"
@@ -202,7 +203,8 @@ def audio_features(extractor, value, device: str = "cpu", **options) -> tuple[to
 
 class VisionTower:
     """The thinker's vision tower on images and videos. (A subclass for another model's
-    tower gives its class (`encoder`), its video processor's defaults, its width and its forward.)"""
+    tower gives its class (`encoder`), its video processor's defaults, its width and its
+    forward.)"""
 
     kinds = frozenset({"image", "video"})
     prefix = "thinker.visual"
