@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -107,16 +108,19 @@ class Server:
         said = f":\n{self.log.read()[-3000:]}" if self.log is not None else ""
         raise RuntimeError(f"the server exited {code}{said}")
 
-    def profiled(self, run, file: Path, gpu: bool = False):
+    def profiled(self, run, file: Path, gpu: bool = False, model: str | None = None):
         """`run()` (requests to this server) under the server's own profiler (`POST
-        /start_profile`, with the CUDA kernels if `gpu`), its trace written to `file`:
-        the trace parsed (`omniflow.profiler.analysis.Profile`) and the trace itself."""
+        /start_profile`, with the CUDA kernels if `gpu`; of pipeline `model`, which a server
+        of several must be told), its trace written to `file`: the trace parsed
+        (`omniflow.profiler.analysis.Profile`) and the trace itself."""
         from omniflow.profiler.analysis import parse_trace
 
-        httpx.post(f"{self.base}/start_profile", json={"gpu": gpu}, timeout=60).raise_for_status()
+        query = {"model": model} if model else {}
+        post = partial(httpx.post, params=query, timeout=300)
+        post(f"{self.base}/start_profile", json={"gpu": gpu}).raise_for_status()
         run()
-        httpx.post(f"{self.base}/stop_profile", timeout=300).raise_for_status()
-        trace = httpx.get(f"{self.base}/profile/trace.json", timeout=300).json()
+        post(f"{self.base}/stop_profile").raise_for_status()
+        trace = httpx.get(f"{self.base}/profile/trace.json", params=query, timeout=300).json()
         file.write_text(json.dumps(trace))
         return parse_trace(trace), trace
 

@@ -290,7 +290,7 @@ def traced(args, server: Server, model: str) -> None:
         for concurrency, total in rounds.values():
             asyncio.run(level(server.base, body, concurrency, total))
 
-    profile, _ = server.profiled(run, args.trace, args.trace_gpu)
+    profile, _ = server.profiled(run, args.trace, args.trace_gpu, model)
     spoken = [r for r in timelines(profile) if "audio" in r.path_ttfp]  # by start, c=1's first
     paths, start = {}, 0
     for name, (_, total) in rounds.items():
