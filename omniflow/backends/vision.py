@@ -202,6 +202,9 @@ class VisionEncoder(Backend):
 # The kinds of item a media value holds, as its header row's first entry says.
 MEDIA_KINDS = ("image", "video", "audio")
 _META_DIGITS = 3  # each header integer as 3 base-256 digits: up to 16,777,215, exact in bf16
+MAX_MEDIA_INTEGERS = 8  # a header's integers, at most (a video's are 5)
+# A header row's leading columns that can hold anything: all a reader needs of a row.
+MEDIA_HEADER_COLUMNS = 2 + _META_DIGITS * MAX_MEDIA_INTEGERS
 
 
 @dataclass
@@ -220,7 +223,7 @@ def media_header(kind: str, meta: tuple[int, ...], width: int, dtype) -> torch.T
     """An item's header row `[width]`: its kind (1 + its index in MEDIA_KINDS), the count of
     its integers, then each as `_META_DIGITS` base-256 digits, low first (exact in every
     float dtype); the rest zero."""
-    if 2 + _META_DIGITS * len(meta) > width:
+    if len(meta) > MAX_MEDIA_INTEGERS or 2 + _META_DIGITS * len(meta) > width:
         raise VisionBackendError(f"{len(meta)} header integers do not fit {width} columns")
     row = torch.zeros(width, dtype=dtype)
     row[0] = MEDIA_KINDS.index(kind) + 1

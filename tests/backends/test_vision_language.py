@@ -16,7 +16,19 @@ import pytest
 import torch
 
 from omniflow.backends.transformers_ar import TransformersAR
-from omniflow.backends.vision import VisionEncoder, pack_image, unpack_image
+from omniflow.backends.vision import (
+    MAX_MEDIA_INTEGERS,
+    MEDIA_HEADER_COLUMNS,
+    MediaItem,
+    VisionBackendError,
+    VisionEncoder,
+    media_header,
+    pack_image,
+    pack_media,
+    read_media_header,
+    unpack_image,
+    unpack_media,
+)
 from omniflow.catalog.resolve import use_tiny_models
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.cli import main
@@ -173,6 +185,19 @@ def test_packing_round_trips_large_grids_in_bfloat16():
     grid = (1, 2, 600)  # grid sizes past 256 travel as two base-256 digits
     rows, got = unpack_image(pack_image(embeds, grid), merge_size=2)
     assert got.tolist() == [list(grid)] and torch.equal(rows, embeds)
+
+
+def test_media_headers_are_read_from_their_leading_columns_alone():
+    # A reader may copy just MEDIA_HEADER_COLUMNS of each row to the host (Qwen3-Omni's
+    # talker does, with its prompt's markers): every header a writer makes fits in them.
+    video = MediaItem("video", torch.randn(3, 64), (3, 1, 2, 6, 2_000_000))
+    clip = MediaItem("audio", torch.randn(2, 64), (2, 50))
+    packed = pack_media([video, clip], 64, torch.bfloat16)
+    got = unpack_media(packed)
+    assert [(i.kind, i.meta) for i in got] == [("video", video.meta), ("audio", clip.meta)]
+    assert read_media_header(packed[0, 0, :MEDIA_HEADER_COLUMNS]) == ("video", video.meta)
+    with pytest.raises(VisionBackendError, match="do not fit"):
+        media_header("video", (1,) * (MAX_MEDIA_INTEGERS + 1), 64, torch.bfloat16)
 
 
 def test_a_chat_with_an_image_part_puts_the_image_there(interpreter, cases, references):

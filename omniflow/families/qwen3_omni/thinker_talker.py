@@ -84,7 +84,7 @@ from omniflow.backends.transformers_ar import (
     Sequence,
     sub_sampling,
 )
-from omniflow.backends.vision import media_header, read_media_header
+from omniflow.backends.vision import MEDIA_HEADER_COLUMNS, media_header, read_media_header
 from omniflow.families.qwen2_5_omni.thinker_talker import (
     ROLE_PROMPT,
     ROLE_REPLY,
@@ -345,8 +345,9 @@ class _Conditioning:
     assistant: list[torch.Tensor] = field(default_factory=list)  # A, projected, [D] each
     projected: int = 0  # replies projected into `assistant` so far
     complete: bool = False  # the prompt's rows are all in and segmented
-    # Once they are all in: the prompt's items, and where the markers are, `[L, 8]` bools on
-    # their way to the host (`Talker._find_markers`).
+    # Once they are all in: the prompt's items, and on their way to the host where the
+    # markers are, `[L, 8]` bools, and each item's media header columns (`found.more[0]`,
+    # `Talker._find_markers`).
     items: torch.Tensor | None = None
     found: HostCopy | None = None
     positions: torch.Tensor | None = None  # [3, 1, u + 9] on a prompt with media
@@ -455,13 +456,14 @@ class Talker(ThinkerFedTalker):
     def _find_markers(self, call: Call, cond: _Conditioning) -> None:
         """Where the prompt's `<|im_start|>`, `assistant`, `user`, media placeholders and
         media start markers are, by their embeddings, on the device; its copy to the host
-        queued (`cond.found`)."""
+        queued (`cond.found`), with the items' media header columns."""
         if not cond.prompt:
             raise ARBackendError("the thinker sent no prompt rows")
         cond.items = torch.cat(cond.prompt)
         embeds = cond.items[:, 1]
         found = (embeds[:, None] == self.markers.to(embeds.dtype)[None]).all(dim=-1)  # [L, 8]
-        cond.found = self.copies.turn(own=True).copy(found)
+        heads = cond.items[:, 2, 1 : 1 + MEDIA_HEADER_COLUMNS]
+        cond.found = self.copies.turn(own=True).copy(found, heads)
         self.finding.append((weakref.ref(call), cond))
 
     def _segment(self, cond: _Conditioning) -> None:
@@ -499,38 +501,39 @@ class Talker(ThinkerFedTalker):
             accepted = items.index_select(0, media_at)[:, 0].to(dtype)
             rows.index_copy_(0, media_at, self.model.hidden_projection(accepted))
             cond.user = rows.index_select(0, at(in_user))
-            cond.positions, cond.offset = self._positions(items, found, in_user)
+            heads = cond.found.more[0]
+            cond.positions, cond.offset = self._positions(heads, found, in_user, embeds.device)
         else:
             cond.user = projection(embeds.to(dtype)).index_select(0, at(in_user))
         start = int(opens[-1])
         cond.assistant = list(projection(embeds[start:].to(dtype)).unbind())
         cond.complete = True
 
-    def _positions(self, items: torch.Tensor, found: torch.Tensor, in_user: torch.Tensor):
-        """The prefill's 3-D positions and the decode offset on a prompt with media, as
-        `generate` has the talker compute them: its own `get_rope_index` over the user
-        part's thinker ids and the assistant part's 9 rows, with the media's grids, seconds
-        per grid and audio feature lengths (the integers at each item's first position) and
-        `use_audio_in_video` unset (`generate` does not pass it on to the talker). Of the
-        ids it reads only the media markers and placeholders, found by their embeddings;
-        the others are -1 here (`found` and `in_user` are on the host, the ids made there)."""
-        device = items.device
-        ids = torch.full((len(items),), -1, dtype=torch.long)
+    def _positions(self, heads: torch.Tensor, found: torch.Tensor, in_user: torch.Tensor, device):
+        """The prefill's 3-D positions (sent to `device`) and the decode offset on a prompt
+        with media, as `generate` has the talker compute them: its own `get_rope_index` over
+        the user part's thinker ids and the assistant part's 9 rows, with the media's grids,
+        seconds per grid and audio feature lengths (the integers of each item's first
+        position's header, `heads`) and `use_audio_in_video` unset (`generate` does not pass
+        it on to the talker). Of the ids it reads only the media markers and placeholders,
+        found by their embeddings; the others are -1 here. All on the host (`heads`, `found`
+        and `in_user` came there with `cond.found`): get_rope_index reads its inputs back
+        item by item, a host sync each on a GPU."""
+        ids = torch.full((len(found),), -1, dtype=torch.long)
         for column, token in enumerate(self.marker_ids[3:], start=3):
             ids[found[:, column]] = token
         metas: dict[str, list] = {"image": [], "video": [], "audio": []}
-        heads = items[:, 2, 1:]
         for position in (heads[:, 0] != 0).nonzero().flatten().tolist():
             header = read_media_header(heads[position])
             if header is None:
                 raise ARBackendError(f"the thinker's item {position} has no media header")
             metas[header[0]].append(header[1])
         assistant = ids.new_full((_ASSISTANT_ROWS,), -1)
-        talker_ids = upload(torch.cat((ids[in_user], assistant))[None], device)
+        talker_ids = torch.cat((ids[in_user], assistant))[None]
 
         def tensor(kind, pick, dtype=torch.long):
             rows = [pick(meta) for meta in metas[kind]]
-            return upload(rows, device, dtype) if rows else None
+            return torch.tensor(rows, dtype=dtype) if rows else None
 
         positions, delta = self.model.get_rope_index(
             talker_ids,
@@ -541,7 +544,7 @@ class Talker(ThinkerFedTalker):
             tensor("audio", lambda m: m[1]),
             tensor("video", lambda m: m[4] / 1_000_000, torch.float),
         )
-        return positions, int(delta.reshape(-1)[0])
+        return upload(positions, device), int(delta.reshape(-1)[0])
 
     def _project_replies(self, cond: _Conditioning, upto: int) -> None:
         """Project the replies received so far that A needs up to row `upto`."""

@@ -43,6 +43,7 @@ from omniflow.families.qwen3_tts.config import (
     Qwen3TTSError,
     TalkerLayout,
 )
+from omniflow.runtime.readback import upload
 
 
 @dataclass
@@ -135,7 +136,7 @@ def build(talker, tokenizer, layout: TalkerLayout, request: TTSRequest) -> Talke
     if request.ref_codes is not None:
         ref = tokenize(tokenizer, ref_turn(request.ref_text))[ROLE_TOKENS:-REF_TAIL_TOKENS]
         text = torch.cat([talker.text(ref + text_ids), tts_eos[None]])
-        frames = torch.cat([bos[None], talker.frame_embeds(request.ref_codes.to(bos.device))])
+        frames = torch.cat([bos[None], talker.frame_embeds(upload(request.ref_codes, bos.device))])
         if not request.streaming_text:
             pads = talker.codec([layout.codec_pad] * len(text))
             rows += [text + pads, frames + tts_pad]

@@ -77,6 +77,7 @@ from omniflow.families.qwen3_tts.config import (
     check_task_inputs,
 )
 from omniflow.families.qwen3_tts.modeling import Talker, load_talker
+from omniflow.runtime.readback import upload
 from omniflow.runtime.stage import Call
 
 _STATE = "qwen3_tts"
@@ -239,7 +240,7 @@ class QwenTTSTalker(Component):
                 f"ref_audio is a voice prompt of another model ({codes.shape[1]} codebooks)"
             )
         weight = self.head.weight
-        return x_vector.to(weight.device, weight.dtype), codes
+        return upload(x_vector, weight.device, weight.dtype), codes
 
     def prompt(self, call: Call) -> Prompt:
         try:
@@ -249,8 +250,8 @@ class QwenTTSTalker(Component):
         except Qwen3TTSError as err:
             raise ARBackendError(str(err)) from err
         context = None
-        if request.ref_codes is not None:  # sent ahead of the first frame, marked
-            context = request.ref_codes.cpu() + self.codebook_size
+        if request.ref_codes is not None:  # sent ahead of the first frame, marked (on the host)
+            context = request.ref_codes + self.codebook_size
         call.state[_STATE] = _Request(built.trailing, built.pad, context=context)
         return Prompt(built.embeds, [])
 
