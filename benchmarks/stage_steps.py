@@ -300,14 +300,14 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", default=["thinker", "talker"])
     parser.add_argument("--checkpoint", help="a Qwen3-Omni build: measure its thinker")
     parser.add_argument(
-        "--modes", nargs="+", default=["eager", "graphs-unfused", "graphs"],
+        "--modes", nargs="+", help="default: eager graphs-unfused graphs (off CUDA: eager static)",
         choices=["eager", "static", "static-unfused", "graphs", "graphs-unfused"],
     )  # fmt: skip
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 10])
     parser.add_argument("--slots", type=int, default=32, help="the stage's max_batch")
     parser.add_argument("--prompt", type=int, default=100, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
-    parser.add_argument("--device", default="cuda", help="cpu: a smoke run (modes eager, static)")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run")
     parser.add_argument(
         "--kernels",
         type=int,
@@ -320,6 +320,9 @@ def main() -> None:
         args.stages = ["qwen3-thinker"]
     torch.set_num_threads(1)
     cuda = args.device.startswith("cuda")
+    args.modes = args.modes or (
+        ["eager", "graphs-unfused", "graphs"] if cuda else ["eager", "static"]
+    )
     if cuda:
         bandwidth, rate = copy_bandwidth(args.device), matmul_rate(args.device)
         name = torch.cuda.get_device_name()
