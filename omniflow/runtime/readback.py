@@ -1,5 +1,5 @@
 """Moving a step's values between host and GPU without waiting for the GPU: results read
-back (`HostCopies`), inputs sent (`upload`, and `owned` for a chunk the stage keeps).
+back (`HostCopies`), inputs sent (`upload`).
 
 A stage that needs a step's results on the host (sampled ids, audio to send) must not wait
 for its GPU: the executor's loop drives every stage of its process from one thread, so a
@@ -37,12 +37,18 @@ import torch
 from omniflow.runtime.sync_debug import name_wait
 
 
-def upload(values, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+def upload(
+    values, device: torch.device | str, dtype: torch.dtype | None = None, copy: bool = False
+) -> torch.Tensor:
     """`values` (a tensor, or a list of numbers) on `device` as `dtype`; from the host to a
-    GPU, copied without waiting for the device's queued work (see the module docstring)."""
+    GPU, copied without waiting for the device's queued work (see the module docstring).
+    With `copy`, a tensor the caller owns even where no copy was needed (a chunk that may be
+    a view into a channel slot released after the step)."""
     device = torch.device(device)
     on_host = not isinstance(values, torch.Tensor) or values.device.type == "cpu"
     if device.type != "cuda" or not on_host:
+        if copy and isinstance(values, torch.Tensor):
+            return values.to(device=device, dtype=dtype or values.dtype, copy=True)
         return torch.as_tensor(values, dtype=dtype, device=device)
     if isinstance(values, torch.Tensor):
         staged = torch.empty(values.shape, dtype=dtype or values.dtype, pin_memory=True)
@@ -50,16 +56,6 @@ def upload(values, device: torch.device | str, dtype: torch.dtype | None = None)
     else:
         staged = torch.tensor(values, dtype=dtype, pin_memory=True)
     return staged.to(device, non_blocking=True)
-
-
-def owned(tensor: torch.Tensor, device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A copy of `tensor` on `device` (as `dtype`) that the caller owns, for a chunk that may
-    be a view into a channel slot released after the step: from the host to a GPU through
-    `upload` (a ring's chunk is on the host), not waiting; otherwise `.to(copy=True)`."""
-    device = torch.device(device)
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return upload(tensor, device, dtype)
-    return tensor.to(device=device, dtype=dtype or tensor.dtype, copy=True)
 
 
 # Turns pending at once, at most: each has its own host buffers, reused once it is taken.

@@ -7,7 +7,7 @@ are CUDA's: tests/backends/test_transformers_ar.py's GPU test and the vocoders' 
 import pytest
 import torch
 
-from omniflow.runtime.readback import IN_FLIGHT, HostCopies, owned, upload
+from omniflow.runtime.readback import IN_FLIGHT, HostCopies, upload
 
 
 def test_off_cuda_a_copy_is_the_tensor_itself_unless_the_caller_overwrites_its_tensors():
@@ -75,11 +75,11 @@ def test_an_upload_is_the_values_on_the_device_in_the_dtype_asked():
     assert upload([0.5], "cpu", torch.float32).dtype == torch.float32
 
 
-def test_an_owned_copy_shares_nothing_with_the_chunk_it_copies():
+def test_an_upload_asked_to_copy_shares_nothing_with_the_chunk_it_copies():
     chunk = torch.arange(6, dtype=torch.float32).view(2, 3)
-    mine = owned(chunk, "cpu", torch.bfloat16)
+    mine = upload(chunk, "cpu", torch.bfloat16, copy=True)
     assert mine.dtype == torch.bfloat16 and torch.equal(mine.float(), chunk)
-    same = owned(chunk, "cpu")
+    same = upload(chunk, "cpu", copy=True)
     chunk.zero_()  # the slot reused after the step
     assert same.data_ptr() != chunk.data_ptr() and same.sum() == 15
 
@@ -95,8 +95,8 @@ def test_an_upload_does_not_wait_for_the_streams_queued_work():
     codes = upload(torch.arange(4, dtype=torch.int32), "cuda", torch.int64)
     assert not queued.query(), "upload waited for the stream's queued kernel"
     host = torch.ones(2, 3)
-    rows = owned(host, "cuda", torch.bfloat16)  # a ring's chunk: from the host, as upload
-    assert not queued.query(), "owned waited for the stream's queued kernel"
+    rows = upload(host, "cuda", torch.bfloat16, copy=True)  # a ring's chunk
+    assert not queued.query(), "a copying upload waited for the queued kernel"
     host.zero_()  # the ring's slot reused
     assert ids.tolist() == [5, 6, 7] and codes.tolist() == [0, 1, 2, 3]
     assert rows.dtype == torch.bfloat16 and rows.float().sum().item() == 6

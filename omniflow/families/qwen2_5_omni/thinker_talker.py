@@ -71,7 +71,7 @@ from omniflow.backends.transformers_ar import (
 )
 from omniflow.backends.vision import unpack_media
 from omniflow.plan import StagePlan
-from omniflow.runtime.readback import owned
+from omniflow.runtime.readback import upload
 from omniflow.runtime.stage import Call
 
 ROLE_PROMPT, ROLE_REPLY = 0.0, 1.0
@@ -481,7 +481,9 @@ class ThinkerFedTalker(Component):
             )
             return
         # A copy: the chunk may be a view into a channel slot released after the step.
-        self.conditioning.arrive(call, owned(chunk, self.embed.weight.device, self.row_dtype))
+        self.conditioning.arrive(
+            call, upload(chunk, self.embed.weight.device, self.row_dtype, copy=True)
+        )
 
     def _take(self, call: Call, chunk: torch.Tensor, roles: list[float]) -> None:
         """Keep a chunk of thinker rows whose `roles` have landed in the request's `state`:
