@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from omniflow.runtime.readback import HostCopies, HostCopy
+from omniflow.runtime.readback import HostCopy, to_host
 from omniflow.runtime.stage import Call
 
 
@@ -51,7 +51,6 @@ class RoleRows:
         self.port = port
         self.roles = roles
         self.key = f"role_rows:{port}"  # the request's chunks on their way, in its state
-        self.copies = HostCopies()
         # Every request's chunks on their way; a request's go with its state when it leaves.
         self.live: weakref.WeakSet[_Arriving] = weakref.WeakSet()
 
@@ -64,7 +63,7 @@ class RoleRows:
 
     def arrive(self, call: Call, rows: torch.Tensor) -> None:
         """Keep `rows` (the caller's own copy) while their roles come to the host."""
-        roles = self.copies.turn(own=True).copy(self.roles(rows))
+        roles = to_host(self.roles(rows))
         self._arriving(call).chunks.append((rows, roles))
 
     def available(self, call: Call) -> bool:

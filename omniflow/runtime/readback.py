@@ -12,9 +12,10 @@ inputs, copied host to device), then `copy` queues a non-blocking copy of each d
 tensor given into the next ones and records one event after them on the current stream (the
 stage's own, which the loop has entered): `HostCopy.landed` asks the event, never waits.
 The stage keeps the copy pending and takes it in a later step, once it has landed;
-meanwhile the loop keeps turning (`Backend.in_flight`). A turn of its own (`turn(own=True)`)
-keeps nothing: its buffers are new pinned ones, which torch's caching host allocator reuses
-only once the copies that used them are done, so any number may be in flight.
+meanwhile the loop keeps turning (`Backend.in_flight`). A turn of its own (`turn(own=True)`,
+or `to_host`) keeps nothing: its buffers are new pinned ones, which torch's caching host
+allocator reuses only once the copies that used them are done, so any number may be in
+flight.
 
 Off CUDA a tensor is already on the host: `copy` hands it back as it is, landed; a caller
 that overwrites its tensors before it takes their copies (a static decode step's output
@@ -139,6 +140,12 @@ class HostTurn:
 def _allocate(like: torch.Tensor) -> torch.Tensor:
     """A host buffer shaped like `like`: pinned where `like` is on CUDA."""
     return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
+
+
+def to_host(*tensors: torch.Tensor) -> HostCopy:
+    """Copies of `tensors` on the host in new pinned buffers of their own (a turn of its own,
+    kept nowhere: any number may be pending); off CUDA, the tensors as they are."""
+    return HostTurn([], host_too=False, reused=False).copy(*tensors)
 
 
 class HostCopies:

@@ -98,7 +98,7 @@ from omniflow.families.qwen2_5_omni.thinker_talker import (
 from omniflow.families.qwen3_omni import AUDIO_TOKENS, CODEBOOK_OFFSETS
 from omniflow.kernels import fused_moe
 from omniflow.plan import StagePlan
-from omniflow.runtime.readback import HostCopies, HostCopy, upload
+from omniflow.runtime.readback import HostCopy, to_host, upload
 from omniflow.runtime.stage import Call
 
 # `generate` suppresses the talker's top 1024 ids but the end of speech.
@@ -368,7 +368,6 @@ class Talker(ThinkerFedTalker):
         # The thinker's items, their roles (row 2) read back without waiting.
         super().__init__(model, lambda items: items[:, 2, 0])
         # The prompts whose markers are on their way to the host, with their requests.
-        self.copies = HostCopies()
         self.finding: list[tuple[weakref.ref, _Conditioning]] = []
         config = model.config
         self.predictor = model.code_predictor
@@ -463,7 +462,7 @@ class Talker(ThinkerFedTalker):
         embeds = cond.items[:, 1]
         found = (embeds[:, None] == self.markers.to(embeds.dtype)[None]).all(dim=-1)  # [L, 8]
         heads = cond.items[:, 2, 1 : 1 + MEDIA_HEADER_COLUMNS]
-        cond.found = self.copies.turn(own=True).copy(found, heads)
+        cond.found = to_host(found, heads)
         self.finding.append((weakref.ref(call), cond))
 
     def _segment(self, cond: _Conditioning) -> None:
