@@ -100,7 +100,7 @@ def stepper(decoder: StatefulDecoder, batch: int, frames: int, position: int):
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", choices=FAMILIES, default="qwen3-tts")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--precision", default="float32", help="bfloat16: qwen3-omni as served")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint (any machine)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])

@@ -307,7 +307,9 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=32, help="the stage's max_batch")
     parser.add_argument("--prompt", type=int, default=100, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
-    parser.add_argument("--device", default="cuda", help="cpu: a smoke run")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu: a smoke run"
+    )
     parser.add_argument(
         "--kernels",
         type=int,

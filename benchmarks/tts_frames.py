@@ -92,6 +92,8 @@ def frame_times(backend: TransformersAR, batch: int, steps: int, frames: int) ->
     times = []
     for step in range(3 + steps):  # 3 to warm up
         live = [c for c in calls if not c.finished]  # (the tiny checkpoint's speech ends)
+        if not live:
+            break
         start = time.perf_counter()
         step_when_ready(backend, live)
         if step >= 3:
@@ -111,7 +113,7 @@ def frame_times(backend: TransformersAR, batch: int, steps: int, frames: int) ->
         first = replay_ms(functools.partial(static.replay, buckets[0]))
     for call in calls:
         backend.drop(call)
-    return prefill, statistics.median(times) * 1e3, replay, first
+    return prefill, statistics.median(times) * 1e3 if times else None, replay, first
 
 
 def main() -> int:
@@ -121,7 +123,7 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=24, help="timed decode steps")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint (any machine)")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     torch.set_num_threads(1)
     cuda = args.device.startswith("cuda")
@@ -152,7 +154,7 @@ def main() -> int:
             prefill, step, replay, first = frame_times(backend, batch, args.steps, frames)
             rows.append((mode, batch, prefill, step, replay, first))
             print(
-                f"  batch {batch:>3}: prefill {prefill:8.1f} ms, frame {step:8.2f} ms"
+                f"  batch {batch:>3}: prefill {prefill:8.1f} ms, frame {shown(step, 8)} ms"
                 + (f", replay {replay:.2f} ms, first {first:.2f} ms" if replay else ""),
                 flush=True,
             )
@@ -162,9 +164,16 @@ def main() -> int:
         f"{'first ms':>9} {'audio-s/s':>9}"
     )
     for mode, batch, prefill, step, replay, first in rows:
-        shown = " ".join(f"{x:9.2f}" if x is not None else f"{'-':>9}" for x in (replay, first))
-        print(f"{mode:>7} {batch:5d} {prefill:10.1f} {step:9.2f} {shown} {batch * 80 / step:9.1f}")
+        rate = batch * 80 / step if step else None
+        cells = " ".join(shown(x, 9) for x in (step, replay, first, rate))
+        print(f"{mode:>7} {batch:5d} {prefill:10.1f} {cells}")
     return 0
+
+
+def shown(value: float | None, width: int) -> str:
+    """A table cell: `value` to 2 places, or "-" where there is none (no timed frame: every
+    stream of the tiny checkpoint ended first; no graph replayed)."""
+    return f"{value:{width}.2f}" if value is not None else f"{'-':>{width}}"
 
 
 if __name__ == "__main__":
