@@ -43,7 +43,9 @@ time) and one at c = 16 (16 at once) with the server's own profiler (`POST /star
 waited (the mean of each component of the requests' TTFP critical paths,
 omniflow.profiler.analysis) and each stage's steps (count, mean batch, median / p90 / max
 ms, and the median of the steps in which a request started: the talker's prefill and
-first frame).
+first frame). Unless `--no-clone`, the voice clone pipeline too, into FILE's `-clone`
+sibling: `--trace-requests` clones at c = 1 with the reference inline, then as many naming
+an uploaded voice.
 
 The server is `omniflow run` on graphs/qwen3_tts.omni (its copies for the scaled folders,
 with `max_batch` raised to the largest level so that no request is refused), in executor
@@ -254,15 +256,26 @@ def run_levels(args, base: str, body: dict, clone_model: str | None) -> list[tup
         print(f"  done: CustomVoice c={concurrency} ({total} requests, {wall:.1f} s)", flush=True)
     if clone_model is None:
         return rows
+    inline, uploaded, name = clone_bodies(base, clone_model, args.frames)
+    total = args.requests or 8
+    asyncio.run(level(base, inline, 1, 2))
+    results, wall = asyncio.run(level(base, inline, 1, total))
+    rows.append(("clone c=1", results, wall))
+    results, wall = asyncio.run(level(base, uploaded, 1, total))
+    rows.append(("clone (uploaded voice) c=1", results, wall))
+    httpx.delete(f"{base}/v1/audio/voices/{name}", params={"model": clone_model})
+    print("  done: voice clone c=1", flush=True)
+    return rows
+
+
+def clone_bodies(base: str, clone_model: str, frames: int) -> tuple[dict, dict, str]:
+    """A voice clone's request bodies: with the reference inline (an mp3 data URI, as the
+    peer sends it), and naming a voice uploaded now; and that voice's name."""
     clip = reference_clip()
     uri = "data:audio/mpeg;base64," + base64.b64encode(clip).decode()
-    clone = {"model": clone_model, "input": TEXT, "task_type": "Base", "language": "English",
-             "ref_audio": uri, "ref_text": REF_TEXT, "stream": True, "response_format": "pcm",
-             "max_new_tokens": args.frames}  # fmt: skip
-    total = args.requests or 8
-    asyncio.run(level(base, clone, 1, 2))
-    results, wall = asyncio.run(level(base, clone, 1, total))
-    rows.append(("clone c=1", results, wall))
+    inline = {"model": clone_model, "input": TEXT, "task_type": "Base", "language": "English",
+              "ref_audio": uri, "ref_text": REF_TEXT, "stream": True, "response_format": "pcm",
+              "max_new_tokens": frames}  # fmt: skip
     name = f"bench-{os.getpid()}"
     upload = httpx.post(
         f"{base}/v1/audio/voices",
@@ -271,33 +284,46 @@ def run_levels(args, base: str, body: dict, clone_model: str | None) -> list[tup
         timeout=600,
     )
     upload.raise_for_status()
-    named = {k: v for k, v in clone.items() if k not in ("ref_audio", "ref_text")}
-    results, wall = asyncio.run(level(base, {**named, "voice": name}, 1, total))
-    rows.append(("clone (uploaded voice) c=1", results, wall))
-    httpx.delete(f"{base}/v1/audio/voices/{name}", params={"model": clone_model})
-    print("  done: voice clone c=1", flush=True)
-    return rows
+    named = {k: v for k, v in inline.items() if k not in ("ref_audio", "ref_text")}
+    return inline, {**named, "voice": name}, name
 
 
-def traced(args, server: Server, model: str) -> None:
-    """A profiled round at c = 1 and one at c = 16 (see the module docstring)."""
+def traced(args, server: Server, model: str, clone_model: str | None) -> None:
+    """Profiled rounds (see the module docstring): CustomVoice at c = 1 and c = 16, and
+    with a clone pipeline, a voice clone at c = 1 with its reference inline and named."""
+    body = custom_voice(model, args.frames)
+    rounds = {"c=1": (body, 1, args.trace_requests), "c=16": (body, 16, 16)}
+    print_profile(server, model, rounds, args.trace, args.trace_gpu)
+    if clone_model is None:
+        return
+    inline, uploaded, name = clone_bodies(server.base, clone_model, args.frames)
+    clones = {
+        "inline": (inline, 1, args.trace_requests),
+        "named": (uploaded, 1, args.trace_requests),
+    }
+    trace = args.trace.with_name(f"{args.trace.stem}-clone{args.trace.suffix}")
+    print_profile(server, clone_model, clones, trace, args.trace_gpu)
+
+
+def print_profile(server: Server, model: str, rounds: dict, trace: Path, gpu: bool) -> None:
+    """`rounds` (name -> (body, concurrency, requests)) one after another under the server's
+    profiler for pipeline `model`, the trace in `trace`; prints the mean TTFP critical path of
+    each round's requests and each stage's steps (count, mean batch, median / p90 / max ms,
+    and the median of the steps in which a request started: a prefill and first output)."""
     from omniflow.profiler.analysis import timelines
 
-    body = custom_voice(model, args.frames)
-    rounds = {"c=1": (1, args.trace_requests), "c=16": (16, 16)}
-
     def run() -> None:
-        for concurrency, total in rounds.values():
+        for body, concurrency, total in rounds.values():
             asyncio.run(level(server.base, body, concurrency, total))
 
-    profile, _ = server.profiled(run, args.trace, args.trace_gpu, model)
-    spoken = [r for r in timelines(profile) if "audio" in r.path_ttfp]  # by start, c=1's first
+    profile, _ = server.profiled(run, trace, gpu, model)
+    spoken = [r for r in timelines(profile) if "audio" in r.path_ttfp]  # by start
     paths, start = {}, 0
-    for name, (_, total) in rounds.items():
+    for name, (_, _, total) in rounds.items():
         paths[name] = [r.path_ttfp["audio"] for r in spoken[start : start + total]]
         start += total
-    print_paths(f"\nTTFP critical path, mean ms (trace: {args.trace})", paths)
-    print(f"\n{'stage':>10} {'steps':>6} {'batch':>6} {'med ms':>7} {'p90':>7} {'max':>7} "
+    print_paths(f"\n{model}: TTFP critical path, mean ms (trace: {trace})", paths)
+    print(f"\n{'stage':>13} {'steps':>6} {'batch':>6} {'med ms':>7} {'p90':>7} {'max':>7} "
           f"{'start med':>9}")  # fmt: skip
     for stage, steps in profile.steps.items():
         seen: set[str] = set()
@@ -310,7 +336,7 @@ def traced(args, server: Server, model: str) -> None:
         ms = [step.dur / 1e3 for step in steps]
         batch = statistics.fmean(step.batch for step in steps)
         first = statistics.median(starts) if starts else float("nan")
-        print(f"{stage:>10} {len(steps):6d} {batch:6.1f} {statistics.median(ms):7.2f} "
+        print(f"{stage:>13} {len(steps):6d} {batch:6.1f} {statistics.median(ms):7.2f} "
               f"{percentile(ms, 0.9):7.2f} {max(ms):7.2f} {first:9.2f}")  # fmt: skip
 
 
@@ -439,7 +465,9 @@ def main() -> int:
     parser.add_argument("--url", help="a running server instead of starting one")
     parser.add_argument("--model", default="qwen3_tts", help="with --url: the CustomVoice pipeline")
     parser.add_argument("--clone-model", default="qwen3_tts_clone", help="with --url: the Base one")
-    parser.add_argument("--trace", type=Path, help="profile a c=1 and a c=16 round into this file")
+    parser.add_argument(
+        "--trace", type=Path, help="profile a c=1 and a c=16 round into this file (and clones)"
+    )
     parser.add_argument("--trace-requests", type=int, default=4, help="the c=1 round's requests")
     parser.add_argument("--trace-gpu", action="store_true", help="the trace has the CUDA kernels")
     args = parser.parse_args()
@@ -492,7 +520,7 @@ def main() -> int:
         try:
             measure(args, server.base, "qwen3_tts", clone_model)
             if args.trace:
-                traced(args, server, "qwen3_tts")
+                traced(args, server, "qwen3_tts", clone_model)
         finally:
             server.stop()
     return 0

@@ -104,9 +104,10 @@ for part in "$@"; do
         | grep -v -i "warn" | tee "$OUT/code2wav_step.log"
       ;;
     tts)
-      # Qwen3-TTS served over HTTP at c = 1, 16, 64 (TTS_ARGS added to tts_serve.py's flags).
+      # Qwen3-TTS served over HTTP at c = 1, 16, 64 (TTS_ARGS added to tts_serve.py's flags;
+      # TTS_CLONE=1 adds the voice clone rows, on the Base checkpoint's build too).
       (cd /tmp && timeout ${TTS_S:-400} python3 "$here/benchmarks/tts_serve.py" --devices 1xH200 \
-        --no-clone --frames 64 ${TTS_ARGS:-}) 2>&1 | grep -v -i "warn\|model config" \
+        $([ -n "${TTS_CLONE:-}" ] || echo --no-clone) --frames 64 ${TTS_ARGS:-}) 2>&1 | grep -v -i "warn\|model config" \
         | tee "$OUT/tts_serve.log"
       ;;
     kernels)

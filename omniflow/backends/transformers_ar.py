@@ -139,8 +139,7 @@ class Component(ABC):
     # (None: a frame, if any, is the sampled token's `code`), on the device inside the static
     # step, and by `frames` (`complete_frames`) and `step_embeds` on the dynamic path: the
     # frame's codes, and as the next step's input the frame's `frame_embeds` plus
-    # `step_extra`'s row; a `frames` value's last row is the frame sampled (rows before it:
-    # context sent with the first frame, `first_code`).
+    # `step_extra`'s row; a request's `ahead_codes` go out as it starts, before its prefill.
     frame_spec: static_decode.FrameSpec | None = None
     defaults: dict  # sampling defaults of the model (subset of SAMPLING_KEYS)
 
@@ -217,7 +216,7 @@ class Component(ABC):
         hidden states `hidden` `[n, H]`, one per sequence: by default each token's `code`;
         with a `frame_spec`, each frame completed by its second decoder (`complete_frames`,
         the batch at once; none for an end id), each sequence's next input kept
-        (`Sequence.frame_input`), the first through `first_code`. The static decode path
+        (`Sequence.frame_input`). The static decode path
         never calls this: its steps, and the first step after a prefill, emit `code`, or the
         frames they completed on the device."""
         spec = self.frame_spec
@@ -234,14 +233,14 @@ class Component(ABC):
         host = codes.cpu()  # one read-back for the batch
         for j, (i, seq) in enumerate(zip(rows, sub, strict=True)):
             seq.frame_input = inputs[j]
-            out[i] = self.first_code(seq, host[j : j + 1])
+            out[i] = host[j : j + 1]
         return out
 
-    def first_code(self, seq: Sequence, code: torch.Tensor) -> torch.Tensor:
-        """The `codes` output of a request's first token, whose own is `code` `[1, Q]` (on
-        the static path; the dynamic path's `frames` makes it): by default that one; a
-        codec LM may send context ahead of it (rows before the last)."""
-        return code
+    def ahead_codes(self, seq: Sequence) -> torch.Tensor | None:
+        """Codes a request sends on `codes` as it starts, before its prefill and no part of
+        its stream (`Call.emit`'s `ahead`: outside the edge's chunk schedule), e.g. context
+        its vocoder decodes, and plays nothing of, while the prefill runs; by default none."""
+        return None
 
     def mask_logits(self, seqs: list[Sequence], logits: torch.Tensor) -> None:  # noqa: B027
         """Per-request changes to a step's logits `[n, V]` before sampling, in place; by
@@ -861,6 +860,8 @@ class TransformersAR(Backend):
             seed=seed,
         )
         call.state[_STATE] = seq
+        if "codes" in self.spec.outputs and (ahead := component.ahead_codes(seq)) is not None:
+            call.emit("codes", ahead, ahead=True)  # now: the next stage may use the prefill's time
         return seq, prompt
 
     def _prefill(self, calls: list[Call]) -> None:
@@ -1027,7 +1028,6 @@ class TransformersAR(Backend):
             code = self._code(ids[slot], codes, slot)
             if firsts:
                 value = launch.values[i]
-                code = None if code is None else self.component.first_code(seq, code)
             else:
                 seq.length += 1
                 value = None if launch.hidden is None else launch.hidden[i : i + 1]

@@ -35,10 +35,13 @@ window finds every slot taken waits for one. A step passes each row's slot and p
 (frames decoded before; 0 starts a stream afresh, whatever its slot held), so the forward's
 inputs are index tensors and codes, its buffers fixed: it can be captured (the stage's
 `decode` "graphs", the default on CUDA where the decoder has static windows; "static" runs
-the same buffers eagerly). A voice clone's reference frames (`context_frames`) go through
-the decoder with the first window, advancing the state, and emit nothing. Such windows are
-padded on the right to the longest in their forward, and the decoder takes each row's state
-at its own last frame, so requests of any lengths share a forward.
+the same buffers eagerly). A voice clone's reference frames (`context_frames`, sent ahead
+of the stream's own off the edge's schedule) go through the decoder in a window of their
+own, as soon as they are there (while the frames after them are made), advancing the state
+and emitting nothing; the windows' grid starts after them, and the first frame's window is
+that frame alone (a static one, replayed where captured). Windows are padded on the right
+to the longest in their forward, and the decoder takes each row's state at its own last
+frame, so requests of any lengths share a forward.
 
 Read-back. A forward's audio is copied to pinned host buffers without waiting for the GPU
 (runtime/readback.py) and emitted in a later step, once its event says it has landed; a
@@ -149,6 +152,7 @@ class _Stream:
     base: int = 0
     queued: int = 0  # frames whose audio is decoded (or that were context alone)
     emitted: int = 0  # ... and whose audio has been emitted (read back to the host)
+    context: int = 0  # its first frames, context alone (a voice clone's reference's)
     opened: float = 0.0  # monotonic seconds: when its first codes arrived
     first_sent: float | None = None  # when its first audio was emitted
     backlog: bool = False  # windows ready that the last step left for later
@@ -164,7 +168,8 @@ class _Stream:
         """When a listener who started at the first packet has played all it was sent
         (monotonic seconds); before the first packet, when the stream opened. Without a
         frame duration, every stream counts as never sent anything: arrival order."""
-        return Playback(self.opened, self.first_sent, self.emitted).runs_out(frame_s)
+        played = self.emitted - self.context  # (context frames play nothing)
+        return Playback(self.opened, self.first_sent, played).runs_out(frame_s)
 
     def forget_before(self, frame: int) -> None:
         drop = max(0, frame - self.base)
@@ -553,8 +558,10 @@ class Vocoder(Backend):
             decoded = self.reading.popleft()
             now = time.monotonic()
             for window, call, audio in decoded.kept(self.decoder.samples_per_frame):
-                call.emit("audio", audio)
                 window.stream.emitted = window.keep_end
+                if not len(audio):  # a window of context alone
+                    continue
+                call.emit("audio", audio)
                 if window.stream.first_sent is None:
                     window.stream.first_sent = now
 
@@ -607,12 +614,14 @@ class Vocoder(Backend):
                 "a codec LM's token ids need its codec offset subtracted"
             )
         codes = upload(chunk, self.device, torch.int64)  # (not waiting for queued steps)
-        stream.producer.add(len(codes), time.monotonic())
+        if len(codes) > context_only:  # its producer's pace: of the frames it makes
+            stream.producer.add(len(codes) - context_only, time.monotonic())
         # cat copies: the chunk may be a view into a channel slot released after the step.
         stream.codes = torch.cat([stream.codes.reshape(-1, codes.shape[1]), codes])
         # Decoded as the next windows' context, never emitted.
         stream.queued += context_only
         stream.emitted += context_only
+        stream.context += context_only
         side = decoder.side(stream.state, len(codes))
         if side is not None:
             side = upload(side, self.device)
@@ -627,7 +636,8 @@ class Vocoder(Backend):
         else:
             spans = []
             while done < arrived:
-                end = self.grid_end(done)
+                # The grid starts after the context: its writer sent that ahead, off it.
+                end = stream.context + self.grid_end(done - stream.context)
                 if end > ready and not ended:
                     if ready > done and self._cut_short(stream, end - arrived):
                         spans.append((done, ready))
@@ -636,6 +646,14 @@ class Vocoder(Backend):
                 done = end
         if self.stateful:  # each window decodes the frames after the one before it
             windows, start = [], stream.decoded
+            if start < stream.context:
+                # The context in a window of its own, whenever the frames after it come (the
+                # same windows, the same bits): decoded as soon as it is there, while they
+                # are made, so that the first frame's window is that frame alone.
+                windows.append(
+                    Window(stream, start, stream.context, stream.context, stream.context)
+                )
+                start = stream.context
             for k0, k1 in spans:
                 end = max(start, min(arrived, k1 + self.lag))
                 windows.append(Window(stream, start, end, k0, k1))

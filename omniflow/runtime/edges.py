@@ -13,12 +13,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from omniflow.errors import OmniflowError
 from omniflow.kernels.pointwise import fused
 from omniflow.plan import ChannelPlan, StagePlan
 from omniflow.runtime import events
 from omniflow.runtime.doorbells import Ending
 from omniflow.runtime.events import Recorder
-from omniflow.runtime.port_values import TEXT_TYPES, concat, steps
+from omniflow.runtime.port_values import TEXT_TYPES, Ahead, concat, steps
 from omniflow.runtime.slack import Playback, StepTimer, cut_short
 
 # send(request_id, chunk_index, value or None, end_of_stream, the producer's Ending or None)
@@ -102,6 +103,7 @@ class _Pending:
     parts: list = field(default_factory=list)
     steps: int = 0
     index: int = 0
+    ahead: int = 0  # chunks sent ahead of the stream's own (`Ahead`), off the schedule
     sent: int = 0  # steps sent
     playback: Playback | None = None  # on a paced edge: its listener's (slack.py)
     producer: StepTimer = field(default_factory=StepTimer)
@@ -116,6 +118,12 @@ class StreamWriter:
     schedule's grid while its stream is ahead of its listener, and sends what it has at
     once when waiting for the rest of a chunk would leave the listener without audio
     (slack.py); its next chunk still ends on the grid.
+
+    Steps written `Ahead` of a stream's own (a voice clone's reference frames) go at once,
+    in chunks no longer than the schedule's longest (what the edge's ring slots hold), and
+    neither take a place on the schedule nor count as sent: the stream's first step is
+    still the schedule's first chunk, as the consumer's grid expects. On a whole-output
+    edge they are the stream's first steps.
     """
 
     def __init__(self, channel: ChannelPlan, send: Send, leave: Transform = identity):
@@ -132,16 +140,34 @@ class StreamWriter:
 
     def write(self, request_id: str, value) -> None:
         p = self.pending.setdefault(request_id, _Pending())
+        if isinstance(value, Ahead):
+            value = value.value
+            if self.channel.schedule is not None:
+                self._ahead(request_id, p, value)
+                return
         p.parts.append(value)
         added = steps(self.channel.type, value)
         p.steps += added
         if self.channel.plays_s is not None and self.channel.schedule is not None:
             self._paced(request_id, p, added)
             return
-        target = self._target(p.index)
+        target = self._target(p.index - p.ahead)
         while target is not None and p.steps >= target:
             self._send(request_id, p, self._cut(p, target), False)
-            target = self._target(p.index)
+            target = self._target(p.index - p.ahead)
+
+    def _ahead(self, request_id: str, p: _Pending, value) -> None:
+        """Send steps ahead of the stream's own (see the class docstring)."""
+        if p.sent or p.steps:
+            raise OmniflowError(
+                f"steps sent ahead on edge {self.channel.name} after the stream's own began"
+            )
+        longest = max(self.channel.schedule)
+        typ = self.channel.type
+        pieces = [value] if typ in TEXT_TYPES else value.split(longest)
+        for piece in pieces:
+            self._send(request_id, p, piece, False)
+            p.ahead += 1
 
     def _paced(self, request_id: str, p: _Pending, added: int) -> None:
         """Send a paced edge's chunks: those the grid completes, then what is pending if

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from omniflow.plan import ChannelPlan, StagePlan
 from omniflow.runtime.doorbells import Ending
-from omniflow.runtime.port_values import concat
+from omniflow.runtime.port_values import Ahead, concat
 
 
 @dataclass(frozen=True)
@@ -125,9 +125,11 @@ class Call:
     # after each step, then clears them.
     counters: dict[str, int] = field(default_factory=dict)
 
-    def emit(self, port: str, value) -> None:
-        """Send `value` (one or more steps) downstream on `port`."""
-        self.emitted.append((port, value))
+    def emit(self, port: str, value, ahead: bool = False) -> None:
+        """Send `value` (one or more steps) downstream on `port`; with `ahead`, steps that go
+        before the stream's own and are no part of it, at once, outside the edge's chunk
+        schedule (`port_values.Ahead`: a voice clone's reference frames)."""
+        self.emitted.append((port, Ahead(value) if ahead else value))
 
     def finish(self, ending: Ending | None = None) -> None:
         """This stage is done with the request: every output stream ends, telling the

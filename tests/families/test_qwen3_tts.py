@@ -50,8 +50,10 @@ from omniflow.families.qwen3_tts.costs import MIMI_ENCODER_PARAMS
 from omniflow.families.qwen3_tts.prompt import TTSRequest
 from omniflow.families.qwen3_tts.reference import reference_generate
 from omniflow.families.qwen3_tts.voices import PROMPT_PREFIX, VoiceEncoder
+from omniflow.runtime.edges import StreamWriter
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
+from omniflow.runtime.port_values import Ahead
 from omniflow.runtime.preflight import preflight
 from omniflow.runtime.requests import RequestError, admit
 from omniflow.runtime.stage import Call, InputStream
@@ -217,7 +219,7 @@ def calls_of(backend: TransformersAR, requests) -> list:
 
 def run_talker(backend: TransformersAR, requests: list[tuple[dict, dict]]) -> list:
     """Step the requests (inputs, params) through the talker together; each one's codes
-    `[frames, 16]`, or its error."""
+    `[frames, 16]` (an ICL clone's reference frames, sent ahead, first), or its error."""
     made = calls_of(backend, requests)
     calls = [c for c in made if isinstance(c, Call)]
     for _ in range(1000):
@@ -230,9 +232,14 @@ def run_talker(backend: TransformersAR, requests: list[tuple[dict, dict]]) -> li
     return [
         call
         if isinstance(call, Exception)
-        else call.error or torch.cat([v for port, v in call.emitted if port == "codes"])
+        else call.error or torch.cat([unwrapped(v) for port, v in call.emitted if port == "codes"])
         for call in made
     ]
+
+
+def unwrapped(value):
+    """A value emitted, or the one it sent `Ahead`."""
+    return value.value if isinstance(value, Ahead) else value
 
 
 def stream_decode(backend: Vocoder, requests: list[tuple[torch.Tensor, list[int]]]) -> list:
@@ -477,7 +484,7 @@ def serve_frames(backend: TransformersAR, requests: list[tuple]) -> list[torch.T
                 backend.drop(call)
                 live.remove(call)
     assert backend.rows == []
-    return [torch.cat([v for port, v in c.emitted if port == "codes"]) for c in calls]
+    return [torch.cat([unwrapped(v) for port, v in c.emitted if port == "codes"]) for c in calls]
 
 
 def assert_same_frames(got: list, want: list, requests: list[tuple], rows=None) -> None:
@@ -755,6 +762,67 @@ def test_voice_clone_audio_is_the_references(plans, golden, ref_wav):
         assert float((audio - wav).abs().max()) < AUDIO_TOLERANCE, name
     alone = golden["clone_icl.audio"]
     assert float((alone - golden["clone_icl.wav"]).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_a_clones_first_frame_is_heard_as_soon_as_it_is_made(plans, talkers, ref_wav, decode):
+    """An ICL clone sends its reference's frames ahead of its first frame (`ahead_codes`):
+    the codes edge's writer sends them at once, off the edge's chunk schedule, so the first
+    frame is the schedule's first chunk, alone; and code2wav, whose windows' grid starts
+    after the context, plays that frame as soon as it has it. (Sent as frames of the
+    stream, the reference's frames used up the schedule's first chunks, here 19 of them the
+    1, 2, 4 and 8, and the first frame waited in a chunk of 16; a 5 s reference's 62, up to
+    32, and a chunk of 64: seconds of talker steps before any audio.) With static windows
+    the reference's, longer than any, decodes eagerly; the first frame's is a static one."""
+    _, inputs, params = request_of("clone_icl", ref_wav)
+    (call,) = calls_of(talkers["Base"], [(inputs, params)])
+    while not call.finished:
+        assert call.error is None, call.error
+        talkers["Base"].step([call])
+    talkers["Base"].drop(call)
+    values = [v for port, v in call.emitted if port == "codes"]
+    assert isinstance(values[0], Ahead) and not any(isinstance(v, Ahead) for v in values[1:])
+    context = len(values[0].value)
+    assert context == 19
+
+    plan = plans["Base"]
+    (edge,) = [c for c in plan.channels if c.name == CODES_EDGE]
+    chunks = []
+    writer = StreamWriter(edge, lambda rid, i, value, end, ending: chunks.append(value))
+    for value in values:
+        writer.write(call.request_id, value)
+    writer.end(call.request_id)
+    longest = max(edge.schedule)
+    ahead = -(-context // longest)  # the reference's frames, in slots of the longest chunk
+    sizes = [len(c) for c in chunks if c is not None]
+    assert sum(sizes[:ahead]) == context and max(sizes[:ahead]) <= longest
+    assert sizes[ahead] == edge.schedule[0] == 1  # the first frame: the first chunk, alone
+
+    vocoder = Vocoder(stage_spec(plan, "code2wav", decode=decode), "cpu")
+
+    def first_audio(*pushes: list) -> torch.Tensor:
+        """The audio code2wav plays, pushed each list of chunks in turn and stepped (twice at
+        most: a window of the reference's frames, then the first frame's)."""
+        listen = Call("clone", {}, {"codes": InputStream("codes")})
+        for push in (*pushes, []):
+            for chunk in push:
+                listen.inputs["codes"].push(chunk, False)
+            vocoder.step([listen])
+            assert listen.error is None, listen.error
+            stream = listen.state["stream"]
+            if push is pushes[0]:  # the first window: the reference's frames alone, silent
+                assert stream.decoded == context and not listen.emitted
+        assert stream.decoded == context + 1  # then the first frame, in a window of its own
+        audio = torch.cat([v for port, v in listen.emitted if port == "audio"]).reshape(-1)
+        vocoder.drop(listen)
+        return audio
+
+    # The reference's frames and the first frame at once, or the reference's alone (as it
+    # comes: it is sent as the talker starts) and the first frame later: the same windows,
+    # the first frame's audio, the same bits.
+    together = first_audio(chunks[: ahead + 1])
+    apart = first_audio(chunks[:ahead], chunks[ahead : ahead + 1])
+    assert together.numel() == 1920 and torch.equal(together, apart)
 
 
 def test_streamed_decode_is_the_whole_decode(code2wav):

@@ -1,16 +1,20 @@
 """Playback slack (runtime/slack.py): when a listener runs dry, the order that puts the
 driest first, when a chunk goes out short; and a paced edge's writer, whose chunks keep the
-schedule's grid while its stream is ahead and go out at once while it is behind."""
+schedule's grid while its stream is ahead and go out at once while it is behind, and steps
+sent ahead of a stream (a voice clone's reference frames), which take no place on it."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 
+import pytest
 import torch
 
+from omniflow.errors import OmniflowError
 from omniflow.plan import ChannelPlan
 from omniflow.runtime.edges import StreamWriter, chunk_end
+from omniflow.runtime.port_values import Ahead
 from omniflow.runtime.slack import Playback, StepTimer, cut_short, urgent_first
 
 
@@ -81,3 +85,37 @@ def test_a_paced_edge_sends_what_it_has_while_its_stream_is_behind_then_widens_o
     assert [chunk_end([1, 2, 4, 8], done) for done in (0, 1, 2, 3, 6, 7, 15)] == [
         1, 3, 3, 7, 7, 15, 23,
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("plays_s", [None, 1000.0, 1e-9])
+def test_steps_sent_ahead_go_at_once_in_slot_sized_chunks_off_the_schedule(plays_s):
+    # 19 reference frames ahead of a stream of 7: in chunks of at most the schedule's
+    # longest (8, what the edge's ring slots hold), then the stream's own from the
+    # schedule's first chunk on (ahead of its listener, paced or not: 1, 2, 4).
+    edge = dataclasses.replace(paced_edge(1000.0), plays_s=plays_s)
+    sent = []
+    writer = StreamWriter(edge, lambda rid, index, value, end, ending: sent.append((index, value)))
+    writer.write("r", Ahead(torch.full((19, 4), -1)))
+    for i in range(7):
+        writer.write("r", torch.full((1, 4), i))
+    writer.end("r")
+    values = [v for _, v in sent if v is not None]
+    sizes = [len(v) for v in values]
+    stream = [1, 1, 1, 1, 1, 1, 1] if plays_s == 1e-9 else [1, 2, 4]  # dry: each at once
+    assert sizes == [8, 8, 3, *stream]
+    assert torch.cat(values)[:, 0].tolist() == [-1] * 19 + list(range(7))
+    assert [index for index, _ in sent] == list(range(len(sent)))
+
+    writer.write("late", torch.full((1, 4), 0))
+    with pytest.raises(OmniflowError, match="ahead .* after the stream's own began"):
+        writer.write("late", Ahead(torch.full((2, 4), -1)))
+
+
+def test_on_a_whole_output_edge_steps_sent_ahead_are_its_first():
+    edge = dataclasses.replace(paced_edge(1000.0), schedule=None, plays_s=None)
+    sent = []
+    writer = StreamWriter(edge, lambda rid, index, value, end, ending: sent.append(value))
+    writer.write("r", Ahead(torch.full((3, 4), -1)))
+    writer.write("r", torch.full((2, 4), 5))
+    writer.end("r")
+    assert len(sent) == 1 and sent[0][:, 0].tolist() == [-1, -1, -1, 5, 5]

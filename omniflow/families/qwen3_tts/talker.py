@@ -8,9 +8,10 @@ next step feeds the talker the sum of the frame's 16 codebook embeddings plus th
 text-side row. End-of-speech (codec eos) ends the request (the backend's `Ending`,
 "stop"; "length" at `max_tokens`) and emits no frame. A voice
 clone with reference codes (ICL) first sends the reference's frames, every code offset
-by the codebook size (2048), with its first frame: code2wav decodes them as context only
-(`code2wav.Code2Wav.context_frames`), as the reference decodes reference and new codes
-together and cuts the reference's audio.
+by the codebook size (2048), as it starts (`ahead_codes`: at once, outside the edge's chunk
+schedule, so that they do not hold the first frame back in a later, longer chunk, and
+code2wav decodes them while the talker prefills): code2wav decodes them as context only (`code2wav.Code2Wav.context_frames`), as
+the reference decodes reference and new codes together and cuts the reference's audio.
 
 Sampling is `Qwen3TTSForConditionalGeneration.generate`'s: the checkpoint's
 generation_config.json (temperature 0.9, top-k 50, top-p 1, repetition penalty 1.05 over
@@ -28,8 +29,7 @@ predictor for the batch from `frame_spec`, `transformers_ar.complete_frames`, an
 same `frame_spec` (the code predictor, its codebook tables and heads, and
 `Talker.frame_embeds`) has the step complete each frame on the device, the first one after
 the prefill included, `omniflow.backends.static_decode`); `step_extra` is the text-side
-row both paths add; `first_code` puts an ICL clone's context ahead of its first frame on
-both.
+row both paths add; on both, an ICL clone's context goes ahead of its first frame.
 The same checks of a request against the checkpoint run at admission
 (`voices.admission`) and here (`config.check_task_inputs`).
 
@@ -113,7 +113,7 @@ class _Request:
 
     trailing: torch.Tensor  # [T, D]
     pad: torch.Tensor  # [D]
-    context: torch.Tensor | None = None  # an ICL clone's reference frames, not yet sent
+    context: torch.Tensor | None = None  # an ICL clone's reference frames, marked
 
     def text_side(self, step: int) -> torch.Tensor:
         return self.trailing[step] if step < len(self.trailing) else self.pad
@@ -256,14 +256,11 @@ class QwenTTSTalker(Component):
         return Prompt(built.embeds, [])
 
     # --- steps ---------------------------------------------------------------------------
-    def first_code(self, seq: Sequence, code: torch.Tensor) -> torch.Tensor:
-        """A frame's `codes` value: an ICL clone's reference frames ahead of its first (sent
-        once), else the frame."""
-        state = seq.call.state[_STATE]
-        if state.context is None:
-            return code
-        context, state.context = state.context, None
-        return torch.cat([context, code])
+    def ahead_codes(self, seq: Sequence) -> torch.Tensor | None:
+        """An ICL clone's reference frames, sent as it starts (its vocoder's context, which
+        the vocoder decodes while this stage prefills): off the edge's schedule, so that the
+        first frame is its first chunk."""
+        return seq.call.state[_STATE].context
 
     def step_extra(self, seqs: list[Sequence]) -> torch.Tensor:
         """Each row's text side of its next step: after n frames, row n - 1 of the trailing
