@@ -263,17 +263,25 @@ def pack_media(items: list[MediaItem], width: int, dtype) -> torch.Tensor:
     return out
 
 
-def unpack_media(hidden: torch.Tensor) -> list[MediaItem]:
-    """`pack_media`'s inverse (the embeddings copied out of `hidden`)."""
+def check_media(hidden: torch.Tensor) -> torch.Tensor:
+    """`hidden` if it is a media value's `[1, rows, H]`; VisionBackendError if not."""
     if hidden.dim() != 3 or hidden.shape[0] != 1:
         raise VisionBackendError(
             f"media embeddings of shape {list(hidden.shape)} are not the encoder's "
             "[1, rows, hidden] layout"
         )
-    rows = hidden[0]
+    return hidden
+
+
+def unpack_media(hidden: torch.Tensor, heads: torch.Tensor | None = None) -> list[MediaItem]:
+    """`pack_media`'s inverse (the embeddings copied out of `hidden`); its headers read from
+    `heads`, its rows' leading MEDIA_HEADER_COLUMNS on the host where given (one copy, made
+    without waiting: a header read off a GPU is a host sync per item)."""
+    rows = check_media(hidden)[0]
+    heads = rows if heads is None else heads
     items, at = [], 0
     while at < len(rows):
-        header = read_media_header(rows[at])
+        header = read_media_header(heads[at])
         if header is None:
             raise VisionBackendError(f"row {at} of the media embeddings is not an item header")
         kind, meta = header

@@ -28,6 +28,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from omniflow.backends.vision import MEDIA_HEADER_COLUMNS
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.compiler import compile_source
 from omniflow.families.qwen2_5_omni import towers as shared
@@ -36,6 +37,7 @@ from omniflow.families.qwen3_omni.checkpoints import reference_generate
 from omniflow.hf_logging import quiet
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
+from omniflow.runtime.readback import HostCopy
 from tests.families import media_inputs as media
 from tests.families.media_inputs import expanded_ids, interleaver, vision_inputs
 
@@ -222,6 +224,30 @@ def test_the_static_path_gives_generates_tokens_and_frames(static_interpreter, r
         text_ids, codes = references[name]
         assert out["tokens"].reshape(-1).tolist() == text_ids, name
         assert torch.equal(out["codes"], codes), name
+
+
+def test_media_headers_are_read_once_landed(static_interpreter, references, monkeypatch):
+    """On a GPU a thinker reads its media values' headers (what each item is and its
+    integers) from a copy to the host made without waiting (one per request, `MediaThinker.
+    can_start`), as the talker reads its prompt's markers: here every read-back lands three
+    polls late, as a busy GPU's would, and the thinker starts each request once its headers
+    are in: `generate`'s tokens and frames all the same."""
+    landed, held_back = HostCopy.landed, []
+
+    def late(copy) -> bool:
+        copy.polls = getattr(copy, "polls", 0) + 1
+        if copy.polls == 2:
+            held_back.append(copy)
+        return copy.polls > 3 and landed(copy)
+
+    monkeypatch.setattr(HostCopy, "landed", late)
+    for name in CASES:
+        out = _run(static_interpreter.run, name)
+        text_ids, codes = references[name]
+        assert out["tokens"].reshape(-1).tolist() == text_ids, name
+        assert torch.equal(out["codes"], codes), name
+    headers = [c for c in held_back if c.value.shape[-1] == MEDIA_HEADER_COLUMNS]
+    assert len(headers) == len(CASES), "not every request's media headers were held back"
 
 
 def test_the_media_change_the_answer(references):

@@ -54,6 +54,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import weakref
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,15 +70,16 @@ from omniflow.backends.transformers_ar import (
     Prompt,
     Sequence,
 )
-from omniflow.backends.vision import unpack_media
+from omniflow.backends.vision import MEDIA_HEADER_COLUMNS, check_media, unpack_media
 from omniflow.plan import StagePlan
-from omniflow.runtime.readback import upload
+from omniflow.runtime.readback import to_host, upload
 from omniflow.runtime.stage import Call
 
 ROLE_PROMPT, ROLE_REPLY = 0.0, 1.0
 _US = 1_000_000  # a video's seconds per grid travel in microseconds
 THINKER_EMBEDDINGS = "thinker.model.embed_tokens.weight"
 _CONDITIONING = "qwen_omni"  # a talker request's conditioning rows in call.state
+_MEDIA = "qwen_omni:media"  # a thinker request's media values and their headers' copy
 
 
 # --- adapters ---------------------------------------------------------------------------------
@@ -225,6 +227,7 @@ class MediaThinker(CausalLM):
 
     def __init__(self, model, tokenizer, audio_markers: tuple[str, str]):
         super().__init__(model, tokenizer)
+        self.arriving: list[weakref.ref] = []  # requests whose media headers are on their way
         config = model.config
         self.media_ids = {
             "image": config.image_token_id,
@@ -240,13 +243,35 @@ class MediaThinker(CausalLM):
         self.rope_index = model.model.get_rope_index
 
     def can_start(self, call: Call) -> bool:
-        return call.inputs_ended()
+        """Once every input is in and the media values' headers have come to the host: they
+        are taken then and their header columns copied without waiting (`_MEDIA`), as
+        reading them on the device would stall every stage of the process per item."""
+        if not call.inputs_ended():
+            return False
+        media = call.state.get(_MEDIA)
+        if media is None:
+            values = [
+                check_media(value)
+                for port in ("embeds", "audio_embeds")
+                if port in call.inputs and (value := call.inputs[port].take()) is not None
+            ]
+            heads = to_host(*(v[0, :, :MEDIA_HEADER_COLUMNS] for v in values)) if values else None
+            media = call.state[_MEDIA] = (values, heads)
+            if heads is not None and not heads.landed():
+                self.arriving.append(weakref.ref(call))
+        return media[1] is None or media[1].landed()
+
+    def in_flight(self) -> bool:
+        def waiting(call: Call | None) -> bool:
+            return call is not None and call.running and not call.state[_MEDIA][1].landed()
+
+        self.arriving = [ref for ref in self.arriving if waiting(ref())]
+        return bool(self.arriving)
 
     def prompt(self, call: Call) -> Prompt:
-        items = []
-        for port in ("embeds", "audio_embeds"):
-            if port in call.inputs and (value := call.inputs[port].take()) is not None:
-                items += unpack_media(value)
+        values, heads = call.state.pop(_MEDIA)
+        host = () if heads is None else (heads.value, *heads.more)
+        items = [item for v, h in zip(values, host, strict=True) for item in unpack_media(v, h)]
         if not items:
             return super().prompt(call)
         if call.inputs["prompt"].type != "chat":
@@ -258,7 +283,7 @@ class MediaThinker(CausalLM):
         )
         text = self._expand(text, media, in_video)
         host_ids = torch.tensor(self.tokenizer(text).input_ids)
-        ids = host_ids.to(self.embed.weight.device)
+        ids = upload(host_ids, self.embed.weight.device)  # (not waiting for queued steps)
         embeds, prefill = self.merge_media(ids, self.embed(ids), media)
         grid = {
             kind: torch.tensor([i.meta[1:4] for i in media[kind]]) if media[kind] else None
@@ -282,7 +307,7 @@ class MediaThinker(CausalLM):
             audio_lengths,
             per_grid,
         )
-        positions = positions.to(ids.device)
+        positions = upload(positions, ids.device)
         return Prompt(embeds, host_ids.tolist(), positions, int(delta.reshape(-1)[0]), prefill)
 
     def merge_media(self, ids: torch.Tensor, embeds: torch.Tensor, media: dict):
