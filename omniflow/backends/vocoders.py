@@ -36,9 +36,9 @@ window finds every slot taken waits for one. A step passes each row's slot and p
 inputs are index tensors and codes, its buffers fixed: it can be captured (the stage's
 `decode` "graphs", the default on CUDA where the decoder has static windows; "static" runs
 the same buffers eagerly). A voice clone's reference frames (`context_frames`, sent ahead
-of the stream's own off the edge's schedule) go through the decoder in a window of their
-own, as soon as they are there (while the frames after them are made), advancing the state
-and emitting nothing; the windows' grid starts after them, and the first frame's window is
+of the stream's own off the edge's schedule) go through the decoder in one window of their
+own, as soon as they are all there (while the frames after them are made), advancing the
+state and emitting nothing; the windows' grid starts after them, and the first frame's window is
 that frame alone (a static one, replayed where captured). Windows are padded on the right
 to the longest in their forward, and the decoder takes each row's state at its own last
 frame, so requests of any lengths share a forward.
@@ -153,6 +153,7 @@ class _Stream:
     queued: int = 0  # frames whose audio is decoded (or that were context alone)
     emitted: int = 0  # ... and whose audio has been emitted (read back to the host)
     context: int = 0  # its first frames, context alone (a voice clone's reference's)
+    context_whole: bool = False  # ... all of which have come
     opened: float = 0.0  # monotonic seconds: when its first codes arrived
     first_sent: float | None = None  # when its first audio was emitted
     backlog: bool = False  # windows ready that the last step left for later
@@ -272,12 +273,13 @@ class Decoder:
         """Requests whose windows may share a forward have equal groups."""
         return None
 
-    def context_frames(self, state: dict, chunk: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def context_frames(self, state: dict, chunk: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
         """A request's leading frames that are context alone (decoded before the frames
         after them, as the whole utterance would be, but emitting no audio: a voice
-        clone's reference frames), marked as the decoder's codes say: the chunk's codes
-        and how many of its first frames are such; by default none."""
-        return chunk, 0
+        clone's reference frames), marked as the decoder's codes say: the chunk's codes,
+        how many of its first frames are such, and whether the context ends in it (its
+        last frame, marked as last, or a frame after it is there); by default none."""
+        return chunk, 0, False
 
     def decode(self, windows: list[Window], frames: int) -> torch.Tensor:
         """`[len(windows), frames * samples_per_frame]` float32 audio of the padded batch
@@ -604,7 +606,7 @@ class Vocoder(Backend):
             raise VocoderError(f"codes must be integers, not {chunk.dtype}")
         if len(stream.codes) and chunk.shape[1] != stream.codes.shape[1]:
             raise VocoderError("the number of codebooks changed within a request")
-        chunk, context_only = decoder.context_frames(stream.state, chunk)
+        chunk, context_only, context_ends = decoder.context_frames(stream.state, chunk)
         if context_only and stream.emitted != stream.arrived:
             raise VocoderError("context-only frames came after frames to decode")
         low, high = int(chunk.min()), int(chunk.max())
@@ -622,6 +624,7 @@ class Vocoder(Backend):
         stream.queued += context_only
         stream.emitted += context_only
         stream.context += context_only
+        stream.context_whole |= context_ends
         side = decoder.side(stream.state, len(codes))
         if side is not None:
             side = upload(side, self.device)
@@ -647,9 +650,11 @@ class Vocoder(Backend):
         if self.stateful:  # each window decodes the frames after the one before it
             windows, start = [], stream.decoded
             if start < stream.context:
-                # The context in a window of its own, whenever the frames after it come (the
-                # same windows, the same bits): decoded as soon as it is there, while they
-                # are made, so that the first frame's window is that frame alone.
+                # The whole context in one window of its own, however it came (the same
+                # windows, the same bits): decoded as soon as it is all there, while the
+                # frames after it are made, so that the first frame's window is that frame.
+                if not (stream.context_whole or ended):
+                    return []
                 windows.append(
                     Window(stream, start, stream.context, stream.context, stream.context)
                 )

@@ -29,6 +29,7 @@ from tests.backends.test_stateful_vocoder import (
     code2wav,
     plan,  # noqa: F401
     request_codes,
+    stream_a_clone,
     whole,
 )
 from tests.backends.test_token2wav_graphs import (
@@ -114,3 +115,18 @@ def test_replayed_steps_as_served_within_tf32_tolerance_of_the_whole_decode(plan
         assert got.shape == want.shape
         assert relative_rms(got, want) < BF16_RMS_TOLERANCE
         assert float((got - want).abs().max()) < BF16_MAX_TOLERANCE
+
+
+@pytest.mark.gpu
+def test_a_clones_reference_frames_decode_beside_the_replayed_windows(plan):  # noqa: F811
+    """A voice clone's reference frames decode in one window of their own (11 frames,
+    longer than every static window: eagerly, and nothing captured while serving), then its
+    frames in replayed windows: its audio within the served tolerance of the whole decode's
+    after the reference's share."""
+    vocoder = code2wav(plan, SCHEDULE, "cuda", decode="graphs")
+    captured = vocoder.decoder.graphs.captures
+    audio, want, _ = stream_a_clone(vocoder)
+    assert vocoder.decoder.graphs.captures == captured, "serving captured a graph"
+    assert audio.shape == want.shape
+    assert relative_rms(audio, want) < BF16_RMS_TOLERANCE
+    assert float((audio - want).abs().max()) < BF16_MAX_TOLERANCE

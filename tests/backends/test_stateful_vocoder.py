@@ -133,6 +133,44 @@ def kept_windows(forwards, request_id: str) -> list[int]:
     return [end - start for forward in forwards for r, start, end in forward if r == request_id]
 
 
+CONTEXT = 11  # a voice clone's reference frames, ahead of its stream's
+
+
+def clone_codes() -> tuple[torch.Tensor, torch.Tensor]:
+    """A voice clone's frames, CONTEXT of its reference's then 20 new ones: as they are,
+    and as its talker sends them (the reference's marked: every code offset by the codebook
+    size, the last frame's by twice that)."""
+    codes = torch.randint(0, 128, (CONTEXT + 20, 16), generator=torch.Generator().manual_seed(1))
+    marked = codes.clone()
+    marked[:CONTEXT] += 128
+    marked[CONTEXT - 1] += 128
+    return codes, marked
+
+
+def stream_a_clone(vocoder: Vocoder) -> tuple[torch.Tensor, torch.Tensor, Driver]:
+    """A clone streamed frame by frame beside another request: its audio, what its whole
+    decode gives after its reference's share, and the driver (its forwards)."""
+    codes, marked = clone_codes()
+    driver = Driver(vocoder, [request_codes()[0], marked])
+    audio = driver.run()["r1"]
+    return audio, whole(vocoder, codes)[CONTEXT * 1920 :], driver
+
+
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_a_clones_reference_frames_are_decoded_in_one_window_once_all_came(plan, decode):
+    # Its reference frames come one by one, as a slow edge would bring them: they are
+    # decoded once the last (marked last) is in, in one window, whatever their arrival
+    # (the same bits), and emit nothing; the grid of its windows starts after them.
+    vocoder = code2wav(plan, [1, 2, 4], decode=decode)
+    audio, want, driver = stream_a_clone(vocoder)
+    assert audio.shape == want.shape
+    assert float((audio - want).abs().max()) < TOLERANCE
+    windows = [
+        (start, end) for forward in driver.forwards for r, start, end in forward if r == "r1"
+    ]
+    assert windows[:4] == [(0, CONTEXT), (11, 12), (12, 14), (14, 18)]
+
+
 @pytest.mark.parametrize("decode", ["eager", "static"])
 @pytest.mark.parametrize("schedule", [[1], [3], [1, 2, 4, 3, 5]], ids=["1", "3", "mixed"])
 def test_carried_state_streams_the_whole_decode(plan, schedule, decode):

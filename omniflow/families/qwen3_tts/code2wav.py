@@ -16,13 +16,14 @@ stream's state lives in a slot allocated when the stage loads (`init_states`, sl
 stage's max_batch); a step's inputs are the padded codes `[B, 16, T]` and each row's slot,
 position and length, so it is captured as a CUDA graph per (batch bucket, window length)
 (`prepare`, the stage's decode "graphs", the default on CUDA; "static" runs the same
-buffers eagerly on the CPU). A voice clone's first window, longer than every static window
-with its reference frames, decodes eagerly.
+buffers eagerly on the CPU).
 
 A voice clone with reference codes (ICL) starts with the reference's frames, every code
-offset by the codebook size (2048): they are decoded as the first frames' context and
-emit no audio, as Qwen's `generate_voice_clone` decodes reference and new codes together
-and cuts the reference's share.
+offset by the codebook size (2048), the last frame's by twice that (so that this stage
+knows when it has them all): they are decoded as the first frames' context, in a window of
+their own (a static one where they fit the longest, else eagerly), and emit no audio, as
+Qwen's `generate_voice_clone` decodes reference and new codes together and cuts the
+reference's share.
 """
 
 from __future__ import annotations
@@ -63,20 +64,22 @@ class Code2Wav(StatefulDecoder):
             per_frame, model.num_quantizers, model.codebook_size, reach, reach.lookahead
         )
 
-    def context_frames(self, state: dict, chunk: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def context_frames(self, state: dict, chunk: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
         """A voice clone's reference frames, which the talker sends first with every code
-        offset by the codebook size: decoded as context (Qwen's `generate_voice_clone`
-        decodes them before the new frames and cuts their audio), not emitted."""
+        offset by the codebook size, the last one's by twice that (the talker's `prompt`):
+        decoded as context (Qwen's `generate_voice_clone` decodes them before the new frames
+        and cuts their audio), not emitted."""
         if state.get("generated") or not len(chunk):
-            return chunk, 0
-        marked = (chunk >= self.codebook_size).all(dim=1)
+            return chunk, 0, False
+        size = self.codebook_size
+        marked = (chunk >= size).all(dim=1)
         count = int(marked.long().cumprod(0).sum())
-        if count == len(chunk):
-            return chunk - self.codebook_size, count
-        state["generated"] = True
         codes = chunk.clone()
-        codes[:count] -= self.codebook_size
-        return codes, count
+        codes[:count] %= size
+        last = count > 0 and bool((chunk[count - 1] >= 2 * size).all())
+        if count < len(chunk):
+            state["generated"] = True
+        return codes, count, last or count < len(chunk)
 
     def carried_forward(self, codes: torch.Tensor, carried: Carried) -> torch.Tensor:
         return self.model(codes, carried)

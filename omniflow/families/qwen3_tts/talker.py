@@ -8,7 +8,7 @@ next step feeds the talker the sum of the frame's 16 codebook embeddings plus th
 text-side row. End-of-speech (codec eos) ends the request (the backend's `Ending`,
 "stop"; "length" at `max_tokens`) and emits no frame. A voice
 clone with reference codes (ICL) first sends the reference's frames, every code offset
-by the codebook size (2048), as it starts (`ahead_codes`: at once, outside the edge's chunk
+by the codebook size (2048), the last frame's by twice that, as it starts (`ahead_codes`: at once, outside the edge's chunk
 schedule, so that they do not hold the first frame back in a later, longer chunk, and
 code2wav decodes them while the talker prefills): code2wav decodes them as context only (`code2wav.Code2Wav.context_frames`), as
 the reference decodes reference and new codes together and cuts the reference's audio.
@@ -252,6 +252,7 @@ class QwenTTSTalker(Component):
         context = None
         if request.ref_codes is not None:  # sent ahead of the first frame, marked (on the host)
             context = request.ref_codes + self.codebook_size
+            context[-1] += self.codebook_size  # the last: code2wav then has them all
         call.state[_STATE] = _Request(built.trailing, built.pad, context=context)
         return Prompt(built.embeds, [])
 
