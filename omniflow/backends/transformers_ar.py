@@ -216,9 +216,9 @@ class Component(ABC):
         hidden states `hidden` `[n, H]`, one per sequence: by default each token's `code`;
         with a `frame_spec`, each frame completed by its second decoder (`complete_frames`,
         the batch at once; none for an end id), each sequence's next input kept
-        (`Sequence.frame_input`). The static decode path
-        never calls this: its steps, and the first step after a prefill, emit `code`, or the
-        frames they completed on the device."""
+        (`Sequence.frame_input`). The static decode path never calls this: its steps, and
+        the first step after a prefill, emit `code`, or the frames they completed on the
+        device."""
         spec = self.frame_spec
         if spec is None:
             return [self.code(token) for token in ids]

@@ -38,10 +38,10 @@ inputs are index tensors and codes, its buffers fixed: it can be captured (the s
 the same buffers eagerly). A voice clone's reference frames (`context_frames`, sent ahead
 of the stream's own off the edge's schedule) go through the decoder in one window of their
 own, as soon as they are all there (while the frames after them are made), advancing the
-state and emitting nothing; the windows' grid starts after them, and the first frame's window is
-that frame alone (a static one, replayed where captured). Windows are padded on the right
-to the longest in their forward, and the decoder takes each row's state at its own last
-frame, so requests of any lengths share a forward.
+state and emitting nothing; the windows' grid starts after them, and the first frame's
+window is that frame alone (a static one, replayed where captured). Windows are padded on
+the right to the longest in their forward, and the decoder takes each row's state at its
+own last frame, so requests of any lengths share a forward.
 
 Read-back. A forward's audio is copied to pinned host buffers without waiting for the GPU
 (runtime/readback.py) and emitted in a later step, once its event says it has landed; a

@@ -6,12 +6,13 @@ from the talker's `codec_head`, then the code predictor fills codebooks 1..15 fo
 of the step at once (`frames`), and the frame goes out on `codes` as int64 `[1, 16]`; the
 next step feeds the talker the sum of the frame's 16 codebook embeddings plus that step's
 text-side row. End-of-speech (codec eos) ends the request (the backend's `Ending`,
-"stop"; "length" at `max_tokens`) and emits no frame. A voice
-clone with reference codes (ICL) first sends the reference's frames, every code offset
-by the codebook size (2048), the last frame's by twice that, as it starts (`ahead_codes`: at once, outside the edge's chunk
-schedule, so that they do not hold the first frame back in a later, longer chunk, and
-code2wav decodes them while the talker prefills): code2wav decodes them as context only (`code2wav.Code2Wav.context_frames`), as
-the reference decodes reference and new codes together and cuts the reference's audio.
+"stop"; "length" at `max_tokens`) and emits no frame. A voice clone with reference codes
+(ICL) first sends the reference's frames, every code offset by the codebook size (2048)
+and the last frame's by twice that, as it starts (`ahead_codes`: at once, outside the
+edge's chunk schedule, so that they do not hold the first frame back in a later, longer
+chunk). code2wav decodes them as context only, while this stage prefills
+(`code2wav.Code2Wav.context_frames`), as the reference decodes reference and new codes
+together and cuts the reference's audio.
 
 Sampling is `Qwen3TTSForConditionalGeneration.generate`'s: the checkpoint's
 generation_config.json (temperature 0.9, top-k 50, top-p 1, repetition penalty 1.05 over
