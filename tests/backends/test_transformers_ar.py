@@ -36,6 +36,7 @@ from tests.backends.ar_requests import (
     request,
 )
 from tests.gpu_wiring import stage_spec
+from tests.runtime.test_readback import land_late
 
 torch.set_num_threads(1)
 
@@ -719,13 +720,7 @@ def test_the_interpreter_waits_for_a_static_steps_tokens_on_their_way(plan, monk
     static = compile_source(
         SOURCE.replace("$temperature)", '$temperature, decode="static")'), devices="cpu"
     )
-    landed = static_decode.Launched.landed
-
-    def late(launched) -> bool:
-        launched.polls = getattr(launched, "polls", 0) + 1
-        return launched.polls > 3 and landed(launched)
-
-    monkeypatch.setattr(static_decode.Launched, "landed", late)
+    land_late(monkeypatch, static_decode.Launched)
     out = Interpreter(static).run({"prompt": PROMPTS[1]}, {"max_tokens": 8})
     want = Interpreter(plan).run({"prompt": PROMPTS[1]}, {"max_tokens": 8})
     assert out["tokens"].reshape(-1).tolist() == want["tokens"].reshape(-1).tolist()

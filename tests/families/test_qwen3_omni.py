@@ -45,9 +45,9 @@ from omniflow.families.qwen3_omni.checkpoints import (
 from omniflow.families.qwen3_omni.code2wav import code2wav_field, load
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
-from omniflow.runtime.readback import HostCopy
 from omniflow.runtime.requests import RequestFailed
 from omniflow.runtime.stage import Call, InputStream, StageSpec
+from tests.runtime.test_readback import land_late
 
 torch.set_num_threads(1)
 
@@ -169,15 +169,7 @@ def test_the_talker_takes_thinker_items_once_their_roles_land(references, monkey
     source = SOURCE.replace("temperature=0.0)", 'temperature=0.0, decode="static")')
     source = source.replace("speaker=$speaker)", 'speaker=$speaker, decode="static")')
     interpreter = Interpreter(compile_source(source, devices="cpu"))
-    landed, held_back = HostCopy.landed, []
-
-    def late(copy) -> bool:
-        copy.polls = getattr(copy, "polls", 0) + 1
-        if copy.polls == 2:
-            held_back.append(copy)
-        return copy.polls > 3 and landed(copy)
-
-    monkeypatch.setattr(HostCopy, "landed", late)
+    held_back = land_late(monkeypatch)
     for case, ref in zip(CASES, references, strict=True):
         assert_matches(run_case(interpreter.run, case), ref)
     role_copies = [c for c in held_back if c.value.dtype.is_floating_point]

@@ -37,9 +37,9 @@ from omniflow.families.qwen3_omni.checkpoints import reference_generate
 from omniflow.hf_logging import quiet
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
-from omniflow.runtime.readback import HostCopy
 from tests.families import media_inputs as media
 from tests.families.media_inputs import expanded_ids, interleaver, vision_inputs
+from tests.runtime.test_readback import land_late
 
 torch.set_num_threads(1)
 
@@ -232,15 +232,7 @@ def test_media_headers_are_read_once_landed(static_interpreter, references, monk
     can_start`), as the talker reads its prompt's markers: here every read-back lands three
     polls late, as a busy GPU's would, and the thinker starts each request once its headers
     are in: `generate`'s tokens and frames all the same."""
-    landed, held_back = HostCopy.landed, []
-
-    def late(copy) -> bool:
-        copy.polls = getattr(copy, "polls", 0) + 1
-        if copy.polls == 2:
-            held_back.append(copy)
-        return copy.polls > 3 and landed(copy)
-
-    monkeypatch.setattr(HostCopy, "landed", late)
+    held_back = land_late(monkeypatch)
     for name in CASES:
         out = _run(static_interpreter.run, name)
         text_ids, codes = references[name]

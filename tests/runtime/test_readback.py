@@ -7,7 +7,22 @@ are CUDA's: tests/backends/test_transformers_ar.py's GPU test and the vocoders' 
 import pytest
 import torch
 
-from omniflow.runtime.readback import IN_FLIGHT, HostCopies, upload
+from omniflow.runtime.readback import IN_FLIGHT, HostCopies, HostCopy, upload
+
+
+def land_late(monkeypatch, cls=HostCopy, polls: int = 3) -> list:
+    """Every `cls` (a read-back: `HostCopy`, a static step's `Launched`) lands only after
+    `polls` polls, as a busy GPU's would; the list it returns fills with those held back."""
+    landed, held_back = cls.landed, []
+
+    def late(copy) -> bool:
+        copy.polls = getattr(copy, "polls", 0) + 1
+        if copy.polls == 2:
+            held_back.append(copy)
+        return copy.polls > polls and landed(copy)
+
+    monkeypatch.setattr(cls, "landed", late)
+    return held_back
 
 
 def test_off_cuda_a_copy_is_the_tensor_itself_unless_the_caller_overwrites_its_tensors():
