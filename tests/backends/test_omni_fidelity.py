@@ -27,8 +27,8 @@ from omniflow.families.qwen2_5_omni.thinker_talker import (
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import RequestFailed
-from omniflow.runtime.stage import Call, InputStream, StageSpec
-from tests.gpu_wiring import stages_on_cpu
+from omniflow.runtime.stage import Call, InputStream
+from tests.gpu_wiring import stage_spec, stages_on_cpu
 
 torch.set_num_threads(1)
 
@@ -143,8 +143,7 @@ def test_talker_rows_waiting_for_the_thinker_idle_in_the_batch(
     and not advanced) and still give generate's codes."""
     plan = plan if decode == "eager" else static_plan
     thinker, talker = (
-        TransformersAR(StageSpec.from_channels(plan.stage(name), plan.channels), "cpu")
-        for name in ("thinker", "talker")
+        TransformersAR(stage_spec(plan, name), "cpu") for name in ("thinker", "talker")
     )
     edge = thinker_to_talker(plan.stage("thinker"))
     conditioning = []
@@ -206,7 +205,7 @@ def test_adapters_work_row_by_row(plan):
 def test_the_talker_takes_prompt_rows_only_before_reply_rows(plan):
     """A chunk's roles say where the prompt ends: prompt rows first, then reply rows, and no
     prompt row once a reply row has come; otherwise the request fails with that reason."""
-    talker = TransformersAR(StageSpec.from_channels(plan.stage("talker"), plan.channels), "cpu")
+    talker = TransformersAR(stage_spec(plan, "talker"), "cpu")
     width = talker.component.width
 
     def rows(*roles: float) -> torch.Tensor:

@@ -13,8 +13,9 @@ import torch
 from omniflow.backends.transformers_ar import TransformersAR
 from omniflow.compiler import compile_source
 from omniflow.families.qwen2_5_omni.checkpoints import scaled_stage
-from omniflow.runtime.stage import Call, InputStream, StageSpec
+from omniflow.runtime.stage import Call, InputStream
 from tests.backends.test_transformers_ar import run
+from tests.gpu_wiring import stage_spec
 
 SOURCES = {
     "thinker": """
@@ -45,7 +46,7 @@ def backend(stage: str, component, decode: str, device: str = "cuda:0") -> Trans
     with `component` (None: the plan's tiny model, loaded)."""
     devices = "cpu" if device == "cpu" else "1xH200"
     plan = compile_source(SOURCES[stage].format(decode=decode), devices=devices)
-    spec = StageSpec.from_channels(plan.stage(stage), plan.channels)
+    spec = stage_spec(plan, stage)
     return TransformersAR(spec, device, component=component)
 
 

@@ -39,7 +39,8 @@ from omniflow.media import png_bytes
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import RequestFailed
-from omniflow.runtime.stage import Call, InputStream, StageSpec
+from omniflow.runtime.stage import Call, InputStream
+from tests.gpu_wiring import stage_spec
 
 torch.set_num_threads(1)
 
@@ -137,9 +138,7 @@ def _image_call(value) -> Call:
 def test_one_tower_forward_and_one_decode_batch_for_different_grids(plan, cases, references):
     """The stages driven directly: both images (and two bad ones) in one vision step, whose
     tower runs once; then both requests decode in one batch of the language model."""
-    vision, llm = (
-        StageSpec.from_channels(plan.stage(name), plan.channels) for name in ("vision", "llm")
-    )
+    vision, llm = (stage_spec(plan, name) for name in ("vision", "llm"))
     encoder = VisionEncoder(vision, "cpu")
     forwards = []
     encoder.tower.register_forward_hook(lambda module, args, out: forwards.append(args[0].shape))

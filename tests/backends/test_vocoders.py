@@ -41,6 +41,7 @@ from omniflow.plan import StagePlan
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.stage import Call, InputStream, PortSpec, StageSpec
+from tests.gpu_wiring import stage_spec
 
 torch.set_num_threads(1)
 
@@ -77,10 +78,6 @@ def codes_from_text(call):
     for code in text.split():
         call.emit("codes", torch.tensor([[int(code)]]))
         yield
-
-
-def stage_spec(plan, name: str) -> StageSpec:
-    return StageSpec.from_channels(plan.stage(name), plan.channels)
 
 
 def codec_spec(model: str, samples_per_frame: int) -> StageSpec:

@@ -46,7 +46,8 @@ from omniflow.families.qwen3_omni.code2wav import code2wav_field, load
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import RequestFailed
-from omniflow.runtime.stage import Call, InputStream, StageSpec
+from omniflow.runtime.stage import Call, InputStream
+from tests.gpu_wiring import stage_spec
 from tests.runtime.test_readback import land_late
 
 torch.set_num_threads(1)
@@ -193,7 +194,7 @@ def test_thinker_items_carry_the_accepted_layer_and_the_embeddings(plan, path, m
     row: 0 for the prompt, 1 for the generated tokens."""
     from transformers import AutoTokenizer
 
-    thinker = TransformersAR(StageSpec.from_channels(plan.stage("thinker"), plan.channels), "cpu")
+    thinker = TransformersAR(stage_spec(plan, "thinker"), "cpu")
     messages = chat("Tell me a short story.")
     call = Call("t", {"max_tokens": 5}, {"prompt": InputStream("chat")})
     call.inputs["prompt"].push(messages, end=True)

@@ -10,9 +10,10 @@ import torch
 from omniflow.backends.static_decode import StaticDecoder
 from omniflow.backends.transformers_ar import TransformersAR
 from omniflow.compiler import compile_source
-from omniflow.runtime.stage import Call, InputStream, StageSpec
+from omniflow.runtime.stage import Call, InputStream
 from tests.backends.test_transformers_ar import forward_shapes, qwen3_lm, run
 from tests.families import test_qwen3_tts as tts
+from tests.gpu_wiring import stage_spec
 
 SOURCE = """
 pipeline chat {{
@@ -35,7 +36,7 @@ def static_backend(model: str, fused: bool, component=None) -> TransformersAR:
     on the fused layers or op by op."""
     torch.set_num_threads(1)
     plan = compile_source(SOURCE.format(model=model, component=MODELS[model]), devices="cpu")
-    spec = StageSpec.from_channels(plan.stage("lm"), plan.channels)
+    spec = stage_spec(plan, "lm")
     return with_fused(TransformersAR(spec, "cpu", component), fused)
 
 

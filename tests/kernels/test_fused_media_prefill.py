@@ -11,9 +11,10 @@ from omniflow.backends.vision import pack_media
 from omniflow.catalog.resolve import model_path
 from omniflow.compiler import compile_source
 from omniflow.families.qwen2_5_omni import towers
-from omniflow.runtime.stage import Call, InputStream, StageSpec
+from omniflow.runtime.stage import Call, InputStream
 from tests.backends.test_transformers_ar import forward_shapes, run
 from tests.families import media_inputs as media
+from tests.gpu_wiring import stage_spec
 
 MODEL = "tiny:qwen2.5-omni"
 SOURCE = f"""
@@ -58,7 +59,7 @@ def _calls() -> list[Call]:
 def prefilled(fused: bool) -> dict:
     torch.set_num_threads(1)
     plan = compile_source(SOURCE, devices="cpu")
-    spec = StageSpec.from_channels(plan.stage("lm"), plan.channels)
+    spec = stage_spec(plan, "lm")
     backend = TransformersAR(spec, "cpu")
     static = backend.static
     backend.static = StaticDecoder(

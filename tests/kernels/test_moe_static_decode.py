@@ -16,7 +16,7 @@ from omniflow.backends import static_decode
 from omniflow.backends.transformers_ar import TransformersAR
 from omniflow.compiler import compile_source
 from omniflow.runtime.interpreter import Interpreter
-from omniflow.runtime.stage import Call, InputStream, StageSpec
+from omniflow.runtime.stage import Call, InputStream
 from tests.backends.test_transformers_ar import run
 from tests.gpu_wiring import cpu_decode, stage_spec
 from tests.kernels.test_fused_decode import PROMPTS, SYSTEM, calls_for, with_fused
@@ -42,7 +42,7 @@ def thinker(decode: str, fused: bool = False, device: str = "cpu") -> Transforme
     fused layers where `fused`; on CUDA they are its default)."""
     torch.set_num_threads(1)
     plan = compile_source(THINKER.format(decode=decode), devices="cpu")
-    spec = StageSpec.from_channels(plan.stage("lm"), plan.channels)
+    spec = stage_spec(plan, "lm")
     backend = TransformersAR(spec, device)
     return backend if device != "cpu" else with_fused(backend, fused)
 

@@ -4,7 +4,7 @@ from omniflow.compiler import compile_source
 from omniflow.devices import parse_devices
 from omniflow.passes.pipeline import Target
 from omniflow.passes.size_chunks import MAX_STEADY, auto_schedule, step_seconds
-from omniflow.runtime.stage import StageSpec
+from tests.gpu_wiring import stage_spec
 from tests.passes.helpers import GRAPHS, run_until
 
 
@@ -80,9 +80,9 @@ def test_a_carried_state_edge_says_how_long_a_step_plays_for_its_producer_to_pac
     codes = next(c for c in plan.channels if c.name == "talker.codes->code2wav.codes")
     assert math.isclose(codes.plays_s, 0.08)
     assert all(c.plays_s is None for c in plan.channels if c is not codes)
-    talker = StageSpec.from_channels(plan.stage("talker"), plan.channels)
+    talker = stage_spec(plan, "talker")
     assert talker.plays == {"codes": codes.plays_s}
-    code2wav = StageSpec.from_channels(plan.stage("code2wav"), plan.channels)
+    code2wav = stage_spec(plan, "code2wav")
     assert code2wav.paced == {"codes": codes.plays_s}
     on_cpu = compile_source(source, "qwen3_tts.omni")
     assert all(c.plays_s is None for c in on_cpu.channels)
