@@ -39,7 +39,7 @@ from omniflow.runtime.events import RecordedEvents, Recorder
 from omniflow.runtime.gpu_timeline import KernelTimeline, on_cuda
 from omniflow.runtime.link import Inbound, Links
 from omniflow.runtime.loading import load_order, load_stages
-from omniflow.runtime.port_values import nbytes, steps
+from omniflow.runtime.port_values import Ahead, nbytes, steps
 from omniflow.runtime.requests import Admitted, describe
 from omniflow.runtime.stage import Backend, Call, InputStream, StageSpec
 from omniflow.runtime.streams import (
@@ -187,7 +187,7 @@ class StageRunner:
     def _record(self, batch: list[Call], began: int, took: int) -> None:
         recorded = False  # the step of a batch of requests the profile leaves out is too
         for call in batch:
-            out = sum(steps(self.spec.outputs[p].type, v) for p, v in call.emitted)
+            out = _made(self.spec, call.emitted)
             ended = call.finished or call.error is not None
             recorded |= self.recorder.add(
                 events.CALL, self.name, call.request_id, began, took, out, ended
@@ -223,8 +223,14 @@ def _steps_out(spec: StageSpec, call: Call) -> int:
     hidden states are the same tokens)."""
     per_port: dict[str, int] = defaultdict(int)
     for port, value in call.emitted:
-        per_port[port] += steps(spec.outputs[port].type, value)
+        per_port[port] += _made(spec, [(port, value)])
     return max(per_port.values(), default=0)
+
+
+def _made(spec: StageSpec, emitted: list) -> int:
+    """The steps of a stage's own streams in `emitted`: not those it sent `Ahead` of them (a
+    voice clone's reference frames, which it did not make)."""
+    return sum(steps(spec.outputs[p].type, v) for p, v in emitted if not isinstance(v, Ahead))
 
 
 class ProgramLoop:

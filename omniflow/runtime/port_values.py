@@ -73,15 +73,15 @@ def concat(port_type: str, chunks: list):
 class Ahead:
     """Steps a stage emits before a stream's own and that are no part of it (`Call.emit`'s
     `ahead`): a voice clone's reference frames, which its vocoder decodes as context and
-    does not play. The edge's writer sends them at once, outside its chunk schedule."""
+    does not play. The edge's writer sends them at once, outside its chunk schedule, and
+    the stage's count of the steps it made (its `num_tokens_out`, its profile's) leaves them
+    out."""
 
     value: object
 
 
 def steps(port_type: str, value) -> int:
     """How many steps a chunk holds (a text chunk, or an image given as a path, counts as one)."""
-    if isinstance(value, Ahead):
-        value = value.value
     if port_type in TEXT_TYPES or not isinstance(value, torch.Tensor) or not value.dim():
         return 1
     return int(value.shape[0])

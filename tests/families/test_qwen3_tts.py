@@ -827,6 +827,19 @@ def test_a_clones_first_frame_is_heard_as_soon_as_it_is_made(plans, talkers, ref
     assert together.numel() == 1920 and torch.equal(together, apart)
 
 
+def test_a_clones_reference_frames_are_not_counted_as_the_talkers_output(plans, ref_wav):
+    """The talker's `num_tokens_out` (the per-stage stats a request reports) counts what it
+    made, not the reference's frames it sent ahead of them."""
+    _, inputs, params = request_of("clone_icl", ref_wav)
+    inputs["text"] = inputs.pop("prompt")
+    tables = []
+    with Engine(plans["Base"], "inprocess", on_stats=tables.append) as engine:
+        out = engine.generate(inputs, params)
+    frames = out["audio"].numel() // 1920
+    assert 0 < frames < 19  # the reference's 19 frames sent ahead would outnumber its own
+    assert tables[-1].stages["talker"]["num_tokens_out"] in (frames, frames + 1)  # + its end
+
+
 def test_streamed_decode_is_the_whole_decode(code2wav):
     """The decoder is causal (it looks no frame ahead, and back 22 frames on the tiny one)
     and carries each stream's state, so it re-decodes no context; streamed in any chunks,
