@@ -233,6 +233,15 @@ def test_media_headers_are_read_once_landed(static_interpreter, references, monk
     polls late, as a busy GPU's would, and the thinker starts each request once its headers
     are in: `generate`'s tokens and frames all the same."""
     held_back = land_late(monkeypatch)
+    thinker = static_interpreter.backends["thinker"].component
+    prompt = thinker.prompt
+
+    def prompt_then_poll(call):  # a loop may poll between a request's start and its step
+        started = prompt(call)
+        assert thinker.in_flight() is False
+        return started
+
+    monkeypatch.setattr(thinker, "prompt", prompt_then_poll)
     for name in CASES:
         out = _run(static_interpreter.run, name)
         text_ids, codes = references[name]

@@ -262,8 +262,9 @@ class MediaThinker(CausalLM):
         return media[1] is None or media[1].landed()
 
     def in_flight(self) -> bool:
-        def waiting(call: Call | None) -> bool:
-            return call is not None and call.running and not call.state[_MEDIA][1].landed()
+        def waiting(call: Call | None) -> bool:  # (a request that started took its media)
+            media = call.state.get(_MEDIA) if call is not None and call.running else None
+            return media is not None and not media[1].landed()
 
         self.arriving = [ref for ref in self.arriving if waiting(ref())]
         return bool(self.arriving)
