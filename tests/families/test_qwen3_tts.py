@@ -775,7 +775,7 @@ def test_a_clones_first_frame_is_heard_as_soon_as_it_is_made(plans, talkers, ref
     stream, the reference's frames used up the schedule's first chunks, here 19 of them the
     1, 2, 4 and 8, and the first frame waited in a chunk of 16; a 5 s reference's 62, up to
     32, and a chunk of 64: seconds of talker steps before any audio.) With static windows
-    the reference's, longer than any, decodes eagerly; the first frame's is a static one."""
+    the reference's is padded to one (eager where longer than all), the first frame's is one."""
     _, inputs, params = request_of("clone_icl", ref_wav)
     (call,) = calls_of(talkers["Base"], [(inputs, params)])
     while not call.finished:
