@@ -255,7 +255,9 @@ for part in "$@"; do
       ;;
     cold-load)
       # An executor's stages loaded one after another, then at once (issue 38), in one run;
-      # then at once first, as the page cache favours whichever order runs second.
+      # then at once first, as the page cache favours whichever order runs second. (Loads
+      # at once aborted the process on the H200 on 2026-12-05: run this once that is
+      # understood, docs/testing.md "Last GPU run".)
       (cd /tmp && timeout ${COLD_S:-400} python3 "$here/benchmarks/cold_start.py" --devices 1xH200 \
         --scaled 1 --load sequential parallel parallel sequential) 2>&1 \
         | grep -v -i "warn\|model config" | tee "$OUT/cold_start_load.log"
