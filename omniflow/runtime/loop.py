@@ -187,7 +187,7 @@ class StageRunner:
     def _record(self, batch: list[Call], began: int, took: int) -> None:
         recorded = False  # the step of a batch of requests the profile leaves out is too
         for call in batch:
-            out = _made(self.spec, call.emitted)
+            out = sum(_made(self.spec, p, v) for p, v in call.emitted)
             ended = call.finished or call.error is not None
             recorded |= self.recorder.add(
                 events.CALL, self.name, call.request_id, began, took, out, ended
@@ -223,14 +223,14 @@ def _steps_out(spec: StageSpec, call: Call) -> int:
     hidden states are the same tokens)."""
     per_port: dict[str, int] = defaultdict(int)
     for port, value in call.emitted:
-        per_port[port] += _made(spec, [(port, value)])
+        per_port[port] += _made(spec, port, value)
     return max(per_port.values(), default=0)
 
 
-def _made(spec: StageSpec, emitted: list) -> int:
-    """The steps of a stage's own streams in `emitted`: not those it sent `Ahead` of them (a
-    voice clone's reference frames, which it did not make)."""
-    return sum(steps(spec.outputs[p].type, v) for p, v in emitted if not isinstance(v, Ahead))
+def _made(spec: StageSpec, port: str, value) -> int:
+    """The steps of a stage's own stream in a value it emitted on `port`: none in what it
+    sent `Ahead` of it (a voice clone's reference frames, which it did not make)."""
+    return 0 if isinstance(value, Ahead) else steps(spec.outputs[port].type, value)
 
 
 class ProgramLoop:

@@ -31,6 +31,7 @@ copy is done.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -146,6 +147,32 @@ def to_host(*tensors: torch.Tensor) -> HostCopy:
     """Copies of `tensors` on the host in new pinned buffers of their own (a turn of its own,
     kept nowhere: any number may be pending); off CUDA, the tensors as they are."""
     return HostTurn([], host_too=False, reused=False).copy(*tensors)
+
+
+class Awaited:
+    """Requests that wait for a copy to the host before they go on (a talker's prompt
+    markers, a thinker's media headers): in flight until each has taken its copy or stopped
+    running, so that the loop keeps polling meanwhile (a backend's `in_flight`; until taken,
+    not until landed: a copy that lands between the loop's asking whether the request is
+    ready and whether anything is in flight would otherwise leave it waiting for nothing)."""
+
+    def __init__(self) -> None:
+        self.calls: list[weakref.ref] = []
+
+    def add(self, call) -> None:
+        """`call` (a `Call`) waits for a copy."""
+        self.calls.append(weakref.ref(call))
+
+    def taken(self, call) -> None:
+        """`call` has taken its copy."""
+        self.calls = [ref for ref in self.calls if ref() is not call]
+
+    def in_flight(self) -> bool:
+        def waiting(call) -> bool:
+            return call is not None and call.running
+
+        self.calls = [ref for ref in self.calls if waiting(ref())]
+        return bool(self.calls)
 
 
 class HostCopies:

@@ -54,7 +54,6 @@ from __future__ import annotations
 import inspect
 import json
 import re
-import weakref
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,7 +71,7 @@ from omniflow.backends.transformers_ar import (
 )
 from omniflow.backends.vision import MEDIA_HEADER_COLUMNS, check_media, unpack_media
 from omniflow.plan import StagePlan
-from omniflow.runtime.readback import to_host, upload
+from omniflow.runtime.readback import Awaited, to_host, upload
 from omniflow.runtime.stage import Call
 
 ROLE_PROMPT, ROLE_REPLY = 0.0, 1.0
@@ -227,7 +226,7 @@ class MediaThinker(CausalLM):
 
     def __init__(self, model, tokenizer, audio_markers: tuple[str, str]):
         super().__init__(model, tokenizer)
-        self.arriving: list[weakref.ref] = []  # requests whose media headers are on their way
+        self.headers = Awaited()  # requests' media headers on their way to the host
         config = model.config
         self.media_ids = {
             "image": config.image_token_id,
@@ -257,20 +256,16 @@ class MediaThinker(CausalLM):
             ]
             heads = to_host(*(v[0, :, :MEDIA_HEADER_COLUMNS] for v in values)) if values else None
             media = call.state[_MEDIA] = (values, heads)
-            if heads is not None and not heads.landed():
-                self.arriving.append(weakref.ref(call))
+            if heads is not None:
+                self.headers.add(call)
         return media[1] is None or media[1].landed()
 
     def in_flight(self) -> bool:
-        def waiting(call: Call | None) -> bool:  # (a request that started took its media)
-            media = call.state.get(_MEDIA) if call is not None and call.running else None
-            return media is not None and not media[1].landed()
-
-        self.arriving = [ref for ref in self.arriving if waiting(ref())]
-        return bool(self.arriving)
+        return self.headers.in_flight()
 
     def prompt(self, call: Call) -> Prompt:
         values, heads = call.state.pop(_MEDIA)
+        self.headers.taken(call)
         host = () if heads is None else (heads.value, *heads.more)
         items = [item for v, h in zip(values, host, strict=True) for item in unpack_media(v, h)]
         if not items:

@@ -66,7 +66,6 @@ draws, is completed inside its step.
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -98,7 +97,7 @@ from omniflow.families.qwen2_5_omni.thinker_talker import (
 from omniflow.families.qwen3_omni import AUDIO_TOKENS, CODEBOOK_OFFSETS
 from omniflow.kernels import fused_moe
 from omniflow.plan import StagePlan
-from omniflow.runtime.readback import HostCopy, to_host, upload
+from omniflow.runtime.readback import Awaited, HostCopy, to_host, upload
 from omniflow.runtime.stage import Call
 
 # `generate` suppresses the talker's top 1024 ids but the end of speech.
@@ -367,8 +366,7 @@ class Talker(ThinkerFedTalker):
     def __init__(self, model, path: str, layout: dict):
         # The thinker's items, their roles (row 2) read back without waiting.
         super().__init__(model, lambda items: items[:, 2, 0])
-        # The prompts whose markers are on their way to the host, with their requests.
-        self.finding: list[tuple[weakref.ref, _Conditioning]] = []
+        self.finding = Awaited()  # requests' prompt markers on their way to the host
         config = model.config
         self.predictor = model.code_predictor
         self.groups = config.num_code_groups
@@ -437,6 +435,7 @@ class Talker(ThinkerFedTalker):
                 self._find_markers(call, cond)
             if cond.found.landed():
                 self._segment(cond)
+                self.finding.taken(call)
         except ARBackendError as err:
             call.fail(err)
 
@@ -446,11 +445,7 @@ class Talker(ThinkerFedTalker):
         return super().has_news(call) or (markers and cond.found.landed())
 
     def in_flight(self) -> bool:
-        def waiting(call: Call | None, cond: _Conditioning) -> bool:
-            return call is not None and call.running and not cond.complete
-
-        self.finding = [(c, cond) for c, cond in self.finding if waiting(c(), cond)]
-        return super().in_flight() or bool(self.finding)
+        return super().in_flight() or self.finding.in_flight()
 
     def _find_markers(self, call: Call, cond: _Conditioning) -> None:
         """Where the prompt's `<|im_start|>`, `assistant`, `user`, media placeholders and
@@ -463,7 +458,7 @@ class Talker(ThinkerFedTalker):
         found = (embeds[:, None] == self.markers.to(embeds.dtype)[None]).all(dim=-1)  # [L, 8]
         heads = cond.items[:, 2, 1 : 1 + MEDIA_HEADER_COLUMNS]
         cond.found = to_host(found, heads)
-        self.finding.append((weakref.ref(call), cond))
+        self.finding.add(call)
 
     def _segment(self, cond: _Conditioning) -> None:
         """Project the prompt as `generate` does, its markers on the host: the user part,
