@@ -308,6 +308,7 @@ def traced(args, server: Server, model: str, clone_model: str | None) -> None:
     }
     trace = args.trace.with_name(f"{args.trace.stem}-clone{args.trace.suffix}")
     print_profile(server, clone_model, clones, trace, args.trace_gpu)
+    httpx.delete(f"{server.base}/v1/audio/voices/{name}", params={"model": clone_model})
 
 
 def print_profile(server: Server, model: str, rounds: dict, trace: Path, gpu: bool) -> None:
