@@ -23,14 +23,20 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4OD
 from omniflow.backends.vocoders import Window, _Stream
 from omniflow.catalog.resolve import model_path
 from omniflow.checkpoints.scaled import scaled_checkpoint
-from omniflow.families.qwen2_5_omni import token2wav as qwen_omni_token2wav
 from omniflow.families.qwen2_5_omni.checkpoints import REAL_OMNI
-from omniflow.families.qwen2_5_omni.token2wav import Token2Wav, runge_kutta4
+from omniflow.families.qwen2_5_omni.token2wav import Token2Wav
 
-SOLVERS = {
-    "transformers": lambda f, value, time: RungeKutta4ODESolver(f, value).integrate(time)[-1],
-    "sync-free": runge_kutta4,
-}
+
+def transformers_solve(decoder: Token2Wav):
+    """The decoder's window solve with transformers' `RungeKutta4ODESolver` for its steps."""
+
+    def solve(steps, **inputs):
+        state = decoder._begin(steps=steps, **inputs)
+        velocity = lambda t, value: decoder._velocity(state, t, value)  # noqa: E731
+        state["value"] = RungeKutta4ODESolver(velocity, state["value"]).integrate(state["time"])[-1]
+        return decoder._end(state)
+
+    return solve
 
 
 def timed_decode(decoder: Token2Wav, windows: list[Window], frames: int, repeats: int):
@@ -64,11 +70,12 @@ def main() -> None:
     for rows in (1, 10):
         windows = [Window(stream, 0, args.frames, 0, args.frames) for _ in range(rows)]
         results = {}
-        for name, solver in SOLVERS.items():
-            qwen_omni_token2wav.runge_kutta4 = solver
+        for name, solve in (("transformers", transformers_solve(decoder)), ("sync-free", None)):
+            if solve is not None:
+                decoder._solve = solve
             timed_decode(decoder, windows, args.frames, 1)  # warm up
             results[name] = timed_decode(decoder, windows, args.frames, args.repeats)
-        qwen_omni_token2wav.runge_kutta4 = runge_kutta4
+            vars(decoder).pop("_solve", None)
         (old, old_audio), (new, new_audio) = results["transformers"], results["sync-free"]
         diff = float((old_audio - new_audio).abs().max())
         print(f"{rows:>8} {old * 1e3:>16.1f} {new * 1e3:>13.1f} {old / new:>8.2f}x {diff:>9.1e}")

@@ -108,11 +108,13 @@ def test_static_windows_follow_the_edge_grid(static):
     # Buckets as the AR stages pad batches, up to GRAPH_BATCH (the stage's max_batch is 64).
     assert decoder.batch_buckets == [1, 2, 4, 8]
     # Windows are captured while they are launch-bound: up to 768 codes a batch.
+    # A window's solve is three graphs: its begin, one RK4 step (replayed for each) and its end.
     assert sorted(decoder.graphs.keys()) == [
-        (frames, batch, DEFAULT_STEPS)
+        (frames, batch, DEFAULT_STEPS, phase)
         for frames in (36, 60, 96, 240)
         for batch in (1, 2, 4, 8)
         if batch == 1 or batch * frames <= 768
+        for phase in ("begin", "end", "step")
     ]
     assert [decoder.batch_bucket(n) for n in (1, 3, 5, 8)] == [1, 4, 8, 8]
     assert [decoder.window_frames(n) for n in (20, 36, 37, 97, 241)] == [36, 36, 60, 240, 241]
@@ -241,7 +243,7 @@ def static_against_eager(device: str, precision: str) -> Token2Wav:
     decoder = Token2Wav(str(model_path("tiny:qwen2.5-omni")), device)
     decoder.set_precision(precision)
     decoder.prepare([36, 60], 4, capture=device != "cpu")
-    assert len(decoder.graphs.keys()) == 6  # buckets 1, 2, 4
+    assert len(decoder.graphs.keys()) == 3 * 6  # buckets 1, 2, 4; begin, step, end
     for rows, frames in STATIC_WINDOWS:
         windows = window_batch(decoder, rows, frames)
         with torch.inference_mode():
@@ -263,7 +265,9 @@ def test_static_windows_equal_the_eager_solve_on_the_cpu(precision):
 @pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 def test_graph_replay_equals_the_eager_solve_and_never_recaptures(precision):
     decoder = static_against_eager("cuda", precision)
-    assert (decoder.graphs.captures, decoder.graphs.replays) == (6, len(STATIC_WINDOWS))
+    # A decode replays its begin, its step DEFAULT_STEPS - 1 times, and its end.
+    replays = len(STATIC_WINDOWS) * (DEFAULT_STEPS + 1)
+    assert (decoder.graphs.captures, decoder.graphs.replays) == (3 * 6, replays)
 
 
 # The stage on CUDA is built as the CPU fixtures build theirs (`vocoder(omni_plan, ...)`).
@@ -272,7 +276,7 @@ def test_cuda_stage_defaults_to_bf16_graphs_within_tolerance_of_float32(omni_pla
     fast = vocoder(omni_plan, "cuda")
     assert (fast.decode_mode, fast.decoder.precision) == ("graphs", "bfloat16")
     captured = fast.decoder.graphs.captures
-    assert captured == 14  # 36, 60 and 96 codes at batches 1, 2, 4, 8; 240 at 1 and 2
+    assert captured == 3 * 14  # 36, 60 and 96 codes at batches 1, 2, 4, 8; 240 at 1 and 2
     exact = vocoder(omni_plan, "cuda", decode="eager", precision="float32")
     batch = requests()
     for a, b in zip(run(fast, batch), run(exact, batch), strict=True):

@@ -19,11 +19,14 @@ the BigVGAN, which reaches 18 mel frames (9 codes) each way on tiny:qwen2.5-omni
 
 On CUDA (the stage's `precision` and `decode`, docs/backends.md) the DiT runs in bf16, its
 blocks on fused kernels (`omniflow.families.qwen2_5_omni.token2wav_dit`), and a window's whole
-decode — the ODE solve's 36 DiT passes, then BigVGAN — replays from a CUDA graph captured at
-load per (window length, batch bucket) over static input buffers
-(`prepare`); a window of another shape, or another step count, decodes eagerly. The solve
-(`_solve`) is device work only for that reason: the window layout arrives as tensors, the
-codec embedding repeats by expanding and BigVGAN's clamp level is made once, where
+decode replays from CUDA graphs captured at load per (window length, batch bucket) over
+static buffers (`prepare`): the solve's begin, one RK4 step (4 DiT passes) replayed for each
+of its 9 steps, then BigVGAN; a window of another shape, or another step count, decodes
+eagerly. A graph's capture costs the host time of the work it captures (a whole solve's
+36 passes took ~0.5 s of Python a window at real size), so a step captured once keeps the
+stage's load short. The solve (`_solve`) is device work only for that reason: the window
+layout arrives as tensors, the codec embedding repeats by expanding and BigVGAN's clamp
+level is made once, where
 transformers' modules would read sizes back from or copy scalars to the GPU. BigVGAN's 109
 anti-aliased SnakeBeta activations run as one kernel each (`omniflow.kernels.anti_alias_snake`).
 """
@@ -79,9 +82,10 @@ DEFAULT_STEPS = 10
 PRECISIONS = ("float32", "tf32", "bfloat16")
 # The largest batch of windows captured; a larger forward replays in parts of this many.
 GRAPH_BATCH = 8
-# The most codes a captured batch holds (a longer window has fewer buckets): each graph
-# costs load time (its capture runs ~36 DiT passes of Python; one eager solve per length
-# precedes them), and from 8 windows of 96 codes a DiT pass's matrices (3072 rows) keep the
+# The most codes a captured batch holds (a longer window has fewer buckets): each window's
+# graphs cost load time (their captures run 4 DiT passes and BigVGAN of Python; one eager
+# run per length precedes them), and from 8 windows of 96 codes a DiT pass's matrices (3072
+# rows) keep the
 # tensor cores busy, so a graph buys nothing over eager (H200, fused DiT: 10 windows of 240
 # codes take 0.49 s replayed, 0.47 s eager; one takes 72 ms replayed, 0.46 s eager).
 GRAPH_CODES = 8 * 96
@@ -265,10 +269,14 @@ class Token2Wav(Decoder):
         if len(windows) > largest:  # in forwards of the largest static batch
             parts = [windows[i : i + largest] for i in range(0, len(windows), largest)]
             return torch.cat([self.decode(part, frames) for part in parts])
-        key = (frames, self.batch_bucket(len(windows)), windows[0].stream.state["steps"])
-        if self.graphs is None or key not in self.graphs:
+        steps = windows[0].stream.state["steps"]
+        key = (frames, self.batch_bucket(len(windows)), steps)
+        if self.graphs is None or (*key, "begin") not in self.graphs:
             return self.decode_eager(windows, frames)
-        audio = self.graphs.run(key, self._inputs(windows, frames))
+        self.graphs.run((*key, "begin"), self._inputs(windows, frames))
+        for _ in range(steps - 1):
+            self.graphs.run((*key, "step"), {})
+        audio = self.graphs.run((*key, "end"), {})
         # A copy: the buffer belongs to the graphs, and the next window overwrites it.
         return audio[: len(windows)].clone()
 
@@ -299,8 +307,18 @@ class Token2Wav(Decoder):
 
     def _solve(self, codes, noise, offsets, lengths, ref, ref_dropped, cond, guidance, steps):
         """Audio `[B, samples]` of a padded batch: the DiT's ODE solve, then BigVGAN. Device
-        work only, at shapes fixed by the inputs' (what a graph captures): no host syncs."""
-        device, rows, dtype = self.device, len(codes), self.dtype
+        work only, at shapes fixed by the inputs' (what a static window's graphs capture, a
+        phase each: `_begin`, `_step` replayed steps - 1 times, `_end`): no host syncs."""
+        solve = self._begin(codes, noise, offsets, lengths, ref, ref_dropped, cond, guidance, steps)
+        for _ in range(steps - 1):
+            self._step(solve)
+        return self._end(solve)
+
+    def _begin(self, codes, noise, offsets, lengths, ref, ref_dropped, cond, guidance, steps):
+        """A solve's state: what every DiT pass of it reads (the window layout's masks and
+        rotary, the conditioning, the code embeddings, the guidance), the time points, the
+        index of the step to run next and the ODE's value (the noise, float32)."""
+        device, dtype = self.device, self.dtype
         length = noise.shape[1]
         # Mel positions relative to each window's start; padding gets a block of its own far
         # from every real one, so look-back/ahead attention never reaches it.
@@ -309,49 +327,74 @@ class Token2Wav(Decoder):
         block = torch.where(real, position.div(self.block_size, rounding_mode="floor"), 1 << 30)
         block = torch.cat([block, block])
         block_diff = (block[:, None, :] - block[:, :, None])[:, None]
-        fused = self.fused_dit
-        masks = fused.masks(block_diff, dtype) if fused else None
-        block_diff = block_diff.expand(-1, self.dit.num_attention_heads, -1, -1)
-        conditioning = torch.cat([ref, ref_dropped]).to(dtype)[:, None].expand(-1, length, -1)
-        cond = cond.to(dtype)[:, None].expand(-1, length, -1)
-        cond = torch.cat([cond, torch.zeros_like(cond)])
+        cond = cond.to(dtype)[:, None]
         code_embed = torch.cat([self._code_embed(codes, False), self._code_embed(codes, True)])
-        guidance = guidance[:, None, None]
-        positions = torch.cat([position, position])
         # The same for every pass: it depends on the positions and the hidden dtype only.
-        rotary = self.dit.rotary_embed(code_embed, positions)
-        timing = self.dit.time_embed
-
-        def velocity(time: torch.Tensor, mel: torch.Tensor) -> torch.Tensor:
-            """The guided DiT prediction (Qwen2_5OmniToken2WavDiTModel.forward, batched), in
-            the DiT's dtype; the ODE's state and the guidance stay float32."""
-            # DiTTimestepEmbedding, with its sinusoid in float32: at bf16, 1000 t's phase
-            # would be off by whole radians.
-            # The fused blocks take the one row every row of the batch shares.
-            time_embedding = timing.time_embed(time.repeat(1 if fused else 2 * rows)).to(dtype)
-            for layer in timing.time_mlp:
-                time_embedding = layer(time_embedding)
-            hidden = torch.cat([mel, mel]).to(dtype)
-            hidden = self.dit.input_embed.proj(
-                torch.cat((hidden, conditioning, code_embed, cond), dim=-1)
-            )
-            if fused:
-                hidden = fused(hidden, time_embedding, rotary, masks)
-            else:
-                for layer in self.dit.transformer_blocks:
-                    hidden = layer(
-                        hidden, time_embedding, position_embeddings=rotary, block_diff=block_diff
-                    )
-                hidden = self.dit.norm_out(hidden, time_embedding)
-            guided, dropped = self.dit.proj_out(hidden).float().chunk(2)
-            return guided + (guided - dropped) * guidance
-
+        cos, sin = self.dit.rotary_embed(code_embed, torch.cat([position, position]))
         # Qwen2_5OmniToken2WavDiTModel.sample's time points, sway coefficient -1.
         time = torch.linspace(0, 1, steps, device=device, dtype=noise.dtype)
-        time = time - (torch.cos(torch.pi / 2 * time) - 1 + time)
+        return {
+            "value": noise.clone(),
+            "time": time - (torch.cos(torch.pi / 2 * time) - 1 + time),
+            "at": torch.zeros(1, dtype=torch.int64, device=device),
+            "attention": self.fused_dit.masks(block_diff, dtype) if self.fused_dit else block_diff,
+            "cos": cos,
+            "sin": sin,
+            "conditioning": torch.cat([ref, ref_dropped]).to(dtype)[:, None],
+            "cond": torch.cat([cond, torch.zeros_like(cond)]),
+            "code_embed": code_embed,
+            "guidance": guidance[:, None, None],
+        }
+
+    def _step(self, solve: dict) -> None:
+        """One RK4 step of `solve` from its time point `at` to the next, in place (the
+        value, then `at`): transformers' `RungeKutta4ODESolver.integrate`'s step, operation
+        for operation, without its comparisons of device tensors on the host, which wait for
+        the GPU each step and keep it from running ahead of the host."""
+        at, time, value = solve["at"], solve["time"], solve["value"]
+        start, end = time.index_select(0, at), time.index_select(0, at + 1)
+        step, third = end - start, 1 / 3
         with self._matmul_precision():
-            mel = runge_kutta4(velocity, noise, time)
-        return self._vocode(mel.permute(0, 2, 1))
+            k1 = self._velocity(solve, start, value)
+            k2 = self._velocity(solve, start + step * third, value + step * k1 * third)
+            k3 = self._velocity(solve, start + step * (2 / 3), value + step * (k2 - k1 * third))
+            k4 = self._velocity(solve, end, value + step * (k1 - k2 + k3))
+        value.copy_(value + (k1 + 3 * (k2 + k3) + k4) * step / 8)
+        at.add_(1)
+
+    def _velocity(self, solve: dict, time: torch.Tensor, mel: torch.Tensor) -> torch.Tensor:
+        """The guided DiT prediction at `time` (Qwen2_5OmniToken2WavDiTModel.forward,
+        batched), in the DiT's dtype; the ODE's state and the guidance stay float32."""
+        fused, dtype = self.fused_dit, self.dtype
+        rows, length = mel.shape[:2]
+        # DiTTimestepEmbedding, with its sinusoid in float32: at bf16, 1000 t's phase would be
+        # off by whole radians. The fused blocks take the one row every row of the batch shares.
+        timing = self.dit.time_embed
+        time_embedding = timing.time_embed(time.repeat(1 if fused else 2 * rows)).to(dtype)
+        for layer in timing.time_mlp:
+            time_embedding = layer(time_embedding)
+        hidden = torch.cat([mel, mel]).to(dtype)
+        conditioning = solve["conditioning"].expand(-1, length, -1)
+        cond = solve["cond"].expand(-1, length, -1)
+        hidden = self.dit.input_embed.proj(
+            torch.cat((hidden, conditioning, solve["code_embed"], cond), dim=-1)
+        )
+        rotary = solve["cos"], solve["sin"]
+        if fused:
+            hidden = fused(hidden, time_embedding, rotary, solve["attention"])
+        else:
+            block_diff = solve["attention"].expand(-1, self.dit.num_attention_heads, -1, -1)
+            for layer in self.dit.transformer_blocks:
+                hidden = layer(
+                    hidden, time_embedding, position_embeddings=rotary, block_diff=block_diff
+                )
+            hidden = self.dit.norm_out(hidden, time_embedding)
+        guided, dropped = self.dit.proj_out(hidden).float().chunk(2)
+        return guided + (guided - dropped) * solve["guidance"]
+
+    def _end(self, solve: dict) -> torch.Tensor:
+        """The solved mel through BigVGAN: audio `[B, samples]`."""
+        return self._vocode(solve["value"].permute(0, 2, 1))
 
     def _code_embed(self, codes: torch.Tensor, drop: bool) -> torch.Tensor:
         """DiTCodecEmbedding's forward, its repeat as an expand: `repeat_interleave` may read
@@ -422,8 +465,11 @@ class Token2Wav(Decoder):
         """Static buffers for windows of each of `lengths` codes at each batch bucket up to
         `max_batch` (at most GRAPH_BATCH), for the default step count, captured as CUDA
         graphs when `capture` (else solved eagerly on the buffers), for batches of up to
-        GRAPH_CODES codes (one window always). Captured largest first, in one pool; each
-        length's solve runs eagerly once, at its largest batch, before its captures."""
+        GRAPH_CODES codes (one window always). A window's solve is three graphs over one
+        static state: its begin (the state from the inputs), one RK4 step (replayed for every
+        step: its capture runs 4 of the solve's 36 DiT passes of Python, not all of them) and
+        its end (BigVGAN). Captured largest first, in one pool; each length's phases run
+        eagerly once, at its largest batch, before their captures."""
         self.graphs = Graphs(self.device, capture)
         self.batch_buckets = batch_buckets(min(max_batch, GRAPH_BATCH))
         self.window_lengths = sorted(lengths)
@@ -444,25 +490,33 @@ class Token2Wav(Decoder):
                     "cond": speaker["cond"].expand(batch, -1).clone(),
                     "guidance": torch.zeros(batch, **on),
                 }
-                solve = functools.partial(self._solve, steps=DEFAULT_STEPS)
-                self.graphs.add((frames, batch, DEFAULT_STEPS), solve, inputs, frames not in warmed)
+                begin = functools.partial(self._begin, steps=DEFAULT_STEPS)
+                # The state's buffers, made by an eager begin (its warm-up too).
+                solve = _cloned(begin(**inputs))
+                key, warm = (frames, batch, DEFAULT_STEPS), frames not in warmed
+                self.graphs.add((*key, "begin"), _into(solve, begin), inputs, warm_up=False)
+                self.graphs.add((*key, "step"), functools.partial(self._step, solve), {}, warm)
+                self.graphs.add((*key, "end"), functools.partial(self._end, solve), {}, warm)
                 warmed.add(frames)
         self.graphs.synchronize()
 
 
-def runge_kutta4(velocity: Callable, value: torch.Tensor, time: torch.Tensor) -> torch.Tensor:
-    """The value at `time[-1]`: transformers' `RungeKutta4ODESolver.integrate(time)[-1]`,
-    operation for operation, without its per-step comparisons of device tensors on the host,
-    which wait for the GPU each step and keep it from running ahead of the host."""
-    third = 1 / 3
-    for start, end in zip(time[:-1], time[1:], strict=True):
-        step = end - start
-        k1 = velocity(start, value)
-        k2 = velocity(start + step * third, value + step * k1 * third)
-        k3 = velocity(start + step * (2 / 3), value + step * (k2 - k1 * third))
-        k4 = velocity(end, value + step * (k1 - k2 + k3))
-        value = value + (k1 + 3 * (k2 + k3) + k4) * step / 8
-    return value
+def _cloned(state: dict) -> dict:
+    """`state` (tensors, or dicts of them) in buffers of its own."""
+    return {k: _cloned(v) if isinstance(v, dict) else v.clone() for k, v in state.items()}
+
+
+def _into(state: dict, make) -> Callable[..., None]:
+    """`make(**inputs)`, a state like `state`, copied into `state`'s buffers."""
+
+    def fill(into: dict, values: dict) -> None:
+        for name, value in values.items():
+            if isinstance(value, dict):
+                fill(into[name], value)
+            else:
+                into[name].copy_(value)
+
+    return lambda **inputs: fill(state, make(**inputs))
 
 
 def _codes(mel_frames: float, repeats: int) -> float:

@@ -40,32 +40,32 @@ class FusedDiT:
             [b.attn_norm.linear for b in self.blocks] + [dit.norm_out.linear]
         )
         self.eps = dit.norm_out.norm.eps
+        self.reaches = [(b.look_backward_block, b.look_ahead_block) for b in self.blocks]
 
-    def masks(self, block_diff: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Each block's attention mask from the window layout's block distances
-        `[rows, 1, T, T]` (as transformers' layers compute theirs), broadcast over heads and
-        additive (0 or -inf, in `dtype`): attention converts a boolean mask to that form on
-        every call, a pass over `[rows, heads, T, T]` per block and pass."""
-        made: dict[tuple[int, int], torch.Tensor] = {}
-        out = []
-        for block in self.blocks:
-            reach = (block.look_backward_block, block.look_ahead_block)
-            if reach not in made:
-                seen = (block_diff >= -float(reach[0])) & (block_diff <= float(reach[1]))
-                mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
-                made[reach] = mask.masked_fill(~seen, -math.inf).expand(-1, self.heads, -1, -1)
-            out.append(made[reach])
-        return out
+    def masks(
+        self, block_diff: torch.Tensor, dtype: torch.dtype
+    ) -> dict[tuple[int, int], torch.Tensor]:
+        """The attention masks from the window layout's block distances `[rows, 1, T, T]`
+        (as transformers' layers compute theirs), one `[rows, 1, T, T]` for each reach
+        (blocks back, blocks ahead) a block has, additive (0 or -inf, in `dtype`): attention
+        converts a boolean mask to that form on every call, a pass over `[rows, heads, T, T]`
+        per block and pass."""
+        made = {}
+        for reach in dict.fromkeys(self.reaches):
+            seen = (block_diff >= -float(reach[0])) & (block_diff <= float(reach[1]))
+            mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
+            made[reach] = mask.masked_fill(~seen, -math.inf)
+        return made
 
     def __call__(
         self,
         hidden: torch.Tensor,
         time_embedding: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        masks: list[torch.Tensor],
+        masks: dict[tuple[int, int], torch.Tensor],
     ) -> torch.Tensor:
         """`norm_out(blocks(hidden))` for `hidden` `[rows, T, D]`, the pass's time embedding
-        `[1, D]` (every row's) and the rotary `cos`, `sin` `[rows, T, d]`."""
+        `[1, D]` (every row's), the rotary `cos`, `sin` `[rows, T, d]` and `masks`' by reach."""
         rows, length, width = hidden.shape
         modulation = F.linear(F.silu(time_embedding), *self.modulation)
         parts = modulation.split(width, dim=1)  # 6 a block (shift, scale, gate x 2), then 2
@@ -78,7 +78,8 @@ class FusedDiT:
             ]
             qkv = rope_first_head(F.linear(norm, *self.qkv[index]), cos, sin, self.heads)
             q, k, v = qkv.view(rows, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[index])
+            mask = masks[self.reaches[index]].expand(-1, self.heads, -1, -1)
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
             attended = block.attn.to_out[0](attended.transpose(1, 2).reshape(-1, width))
             norm, h = ada_norm(h, shift_mlp, scale_mlp, attended, gate_msa, eps=self.eps)
             after = parts[6 * index + 6 : 6 * index + 8]
