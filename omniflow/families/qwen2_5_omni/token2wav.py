@@ -85,9 +85,9 @@ GRAPH_BATCH = 8
 # The most codes a captured batch holds (a longer window has fewer buckets): each window's
 # graphs cost load time (their captures run 4 DiT passes and BigVGAN of Python; one eager
 # run per length precedes them), and from 8 windows of 96 codes a DiT pass's matrices (3072
-# rows) keep the
-# tensor cores busy, so a graph buys nothing over eager (H200, fused DiT: 10 windows of 240
-# codes take 0.49 s replayed, 0.47 s eager; one takes 72 ms replayed, 0.46 s eager).
+# rows) keep the tensor cores busy, so a graph buys nothing over eager (H200, fused DiT: 10
+# windows of 240 codes take 0.49 s replayed, 0.47 s eager; one takes 72 ms replayed, 0.46 s
+# eager).
 GRAPH_CODES = 8 * 96
 
 
