@@ -102,8 +102,9 @@ def main() -> None:
         seconds = time.perf_counter() - start
         graphs = decoder.graphs
         print(
-            f"{precision}: {len(graphs.keys())} static windows (lengths {args.frames}, batches "
-            f"{decoder.batch_buckets}) made in {seconds:.1f} s, {graphs.captures} captured"
+            f"{precision}: {len({key[:3] for key in graphs.keys()})} static windows (lengths "
+            f"{args.frames}, batches {decoder.batch_buckets}) made in {seconds:.1f} s, "
+            f"{graphs.captures} graphs captured"
         )
         decoders[precision] = decoder
     print(f"\n{root}, {args.device}, {args.repeats} repeats, median ms per window")
