@@ -35,6 +35,9 @@ and the VAE: `decode(vae, latents)`, a batch's whole decode, and optionally
 
 `DiffusionSteps` runs one denoising step of every request it is handed per `step()`:
 
+- start: a request is ready once its inputs are in and its conditioning's header (each
+  row's prompt length) has come to the host: copied there without waiting, as reading it
+  on the device would stall every stage of the process (`in_flight` keeps the loop polling).
 - prepare (a request's first step): its conditioning is copied out of the input chunk; its
   latents are drawn from its own `torch.Generator` seeded with `seed` (0 when the request
   gives none, so every mode agrees); its scheduler is its own copy of the pipeline's, set
@@ -87,7 +90,7 @@ from omniflow.catalog.resolve import model_path
 from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
 from omniflow.kernels.cfg_euler import cfg_euler_step, guide
-from omniflow.runtime.readback import upload
+from omniflow.runtime.readback import Awaited, HostCopy, to_host, upload
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 # Image processors (Qwen2VLProcessor) refuse images whose sides differ by more than this factor.
@@ -96,6 +99,7 @@ MAX_ASPECT = 200
 DEFAULT_SEED = 0
 # Prompt lengths travel as two base-256 digits: integers up to 256 are exact in bfloat16.
 _DIGIT = 256
+_COND = "diffusion:cond"  # a request's conditioning and its header's copy to the host
 
 
 class DiffusersBackendError(OmniflowError):
@@ -214,20 +218,27 @@ def pack_prompts(rows: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def unpack_prompts(hidden: torch.Tensor) -> list[torch.Tensor]:
-    """`pack_prompts`' inverse: each row's embeddings `[n_i, H]`, copied out of `hidden`."""
+def prompt_header(hidden: torch.Tensor) -> HostCopy:
+    """`pack_prompts`' headers of `hidden` (each row's length) on their way to the host, for
+    `unpack_prompts`; checked for the layout first."""
     if hidden.dim() != 3 or not 1 <= hidden.shape[0] <= 2 or hidden.shape[1] < 2:
         raise DiffusersBackendError(
             f"conditioning of shape {list(hidden.shape)} is not the diffusers text encoder's "
             "[1 or 2, 1 + tokens, hidden] layout"
         )
-    lengths = (hidden[:, 0, 0].double() + _DIGIT * hidden[:, 0, 1].double()).round().long()
-    if not all(1 <= n < hidden.shape[1] for n in lengths.tolist()):
+    return to_host(hidden[:, 0, :2])
+
+
+def unpack_prompts(hidden: torch.Tensor, header: torch.Tensor) -> list[torch.Tensor]:
+    """`pack_prompts`' inverse: each row's embeddings `[n_i, H]`, copied out of `hidden`,
+    by its `header` on the host (`prompt_header`'s copy)."""
+    lengths = (header[:, 0].double() + _DIGIT * header[:, 1].double()).round().long().tolist()
+    if not all(1 <= n < hidden.shape[1] for n in lengths):
         raise DiffusersBackendError(
-            f"conditioning headers give {lengths.tolist()} tokens for rows of "
+            f"conditioning headers give {lengths} tokens for rows of "
             f"{hidden.shape[1] - 1}: not the diffusers text encoder's layout"
         )
-    return [hidden[i, 1 : 1 + n].clone() for i, n in enumerate(lengths.tolist())]
+    return [hidden[i, 1 : 1 + n].clone() for i, n in enumerate(lengths)]
 
 
 def latent_statistics(config, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -398,6 +409,7 @@ class DiffusionSteps(Backend):
         self.code.setup(self.pipe, model_path(spec.plan.model), device)
         self.attention = self._fuse_blocks(spec.plan.settings, device)
         self.cache = StepCache(self.pipe, self.code)
+        self.headers = Awaited()  # requests' conditioning headers on their way to the host
 
     def _fuse_blocks(self, settings: dict, device: str) -> Attention | None:
         """The family's fused blocks (`fuse_blocks(pipe, attend)`), as the stage's `blocks`
@@ -425,7 +437,28 @@ class DiffusionSteps(Backend):
         return attend
 
     def ready(self, call: Call) -> bool:
-        return "denoising" in call.state or call.inputs_ended()
+        """Denoising, or its inputs in and its conditioning's header on the host (`_COND`:
+        the conditioning taken and the header's copy started on the first ask; a step fails
+        the request whose conditioning has none or is not the encoder's layout)."""
+        if "denoising" in call.state:
+            return True
+        if not call.inputs_ended():
+            return False
+        cond = call.state.get(_COND)
+        if cond is None:
+            hidden = call.inputs["cond"].take()
+            try:
+                if hidden is None:
+                    raise DiffusersBackendError("no conditioning arrived")
+                header = prompt_header(hidden)
+                self.headers.add(call)
+            except DiffusersBackendError as err:
+                header = err
+            cond = call.state[_COND] = (hidden, header)
+        return not isinstance(cond[1], HostCopy) or cond[1].landed()
+
+    def in_flight(self) -> bool:
+        return self.headers.in_flight()
 
     def step(self, calls: list[Call]) -> None:
         with torch.no_grad():
@@ -445,11 +478,13 @@ class DiffusionSteps(Backend):
 
     def _prepare(self, call: Call) -> bool:
         """Set up `call`'s latents and scheduler; False (and the call failed) if it cannot run."""
+        hidden, header = call.state.pop(_COND)
+        self.headers.taken(call)
         try:
-            hidden = call.inputs["cond"].take()
-            if hidden is None:
-                raise DiffusersBackendError("no conditioning arrived")
-            prompts = [p.to(self.device, self.transformer.dtype) for p in unpack_prompts(hidden)]
+            if isinstance(header, DiffusersBackendError):
+                raise header
+            prompts = unpack_prompts(hidden, header.value)
+            prompts = [p.to(self.device, self.transformer.dtype) for p in prompts]
             settings = knobs(self.spec, call)
             check_steps(settings.get("steps"))
             image = call.inputs["image"].take() if self.edits else None

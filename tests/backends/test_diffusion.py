@@ -5,13 +5,19 @@ requests at different steps share one transformer forward and give what they giv
 each request keeps its own scheduler."""
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from diffusers import DiffusionPipeline
 
-from omniflow.backends.diffusion import DiffusersBackendError, pack_prompts, unpack_prompts
+from omniflow.backends.diffusion import (
+    DiffusersBackendError,
+    pack_prompts,
+    prompt_header,
+    unpack_prompts,
+)
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.compiler import compile_file, compile_source
 from omniflow.hf_logging import quiet
@@ -19,6 +25,7 @@ from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.requests import admit, stage_params
 from omniflow.runtime.stage import Call, InputStream
+from tests.runtime.test_readback import land_late
 
 torch.set_num_threads(1)
 
@@ -155,6 +162,16 @@ def output(call: Call, port: str) -> torch.Tensor:
     return value
 
 
+def step_when_ready(backend, batch: list[Call]) -> None:
+    """`backend`'s step of `batch` once each call is ready, as a stage's loop steps it (a
+    request's first step waits for what its backend copies to the host: a GPU's lands a
+    moment later)."""
+    waited = time.monotonic() + 10
+    while not all(backend.ready(c) for c in batch):
+        assert backend.in_flight() and time.monotonic() < waited, "a call will never be ready"
+    backend.step(batch)
+
+
 class Stages:
     """The interpreter's loaded backends, driven call by call as a stage runner drives them."""
 
@@ -175,7 +192,7 @@ class Stages:
     def run(self, stage: str, schedule: list[list[Call]]) -> None:
         """One step per batch of `schedule`; every call must have finished by the end."""
         for batch in schedule:
-            self.backends[stage].step(batch)
+            step_when_ready(self.backends[stage], batch)
         assert all(c.finished and c.error is None for batch in schedule for c in batch)
 
     def denoiser_calls(self, requests: dict) -> dict[str, Call]:
@@ -260,14 +277,39 @@ def test_each_request_keeps_its_own_scheduler(stages):
     stages.assert_same_as_alone(calls, requests)
 
 
+def test_a_request_starts_once_its_conditionings_header_is_on_the_host(stages, monkeypatch):
+    """Its prompt lengths are copied to the host without waiting (a GPU's copy lands a
+    moment later: held back three polls here); meanwhile the request is not ready and the
+    backend in flight, and then it denoises what it denoises alone."""
+    requests = {"late": request("a red cat", 2)}
+    held_back = land_late(monkeypatch)
+    (call,) = stages.denoiser_calls(requests).values()
+    dit = stages.backends["dit"]
+    assert not dit.ready(call) and dit.in_flight()
+    stages.run("dit", [[call], [call]])
+    assert held_back and not dit.in_flight()
+    monkeypatch.undo()
+    torch.testing.assert_close(
+        output(call, "latents"), output(stages.alone(requests)["late"], "latents"), rtol=0, atol=0
+    )
+
+
+def test_conditioning_of_another_layout_fails_its_request_in_a_step(stages):
+    call = stages.call("dit", "odd", {"cond": torch.ones(1, 1, 8)}, request("a red cat", 2))
+    dit = stages.backends["dit"]
+    assert dit.ready(call) and not dit.in_flight()
+    dit.step([call])
+    assert "not the diffusers text encoder's" in str(call.error)
+
+
 def test_a_bad_request_fails_alone(stages):
     requests = {"bad": request("a red cat", 2, height=40), "good": request("a red dog", 2)}
     calls = stages.denoiser_calls(requests)
     dit = stages.backends["dit"]
-    dit.step(list(calls.values()))
+    step_when_ready(dit, list(calls.values()))
     assert isinstance(calls["bad"].error, DiffusersBackendError)
     assert "height must be a positive multiple of 16" in str(calls["bad"].error)
-    dit.step([calls["good"]])
+    step_when_ready(dit, [calls["good"]])
     assert calls["good"].finished and calls["good"].error is None
 
 
@@ -276,10 +318,13 @@ def test_prompt_layout_round_trips_lengths_exactly(dtype):
     rows = [torch.randn(n, 8).to(dtype) for n in (1023, 300)]
     packed = pack_prompts(rows)
     assert packed.shape == (2, 1024, 8) and packed.dtype == dtype
-    for got, want in zip(unpack_prompts(packed), rows, strict=True):
+    for got, want in zip(unpack_prompts(packed, prompt_header(packed).value), rows, strict=True):
         assert torch.equal(got, want)
 
 
 def test_foreign_conditioning_is_refused():
     with pytest.raises(DiffusersBackendError, match="not the diffusers text encoder"):
-        unpack_prompts(torch.ones(1, 5, 8))
+        prompt_header(torch.ones(1, 1, 8))
+    hidden = torch.ones(1, 5, 8)
+    with pytest.raises(DiffusersBackendError, match="not the diffusers text encoder"):
+        unpack_prompts(hidden, prompt_header(hidden).value)

@@ -14,7 +14,7 @@ from omniflow.profiler.report import report_data
 from omniflow.profiler.trace import chrome_trace
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
-from tests.backends.test_diffusion import GRAPH, Stages, output
+from tests.backends.test_diffusion import GRAPH, Stages, output, step_when_ready
 
 torch.set_num_threads(1)
 
@@ -60,7 +60,7 @@ def denoise(stages, requests: dict, schedule=None) -> dict:
     counters = {name: {} for name in calls}
     try:
         for batch in schedule or [list(calls)] * STEPS:
-            dit.step([calls[name] for name in batch])
+            step_when_ready(dit, [calls[name] for name in batch])
             for name in batch:
                 for key, value in calls[name].counters.items():
                     counters[name][key] = counters[name].get(key, 0) + value

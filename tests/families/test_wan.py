@@ -20,7 +20,7 @@ from omniflow.families.wan.pipeline import PIPELINES
 from omniflow.hf_logging import quiet
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
-from tests.backends.test_diffusion import Stages, output, to_uint8
+from tests.backends.test_diffusion import Stages, output, step_when_ready, to_uint8
 
 torch.set_num_threads(1)
 
@@ -206,7 +206,7 @@ def test_knobs_are_per_request(t2v):
     t2v.run("encoder", [list(encoded.values())])
     for name, call in calls.items():
         call.inputs["cond"].push(output(encoded[name], "hidden"), end=True)
-    t2v.backends["dit"].step(list(calls.values()))
+    step_when_ready(t2v.backends["dit"], list(calls.values()))
     steps = {n: c.state["denoising"].timesteps.tolist() for n, c in calls.items()}
     assert steps["base"] != steps["shift"] and steps["base"][0] == steps["shift"][0] == 999
 
@@ -217,7 +217,7 @@ def test_a_second_scale_or_a_boundary_needs_two_experts():
     for knob in ({"guidance_scale_2": 2.0}, {"boundary_ratio": 0.5}):
         call = stages.call("dit", "r", {"cond": torch.zeros(1, 3, 32)}, ({"prompt": "x"}, SMALL))
         call.params.update(knob)
-        dit.step([call])
+        step_when_ready(dit, [call])
         assert isinstance(call.error, DiffusersBackendError), knob
 
 
