@@ -26,9 +26,9 @@ eagerly. A graph's capture costs the host time of the work it captures (a whole 
 36 passes took ~0.5 s of Python a window at real size), so a step captured once keeps the
 stage's load short. The solve (`_solve`) is device work only for that reason: the window
 layout arrives as tensors, the codec embedding repeats by expanding and BigVGAN's clamp
-level is made once, where
-transformers' modules would read sizes back from or copy scalars to the GPU. BigVGAN's 109
-anti-aliased SnakeBeta activations run as one kernel each (`omniflow.kernels.anti_alias_snake`).
+level is made once, where transformers' modules would read sizes back from or copy scalars
+to the GPU. BigVGAN's 109 anti-aliased SnakeBeta activations run as one kernel each
+(`omniflow.kernels.anti_alias_snake`).
 """
 
 from __future__ import annotations
