@@ -444,18 +444,17 @@ class DiffusionSteps(Backend):
             return True
         if not call.inputs_ended():
             return False
-        cond = call.state.get(_COND)
-        if cond is None:
+
+        def conditioning() -> tuple:
             hidden = call.inputs["cond"].take()
             try:
                 if hidden is None:
                     raise DiffusersBackendError("no conditioning arrived")
-                header = prompt_header(hidden)
-                self.headers.add(call)
+                return hidden, prompt_header(hidden)
             except DiffusersBackendError as err:
-                header = err
-            cond = call.state[_COND] = (hidden, header)
-        return not isinstance(cond[1], HostCopy) or cond[1].landed()
+                return hidden, err
+
+        return self.headers.landed(call, _COND, conditioning)
 
     def in_flight(self) -> bool:
         return self.headers.in_flight()
@@ -478,8 +477,7 @@ class DiffusionSteps(Backend):
 
     def _prepare(self, call: Call) -> bool:
         """Set up `call`'s latents and scheduler; False (and the call failed) if it cannot run."""
-        hidden, header = call.state.pop(_COND)
-        self.headers.taken(call)
+        hidden, header = self.headers.take(call, _COND)
         try:
             if isinstance(header, DiffusersBackendError):
                 raise header

@@ -32,6 +32,7 @@ copy is done.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -151,13 +152,31 @@ def to_host(*tensors: torch.Tensor) -> HostCopy:
 
 class Awaited:
     """Requests that wait for a copy to the host before they go on (a talker's prompt
-    markers, a thinker's media headers): in flight until each has taken its copy or stopped
-    running, so that the loop keeps polling meanwhile (a backend's `in_flight`; until taken,
-    not until landed: a copy that lands between the loop's asking whether the request is
-    ready and whether anything is in flight would otherwise leave it waiting for nothing)."""
+    markers, a thinker's media headers, a denoiser's prompt lengths): in flight until each
+    has taken its copy or stopped running, so that the loop keeps polling meanwhile (a
+    backend's `in_flight`; until taken, not until landed: a copy that lands between the
+    loop's asking whether the request is ready and whether anything is in flight would
+    otherwise leave it waiting for nothing)."""
 
     def __init__(self) -> None:
         self.calls: list[weakref.ref] = []
+
+    def landed(self, call, key: str, start: Callable[[], tuple]) -> bool:
+        """Whether `call` (a `Call`) may go on: on the first ask, `start()` gives what the
+        request keeps until it takes it (`call.state[key]`), the copy it waits for last (a
+        `HostCopy`; anything else, such as None or an error, waits for nothing); then
+        whether that copy has landed."""
+        kept = call.state.get(key)
+        if kept is None:
+            kept = call.state[key] = start()
+            if isinstance(kept[-1], HostCopy):
+                self.add(call)
+        return not isinstance(kept[-1], HostCopy) or kept[-1].landed()
+
+    def take(self, call, key: str) -> tuple:
+        """What `call` kept (`landed`), its copy on the host: taken."""
+        self.taken(call)
+        return call.state.pop(key)
 
     def add(self, call) -> None:
         """`call` (a `Call`) waits for a copy."""

@@ -247,25 +247,23 @@ class MediaThinker(CausalLM):
         reading them on the device would stall every stage of the process per item."""
         if not call.inputs_ended():
             return False
-        media = call.state.get(_MEDIA)
-        if media is None:
+
+        def media() -> tuple:
             values = [
                 check_media(value)
                 for port in ("embeds", "audio_embeds")
                 if port in call.inputs and (value := call.inputs[port].take()) is not None
             ]
             heads = to_host(*(v[0, :, :MEDIA_HEADER_COLUMNS] for v in values)) if values else None
-            media = call.state[_MEDIA] = (values, heads)
-            if heads is not None:
-                self.headers.add(call)
-        return media[1] is None or media[1].landed()
+            return values, heads
+
+        return self.headers.landed(call, _MEDIA, media)
 
     def in_flight(self) -> bool:
         return self.headers.in_flight()
 
     def prompt(self, call: Call) -> Prompt:
-        values, heads = call.state.pop(_MEDIA)
-        self.headers.taken(call)
+        values, heads = self.headers.take(call, _MEDIA)
         host = () if heads is None else (heads.value, *heads.more)
         items = [item for v, h in zip(values, host, strict=True) for item in unpack_media(v, h)]
         if not items:
