@@ -3,9 +3,10 @@ a real `omniflow run` of the tiny Wan2.2 text-to-video and image-to-video pipeli
 multipart create with every value a string answers at once with an id and a status; the
 job is polled to completed (with progress) and its content is an H.264 MP4 of the asked
 frames, size and rate; `input_reference` makes it image-to-video; the same seed gives the
-same video, also from `/v1/videos/sync`; a job outlives its client; the store is bounded
-(429) and results expire; DELETE cancels a running job in every stage; a request the
-pipeline cannot take is a 400 at once, one that fails in a stage a failed job."""
+same video (its frames within a pixel level), also from `/v1/videos/sync`; a job outlives
+its client; the store is bounded (429) and results expire; DELETE cancels a running job in
+every stage; a request the pipeline cannot take is a 400 at once, one that fails in a stage
+a failed job."""
 
 import io
 import json
@@ -16,6 +17,7 @@ import time
 import httpx
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from omniflow.media import decode_video
@@ -71,6 +73,21 @@ def create(http, model="text_to_video", image: bytes | None = None, **fields) ->
             **PEER, **fields}  # fmt: skip
     files = {"input_reference": ("image.png", image, "image/png")} if image else None
     return http.post("/v1/videos", data=data, files=files)
+
+
+# How far two videos of one seed may be apart: a pixel level on average. The CPU's matrix
+# products round differently with their buffers' alignment (a run's allocations), and that
+# may move a pixel of the tiny model's output by a level, so the encoded bytes can differ.
+SAME_VIDEO = 1.0
+
+
+def frames_of(mp4: bytes) -> torch.Tensor:
+    return decode_video(mp4)[0].float()
+
+
+def distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean absolute difference of two videos' decoded pixels, in levels."""
+    return (a - b).abs().mean().item()
 
 
 def finished(http, job_id: str, timeout: float = 60.0) -> dict:
@@ -150,15 +167,16 @@ def test_the_same_seed_gives_the_same_video_and_sync_gives_it_too(http):
     second = finished(http, create(http, seed="11").json()["id"])
     other = finished(http, create(http, seed="12").json()["id"])
     videos = {
-        name: http.get(f"/v1/videos/{job['id']}/content").content
+        name: frames_of(http.get(f"/v1/videos/{job['id']}/content").content)
         for name, job in (("first", first), ("second", second), ("other", other))
     }
-    assert videos["first"] == videos["second"] != videos["other"]
     data = {"model": "text_to_video", "prompt": "A cat walks on the grass", "width": "32",
             "height": "32", **PEER, "seed": "11"}  # fmt: skip
     sync = http.post("/v1/videos/sync", data=data)
     assert sync.status_code == 200 and sync.headers["x-omniflow-seed"] == "11"
-    assert sync.content == videos["first"]
+    same = [distance(videos["first"], v) for v in (videos["second"], frames_of(sync.content))]
+    apart = distance(videos["first"], videos["other"])
+    assert max(same) <= SAME_VIDEO < apart, (same, apart)
     for job in (first, second, other):
         http.delete(f"/v1/videos/{job['id']}")
 
