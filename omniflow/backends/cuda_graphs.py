@@ -34,8 +34,11 @@ def capture_graph(
 ) -> tuple[torch.cuda.CUDAGraph, object]:
     """`fn` (device work only: no host syncs, no data-dependent shapes) captured into a new
     graph in `pool` on `stream`, after one eager run on the current stream if `warm_up`.
-    Returns the graph and what the captured call returned (its output buffers)."""
-    with one_capture_at_a_time():  # stages of one executor load at once (load_pools.py)
+    Returns the graph and what the captured call returned (its output buffers). Autograd
+    is off: a capture with it on would keep every intermediate a backward pass could need
+    in the graph's pool (the Qwen2.5-Omni audio tower's layer graphs held 11 GiB so)."""
+    # One capture at a time: the stages of one executor load at once (load_pools.py).
+    with one_capture_at_a_time(), torch.no_grad():
         if warm_up:
             fn()
         graph = torch.cuda.CUDAGraph()

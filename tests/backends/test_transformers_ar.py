@@ -323,6 +323,11 @@ def test_on_the_gpu_a_step_returns_while_the_device_is_busy(plan):
     backend = make_backend(plan, "static", "cuda:0")
     call = request(PROMPTS[0], max_tokens=8)
     backend.step([call])  # the prefill and first token
+    # One decode step first, run to its end: a kernel's first launch in a process loads its
+    # module, which may wait for the device (CUDA's lazy loading); the steps after it
+    # launch kernels already loaded, as every step of a stage captured at load does.
+    backend.step([call])
+    torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         began = time.perf_counter()
