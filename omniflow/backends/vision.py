@@ -332,7 +332,9 @@ def encoder_backend(spec: StageSpec, device: str) -> Backend:
 class RequestEncoder(ABC):
     """A family's encoder of whole request values into whole output values (a voice clone's
     reference clip into its voice prompt), one request at a time: `encode` takes the
-    values of the stage's input ports (None: the port had nothing) and gives those of its
+    values of the stage's input ports (None: the port had nothing, or an empty text or
+    tensor; a request with None on every port is stepped beside the stage's `max_batch`,
+    `Backend.costs_nothing`, so it must cost next to nothing) and gives those of its
     output ports (a port left out gets nothing). A request it cannot take is an
     OmniflowError, which fails that request alone."""
 
@@ -353,9 +355,15 @@ class RequestEncoderBackend(Backend):
     def ready(self, call: Call) -> bool:
         return call.inputs_ended()
 
+    def costs_nothing(self, call: Call) -> bool:
+        """A request with nothing on any input (an empty text, or no chunk) has nothing to
+        encode: `encode` sees None for each."""
+        return not any(_content(chunk) for s in call.inputs.values() for chunk in s.chunks)
+
     def step(self, calls: list[Call]) -> None:
         for call in calls:
             values = {port: stream.take() for port, stream in call.inputs.items()}
+            values = {port: value if _content(value) else None for port, value in values.items()}
             try:
                 encoded = self.encoder.encode(values)
             except OmniflowError as err:
@@ -364,6 +372,13 @@ class RequestEncoderBackend(Backend):
             for port, value in encoded.items():
                 call.emit(port, value)
             call.finish()
+
+
+def _content(value) -> bool:
+    """Whether an input value holds anything: not None, an empty text or an empty tensor."""
+    if value is None or isinstance(value, str):
+        return bool(value)
+    return not isinstance(value, torch.Tensor) or value.numel() > 0
 
 
 def _load_family(spec: StageSpec, device: str):

@@ -129,14 +129,18 @@ class StageRunner:
         return call.params is None
 
     def step(self) -> list[Event]:
-        """Step up to `max_batch` ready requests; what they produced."""
+        """Step up to `max_batch` ready requests, and those that cost nothing beside them;
+        what they produced."""
         ready = [c for c in self.calls.values() if c.params is not None and self.backend.ready(c)]
         # A backend with device work in flight is polled again next turn (its read-back
         # lands without waking the loop).
         self.maybe_ready = self.backend.in_flight()
         if not ready:
             return []
-        batch = self.backend.urgent_first(ready)[: self.max_batch]
+        free, working = [], []
+        for call in ready:
+            (free if self.backend.costs_nothing(call) else working).append(call)
+        batch = free + self.backend.urgent_first(working)[: self.max_batch]
         began = time.monotonic_ns()
         try:
             with self.syncs:

@@ -193,6 +193,13 @@ class Backend(ABC):
         later step will take what lands."""
         return False
 
+    def costs_nothing(self, call: Call) -> bool:
+        """Whether stepping the ready `call` does no work (it only passes the request on: a
+        voice encoder's request with no reference to encode). The runner steps such calls
+        beside its `max_batch`, which bounds a step's work, so that a stage whose requests
+        mostly pass it holds none of them back a turn; by default none."""
+        return False
+
     def urgent_first(self, calls: list[Call]) -> list[Call]:
         """The ready `calls` in the order they should be stepped when not all fit a step
         (the runner takes the first `max_batch`): by default as given, arrival order; a

@@ -53,6 +53,7 @@ from omniflow.families.qwen3_tts.voices import PROMPT_PREFIX, VoiceEncoder
 from omniflow.runtime.edges import StreamWriter
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
+from omniflow.runtime.loop import StageRunner
 from omniflow.runtime.port_values import Ahead
 from omniflow.runtime.preflight import preflight
 from omniflow.runtime.requests import RequestError, admit
@@ -667,6 +668,26 @@ def test_the_voice_encoder_stage_makes_the_prompt_the_talker_clones_from(plans, 
         voice_encoder("CustomVoice").encode({"ref_audio": ref_wav})
     with pytest.raises(Qwen3TTSError, match="unencoded"):
         run_talker_unencoded(plans, ref_wav)
+
+
+def test_requests_with_no_reference_pass_the_voice_encoder_beside_its_batch(plans, ref_wav):
+    """A request with no reference costs the voice_encoder stage nothing, so its runner
+    steps every such request at once beside its max_batch of references to encode: every
+    CustomVoice request of a burst reaches the talker in the same turn (at max_batch 8,
+    sixteen took two turns, and the talker prefilled them in two groups)."""
+    backend = encoder_backend(stage_spec(plans["Base"], "voice_encoder"), "cpu")
+    runner = StageRunner(backend.spec, backend, max_batch=1)
+    for i, ref in enumerate(["", "", ref_wav, "", ref_wav, ""]):
+        runner.start(f"r{i}", {})
+        runner.feed(f"r{i}", "ref_audio", ref, True)
+
+    def ended(events) -> list[str]:
+        return sorted(e.request_id for e in events if e.end)
+
+    first = runner.step()
+    assert ended(first) == ["r0", "r1", "r2", "r3", "r5"]  # the 4 without, 1 reference
+    assert [e.request_id for e in first if e.port == "voice"] == ["r2"]
+    assert ended(runner.step()) == ["r4"]
 
 
 def run_talker_unencoded(plans, ref_wav) -> None:
