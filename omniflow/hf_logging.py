@@ -8,7 +8,7 @@ download is news: huggingface_hub's progress bars stay as they were.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
+import sys
 from collections.abc import Iterator
 
 
@@ -28,8 +28,10 @@ def quiet() -> Iterator[None]:
     import transformers.utils.logging as transformers_logging
 
     libs = [transformers_logging]
-    # Only diffusers pipelines need diffusers; everything else runs without it.
-    if importlib.util.find_spec("diffusers") is not None:
+    # Only diffusers pipelines need diffusers, and their code has imported it by now; for
+    # everything else importing it here would cost seconds of a stage's load (its torch
+    # utilities import much of torch's compiler stack).
+    if "diffusers" in sys.modules:
         import diffusers.utils.logging as diffusers_logging
 
         libs.append(diffusers_logging)

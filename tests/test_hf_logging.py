@@ -3,6 +3,8 @@ leaves huggingface_hub's progress bars (what a download of real weights shows) a
 
 import contextlib
 import io
+import subprocess
+import sys
 
 import huggingface_hub.utils as hub_utils
 from transformers import AutoModelForCausalLM
@@ -46,3 +48,21 @@ def test_quiet_leaves_hub_bars_off_where_the_user_turned_them_off():
         assert hub_utils.are_progress_bars_disabled()
     finally:
         hub_utils.enable_progress_bars()
+
+
+def test_quiet_imports_no_diffusers_where_nothing_did():
+    """A stage that is no diffusers pipeline loads without diffusers' import (seconds of its
+    load: it imports much of torch's compiler stack); a diffusers load, which has imported
+    it already, is quieted too."""
+    code = (
+        "import sys\n"
+        "from omniflow.hf_logging import quiet\n"
+        "with quiet():\n"
+        "    pass\n"
+        "assert 'diffusers' not in sys.modules\n"
+        "import diffusers.utils.logging as logs\n"
+        "with quiet():\n"
+        "    assert logs.get_verbosity() == logs.ERROR\n"
+    )
+    run = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
