@@ -275,6 +275,17 @@ def check_sizes(multiple: int, **sizes) -> None:
             )
 
 
+def timesteps_on(scheduler, device) -> torch.Tensor:
+    """The timesteps of `scheduler`, set on the host (`set_timesteps(..., device="cpu")`), sent
+    to `device` without waiting (`readback.upload`) and kept as its own. Set there with
+    `device=`, they would be copied from pageable memory, which waits for the stream's queued
+    work (the denoising steps of every other request): a host sync at each request's start.
+    Its sigmas stay on the host, where the step reads them as numbers (UniPC keeps its own
+    there anyway)."""
+    scheduler.timesteps = upload(scheduler.timesteps, device)
+    return scheduler.timesteps
+
+
 @dataclass
 class Prepare:
     """What a family's `prepare` makes a request's `Denoising` from."""
@@ -346,9 +357,10 @@ class Denoising(abc.ABC):
         scheduler, i = self.scheduler, self.index
         if _plain_euler(scheduler) and cond.shape == self.latents.shape:
             # The scheduler's own step is `x + (sigma_next - sigma) * v`; one kernel does
-            # it together with the guidance (cfg_euler_step gives its bits off CUDA).
+            # it together with the guidance (cfg_euler_step gives its bits off CUDA). Its
+            # sigmas are on the host (`timesteps_on`): `dt` goes up without waiting.
             sigmas = scheduler.sigmas[i : i + 2]
-            dt = sigmas[1:] - sigmas[:1]
+            dt = upload(sigmas[1:] - sigmas[:1], self.latents.device)
             self.latents = cfg_euler_step(
                 self.latents, cond, uncond, self.scale(), dt, rescale=self.rescale
             )
@@ -482,7 +494,7 @@ class DiffusionSteps(Backend):
             if isinstance(header, DiffusersBackendError):
                 raise header
             prompts = unpack_prompts(hidden, header.value)
-            prompts = [p.to(self.device, self.transformer.dtype) for p in prompts]
+            prompts = [upload(p, self.device, self.transformer.dtype) for p in prompts]
             settings = knobs(self.spec, call)
             check_steps(settings.get("steps"))
             image = call.inputs["image"].take() if self.edits else None

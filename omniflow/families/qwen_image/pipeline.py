@@ -40,10 +40,12 @@ from omniflow.backends.diffusion import (
     check_sizes,
     condition_image,
     latent_statistics,
+    timesteps_on,
 )
 from omniflow.backends.step_cache import CacheLayout
 from omniflow.families.qwen_image.fused_blocks import fuse_blocks
 from omniflow.hf_logging import quiet
+from omniflow.runtime.readback import upload
 
 log = logging.getLogger("omniflow.qwen_image")
 
@@ -181,8 +183,8 @@ class QwenImagePipelines:
         size = (1, transformer.config.in_channels // 4, height, width)
         dtype = request.dtype
         image_latents = None
-        if request.image is None:
-            latents = pipe.prepare_latents(*size, dtype, device, generator)
+        if request.image is None:  # drawn on the host (as on `device`), sent without waiting
+            latents = upload(pipe.prepare_latents(*size, dtype, "cpu", generator), device)
         else:
             image = condition_image(pipe, self, request.image)
             pixels = pipe.image_processor.preprocess(image, image.height, image.width)
@@ -191,7 +193,8 @@ class QwenImagePipelines:
             )
             shapes += ((1, image.height // patch, image.width // patch),)
         scheduler = pipe.scheduler.__class__.from_config(pipe.scheduler.config)
-        timesteps = self.timesteps(scheduler, steps, latents.shape[1], device)
+        self.schedule(scheduler, steps, latents.shape[1])
+        timesteps = timesteps_on(scheduler, device)
         scheduler.set_begin_index(0)
         return QwenImageDenoising(
             pipe,
@@ -220,8 +223,9 @@ class QwenImagePipelines:
             return float(scale)
         return None
 
-    def timesteps(self, scheduler, steps: int, image_tokens: int, device) -> torch.Tensor:
-        """The pipeline's sigmas for `steps`, shifted by its resolution-dependent `mu`."""
+    def schedule(self, scheduler, steps: int, image_tokens: int) -> None:
+        """`scheduler` set on the host to the pipeline's sigmas for `steps`, shifted by its
+        resolution-dependent `mu`."""
         config = scheduler.config
         mu = calculate_shift(
             image_tokens,
@@ -231,8 +235,7 @@ class QwenImagePipelines:
             config.get("max_shift", 1.15),
         )
         sigmas = np.linspace(1.0, 1 / steps, steps)
-        timesteps, _ = retrieve_timesteps(scheduler, steps, device, sigmas=sigmas, mu=mu)
-        return timesteps
+        retrieve_timesteps(scheduler, steps, "cpu", sigmas=sigmas, mu=mu)
 
     def forward(self, pipe, group, hidden, timesteps, text, mask) -> torch.Tensor:
         """The transformer's velocity for a batch of rows (one set of image shapes); an

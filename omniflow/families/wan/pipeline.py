@@ -48,9 +48,11 @@ from omniflow.backends.diffusion import (
     check_sizes,
     latent_statistics,
     open_image,
+    timesteps_on,
 )
 from omniflow.backends.step_cache import CacheLayout
 from omniflow.families.wan.fused_blocks import fuse_blocks
+from omniflow.runtime.readback import upload
 
 # What `WanPipeline.__call__` defaults its knobs to.
 GUIDANCE_SCALE = 5.0
@@ -61,19 +63,14 @@ class WanDenoising(Denoising):
     """One Wan request between steps: float32 latents `[1, C, F', h, w]`, its guidance
     scales, its expert boundary, and an image-to-video request's conditioning."""
 
-    def __init__(self, pipe, *args, scales, boundary, condition, mask):
+    def __init__(self, pipe, *args, scales, experts, condition, mask):
         super().__init__(*args)
         self.pipe = pipe
         self.scales = scales  # (guidance_scale, guidance_scale_2)
+        self.experts = experts  # each step's expert (None: one expert), decided on the host
         self.condition = condition  # image-to-video: channels beside (A14B) or first frame
         self.mask = mask  # TI2V: 0 on the conditioning first frame, 1 elsewhere
         self.dtype = (pipe.transformer or pipe.transformer_2).dtype
-        # Each step's expert (`boundary`: the boundary timestep, or None: one expert), decided
-        # on the host once: the timesteps are on the device, and comparing one there each
-        # step would be a host sync a step.
-        self.experts = None
-        if boundary is not None:
-            self.experts = [0 if t >= boundary else 1 for t in self.timesteps.tolist()]
 
     def expert(self) -> int:
         return 0 if self.experts is None else self.experts[self.index]
@@ -176,14 +173,22 @@ class WanPipelines:
         if shift is not None:
             config["flow_shift"] = float(shift)
         scheduler = pipe.scheduler.__class__.from_config(config)
-        scheduler.set_timesteps(steps, device=device)
+        scheduler.set_timesteps(steps, device="cpu")
         scheduler.set_begin_index(0)
+        # Each step's expert from the boundary timestep, on the host (the timesteps are still
+        # there: comparing them on the device would be a host sync).
+        experts = None
+        if boundary is not None:
+            boundary_t = boundary * scheduler.config.num_train_timesteps
+            experts = [0 if t >= boundary_t else 1 for t in scheduler.timesteps.tolist()]
+        timesteps = timesteps_on(scheduler, device)
         condition = mask = None
-        if request.image is None:
+        if request.image is None:  # drawn on the host (as on `device`), sent without waiting
             latents = pipe.prepare_latents(
-                1, transformer.config.in_channels, height, width, frames, torch.float32, device,
+                1, transformer.config.in_channels, height, width, frames, torch.float32, "cpu",
                 generator,
             )  # fmt: skip
+            latents = upload(latents, device)
         else:
             image = open_image(request.image)
             pixels = pipe.video_processor.preprocess(image, height=height, width=width)
@@ -193,16 +198,15 @@ class WanPipelines:
             )  # fmt: skip
             latents, condition, *rest = out
             mask = rest[0] if rest else None
-        boundary_t = None if boundary is None else boundary * scheduler.config.num_train_timesteps
         return WanDenoising(
             pipe,
             request.prompts,
             scheduler,
-            scheduler.timesteps,
+            timesteps,
             latents,
             generator,
             scales=scales,
-            boundary=boundary_t,
+            experts=experts,
             condition=condition,
             mask=mask,
         )
