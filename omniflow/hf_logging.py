@@ -29,8 +29,7 @@ def quiet() -> Iterator[None]:
 
     libs = [transformers_logging]
     # Only diffusers pipelines need diffusers, and their code has imported it by now; for
-    # everything else importing it here would cost seconds of a stage's load (its torch
-    # utilities import much of torch's compiler stack).
+    # everything else importing it here would add its import to a stage's load.
     if "diffusers" in sys.modules:
         import diffusers.utils.logging as diffusers_logging
 

@@ -51,9 +51,8 @@ def test_quiet_leaves_hub_bars_off_where_the_user_turned_them_off():
 
 
 def test_quiet_imports_no_diffusers_where_nothing_did():
-    """A stage that is no diffusers pipeline loads without diffusers' import (seconds of its
-    load: it imports much of torch's compiler stack); a diffusers load, which has imported
-    it already, is quieted too."""
+    """A stage that is no diffusers pipeline loads without diffusers' import; a diffusers
+    load, which has imported it already, is quieted too."""
     code = (
         "import sys\n"
         "from omniflow.hf_logging import quiet\n"

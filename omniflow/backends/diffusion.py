@@ -280,8 +280,8 @@ def timesteps_on(scheduler, device) -> torch.Tensor:
     to `device` without waiting (`readback.upload`) and kept as its own. Set there with
     `device=`, they would be copied from pageable memory, which waits for the stream's queued
     work (the denoising steps of every other request): a host sync at each request's start.
-    Its sigmas stay on the host, where the step reads them as numbers (UniPC keeps its own
-    there anyway)."""
+    Its sigmas stay on the host (UniPC keeps its own there anyway): a flow-matching step's
+    `sigma_next - sigma` is sent up the same way (`Denoising.advance`)."""
     scheduler.timesteps = upload(scheduler.timesteps, device)
     return scheduler.timesteps
 
