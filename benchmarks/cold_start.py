@@ -9,7 +9,9 @@ order they happen:
 - compile: the graph's source to a plan (parse, passes, lowering);
 - preflight: the plan checked against this machine (devices, models, speakers);
 - process start, per executor: from the engine's start to that executor beginning to load
-  its first stage (interpreter, imports, its control and start-queue ends);
+  its first stage (interpreter, imports, its control and start-queue ends), and of that,
+  what its `Started` message says: its Python's start and imports (from its spawn), and
+  creating its GPUs' CUDA contexts;
 - load, per stage: what the executor reports in its `Loaded` message (the `loaded X in N s`
   line of `omniflow run`), and of that, capturing CUDA graphs (stages that decode from
   graphs: decode="graphs", the CUDA default), with what the capture ran (graphs, warm-ups,
@@ -147,7 +149,7 @@ def cold_start(
     """One cold start of `plan` with its executors loading their stages in `order`: each
     part's seconds, in the order they happen, what each stage's capture ran, and what the
     loads left on each GPU (`memory_rows`)."""
-    started = time.perf_counter()
+    began = time.perf_counter()
     said: list[tuple[float, control.StartupReport]] = []  # (when it reached the engine, it)
     requests = []
     with Engine(
@@ -161,6 +163,7 @@ def cold_start(
         if args.inputs is not None:
             requests = [request_seconds(engine, args.inputs, args.params) for _ in range(2)]
     loaded = [(at, m) for at, m in said if isinstance(m, control.Loaded)]
+    up_at = {m.executor: m for _at, m in said if isinstance(m, control.Started)}
     memory = [m for _at, m in said if isinstance(m, control.Memory)]
 
     parts: dict[str, float] = {}
@@ -170,7 +173,12 @@ def cold_start(
         # another or at once alike): `seconds` before that message arrived.
         mine = [arrived[s] for s in executor.stage_names]
         at, m = min(mine, key=lambda pair: pair[0])
-        parts[f"process start {executor.name}"] = at - m.seconds - started
+        parts[f"process start {executor.name}"] = at - m.seconds - began
+        up = up_at.get(executor.name)
+        if up is not None and up.python is not None:
+            parts[f"  of which Python and imports {executor.name}"] = up.python
+        if up is not None and up.cuda:
+            parts[f"  of which CUDA context {executor.name}"] = up.cuda
         if len(mine) > 1:
             parts[f"loads of {executor.name}"] = max(at for at, _m in mine) - (at - m.seconds)
     notes = []
@@ -183,7 +191,7 @@ def cold_start(
         if m.capture_work:
             notes.append(f"{order}: {m.stage} captured {m.capture_work}")
     parts["link"] = ready - max(at for at, _m in loaded)
-    parts["ready (process start -> ready)"] = ready - started
+    parts["ready (process start -> ready)"] = ready - began
     if requests:
         parts["first request"], parts["second request"] = requests
     return parts, notes, memory_rows(plan, memory, order)

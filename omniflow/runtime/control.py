@@ -1,6 +1,7 @@
 """The control plane's typed messages (msgspec, msgpack on the wire; never pickle).
 
-Linking: each executor says `Loaded` as each of its stages' models loads, and on a GPU
+Linking: each executor says `Started` once its process is up (what its start took), then
+`Loaded` as each of its stages' models loads, and on a GPU
 `Memory` once they all have (what torch reserved there beside what the plan gave its
 stages), then creates shared-memory rings for the cross-process channels it
 consumes and says `Hello` with their names; the engine tells every producer where to attach
@@ -100,7 +101,28 @@ class Memory(msgspec.Struct, tag=True):
 
 
 # What an executor says while it starts, each with its `lines` for a person watching.
-StartupReport = Loaded | Memory
+class Started(msgspec.Struct, tag=True):
+    """An executor process is up, before its stages load: how long its Python took to start
+    and import the executor (from the engine's spawn; None where the engine's clock is
+    another machine's) and to create its CUDA contexts (0 without a GPU)."""
+
+    executor: str
+    python: float | None
+    cuda: float
+
+    @property
+    def about(self) -> str:
+        """Whom its lines are about: the executor."""
+        return self.executor
+
+    def lines(self, where: str) -> list[str]:
+        """What a person watching `where` (`pipeline/executor`) start is told."""
+        parts = [] if self.python is None else [f"Python and imports {self.python:.1f} s"]
+        parts += [f"CUDA context {self.cuda:.1f} s"] if self.cuda else []
+        return [f"{where} started: {', '.join(parts)}"] if parts else []
+
+
+StartupReport = Started | Loaded | Memory
 
 
 class Connect(msgspec.Struct, tag=True):
@@ -244,6 +266,7 @@ class Inspection(msgspec.Struct, tag=True):
 
 Message = (
     Hello
+    | Started
     | Loaded
     | Memory
     | Connect

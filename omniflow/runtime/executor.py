@@ -37,7 +37,7 @@ from omniflow.runtime.shm_ring import (
     cleanup_stale_segments,
     process_alive,
 )
-from omniflow.runtime.streams import GpuContextLost
+from omniflow.runtime.streams import GpuContextLost, cuda_here
 from omniflow.runtime.wakeup import wait
 
 IDLE_WAIT_S = 0.05
@@ -251,10 +251,11 @@ def take_engine_path(engine_path: list[str]) -> None:
     sys.path[:] = [*engine_path, *(p for p in sys.path if p not in engine_path)]
 
 
-def start_loop(config: dict, end: ControlEnd) -> ProgramLoop:
-    """An executor's loop for the program in `config` (what the engine's transport sends),
-    its stages loaded, what they hold of its GPUs said (`Memory`), and the rings it reads
-    created and announced (`Hello`)."""
+def start_loop(config: dict, end: ControlEnd, began: float | None = None) -> ProgramLoop:
+    """An executor's loop for the program in `config` (what the engine's transport sends):
+    what its start took said (`Started`: `began`, when its main began, against the engine's
+    `spawned_at`), its stages loaded, what they hold of its GPUs said (`Memory`), and the
+    rings it reads created and announced (`Hello`)."""
     take_engine_path(config["sys_path"])
     program = Program.from_json(config["program"])
     threads = torch_threads(program, config.get("torch_threads"), config.get("host_executors", 1))
@@ -262,6 +263,9 @@ def start_loop(config: dict, end: ControlEnd) -> ProgramLoop:
         import torch
 
         torch.set_num_threads(threads)
+    spawned = config.get("spawned_at")
+    python = None if spawned is None or began is None else began - spawned
+    end.send(control.Started(program.name, python, cuda_contexts(program)))
     loop = ProgramLoop(
         program,
         config["backends"],
@@ -275,14 +279,29 @@ def start_loop(config: dict, end: ControlEnd) -> ProgramLoop:
     return loop
 
 
+def cuda_contexts(program: Program) -> float:
+    """Create the CUDA context of each of `program`'s GPUs here now (the first CUDA call
+    would), and say how long that took (0 where it has none here)."""
+    gpus = [local_name(d) for d in program.devices if cuda_here(d)]
+    if not gpus:
+        return 0.0
+    import torch
+
+    began = time.perf_counter()
+    for gpu in dict.fromkeys(gpus):
+        torch.cuda.synchronize(gpu)
+    return time.perf_counter() - began
+
+
 def main() -> None:
+    began = time.time()
     engine = os.getppid()
     _die_with_parent()
     config = json.loads(sys.stdin.read())
     _watch_engine(engine, config.get("log_dir"))
     end = ZmqControl(config["control"], config["name"], config["start_queue_fd"])
     try:
-        loop = start_loop(config, end)
+        loop = start_loop(config, end, began)
     except OmniflowError as err:  # a model or stage it cannot load: the engine reports this line
         print(f"{STARTUP_ERROR}{err}", flush=True)
         sys.exit(3)

@@ -212,6 +212,7 @@ class ProcessTransport(Transport):
             # Executors import as the engine does (`take_engine_path`); they start with -P,
             # which keeps their working directory off the front of sys.path.
             "sys_path": sys.path,
+            "spawned_at": time.time(),  # for its `Started`: how long its Python took
         }
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the child keeps it)
         try:

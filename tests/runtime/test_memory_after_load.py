@@ -1,6 +1,7 @@
 """What an executor process says of its GPU once its stages loaded (`control.Memory`): torch's
 reserved bytes beside the budgets the plan gave its stages there, one line for a person
-watching the start; off CUDA it says nothing. The `gpu` test checks a tiny graph's loads
+watching the start; off CUDA it says nothing. And what its start took (`control.Started`,
+before its stages load): its Python's start and imports, its CUDA contexts. The `gpu` test checks a tiny graph's loads
 on cuda:0 against the plan's total for that GPU (its stages' budgets and CUDA contexts)."""
 
 from pathlib import Path
@@ -29,9 +30,21 @@ def test_the_memory_line_says_reserved_beside_planned_and_the_gpus_use():
     ]
 
 
+def test_the_started_line_says_what_the_process_start_took():
+    sent = control.Started("thinker+talker", 4.25, 7.5)
+    said = control.decode(control.encode(sent))
+    assert said == sent and isinstance(said, control.StartupReport)
+    assert said.lines(f"omni_chat/{said.about}") == [
+        "omni_chat/thinker+talker started: Python and imports 4.2 s, CUDA context 7.5 s"
+    ]
+    assert control.Started("a", 1.0, 0.0).lines("p/a") == ["p/a started: Python and imports 1.0 s"]
+    assert control.Started("a", None, 0.0).lines("p/a") == []  # a Ray actor's, on the CPU
+
+
 @no_gpu
 def test_off_cuda_an_executor_says_nothing_of_memory():
-    """A GPU plan started where its GPU is absent: every stage says Loaded, none Memory."""
+    """A GPU plan started where its GPU is absent: it says Started (no CUDA context made),
+    then every stage Loaded, and no Memory."""
     plan = compile_source(THREE, "three.omni", devices="1xH200")
     (program,) = plan.executors
     assert gpu_memory("cuda:0") is None and gpu_memory("cpu") is None
@@ -39,8 +52,11 @@ def test_off_cuda_an_executor_says_nothing_of_memory():
     said: list[control.StartupReport] = []
     with Engine(plan, "process", backends="standin", on_loaded=said.append) as engine:
         assert engine.generate({"x": [[1, 2]]})["y"].flatten().tolist() == [1, 2]
-    assert sorted(m.about for m in said) == ["broken", "quick", "slow"]
-    assert all(isinstance(m, control.Loaded) for m in said)
+    started, *loaded = said
+    assert isinstance(started, control.Started) and started.about == program.name
+    assert 0 < started.python < 60 and started.cuda == 0
+    assert sorted(m.about for m in loaded) == ["broken", "quick", "slow"]
+    assert all(isinstance(m, control.Loaded) for m in loaded)
 
 
 @pytest.mark.gpu
