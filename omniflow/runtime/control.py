@@ -100,7 +100,6 @@ class Memory(msgspec.Struct, tag=True):
         ]
 
 
-# What an executor says while it starts, each with its `lines` for a person watching.
 class Started(msgspec.Struct, tag=True):
     """An executor process is up, before its stages load: how long its Python took to start
     and import the executor (from the engine's spawn; None where the engine's clock is
@@ -122,6 +121,7 @@ class Started(msgspec.Struct, tag=True):
         return [f"{where} started: {', '.join(parts)}"] if parts else []
 
 
+# What an executor says while it starts, each with its `lines` for a person watching.
 StartupReport = Started | Loaded | Memory
 
 
