@@ -248,7 +248,8 @@ def _map(fd: int, size: int) -> mmap.mmap:
     # MAP_POPULATE builds the page tables now, so the first messages pay no page faults; but
     # a media input's ring (omni chat's video ring is 1 GiB: 64 slots of 16 MiB) would cost
     # its creator and each producer ~0.45 s a GiB at start-up, for slots few requests use:
-    # such a slot's first write faults its pages in instead (~0.25 ms a MiB, once).
+    # such a slot's first use in a process maps its pages then (minor faults: the creator's
+    # posix_fallocate committed them, so a full /dev/shm still fails at creation).
     populate = mmap.MAP_POPULATE if size <= POPULATE_MAX_BYTES else 0
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | populate)
 
