@@ -280,8 +280,8 @@ def timesteps_on(scheduler, device) -> torch.Tensor:
     to `device` without waiting (`readback.upload`) and kept as its own. Set there with
     `device=`, they would be copied from pageable memory, which waits for the stream's queued
     work (the denoising steps of every other request): a host sync at each request's start.
-    Its sigmas stay on the host (UniPC keeps its own there anyway): a flow-matching step's
-    `sigma_next - sigma` is sent up the same way (`Denoising.advance`)."""
+    Its sigmas stay on the host (UniPC keeps its own there anyway); `Denoising` sends up the
+    fused Euler step's once."""
     scheduler.timesteps = upload(scheduler.timesteps, device)
     return scheduler.timesteps
 
@@ -316,6 +316,9 @@ class Denoising(abc.ABC):
         self.generator = generator
         self.index = 0
         self.cache = None  # the step cache's state for this request (step_cache.py)
+        # The fused Euler step's sigmas, sent up once (the scheduler's stay on the host:
+        # `timesteps_on`); None where the scheduler takes its own steps.
+        self.sigmas = upload(scheduler.sigmas, latents.device) if _plain_euler(scheduler) else None
         self._step_kwargs = (
             {"generator": generator}
             if "generator" in inspect.signature(scheduler.step).parameters
@@ -357,10 +360,9 @@ class Denoising(abc.ABC):
         scheduler, i = self.scheduler, self.index
         if _plain_euler(scheduler) and cond.shape == self.latents.shape:
             # The scheduler's own step is `x + (sigma_next - sigma) * v`; one kernel does
-            # it together with the guidance (cfg_euler_step gives its bits off CUDA). Its
-            # sigmas are on the host (`timesteps_on`): `dt` goes up without waiting.
-            sigmas = scheduler.sigmas[i : i + 2]
-            dt = upload(sigmas[1:] - sigmas[:1], self.latents.device)
+            # it together with the guidance (cfg_euler_step gives its bits off CUDA).
+            sigmas = self.sigmas[i : i + 2]
+            dt = sigmas[1:] - sigmas[:1]
             self.latents = cfg_euler_step(
                 self.latents, cond, uncond, self.scale(), dt, rescale=self.rescale
             )
