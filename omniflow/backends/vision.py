@@ -375,7 +375,7 @@ class RequestEncoderBackend(Backend):
 
 
 def _content(value) -> bool:
-    """Whether an input value holds anything: not None, an empty text or an empty tensor."""
+    """Whether an input value holds anything: neither None, nor an empty text or tensor."""
     if value is None or isinstance(value, str):
         return bool(value)
     return not isinstance(value, torch.Tensor) or value.numel() > 0
