@@ -327,6 +327,10 @@ def test_on_the_gpu_a_step_returns_while_the_device_is_busy(plan):
     # module, which may wait for the device (CUDA's lazy loading); the steps after it
     # launch kernels already loaded, as every step of a stage captured at load does.
     backend.step([call])
+    # The other stage's work below, once, for the same reason.
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        torch.ones(1024, device="cuda:0").sum()
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -340,7 +344,6 @@ def test_on_the_gpu_a_step_returns_while_the_device_is_busy(plan):
         returned = time.perf_counter() - began
         assert backend.in_flight() and returned < spin / 2
     # Another stage's work on its own stream runs meanwhile, and is done long before.
-    other = torch.cuda.Stream()
     with torch.cuda.stream(other):
         torch.ones(1024, device="cuda:0").sum()
         done = torch.cuda.Event()

@@ -137,9 +137,14 @@ class QwenImagePipelines:
         return ("transformer", "scheduler") + (("vae",) if image else ())
 
     def setup(self, pipe, path: str, device: str) -> None:
-        """The VAE scale the pipeline derives from the VAE (which the stage may not load)."""
+        """The VAE scale the pipeline derives from the VAE (which the stage may not load),
+        and the RoPE tables on the stage's device: diffusers keeps them on the host in plain
+        attributes, which `.to()` does not move, and copies them up in the first forward, a
+        host sync in the first request's first step."""
         config = AutoencoderKLQwenImage.load_config(path, subfolder="vae")
         pipe.vae_scale_factor = 2 ** len(config["temperal_downsample"])
+        rope = pipe.transformer.pos_embed
+        rope.pos_freqs, rope.neg_freqs = rope.pos_freqs.to(device), rope.neg_freqs.to(device)
 
     def fuse_blocks(self, pipe, attend) -> None:
         """The transformer's blocks on fused kernels (the same computation)."""
