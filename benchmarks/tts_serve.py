@@ -318,9 +318,11 @@ def print_profile(server: Server, model: str, rounds: dict, trace: Path, gpu: bo
     and the median of the steps in which a request started: a prefill and first output)."""
     from omniflow.profiler.analysis import timelines
 
+    measured = {}  # round -> the client's results
+
     def run() -> None:
-        for body, concurrency, total in rounds.values():
-            asyncio.run(level(server.base, body, concurrency, total))
+        for name, (body, concurrency, total) in rounds.items():
+            measured[name], _ = asyncio.run(level(server.base, body, concurrency, total))
 
     profile, _ = server.profiled(run, trace, gpu, model)
     spoken = [r for r in timelines(profile) if "audio" in r.path_ttfp]  # by start
@@ -329,6 +331,15 @@ def print_profile(server: Server, model: str, rounds: dict, trace: Path, gpu: bo
         paths[name] = [r.path_ttfp["audio"] for r in spoken[start : start + total]]
         start += total
     print_paths(f"\n{model}: TTFP critical path, mean ms (trace: {trace})", paths)
+    # The path runs from the request's inputs going out of the frontend to its first audio
+    # taken there: the rest of what the client saw is the HTTP server's (parsing, admission,
+    # streaming the bytes out) and the client's own.
+    client = [statistics.fmean(r["ttfp"] for r in measured[name] if r["ttfp"] is not None)
+              for name in rounds]  # fmt: skip
+    engine = [statistics.fmean(sum(p.values()) for p in paths[name]) / 1e3 for name in rounds]
+    print(f"{'TTFP at the client':>40} " + " ".join(f"{c:11.1f}" for c in client))
+    print(f"{'outside the path (HTTP and client)':>40} "
+          + " ".join(f"{c - e:11.1f}" for c, e in zip(client, engine, strict=True)))  # fmt: skip
     print(f"\n{'stage':>13} {'steps':>6} {'batch':>6} {'med ms':>7} {'p90':>7} {'max':>7} "
           f"{'start med':>9}")  # fmt: skip
     for stage, steps in profile.steps.items():

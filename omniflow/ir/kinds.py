@@ -7,6 +7,7 @@ lists in hints, and the backends implement.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from omniflow.dtypes import STAGE_DTYPES
@@ -45,6 +46,10 @@ class StageKind:
     outputs: dict[str, str]
     params: dict[str, ParamSpec] = field(default_factory=dict)
     needs_model: bool = True
+    # A request holds a row of the stage's batch from its first step to its last (a KV
+    # cache, latents, a stream's context), so `max_batch` bounds the requests the pipeline
+    # serves at once; a stage that passes each request once (an encoder, a VAE) does not.
+    holds_requests: bool = True
 
 
 _INT = (int,)
@@ -99,8 +104,11 @@ _SAMPLING = {
 }
 
 
-def _kind(name, doc, inputs, outputs, params=None, needs_model=True) -> StageKind:
-    return StageKind(name, doc, inputs, outputs, {**COMMON_PARAMS, **(params or {})}, needs_model)
+def _kind(
+    name, doc, inputs, outputs, params=None, needs_model=True, holds_requests=True
+) -> StageKind:
+    params = {**COMMON_PARAMS, **(params or {})}
+    return StageKind(name, doc, inputs, outputs, params, needs_model, holds_requests)
 
 
 KINDS: dict[str, StageKind] = {
@@ -135,6 +143,7 @@ KINDS: dict[str, StageKind] = {
             },
             {"hidden": "hidden"},
             {"max_len": ParamSpec(_INT, 1024, **_LENGTH)},
+            holds_requests=False,
         ),
         _kind(
             "diffusion",
@@ -176,6 +185,7 @@ KINDS: dict[str, StageKind] = {
             "latent decoder to pixels: an image, or a video's frames",
             {"latents": ("latents",)},
             {"image": "image", "video": "video"},
+            holds_requests=False,
         ),
         _kind(
             "vocoder",
@@ -221,6 +231,16 @@ KINDS: dict[str, StageKind] = {
         ),
     )
 }
+
+
+def requests_at_once(stages: Iterable[tuple[str, int]]) -> int:
+    """How many requests a pipeline serves at once, from its stages' (kind, max_batch): the
+    narrowest batch of the stages that hold their requests (`StageKind.holds_requests`; a
+    request waits for a turn at the others), else of every stage."""
+    stages = list(stages)
+    held = [batch for kind, batch in stages if KINDS[kind].holds_requests]
+    return max(1, min(held or [batch for _, batch in stages], default=1))
+
 
 # What the language reserves but no backend runs yet, refused at build with why: parameters
 # of every kind, and ports by (kind, port).

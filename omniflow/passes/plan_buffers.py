@@ -23,6 +23,7 @@ from dataclasses import replace
 from omniflow.devices import GiB, node_of
 from omniflow.errors import PlacementError
 from omniflow.ir.graph import Edge, Graph, Node
+from omniflow.ir.kinds import requests_at_once
 from omniflow.ir.types import TENSOR_TYPES
 from omniflow.passes.common import Target
 from omniflow.passes.facts import Channel
@@ -40,12 +41,14 @@ def _align(n: int) -> int:
     return -(-n // SLOT_ALIGN) * SLOT_ALIGN
 
 
-def _concurrency(graph: Graph, edge: Edge) -> int:
-    """Requests that may hold slots at once: the consumer's batch (the producer's if a client reads)."""
+def _concurrency(graph: Graph, edge: Edge, at_once: int) -> int:
+    """Requests that may hold slots at once: the consumer's batch (the producer's if a client
+    reads), or the requests the pipeline serves at once (`at_once`) where more (each may put
+    its chunks before a stage that passes requests once takes it in its batch)."""
     for name in (edge.dst, edge.src):
         node = graph.node(name)
         if node.is_stage:
-            return graph.param_value(node, "max_batch")
+            return max(graph.param_value(node, "max_batch"), at_once)
     return 1
 
 
@@ -96,6 +99,7 @@ def plan_buffers(graph: Graph, target: Target) -> Graph:
     graph = graph.copy()
     warnings = list(graph.meta.get("warnings", ()))
     total = 0
+    at_once = requests_at_once((n.op, graph.param_value(n, "max_batch")) for n in graph.stages)
     for edge in graph.edges:
         kind, device = edge_kind(graph, target, edge)
         if kind == "local":
@@ -105,7 +109,7 @@ def plan_buffers(graph: Graph, target: Target) -> Graph:
         steps = max(edge.meta["schedule"]) if edge.stream else item.max_steps
         slot_bytes = _align(item.item.item_bytes() * steps)
         credits = edge.credits or DEFAULT_CREDITS
-        slots = credits * _concurrency(graph, edge)
+        slots = credits * _concurrency(graph, edge, at_once)
         if slots * slot_bytes > RING_CAP and slots > credits:
             fewer = max(credits, RING_CAP // slot_bytes)
             warnings.append(

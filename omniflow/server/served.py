@@ -25,6 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from omniflow.ir.kinds import requests_at_once
 from omniflow.plan import Plan, PortPlan
 from omniflow.server.errors import busy
 from omniflow.server.metrics import Metrics, PipelineStats
@@ -43,9 +44,8 @@ ENDPOINTS = {
 
 
 def capacity(plan: Plan) -> int:
-    """How many requests a plan serves at once: its narrowest stage's batch."""
-    batches = [s.settings.get("max_batch") or s.batch for s in plan.stages]
-    return max(1, min(batches, default=1))
+    """How many requests a plan serves at once (`kinds.requests_at_once`)."""
+    return requests_at_once((s.kind, s.settings.get("max_batch") or s.batch) for s in plan.stages)
 
 
 @dataclass

@@ -1,3 +1,4 @@
+from omniflow.ir.kinds import requests_at_once
 from omniflow.passes.facts import Channel
 from omniflow.passes.plan_buffers import DEFAULT_CREDITS, SLOT_ALIGN
 from tests.passes.helpers import GRAPHS, run_until
@@ -103,3 +104,22 @@ def test_a_consumer_without_room_leaves_its_device_ring_to_the_roomiest_budget()
     ring = next(e for e in graph.edges if e.name == "codec_lm.codes->decoder.codes")
     after = _budgets(graph)
     assert after == {**before, "codec_lm": before["codec_lm"] - ring.meta["channel"].ring_bytes}
+
+
+def test_a_stage_that_passes_requests_once_has_room_for_every_request_served_at_once():
+    """Qwen3-TTS's voice encoder batches 8, its talker holds 16 requests (rows of its KV
+    cache): the pipeline serves 16 at once (an encoder does not hold them), and the voice
+    encoder's input ring has each one's credits."""
+    graph = run_until("plan_buffers", "qwen3_tts", devices="cpu")
+    batches = {n.name: graph.param_value(n, "max_batch") for n in graph.stages}
+    assert batches["voice_encoder"] == 8 and batches["talker"] == 16
+    kinds = ((n.op, batches[n.name]) for n in graph.stages)
+    assert requests_at_once(kinds) == 16
+    _, channel = _channel(graph, "ref_audio.out->voice_encoder.ref_audio")
+    assert channel.slots == DEFAULT_CREDITS * 16
+
+
+def test_requests_at_once_is_the_narrowest_batch_of_the_stages_that_hold_them():
+    assert requests_at_once([("encoder", 4), ("diffusion", 6), ("vae", 2)]) == 6
+    assert requests_at_once([("encoder", 4), ("vae", 2)]) == 2  # none holds: every stage
+    assert requests_at_once([]) == 1
