@@ -114,6 +114,8 @@ for part in "$@"; do
       (cd /tmp && timeout ${TTS_S:-400} python3 "$here/benchmarks/tts_serve.py" --devices 1xH200 \
         $([ -n "${TTS_CLONE:-}" ] || echo --no-clone) --frames 64 ${TTS_ARGS:-}) 2>&1 | grep -v -i "warn\|model config" \
         | tee "$OUT/tts_serve.log"
+      # Traces (TTS_ARGS="--trace $OUT/tts.trace ...") come back only under 16 MiB a file.
+      for trace in "$OUT"/*.trace; do [ -e "$trace" ] && gzip -f "$trace"; done
       ;;
     kernels)
       timeout ${KERNELS_S:-150} python3 benchmarks/stage_steps.py --modes graphs --batches 1 10 \
