@@ -50,8 +50,9 @@ sibling: `--trace-requests` clones at c = 1 with the reference inline, then as m
 an uploaded voice.
 
 The server is `omniflow run` on graphs/qwen3_tts.omni (its copies for the scaled folders,
-with `max_batch` raised to the largest level so that no request is refused), in executor
-processes; `--url` measures a running one instead (its pipelines named by `--model` and
+with `max_batch` raised to the largest level so that no request is refused; `--as-shipped`
+keeps the graph's own, and the requests it cannot take at once wait in its admission queue,
+four per request it serves), in executor processes; `--url` measures a running one instead (its pipelines named by `--model` and
 `--clone-model`). The scaled checkpoints never end speech (their end-of-speech row is
 zero), so every request speaks `--frames` frames; the tiny ones end where their random
 weights do.
@@ -473,6 +474,9 @@ def main() -> int:
     parser.add_argument("--frames", type=int, default=128,
                         help="max_new_tokens: frames of 80 ms each request speaks (default 128)")  # fmt: skip
     parser.add_argument("--no-clone", action="store_true", help="skip the voice clone level")
+    parser.add_argument("--as-shipped", action="store_true",
+                        help="the graph's max_batch as written (requests past what it serves "
+                             "at once wait in its admission queue)")  # fmt: skip
     parser.add_argument("--open-loop", action="store_true",
                         help="Poisson arrivals at each of --rates instead of the levels")  # fmt: skip
     parser.add_argument("--rates", type=float, nargs="+", metavar="R",
@@ -528,7 +532,7 @@ def main() -> int:
             custom = str(scaled_checkpoint(CUSTOM, args.scaled, "cuda"))
             if clone_model is not None:
                 base = str(scaled_checkpoint(BASE, args.scaled, "cuda"))
-        batch = max(args.levels)
+        batch = 1 if args.as_shipped else max(args.levels)
         graphs = [graph_variant(Path(folder), "qwen3_tts", custom, batch)]
         if clone_model is not None:
             graphs.append(graph_variant(Path(folder), "qwen3_tts_clone", base or BASE, batch))
