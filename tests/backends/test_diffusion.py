@@ -196,14 +196,17 @@ class Stages:
         assert all(c.finished and c.error is None for batch in schedule for c in batch)
 
     def denoiser_calls(self, requests: dict) -> dict[str, Call]:
-        """Denoiser calls of `requests` (name -> request), their prompts encoded in one batch."""
+        """Denoiser calls of `requests` (name -> request), their prompts (and an edit's
+        images) encoded in one batch."""
+        images = {n: {k: v for k, v in r[0].items() if k == "image"} for n, r in requests.items()}
         encoded = {
-            name: self.call("encoder", name, {"prompt": r[0]["prompt"]}, r)
+            name: self.call("encoder", name, {"prompt": r[0]["prompt"], **images[name]}, r)
             for name, r in requests.items()
         }
         self.run("encoder", [list(encoded.values())])
+        hidden = {name: output(call, "hidden") for name, call in encoded.items()}
         return {
-            name: self.call("dit", name, {"cond": output(encoded[name], "hidden")}, r)
+            name: self.call("dit", name, {"cond": hidden[name], **images[name]}, r)
             for name, r in requests.items()
         }
 

@@ -12,15 +12,17 @@ Each test runs a stage's steps on CUDA under torch's sync debug mode "error"
 - Qwen-Image's denoiser (tiny:text-to-image) on its fused blocks, requests at different
   steps sharing forwards, with and without padded prompt rows, the steps in which they start
   too (a text-to-image request's prompt lengths come to the host without waiting, its
-  latents are drawn on the host and its scheduler set there, both sent without waiting).
+  latents are drawn on the host and its scheduler set there, both sent without waiting);
+  and its edit pipeline's (tiny:image-edit), whose requests' input images are sent up and
+  encoded by the VAE without waiting too.
 
 Left out, per request: an `ar` stage's step in which a request starts (some request of the
 step had not started before it). That step builds the request's prompt (tokenised, looked
 up, a voice clone's reference codes brought to the host for the decoder to send ahead),
 prefills it and joins it to its slot: once per request, and docs/architecture.md lists
 a prompt's encoding among the syncs left. Those steps run under "warn" instead, so the GPU
-log names what they sync. (An edit's or an image-to-video request's start is not checked:
-its image is sent up and encoded as diffusers' `prepare_latents` does.) A vocoder leaves
+log names what they sync. (An image-to-video request's start is not checked: its image is
+sent up and encoded as diffusers' `prepare_latents` does.) A vocoder leaves
 nothing out: its first step of a stream opens it (host state) and sends the
 codes like every later one (`readback.upload`).
 
@@ -227,5 +229,31 @@ def test_qwen_image_denoising_steps_make_no_host_sync(device):
     a, b, c = calls.values()
     stages.run("dit", [[a], [a, b], [a, b], [a, b, c], [b, c], [c]])
     assert dit.starting == 3 and dit.checked == 3
+    for call in calls.values():
+        assert output(call, "latents").device.type == torch.device(device).type
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_qwen_image_edit_denoising_steps_make_no_host_sync(device):
+    """Two edits, one guided, starting a step apart: every step under "error", the steps in
+    which they start (the input image sent up and VAE-encoded) too."""
+    on_device(device)
+    interpreter = Interpreter(tiny_plan("image_edit.omni"))
+    for name in ("encoder", "dit"):
+        interpreter.backends[name].close()
+        interpreter.backends[name] = load_backend(interpreter.specs[name], device)
+    stages = Stages(interpreter)
+    dit = SteadySyncs(interpreter.backends["dit"], key="denoising", starts="error")
+    image = torch.randint(0, 256, (40, 56, 3), generator=torch.Generator().manual_seed(0))
+
+    def edit(prompt: str, steps: int, guidance: float = 4.0) -> tuple:
+        inputs, params = request(prompt, steps, guidance)
+        return {**inputs, "image": image.to(torch.uint8)}, params
+
+    requests = {"a": edit("Make the cat blue.", 3), "b": edit("Make it night.", 2, 1.0)}
+    calls = stages.denoiser_calls(requests)
+    a, b = calls.values()
+    stages.run("dit", [[a], [a, b], [a, b]])
+    assert dit.starting == 2 and dit.checked == 1
     for call in calls.values():
         assert output(call, "latents").device.type == torch.device(device).type

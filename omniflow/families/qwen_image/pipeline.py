@@ -30,7 +30,10 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
-from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import (
+    calculate_dimensions,
+    retrieve_latents,
+)
 from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
 
 from omniflow.backends.diffusion import (
@@ -121,6 +124,18 @@ class QwenImageDenoising(Denoising):
         ]
 
 
+def encode_image(pipe, image: torch.Tensor) -> torch.Tensor:
+    """An edit's image latents of `image` (on the device), as the edit pipeline's
+    `prepare_latents` makes them: the VAE's mode, normalised by the latents' statistics
+    (kept on the device since `setup`: the pipeline copies them up from lists each time),
+    packed."""
+    latents = retrieve_latents(pipe.vae.encode(image), sample_mode="argmax")
+    mean, std = pipe.latents_stats
+    latents = (latents - mean) / std
+    _, channels, _, height, width = latents.shape
+    return pipe._pack_latents(latents, 1, channels, height, width)
+
+
 class QwenImagePipelines:
     """The Qwen-Image pipelines' own code, as the diffusers backends call it."""
 
@@ -145,6 +160,12 @@ class QwenImagePipelines:
         pipe.vae_scale_factor = 2 ** len(config["temperal_downsample"])
         rope = pipe.transformer.pos_embed
         rope.pos_freqs, rope.neg_freqs = rope.pos_freqs.to(device), rope.neg_freqs.to(device)
+        if getattr(pipe, "vae", None) is not None:  # an edit's: its latents' statistics
+            shape = (1, pipe.vae.config.z_dim, 1, 1, 1)
+            pipe.latents_stats = [
+                torch.tensor(pipe.vae.config[key]).view(shape).to(device, pipe.vae.dtype)
+                for key in ("latents_mean", "latents_std")
+            ]
 
     def fuse_blocks(self, pipe, attend) -> None:
         """The transformer's blocks on fused kernels (the same computation)."""
@@ -190,12 +211,11 @@ class QwenImagePipelines:
         image_latents = None
         if request.image is None:  # drawn on the host (as on `device`), sent without waiting
             latents = upload(pipe.prepare_latents(*size, dtype, "cpu", generator), device)
-        else:
+        else:  # the same, and the image sent up and encoded as `prepare_latents` does
             image = condition_image(pipe, self, request.image)
             pixels = pipe.image_processor.preprocess(image, image.height, image.width)
-            latents, image_latents = pipe.prepare_latents(
-                pixels.unsqueeze(2), *size, dtype, device, generator
-            )
+            latents = upload(pipe.prepare_latents(None, *size, dtype, "cpu", generator)[0], device)
+            image_latents = encode_image(pipe, upload(pixels.unsqueeze(2), device, dtype))
             shapes += ((1, image.height // patch, image.width // patch),)
         scheduler = pipe.scheduler.__class__.from_config(pipe.scheduler.config)
         self.schedule(scheduler, steps, latents.shape[1])
