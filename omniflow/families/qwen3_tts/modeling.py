@@ -191,6 +191,7 @@ class Talker(nn.Module):
         self.code_predictor = CodePredictor(config.code_predictor, qwen3.hidden_size)
         self.config = qwen3
         self.groups = config.layout.num_code_groups
+        self._fixed_text: dict[tuple[int, ...], torch.Tensor] = {}  # `fixed_text`'s
         if self.code_predictor.groups != self.groups:
             raise Qwen3TTSError(
                 f"the talker has {self.groups} code groups, its code predictor "
@@ -205,6 +206,14 @@ class Talker(nn.Module):
         """Projected text embeddings `[L, D]` of text token ids."""
         ids = upload(ids, self.codec_head.weight.device).reshape(-1)
         return self.text_projection(self.model.text_embedding(ids))
+
+    def fixed_text(self, ids: tuple[int, ...]) -> torch.Tensor:
+        """`text(ids)` for ids that every prompt has (the special tokens, the role):
+        computed once."""
+        rows = self._fixed_text.get(ids)
+        if rows is None:
+            rows = self._fixed_text[ids] = self.text(list(ids))
+        return rows
 
     def codec(self, ids) -> torch.Tensor:
         """Codec embeddings `[L, D]` of talker ids (codebook 0 and the specials)."""

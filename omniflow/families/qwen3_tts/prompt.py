@@ -105,16 +105,23 @@ class TalkerPrompt:
 
 
 def build(talker, tokenizer, layout: TalkerLayout, request: TTSRequest) -> TalkerPrompt:
-    """The prefill rows and the decode steps' text-side rows of one request."""
+    """The prefill rows and the decode steps' text-side rows of one request. Its token and
+    codec ids go up to the device in one copy and each table is read once for them (the
+    text rows in the segments the reference projects them in); the special tokens' and
+    the role's rows, the same in every prompt, are the talker's `fixed_text`."""
     ids = tokenize(tokenizer, assistant_text(request.text))
     if len(ids) <= ROLE_TOKENS + TAIL_TOKENS:
         raise Qwen3TTSError("the text to speak is empty")
     text_ids = ids[ROLE_TOKENS:-TAIL_TOKENS]
-    tts_bos, tts_eos, tts_pad = talker.text([layout.tts_bos, layout.tts_eos, layout.tts_pad])
-    rows: list[torch.Tensor] = []
-    if request.instructions:
-        rows.append(talker.text(tokenize(tokenizer, instruct_text(request.instructions))))
-    rows.append(talker.text(ids[:ROLE_TOKENS]))
+    tts_bos, tts_eos, tts_pad = talker.fixed_text((layout.tts_bos, layout.tts_eos, layout.tts_pad))
+    icl = request.ref_codes is not None
+    if icl:  # the reference's transcript, then the text
+        ref = tokenize(tokenizer, ref_turn(request.ref_text))[ROLE_TOKENS:-REF_TAIL_TOKENS]
+        text_ids = ref + text_ids
+    instructions = request.instructions
+    segments = [tokenize(tokenizer, instruct_text(instructions))] if instructions else []
+    split = request.streaming_text and not icl  # the first token goes with the prefill
+    segments += [text_ids[:1], text_ids[1:]] if split else [text_ids]
 
     lang = language_id(layout, request.language, request.speaker)
     tag = (
@@ -122,37 +129,46 @@ def build(talker, tokenizer, layout: TalkerLayout, request: TTSRequest) -> Talke
         if lang is None
         else [layout.think, layout.think_bos, lang, layout.think_eos]
     )
-    codec = [talker.codec(tag)]
-    if request.speaker:
-        codec.append(talker.codec(layout.speakers[request.speaker.lower()]).reshape(1, -1))
-    elif request.x_vector is not None:
-        codec.append(request.x_vector.to(tts_pad.dtype).reshape(1, -1))
-    codec.append(talker.codec([layout.codec_pad, layout.codec_bos]))
-    codec = torch.cat(codec)
-    side = torch.cat([tts_pad.expand(len(codec) - 2, -1), tts_bos[None]])
-    rows.append(side + codec[:-1])
-    bos = codec[-1]
+    speaker = layout.speakers[request.speaker.lower()] if request.speaker else []
+    pads = 0 if request.streaming_text else len(text_ids) + 1  # beside the text and tts_eos
+    codec_ids = tag + speaker + [layout.codec_pad, layout.codec_bos] + [layout.codec_pad] * pads
+    flat = upload([i for segment in segments for i in segment] + codec_ids, tts_pad.device)
+    texts, at = [], 0
+    for segment in segments:
+        texts.append(talker.text(flat[at : at + len(segment)]))
+        at += len(segment)
+    codec_rows = talker.codec(flat[at:])
 
-    if request.ref_codes is not None:
-        ref = tokenize(tokenizer, ref_turn(request.ref_text))[ROLE_TOKENS:-REF_TAIL_TOKENS]
-        text = torch.cat([talker.text(ref + text_ids), tts_eos[None]])
-        frames = torch.cat([bos[None], talker.frame_embeds(upload(request.ref_codes, bos.device))])
-        if not request.streaming_text:
-            pads = talker.codec([layout.codec_pad] * len(text))
-            rows += [text + pads, frames + tts_pad]
-            trailing = tts_pad[None]
-        elif len(text) > len(frames):
-            rows.append(text[: len(frames)] + frames)
-            trailing = text[len(frames) :]
-        else:
-            padded = torch.cat([text, tts_pad.expand(len(frames) - len(text), -1)])
-            rows.append(padded + frames)
-            trailing = tts_pad[None]
-    elif request.streaming_text:
-        rows.append(talker.text(text_ids[:1]) + bos)
-        trailing = torch.cat([talker.text(text_ids[1:]), tts_eos[None]])
+    rows = texts[:1] if instructions else []
+    rows.append(talker.fixed_text(tuple(ids[:ROLE_TOKENS])))
+    # The codec tag, the speaker (a CustomVoice speaker's row or a clone's x-vector), then
+    # pad and bos: every row but bos beside tts_pad, the last of them beside tts_bos.
+    head = len(tag) + len(speaker)
+    codec = [codec_rows[:head]]
+    if not speaker and request.x_vector is not None:
+        codec.append(request.x_vector.to(tts_pad.dtype).reshape(1, -1))
+    codec = torch.cat([*codec, codec_rows[head : head + 1]])
+    bos = codec_rows[head + 1]
+    side = torch.cat([tts_pad.expand(len(codec) - 1, -1), tts_bos[None]])
+    rows.append(side + codec)
+    pad_rows = codec_rows[head + 2 :]
+
+    if split:
+        rows.append(texts[-2] + bos)
+        trailing = torch.cat([texts[-1], tts_eos[None]])
+        return TalkerPrompt(torch.cat(rows), trailing, tts_pad)
+    text = torch.cat([texts[-1], tts_eos[None]])
+    if not icl:
+        rows += [text + pad_rows, (tts_pad + bos)[None]]
+        return TalkerPrompt(torch.cat(rows), tts_pad[None], tts_pad)
+    frames = torch.cat([bos[None], talker.frame_embeds(upload(request.ref_codes, bos.device))])
+    trailing = tts_pad[None]
+    if not request.streaming_text:
+        rows += [text + pad_rows, frames + tts_pad]
+    elif len(text) > len(frames):
+        rows.append(text[: len(frames)] + frames)
+        trailing = text[len(frames) :]
     else:
-        text = torch.cat([talker.text(text_ids), tts_eos[None]])
-        rows += [text + talker.codec([layout.codec_pad] * len(text)), (tts_pad + bos)[None]]
-        trailing = tts_pad[None]
+        padded = torch.cat([text, tts_pad.expand(len(frames) - len(text), -1)])
+        rows.append(padded + frames)
     return TalkerPrompt(torch.cat(rows), trailing, tts_pad)
