@@ -3,7 +3,8 @@ pre-allocated ring: `meta["channel"]`, a `Channel`: its kind, slots, slot bytes,
 the device that holds it. A slot holds the largest message the edge can carry (the largest
 chunk of the schedule, or the whole output); there are `credits` slots per request the
 consumer may batch, so a producer can run `credits` chunks ahead per request before it
-blocks.
+blocks, and before a stage that passes each request once, room for every request the
+pipeline serves at once (`_slots`).
 
 The kind says how chunks move, from where the two ends run (`edge_kind`):
 - `local`: one executor; references, no bytes.
@@ -23,7 +24,7 @@ from dataclasses import replace
 from omniflow.devices import GiB, node_of
 from omniflow.errors import PlacementError
 from omniflow.ir.graph import Edge, Graph, Node
-from omniflow.ir.kinds import requests_at_once
+from omniflow.ir.kinds import KINDS, requests_at_once
 from omniflow.ir.types import TENSOR_TYPES
 from omniflow.passes.common import Target
 from omniflow.passes.facts import Channel
@@ -41,15 +42,21 @@ def _align(n: int) -> int:
     return -(-n // SLOT_ALIGN) * SLOT_ALIGN
 
 
-def _concurrency(graph: Graph, edge: Edge, at_once: int) -> int:
-    """Requests that may hold slots at once: the consumer's batch (the producer's if a client
-    reads), or the requests the pipeline serves at once (`at_once`) where more (each may put
-    its chunks before a stage that passes requests once takes it in its batch)."""
+def _slots(graph: Graph, edge: Edge, credits: int, at_once: int) -> int:
+    """`credits` slots per request the consumer batches (the producer's batch if a client
+    reads). Before a stage that passes each request once (not `holds_requests`: an encoder,
+    a VAE), room too for every request the pipeline serves at once (`at_once`) to have its
+    input there before the stage takes it in: one slot each for a whole edge, `credits` for
+    a stream (a producer finding its ring full waits, and a frontend waiting stalls every
+    request)."""
     for name in (edge.dst, edge.src):
         node = graph.node(name)
         if node.is_stage:
-            return max(graph.param_value(node, "max_batch"), at_once)
-    return 1
+            slots = credits * graph.param_value(node, "max_batch")
+            if name == edge.dst and not KINDS[node.op].holds_requests:
+                slots = max(slots, at_once * (credits if edge.stream else 1))
+            return slots
+    return credits
 
 
 def edge_kind(graph: Graph, target: Target, edge: Edge) -> tuple[str, str]:
@@ -109,7 +116,7 @@ def plan_buffers(graph: Graph, target: Target) -> Graph:
         steps = max(edge.meta["schedule"]) if edge.stream else item.max_steps
         slot_bytes = _align(item.item.item_bytes() * steps)
         credits = edge.credits or DEFAULT_CREDITS
-        slots = credits * _concurrency(graph, edge, at_once)
+        slots = _slots(graph, edge, credits, at_once)
         if slots * slot_bytes > RING_CAP and slots > credits:
             fewer = max(credits, RING_CAP // slot_bytes)
             warnings.append(

@@ -107,16 +107,19 @@ def test_a_consumer_without_room_leaves_its_device_ring_to_the_roomiest_budget()
 
 
 def test_a_stage_that_passes_requests_once_has_room_for_every_request_served_at_once():
-    """Qwen3-TTS's voice encoder batches 8, its talker holds 16 requests (rows of its KV
-    cache): the pipeline serves 16 at once (an encoder does not hold them), and the voice
-    encoder's input ring has each one's credits."""
-    graph = run_until("plan_buffers", "qwen3_tts", devices="cpu")
+    """Qwen3-TTS with its voice encoder batching 4: the talker holds 16 requests (rows of
+    its KV cache), so the pipeline serves 16 at once (an encoder holds none beyond its
+    step), and the voice encoder's input ring has a slot for each one's reference (a whole
+    edge: one chunk a request), more than its own batch's credits (8)."""
+    text = (GRAPHS / "qwen3_tts.omni").read_text()
+    graph = run_until("plan_buffers", text.replace("max_batch=8)", "max_batch=4)"), devices="cpu")
     batches = {n.name: graph.param_value(n, "max_batch") for n in graph.stages}
-    assert batches["voice_encoder"] == 8 and batches["talker"] == 16
-    kinds = ((n.op, batches[n.name]) for n in graph.stages)
-    assert requests_at_once(kinds) == 16
+    assert batches["voice_encoder"] == 4 and batches["talker"] == 16
+    assert requests_at_once((n.op, batches[n.name]) for n in graph.stages) == 16
     _, channel = _channel(graph, "ref_audio.out->voice_encoder.ref_audio")
-    assert channel.slots == DEFAULT_CREDITS * 16
+    assert channel.slots == 16
+    _, channel = _channel(graph, "voice_encoder.voice->voice_prompt.in")  # a client reads
+    assert channel.slots == DEFAULT_CREDITS * 4
 
 
 def test_requests_at_once_is_the_narrowest_batch_of_the_stages_that_hold_them():
