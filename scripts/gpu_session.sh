@@ -251,10 +251,17 @@ for part in "$@"; do
       # Qwen3-TTS's cold start at real size (issue 37: process start -> ready <= 20 s, the
       # build cached), each stage's load and capture and what the capture ran: twice, the
       # first run building the checkpoint and compiling the kernels if they are not cached
-      # yet, the second the figure (TTS_COLD_ARGS added to cold_start.py's flags).
+      # yet, the second the figure (TTS_COLD_ARGS added to cold_start.py's flags; TTS_BATCH=N
+      # the graph with its talker's and code2wav's max_batch at N: what serving c=64 as
+      # shipped would cost the start, in captures).
+      graph="$here/graphs/qwen3_tts.omni"
+      if [ -n "${TTS_BATCH:-}" ]; then
+        sed -E "/stage (talker|code2wav) /s/max_batch=[0-9]+/max_batch=$TTS_BATCH/" "$graph" \
+          > /tmp/qwen3_tts.omni && graph=/tmp/qwen3_tts.omni
+      fi
       for run in 1 2; do
         (cd /tmp && timeout ${TTS_COLD_S:-300} python3 "$here/benchmarks/cold_start.py" \
-          --graph "$here/graphs/qwen3_tts.omni" --devices 1xH200 --scaled 1 \
+          --graph "$graph" --devices 1xH200 --scaled 1 \
           --inputs '{"text": "Good morning, and welcome to the show.", "voice": "Vivian"}' \
           --params '{"max_tokens": 16}' ${TTS_COLD_ARGS:-}) 2>&1 \
           | grep -v -i "warn\|model config" | tee "$OUT/tts_cold_$run.log"
