@@ -52,8 +52,8 @@ an uploaded voice.
 The server is `omniflow run` on graphs/qwen3_tts.omni (its copies for the scaled folders,
 with `max_batch` raised to the largest level so that no request is refused; `--as-shipped`
 keeps the graph's own, and the requests it cannot take at once wait in its admission queue,
-four per request it serves), in executor processes; `--url` measures a running one instead (its pipelines named by `--model` and
-`--clone-model`). The scaled checkpoints never end speech (their end-of-speech row is
+four per request it serves), in executor processes; `--url` measures a running one instead
+(its pipelines named by `--model` and `--clone-model`). The scaled checkpoints never end speech (their end-of-speech row is
 zero), so every request speaks `--frames` frames; the tiny ones end where their random
 weights do.
 """

@@ -46,7 +46,6 @@ from omniflow.compiler import compile_file, compile_source
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.stage import Call
 from omniflow.runtime.sync_debug import ENV, StepSyncs
-from tests.backends.test_diffusion import GRAPH as TEXT_TO_IMAGE
 from tests.backends.test_diffusion import Stages, output, request
 from tests.backends.test_stateful_vocoder import Driver, code2wav, request_codes
 from tests.backends.test_token2wav_graphs import requests as token2wav_requests
@@ -208,18 +207,23 @@ def test_qwen2_5_omni_token2wav_windows_make_no_host_sync(device):
 # --- diffusion --------------------------------------------------------------------------------
 
 
+def denoiser_stages(graph: str, device: str) -> tuple[Stages, SteadySyncs]:
+    """A tiny diffusion graph's encoder and denoiser loaded on `device`, and the denoiser's
+    steps checked from now on, the steps in which a request starts too."""
+    on_device(device)
+    interpreter = Interpreter(tiny_plan(graph))
+    for name in ("encoder", "dit"):
+        interpreter.backends[name].close()
+        interpreter.backends[name] = load_backend(interpreter.specs[name], device)
+    return Stages(interpreter), SteadySyncs(interpreter.backends["dit"], "denoising", "error")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_qwen_image_denoising_steps_make_no_host_sync(device):
     """Two guided requests of different prompt lengths (padded rows: a mask) and an
     unguided one, starting a step apart, then sharing forwards with and without padding:
     every step under "error", the steps in which they start too."""
-    on_device(device)
-    interpreter = Interpreter(compile_file(TEXT_TO_IMAGE, devices="cpu", tiny=True))
-    for name in ("encoder", "dit"):
-        interpreter.backends[name].close()
-        interpreter.backends[name] = load_backend(interpreter.specs[name], device)
-    stages = Stages(interpreter)
-    dit = SteadySyncs(interpreter.backends["dit"], key="denoising", starts="error")
+    stages, dit = denoiser_stages("text_to_image.omni", device)
     requests = {
         "a": request("a red cat", 4),
         "b": request("a green field under a wide blue sky", 4),
@@ -237,13 +241,7 @@ def test_qwen_image_denoising_steps_make_no_host_sync(device):
 def test_qwen_image_edit_denoising_steps_make_no_host_sync(device):
     """Two edits, one guided, starting a step apart: every step under "error", the steps in
     which they start (the input image sent up and VAE-encoded) too."""
-    on_device(device)
-    interpreter = Interpreter(tiny_plan("image_edit.omni"))
-    for name in ("encoder", "dit"):
-        interpreter.backends[name].close()
-        interpreter.backends[name] = load_backend(interpreter.specs[name], device)
-    stages = Stages(interpreter)
-    dit = SteadySyncs(interpreter.backends["dit"], key="denoising", starts="error")
+    stages, dit = denoiser_stages("image_edit.omni", device)
     image = torch.randint(0, 256, (40, 56, 3), generator=torch.Generator().manual_seed(0))
 
     def edit(prompt: str, steps: int, guidance: float = 4.0) -> tuple:

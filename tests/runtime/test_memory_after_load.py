@@ -1,8 +1,9 @@
 """What an executor process says of its GPU once its stages loaded (`control.Memory`): torch's
 reserved bytes beside the budgets the plan gave its stages there, one line for a person
 watching the start; off CUDA it says nothing. And what its start took (`control.Started`,
-before its stages load): its Python's start and imports, its CUDA contexts. The `gpu` test checks a tiny graph's loads
-on cuda:0 against the plan's total for that GPU (its stages' budgets and CUDA contexts)."""
+before its stages load): its Python's start and imports, its CUDA contexts. The `gpu` test
+checks a tiny graph's loads on cuda:0 against the plan's total for that GPU (its stages'
+budgets and CUDA contexts)."""
 
 from pathlib import Path
 
