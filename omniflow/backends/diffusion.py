@@ -241,15 +241,21 @@ def unpack_prompts(hidden: torch.Tensor, header: torch.Tensor) -> list[torch.Ten
     return [hidden[i, 1 : 1 + n].clone() for i, n in enumerate(lengths)]
 
 
-def latent_statistics(config, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """A VAE's latent mean and the reciprocal of its std, `[1, C, 1, 1, 1]` on `device` as
-    `dtype` (the pipelines divide by the reciprocal; so do their callers, for the same bits),
-    sent without waiting for the stage's queued work (`readback.upload`)."""
+def latent_moments(config, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A VAE's latent mean and std, `[1, C, 1, 1, 1]` on `device` as `dtype`, sent without
+    waiting for the stage's queued work (`readback.upload`)."""
     shape = (1, config.z_dim, 1, 1, 1)
     mean, std = (
         upload(torch.tensor(values).view(shape), device, dtype)
         for values in (config.latents_mean, config.latents_std)
     )
+    return mean, std
+
+
+def latent_statistics(config, device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A VAE's latent mean and the reciprocal of its std (`latent_moments`): the pipelines'
+    decoders divide by the reciprocal; so do their callers, for the same bits."""
+    mean, std = latent_moments(config, device, dtype)
     return mean, 1.0 / std
 
 

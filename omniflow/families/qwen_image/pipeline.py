@@ -42,6 +42,7 @@ from omniflow.backends.diffusion import (
     Prepare,
     check_sizes,
     condition_image,
+    latent_moments,
     latent_statistics,
     timesteps_on,
 )
@@ -126,11 +127,10 @@ class QwenImageDenoising(Denoising):
 
 def encode_image(pipe, image: torch.Tensor) -> torch.Tensor:
     """An edit's image latents of `image` (on the device), as the edit pipeline's
-    `prepare_latents` makes them: the VAE's mode, normalised by the latents' statistics
-    (kept on the device since `setup`: the pipeline copies them up from lists each time),
-    packed."""
+    `prepare_latents` makes them: the VAE's mode, normalised by the latents' mean and std
+    (sent up without waiting: the pipeline copies them from pageable memory), packed."""
     latents = retrieve_latents(pipe.vae.encode(image), sample_mode="argmax")
-    mean, std = pipe.latents_stats
+    mean, std = latent_moments(pipe.vae.config, image.device, latents.dtype)
     latents = (latents - mean) / std
     _, channels, _, height, width = latents.shape
     return pipe._pack_latents(latents, 1, channels, height, width)
@@ -160,12 +160,6 @@ class QwenImagePipelines:
         pipe.vae_scale_factor = 2 ** len(config["temperal_downsample"])
         rope = pipe.transformer.pos_embed
         rope.pos_freqs, rope.neg_freqs = rope.pos_freqs.to(device), rope.neg_freqs.to(device)
-        if getattr(pipe, "vae", None) is not None:  # an edit's: its latents' statistics
-            shape = (1, pipe.vae.config.z_dim, 1, 1, 1)
-            pipe.latents_stats = [
-                torch.tensor(pipe.vae.config[key]).view(shape).to(device, pipe.vae.dtype)
-                for key in ("latents_mean", "latents_std")
-            ]
 
     def fuse_blocks(self, pipe, attend) -> None:
         """The transformer's blocks on fused kernels (the same computation)."""
