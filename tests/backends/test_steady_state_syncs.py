@@ -21,9 +21,8 @@ step had not started before it). That step builds the request's prompt (tokenise
 up, a voice clone's reference codes brought to the host for the decoder to send ahead),
 prefills it and joins it to its slot: once per request, and docs/architecture.md lists
 a prompt's encoding among the syncs left. Those steps run under "warn" instead, so the GPU
-log names what they sync. (An image-to-video request's start is not checked: its image is
-sent up and encoded as diffusers' `prepare_latents` does.) A vocoder leaves
-nothing out: its first step of a stream opens it (host state) and sends the
+log names what they sync. (Wan2.2's denoiser is not checked: UniPC's step, diffusers' own,
+copies its coefficients up from pageable memory every step.) A vocoder leaves nothing out: its first step of a stream opens it (host state) and sends the
 codes like every later one (`readback.upload`).
 
 On the CPU (the GPU tests' set-up, docs/testing.md) the same steps run on the static paths

@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 from diffusers import AutoencoderKLWan, WanImageToVideoPipeline, WanTransformer3DModel
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
+from diffusers.pipelines.wan.pipeline_wan_i2v import retrieve_latents
 from diffusers.video_processor import VideoProcessor
 
 from omniflow.backends.diffusion import (
@@ -182,22 +183,16 @@ class WanPipelines:
             boundary_t = boundary * scheduler.config.num_train_timesteps
             experts = [0 if t >= boundary_t else 1 for t in scheduler.timesteps.tolist()]
         timesteps = timesteps_on(scheduler, device)
+        # The noise as `prepare_latents` draws it (the request's generator is a host one, so
+        # its `randn_tensor` draws there, then copies up from pageable memory: a host sync
+        # that waits for every other request's queued steps), sent without waiting.
         condition = mask = None
-        if request.image is None:  # drawn on the host (as on `device`), sent without waiting
-            latents = pipe.prepare_latents(
-                1, transformer.config.in_channels, height, width, frames, torch.float32, "cpu",
-                generator,
-            )  # fmt: skip
-            latents = upload(latents, device)
-        else:
-            image = open_image(request.image)
-            pixels = pipe.video_processor.preprocess(image, height=height, width=width)
-            out = pipe.prepare_latents(
-                pixels.to(device, torch.float32), 1, pipe.vae.config.z_dim, height, width,
-                frames, torch.float32, device, generator,
-            )  # fmt: skip
-            latents, condition, *rest = out
-            mask = rest[0] if rest else None
+        channels = transformer.config.in_channels
+        if request.image is not None:  # (the condition's channels join the noise's each step)
+            channels = pipe.vae.config.z_dim
+            condition, mask = _condition(pipe, request.image, frames, height, width, device)
+        shape = (1, channels, *_latent_size(pipe, frames, height, width))
+        latents = upload(torch.randn(shape, generator=generator, dtype=torch.float32), device)
         return WanDenoising(
             pipe,
             request.prompts,
@@ -266,6 +261,40 @@ class WanPipelines:
     def decode_in_steps(self, vae, latents: torch.Tensor) -> WanFrameDecoding:
         """`decode` of one video a latent frame a step (the same frames)."""
         return WanFrameDecoding(vae, _vae_latents(vae, latents))
+
+
+def _latent_size(pipe, frames: int, height: int, width: int) -> tuple[int, int, int]:
+    """A video's latent frames, height and width."""
+    t, s = pipe.vae_scale_factor_temporal, pipe.vae_scale_factor_spatial
+    return (frames - 1) // t + 1, height // s, width // s
+
+
+def _condition(pipe, image, frames: int, height: int, width: int, device):
+    """An image-to-video request's conditioning and mask as the image-to-video pipeline's
+    `prepare_latents` makes them, with nothing copied up from pageable memory (a host sync:
+    it would wait for every other request's queued steps). The image resized, sent up and
+    VAE-encoded as the first of `frames` (the rest zeros; alone with `expand_timesteps`),
+    normalised by the latents' mean and std. A14B: the 4-channel first-frame mask (the
+    pipeline's, one channel per frame of the VAE's temporal scale: ones at the first latent
+    frame) before it by channels, no mask. TI2V (`expand_timesteps`): the condition, and a
+    mask of ones but for the first latent frame."""
+    pixels = pipe.video_processor.preprocess(open_image(image), height=height, width=width)
+    pixels = upload(pixels, device, torch.float32).unsqueeze(2)
+    expand = pipe.config.expand_timesteps
+    if not expand:
+        rest = pixels.new_zeros(*pixels.shape[:2], frames - 1, height, width)
+        pixels = torch.cat([pixels, rest], dim=2)
+    encoded = retrieve_latents(pipe.vae.encode(pixels.to(pipe.vae.dtype)), sample_mode="argmax")
+    mean, inverse_std = latent_statistics(pipe.vae.config, device, torch.float32)
+    condition = (encoded.to(torch.float32) - mean) * inverse_std
+    size = _latent_size(pipe, frames, height, width)
+    if expand:
+        mask = torch.ones(1, 1, *size, device=device)
+        mask[:, :, 0] = 0
+        return condition, mask
+    first = torch.zeros(1, pipe.vae_scale_factor_temporal, *size, device=device)
+    first[:, :, 0] = 1
+    return torch.cat([first, condition], dim=1), None
 
 
 def _vae_latents(vae, latents: torch.Tensor) -> torch.Tensor:
