@@ -155,8 +155,7 @@ def step_rows(plan, device: str, text_tokens: int, repeats: int, kernels: int = 
     hook = transformer.register_forward_pre_hook(
         lambda module, args, kwargs: seen.append(len(kwargs["hidden_states"])), with_kwargs=True
     )
-    backend.step([call])  # prepares the request, then its first step
-    assert call.error is None, call.error
+    first_step(backend, call)
     seen.clear()
     served = timed_ms(lambda: backend.step([call]), device, repeats)
     hook.remove()
@@ -168,6 +167,18 @@ def step_rows(plan, device: str, text_tokens: int, repeats: int, kernels: int = 
         ("cond, uncond apart", 2, 1, apart),
         ("backend step", forwards, seen[0], served),
     ]
+
+
+def first_step(backend: DiffusionSteps, call: Call) -> None:
+    """The request's first step, once the stage would run it: its conditioning's header on
+    the host (`ready`: copied without waiting, so on a GPU it lands a moment later). The
+    step prepares the request, then runs its first denoising step."""
+    deadline = time.monotonic() + 60
+    while not backend.ready(call):
+        assert time.monotonic() < deadline, "the request's conditioning never landed"
+        time.sleep(0.001)
+    backend.step([call])
+    assert call.error is None, call.error
 
 
 def stage_totals(engine: Engine) -> dict[str, tuple[int, int, int]]:

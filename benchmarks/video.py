@@ -61,7 +61,7 @@ from pathlib import Path
 import av
 import httpx
 import torch
-from diffusion import timed_ms
+from diffusion import first_step, timed_ms
 from PIL import Image
 from serve import Server
 from stage_steps import matmul_rate
@@ -181,8 +181,7 @@ def step_rows(plan, device: str, args, kernels: int):
         image.push(torch.zeros(args.height, args.width, 3, dtype=torch.uint8), end=True)
         inputs["image"] = image
     call = Call("step", params, inputs)
-    backend.step([call])  # prepares the request, then its first step
-    assert call.error is None, call.error
+    first_step(backend, call)
     rows.append(("backend step", timed_ms(lambda: backend.step([call]), device, args.repeats),
                  rows[0][2]))  # fmt: skip
     kernel = "diffusers' blocks" if backend.attention is None else backend.attention.kernel
