@@ -138,6 +138,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from omniflow.backends.cuda_graphs import capture_graph
 from omniflow.backends.sampling_params import Sampling
@@ -158,6 +159,11 @@ COLUMN_QUANTUM = 128
 # width, where its arithmetic outweighs its launches.
 PREFILL_QUANTUM = 16
 PREFILL_CAPTURED = 1024
+# The attention kernels of an eager prefill, whose shape (prompts x width) is new at almost
+# every batch of prompts: not cuDNN's, which SDPA prefers on Hopper but which builds a plan
+# for each new shape (a 30 ms host stall in the step that starts a batch of 10 Qwen3-TTS
+# prompts on an H100, before its first layer's attention launched).
+PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # Sub-steps a frame's second model may take: the stream steps of a frame's draws.
 MAX_SUB_STEPS = 64
 # The method that does each kind of `capture_plan`'s device work (looked up when run).
@@ -1004,9 +1010,10 @@ class StaticDecoder(DecoderCache):
                 for cache in (self.keys, self.values)
             )
             q = q.view(b, w, self.q_heads, d).transpose(1, 2)
-            out = F.scaled_dot_product_attention(
-                q, keys, values, is_causal=True, scale=self.scaling
-            )
+            with sdpa_kernel(PREFILL_ATTENTION):
+                out = F.scaled_dot_product_attention(
+                    q, keys, values, is_causal=True, scale=self.scaling
+                )
             return out.transpose(1, 2).reshape(b * w, -1)
 
         slot = where.repeat_interleave(w)
