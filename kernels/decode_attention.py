@@ -1,0 +1,212 @@
+"""A decode step's attention over a static KV cache, each row over its own filled columns,
+whose count the kernel reads on the device: `[B, Hkv, G, d]` queries (the G query heads of
+each key/value head) against a layer's cache `[slots, Hkv, C, d]`, row b over columns
+0..filled[b]. A Triton kernel pair on CUDA (flash decoding: the columns split into chunks
+run in parallel, each with its own running softmax, then one pass combines them), and the
+torch reference (`reference`: SDPA over the first `length` columns with the mask the
+static step uses) it is tested against.
+
+Why: torch's attention takes the columns it reads as a shape, so the static decode step
+attends over a length bucket T (a power of two past the longest row) and needs a CUDA graph
+per (batch, T) pair: 6 lengths x 11 batch buckets for a 4,096-column cache at batch 64. Here
+the columns a row reads are data, so one graph per batch bucket serves every length, and a
+row reads only its own columns (a chunk past a row's last column exits at once).
+
+Numerics: scores and the running softmax in float32, the probabilities rounded to the
+cache's dtype for their product with the values (as flash attention does), the output
+rounded once; float32 operands (and every operand off CUDA: Triton's interpreter cannot
+multiply bf16 matrices) in float32 products. Against the reference on bf16 within a few
+steps of the dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from omniflow.errors import OmniflowError
+from omniflow.kernels.triton_guard import jit, on_triton, tl, triton
+
+# Columns a program reads per tile, and the most chunks a row's columns are split into.
+BLOCK_N = 64
+MAX_SPLITS = 32
+# A chunk is at least this many columns: shorter ones would only add partials to combine.
+MIN_CHUNK = 256
+
+
+class DecodeAttentionError(OmniflowError):
+    """Queries, cache or lengths of shapes that do not fit together."""
+
+
+@jit
+def _chunk_kernel(
+    q_ptr, k_ptr, v_ptr, filled_ptr, m_ptr, l_ptr, acc_ptr, scale, columns, chunk,
+    q_sb, q_sh, q_sg, k_sb, k_sh, k_sc, v_sb, v_sh, v_sc,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, IN_FLOAT32: tl.constexpr,
+):  # fmt: skip
+    """One (row, key/value head, chunk): its queries against the chunk's columns up to the
+    row's last, an online softmax; writes the chunk's running max, sum and weighted values
+    (max -inf, sum 0 where the chunk starts past the row's last column)."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    last = tl.minimum(tl.load(filled_ptr + b), columns - 1)
+    start = split * chunk
+    end = tl.minimum(start + chunk, last + 1)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    q_mask = (g[:, None] < G) & (d[None, :] < D)
+    q = tl.load(
+        q_ptr + b * q_sb + h * q_sh + g[:, None] * q_sg + d[None, :], mask=q_mask, other=0.0
+    )
+    if IN_FLOAT32:
+        q = q.to(tl.float32)
+    top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    keys = k_ptr + b * k_sb + h * k_sh
+    values = v_ptr + b * v_sb + h * v_sh
+    for first in range(start, end, BLOCK_N):
+        n = first + tl.arange(0, BLOCK_N)
+        inside = n < end
+        k = tl.load(
+            keys + n[None, :] * k_sc + d[:, None],
+            mask=inside[None, :] & (d[:, None] < D),
+            other=0.0,
+        )
+        if IN_FLOAT32:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, k, input_precision="ieee" if IN_FLOAT32 else "tf32") * scale
+        scores = tl.where(inside[None, :], scores, float("-inf"))
+        new_top = tl.maximum(top, tl.max(scores, 1))
+        p = tl.exp(scores - new_top[:, None])
+        keep = tl.exp(top - new_top)
+        total = total * keep + tl.sum(p, 1)
+        v = tl.load(
+            values + n[:, None] * v_sc + d[None, :],
+            mask=inside[:, None] & (d[None, :] < D),
+            other=0.0,
+        )
+        if IN_FLOAT32:
+            v = v.to(tl.float32)
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee" if IN_FLOAT32 else "tf32")
+        acc = acc * keep[:, None] + pv
+        top = new_top
+    at = ((b * tl.num_programs(1) + h) * tl.num_programs(2) + split) * BLOCK_G + g
+    tl.store(m_ptr + at, top)
+    tl.store(l_ptr + at, total)
+    tl.store(acc_ptr + at[:, None] * BLOCK_D + d[None, :], acc)
+
+
+@jit
+def _combine_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, o_sb, o_sh, o_sg,
+    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr,
+):  # fmt: skip
+    """One (row, key/value head): its chunks' partial softmaxes combined into its output."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    base = (b * tl.num_programs(1) + h) * SPLITS
+    top = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    for split in range(SPLITS):
+        top = tl.maximum(top, tl.load(m_ptr + (base + split) * BLOCK_G + g))
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for split in range(SPLITS):
+        at = (base + split) * BLOCK_G + g
+        weight = tl.exp(tl.load(m_ptr + at) - top)
+        total += weight * tl.load(l_ptr + at)
+        acc += weight[:, None] * tl.load(acc_ptr + at[:, None] * BLOCK_D + d[None, :])
+    out = acc / total[:, None]
+    mask = (g[:, None] < G) & (d[None, :] < D)
+    where = out_ptr + b * o_sb + h * o_sh + g[:, None] * o_sg + d[None, :]
+    tl.store(where, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, filled: torch.Tensor):
+    if q.dim() != 4 or keys.dim() != 4 or keys.shape != values.shape:
+        raise DecodeAttentionError(
+            f"q must be [B, Hkv, G, d] and keys, values [slots, Hkv, C, d], not "
+            f"{list(q.shape)}, {list(keys.shape)}, {list(values.shape)}"
+        )
+    b, heads, _, d = q.shape
+    if keys.shape[0] < b or keys.shape[1] != heads or keys.shape[3] != d:
+        raise DecodeAttentionError(
+            f"a cache {list(keys.shape)} does not hold queries {list(q.shape)}: it needs "
+            f">= {b} slots of {heads} heads of {d}"
+        )
+    if filled.shape != (b,):
+        raise DecodeAttentionError(f"filled must be [{b}], not {list(filled.shape)}")
+    if q.stride(3) != 1 or keys.stride(3) != 1 or values.stride(3) != 1:
+        raise DecodeAttentionError("q, keys and values need contiguous head dims")
+
+
+def splits_for(columns: int) -> int:
+    """The chunks a row's `columns` are split into: chunks of at least MIN_CHUNK columns,
+    at most MAX_SPLITS of them (a fixed count per cache, so a captured step's grid never
+    changes with the rows' lengths)."""
+    return max(1, min(MAX_SPLITS, math.ceil(columns / MIN_CHUNK)))
+
+
+def decode_attention_triton(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, filled: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`[B, Hkv, G, d]`: each row's queries over its columns 0..filled[b] (clamped to the
+    cache) of its slot b. Device work only: no shape depends on `filled`."""
+    _check(q, keys, values, filled)
+    b, heads, group, d = q.shape
+    columns = keys.shape[2]
+    splits = splits_for(columns)
+    chunk = math.ceil(math.ceil(columns / splits) / BLOCK_N) * BLOCK_N
+    block_g, block_d = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(d))
+    out = torch.empty_like(q)
+    if b == 0:
+        return out
+    partial = (b, heads, splits, block_g)
+    top = torch.empty(partial, dtype=torch.float32, device=q.device)
+    total = torch.empty_like(top)
+    acc = torch.empty(*partial, block_d, dtype=torch.float32, device=q.device)
+    _chunk_kernel[(b, heads, splits)](
+        q, keys, values, filled, top, total, acc, scale, columns, chunk,
+        q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+        IN_FLOAT32=q.dtype == torch.float32 or not q.is_cuda,
+    )  # fmt: skip
+    _combine_kernel[(b, heads)](
+        top, total, acc, out, out.stride(0), out.stride(1), out.stride(2),
+        G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, SPLITS=splits,
+    )  # fmt: skip
+    return out
+
+
+def reference(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    filled: torch.Tensor,
+    scale: float,
+    length: int | None = None,
+) -> torch.Tensor:
+    """The static step's attention: SDPA over the first `length` columns (default: every
+    one), column j visible to row b where j <= filled[b]."""
+    _check(q, keys, values, filled)
+    b, columns = q.shape[0], keys.shape[2]
+    length = columns if length is None else length
+    visible = torch.arange(length, device=q.device)[None] <= filled[:, None]
+    mask = torch.where(visible, 0.0, -math.inf).to(q.dtype)[:, None, None]
+    keys, values = keys[:b, :, :length], values[:b, :, :length]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+
+
+def decode_attention(q, keys, values, filled, scale: float) -> torch.Tensor:
+    """The kernels on CUDA (and under Triton's interpreter), the reference elsewhere."""
+    if on_triton(q):
+        return decode_attention_triton(q, keys, values, filled, scale)
+    return reference(q, keys, values, filled, scale)
