@@ -21,6 +21,7 @@ second.
 
     python benchmarks/tts_frames.py                      # on a GPU: eager and graphs, 1/16/64
     python benchmarks/tts_frames.py --tiny --modes eager static --batches 1 4 --steps 4
+    python benchmarks/tts_frames.py --modes graphs lengths --max-len 4096   # attention by length
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.stage_steps import close_stage, replay_ms, step_when_ready, sync  # noqa: E402
 from benchmarks.tts_serve import CUSTOM, TEXT  # noqa: E402
+from omniflow.backends.static_decode import StaticDecoder  # noqa: E402
 from omniflow.backends.transformers_ar import TransformersAR  # noqa: E402
 from omniflow.compiler import compile_source  # noqa: E402
 from omniflow.runtime.stage import Call, InputStream, StageSpec  # noqa: E402
@@ -45,7 +47,7 @@ from omniflow.runtime.stage import Call, InputStream, StageSpec  # noqa: E402
 SOURCE = """
 pipeline frames {{
   model {model}
-  stage talker = ar(component="talker", max_batch={slots}, max_len=256, max_tokens={frames},
+  stage talker = ar(component="talker", max_batch={slots}, max_len={max_len}, max_tokens={frames},
                     language="English", decode="{decode}")
   input text: text -> talker
   input voice: text = "" -> talker.voice
@@ -54,11 +56,25 @@ pipeline frames {{
 """
 
 
-def backend_for(model: str, mode: str, slots: int, frames: int, device: str):
-    source = SOURCE.format(model=f'"{model}"', slots=slots, frames=frames, decode=mode)
+def backend_for(model: str, mode: str, slots: int, frames: int, device: str, max_len: int):
+    """The talker stage in decode `mode`; "lengths" is "graphs" with the step's attention
+    reading each row's length on the device (`StaticDecoder(bucketed=False)`: one step graph
+    per batch bucket), its static decoder rebuilt so (from "static": nothing captured twice)."""
+    decode = "static" if mode == "lengths" else mode
+    source = SOURCE.format(
+        model=f'"{model}"', slots=slots, frames=frames, decode=decode, max_len=max_len
+    )
     plan = compile_source(source, devices="1xH200" if device.startswith("cuda") else "cpu")
     start = time.perf_counter()
     backend = TransformersAR(StageSpec.from_channels(plan.stage("talker"), plan.channels), device)
+    if mode == "lengths":
+        static, c = backend.static, backend.component
+        backend.static = None
+        static.close()
+        backend.static = StaticDecoder(
+            c, slots=static.slots, columns=static.columns, device=device, capture=device.startswith("cuda"),
+            extra=static.has_extra, frames=c.frame_spec, bucketed=False,
+        )  # fmt: skip
     sync(device)
     return backend, time.perf_counter() - start
 
@@ -119,7 +135,8 @@ def frame_times(backend: TransformersAR, batch: int, steps: int, frames: int) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", nargs="+", default=["eager", "graphs"],
-                        choices=["eager", "static", "graphs"])  # fmt: skip
+                        choices=["eager", "static", "graphs", "lengths"])  # fmt: skip
+    parser.add_argument("--max-len", type=int, default=256, help="the talker's cache columns")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=24, help="timed decode steps")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint (any machine)")
@@ -138,7 +155,7 @@ def main() -> int:
     slots, frames = max(args.batches), args.steps + 16
     rows = []
     for mode in args.modes:
-        backend, load_s = backend_for(model, mode, slots, frames, args.device)
+        backend, load_s = backend_for(model, mode, slots, frames, args.device, args.max_len)
         static = backend.static
         note = f"{mode} ({backend.decode}): loaded in {load_s:.1f} s"
         if static is not None:

@@ -31,23 +31,26 @@ so the host's work of a step runs while the device computes the next one, and it
 step t's ids only once they have landed: until then it returns to the executor's loop,
 which drives the other stages of the process meanwhile (a host wait would stall them all).
 
-Buckets. A step runs at a batch bucket B >= the number of rows (1, 2, 4, then multiples of
-8 up to max_batch, as vLLM pads) and a length bucket T > the longest active row's length
+Buckets. A step runs at a batch bucket B >= the number of rows (1, 2, 4, then multiples of 8
+up to max_batch, as vLLM pads) and a length bucket T > the longest active row's length
 (powers of two from 128, then `columns`): rows past the live ones and rows not advancing
-this step compute and are discarded. A step is two pieces of device work queued back to
-back with nothing read between them: the LM's step at (B, T) (`_run`: its layers, each
-active row's key into its next column) and the step's finish at B (`_finish`: the head, the
-masks, the sampler, a frame's completion, the rows' advance), which reads only B rows and
-so has no length bucket. With `capture`, every (B, T) step and every B's finish is captured
-into a CUDA graph at load (`capture_plan`), largest first, all in one memory pool (the
-graphs never run at once), and `launch` replays its buckets' two graphs: no capture happens
-after load (`captures` counts them, `dispatched` what each step replayed by kind and key,
-eager or not). Without it, `launch` runs the same functions eagerly at the same shapes, so
-replays and the eager step compute identical results. Capturing takes most of a stage's
-load, so it runs no more than it must: an eager warm-up run before a capture only where
-something has not yet run at those shapes (`capture_plan` says why each batch bucket's
-shorter lengths need none), and a talker's frame once per batch bucket, in the finish, not
-once per (B, T) (`capture_work` counts what that saves).
+this step compute and are discarded. A step is two pieces of device work queued back to back
+with nothing read between them: the LM's step at (B, T) (`_run`: its layers, each active
+row's key into its next column) and the step's finish at B (`_finish`: the head, the masks,
+the sampler, a frame's completion, the rows' advance), which reads only B rows and so has no
+length bucket. With `capture`, every (B, T) step and every B's finish is captured into a
+CUDA graph at load (`capture_plan`), largest first, all in one memory pool (the graphs never
+run at once), and `launch` replays its buckets' two graphs: no capture happens after load
+(`captures` counts them, `dispatched` what each step replayed by kind and key, eager or
+not). Without it, `launch` runs the same functions eagerly at the same shapes, so replays
+and the eager step compute identical results. A fused step built without `bucketed` attends
+through the `decode_attention` kernel instead, which reads each row's filled columns on the
+device: its one length is the whole cache, so a batch bucket has one step graph (not yet the
+default: benchmarks/decode_attention.py is to say on a GPU whether it is as fast). Capturing
+takes most of a stage's load, so it runs no more than it must: an eager warm-up run before a
+capture only where something has not yet run at those shapes (`capture_plan` says why each
+batch bucket's shorter lengths need none), and a talker's frame once per batch bucket, in
+the finish, not once per (B, T) (`capture_work` counts what that saves).
 
 The fused step (`fused`, the default on CUDA where `fusable`): each layer's q/k/v and
 gate/up projections are merged into one matrix each (the model's own projections become
@@ -143,7 +146,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from omniflow.backends.cuda_graphs import capture_graph
 from omniflow.backends.sampling_params import Sampling
 from omniflow.backends.tapped_decoder import untapped
-from omniflow.kernels import fused_moe, rms_norm, rope_cache, silu_mul, skinny_matmul
+from omniflow.kernels import (
+    decode_attention,
+    fused_moe,
+    rms_norm,
+    rope_cache,
+    silu_mul,
+    skinny_matmul,
+)
 from omniflow.kernels import sampling as sampler
 from omniflow.runtime.readback import HostCopies, HostCopy, HostTurn, upload
 
@@ -420,6 +430,9 @@ class DecoderCache:
         self.scaling = attention.scaling
         self.slots, self.columns, self.device = slots, columns, torch.device(device)
         self.fused = fused
+        # Whether the fused step attends through `decode_attention`, which reads each row's
+        # filled columns on the device, over the whole cache (`StaticDecoder`'s `bucketed`).
+        self.reads_lengths = False
         self.merged = [_merged(layer) for layer in self.layers] if fused else []
         with torch.inference_mode():
             shape = (len(self.layers), slots, self.kv_heads, columns, self.head_dim)
@@ -458,12 +471,19 @@ class DecoderCache:
 
     def _decode_fused(self, x, cos, sin, filled, length: int) -> torch.Tensor:
         b, d, group = x.shape[0], self.head_dim, self.q_heads // self.kv_heads
-        visible = self.columns_index[:length][None] <= filled[:, None]
-        mask = torch.where(visible, 0.0, -math.inf).to(x.dtype)[:, None, None]
+        if not self.reads_lengths:
+            visible = self.columns_index[:length][None] <= filled[:, None]
+            mask = torch.where(visible, 0.0, -math.inf).to(x.dtype)[:, None, None]
 
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
-            keys, values = self.keys[i, :b, :, :length], self.values[i, :b, :, :length]
-            out = self._attend(q.view(b, self.kv_heads, group, d), keys, values, mask)
+            q = q.view(b, self.kv_heads, group, d)
+            if self.reads_lengths:  # each row over its own columns, read on the device
+                out = decode_attention.decode_attention(
+                    q, self.keys[i], self.values[i], filled, self.scaling
+                )
+            else:
+                keys, values = self.keys[i, :b, :, :length], self.values[i, :b, :, :length]
+                out = self._attend(q, keys, values, mask)
             return out.reshape(b, self.q_heads * d)
 
         return self._fused(x, cos, sin, filled, attend)
@@ -718,6 +738,7 @@ class StaticDecoder(DecoderCache):
         extra: bool,
         fused: bool | None = None,
         frames: FrameSpec | None = None,
+        bucketed: bool = True,
     ):
         if columns % COLUMN_QUANTUM or columns <= 0:
             raise ValueError(f"columns must be a positive multiple of {COLUMN_QUANTUM}")
@@ -729,7 +750,11 @@ class StaticDecoder(DecoderCache):
         self.component = component
         self.has_extra = extra
         self.batch_buckets = batch_buckets(slots)
-        self.length_buckets = length_buckets(columns)
+        # Without `bucketed` (on the fused step only), each row's attention reads its own
+        # columns on the device (`decode_attention`): one length, the whole cache, so one
+        # step graph per batch bucket. (Not yet the default: its GPU benchmark first.)
+        self.reads_lengths = fused and not bucketed
+        self.length_buckets = [columns] if self.reads_lengths else length_buckets(columns)
         # The LM's step by (batch, length) bucket; a step's finish (sampling, the frames, the
         # advance) by batch bucket: a step replays both, a prefill's first tokens the finish.
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}

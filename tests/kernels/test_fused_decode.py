@@ -2,8 +2,10 @@
 RMSNorm, (q/k norms and) rotary + cache write, SiLU x up), interpreted on the CPU: tiny:qwen2,
 the tiny Qwen2.5-Omni thinker and a random Qwen3 LM decode the tokens the op-by-op static
 step decodes (and so HF's `generate`: tests/backends/test_transformers_ar.py), with requests
-batched at different lengths and one leaving early; the tiny Qwen3-TTS talker, its frames
-completed inside the step (the code predictor fused too), the op-by-op step's codes."""
+batched at different lengths and one leaving early, and tiny:qwen2 the same with the step's
+attention reading each row's length on the device (`decode_attention`); the tiny Qwen3-TTS
+talker, its frames completed inside the step (the code predictor fused too), the op-by-op
+step's codes."""
 
 import torch
 
@@ -31,22 +33,26 @@ PROMPTS = ["Tell me a short story.", "hi", "red hello short short cat small hell
 SYSTEM = {"role": "system", "content": "Be brief."}
 
 
-def static_backend(model: str, fused: bool, component=None) -> TransformersAR:
+def static_backend(
+    model: str, fused: bool, component=None, bucketed: bool = True
+) -> TransformersAR:
     """The model's `lm` stage on the static path (`component` in place of the model's),
     on the fused layers or op by op."""
     torch.set_num_threads(1)
     plan = compile_source(SOURCE.format(model=model, component=MODELS[model]), devices="cpu")
     spec = stage_spec(plan, "lm")
-    return with_fused(TransformersAR(spec, "cpu", component), fused)
+    return with_fused(TransformersAR(spec, "cpu", component), fused, bucketed)
 
 
-def with_fused(backend: TransformersAR, fused: bool) -> TransformersAR:
-    """`backend` with its static decoder rebuilt on the fused layers where `fused`."""
+def with_fused(backend: TransformersAR, fused: bool, bucketed: bool = True) -> TransformersAR:
+    """`backend` with its static decoder rebuilt on the fused layers where `fused` (without
+    `bucketed`, attending through `decode_attention` over the whole cache)."""
     static = backend.static
     if fused:
         backend.static = StaticDecoder(
             backend.component, slots=static.slots, columns=static.columns, device="cpu",
             capture=False, extra=static.has_extra, fused=True, frames=backend.component.frame_spec,
+            bucketed=bucketed,
         )  # fmt: skip
     return backend
 
@@ -60,11 +66,15 @@ def calls_for(max_tokens: list[int]) -> list[Call]:
     return calls
 
 
-def decode(model: str, fused: bool) -> list[list[int]]:
+def decode(model: str, fused: bool, bucketed: bool = True) -> list[list[int]]:
     """Greedy tokens of PROMPTS batched (joining at steps 0, 1, 1) on the static path."""
-    backend = static_backend(model, fused)
+    backend = static_backend(model, fused, bucketed=bucketed)
     outputs = run(backend, calls_for([10, 4, 10]), joins=[0, 1, 1])
     assert backend.static is None or backend.static.fused == fused
+    if fused:
+        static = backend.static
+        assert static.reads_lengths != bucketed
+        assert bucketed or static.length_buckets == [static.columns]
     return [out.tokens for out in outputs]
 
 
@@ -91,11 +101,11 @@ def prefilled(model: str, fused: bool) -> dict:
     }
 
 
-def decode_each(fused: bool) -> list[list[list[int]]]:
+def decode_each(fused: bool, bucketed: bool = True) -> list[list[list[int]]]:
     """`decode` for every model, then for the Qwen3 LM."""
-    backend = static_backend("tiny:qwen2", fused, qwen3_lm())
+    backend = static_backend("tiny:qwen2", fused, qwen3_lm(), bucketed)
     qwen3 = [out.tokens for out in run(backend, calls_for([10, 4, 10]), joins=[0, 1, 1])]
-    return [*(decode(model, fused) for model in MODELS), qwen3]
+    return [*(decode(model, fused, bucketed) for model in MODELS), qwen3]
 
 
 def tts_frames(fused: bool) -> list[torch.Tensor]:
@@ -126,6 +136,13 @@ def test_the_fused_step_decodes_the_op_by_op_steps_tokens(interpret):
         MODELS
     )
     assert interpret(decode_each, True) == want
+
+
+def test_the_step_reading_each_rows_length_decodes_the_op_by_op_steps_tokens(interpret):
+    """The fused step attending through `decode_attention` (each row over its own columns,
+    read on the device) over the whole cache: one length bucket, the same tokens (tiny:qwen2
+    alone: each interpreted attention costs in proportion to the cache's columns)."""
+    assert interpret(decode, "tiny:qwen2", True, False) == decode("tiny:qwen2", fused=False)
 
 
 def test_the_fused_step_completes_the_op_by_op_steps_frames(interpret):
