@@ -35,7 +35,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# (appended: the tree's root first would put its kernels/ before PyPI's `kernels`, which
+# transformers imports)
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.stage_steps import close_stage, replay_ms, step_when_ready, sync  # noqa: E402
 from benchmarks.tts_serve import CUSTOM, TEXT  # noqa: E402

@@ -21,6 +21,7 @@ steps of the dtype.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -34,6 +35,10 @@ BLOCK_N = 64
 MAX_SPLITS = 32
 # A chunk is at least this many columns: shorter ones would only add partials to combine.
 MIN_CHUNK = 256
+# Programs per SM the chunks aim for: beyond it (large batches) a split only adds a partial
+# to write and combine (at batch 64, 16 chunks a row made short rows' attention 1.9x
+# slower than SDPA's on an H100: benchmarks/decode_attention.py).
+PROGRAMS_PER_SM = 4
 
 
 class DecodeAttentionError(OmniflowError):
@@ -95,10 +100,15 @@ def _chunk_kernel(
         pv = tl.dot(p.to(v.dtype), v, input_precision="ieee" if IN_FLOAT32 else "tf32")
         acc = acc * keep[:, None] + pv
         top = new_top
-    at = ((b * tl.num_programs(1) + h) * tl.num_programs(2) + split) * BLOCK_G + g
-    tl.store(m_ptr + at, top)
-    tl.store(l_ptr + at, total)
-    tl.store(acc_ptr + at[:, None] * BLOCK_D + d[None, :], acc)
+    # The chunk's partials, its G rows (an empty chunk's max -inf and sum 0, and no values:
+    # the combine weighs it 0 and reads none).
+    at = ((b * tl.num_programs(1) + h) * tl.num_programs(2) + split) * G + g
+    tl.store(m_ptr + at, top, mask=g < G)
+    tl.store(l_ptr + at, total, mask=g < G)
+    rows = tl.where(start < end, G, 0)
+    tl.store(
+        acc_ptr + at[:, None] * D + d[None, :], acc, mask=(g[:, None] < rows) & (d[None, :] < D)
+    )
 
 
 @jit
@@ -113,18 +123,22 @@ def _combine_kernel(
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
     base = (b * tl.num_programs(1) + h) * SPLITS
+    mask = (g[:, None] < G) & (d[None, :] < D)
     top = tl.full([BLOCK_G], float("-inf"), tl.float32)
     for split in range(SPLITS):
-        top = tl.maximum(top, tl.load(m_ptr + (base + split) * BLOCK_G + g))
+        top = tl.maximum(top, tl.load(m_ptr + (base + split) * G + g, mask=g < G, other=0.0))
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for split in range(SPLITS):
-        at = (base + split) * BLOCK_G + g
-        weight = tl.exp(tl.load(m_ptr + at) - top)
-        total += weight * tl.load(l_ptr + at)
-        acc += weight[:, None] * tl.load(acc_ptr + at[:, None] * BLOCK_D + d[None, :])
+        at = (base + split) * G + g
+        chunk_top = tl.load(m_ptr + at, mask=g < G, other=float("-inf"))
+        weight = tl.exp(chunk_top - top)
+        total += weight * tl.load(l_ptr + at, mask=g < G, other=0.0)
+        some = mask & (chunk_top > float("-inf"))[:, None]  # (an empty chunk wrote no values)
+        acc += weight[:, None] * tl.load(
+            acc_ptr + at[:, None] * D + d[None, :], mask=some, other=0.0
+        )
     out = acc / total[:, None]
-    mask = (g[:, None] < G) & (d[None, :] < D)
     where = out_ptr + b * o_sb + h * o_sh + g[:, None] * o_sg + d[None, :]
     tl.store(where, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -147,11 +161,21 @@ def _check(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, filled: to
         raise DecodeAttentionError("q, keys and values need contiguous head dims")
 
 
-def splits_for(columns: int) -> int:
-    """The chunks a row's `columns` are split into: chunks of at least MIN_CHUNK columns,
-    at most MAX_SPLITS of them (a fixed count per cache, so a captured step's grid never
-    changes with the rows' lengths)."""
-    return max(1, min(MAX_SPLITS, math.ceil(columns / MIN_CHUNK)))
+def splits_for(columns: int, programs: int, sms: int) -> int:
+    """The chunks a row's `columns` are split into, where `programs` (rows x heads) run on a
+    GPU of `sms` SMs: enough to give each SM PROGRAMS_PER_SM programs, in chunks of at least
+    MIN_CHUNK columns, at most MAX_SPLITS (fixed by the shapes, never the rows' lengths, so a
+    captured step's grid is the one it replays)."""
+    wanted = math.ceil(PROGRAMS_PER_SM * sms / max(programs, 1))
+    return max(1, min(MAX_SPLITS, math.ceil(columns / MIN_CHUNK), wanted))
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    """The SMs of a CUDA device; a GPU's worth elsewhere (Triton's interpreter)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def decode_attention_triton(
@@ -162,16 +186,16 @@ def decode_attention_triton(
     _check(q, keys, values, filled)
     b, heads, group, d = q.shape
     columns = keys.shape[2]
-    splits = splits_for(columns)
+    splits = splits_for(columns, b * heads, _sms(q.device))
     chunk = math.ceil(math.ceil(columns / splits) / BLOCK_N) * BLOCK_N
     block_g, block_d = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(d))
     out = torch.empty_like(q)
     if b == 0:
         return out
-    partial = (b, heads, splits, block_g)
+    partial = (b, heads, splits, group)
     top = torch.empty(partial, dtype=torch.float32, device=q.device)
     total = torch.empty_like(top)
-    acc = torch.empty(*partial, block_d, dtype=torch.float32, device=q.device)
+    acc = torch.empty(*partial, d, dtype=torch.float32, device=q.device)
     _chunk_kernel[(b, heads, splits)](
         q, keys, values, filled, top, total, acc, scale, columns, chunk,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),

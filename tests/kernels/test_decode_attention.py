@@ -66,11 +66,15 @@ def test_the_reference_over_a_length_bucket_is_the_whole_caches():
     torch.testing.assert_close(attention.reference(q, keys, values, filled, scale, 38), whole)
 
 
-def test_splits_are_fixed_by_the_cache():
-    assert attention.splits_for(64) == 1
-    assert attention.splits_for(640) == 3
-    assert attention.splits_for(4096) == 16
-    assert attention.splits_for(1 << 20) == attention.MAX_SPLITS
+def test_splits_fill_the_gpu_in_chunks_of_the_cache():
+    """As many chunks as give each of 132 SMs 4 programs, within the cache's chunks."""
+    assert attention.splits_for(64, 8, 132) == 1  # one chunk's worth of columns
+    assert attention.splits_for(640, 8, 132) == 3
+    assert attention.splits_for(4096, 8, 132) == 16  # batch 1, 8 heads
+    assert attention.splits_for(4096, 16 * 8, 132) == 5
+    assert attention.splits_for(4096, 64 * 8, 132) == 2
+    assert attention.splits_for(4096, 1024, 132) == 1
+    assert attention.splits_for(1 << 20, 1, 132) == attention.MAX_SPLITS
 
 
 def test_shapes_are_checked():
