@@ -12,6 +12,11 @@ same arithmetic the server exports) and how many requests got 503.
 `--orders slack arrival` serves the graph once per vocoder `order` (whose window a step
 decodes first), one after the other in the same run, and prints their rows together.
 
+`--trace FILE` then runs a round at each `--trace-concurrency` (default 1 and 10) under the
+server's own profiler (`--trace-gpu`: with the CUDA kernels) into FILE, and prints where the
+rounds' first packets waited (the mean TTFP critical path, beside the client's TTFP) and
+each stage's steps, as benchmarks/tts_serve.py does.
+
     python benchmarks/load.py --tiny --concurrency 1 4                    # on the tiny models
     python benchmarks/load.py --devices 1xH200 --scaled 1 --concurrency 1 10 32 64
     python benchmarks/load.py --graph graphs/qwen3_omni.omni --devices 1xH200 --scaled 1
@@ -46,7 +51,7 @@ import httpx
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serve import Server, chat_deltas, percentile  # noqa: E402
+from benchmarks.serve import Server, chat_deltas, percentile, print_profile  # noqa: E402
 from omniflow.server.playback import Playback  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,6 +181,17 @@ def report(order: str, clients: int, results: list[dict], wall: float) -> str:
     )
 
 
+def traced(server: Server, model: str, workload: dict, args) -> None:
+    """A round at each `--trace-concurrency` under the server's profiler (`--trace`), and
+    where their first packets waited (`serve.print_profile`)."""
+
+    def send(clients: int):
+        return lambda: asyncio.run(level(server.base, model, workload, clients, args.rounds))[0]
+
+    rounds = {f"c={c}": (send(c), c * args.rounds) for c in args.trace_concurrency}
+    print_profile(server, model, rounds, args.trace, args.trace_gpu)
+
+
 def on_models(source: str, scaled: float | None, tiny: bool, devices: str) -> tuple[str, list]:
     """A graph's source and the server flags for its models: the random-weight build of its
     model at `scaled` x its layers (built once into the cache), else its tiny models with
@@ -205,6 +221,11 @@ def main() -> None:
     parser.add_argument(
         "--orders", nargs="+", choices=("slack", "arrival"), help="the vocoder orders to compare"
     )
+    parser.add_argument(
+        "--trace", type=Path, help="then profile a round at each --trace-concurrency into FILE"
+    )
+    parser.add_argument("--trace-concurrency", type=int, nargs="+", default=[1, 10])
+    parser.add_argument("--trace-gpu", action="store_true", help="the trace has the CUDA kernels")
     args = workload_args(parser.parse_args())
     source = Path(args.graph).read_text()
     name = re.search(r"pipeline (\w+)", source).group(1)
@@ -234,6 +255,8 @@ def main() -> None:
                     )
                     rows.append(report(order, clients, results, wall))
                     print(rows[-1], flush=True)
+                if args.trace and order == (args.orders or ["default"])[0]:
+                    traced(server, name, workload, args)
             finally:
                 server.stop()
     preset = f"preset {args.preset}: " if args.preset else ""

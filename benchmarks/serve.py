@@ -74,6 +74,54 @@ def print_paths(title: str, paths: dict[str, list[dict[str, float]]]) -> None:
         print(f"{part:>40} " + " ".join(f"{m:11.1f}" for m in means))
 
 
+def print_profile(server: Server, model: str, rounds: dict, trace: Path, gpu: bool) -> None:
+    """`rounds` (name -> (run, requests): `run()` sends the round's requests and returns the
+    client's results, dicts with "ttfp" in ms) one after another under the server's profiler
+    for pipeline `model`, the trace in `trace`; prints the mean TTFP critical path of each
+    round's requests, the client's TTFP beside it, and each stage's steps (count, mean batch,
+    median / p90 / max ms, and the median of the steps in which a request started: a prefill
+    and first output)."""
+    from omniflow.profiler.analysis import timelines
+
+    measured = {}  # round -> the client's results
+
+    def run() -> None:
+        for name, (send, _) in rounds.items():
+            measured[name] = send()
+
+    profile, _ = server.profiled(run, trace, gpu, model)
+    spoken = [r for r in timelines(profile) if "audio" in r.path_ttfp]  # by start
+    paths, start = {}, 0
+    for name, (_, total) in rounds.items():
+        paths[name] = [r.path_ttfp["audio"] for r in spoken[start : start + total]]
+        start += total
+    print_paths(f"\n{model}: TTFP critical path, mean ms (trace: {trace})", paths)
+    # The path runs from the request's inputs going out of the frontend to its first audio
+    # taken there: the rest of what the client saw is the HTTP server's (parsing, admission,
+    # streaming the bytes out) and the client's own.
+    client = [statistics.fmean(r["ttfp"] for r in measured[name] if r.get("ttfp") is not None)
+              for name in rounds]  # fmt: skip
+    engine = [statistics.fmean(sum(p.values()) for p in paths[name]) / 1e3 for name in rounds]
+    print(f"{'TTFP at the client':>40} " + " ".join(f"{c:11.1f}" for c in client))
+    print(f"{'outside the path (HTTP and client)':>40} "
+          + " ".join(f"{c - e:11.1f}" for c, e in zip(client, engine, strict=True)))  # fmt: skip
+    print(f"\n{'stage':>13} {'steps':>6} {'batch':>6} {'med ms':>7} {'p90':>7} {'max':>7} "
+          f"{'start med':>9}")  # fmt: skip
+    for stage, steps in profile.steps.items():
+        seen: set[str] = set()
+        starts = []  # the steps in which a request stepped first (a prefill, its first output)
+        for step in steps:
+            new = {rid for rid, _, _ in step.calls} - seen
+            seen |= new
+            if new:
+                starts.append(step.dur / 1e3)
+        ms = [step.dur / 1e3 for step in steps]
+        batch = statistics.fmean(step.batch for step in steps)
+        first = statistics.median(starts) if starts else float("nan")
+        print(f"{stage:>13} {len(steps):6d} {batch:6.1f} {statistics.median(ms):7.2f} "
+              f"{percentile(ms, 0.9):7.2f} {max(ms):7.2f} {first:9.2f}")  # fmt: skip
+
+
 def summary(values: list[float]) -> str:
     if not values:
         return "       -        -        -        -"

@@ -78,7 +78,7 @@ import numpy as np
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serve import Server, percentile, print_paths  # noqa: E402
+from benchmarks.serve import Server, percentile, print_profile  # noqa: E402
 from omniflow.server.playback import Playback  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -294,12 +294,21 @@ def clone_bodies(base: str, clone_model: str, frames: int) -> tuple[dict, dict, 
     return inline, {**named, "voice": name}, name
 
 
+def played(server: Server, rounds: dict) -> dict:
+    """`rounds` (name -> (body, concurrency, requests)) as `print_profile` takes them: name
+    -> (a call that runs the round and returns its results, its requests)."""
+    return {
+        name: (lambda r=(body, c, n): asyncio.run(level(server.base, *r))[0], n)
+        for name, (body, c, n) in rounds.items()
+    }
+
+
 def traced(args, server: Server, model: str, clone_model: str | None) -> None:
     """Profiled rounds (see the module docstring): CustomVoice at c = 1 and c = 16, and
     with a clone pipeline, a voice clone at c = 1 with its reference inline and named."""
     body = custom_voice(model, args.frames)
     rounds = {"c=1": (body, 1, args.trace_requests), "c=16": (body, 16, 16)}
-    print_profile(server, model, rounds, args.trace, args.trace_gpu)
+    print_profile(server, model, played(server, rounds), args.trace, args.trace_gpu)
     if clone_model is None:
         return
     inline, uploaded, name = clone_bodies(server.base, clone_model, args.frames)
@@ -308,54 +317,8 @@ def traced(args, server: Server, model: str, clone_model: str | None) -> None:
         "named": (uploaded, 1, args.trace_requests),
     }
     trace = args.trace.with_name(f"{args.trace.stem}-clone{args.trace.suffix}")
-    print_profile(server, clone_model, clones, trace, args.trace_gpu)
+    print_profile(server, clone_model, played(server, clones), trace, args.trace_gpu)
     httpx.delete(f"{server.base}/v1/audio/voices/{name}", params={"model": clone_model})
-
-
-def print_profile(server: Server, model: str, rounds: dict, trace: Path, gpu: bool) -> None:
-    """`rounds` (name -> (body, concurrency, requests)) one after another under the server's
-    profiler for pipeline `model`, the trace in `trace`; prints the mean TTFP critical path of
-    each round's requests and each stage's steps (count, mean batch, median / p90 / max ms,
-    and the median of the steps in which a request started: a prefill and first output)."""
-    from omniflow.profiler.analysis import timelines
-
-    measured = {}  # round -> the client's results
-
-    def run() -> None:
-        for name, (body, concurrency, total) in rounds.items():
-            measured[name], _ = asyncio.run(level(server.base, body, concurrency, total))
-
-    profile, _ = server.profiled(run, trace, gpu, model)
-    spoken = [r for r in timelines(profile) if "audio" in r.path_ttfp]  # by start
-    paths, start = {}, 0
-    for name, (_, _, total) in rounds.items():
-        paths[name] = [r.path_ttfp["audio"] for r in spoken[start : start + total]]
-        start += total
-    print_paths(f"\n{model}: TTFP critical path, mean ms (trace: {trace})", paths)
-    # The path runs from the request's inputs going out of the frontend to its first audio
-    # taken there: the rest of what the client saw is the HTTP server's (parsing, admission,
-    # streaming the bytes out) and the client's own.
-    client = [statistics.fmean(r["ttfp"] for r in measured[name] if r["ttfp"] is not None)
-              for name in rounds]  # fmt: skip
-    engine = [statistics.fmean(sum(p.values()) for p in paths[name]) / 1e3 for name in rounds]
-    print(f"{'TTFP at the client':>40} " + " ".join(f"{c:11.1f}" for c in client))
-    print(f"{'outside the path (HTTP and client)':>40} "
-          + " ".join(f"{c - e:11.1f}" for c, e in zip(client, engine, strict=True)))  # fmt: skip
-    print(f"\n{'stage':>13} {'steps':>6} {'batch':>6} {'med ms':>7} {'p90':>7} {'max':>7} "
-          f"{'start med':>9}")  # fmt: skip
-    for stage, steps in profile.steps.items():
-        seen: set[str] = set()
-        starts = []  # the steps in which a request stepped first (a prefill, its first output)
-        for step in steps:
-            new = {rid for rid, _, _ in step.calls} - seen
-            seen |= new
-            if new:
-                starts.append(step.dur / 1e3)
-        ms = [step.dur / 1e3 for step in steps]
-        batch = statistics.fmean(step.batch for step in steps)
-        first = statistics.median(starts) if starts else float("nan")
-        print(f"{stage:>13} {len(steps):6d} {batch:6.1f} {statistics.median(ms):7.2f} "
-              f"{percentile(ms, 0.9):7.2f} {max(ms):7.2f} {first:9.2f}")  # fmt: skip
 
 
 def report(rows: list[tuple]) -> None:
