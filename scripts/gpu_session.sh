@@ -147,10 +147,13 @@ for part in "$@"; do
         | tee "$OUT/long.log"
       ;;
     load)
-      # The peer's workload through HTTP at rising concurrency (benchmarks/load.py).
+      # The peer's workload through HTTP at rising concurrency (benchmarks/load.py; LOAD_ARGS
+      # e.g. "--trace $OUT/load.trace --trace-gpu --trace-concurrency 10 32": the trace comes
+      # back gzipped).
       (cd /tmp && timeout ${LOAD_S:-500} python3 "$here/benchmarks/load.py" --devices ${DEVICES:-1xH200} \
         --scaled 1 --concurrency 1 10 32 64 ${LOAD_ARGS:-}) 2>&1 | grep -v -i "warn\|model config" \
         | tee "$OUT/load.log"
+      for trace in "$OUT"/*.trace; do [ -e "$trace" ] && gzip -f "$trace"; done
       ;;
     diffusion)
       # Text-to-image at real width, 15 of the DiT's 60 layers (DIFFUSION_ARGS: e.g. --kernels 12).
