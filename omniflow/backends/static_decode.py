@@ -67,14 +67,19 @@ Prefill. On the fused path new requests' prompts go straight into their slots: `
 runs the fused layers over every prompt position at once (the prompts right-padded to the
 longest, causal attention over each), the rotary kernel writing each position's key and
 value into its request's slot: one forward for a batch of prompts, no DynamicCache and no
-copy out of it. A lone prompt (one request starting, text positions: the prefill in front of
-a first token at concurrency 1) is padded to the next of `prefill_widths` (powers of two
-from PREFILL_QUANTUM to PREFILL_CAPTURED) and, with `capture`, replayed from that width's
-graph: its ~14 launches a layer, not its arithmetic, bound a short prompt's prefill. (Only a
-lone one: a batch's padding rows would need slots of their own; and only where prompts may
-come without positions: a component whose every prompt has them, `prompt_positions`, gets
-none.) Otherwise the backend
-prefills through the model's forward and `join` copies that cache into the slot.
+copy out of it. Prompts of text positions are padded to the next of `prefill_widths` (powers
+of two from PREFILL_QUANTUM to PREFILL_CAPTURED) and their count to the next of
+`prefill_batches` (the batch buckets up to PREFILL_BATCHED), and with `capture` replayed
+from that (batch, width) pair's graph: a short prompt's prefill is bound by its ~20
+launches a layer (~30 us each, eagerly, for 16 prompts of Qwen3-TTS on an H100), and each
+new count of rows costs an eager prefill cuBLAS's choice of kernels again. A padding row
+(zeros) goes to a free slot: those after the batch's own, which are free as rows are
+compact (where there are not enough, or the slots are not the next ones, the prefill runs
+eagerly at its own shape); a free slot's columns are written by its next request's prefill
+before any step reads them, and what a padding row leaves there is finite. (Only where
+prompts may come without positions: a component whose every prompt has them,
+`prompt_positions`, gets none.) Otherwise the backend prefills through the model's forward
+and `join` copies that cache into the slot.
 
 Frames. A codec LM whose step emits a frame of G codebooks (a talker: codebook 0 from its
 own head, codebooks 1..G-1 from a small second decoder, the code predictor, conditioned on
@@ -164,11 +169,13 @@ _QK_NORMS = {"q_norm", "k_norm"}
 _MLP_PARTS = {"gate_proj", "up_proj", "down_proj"}
 # The smallest length bucket; the cache's columns are a multiple of it.
 COLUMN_QUANTUM = 128
-# A lone prompt's prefill is padded to a power of two from this width up to PREFILL_CAPTURED
+# Prompts' prefills are padded to a power of two from this width up to PREFILL_CAPTURED
 # (within the cache's columns), and captured at each; a longer one runs eagerly at its own
-# width, where its arithmetic outweighs its launches.
+# width, where its arithmetic outweighs its launches. Prompts prefilled together are padded
+# to a batch bucket up to PREFILL_BATCHED (more run eagerly, as do prompts at positions).
 PREFILL_QUANTUM = 16
 PREFILL_CAPTURED = 1024
+PREFILL_BATCHED = 16
 # The attention kernels of an eager prefill, whose shape (prompts x width) is new at almost
 # every batch of prompts: not cuDNN's, which SDPA prefers on Hopper but which builds a plan
 # for each new shape (a 30 ms host stall in the step that starts a batch of 10 Qwen3-TTS
@@ -177,7 +184,7 @@ PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 # Sub-steps a frame's second model may take: the stream steps of a frame's draws.
 MAX_SUB_STEPS = 64
 # The method that does each kind of `capture_plan`'s device work (looked up when run).
-_WORK = {"prefill": "_lone_prefill", "step": "_run", "finish": "_finish"}
+_WORK = {"prefill": "_padded_prefill", "step": "_run", "finish": "_finish"}
 # Added to a request's seed for the draws of its frames' second model, so that they do not
 # share the (seed, step) stream of its LM's own draws.
 SUB_SEED = 0x5851F42D4C957F2D
@@ -318,7 +325,7 @@ def length_buckets(columns: int) -> list[int]:
 
 
 def prefill_widths(columns: int) -> list[int]:
-    """The widths a lone prompt's prefill is padded to: powers of two from PREFILL_QUANTUM
+    """The widths prompts' prefills are padded to: powers of two from PREFILL_QUANTUM
     up to PREFILL_CAPTURED and `columns`."""
     widths, width = [], PREFILL_QUANTUM
     while width <= min(columns, PREFILL_CAPTURED):
@@ -367,9 +374,9 @@ Launched = HostCopy
 
 @dataclass(frozen=True)
 class Capture:
-    """One graph of `StaticDecoder.capture_plan`: its kind ("prefill": a lone prompt's at
-    width key[0]; "step": the LM's step at buckets key = (batch, length); "finish": a
-    step's sampling, frames and advance at batch bucket key[0]), and whether an eager run
+    """One graph of `StaticDecoder.capture_plan`: its kind ("prefill": prompts' at buckets
+    key = (batch, width); "step": the LM's step at buckets key = (batch, length); "finish":
+    a step's sampling, frames and advance at batch bucket key[0]), and whether an eager run
     precedes its capture."""
 
     kind: str
@@ -379,8 +386,8 @@ class Capture:
 
 @dataclass(frozen=True)
 class CaptureWork:
-    """Positions run at load to capture a static decoder's graphs (a lone prefill's
-    counted as one), the captures' and the warm-ups' apart, and the same for the design
+    """Positions run at load to capture a static decoder's graphs (a prefill's counted as
+    one), the captures' and the warm-ups' apart, and the same for the design
     before the split, which captured the whole step, the LM's position and the frame's
     G positions, at every (batch, length) bucket and a first step's frame at every batch
     bucket, each after a warm-up."""
@@ -759,15 +766,17 @@ class StaticDecoder(DecoderCache):
         # advance) by batch bucket: a step replays both, a prefill's first tokens the finish.
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.finish_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # A lone prompt's prefill, by width: the graph and its hidden states [1, width, H].
-        lone = fused and not getattr(component, "prompt_positions", False)
-        self.prefill_widths = prefill_widths(columns) if lone else []
-        self.prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Prompts' prefills by (batch, width) bucket: the graph and its hidden states
+        # [batch, width, H].
+        padded = fused and not getattr(component, "prompt_positions", False)
+        self.prefill_widths = prefill_widths(columns) if padded else []
+        self.prefill_batches = [b for b in self.batch_buckets if b <= PREFILL_BATCHED]
+        self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0  # graphs captured (all at load)
         self.warm_ups = 0  # of them, those run eagerly first (`capture_plan`)
         self.capture_seconds = 0.0  # what capturing them took, part of the stage's load
         self.replays = 0  # steps' and finishes' graphs replayed
-        self.prefill_replays = 0  # lone prompts' prefills replayed from theirs
+        self.prefill_replays = 0  # prompts' prefills replayed from their graphs
         # Each piece of device work `launch`, `first` and `prefill` dispatched, by (kind, key)
         # as in `capture_plan`, replayed or (no graph captured) run eagerly at its shapes.
         self.dispatched: Counter[tuple[str, tuple[int, ...]]] = Counter()
@@ -792,10 +801,12 @@ class StaticDecoder(DecoderCache):
             self.ids = torch.zeros(slots, dtype=torch.int64, **on)
             self.hidden = torch.zeros(slots, hidden, dtype=self.keys.dtype, **on)
             self.embeds = torch.zeros(slots, embed.shape[1], dtype=embed.dtype, **on)
-            # A lone prompt's input embeddings, padded with zeros, and its slot.
+            # A padded prefill's input embeddings (zeros past the prompts) and slots.
             widest = self.prefill_widths[-1] if self.prefill_widths else 0
-            self.lone_embeds = torch.zeros(1, widest, embed.shape[1], dtype=embed.dtype, **on)
-            self.lone_slot = torch.zeros(1, dtype=torch.int64, **on)
+            most = self.prefill_batches[-1]
+            self.prompts = torch.zeros(most, widest, embed.shape[1], dtype=embed.dtype, **on)
+            self.prompt_slots = torch.zeros(most, dtype=torch.int64, **on)
+            self.slot_numbers = torch.arange(slots, dtype=torch.int64, **on)
             self.seen = torch.zeros(slots, vocab, dtype=torch.bool, **on)
             self.temperature = torch.zeros(slots, dtype=torch.float32, **on)
             self.top_k = torch.full((slots,), -1, dtype=torch.int32, **on)
@@ -935,7 +946,7 @@ class StaticDecoder(DecoderCache):
     def _dispatch(self, kind: str, *key: int) -> torch.Tensor | None:
         """One piece of device work of `capture_plan`'s `kind` at `key`: its graph replayed,
         or where none was captured its function run eagerly at the same shapes. Returns its
-        output (a lone prefill's hidden states)."""
+        output (a padded prefill's hidden states)."""
         self.dispatched[kind, key] += 1
         captured = self._by_kind[kind].get(_graph_key(key))
         if captured is None:
@@ -992,28 +1003,45 @@ class StaticDecoder(DecoderCache):
         in columns no step reads before it overwrites them), at rotary `positions` `[B, W]`,
         or `[3, B, W]` for multimodal RoPE where `takes_positions` (None: 0..W-1). Writes
         every layer's keys and values; returns the final hidden states `[B, W, H]`. One
-        forward, without a DynamicCache and the copy from it into the slots: eager, but for
-        a lone prompt of text positions, padded to its width in `prefill_widths` and
-        replayed from that width's graph where one was captured."""
+        forward, without a DynamicCache and the copy from it into the slots: for prompts of
+        text positions padded to their (batch, width) bucket and replayed from its graph
+        where one was captured (`prefill_bucket`), else eagerly at their own shape."""
         b, w = embeds.shape[:2]
-        width = next((x for x in self.prefill_widths if x >= w), None)
-        if b > 1 or positions is not None or width is None:
+        bucket = None if positions is not None else self.prefill_bucket(slots, w)
+        if bucket is None:
             return self._prefill(upload(slots, self.device), embeds, positions)
-        self.lone_embeds[:, :w].copy_(embeds)
-        self.lone_embeds[:, w:width].zero_()
-        self.lone_slot.fill_(slots[0])
-        hidden = self._dispatch("prefill", width)
-        return hidden[:, :w].clone()  # (the graph's buffer: the next replay overwrites it)
+        batch, width = bucket
+        self.prompts[:b, :w].copy_(embeds)
+        self.prompts[:b, w:width].zero_()
+        self.prompts[b:batch, :width].zero_()
+        # The batch's slots, then the next ones for its padding rows (free: `prefill_bucket`).
+        self.prompt_slots[:batch].copy_(self.slot_numbers[slots[0] : slots[0] + batch])
+        hidden = self._dispatch("prefill", batch, width)
+        return hidden[:b, :w].clone()  # (the graph's buffer: the next replay overwrites it)
 
-    def _lone_prefill(self, width: int) -> torch.Tensor:
-        """A lone prompt's prefill at `width` (what its graph captures)."""
-        return self._prefill(self.lone_slot, self.lone_embeds[:, :width], None)
+    def prefill_bucket(self, slots: list[int], width: int) -> tuple[int, int] | None:
+        """The (batch, width) bucket of prompts of `width` positions going into `slots`, or
+        None where they are not padded: wider than `prefill_widths`, more than
+        `prefill_batches`, not the next slots from the first, or padding rows without free
+        slots to go to (those after the batch's: rows are compact)."""
+        padded = next((x for x in self.prefill_widths if x >= width), None)
+        batch = next((x for x in self.prefill_batches if x >= len(slots)), None)
+        if padded is None or batch is None:
+            return None
+        first = slots[0]
+        if slots != list(range(first, first + len(slots))) or first + batch > self.slots:
+            return None
+        return batch, padded
+
+    def _padded_prefill(self, batch: int, width: int) -> torch.Tensor:
+        """Prompts' prefill at bucket (batch, width) (what its graph captures)."""
+        return self._prefill(self.prompt_slots[:batch], self.prompts[:batch, :width], None)
 
     def _prefill(
         self, where: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor | None
     ) -> torch.Tensor:
         """`prefill`'s forward into the slots `where` (on the device): device work only (what
-        a lone prompt's graph captures)."""
+        a padded prefill's graph captures)."""
         b, w = embeds.shape[:2]
         d, group = self.head_dim, self.q_heads // self.kv_heads
         x = self.component.project(embeds).reshape(b * w, -1)
@@ -1117,9 +1145,9 @@ class StaticDecoder(DecoderCache):
     # --- capture ----------------------------------------------------------------------------
     def capture_plan(self) -> list[Capture]:
         """The graphs `capture` makes, in order (largest first, so the pool's later captures
-        fit in what the earlier ones took): a lone prompt's prefill at every width of
-        `prefill_widths`; then per batch bucket B the LM's step at every length bucket T
-        and B's finish (see the module docstring).
+        fit in what the earlier ones took): prompts' prefill at every (batch, width) bucket of
+        `prefill_batches` x `prefill_widths`; then per batch bucket B the LM's step at every
+        length bucket T and B's finish (see the module docstring).
 
         Warm-ups. An eager run before a capture is there for what happens the first time
         work runs at some shapes (Triton compiles a kernel's specialisation, cuBLAS and
@@ -1134,7 +1162,11 @@ class StaticDecoder(DecoderCache):
         and its shorter ones are captured cold. Everything else is warmed up: the finishes
         (the sampler and the predictor specialise on B) and the prefill widths (whose row
         counts pick cuBLAS's kernels and the attention's)."""
-        plan = [Capture("prefill", (w,), True) for w in reversed(self.prefill_widths)]
+        plan = [
+            Capture("prefill", (b, w), True)
+            for b in reversed(self.prefill_batches)
+            for w in reversed(self.prefill_widths)
+        ]
         for batch in reversed(self.batch_buckets):
             lengths = list(reversed(self.length_buckets))
             plan += [Capture("step", (batch, t), warm_up=t == lengths[0]) for t in lengths]

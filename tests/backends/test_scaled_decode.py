@@ -96,13 +96,14 @@ def test_real_size_graph_replay_gives_the_eager_static_steps_greedy_tokens(stage
     vocab = prompt_vocab(stage, component)
     graphed = backend(stage, component, "graphs")
     captured = graphed.static.captures
-    # batch 1, 2, 4, 8 x 128, 256 columns, each batch's finish, a lone prompt's prefill
-    # at widths 16 to 256 (none for the thinker, whose prompts carry multimodal positions)
+    # batch 1, 2, 4, 8 x 128, 256 columns, each batch's finish, prompts' prefills at
+    # batches 1 to 8 x widths 16 to 256 (none for the thinker, whose prompts carry
+    # multimodal positions)
     static = graphed.static
-    lone = [] if stage == "thinker" or not static.fused else [16, 32, 64, 128, 256]
-    assert static.prefill_widths == lone
+    widths = [] if stage == "thinker" or not static.fused else [16, 32, 64, 128, 256]
+    assert static.prefill_widths == widths
     assert captured == len(static.graphs) + len(static.finish_graphs) + len(static.prefill_graphs)
-    assert captured == 4 * 3 + len(lone)
+    assert captured == 4 * 3 + 4 * len(widths)
     want = greedy(backend(stage, component, "static"), vocab)
     got = greedy(graphed, vocab)
     assert [len(t) for t in got] == [64] * len(PROMPTS)

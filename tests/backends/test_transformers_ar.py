@@ -469,7 +469,7 @@ def test_the_static_path_runs_one_step_per_decode_step_on_compact_rows(plan):
 def test_the_capture_plan_captures_each_steps_finish_once_per_batch_bucket(plan):
     """What "graphs" captures (`capture_plan`, read on the CPU without capturing): every
     (batch, length) bucket's LM step, warmed up only at its batch's largest length, one
-    finish per batch bucket, every lone prefill width; and what a step dispatches (the
+    finish per batch bucket, every prefill (batch, width) bucket; and what a step dispatches (the
     graphs it would replay): its LM step at its buckets, then its batch's finish."""
     static = make_backend(plan, "static").static
     plan_ = static.capture_plan()
@@ -482,7 +482,9 @@ def test_the_capture_plan_captures_each_steps_finish_once_per_batch_bucket(plan)
     assert [c.key for c in finishes] == [(b,) for b in batches[::-1]]
     assert all(c.warm_up for c in plan_ if c.kind != "step")
     prefills = [c.key for c in plan_ if c.kind == "prefill"]
-    assert prefills == [(w,) for w in static.prefill_widths[::-1]]
+    assert prefills == [
+        (b, w) for b in static.prefill_batches[::-1] for w in static.prefill_widths[::-1]
+    ]
     # Largest first: each batch's steps, then its finish.
     kinds = [c.kind for c in plan_ if c.kind != "prefill"]
     assert kinds == (["step"] * len(lengths) + ["finish"]) * len(batches)
@@ -626,21 +628,29 @@ def test_the_static_cache_is_sized_from_the_plan_and_refuses_what_cannot_fit(pla
     assert transformers_ar.cache_columns(stage, per_token) == 4224  # max_len 4096 + 12
 
 
-def test_a_lone_prompt_is_prefilled_at_a_captured_width_unless_prompts_carry_positions(plan):
-    """The fused static path pads a lone prompt's prefill to a power-of-two width (captured
-    at load on CUDA); a component whose every prompt carries positions (a thinker's
-    multimodal RoPE) would never replay those graphs, and gets none."""
+def test_prompts_are_prefilled_at_a_captured_bucket_unless_they_carry_positions(plan):
+    """The fused static path pads prompts' prefill to a power-of-two width and their count to
+    a batch bucket (captured at load on CUDA), the padding rows into the free slots after
+    the batch's; a component whose every prompt carries positions (a thinker's multimodal
+    RoPE) would never replay those graphs, and gets none."""
     component = make_backend(plan, "eager").component
 
-    def widths() -> list[int]:
+    def decoder() -> static_decode.StaticDecoder:
         return static_decode.StaticDecoder(
-            component, slots=2, columns=128, device="cpu", capture=False, extra=False,
+            component, slots=4, columns=128, device="cpu", capture=False, extra=False,
             fused=True,
-        ).prefill_widths  # fmt: skip
+        )  # fmt: skip
 
-    assert widths() == [16, 32, 64, 128]
+    static = decoder()
+    assert static.prefill_widths == [16, 32, 64, 128] and static.prefill_batches == [1, 2, 4]
+    assert static.prefill_bucket([3], 5) == (1, 16)
+    assert static.prefill_bucket([1, 2], 17) == (2, 32)
+    assert static.prefill_bucket([0, 1, 2], 16) == (4, 16)  # its padding row into slot 3
+    assert static.prefill_bucket([1, 2, 3], 16) is None  # padded to 4: no slot 4
+    assert static.prefill_bucket([0, 2], 16) is None  # not the next slots from the first
+    assert static.prefill_bucket([0], 129) is None  # wider than any width
     component.prompt_positions = True
-    assert widths() == []
+    assert decoder().prefill_widths == []
 
 
 def test_decode_graphs_needs_cuda(plan):
@@ -790,7 +800,7 @@ def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(p
     static = graphed.static
     captured = static.captures
     steps = len(static.batch_buckets) * (len(static.length_buckets) + 1)
-    assert captured == steps + len(static.prefill_widths)
+    assert captured == steps + len(static.prefill_batches) * len(static.prefill_widths)
     # What the stage's load line reports (`captured N CUDA graphs in S s`).
     assert (graphed.captures, graphed.capture_seconds) == (captured, static.capture_seconds)
     assert graphed.capture_seconds > 0
@@ -798,7 +808,9 @@ def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(p
         (b, t) for b in static.batch_buckets for t in static.length_buckets
     }
     assert set(static.finish_graphs) == set(static.batch_buckets)  # and a first step's
-    assert set(static.prefill_graphs) == set(static.prefill_widths)  # a lone prompt's prefill
+    assert set(static.prefill_graphs) == {  # prompts' prefills
+        (b, w) for b in static.prefill_batches for w in static.prefill_widths
+    }
     eager = make_backend(plan, "static", "cuda:0")
     assert eager.static.graphs == {}
     # What capturing took is reported with the load (control.Loaded.captured), and only there.
@@ -826,7 +838,8 @@ def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(p
     lone = static.prefill_replays
     want, got = serve(eager), serve(graphed)
     assert static.replays - 2 * static.launches - static.first_steps == replays  # every one
-    assert static.prefill_replays - lone == 4  # the requests that started alone
+    # Every prefill: the requests that started alone, and the two that started together.
+    assert static.prefill_replays - lone == 5
     assert static.captures == captured
     for a, b in zip(got, want, strict=True):
         assert a.tokens == b.tokens

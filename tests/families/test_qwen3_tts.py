@@ -570,7 +570,7 @@ def test_captured_frames_are_the_eager_static_steps_and_the_dynamic_paths(plans,
     graph, then the frame's finish graph), and replaying it gives exactly the codes of the
     same step run eagerly, greedy and sampled (seeded), with nothing captured after load
     and every step replayed, the first step after each prefill (its first frames) and each
-    lone prompt's prefill included, and each batch bucket's shorter lengths captured without
+    prefill included, and each batch bucket's shorter lengths captured without
     a warm-up; the dynamic path on the GPU (the same (seed, frame, sub-step) draws) gives
     the same codes too."""
     if not torch.cuda.is_available():
@@ -587,7 +587,7 @@ def test_captured_frames_are_the_eager_static_steps_and_the_dynamic_paths(plans,
     assert static.captures == captured and static.first_steps == len({r[2] for r in requests})
     # A step replays the talker's step and the frame's finish, a first step the finish.
     assert static.replays == 2 * static.launches + static.first_steps
-    assert static.prefill_replays == static.first_steps  # each started alone
+    assert static.prefill_replays == static.first_steps  # each prefill replayed
     assert_same_frames(
         got, serve_frames(talker_backend(plan, "static", "cuda:0"), requests), requests
     )
