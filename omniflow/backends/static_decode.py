@@ -69,15 +69,15 @@ longest, causal attention over each), the rotary kernel writing each position's 
 value into its request's slot: one forward for a batch of prompts, no DynamicCache and no
 copy out of it. Prompts of text positions are padded to the next of `prefill_widths` (powers
 of two from PREFILL_QUANTUM to PREFILL_CAPTURED) and their count to the next of
-`prefill_batches` (the batch buckets up to PREFILL_BATCHED), and with `capture` replayed
-from that (batch, width) pair's graph: a short prompt's prefill is bound by its ~20
-launches a layer (~30 us each, eagerly, for 16 prompts of Qwen3-TTS on an H100), and each
-new count of rows costs an eager prefill cuBLAS's choice of kernels again. A padding row
-(zeros) goes to a free slot: those after the batch's own, which are free as rows are
-compact (where there are not enough, or the slots are not the next ones, the prefill runs
-eagerly at its own shape); a free slot's columns are written by its next request's prefill
-before any step reads them, and what a padding row leaves there is finite. (Only where
-prompts may come without positions: a component whose every prompt has them,
+`prefill_batches` (the batch buckets up to PREFILL_BATCHED; PREFILL_BATCH_POSITIONS in all),
+and with `capture` replayed from that (batch, width) pair's graph: a short prompt's prefill
+is bound by its ~20 launches a layer (~30 us each, eagerly, for 16 prompts of Qwen3-TTS on
+an H100), and each new count of rows costs an eager prefill cuBLAS's choice of kernels
+again. A padding row (zeros) goes to a free slot: those after the batch's own, which are
+free as rows are compact (where there are not enough, or the slots are not the next ones,
+the prefill runs eagerly at its own shape); a free slot's columns are written by its next
+request's prefill before any step reads them, and what a padding row leaves there is finite.
+(Only where prompts may come without positions: a component whose every prompt has them,
 `prompt_positions`, gets none.) Otherwise the backend prefills through the model's forward
 and `join` copies that cache into the slot.
 
@@ -172,10 +172,12 @@ COLUMN_QUANTUM = 128
 # Prompts' prefills are padded to a power of two from this width up to PREFILL_CAPTURED
 # (within the cache's columns), and captured at each; a longer one runs eagerly at its own
 # width, where its arithmetic outweighs its launches. Prompts prefilled together are padded
-# to a batch bucket up to PREFILL_BATCHED (more run eagerly, as do prompts at positions).
+# to a batch bucket up to PREFILL_BATCHED, at widths of up to PREFILL_BATCH_POSITIONS in all
+# (more run eagerly, as do prompts at positions): a bucket is a graph to capture at load.
 PREFILL_QUANTUM = 16
 PREFILL_CAPTURED = 1024
 PREFILL_BATCHED = 16
+PREFILL_BATCH_POSITIONS = 4096
 # The attention kernels of an eager prefill, whose shape (prompts x width) is new at almost
 # every batch of prompts: not cuDNN's, which SDPA prefers on Hopper but which builds a plan
 # for each new shape (a 30 ms host stall in the step that starts a batch of 10 Qwen3-TTS
@@ -771,6 +773,12 @@ class StaticDecoder(DecoderCache):
         padded = fused and not getattr(component, "prompt_positions", False)
         self.prefill_widths = prefill_widths(columns) if padded else []
         self.prefill_batches = [b for b in self.batch_buckets if b <= PREFILL_BATCHED]
+        self.prefill_buckets = [
+            (b, w)
+            for b in self.prefill_batches
+            for w in self.prefill_widths
+            if b == 1 or b * w <= PREFILL_BATCH_POSITIONS
+        ]
         self.prefill_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.captures = 0  # graphs captured (all at load)
         self.warm_ups = 0  # of them, those run eagerly first (`capture_plan`)
@@ -1021,12 +1029,13 @@ class StaticDecoder(DecoderCache):
 
     def prefill_bucket(self, slots: list[int], width: int) -> tuple[int, int] | None:
         """The (batch, width) bucket of prompts of `width` positions going into `slots`, or
-        None where they are not padded: wider than `prefill_widths`, more than
-        `prefill_batches`, not the next slots from the first, or padding rows without free
-        slots to go to (those after the batch's: rows are compact)."""
+        None where they are not padded: not in `prefill_buckets` (wider than
+        `prefill_widths`, more than `prefill_batches`, or more positions in all than
+        PREFILL_BATCH_POSITIONS), not the next slots from the first, or padding rows without
+        free slots to go to (those after the batch's: rows are compact)."""
         padded = next((x for x in self.prefill_widths if x >= width), None)
         batch = next((x for x in self.prefill_batches if x >= len(slots)), None)
-        if padded is None or batch is None:
+        if (batch, padded) not in self.prefill_buckets:
             return None
         first = slots[0]
         if slots != list(range(first, first + len(slots))) or first + batch > self.slots:
@@ -1146,8 +1155,8 @@ class StaticDecoder(DecoderCache):
     def capture_plan(self) -> list[Capture]:
         """The graphs `capture` makes, in order (largest first, so the pool's later captures
         fit in what the earlier ones took): prompts' prefill at every (batch, width) bucket of
-        `prefill_batches` x `prefill_widths`; then per batch bucket B the LM's step at every
-        length bucket T and B's finish (see the module docstring).
+        `prefill_buckets`, most positions first; then per batch bucket B the LM's step at
+        every length bucket T and B's finish (see the module docstring).
 
         Warm-ups. An eager run before a capture is there for what happens the first time
         work runs at some shapes (Triton compiles a kernel's specialisation, cuBLAS and
@@ -1162,11 +1171,8 @@ class StaticDecoder(DecoderCache):
         and its shorter ones are captured cold. Everything else is warmed up: the finishes
         (the sampler and the predictor specialise on B) and the prefill widths (whose row
         counts pick cuBLAS's kernels and the attention's)."""
-        plan = [
-            Capture("prefill", (b, w), True)
-            for b in reversed(self.prefill_batches)
-            for w in reversed(self.prefill_widths)
-        ]
+        by_size = sorted(self.prefill_buckets, key=lambda key: (key[0] * key[1], key[0]))
+        plan = [Capture("prefill", key, True) for key in reversed(by_size)]
         for batch in reversed(self.batch_buckets):
             lengths = list(reversed(self.length_buckets))
             plan += [Capture("step", (batch, t), warm_up=t == lengths[0]) for t in lengths]

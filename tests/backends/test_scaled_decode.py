@@ -103,7 +103,8 @@ def test_real_size_graph_replay_gives_the_eager_static_steps_greedy_tokens(stage
     widths = [] if stage == "thinker" or not static.fused else [16, 32, 64, 128, 256]
     assert static.prefill_widths == widths
     assert captured == len(static.graphs) + len(static.finish_graphs) + len(static.prefill_graphs)
-    assert captured == 4 * 3 + 4 * len(widths)
+    assert captured == 4 * 3 + len(static.prefill_buckets)
+    assert len(static.prefill_buckets) == 4 * len(widths)  # (none over 4096 positions)
     want = greedy(backend(stage, component, "static"), vocab)
     got = greedy(graphed, vocab)
     assert [len(t) for t in got] == [64] * len(PROMPTS)

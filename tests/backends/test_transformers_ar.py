@@ -482,9 +482,8 @@ def test_the_capture_plan_captures_each_steps_finish_once_per_batch_bucket(plan)
     assert [c.key for c in finishes] == [(b,) for b in batches[::-1]]
     assert all(c.warm_up for c in plan_ if c.kind != "step")
     prefills = [c.key for c in plan_ if c.kind == "prefill"]
-    assert prefills == [
-        (b, w) for b in static.prefill_batches[::-1] for w in static.prefill_widths[::-1]
-    ]
+    assert sorted(prefills) == sorted(static.prefill_buckets)  # most positions first:
+    assert [b * w for b, w in prefills] == sorted((b * w for b, w in prefills), reverse=True)
     # Largest first: each batch's steps, then its finish.
     kinds = [c.kind for c in plan_ if c.kind != "prefill"]
     assert kinds == (["step"] * len(lengths) + ["finish"]) * len(batches)
@@ -643,6 +642,10 @@ def test_prompts_are_prefilled_at_a_captured_bucket_unless_they_carry_positions(
 
     static = decoder()
     assert static.prefill_widths == [16, 32, 64, 128] and static.prefill_batches == [1, 2, 4]
+    assert len(static.prefill_buckets) == 3 * 4  # (the cap on positions in all: 4096)
+    assert static_decode.StaticDecoder(
+        component, slots=16, columns=1024, device="cpu", capture=False, extra=False, fused=True
+    ).prefill_buckets[-3:] == [(16, 64), (16, 128), (16, 256)]  # not 16 x 512
     assert static.prefill_bucket([3], 5) == (1, 16)
     assert static.prefill_bucket([1, 2], 17) == (2, 32)
     assert static.prefill_bucket([0, 1, 2], 16) == (4, 16)  # its padding row into slot 3
@@ -800,7 +803,7 @@ def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(p
     static = graphed.static
     captured = static.captures
     steps = len(static.batch_buckets) * (len(static.length_buckets) + 1)
-    assert captured == steps + len(static.prefill_batches) * len(static.prefill_widths)
+    assert captured == steps + len(static.prefill_buckets)
     # What the stage's load line reports (`captured N CUDA graphs in S s`).
     assert (graphed.captures, graphed.capture_seconds) == (captured, static.capture_seconds)
     assert graphed.capture_seconds > 0
@@ -808,9 +811,7 @@ def test_graph_replay_gives_the_eager_static_steps_tokens_and_never_recaptures(p
         (b, t) for b in static.batch_buckets for t in static.length_buckets
     }
     assert set(static.finish_graphs) == set(static.batch_buckets)  # and a first step's
-    assert set(static.prefill_graphs) == {  # prompts' prefills
-        (b, w) for b in static.prefill_batches for w in static.prefill_widths
-    }
+    assert set(static.prefill_graphs) == set(static.prefill_buckets)  # prompts' prefills
     eager = make_backend(plan, "static", "cuda:0")
     assert eager.static.graphs == {}
     # What capturing took is reported with the load (control.Loaded.captured), and only there.
