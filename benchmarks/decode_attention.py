@@ -5,9 +5,10 @@ batch x length).
 
 For the Qwen3-TTS talker's and the Qwen2.5-Omni thinker's attention shapes (from their
 published configs), at batch 1, 16 and 64 and rows filled to 100, 500, 2,000 and 4,000 of a
-4,096-column cache: the static step's attention as it runs today (the mask at bucket T, the
-next power of two past the longest row, and SDPA over T columns) against the kernel over the
-whole cache, each captured in a CUDA graph over a few layers (each layer its own cache, so
+4,096-column cache: the static step's attention as it runs today (SDPA over bucket T, the next
+power of two past the longest row, with the step's mask, which a step makes once for all its
+layers and so is made once here, outside the timed layers) against the kernel over the whole
+cache, each captured in a CUDA graph over a few layers (each layer its own cache, so
 the keys stream from HBM). Prints microseconds a layer and the ratio. Needs a CUDA GPU.
 
     python benchmarks/decode_attention.py [--batches 1 16 64] [--filled 100 500 2000 4000]
@@ -55,11 +56,10 @@ def ways(batch: int, filled: int, kv: int, group: int, dim: int):
     q = torch.randn(batch, kv, group, dim, **on)
     lengths = torch.full((batch,), filled, device="cuda")
     length, scale = bucket(filled), dim**-0.5
-    columns = torch.arange(length, device="cuda")
+    visible = torch.arange(length, device="cuda")[None] <= lengths[:, None]
+    mask = torch.where(visible, 0.0, -math.inf).to(q.dtype)[:, None, None]
 
     def bucketed(i: int) -> torch.Tensor:
-        visible = columns[None] <= lengths[:, None]  # (as the step makes its mask, per step)
-        mask = torch.where(visible, 0.0, -math.inf).to(q.dtype)[:, None, None]
         keys, values = caches[i]
         return torch.nn.functional.scaled_dot_product_attention(
             q, keys[:, :, :length], values[:, :, :length], attn_mask=mask, scale=scale

@@ -71,11 +71,11 @@ def backend_for(model: str, mode: str, slots: int, frames: int, device: str, max
     backend = TransformersAR(StageSpec.from_channels(plan.stage("talker"), plan.channels), device)
     if mode == "lengths":
         static, c = backend.static, backend.component
-        backend.static = None
         static.close()
         backend.static = StaticDecoder(
-            c, slots=static.slots, columns=static.columns, device=device, capture=device.startswith("cuda"),
-            extra=static.has_extra, frames=c.frame_spec, bucketed=False,
+            c, slots=static.slots, columns=static.columns, device=device,
+            capture=device.startswith("cuda"), extra=static.has_extra, frames=c.frame_spec,
+            bucketed=False,
         )  # fmt: skip
     sync(device)
     return backend, time.perf_counter() - start

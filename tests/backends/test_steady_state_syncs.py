@@ -22,8 +22,9 @@ up, a voice clone's reference codes brought to the host for the decoder to send 
 prefills it and joins it to its slot: once per request, and docs/architecture.md lists
 a prompt's encoding among the syncs left. Those steps run under "warn" instead, so the GPU
 log names what they sync. (Wan2.2's denoiser is not checked: UniPC's step, diffusers' own,
-copies its coefficients up from pageable memory every step.) A vocoder leaves nothing out: its first step of a stream opens it (host state) and sends the
-codes like every later one (`readback.upload`).
+copies its coefficients up from pageable memory every step.) A vocoder leaves nothing out:
+its first step of a stream opens it (host state) and sends the codes like every later one
+(`readback.upload`).
 
 On the CPU (the GPU tests' set-up, docs/testing.md) the same steps run on the static paths
 (the captured steps' buffers, eagerly), where the modes change nothing: the counts say

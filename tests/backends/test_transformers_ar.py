@@ -469,8 +469,8 @@ def test_the_static_path_runs_one_step_per_decode_step_on_compact_rows(plan):
 def test_the_capture_plan_captures_each_steps_finish_once_per_batch_bucket(plan):
     """What "graphs" captures (`capture_plan`, read on the CPU without capturing): every
     (batch, length) bucket's LM step, warmed up only at its batch's largest length, one
-    finish per batch bucket, every prefill (batch, width) bucket; and what a step dispatches (the
-    graphs it would replay): its LM step at its buckets, then its batch's finish."""
+    finish per batch bucket, every prefill (batch, width) bucket; and what a step dispatches
+    (the graphs it would replay): its LM step at its buckets, then its batch's finish."""
     static = make_backend(plan, "static").static
     plan_ = static.capture_plan()
     batches, lengths = static.batch_buckets, static.length_buckets

@@ -34,8 +34,8 @@ def cases() -> list[tuple]:
 
 
 def run_kernel(found: list[tuple]) -> list[torch.Tensor]:
-    """Runs under TRITON_INTERPRET=1: each case, then the first shape's with NaN past each
-    row's last column."""
+    """Runs under TRITON_INTERPRET=1: each case, then the second shape's in float32 with NaN
+    past each row's last column."""
     stale = operands(SHAPES[1], torch.float32, stale=float("nan"))
     return [attention.decode_attention_triton(*args) for args in [*cases(), stale]]
 
