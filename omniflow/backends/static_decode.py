@@ -809,11 +809,11 @@ class StaticDecoder(DecoderCache):
             self.ids = torch.zeros(slots, dtype=torch.int64, **on)
             self.hidden = torch.zeros(slots, hidden, dtype=self.keys.dtype, **on)
             self.embeds = torch.zeros(slots, embed.shape[1], dtype=embed.dtype, **on)
-            # A padded prefill's input embeddings (zeros past the prompts) and slots.
-            widest = self.prefill_widths[-1] if self.prefill_widths else 0
-            most = self.prefill_batches[-1]
-            self.prompts = torch.zeros(most, widest, embed.shape[1], dtype=embed.dtype, **on)
-            self.prompt_slots = torch.zeros(most, dtype=torch.int64, **on)
+            # A padded prefill's input embeddings (zeros past the prompts), as many positions
+            # as its largest bucket holds (`_padded_prompts` views them), and its slots.
+            positions = max((b * w for b, w in self.prefill_buckets), default=0)
+            self.prompts = torch.zeros(positions, embed.shape[1], dtype=embed.dtype, **on)
+            self.prompt_slots = torch.zeros(self.prefill_batches[-1], dtype=torch.int64, **on)
             self.slot_numbers = torch.arange(slots, dtype=torch.int64, **on)
             self.seen = torch.zeros(slots, vocab, dtype=torch.bool, **on)
             self.temperature = torch.zeros(slots, dtype=torch.float32, **on)
@@ -1019,9 +1019,10 @@ class StaticDecoder(DecoderCache):
         if bucket is None:
             return self._prefill(upload(slots, self.device), embeds, positions)
         batch, width = bucket
-        self.prompts[:b, :w].copy_(embeds)
-        self.prompts[:b, w:width].zero_()
-        self.prompts[b:batch, :width].zero_()
+        prompts = self._padded_prompts(batch, width)
+        prompts[:b, :w].copy_(embeds)
+        prompts[:b, w:].zero_()
+        prompts[b:].zero_()
         # The batch's slots, then the next ones for its padding rows (free: `prefill_bucket`).
         self.prompt_slots[:batch].copy_(self.slot_numbers[slots[0] : slots[0] + batch])
         hidden = self._dispatch("prefill", batch, width)
@@ -1044,7 +1045,12 @@ class StaticDecoder(DecoderCache):
 
     def _padded_prefill(self, batch: int, width: int) -> torch.Tensor:
         """Prompts' prefill at bucket (batch, width) (what its graph captures)."""
-        return self._prefill(self.prompt_slots[:batch], self.prompts[:batch, :width], None)
+        return self._prefill(self.prompt_slots[:batch], self._padded_prompts(batch, width), None)
+
+    def _padded_prompts(self, batch: int, width: int) -> torch.Tensor:
+        """The padded prefill's input embeddings at bucket (batch, width): `[batch, width, E]`,
+        the first batch x width positions of `prompts`."""
+        return self.prompts[: batch * width].view(batch, width, -1)
 
     def _prefill(
         self, where: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor | None
