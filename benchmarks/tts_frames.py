@@ -1,6 +1,7 @@
 """Claim: Qwen3-TTS's frame step (the talker's decode step, its code predictor's 15
 sub-steps and every sampling step of the frame) replayed from two CUDA graphs back to back,
-the talker's step at its (batch, length) bucket and the frame's finish at its batch bucket,
+the talker's step at its batch bucket (and length bucket, `--modes buckets`) and the frame's
+finish at its batch bucket,
 takes milliseconds at any batch up to 64, where the eager step (a DynamicCache and 15
 predictor forwards with host work between them) is bound by the host.
 
@@ -21,7 +22,7 @@ second.
 
     python benchmarks/tts_frames.py                      # on a GPU: eager and graphs, 1/16/64
     python benchmarks/tts_frames.py --tiny --modes eager static --batches 1 4 --steps 4
-    python benchmarks/tts_frames.py --modes graphs lengths --max-len 4096   # attention by length
+    python benchmarks/tts_frames.py --modes graphs buckets --max-len 4096   # attention by length
 """
 
 from __future__ import annotations
@@ -59,23 +60,24 @@ pipeline frames {{
 
 
 def backend_for(model: str, mode: str, slots: int, frames: int, device: str, max_len: int):
-    """The talker stage in decode `mode`; "lengths" is "graphs" with the step's attention
-    reading each row's length on the device (`StaticDecoder(bucketed=False)`: one step graph
-    per batch bucket), its static decoder rebuilt so (from "static": nothing captured twice)."""
-    decode = "static" if mode == "lengths" else mode
+    """The talker stage in decode `mode`; "buckets" is "graphs" with the step's attention
+    over a length bucket, torch's SDPA (`StaticDecoder(bucketed=True)`: a step graph per
+    batch and length bucket) instead of `decode_attention` reading each row's length on the
+    device, its static decoder rebuilt so (from "static": nothing captured twice)."""
+    decode = "static" if mode == "buckets" else mode
     source = SOURCE.format(
         model=f'"{model}"', slots=slots, frames=frames, decode=decode, max_len=max_len
     )
     plan = compile_source(source, devices="1xH200" if device.startswith("cuda") else "cpu")
     start = time.perf_counter()
     backend = TransformersAR(StageSpec.from_channels(plan.stage("talker"), plan.channels), device)
-    if mode == "lengths":
+    if mode == "buckets":
         static, c = backend.static, backend.component
         static.close()
         backend.static = StaticDecoder(
             c, slots=static.slots, columns=static.columns, device=device,
             capture=device.startswith("cuda"), extra=static.has_extra, frames=c.frame_spec,
-            bucketed=False,
+            bucketed=True,
         )  # fmt: skip
     sync(device)
     return backend, time.perf_counter() - start
@@ -137,7 +139,7 @@ def frame_times(backend: TransformersAR, batch: int, steps: int, frames: int) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", nargs="+", default=["eager", "graphs"],
-                        choices=["eager", "static", "graphs", "lengths"])  # fmt: skip
+                        choices=["eager", "static", "graphs", "buckets"])  # fmt: skip
     parser.add_argument("--max-len", type=int, default=256, help="the talker's cache columns")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=24, help="timed decode steps")

@@ -32,9 +32,17 @@ step t's ids only once they have landed: until then it returns to the executor's
 which drives the other stages of the process meanwhile (a host wait would stall them all).
 
 Buckets. A step runs at a batch bucket B >= the number of rows (1, 2, 4, then multiples of 8
-up to max_batch, as vLLM pads) and a length bucket T > the longest active row's length
-(powers of two from 128, then `columns`): rows past the live ones and rows not advancing
-this step compute and are discarded. A step is two pieces of device work queued back to back
+up to max_batch, as vLLM pads) and a length bucket T: rows past the live ones and rows not
+advancing this step compute and are discarded. The fused step on CUDA attends through the
+`decode_attention` kernel, which reads each row's filled columns on the device, so its one
+length is the whole cache (`reads_lengths`) and a batch bucket has one step graph; torch's
+attention (the unfused step, and off CUDA) takes the columns it reads as a shape, so there
+T > the longest active row's length (powers of two from 128, then `columns`). On an H100
+the kernel was 1.04-5.3x faster than the bucketed SDPA at the talker's and thinker's shapes
+(5.3x on 4,000-column rows at batch 1) but for the thinker's 100-column rows at batch 1
+and 16, 0.6 us a layer slower (benchmarks/decode_attention.py); the talker's frame steps
+took the same time either way, its step graphs went 66 -> 11 at max_batch 64 and its
+whole capture 13.0 -> 2.3 s (benchmarks/tts_frames.py). A step is two pieces of device work queued back to back
 with nothing read between them: the LM's step at (B, T) (`_run`: its layers, each active
 row's key into its next column) and the step's finish at B (`_finish`: the head, the masks,
 the sampler, a frame's completion, the rows' advance), which reads only B rows and so has no
@@ -43,10 +51,7 @@ CUDA graph at load (`capture_plan`), largest first, all in one memory pool (the 
 run at once), and `launch` replays its buckets' two graphs: no capture happens after load
 (`captures` counts them, `dispatched` what each step replayed by kind and key, eager or
 not). Without it, `launch` runs the same functions eagerly at the same shapes, so replays
-and the eager step compute identical results. A fused step built without `bucketed` attends
-through the `decode_attention` kernel instead, which reads each row's filled columns on the
-device: its one length is the whole cache, so a batch bucket has one step graph (not yet the
-default: benchmarks/decode_attention.py is to say on a GPU whether it is as fast). Capturing
+and the eager step compute identical results. Capturing
 takes most of a stage's load, so it runs no more than it must: an eager warm-up run before a
 capture only where something has not yet run at those shapes (`capture_plan` says why each
 batch bucket's shorter lengths need none), and a talker's frame once per batch bucket, in
@@ -747,7 +752,7 @@ class StaticDecoder(DecoderCache):
         extra: bool,
         fused: bool | None = None,
         frames: FrameSpec | None = None,
-        bucketed: bool = True,
+        bucketed: bool | None = None,
     ):
         if columns % COLUMN_QUANTUM or columns <= 0:
             raise ValueError(f"columns must be a positive multiple of {COLUMN_QUANTUM}")
@@ -759,9 +764,12 @@ class StaticDecoder(DecoderCache):
         self.component = component
         self.has_extra = extra
         self.batch_buckets = batch_buckets(slots)
-        # Without `bucketed` (on the fused step only), each row's attention reads its own
-        # columns on the device (`decode_attention`): one length, the whole cache, so one
-        # step graph per batch bucket. (Not yet the default: its GPU benchmark first.)
+        # Unless `bucketed` (by default: the fused step on CUDA), each row's attention reads
+        # its own columns on the device (`decode_attention`): one length, the whole cache,
+        # so one step graph per batch bucket (see the module docstring). Off CUDA the
+        # kernel's interpreted run over every column would be slow: length buckets there.
+        if bucketed is None:
+            bucketed = not self.use_triton
         self.reads_lengths = fused and not bucketed
         self.length_buckets = [columns] if self.reads_lengths else length_buckets(columns)
         # The LM's step by (batch, length) bucket; a step's finish (sampling, the frames, the

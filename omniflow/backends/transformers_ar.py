@@ -33,10 +33,12 @@ What it owns:
 - Decode on a static cache (`decode`: "graphs", the default on CUDA, or "static"): every
   request owns a slot of a KV cache pre-allocated at load, sized from the stage's budget
   (`cache_columns`), and a decode step is replayed from CUDA graphs captured at load, the
-  decoder's step at its batch and length buckets and the step's finish (sampling, frames)
-  at its batch bucket (`omniflow.backends.static_decode`); prefill stays eager:
-  where the step is fused, the fused layers over the prompts' positions write straight into
-  the slots (`StaticDecoder.prefill`), else the forward above, whose cache is then copied
+  decoder's step at its batch bucket (and length bucket where torch's attention reads the
+  cache) and the step's finish (sampling, frames) at its batch bucket
+  (`omniflow.backends.static_decode`); prefill: where the step is fused, the fused layers
+  over the prompts' positions write straight into the slots (`StaticDecoder.prefill`,
+  replayed from a (batch, width) bucket's graph where the prompts have no positions of
+  their own), else the forward above, whose cache is then copied
   into the request's slot; the prefilled requests' first tokens are then sampled by the
   static step's own head and sampler, the finish's graph (`StaticDecoder.first`), so a
   first token takes the draws, masks and read-back every later one does, and like a
