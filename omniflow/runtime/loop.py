@@ -55,6 +55,13 @@ from omniflow.runtime.wakeup import Waker
 
 # How long a finished or cancelled request's late chunks are recognised and dropped.
 TOMBSTONE_S = 120.0
+# Passes `receive` makes over the inbound rings while the last one took a chunk. A request's
+# inputs come on several rings a moment apart, and in a burst the later requests' first
+# ports fill while a pass reads the other rings: 16 Qwen3-TTS requests admitted over 0.9 ms,
+# one pass took 6 requests' text but all 16's last port, so the talker started 6 and the
+# other 10 a 9 ms step later (docs/benchmarks-log.md, "Batched prefill from graphs").
+# Bounded, so that a flood of chunks cannot keep the stages from stepping.
+RECEIVE_PASSES = 4
 
 # sink(request_id, output, value or None, end, the producer's Ending or None): a chunk of a
 # pipeline output, owned by the sink (copied out of its ring).
@@ -371,26 +378,35 @@ class ProgramLoop:
         return any(r.maybe_ready and not self.congested(r) for r in self.runners.values())
 
     def receive(self) -> None:
-        """Feed every chunk waiting in the inbound rings to its stage (or the sink)."""
+        """Feed every chunk waiting in the inbound rings to its stage (or the sink): pass
+        over them again while a pass took something (at most RECEIVE_PASSES), for the
+        chunks that landed in a ring after this pass had read it."""
         unstarted = set()  # requests whose first chunk came before their Start was read
-        for name, inbound in list(self.links.inbound.items()):
-            stage = inbound.channel.dst
-            try:
-                with self._stream(stage).active():  # a device ring's wait for its copy
-                    self._receive_from(inbound, self.runners.get(stage), unstarted)
-            except ChannelError:
-                self.links.inbound.pop(name).close()  # its producer is gone: it is re-linked
+        for _ in range(RECEIVE_PASSES):
+            taken = 0
+            for name, inbound in list(self.links.inbound.items()):
+                stage = inbound.channel.dst
+                try:
+                    with self._stream(stage).active():  # a device ring's wait for its copy
+                        taken += self._receive_from(inbound, self.runners.get(stage), unstarted)
+                except ChannelError:
+                    self.links.inbound.pop(name).close()  # its producer is gone: re-linked
+            if not taken:
+                break
         if unstarted:
             self.take_queued_starts(unstarted)
 
     def _receive_from(
         self, inbound: Inbound, runner: StageRunner | None, unstarted: set[str]
-    ) -> None:
+    ) -> int:
         """Feed the chunks waiting in one inbound ring to its stage (`runner`; None: the
-        sink), noting in `unstarted` the requests whose Start has not been read yet."""
+        sink), noting in `unstarted` the requests whose Start has not been read yet; how
+        many there were."""
         name = inbound.channel.name
         arrive, handoffs = self.arrive[name], self.handoffs[name]
+        taken = 0
         for meta, value, release in inbound.receive():
+            taken += 1
             rid, end, taken = meta.request_id, meta.end, time.monotonic_ns()
             handoffs.add(taken - meta.sent)
             if self.recorder is not None:
@@ -405,6 +421,7 @@ class ProgramLoop:
                 self.sink(rid, inbound.channel.dst, owned, end, meta.ending)
             elif runner.feed(rid, inbound.channel.dst_port, value, end, release):
                 unstarted.add(rid)
+        return taken
 
     def congested(self, runner: StageRunner) -> bool:
         """Backpressure: a stage waits while a ring it feeds has no credit for what it sent."""

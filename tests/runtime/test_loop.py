@@ -98,6 +98,28 @@ def test_a_chunk_whose_start_is_not_queued_waits_for_it_without_spinning():
     assert h.received() == [("r1", [3], True)]
 
 
+def test_a_chunk_landing_after_its_ring_was_read_is_taken_by_the_same_receive():
+    """A pass reads the rings one after another, and a chunk can land in a ring the pass
+    has read (as a burst's requests do while it reads their other ports): `receive` passes
+    again while a pass took something, so the request is fed in this turn, not the next."""
+    h = Harness()
+    h.start_queue += [control.Start(r, PARAMS) for r in ("r1", "r2")]
+    (inbound,) = h.executor.links.inbound.values()
+    read, late = inbound.receive, ["r2"]
+
+    def receive_then_one_lands():
+        yield from read()
+        if late:  # the ring is empty now: r2's chunk arrives just after
+            h.send(late.pop(), 9)
+
+    inbound.receive = receive_then_one_lands
+    h.send("r1", 8)
+    h.executor.receive()
+    assert not late and sorted(h.executor.runners["b"].calls) == ["r1", "r2"]
+    h.turns()
+    assert sorted(h.received()) == [("r1", [8], True), ("r2", [9], True)]
+
+
 def test_a_stage_without_credit_lets_the_loop_sleep_and_resumes_when_credit_returns():
     h = Harness(out_slots=1)
     for i in range(3):
