@@ -68,6 +68,7 @@ import os
 import time
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,6 +184,11 @@ class Component(ABC):
     def prompt(self, call: Call) -> Prompt:
         """What the request's prefill feeds the decoder (raises ARBackendError if it cannot)."""
 
+    def prompts(self, calls: list[Call]) -> list[Prompt | OmniflowError]:
+        """The prompts of requests starting together, each or the error it cannot start
+        with: by default `prompt` of each (a component may build them together)."""
+        return [_or_error(self.prompt, call) for call in calls]
+
     def can_step(self, seq: Sequence) -> bool:
         return True
 
@@ -294,6 +300,14 @@ class CausalLM(Component):
         stream = call.inputs["prompt"]
         ids = prompt_ids(self.tokenizer, stream.take(), stream.type, self.head.out_features)
         return Prompt(self.embed(upload(ids, self.embed.weight.device)), ids)
+
+
+def _or_error(build: Callable[[Call], Prompt], call: Call) -> Prompt | OmniflowError:
+    """`build(call)`, or the OmniflowError it raised (the request fails with it)."""
+    try:
+        return build(call)
+    except OmniflowError as err:
+        return err
 
 
 def _as_ids(value) -> list[int]:
@@ -811,15 +825,16 @@ class TransformersAR(Backend):
         )
         return out.last_hidden_state
 
-    def _start(self, call: Call) -> tuple[Sequence, Prompt] | None:
-        """A starting request's sequence and prompt; None (the request failed) if its
-        parameters or inputs cannot run."""
+    def _start(self, call: Call, prompt: Prompt | OmniflowError) -> tuple[Sequence, Prompt] | None:
+        """A starting request's sequence and its prompt (`component.prompts`'); None (the
+        request failed) if its parameters or inputs cannot run."""
         component = self.component
         try:
             sampling = Sampling.of(call.params or {}, self.defaults, ARBackendError)
             if sampling.stop_strings and component.tokenizer is None:
                 raise ARBackendError("stop strings need a tokenizer, and this model has none")
-            prompt = component.prompt(call)
+            if isinstance(prompt, OmniflowError):
+                raise prompt
             length = prompt.embeds.shape[0]
             if self.static and length + sampling.max_tokens - 1 > self.static.columns:
                 raise ARBackendError(
@@ -868,7 +883,8 @@ class TransformersAR(Backend):
 
     def _prefill(self, calls: list[Call]) -> None:
         """Prefill the starting requests in as few forwards as `prefill_tokens` allows."""
-        started = [s for s in map(self._start, calls) if s is not None]
+        prompts = self.component.prompts(calls)
+        started = [s for s in map(self._start, calls, prompts) if s is not None]
         budget = self.spec.plan.settings["prefill_tokens"]
         lengths = [prompt.embeds.shape[0] for _, prompt in started]
         for group in prefill_groups(lengths, budget):

@@ -67,6 +67,7 @@ from omniflow.backends.transformers_ar import (
     Sequence,
     sub_sampling,
 )
+from omniflow.errors import OmniflowError
 from omniflow.families.qwen3_tts import prompt as prompts
 from omniflow.families.qwen3_tts import voices
 from omniflow.families.qwen3_tts.config import (
@@ -106,6 +107,11 @@ def load(path: str, component: str | None, device: str, dtype) -> QwenTTSTalker:
     tokenizer = AutoTokenizer.from_pretrained(path)
     generation = {**SAMPLING_DEFAULTS, **(read_json(path, GENERATION_CONFIG) or {})}
     return QwenTTSTalker(talker, tokenizer, config, generation)
+
+
+def _ok(ids) -> bool:
+    """Whether a request's prompt ids were planned (not the error it fails with)."""
+    return not isinstance(ids, OmniflowError)
 
 
 @dataclass
@@ -244,18 +250,38 @@ class QwenTTSTalker(Component):
         return upload(x_vector, weight.device, weight.dtype), codes
 
     def prompt(self, call: Call) -> Prompt:
-        try:
-            request = self.request(call)
-            with torch.inference_mode():
-                built = prompts.build(self.model, self.tokenizer, self.layout, request)
-        except Qwen3TTSError as err:
-            raise ARBackendError(str(err)) from err
-        context = None
-        if request.ref_codes is not None:  # sent ahead of the first frame, marked (on the host)
-            context = request.ref_codes + self.codebook_size
-            context[-1] += self.codebook_size  # the last: code2wav then has them all
-        call.state[_STATE] = _Request(built.trailing, built.pad, context=context)
-        return Prompt(built.embeds, [])
+        (built,) = self.prompts([call])
+        if isinstance(built, OmniflowError):
+            raise built
+        return built
+
+    def prompts(self, calls: list[Call]) -> list[Prompt | OmniflowError]:
+        """The prompts of requests starting together, built together (`prompt.embed`: one
+        upload, one text projection and one codec lookup for all of them), each or the
+        error its request fails with."""
+        plans: list[prompts.PromptIds | OmniflowError] = []
+        for call in calls:
+            try:
+                plans.append(prompts.plan(self.tokenizer, self.layout, self.request(call)))
+            except Qwen3TTSError as err:
+                plans.append(ARBackendError(str(err)))
+            except OmniflowError as err:
+                plans.append(err)
+        with torch.inference_mode():
+            built = iter(prompts.embed(self.model, self.layout, [p for p in plans if _ok(p)]))
+        out: list[Prompt | OmniflowError] = []
+        for call, ids in zip(calls, plans, strict=True):
+            if not _ok(ids):
+                out.append(ids)
+                continue
+            prompt, codes = next(built), ids.request.ref_codes
+            context = None
+            if codes is not None:  # sent ahead of the first frame, marked (on the host)
+                context = codes + self.codebook_size
+                context[-1] += self.codebook_size  # the last: code2wav then has them all
+            call.state[_STATE] = _Request(prompt.trailing, prompt.pad, context=context)
+            out.append(Prompt(prompt.embeds, []))
+        return out
 
     # --- steps ---------------------------------------------------------------------------
     def ahead_codes(self, seq: Sequence) -> torch.Tensor | None:
