@@ -1,7 +1,8 @@
 """The talker stage: Qwen3-TTS's talker and code predictor as a component of the
 transformers `ar` backend (`omniflow.backends.transformers_ar`).
 
-Each request's prefill is its task's prompt (`prompt.build`); each step samples codebook 0
+Each request's prefill is its task's prompt (`prompt.plan`, `prompt.embed`: those of requests
+starting together built at once); each step samples codebook 0
 from the talker's `codec_head`, then the code predictor fills codebooks 1..15 for every row
 of the step at once (`frames`), and the frame goes out on `codes` as int64 `[1, 16]`; the
 next step feeds the talker the sum of the frame's 16 codebook embeddings plus that step's
