@@ -96,14 +96,15 @@ def test_real_size_graph_replay_gives_the_eager_static_steps_greedy_tokens(stage
     vocab = prompt_vocab(stage, component)
     graphed = backend(stage, component, "graphs")
     captured = graphed.static.captures
-    # batch 1, 2, 4, 8 x 128, 256 columns, each batch's finish, prompts' prefills at
-    # batches 1 to 8 x widths 16 to 256 (none for the thinker, whose prompts carry
-    # multimodal positions)
+    # batch 1, 2, 4, 8 x the whole cache (the fused step attends by each row's length; else
+    # 128, 256 columns), each batch's finish, prompts' prefills at batches 1 to 8 x widths
+    # 16 to 256 (none for the thinker, whose prompts carry multimodal positions)
     static = graphed.static
     widths = [] if stage == "thinker" or not static.fused else [16, 32, 64, 128, 256]
     assert static.prefill_widths == widths
+    assert static.length_buckets == ([256] if static.fused else [128, 256])
     assert captured == len(static.graphs) + len(static.finish_graphs) + len(static.prefill_graphs)
-    assert captured == 4 * 3 + len(static.prefill_buckets)
+    assert captured == 4 * (len(static.length_buckets) + 1) + len(static.prefill_buckets)
     assert len(static.prefill_buckets) == 4 * len(widths)  # (none over 4096 positions)
     want = greedy(backend(stage, component, "static"), vocab)
     got = greedy(graphed, vocab)

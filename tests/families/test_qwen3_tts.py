@@ -570,8 +570,8 @@ def test_captured_frames_are_the_eager_static_steps_and_the_dynamic_paths(plans,
     graph, then the frame's finish graph), and replaying it gives exactly the codes of the
     same step run eagerly, greedy and sampled (seeded), with nothing captured after load
     and every step replayed, the first step after each prefill (its first frames) and each
-    prefill included, and each batch bucket's shorter lengths captured without
-    a warm-up; the dynamic path on the GPU (the same (seed, frame, sub-step) draws) gives
+    prefill included, and one step graph per batch bucket (its attention reads each row's
+    length on the device); the dynamic path on the GPU (the same (seed, frame, sub-step) draws) gives
     the same codes too."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -580,7 +580,8 @@ def test_captured_frames_are_the_eager_static_steps_and_the_dynamic_paths(plans,
     static = graphed.static
     assert graphed.decode == "graphs" and static.frames is not None
     assert set(static.finish_graphs) == set(static.batch_buckets)
-    assert static.warm_ups == static.capture_work().warm_ups < static.captures
+    assert static.reads_lengths and static.length_buckets == [static.columns]
+    assert static.warm_ups == static.capture_work().warm_ups == static.captures
     captured = static.captures
     requests = frame_requests(ref_wav)
     got = serve_frames(graphed, requests)
