@@ -164,6 +164,25 @@ def test_forwards_beyond_the_largest_bucket_run_in_parts_of_it():
     assert float((parts - whole).abs().max()) < BATCH_TOLERANCE
 
 
+def test_a_forward_of_more_codes_than_a_graph_holds_runs_in_static_parts():
+    """Windows of a static length whose batch bucket holds more than GRAPH_CODES codes (not
+    captured) decode in parts of the largest batch that is, not eagerly: 5 windows of 100
+    codes at buckets 4 and 1 (8 x 100 is over 768), and the audio of the eager batch."""
+    decoder = Token2Wav(str(model_path("tiny:qwen2.5-omni")), "cpu")
+    decoder.prepare([100], 8, capture=False)
+    assert decoder.static_batch(100) == 4 and decoder.static_batch(36) == 8
+    assert (100, 8, DEFAULT_STEPS, "begin") not in decoder.graphs
+    windows = window_batch(decoder, 5, 100)
+    with torch.inference_mode():
+        parts = decoder.decode(windows, 100)
+        assert decoder.eager_windows == 0
+        whole = decoder.decode_eager(windows, 100)
+    assert float((parts - whole).abs().max()) < BATCH_TOLERANCE
+    with torch.inference_mode():
+        decoder.decode(window_batch(decoder, 2, 37), 37)  # no static window that long
+    assert decoder.eager_windows == 2
+
+
 class _Ops(TorchDispatchMode):
     """Records the ATen ops run within it."""
 

@@ -192,6 +192,7 @@ class Token2Wav(Decoder):
         self.graphs: Graphs | None = None
         self.batch_buckets: list[int] = []
         self.window_lengths: list[int] = []
+        self.eager_windows = 0  # windows decoded eagerly, for want of a static window
         super().__init__(
             samples_per_frame=mel_samples * self.repeats,
             num_codebooks=1,
@@ -265,13 +266,14 @@ class Token2Wav(Decoder):
     # --- the window decode ----------------------------------------------------------------
     @torch.inference_mode()
     def decode(self, windows: list[Window], frames: int) -> torch.Tensor:
-        largest = self.batch_buckets[-1] if self.batch_buckets else len(windows)
+        largest = self.static_batch(frames) or len(windows)
         if len(windows) > largest:  # in forwards of the largest static batch
             parts = [windows[i : i + largest] for i in range(0, len(windows), largest)]
             return torch.cat([self.decode(part, frames) for part in parts])
         steps = windows[0].stream.state["steps"]
         key = (frames, self.batch_bucket(len(windows)), steps)
         if self.graphs is None or (*key, "begin") not in self.graphs:
+            self.eager_windows += len(windows)
             return self.decode_eager(windows, frames)
         self.graphs.run((*key, "begin"), self._inputs(windows, frames))
         for _ in range(steps - 1):
@@ -279,6 +281,16 @@ class Token2Wav(Decoder):
         audio = self.graphs.run((*key, "end"), {})
         # A copy: the buffer belongs to the graphs, and the next window overwrites it.
         return audio[: len(windows)].clone()
+
+    def static_batch(self, frames: int) -> int | None:
+        """The largest batch of static windows of `frames` codes (None: none that long). A
+        batch is captured up to GRAPH_CODES codes, so a forward of more windows of a long
+        length runs in parts that were: eagerly, 5 windows of 240 codes would hold the
+        executor's loop for ~0.4 s of launches (at c=32, omni chat's code2wav steps of 3 and 4
+        windows held it 265-315 ms: docs/benchmarks-log.md)."""
+        if frames not in self.window_lengths:
+            return self.batch_buckets[-1] if self.batch_buckets else None
+        return max(b for b in self.batch_buckets if b == 1 or b * frames <= GRAPH_CODES)
 
     @torch.inference_mode()
     def decode_eager(self, windows: list[Window], frames: int) -> torch.Tensor:
