@@ -226,6 +226,9 @@ def main() -> None:
     )
     parser.add_argument("--trace-concurrency", type=int, nargs="+", default=[1, 10])
     parser.add_argument("--trace-gpu", action="store_true", help="the trace has the CUDA kernels")
+    parser.add_argument("--server-log", metavar="DIR",
+                        help="keep the server's log in DIR (ORDER-server.log), e.g. with "
+                        "OMNIFLOW_SYNC_DEBUG=warn, the host syncs its stages' steps make")  # fmt: skip
     args = workload_args(parser.parse_args())
     source = Path(args.graph).read_text()
     name = re.search(r"pipeline (\w+)", source).group(1)
@@ -246,7 +249,8 @@ def main() -> None:
                 source if order == "default" else source.replace("= vocoder(", ordered)
             )
             # (its log: an exit before it is ready raises with its tail)
-            server = Server([str(graph), *flags], log=Path(folder) / f"{order}-server.log")
+            log = Path(args.server_log or folder) / f"{order}-server.log"
+            server = Server([str(graph), *flags], log=log)
             try:
                 asyncio.run(level(server.base, name, {**workload, "audio_tokens": 24}, 1, 1))
                 for clients in args.concurrency:
