@@ -110,7 +110,7 @@ class PromptIds:
 
     request: TTSRequest
     role: tuple[int, ...]  # the role's ids, `ids[:ROLE_TOKENS]`
-    segments: list[list[int]]  # text ids in the segments the reference projects them in
+    segments: list[list[int]]  # text ids: the instruction; the text, or its first id and the rest
     codec: list[int]  # the codec tag, the speaker, pad, bos, then the pads beside the text
     head: int  # of `codec`, the tag's and the speaker's ids
     speaker: bool
