@@ -36,26 +36,26 @@ up to max_batch, as vLLM pads) and a length bucket T: rows past the live ones an
 advancing this step compute and are discarded. The fused step on CUDA attends through the
 `decode_attention` kernel, which reads each row's filled columns on the device, so its one
 length is the whole cache (`reads_lengths`) and a batch bucket has one step graph; torch's
-attention (the unfused step, and off CUDA) takes the columns it reads as a shape, so there
-T > the longest active row's length (powers of two from 128, then `columns`). On an H100
+attention (the unfused step, and off CUDA) takes the columns it reads as a shape, so there T
+exceeds the longest active row's length (powers of two from 128, then `columns`). On an H100
 the kernel was 1.04-5.3x faster than the bucketed SDPA at the talker's and thinker's shapes
-(5.3x on 4,000-column rows at batch 1) but for the thinker's 100-column rows at batch 1
-and 16, 0.6 us a layer slower (benchmarks/decode_attention.py); the talker's frame steps
-took the same time either way, its step graphs went 66 -> 11 at max_batch 64 and its
-whole capture 13.0 -> 2.3 s (benchmarks/tts_frames.py). A step is two pieces of device work queued back to back
-with nothing read between them: the LM's step at (B, T) (`_run`: its layers, each active
-row's key into its next column) and the step's finish at B (`_finish`: the head, the masks,
-the sampler, a frame's completion, the rows' advance), which reads only B rows and so has no
-length bucket. With `capture`, every (B, T) step and every B's finish is captured into a
-CUDA graph at load (`capture_plan`), largest first, all in one memory pool (the graphs never
-run at once), and `launch` replays its buckets' two graphs: no capture happens after load
-(`captures` counts them, `dispatched` what each step replayed by kind and key, eager or
-not). Without it, `launch` runs the same functions eagerly at the same shapes, so replays
-and the eager step compute identical results. Capturing
-takes most of a stage's load, so it runs no more than it must: an eager warm-up run before a
-capture only where something has not yet run at those shapes (`capture_plan` says why each
-batch bucket's shorter lengths need none), and a talker's frame once per batch bucket, in
-the finish, not once per (B, T) (`capture_work` counts what that saves).
+(5.3x on 4,000-column rows at batch 1) but for the thinker's 100-column rows at batch 1 and
+16, 0.6 us a layer slower (benchmarks/decode_attention.py); the talker's frame steps took
+the same time either way, its step graphs went 66 -> 11 at max_batch 64 and its whole
+capture 13.0 -> 2.3 s (benchmarks/tts_frames.py). A step is two pieces of device work queued
+back to back with nothing read between them: the LM's step at (B, T) (`_run`: its layers,
+each active row's key into its next column) and the step's finish at B (`_finish`: the head,
+the masks, the sampler, a frame's completion, the rows' advance), which reads only B rows
+and so has no length bucket. With `capture`, every (B, T) step and every B's finish is
+captured into a CUDA graph at load (`capture_plan`), largest first, all in one memory pool
+(the graphs never run at once), and `launch` replays its buckets' two graphs: no capture
+happens after load (`captures` counts them, `dispatched` what each step replayed by kind and
+key, eager or not). Without it, `launch` runs the same functions eagerly at the same shapes,
+so replays and the eager step compute identical results. Capturing takes most of a stage's
+load, so it runs no more than it must: an eager warm-up run before a capture only where
+something has not yet run at those shapes (`capture_plan` says why each batch bucket's
+shorter lengths need none), and a talker's frame once per batch bucket, in the finish, not
+once per (B, T) (`capture_work` counts what that saves).
 
 The fused step (`fused`, the default on CUDA where `fusable`): each layer's q/k/v and
 gate/up projections are merged into one matrix each (the model's own projections become
@@ -342,8 +342,8 @@ def prefill_widths(columns: int) -> list[int]:
 
 
 def _graph_key(key: tuple[int, ...]) -> tuple[int, int] | int:
-    """A `Capture` key as its graph's dict keys it: a step's (batch, length) pair, else the
-    one number (a finish's batch, a prefill's width)."""
+    """A `Capture` key as its graph's dict keys it: a step's (batch, length) pair and a
+    prefill's (batch, width) pair as they are, a finish's one number (its batch) alone."""
     return key if len(key) > 1 else key[0]
 
 

@@ -283,8 +283,10 @@ class Token2Wav(Decoder):
         return audio[: len(windows)].clone()
 
     def static_batch(self, frames: int) -> int | None:
-        """The largest batch of static windows of `frames` codes (None: none that long). A
-        batch is captured up to GRAPH_CODES codes, so a forward of more windows of a long
+        """The most windows of `frames` codes a forward decodes at once: the largest batch of
+        static windows that long (of another length, the largest bucket, whose forwards run
+        eagerly; None without static windows). A batch is captured up to GRAPH_CODES
+        codes, so a forward of more windows of a long
         length runs in parts that were: eagerly, 5 windows of 240 codes would hold the
         executor's loop for ~0.4 s of launches (at c=32, omni chat's code2wav steps of 3 and 4
         windows held it 265-315 ms: docs/benchmarks-log.md)."""
