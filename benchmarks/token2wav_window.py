@@ -10,8 +10,9 @@ lookahead; 36: a stream's first window) for 1 and 10 requests at once, in each p
 window, speed-up over float32 eager, and the audio's distance from float32 eager (max and
 rms relative to the signal's). Ten requests replay a graph of 8 and one of 2 (GRAPH_BATCH).
 Also: BigVGAN's own share (its eager forward on the same mel), the graphs' capture time,
-and that timing them captured nothing more. `--kernels N` prints each graph replay's and
-BigVGAN's N costliest kernels (CUDA only).
+and that timing them captured nothing more; on CUDA, how long a window's launch holds the
+host, on an idle GPU and behind another window (`launch_ms`). `--kernels N` prints each
+graph replay's and BigVGAN's N costliest kernels (CUDA only).
 
     python benchmarks/token2wav_window.py                          # tiny model, CPU
     python benchmarks/token2wav_window.py --device cuda --scaled 1  # real-size token2wav
@@ -50,6 +51,21 @@ def timed(device: str, fn, repeats: int):
         out = fn().float().cpu()
         times.append(time.perf_counter() - start)
     return statistics.median(times), out
+
+
+def launch_ms(fn) -> tuple[float, float]:
+    """Host milliseconds `fn()` takes to return (its GPU work launched, not waited for) on an
+    idle GPU, and called again at once, behind its own first call's work: a window's 11 graph
+    replays return at once while the GPU's queue has room (served at c=32 they held the
+    executor's loop: docs/benchmarks-log.md, "What holds the loop")."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    idle = time.perf_counter() - start
+    fn()
+    behind = time.perf_counter() - start - idle
+    torch.cuda.synchronize()
+    return idle * 1e3, behind * 1e3
 
 
 def windows_of(decoder: Token2Wav, rows: int, frames: int) -> list[Window]:
@@ -132,6 +148,12 @@ def main() -> None:
                         f"{seconds * 1e3:>9.1f} {base[0] / seconds:>8.2f}x "
                         f"{float(diff):>9.1e} {float(rms):>8.1e}"
                     )
+                if cuda and decoder.graphs is not None:
+                    with torch.inference_mode():
+                        idle, behind = launch_ms(
+                            lambda d=decoder, w=windows, f=frames: d.decode(w, f)
+                        )
+                    print(f"{'':>31} launched in {idle:.2f} ms idle, {behind:.2f} ms behind one")
                 if args.kernels and cuda:
                     with torch.inference_mode():
                         kernel_table(

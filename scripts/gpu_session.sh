@@ -14,9 +14,11 @@
 # ALSO_DEVICES=1xH200, and STREAMING_ARGS added to the benchmark's, e.g. "--breakdown
 # --lookahead 24 12"; windows: WINDOW_KERNELS=N adds each replay's N costliest kernels;
 # load: LOAD_ARGS, e.g. "--graph graphs/qwen3_omni.omni --scaled 0.5"; diffusion:
-# DIFFUSION_ARGS). Logs go to $OUT (or /tmp/out). Wheels: scripts/gpu_wheels.sh
-# downloads them here, .whl/ (what the GPU image lacks, and the transformers this tree is
-# tested with) and .whl-serve/ (the server's and diffusers'): carry both.
+# DIFFUSION_ARGS; SPY=1 runs load and tts under py-spy, every process of the run sampled into
+# $OUT/<part>.spy.gz: `python scripts/spy_summary.py FILE` reads it). Logs go to $OUT (or
+# /tmp/out). Wheels: scripts/gpu_wheels.sh downloads them here, .whl/ (what the GPU image
+# lacks, and the transformers this tree is tested with), .whl-serve/ (the server's and
+# diffusers') and .whl-tools/ (py-spy): carry all three.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -47,6 +49,10 @@ omni_cache() {
   if [ "$(free_gib /dev/shm)" -ge $OMNI_GIB ]; then echo /dev/shm/omniflow-cache; else echo "$OMNIFLOW_CACHE"; fi
 }
 OMNI_CACHE=$(omni_cache)
+spied() {  # PART: with SPY set, the command after it runs under py-spy into $OUT/PART.spy
+  [ -n "${SPY:-}" ] && echo /tmp/tools/bin/py-spy record --subprocesses --idle --rate 40 \
+    --format raw -o "$OUT/$1.spy" --
+}
 set_up() {
   # Compiled to bytecode as a user's install is: the GPU image ships torch's packages without
   # it (and sets PYTHONDONTWRITEBYTECODE), so every process compiled each module it imported
@@ -58,6 +64,9 @@ set_up() {
   python3 -m compileall -q -j 0 omniflow "$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
     >> "$OUT/setup.log" 2>&1
   ln -sfn "$here/omniflow" /tmp/site/omniflow
+  if compgen -G ".whl-tools/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/tools .whl-tools/*.whl >> "$OUT/setup.log" 2>&1
+  fi
   python3 -P -c "import torch, transformers, triton, omniflow.kernels.sampling, omniflow.dsl; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" 2>&1 | tee -a "$OUT/setup.log"
 }
 # Each call brings a fresh copy of the tree, without setup's links: a call that does not
@@ -111,11 +120,11 @@ for part in "$@"; do
     tts)
       # Qwen3-TTS served over HTTP at c = 1, 16, 64 (TTS_ARGS added to tts_serve.py's flags;
       # TTS_CLONE=1 adds the voice clone rows, on the Base checkpoint's build too).
-      (cd /tmp && timeout ${TTS_S:-400} python3 "$here/benchmarks/tts_serve.py" --devices 1xH200 \
+      (cd /tmp && timeout ${TTS_S:-400} $(spied tts) python3 "$here/benchmarks/tts_serve.py" --devices 1xH200 \
         $([ -n "${TTS_CLONE:-}" ] || echo --no-clone) --frames 64 ${TTS_ARGS:-}) 2>&1 | grep -v -i "warn\|model config" \
         | tee "$OUT/tts_serve.log"
       # Traces (TTS_ARGS="--trace $OUT/tts.trace ...") come back only under 16 MiB a file.
-      for trace in "$OUT"/*.trace; do [ -e "$trace" ] && gzip -f "$trace"; done
+      for trace in "$OUT"/*.trace "$OUT"/*.spy; do [ -e "$trace" ] && gzip -f "$trace"; done
       ;;
     kernels)
       timeout ${KERNELS_S:-150} python3 benchmarks/stage_steps.py --modes graphs --batches 1 10 \
@@ -150,10 +159,10 @@ for part in "$@"; do
       # The peer's workload through HTTP at rising concurrency (benchmarks/load.py; LOAD_ARGS
       # e.g. "--trace $OUT/load.trace --trace-gpu --trace-concurrency 10 32": the trace comes
       # back gzipped).
-      (cd /tmp && timeout ${LOAD_S:-500} python3 "$here/benchmarks/load.py" --devices ${DEVICES:-1xH200} \
+      (cd /tmp && timeout ${LOAD_S:-500} $(spied load) python3 "$here/benchmarks/load.py" --devices ${DEVICES:-1xH200} \
         --scaled 1 --concurrency 1 10 32 64 ${LOAD_ARGS:-}) 2>&1 | grep -v -i "warn\|model config" \
         | tee "$OUT/load.log"
-      for trace in "$OUT"/*.trace; do [ -e "$trace" ] && gzip -f "$trace"; done
+      for trace in "$OUT"/*.trace "$OUT"/*.spy; do [ -e "$trace" ] && gzip -f "$trace"; done
       ;;
     diffusion)
       # Text-to-image at real width, 15 of the DiT's 60 layers (DIFFUSION_ARGS: e.g. --kernels 12).

@@ -3,8 +3,9 @@
 # package index: each package at the version this tree's .venv holds (run `make setup`
 # first), for CPython 3.12 on x86-64 Linux. .whl/ gets what the GPU image lacks or holds at
 # another version for the models (transformers and what it imports), .whl-serve/ the server's
-# (websockets: its realtime and speech sockets, and their clients) and diffusers'. Both stay
-# out of git (.git/info/exclude).
+# (websockets: its realtime and speech sockets, and their clients) and diffusers', .whl-tools/
+# py-spy (gpu_session.sh's SPY=1: where a served process's threads spend their time). All
+# stay out of git (.git/info/exclude).
 set -eu
 cd "$(dirname "$0")/.."
 MODELS="lark msgspec pyzmq transformers tokenizers huggingface_hub safetensors httpx2 httpcore2
@@ -12,7 +13,9 @@ MODELS="lark msgspec pyzmq transformers tokenizers huggingface_hub safetensors h
 SERVE="diffusers fastapi starlette uvicorn pydantic pydantic_core annotated-types annotated-doc
   typing-inspection python-multipart soundfile cffi pycparser httptools openai jiter
   sniffio opentelemetry-api importlib_metadata zipp websockets"
-grep -qx "/.whl/" .git/info/exclude 2>/dev/null || printf '/.whl/\n/.whl-serve/\n' >> .git/info/exclude
+for dir in .whl .whl-serve .whl-tools; do
+  grep -qx "/$dir/" .git/info/exclude 2>/dev/null || echo "/$dir/" >> .git/info/exclude
+done
 pinned() {
   for name in "$@"; do
     echo "$name==$(.venv/bin/python -c "import importlib.metadata as m; print(m.version('$name'))")"
@@ -27,4 +30,5 @@ download() {
 download .whl $(pinned $MODELS)
 # shellcheck disable=SC2086
 download .whl-serve $(pinned $SERVE)
-du -sh .whl .whl-serve
+download .whl-tools py-spy==0.4.3
+du -sh .whl .whl-serve .whl-tools
