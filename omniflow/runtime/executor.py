@@ -10,6 +10,7 @@ start queue here, queues in the in-process transport.
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import json
 import os
 import select
@@ -293,10 +294,17 @@ def cuda_contexts(program: Program) -> float:
     return time.perf_counter() - began
 
 
+def dump_stacks_on_usr1() -> None:
+    """`kill -USR1 PID` prints every thread's stack to the executor's log: an executor that
+    stalls (a launch that never returns, a lock) can be looked at without a debugger."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def main() -> None:
     began = time.time()
     engine = os.getppid()
     _die_with_parent()
+    dump_stacks_on_usr1()
     config = json.loads(sys.stdin.read())
     _watch_engine(engine, config.get("log_dir"))
     end = ZmqControl(config["control"], config["name"], config["start_queue_fd"])

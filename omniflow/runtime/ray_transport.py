@@ -50,14 +50,9 @@ class ExecutorActor:
         return os.getpid()
 
     def serve(self) -> None:
-        import faulthandler
-        import signal
+        from omniflow.runtime.executor import ZmqControl, dump_stacks_on_usr1, serve, start_loop
 
-        from omniflow.runtime.executor import ZmqControl, serve, start_loop
-
-        # `kill -USR1 PID` prints every thread's stack to the actor's log: a hung executor
-        # on a remote node can be looked at without a debugger.
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        dump_stacks_on_usr1()  # (the actor's log: on a remote node too)
         # What a killed executor of this node left: its replacement is started here.
         cleanup_stale_segments()
 

@@ -149,6 +149,18 @@ def test_killed_executor_fails_its_requests_fast_restarts_and_leaks_nothing(no_l
         assert engine.executor_pids["dst"] != killed
 
 
+def test_an_executor_prints_its_threads_stacks_on_sigusr1_and_serves_on(no_leaks):
+    """`kill -USR1` an executor: every thread's stack goes to its log (how a stalled one is
+    looked at), and it goes on serving."""
+    with Engine(chain(), "process") as engine:
+        transport = engine._core.transport
+        os.kill(engine.executor_pids["dst"], signal.SIGUSR1)
+        wait_until(lambda: "Thread 0x" in transport.log_tail("dst", 200))
+        assert "in serve" in transport.log_tail("dst", 200)  # the loop's own frame
+        out = engine.generate({"n": "20"})["out"]
+        assert out.flatten().tolist() == [2 * i for i in range(20)]
+
+
 def one_gpu(source: str) -> Plan:
     """`source` compiled for one GPU, where the executor rule puts every stage in one
     process. The plan runs here without that GPU (stand-ins for model stages; these python
