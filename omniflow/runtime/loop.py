@@ -383,15 +383,15 @@ class ProgramLoop:
         chunks that landed in a ring after this pass had read it."""
         unstarted = set()  # requests whose first chunk came before their Start was read
         for _ in range(RECEIVE_PASSES):
-            taken = 0
+            chunks = 0
             for name, inbound in list(self.links.inbound.items()):
                 stage = inbound.channel.dst
                 try:
                     with self._stream(stage).active():  # a device ring's wait for its copy
-                        taken += self._receive_from(inbound, self.runners.get(stage), unstarted)
+                        chunks += self._receive_from(inbound, self.runners.get(stage), unstarted)
                 except ChannelError:
                     self.links.inbound.pop(name).close()  # its producer is gone: re-linked
-            if not taken:
+            if not chunks:
                 break
         if unstarted:
             self.take_queued_starts(unstarted)
@@ -404,9 +404,9 @@ class ProgramLoop:
         many there were."""
         name = inbound.channel.name
         arrive, handoffs = self.arrive[name], self.handoffs[name]
-        taken = 0
+        chunks = 0
         for meta, value, release in inbound.receive():
-            taken += 1
+            chunks += 1
             rid, end, taken = meta.request_id, meta.end, time.monotonic_ns()
             handoffs.add(taken - meta.sent)
             if self.recorder is not None:
@@ -421,7 +421,7 @@ class ProgramLoop:
                 self.sink(rid, inbound.channel.dst, owned, end, meta.ending)
             elif runner.feed(rid, inbound.channel.dst_port, value, end, release):
                 unstarted.add(rid)
-        return taken
+        return chunks
 
     def congested(self, runner: StageRunner) -> bool:
         """Backpressure: a stage waits while a ring it feeds has no credit for what it sent."""
