@@ -285,14 +285,14 @@ class Token2Wav(Decoder):
     def static_batch(self, frames: int) -> int | None:
         """The most windows of `frames` codes a forward decodes at once: the largest batch of
         static windows that long (of another length, the largest bucket, whose forwards run
-        eagerly; None without static windows). A batch is captured up to GRAPH_CODES
-        codes, so a forward of more windows of a long
-        length runs in parts that were: eagerly, 5 windows of 240 codes would hold the
-        executor's loop for ~0.4 s of launches (at c=32, omni chat's code2wav steps of 3 and 4
-        windows held it 265-315 ms: docs/benchmarks-log.md)."""
+        eagerly; None without static windows). A batch is captured up to GRAPH_CODES codes
+        (`_static`), so a forward of more windows of a long length runs in parts that were:
+        eagerly, 5 windows of 240 codes would hold the executor's loop for ~0.4 s of
+        launches (at c=32, omni chat's code2wav steps of 3 and 4 windows held it 265-315 ms:
+        docs/benchmarks-log.md)."""
         if frames not in self.window_lengths:
             return self.batch_buckets[-1] if self.batch_buckets else None
-        return max(b for b in self.batch_buckets if b == 1 or b * frames <= GRAPH_CODES)
+        return max(b for b in self.batch_buckets if _static(b, frames))
 
     @torch.inference_mode()
     def decode_eager(self, windows: list[Window], frames: int) -> torch.Tensor:
@@ -491,7 +491,7 @@ class Token2Wav(Decoder):
         warmed = set()
         for batch in reversed(self.batch_buckets):
             for frames in reversed(self.window_lengths):
-                if batch > 1 and batch * frames > GRAPH_CODES:
+                if not _static(batch, frames):
                     continue
                 on = {"device": self.device}
                 inputs = {
@@ -513,6 +513,12 @@ class Token2Wav(Decoder):
                 self.graphs.add((*key, "end"), functools.partial(self._end, solve), {}, warm)
                 warmed.add(frames)
         self.graphs.synchronize()
+
+
+def _static(batch: int, frames: int) -> bool:
+    """Whether `prepare` makes a static window of `frames` codes at batch bucket `batch`:
+    up to GRAPH_CODES codes in all, one window always."""
+    return batch == 1 or batch * frames <= GRAPH_CODES
 
 
 def _cloned(state: dict) -> dict:
