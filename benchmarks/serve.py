@@ -80,8 +80,10 @@ def print_profile(server: Server, model: str, rounds: dict, trace: Path, gpu: bo
     for pipeline `model`, the trace in `trace`; prints the mean TTFP critical path of each
     round's requests, the client's TTFP beside it, and each stage's steps (count, mean batch,
     median / p90 / max ms, and the median of the steps in which a request started: a prefill
-    and first output)."""
+    and first output); with `gpu`, where the kernels' time went (the GPU's busy share of the
+    rounds, each stage's stream's, their costliest kernels)."""
     from omniflow.profiler.analysis import timelines
+    from omniflow.profiler.gpu_time import format_gpu_time, gpu_time
 
     measured = {}  # round -> the client's results
 
@@ -89,7 +91,7 @@ def print_profile(server: Server, model: str, rounds: dict, trace: Path, gpu: bo
         for name, (send, _) in rounds.items():
             measured[name] = send()
 
-    profile, _ = server.profiled(run, trace, gpu, model)
+    profile, written = server.profiled(run, trace, gpu, model)
     spoken = [r for r in timelines(profile) if "audio" in r.path_ttfp]  # by start
     paths, start = {}, 0
     for name, (_, total) in rounds.items():
@@ -120,6 +122,9 @@ def print_profile(server: Server, model: str, rounds: dict, trace: Path, gpu: bo
         first = statistics.median(starts) if starts else float("nan")
         print(f"{stage:>13} {len(steps):6d} {batch:6.1f} {statistics.median(ms):7.2f} "
               f"{percentile(ms, 0.9):7.2f} {max(ms):7.2f} {first:9.2f}")  # fmt: skip
+    if gpu:
+        print("\nwhere the GPU's time went (kernels of the rounds above):")
+        print(format_gpu_time(gpu_time(written)))
 
 
 def summary(values: list[float]) -> str:
