@@ -30,8 +30,8 @@ def decoder_on(device: str, precision: str) -> Token2Wav:
 
 
 def pass_inputs(decoder: Token2Wav, rows: int, length: int):
-    """A pass's hidden state, time embedding and rotary, and the window layout's block
-    distances (two padded rows: a block of their own, as `_solve` lays them out)."""
+    """A pass's hidden state, time embedding and rotary, and each position's block (the last
+    two padding: a block of their own, as `_solve` lays them out)."""
     g = torch.Generator().manual_seed(3)
     dit, on = decoder.dit, {"device": decoder.device}
     hidden = torch.randn(rows, length, dit.hidden_size, generator=g).to(**on, dtype=decoder.dtype)
@@ -41,12 +41,12 @@ def pass_inputs(decoder: Token2Wav, rows: int, length: int):
     rotary = dit.rotary_embed(hidden, positions)
     block = positions.div(decoder.block_size, rounding_mode="floor").clone()
     block[:, -2:] = 1 << 30
-    block_diff = (block[:, None, :] - block[:, :, None])[:, None]
-    return hidden, embedding, rotary, block_diff
+    return hidden, embedding, rotary, block
 
 
-def layers(decoder: Token2Wav, hidden, embedding, rotary, block_diff) -> torch.Tensor:
+def layers(decoder: Token2Wav, hidden, embedding, rotary, block) -> torch.Tensor:
     dit = decoder.dit
+    block_diff = (block[:, None, :] - block[:, :, None])[:, None]
     block_diff = block_diff.expand(-1, dit.num_attention_heads, -1, -1)
     for layer in dit.transformer_blocks:
         hidden = layer(hidden, embedding, position_embeddings=rotary, block_diff=block_diff)
@@ -56,10 +56,10 @@ def layers(decoder: Token2Wav, hidden, embedding, rotary, block_diff) -> torch.T
 def fused_and_layers(device: str, precision: str):
     decoder = decoder_on(device, precision)
     fused = FusedDiT(decoder.dit)
-    hidden, embedding, rotary, block_diff = pass_inputs(decoder, 4, 53)
+    hidden, embedding, rotary, block = pass_inputs(decoder, 4, 53)
     with torch.inference_mode():
-        want = layers(decoder, hidden, embedding, rotary, block_diff)
-        got = fused(hidden, embedding[:1], rotary, fused.masks(block_diff, decoder.dtype))
+        want = layers(decoder, hidden, embedding, rotary, block)
+        got = fused(hidden, embedding[:1], rotary, block.to(torch.int32))
     return got.float(), want.float()
 
 

@@ -329,9 +329,10 @@ class Token2Wav(Decoder):
         return self._end(solve)
 
     def _begin(self, codes, noise, offsets, lengths, ref, ref_dropped, cond, guidance, steps):
-        """A solve's state: what every DiT pass of it reads (the window layout's masks and
-        rotary, the conditioning, the code embeddings, the guidance), the time points, the
-        index of the step to run next and the ODE's value (the noise, float32)."""
+        """A solve's state: what every DiT pass of it reads (the window layout as the DiT's
+        attention takes it, its rotary, the conditioning, the code embeddings, the
+        guidance), the time points, the index of the step to run next and the ODE's value
+        (the noise, float32)."""
         device, dtype = self.device, self.dtype
         length = noise.shape[1]
         # Mel positions relative to each window's start; padding gets a block of its own far
@@ -340,7 +341,10 @@ class Token2Wav(Decoder):
         real = (position >= 0) & (position < lengths[:, None])
         block = torch.where(real, position.div(self.block_size, rounding_mode="floor"), 1 << 30)
         block = torch.cat([block, block])
-        block_diff = (block[:, None, :] - block[:, :, None])[:, None]
+        if self.fused_dit:
+            attention = block.to(torch.int32)  # each position's block: the fused blocks' layout
+        else:  # transformers' layers take block distances
+            attention = (block[:, None, :] - block[:, :, None])[:, None]
         cond = cond.to(dtype)[:, None]
         code_embed = torch.cat([self._code_embed(codes, False), self._code_embed(codes, True)])
         # The same for every pass: it depends on the positions and the hidden dtype only.
@@ -351,7 +355,7 @@ class Token2Wav(Decoder):
             "value": noise.clone(),
             "time": time - (torch.cos(torch.pi / 2 * time) - 1 + time),
             "at": torch.zeros(1, dtype=torch.int64, device=device),
-            "attention": self.fused_dit.masks(block_diff, dtype) if self.fused_dit else block_diff,
+            "attention": attention,
             "cos": cos,
             "sin": sin,
             "conditioning": torch.cat([ref, ref_dropped]).to(dtype)[:, None],

@@ -7,15 +7,17 @@ head's rotary in place (`omniflow.kernels.dit_rope`), attention, the output prod
 gated residual add fused with the next adaptive norm (`omniflow.kernels.ada_norm`), and the
 MLP's two products and GELU. Every block's adaLN modulation (and the final norm's) is one
 product per pass, from one row: the time embedding is the same for every row of a pass.
-The attention masks depend on the window layout only, so they are made once per solve, not
-per block and pass, in the additive form attention takes. Weights are not copied: the modules' q/k/v and modulation weights
-become views into the stacked matrices, so transformers' modules still run and the memory
-the stage was budgeted for does not grow.
+Attention is block-local (`omniflow.kernels.block_attention`): a block sees its own 24-frame
+block and, in three layers, one block back or ahead, so each query tile reads only the keys
+within that reach, from each position's block (made once a solve from the window layout),
+where a mask over the whole window made attention compute every pair of it (20x the pairs
+the own-block layers use). Its output is laid out for the output product, so nothing is
+transposed. Weights are not copied: the modules' q/k/v and modulation weights become views
+into the stacked matrices, so transformers' modules still run and the memory the stage was
+budgeted for does not grow.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 
 from omniflow.backends.dit_blocks import stack_linears
 from omniflow.kernels.ada_norm import ada_norm
+from omniflow.kernels.block_attention import block_attention
 from omniflow.kernels.dit_rope import rope_first_head
 
 
@@ -41,31 +44,18 @@ class FusedDiT:
         )
         self.eps = dit.norm_out.norm.eps
         self.reaches = [(b.look_backward_block, b.look_ahead_block) for b in self.blocks]
-
-    def masks(
-        self, block_diff: torch.Tensor, dtype: torch.dtype
-    ) -> dict[tuple[int, int], torch.Tensor]:
-        """The attention masks from the window layout's block distances `[rows, 1, T, T]`
-        (as transformers' layers compute theirs), one `[rows, 1, T, T]` for each reach
-        (blocks back, blocks ahead) a block has, additive (0 or -inf, in `dtype`): attention
-        converts a boolean mask to that form on every call, a pass over `[rows, heads, T, T]`
-        per block and pass."""
-        made = {}
-        for reach in dict.fromkeys(self.reaches):
-            seen = (block_diff >= -float(reach[0])) & (block_diff <= float(reach[1]))
-            mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
-            made[reach] = mask.masked_fill(~seen, -math.inf)
-        return made
+        self.block_size = dit.block_size
 
     def __call__(
         self,
         hidden: torch.Tensor,
         time_embedding: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
-        masks: dict[tuple[int, int], torch.Tensor],
+        blocks: torch.Tensor,
     ) -> torch.Tensor:
         """`norm_out(blocks(hidden))` for `hidden` `[rows, T, D]`, the pass's time embedding
-        `[1, D]` (every row's), the rotary `cos`, `sin` `[rows, T, d]` and `masks`' by reach."""
+        `[1, D]` (every row's), the rotary `cos`, `sin` `[rows, T, d]` and each position's
+        block `[rows, T]` (int32; padding a block of its own, far from every real one)."""
         rows, length, width = hidden.shape
         modulation = F.linear(F.silu(time_embedding), *self.modulation)
         parts = modulation.split(width, dim=1)  # 6 a block (shift, scale, gate x 2), then 2
@@ -77,10 +67,10 @@ class FusedDiT:
                 6 * index : 6 * index + 6
             ]
             qkv = rope_first_head(F.linear(norm, *self.qkv[index]), cos, sin, self.heads)
-            q, k, v = qkv.view(rows, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-            mask = masks[self.reaches[index]].expand(-1, self.heads, -1, -1)
-            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            attended = block.attn.to_out[0](attended.transpose(1, 2).reshape(-1, width))
+            q, k, v = qkv.view(rows, length, 3, self.heads, -1).unbind(2)
+            back, ahead = self.reaches[index]
+            attended = block_attention(q, k, v, blocks, back, ahead, self.block_size)
+            attended = block.attn.to_out[0](attended.view(-1, width))
             norm, h = ada_norm(h, shift_mlp, scale_mlp, attended, gate_msa, eps=self.eps)
             after = parts[6 * index + 6 : 6 * index + 8]
             # The next block's attention norm, or the final norm (its chunks: scale, shift).
