@@ -44,12 +44,12 @@ class BlockAttentionError(OmniflowError):
 
 
 @jit
-def _kernel(
+def _block_attention_kernel(
     q_ptr, k_ptr, v_ptr, block_ptr, out_ptr, scale, length, heads,
     q_sr, q_st, q_sh, k_sr, k_st, k_sh, v_sr, v_st, v_sh, o_sr, o_st, o_sh, b_sr,
     BACK: tl.constexpr, AHEAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, D: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IN_FLOAT32: tl.constexpr,
+    KEY_TILES: tl.constexpr, IN_FLOAT32: tl.constexpr,
 ):  # fmt: skip
     """One (query tile, row, head): the tile's queries over the key tiles they can see,
     an online softmax."""
@@ -67,16 +67,15 @@ def _kernel(
     if IN_FLOAT32:
         q = q.to(tl.float32)
     q_block = tl.load(block_ptr + r * b_sr + m, mask=m_in, other=0)
-    # The keys the tile's queries can see: a block runs at most BLOCK_SIZE positions.
-    lo = tl.maximum(tile * BLOCK_M - BLOCK_SIZE * (BACK + 1) + 1, 0)
-    lo = lo // BLOCK_N * BLOCK_N
-    hi = tl.minimum((tile + 1) * BLOCK_M + BLOCK_SIZE * (AHEAD + 1) - 1, length)
+    # The keys the tile's queries can see: a block runs at most BLOCK_SIZE positions, so
+    # they lie in KEY_TILES tiles from `first` (a fixed count: the loop is static).
+    first = tile * BLOCK_M - BLOCK_SIZE * (BACK + 1) + 1
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for first in range(lo, hi, BLOCK_N):
-        n = first + tl.arange(0, BLOCK_N)
-        n_in = n < length
+    for key_tile in range(KEY_TILES):
+        n = first + key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_in = (n >= 0) & (n < length)
         k = tl.load(
             k_ptr + r * k_sr + h * k_sh + n[None, :] * k_st + d[:, None],
             mask=n_in[None, :] & (d[:, None] < D),
@@ -145,13 +144,14 @@ def block_attention_triton(
     blocks = blocks.to(torch.int32).contiguous()
     if rows == 0 or length == 0:
         return out
-    _kernel[(triton.cdiv(length, BLOCK_M), rows * heads)](
+    _block_attention_kernel[(triton.cdiv(length, BLOCK_M), rows * heads)](
         q, k, v, blocks, out, 1 / math.sqrt(d), length, heads,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         blocks.stride(0),
         BACK=back, AHEAD=ahead, BLOCK_SIZE=block_size, D=d,
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        KEY_TILES=triton.cdiv(BLOCK_M + block_size * (back + ahead + 2) - 2, BLOCK_N),
         IN_FLOAT32=q.dtype == torch.float32 or not q.is_cuda,
     )  # fmt: skip
     return out

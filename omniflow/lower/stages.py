@@ -26,7 +26,7 @@ def lower_stage(graph: Graph, node: Node) -> StagePlan:
         node.params.get("model", graph.model) if node.op != "python" else None,
         node.params.get("component"),
         placement.budget,
-        facts.need,
+        placement.need,
         weight_bytes=cost.weight_bytes if cost else 0,
         kv_cache_bytes=cost.kv_cache_bytes if cost else 0,
         activation_bytes=cost.activation_bytes if cost else 0,

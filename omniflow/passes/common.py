@@ -27,6 +27,10 @@ class Target:
     # Per executor process on a GPU (one per GPU, plus one per isolated stage): CUDA context,
     # allocator slack, kernels.
     process_overhead: int = 1 * GiB
+    # Per GPU stage with a need (a model), beside its estimate: the math libraries' workspace
+    # of its own CUDA stream (cuBLAS 32 MiB and cuBLASLt 1 MiB on the first product a new
+    # stream runs, torch 2.11 on an H100: allocations its load is measured by).
+    stream_workspace: int = 33 << 20
     # Fraction of each device's memory left unassigned as a safety margin.
     reserve: float = 0.05
     overrides: dict = field(default_factory=dict)

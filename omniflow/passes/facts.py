@@ -125,12 +125,14 @@ class CostFacts:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a stage runs: its devices (the first is `device`), its memory budget, and per
-    device why it went there."""
+    """Where a stage runs: its devices (the first is `device`), its memory budget, per
+    device why it went there, and what of the budget its load needs (`need`: its estimate,
+    and on a GPU its stream's library workspace; the rest is its share of the slack)."""
 
     devices: tuple[str, ...]
     budget: int
     placed: tuple[str, ...] = ()
+    need: int = 0
 
     @property
     def device(self) -> str:

@@ -70,6 +70,7 @@ class _Placer:
         self.where: dict[str, list[str]] = {}
         self.placed: dict[str, list[str]] = defaultdict(list)  # per device, why there
         self.budget: dict[str, int] = {}
+        self.need: dict[str, int] = {}  # of each budget, what the stage's load needs
         self.shared_process: set[str] = set()  # GPUs whose stages' shared process is charged
         self.separate = defaultdict(set)
         for c in graph.constraints:
@@ -85,10 +86,22 @@ class _Placer:
         sharing = [n for n in group if shares_gpu_process(self.graph, n, (device,))]
         return len(group) - len(sharing) + bool(sharing and device not in self.shared_process)
 
+    def _need(self, node: Node, device: str) -> int:
+        """What `node` needs on `device`: its estimate, and on a GPU its stream's library
+        workspace (not beside an explicit `memory=`, which is the whole budget; a stage that
+        needs nothing has no budget to hold it to)."""
+        need = node.meta["cost"].need
+        estimated = need and "memory" not in node.params
+        return (
+            need + self.target.stream_workspace
+            if estimated and self.devices[device].is_gpu
+            else need
+        )
+
     def _charge(self, group: list[Node], device: str) -> int:
         """What placing `group` on `device` takes of it: the stages' needs and the contexts of
         the processes it adds."""
-        needs = sum(n.meta["cost"].need for n in group)
+        needs = sum(self._need(n, device) for n in group)
         return needs + self._processes(group, device) * self.target.process_overhead
 
     def _pinned_device(self, node: Node) -> str | None:
@@ -207,7 +220,8 @@ class _Placer:
                 weight = dict.fromkeys(costs, 1)
             total = sum(weight.values()) or 1
             for n in here:
-                self.budget[n.name] = costs[n.name].need + slack * weight[n.name] // total
+                self.need[n.name] = self._need(n, device)
+                self.budget[n.name] = self.need[n.name] + slack * weight[n.name] // total
 
     def use(self, device: str, node_id: str) -> DeviceUse:
         """What the plan gives out of `device`: its stages' needs and budgets, and the CUDA
@@ -263,6 +277,7 @@ def place(graph: Graph, target: Target) -> Graph:
             tuple(placer.where[node.name]),
             placer.budget[node.name],
             tuple(placer.placed[node.name]),
+            placer.need[node.name],
         )
     # The cluster manager's id of each device's node, for a transport that pins executors.
     node_ids = {d.name: d.node_id for d in target.devices if d.node_id}

@@ -80,7 +80,8 @@ def edge_kind(graph: Graph, target: Target, edge: Edge) -> tuple[str, str]:
 
 def _room(node: Node) -> int:
     """What a stage's budget holds beyond its need: its share of its device's slack."""
-    return node.meta["placement"].budget - node.meta["cost"].need
+    placement = node.meta["placement"]
+    return placement.budget - placement.need
 
 
 def _charge_device_ring(graph: Graph, edge: Edge, ring_bytes: int) -> None:
