@@ -293,7 +293,10 @@ class ProgramLoop:
         for channel in [*program.outbound, *program.local]:
             self.writers[channel.src, channel.src_port].append(
                 StreamWriter(
-                    channel, self._sender(channel), leaving(channel, stages.get(channel.src))
+                    channel,
+                    self._sender(channel),
+                    leaving(channel, stages.get(channel.src)),
+                    merges=channel in program.local,
                 )
             )
 
