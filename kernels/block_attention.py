@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from omniflow.errors import OmniflowError
+from omniflow.kernels.softmax_tile import online_softmax_tile
 from omniflow.kernels.timing import cuda_median_ms
 from omniflow.kernels.triton_guard import jit, on_triton, tl, triton
 
@@ -88,12 +89,6 @@ def _block_attention_kernel(
         seen = n_in[None, :] & (apart >= -BACK) & (apart <= AHEAD)
         scores = tl.dot(q, k, input_precision="ieee" if IN_FLOAT32 else "tf32") * scale
         scores = tl.where(seen, scores, float("-inf"))
-        new_top = tl.maximum(top, tl.max(scores, 1))
-        # A query that has seen nothing yet keeps a max of -inf: its weights must be 0.
-        safe_top = tl.where(new_top == float("-inf"), 0.0, new_top)
-        p = tl.exp(scores - safe_top[:, None])
-        keep = tl.exp(top - safe_top)
-        total = total * keep + tl.sum(p, 1)
         v = tl.load(
             v_ptr + r * v_sr + h * v_sh + n[:, None] * v_st + d[None, :],
             mask=n_in[:, None] & (d[None, :] < D),
@@ -101,9 +96,7 @@ def _block_attention_kernel(
         )
         if IN_FLOAT32:
             v = v.to(tl.float32)
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee" if IN_FLOAT32 else "tf32")
-        acc = acc * keep[:, None] + pv
-        top = new_top
+        top, total, acc = online_softmax_tile(top, total, acc, scores, v, IN_FLOAT32)
     out = acc / total[:, None]
     tl.store(
         out_ptr + r * o_sr + h * o_sh + m[:, None] * o_st + d[None, :],

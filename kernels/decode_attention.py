@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from omniflow.errors import OmniflowError
+from omniflow.kernels.softmax_tile import online_softmax_tile
 from omniflow.kernels.triton_guard import jit, on_triton, tl, triton
 
 # Columns a program reads per tile, and the most chunks a row's columns are split into.
@@ -86,10 +87,6 @@ def _chunk_kernel(
             k = k.to(tl.float32)
         scores = tl.dot(q, k, input_precision="ieee" if IN_FLOAT32 else "tf32") * scale
         scores = tl.where(inside[None, :], scores, float("-inf"))
-        new_top = tl.maximum(top, tl.max(scores, 1))
-        p = tl.exp(scores - new_top[:, None])
-        keep = tl.exp(top - new_top)
-        total = total * keep + tl.sum(p, 1)
         v = tl.load(
             values + n[:, None] * v_sc + d[None, :],
             mask=inside[:, None] & (d[None, :] < D),
@@ -97,9 +94,7 @@ def _chunk_kernel(
         )
         if IN_FLOAT32:
             v = v.to(tl.float32)
-        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee" if IN_FLOAT32 else "tf32")
-        acc = acc * keep[:, None] + pv
-        top = new_top
+        top, total, acc = online_softmax_tile(top, total, acc, scores, v, IN_FLOAT32)
     # The chunk's partials, its G rows (an empty chunk's max -inf and sum 0, and no values:
     # the combine weighs it 0 and reads none).
     at = ((b * tl.num_programs(1) + h) * tl.num_programs(2) + split) * G + g

@@ -57,3 +57,11 @@ def interpret(tmp_path_factory):
         return torch.load(folder / "result.pt")
 
     return run
+
+
+@pytest.fixture
+def on_cuda():
+    """For a GPU test (skipped without CUDA): a case's operands with its tensors on CUDA."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return lambda args: [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]

@@ -76,16 +76,14 @@ def test_shapes_are_checked():
 
 
 @pytest.mark.gpu
-def test_kernel_agrees_with_the_reference_on_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+def test_kernel_agrees_with_the_reference_on_gpu(on_cuda):
     for args in cases():
-        on = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        on = on_cuda(args)
         assert_agree_where_real(attention.block_attention(*on), attention.reference(*on), on[3])
     # token2wav's shape: ten 240-code windows with guidance, bf16, the last two padded
     spans = [(0, 480)] * 18 + [(96, 384), (0, 300)]
     q, k, v, blocks, size, _ = operands((20, 480, 16, 64, 24, spans), torch.bfloat16)
-    on = [t.cuda() for t in (q, k, v, blocks)]
+    on = on_cuda((q, k, v, blocks))
     for back, ahead in REACHES:
         args = (*on, back, ahead, size)
         assert_agree_where_real(attention.block_attention(*args), attention.reference(*args), on[3])

@@ -86,12 +86,10 @@ def test_shapes_are_checked():
 
 
 @pytest.mark.gpu
-def test_kernel_agrees_with_the_reference_on_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+def test_kernel_agrees_with_the_reference_on_gpu(on_cuda):
     for args in cases():
-        on = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        on = on_cuda(args)
         assert_agree(attention.decode_attention(*on), attention.reference(*on))
     big = operands((16, 8, 2, 128, 4096, list(range(0, 4096, 256))), torch.bfloat16)
-    on = [a.cuda() if isinstance(a, torch.Tensor) else a for a in big]
+    on = on_cuda(big)
     assert_agree(attention.decode_attention(*on), attention.reference(*on))
