@@ -59,7 +59,7 @@ def fused_and_layers(device: str, precision: str):
     hidden, embedding, rotary, block = pass_inputs(decoder, 4, 53)
     with torch.inference_mode():
         want = layers(decoder, hidden, embedding, rotary, block)
-        got = fused(hidden, embedding[:1], rotary, block.to(torch.int32))
+        got = fused(hidden, fused.modulations(embedding[:1]), rotary, block.to(torch.int32))
     return got.float(), want.float()
 
 

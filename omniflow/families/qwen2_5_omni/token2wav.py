@@ -186,6 +186,7 @@ class Token2Wav(Decoder):
         )
         self.precision, self.dtype = "float32", torch.float32
         self.fused_dit = self._fuse()
+        self.default_modulations: torch.Tensor | None = None  # `_modulations`, at `prepare`
         # On CUDA each of BigVGAN's anti-aliased activations is one kernel; elsewhere
         # transformers' modules run, so CPU results stay theirs bit for bit.
         self.fused_activations = device.startswith("cuda")
@@ -349,11 +350,11 @@ class Token2Wav(Decoder):
         code_embed = torch.cat([self._code_embed(codes, False), self._code_embed(codes, True)])
         # The same for every pass: it depends on the positions and the hidden dtype only.
         cos, sin = self.dit.rotary_embed(code_embed, torch.cat([position, position]))
-        # Qwen2_5OmniToken2WavDiTModel.sample's time points, sway coefficient -1.
-        time = torch.linspace(0, 1, steps, device=device, dtype=noise.dtype)
-        return {
+        time = self._time_points(steps)
+        solve = {"modulation": self._modulations(steps, time)} if self.fused_dit else {}
+        return solve | {
             "value": noise.clone(),
-            "time": time - (torch.cos(torch.pi / 2 * time) - 1 + time),
+            "time": time,
             "at": torch.zeros(1, dtype=torch.int64, device=device),
             "attention": attention,
             "cos": cos,
@@ -364,6 +365,21 @@ class Token2Wav(Decoder):
             "guidance": guidance[:, None, None],
         }
 
+    def _time_points(self, steps: int) -> torch.Tensor:
+        """Qwen2_5OmniToken2WavDiTModel.sample's time points, sway coefficient -1
+        (float32)."""
+        time = torch.linspace(0, 1, steps, device=self.device)
+        return time - (torch.cos(torch.pi / 2 * time) - 1 + time)
+
+    def _modulations(self, steps: int, time: torch.Tensor) -> torch.Tensor:
+        """The fused blocks' modulation for every pass of a solve at `time`'s points, row
+        4 x step + stage (`_step`): one table of the default step count, made before any
+        static window (every window's graphs read it), else one a solve."""
+        if steps == DEFAULT_STEPS and self.default_modulations is not None:
+            return self.default_modulations
+        passes = torch.stack(_rk4_points(time[:-1], time[1:]), dim=1).flatten()
+        return self.fused_dit.modulations(self._time_embedding(passes))
+
     def _step(self, solve: dict) -> None:
         """One RK4 step of `solve` from its time point `at` to the next, in place (the
         value, then `at`): transformers' `RungeKutta4ODESolver.integrate`'s step, operation
@@ -372,25 +388,37 @@ class Token2Wav(Decoder):
         at, time, value = solve["at"], solve["time"], solve["value"]
         start, end = time.index_select(0, at), time.index_select(0, at + 1)
         step, third = end - start, 1 / 3
+        points = _rk4_points(start, end)
         with self._matmul_precision():
-            k1 = self._velocity(solve, start, value)
-            k2 = self._velocity(solve, start + step * third, value + step * k1 * third)
-            k3 = self._velocity(solve, start + step * (2 / 3), value + step * (k2 - k1 * third))
-            k4 = self._velocity(solve, end, value + step * (k1 - k2 + k3))
+            k1 = self._velocity(solve, (points, 0), value)
+            k2 = self._velocity(solve, (points, 1), value + step * k1 * third)
+            k3 = self._velocity(solve, (points, 2), value + step * (k2 - k1 * third))
+            k4 = self._velocity(solve, (points, 3), value + step * (k1 - k2 + k3))
         value.copy_(value + (k1 + 3 * (k2 + k3) + k4) * step / 8)
         at.add_(1)
 
-    def _velocity(self, solve: dict, time: torch.Tensor, mel: torch.Tensor) -> torch.Tensor:
-        """The guided DiT prediction at `time` (Qwen2_5OmniToken2WavDiTModel.forward,
-        batched), in the DiT's dtype; the ODE's state and the guidance stay float32."""
+    def _time_embedding(self, time: torch.Tensor) -> torch.Tensor:
+        """DiTTimestepEmbedding of `time` `[n]`: `[n, D]` in the DiT's dtype, its sinusoid in
+        float32 (at bf16, 1000 t's phase would be off by whole radians)."""
+        timing = self.dit.time_embed
+        embedding = timing.time_embed(time).to(self.dtype)
+        for layer in timing.time_mlp:
+            embedding = layer(embedding)
+        return embedding
+
+    def _velocity(self, solve: dict, point, mel: torch.Tensor) -> torch.Tensor:
+        """The guided DiT prediction at the step's RK4 `point` (its points and which one:
+        `_rk4_points`) (Qwen2_5OmniToken2WavDiTModel.forward, batched), in the DiT's dtype;
+        the ODE's state and the guidance stay float32. The fused blocks take the pass's row
+        of the solve's modulations; transformers' layers a time embedding per row."""
         fused, dtype = self.fused_dit, self.dtype
         rows, length = mel.shape[:2]
-        # DiTTimestepEmbedding, with its sinusoid in float32: at bf16, 1000 t's phase would be
-        # off by whole radians. The fused blocks take the one row every row of the batch shares.
-        timing = self.dit.time_embed
-        time_embedding = timing.time_embed(time.repeat(1 if fused else 2 * rows)).to(dtype)
-        for layer in timing.time_mlp:
-            time_embedding = layer(time_embedding)
+        points, stage = point
+        if fused:
+            row = solve["at"] * len(points) + stage
+            timing = solve["modulation"].index_select(0, row)
+        else:
+            timing = self._time_embedding(points[stage].repeat(2 * rows))
         hidden = torch.cat([mel, mel]).to(dtype)
         conditioning = solve["conditioning"].expand(-1, length, -1)
         cond = solve["cond"].expand(-1, length, -1)
@@ -399,14 +427,12 @@ class Token2Wav(Decoder):
         )
         rotary = solve["cos"], solve["sin"]
         if fused:
-            hidden = fused(hidden, time_embedding, rotary, solve["attention"])
+            hidden = fused(hidden, timing, rotary, solve["attention"])
         else:
             block_diff = solve["attention"].expand(-1, self.dit.num_attention_heads, -1, -1)
             for layer in self.dit.transformer_blocks:
-                hidden = layer(
-                    hidden, time_embedding, position_embeddings=rotary, block_diff=block_diff
-                )
-            hidden = self.dit.norm_out(hidden, time_embedding)
+                hidden = layer(hidden, timing, position_embeddings=rotary, block_diff=block_diff)
+            hidden = self.dit.norm_out(hidden, timing)
         guided, dropped = self.dit.proj_out(hidden).float().chunk(2)
         return guided + (guided - dropped) * solve["guidance"]
 
@@ -488,6 +514,10 @@ class Token2Wav(Decoder):
         step: its capture runs 4 of the solve's 36 DiT passes of Python, not all of them) and
         its end (BigVGAN). Captured largest first, in one pool; each length's phases run
         eagerly once, at its largest batch, before their captures."""
+        if self.fused_dit:
+            self.default_modulations = None  # (made again, of the weights as they are now)
+            steps = DEFAULT_STEPS
+            self.default_modulations = self._modulations(steps, self._time_points(steps))
         self.graphs = Graphs(self.device, capture)
         self.batch_buckets = batch_buckets(min(max_batch, GRAPH_BATCH))
         self.window_lengths = sorted(lengths)
@@ -517,6 +547,13 @@ class Token2Wav(Decoder):
                 self.graphs.add((*key, "end"), functools.partial(self._end, solve), {}, warm)
                 warmed.add(frames)
         self.graphs.synchronize()
+
+
+def _rk4_points(start: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The times an RK4 step from `start` to `end` evaluates the DiT at, as transformers'
+    `RungeKutta4ODESolver` computes them."""
+    step = end - start
+    return start, start + step * (1 / 3), start + step * (2 / 3), end
 
 
 def _static(batch: int, frames: int) -> bool:

@@ -5,8 +5,9 @@ transformers' `DiTDecoderLayer`s, computing the same function.
 A block becomes ten launches instead of some forty-seven: one q/k/v product, the first
 head's rotary in place (`omniflow.kernels.dit_rope`), attention, the output product, a
 gated residual add fused with the next adaptive norm (`omniflow.kernels.ada_norm`), and the
-MLP's two products and GELU. Every block's adaLN modulation (and the final norm's) is one
-product per pass, from one row: the time embedding is the same for every row of a pass.
+MLP's two products and GELU. Every block's adaLN modulation (and the final norm's) depends
+on the pass's time point alone (the same for every row): one product gives a whole solve's
+(`modulations`), at its start.
 Attention is block-local (`omniflow.kernels.block_attention`): a block sees its own 24-frame
 block and, in three layers, one block back or ahead, so each query tile reads only the keys
 within that reach, from each position's block (made once a solve from the window layout),
@@ -46,18 +47,25 @@ class FusedDiT:
         self.reaches = [(b.look_backward_block, b.look_ahead_block) for b in self.blocks]
         self.block_size = dit.block_size
 
+    def modulations(self, time_embeddings: torch.Tensor) -> torch.Tensor:
+        """Every block's adaLN modulation and the final norm's `[n, 6 x 22 + 2 chunks]` for
+        `n` passes' time embeddings `[n, D]`: one product for all of a solve's passes, whose
+        time points are known at its start (the weights, 288 MB at real size, read once a
+        solve rather than once a pass)."""
+        return F.linear(F.silu(time_embeddings), *self.modulation)
+
     def __call__(
         self,
         hidden: torch.Tensor,
-        time_embedding: torch.Tensor,
+        modulation: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
         blocks: torch.Tensor,
     ) -> torch.Tensor:
-        """`norm_out(blocks(hidden))` for `hidden` `[rows, T, D]`, the pass's time embedding
-        `[1, D]` (every row's), the rotary `cos`, `sin` `[rows, T, d]` and each position's
-        block `[rows, T]` (int32; padding a block of its own, far from every real one)."""
+        """`norm_out(blocks(hidden))` for `hidden` `[rows, T, D]`, the pass's modulation
+        `[1, ...]` (`modulations`: every row's), the rotary `cos`, `sin` `[rows, T, d]` and
+        each position's block `[rows, T]` (int32; padding a block of its own, far from every
+        real one)."""
         rows, length, width = hidden.shape
-        modulation = F.linear(F.silu(time_embedding), *self.modulation)
         parts = modulation.split(width, dim=1)  # 6 a block (shift, scale, gate x 2), then 2
         cos, sin = (t.reshape(rows * length, -1) for t in rotary)
         h = hidden.reshape(rows * length, width)
