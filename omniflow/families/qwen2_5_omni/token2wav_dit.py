@@ -8,6 +8,7 @@ gated residual add fused with the next adaptive norm (`omniflow.kernels.ada_norm
 MLP's two products and GELU. Every block's adaLN modulation (and the final norm's) depends
 on the pass's time point alone (the same for every row): one product gives a whole solve's
 (`modulations`), at its start.
+
 Attention is block-local (`omniflow.kernels.block_attention`): a block sees its own 24-frame
 block and, in three layers, one block back or ahead, so each query tile reads only the keys
 within that reach, from each position's block (made once a solve from the window layout),
