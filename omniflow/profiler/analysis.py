@@ -141,20 +141,30 @@ class Profile:
     recorded_from: dict[str, float] = field(default_factory=dict)
 
 
-def parse_trace(trace: dict) -> Profile:
-    other = trace.get("otherData", {})
-    plan = other.get("plan")
-    events = trace.get("traceEvents", [])
-    processes = {
+def process_names(events: list[dict]) -> dict[int, str]:
+    """Each process's name (pid -> its `process_name` metadata)."""
+    return {
         e["pid"]: e["args"]["name"]
         for e in events
         if e.get("ph") == "M" and e.get("name") == "process_name"
     }
-    track_names = {
+
+
+def tracks_named(events: list[dict]) -> dict[tuple[int, int], str]:
+    """Each track's name ((pid, tid) -> its `thread_name` metadata)."""
+    return {
         (e["pid"], e.get("tid")): e["args"]["name"]
         for e in events
         if e.get("ph") == "M" and e.get("name") == "thread_name"
     }
+
+
+def parse_trace(trace: dict) -> Profile:
+    other = trace.get("otherData", {})
+    plan = other.get("plan")
+    events = trace.get("traceEvents", [])
+    processes = process_names(events)
+    track_names = tracks_named(events)
     steps: dict[str, list[Step]] = defaultdict(list)
     trips: dict[str, dict[tuple[str, int], ChunkTrip]] = defaultdict(dict)
     stage_executor: dict[str, str] = {}

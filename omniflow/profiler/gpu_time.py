@@ -13,7 +13,9 @@ microseconds on the trace's clock.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from omniflow.profiler.analysis import process_names, tracks_named
 
 
 @dataclass
@@ -22,9 +24,9 @@ class StreamTime:
     total duration by kernel name."""
 
     track: str
-    busy: float = 0.0
-    kernels: int = 0
-    by_name: dict[str, float] = field(default_factory=dict)
+    busy: float
+    kernels: int
+    by_name: dict[str, float]
 
     def costliest(self, count: int) -> list[tuple[str, float]]:
         return sorted(self.by_name.items(), key=lambda kv: -kv[1])[:count]
@@ -44,16 +46,7 @@ class GpuTime:
 def gpu_time(trace: dict) -> list[GpuTime]:
     """Each process of `trace` with GPU kernels, by busiest stream first within it."""
     events = trace.get("traceEvents", [])
-    names = {
-        (e["pid"], e.get("tid")): e["args"]["name"]
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "thread_name"
-    }
-    processes = {
-        e["pid"]: e["args"]["name"]
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "process_name"
-    }
+    names, processes = tracks_named(events), process_names(events)
     slices: dict[int, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for e in events:
         track = names.get((e.get("pid"), e.get("tid")), "")
@@ -63,15 +56,11 @@ def gpu_time(trace: dict) -> list[GpuTime]:
     for pid, tracks in slices.items():
         streams = []
         for track, kernels in tracks.items():
-            stream = StreamTime(
-                track, busy=_union([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
-            )
-            stream.kernels = len(kernels)
             by_name: dict[str, float] = defaultdict(float)
             for k in kernels:
                 by_name[k["name"]] += k["dur"]
-            stream.by_name = dict(by_name)
-            streams.append(stream)
+            busy = _union([(k["ts"], k["ts"] + k["dur"]) for k in kernels])
+            streams.append(StreamTime(track, busy, len(kernels), dict(by_name)))
         every = [(k["ts"], k["ts"] + k["dur"]) for kernels in tracks.values() for k in kernels]
         span = max(end for _, end in every) - min(start for start, _ in every)
         streams.sort(key=lambda s: -s.busy)

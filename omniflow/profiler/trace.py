@@ -27,6 +27,7 @@ from pathlib import Path
 import msgspec
 
 from omniflow.plan import Plan
+from omniflow.profiler.analysis import tracks_named
 from omniflow.runtime import events
 from omniflow.runtime.control import Profiled
 from omniflow.runtime.events import RecordedEvents
@@ -69,11 +70,7 @@ def counters(trace: list[dict]) -> list[dict]:
     changes: list[tuple[float, int, str, str, int]] = []  # ts, pid, name, arg, +1/-1
     put_by: dict[tuple, int] = {}
     taken: set[tuple] = set()
-    track_names = {
-        (e["pid"], e["tid"]): e["args"]["name"]
-        for e in trace
-        if e["ph"] == "M" and e["name"] == "thread_name"
-    }
+    track_names = tracks_named(trace)
     held: dict[tuple[str, str], int] = {}  # (stage, request) -> pid, while held
     for e in sorted((e for e in trace if e["ph"] in "Xi"), key=lambda e: e["ts"]):
         name, pid = e["name"], e["pid"]
