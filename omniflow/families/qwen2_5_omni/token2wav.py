@@ -372,11 +372,14 @@ class Token2Wav(Decoder):
         return time - (torch.cos(torch.pi / 2 * time) - 1 + time)
 
     def _modulations(self, steps: int, time: torch.Tensor) -> torch.Tensor:
-        """The fused blocks' modulation for every pass of a solve at `time`'s points, row
-        4 x step + stage (`_step`): one table of the default step count, made before any
-        static window (every window's graphs read it), else one a solve."""
+        """The fused blocks' modulation for every pass of a solve of `steps` steps at `time`'s
+        points, row 4 x step + stage (`_step`): the default step count's table, made before
+        any static window (every window's graphs read it), else one a solve."""
         if steps == DEFAULT_STEPS and self.default_modulations is not None:
             return self.default_modulations
+        return self._modulations_at(time)
+
+    def _modulations_at(self, time: torch.Tensor) -> torch.Tensor:
         passes = torch.stack(_rk4_points(time[:-1], time[1:]), dim=1).flatten()
         return self.fused_dit.modulations(self._time_embedding(passes))
 
@@ -390,10 +393,10 @@ class Token2Wav(Decoder):
         step, third = end - start, 1 / 3
         points = _rk4_points(start, end)
         with self._matmul_precision():
-            k1 = self._velocity(solve, (points, 0), value)
-            k2 = self._velocity(solve, (points, 1), value + step * k1 * third)
-            k3 = self._velocity(solve, (points, 2), value + step * (k2 - k1 * third))
-            k4 = self._velocity(solve, (points, 3), value + step * (k1 - k2 + k3))
+            k1 = self._velocity(solve, points, 0, value)
+            k2 = self._velocity(solve, points, 1, value + step * k1 * third)
+            k3 = self._velocity(solve, points, 2, value + step * (k2 - k1 * third))
+            k4 = self._velocity(solve, points, 3, value + step * (k1 - k2 + k3))
         value.copy_(value + (k1 + 3 * (k2 + k3) + k4) * step / 8)
         at.add_(1)
 
@@ -406,14 +409,13 @@ class Token2Wav(Decoder):
             embedding = layer(embedding)
         return embedding
 
-    def _velocity(self, solve: dict, point, mel: torch.Tensor) -> torch.Tensor:
-        """The guided DiT prediction at the step's RK4 `point` (its points and which one:
-        `_rk4_points`) (Qwen2_5OmniToken2WavDiTModel.forward, batched), in the DiT's dtype;
+    def _velocity(self, solve: dict, points: tuple, stage: int, mel: torch.Tensor) -> torch.Tensor:
+        """The guided DiT prediction at the step's RK4 point `stage` of `points`
+        (`_rk4_points`; Qwen2_5OmniToken2WavDiTModel.forward, batched), in the DiT's dtype;
         the ODE's state and the guidance stay float32. The fused blocks take the pass's row
         of the solve's modulations; transformers' layers a time embedding per row."""
         fused, dtype = self.fused_dit, self.dtype
         rows, length = mel.shape[:2]
-        points, stage = point
         if fused:
             row = solve["at"] * len(points) + stage
             timing = solve["modulation"].index_select(0, row)
@@ -515,9 +517,7 @@ class Token2Wav(Decoder):
         its end (BigVGAN). Captured largest first, in one pool; each length's phases run
         eagerly once, at its largest batch, before their captures."""
         if self.fused_dit:
-            self.default_modulations = None  # (made again, of the weights as they are now)
-            steps = DEFAULT_STEPS
-            self.default_modulations = self._modulations(steps, self._time_points(steps))
+            self.default_modulations = self._modulations_at(self._time_points(DEFAULT_STEPS))
         self.graphs = Graphs(self.device, capture)
         self.batch_buckets = batch_buckets(min(max_batch, GRAPH_BATCH))
         self.window_lengths = sorted(lengths)
