@@ -153,11 +153,9 @@ def block_attention_triton(
 def block_mask(blocks: torch.Tensor, back: int, ahead: int, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask `[R, 1, T, T]` (0 where query i sees key j, -inf elsewhere) the
     kernel's rule gives, as token2wav's DiT layers make theirs from block distances."""
-    apart = blocks[:, None, :] - blocks[:, :, None]
+    apart = (blocks[:, None, :] - blocks[:, :, None])[:, None]
     seen = (apart >= -back) & (apart <= ahead)
-    return torch.zeros(seen.shape, dtype=dtype, device=blocks.device).masked_fill(~seen, -math.inf)[
-        :, None
-    ]
+    return torch.zeros(seen.shape, dtype=dtype, device=blocks.device).masked_fill(~seen, -math.inf)
 
 
 def reference(q, k, v, blocks, back: int, ahead: int, block_size: int) -> torch.Tensor:
