@@ -58,7 +58,6 @@ import threading
 import time
 from pathlib import Path
 
-import av
 import httpx
 import torch
 from diffusion import first_step, timed_ms
@@ -89,11 +88,16 @@ NEGATIVE = "blurry, low quality"
 TEXT_TOKENS = 512  # every Wan prompt is padded to 512 rows
 
 
-def graph_text(model: str, checkpoint: str, cuda: bool) -> str:
-    """The model's example graph on `checkpoint`; TI2V-5B has one expert: no boundary or
-    second scale, and its own flow_shift. On CUDA the encoder and DiT in bf16."""
+def graph_text(model: str, checkpoint: str, cuda: bool, size: dict[str, int]) -> str:
+    """The model's example graph on `checkpoint`, compiled for videos of `size` (its `height`,
+    `width` and `num_frames` params: the stages' memory and buffers are sized for them);
+    TI2V-5B has one expert: no boundary or second scale, and its own flow_shift. On CUDA the
+    encoder and DiT in bf16."""
     text = (GRAPHS / f"{MODELS[model][0]}.omni").read_text(encoding="utf-8")
     text = re.sub(r'model "[^"]+"', f'model "{checkpoint}"', text, count=1)
+    for param, value in size.items():
+        text, found = re.subn(rf"param {param} = \d+", f"param {param} = {value}", text)
+        assert found == 1, param
     if model == "ti2v":
         for old in (
             "guidance_scale_2=$guidance_scale_2,\n                            ",
@@ -262,6 +266,8 @@ def serve_video(graph: str, args, cuda: bool) -> None:
                 sys.exit(f"the video job ended {job['status']}: {job.get('error')}")
             mp4 = client.get(f"/v1/videos/{job['id']}/content").raise_for_status().content
             wall = time.perf_counter() - start
+        import av  # PyAV decodes the MP4 here alone: (a)-(d) run where it is not installed
+
         with av.open(io.BytesIO(mp4)) as container:
             frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
         height, width = frames[0].shape[:2]
@@ -344,7 +350,8 @@ def main() -> None:
     torch.set_num_threads(1)  # the engine's executors get the cores
     _, real, tiny = MODELS[args.model]
     model_dir = str(scaled_checkpoint(real, args.scaled, args.device)) if args.scaled else tiny
-    graph = graph_text(args.model, model_dir, cuda)
+    size = {"height": args.height, "width": args.width, "num_frames": args.frames}
+    graph = graph_text(args.model, model_dir, cuda, size)
     plan = compile_source(graph, devices="1xH200" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     rate = matmul_rate(args.device, 8192 if cuda else 512, dtype)

@@ -3,7 +3,7 @@
 # carried wheels into /tmp/site, links dsl/ and kernels/ into omniflow/ (as pyproject's
 # package-dir maps them) and omniflow/ into /tmp/site (so this tree's root, whose kernels/
 # would shadow PyPI's `kernels`, never goes on sys.path: Python runs with -P from here), then
-# runs the parts named as arguments: setup tests edges steps skinny moe kernels frames
+# runs the parts named as arguments: setup av tests edges steps skinny moe kernels frames
 # code2wav tts windows build streaming long load omni-input diffusion attention wan-build
 # wan-a14b wan-ti2v wan-serve cold cold-load cold-fresh tts-cold
 # omni-build omni-steps omni-load (Qwen3-Omni at full depth, built into memory: their
@@ -18,7 +18,8 @@
 # $OUT/<part>.spy.gz: `python scripts/spy_summary.py FILE` reads it). Logs go to $OUT (or
 # /tmp/out). Wheels: scripts/gpu_wheels.sh downloads them here, .whl/ (what the GPU image
 # lacks, and the transformers this tree is tested with), .whl-serve/ (the server's and
-# diffusers') and .whl-tools/ (py-spy): carry all three.
+# diffusers') and .whl-tools/ (py-spy): carry all three; .whl-av/ (PyAV) goes in a call of
+# its own, `av`, before the parts that need it (wan-serve).
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -71,14 +72,24 @@ set_up() {
 }
 # Each call brings a fresh copy of the tree, without setup's links: a call that does not
 # start with `setup` sets up first where they are missing.
-if [ "${1:-}" != setup ] && ! [ -e omniflow/dsl -a -e /tmp/site/omniflow/dsl ]; then
-  set_up > /dev/null
-fi
+# (`av` carries only its own wheel: it needs no setup.)
+case "${1:-}" in
+  setup|av) ;;
+  *) [ -e omniflow/dsl -a -e /tmp/site/omniflow/dsl ] || set_up > /dev/null ;;
+esac
 for part in "$@"; do
   start=$(date +%s)
   case $part in
     setup)
       set_up
+      ;;
+    av)
+      # PyAV into /tmp/site, from a call that carries .whl-av alone (its 36 MB and the other
+      # wheels are more than one call carries): /tmp stays while the machine is held, so the
+      # next call's setup finds it (wan-serve's MP4s, speech in formats but WAV and PCM).
+      python3 -m pip install -q --no-index --no-deps --no-cache-dir --upgrade --target /tmp/site \
+        .whl-av/*.whl 2>&1 | tail -2
+      python3 -c "import sys; sys.path.insert(0, '/tmp/site'); import av; print('av', av.__version__)"
       ;;
     tests)
       # GPU_TESTS: the test files to run (default: every file with tests marked gpu);
@@ -187,7 +198,8 @@ for part in "$@"; do
       done
       ;;
     wan-a14b|wan-ti2v|wan-serve)
-      # Wan2.2 on benchmarks/video.py, 4 steps, on CUDA (WAN_DEVICE). wan-a14b: T2V-A14B
+      # Wan2.2 on benchmarks/video.py, 4 steps, on CUDA (WAN_DEVICE; wan-serve's MP4 needs
+      # the `av` part first). wan-a14b: T2V-A14B
       # 832x480x81 at WAN_DEPTH (default 0.5; 1 loads from /dev/shm): both experts across
       # boundary_ratio 0.875, a guided step of each against its roofline and beside diffusers'
       # blocks, one video end to end with the GPU's peak memory. wan-ti2v: TI2V-5B at

@@ -3,17 +3,20 @@
 # package index: each package at the version this tree's .venv holds (run `make setup`
 # first), for CPython 3.12 on x86-64 Linux. .whl/ gets what the GPU image lacks or holds at
 # another version for the models (transformers and what it imports), .whl-serve/ the server's
-# (websockets: its realtime and speech sockets, and their clients) and diffusers', .whl-tools/
-# py-spy (gpu_session.sh's SPY=1: where a served process's threads spend their time). All
-# stay out of git (.git/info/exclude).
+# (websockets: its realtime and speech sockets, and their clients) and diffusers' (accelerate,
+# ftfy: Wan's pipelines), .whl-tools/ py-spy (gpu_session.sh's SPY=1: where a served
+# process's threads spend their time), .whl-av/ PyAV (MP4 video, audio formats but WAV and
+# PCM: 36 MB, over what a call carries beside the others: gpu_session.sh's `av` part installs
+# it from a call of its own on the same machine). All stay out of git (.git/info/exclude).
 set -eu
 cd "$(dirname "$0")/.."
 MODELS="lark msgspec pyzmq transformers tokenizers huggingface_hub safetensors httpx2 httpcore2
   click hf-xet typing_extensions regex anyio idna truststore h11 kernels tomlkit"
 SERVE="diffusers fastapi starlette uvicorn pydantic pydantic_core annotated-types annotated-doc
   typing-inspection python-multipart soundfile cffi pycparser httptools openai jiter
-  sniffio opentelemetry-api importlib_metadata zipp websockets"
-for dir in .whl .whl-serve .whl-tools; do
+  sniffio opentelemetry-api importlib_metadata zipp websockets accelerate psutil ftfy wcwidth
+  prometheus-client"
+for dir in .whl .whl-serve .whl-tools .whl-av; do
   grep -qx "/$dir/" .git/info/exclude 2>/dev/null || echo "/$dir/" >> .git/info/exclude
 done
 pinned() {
@@ -31,4 +34,5 @@ download .whl $(pinned $MODELS)
 # shellcheck disable=SC2086
 download .whl-serve $(pinned $SERVE)
 download .whl-tools py-spy==0.4.3
-du -sh .whl .whl-serve .whl-tools
+download .whl-av $(pinned av)
+du -sh .whl .whl-serve .whl-tools .whl-av

@@ -71,6 +71,7 @@ forward. It emits `image` `[1, H, W, 3]` or `video` `[1, F, H, W, 3]` in [-1, 1]
 from __future__ import annotations
 
 import abc
+import importlib
 import inspect
 import json
 from collections import defaultdict
@@ -78,8 +79,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
 
+import diffusers
 import torch
-from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
+from diffusers import FlowMatchEulerDiscreteScheduler
 from PIL import Image
 
 from omniflow.backends.dit_blocks import Attention, AttentionError, attention_for
@@ -135,24 +137,56 @@ def load_pipeline(spec: StageSpec, device: str, parts: tuple[str, ...], code, im
             f"stage '{plan.name}': a diffusers {plan.kind} stage runs the pipeline's "
             f"'{parts[0]}', not '{plan.component}'"
         )
-    path = model_path(plan.model)
+    path = Path(model_path(plan.model))
     index = _model_index(plan, path)
-    skipped = {
-        name: None
-        for name, entry in index.items()
-        if not name.startswith("_") and isinstance(entry, list) and name not in parts
-    }
-    loaded = {}
-    if "processor" in parts and "processor" in index:
-        loaded["processor"] = code.load_processor(Path(path) / "processor")
     dtype = plan.settings.get("dtype")
     chooser = getattr(code, "pipeline_class", None)
-    cls = (chooser(index, image) if chooser else None) or DiffusionPipeline
+    cls = (chooser(index, image) if chooser else None) or _pipeline_class(plan, index)
+    # The pipeline is built from its parts, not by `from_pretrained`, which loads a pipeline's
+    # optional components even when passed None: each stage of Wan2.2-A14B held both experts.
+    components = {
+        name: None
+        for name, entry in index.items()
+        if not name.startswith("_") and isinstance(entry, list)
+    }
+    config = {
+        name: value
+        for name, value in index.items()
+        if not name.startswith("_") and not isinstance(value, list)
+    }
     with quiet():
-        pipe = cls.from_pretrained(
-            path, torch_dtype=getattr(torch, dtype) if dtype else None, **skipped, **loaded
-        )
+        for name in parts:
+            if name == "processor" and name in index:
+                components[name] = code.load_processor(path / name)
+            elif index.get(name, [None])[0] is not None:
+                components[name] = _load_part(path, name, index[name], dtype)
+        accepted = inspect.signature(cls.__init__).parameters
+        pipe = cls(**{k: v for k, v in {**components, **config}.items() if k in accepted})
     return pipe.to(device)
+
+
+def _pipeline_class(plan, index: dict):
+    """The diffusers pipeline class a folder's model_index names."""
+    name = index.get("_class_name")
+    cls = getattr(diffusers, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.DiffusionPipeline)):
+        raise DiffusersBackendError(
+            f"stage '{plan.name}': '{plan.model}' names no diffusers pipeline class in its "
+            f"model_index.json (_class_name: {name!r})"
+        )
+    return cls
+
+
+def _load_part(path: Path, name: str, entry: list, dtype: str | None):
+    """The pipeline folder's component `name` (its model_index `entry`: library, class), in
+    `dtype` where it is a model."""
+    library, class_name = entry
+    part = getattr(importlib.import_module(library), class_name)
+    kwargs = {}
+    if dtype and issubclass(part, torch.nn.Module):
+        # transformers calls it `dtype`, diffusers `torch_dtype`
+        kwargs["dtype" if library == "transformers" else "torch_dtype"] = getattr(torch, dtype)
+    return part.from_pretrained(path / name, **kwargs)
 
 
 def edits(spec: StageSpec, pipe, code) -> bool:

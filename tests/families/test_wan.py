@@ -102,6 +102,22 @@ def t2v():
     return Stages(Interpreter(compile_file(T2V, devices="cpu", tiny=True)))
 
 
+def test_each_stage_holds_only_its_own_models(t2v):
+    # diffusers' from_pretrained loads a pipeline's optional components (both experts) even
+    # when passed None: the encoder and the VAE stage each held the two DiTs.
+    models = {
+        stage: {
+            name
+            for name, part in backend.pipe.components.items()
+            if isinstance(part, torch.nn.Module)
+        }
+        for stage, backend in t2v.backends.items()
+        if hasattr(backend, "pipe")
+    }
+    assert models == {"encoder": {"text_encoder"}, "dit": {"transformer", "transformer_2"}}
+    assert isinstance(t2v.backends["vae"].vae, AutoencoderKLWan)
+
+
 def test_two_experts_across_the_boundary_match_the_pipeline(t2v):
     pipe = load("wan2.2-t2v")
     requests = {
