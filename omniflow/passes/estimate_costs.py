@@ -23,7 +23,8 @@ WRITES = ("cost",)
 
 
 def _sequence_length(graph: Graph, node: Node) -> int:
-    """Tokens one request keeps live in this stage: its KV length, image tokens or frames."""
+    """Tokens one request keeps live in this stage: its KV length, image tokens or frames;
+    a VAE's latent positions at once."""
     if node.op == "diffusion":
         cfg = node.meta["model"].config
         image = cfg.image_tokens(
@@ -35,6 +36,12 @@ def _sequence_length(graph: Graph, node: Node) -> int:
     if node.op == "vae":  # latent positions per image or video: the item its producer sends
         edge = next(e for e in graph.in_edges(node.name) if e.dst_port == "latents")
         _, *positions = edge.meta["item"].item.shape
+        cfg = node.meta["model"].config
+        at_once = cfg.config.get("latent_frames_per_decode")
+        if at_once and len(positions) == 3:
+            # A video VAE decoding a few latent frames at a time holds those frames' outputs
+            # (each up to temporal-factor video frames), not the whole video's.
+            positions[0] = min(positions[0], at_once) * cfg.vae_temporal_factor
         return math.prod(positions)
     return graph.param_value(node, "max_len") + condition_image_tokens(graph, node)
 

@@ -1,5 +1,5 @@
 from omniflow.devices import GiB
-from tests.passes.helpers import run_until
+from tests.passes.helpers import GRAPHS, run_until
 
 
 def test_guidance_doubles_the_batch_on_the_companion_path():
@@ -51,3 +51,21 @@ def test_an_edit_pays_for_its_input_image():
     assert encoder * 1024 == plain.node("encoder").meta["cost"].cost.activation_bytes * (
         1675 + 1024
     )
+
+
+def test_a_video_vae_holds_one_latent_frames_outputs_at_a_time():
+    # Wan's VAE decodes a latent frame at a time: a video four times as long costs its DiT
+    # four times the tokens, its VAE no more activations.
+    text = (GRAPHS / "text_to_video.omni").read_text(encoding="utf-8")
+    costs = {
+        frames: run_until(
+            "estimate_costs", text.replace("num_frames = 81", f"num_frames = {frames}")
+        )
+        for frames in (81, 321)
+    }
+    vae = {f: g.node("vae").meta["cost"].cost.activation_bytes for f, g in costs.items()}
+    dit = {f: g.node("dit").meta["cost"].cost.activation_bytes for f, g in costs.items()}
+    assert vae[81] == vae[321] > 0
+    assert dit[321] > 3 * dit[81]
+    # 2 requests x 4 video frames of 480 x 832 pixels x 96 channels x 4 buffers, in bf16
+    assert vae[81] == 2 * 4 * 480 * 832 * 96 * 4 * 2

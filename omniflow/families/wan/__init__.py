@@ -41,6 +41,12 @@ def admission(stage, path: str):
     return size_check(stage, scale * patch_width(component_config(path, "transformer")))
 
 
+# The video VAE decodes one latent frame at a time, its causal convolutions carrying the
+# frames before (diffusers' decode and the vae stage's, a frame a step): its activations are
+# one latent frame's outputs, not the whole video's.
+_VAE_FACTS = {"vae": {"latent_frames_per_decode": 1}}
+
+
 def _two_experts(index) -> bool:
     entry = index.get("transformer_2")
     return isinstance(entry, list) and entry[0] is not None
@@ -63,6 +69,7 @@ def _t2v_facts(index) -> dict:
     return {
         "transformer": facts,
         "transformer_2": {k: v for k, v in facts.items() if k != "experts"},
+        **_VAE_FACTS,
     }
 
 
@@ -71,7 +78,7 @@ def _i2v_facts(index) -> dict:
     extra tokens); its denoiser loads both."""
     facts = {"condition_image_tokens": 0}
     first = {**facts, "experts": ("transformer_2",)} if _two_experts(index) else facts
-    return {"transformer": first, "transformer_2": facts}
+    return {"transformer": first, "transformer_2": facts, **_VAE_FACTS}
 
 
 FAMILY = Family(
