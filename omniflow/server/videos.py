@@ -342,9 +342,11 @@ class VideoJobs:
 
 
 def live_progress(plan, request_id: str, found: dict) -> int | None:
-    """The job's progress from the engine's inspection, by the furthest stage that holds
-    its request (module constants: BEFORE_DENOISING, DENOISING, AFTER_DENOISING); None
-    where no stage does, or the pipeline has no denoiser."""
+    """The job's progress from the engine's inspection (module constants: BEFORE_DENOISING,
+    DENOISING, AFTER_DENOISING): by the furthest stage that reports steps of its request,
+    else by the first stage that holds it; None where no stage does, or the pipeline has no
+    denoiser. Every stage holds a request from its admission: the VAE holds it, waiting for
+    latents, through the whole denoise (that read 85 % from the denoiser's first step)."""
     names = [s.name for s in plan.stages]
     denoisers = [s.name for s in plan.stages if s.kind == "diffusion"]
     where = [
@@ -355,7 +357,8 @@ def live_progress(plan, request_id: str, found: dict) -> int | None:
     ]
     if not where or not denoisers:
         return None
-    index, steps = max(where, key=lambda found: found[0])
+    stepping = [(index, steps) for index, steps in where if steps is not None]
+    index, steps = max(stepping) if stepping else (min(where)[0], None)
     if index < names.index(denoisers[0]):
         return BEFORE_DENOISING
     phase = DENOISING if names[index] in denoisers else AFTER_DENOISING

@@ -264,3 +264,24 @@ def test_the_store_is_bounded_delete_cancels_everywhere_and_results_expire(http)
     assert done["expires_at"] - done["completed_at"] in (int(TTL_S), int(TTL_S) + 1)
     time.sleep(TTL_S + 0.5)
     assert http.get(f"/v1/videos/{done['id']}").status_code == 404
+
+
+def test_progress_reads_the_stage_working_on_the_job():
+    # Every stage holds a request from its admission: the VAE, waiting for latents, holds it
+    # through the whole denoise, which must not read as the denoise done.
+    from omniflow.compiler import compile_file
+    from omniflow.runtime.control import Inspection
+    from omniflow.server.videos import live_progress
+
+    plan = compile_file(GRAPHS / "text_to_video.omni", devices="cpu", tiny=True)
+
+    def progress(calls: dict, steps: dict) -> int | None:
+        found = {"e": Inspection("e", calls, 0, 0, progress=steps)}
+        return live_progress(plan, "r", found)
+
+    everywhere = {"encoder": ["r"], "dit": ["r"], "vae": ["r"]}
+    assert progress(everywhere, {}) == 2  # encoding
+    assert progress(everywhere, {"dit": {"r": [1, 4]}}) == 5 + 80 // 4
+    assert progress({"vae": ["r"]}, {}) == 85  # denoised, the decode not started
+    assert progress({"vae": ["r"]}, {"vae": {"r": [7, 21]}}) == 85 + 10 * 7 // 21
+    assert progress({"dit": ["s"]}, {}) is None
