@@ -26,8 +26,9 @@ order they happen:
   request is sent), with `--params`;
 - memory after load, a row per GPU and load order (on CUDA only): the plan's total for it
   (its stages' budgets plus the CUDA contexts of its executor processes: the devices table
-  of `omniflow compile`), what torch reserved there once the stages loaded (each executor
-  process's `Memory` message, summed over those on the GPU), and the GPU's bytes in use
+  of `omniflow compile`), what torch reserved there once the stages loaded and how much of
+  it is in tensors (each executor process's `Memory` message, summed over those on the
+  GPU), and the GPU's bytes in use
   (every process's, contexts included: the most any executor saw).
 
     python benchmarks/cold_start.py                                  # tiny models, CPU
@@ -73,7 +74,7 @@ from omniflow.runtime.preflight import preflight
 
 # The codec tokens of an omni chat request's speech.
 OMNI_AUDIO_TOKENS = 32
-MEMORY_COLUMNS = ("planned", "reserved", "used")
+MEMORY_COLUMNS = ("planned", "reserved", "in tensors", "used")
 
 
 def arguments() -> argparse.Namespace:
@@ -131,14 +132,15 @@ def request_seconds(engine: Engine, inputs: dict, params: dict | None) -> float:
 
 
 def memory_rows(plan, reports: list[control.Memory], order: str) -> list[list[str]]:
-    """A row per GPU the executors reported on: planned (the plan's total), reserved (summed
-    over its executor processes) and used (the most any of them saw), after `order`'s loads."""
+    """A row per GPU the executors reported on: planned (the plan's total), reserved and in
+    tensors (summed over its executor processes) and used (the most any of them saw), after
+    `order`'s loads."""
     rows = []
     for device in plan.devices:
         here = [m for m in reports if m.device == device.name]
         if here:
             reserved, used = sum(m.reserved for m in here), max(m.used for m in here)
-            sizes = (device.total_bytes, reserved, used)
+            sizes = (device.total_bytes, reserved, sum(m.allocated for m in here), used)
             rows.append([f"{device.name}, {order}", *map(human_bytes, sizes)])
     return rows
 

@@ -50,14 +50,15 @@ def allocated(device: str) -> int:
     return torch.cuda.memory_allocated(local_name(device)) if cuda_here(device) else 0
 
 
-def gpu_memory(device: str) -> tuple[int, int] | None:
+def gpu_memory(device: str) -> tuple[int, int, int] | None:
     """What `device` holds now: the bytes torch's allocator reserved there in this process,
-    and the device's bytes in use (every process's, CUDA contexts included); None off CUDA."""
+    those of them in tensors, and the device's bytes in use (every process's, CUDA contexts
+    included); None off CUDA."""
     if not cuda_here(device):
         return None
     name = local_name(device)
     free, total = torch.cuda.mem_get_info(name)
-    return torch.cuda.memory_reserved(name), total - free
+    return torch.cuda.memory_reserved(name), torch.cuda.memory_allocated(name), total - free
 
 
 def memory_after_load(program: Program) -> list[control.Memory]:

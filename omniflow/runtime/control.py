@@ -78,12 +78,15 @@ class Memory(msgspec.Struct, tag=True):
     reserved there (`torch.cuda.memory_reserved`: its stages' weights, caches, captured
     graphs' pools, and what the allocator keeps cached) beside `planned`, its stages'
     budgets on that GPU, and the GPU's bytes in use (`torch.cuda.mem_get_info`): every
-    process's, CUDA contexts included, which no budget holds."""
+    process's, CUDA contexts included, which no budget holds. `allocated`: the reserved
+    bytes in tensors; the rest is cached, among it what a stage's load freed in its own pool
+    (budgets.load_in_own_pool), which no other stage reuses."""
 
     executor: str
     device: str
     planned: int
     reserved: int
+    allocated: int
     used: int
 
     @property
@@ -94,7 +97,8 @@ class Memory(msgspec.Struct, tag=True):
     def lines(self, where: str) -> list[str]:
         """What a person watching `where` (`pipeline/executor`) start is told."""
         return [
-            f"{where} on {self.device}: torch reserved {human_bytes(self.reserved)} of the "
+            f"{where} on {self.device}: torch reserved {human_bytes(self.reserved)} "
+            f"({human_bytes(self.allocated)} in tensors) of the "
             f"{human_bytes(self.planned)} planned for its stages; the GPU has "
             f"{human_bytes(self.used)} in use (every process, CUDA contexts included)"
         ]

@@ -22,12 +22,15 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has 
 
 
 def test_the_memory_line_says_reserved_beside_planned_and_the_gpus_use():
-    sent = control.Memory("thinker+talker", "cuda:0", 40 * GiB, 12 * GiB + GiB // 2, 14 * GiB)
+    sent = control.Memory(
+        "thinker+talker", "cuda:0", 40 * GiB, 12 * GiB + GiB // 2, 11 * GiB, 14 * GiB
+    )
     said = control.decode(control.encode(sent))
     assert said == sent and isinstance(said, control.StartupReport)
     assert said.lines(f"omni_chat/{said.about}") == [
-        "omni_chat/thinker+talker on cuda:0: torch reserved 12.5 GiB of the 40.0 GiB planned "
-        "for its stages; the GPU has 14.0 GiB in use (every process, CUDA contexts included)"
+        "omni_chat/thinker+talker on cuda:0: torch reserved 12.5 GiB (11.0 GiB in tensors) of "
+        "the 40.0 GiB planned for its stages; the GPU has 14.0 GiB in use (every process, CUDA "
+        "contexts included)"
     ]
 
 
@@ -66,7 +69,7 @@ def test_what_a_tiny_graph_reserves_on_its_gpu_is_within_the_plans_total():
         pytest.skip("needs a GPU")
     plan = compile_file(GRAPHS / "tts.omni", devices="1xH200", tiny=True)
     (gpu,) = plan.devices
-    _, before = gpu_memory("cuda:0")  # what this test process and any other hold already
+    *_, before = gpu_memory("cuda:0")  # what this test process and any other hold already
     said: list[control.StartupReport] = []
     with Engine(plan, "process", on_loaded=said.append):
         pass
@@ -75,7 +78,7 @@ def test_what_a_tiny_graph_reserves_on_its_gpu_is_within_the_plans_total():
     assert {m.device for m in memory} == {"cuda:0"}
     for report in memory:
         budgets = sum(plan.stage(s).budget_bytes for s in plan.program(report.executor).stage_names)
-        assert 0 < report.reserved <= report.planned == budgets
+        assert 0 < report.allocated <= report.reserved <= report.planned == budgets
         assert report.used >= report.reserved
     # Torch's pools are within the stages' budgets; what the executors added to the GPU's
     # use, their contexts too, within the plan's total for it.
