@@ -13,9 +13,11 @@ DiT's compute bound.
     every block, self-attention over the video's tokens, cross-attention over the text's)
     over the matmul rate measured in the same run (8192^3 in bf16 on CUDA).
 (b) One video through the compiled graph in the engine (executor processes), `--steps`
-    steps: its wall time and each stage's time inside its steps; at `--scaled` depth d < 1,
-    also the real-size estimate (the DiT's and the text encoder's busy time / d, the VAE's
-    as measured: a step's per-layer work does not depend on the depth).
+    steps: its wall time and each stage's time inside its steps (on CUDA first what each
+    executor's loads left on its GPU: torch's reserved bytes, those in tensors); at
+    `--scaled` depth d < 1, also the real-size estimate (the DiT's and the text encoder's
+    busy time / d, the VAE's as measured: a step's per-layer work does not depend on the
+    depth).
 (c) Step caching: the same video at each `--cache` threshold: DiT steps computed and
     reused, the first-block distances the cache saw, and the frames' distance from the
     uncached video. On random weights this says what is saved, not what it costs in
@@ -74,6 +76,7 @@ from omniflow.checkpoints.scaled import scaled_checkpoint
 from omniflow.compiler import compile_source
 from omniflow.families.wan.checkpoints import REAL_I2V, REAL_T2V, REAL_TI2V
 from omniflow.kernels.timing import kernel_table
+from omniflow.runtime import control
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.stage import Call, InputStream, StageSpec
 
@@ -380,10 +383,13 @@ def main() -> None:
 def engine_parts(plan, args, rows, rate: float, cuda: bool) -> None:
     """(b), (c) and (d), on one engine."""
     start = time.perf_counter()
-    with Engine(plan, "process") as engine:
+    said = []
+    with Engine(plan, "process", on_loaded=said.append) as engine:
         warm = request_of(args.model, args, 0, steps=2)
         engine.generate(*warm)
         print(f"\nengine up and one 2-step video served in {time.perf_counter() - start:.1f} s")
+        for memory in (m for m in said if isinstance(m, control.Memory)):
+            print(*memory.lines(f"after load, {memory.about}"))
         before = snapshot(engine)
         with PeakGpuMemory(cuda) as peak:
             wall, (video,) = serve(engine, [request_of(args.model, args)], concurrent=False)
