@@ -7,6 +7,7 @@ attention reading each row's length on the device (`decode_attention`); the tiny
 talker, its frames completed inside the step (the code predictor fused too), the op-by-op
 step's codes."""
 
+import pytest
 import torch
 
 from omniflow.backends.static_decode import StaticDecoder
@@ -128,6 +129,24 @@ def prefilled_each(fused: bool) -> list[dict]:
 
 # Each test interprets its own job (a process of its own): one job for the whole file took
 # ~40 s of the interpreter's 120 s limit on an idle 2-core machine, too near it when loaded.
+# They start together as the file begins, and run side by side (kernels/conftest.py).
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _jobs_ahead(interpret_ahead, request):
+    interpret_ahead(
+        request,
+        {
+            test_the_fused_step_decodes_the_op_by_op_steps_tokens: [(decode_each, True)],
+            test_the_step_reading_each_rows_length_decodes_the_op_by_op_steps_tokens: [
+                (decode, "tiny:qwen2", True, False)
+            ],
+            test_the_fused_step_completes_the_op_by_op_steps_frames: [(tts_frames, True)],
+            test_the_fused_prefill_writes_the_slots_the_model_forward_fills: [
+                (prefilled_each, True)
+            ],
+        },
+    )
 
 
 def test_the_fused_step_decodes_the_op_by_op_steps_tokens(interpret):

@@ -42,9 +42,19 @@ def run_blocks(model: str) -> dict:
     return out
 
 
+MODELS = [*((style, 3) for style in STYLES), ("qwen", 2)]
+
+
 # A job per model: all in one took ~22 s of the interpreter's 120 s limit on an idle 2-core
-# machine, both Wan styles in one ~19 s (kernels/conftest.py).
-@pytest.mark.parametrize("model, cases", [*((style, 3) for style in STYLES), ("qwen", 2)])
+# machine, both Wan styles in one ~19 s (kernels/conftest.py). They start together as the file
+# begins, and run side by side.
+@pytest.fixture(scope="module", autouse=True)
+def _jobs_ahead(interpret_ahead, request):
+    jobs = [(run_blocks, model) for model, _ in MODELS]
+    interpret_ahead(request, {test_the_fused_blocks_on_the_kernels_are_diffusers_blocks: jobs})
+
+
+@pytest.mark.parametrize("model, cases", MODELS)
 def test_the_fused_blocks_on_the_kernels_are_diffusers_blocks(interpret, model, cases):
     out = interpret(run_blocks, model)
     assert out.pop("interpreted") is True and len(out) == cases

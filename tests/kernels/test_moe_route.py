@@ -94,9 +94,35 @@ def assert_routes_as_torch(case: dict, got: tuple) -> None:
         assert torch.equal(sorted_ids, want[2]) and torch.equal(expert_ids, want[3])
 
 
-def test_the_kernel_routes_and_aligns_as_torch(interpret):
+@pytest.fixture(scope="module", autouse=True)
+def _jobs_ahead(interpret_ahead, request):
+    """The file's three interpreted jobs, started together as it begins: they run side by
+    side (kernels/conftest.py)."""
+    interpret_ahead(
+        request,
+        {
+            test_the_kernel_routes_and_aligns_as_torch: [(run_routes, cases())],
+            test_the_kernels_sums_run_in_torchs_cuda_order: [(run_routes, cases())],
+            test_a_layer_routed_by_the_kernel_equals_the_layer_routed_by_the_ops: [
+                (run_layers, layer_cases())
+            ],
+            test_a_moe_block_routed_by_the_kernel_equals_the_block_routed_by_the_ops: [
+                (run_blocks, stage_blocks())
+            ],
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def routed(interpret) -> list[tuple[dict, tuple]]:
+    """Each of `cases()` with the interpreted kernel's routing of it (one job for the two
+    tests below: `run_routes` routes each case on its own)."""
     found = cases()
-    for case, got in zip(found, interpret(run_routes, found), strict=True):
+    return list(zip(found, interpret(run_routes, found), strict=True))
+
+
+def test_the_kernel_routes_and_aligns_as_torch(routed):
+    for case, got in routed:
         assert_routes_as_torch(case, got)
 
 
@@ -130,12 +156,13 @@ def cuda_order_weights(logits: torch.Tensor, top_k: int, renormalize: bool) -> t
     return weights / lanes
 
 
-def test_the_kernels_sums_run_in_torchs_cuda_order(interpret):
+def test_the_kernels_sums_run_in_torchs_cuda_order(routed):
     """The float32 weights of the interpreted kernel, bit for bit, those of torch's CUDA
     summation orders (with the interpreter's `exp`): the orders the kernel reproduces (on
     CUDA torch keeps them up to 2 tokens: kernels/moe_route.py, "Numerics")."""
-    found = [case for case in cases() if case["router_logits"].dtype == torch.float32]
-    for case, got in zip(found, interpret(run_routes, found), strict=True):
+    found = [(case, got) for case, got in routed if case["router_logits"].dtype == torch.float32]
+    assert found
+    for case, got in found:
         want = cuda_order_weights(case["router_logits"], case["top_k"], case["renormalize"])
         assert torch.equal(got[1], want)
 

@@ -76,6 +76,24 @@ def fused_thinker() -> dict:
     return {"greedy": greedy("static", True), "sampled": sampled(True, 7)}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _jobs_ahead(interpret_ahead, request):
+    """The file's three interpreted jobs (`fused`'s and `fused_frames`'), started together
+    as it begins: they run side by side (kernels/conftest.py) while the other paths run
+    here."""
+    thinker = [(fused_thinker,)]
+    talker = [(fused_greedy_talker,), (fused_sampled_talker,)]
+    interpret_ahead(
+        request,
+        {
+            test_the_fused_step_decodes_the_dynamic_paths_tokens_and_items: thinker,
+            test_a_seed_draws_the_same_tokens_on_both_static_paths_run_after_run: thinker,
+            test_the_fused_talker_step_completes_the_same_frames: talker,
+            test_a_seed_gives_the_talker_the_same_frames_on_both_static_paths: talker,
+        },
+    )
+
+
 @pytest.fixture(scope="module")
 def fused(interpret) -> dict:
     return interpret(fused_thinker)
