@@ -7,9 +7,9 @@ DiT's compute bound.
     conditional and unconditional rows (the video's tokens and 512 text tokens each) as one
     forward of each expert (A14B: the high-noise `transformer` and the low-noise
     `transformer_2`; on CUDA on the backend's fused blocks, and beside it the same forward
-    on diffusers' blocks), and the
-    DiffusionSteps backend's own step (the forward, CFG and UniPC's update), against the
-    forward's FLOPs (`omniflow.catalog.costs`' Wan DiT count: every projection and MLP of
+    on diffusers' blocks; a timestep per row as text-to-video runs, and for TI2V one per
+    token as its image-to-video runs), and the DiffusionSteps backend's own step (the
+    forward, CFG and UniPC's update, text-to-video), against the forward's FLOPs (`omniflow.catalog.costs`' Wan DiT count: every projection and MLP of
     every block, self-attention over the video's tokens, cross-attention over the text's)
     over the matmul rate measured in the same run (8192^3 in bf16 on CUDA).
 (b) One video through the compiled graph in the engine (executor processes), `--steps`
@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import gc
 import io
+import itertools
 import re
 import shutil
 import statistics
@@ -152,17 +153,20 @@ def step_rows(plan, device: str, args, kernels: int):
     hidden = torch.randn(shape, generator=generator).to(device, dtype)
     text = torch.randn(2, TEXT_TOKENS, config.text_dim, generator=generator).to(device, dtype)
     tokens = latent * (args.height // scale // 2) * (args.width // scale // 2)
+    # A timestep per row, as a text-to-video step runs; TI2V's image-to-video runs one per
+    # token (`expand_timesteps`: the image's frame at 0), measured beside it.
+    timesteps = {"": torch.full((2,), 500.0, device=device)}
     if pipe.config.expand_timesteps:
-        timestep = torch.full((2, tokens), 500.0, device=device)
-    else:
-        timestep = torch.full((2,), 500.0, device=device)
+        timesteps[", a timestep per token"] = torch.full((2, tokens), 500.0, device=device)
     rows = []
-    for part in ("transformer", "transformer_2"):
+    for part, (label, timestep) in itertools.product(
+        ("transformer", "transformer_2"), timesteps.items()
+    ):
         expert = getattr(pipe, part, None)
         if expert is None:
             continue
 
-        def forward(expert=expert):
+        def forward(expert=expert, timestep=timestep):
             with torch.no_grad():
                 expert(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text,
                        return_dict=False)  # fmt: skip
@@ -172,11 +176,11 @@ def step_rows(plan, device: str, args, kernels: int):
             kernel_table(forward, kernels, calls=2)
         model_dir = model_path(plan.stage("dit").model)
         flops = pair_flops(model_dir, part, tokens)
-        rows.append((f"{part}, pair", timed_ms(forward, device, args.repeats), flops))
+        rows.append((f"{part}, pair{label}", timed_ms(forward, device, args.repeats), flops))
         if backend.attention is not None:  # the blocks are fused: diffusers' own beside them
             with modules_forward(expert.blocks):
-                rows.append((f"{part}, diffusers' blocks", timed_ms(forward, device, args.repeats),
-                             flops))  # fmt: skip
+                rows.append((f"{part}, diffusers' blocks{label}",
+                             timed_ms(forward, device, args.repeats), flops))  # fmt: skip
     # The backend's own step of one guided request (the forward, CFG, UniPC's update).
     cond = InputStream("hidden")
     cond.push(pack_prompts([text[0], text[1]]), end=True)
@@ -370,10 +374,10 @@ def main() -> None:
             torch.cuda.empty_cache()
         print(f"\n(a) one guided DiT step: cond + uncond rows of {tokens} video + {TEXT_TOKENS} "
               f"text tokens; the blocks' attention: {kernel}")  # fmt: skip
-        print(f"{'variant':>32} {'GFLOP':>10} {'roof ms':>9} {'ms':>9} {'vs roof':>8}")
+        print(f"{'variant':>56} {'GFLOP':>10} {'roof ms':>9} {'ms':>9} {'vs roof':>8}")
         for label, ms, flops in rows:
             roof = flops / rate * 1e3
-            print(f"{label:>32} {flops / 1e9:10.1f} {roof:9.2f} {ms:9.2f} {ms / roof:7.2f}x")
+            print(f"{label:>56} {flops / 1e9:10.1f} {roof:9.2f} {ms:9.2f} {ms / roof:7.2f}x")
     if set(args.parts) & set("bcd"):
         engine_parts(plan, args, rows, rate, cuda)
     if "e" in args.parts:

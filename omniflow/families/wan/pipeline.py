@@ -89,12 +89,14 @@ class WanDenoising(Denoising):
     def model_input(self):
         t = self.timesteps[self.index]
         latents = self.latents
-        if self.pipe.config.expand_timesteps:
-            mask = self.mask if self.mask is not None else torch.ones_like(latents)
-            if self.condition is not None:
-                latents = (1 - mask) * self.condition + mask * latents
-            timestep = (mask[0][0][:, ::2, ::2] * t).flatten()[None]
+        if self.pipe.config.expand_timesteps and self.condition is not None:
+            # TI2V's image-to-video: the image's first frame at timestep 0, the rest at t.
+            latents = (1 - self.mask) * self.condition + self.mask * latents
+            timestep = (self.mask[0][0][:, ::2, ::2] * t).flatten()[None]
         else:
+            # Without an image every token of a TI2V video is at t, as the pipeline's per-token
+            # timesteps say: one row's, not a modulation per token (the time embedding of each
+            # of 27k tokens, and in every block a float32 [tokens, 6, width] table, 4 GB).
             if self.condition is not None:
                 latents = torch.cat([latents, self.condition], dim=1)
             timestep = t.expand(1)
