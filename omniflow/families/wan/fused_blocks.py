@@ -12,7 +12,8 @@ the q/k RMSNorms over all heads, the rotary and the `[B, S, H, Dh]` layout
 (`omniflow.backends.dit_blocks`), the gated residual add fused with the cross-attention's
 affine norm (as a modulation of scale `w - 1` and shift `b`), the cross-attention (its q/k
 norms torch's `RMSNorm`, one kernel each; the text's k and v one product), its residual add
-fused with the MLP's modulated norm (gate one), the MLP, and its gated residual add. In
+fused with the MLP's modulated norm (gate one), the MLP, and its gated residual add in one
+pass (`omniflow.kernels.gated_residual`). In
 diffusers' ops that is some forty elementwise kernels with float32 intermediates over the
 video's tokens. Weights are not copied: the projections' weights become views of the stacked
 matrices.
@@ -32,6 +33,7 @@ from diffusers.models.transformers.transformer_wan import WanTransformer3DModel,
 
 from omniflow.backends.dit_blocks import Attention, fuse, stack_linears
 from omniflow.kernels.ada_norm import ada_norm
+from omniflow.kernels.gated_residual import gated_residual
 from omniflow.kernels.qk_norm_rope import qk_norm_rope
 
 
@@ -120,10 +122,9 @@ class FusedWanBlock:
             x, c_shift, c_scale, attended, self.no_gate, eps=block.norm3.eps, round_once=True
         )
 
-        # The MLP and its gated residual add, in float32 as diffusers adds it.
-        x = x.view(batch, tokens, width)
-        out = block.ffn(normed).view(batch, tokens, width)
-        return (x.float() + out.float() * c_gate.view(batch, -1, width)).type_as(x)
+        # The MLP and its gated residual add, in float32 as diffusers adds it, in one pass.
+        out = gated_residual(x, block.ffn(normed), c_gate, round_once=True)
+        return out.view(batch, tokens, width)
 
 
 def fuse_blocks(transformer: WanTransformer3DModel, attend: Attention | None = None) -> None:
