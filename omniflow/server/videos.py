@@ -358,7 +358,8 @@ def live_progress(plan, request_id: str, found: dict) -> int | None:
     if not where or not denoisers:
         return None
     stepping = [(index, steps) for index, steps in where if steps is not None]
-    index, steps = max(stepping) if stepping else (min(where)[0], None)
+    first = min(index for index, _ in where)
+    index, steps = max(stepping, key=lambda found: found[0]) if stepping else (first, None)
     if index < names.index(denoisers[0]):
         return BEFORE_DENOISING
     phase = DENOISING if names[index] in denoisers else AFTER_DENOISING
