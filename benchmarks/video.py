@@ -201,11 +201,11 @@ def step_rows(plan, device: str, args, kernels: int):
 
 class PeakGpuMemory:
     """Inside: the GPU's memory in use, every process's (nvidia-smi), sampled every 0.2 s;
-    `peak_gb` after (None without nvidia-smi)."""
+    `peak_gib` after (None without nvidia-smi)."""
 
     def __init__(self, cuda: bool):
         self.command = shutil.which("nvidia-smi") if cuda else None
-        self.peak_gb = None
+        self.peak_gib = None
         self.stopping = threading.Event()
 
     def sample(self) -> None:
@@ -214,8 +214,8 @@ class PeakGpuMemory:
         while not self.stopping.wait(0.2):
             used = subprocess.run(query, capture_output=True, text=True).stdout.strip()
             if used:
-                gb = int(used.splitlines()[0]) / 1024  # MiB
-                self.peak_gb = gb if self.peak_gb is None else max(self.peak_gb, gb)
+                gib = int(used.splitlines()[0]) / 1024  # MiB
+                self.peak_gib = gib if self.peak_gib is None else max(self.peak_gib, gib)
 
     def __enter__(self):
         if self.command:
@@ -230,7 +230,7 @@ class PeakGpuMemory:
         return False
 
     def __str__(self) -> str:
-        return "n/a" if self.peak_gb is None else f"{self.peak_gb:.1f} GB"
+        return "n/a" if self.peak_gib is None else f"{self.peak_gib:.1f} GiB"
 
 
 def serve_video(graph: str, args, cuda: bool) -> None:
