@@ -1,11 +1,12 @@
-"""A DiT block's last gated residual add: its reference is diffusers' ops (Wan2.2's block in
-float32 rounded once, Qwen-Image's in the input dtype), and its Triton kernel (interpreted on
-the CPU, compiled on a GPU) agrees with the reference."""
+"""A DiT block's last gated residual add (`ada_norm.gated_residual`): its reference is
+diffusers' ops (Wan2.2's block in float32 rounded once, Qwen-Image's in the input dtype), and
+its Triton kernel, ada_norm's with the norm off (interpreted on the CPU, compiled on a GPU),
+agrees with the reference."""
 
 import pytest
 import torch
 
-from omniflow.kernels import gated_residual as kernel
+from omniflow.kernels import ada_norm as kernel
 
 # (gate rows, rows each, width): a gate per request, per token; widths below, not divisible
 # by, at and over a block.
@@ -36,7 +37,7 @@ def assert_agree(got, found: list[dict]) -> None:
     roundings (the interpreter rounds bf16 its own way; compiled, a multiply-add may be
     contracted; a step of `gate * delta` survives the add where it cancels)."""
     for out, case in zip(got, found, strict=True):
-        want = kernel.reference(**case)
+        want = kernel.gated_residual_reference(**case)
         assert out.dtype == want.dtype and out.shape == want.shape
         step = 1e-6 if want.dtype == torch.float32 else 2**-7
         largest = max(case["x"].abs().max(), (case["delta"].abs().max() * case["gate"].abs().max()))
@@ -47,9 +48,9 @@ def test_the_reference_is_the_blocks_ops():
     x, delta = torch.randn(6, 8).bfloat16(), torch.randn(6, 8).bfloat16()
     gate = torch.randn(2, 8)
     rows = gate.repeat_interleave(3, 0)
-    wan = kernel.reference(x, delta, gate, round_once=True)
+    wan = kernel.gated_residual_reference(x, delta, gate, round_once=True)
     assert torch.equal(wan, (x.float() + delta.float() * rows).type_as(x))
-    qwen = kernel.reference(x, delta, gate.bfloat16())
+    qwen = kernel.gated_residual_reference(x, delta, gate.bfloat16())
     assert torch.equal(qwen, x + rows.bfloat16() * delta)
 
 
@@ -60,12 +61,12 @@ def test_kernel_agrees_with_the_reference(interpret):
 
 def test_shapes_are_checked():
     x = torch.zeros(4, 8)
-    with pytest.raises(kernel.GatedResidualError, match="G must divide R"):
-        kernel.reference(x, x, torch.zeros(3, 8))
-    with pytest.raises(kernel.GatedResidualError, match="is not x's"):
-        kernel.reference(x, torch.zeros(4, 9), torch.zeros(1, 8))
-    with pytest.raises(kernel.GatedResidualError, match="contiguous rows"):
-        kernel.reference(x, x, torch.zeros(8, 2).t())
+    with pytest.raises(kernel.AdaNormError, match="3 gate rows for 4 rows"):
+        kernel.gated_residual_reference(x, x, torch.zeros(3, 8))
+    with pytest.raises(kernel.AdaNormError, match="is not x's"):
+        kernel.gated_residual_reference(x, torch.zeros(4, 9), torch.zeros(1, 8))
+    with pytest.raises(kernel.AdaNormError, match="contiguous rows"):
+        kernel.gated_residual_reference(x, x, torch.zeros(8, 2).t())
 
 
 @pytest.mark.gpu

@@ -8,7 +8,7 @@ A block's elementwise work becomes, per stream: one adaptive LayerNorm (norm and
 `omniflow.kernels.ada_norm`), one q/k/v product, one kernel for the q/k RMSNorms, the
 rotary and the joint sequence's concatenation (`omniflow.kernels.qk_norm_rope`), the gated
 residual add fused with the second adaptive norm, the MLP, and its gated residual add
-(`omniflow.kernels.gated_residual`). In
+(`omniflow.kernels.ada_norm`'s `gated_residual`). In
 diffusers' ops that is some forty elementwise kernels with float32 intermediates, which at
 1024x1024 move gigabytes a block (docs/benchmarks-log.md, "Fused MMDiT blocks"). Weights are
 not copied: the q/k/v modules' weights become views into the stacked matrices.
@@ -34,8 +34,7 @@ from diffusers.models.transformers.transformer_qwenimage import (
 )
 
 from omniflow.backends.dit_blocks import Attention, fuse, stack_linears
-from omniflow.kernels.ada_norm import ada_norm
-from omniflow.kernels.gated_residual import gated_residual
+from omniflow.kernels.ada_norm import ada_norm, gated_residual
 from omniflow.kernels.qk_norm_rope import qk_norm_rope
 
 

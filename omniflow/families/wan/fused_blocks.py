@@ -13,7 +13,7 @@ the q/k RMSNorms over all heads, the rotary and the `[B, S, H, Dh]` layout
 affine norm (as a modulation of scale `w - 1` and shift `b`), the cross-attention (its q/k
 norms torch's `RMSNorm`, one kernel each; the text's k and v one product), its residual add
 fused with the MLP's modulated norm (gate one), the MLP, and its gated residual add in one
-pass (`omniflow.kernels.gated_residual`). In
+pass (`omniflow.kernels.ada_norm`'s `gated_residual`). In
 diffusers' ops that is some forty elementwise kernels with float32 intermediates over the
 video's tokens. Weights are not copied: the projections' weights become views of the stacked
 matrices.
@@ -32,8 +32,7 @@ from diffusers.models.normalization import FP32LayerNorm
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel, WanTransformerBlock
 
 from omniflow.backends.dit_blocks import Attention, fuse, stack_linears
-from omniflow.kernels.ada_norm import ada_norm
-from omniflow.kernels.gated_residual import gated_residual
+from omniflow.kernels.ada_norm import ada_norm, gated_residual
 from omniflow.kernels.qk_norm_rope import qk_norm_rope
 
 
