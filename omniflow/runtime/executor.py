@@ -230,19 +230,21 @@ def _watch_engine(engine: int, log_dir: str | None) -> None:
     threading.Thread(target=watch, name="omniflow-engine-watch", daemon=True).start()
 
 
-def torch_threads(program: Program, engine: int | None, host_executors: int) -> int | None:
+def torch_threads(program: Program, engine: int | None) -> int | None:
     """This executor's torch threads: the engine's (`engine`; None: torch's own), so that a
-    seed replays a request bit for bit in every run mode, but for an executor whose stages
-    all run on CUDA: at most its share of this host's CPUs. Such an executor's host work is
-    small and bursty (a step's features, its kernel launches); with every executor of the
-    host at the host's whole thread count, each burst's parallel regions waited on threads
-    the others' bursts held: an H200 host's audio tower step took 77 ms served against 21 ms
-    at one thread each (docs/benchmarks-log.md, "What bound it: torch threads")."""
+    seed replays a request bit for bit in every run mode, but one for an executor whose
+    stages all run on CUDA. Such an executor's host work is small and bursty (a step's
+    features, its kernel launches, an output edge's map of a chunk), and a parallel region
+    waits at its barrier for every thread it woke: with threads that other processes' CPU
+    work (the server's, other executors') keeps off the cores, each burst waits whole
+    scheduler slices. Five executors at a 16-CPU host's count made an H200's audio tower step
+    77 ms against 21 ms at one thread; one executor at that count made Qwen3-TTS's output map
+    (clamp, pcm16: 0.2 ms of a chunk) take 20-80 ms at 64 streams on an H100
+    (docs/benchmarks-log.md, "What bound it: torch threads" and "One torch thread a GPU
+    executor")."""
     if not program.devices or not all(local_name(d).startswith("cuda") for d in program.devices):
         return engine
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    share = max(1, (cpus or 1) // max(1, host_executors))
-    return min(engine, share) if engine else share
+    return 1
 
 
 def take_engine_path(engine_path: list[str]) -> None:
@@ -260,7 +262,7 @@ def start_loop(config: dict, end: ControlEnd, began: float | None = None) -> Pro
     rings it reads created and announced (`Hello`)."""
     take_engine_path(config["sys_path"])
     program = Program.from_json(config["program"])
-    threads = torch_threads(program, config.get("torch_threads"), config.get("host_executors", 1))
+    threads = torch_threads(program, config.get("torch_threads"))
     if threads:
         import torch
 
