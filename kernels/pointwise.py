@@ -68,6 +68,12 @@ def chain_expression(chain: Chain, prefix: str = "") -> str:
     return ast.unparse(ast.fix_missing_locations(expr))
 
 
+@cache
+def _torch_code(chain: Chain):
+    """The chain's expression compiled once: a served output edge maps every chunk."""
+    return compile(chain_expression(chain), "<pointwise chain>", "eval")
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
 
@@ -124,7 +130,7 @@ def fused(x: torch.Tensor, chain: Chain) -> torch.Tensor:
     """Apply the whole chain in one pass: a generated Triton kernel on CUDA, torch elsewhere."""
     out_dtype = chain_out_dtype(_dtype_name(x), list(chain))
     if not (x.is_cuda and triton_available()):
-        y = eval(chain_expression(chain), _TORCH_NS, {"x": x.to(torch.float32)})  # noqa: S307
+        y = eval(_torch_code(chain), _TORCH_NS, {"x": x.to(torch.float32)})  # noqa: S307
         return y.to(_torch_dtype(out_dtype))
     x = x.contiguous()
     y = torch.empty(x.shape, dtype=_torch_dtype(out_dtype), device=x.device)
