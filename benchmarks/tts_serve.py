@@ -40,7 +40,7 @@ size): p95 TTFP <= 34 ms at 10 requests/s and <= 77 ms at 20, no stream with a g
     python benchmarks/tts_serve.py --tiny --rates 0.5 2 --duration 10
 
 With `--trace FILE` it then profiles one more round at c = 1 (`--trace-requests`, one at a
-time) and one at c = 16 (16 at once) with the server's own profiler (`POST /start_profile`;
+time) and one at each other of `--trace-levels` (default 16: 16 at once) with the server's own profiler (`POST /start_profile`;
 `--trace-gpu` adds the CUDA kernels) into FILE, and prints where each level's first packet
 waited (the mean of each component of the requests' TTFP critical paths,
 omniflow.profiler.analysis) and each stage's steps (count, mean batch, median / p90 / max
@@ -50,12 +50,12 @@ sibling: `--trace-requests` clones at c = 1 with the reference inline, then as m
 an uploaded voice.
 
 The server is `omniflow run` on graphs/qwen3_tts.omni (its copies for the scaled folders,
-with `max_batch` raised to the largest level so that no request is refused; `--as-shipped`
-keeps the graph's own, and the requests it cannot take at once wait in its admission queue,
-four per request it serves), in executor processes; `--url` measures a running one instead
-(its pipelines named by `--model` and `--clone-model`). The scaled checkpoints never end speech (their end-of-speech row is
-zero), so every request speaks `--frames` frames; the tiny ones end where their random
-weights do.
+the CustomVoice one with `max_batch` raised to the largest level so that no request is
+refused, the clone one as written; `--as-shipped` keeps the graph's own, and the requests it
+cannot take at once wait in its admission queue, four per request it serves), in executor
+processes; `--url` measures a running one instead (its pipelines named by `--model` and
+`--clone-model`). The scaled checkpoints never end speech (their end-of-speech row is zero),
+so every request speaks `--frames` frames; the tiny ones end where their random weights do.
 """
 
 from __future__ import annotations
@@ -304,10 +304,12 @@ def played(server: Server, rounds: dict) -> dict:
 
 
 def traced(args, server: Server, model: str, clone_model: str | None) -> None:
-    """Profiled rounds (see the module docstring): CustomVoice at c = 1 and c = 16, and
-    with a clone pipeline, a voice clone at c = 1 with its reference inline and named."""
+    """Profiled rounds (see the module docstring): CustomVoice at c = 1 and at each of
+    `--trace-levels`, and with a clone pipeline, a voice clone at c = 1 with its reference
+    inline and named."""
     body = custom_voice(model, args.frames)
-    rounds = {"c=1": (body, 1, args.trace_requests), "c=16": (body, 16, 16)}
+    rounds = {"c=1": (body, 1, args.trace_requests)}
+    rounds |= {f"c={c}": (body, c, c) for c in args.trace_levels if c > 1}
     print_profile(server, model, played(server, rounds), args.trace, args.trace_gpu)
     if clone_model is None:
         return
@@ -452,14 +454,22 @@ def main() -> int:
     parser.add_argument("--model", default="qwen3_tts", help="with --url: the CustomVoice pipeline")
     parser.add_argument("--clone-model", default="qwen3_tts_clone", help="with --url: the Base one")
     parser.add_argument(
-        "--trace", type=Path, help="profile a c=1 and a c=16 round into this file (and clones)"
+        "--trace",
+        type=Path,
+        help="profile a c=1 round and --trace-levels' into this file (and clones)",
+    )
+    parser.add_argument(
+        "--trace-levels", default="16", help="--trace's rounds past c=1 (default 16)"
     )
     parser.add_argument("--trace-requests", type=int, default=4, help="the c=1 round's requests")
     parser.add_argument("--trace-gpu", action="store_true", help="the trace has the CUDA kernels")
     args = parser.parse_args()
     if args.trace and args.url:
         parser.error("--trace profiles the server this script starts (not with --url)")
-    args.levels = [int(c) for c in re.split(r"[, ]+", args.levels) if c]
+    args.levels, args.trace_levels = (
+        [int(c) for c in re.split(r"[, ]+", levels) if c]
+        for levels in (args.levels, args.trace_levels)
+    )
     if args.open_loop and not args.rates:
         args.rates = [1.0, 5.0, 10.0, 20.0]
     if args.rates and (min(args.rates) <= 0 or args.duration <= 0):
@@ -497,8 +507,9 @@ def main() -> int:
                 base = str(scaled_checkpoint(BASE, args.scaled, "cuda"))
         batch = 1 if args.as_shipped else max(args.levels)
         graphs = [graph_variant(Path(folder), "qwen3_tts", custom, batch)]
-        if clone_model is not None:
-            graphs.append(graph_variant(Path(folder), "qwen3_tts_clone", base or BASE, batch))
+        if clone_model is not None:  # its rounds are one request at a time: as written
+            # (at 64, its talker's cache beside the CustomVoice one's left no room on an H100)
+            graphs.append(graph_variant(Path(folder), "qwen3_tts_clone", base or BASE, 1))
         flags = ["--tiny"] if args.tiny else []
         print(f"serving {', '.join(g.stem for g in graphs)} on {args.devices} ...", flush=True)
         log = Path(folder) / "server.log"

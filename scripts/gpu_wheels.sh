@@ -15,7 +15,7 @@ MODELS="lark msgspec pyzmq transformers tokenizers huggingface_hub safetensors h
 SERVE="diffusers fastapi starlette uvicorn pydantic pydantic_core annotated-types annotated-doc
   typing-inspection python-multipart soundfile cffi pycparser httptools openai jiter
   sniffio opentelemetry-api importlib_metadata zipp websockets accelerate psutil ftfy wcwidth
-  prometheus-client"
+  prometheus-client uvloop"
 for dir in .whl .whl-serve .whl-tools .whl-av; do
   grep -qx "/$dir/" .git/info/exclude 2>/dev/null || echo "/$dir/" >> .git/info/exclude
 done
