@@ -40,12 +40,12 @@ size): p95 TTFP <= 34 ms at 10 requests/s and <= 77 ms at 20, no stream with a g
     python benchmarks/tts_serve.py --tiny --rates 0.5 2 --duration 10
 
 With `--trace FILE` it then profiles one more round at c = 1 (`--trace-requests`, one at a
-time) and one at each other of `--trace-levels` (default 16: 16 at once) with the server's own profiler (`POST /start_profile`;
-`--trace-gpu` adds the CUDA kernels) into FILE, and prints where each level's first packet
-waited (the mean of each component of the requests' TTFP critical paths,
-omniflow.profiler.analysis) and each stage's steps (count, mean batch, median / p90 / max
-ms, and the median of the steps in which a request started: the talker's prefill and
-first frame). Unless `--no-clone`, the voice clone pipeline too, into FILE's `-clone`
+time) and one at each other of `--trace-levels` (default 16: 16 at once) with the server's
+own profiler (`POST /start_profile`; `--trace-gpu` adds the CUDA kernels) into FILE, and
+prints where each level's first packet waited (the mean of each component of the requests'
+TTFP critical paths, omniflow.profiler.analysis) and each stage's steps (count, mean batch,
+median / p90 / max ms, and the median of the steps in which a request started: the talker's
+prefill and first frame). Unless `--no-clone`, the voice clone pipeline too, into FILE's `-clone`
 sibling: `--trace-requests` clones at c = 1 with the reference inline, then as many naming
 an uploaded voice.
 
