@@ -53,6 +53,8 @@ import torch
 import torch.nn.functional as F
 
 from omniflow.errors import OmniflowError
+from omniflow.kernels.snake_beta import NO_DIV_BY_ZERO, snake, snake_parameters
+from omniflow.kernels.snake_beta import reference as snake_reference
 from omniflow.kernels.timing import cuda_median_ms
 from omniflow.kernels.triton_guard import jit, tl, triton
 
@@ -60,8 +62,6 @@ from omniflow.kernels.triton_guard import jit, tl, triton
 # defaults, which Qwen2.5-Omni's BigVGAN uses).
 TAPS = 12
 RATIO = 2
-# SnakeBeta's guard against dividing by zero (Qwen2_5OmniSnakeBeta.no_div_by_zero).
-NO_DIV_BY_ZERO = 1e-9
 # A program's tile: up to MAX_SEGMENTS segments of up to MAX_WIDTH upsampled pairs, each
 # segment within one warp (its gathers are register shuffles) and making WIDTH - OVERLAP
 # outputs. On an H200, 4 x 256 ran an activation twice as fast as one 1024-pair segment
@@ -88,9 +88,7 @@ def _snake_upsampled(x_row, up_ptr, m, T, frequency, inverse_magnitude, TAPS: tl
         tap = tl.where(odd_taps, tl.load(up_ptr + 2 * q + 1), tl.load(up_ptr + 2 * q))
         source = tl.minimum(tl.maximum(newest - q, 0), T - 1)
         total += tap * tl.load(x_row + source)
-    u = 2.0 * total
-    wave = tl.sin(u * frequency)
-    return u + inverse_magnitude * (wave * wave)
+    return snake(2.0 * total, frequency, inverse_magnitude)
 
 
 @jit
@@ -100,8 +98,9 @@ def _anti_alias_snake_kernel(
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     channel = row % C
-    frequency = tl.exp(tl.load(alpha_ptr + channel))
-    inverse_magnitude = tl.math.div_rn(1.0, tl.exp(tl.load(beta_ptr + channel)) + eps)
+    frequency, inverse_magnitude = snake_parameters(
+        tl.load(alpha_ptr + channel), tl.load(beta_ptr + channel), eps
+    )
     x_row = x_ptr + row * T
 
     # Pair i of a segment holds upsampled samples 2 n and 2 n + 1, n = first - reach + i,
@@ -203,11 +202,7 @@ def reference(
     )
     hidden = hidden[..., trim_left:-trim_right]
 
-    frequency = torch.exp(alpha.unsqueeze(0).unsqueeze(-1))
-    magnitude = torch.exp(beta.unsqueeze(0).unsqueeze(-1))
-    hidden = hidden + (1.0 / (magnitude + NO_DIV_BY_ZERO)) * torch.pow(
-        torch.sin(hidden * frequency), 2
-    )
+    hidden = snake_reference(hidden, alpha, beta)
 
     down_taps = down_filter.shape[-1]
     down_pad = (down_taps // 2 - int(down_taps % 2 == 0), down_taps // 2)

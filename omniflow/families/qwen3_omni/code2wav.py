@@ -19,7 +19,8 @@ convolution tails and each attention layer's keys and values of the last 71 fram
 its slot, allocated when the stage loads, so a window decodes only its new frames (no left
 context: the family's `code2wav` part `carries_state`) and a stream's audio is its
 whole-utterance decode, up to float rounding, in windows of any size, one frame included.
-`carried_forward` walks transformers' own modules (their weights) with that state. The left
+`carried_forward` walks transformers' own modules (their weights; each SnakeBeta one
+kernel on CUDA, `omniflow.kernels.snake_beta`) with that state. The left
 trims make the streamed ConvNet run late: a window's samples end `tail` samples short of
 its last frame (`Carried.delay`; a new stream's positions before its start are zeroed, as
 the whole decode pads). So a window returns the audio of the frames one before its new ones
@@ -55,6 +56,7 @@ from omniflow.backends.carried_state import Carried, StatefulDecoder, sliding_wi
 from omniflow.backends.receptive_field import Field
 from omniflow.backends.vocoders import VocoderError, checked_samples_per_frame, field_reach
 from omniflow.hf_logging import quiet
+from omniflow.kernels.snake_beta import snake_beta
 
 COMPONENT = "code2wav"
 # "float32": transformers' own arithmetic on a float32 copy; "bfloat16": the checkpoint's
@@ -268,8 +270,14 @@ def _streamed(layer, x: torch.Tensor, carried: Carried) -> torch.Tensor:
     if isinstance(layer, Qwen3OmniMoeCausalTransConvNet):
         return carried.transposed_conv(layer.conv, x, layer.left_pad)
     if isinstance(layer, Qwen3OmniMoeCode2WavDecoderResidualUnit):
-        h = _streamed(layer.conv1, layer.act1(x), carried)
-        return x + _streamed(layer.conv2, layer.act2(h), carried)
+        h = _streamed(layer.conv1, _snake(layer.act1, x), carried)
+        return x + _streamed(layer.conv2, _snake(layer.act2, h), carried)
     if isinstance(layer, Qwen3OmniMoeSnakeBeta):
-        return layer(x)
+        return _snake(layer, x)
     raise VocoderError(f"no streamed form of {type(layer).__name__}")
+
+
+def _snake(layer: Qwen3OmniMoeSnakeBeta, x: torch.Tensor) -> torch.Tensor:
+    """The module's activation, one kernel on CUDA (`omniflow.kernels.snake_beta`: its
+    reference is the module's forward)."""
+    return snake_beta(x, layer.alpha, layer.beta)

@@ -49,6 +49,7 @@ from omniflow.backends.carried_state import Carried, StateSlots, sliding_window
 from omniflow.backends.receptive_field import Field
 from omniflow.families.qwen3_tts.config import DECODER_DEFAULTS, SPEECH_TOKENIZER, Qwen3TTSError
 from omniflow.families.qwen3_tts.modeling import load_weights, local_file, read_tensors
+from omniflow.kernels.snake_beta import snake_beta
 
 
 def read_config(root: str) -> dict:
@@ -124,9 +125,7 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        alpha = torch.exp(self.alpha)[None, :, None]
-        beta = torch.exp(self.beta)[None, :, None]
-        return x + (1.0 / (beta + 1e-9)) * torch.pow(torch.sin(x * alpha), 2)
+        return snake_beta(x, self.alpha, self.beta)  # one kernel on CUDA
 
 
 class ConvNeXtBlock(nn.Module):
