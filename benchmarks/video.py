@@ -29,20 +29,27 @@ DiT's compute bound.
     with an `input_reference` PNG), the job polled (`GET /v1/videos/{id}`: each change of
     status and progress, with its time), the MP4 fetched and decoded (PyAV: frames, size),
     its wall time.
+(f) The VAE's decode of one video's latents (random, seeded), a latent frame a step as the
+    vae stage runs it, with the VAE loaded at each of `--vae-dtypes` through the stage's
+    own loader: seconds, and the frames' largest and mean distance from the first dtype's
+    (random weights: how far the frames move, not what a viewer sees).
 On CUDA (b) and (e) report the GPU's peak memory in use while they run (nvidia-smi sampled
 every 0.2 s: every process on the device, this one's CUDA context included).
-`--parts` picks among them (default all; (d) also needs `--concurrency` > 0).
+`--parts` picks among them (default a to e; (d) also needs `--concurrency` > 0).
 
     python benchmarks/video.py                                      # tiny T2V, CPU smoke run
     python benchmarks/video.py --device cuda --scaled 0.5           # T2V-A14B, 20 of 40 layers
     python benchmarks/video.py --device cuda --model ti2v --scaled 1   # TI2V-5B, real size
     python benchmarks/video.py --parts e                            # tiny T2V over HTTP, CPU
+    python benchmarks/video.py --device cuda --model ti2v --scaled 1 --width 1280 --height 704 \
+        --frames 121 --parts f --vae-dtypes float32 bfloat16        # TI2V's VAE at two dtypes
 
 `--scaled DEPTH` builds once, under $OMNIFLOW_CACHE/scaled/, a random-weight Wan2.2 at the
 published widths with DEPTH x each expert's and the text encoder's layers
 (`omniflow.families.wan.checkpoints.build_scaled`): T2V/I2V-A14B at depth 1 is 69 GB in bf16
 (more than the GPU host's 64 GiB disk: use 0.5, 35 GB, or put OMNIFLOW_CACHE on /dev/shm),
-TI2V-5B 23 GB. On CUDA the text encoder and the DiT run in bf16, the VAE in float32.
+TI2V-5B 23 GB. On CUDA the text encoder and the DiT run in bf16, the VAE in float32 (the
+first of `--vae-dtypes`).
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ from PIL import Image
 from serve import Server
 from stage_steps import matmul_rate
 
-from omniflow.backends.diffusion import DiffusionSteps, pack_prompts
+from omniflow.backends.diffusion import DiffusionSteps, load_pipeline, pack_prompts, pipeline_code
 from omniflow.backends.dit_blocks import modules_forward
 from omniflow.catalog.components import load_component_config
 from omniflow.catalog.costs import estimate_cost
@@ -92,11 +99,13 @@ NEGATIVE = "blurry, low quality"
 TEXT_TOKENS = 512  # every Wan prompt is padded to 512 rows
 
 
-def graph_text(model: str, checkpoint: str, cuda: bool, size: dict[str, int]) -> str:
+def graph_text(
+    model: str, checkpoint: str, cuda: bool, size: dict[str, int], vae_dtype: str = "float32"
+) -> str:
     """The model's example graph on `checkpoint`, compiled for videos of `size` (its `height`,
     `width` and `num_frames` params: the stages' memory and buffers are sized for them);
     TI2V-5B has one expert: no boundary or second scale, and its own flow_shift. On CUDA the
-    encoder and DiT in bf16."""
+    encoder and DiT in bf16; the VAE in `vae_dtype`."""
     text = (GRAPHS / f"{MODELS[model][0]}.omni").read_text(encoding="utf-8")
     text = re.sub(r'model "[^"]+"', f'model "{checkpoint}"', text, count=1)
     for param, value in size.items():
@@ -113,8 +122,7 @@ def graph_text(model: str, checkpoint: str, cuda: bool, size: dict[str, int]) ->
     if cuda:
         for stage in ("encoder(", "diffusion("):
             text = text.replace(stage, f'{stage}dtype="bfloat16", ')
-        text = text.replace('vae(component="vae"', 'vae(component="vae", dtype="float32"')
-    return text
+    return text.replace('vae(component="vae"', f'vae(component="vae", dtype="{vae_dtype}"')
 
 
 def frames_of(frames: int) -> int:
@@ -344,8 +352,11 @@ def main() -> None:
     parser.add_argument("--cache", type=float, nargs="*", default=[0.1, 0.5, 1.0, 1.5],
                         help="(c)'s thresholds (none: skip)")  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=2, help="(d); 0: skip")
-    parser.add_argument("--parts", nargs="+", default=list("abcde"), choices=list("abcde"),
-                        help="which parts to run (default all)")  # fmt: skip
+    parser.add_argument("--parts", nargs="+", default=list("abcde"), choices=list("abcdef"),
+                        help="which parts to run (default a to e)")  # fmt: skip
+    parser.add_argument("--vae-dtypes", nargs="+", default=["float32"], metavar="DTYPE",
+                        choices=["float32", "bfloat16", "float16"],
+                        help="the VAE's dtypes: the first for (b) to (e), all in (f)")  # fmt: skip
     args = parser.parse_args()
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
@@ -358,7 +369,7 @@ def main() -> None:
     _, real, tiny = MODELS[args.model]
     model_dir = str(scaled_checkpoint(real, args.scaled, args.device)) if args.scaled else tiny
     size = {"height": args.height, "width": args.width, "num_frames": args.frames}
-    graph = graph_text(args.model, model_dir, cuda, size)
+    graph = graph_text(args.model, model_dir, cuda, size, args.vae_dtypes[0])
     plan = compile_source(graph, devices="1xH200" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
     rate = matmul_rate(args.device, 8192 if cuda else 512, dtype)
@@ -384,6 +395,49 @@ def main() -> None:
         engine_parts(plan, args, rows, rate, cuda)
     if "e" in args.parts:
         serve_video(graph, args, cuda)
+    if "f" in args.parts:
+        vae_dtypes(args, model_dir, cuda, size)
+
+
+def vae_dtypes(args, model_dir: str, cuda: bool, size: dict[str, int]) -> None:
+    """(f): one video's latents decoded a latent frame a step with the VAE at each dtype."""
+    print("\n(f) the VAE's decode of one video's latents, a latent frame a step")
+    print(f"{'dtype':>9} {'latent frames':>13} {'s':>7} {'frames max|d|':>14} {'mean|d|':>8}")
+    first, latents = None, None
+    devices = "1xH200" if cuda else "cpu"
+    for dtype in args.vae_dtypes:
+        plan = compile_source(graph_text(args.model, model_dir, cuda, size, dtype), devices)
+        spec = StageSpec.from_channels(plan.stage("vae"), plan.channels)
+        code = pipeline_code(spec)
+        pipe = load_pipeline(spec, args.device, ("vae",), code)
+        if latents is None:
+            latent_frames = (args.frames - 1) // pipe.vae_scale_factor_temporal + 1
+            spatial = pipe.vae_scale_factor_spatial
+            shape = (1, pipe.vae.config.z_dim, latent_frames, args.height // spatial,
+                     args.width // spatial)  # fmt: skip
+            latents = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+        on_device = latents.to(args.device, pipe.vae.dtype)
+        with torch.no_grad():
+            code.decode_in_steps(pipe.vae, on_device).advance()  # cuDNN's plans for its shapes
+            sync(cuda)
+            began = time.perf_counter()
+            decoding = code.decode_in_steps(pipe.vae, on_device)
+            while decoding.done < decoding.total:
+                decoding.advance()
+            frames = decoding.result().cpu()
+            seconds = time.perf_counter() - began
+        first = frames if first is None else first
+        d = (frames - first).abs()
+        print(f"{dtype:>9} {decoding.total:>13} {seconds:7.2f} {d.max():14.4f} {d.mean():8.5f}")
+        del pipe, on_device, decoding
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
 
 
 def engine_parts(plan, args, rows, rate: float, cuda: bool) -> None:
