@@ -24,6 +24,7 @@ import time
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import zmq
 
@@ -230,21 +231,30 @@ def _watch_engine(engine: int, log_dir: str | None) -> None:
     threading.Thread(target=watch, name="omniflow-engine-watch", daemon=True).start()
 
 
-def torch_threads(program: Program, engine: int | None) -> int | None:
+class TorchThreads(NamedTuple):
+    """An executor's torch threads while its stages load, and while it serves (None: torch's
+    own count)."""
+
+    load: int | None
+    serve: int | None
+
+
+def torch_threads(program: Program, engine: int | None) -> TorchThreads:
     """This executor's torch threads: the engine's (`engine`; None: torch's own), so that a
-    seed replays a request bit for bit in every run mode, but one for an executor whose
-    stages all run on CUDA. Such an executor's host work is small and bursty (a step's
-    features, its kernel launches, an output edge's map of a chunk), and a parallel region
-    waits at its barrier for every thread it woke: with threads that other processes' CPU
-    work (the server's, other executors') keeps off the cores, each burst waits whole
+    seed replays a request bit for bit in every run mode, but one while serving for an
+    executor whose stages all run on CUDA. Such an executor's host work is small and bursty
+    (a step's features, its kernel launches, an output edge's map of a chunk), and a parallel
+    region waits at its barrier for every thread it woke: with threads that other processes'
+    CPU work (the server's, other executors') keeps off the cores, each burst waits whole
     scheduler slices. Five executors at a 16-CPU host's count made an H200's audio tower step
     77 ms against 21 ms at one thread; one executor at that count made Qwen3-TTS's output map
     (clamp, pcm16: 0.2 ms of a chunk) take 20-80 ms at 64 streams on an H100
     (docs/benchmarks-log.md, "What bound it: torch threads" and "One torch thread a GPU
-    executor")."""
+    executor"). Its stages still load at the engine's count: a checkpoint's copies and casts
+    on the host are large parallel work, with nothing of the executor serving yet."""
     if not program.devices or not all(local_name(d).startswith("cuda") for d in program.devices):
-        return engine
-    return 1
+        return TorchThreads(engine, engine)
+    return TorchThreads(engine, 1)
 
 
 def take_engine_path(engine_path: list[str]) -> None:
@@ -263,10 +273,7 @@ def start_loop(config: dict, end: ControlEnd, began: float | None = None) -> Pro
     take_engine_path(config["sys_path"])
     program = Program.from_json(config["program"])
     threads = torch_threads(program, config.get("torch_threads"))
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
+    set_torch_threads(threads.load)
     spawned = config.get("spawned_at")
     python = None if spawned is None or began is None else began - spawned
     end.send(control.Started(program.name, python, cuda_contexts(program)))
@@ -279,8 +286,16 @@ def start_loop(config: dict, end: ControlEnd, began: float | None = None) -> Pro
     )
     for report in memory_after_load(program):
         end.send(report)
+    set_torch_threads(threads.serve)
     end.send(control.Hello(loop.name, loop.links.create_rings(program.inbound)))
     return loop
+
+
+def set_torch_threads(count: int | None) -> None:
+    if count:
+        import torch
+
+        torch.set_num_threads(count)
 
 
 def cuda_contexts(program: Program) -> float:
