@@ -244,6 +244,8 @@ def test_graphs_copy_inputs_into_leading_rows_and_count_nothing_without_capture(
 def test_bf16_dit_is_within_its_tolerance_of_float32(omni_plan, eager):  # noqa: F811
     bf16 = vocoder(omni_plan, "cpu", precision="bfloat16")
     assert bf16.decoder.dit.proj_out.weight.dtype == torch.bfloat16
+    # its rotary frequencies float32, as transformers keeps them in a bf16 model
+    assert bf16.decoder.dit.rotary_embed.inv_freq.dtype == torch.float32
     batch = requests()[:2]
     for a, b in zip(run(bf16, batch), run(eager, batch), strict=True):
         assert 0 < relative_rms(a, b) < BF16_RMS_TOLERANCE

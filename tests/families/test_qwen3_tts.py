@@ -1028,3 +1028,18 @@ if (
     GOLDEN.parent.mkdir(exist_ok=True)
     save_file({k: v.contiguous() for k, v in sorted(made.items())}, str(GOLDEN))
     print(GOLDEN)
+
+
+def test_the_talker_in_bf16_keeps_its_rotary_frequencies_float32():
+    """As Qwen's package has them (transformers' `from_pretrained` keeps them float32 in a
+    bf16 model): the talker's and its code predictor's, computed from the config."""
+    from omniflow.families.qwen3_tts.talker import load
+
+    talker = load(model_path(MODELS["CustomVoice"]), "talker", "cpu", torch.bfloat16).model
+    rotaries = [m for m in talker.modules() if hasattr(m, "inv_freq")]
+    assert len(rotaries) == 2  # the talker's, the code predictor's
+    for rotary in rotaries:
+        want, _ = rotary.compute_default_rope_parameters(rotary.config)
+        assert rotary.inv_freq.dtype == torch.float32
+        assert torch.equal(rotary.inv_freq, want)
+    assert talker.codec_head.weight.dtype == torch.bfloat16

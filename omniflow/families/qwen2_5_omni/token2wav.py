@@ -63,6 +63,7 @@ from omniflow.backends.vocoders import (
     field_reach,
     padded,
 )
+from omniflow.dtypes import cast_model
 from omniflow.families.qwen2_5_omni import token2wav_block_grid
 from omniflow.families.qwen2_5_omni.token2wav_dit import FusedDiT
 from omniflow.hf_logging import quiet
@@ -215,7 +216,7 @@ class Token2Wav(Decoder):
         self.precision = precision
         if precision == "bfloat16":
             self.dtype = torch.bfloat16
-            self.dit.to(self.dtype)
+            cast_model(self.dit, self.dtype)
             # `.to()` gave every weight a tensor of its own: stack them again.
             self.fused_dit = self._fuse()
 

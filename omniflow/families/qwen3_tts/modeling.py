@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from omniflow.backends.static_decode import summed_codebooks
+from omniflow.dtypes import cast_model
 from omniflow.families.qwen3_tts.config import (
     CODE_PREDICTOR_DEFAULTS,
     SPEAKER_ENCODER_DEFAULTS,
@@ -238,7 +239,7 @@ def load_talker(root: str, config: TTSConfig, dtype, device: str) -> Talker:
     talker = talker.to_empty(device="cpu")
     load_weights(talker, read_tensors(root, "talker."), f"{root} talker", _TALKER_RENAMES)
     _reset_rotary(talker)
-    return talker.to(device=device, dtype=torch_dtype(config, dtype)).eval()
+    return cast_model(talker, torch_dtype(config, dtype), device).eval()
 
 
 def _reset_rotary(module: nn.Module) -> None:
