@@ -140,6 +140,18 @@ def test_a_window_without_its_state_is_far_off(plan):
     assert float((got - want).abs().max()) > 1e-2
 
 
+def test_in_bf16_its_rotary_frequencies_stay_float32(plan):
+    """As transformers keeps them in a bf16 model (the checkpoint's dtype, what "auto" runs
+    on CUDA): the pre-transformer's sliding-window attention reaches positions far into a
+    stream, where bf16-rounded frequencies would turn its angles."""
+    vocoder = code2wav(plan, [1], precision="bfloat16")
+    model = vocoder.decoder.model
+    assert model.pre_transformer.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    rotary = model.pre_transformer.rotary_emb
+    want, _ = rotary.compute_default_rope_parameters(rotary.config)
+    assert rotary.inv_freq.dtype == torch.float32 and torch.equal(rotary.inv_freq, want)
+
+
 def test_the_step_is_device_work_only(plan):
     check_device_work_only(code2wav(plan, [1, 2, 4], decode="static").decoder)
 

@@ -55,6 +55,7 @@ from omniflow.backends import receptive_field
 from omniflow.backends.carried_state import Carried, StatefulDecoder, sliding_window
 from omniflow.backends.receptive_field import Field
 from omniflow.backends.vocoders import VocoderError, checked_samples_per_frame, field_reach
+from omniflow.dtypes import cast_model
 from omniflow.hf_logging import quiet
 from omniflow.kernels.snake_beta import snake_beta
 
@@ -191,7 +192,7 @@ class Code2Wav(StatefulDecoder):
 
     def set_precision(self, precision: str) -> None:
         super().set_precision(precision)
-        self.model.to(torch.bfloat16 if precision == "bfloat16" else torch.float32)
+        cast_model(self.model, torch.bfloat16 if precision == "bfloat16" else torch.float32)
         if self.states is not None:  # the slots hold the model's dtype
             self.init_states(self.states.slots)
 
