@@ -1030,7 +1030,7 @@ if (
     print(GOLDEN)
 
 
-def test_the_talker_in_bf16_keeps_its_rotary_frequencies_float32():
+def test_the_talker_in_bf16_is_the_checkpoints_weights_with_float32_rotary_frequencies():
     """As Qwen's package has them (transformers' `from_pretrained` keeps them float32 in a
     bf16 model): the talker's and its code predictor's, computed from the config."""
     from omniflow.families.qwen3_tts.talker import load
@@ -1042,4 +1042,6 @@ def test_the_talker_in_bf16_keeps_its_rotary_frequencies_float32():
         want, _ = rotary.compute_default_rope_parameters(rotary.config)
         assert rotary.inv_freq.dtype == torch.float32
         assert torch.equal(rotary.inv_freq, want)
-    assert talker.codec_head.weight.dtype == torch.bfloat16
+    # made in bf16 and loaded: the checkpoint's tensors as bf16
+    tensors = load_file(Path(model_path(MODELS["CustomVoice"])) / "model.safetensors")
+    assert torch.equal(talker.codec_head.weight, tensors["talker.codec_head.weight"].bfloat16())

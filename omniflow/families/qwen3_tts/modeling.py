@@ -233,13 +233,17 @@ class Talker(nn.Module):
 
 
 def load_talker(root: str, config: TTSConfig, dtype, device: str) -> Talker:
-    """The talker and its code predictor, with the checkpoint's weights, in eval mode."""
+    """The talker and its code predictor, with the checkpoint's weights, in eval mode. Made
+    in the dtype it runs in, so that a bf16 checkpoint's tensors are copied, not cast to
+    float32 on the host and back (the 1.7B talker loaded to the host in bf16: 4.5 -> 1.6 s at
+    one thread, 3.2 -> 0.9 s at two, on a 2-core machine)."""
+    target = torch_dtype(config, dtype)
     with torch.device("meta"):
-        talker = Talker(config)
+        talker = Talker(config).to(target)
     talker = talker.to_empty(device="cpu")
     load_weights(talker, read_tensors(root, "talker."), f"{root} talker", _TALKER_RENAMES)
-    _reset_rotary(talker)
-    return cast_model(talker, torch_dtype(config, dtype), device).eval()
+    _reset_rotary(talker)  # float32, as transformers keeps them in a bf16 model
+    return cast_model(talker, target, device).eval()
 
 
 def _reset_rotary(module: nn.Module) -> None:
