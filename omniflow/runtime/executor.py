@@ -239,7 +239,7 @@ class TorchThreads(NamedTuple):
     serve: int | None
 
 
-def torch_threads(program: Program, engine: int | None) -> TorchThreads:
+def torch_threads(program: Program, engine: int | None, host_executors: int) -> TorchThreads:
     """This executor's torch threads: the engine's (`engine`; None: torch's own), so that a
     seed replays a request bit for bit in every run mode, but one while serving for an
     executor whose stages all run on CUDA. Such an executor's host work is small and bursty
@@ -250,11 +250,14 @@ def torch_threads(program: Program, engine: int | None) -> TorchThreads:
     77 ms against 21 ms at one thread; one executor at that count made Qwen3-TTS's output map
     (clamp, pcm16: 0.2 ms of a chunk) take 20-80 ms at 64 streams on an H100
     (docs/benchmarks-log.md, "What bound it: torch threads" and "One torch thread a GPU
-    executor"). Its stages still load at the engine's count: a checkpoint's copies and casts
-    on the host are large parallel work, with nothing of the executor serving yet."""
+    executor"). Its stages load at its share of the host's CPUs (no more than the engine's
+    count): a checkpoint's copies and casts on the host are large parallel work, with nothing
+    of the executor serving yet, and the host's other executors loading beside it."""
     if not program.devices or not all(local_name(d).startswith("cuda") for d in program.devices):
         return TorchThreads(engine, engine)
-    return TorchThreads(engine, 1)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    share = max(1, (cpus or 1) // max(1, host_executors))
+    return TorchThreads(min(engine, share) if engine else share, 1)
 
 
 def take_engine_path(engine_path: list[str]) -> None:
@@ -272,7 +275,7 @@ def start_loop(config: dict, end: ControlEnd, began: float | None = None) -> Pro
     rings it reads created and announced (`Hello`)."""
     take_engine_path(config["sys_path"])
     program = Program.from_json(config["program"])
-    threads = torch_threads(program, config.get("torch_threads"))
+    threads = torch_threads(program, config.get("torch_threads"), config.get("host_executors", 1))
     set_torch_threads(threads.load)
     spawned = config.get("spawned_at")
     python = None if spawned is None or began is None else began - spawned

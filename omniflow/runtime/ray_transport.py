@@ -32,6 +32,7 @@ from omniflow.runtime.transport import (
     EngineError,
     ProcessTransport,
     _torch_threads,
+    host_executors,
 )
 
 # How long an actor may take to leave after Shutdown before it is killed.
@@ -129,6 +130,7 @@ class RayTransport(ProcessTransport):
             "control": self.address,
             "backends": self.backends,
             "torch_threads": _torch_threads(),
+            "host_executors": host_executors(self.plan, name),
             "request_stats": self.request_stats,
             "load": self.load,
             "sys_path": sys.path,  # executor.take_engine_path

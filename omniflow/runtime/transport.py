@@ -31,8 +31,9 @@ from pathlib import Path
 
 import zmq
 
+from omniflow.devices import node_of
 from omniflow.errors import OmniflowError
-from omniflow.plan import Plan
+from omniflow.plan import Plan, Program
 from omniflow.runtime import control
 from omniflow.runtime.executor import STARTUP_ERROR, ZMQ_POLLIN, ControlEnd, serve
 from omniflow.runtime.link import link_in_process
@@ -205,6 +206,7 @@ class ProcessTransport(Transport):
             # The engine's torch threads: reductions split by thread count round differently,
             # and a seed must replay a request bit for bit in every run mode.
             "torch_threads": _torch_threads(),
+            "host_executors": host_executors(self.plan, name),
             "request_stats": self.request_stats,
             "load": self.load,
             # Executors import as the engine does (`take_engine_path`); they start with -P,
@@ -468,6 +470,16 @@ class ThreadTransport(Transport):
             thread.join(timeout=10)
         for end in self.controls.values():
             end.close()
+
+
+def host_executors(plan: Plan, name: str) -> int:
+    """How many of the plan's executors share executor `name`'s host (its node, on Ray)."""
+
+    def node(program: Program) -> str:
+        return node_of(program.devices[0]) if program.devices else ""
+
+    mine = node(plan.program(name))
+    return sum(node(p) == mine for p in plan.executors)
 
 
 def _torch_threads() -> int | None:
