@@ -419,7 +419,8 @@ def vae_dtypes(args, model_dir: str, cuda: bool, size: dict[str, int]) -> None:
         on_device = latents.to(args.device, pipe.vae.dtype)
         with torch.no_grad():
             code.decode_in_steps(pipe.vae, on_device).advance()  # cuDNN's plans for its shapes
-            sync(cuda)
+            if cuda:
+                torch.cuda.synchronize()
             began = time.perf_counter()
             decoding = code.decode_in_steps(pipe.vae, on_device)
             while decoding.done < decoding.total:
@@ -433,11 +434,6 @@ def vae_dtypes(args, model_dir: str, cuda: bool, size: dict[str, int]) -> None:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
-
-
-def sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
 
 
 def engine_parts(plan, args, rows, rate: float, cuda: bool) -> None:
