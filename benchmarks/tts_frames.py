@@ -23,6 +23,7 @@ second.
     python benchmarks/tts_frames.py                      # on a GPU: eager and graphs, 1/16/64
     python benchmarks/tts_frames.py --tiny --modes eager static --batches 1 4 --steps 4
     python benchmarks/tts_frames.py --modes graphs buckets --max-len 4096   # attention by length
+    python benchmarks/tts_frames.py --modes graphs --batches 1 64 --kernels 20  # what bounds it
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from benchmarks.tts_serve import CUSTOM, TEXT  # noqa: E402
 from omniflow.backends.static_decode import StaticDecoder  # noqa: E402
 from omniflow.backends.transformers_ar import TransformersAR  # noqa: E402
 from omniflow.compiler import compile_source  # noqa: E402
+from omniflow.kernels.timing import kernel_table  # noqa: E402
 from omniflow.runtime.stage import Call, InputStream, StageSpec  # noqa: E402
 
 SOURCE = """
@@ -94,10 +96,13 @@ def new_calls(batch: int, frames: int, tag: str) -> list[Call]:
     return calls
 
 
-def frame_times(backend: TransformersAR, batch: int, steps: int, frames: int) -> tuple:
+def frame_times(
+    backend: TransformersAR, batch: int, steps: int, frames: int, kernels: int = 0
+) -> tuple:
     """Wall ms of the prefill of `batch` requests together (their first frames included),
     the median wall ms of a decode step over them, and of the step's and the first step's
-    graph replays alone (None without graphs)."""
+    graph replays alone (None without graphs); with `kernels`, prints the step's replay's
+    costliest kernels."""
     device = str(backend.device)
     calls = new_calls(batch, frames, "warm")  # a first prefill of the shape pays set-up
     backend.step(calls)
@@ -131,6 +136,9 @@ def frame_times(backend: TransformersAR, batch: int, steps: int, frames: int) ->
             static.active.zero_()  # no row advances in the replays below
         replay = replay_ms(functools.partial(static.replay, *buckets))
         first = replay_ms(functools.partial(static.replay, buckets[0]))
+        if kernels:
+            print(f"  batch {batch}'s frame step, replayed (both graphs):")
+            kernel_table(functools.partial(static.replay, *buckets), kernels)
     for call in calls:
         backend.drop(call)
     return prefill, statistics.median(times) * 1e3 if times else None, replay, first
@@ -145,6 +153,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=24, help="timed decode steps")
     parser.add_argument("--tiny", action="store_true", help="the tiny checkpoint (any machine)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="print each replayed frame step's N costliest kernels")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
     cuda = args.device.startswith("cuda")
@@ -172,7 +182,9 @@ def main() -> int:
         print(note, flush=True)
         captured = static.captures if static is not None else 0
         for batch in args.batches:
-            prefill, step, replay, first = frame_times(backend, batch, args.steps, frames)
+            prefill, step, replay, first = frame_times(
+                backend, batch, args.steps, frames, args.kernels
+            )
             rows.append((mode, batch, prefill, step, replay, first))
             print(
                 f"  batch {batch:>3}: prefill {prefill:8.1f} ms, frame {shown(step, 8)} ms"
