@@ -2,7 +2,8 @@
 whose count the kernel reads on the device: `[B, Hkv, G, d]` queries (the G query heads of
 each key/value head) against a layer's cache `[slots, Hkv, C, d]`, row b over columns
 0..filled[b]. A Triton kernel pair on CUDA (flash decoding: the columns split into chunks
-run in parallel, each with its own running softmax, then one pass combines them), and the
+run in parallel, each with its own running softmax, then one pass combines them; a row of
+one chunk, as a short cache's always is, writes its output at once, with no combine), and the
 torch reference (`reference`: SDPA over the first `length` columns with the mask the
 static step uses) it is tested against.
 
@@ -48,14 +49,15 @@ class DecodeAttentionError(OmniflowError):
 
 @jit
 def _chunk_kernel(
-    q_ptr, k_ptr, v_ptr, filled_ptr, m_ptr, l_ptr, acc_ptr, scale, columns, chunk,
-    q_sb, q_sh, q_sg, k_sb, k_sh, k_sc, v_sb, v_sh, v_sc,
+    q_ptr, k_ptr, v_ptr, filled_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, scale, columns, chunk,
+    q_sb, q_sh, q_sg, k_sb, k_sh, k_sc, v_sb, v_sh, v_sc, o_sb, o_sh, o_sg,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, IN_FLOAT32: tl.constexpr,
+    BLOCK_N: tl.constexpr, IN_FLOAT32: tl.constexpr, WHOLE: tl.constexpr,
 ):  # fmt: skip
     """One (row, key/value head, chunk): its queries against the chunk's columns up to the
     row's last, an online softmax; writes the chunk's running max, sum and weighted values
-    (max -inf, sum 0 where the chunk starts past the row's last column)."""
+    (max -inf, sum 0 where the chunk starts past the row's last column), or where the chunk
+    is the row's whole (WHOLE: one split) its output."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -95,6 +97,11 @@ def _chunk_kernel(
         if IN_FLOAT32:
             v = v.to(tl.float32)
         top, total, acc = online_softmax_tile(top, total, acc, scores, v, IN_FLOAT32)
+    if WHOLE:  # (every row reads its column 0 at least: total > 0)
+        out = acc / total[:, None]
+        where = out_ptr + b * o_sb + h * o_sh + g[:, None] * o_sg + d[None, :]
+        tl.store(where, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        return
     # The chunk's partials, its G rows (an empty chunk's max -inf and sum 0, and no values:
     # the combine weighs it 0 and reads none).
     at = ((b * tl.num_programs(1) + h) * tl.num_programs(2) + split) * G + g
@@ -187,17 +194,20 @@ def decode_attention_triton(
     out = torch.empty_like(q)
     if b == 0:
         return out
-    partial = (b, heads, splits, group)
+    partial = (b, heads, splits, group) if splits > 1 else (0,)  # (one split: no partials)
     top = torch.empty(partial, dtype=torch.float32, device=q.device)
     total = torch.empty_like(top)
     acc = torch.empty(*partial, d, dtype=torch.float32, device=q.device)
     _chunk_kernel[(b, heads, splits)](
-        q, keys, values, filled, top, total, acc, scale, columns, chunk,
+        q, keys, values, filled, top, total, acc, out, scale, columns, chunk,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
         G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
-        IN_FLOAT32=q.dtype == torch.float32 or not q.is_cuda,
+        IN_FLOAT32=q.dtype == torch.float32 or not q.is_cuda, WHOLE=splits == 1,
     )  # fmt: skip
+    if splits == 1:
+        return out
     _combine_kernel[(b, heads)](
         top, total, acc, out, out.stride(0), out.stride(1), out.stride(2),
         G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, SPLITS=splits,

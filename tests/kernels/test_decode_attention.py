@@ -1,6 +1,7 @@
 """A decode step's attention with each row's columns read on the device: the kernels
 (interpreted on the CPU, compiled on a GPU) agree with the reference, the static step's
-SDPA over a length bucket; a row reads nothing past its last column; one chunk or many."""
+SDPA over a length bucket; a row reads nothing past its last column; one chunk (written
+at once) or many (combined)."""
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ SHAPES = [
     (1, 2, 2, 16, 64, [37]),  # one chunk
     (3, 2, 3, 32, 640, [0, 300, 639]),  # three chunks: a row in each, one at the very end
     (2, 1, 1, 16, 128, [5, 500]),  # a row past the cache: clamped to its last column
+    (4, 2, 2, 16, 16, [0, 3, 15, 7]),  # a code predictor's frame: 16 columns
 ]
 
 

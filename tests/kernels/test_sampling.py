@@ -141,8 +141,9 @@ def test_uniform_is_uniform():
     assert (u != other).float().mean() > 0.99
 
 
-# The GPU test's sizes: past one 4096-wide block, and Qwen2.5's vocabulary.
-GPU_SIZES = [(6, 4099), (6, 152064)]
+# The GPU test's sizes: a codec's vocabularies (run at the small launch shape,
+# `launch_shape`), past one 4096-wide block, and Qwen2.5's vocabulary.
+GPU_SIZES = [(6, 2048), (6, 3072), (6, 4099), (6, 152064)]
 
 
 @pytest.mark.parametrize(("rows", "vocab"), GPU_SIZES)
