@@ -101,7 +101,8 @@ seed + `SUB_SEED`, step `frame * MAX_SUB_STEPS + codebook`: the draws
 same codes from the same logits), greedily where the request is greedy, else with the
 spec's sampling. The frame's G codes go to a per-slot buffer that the host reads back with
 the ids (one copy each a step), and the row's next input embedding becomes the frame's
-summed codebook embeddings (`FrameSpec.frame_embeds`) in place of its last id's embedding,
+summed codebook embeddings (`summed_codebooks`: codebook 0 in the LM's input embedding,
+the others in the spec's `tables`) in place of its last id's embedding,
 plus the component's extra row as before. With `capture`, the predictor's G positions and
 every sampling step are in the finish's graph, one per batch bucket, replayed right after
 the talker's step graph.
@@ -462,13 +463,19 @@ class DecoderCache:
         self.values[:, target, :, :filled].copy_(self.values[:, source, :, :filled])
 
     def decode(
-        self, x: torch.Tensor, positions: torch.Tensor, filled: torch.Tensor, length: int
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        filled: torch.Tensor,
+        length: int,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One position of slots 0..B-1: inputs `x` `[B, H]` (what the layers take) at
-        rotary `positions` `[B]`, each row's key and value written to column `filled[b]`
-        of its slot, attending over the columns <= it among the first `length`. Returns
-        the final hidden states `[B, H]`. Device work only."""
-        cos, sin = self._rotary(x, positions)
+        rotary `positions` `[B]` (or their cos and sin `[B, d]`, `rotary`, where made
+        before), each row's key and value written to column `filled[b]` of its slot,
+        attending over the columns <= it among the first `length`. Returns the final hidden
+        states `[B, H]`. Device work only."""
+        cos, sin = rotary if rotary is not None else self._rotary(x, positions)
         if self.fused:
             return self._decode_fused(x, cos, sin, filled, length)
         return self._decode_layers(x, cos, sin, filled, length)
@@ -621,7 +628,6 @@ class FrameSpec:
     project: Callable[[torch.Tensor], torch.Tensor]  # the LM's width -> the predictor's
     tables: Sequence[torch.nn.Module]  # codebooks 1..G-1's input embeddings (the LM's width)
     heads: Sequence[torch.nn.Module]  # codebooks 1..G-1's logits from the predictor's states
-    frame_embeds: Callable[[torch.Tensor], torch.Tensor]  # codes [n, G] -> the LM's next input
     sampling: Sampling | None  # the predictor's warpers where its row samples (None: greedy)
 
     @property
@@ -632,7 +638,7 @@ class FrameSpec:
 def summed_codebooks(first: torch.nn.Module, tables: Sequence[torch.nn.Module], codes):
     """`[N, D]`: each frame's codebook embeddings summed, codebook 0 in the LM's table
     `first`, codebook g >= 1 in `tables[g - 1]`: a talker's next input from frames `codes`
-    `[N, G]` (what a `FrameSpec.frame_embeds` computes)."""
+    `[N, G]`, where `first` is the LM's input embedding and `tables` its `FrameSpec`'s."""
     total = first(codes[:, 0])
     for g, table in enumerate(tables, start=1):
         total = total + table(codes[:, g])
@@ -688,11 +694,17 @@ class FrameCompleter:
             self.top_p = torch.full((slots,), top_p, dtype=torch.float64, **on)
             self.budget = torch.full((slots,), 1 - top_p if top_p < 1 else 0.0, **on)
             self.penalty = torch.ones(slots, dtype=torch.float32, **on)
-            self.step = torch.zeros(slots, dtype=torch.int64, **on)
-            self.column = torch.arange(self.groups, **on)[:, None].expand(-1, slots).contiguous()
             self.scratch = (
                 torch.empty(slots, 5 * vocab, dtype=torch.float32, **on) if use_triton else None
             )
+            # Per sub-step g: its draws' steps `steps[g]` (frame f's at f * MAX_SUB_STEPS +
+            # g, all G made by one op a frame), its column (its position too), and that
+            # position's rotary cos and sin, the same every frame: made once, here.
+            self.steps = torch.zeros(self.groups, slots, dtype=torch.int64, **on)
+            self.offsets = torch.arange(self.groups, **on)[:, None]
+            self.column = torch.arange(self.groups, **on)[:, None].expand(-1, slots).contiguous()
+            like = torch.zeros(slots, 1, dtype=self.cache.keys.dtype, **on)
+            self.cos_sin = [self.cache._rotary(like, self.column[g]) for g in range(self.groups)]
         self.per_slot = [self.input, self.seed, self.temperature]
 
     @torch.inference_mode()
@@ -710,27 +722,33 @@ class FrameCompleter:
         """Slots 0..b-1's frames from the LM's final hidden states `hidden` `[b, H]` and
         sampled codebook-0 ids `first` `[b]`, as their frames number `frame` `[b]`: codes
         into `codes[:b]`, the next inputs of the rows `active` marks into `input[:b]`."""
-        spec, cache, column = self.spec, self.cache, self.column
-        cache.decode(spec.project(hidden), column[0, :b], column[0, :b], 1)
-        states = cache.decode(spec.project(self.embed(first)), column[1, :b], column[1, :b], 2)
-        params = _sampling_params(self, b, self.step)
+        spec, cache = self.spec, self.cache
+
+        def decode(x: torch.Tensor, g: int) -> torch.Tensor:  # position g, column g
+            at, (cos, sin) = self.column[g, :b], self.cos_sin[g]
+            return cache.decode(spec.project(x), at, at, g + 1, (cos[:b], sin[:b]))
+
+        decode(hidden, 0)
+        # The frame's next input, its codebooks' embeddings summed (`summed_codebooks`),
+        # gathered from the predictor's inputs as they are made.
+        embeds = self.embed(first)
+        states = decode(embeds, 1)
+        torch.add(frame * MAX_SUB_STEPS, self.offsets, out=self.steps[:, :b])
         codes = [first]
         for g in range(1, self.groups):
-            self.step[:b].copy_(frame * MAX_SUB_STEPS + g)
-            logits = spec.heads[g - 1](states).float()
-            if self.use_triton:
+            logits = spec.heads[g - 1](states)
+            params = _sampling_params(self, b, self.steps[g])
+            if self.use_triton:  # (it reads the logits in float32 itself)
                 code, _ = sampler.sample_triton(logits, params, scratch=self.scratch[:b])
             else:
-                code = sampler.reference(logits, params)
+                code = sampler.reference(logits.float(), params)
             codes.append(code)
+            embedded = spec.tables[g - 1](code)
+            embeds = embeds + embedded
             if g < self.groups - 1:
-                at = column[g + 1, :b]
-                states = cache.decode(spec.project(spec.tables[g - 1](code)), at, at, g + 2)
-        frames = torch.stack(codes, dim=1)
-        self.codes[:b].copy_(frames)
-        self.input[:b].copy_(
-            torch.where(active[:, None], spec.frame_embeds(frames), self.input[:b])
-        )
+                states = decode(embedded, g + 1)
+        self.codes[:b].copy_(torch.stack(codes, dim=1))
+        self.input[:b].copy_(torch.where(active[:, None], embeds, self.input[:b]))
 
     def close(self) -> None:
         self.cache.close()

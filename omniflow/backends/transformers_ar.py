@@ -141,7 +141,8 @@ class Component(ABC):
     # A codec LM whose step emits a frame of several codebooks: how its frames are completed
     # (None: a frame, if any, is the sampled token's `code`), on the device inside the static
     # step, and by `frames` (`complete_frames`) and `step_embeds` on the dynamic path: the
-    # frame's codes, and as the next step's input the frame's `frame_embeds` plus
+    # frame's codes, and as the next step's input the frame's summed codebook embeddings
+    # (`static_decode.summed_codebooks`) plus
     # `step_extra`'s row; a request's `ahead_codes` go out as it starts, before its prefill.
     frame_spec: static_decode.FrameSpec | None = None
     defaults: dict  # sampling defaults of the model (subset of SAMPLING_KEYS)
@@ -194,7 +195,7 @@ class Component(ABC):
 
     def step_embeds(self, seqs: list[Sequence]) -> torch.Tensor:
         """[n, E]: the input embedding of each sequence's next decode step: the embedding of
-        the id it sampled last (with a `frame_spec`, its last frame's `frame_embeds`), plus
+        the id it sampled last (with a `frame_spec`, its last frame's summed codebooks), plus
         `step_extra`'s row if the component has one."""
         if self.frame_spec is not None:
             embeds = torch.stack([s.frame_input for s in seqs])
@@ -237,7 +238,7 @@ class Component(ABC):
         sub = [seqs[i] for i in rows]
         first = torch.tensor([ids[i] for i in rows], device=hidden.device)
         codes = complete_frames(spec, self.embed, hidden[rows], first, sub)
-        inputs = spec.frame_embeds(codes)
+        inputs = static_decode.summed_codebooks(self.embed, spec.tables, codes)
         host = codes.cpu()  # one read-back for the batch
         for j, (i, seq) in enumerate(zip(rows, sub, strict=True)):
             seq.frame_input = inputs[j]

@@ -74,7 +74,7 @@ import torch
 from torch import nn
 
 from omniflow.backends.checkpoint_files import CONFIG, read_json
-from omniflow.backends.static_decode import FrameSpec, summed_codebooks
+from omniflow.backends.static_decode import FrameSpec
 from omniflow.backends.tapped_decoder import TappedDecoder
 from omniflow.backends.transformers_ar import (
     ARBackendError,
@@ -377,7 +377,6 @@ class Talker(ThinkerFedTalker):
             project=nn.Identity(),
             tables=tables,
             heads=self.predictor.lm_head,
-            frame_embeds=functools.partial(summed_codebooks, self.embed, tables),
             sampling=_PREDICTOR_SAMPLING,
         )
         self.row_shape = (3, config.thinker_hidden_size)
