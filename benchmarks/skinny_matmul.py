@@ -3,12 +3,13 @@ skinny kernel (`omniflow.kernels.skinny_matmul`) than through cuBLAS and the ker
 it.
 
 For each projection of the real-size Qwen2.5-Omni-7B thinker and talker (shapes from the
-published config) at 1 and 10 rows, both ways as a decode step runs them, captured in a CUDA
-graph over the model's layers (each layer its own weight, so the weights stream from HBM
-and not from L2):
+published config; `--model qwen3-tts`: Qwen3-TTS-1.7B's talker and code predictor) at 1 and
+10 rows, both ways as a decode step runs them, captured in a CUDA graph over the model's
+layers (each layer its own weight, so the weights stream from HBM and not from L2; a code
+predictor's 5 layers run 15 times a frame, so its weights cycle through 75):
 
-- q/k/v: `F.linear` with bias, against the kernel (the decode step keeps cuBLAS for it:
-  this row says why);
+- q/k/v: `F.linear` (with its bias where the model has one), against the kernel (the
+  decode step keeps cuBLAS for it: this row says why);
 - o and down: `F.linear` then the residual add + RMSNorm that follows, against the split
   kernel's partial sums added up by that norm;
 - gate/up: `F.linear` then `silu_mul`, against the gated kernel.
@@ -19,6 +20,7 @@ prints the best per projection (the kernel's defaults come from such a sweep). N
 GPU.
 
     python benchmarks/skinny_matmul.py [--rows 1 10] [--sweep]
+    python benchmarks/skinny_matmul.py --model qwen3-tts --rows 1 16 64
 """
 
 from __future__ import annotations
@@ -34,12 +36,22 @@ from stage_steps import copy_bandwidth
 
 from omniflow.catalog.components import builtin_files
 
-REAL = "Qwen/Qwen2.5-Omni-7B"
+MODELS = {
+    "qwen2.5-omni": "Qwen/Qwen2.5-Omni-7B",
+    "qwen3-tts": "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice",
+}
 STREAMED = 256 << 20  # bytes of distinct weights a timed graph cycles through, >> L2
+SUB_STEPS = 15  # a Qwen3-TTS frame's code predictor passes
 
 
-def components() -> dict[str, dict]:
-    files = builtin_files(REAL)["config.json"]
+def components(model: str) -> dict[str, dict]:
+    """Each stage's decoder config, its layer count the layers a step streams."""
+    files = builtin_files(MODELS[model])["config.json"]
+    if model == "qwen3-tts":
+        talker = files["talker_config"]
+        predictor = dict(talker["code_predictor_config"])
+        predictor["num_hidden_layers"] *= SUB_STEPS
+        return {"talker": talker, "code_predictor": predictor}
     return {"thinker": files["thinker_config"]["text_config"], "talker": files["talker_config"]}
 
 
@@ -49,7 +61,12 @@ def projections(config: dict) -> dict[str, tuple[int, int, str]]:
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim", hidden // heads)
     return {
-        "q/k/v": ((heads + 2 * kv) * head_dim, hidden, "bias"),
+        # (Qwen2's q/k/v always have a bias; Qwen3's config says whether)
+        "q/k/v": (
+            (heads + 2 * kv) * head_dim,
+            hidden,
+            "bias" if config.get("attention_bias", True) else "plain",
+        ),
         "o": (hidden, heads * head_dim, "split"),
         "gate/up": (2 * inner, hidden, "gated"),
         "down": (hidden, inner, "split"),
@@ -105,7 +122,8 @@ def ways(kind: str, rows: int, columns: int, depth: int, layers: int, tuning: di
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 10])
-    parser.add_argument("--stages", nargs="+", default=["thinker", "talker"])
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-omni")
+    parser.add_argument("--stages", nargs="+", help="default: all of the model's")
     parser.add_argument("--sweep", action="store_true", help="also time block sizes and depths")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -113,18 +131,19 @@ def main() -> None:
         return
     copy = copy_bandwidth("cuda", 1 << 30)
     print(f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s (read + written)")
-    header = f"{'stage':<8} {'projection':<8} {'rows':>4} {'MB':>6} {'cuBLAS us':>9} {'TB/s':>5}"
+    header = f"{'stage':<14} {'projection':<8} {'rows':>4} {'MB':>6} {'cuBLAS us':>9} {'TB/s':>5}"
     print(f"{header} {'kernel us':>9} {'TB/s':>5} {'ratio':>5}")
     sweeps = []
-    for stage in args.stages:
-        config = components()[stage]
+    configs = components(args.model)
+    for stage in args.stages or configs:
+        config = configs[stage]
         for name, (columns, depth, kind) in projections(config).items():
             layers = max(2, min(config["num_hidden_layers"], STREAMED // (columns * depth * 2)))
             for rows in args.rows:
                 cublas, kernel, nbytes = ways(kind, rows, columns, depth, layers, {})
                 base, ours = graph_us(cublas, layers), graph_us(kernel, layers)
                 print(
-                    f"{stage:<8} {name:<8} {rows:>4} {nbytes / 1e6:>6.1f} {base:>9.1f}"
+                    f"{stage:<14} {name:<8} {rows:>4} {nbytes / 1e6:>6.1f} {base:>9.1f}"
                     f" {nbytes / base / 1e6:>5.2f} {ours:>9.1f} {nbytes / ours / 1e6:>5.2f}"
                     f" {base / ours:>5.2f}"
                 )
