@@ -126,6 +126,10 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", help="default: all of the model's")
     parser.add_argument("--sweep", action="store_true", help="also time block sizes and depths")
     args = parser.parse_args()
+    from omniflow.kernels.skinny_matmul import ROWS
+
+    if max(args.rows) > ROWS:  # (a decode step of more rows runs cuBLAS: nothing to compare)
+        parser.error(f"--rows: the kernel takes at most {ROWS} rows")
     if not torch.cuda.is_available():
         print("no CUDA GPU: the skinny kernel's speed only means something on one")
         return

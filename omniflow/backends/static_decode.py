@@ -646,11 +646,12 @@ def summed_codebooks(first: torch.nn.Module, tables: Sequence[torch.nn.Module], 
 
 
 def _rows_of(table: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """An embedding table's rows `ids`, gathered by indexing its weight: the module's
-    `index_select` takes a kernel for few indices that was 15 us for 16 rows of 2,048 on an
-    H100, where a gather takes 2 (the same rows; a table that is no plain `nn.Embedding`
-    runs its own forward)."""
-    if type(table) is torch.nn.Embedding and table.max_norm is None:
+    """An embedding table's rows `ids` (the same rows either way): several gathered by
+    indexing its weight, as the module's `index_select` takes a kernel for a few wide rows
+    that was 15 us for 16 rows of 2,048 on an H100 where the gather took 1.7; a lone row
+    through the module (1.8 us, the gather's kernel for it 3.8); a table that is no plain
+    `nn.Embedding` runs its own forward."""
+    if ids.shape[0] > 1 and type(table) is torch.nn.Embedding and table.max_norm is None:
         return table.weight[ids]
     return table(ids)
 
