@@ -32,7 +32,8 @@ from omniflow.errors import OmniflowError
 from omniflow.kernels.softmax_tile import online_softmax_tile
 from omniflow.kernels.triton_guard import jit, on_triton, tl, triton
 
-# Columns a program reads per tile, and the most chunks a row's columns are split into.
+# Columns a program reads per tile (fewer where the whole cache is fewer: a code predictor's
+# 16), and the most chunks a row's columns are split into.
 BLOCK_N = 64
 MAX_SPLITS = 32
 # A chunk is at least this many columns: shorter ones would only add partials to combine.
@@ -189,7 +190,8 @@ def decode_attention_triton(
     b, heads, group, d = q.shape
     columns = keys.shape[2]
     splits = splits_for(columns, b * heads, _sms(q.device))
-    chunk = math.ceil(math.ceil(columns / splits) / BLOCK_N) * BLOCK_N
+    block_n = max(16, min(BLOCK_N, triton.next_power_of_2(columns)))
+    chunk = math.ceil(math.ceil(columns / splits) / block_n) * block_n
     block_g, block_d = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(d))
     out = torch.empty_like(q)
     if b == 0:
@@ -203,7 +205,7 @@ def decode_attention_triton(
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=BLOCK_N,
+        G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         IN_FLOAT32=q.dtype == torch.float32 or not q.is_cuda, WHOLE=splits == 1,
     )  # fmt: skip
     if splits == 1:
