@@ -142,8 +142,8 @@ class Component(ABC):
     # (None: a frame, if any, is the sampled token's `code`), on the device inside the static
     # step, and by `frames` (`complete_frames`) and `step_embeds` on the dynamic path: the
     # frame's codes, and as the next step's input the frame's summed codebook embeddings
-    # (`static_decode.summed_codebooks`) plus
-    # `step_extra`'s row; a request's `ahead_codes` go out as it starts, before its prefill.
+    # (`static_decode.summed_codebooks`) plus `step_extra`'s row; a request's `ahead_codes`
+    # go out as it starts, before its prefill.
     frame_spec: static_decode.FrameSpec | None = None
     defaults: dict  # sampling defaults of the model (subset of SAMPLING_KEYS)
 

@@ -28,8 +28,9 @@ in both.
 Decode paths: eager (the batched DynamicCache; the backend's `frames` runs the code
 predictor for the batch from `frame_spec`, `transformers_ar.complete_frames`, and its
 `step_embeds` feeds the frame back), or static (the default on CUDA, graph-captured: the
-same `frame_spec` (the code predictor, its codebook tables and heads) has the step complete each frame on the device, the first one after
-the prefill included, `omniflow.backends.static_decode`); `step_extra` is the text-side
+same `frame_spec` (the code predictor, its codebook tables and heads) has the step complete
+each frame on the device, the first one after the prefill included,
+`omniflow.backends.static_decode`); `step_extra` is the text-side
 row both paths add; on both, an ICL clone's context goes ahead of its first frame.
 The same checks of a request against the checkpoint run at admission
 (`voices.admission`) and here (`config.check_task_inputs`).
