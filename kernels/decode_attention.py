@@ -1,7 +1,8 @@
 """A decode step's attention over a static KV cache, each row over its own filled columns,
 whose count the kernel reads on the device: `[B, Hkv, G, d]` queries (the G query heads of
 each key/value head) against a layer's cache `[slots, Hkv, C, d]`, row b over columns
-0..filled[b]. A Triton kernel pair on CUDA (flash decoding: the columns split into chunks
+0..filled[b] of slot b (or of slot `slots[b]`: several rows of one slot at different
+columns, e.g. a sequence's positions whose keys a step wrote together). A Triton kernel pair on CUDA (flash decoding: the columns split into chunks
 run in parallel, each with its own running softmax, then one pass combines them; a row of
 one chunk, as a short cache's always is, writes its output at once, with no combine), and the
 torch reference (`reference`: SDPA over the first `length` columns with the mask the
@@ -50,10 +51,11 @@ class DecodeAttentionError(OmniflowError):
 
 @jit
 def _chunk_kernel(
-    q_ptr, k_ptr, v_ptr, filled_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, scale, columns, chunk,
-    q_sb, q_sh, q_sg, k_sb, k_sh, k_sc, v_sb, v_sh, v_sc, o_sb, o_sh, o_sg,
+    q_ptr, k_ptr, v_ptr, filled_ptr, slots_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, scale,
+    columns, chunk, q_sb, q_sh, q_sg, k_sb, k_sh, k_sc, v_sb, v_sh, v_sc, o_sb, o_sh, o_sg,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, IN_FLOAT32: tl.constexpr, WHOLE: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
 ):  # fmt: skip
     """One (row, key/value head, chunk): its queries against the chunk's columns up to the
     row's last, an online softmax; writes the chunk's running max, sum and weighted values
@@ -76,8 +78,9 @@ def _chunk_kernel(
     top = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    keys = k_ptr + b * k_sb + h * k_sh
-    values = v_ptr + b * v_sb + h * v_sh
+    slot = tl.load(slots_ptr + b).to(tl.int64) if HAS_SLOTS else b
+    keys = k_ptr + slot * k_sb + h * k_sh
+    values = v_ptr + slot * v_sb + h * v_sh
     for first in range(start, end, BLOCK_N):
         n = first + tl.arange(0, BLOCK_N)
         inside = n < end
@@ -146,20 +149,23 @@ def _combine_kernel(
     tl.store(where, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, filled: torch.Tensor):
+def _check(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, filled: torch.Tensor, slots):
     if q.dim() != 4 or keys.dim() != 4 or keys.shape != values.shape:
         raise DecodeAttentionError(
             f"q must be [B, Hkv, G, d] and keys, values [slots, Hkv, C, d], not "
             f"{list(q.shape)}, {list(keys.shape)}, {list(values.shape)}"
         )
     b, heads, _, d = q.shape
-    if keys.shape[0] < b or keys.shape[1] != heads or keys.shape[3] != d:
+    least = b if slots is None else 1  # (slots' values are on the device: not read here)
+    if keys.shape[0] < least or keys.shape[1] != heads or keys.shape[3] != d:
         raise DecodeAttentionError(
             f"a cache {list(keys.shape)} does not hold queries {list(q.shape)}: it needs "
-            f">= {b} slots of {heads} heads of {d}"
+            f">= {least} slots of {heads} heads of {d}"
         )
     if filled.shape != (b,):
         raise DecodeAttentionError(f"filled must be [{b}], not {list(filled.shape)}")
+    if slots is not None and (slots.shape != (b,) or slots.is_floating_point()):
+        raise DecodeAttentionError(f"slots must be [{b}] integers, not {list(slots.shape)}")
     if q.stride(3) != 1 or keys.stride(3) != 1 or values.stride(3) != 1:
         raise DecodeAttentionError("q, keys and values need contiguous head dims")
 
@@ -182,11 +188,17 @@ def _sms(device: torch.device) -> int:
 
 
 def decode_attention_triton(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, filled: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    filled: torch.Tensor,
+    scale: float,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[B, Hkv, G, d]`: each row's queries over its columns 0..filled[b] (clamped to the
-    cache) of its slot b. Device work only: no shape depends on `filled`."""
-    _check(q, keys, values, filled)
+    cache) of its slot b (`slots[b]` where given). Device work only: no shape depends on
+    `filled` or `slots`."""
+    _check(q, keys, values, filled, slots)
     b, heads, group, d = q.shape
     columns = keys.shape[2]
     splits = splits_for(columns, b * heads, _sms(q.device))
@@ -201,12 +213,14 @@ def decode_attention_triton(
     total = torch.empty_like(top)
     acc = torch.empty(*partial, d, dtype=torch.float32, device=q.device)
     _chunk_kernel[(b, heads, splits)](
-        q, keys, values, filled, top, total, acc, out, scale, columns, chunk,
+        q, keys, values, filled, filled if slots is None else slots, top, total, acc, out,
+        scale, columns, chunk,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         IN_FLOAT32=q.dtype == torch.float32 or not q.is_cuda, WHOLE=splits == 1,
+        HAS_SLOTS=slots is not None,
     )  # fmt: skip
     if splits == 1:
         return out
@@ -224,20 +238,22 @@ def reference(
     filled: torch.Tensor,
     scale: float,
     length: int | None = None,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The static step's attention: SDPA over the first `length` columns (default: every
-    one), column j visible to row b where j <= filled[b]."""
-    _check(q, keys, values, filled)
+    one) of row b's slot (b, or `slots[b]`), column j visible to row b where j <= filled[b]."""
+    _check(q, keys, values, filled, slots)
     b, columns = q.shape[0], keys.shape[2]
     length = columns if length is None else length
     visible = torch.arange(length, device=q.device)[None] <= filled[:, None]
     mask = torch.where(visible, 0.0, -math.inf).to(q.dtype)[:, None, None]
-    keys, values = keys[:b, :, :length], values[:b, :, :length]
+    rows = slice(0, b) if slots is None else slots
+    keys, values = keys[rows, :, :length], values[rows, :, :length]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
 
 
-def decode_attention(q, keys, values, filled, scale: float) -> torch.Tensor:
+def decode_attention(q, keys, values, filled, scale: float, slots=None) -> torch.Tensor:
     """The kernels on CUDA (and under Triton's interpreter), the reference elsewhere."""
     if on_triton(q):
-        return decode_attention_triton(q, keys, values, filled, scale)
-    return reference(q, keys, values, filled, scale)
+        return decode_attention_triton(q, keys, values, filled, scale, slots)
+    return reference(q, keys, values, filled, scale, slots=slots)

@@ -92,7 +92,8 @@ the talker's hidden state) gives the static decoder a `FrameSpec` (`Component.fr
 and the step completes each row's frame on the device (`FrameCompleter`), after codebook 0
 is sampled and before the rows advance: the predictor's G positions (the talker's hidden
 state, codebook 0's embedding, then codebooks 1..G-2 as they are sampled) run one row a slot
-over a scratch KV cache of its own, `[layers, slots, kv_heads, G, head_dim]`, allocated at
+(on the fused path the first two in one pass, two rows a slot: one read of the predictor's
+weights for both) over a scratch KV cache of its own, `[layers, slots, kv_heads, G, head_dim]`, allocated at
 load and overwritten from column 0 every frame (so nothing is reset or moved between
 frames; on the fused path attending through `decode_attention`, each row over the columns
 written so far); each codebook is sampled by the fused sampler with the request's
@@ -469,15 +470,23 @@ class DecoderCache:
         filled: torch.Tensor,
         length: int,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One position of slots 0..B-1: inputs `x` `[B, H]` (what the layers take) at
         rotary `positions` `[B]` (or their cos and sin `[B, d]`, `rotary`, where made
         before), each row's key and value written to column `filled[b]` of its slot,
         attending over the columns <= it among the first `length`. Returns the final hidden
-        states `[B, H]`. Device work only."""
+        states `[B, H]`. Device work only.
+
+        With `slots` (`[B]`; the fused step reading lengths only) row b is of slot
+        `slots[b]`, and several rows may be one slot's positions at different columns: a
+        layer writes every row's key and value before any row attends, so each sees its
+        slot's columns up to its own as a step per position would have left them."""
+        if slots is not None and not self.reads_lengths:
+            raise ValueError("rows naming their slots need the fused step reading lengths")
         cos, sin = rotary if rotary is not None else self._rotary(x, positions)
         if self.fused:
-            return self._decode_fused(x, cos, sin, filled, length)
+            return self._decode_fused(x, cos, sin, filled, length, slots)
         return self._decode_layers(x, cos, sin, filled, length)
 
     def _rotary(self, x: torch.Tensor, positions: torch.Tensor):
@@ -491,7 +500,7 @@ class DecoderCache:
         """q `[B, kv_heads, group, d]` against keys/values `[B, kv_heads, T, d]`."""
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
 
-    def _decode_fused(self, x, cos, sin, filled, length: int) -> torch.Tensor:
+    def _decode_fused(self, x, cos, sin, filled, length: int, slots=None) -> torch.Tensor:
         b, d, group = x.shape[0], self.head_dim, self.q_heads // self.kv_heads
         if not self.reads_lengths:
             visible = self.columns_index[:length][None] <= filled[:, None]
@@ -501,14 +510,14 @@ class DecoderCache:
             q = q.view(b, self.kv_heads, group, d)
             if self.reads_lengths:  # each row over its own columns, read on the device
                 out = decode_attention.decode_attention(
-                    q, self.keys[i], self.values[i], filled, self.scaling
+                    q, self.keys[i], self.values[i], filled, self.scaling, slots
                 )
             else:
                 keys, values = self.keys[i, :b, :, :length], self.values[i, :b, :, :length]
                 out = self._attend(q, keys, values, mask)
             return out.reshape(b, self.q_heads * d)
 
-        return self._fused(x, cos, sin, filled, attend)
+        return self._fused(x, cos, sin, filled, attend, slots)
 
     def _fused(self, x, cos, sin, columns, attend, slots=None) -> torch.Tensor:
         """The decoder on the fused kernels over rows `x` `[N, H]` (at rotary `cos`, `sin`
@@ -716,6 +725,14 @@ class FrameCompleter:
             self.column = torch.arange(self.groups, **on)[:, None].expand(-1, slots).contiguous()
             like = torch.zeros(slots, 1, dtype=self.cache.keys.dtype, **on)
             self.cos_sin = [self.cache._rotary(like, self.column[g]) for g in range(self.groups)]
+            # Positions 0 and 1 of every row in one pass (where the step reads lengths: rows
+            # naming their slots): slot s's position p is row 2 s + p.
+            self.pair_columns = self.column[:2].t().reshape(-1)
+            self.pair_slots = torch.arange(slots, **on).repeat_interleave(2)
+            self.pair_cos_sin = tuple(
+                torch.stack(both, dim=1).reshape(2 * slots, -1)
+                for both in zip(*self.cos_sin[:2], strict=True)
+            )
         self.per_slot = [self.input, self.seed, self.temperature]
 
     @torch.inference_mode()
@@ -739,11 +756,16 @@ class FrameCompleter:
             at, (cos, sin) = self.column[g, :b], self.cos_sin[g]
             return cache.decode(spec.project(x), at, at, g + 1, (cos[:b], sin[:b]))
 
-        decode(hidden, 0)
         # The frame's next input, its codebooks' embeddings summed (`summed_codebooks`),
         # gathered from the predictor's inputs as they are made.
         embeds = _rows_of(self.embed, first)
-        states = decode(embeds, 1)
+        if cache.reads_lengths:  # positions 0 and 1 in one pass: one read of the weights
+            pair = spec.project(torch.stack([hidden, embeds], dim=1).view(2 * b, -1))
+            at, cos, sin = (t[: 2 * b] for t in (self.pair_columns, *self.pair_cos_sin))
+            states = cache.decode(pair, at, at, 2, (cos, sin), self.pair_slots[: 2 * b])[1::2]
+        else:
+            decode(hidden, 0)
+            states = decode(embeds, 1)
         torch.add(frame * MAX_SUB_STEPS, self.offsets, out=self.steps[:, :b])
         codes = [first]
         for g in range(1, self.groups):

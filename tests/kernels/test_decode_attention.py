@@ -35,11 +35,18 @@ def cases() -> list[tuple]:
     return [operands(s, dtype) for s in SHAPES for dtype in (torch.float32, torch.bfloat16)]
 
 
+def slotted() -> tuple:
+    """Four rows naming their slots: two positions of slot 1 (columns 0 and 1, as a
+    sequence's two positions written in one step), slot 0's column 5, slot 2's column 15."""
+    q, keys, values, _, scale = operands((4, 2, 2, 16, 16, [0] * 4), torch.float32)
+    return q, keys, values, torch.tensor([0, 1, 5, 15]), scale, torch.tensor([1, 1, 0, 2])
+
+
 def run_kernel(found: list[tuple]) -> list[torch.Tensor]:
     """Runs under TRITON_INTERPRET=1: each case, then the second shape's in float32 with NaN
-    past each row's last column."""
+    past each row's last column, then the rows naming their slots."""
     stale = operands(SHAPES[1], torch.float32, stale=float("nan"))
-    return [attention.decode_attention_triton(*args) for args in [*cases(), stale]]
+    return [attention.decode_attention_triton(*args) for args in [*cases(), stale, slotted()]]
 
 
 def assert_agree(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -50,10 +57,23 @@ def assert_agree(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def test_kernel_agrees_with_the_reference(interpret):
     found = cases()
-    *got, stale = interpret(run_kernel, found)
+    *got, stale, by_slot = interpret(run_kernel, found)
     for args, out in zip(found, got, strict=True):
         assert_agree(out, attention.reference(*args))
     assert_agree(stale, got[2])  # the same shape, its stale columns never read
+    *args, slots = slotted()
+    assert_agree(by_slot, attention.reference(*args, slots=slots))
+
+
+def test_a_row_naming_its_slot_reads_that_slot():
+    """The reference over `slots` is the reference over those slots' caches gathered."""
+    q, keys, values, filled, scale, slots = slotted()
+    gathered = attention.reference(q, keys[slots], values[slots], filled, scale)
+    torch.testing.assert_close(
+        attention.reference(q, keys, values, filled, scale, slots=slots), gathered
+    )
+    with pytest.raises(attention.DecodeAttentionError, match="slots must be"):
+        attention.decode_attention(q, keys, values, filled, scale, slots[:2])
 
 
 def test_the_reference_over_a_length_bucket_is_the_whole_caches():
@@ -95,3 +115,6 @@ def test_kernel_agrees_with_the_reference_on_gpu(on_cuda):
     big = operands((16, 8, 2, 128, 4096, list(range(0, 4096, 256))), torch.bfloat16)
     on = on_cuda(big)
     assert_agree(attention.decode_attention(*on), attention.reference(*on))
+    *on, slots = on_cuda(slotted())
+    got = attention.decode_attention(*on, slots=slots)
+    assert_agree(got, attention.reference(*on, slots=slots))
