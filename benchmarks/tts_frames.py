@@ -109,11 +109,18 @@ def frame_times(
     for call in calls:
         backend.drop(call)
     calls = new_calls(batch, frames, "timed")
+    static = backend.static
+    before = static.dispatched.copy() if static is not None else None
     sync(device)
     start = time.perf_counter()
     backend.step(calls)  # prefill, and each request's first frame
     sync(device)
     prefill = (time.perf_counter() - start) * 1e3
+    if kernels and static is not None:  # the prefill's graphs it replayed
+        for kind, key in static.dispatched - before:
+            if kind == "prefill" and key in static.prefill_graphs:
+                print(f"  batch {batch}'s prefill at {key} (batch, width), replayed:")
+                kernel_table(static.prefill_graphs[key][0].replay, kernels)
     times = []
     for step in range(3 + steps):  # 3 to warm up
         live = [c for c in calls if not c.finished]  # (the tiny checkpoint's speech ends)
@@ -127,7 +134,6 @@ def frame_times(
             call.emitted.clear()
     assert not any(c.error for c in calls), [c.error for c in calls]
     replay = first = None
-    static = backend.static
     if static is not None and static.graphs:
         longest = max(s.length + s.ahead for s in backend.rows)
         buckets = static.buckets(len(backend.rows), longest)
