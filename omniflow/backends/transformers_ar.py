@@ -792,12 +792,18 @@ class TransformersAR(Backend):
                     starting.append(call)
             elif self._may_step(seq):
                 stepping.append(seq)
-        if self.static is not None:
-            self._launch_and_settle(stepping)
-        elif stepping:
-            self._decode(stepping)
-        if starting:  # after the decode step, so new rows get no dummy column
+        if self.static is None:
+            if stepping:
+                self._decode(stepping)
+            if starting:  # after the decode step, so new rows get no dummy column
+                self._prefill(starting)
+            return
+        # The static path queues new prompts' prefills ahead of the running rows' next step:
+        # a new request's first packet waits for nothing it need not (the rows launched
+        # before them are ahead of their listeners by many steps; it has nothing yet).
+        if starting:
             self._prefill(starting)
+        self._launch_and_settle(stepping)
 
     def drop(self, call: Call) -> None:
         seq = call.state.pop(_STATE, None)
