@@ -799,8 +799,8 @@ class TransformersAR(Backend):
                 self._prefill(starting)
             return
         # The static path queues new prompts' prefills ahead of the running rows' next step:
-        # a new request's first packet waits for nothing it need not (the rows launched
-        # before them are ahead of their listeners by many steps; it has nothing yet).
+        # a new request's first frame waits for one step in flight fewer, and the running
+        # rows' step moves one prefill later, once (the next turn's step did before).
         if starting:
             self._prefill(starting)
         self._launch_and_settle(stepping)
