@@ -2,11 +2,12 @@
 whose count the kernel reads on the device: `[B, Hkv, G, d]` queries (the G query heads of
 each key/value head) against a layer's cache `[slots, Hkv, C, d]`, row b over columns
 0..filled[b] of slot b (or of slot `slots[b]`: several rows of one slot at different
-columns, e.g. a sequence's positions whose keys a step wrote together). A Triton kernel pair on CUDA (flash decoding: the columns split into chunks
-run in parallel, each with its own running softmax, then one pass combines them; a row of
-one chunk, as a short cache's always is, writes its output at once, with no combine), and the
-torch reference (`reference`: SDPA over the first `length` columns with the mask the
-static step uses) it is tested against.
+columns, e.g. a sequence's positions whose keys a step wrote together). A Triton kernel
+pair on CUDA (flash decoding: the columns split into chunks run in parallel, each with its
+own running softmax, then one pass combines them; a row of one chunk, as a short cache's
+always is, writes its output at once, with no combine), and the torch reference
+(`reference`: SDPA over the first `length` columns with the mask the static step uses) it
+is tested against.
 
 Why: torch's attention takes the columns it reads as a shape, so the static decode step
 attends over a length bucket T (a power of two past the longest row) and needs a CUDA graph
@@ -149,7 +150,13 @@ def _combine_kernel(
     tl.store(where, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, filled: torch.Tensor, slots):
+def _check(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    filled: torch.Tensor,
+    slots: torch.Tensor | None,
+) -> None:
     if q.dim() != 4 or keys.dim() != 4 or keys.shape != values.shape:
         raise DecodeAttentionError(
             f"q must be [B, Hkv, G, d] and keys, values [slots, Hkv, C, d], not "
