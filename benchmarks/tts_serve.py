@@ -45,9 +45,9 @@ own profiler (`POST /start_profile`; `--trace-gpu` adds the CUDA kernels) into F
 prints where each level's first packet waited (the mean of each component of the requests'
 TTFP critical paths, omniflow.profiler.analysis) and each stage's steps (count, mean batch,
 median / p90 / max ms, and the median of the steps in which a request started: the talker's
-prefill and first frame). Unless `--no-clone`, the voice clone pipeline too, into FILE's `-clone`
-sibling: `--trace-requests` clones at c = 1 with the reference inline, then as many naming
-an uploaded voice.
+prefill and first frame). Unless `--no-clone`, the voice clone pipeline too, into FILE's
+`-clone` sibling: `--trace-requests` clones at c = 1 with the reference inline, then as many
+naming an uploaded voice.
 
 The server is `omniflow run` on graphs/qwen3_tts.omni (its copies for the scaled folders,
 the CustomVoice one with `max_batch` raised to the largest level so that no request is

@@ -93,9 +93,9 @@ and the step completes each row's frame on the device (`FrameCompleter`), after 
 is sampled and before the rows advance: the predictor's G positions (the talker's hidden
 state, codebook 0's embedding, then codebooks 1..G-2 as they are sampled) run one row a slot
 (on the fused path the first two in one pass, two rows a slot: one read of the predictor's
-weights for both) over a scratch KV cache of its own, `[layers, slots, kv_heads, G, head_dim]`, allocated at
-load and overwritten from column 0 every frame (so nothing is reset or moved between
-frames; on the fused path attending through `decode_attention`, each row over the columns
+weights for both) over a scratch KV cache of its own, `[layers, slots, kv_heads, G,
+head_dim]`, allocated at load and overwritten from column 0 every frame (so nothing is
+reset or moved between frames; on the fused path attending through `decode_attention`, each row over the columns
 written so far); each codebook is sampled by the fused sampler with the request's
 sub-stream (its seed + `SUB_SEED`, step `frame * MAX_SUB_STEPS + codebook`: the draws
 `transformers_ar.sample_sub_step` makes on CUDA, so the eager and static paths draw the
