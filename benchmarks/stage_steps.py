@@ -207,7 +207,8 @@ def step_times(
         longest = max(s.length for s in backend.rows)
         # A step's graphs: the LM's step at its buckets, then its finish.
         replay_step = functools.partial(static.replay, *static.buckets(rows, longest))
-        static.active.zero_()  # after the steps queued: no row advances in the replays below
+        with torch.inference_mode():  # (the buffer was made in inference mode)
+            static.active.zero_()  # after the steps queued: no row advances in the replays below
         replay = replay_ms(replay_step)
         if kernels:
             print(f"  decode replay at {batch}:")

@@ -45,7 +45,7 @@ omni_cache() {
   # holds the whole build, else the disk's (the builder spills what does not fit there
   # into /dev/shm: scaled.build_scaled).
   for dir in /dev/shm/omniflow-cache "$OMNIFLOW_CACHE"; do
-    [ -e "$dir/scaled/$OMNI_BUILD/MANIFEST" ] && { echo "$dir"; return; }
+    [ -e "$dir/scaled/$OMNI_BUILD/omniflow_scaled.json" ] && { echo "$dir"; return; }
   done
   if [ "$(free_gib /dev/shm)" -ge $OMNI_GIB ]; then echo /dev/shm/omniflow-cache; else echo "$OMNIFLOW_CACHE"; fi
 }
@@ -237,7 +237,7 @@ for part in "$@"; do
       # other omni-* parts read it there. Refused up front where /dev/shm has no room.
       shm=$(free_gib /dev/shm); disk=0
       [ "$OMNI_CACHE" = /dev/shm/omniflow-cache ] || disk=$(free_gib "$OMNI_CACHE")
-      if [ ! -e "$OMNI_CACHE/scaled/$OMNI_BUILD/MANIFEST" ] && [ $((shm + disk)) -lt $OMNI_GIB ]; then
+      if [ ! -e "$OMNI_CACHE/scaled/$OMNI_BUILD/omniflow_scaled.json" ] && [ $((shm + disk)) -lt $OMNI_GIB ]; then
         echo "omni-build: /dev/shm has $shm GiB free and $OMNI_CACHE's disk $disk; the build needs ~66 GiB" \
           | tee "$OUT/omni_build.log"
       else
