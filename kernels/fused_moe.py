@@ -17,7 +17,9 @@ be captured in a CUDA graph):
   written, never the `[T k, 2 I]` products;
 - a grouped product of the activations by each expert's down matrix, its output rounded,
   times the entry's router weight, written to `[T, top_k, H]`: each token's k weighted
-  expert outputs, added up by one `sum` (deterministic, no atomics).
+  expert outputs, added up by one `sum` (deterministic, no atomics), or (`summed=False`)
+  left for the kernel after them to add: `omniflow.kernels.rms_norm` takes them as its
+  residual `[top_k, T, H]`, as the decode step's next norm does (one launch a layer less).
 
 Weights are taken as transformers (5.x) holds them, so nothing is copied at load: the
 experts module (`Qwen3OmniMoeThinkerTextExperts`, `Qwen3OmniMoeTalkerTextExperts`) has
@@ -195,11 +197,13 @@ def experts_triton(
     block_k: int = BLOCK_K,
     num_warps: int = 4,
     num_stages: int = 4,
+    summed: bool = True,
 ) -> torch.Tensor:
     """The routed experts' weighted sum `[T, H]` in hidden's dtype, with the kernels (see the
-    module docstring). Block sizes and pipeline depth are the kernels' tuning. `aligned`:
-    the entries' (sorted_ids, expert_ids) for `block_m` where the caller has them
-    (`moe_route`'s), else `align` computes them."""
+    module docstring); `summed=False`: the k weighted outputs unsummed, `[top_k, T, H]`.
+    Block sizes and pipeline depth are the kernels' tuning. `aligned`: the entries'
+    (sorted_ids, expert_ids) for `block_m` where the caller has them (`moe_route`'s), else
+    `align` computes them."""
     _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
     if hidden.stride(1) != 1 or w_gate_up.stride(2) != 1 or w_down.stride(2) != 1:
         raise MoEError("hidden's and the weights' rows must be contiguous")
@@ -209,7 +213,7 @@ def experts_triton(
     entries = tokens * top_k
     partial = torch.empty(tokens, top_k, width, dtype=hidden.dtype, device=hidden.device)
     if not entries:
-        return partial.sum(1)
+        return _total(partial, summed)
     block_m = block_m or block_m_for(entries, num_experts)
     if aligned is None:
         aligned = align(topk_ids, num_experts, block_m)
@@ -229,7 +233,12 @@ def experts_triton(
             x.stride(0), w.stride(0), w.stride(1), out.stride(0),
             GATED=gated, IN_FLOAT32=in_float32, BLOCK_N=bn, BLOCK_K=bk, **tuning,
         )  # fmt: skip
-    return partial.sum(1)
+    return _total(partial, summed)
+
+
+def _total(partial: torch.Tensor, summed: bool) -> torch.Tensor:
+    """Each token's k weighted outputs `[T, k, H]` added up, or as `[k, T, H]` partials."""
+    return partial.sum(1) if summed else partial.transpose(0, 1)
 
 
 def experts_reference(
@@ -397,18 +406,24 @@ def _experts_weights(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tens
     return experts.gate_up_proj, experts.down_proj
 
 
-def moe_forward(block: torch.nn.Module, hidden: torch.Tensor, *, moe=None) -> torch.Tensor:
+def moe_forward(
+    block: torch.nn.Module, hidden: torch.Tensor, *, moe=None, summed: bool = True
+) -> torch.Tensor:
     """A transformers Qwen3-Omni sparse MoE block's forward
     (`Qwen3OmniMoeThinkerTextSparseMoeBlock`, `Qwen3OmniMoeTalkerTextSparseMoeBlock` and
     their like: a `gate` router and `experts`, and where it has one the talker's
     sigmoid-gated `shared_expert`) from the block's own parameters, hidden `[..., H]` to
     `[..., H]`. `moe` computes the routed experts:
     `fused_moe` by default (the kernels on CUDA, the reference elsewhere); tests pass
-    `fused_moe_triton` to run the kernels in Triton's interpreter."""
+    `fused_moe_triton` to run the kernels in Triton's interpreter. `summed=False` (`moe`
+    then `fused_moe_triton`, hidden `[T, H]`): a block without a shared expert gives its k
+    weighted outputs unsummed, `[top_k, T, H]`, for `rms_norm` to add as its residual."""
     moe = fused_moe if moe is None else moe
     gate = block.gate
     w_gate_up, w_down = _experts_weights(block.experts)
     x = hidden.reshape(-1, hidden.shape[-1])
+    shared = getattr(block, "shared_expert", None)
+    unsummed = {} if summed or shared is not None else {"summed": False}
     out = moe(
         x,
         w_gate_up,
@@ -416,8 +431,10 @@ def moe_forward(block: torch.nn.Module, hidden: torch.Tensor, *, moe=None) -> to
         router_logits=F.linear(x, gate.weight),
         top_k=gate.top_k,
         renormalize=gate.norm_topk_prob,
+        **unsummed,
     )
-    shared = getattr(block, "shared_expert", None)
+    if unsummed:
+        return out
     if shared is not None:
         out = out + torch.sigmoid(block.shared_expert_gate(x)) * shared(x)
     return out.reshape(hidden.shape)

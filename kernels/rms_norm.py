@@ -12,10 +12,12 @@ steps"), this kernel with `rope_cache` and `silu_mul` took a layer to 9 launches
 real-size thinker's replay from 6.89 to 6.80 ms: launches were not what bounded it.
 
 The residual may also come as float32 partial sums `[S, B, H]` (a split matrix product's,
-`omniflow.kernels.skinny_matmul`): the kernel loads them as one `[S, H]` tile, so their
-reads overlap (read one after another, the talker's 49 norms took 229 us of a decode step
-where they take 88 without partial sums and 118 with them in one tile, on an H200), adds
-them up and rounds the total to the input dtype, as the product's own output would have
+`omniflow.kernels.skinny_matmul`), or as partials in the input dtype (a MoE layer's k
+weighted expert outputs, `omniflow.kernels.fused_moe`, `[k, B, H]` with any strides): the
+kernel loads them as one `[S, H]` tile, so their reads overlap (read one after another,
+the talker's 49 norms took 229 us of a decode step where they take 88 without partial sums
+and 118 with them in one tile, on an H200), adds them up in float32 and rounds the total
+to the input dtype, as the product's own output (or torch's `sum` over the k) would have
 been, before the add. One program holds at most PARTIAL_ELEMENTS of them (`most_parts`).
 
 Numerics are HF's `Qwen2RMSNorm` (and `LlamaRMSNorm`): the sum is rounded to the input
@@ -70,11 +72,11 @@ def _check(x, residual, weight) -> None:
         raise NormError(f"x must be [B, H] and weight [H]: {list(x.shape)}, {list(weight.shape)}")
     if residual is None:
         return
-    partial = residual.dim() == 3 and residual.dtype == torch.float32
+    partial = residual.dim() == 3 and residual.dtype in (torch.float32, x.dtype)
     if residual.shape[-2:] != x.shape or (residual.dtype != x.dtype and not partial):
         raise NormError(
             f"residual {list(residual.shape)} {residual.dtype} is neither x's shape and dtype"
-            " nor float32 partial sums [S, B, H]"
+            " nor partial sums [S, B, H] in float32 or x's dtype"
         )
 
 
@@ -93,7 +95,7 @@ def add_rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight * rmsnorm(x + residual), x + residual) with the Triton kernel; without a
     residual, (weight * rmsnorm(x), x). Rows may be strided; the last dim is contiguous. The
-    residual may be float32 partial sums `[S, B, H]` (see the module docstring)."""
+    residual may be partial sums `[S, B, H]` (see the module docstring)."""
     _check(x, residual, weight)
     rows, width = x.shape
     out = torch.empty(rows, width, dtype=weight.dtype, device=x.device)

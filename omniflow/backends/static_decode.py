@@ -547,7 +547,11 @@ class DecoderCache:
                 norm.variance_epsilon,
             )
             if gate_up is None:  # a sparse MoE block: the fused MoE kernels
-                delta = fused_moe.moe_forward(layer.mlp, h, moe=fused_moe.fused_moe_triton)
+                # (its k weighted outputs unsummed where the next norm can add them)
+                summed = layer.mlp.gate.top_k > rms_norm.most_parts(h.shape[1])
+                delta = fused_moe.moe_forward(
+                    layer.mlp, h, moe=fused_moe.fused_moe_triton, summed=summed
+                )
             else:
                 down = layer.mlp.down_proj
                 act = _project(h, gate_up, gated=True)

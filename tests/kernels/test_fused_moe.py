@@ -200,6 +200,36 @@ def test_kernel_agrees_with_the_reference_and_the_block(interpret):
             assert_agree(got, module(case["x"]))
 
 
+def run_unsummed(blocks: list[dict]):
+    """Runs under TRITON_INTERPRET=1: each block's forward over its tokens `[T, H]`, with
+    `summed=False`."""
+    results = []
+    for case in blocks:
+        module = block(case["stage"], case["config"], case["state"])
+        x = case["x"].reshape(-1, case["x"].shape[-1])
+        with torch.no_grad():
+            results.append(
+                fused_moe.moe_forward(module, x, moe=fused_moe.fused_moe_triton, summed=False)
+            )
+    return results
+
+
+def test_unsummed_a_blocks_k_outputs_add_up_to_its_forward(interpret):
+    """Without a shared expert the block gives its k weighted outputs `[k, T, H]` (what the
+    decode step's next norm adds up); the talker's, with one, its sum as before."""
+    blocks = block_cases()
+    for case, got in zip(blocks, interpret(run_unsummed, blocks), strict=True):
+        module = block(case["stage"], case["config"], case["state"])
+        with torch.no_grad():
+            want = module(case["x"]).reshape(-1, case["x"].shape[-1])
+        if case["stage"] == "talker":
+            assert got.shape == want.shape
+        else:
+            assert got.shape == (case["config"]["num_experts_per_tok"], *want.shape)
+            got = got.sum(0)
+        assert_agree(got, want)
+
+
 def test_registered_as_a_transformers_experts_implementation():
     name = fused_moe.register()
     for case in block_cases():

@@ -59,6 +59,31 @@ def test_kernel_agrees_with_the_reference(interpret):
         assert_agree(got, want, steps=4)
 
 
+def partial_cases() -> list[dict]:
+    """Residuals as partials: a split product's float32 `[S, B, H]`, and a MoE layer's k
+    weighted outputs in x's dtype, `[B, k, H]` seen as `[k, B, H]` (strided)."""
+    g = torch.Generator().manual_seed(1)
+    found = []
+    for rows, width in SHAPES[:3]:
+        for dtype, parts in ((torch.float32, 5), (torch.bfloat16, 8)):
+            x = (torch.randn(rows, width, generator=g) * 3).to(dtype)
+            weight = (1 + torch.randn(width, generator=g) / 4).to(dtype)
+            split = torch.randn(parts, rows, width, generator=g)
+            moe = torch.randn(rows, parts, width, generator=g).to(dtype).transpose(0, 1)
+            for residual in (split, moe):
+                found.append({"x": x, "residual": residual, "weight": weight, "eps": 1e-6})
+    return found
+
+
+def test_partial_sums_are_added_as_the_reference_adds_them(interpret):
+    found = partial_cases()
+    for case, got in zip(found, interpret(run_kernel, found), strict=True):
+        want = rms_norm.reference(**case)
+        summed = case["residual"].sum(0).to(case["x"].dtype)
+        assert torch.equal(want[1], case["x"] + summed)
+        assert_agree(got, want, steps=4)
+
+
 def test_shapes_are_checked():
     with pytest.raises(rms_norm.NormError):
         rms_norm.add_rms_norm(torch.zeros(2, 4), None, torch.ones(5), 1e-6)
@@ -73,3 +98,6 @@ def test_kernel_agrees_with_the_reference_on_gpu():
         got, want = rms_norm.add_rms_norm(**on), rms_norm.reference(**on)
         assert torch.equal(got[1], want[1])
         assert_agree(got, want)
+    for case in partial_cases():  # (sums of partials in another order: a step apart at most)
+        on = {k: v.cuda() if torch.is_tensor(v) else v for k, v in case.items()}
+        assert_agree(rms_norm.add_rms_norm(**on), rms_norm.reference(**on))
