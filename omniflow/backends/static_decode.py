@@ -1142,13 +1142,12 @@ class StaticDecoder(DecoderCache):
         def attend(i: int, q: torch.Tensor) -> torch.Tensor:
             """Causal attention of each prompt's positions over its slot's first w columns."""
             keys, values = (
-                cache[i, :, :, :w].index_select(0, where).repeat_interleave(group, dim=1)
-                for cache in (self.keys, self.values)
+                cache[i, :, :, :w].index_select(0, where) for cache in (self.keys, self.values)
             )
             q = q.view(b, w, self.q_heads, d).transpose(1, 2)
-            with sdpa_kernel(PREFILL_ATTENTION):
+            with sdpa_kernel(PREFILL_ATTENTION):  # (grouped heads read in place: no copies)
                 out = F.scaled_dot_product_attention(
-                    q, keys, values, is_causal=True, scale=self.scaling
+                    q, keys, values, is_causal=True, scale=self.scaling, enable_gqa=group > 1
                 )
             return out.transpose(1, 2).reshape(b * w, -1)
 
