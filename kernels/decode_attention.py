@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from omniflow.errors import OmniflowError
 from omniflow.kernels.softmax_tile import online_softmax_tile
-from omniflow.kernels.triton_guard import jit, on_triton, tl, triton
+from omniflow.kernels.triton_guard import dependent_launch, gdc_enter, jit, on_triton, tl, triton
 
 # Columns a program reads per tile (fewer where the whole cache is fewer: a code predictor's
 # 16), and the most chunks a row's columns are split into.
@@ -56,8 +56,9 @@ def _chunk_kernel(
     columns, chunk, q_sb, q_sh, q_sg, k_sb, k_sh, k_sc, v_sb, v_sh, v_sc, o_sb, o_sh, o_sg,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, IN_FLOAT32: tl.constexpr, WHOLE: tl.constexpr,
-    HAS_SLOTS: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     """One (row, key/value head, chunk): its queries against the chunk's columns up to the
     row's last, an online softmax; writes the chunk's running max, sum and weighted values
     (max -inf, sum 0 where the chunk starts past the row's last column), or where the chunk
@@ -122,8 +123,9 @@ def _chunk_kernel(
 def _combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, o_sb, o_sh, o_sg,
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLITS: tl.constexpr,
+    SPLITS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     """One (row, key/value head): its chunks' partial softmaxes combined into its output."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
@@ -227,13 +229,13 @@ def decode_attention_triton(
         out.stride(0), out.stride(1), out.stride(2),
         G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         IN_FLOAT32=q.dtype == torch.float32 or not q.is_cuda, WHOLE=splits == 1,
-        HAS_SLOTS=slots is not None,
+        HAS_SLOTS=slots is not None, **dependent_launch(q),
     )  # fmt: skip
     if splits == 1:
         return out
     _combine_kernel[(b, heads)](
         top, total, acc, out, out.stride(0), out.stride(1), out.stride(2),
-        G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, SPLITS=splits,
+        G=group, D=d, BLOCK_G=block_g, BLOCK_D=block_d, SPLITS=splits, **dependent_launch(q),
     )  # fmt: skip
     return out
 

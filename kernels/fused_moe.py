@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from omniflow.errors import OmniflowError
 from omniflow.kernels import moe_route, silu_mul
 from omniflow.kernels.moe_route import align, block_m_for, route
-from omniflow.kernels.triton_guard import jit, tl, triton
+from omniflow.kernels.triton_guard import dependent_launch, gdc_enter, jit, tl, triton
 
 # A program's output columns and its K tile, for both products (benchmarks/fused_moe.py
 # --sweep times others); BLOCK_M (rows a block) follows the tokens an expert gets
@@ -84,8 +84,9 @@ def _moe_matmul_kernel(
     x_ptr, w_ptr, out_ptr, scale_ptr, sorted_ptr, expert_ptr, entries, N, K, top_k,
     x_stride, w_expert_stride, w_stride, out_stride,
     GATED: tl.constexpr, IN_FLOAT32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     # One program: BLOCK_M sorted entries (one expert's) by BLOCK_N of its columns. Gated:
     # x is the tokens [T, K] (entry e reads row e // top_k), W the gate/up stack
     # [E, 2 N, K], out [T k, N]. Else: x is the activations [T k, K] (top_k = 1), W the down
@@ -232,6 +233,7 @@ def experts_triton(
             x, w, out, scale, sorted_ids, expert_ids, entries, n, k, rows_a_token,
             x.stride(0), w.stride(0), w.stride(1), out.stride(0),
             GATED=gated, IN_FLOAT32=in_float32, BLOCK_N=bn, BLOCK_K=bk, **tuning,
+            **dependent_launch(x),
         )  # fmt: skip
     return _total(partial, summed)
 

@@ -75,7 +75,7 @@ import torch
 
 from omniflow.errors import OmniflowError
 from omniflow.kernels.timing import cuda_median_ms
-from omniflow.kernels.triton_guard import jit, libdevice, tl, triton
+from omniflow.kernels.triton_guard import dependent_launch, gdc_enter, jit, libdevice, tl, triton
 
 # The largest padded [T, E] tile one program routes (see the module docstring).
 MAX_TILE = 8192
@@ -95,8 +95,9 @@ def _moe_route_kernel(
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr,
     SOFTMAX_LANES: tl.constexpr, SOFTMAX_ROUNDS: tl.constexpr,
-    SUM_LANES: tl.constexpr, SUM_ROUNDS: tl.constexpr,
+    SUM_LANES: tl.constexpr, SUM_ROUNDS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     rows = tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_in = rows < tokens
@@ -332,7 +333,7 @@ def moe_route_triton(
         _moe_route_kernel[(1,)](
             router_logits, ids, weights, sorted_ids, expert_ids,
             tokens, experts, router_logits.stride(0), router_logits.stride(1), blocks,
-            **constexprs, **options,
+            **constexprs, **options, **dependent_launch(router_logits),
         )  # fmt: skip
     return ids, weights, sorted_ids, expert_ids
 

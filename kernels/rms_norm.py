@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from omniflow.errors import OmniflowError
-from omniflow.kernels.triton_guard import jit, tl, triton
+from omniflow.kernels.triton_guard import dependent_launch, gdc_enter, jit, tl, triton
 
 # The most partial-sum values one program loads at once (`most_parts`).
 PARTIAL_ELEMENTS = 16384
@@ -46,8 +46,9 @@ class NormError(OmniflowError):
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, H, eps, parts,
     x_stride, residual_part_stride, residual_stride, out_stride, sum_stride,
-    HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     inside = offs < H
@@ -110,7 +111,7 @@ def add_rms_norm_triton(
             x, parts, weight, out, total, width, eps, parts.shape[0],
             x.stride(0), parts.stride(0), parts.stride(1), out.stride(0), total.stride(0),
             HAS_RESIDUAL=residual is not None, PARTS=held // block, BLOCK=block,
-            num_warps=4 if held <= 2048 else 8,
+            num_warps=4 if held <= 2048 else 8, **dependent_launch(x),
         )  # fmt: skip
     return out, total
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from omniflow.errors import OmniflowError
-from omniflow.kernels.triton_guard import jit, tl, triton
+from omniflow.kernels.triton_guard import dependent_launch, gdc_enter, jit, tl, triton
 
 
 class RopeError(OmniflowError):
@@ -74,8 +74,9 @@ def _rope_cache_kernel(
     qkv_stride, cos_stride, q_stride_b, q_stride_h,
     cache_stride_s, cache_stride_h, cache_stride_c, columns,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
-    HAS_SLOTS: tl.constexpr, QK_NORM: tl.constexpr,
+    HAS_SLOTS: tl.constexpr, QK_NORM: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -143,6 +144,7 @@ def rope_cache_triton(
             keys.stride(0), keys.stride(1), keys.stride(2), keys.shape[2],
             Q_HEADS=q_heads, KV_HEADS=kv_heads, D=d, BLOCK=triton.next_power_of_2(d),
             HAS_SLOTS=slots is not None, QK_NORM=q_norm is not None, num_warps=1,
+            **dependent_launch(qkv),
         )  # fmt: skip
     return q
 

@@ -68,7 +68,7 @@ import torch
 
 from omniflow.errors import OmniflowError
 from omniflow.kernels.timing import cuda_median_ms
-from omniflow.kernels.triton_guard import jit, tl, triton
+from omniflow.kernels.triton_guard import dependent_launch, gdc_enter, jit, tl, triton
 
 # Block of one pass over a row on the GPU (8 scores per thread with 16 warps); a candidate set
 # of at most this many scores is searched in one block per pass.
@@ -208,7 +208,9 @@ def _sample_kernel(
     HAS_SEEN: tl.constexpr,
     WRITE_MASK: tl.constexpr,
     BLOCK: tl.constexpr,
+    GDC: tl.constexpr,
 ):
+    gdc_enter(GDC)
     row = tl.program_id(0)
     logits = logits_ptr + row.to(tl.int64) * logits_stride
     seen = seen_ptr + row.to(tl.int64) * seen_stride
@@ -438,6 +440,7 @@ def sample_triton(
             WRITE_MASK=with_mask,
             BLOCK=block,
             num_warps=num_warps,
+            **dependent_launch(logits),
         )
     return ids, mask if with_mask else None
 

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from omniflow.errors import OmniflowError
 from omniflow.kernels import silu_mul
-from omniflow.kernels.triton_guard import jit, tl, triton
+from omniflow.kernels.triton_guard import dependent_launch, gdc_enter, jit, tl, triton
 
 # The most rows one call takes: the smallest tile side of Triton's tensor-core product.
 ROWS = 16
@@ -59,8 +59,9 @@ def _skinny_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, tiles_per_split,
     x_stride, w_stride, out_split_stride, out_stride,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, IN_FLOAT32: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
+    gdc_enter(GDC)
     split = tl.program_id(1)
     rows = tl.arange(0, ROWS)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -174,6 +175,7 @@ def skinny_matmul_triton(
             HAS_BIAS=bias is not None, GATED=gated,
             IN_FLOAT32=x.dtype == torch.float32 or not x.is_cuda,
             ROWS=ROWS, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=num_stages,
+            **dependent_launch(x),
         )  # fmt: skip
     return out
 

@@ -9,6 +9,7 @@ compile on CUDA only: Triton's interpreter has none).
 
 from __future__ import annotations
 
+import functools
 import os
 
 try:
@@ -19,6 +20,12 @@ except ModuleNotFoundError:
     triton = tl = libdevice = None
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Programmatic dependent launch (compute capability 9 and later): a kernel launched with it
+# is scheduled while the kernel before it in the stream is still running, and waits
+# (`gdc_wait`, its first instruction) until that kernel's writes are visible, so a chain
+# of small decode kernels loses the gap between one's end and the next one's start. Off
+# unless OMNIFLOW_PDL=1 until measured on a GPU (benchmarks/tts_frames.py, stage_steps.py).
+PDL = os.environ.get("OMNIFLOW_PDL") == "1"
 
 
 def jit(fn):
@@ -31,3 +38,27 @@ def on_triton(tensor) -> bool:
     Triton's interpreter (`TRITON_INTERPRET=1`, set by the tests that run whole models'
     fused paths through the kernels there)."""
     return triton is not None and (tensor.is_cuda or _INTERPRETED)
+
+
+@functools.cache
+def _capability(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def dependent_launch(tensor) -> dict:
+    """A kernel's launch options over `tensor`'s device: its `GDC` constexpr (for
+    `gdc_enter`) and, where programmatic dependent launch is on (`PDL`, a CUDA device of
+    compute capability 9 or later), `launch_pdl`."""
+    on = PDL and tensor.is_cuda and _capability(tensor.device.index or 0) >= 9
+    return {"GDC": True, "launch_pdl": True} if on else {"GDC": False}
+
+
+@jit
+def gdc_enter(GDC: tl.constexpr):
+    """A kernel's first statement: under a dependent launch, wait for the kernel before it,
+    then let the next one be scheduled (it waits in turn for this one's writes)."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -235,12 +235,14 @@ def test_the_bound_and_the_fallback():
 def test_the_kernel_compiles_for_an_h200(top_k):
     """Triton's interpreter takes code its compiler refuses: the kernel at a 32-token thinker
     and talker step (k = 6: the weights' sum pairs columns), as the launcher configures it,
-    compiled here for sm_90 (Triton's own ptxas; no GPU needed)."""
+    compiled here for sm_90 (Triton's own ptxas; no GPU needed) under a dependent launch
+    (`triton_guard.dependent_launch`)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     meta, options = moe_route.launch_meta(32, 128, top_k, True, 16, on_cuda=True)
+    meta["GDC"] = True
     pointers = {"logits_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*bf16"}
     pointers |= {"sorted_ptr": "*i64", "expert_ids_ptr": "*i64"}
     sizes = dict.fromkeys(["tokens", "experts", "row_stride", "col_stride", "blocks"], "i32")
@@ -248,6 +250,7 @@ def test_the_kernel_compiles_for_an_h200(top_k):
     source = ASTSource(fn=moe_route._moe_route_kernel, signature=signature, constexprs=meta)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm["cubin"] and "div.rn.f32" in compiled.asm["ptx"]
+    assert "griddepcontrol.wait" in compiled.asm["ptx"]
 
 
 def test_operands_are_checked():
