@@ -107,6 +107,11 @@ def print_profile(server: Server, model: str, rounds: dict, trace: Path, gpu: bo
     print(f"{'TTFP at the client':>40} " + " ".join(f"{c:11.1f}" for c in client))
     print(f"{'outside the path (HTTP and client)':>40} "
           + " ".join(f"{c - e:11.1f}" for c, e in zip(client, engine, strict=True)))  # fmt: skip
+    by_id = {r.id: r for r in spoken}
+    sides = [outside_sides(measured[name], by_id) for name in rounds]
+    if all(sides):  # results that carry their request ids and send times
+        for row, side in (("before it: sent -> inputs out", 0), ("after it: audio -> client", 1)):
+            print(f"{row:>40} " + " ".join(f"{s[side]:11.1f}" for s in sides))
     print(f"\n{'stage':>13} {'steps':>6} {'batch':>6} {'med ms':>7} {'p90':>7} {'max':>7} "
           f"{'start med':>9}")  # fmt: skip
     for stage, steps in profile.steps.items():
@@ -125,6 +130,25 @@ def print_profile(server: Server, model: str, rounds: dict, trace: Path, gpu: bo
     if gpu:
         print("\nwhere the GPU's time went (kernels of the rounds above):")
         print(format_gpu_time(gpu_time(written)))
+
+
+def outside_sides(results: list[dict], timelines: dict) -> tuple[float, float] | None:
+    """The mean ms outside a round's critical paths split in two, for client results with
+    "id" (the request's x-request-id), "sent" (`time.monotonic()` as it was sent: the trace's
+    clock, one for every process of the host) and "ttfp" (ms): from sending to the request's
+    inputs leaving the frontend (the client's connection and send, the HTTP server, the
+    admission), and from its first audio taken at the frontend to the client holding it."""
+    before, after = [], []
+    for result in results:
+        timeline = timelines.get(result.get("id"))
+        if timeline is None or result.get("sent") is None or result.get("ttfp") is None:
+            continue
+        if "audio" not in timeline.first_out:
+            continue
+        sent_us = result["sent"] * 1e6
+        before.append((timeline.t0 - sent_us) / 1e3)
+        after.append((sent_us + result["ttfp"] * 1e3 - timeline.first_out["audio"]) / 1e3)
+    return (statistics.fmean(before), statistics.fmean(after)) if before else None
 
 
 def summary(values: list[float]) -> str:

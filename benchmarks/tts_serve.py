@@ -129,7 +129,7 @@ GOALS = {  # (level, metric) -> (bound, "<=" or ">="): issue 37's
 # --- requests -------------------------------------------------------------------------------
 async def speak(client: httpx.AsyncClient, body: dict) -> dict:
     """One streamed PCM request, timed as the peer times it."""
-    began = time.perf_counter()
+    began, sent = time.perf_counter(), time.monotonic()  # (monotonic: the server's trace clock)
     first, audio_s, playback = None, 0.0, Playback()
     async with client.stream("POST", "/v1/audio/speech", json=body) as reply:
         if reply.status_code != 200:
@@ -142,6 +142,8 @@ async def speak(client: httpx.AsyncClient, body: dict) -> dict:
                 audio_s += seconds
     ended = time.perf_counter()
     return {
+        "id": reply.headers.get("x-request-id"),
+        "sent": sent,
         "ttfp": (first - began) * 1e3 if first else None,
         "e2e": (ended - began) * 1e3,
         "audio_s": audio_s,
