@@ -58,11 +58,11 @@ def _chunk_kernel(
     BLOCK_N: tl.constexpr, IN_FLOAT32: tl.constexpr, WHOLE: tl.constexpr,
     HAS_SLOTS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    gdc_enter(GDC)
     """One (row, key/value head, chunk): its queries against the chunk's columns up to the
     row's last, an online softmax; writes the chunk's running max, sum and weighted values
     (max -inf, sum 0 where the chunk starts past the row's last column), or where the chunk
     is the row's whole (WHOLE: one split) its output."""
+    gdc_enter(GDC)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -125,8 +125,8 @@ def _combine_kernel(
     G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLITS: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
-    gdc_enter(GDC)
     """One (row, key/value head): its chunks' partial softmaxes combined into its output."""
+    gdc_enter(GDC)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     g = tl.arange(0, BLOCK_G)

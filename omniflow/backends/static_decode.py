@@ -95,9 +95,9 @@ state, codebook 0's embedding, then codebooks 1..G-2 as they are sampled) run on
 (on the fused path the first two in one pass, two rows a slot: one read of the predictor's
 weights for both) over a scratch KV cache of its own, `[layers, slots, kv_heads, G,
 head_dim]`, allocated at load and overwritten from column 0 every frame (so nothing is
-reset or moved between frames; on the fused path attending through `decode_attention`, each row over the columns
-written so far); each codebook is sampled by the fused sampler with the request's
-sub-stream (its seed + `SUB_SEED`, step `frame * MAX_SUB_STEPS + codebook`: the draws
+reset or moved between frames; on the fused path attending through `decode_attention`,
+each row over the columns written so far); each codebook is sampled by the fused sampler
+with the request's sub-stream (its seed + `SUB_SEED`, step `frame * MAX_SUB_STEPS + codebook`: the draws
 `transformers_ar.sample_sub_step` makes on CUDA, so the eager and static paths draw the
 same codes from the same logits), greedily where the request is greedy, else with the
 spec's sampling. The frame's G codes go to a per-slot buffer that the host reads back with
