@@ -85,7 +85,7 @@ from omniflow.hf_logging import quiet
 from omniflow.kernels.sampling import sample
 from omniflow.runtime.doorbells import Ending
 from omniflow.runtime.readback import IN_FLIGHT, upload
-from omniflow.runtime.slack import Playback, urgent_first
+from omniflow.runtime.slack import Playback, can_wait, urgent_first
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 # Where a request's decoding state lives in `call.state`.
@@ -744,7 +744,7 @@ class TransformersAR(Backend):
         if seq is None:
             return self.component.can_start(call) and len(self.rows) < self.capacity
         if self.static is None:
-            return self._may_step(seq)
+            return self._may_step(seq) and not self._waits(seq)
         # On the static path a step makes progress if it can read landed tokens (a step's
         # or a prefill's first) or launch another; a row whose tokens are still on their way
         # waits without blocking.
@@ -752,7 +752,10 @@ class TransformersAR(Backend):
         launchable = len(self.launches) < IN_FLIGHT or landed
         landed = landed or bool(self.firsts) and self.firsts[0].launched.landed()
         waiting = seq.ahead > 0 or seq.first_ahead
-        return waiting and landed or self._may_step(seq) and launchable
+        return waiting and landed or self._may_step(seq) and launchable and not self._waits(seq)
+
+    def first_packet_in_flight(self) -> bool:
+        return any(seq.slot >= 0 for first in self.firsts for seq in first.seqs)
 
     def in_flight(self) -> bool:
         # A step launched after its rows' end was learned waits, harmless, for the next
@@ -776,6 +779,13 @@ class TransformersAR(Backend):
     def _may_step(self, seq: Sequence) -> bool:
         return seq.next_step < seq.sampling.max_tokens and self.component.can_step(seq)
 
+    def _waits(self, seq: Sequence) -> bool:
+        """Whether the row's next step waits for a first packet on the device (slack.py):
+        one whose own first frame is on its way, or whose listener can wait."""
+        if not self.first_packets_first or self.plays_s is None:
+            return False
+        return seq.first_ahead or can_wait(seq.playback.runs_out(self.plays_s), time.monotonic())
+
     @torch.inference_mode()
     def step(self, calls: list[Call]) -> None:
         starting, stepping = [], []
@@ -790,7 +800,7 @@ class TransformersAR(Backend):
                     and len(self.rows) + len(starting) < self.capacity
                 ):
                     starting.append(call)
-            elif self._may_step(seq):
+            elif self._may_step(seq) and not self._waits(seq):
                 stepping.append(seq)
         if self.static is None:
             if stepping:

@@ -97,7 +97,7 @@ from omniflow.catalog.resolve import model_path
 from omniflow.errors import OmniflowError
 from omniflow.runtime.edges import chunk_end
 from omniflow.runtime.readback import IN_FLIGHT, HostCopies, HostCopy, upload
-from omniflow.runtime.slack import Playback, StepTimer, cut_short, urgent_first
+from omniflow.runtime.slack import Playback, StepTimer, can_wait, cut_short, urgent_first
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 
@@ -500,12 +500,26 @@ class Vocoder(Backend):
                 return False  # all that is left is on its way
         room = len(self.reading) < IN_FLIGHT or landed
         fresh = codes.available() or codes.ended or stream is not None and stream.backlog
-        return room and fresh
+        return room and fresh and not (stream is not None and self._waits(stream))
 
     def in_flight(self) -> bool:
         # A dropped request's audio still on its way is taken by the next step: only a live
         # request's keeps the loop polling.
         return any("stream" in call.state for d in self.reading for call in d.calls)
+
+    def first_packet_in_flight(self) -> bool:
+        return any(
+            "stream" in call.state and w.stream.first_sent is None and w.keep_end > w.keep_start
+            for d in self.reading
+            for w, call in zip(d.windows, d.calls, strict=True)
+        )
+
+    def _waits(self, stream: _Stream) -> bool:
+        """Whether the stream's next window waits for a first packet on the device: its
+        listener can (slack.py)."""
+        if not self.first_packets_first or self.frame_s is None or stream.first_sent is None:
+            return False
+        return can_wait(stream.runs_out(self.frame_s), time.monotonic())
 
     def urgent_first(self, calls: list[Call]) -> list[Call]:
         """Slack first (`order="slack"`): requests not opened yet, then the streams whose
@@ -527,6 +541,8 @@ class Vocoder(Backend):
                 stream = self._receive(call)
             except VocoderError as err:
                 call.fail(err)
+                continue
+            if self._waits(stream):
                 continue
             if windows := self._windows(stream, call.inputs[self.port].ended):
                 if self.stateful and stream.slot is None:

@@ -363,8 +363,9 @@ class ProgramLoop:
     def pump(self) -> bool:
         """One turn: receive every chunk that has arrived, put the chunks that waited for
         credits, then step every stage once, in topological order (a stage downstream of a
-        local channel sees its upstream's output in the same turn). True if another turn
-        could do more: a stage may have a request ready."""
+        local channel sees its upstream's output in the same turn), the streams that can
+        wait held back while a first packet is on the device (slack.py). True if another
+        turn could do more: a stage may have a request ready."""
         self.receive()
         for name, outbound in list(self.links.outbound.items()):
             try:
@@ -372,6 +373,10 @@ class ProgramLoop:
                     outbound.flush()
             except ChannelError:
                 self.links.outbound.pop(name).close()
+        # A first packet on the device anywhere here goes before the streams that can wait.
+        first = any(r.backend.first_packet_in_flight() for r in self.runners.values())
+        for runner in self.runners.values():
+            runner.backend.first_packets_first = first
         for runner in self.runners.values():
             if not self.congested(runner):
                 with runner.stream.active():

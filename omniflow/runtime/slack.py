@@ -11,7 +11,14 @@ that make audio put the stream that runs dry first first:
   the most urgent, the earliest first;
 - the writer of an edge into a vocoder that carries its state cuts the edge's chunks: its
   schedule (1, 2, 4, ... frames) widens only while the stream is ahead of its listener,
-  and a chunk that would keep the listener waiting goes out short (`cut_short`).
+  and a chunk that would keep the listener waiting goes out short (`cut_short`);
+- a request's first packet goes first: while one is on the device in a stage of a program
+  (a prefill's first frame, a vocoder's first window), the program's audio stages launch
+  nothing for the streams that can wait (`can_wait`: their listeners have HOLD_S of audio
+  left, or have not started), so the first packet has the GPU to itself. On one GPU a
+  vocoder's first window beside the talker's next frames took 4.9 ms where alone it takes
+  3.1 (docs/benchmarks-log.md, "Qwen3-Omni's thinker at full depth, ..."); the frames it
+  waits for are needed only once the first packet has played.
 
 Without a known duration a step (text, or a codec of unknown rate) every stream counts as
 having sent nothing: arrival order, the schedule as planned.
@@ -67,6 +74,19 @@ class StepTimer:
             interval = (now - self.last) / steps
             self.step_s = interval if self.step_s is None else (self.step_s + interval) / 2
         self.last = now
+
+
+# The audio a stream's listener must have left for its next step to wait for another
+# request's first packet. A stream with less steps at once: 40 ms covers its next packet's
+# making once it does (a talker frame and a code2wav window at batch 64 take ~6 and ~13 ms
+# on an H100); and it is below one Qwen3-TTS frame (80 ms), so that a stream one frame in
+# lets the first packets by.
+HOLD_S = 0.04
+
+
+def can_wait(runs_out: float, now: float) -> bool:
+    """Whether a stream whose listener runs dry at `runs_out` can let a first packet by."""
+    return runs_out - now > HOLD_S
 
 
 def cut_short(slack_s: float, missing: int, step_s: float | None) -> bool:

@@ -172,6 +172,10 @@ class Backend(ABC):
     captures = 0
     capture_seconds = 0.0
     capture_work = ""
+    # Set by the loop before each turn's steps: some stage of the program has a first packet
+    # on the device (`first_packet_in_flight`). A stage that makes audio then launches
+    # nothing for the streams that can wait (slack.py), and says they are not `ready`.
+    first_packets_first = False
 
     def __init__(self, spec: StageSpec, device: str):
         self.spec = spec
@@ -198,6 +202,12 @@ class Backend(ABC):
         voice encoder's request with no reference to encode). The runner steps such calls
         beside its `max_batch`, which bounds a step's work, so that a stage whose requests
         mostly pass it holds none of them back a turn; by default none."""
+        return False
+
+    def first_packet_in_flight(self) -> bool:
+        """Whether a request's first packet is on the device here (a prefill's first token
+        or frame, a vocoder's first window, queued and not emitted yet): while a stage of
+        the program says so, the loop sets every stage's `first_packets_first`."""
         return False
 
     def urgent_first(self, calls: list[Call]) -> list[Call]:

@@ -388,6 +388,58 @@ def test_when_rows_contend_the_stream_whose_listener_runs_dry_first_steps_first(
     runner.drop_all()
 
 
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_while_a_first_packet_is_on_the_device_streams_that_can_wait_launch_nothing(
+    plan, decode, monkeypatch
+):
+    """Steps that play (10 s a token here): while some stage of the program has a first
+    packet on the device (`first_packets_first`, the loop's), a row whose listener has
+    audio left launches no step and is not ready, and a request waiting to start still
+    starts; once the first packet is out, both go on. On the static path the stage's own
+    first tokens in flight (three polls late, injected) are such a first packet, and the
+    row they belong to waits for them to land before its next step."""
+    spec = StageSpec.from_channels(with_decode(plan, decode), plan.channels)
+    backend = TransformersAR(dataclasses.replace(spec, plays={"tokens": 10.0}), "cpu")
+    runner = StageRunner(backend.spec, backend, max_batch=4)
+
+    def arrive(request_id: str):
+        runner.start(request_id, {"max_tokens": 12, "temperature": 0.0})
+        runner.feed(request_id, "prompt", [{"role": "user", "content": PROMPTS[0]}], True)
+        return runner.calls[request_id]
+
+    def launched(call) -> int:
+        return call.state[transformers_ar._STATE].next_step
+
+    first = arrive("first")
+    for _ in range(3):
+        runner.step()
+    assert launched(first) == 3 and not backend.first_packet_in_flight()
+    backend.first_packets_first = True
+    runner.step()
+    assert launched(first) == 3 and not backend.ready(first)
+    new = arrive("new")
+    runner.step()  # it starts: its first token leaves, and it can wait too
+    assert launched(first) == 3 and launched(new) == 1 and not backend.ready(new)
+    backend.first_packets_first = False
+    runner.step()
+    assert launched(first) == 4 and launched(new) == 2
+    runner.drop_all()
+    if decode == "eager":
+        return
+    land_late(monkeypatch, static_decode.Launched)
+    late = arrive("late")
+    runner.step()  # the prefill: its first token on its way
+    assert backend.first_packet_in_flight()
+    backend.first_packets_first = True  # (as the loop sets it)
+    assert not backend.ready(late)  # its next step waits for the first to land
+    for _ in range(5):
+        if not backend.first_packet_in_flight():
+            break
+        runner.step()
+    assert not backend.first_packet_in_flight() and launched(late) == 1
+    runner.drop_all()
+
+
 @contextlib.contextmanager
 def forward_shapes(decoder):
     """The (rows, positions) of each decoder forward while the block runs."""

@@ -42,6 +42,7 @@ from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
 from omniflow.runtime.stage import Call, InputStream, PortSpec, StageSpec
 from tests.gpu_wiring import stage_spec
+from tests.runtime.test_readback import land_late
 
 torch.set_num_threads(1)
 
@@ -268,6 +269,45 @@ def test_the_request_about_to_run_dry_goes_first(tts_plan, order, monkeypatch):
     sent = [call.request_id for call in (r0, r1) if call.emitted]
     assert sent == (["r1"] if order == "slack" else ["r0", "r1"])
     assert vocoder.ready(r0) == (order == "slack")  # its window is left for the next step
+
+
+def test_while_a_first_packet_is_on_the_device_a_stream_ahead_of_its_listener_waits(
+    tts_plan, monkeypatch
+):
+    """r0 has been sent 60 frames of audio. While some stage of the program has a first
+    packet on the device (`first_packets_first`, the loop's), r0's next window waits and r0
+    is not ready; r1's first window decodes, and while its audio is on its way (landing
+    three polls late, injected) it is this stage's first packet in flight. Once that has
+    landed and the flag is down, r0 goes on."""
+    vocoder = ordered(tts_plan, "slack")
+    monkeypatch.setattr(vocoder, "grid_end", None)  # every ready frame in one window
+    g = torch.Generator().manual_seed(3)
+    codes = [torch.randint(0, 128, (n, 1), generator=g) for n in (98, 20)]
+    r0, r1 = (Call(f"r{i}", {}, {"codes": InputStream("codes")}) for i in range(2))
+    r0.inputs["codes"].push(codes[0][:69], False)
+    vocoder.step([r0])
+    r0.emitted.clear()
+    r0.inputs["codes"].push(codes[0][69:], False)
+    vocoder.first_packets_first = True
+    assert not vocoder.ready(r0)
+    land_late(monkeypatch)
+    r1.inputs["codes"].push(codes[1], False)
+    vocoder.step([r0, r1])
+    assert vocoder.first_packet_in_flight() and not r0.emitted
+    for _ in range(5):
+        if r1.emitted:
+            break
+        vocoder.step([r1])
+    assert r1.emitted and not vocoder.first_packet_in_flight()
+    assert not vocoder.ready(r0)
+    vocoder.first_packets_first = False
+    assert vocoder.ready(r0)
+    vocoder.step([r0])
+    for _ in range(5):
+        if r0.emitted:
+            break
+        vocoder.step([r0])
+    assert r0.emitted
 
 
 def test_bad_codes_fail_their_request_alone(dac):

@@ -15,7 +15,7 @@ from omniflow.errors import OmniflowError
 from omniflow.plan import ChannelPlan
 from omniflow.runtime.edges import StreamWriter, chunk_end
 from omniflow.runtime.port_values import Ahead
-from omniflow.runtime.slack import Playback, StepTimer, cut_short, urgent_first
+from omniflow.runtime.slack import HOLD_S, Playback, StepTimer, can_wait, cut_short, urgent_first
 
 
 def test_a_listener_runs_dry_when_what_it_was_sent_has_played():
@@ -44,6 +44,14 @@ def test_a_chunk_goes_out_short_when_its_listener_would_run_dry_waiting():
     assert timer.step_s is None
     timer.add(2, now=1.2)
     assert math.isclose(timer.step_s, 0.1)
+
+
+def test_a_stream_lets_a_first_packet_by_while_its_listener_has_audio_to_spare():
+    playback = Playback(opened=1.0)
+    assert not can_wait(playback.runs_out(0.08), now=1.0)  # nothing sent: it cannot wait
+    playback.send(1, now=1.0)  # one 80 ms frame, above HOLD_S
+    assert can_wait(playback.runs_out(0.08), now=1.0)
+    assert not can_wait(playback.runs_out(0.08), now=1.08 - HOLD_S + 0.001)
 
 
 def paced_edge(plays_s: float) -> ChannelPlan:
