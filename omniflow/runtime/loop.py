@@ -41,6 +41,7 @@ from omniflow.runtime.link import Inbound, Links
 from omniflow.runtime.loading import load_order, load_stages
 from omniflow.runtime.port_values import Ahead, nbytes, steps
 from omniflow.runtime.requests import Admitted, describe
+from omniflow.runtime.slack import HoldBudget
 from omniflow.runtime.stage import Backend, Call, InputStream, StageSpec
 from omniflow.runtime.streams import (
     PROGRAM_ORDER,
@@ -267,6 +268,7 @@ class ProgramLoop:
         self.channel_totals = {c.name: control.ChannelTotals() for c in program.outbound}
         self.handoffs = {c.name: control.HandoffTotals() for c in program.inbound}
         self.links = Links()
+        self.hold = HoldBudget()  # how long first packets may hold the running streams
         streams = stage_streams(program)
         order = load_order(program, streams, load)
         loaded = load_stages(program, backends, streams, order, on_loaded)
@@ -374,7 +376,8 @@ class ProgramLoop:
             except ChannelError:
                 self.links.outbound.pop(name).close()
         # A first packet on the device anywhere here goes before the streams that can wait.
-        first = any(r.backend.first_packet_in_flight() for r in self.runners.values())
+        wanted = any(r.backend.first_packet_in_flight() for r in self.runners.values())
+        first = self.hold.hold(wanted, time.monotonic())
         for runner in self.runners.values():
             runner.backend.first_packets_first = first
         for runner in self.runners.values():

@@ -15,7 +15,17 @@ from omniflow.errors import OmniflowError
 from omniflow.plan import ChannelPlan
 from omniflow.runtime.edges import StreamWriter, chunk_end
 from omniflow.runtime.port_values import Ahead
-from omniflow.runtime.slack import HOLD_S, Playback, StepTimer, can_wait, cut_short, urgent_first
+from omniflow.runtime.slack import (
+    HOLD_S,
+    HOLD_SHARE,
+    HOLD_SPELL_S,
+    HoldBudget,
+    Playback,
+    StepTimer,
+    can_wait,
+    cut_short,
+    urgent_first,
+)
 
 
 def test_a_listener_runs_dry_when_what_it_was_sent_has_played():
@@ -52,6 +62,28 @@ def test_a_stream_lets_a_first_packet_by_while_its_listener_has_audio_to_spare()
     playback.send(1, now=1.0)  # one 80 ms frame, above HOLD_S
     assert can_wait(playback.runs_out(0.08), now=1.0)
     assert not can_wait(playback.runs_out(0.08), now=1.08 - HOLD_S + 0.001)
+
+
+def test_first_packets_hold_the_running_streams_for_a_share_of_the_time_at_most():
+    budget = HoldBudget()
+    assert not budget.hold(False, now=0.0)
+    assert budget.hold(True, now=0.001)  # a spell begins with a full bucket
+    now, held = 0.001, 0.0
+    while budget.hold(True, now + 0.001):  # wanted all along: held until the bucket is dry
+        now += 0.001
+        held += 0.001
+    spell = HOLD_SPELL_S / (1 - HOLD_SHARE)
+    assert spell - 0.002 < held < spell + 0.002
+    now += 0.001
+    assert not budget.hold(True, now + 0.001)  # still dry
+    # Wanted nearly always, the streams are held a share of the time.
+    start, held = now, 0.0
+    for _ in range(10_000):
+        now += 0.001
+        held += 0.001 * budget.hold(True, now)
+    assert abs(held / (now - start) - HOLD_SHARE) < 0.02
+    assert budget.hold(False, now + 1.0) is False
+    assert budget.hold(True, now + 1.001)  # a while unwanted: full again
 
 
 def paced_edge(plays_s: float) -> ChannelPlan:
