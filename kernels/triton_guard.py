@@ -23,9 +23,9 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Programmatic dependent launch (compute capability 9 and later): a kernel launched with it
 # is scheduled while the kernel before it in the stream is still running, and waits
 # (`gdc_wait`, its first instruction) until that kernel's writes are visible, so a chain
-# of small decode kernels loses the gap between one's end and the next one's start. Off
-# unless OMNIFLOW_PDL=1 until measured on a GPU (benchmarks/tts_frames.py, stage_steps.py).
-PDL = os.environ.get("OMNIFLOW_PDL") == "1"
+# of small decode kernels loses the gap between one's end and the next one's start: a
+# Qwen3-TTS frame at batch 1 4.65 -> 4.34 ms, Qwen3-Omni's thinker step 1.32 -> 1.29 ms at a
+# quarter depth, on an H100 (docs/benchmarks-log.md, "First packets first, ...").
 
 
 def jit(fn):
@@ -49,9 +49,8 @@ def _capability(index: int) -> int:
 
 def dependent_launch(tensor) -> dict:
     """A kernel's launch options over `tensor`'s device: its `GDC` constexpr (for
-    `gdc_enter`) and, where programmatic dependent launch is on (`PDL`, a CUDA device of
-    compute capability 9 or later), `launch_pdl`."""
-    on = PDL and tensor.is_cuda and _capability(tensor.device.index or 0) >= 9
+    `gdc_enter`) and, on a CUDA device of compute capability 9 or later, `launch_pdl`."""
+    on = tensor.is_cuda and _capability(tensor.device.index or 0) >= 9
     return {"GDC": True, "launch_pdl": True} if on else {"GDC": False}
 
 
