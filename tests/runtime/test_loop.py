@@ -1,21 +1,29 @@
 """The executor loop's contract, turn by turn: `pump()` says whether another turn could do
 more, so the loop sleeps only when nothing is left; a request's Start is taken from the start
-queue when its first chunk arrives; a stage that lacks credits waits without spinning."""
+queue when its first chunk arrives; a stage that lacks credits waits without spinning; a
+first packet on the device holds back the steps that can wait."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
-from omniflow.compiler import compile_source
-from omniflow.runtime import control
+from omniflow.backends import static_decode
+from omniflow.compiler import compile_file, compile_source
+from omniflow.runtime import control, loop, slack
 from omniflow.runtime.doorbells import ChunkMeta
 from omniflow.runtime.engine import Engine
+from omniflow.runtime.events import CALL, RecordedEvents
 from omniflow.runtime.link import Inbound, Outbound
 from omniflow.runtime.loop import ProgramLoop
+from omniflow.runtime.readback import HostCopy
 from omniflow.runtime.shm_ring import local_channel
 from tests.profiler.helpers import identity_chain
+from tests.runtime.test_readback import land_late
 
+GRAPHS = Path(__file__).parents[2] / "graphs"
 CHAIN = identity_chain("chain", 1, 8, 8)
 PARAMS = {"b": {"fn": "omniflow.runtime.builtin_stages.identity", "max_batch": 1}}
 
@@ -183,3 +191,50 @@ def test_request_stats_reach_the_caller_before_its_last_chunk(mode):
         row = stats.edges[name]
         assert row["size_kbytes"] == 3 * 8 / 1024 and row["tx_time_ms"] > 0
         assert row["in_flight_time_ms"] >= 0 and "rx_decode_time_ms" in row
+
+
+@pytest.mark.parametrize("hold", [True, False], ids=["first-packets-first", "no-hold"])
+def test_while_a_first_packet_is_on_the_device_the_talker_launches_no_next_frame(
+    hold, monkeypatch, tmp_path
+):
+    """Qwen3-TTS (tiny) in one program, its talker on the static path, the device's latency
+    injected (a step's tokens and a window's audio land three polls late): the loop holds the
+    talker's next frame until code2wav's first audio is out, so the frame after the first
+    comes after it; with the hold's budget spent (`no-hold`), the talker runs ahead and its
+    second frame lands first. (The budget is raised for the CPU's slow steps.)"""
+    graph = tmp_path / "qwen3_tts.omni"
+    source = (GRAPHS / "qwen3_tts.omni").read_text()
+    source = source.replace('(component="talker",', '(component="talker", decode="static",')
+    # A frame a chunk: off GPUs a per-token stream is what puts two stages in one program.
+    graph.write_text(
+        source.replace(
+            "talker.codes -> code2wav [stream, chunk=auto]",
+            "talker.codes -> code2wav [stream, chunk=1]",
+        )
+    )
+    plan = compile_file(graph, devices="cpu", tiny=True)
+    (program,) = [p for p in plan.executors if len(p.stages) > 1]
+    assert {s.name for s in program.stages} == {"talker", "code2wav"}
+    # A frame's 80 ms, as the compiler marks the edge on a GPU (a CPU plan keeps its runs
+    # bit for bit: unpaced).
+    for channel in [*plan.channels, *program.local]:
+        if channel.dst == "code2wav":
+            channel.plays_s = 0.08
+    spell = 60.0 if hold else 0.0
+    monkeypatch.setattr(slack, "HOLD_SPELL_S", spell)
+    monkeypatch.setattr(loop, "HoldBudget", lambda: slack.HoldBudget(left=spell))
+    land_late(monkeypatch, static_decode.Launched)
+    land_late(monkeypatch, HostCopy)
+    with Engine(plan, "inprocess") as engine:
+        engine.start_profile(1 << 16)
+        engine.generate({"text": "Hello there."}, {"max_tokens": 6, "seed": 1}, request_id="r")
+        profiles = engine.stop_profile()
+    emitted = {"talker": [], "code2wav": []}  # when each stage's steps emitted something
+    for profile in profiles:
+        recorded = RecordedEvents(profile.names, profile.requests, profile.rows)
+        for t, _dur, kind, what, _request, n, _m in recorded.events():
+            if kind == CALL and n > 0 and recorded.names[what] in emitted:
+                emitted[recorded.names[what]].append(t)
+    talker, code2wav = sorted(emitted["talker"]), sorted(emitted["code2wav"])
+    assert len(talker) >= 2 and code2wav
+    assert (talker[1] > code2wav[0]) == hold
