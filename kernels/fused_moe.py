@@ -409,7 +409,7 @@ def _experts_weights(experts: torch.nn.Module) -> tuple[torch.Tensor, torch.Tens
 
 
 def moe_forward(
-    block: torch.nn.Module, hidden: torch.Tensor, *, moe=None, summed: bool = True
+    block: torch.nn.Module, hidden: torch.Tensor, *, moe=None, summed: bool = True, shared=None
 ) -> torch.Tensor:
     """A transformers Qwen3-Omni sparse MoE block's forward
     (`Qwen3OmniMoeThinkerTextSparseMoeBlock`, `Qwen3OmniMoeTalkerTextSparseMoeBlock` and
@@ -419,13 +419,15 @@ def moe_forward(
     `fused_moe` by default (the kernels on CUDA, the reference elsewhere); tests pass
     `fused_moe_triton` to run the kernels in Triton's interpreter. `summed=False` (`moe`
     then `fused_moe_triton`, hidden `[T, H]`): a block without a shared expert gives its k
-    weighted outputs unsummed, `[top_k, T, H]`, for `rms_norm` to add as its residual."""
+    weighted outputs unsummed, `[top_k, T, H]`, for `rms_norm` to add as its residual.
+    `shared(x)`: the shared expert's output over rows `x` `[T, H]` (by default its module's;
+    a decode step passes its own products), which the block weighs by its sigmoid gate."""
     moe = fused_moe if moe is None else moe
     gate = block.gate
     w_gate_up, w_down = _experts_weights(block.experts)
     x = hidden.reshape(-1, hidden.shape[-1])
-    shared = getattr(block, "shared_expert", None)
-    unsummed = {} if summed or shared is not None else {"summed": False}
+    has_shared = hasattr(block, "shared_expert")
+    unsummed = {} if summed or has_shared else {"summed": False}
     out = moe(
         x,
         w_gate_up,
@@ -437,8 +439,9 @@ def moe_forward(
     )
     if unsummed:
         return out
-    if shared is not None:
-        out = out + torch.sigmoid(block.shared_expert_gate(x)) * shared(x)
+    if has_shared:
+        # (as the block's own forward rounds: its product, then the sum)
+        out = out + torch.sigmoid(block.shared_expert_gate(x)) * (shared or block.shared_expert)(x)
     return out.reshape(hidden.shape)
 
 

@@ -58,13 +58,15 @@ shorter lengths need none), and a talker's frame once per batch bucket, in the f
 once per (B, T) (`capture_work` counts what that saves).
 
 The fused step (`fused`, the default on CUDA where `fusable`): each layer's q/k/v and
-gate/up projections are merged into one matrix each (the model's own projections become
+gate/up projections (a sparse MoE block's shared expert's) are merged into one matrix each
+(the model's own projections become
 views of them, so the weights are held once), and the elementwise chains run as Triton
 kernels: residual add + RMSNorm (`omniflow.kernels.rms_norm`), rotary + cache write
 (`rope_cache`), SiLU x up (`silu_mul`). A decode step's few rows go through the skinny
 kernel (`skinny_matmul`) instead of cuBLAS: the gate/up product with SiLU x up in its
 epilogue, and the o and down products split along K into partial sums that the next norm
-adds up, so a layer is 6 launches and attention (~42 unfused). Off CUDA the step runs the
+adds up, so a layer is 6 launches and attention (~42 unfused); a shared expert's gate/up
+and down products are two of them (five op by op). Off CUDA the step runs the
 model's modules op by op (`_layers`), as HF's forward does (the CPU tests run the fused
 path under Triton's interpreter, `fused=True`).
 
@@ -258,11 +260,20 @@ def _is_silu(act) -> bool:
     return torch.equal(act(probe), torch.nn.functional.silu(probe))
 
 
+def _swiglu(mlp: torch.nn.Module) -> bool:
+    """Whether `mlp` is a SwiGLU MLP the skinny kernel's gated product takes: gate, up and
+    down projections, SiLU, no gate/up bias."""
+    if not _dense(mlp) or not _is_silu(getattr(mlp, "act_fn", None)):
+        return False
+    return mlp.gate_proj.bias is None and mlp.up_proj.bias is None
+
+
 def fusable(decoder: torch.nn.Module) -> bool:
     """Whether the fused step (`StaticDecoder(fused=True)`) can run `decoder`: RMSNorms
     with a weight and `variance_epsilon` (q/k norms too, where the attention has them),
     SwiGLU MLPs (gate, up, down projections, SiLU, no gate/up bias) or sparse MoE blocks
-    (`fused_moe.routed`: SwiGLU experts, run on the fused MoE kernels)."""
+    (`fused_moe.routed`: SwiGLU experts, run on the fused MoE kernels, and a SwiGLU shared
+    expert where there is one)."""
     decoder, _ = untapped(decoder)
     norms = [decoder.norm]
     for layer in decoder.layers:
@@ -271,10 +282,10 @@ def fusable(decoder: torch.nn.Module) -> bool:
             norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
         mlp = layer.mlp
         if fused_moe.routed(mlp):
-            continue
-        if not _dense(mlp) or not _is_silu(getattr(mlp, "act_fn", None)):
-            return False
-        if mlp.gate_proj.bias is not None or mlp.up_proj.bias is not None:
+            mlp = getattr(mlp, "shared_expert", None)
+            if mlp is None:
+                continue
+        if not _swiglu(mlp):
             return False
     return all(
         type(n).__name__.endswith("RMSNorm") and hasattr(n, "variance_epsilon") for n in norms
@@ -283,9 +294,9 @@ def fusable(decoder: torch.nn.Module) -> bool:
 
 def _merged(layer: torch.nn.Module) -> tuple:
     """The layer's q/k/v projections as one matrix (and bias), and its gate/up projections
-    as one (None for a sparse MoE block: its experts are stacked already): made once, with
-    the layer's own projections pointed at views of them, so the weights are held once and
-    prefill reads the same memory."""
+    as one (for a sparse MoE block its shared expert's, or None: its experts are stacked
+    already): made once, with the layer's own projections pointed at views of them, so the
+    weights are held once and prefill reads the same memory."""
     merged = getattr(layer, "_omniflow_merged", None)
     if merged is not None:
         return merged
@@ -306,7 +317,8 @@ def _merged(layer: torch.nn.Module) -> tuple:
     projections = [attention.q_proj, attention.k_proj, attention.v_proj]
     with torch.no_grad():
         qkv = fuse(projections, all(p.bias is not None for p in projections))
-        gate_up = fuse([mlp.gate_proj, mlp.up_proj], False)[0] if _dense(mlp) else None
+        gated = getattr(mlp, "shared_expert", mlp)
+        gate_up = fuse([gated.gate_proj, gated.up_proj], False)[0] if _dense(gated) else None
     layer._omniflow_merged = (*qkv, gate_up)
     return layer._omniflow_merged
 
@@ -375,6 +387,13 @@ def _project(x, weight, bias=None, *, gated: bool = False, split: bool = False):
     most = rms_norm.most_parts(weight.shape[0]) if split else 1
     splits = skinny_matmul.split_count(x, weight, most)
     return skinny_matmul.skinny_matmul_triton(x, weight, bias, gated=gated, splits=splits)
+
+
+def _swiglu_mlp(gate_up, mlp: torch.nn.Module, x, split: bool = False):
+    """A SwiGLU MLP's output over rows `x` from its merged `gate_up` weight and its down
+    projection (`_project`: split into partial sums where `split`)."""
+    down = mlp.down_proj
+    return _project(_project(x, gate_up, gated=True), down.weight, down.bias, split=split)
 
 
 # A queued step's (or first tokens') read-back (runtime/readback.py): its ids `[rows]` are
@@ -546,16 +565,18 @@ class DecoderCache:
                 norm.weight,
                 norm.variance_epsilon,
             )
-            if gate_up is None:  # a sparse MoE block: the fused MoE kernels
-                # (its k weighted outputs unsummed where the next norm can add them)
+            if fused_moe.routed(layer.mlp):  # a sparse MoE block: the fused MoE kernels
+                # (its k weighted outputs unsummed where the next norm can add them; its
+                # shared expert's products, where it has one, on the skinny kernel)
                 summed = layer.mlp.gate.top_k > rms_norm.most_parts(h.shape[1])
+                shared = None
+                if gate_up is not None:
+                    shared = functools.partial(_swiglu_mlp, gate_up, layer.mlp.shared_expert)
                 delta = fused_moe.moe_forward(
-                    layer.mlp, h, moe=fused_moe.fused_moe_triton, summed=summed
+                    layer.mlp, h, moe=fused_moe.fused_moe_triton, summed=summed, shared=shared
                 )
             else:
-                down = layer.mlp.down_proj
-                act = _project(h, gate_up, gated=True)
-                delta = _project(act, down.weight, down.bias, split=True)
+                delta = _swiglu_mlp(gate_up, layer.mlp, h, split=True)
         hidden, _ = rms_norm.add_rms_norm_triton(
             residual, delta, self.norm.weight, self.norm.variance_epsilon
         )
