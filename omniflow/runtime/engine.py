@@ -14,6 +14,7 @@ back through the frontend loop's sink.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import signal
@@ -305,6 +306,36 @@ class Outputs(dict):
     seed: int
 
 
+class ChunkStream:
+    """A submitted request's output chunks, as they are produced (`async for`); closing it
+    before its last chunk cancels the request, iterated or not."""
+
+    def __init__(self, engine: Engine, request_id: str, items: asyncio.Queue):
+        self.engine = engine
+        self.request_id = request_id
+        self.items = items
+        self.finished = False
+
+    def __aiter__(self) -> ChunkStream:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.items.get()
+        if item is None or isinstance(item, BaseException):
+            self.finished = True
+            if item is None:
+                raise StopAsyncIteration
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.cancel(self.request_id)
+
+
 class Engine:
     """A running plan. Use as a context manager; `generate`, `stream`, `cancel`, `close`.
 
@@ -420,25 +451,31 @@ class Engine:
     ) -> AsyncIterator[Chunk]:
         """Output chunks as they are produced; cancelling the consumer cancels the request.
         `inputs` may be a request `admit` checked already (then `params` are its own)."""
+        chunks = self.submit_stream(inputs, params, request_id)
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    def submit_stream(
+        self, inputs: dict | Admitted, params: dict | None = None, request_id: str | None = None
+    ) -> ChunkStream:
+        """Submit the request now, from the event loop's thread: its output chunks as they
+        are produced (`stream` submits only once iterated; a server that answers many
+        requests at once submits each as it admits it, not after every other's reply has
+        started)."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
-        rid = self._submit(
-            inputs,
-            params,
-            request_id,
-            lambda item: loop.call_soon_threadsafe(items.put_nowait, item),
-        )
-        finished = False
-        try:
-            while (item := await items.get()) is not None:
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-            finished = True
-        finally:
-            if not finished:
-                self.cancel(rid)
+
+        def deliver(item) -> None:
+            # (from the I/O thread; a consumer whose event loop has closed is gone: its
+            # request's last words, a cancellation's error among them, go nowhere)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(items.put_nowait, item)
+
+        rid = self._submit(inputs, params, request_id, deliver)
+        return ChunkStream(self, rid, items)
 
     def generate(
         self, inputs: dict | Admitted, params: dict | None = None, request_id: str | None = None

@@ -5,7 +5,7 @@ the request asked for; once all of those have ended it stops (and so cancels wha
 pipeline would still produce for outputs nobody reads). Text passes through the request's
 stop strings, if any: the text is cut before the first, and the request ends there.
 Closing the iterator early, or cancelling its task (a client that went away), cancels the
-request in every stage (`engine.stream`'s contract). It keeps the request's timeline for
+request in every stage (`engine.submit_stream`'s contract). It keeps the request's timeline for
 the metrics and `--log-stats`: time to first token and first audio packet, end to end,
 tokens, seconds of audio; and what the stage that made its text said when it ended it
 (`Ending`: why, its prompt's and its generated tokens), which the reply's `finish_reason`
@@ -15,6 +15,7 @@ and `usage` report.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omniflow.runtime.doorbells import Ending
-from omniflow.runtime.engine import RequestCancelled
+from omniflow.runtime.engine import ChunkStream, RequestCancelled
 from omniflow.runtime.requests import Admitted, RequestFailed
 from omniflow.runtime.transport import EngineError
 from omniflow.server.errors import APIError
@@ -99,6 +100,7 @@ class Run:
         self.ending: Ending | None = None  # the text's producing stage's, when it ended it
         self.stopped = False  # the server cut the text at one of `stops`
         self.error: APIError | None = None  # how a streamed reply ended, if not well
+        self._stream: ChunkStream | None = None
         self._iterator: AsyncIterator | None = None
         self._first: asyncio.Future | None = None
 
@@ -126,8 +128,11 @@ class Run:
         }
 
     def start(self) -> None:
-        """Submit the request now (its first chunk is fetched by a task of its own), so that
-        the pipeline starts while the reply's headers are still being sent."""
+        """Submit the request now, before the reply's headers are sent (its first chunk is
+        fetched by a task of its own): the pipeline starts at once, and a burst of requests
+        is submitted one by one as each is admitted, not after every reply has started."""
+        with contextlib.suppress(EngineError):  # (raised again, a 503, by the first fetch)
+            self._stream = self._submit()
         self._iterator = self._chunks()
         self._first = asyncio.ensure_future(self._iterator.__anext__())
 
@@ -165,14 +170,19 @@ class Run:
             await asyncio.gather(self._first, return_exceptions=True)
         if self._iterator is not None:
             await self._iterator.aclose()
+        if self._stream is not None:  # (submitted, and its chunks perhaps never fetched)
+            await self._stream.aclose()
+
+    def _submit(self) -> ChunkStream:
+        return self.served.engine.submit_stream(self.admitted, request_id=self.request_id)
 
     async def _chunks(self) -> AsyncIterator[tuple[str, object]]:
-        engine = self.served.engine
         scanner = StopScanner(self.stops)
         open_outputs = set(self.outputs)
-        stream = engine.stream(self.admitted, request_id=self.request_id)
         try:
-            async with aclosing(stream) as chunks:
+            if self._stream is None:
+                self._stream = self._submit()
+            async with aclosing(self._stream) as chunks:
                 async for chunk in chunks:
                     if (
                         chunk.end

@@ -1,6 +1,7 @@
 """The runtime under stress: stage exceptions, killed executors, cancellation,
 backpressure, and shutdown — none may hang, lose other requests, or leak shared memory."""
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -245,6 +246,28 @@ def test_cancel_reaches_every_stage_and_empties_the_rings(no_leaks, monkeypatch)
 
         wait_until(idle)
         assert engine.generate({"n": "5"})["out"].flatten().tolist() == [0, 2, 4, 6, 8]
+
+
+def test_a_stream_submitted_and_closed_unread_cancels_its_request(monkeypatch):
+    """`submit_stream` submits at once (a server submits each request as it admits it);
+    closing the stream before reading a chunk ends the request in every stage."""
+    monkeypatch.setenv("OMNIFLOW_TEST_DELAY", "0.005")
+    with Engine(chain(), "process") as engine:
+
+        def idle() -> bool:
+            return all(not any(i.calls.values()) for i in engine.inspect().values())
+
+        async def submit_and_close() -> None:
+            chunks = engine.submit_stream({"n": "100000"})  # (minutes, unless cancelled)
+            await asyncio.sleep(0.5)
+            assert chunks.items.qsize() > 0  # it ran before anything read it
+            await chunks.aclose()
+            with pytest.raises(StopAsyncIteration):
+                await chunks.__anext__()
+
+        asyncio.run(submit_and_close())  # (its loop closed: the cancellation's word is lost)
+        wait_until(idle)
+        assert engine.generate({"n": "3"})["out"].flatten().tolist() == [0, 2, 4]
 
 
 def test_backpressure_bounds_memory_and_loses_nothing(no_leaks, monkeypatch):
