@@ -59,16 +59,15 @@ once per (B, T) (`capture_work` counts what that saves).
 
 The fused step (`fused`, the default on CUDA where `fusable`): each layer's q/k/v and
 gate/up projections (a sparse MoE block's shared expert's) are merged into one matrix each
-(the model's own projections become
-views of them, so the weights are held once), and the elementwise chains run as Triton
-kernels: residual add + RMSNorm (`omniflow.kernels.rms_norm`), rotary + cache write
-(`rope_cache`), SiLU x up (`silu_mul`). A decode step's few rows go through the skinny
-kernel (`skinny_matmul`) instead of cuBLAS: the gate/up product with SiLU x up in its
-epilogue, and the o and down products split along K into partial sums that the next norm
-adds up, so a layer is 6 launches and attention (~42 unfused); a shared expert's gate/up
-and down products are two of them (five op by op). Off CUDA the step runs the
-model's modules op by op (`_layers`), as HF's forward does (the CPU tests run the fused
-path under Triton's interpreter, `fused=True`).
+(the model's own projections become views of them, so the weights are held once), and the
+elementwise chains run as Triton kernels: residual add + RMSNorm
+(`omniflow.kernels.rms_norm`), rotary + cache write (`rope_cache`), SiLU x up (`silu_mul`).
+A decode step's few rows go through the skinny kernel (`skinny_matmul`) instead of cuBLAS:
+the gate/up product with SiLU x up in its epilogue, and the o and down products split along
+K into partial sums that the next norm adds up, so a layer is 6 launches and attention (~42
+unfused); a shared expert's gate/up and down products are two (five op by op). Off CUDA the
+step runs the model's modules op by op (`_layers`), as HF's forward does (the CPU tests run
+the fused path under Triton's interpreter, `fused=True`).
 
 Prefill. On the fused path new requests' prompts go straight into their slots: `prefill`
 runs the fused layers over every prompt position at once (the prompts right-padded to the
@@ -470,6 +469,8 @@ class DecoderCache:
         # filled columns on the device, over the whole cache (`StaticDecoder`'s `bucketed`).
         self.reads_lengths = False
         self.merged = [_merged(layer) for layer in self.layers] if fused else []
+        # Which layers are sparse MoE blocks (`fusable` has made sure the others are SwiGLU).
+        self.routed = [fused_moe.routed(layer.mlp) for layer in self.layers] if fused else []
         with torch.inference_mode():
             shape = (len(self.layers), slots, self.kv_heads, columns, self.head_dim)
             dtype = attention.k_proj.weight.dtype
@@ -565,7 +566,7 @@ class DecoderCache:
                 norm.weight,
                 norm.variance_epsilon,
             )
-            if fused_moe.routed(layer.mlp):  # a sparse MoE block: the fused MoE kernels
+            if self.routed[i]:  # a sparse MoE block: the fused MoE kernels
                 # (its k weighted outputs unsummed where the next norm can add them; its
                 # shared expert's products, where it has one, on the skinny kernel)
                 summed = layer.mlp.gate.top_k > rms_norm.most_parts(h.shape[1])

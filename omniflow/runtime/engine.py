@@ -462,9 +462,8 @@ class Engine:
         self, inputs: dict | Admitted, params: dict | None = None, request_id: str | None = None
     ) -> ChunkStream:
         """Submit the request now, from the event loop's thread: its output chunks as they
-        are produced (`stream` submits only once iterated; a server that answers many
-        requests at once submits each as it admits it, not after every other's reply has
-        started)."""
+        are produced (`stream` submits only once iterated; a server submits a request as
+        it admits it, before its reply's headers go out)."""
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
 

@@ -129,8 +129,7 @@ class Run:
 
     def start(self) -> None:
         """Submit the request now, before the reply's headers are sent (its first chunk is
-        fetched by a task of its own): the pipeline starts at once, and a burst of requests
-        is submitted one by one as each is admitted, not after every reply has started."""
+        fetched by a task of its own): the pipeline starts at once."""
         with contextlib.suppress(EngineError):  # (raised again, a 503, by the first fetch)
             self._stream = self._submit()
         self._iterator = self._chunks()
