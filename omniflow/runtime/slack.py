@@ -15,11 +15,12 @@ that make audio put the stream that runs dry first first:
 - a request's first packet goes first: while one is on the device in a stage of a program
   (a prefill's first frame, a vocoder's first window), the program's audio stages launch
   nothing for the streams that can wait (`can_wait`: their listeners have HOLD_S of audio
-  left; or a talker's row whose own first frame is on its way), so the first packet has the GPU to itself, within a share of
-  the time (`HoldBudget`: under load first packets come nearly always). On one GPU a
-  vocoder's first window beside the talker's next frames took 4.9 ms where alone it takes
-  3.1 (docs/benchmarks-log.md, "Qwen3-Omni's thinker at full depth, ..."); the frames it
-  waits for are needed only once the first packet has played.
+  left; or a talker's row whose own first frame is on its way), so the first packet has
+  the GPU to itself, within a share of the time (`HoldBudget`: under load first packets
+  come nearly always). On one GPU a vocoder's first window beside the talker's next frames
+  took 4.9 ms where alone it takes 3.1 (docs/benchmarks-log.md, "Qwen3-Omni's thinker at
+  full depth, ..."); the frames it waits for are needed only once the first packet has
+  played.
 
 Without a known duration a step (text, or a codec of unknown rate) every stream counts as
 having sent nothing: arrival order, the schedule as planned.
@@ -90,11 +91,12 @@ def can_wait(runs_out: float, now: float) -> bool:
     return runs_out - now > HOLD_S
 
 
-# First packets hold the running streams back for at most this share of the time, in spells
-# of at most HOLD_SPELL_S: at one request a first packet (a prefill's first frame and a
-# vocoder's first window, ~10 ms) holds them alone; under load, where a first packet is on
-# the device nearly always (64 streams of 5 s open ~60 a second), the running streams still
-# have the GPU 85 % of the time, not only the 40 ms before their listeners run dry.
+# First packets hold the running streams back for at most this share of the time, from a
+# bucket of at most HOLD_SPELL_S (a spell lasts HOLD_SPELL_S / (1 - HOLD_SHARE), ~24 ms, at
+# most): at one request a first packet (a prefill's first frame and a vocoder's first
+# window, ~10 ms) holds them alone; under load, where a first packet is on the device nearly
+# always (64 streams of 5 s open ~60 a second), the running streams still have the GPU 85 %
+# of the time, not only the 40 ms before their listeners run dry.
 HOLD_SHARE = 0.15
 HOLD_SPELL_S = 0.02
 

@@ -5,8 +5,8 @@ the request asked for; once all of those have ended it stops (and so cancels wha
 pipeline would still produce for outputs nobody reads). Text passes through the request's
 stop strings, if any: the text is cut before the first, and the request ends there.
 Closing the iterator early, or cancelling its task (a client that went away), cancels the
-request in every stage (`engine.submit_stream`'s contract). It keeps the request's timeline for
-the metrics and `--log-stats`: time to first token and first audio packet, end to end,
+request in every stage (`engine.submit_stream`'s contract). It keeps the request's timeline
+for the metrics and `--log-stats`: time to first token and first audio packet, end to end,
 tokens, seconds of audio; and what the stage that made its text said when it ended it
 (`Ending`: why, its prompt's and its generated tokens), which the reply's `finish_reason`
 and `usage` report.
