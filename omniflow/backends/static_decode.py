@@ -98,16 +98,16 @@ weights for both) over a scratch KV cache of its own, `[layers, slots, kv_heads,
 head_dim]`, allocated at load and overwritten from column 0 every frame (so nothing is
 reset or moved between frames; on the fused path attending through `decode_attention`,
 each row over the columns written so far); each codebook is sampled by the fused sampler
-with the request's sub-stream (its seed + `SUB_SEED`, step `frame * MAX_SUB_STEPS + codebook`: the draws
-`transformers_ar.sample_sub_step` makes on CUDA, so the eager and static paths draw the
-same codes from the same logits), greedily where the request is greedy, else with the
-spec's sampling. The frame's G codes go to a per-slot buffer that the host reads back with
-the ids (one copy each a step), and the row's next input embedding becomes the frame's
-summed codebook embeddings (`summed_codebooks`: codebook 0 in the LM's input embedding,
-the others in the spec's `tables`) in place of its last id's embedding,
-plus the component's extra row as before. With `capture`, the predictor's G positions and
-every sampling step are in the finish's graph, one per batch bucket, replayed right after
-the talker's step graph.
+with the request's sub-stream (its seed + `SUB_SEED`, step `frame * MAX_SUB_STEPS +
+codebook`: the draws `transformers_ar.sample_sub_step` makes on CUDA, so the eager and
+static paths draw the same codes from the same logits), greedily where the request is
+greedy, else with the spec's sampling. The frame's G codes go to a per-slot buffer that
+the host reads back with the ids (one copy each a step), and the row's next input
+embedding becomes the frame's summed codebook embeddings (`summed_codebooks`: codebook 0
+in the LM's input embedding, the others in the spec's `tables`) in place of its last id's
+embedding, plus the component's extra row as before. With `capture`, the predictor's G
+positions and every sampling step are in the finish's graph, one per batch bucket,
+replayed right after the talker's step graph.
 
 First tokens. A request's first token is sampled from its prefill's last hidden state by
 the device work of a step after its layers: `first` takes the prefilled rows (they joined
@@ -469,8 +469,9 @@ class DecoderCache:
         # filled columns on the device, over the whole cache (`StaticDecoder`'s `bucketed`).
         self.reads_lengths = False
         self.merged = [_merged(layer) for layer in self.layers] if fused else []
-        # Which layers are sparse MoE blocks (`fusable` has made sure the others are SwiGLU).
-        self.routed = [fused_moe.routed(layer.mlp) for layer in self.layers] if fused else []
+        # Which layers are sparse MoE blocks: where fused, `fusable` has made sure each layer
+        # is one or a dense SwiGLU MLP (no second probe of the routers).
+        self.routed = [not _dense(layer.mlp) for layer in self.layers] if fused else []
         with torch.inference_mode():
             shape = (len(self.layers), slots, self.kv_heads, columns, self.head_dim)
             dtype = attention.k_proj.weight.dtype
