@@ -38,6 +38,7 @@ wan_cache() {  # MODEL DEPTH
 }
 OMNI_MODEL=Qwen/Qwen3-Omni-30B-A3B-Instruct
 OMNI_BUILD=Qwen--Qwen3-Omni-30B-A3B-Instruct-1  # scaled_checkpoint's folder for depth 1
+omni_built() { [ -e "$1/scaled/$OMNI_BUILD/omniflow_scaled.json" ]; }  # its finished marker
 OMNI_GIB=70  # the build's ~66 GiB and some room
 free_gib() { mkdir -p "$1" && df -B1G --output=avail "$1" | tail -1 | tr -d ' '; }
 omni_cache() {
@@ -45,7 +46,7 @@ omni_cache() {
   # holds the whole build, else the disk's (the builder spills what does not fit there
   # into /dev/shm: scaled.build_scaled).
   for dir in /dev/shm/omniflow-cache "$OMNIFLOW_CACHE"; do
-    [ -e "$dir/scaled/$OMNI_BUILD/omniflow_scaled.json" ] && { echo "$dir"; return; }
+    omni_built "$dir" && { echo "$dir"; return; }
   done
   if [ "$(free_gib /dev/shm)" -ge $OMNI_GIB ]; then echo /dev/shm/omniflow-cache; else echo "$OMNIFLOW_CACHE"; fi
 }
@@ -237,7 +238,7 @@ for part in "$@"; do
       # other omni-* parts read it there. Refused up front where /dev/shm has no room.
       shm=$(free_gib /dev/shm); disk=0
       [ "$OMNI_CACHE" = /dev/shm/omniflow-cache ] || disk=$(free_gib "$OMNI_CACHE")
-      if [ ! -e "$OMNI_CACHE/scaled/$OMNI_BUILD/omniflow_scaled.json" ] && [ $((shm + disk)) -lt $OMNI_GIB ]; then
+      if ! omni_built "$OMNI_CACHE" && [ $((shm + disk)) -lt $OMNI_GIB ]; then
         echo "omni-build: /dev/shm has $shm GiB free and $OMNI_CACHE's disk $disk; the build needs ~66 GiB" \
           | tee "$OUT/omni_build.log"
       else
