@@ -250,6 +250,7 @@ def main() -> None:
             )
             # (its log: an exit before it is ready raises with its tail)
             log = Path(args.server_log or folder) / f"{order}-server.log"
+            log.parent.mkdir(parents=True, exist_ok=True)
             server = Server([str(graph), *flags], log=log)
             try:
                 asyncio.run(level(server.base, name, {**workload, "audio_tokens": 24}, 1, 1))

@@ -18,8 +18,9 @@ split-K reduction kernel per down projection and a separate SiLU x up kernel
 (docs/benchmarks-log.md, "The talker's replay, kernel by kernel"); this kernel does each
 projection in one launch: with the kernels around them, the talker's o, gate/up and down
 products take 0.67x, 0.91x and 0.92x of cuBLAS' time, the thinker's gate/up 0.92x
-(`benchmarks/skinny_matmul.py`; docs/benchmarks-log.md, "Skinny products"). For q/k/v cuBLAS
-stays faster on the thinker's shape, and the decode step keeps it there.
+(`benchmarks/skinny_matmul.py`; docs/benchmarks-log.md, "Skinny products"). Alone, cuBLAS
+streams the thinker's q/k/v faster; chained to its neighbours by dependent launch the
+kernel wins the whole step, and the decode step takes q/k/v here too.
 
 Numerics: products accumulate in float32 (float32 inputs multiply in IEEE float32, as
 torch does without TF32; off CUDA, under Triton's interpreter, which has no bfloat16
