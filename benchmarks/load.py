@@ -31,6 +31,8 @@ CODES_PER_TEXT_TOKEN codes a text token (a random-weight talker never ends its s
 itself). Flags given beside a preset override its values:
 
     python benchmarks/load.py --preset a --devices 1xH200 --scaled 1
+    python benchmarks/load.py --preset b --devices 1xH100 --scaled 1 \
+        --max-batch hearing=2 vision=2 thinker=8 talker=8 code2wav=8  # fits 80 GB
     python benchmarks/load.py --preset b --tiny --prompt-tokens 20 --max-tokens 8 \
         --audio-tokens 16 --concurrency 1 2                               # a CPU check
 """
@@ -205,6 +207,18 @@ def on_models(source: str, scaled: float | None, tiny: bool, devices: str) -> tu
     return source, ["--tiny"] if tiny else []
 
 
+def with_batches(source: str, batches: list[str]) -> str:
+    """The graph's source with each `STAGE=N` of `batches` as that stage's `max_batch` (a
+    smaller GPU: the placement pass refuses a plan that does not fit)."""
+    for item in batches:
+        stage, _, batch = item.partition("=")
+        pattern = rf"(stage {re.escape(stage)}\s*=[^)]*?max_batch=)\d+"
+        source, found = re.subn(pattern, rf"\g<1>{int(batch)}", source)
+        if not found:
+            raise SystemExit(f"--max-batch: no stage '{stage}' with a max_batch in the graph")
+    return source
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), help="one of the peer's workloads")
@@ -218,6 +232,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int)
     parser.add_argument("--audio-tokens", type=int)
     parser.add_argument("--server-args", default="", help="more `omniflow run` flags")
+    parser.add_argument("--max-batch", nargs="+", default=[], metavar="STAGE=N",
+                        help="these stages' max_batch instead of the graph's")  # fmt: skip
     parser.add_argument(
         "--orders", nargs="+", choices=("slack", "arrival"), help="the vocoder orders to compare"
     )
@@ -230,7 +246,7 @@ def main() -> None:
                         help="keep the server's log in DIR (ORDER-server.log), e.g. with "
                         "OMNIFLOW_SYNC_DEBUG=warn, the host syncs its stages' steps make")  # fmt: skip
     args = workload_args(parser.parse_args())
-    source = Path(args.graph).read_text()
+    source = with_batches(Path(args.graph).read_text(), args.max_batch)
     name = re.search(r"pipeline (\w+)", source).group(1)
     flags = ["--devices", args.devices, *args.server_args.split()]
     workload = {
