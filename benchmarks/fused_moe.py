@@ -27,11 +27,15 @@ Next to them: the distinct experts the tokens touch (averaged over the layers), 
 experts (plus the router, and the talker's shared expert) hold, and the time to read them at
 `--bandwidth` (default 4.8e12 B/s, the H200's HBM3e figure) and at the copy rate measured in
 the same run; `x read` is the fused graph's time over the read time at `--bandwidth`, the
-figure the claim is about. `--sweep` also times block sizes and depths and prints the best
-per batch (36 tilings a batch, each compiled: minutes; pass fewer `--tokens`). Asserts
-nothing about speed. Needs a CUDA GPU.
+figure the claim is about. At a prefill's sizes (`--tokens 2500 20000`: one 2,500-token
+prompt, eight of them) the layer is bound by its FLOPs instead: `x FLOPs` is the fused graph's
+time over the routed experts' and router's FLOPs at the matmul rate measured in the same run.
+`--sweep` also times block sizes, depths and (at a prefill's sizes, where an expert gets 128
+entries or more) warps, and prints the best per batch (36 or 32 tilings a batch, each
+compiled: minutes; pass fewer `--tokens`). Asserts nothing about speed. Needs a CUDA GPU.
 
     python benchmarks/fused_moe.py [--tokens 1 8 32 256] [--stage thinker] [--sweep]
+    python benchmarks/fused_moe.py --tokens 2500 20000 --layers 2 --sweep   # prefill
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import itertools
 
 import torch
 import triton
-from stage_steps import copy_bandwidth
+from stage_steps import copy_bandwidth, matmul_rate
 
 from omniflow.catalog.components import builtin_files
 from omniflow.kernels.timing import launches
@@ -103,6 +107,19 @@ def touched(block: torch.nn.Module, x: torch.Tensor) -> tuple[int, int]:
     if shared is not None:
         other += sum(p.nbytes for p in shared.parameters()) + block.shared_expert_gate.weight.nbytes
     return experts, experts * per_expert + other
+
+
+def layer_flops(block: torch.nn.Module, tokens: int) -> int:
+    """FLOPs of the layer's router and routed experts (gate/up, then down) over `tokens`;
+    the talker's shared expert and its gate added."""
+    experts = block.experts
+    inner, width = experts.gate_up_proj.shape[1] // 2, experts.gate_up_proj.shape[2]
+    flops = 2 * tokens * width * (block.gate.weight.shape[0] + 3 * inner * block.gate.top_k)
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:
+        flops += 2 * tokens * sum(p.numel() for p in shared.parameters() if p.dim() == 2)
+        flops += 2 * tokens * block.shared_expert_gate.weight.numel()
+    return flops
 
 
 def per_layer_us(fn, layers: int, graph: bool, iters: int = 30) -> float | None:
@@ -191,16 +208,18 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("no CUDA GPU: the fused MoE kernels' speed only means something on one")
         return
-    copy = copy_bandwidth("cuda", 1 << 30)
+    copy, rate = copy_bandwidth("cuda", 1 << 30), matmul_rate("cuda")
     config = moe_config(args.stage)
     print(
-        f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s (read + written);"
+        f"{torch.cuda.get_device_name()}: copy {copy / 1e12:.2f} TB/s (read + written),"
+        f" matmul {rate / 1e12:.0f} TFLOP/s;"
         f" read times at {args.bandwidth / 1e12:.2f} TB/s. {args.stage} MoE layer {config},"
         f" {args.layers} layers a timing, microseconds a layer ('-': did not run)"
     )
     blocks = build_blocks(args.stage, args.layers)
     names = list(ways(blocks, [None] * args.layers))
     header = f"{'tokens':>6} {'experts':>7} {'MB':>6} {'read':>6} {'x read':>6} {'x copy':>6}"
+    header += f" {'x FLOPs':>7}"
     print(header + "".join(f" {name:>{width(name)}}" for name in names))
     g = torch.Generator("cuda").manual_seed(1)
     for tokens in args.tokens:
@@ -212,13 +231,16 @@ def main() -> None:
         experts = sum(c[0] for c in counts) / len(counts)
         nbytes = sum(c[1] for c in counts) / len(counts)
         read_us, copy_us = nbytes / args.bandwidth * 1e6, nbytes / copy * 1e6
+        flops_us = layer_flops(blocks[0], tokens) / rate * 1e6
         timed = {
             name: per_layer_us(fn, args.layers, graph)
             for name, (fn, graph) in ways(blocks, xs).items()
         }
         fused = timed["fused graph"]
         ratios = (
-            f" {fused / read_us:>6.2f} {fused / copy_us:>6.2f}" if fused else f" {'-':>6} {'-':>6}"
+            f" {fused / read_us:>6.2f} {fused / copy_us:>6.2f} {fused / flops_us:>7.2f}"
+            if fused
+            else f" {'-':>6} {'-':>6} {'-':>7}"
         )
         cells = "".join(
             f" {t:>{width(name)}.1f}" if t else f" {'-':>{width(name)}}"
@@ -235,18 +257,22 @@ def main() -> None:
 
 
 def sweep(blocks, xs, tokens: int, default: float | None) -> None:
-    """Times the fused graph over block sizes and pipeline depths; prints the best."""
+    """Times the fused graph over block sizes and pipeline depths (and, at a prefill's sizes,
+    warps); prints the best."""
     from omniflow.kernels import fused_moe
 
     timed = []
     entries = tokens * blocks[0].gate.top_k
-    least = fused_moe.block_m_for(entries, blocks[0].gate.num_experts)
-    rows = sorted({least, min(64, 2 * least)})
-    for block_m, block_n, block_k, stages in itertools.product(
-        rows, (16, 32, 64), (64, 128, 256), (3, 4)
-    ):
+    if entries >= 128 * blocks[0].gate.num_experts:  # a prefill's: tiles for many rows
+        grid = itertools.product((64, 128), (64, 128), (32, 64), (3, 4), (4, 8))
+    else:
+        least = fused_moe.block_m_for(entries, blocks[0].gate.num_experts)
+        rows = sorted({least, min(64, 2 * least)})
+        grid = itertools.product(rows, (16, 32, 64), (64, 128, 256), (3, 4), (4,))
+    for block_m, block_n, block_k, stages, warps in grid:
         tuning = {"block_m": block_m, "block_n": block_n, "block_k": block_k}
-        moe = functools.partial(fused_moe.fused_moe_triton, **tuning, num_stages=stages)
+        tuning |= {"num_stages": stages, "num_warps": warps}
+        moe = functools.partial(fused_moe.fused_moe_triton, **tuning)
 
         def step(i: int, moe=moe):
             return fused_moe.moe_forward(blocks[i], xs[i], moe=moe)
@@ -255,7 +281,7 @@ def sweep(blocks, xs, tokens: int, default: float | None) -> None:
         with contextlib.suppress(triton.runtime.errors.OutOfResources):
             us = per_layer_us(step, len(blocks), graph=True)
             if us is not None:
-                timed.append((us, {**tuning, "num_stages": stages}))
+                timed.append((us, tuning))
         torch.cuda.empty_cache()
     best, tuning = min(timed, key=lambda t: t[0])
     shown = f"{default:.1f}" if default else "-"
