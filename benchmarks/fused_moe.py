@@ -46,10 +46,11 @@ import functools
 import itertools
 
 import torch
-import triton
 from stage_steps import copy_bandwidth, matmul_rate
+from triton.runtime.errors import OutOfResources
 
 from omniflow.catalog.components import builtin_files
+from omniflow.errors import OmniflowError
 from omniflow.kernels.timing import launches
 
 REAL = "Qwen/Qwen3-Omni-30B-A3B-Instruct"
@@ -124,7 +125,8 @@ def layer_flops(block: torch.nn.Module, tokens: int) -> int:
 
 def per_layer_us(fn, layers: int, graph: bool, iters: int = 30) -> float | None:
     """Median microseconds a layer of `fn(layer)` over all layers, from a CUDA graph's replay
-    or called eagerly; None where `fn` fails to capture or run."""
+    or called eagerly; None where `fn` fails to capture or run, or refuses the sizes (the
+    routing kernel past one program's tile)."""
     from omniflow.kernels.timing import cuda_median_ms
 
     def run() -> None:
@@ -140,7 +142,7 @@ def per_layer_us(fn, layers: int, graph: bool, iters: int = 30) -> float | None:
             with torch.cuda.graph(replay):
                 run()
             return cuda_median_ms(replay.replay, iters) * 1e3 / layers
-    except (RuntimeError, NotImplementedError, triton.runtime.errors.OutOfResources):
+    except (RuntimeError, NotImplementedError, OmniflowError, OutOfResources):
         torch.cuda.synchronize()
         return None
 
@@ -278,7 +280,7 @@ def sweep(blocks, xs, tokens: int, default: float | None) -> None:
             return fused_moe.moe_forward(blocks[i], xs[i], moe=moe)
 
         # A tile too large for the SM's shared memory fails to launch: not a candidate.
-        with contextlib.suppress(triton.runtime.errors.OutOfResources):
+        with contextlib.suppress(OutOfResources):
             us = per_layer_us(step, len(blocks), graph=True)
             if us is not None:
                 timed.append((us, tuning))
