@@ -7,7 +7,8 @@ text and audio): `--prompt-tokens` of prompt, `--max-tokens` text tokens, `--aud
 talker codes, from `c` clients at once for each `--concurrency` c (closed loop, `--rounds`
 requests each). Per level it prints TTFT, TTFP (median and p90), E2E, RTF (medians), audio
 seconds per wall second, the playback underrun (p90, p99: `omniflow.server.playback`, the
-same arithmetic the server exports) and how many requests got 503.
+same arithmetic the server exports), how many requests got 503, and how many ended with
+the server's error event instead (the first one's message under the row).
 
 `--orders slack arrival` serves the graph once per vocoder `order` (whose window a step
 decodes first), one after the other in the same run, and prints their rows together.
@@ -53,7 +54,13 @@ import httpx
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serve import Server, chat_deltas, percentile, print_profile  # noqa: E402
+from benchmarks.serve import (  # noqa: E402
+    Server,
+    StreamFailed,
+    chat_deltas,
+    percentile,
+    print_profile,
+)
 from omniflow.server.playback import Playback  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,9 +96,10 @@ def workload_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def prompt_of(tokens: int) -> str:
-    """A user turn of about `tokens` tokens (short common words, about one token each)."""
-    words = [
+def prompt_of(words: int) -> str:
+    """A user turn of `words` short common words (about one token each under the real
+    models' tokenizers; `sized_prompt` counts them on the server)."""
+    vocabulary = [
         "tell",
         "me",
         "about",
@@ -107,7 +115,26 @@ def prompt_of(tokens: int) -> str:
         "at",
         "night",
     ]
-    return " ".join(words[i % len(words)] for i in range(tokens))
+    return " ".join(vocabulary[i % len(vocabulary)] for i in range(words))
+
+
+async def prompt_tokens(client: httpx.AsyncClient, body: dict) -> int:
+    """The prompt tokens the server counts for a chat request `body` (its `usage`)."""
+    reply = await client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
+    reply.raise_for_status()
+    return reply.json()["usage"]["prompt_tokens"]
+
+
+async def sized_prompt(client: httpx.AsyncClient, model: str, tokens: int) -> str:
+    """The shortest user turn of `prompt_of` words with at least `tokens` prompt tokens by the
+    server's count (the chat template's included): a word is one token or more, and more
+    under a random-weight build's small tokenizer than under the real model's."""
+    low, high = 1, tokens
+    while low < high:
+        mid = (low + high) // 2
+        body = {"model": model, "messages": [{"role": "user", "content": prompt_of(mid)}]}
+        low, high = (mid + 1, high) if await prompt_tokens(client, body) < tokens else (low, mid)
+    return prompt_of(low)
 
 
 async def chat(client: httpx.AsyncClient, model: str, seed: int, workload: dict) -> dict:
@@ -127,19 +154,24 @@ async def chat(client: httpx.AsyncClient, model: str, seed: int, workload: dict)
     async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
         if reply.status_code == 503:
             await reply.aread()
-            return {"refused": True}
-        reply.raise_for_status()
-        async for now, text, audio in chat_deltas(reply):
-            if text and first_text is None:
-                first_text = now
-            if audio:
-                first_audio = first_audio or now
-                seconds = len(audio) / 2 / RATE
-                playback.arrived(now, seconds)
-                audio_s += seconds
+            return {"refused": True, "failed": None}
+        if reply.is_error:  # the workload itself is refused: no figure to measure
+            raise SystemExit(f"{reply.status_code}: {(await reply.aread()).decode()[:500]}")
+        try:
+            async for now, text, audio in chat_deltas(reply):
+                if text and first_text is None:
+                    first_text = now
+                if audio:
+                    first_audio = first_audio or now
+                    seconds = len(audio) / 2 / RATE
+                    playback.arrived(now, seconds)
+                    audio_s += seconds
+        except StreamFailed as err:  # counted, and said once under the table
+            return {"refused": False, "failed": str(err)}
     ended = time.perf_counter()
     return {
         "refused": False,
+        "failed": None,
         "ttft": None if first_text is None else (first_text - began) * 1e3,
         "ttfp": None if first_audio is None else (first_audio - began) * 1e3,
         "e2e": ended - began,
@@ -164,9 +196,18 @@ async def level(base: str, model: str, workload: dict, clients: int, rounds: int
         return [r for rs in results for r in rs], time.perf_counter() - began
 
 
+async def sized(base: str, model: str, tokens: int) -> str:
+    """`sized_prompt` on the server at `base`, said."""
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+        prompt = await sized_prompt(client, model, tokens)
+    print(f"prompt: {len(prompt.split())} words, {tokens} prompt tokens or just over", flush=True)
+    return prompt
+
+
 def report(order: str, clients: int, results: list[dict], wall: float) -> str:
-    served = [r for r in results if not r["refused"]]
-    refused = len(results) - len(served)
+    served = [r for r in results if not r["refused"] and not r["failed"]]
+    refused = sum(r["refused"] for r in results)
+    failed = [r["failed"] for r in results if not r["refused"] and r["failed"]]
 
     def col(key: str, q: float | None = None) -> str:
         values = [r[key] for r in served if r[key] is not None]
@@ -176,11 +217,12 @@ def report(order: str, clients: int, results: list[dict], wall: float) -> str:
         return f"{value:.0f}" if key in ("ttft", "ttfp") else f"{value:.2f}"
 
     audio = sum(r["audio_s"] for r in served)
-    return (
-        f"{order:>8} {clients:>4} {len(served):>6} {refused:>4} {col('ttft'):>8} {col('ttfp'):>8} "
-        f"{col('ttfp', 0.9):>8} {col('e2e'):>7} {col('rtf'):>6} {audio / wall:>8.2f} "
-        f"{col('underrun', 0.9):>8} {col('underrun', 0.99):>8}"
+    row = (
+        f"{order:>8} {clients:>4} {len(served):>6} {refused:>4} {len(failed):>6} "
+        f"{col('ttft'):>8} {col('ttfp'):>8} {col('ttfp', 0.9):>8} {col('e2e'):>7} "
+        f"{col('rtf'):>6} {audio / wall:>8.2f} {col('underrun', 0.9):>8} {col('underrun', 0.99):>8}"
     )
+    return row + (f"\n{'':>8} failed: {failed[0]}" if failed else "")
 
 
 def traced(server: Server, model: str, workload: dict, args) -> None:
@@ -250,7 +292,7 @@ def main() -> None:
     name = re.search(r"pipeline (\w+)", source).group(1)
     flags = ["--devices", args.devices, *args.server_args.split()]
     workload = {
-        "prompt": prompt_of(args.prompt_tokens),
+        "prompt": None,  # sized by the first server's count
         "max_tokens": args.max_tokens,
         "audio_tokens": args.audio_tokens,
     }
@@ -269,6 +311,8 @@ def main() -> None:
             log.parent.mkdir(parents=True, exist_ok=True)
             server = Server([str(graph), *flags], log=log)
             try:
+                if workload["prompt"] is None:
+                    workload["prompt"] = asyncio.run(sized(server.base, name, args.prompt_tokens))
                 asyncio.run(level(server.base, name, {**workload, "audio_tokens": 24}, 1, 1))
                 for clients in args.concurrency:
                     results, wall = asyncio.run(
@@ -288,8 +332,9 @@ def main() -> None:
         f"{args.audio_tokens} codes; {args.rounds} request(s) per client"
     )
     print(
-        f"{'order':>8} {'c':>4} {'served':>6} {'503':>4} {'TTFT ms':>8} {'TTFP ms':>8} {'p90':>8} "
-        f"{'E2E s':>7} {'RTF':>6} {'audio/s':>8} {'stall90':>8} {'stall99':>8}"
+        f"{'order':>8} {'c':>4} {'served':>6} {'503':>4} {'failed':>6} {'TTFT ms':>8} "
+        f"{'TTFP ms':>8} {'p90':>8} {'E2E s':>7} {'RTF':>6} {'audio/s':>8} {'stall90':>8} "
+        f"{'stall99':>8}"
     )
     print("\n".join(rows))
 

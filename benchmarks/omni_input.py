@@ -51,7 +51,7 @@ import numpy as np
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.load import on_models, prompt_of  # noqa: E402
+from benchmarks.load import on_models, prompt_tokens, sized_prompt  # noqa: E402
 from benchmarks.serve import Server, chat_deltas, print_paths  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,19 +107,13 @@ async def chat(client: httpx.AsyncClient, body: dict) -> dict:
     }
 
 
-async def prompt_tokens(client: httpx.AsyncClient, body: dict) -> int:
-    reply = await client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
-    reply.raise_for_status()
-    return reply.json()["usage"]["prompt_tokens"]
-
-
 async def chat_ways(base: str, model: str, clip: np.ndarray, limits: dict) -> dict[str, dict]:
     """Each chat way's request body, the typed-long turn sized by the server's counts."""
     spoken = [{"type": "input_audio",
                "input_audio": {"data": base64.b64encode(wav(clip)).decode(), "format": "wav"}}]  # fmt: skip
     async with httpx.AsyncClient(base_url=base, timeout=600) as client:
         heard = await prompt_tokens(client, chat_body(model, spoken, {}, stream=False))
-        long_text = await typed_as_long(client, model, heard)
+        long_text = await sized_prompt(client, model, heard)
         typed_long = await prompt_tokens(client, chat_body(model, long_text, {}, stream=False))
     print(f"prompt tokens: spoken {heard}, typed-long {typed_long}", flush=True)
     return {
@@ -127,17 +121,6 @@ async def chat_ways(base: str, model: str, clip: np.ndarray, limits: dict) -> di
         "typed-long": chat_body(model, long_text, limits),
         "spoken": chat_body(model, spoken, limits),
     }
-
-
-async def typed_as_long(client: httpx.AsyncClient, model: str, tokens: int) -> str:
-    """The shortest text turn of `prompt_of` words with at least `tokens` prompt tokens, by
-    the server's count (a word is one token or more)."""
-    low, high = 1, tokens
-    while low < high:
-        mid = (low + high) // 2
-        body = chat_body(model, prompt_of(mid), {}, stream=False)
-        low, high = (mid + 1, high) if await prompt_tokens(client, body) < tokens else (low, mid)
-    return prompt_of(low)
 
 
 async def chat_rounds(base: str, ways: dict, clients: int, rounds: int) -> dict[str, list]:

@@ -245,15 +245,19 @@ async def chat_request(client: httpx.AsyncClient, model: str, seed: int, extra: 
     return _timings(began, first_text, first_audio, audio_bytes / 2 / RATE)
 
 
+class StreamFailed(RuntimeError):
+    """A streamed reply ended with the server's error event (its message)."""
+
+
 async def chat_deltas(reply: httpx.Response):
     """A streamed chat reply's deltas as they arrive: (time, text, audio bytes) each; an
-    error event raises."""
+    error event raises `StreamFailed`."""
     async for line in reply.aiter_lines():
         if not line.startswith("data: {"):
             continue
         event = json.loads(line[6:])
         if "error" in event:
-            raise RuntimeError(event["error"]["message"])
+            raise StreamFailed(event["error"]["message"])
         if not event["choices"]:
             continue
         delta, now = event["choices"][0]["delta"], time.perf_counter()
