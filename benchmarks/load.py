@@ -119,7 +119,8 @@ def prompt_of(words: int) -> str:
 
 
 async def prompt_tokens(client: httpx.AsyncClient, body: dict) -> int:
-    """The prompt tokens the server counts for a chat request `body` (its `usage`)."""
+    """The prompt tokens the server counts for a chat request `body` (its `usage`; one token
+    answered)."""
     reply = await client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
     reply.raise_for_status()
     return reply.json()["usage"]["prompt_tokens"]
@@ -128,11 +129,14 @@ async def prompt_tokens(client: httpx.AsyncClient, body: dict) -> int:
 async def sized_prompt(client: httpx.AsyncClient, model: str, tokens: int) -> str:
     """The shortest user turn of `prompt_of` words with at least `tokens` prompt tokens by the
     server's count (the chat template's included): a word is one token or more, and more
-    under a random-weight build's small tokenizer than under the real model's."""
+    under a random-weight build's small tokenizer than under the real model's. Each count
+    is a request answering one token and one audio code (a random-weight talker would
+    otherwise speak to its limit)."""
     low, high = 1, tokens
     while low < high:
         mid = (low + high) // 2
-        body = {"model": model, "messages": [{"role": "user", "content": prompt_of(mid)}]}
+        body = {"model": model, "messages": [{"role": "user", "content": prompt_of(mid)}],
+                "max_audio_tokens": 1}  # fmt: skip
         low, high = (mid + 1, high) if await prompt_tokens(client, body) < tokens else (low, mid)
     return prompt_of(low)
 
