@@ -172,6 +172,10 @@ def load_part(
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise ARBackendError(f"{path}: the {component} lacks weights {', '.join(missing[:5])}")
+    if torch.device(device).type == "cuda":
+        # transformers' loader threads copy on the default stream; the stage's stream must
+        # not read the weights before those copies and the stacking after them are done
+        torch.cuda.synchronize(device)
     part = part.eval()
     if component == "thinker":
         del part.model.audio_tower, part.model.visual
