@@ -6,7 +6,7 @@
 # runs the parts named as arguments: setup av tests edges steps skinny moe kernels frames
 # code2wav tts windows build streaming long load omni-input diffusion attention wan-build
 # wan-a14b wan-ti2v wan-serve cold cold-load cold-fresh tts-cold
-# omni-build omni-steps omni-load (Qwen3-Omni at full depth, built into memory: their
+# omni-build omni-steps omni-load omni-cold (Qwen3-Omni at full depth, built into memory: their
 # OMNIFLOW_CACHE is /dev/shm/omniflow-cache, or where /dev/shm cannot hold the whole build
 # the disk's cache with the shards that do not fit there spilling into /dev/shm; omni-load:
 # OMNI_PRESETS, default "b a", and OMNI_ARGS added to load.py's flags)
@@ -267,6 +267,15 @@ for part in "$@"; do
           "$here/benchmarks/load.py" --preset "$preset" --devices 1xH200 --scaled 1 \
           ${OMNI_ARGS:-}) 2>&1 | grep -v -i "warn\|model config" | tee "$OUT/omni_load_$preset.log"
       done
+      ;;
+    omni-cold)
+      # Issue 39's cold start: process start -> ready with the full-depth build cached, and a
+      # first spoken answer (a short one: random weights do not end their speech).
+      (cd /tmp && OMNIFLOW_CACHE=$OMNI_CACHE timeout ${COLD_S:-400} python3 \
+        "$here/benchmarks/cold_start.py" --graph "$here/graphs/qwen3_omni.omni" --devices 1xH200 \
+        --scaled 1 --inputs '{"prompt": "Say hello."}' \
+        --params '{"max_tokens": 8, "max_audio_tokens": 16}') 2>&1 | grep -v -i "warn\|model config" \
+        | tee "$OUT/omni_cold.log"
       ;;
     cold)
       (cd /tmp && timeout ${COLD_S:-200} python3 "$here/benchmarks/cold_start.py" --devices 1xH200 \
