@@ -536,12 +536,19 @@ class ShmConsumer(_ShmEndpoint, Consumer):
             pass  # the producer is gone: nobody needs the credit
 
 
+def segment_creator(name: str) -> int | None:
+    """The pid that created segment `name` (`omniflow-<pid>-<hex>`); None for another name
+    (a file of the same prefix that is not a segment)."""
+    pid = name[len(SEGMENT_PREFIX) :].split("-")[0] if name.startswith(SEGMENT_PREFIX) else ""
+    return int(pid) if pid.isdigit() else None
+
+
 def cleanup_stale_segments() -> list[str]:
     """Unlink `omniflow-*` segments whose creator process is gone; returns their names."""
     removed = []
     for path in SHM_DIR.glob(SEGMENT_PREFIX + "*"):
-        pid = path.name[len(SEGMENT_PREFIX) :].split("-")[0]
-        if pid.isdigit() and not process_alive(int(pid)):
+        pid = segment_creator(path.name)
+        if pid is not None and not process_alive(pid):
             _unlink_quietly(path.name)
             removed.append(path.name)
     return removed

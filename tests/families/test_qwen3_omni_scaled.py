@@ -70,7 +70,7 @@ def test_depth_scales_every_stack_and_keeps_layer_indexes_inside_it():
 
 
 def test_shards_spill_into_another_folder_and_load_as_one_checkpoint(tmp_path, monkeypatch):
-    out, spill = tmp_path / "out", tmp_path / "shm"
+    out, spill, unneeded = tmp_path / "out", tmp_path / "shm", tmp_path / "more"
     Usage = namedtuple("Usage", "total used free")
     written = []
 
@@ -85,7 +85,7 @@ def test_shards_spill_into_another_folder_and_load_as_one_checkpoint(tmp_path, m
     path = scaled.build_scaled(
         out,
         device="cpu",
-        spill=[spill],
+        spill=[spill, unneeded],
         shard_bytes=300_000,
         config=tiny_config(tokenizer),
         tokenizer=tokenizer,
@@ -95,6 +95,7 @@ def test_shards_spill_into_another_folder_and_load_as_one_checkpoint(tmp_path, m
     assert len(shards) >= 4
     assert list(shards.values())[:2] == [str(out)] * 2
     assert set(list(shards.values())[2:]) == {str(spill)}
+    assert not unneeded.exists()  # a spill folder no shard needed is not left behind
     for name, folder in shards.items():
         assert (out / name).is_symlink() == (folder == str(spill))
         written.append(name)

@@ -17,7 +17,7 @@ from omniflow.compiler import compile_source
 from omniflow.errors import OmniflowError
 from omniflow.plan import Plan
 from omniflow.runtime.engine import Engine, RequestCancelled, RequestFailed
-from omniflow.runtime.shm_ring import SEGMENT_PREFIX, SHM_DIR
+from omniflow.runtime.shm_ring import SEGMENT_PREFIX, SHM_DIR, segment_creator
 
 ROOT = Path(__file__).parents[2]
 
@@ -35,13 +35,13 @@ def chain(chunk=8, credits=2, batch=4):
 
 
 def segments() -> set[str]:
-    return {p.name for p in SHM_DIR.glob(SEGMENT_PREFIX + "*")}
+    return {p.name for p in SHM_DIR.glob(SEGMENT_PREFIX + "*") if segment_creator(p.name)}
 
 
 def _ours_or_orphaned(segment: str) -> bool:
     """Whether this test process (or a child of it) made the segment, or its maker is gone
     and nobody will unlink it; segments of other live processes on the machine are theirs."""
-    pid = int(segment.split("-")[1])
+    pid = segment_creator(segment)
     if pid == os.getpid():
         return True
     try:

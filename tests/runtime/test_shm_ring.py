@@ -21,6 +21,7 @@ from omniflow.runtime.shm_ring import (
     ShmProducer,
     cleanup_stale_segments,
     local_channel,
+    segment_creator,
 )
 
 SPAWN = mp.get_context("spawn")
@@ -438,6 +439,24 @@ def test_cleanup_removes_the_segments_of_a_killed_creator():
         removed = cleanup_stale_segments()
         assert name in removed and alive.name not in removed
         assert not (SHM_DIR / name).exists() and (SHM_DIR / alive.name).exists()
+
+
+def test_a_file_of_the_prefix_that_is_not_a_segment_is_nobodys(tmp_path):
+    """Other files under the segments' prefix (a build's folder, a cache) name no creator:
+    cleanup leaves them, and the tests' leak checks skip them."""
+    assert segment_creator(f"{SEGMENT_PREFIX}{os.getpid()}-0a1b") == os.getpid()
+    for other in (
+        f"{SEGMENT_PREFIX}cache",
+        f"{SEGMENT_PREFIX}Qwen--Qwen3-Omni-1",
+        "omniflow_scaled",
+    ):
+        assert segment_creator(other) is None
+    folder = SHM_DIR / f"{SEGMENT_PREFIX}cache-{tmp_path.name}"
+    folder.mkdir()
+    try:
+        assert folder.name not in cleanup_stale_segments() and folder.is_dir()
+    finally:
+        folder.rmdir()
 
 
 def test_attach_names_what_is_wrong():

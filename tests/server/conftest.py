@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from omniflow.runtime.shm_ring import segment_creator
+
 ROOT = Path(__file__).parents[2]
 GRAPHS = ROOT / "graphs"
 HERE = Path(__file__).parent
@@ -132,7 +134,7 @@ def alive(pid: int) -> bool:
 
 
 def segments_of(pids: set[int]) -> list[str]:
-    return [p.name for p in SHM.glob("omniflow-*") if int(p.name.split("-")[1]) in pids]
+    return [p.name for p in SHM.glob("omniflow-*") if segment_creator(p.name) in pids]
 
 
 def run_async(make_coroutine):

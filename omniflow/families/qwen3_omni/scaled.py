@@ -14,7 +14,8 @@ to the host and written, then freed, so the host holds one shard (`shard_bytes`,
 besides the model on the device. That is what the real size needs on an H200 host with
 64 GiB of disk and 128 GiB of memory: the model (66 GiB) fits the GPU, not the disk. A
 shard goes into the first of `out` and the `spill` folders (e.g. `/dev/shm/...`, which is
-memory; by default `/dev/shm/omniflow-<out's name>`) with room for it, and a shard written
+memory; by default `/dev/shm/omniflow_scaled/<out's name>`, removed again if it took none)
+with room for it, and a shard written
 elsewhere gets a symbolic link in `out`, so `from_pretrained(out)` reads a checkpoint spread
 over disk and memory as one folder.
 `MANIFEST`, written last, marks a finished build.
@@ -138,8 +139,9 @@ def build_scaled(
 ) -> Path:
     """Build and write a random-weight Qwen3-Omni (`scaled_config(depth)`, or `config` over
     `tokenizer`); returns the folder. See the module docstring for where shards go; `spill`
-    None is `/dev/shm/omniflow-<out's name>` where there is a /dev/shm (used only once
-    `out` is full), as `omniflow models build-scaled` builds it."""
+    None is `/dev/shm/omniflow_scaled/<out's name>` where there is a /dev/shm (used only
+    once `out` is full; not `omniflow-*`, the names of the runtime's shared-memory
+    segments), as `omniflow models build-scaled` builds it."""
     from transformers import GenerationConfig, Qwen3OmniMoeForConditionalGeneration
 
     from omniflow.families.qwen2_5_omni.checkpoints import save_processor_parts
@@ -151,7 +153,7 @@ def build_scaled(
     out = Path(out)
     if spill is None:
         shm = Path("/dev/shm")
-        spill = [shm / f"omniflow-{out.name}"] if shm.is_dir() else []
+        spill = [shm / "omniflow_scaled" / out.name] if shm.is_dir() else []
     folders = [out, *(Path(s) for s in spill)]
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
@@ -178,6 +180,9 @@ def build_scaled(
     ).save_pretrained(out)
     shards = write_shards(model, out, folders, shard_bytes)
     del model
+    for folder in folders[1:]:  # a spill folder no shard needed goes again
+        if not any(folder.iterdir()):
+            folder.rmdir()
     manifest = {"model": REAL_MODEL, "depth": depth, "shards": shards}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return out
@@ -280,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "--spill",
         action="append",
         help="a folder for the shards that do not fit --out (repeatable; default "
-        "/dev/shm/omniflow-NAME)",
+        "/dev/shm/omniflow_scaled/NAME)",
     )
     parser.add_argument("--depth", type=float, default=1.0, help="x the real layer counts")
     parser.add_argument("--device", default="cuda", help="where to make the weights")
