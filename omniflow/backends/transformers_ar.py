@@ -82,6 +82,7 @@ from omniflow.catalog.resolve import model_path
 from omniflow.dtypes import torch_dtype
 from omniflow.errors import OmniflowError
 from omniflow.hf_logging import quiet
+from omniflow.ir.values import Param
 from omniflow.kernels.sampling import sample
 from omniflow.runtime.doorbells import Ending
 from omniflow.runtime.readback import IN_FLIGHT, upload
@@ -842,6 +843,20 @@ class TransformersAR(Backend):
         )
         return out.last_hidden_state
 
+    def _no_room(self, length: int, max_tokens: int) -> str:
+        """Why a prompt of `length` positions and `max_tokens` do not fit a slot's columns,
+        naming the request's field that sets this stage's max_tokens (the pipeline's
+        parameter: a talker's is `max_audio_tokens`) and what it could be instead."""
+        field = self.spec.plan.params.get("max_tokens")
+        field = field.name if isinstance(field, Param) else "max_tokens"
+        columns = self.static.columns
+        room = columns - length + 1
+        fits = f"ask for at most {field}={room}" if room > 0 else "this prompt alone fills them"
+        return (
+            f"a prompt of {length} positions and {field}={max_tokens} need {length + max_tokens - 1}"
+            f" cache columns; stage '{self.spec.plan.name}' has {columns} per request: {fits}"
+        )
+
     def _start(self, call: Call, prompt: Prompt | OmniflowError) -> tuple[Sequence, Prompt] | None:
         """A starting request's sequence and its prompt (`component.prompts`'); None (the
         request failed) if its parameters or inputs cannot run."""
@@ -854,11 +869,7 @@ class TransformersAR(Backend):
                 raise prompt
             length = prompt.embeds.shape[0]
             if self.static and length + sampling.max_tokens - 1 > self.static.columns:
-                raise ARBackendError(
-                    f"a prompt of {length} positions and max_tokens {sampling.max_tokens} "
-                    f"need {length + sampling.max_tokens - 1} cache columns; stage "
-                    f"'{self.spec.plan.name}' has {self.static.columns} per request"
-                )
+                raise ARBackendError(self._no_room(length, sampling.max_tokens))
         except OmniflowError as err:
             call.fail(err)
             return None

@@ -10,6 +10,7 @@ step gives, and nothing is captured after load."""
 import contextlib
 import dataclasses
 import itertools
+import re
 import time
 
 import pytest
@@ -666,6 +667,15 @@ def test_the_static_cache_is_sized_from_the_plan_and_refuses_what_cannot_fit(pla
     short = request(PROMPTS[1], max_tokens=2)
     backend.step([long, short])
     assert isinstance(long.error, ARBackendError) and "cache columns" in str(long.error)
+    assert "this prompt alone fills them" in str(long.error)
+    near = request(" ".join(["hello"] * 10), max_tokens=120)  # fits, with fewer tokens
+    backend.step([near])
+    message = str(near.error)
+    assert re.search(r"a prompt of (\d+) positions and max_tokens=120", message), message
+    length = int(re.search(r"a prompt of (\d+) positions", message).group(1))
+    room = backend.static.columns - length + 1
+    assert f"ask for at most max_tokens={room}" in message and 0 < room < 120
+    backend.drop(near)
     assert short.error is None and short.emitted
     for call in (long, short):
         backend.drop(call)
