@@ -211,7 +211,7 @@ async def sized(base: str, model: str, tokens: int) -> str:
 def report(order: str, clients: int, results: list[dict], wall: float) -> str:
     served = [r for r in results if not r["refused"] and not r["failed"]]
     refused = sum(r["refused"] for r in results)
-    failed = [r["failed"] for r in results if not r["refused"] and r["failed"]]
+    failed = [r["failed"] for r in results if r["failed"]]
 
     def col(key: str, q: float | None = None) -> str:
         values = [r[key] for r in served if r[key] is not None]

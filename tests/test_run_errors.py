@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from omniflow.cli import main
-from omniflow.runtime.shm_ring import segment_creator
+from omniflow.runtime.shm_ring import segments
 from tests.runtime.test_failures import finish, interruptible
 
 ROOT = Path(__file__).parents[1]
@@ -168,7 +168,7 @@ def test_an_internal_error_is_one_line_and_debug_shows_the_traceback(capsys, mon
 
 def _segments_of(pids: set[int]) -> list[str]:
     """Shared-memory segments that these processes created (`omniflow-<pid>-...`)."""
-    return [p.name for p in Path("/dev/shm").glob("omniflow-*") if segment_creator(p.name) in pids]
+    return [name for name, pid in segments().items() if pid in pids]
 
 
 def _alive(pid: int) -> bool:

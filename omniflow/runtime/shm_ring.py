@@ -543,14 +543,20 @@ def segment_creator(name: str) -> int | None:
     return int(pid) if pid.isdigit() else None
 
 
+def segments() -> dict[str, int]:
+    """The ring segments in SHM_DIR now: each one's name and creator's pid (other files of
+    the prefix left out)."""
+    named = ((p.name, segment_creator(p.name)) for p in SHM_DIR.glob(SEGMENT_PREFIX + "*"))
+    return {name: pid for name, pid in named if pid is not None}
+
+
 def cleanup_stale_segments() -> list[str]:
     """Unlink `omniflow-*` segments whose creator process is gone; returns their names."""
     removed = []
-    for path in SHM_DIR.glob(SEGMENT_PREFIX + "*"):
-        pid = segment_creator(path.name)
-        if pid is not None and not process_alive(pid):
-            _unlink_quietly(path.name)
-            removed.append(path.name)
+    for name, pid in segments().items():
+        if not process_alive(pid):
+            _unlink_quietly(name)
+            removed.append(name)
     return removed
 
 

@@ -671,9 +671,9 @@ def test_the_static_cache_is_sized_from_the_plan_and_refuses_what_cannot_fit(pla
     near = request(" ".join(["hello"] * 10), max_tokens=120)  # fits, with fewer tokens
     backend.step([near])
     message = str(near.error)
-    assert re.search(r"a prompt of (\d+) positions and max_tokens=120", message), message
-    length = int(re.search(r"a prompt of (\d+) positions", message).group(1))
-    room = backend.static.columns - length + 1
+    said = re.search(r"a prompt of (\d+) positions and max_tokens=120", message)
+    assert said, message
+    room = backend.static.columns - int(said.group(1)) + 1
     assert f"ask for at most max_tokens={room}" in message and 0 < room < 120
     backend.drop(near)
     assert short.error is None and short.emitted

@@ -16,8 +16,9 @@ import pytest
 from omniflow.compiler import compile_source
 from omniflow.errors import OmniflowError
 from omniflow.plan import Plan
+from omniflow.runtime import shm_ring
 from omniflow.runtime.engine import Engine, RequestCancelled, RequestFailed
-from omniflow.runtime.shm_ring import SEGMENT_PREFIX, SHM_DIR, segment_creator
+from omniflow.runtime.shm_ring import SHM_DIR
 
 ROOT = Path(__file__).parents[2]
 
@@ -35,13 +36,13 @@ def chain(chunk=8, credits=2, batch=4):
 
 
 def segments() -> set[str]:
-    return {p.name for p in SHM_DIR.glob(SEGMENT_PREFIX + "*") if segment_creator(p.name)}
+    return set(shm_ring.segments())
 
 
 def _ours_or_orphaned(segment: str) -> bool:
     """Whether this test process (or a child of it) made the segment, or its maker is gone
     and nobody will unlink it; segments of other live processes on the machine are theirs."""
-    pid = segment_creator(segment)
+    pid = shm_ring.segment_creator(segment)
     if pid == os.getpid():
         return True
     try:

@@ -23,12 +23,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from omniflow.runtime.shm_ring import segment_creator
+from omniflow.runtime.shm_ring import segments
 
 ROOT = Path(__file__).parents[2]
 GRAPHS = ROOT / "graphs"
 HERE = Path(__file__).parent
-SHM = Path("/dev/shm")
 START_TIMEOUT_S = 180
 
 
@@ -134,7 +133,7 @@ def alive(pid: int) -> bool:
 
 
 def segments_of(pids: set[int]) -> list[str]:
-    return [p.name for p in SHM.glob("omniflow-*") if segment_creator(p.name) in pids]
+    return [name for name, pid in segments().items() if pid in pids]
 
 
 def run_async(make_coroutine):

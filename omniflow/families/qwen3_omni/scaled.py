@@ -15,9 +15,8 @@ besides the model on the device. That is what the real size needs on an H200 hos
 64 GiB of disk and 128 GiB of memory: the model (66 GiB) fits the GPU, not the disk. A
 shard goes into the first of `out` and the `spill` folders (e.g. `/dev/shm/...`, which is
 memory; by default `/dev/shm/omniflow_scaled/<out's name>`, removed again if it took none)
-with room for it, and a shard written
-elsewhere gets a symbolic link in `out`, so `from_pretrained(out)` reads a checkpoint spread
-over disk and memory as one folder.
+with room for it, and a shard written elsewhere gets a symbolic link in `out`, so
+`from_pretrained(out)` reads a checkpoint spread over disk and memory as one folder.
 `MANIFEST`, written last, marks a finished build.
 
 Random heads would end text and speech at random points, so the rows of the thinker's
