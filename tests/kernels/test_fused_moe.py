@@ -17,9 +17,10 @@ from omniflow.kernels import fused_moe
 
 # (tokens, hidden, expert width, experts, top k): sizes that divide no block; an expert
 # given more entries than a block holds (37 x 2 over 4); every expert to every token (3 of
-# 3); one token, most experts unused; no token.
+# 3); one token, most experts unused; no token; a prefill's many rows an expert (the
+# prefill tiles).
 SHAPES = [(3, 40, 24, 6, 2), (37, 24, 40, 4, 2), (5, 33, 17, 3, 3), (1, 40, 24, 6, 2)]
-SHAPES.append((0, 40, 24, 6, 2))
+SHAPES += [(0, 40, 24, 6, 2), (200, 40, 24, 3, 2)]
 BLOCKS = {
     "thinker": (Qwen3OmniMoeTextConfig, qwen3_omni.Qwen3OmniMoeThinkerTextSparseMoeBlock),
     "talker": (Qwen3OmniMoeTalkerTextConfig, qwen3_omni.Qwen3OmniMoeTalkerTextSparseMoeBlock),
@@ -144,6 +145,15 @@ def assert_agree(got: torch.Tensor, want: torch.Tensor, steps: int = 1) -> None:
     scale = want.abs().max().item() if want.numel() else 0.0
     tol = 1e-5 if want.dtype == torch.float32 else steps * 2**-7
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * scale)
+
+
+def test_a_prefill_takes_the_prefill_tiles():
+    experts = 128
+    decode = fused_moe.tiles(8 * 256, experts)  # a decode step of 256 tokens, top 8
+    prefill = fused_moe.tiles(fused_moe.PREFILL_ROWS * experts, experts)
+    assert decode == {"block_m": fused_moe.block_m_for(8 * 256, experts)}
+    assert prefill == fused_moe.PREFILL_TILES
+    assert 200 * 2 >= fused_moe.PREFILL_ROWS * 3  # SHAPES' last case runs them
 
 
 def test_the_router_is_transformers():
@@ -298,7 +308,7 @@ def test_the_real_blocks_build_from_the_published_config(stage):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 32, 256])
+@pytest.mark.parametrize("tokens", [1, 32, 256, 2048])
 @pytest.mark.parametrize("stage", ["thinker", "talker"])
 def test_real_shapes_agree_with_the_block_on_gpu(stage, tokens):
     """Qwen3-Omni-30B-A3B's MoE block at its published sizes in bf16: the kernels against
@@ -309,7 +319,7 @@ def test_real_shapes_agree_with_the_block_on_gpu(stage, tokens):
         pytest.skip("needs a CUDA device")
     module = real_block(stage)
     g = torch.Generator("cuda").manual_seed(5)
-    # A decode step's batch: [tokens, 1, H].
+    # [tokens, 1, H]: a decode step's batch, at 2,048 tokens as many rows as a prefill's.
     x = torch.randn(tokens, 1, module.gate.weight.shape[1], generator=g, device="cuda")
     x = x.to(torch.bfloat16)
     with torch.no_grad():

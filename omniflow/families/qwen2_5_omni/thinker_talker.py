@@ -166,6 +166,10 @@ def load_part(
         path,
         dtype=dtype,
         device_map={"": torch.device(device)},
+        # transformers would swap layers for the Hub's kernels where `kernels` is installed
+        # and a model loads onto a GPU: downloads at load (refused offline), other numerics
+        # than the stage's own kernels and its tests
+        use_kernels=False,
         output_loading_info=True,
         **options,
     )
@@ -174,8 +178,12 @@ def load_part(
         raise ARBackendError(f"{path}: the {component} lacks weights {', '.join(missing[:5])}")
     if torch.device(device).type == "cuda":
         # transformers' loader threads copy on the default stream; the stage's stream must
-        # not read the weights before those copies and the stacking after them are done
+        # not read the weights before those copies and the stacking after them are done.
+        # Their allocations are in the default pool, not the stage's (runtime/load_pools.py):
+        # the stacking's freed temporaries (~7 GiB for Qwen3-Omni's thinker and talker) would
+        # stay reserved there, out of reach of the stages that load after this one
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
     part = part.eval()
     if component == "thinker":
         del part.model.audio_tower, part.model.visual
