@@ -1,6 +1,7 @@
 """What every family's fused DiT blocks share (`omniflow.families.*.fused_blocks`): the stacked
-q/k/v products, swapping a transformer's blocks' forward for a fused one and back, and the
-attention kernel their attention runs on.
+q/k/v products, the MLP with its GELU in the first product's epilogue (`feed_forward`),
+swapping a transformer's blocks' forward for a fused one and back, and the attention kernel
+their attention runs on.
 
 A family's fused block is a callable object that computes what its diffusers block's
 `forward` computes; `fuse` sets it as each block's instance `forward` (the transformer's own
@@ -32,6 +33,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.activations import GELU
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -71,6 +73,22 @@ def stack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor]
         m.weight.data, m.bias.data = weight[start : start + rows], bias[start : start + rows]
         start += rows
     return weight, bias
+
+
+def feed_forward(ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """diffusers' `FeedForward` `ff` on the rows `x` `[N, D]`. On CUDA a tanh-GELU MLP's first
+    product adds its bias and applies the GELU in cuBLAS's epilogue (`_addmm_activation`,
+    whose CUDA GELU is the tanh approximation; the CPU's is the exact one): no pass of its
+    own over the `[N, inner]` hidden states, 3.7 % of Qwen-Image's 1024x1024 step on an
+    H100 as a separate kernel."""
+    act = ff.net[0]
+    epilogue = isinstance(act, GELU) and act.approximate == "tanh" and act.proj.bias is not None
+    if not (x.is_cuda and epilogue and x.dim() == 2):
+        return ff(x)
+    hidden = torch._addmm_activation(act.proj.bias, x, act.proj.weight.t(), use_gelu=True)
+    for layer in ff.net[1:]:  # dropout (none at inference) and the second product
+        hidden = layer(hidden)
+    return hidden
 
 
 def fuse(blocks: nn.ModuleList, make: Callable[[nn.Module], Callable]) -> None:

@@ -9,7 +9,7 @@ import torch
 from diffusers import QwenImageTransformer2DModel
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
-from omniflow.backends.dit_blocks import modules_forward
+from omniflow.backends.dit_blocks import feed_forward, modules_forward
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.families.qwen_image.fused_blocks import (
     FusedQwenImageBlock,
@@ -148,3 +148,21 @@ def test_a_bf16_fused_block_is_the_modules_block(device):
     for a, b in zip(got, want, strict=True):
         assert a.shape == b.shape
         assert relative(a, b) < 2**-5
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_mlp_with_its_gelu_in_the_epilogue_is_the_modules(device):
+    """`feed_forward`: on the CPU the module's own forward; on a GPU the first product's
+    epilogue applies the tanh GELU, within bf16 steps of the module's (which rounds the
+    product to bf16 before its GELU)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    block = random_block(torch.bfloat16, device)
+    x = torch.randn(300, block.dim, generator=torch.Generator().manual_seed(3))
+    x = x.to(device, torch.bfloat16)
+    with torch.no_grad():
+        got, want = feed_forward(block.img_mlp, x), block.img_mlp(x)
+    if device == "cpu":
+        assert torch.equal(got, want)
+    else:
+        assert got.shape == want.shape and relative(got, want) < 2**-5

@@ -7,7 +7,8 @@ norm and projection) still runs as diffusers wrote it, calling these blocks.
 A block's elementwise work becomes, per stream: one adaptive LayerNorm (norm and modulation,
 `omniflow.kernels.ada_norm`), one q/k/v product, one kernel for the q/k RMSNorms, the
 rotary and the joint sequence's concatenation (`omniflow.kernels.qk_norm_rope`), the gated
-residual add fused with the second adaptive norm, the MLP, and its gated residual add
+residual add fused with the second adaptive norm, the MLP (its GELU in the first product's
+epilogue: `dit_blocks.feed_forward`), and its gated residual add
 (`omniflow.kernels.ada_norm`'s `gated_residual`). In
 diffusers' ops that is some forty elementwise kernels with float32 intermediates, which at
 1024x1024 move gigabytes a block (docs/benchmarks-log.md, "Fused MMDiT blocks"). Weights are
@@ -33,7 +34,7 @@ from diffusers.models.transformers.transformer_qwenimage import (
     QwenImageTransformerBlock,
 )
 
-from omniflow.backends.dit_blocks import Attention, fuse, stack_linears
+from omniflow.backends.dit_blocks import Attention, feed_forward, fuse, stack_linears
 from omniflow.kernels.ada_norm import ada_norm, gated_residual
 from omniflow.kernels.qk_norm_rope import qk_norm_rope
 
@@ -100,8 +101,8 @@ class FusedQwenImageBlock:
 
         img_normed, img = ada_norm(img, img_mod[3], img_mod[4], img_attn, img_mod[2], eps=eps)
         txt_normed, txt = ada_norm(txt, txt_mod[3], txt_mod[4], txt_attn, txt_mod[2], eps=eps)
-        img = gated_residual(img, block.img_mlp(img_normed), img_mod[5])
-        txt = gated_residual(txt, block.txt_mlp(txt_normed), txt_mod[5])
+        img = gated_residual(img, feed_forward(block.img_mlp, img_normed), img_mod[5])
+        txt = gated_residual(txt, feed_forward(block.txt_mlp, txt_normed), txt_mod[5])
         return txt.view(batch, text, width), img.view(batch, image, width)
 
 

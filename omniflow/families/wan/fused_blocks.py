@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from diffusers.models.normalization import FP32LayerNorm
 from diffusers.models.transformers.transformer_wan import WanTransformer3DModel, WanTransformerBlock
 
-from omniflow.backends.dit_blocks import Attention, fuse, stack_linears
+from omniflow.backends.dit_blocks import Attention, feed_forward, fuse, stack_linears
 from omniflow.kernels.ada_norm import ada_norm, gated_residual
 from omniflow.kernels.qk_norm_rope import qk_norm_rope
 
@@ -122,7 +122,7 @@ class FusedWanBlock:
         )
 
         # The MLP and its gated residual add, in float32 as diffusers adds it, in one pass.
-        out = gated_residual(x, block.ffn(normed), c_gate, round_once=True)
+        out = gated_residual(x, feed_forward(block.ffn, normed), c_gate, round_once=True)
         return out.view(batch, tokens, width)
 
 
