@@ -21,10 +21,11 @@ torch does not promise that captures in several threads at once are safe (even e
 `capture_error_mode="thread_local"` and its own pool and stream), and a capture's warm-up
 run compiles Triton kernels. The other stages' weights keep loading meanwhile. A device-wide
 `torch.cuda.synchronize` in another thread breaks a capture in flight on that GPU whatever
-its mode (and fails itself), so while stages load at once such a call waits for the capture
-to end (`between_captures`). A sync on one stream (`.item()`, a copy to the host) should not
-touch a capture on another thread's stream, torch's streams being non-blocking, and runs as
-it is (tests/runtime/test_loading.py's GPU test copies weights beside a capture).
+its mode (and fails itself), so while stages load at once such a call, and an `empty_cache`
+(which frees device memory), waits for the capture to end (`between_captures`). A sync on
+one stream (`.item()`, a copy to the host) should not touch a capture on another thread's
+stream, torch's streams being non-blocking, and runs as it is (tests/runtime/test_loading.py's
+GPU test copies weights beside a capture).
 """
 
 from __future__ import annotations
@@ -113,13 +114,14 @@ def capturing(graph: torch.cuda.CUDAGraph) -> Iterator[None]:
     load.graph_pools.add(tuple(graph.pool()))
 
 
-def between_captures(synchronize: Callable[..., None]) -> Callable[..., None]:
-    """`torch.cuda.synchronize` (a backend's wait for its load's GPU work) that waits for any
-    capture in flight to end first (see the module docstring); loading.py puts it in place
-    while stages load at once."""
+def between_captures(device_wide: Callable[..., None]) -> Callable[..., None]:
+    """A device-wide call (`torch.cuda.synchronize`: a backend's wait for its load's GPU
+    work; `torch.cuda.empty_cache`: giving back what a loader freed) that waits for any
+    capture in flight to end first (see the module docstring); loading.py puts them in
+    place while stages load at once."""
 
-    def synchronized(device=None) -> None:
+    def between(*args, **kwargs) -> None:
         with _CAPTURING:
-            synchronize(device)
+            device_wide(*args, **kwargs)
 
-    return synchronized
+    return between

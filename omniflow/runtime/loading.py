@@ -176,11 +176,12 @@ def _one_at_a_time(do_import: Callable) -> Callable:
 @contextlib.contextmanager
 def _while_loading_at_once() -> Iterator[None]:
     """While any executor of the process loads its stages at once: imports one at a time, and
-    a device-wide synchronize waits for a capture in flight (load_pools.py)."""
+    a device-wide synchronize or empty_cache waits for a capture in flight (load_pools.py)."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(_patched(builtins, "__import__", _one_at_a_time))
         stack.enter_context(_patched(importlib, "import_module", _one_at_a_time))
         stack.enter_context(_patched(torch.cuda, "synchronize", between_captures))
+        stack.enter_context(_patched(torch.cuda, "empty_cache", between_captures))
         yield
 
 
