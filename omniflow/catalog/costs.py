@@ -20,7 +20,8 @@ attention score and value products.
 
 What `max_len` means depends on the component's category:
 
-- decoder/MoE LMs: tokens per sequence (the KV cache length);
+- decoder/MoE LMs: prompt tokens per sequence (its KV cache holds `cache_len`: the prompt
+  and what it generates);
 - text, vision and audio encoders: tokens (or patches, audio frames) per input;
 - DiT: image tokens per image (`ComponentConfig.image_tokens(height, width)`, plus an edit
   pipeline's input-image tokens);
@@ -77,7 +78,7 @@ class StageCost:
     kv_bytes_per_token: 2 (K and V) x layers x kv_heads x head_dim x dtype bytes for
         decoder/MoE LMs; 0 for everything else (a codec LM's per-frame code-predictor cache
         is transient).
-    kv_cache_bytes: max_batch x max_len x kv_bytes_per_token.
+    kv_cache_bytes: max_batch x cache_len (default max_len) x kv_bytes_per_token.
     activation_bytes: peak workspace at max_batch; see each family's estimator.
     flops_per_item: forward FLOPs per `item`.
     item: the unit of flops_per_item: "token", "codec frame", "denoising step of one
@@ -131,6 +132,7 @@ def estimate_cost(
     dtype: str | None = None,
     prefill_tokens: int | None = None,
     context_len: int | None = None,
+    cache_len: int | None = None,
 ) -> StageCost:
     """Estimate one stage replica serving `cfg` at `max_batch` items of `max_len` each.
 
@@ -139,6 +141,8 @@ def estimate_cost(
     PREFILL_TOKENS); a forward holds that or one max_len prompt, whichever is more, and no
     more than max_batch x max_len. `context_len` (DiT) is the
     text tokens per image; default: the config's max_text_len, else DIT_TEXT_TOKENS.
+    `cache_len` (LMs) is the positions one item's KV cache holds: its prompt and what it
+    generates (default max_len).
     """
     if max_batch < 1 or max_len < 1:
         raise ModelConfigError(f"max_batch and max_len must be >= 1, got {max_batch}, {max_len}")
@@ -155,7 +159,7 @@ def estimate_cost(
         params_source=est.source,
         weight_bytes=est.count.params * nbytes,
         kv_bytes_per_token=kv_per_token,
-        kv_cache_bytes=max_batch * max_len * kv_per_token,
+        kv_cache_bytes=max_batch * (cache_len or max_len) * kv_per_token,
         activation_bytes=int(est.activation_bytes(shape)),
         flops_per_item=float(est.flops(shape)),
         item=est.item,

@@ -46,6 +46,15 @@ def _sequence_length(graph: Graph, node: Node) -> int:
     return graph.param_value(node, "max_len") + condition_image_tokens(graph, node)
 
 
+def _cache_length(graph: Graph, node: Node) -> int | None:
+    """Positions one request's KV cache holds in an `ar` stage: its prompt (up to max_len)
+    and the max_tokens it generates after it (the static cache's columns a slot:
+    transformers_ar.cache_columns)."""
+    if node.op != "ar":
+        return None
+    return _sequence_length(graph, node) + graph.param_value(node, "max_tokens")
+
+
 def _text_tokens(graph: Graph, node: Node) -> int | None:
     """Text tokens a DiT attends to beside the image: as many as its conditioning edge
     carries, unless its pipeline caps them (`max_text_len`; None leaves that to the
@@ -101,6 +110,7 @@ def estimate_costs(graph: Graph, target: Target) -> Graph:
             dtype=stage_dtype(graph, node),
             prefill_tokens=graph.param_value(node, "prefill_tokens") if node.op == "ar" else None,
             context_len=_text_tokens(graph, node),
+            cache_len=_cache_length(graph, node),
         )
         if node.meta["model"].image_encoder is not None:
             cost = with_encoder(cost, _image_encoder_cost(graph, node))

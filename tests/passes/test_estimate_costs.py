@@ -15,8 +15,10 @@ def test_need_is_weights_plus_kv_plus_activations():
     facts = graph.node("thinker").meta["cost"]
     cost = facts.cost
     assert facts.need == cost.weight_bytes + cost.kv_cache_bytes + cost.activation_bytes
-    # 32 sequences x 4096 tokens x (28 layers x 2 x 4 kv heads x 128 x 2 bytes)
-    assert cost.kv_cache_bytes == 32 * 4096 * 28 * 2 * 4 * 128 * 2
+    # 32 sequences x (a 4096-token prompt + its max_tokens) x (28 layers x 2 x 4 kv heads x
+    # 128 x 2 bytes): the positions a slot of the static cache holds
+    positions = 4096 + graph.param_value(graph.node("thinker"), "max_tokens")
+    assert cost.kv_cache_bytes == 32 * positions * 28 * 2 * 4 * 128 * 2
 
 
 def test_an_explicit_memory_budget_overrides_the_estimate():

@@ -115,7 +115,9 @@ def test_a_stage_that_passes_requests_once_has_room_for_every_request_served_at_
     step), and the voice encoder's input ring has a slot for each one's reference (a whole
     edge: one chunk a request), more than its own batch's credits (8)."""
     text = (GRAPHS / "qwen3_tts.omni").read_text()
-    graph = run_until("plan_buffers", text.replace("max_batch=8)", "max_batch=4)"), devices="cpu")
+    # (a CPU with room for the real-size talker's 16 slots of its prompt and max_tokens)
+    source = text.replace("max_batch=8)", "max_batch=4)")
+    graph = run_until("plan_buffers", source, devices="cpu=64GiB")
     batches = {n.name: graph.param_value(n, "max_batch") for n in graph.stages}
     assert batches["voice_encoder"] == 4 and batches["talker"] == 16
     assert requests_at_once((n.op, batches[n.name]) for n in graph.stages) == 16
