@@ -23,7 +23,10 @@ each stage's steps, as benchmarks/tts_serve.py does.
     python benchmarks/load.py --graph graphs/qwen3_omni.omni --devices 1xH200 --scaled 1
 
 `--scaled DEPTH` serves the graph on a random-weight build of its model at the real widths
-and DEPTH x its layers (`omniflow.checkpoints.scaled`, built once into the cache).
+and DEPTH x its layers (`omniflow.checkpoints.scaled`, built once into the cache). Its
+tokenizer is the tiny checkpoint's (a few hundred tokens beside the real vocabulary), so
+most ids the random weights sample decode to no text: TTFT there is the first text that
+decodes, later than the first token (TTFP, which needs no text, can come first).
 
 `--preset a|b` is one of the peer's two published Qwen3-Omni workloads (issue 39), on
 graphs/qwen3_omni.omni: (a) 2,500 prompt tokens, 900 text tokens with their audio, at
@@ -341,6 +344,10 @@ def main() -> None:
         f"{'stall99':>8}"
     )
     print("\n".join(rows))
+    if args.scaled:
+        # The random-weight build carries the tiny checkpoint's tokenizer beside the real
+        # vocabulary: most sampled ids decode to nothing, so the first text comes late.
+        print("(TTFT: the first text that decodes, on the random-weight build's tiny tokenizer)")
 
 
 if __name__ == "__main__":
