@@ -6,6 +6,7 @@
 # runs the parts named as arguments: setup av tests edges steps skinny moe kernels frames
 # code2wav tts windows build streaming long load omni-input diffusion attention wan-build
 # wan-a14b wan-ti2v wan-serve cold cold-load cold-fresh tts-cold
+# ab (AB_PARTS run on the tree, then with another revision's files: scripts/ab_files.sh)
 # omni-build omni-steps omni-load omni-cold (Qwen3-Omni at full depth, built into memory: their
 # OMNIFLOW_CACHE is /dev/shm/omniflow-cache, or where /dev/shm cannot hold the whole build
 # the disk's cache with the shards that do not fit there spilling into /dev/shm; omni-load:
@@ -280,6 +281,24 @@ for part in "$@"; do
     cold)
       (cd /tmp && timeout ${COLD_S:-200} python3 "$here/benchmarks/cold_start.py" --devices 1xH200 \
         --scaled 1) 2>&1 | grep -v -i "warn\|model config" | tee "$OUT/cold_start.log"
+      ;;
+    ab)
+      # The parts named in AB_PARTS twice on this machine, side by side: on the tree, then with
+      # the files scripts/ab_files.sh put under .ab/ (another revision's, carried) in place of
+      # the tree's, which are put back after; both rounds' output in $OUT/ab.log.
+      [ -e .ab/REV ] || { echo "ab: no .ab/: scripts/ab_files.sh REV PATH..., and carry .ab"; exit 1; }
+      swapped=$(cd .ab && find . -type f ! -name REV | sed 's|^\./||')
+      for side in tree "$(cat .ab/REV)"; do
+        if [ "$side" != tree ]; then
+          for f in $swapped; do
+            mkdir -p "/tmp/ab-tree/$(dirname "$f")" && cp "$f" "/tmp/ab-tree/$f" && cp ".ab/$f" "$f"
+          done
+        fi
+        echo "== ab: $side" | tee -a "$OUT/ab.log"
+        bash "$here/scripts/gpu_session.sh" ${AB_PARTS:?AB_PARTS: the parts to run each way} 2>&1 \
+          | tee -a "$OUT/ab.log"
+      done
+      for f in $swapped; do cp "/tmp/ab-tree/$f" "$f"; done
       ;;
     tts-cold)
       # Qwen3-TTS's cold start at real size (issue 37: process start -> ready <= 20 s, the

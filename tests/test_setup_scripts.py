@@ -71,3 +71,35 @@ def test_the_setups_install_through_pip_steps():
         assert "source" in text and "pip-steps.sh" in text and "pip_steps " in text, script
         assert "pip install" not in text.replace("pip_steps", ""), script
     assert "scripts/setup-venv.sh" in (ROOT / "Makefile").read_text()
+
+
+def test_ab_files_keeps_another_revisions_files_out_of_git(tmp_path):
+    """scripts/ab_files.sh REV PATH... (what gpu_session.sh's `ab` part swaps in): each
+    PATH as at REV under .ab/, the revision in .ab/REV, and .ab/ excluded from git."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "ab_files.sh").write_bytes((ROOT / "scripts" / "ab_files.sh").read_bytes())
+    (repo / "pkg").mkdir()
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              cwd=repo, capture_output=True, text=True, check=True)  # fmt: skip
+        return done.stdout.strip()
+
+    git("init", "-q")
+    (repo / "pkg" / "mod.py").write_text("before\n")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    base = git("rev-parse", "--short", "HEAD")
+    (repo / "pkg" / "mod.py").write_text("after\n")
+    git("commit", "-qam", "two")
+    done = subprocess.run(["bash", "scripts/ab_files.sh", base, "pkg/mod.py"], cwd=repo,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (repo / ".ab" / "pkg" / "mod.py").read_text() == "before\n"
+    assert (repo / "pkg" / "mod.py").read_text() == "after\n"
+    assert (repo / ".ab" / "REV").read_text().strip() == base
+    assert git("status", "--porcelain") == ""  # .ab/ is excluded
+    usage = subprocess.run(["bash", "scripts/ab_files.sh", base], cwd=repo,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert usage.returncode == 2 and "usage" in usage.stderr
