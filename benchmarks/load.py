@@ -22,6 +22,9 @@ each stage's steps, as benchmarks/tts_serve.py does.
     python benchmarks/load.py --devices 1xH200 --scaled 1 --concurrency 1 10 32 64
     python benchmarks/load.py --graph graphs/qwen3_omni.omni --devices 1xH200 --scaled 1
 
+`--max-batch STAGE=N` and `--set STAGE.PARAM=VALUE` serve a copy of the graph with those
+stages' parameters changed (a smaller GPU's batches; `thinker.prefill_tokens=2560`).
+
 `--scaled DEPTH` serves the graph on a random-weight build of its model at the real widths
 and DEPTH x its layers (`omniflow.checkpoints.scaled`, built once into the cache). Its
 tokenizer is the tiny checkpoint's (a few hundred tokens beside the real vocabulary), so
@@ -256,15 +259,23 @@ def on_models(source: str, scaled: float | None, tiny: bool, devices: str) -> tu
     return source, ["--tiny"] if tiny else []
 
 
-def with_batches(source: str, batches: list[str]) -> str:
-    """The graph's source with each `STAGE=N` of `batches` as that stage's `max_batch` (a
-    smaller GPU: the placement pass refuses a plan that does not fit)."""
-    for item in batches:
-        stage, _, batch = item.partition("=")
-        pattern = rf"(stage {re.escape(stage)}\s*=[^)]*?max_batch=)\d+"
-        source, found = re.subn(pattern, rf"\g<1>{int(batch)}", source)
+def with_stage_params(source: str, settings: list[str], flag: str = "--set") -> str:
+    """The graph's source with each `STAGE.PARAM=VALUE` of `settings` as that stage's
+    parameter (written in the stage's call as given: `8`, `"cuda"`), in place of the one it
+    has or added to it."""
+    for item in settings:
+        target, _, value = item.partition("=")
+        stage, _, param = target.partition(".")
+        call = re.search(rf"(stage {re.escape(stage)}\s*=\s*\w+\()([^)]*)\)", source)
+        if not (call and param and value):
+            raise SystemExit(
+                f"{flag} {item}: no stage '{stage}' in the graph, or not STAGE.PARAM=VALUE"
+            )
+        args = call.group(2)
+        args, found = re.subn(rf"\b{re.escape(param)}=[^,)]*", f"{param}={value}", args)
         if not found:
-            raise SystemExit(f"--max-batch: no stage '{stage}' with a max_batch in the graph")
+            args = f"{param}={value}, {args}" if args.strip() else f"{param}={value}"
+        source = source[: call.start(2)] + args + source[call.end(2) :]
     return source
 
 
@@ -283,6 +294,9 @@ def main() -> None:
     parser.add_argument("--server-args", default="", help="more `omniflow run` flags")
     parser.add_argument("--max-batch", nargs="+", default=[], metavar="STAGE=N",
                         help="these stages' max_batch instead of the graph's")  # fmt: skip
+    parser.add_argument("--set", nargs="+", default=[], metavar="STAGE.PARAM=VALUE",
+                        help="these stages' parameters instead of the graph's, e.g. "
+                        "thinker.prefill_tokens=2560")  # fmt: skip
     parser.add_argument(
         "--orders", nargs="+", choices=("slack", "arrival"), help="the vocoder orders to compare"
     )
@@ -295,7 +309,13 @@ def main() -> None:
                         help="keep the server's log in DIR (ORDER-server.log), e.g. with "
                         "OMNIFLOW_SYNC_DEBUG=warn, the host syncs its stages' steps make")  # fmt: skip
     args = workload_args(parser.parse_args())
-    source = with_batches(Path(args.graph).read_text(), args.max_batch)
+    source = Path(args.graph).read_text()
+    batches = [
+        f"{stage}.max_batch={batch}"
+        for stage, _, batch in (b.partition("=") for b in args.max_batch)
+    ]
+    source = with_stage_params(source, batches, "--max-batch")
+    source = with_stage_params(source, args.set)
     name = re.search(r"pipeline (\w+)", source).group(1)
     flags = ["--devices", args.devices, *args.server_args.split()]
     workload = {
