@@ -174,7 +174,8 @@ def ways(blocks, xs) -> dict[str, tuple]:
         def run(layer: int):
             block, x = blocks[layer], xs[layer].reshape(-1, xs[layer].shape[-1])
             entries = x.shape[0] * block.gate.top_k
-            block_m = moe_route.block_m_for(entries, block.gate.num_experts)
+            # the rows a block as the layer aligns them (a prefill's tiles' past 128 an expert)
+            block_m = fused_moe.tiles(entries, block.gate.num_experts)["block_m"]
             return router(x @ block.gate.weight.T, block.gate.top_k, True, block_m)
 
         return run
