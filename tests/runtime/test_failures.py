@@ -157,8 +157,9 @@ def test_an_executor_prints_its_threads_stacks_on_sigusr1_and_serves_on(no_leaks
     with Engine(chain(), "process") as engine:
         transport = engine._core.transport
         os.kill(engine.executor_pids["dst"], signal.SIGUSR1)
-        wait_until(lambda: "Thread 0x" in transport.log_tail("dst", 200))
-        assert "in serve" in transport.log_tail("dst", 200)  # the loop's own frame
+        # The dump is written line by line: wait for the loop's own frame, not its first line.
+        wait_until(lambda: "in serve" in transport.log_tail("dst", 200))
+        assert "Thread 0x" in transport.log_tail("dst", 200)
         out = engine.generate({"n": "20"})["out"]
         assert out.flatten().tolist() == [2 * i for i in range(20)]
 
