@@ -67,10 +67,10 @@ from omniflow.kernels import moe_route, silu_mul
 from omniflow.kernels.moe_route import align, block_m_for, route
 from omniflow.kernels.triton_guard import dependent_launch, gdc_enter, jit, tl, triton
 
-# A program's output columns and its K tile, for both products (benchmarks/fused_moe.py
-# --sweep times others); BLOCK_M (rows a block) follows the tokens an expert gets
+# A program's output columns, its K tile and depth, for both products (benchmarks/fused_moe.py
+# --sweep times others); block_m (rows a block) follows the tokens an expert gets
 # (`block_m_for`). Tiles sized for decode's few rows an expert.
-BLOCK_N, BLOCK_K = 32, 128
+DECODE_TILES = {"block_n": 32, "block_k": 128, "num_warps": 4, "num_stages": 4}
 # A prefill's: from PREFILL_ROWS entries an expert on average (a thinker's prompt of 2,048
 # tokens) the products are bound by FLOPs, not by the weights' read, and want large tiles.
 # On an H100 the thinker's layer took 977 us at 2,500 tokens and 4.6 ms at 20,000 on these,
@@ -196,7 +196,7 @@ def tiles(entries: int, num_experts: int) -> dict:
     """`experts_triton`'s block sizes and depth for `entries` (token, expert) pairs."""
     if entries >= PREFILL_ROWS * num_experts:
         return dict(PREFILL_TILES)
-    return {"block_m": block_m_for(entries, num_experts)}
+    return {"block_m": block_m_for(entries, num_experts), **DECODE_TILES}
 
 
 def experts_triton(
@@ -206,19 +206,15 @@ def experts_triton(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     *,
-    block_m: int | None = None,
     aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
-    block_n: int = BLOCK_N,
-    block_k: int = BLOCK_K,
-    num_warps: int = 4,
-    num_stages: int = 4,
     summed: bool = True,
+    **tuning,
 ) -> torch.Tensor:
     """The routed experts' weighted sum `[T, H]` in hidden's dtype, with the kernels (see the
     module docstring); `summed=False`: the k weighted outputs unsummed, `[top_k, T, H]`.
-    Block sizes and pipeline depth are the kernels' tuning. `aligned`: the entries'
-    (sorted_ids, expert_ids) for `block_m` where the caller has them (`moe_route`'s), else
-    `align` computes them."""
+    `tuning`: the kernels' block sizes and depth (`tiles`' keys), `tiles`' choice for these
+    entries where not given. `aligned`: the entries' (sorted_ids, expert_ids) for its
+    `block_m` where the caller has them (`moe_route`'s), else `align` computes them."""
     _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
     if hidden.stride(1) != 1 or w_gate_up.stride(2) != 1 or w_down.stride(2) != 1:
         raise MoEError("hidden's and the weights' rows must be contiguous")
@@ -229,14 +225,14 @@ def experts_triton(
     partial = torch.empty(tokens, top_k, width, dtype=hidden.dtype, device=hidden.device)
     if not entries:
         return _total(partial, summed)
-    block_m = block_m or block_m_for(entries, num_experts)
+    tuning = tiles(entries, num_experts) | tuning
+    block_m, block_n, block_k = tuning.pop("block_m"), tuning.pop("block_n"), tuning.pop("block_k")
     if aligned is None:
         aligned = align(topk_ids, num_experts, block_m)
     sorted_ids, expert_ids = aligned
     act = torch.empty(entries, inner, dtype=hidden.dtype, device=hidden.device)
     scale = topk_weights.reshape(-1)
     in_float32 = hidden.dtype == torch.float32 or not hidden.is_cuda
-    tuning = {"BLOCK_M": block_m, "num_warps": num_warps, "num_stages": num_stages}
     for gated, x, w, out, n, k, rows_a_token in (
         (True, hidden, w_gate_up, act, inner, width, top_k),
         (False, act, w_down, partial.view(entries, width), width, inner, 1),
@@ -246,7 +242,8 @@ def experts_triton(
         _moe_matmul_kernel[grid](
             x, w, out, scale, sorted_ids, expert_ids, entries, n, k, rows_a_token,
             x.stride(0), w.stride(0), w.stride(1), out.stride(0),
-            GATED=gated, IN_FLOAT32=in_float32, BLOCK_N=bn, BLOCK_K=bk, **tuning,
+            GATED=gated, IN_FLOAT32=in_float32, BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=bk,
+            **tuning,
             **dependent_launch(x),
         )  # fmt: skip
     return _total(partial, summed)
@@ -300,14 +297,12 @@ def fused_moe_triton(
     sizes and depth."""
     k = top_k or (topk_ids.shape[1] if topk_ids is not None else 0)
     tuning = tiles(hidden.shape[0] * k, w_gate_up.shape[0]) | tuning
-    block_m = tuning.pop("block_m")
+    block_m = tuning["block_m"]
     ids, weights, aligned = _routing(
         hidden, w_gate_up, w_down, router_logits, top_k, renormalize, topk_ids, topk_weights,
         router or moe_route.moe_route, block_m,
     )  # fmt: skip
-    return experts_triton(
-        hidden, w_gate_up, w_down, ids, weights, block_m=block_m, aligned=aligned, **tuning
-    )
+    return experts_triton(hidden, w_gate_up, w_down, ids, weights, aligned=aligned, **tuning)
 
 
 def reference(

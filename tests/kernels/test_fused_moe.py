@@ -151,7 +151,7 @@ def test_a_prefill_takes_the_prefill_tiles():
     experts = 128
     decode = fused_moe.tiles(8 * 256, experts)  # a decode step of 256 tokens, top 8
     prefill = fused_moe.tiles(fused_moe.PREFILL_ROWS * experts, experts)
-    assert decode == {"block_m": fused_moe.block_m_for(8 * 256, experts)}
+    assert decode == {"block_m": fused_moe.block_m_for(8 * 256, experts)} | fused_moe.DECODE_TILES
     assert prefill == fused_moe.PREFILL_TILES
     tokens, _, _, tiny_experts, top_k = SHAPES[-1]  # the kernels' tests run them there
     assert fused_moe.tiles(tokens * top_k, tiny_experts) == fused_moe.PREFILL_TILES
