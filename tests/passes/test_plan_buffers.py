@@ -110,19 +110,19 @@ def test_a_consumer_without_room_leaves_its_device_ring_to_the_roomiest_budget()
 
 
 def test_a_stage_that_passes_requests_once_has_room_for_every_request_served_at_once():
-    """Qwen3-TTS with its voice encoder batching 4: the talker holds 16 requests (rows of
-    its KV cache), so the pipeline serves 16 at once (an encoder holds none beyond its
+    """Qwen3-TTS with its voice encoder batching 4: the talker holds 64 requests (rows of
+    its KV cache), so the pipeline serves 64 at once (an encoder holds none beyond its
     step), and the voice encoder's input ring has a slot for each one's reference (a whole
     edge: one chunk a request), more than its own batch's credits (8)."""
     text = (GRAPHS / "qwen3_tts.omni").read_text()
-    # (a CPU with room for the real-size talker's 16 slots of its prompt and max_tokens)
+    # (a CPU with room for the real-size talker's 64 slots of its prompt and max_tokens)
     source = text.replace("max_batch=8)", "max_batch=4)")
-    graph = run_until("plan_buffers", source, devices="cpu=64GiB")
+    graph = run_until("plan_buffers", source, devices="cpu=96GiB")
     batches = {n.name: graph.param_value(n, "max_batch") for n in graph.stages}
-    assert batches["voice_encoder"] == 4 and batches["talker"] == 16
-    assert requests_at_once((n.op, batches[n.name]) for n in graph.stages) == 16
+    assert batches["voice_encoder"] == 4 and batches["talker"] == 64
+    assert requests_at_once((n.op, batches[n.name]) for n in graph.stages) == 64
     _, channel = _channel(graph, "ref_audio.out->voice_encoder.ref_audio")
-    assert channel.slots == 16
+    assert channel.slots == 64
     _, channel = _channel(graph, "voice_encoder.voice->voice_prompt.in")  # a client reads
     assert channel.slots == DEFAULT_CREDITS * 4
 
