@@ -49,9 +49,9 @@ prefill and first frame). Unless `--no-clone`, the voice clone pipeline too, int
 `-clone` sibling: `--trace-requests` clones at c = 1 with the reference inline, then as many
 naming an uploaded voice.
 
-The server is `omniflow run` on graphs/qwen3_tts.omni (its copies for the scaled folders,
-the CustomVoice one with `max_batch` raised to the largest level so that no request is
-refused, the clone one as written; `--as-shipped` keeps the graph's own, and the requests it
+The server is `omniflow run` on graphs/qwen3_tts.omni and graphs/qwen3_tts_clone.omni
+(their copies for the scaled folders, the CustomVoice one with `max_batch` raised to the
+largest level so that no request is refused, the clone one as written; `--as-shipped` keeps the graph's own, and the requests it
 cannot take at once wait in its admission queue, four per request it serves), in executor
 processes; `--url` measures a running one instead (its pipelines named by `--model` and
 `--clone-model`). The scaled checkpoints never end speech (their end-of-speech row is zero),
@@ -83,6 +83,7 @@ from omniflow.server.playback import Playback  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GRAPH = ROOT / "graphs" / "qwen3_tts.omni"
+CLONE_GRAPH = ROOT / "graphs" / "qwen3_tts_clone.omni"
 RATE = 24000
 CUSTOM = "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"
 BASE = "Qwen/Qwen3-TTS-12Hz-1.7B-Base"
@@ -221,14 +222,14 @@ def reference_clip(seconds: float = 5.0) -> bytes:
     return audio_bytes(torch.from_numpy(samples), RATE, "mp3")
 
 
-def graph_variant(folder: Path, name: str, model: str | None, batch: int) -> Path:
-    """graphs/qwen3_tts.omni as pipeline `name`, on `model` (a checkpoint folder or hub
-    id; None: as written), every stage's max_batch at least `batch`."""
-    text = GRAPH.read_text().replace("pipeline qwen3_tts", f"pipeline {name}")
+def graph_variant(folder: Path, graph: Path, model: str | None, batch: int) -> Path:
+    """`graph` (its pipeline named as its file) on `model` (a checkpoint folder or hub id;
+    None: as written), every stage's max_batch at least `batch`."""
+    text = graph.read_text()
     if model is not None:
         text = re.sub(r'model "[^"]+"', f"model {json.dumps(model)}", text, count=1)
     text = re.sub(r"max_batch=(\d+)", lambda m: f"max_batch={max(int(m.group(1)), batch)}", text)
-    path = folder / f"{name}.omni"
+    path = folder / graph.name
     path.write_text(text)
     return path
 
@@ -508,10 +509,9 @@ def main() -> int:
             if clone_model is not None:
                 base = str(scaled_checkpoint(BASE, args.scaled, "cuda"))
         batch = 1 if args.as_shipped else max(args.levels)
-        graphs = [graph_variant(Path(folder), "qwen3_tts", custom, batch)]
+        graphs = [graph_variant(Path(folder), GRAPH, custom, batch)]
         if clone_model is not None:  # its rounds are one request at a time: as written
-            # (at 64, its talker's cache beside the CustomVoice one's left no room on an H100)
-            graphs.append(graph_variant(Path(folder), "qwen3_tts_clone", base or BASE, 1))
+            graphs.append(graph_variant(Path(folder), CLONE_GRAPH, base or BASE, 1))
         flags = ["--tiny"] if args.tiny else []
         print(f"serving {', '.join(g.stem for g in graphs)} on {args.devices} ...", flush=True)
         log = Path(folder) / "server.log"
