@@ -39,7 +39,8 @@ itself). Flags given beside a preset override its values:
 
     python benchmarks/load.py --preset a --devices 1xH200 --scaled 1
     python benchmarks/load.py --preset b --devices 1xH100 --scaled 1 \
-        --max-batch hearing=2 vision=2 thinker=8 talker=8 code2wav=4  # fits 80 GB
+        --max-batch hearing=2 vision=2 thinker=8 talker=8 code2wav=8 \
+        --set thinker.max_len=3072 talker.max_len=3072              # fits 80 GB
     python benchmarks/load.py --preset b --tiny --prompt-tokens 20 --max-tokens 8 \
         --audio-tokens 16 --concurrency 1 2                               # a CPU check
 """

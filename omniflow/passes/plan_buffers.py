@@ -15,6 +15,9 @@ The kind says how chunks move, from where the two ends run (`edge_kind`):
 - `net`: the ends run on different nodes: frames over the network into pre-allocated slots.
 - `shm`: everything else (text, the frontend, CPU stages): a host shared-memory ring.
 All kinds share the slot layout, the doorbell headers and the credits.
+
+It also warns of a stage that holds requests feeding a narrower one (`_idle_slots`): the
+narrowest admits, and the wider one's slots past it never fill.
 """
 
 from __future__ import annotations
@@ -103,11 +106,31 @@ def _charge_device_ring(graph: Graph, edge: Edge, ring_bytes: int) -> None:
     payer.meta["placement"] = replace(placement, budget=placement.budget - ring_bytes)
 
 
+def _idle_slots(graph: Graph, at_once: int) -> list[str]:
+    """A stage that holds its requests feeding, directly or not, a narrower one that does:
+    a request holds a slot in every such stage until it ends, so the narrowest admits, and
+    the wider producer's slots past it never fill, which the plan says. (A consumer wider
+    than its producer is headroom for streams that outlive their producer's part, when
+    more requests are let in than the plan serves at once.)"""
+    held = {n.name: graph.param_value(n, "max_batch") for n in graph.stages}
+    held = {name: b for name, b in held.items() if KINDS[graph.node(name).op].holds_requests}
+    warnings = []
+    for wide, batch in held.items():
+        after = sorted(n for n in graph.descendants(wide) & held.keys() if held[n] == at_once)
+        if after and batch > at_once:
+            warnings.append(
+                f"stage '{wide}' holds {batch} requests, but '{after[0]}' after it holds "
+                f"{at_once}: the pipeline serves {at_once} at once, and '{wide}''s other "
+                f"{batch - at_once} slots stay empty"
+            )
+    return warnings
+
+
 def plan_buffers(graph: Graph, target: Target) -> Graph:
     graph = graph.copy()
-    warnings = list(graph.meta.get("warnings", ()))
-    total = 0
     at_once = requests_at_once((n.op, graph.param_value(n, "max_batch")) for n in graph.stages)
+    warnings = [*graph.meta.get("warnings", ()), *_idle_slots(graph, at_once)]
+    total = 0
     for edge in graph.edges:
         kind, device = edge_kind(graph, target, edge)
         if kind == "local":

@@ -131,3 +131,27 @@ def test_requests_at_once_is_the_narrowest_batch_of_the_stages_that_hold_them():
     assert requests_at_once([("encoder", 4), ("diffusion", 6), ("vae", 2)]) == 6
     assert requests_at_once([("encoder", 4), ("vae", 2)]) == 2  # none holds: every stage
     assert requests_at_once([]) == 1
+
+
+def _talker_into_decoder(talker: int, decoder: int) -> str:
+    return (
+        'pipeline p { model "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"\n'
+        f' stage lm = ar(component="talker", max_batch={talker}, max_tokens=64)\n'
+        f' stage dec = vocoder(component="code2wav", max_batch={decoder})\n'
+        " input x: text -> lm\n lm.codes -> dec [stream]\n dec.audio -> output a }"
+    )
+
+
+def test_a_stage_feeding_a_narrower_one_is_said_to_leave_slots_empty():
+    """A request holds a slot in both until it ends, so the decoder's 4 admit: the talker's
+    other 4 never fill (on an H100 a Qwen3-Omni plan lowered so, code2wav 4 under a talker
+    of 8, queued half of c=8 for whole requests, 5.8 s to first audio)."""
+    graph = run_until("plan_buffers", _talker_into_decoder(8, 4))
+    assert [w for w in graph.meta["warnings"] if "slots stay empty" in w] == [
+        "stage 'lm' holds 8 requests, but 'dec' after it holds 4: the pipeline serves 4 at "
+        "once, and 'lm''s other 4 slots stay empty"
+    ]
+    # A consumer wider than its producer is headroom for streams outliving their producer.
+    for talker, decoder in ((4, 8), (4, 4)):
+        graph = run_until("plan_buffers", _talker_into_decoder(talker, decoder))
+        assert not [w for w in graph.meta["warnings"] if "slots stay empty" in w]
