@@ -112,16 +112,19 @@ def _idle_slots(graph: Graph, at_once: int) -> list[str]:
     the wider producer's slots past it never fill, which the plan says. (A consumer wider
     than its producer is headroom for streams that outlive their producer's part, when
     more requests are let in than the plan serves at once.)"""
-    held = {n.name: graph.param_value(n, "max_batch") for n in graph.stages}
-    held = {name: b for name, b in held.items() if KINDS[graph.node(name).op].holds_requests}
+    held = {
+        n.name: graph.param_value(n, "max_batch")
+        for n in graph.stages
+        if KINDS[n.op].holds_requests
+    }
     warnings = []
     for wide, batch in held.items():
         after = sorted(n for n in graph.descendants(wide) & held.keys() if held[n] == at_once)
         if after and batch > at_once:
             warnings.append(
                 f"stage '{wide}' holds {batch} requests, but '{after[0]}' after it holds "
-                f"{at_once}: the pipeline serves {at_once} at once, and '{wide}''s other "
-                f"{batch - at_once} slots stay empty"
+                f"{at_once}: the pipeline serves {at_once} at once; {batch - at_once} slots "
+                f"of '{wide}' stay empty"
             )
     return warnings
 
