@@ -51,11 +51,12 @@ naming an uploaded voice.
 
 The server is `omniflow run` on graphs/qwen3_tts.omni and graphs/qwen3_tts_clone.omni
 (their copies for the scaled folders, the CustomVoice one with `max_batch` raised to the
-largest level so that no request is refused, the clone one as written; `--as-shipped` keeps the graph's own, and the requests it
-cannot take at once wait in its admission queue, four per request it serves), in executor
-processes; `--url` measures a running one instead (its pipelines named by `--model` and
-`--clone-model`). The scaled checkpoints never end speech (their end-of-speech row is zero),
-so every request speaks `--frames` frames; the tiny ones end where their random weights do.
+largest level so that no request is refused, the clone one as written; `--as-shipped`
+keeps the graph's own, and the requests it cannot take at once wait in its admission
+queue, four per request it serves), in executor processes; `--url` measures a running one
+instead (its pipelines named by `--model` and `--clone-model`). The scaled checkpoints never
+end speech (their end-of-speech row is zero), so every request speaks `--frames` frames; the
+tiny ones end where their random weights do.
 """
 
 from __future__ import annotations
