@@ -1219,12 +1219,13 @@ class TransformersAR(Backend):
 
 def cache_columns(plan, bytes_per_token: int) -> int:
     """Columns (positions) of the static cache per request: what one request may fill, its
-    prompt (up to the stage's `max_len`) plus its `max_tokens`, rounded up to the length
-    quantum; fewer where the stage's budget, less its weights and activations, cannot hold
-    that for `max_batch` requests (no fewer than one quantum)."""
+    prompt (up to the stage's `max_len`, and the positions its family adds to a prompt
+    built from another stage's) plus its `max_tokens`, rounded up to the length quantum;
+    fewer where the stage's budget, less its weights and activations, cannot hold that for
+    `max_batch` requests (no fewer than one quantum)."""
     settings = plan.settings
     quantum = static_decode.COLUMN_QUANTUM
-    wanted = settings["max_len"] + settings["max_tokens"]
+    wanted = settings["max_len"] + plan.added_positions + settings["max_tokens"]
     columns = -(-wanted // quantum) * quantum
     room = plan.budget_bytes - plan.weight_bytes - plan.activation_bytes
     if plan.budget_bytes > 0:

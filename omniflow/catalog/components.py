@@ -152,6 +152,12 @@ class ComponentConfig:
         return self.part.block_grid(self.config)
 
     @property
+    def added_positions(self) -> int:
+        """Positions an LM's prompt may hold beyond the `max_len` prompt it is built from
+        (its family's part says: a talker's rows after its thinker's prompt)."""
+        return self.part.added_positions if self.part is not None else 0
+
+    @property
     def carries_state(self) -> bool:
         """Whether a vocoder decodes causally, carrying each stream's state from one window
         to the next (its family's part says): it re-decodes no left context."""

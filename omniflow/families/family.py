@@ -51,7 +51,11 @@ class Part:
     decoder is then `stateful` (omniflow.backends.vocoders). An encoder part
     whose `hidden` output is wider than the width its config names says how wide
     (`hidden_width(config)`: a vision tower that sends features of its inner layers beside
-    its embeddings, as Qwen3-Omni's deepstack tower does). What a part costs is its family's
+    its embeddings, as Qwen3-Omni's deepstack tower does). An LM part whose prompt is built
+    from another stage's prompt plus rows of its own (a talker's: its thinker's prompt, then
+    its speaker and first reply rows) says how many positions it adds at most
+    (`added_positions`): its cache holds them beyond `max_len` + `max_tokens`, so a thinker
+    prompt at its `max_len` still fits the talker. What a part costs is its family's
     `cost` rule's (or the generic rules'), which `defaults` may feed with facts its config
     leaves out.
     """
@@ -70,6 +74,7 @@ class Part:
     block_grid: Callable[[Mapping[str, Any]], tuple[int, int]] | None = None
     carries_state: bool = False
     hidden_width: Callable[[Mapping[str, Any]], int] | None = None
+    added_positions: int = 0
 
 
 @dataclass(frozen=True)

@@ -47,12 +47,14 @@ def _sequence_length(graph: Graph, node: Node) -> int:
 
 
 def _cache_length(graph: Graph, node: Node) -> int | None:
-    """Positions one request's KV cache holds in an `ar` stage: its prompt (up to max_len)
-    and the max_tokens it generates after it (the static cache's columns a slot:
+    """Positions one request's KV cache holds in an `ar` stage: its prompt (up to max_len,
+    and the positions its family adds to a prompt built from another stage's) and the
+    max_tokens it generates after it (the static cache's columns a slot:
     transformers_ar.cache_columns)."""
     if node.op != "ar":
         return None
-    return _sequence_length(graph, node) + graph.param_value(node, "max_tokens")
+    added = node.meta["model"].config.added_positions
+    return _sequence_length(graph, node) + added + graph.param_value(node, "max_tokens")
 
 
 def _text_tokens(graph: Graph, node: Node) -> int | None:

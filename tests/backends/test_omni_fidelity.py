@@ -15,10 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from omniflow.backends.static_decode import COLUMN_QUANTUM
 from omniflow.backends.transformers_ar import TransformersAR
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.compiler import compile_source
-from omniflow.families.qwen2_5_omni.checkpoints import reference_omni_generate
+from omniflow.families.qwen2_5_omni.checkpoints import omni_prompt_ids, reference_omni_generate
 from omniflow.families.qwen2_5_omni.thinker_talker import (
     _CONDITIONING,
     talker_to_code2wav,
@@ -185,6 +186,24 @@ def test_talker_rows_waiting_for_the_thinker_idle_in_the_batch(
     for got, ref in zip(codes, references, strict=True):
         assert got[: len(ref.codec_ids)] == ref.codec_ids.tolist()
         assert len(got) == min(len(ref.codec_ids) + 1, TALKER_MAX_TOKENS)
+
+
+def test_a_thinker_prompt_at_max_len_fits_the_talkers_cache():
+    """A thinker prompt at its max_len, with the talker's whole max_tokens, fits the
+    talker's static cache, which holds the speaker's and first reply's rows the talker's
+    prompt adds (the family's `added_positions`) beside max_len + max_tokens."""
+    from transformers import AutoTokenizer
+
+    prompt = "Tell me a short story."
+    length = omni_prompt_ids(AutoTokenizer.from_pretrained(build_tiny("qwen2.5-omni")), prompt)
+    length = length.shape[1]
+    talker_tokens = COLUMN_QUANTUM - length  # max_len + max_tokens: one quantum exactly
+    source = SOURCE.replace("max_batch=4,", f"max_batch=4, max_len={length},")
+    source = source.replace(f"max_tokens={TALKER_MAX_TOKENS}", f"max_tokens={talker_tokens}")
+    interpreter = Interpreter(compile_source(source.replace("= ar(", '= ar(decode="static", ')))
+    assert interpreter.backends["talker"].static.columns >= length + 2 + talker_tokens
+    out = interpreter.run({"prompt": prompt}, {"max_tokens": 2})
+    assert len(out["codes"]) > 0
 
 
 def test_adapters_work_row_by_row(plan):

@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from omniflow.backends.static_decode import COLUMN_QUANTUM
 from omniflow.backends.transformers_ar import TransformersAR
 from omniflow.checkpoints.tiny import MANIFEST, build_tiny
 from omniflow.compiler import compile_file, compile_source
@@ -158,6 +159,30 @@ def test_the_static_path_gives_generates_text_and_frames(references):
     assert {interpreter.backends[s].decode for s in ("thinker", "talker")} == {"static"}
     for case, ref in zip(CASES, references, strict=True):
         assert_matches(run_case(interpreter.run, case), ref)
+
+
+def test_a_thinker_prompt_at_max_len_fits_the_talkers_cache(path):
+    """A thinker prompt at its max_len, with the talker's whole max_tokens, fits the
+    talker's static cache: the talker's prompt is 6 rows longer than the thinker's (the
+    family's `added_positions`), which a cache of max_len + max_tokens columns alone would
+    lack: the talker refused such a request after the thinker had run."""
+    from transformers import AutoTokenizer
+
+    messages = chat("Hello! How are you today?")
+    length = prompt_ids(AutoTokenizer.from_pretrained(path), messages).shape[1]
+    talker_tokens = COLUMN_QUANTUM - length  # max_len + max_tokens: one quantum exactly
+    source = SOURCE.replace(
+        "max_batch=4, max_tokens=$", f"max_batch=4, max_len={length}, max_tokens=$"
+    )
+    source = source.replace(
+        f"max_tokens={TALKER_TOKENS - 1},", f"max_len={length}, max_tokens={talker_tokens},"
+    ).replace("temperature=0.0)", 'temperature=0.0, decode="static")')
+    source = source.replace("speaker=$speaker)", 'speaker=$speaker, decode="static")')
+    interpreter = Interpreter(compile_source(source, devices="cpu"))
+    talker = interpreter.backends["talker"]
+    assert talker.static.columns >= length + 6 + talker_tokens
+    out = interpreter.run({"prompt": messages}, {"max_tokens": 2})
+    assert out["codes"].shape[0] > 0 and out["codes"].shape[1:] == (16,)
 
 
 def test_the_talker_takes_thinker_items_once_their_roles_land(references, monkeypatch):

@@ -108,6 +108,8 @@ FAMILY = Family(
             extras={"thinker_to_talker_proj": ("talker.thinker_to_talker_proj.",)},
             # The talker emits one code per step from a single codebook.
             defaults={"num_code_groups": 1},
+            # Its prompt: the thinker's, then the speaker's row and the first reply's.
+            added_positions=2,
         ),
         "token2wav": Part(
             "vocoder",

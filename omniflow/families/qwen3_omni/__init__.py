@@ -106,6 +106,9 @@ FAMILY = Family(
                 "text_projection": ("talker.text_projection.",),
                 "hidden_projection": ("talker.hidden_projection.",),
             },
+            # Its prompt: the thinker prompt's user turns, then 9 rows of its own, 3 of them
+            # the thinker's `<|im_start|>assistant\n` (thinker_talker._ASSISTANT_ROWS).
+            added_positions=6,
         ),
         "code2wav": Part(
             "vocoder",
