@@ -207,6 +207,11 @@ def sub_stream(seed: int) -> int:
     return (seed + SUB_SEED) & (2**63 - 1)
 
 
+def _budget(top_p: float) -> float:
+    """A row's top-p budget, the probability mass its filter may drop (none at top_p 1)."""
+    return 1 - top_p if top_p < 1 else 0.0
+
+
 def _is_table(module: torch.nn.Module) -> bool:
     """An embedding table, or a list of them: inputs a decoder's forward never reads when
     it is given input embeddings."""
@@ -740,7 +745,7 @@ class FrameCompleter:
             top_k = sampling.top_k if sampling is not None else -1
             self.top_k = torch.full((slots,), top_k, dtype=torch.int32, **on)
             self.top_p = torch.full((slots,), top_p, dtype=torch.float64, **on)
-            self.budget = torch.full((slots,), 1 - top_p if top_p < 1 else 0.0, **on)
+            self.budget = torch.full((slots,), _budget(top_p), **on)
             self.penalty = torch.ones(slots, dtype=torch.float32, **on)
             self.scratch = (
                 torch.empty(slots, 5 * vocab, dtype=torch.float32, **on) if use_triton else None
@@ -764,15 +769,17 @@ class FrameCompleter:
         self.per_slot = [self.input, self.seed, self.temperature]
 
     @torch.inference_mode()
-    def join(self, slot: int, seed: int, sampled: bool) -> None:
-        """A request joins `slot`: its sub-stream (`seed`; `sampled`: it draws, else it is
-        greedy). Its next input is its first frame's, which the first step completes."""
+    def join(self, first: int, seeds: list[int], sampled: list[bool]) -> None:
+        """Requests join slots `first`, `first` + 1, ...: each its sub-stream (`seeds[i]`;
+        `sampled[i]`: it draws, else it is greedy). Their next inputs are their first
+        frames', which the first step completes."""
+        rows = slice(first, first + len(seeds))
         sampling = self.spec.sampling
-        # (`fill_`, not `t[slot] = x`: the latter copies a host scalar, blocking, on CUDA)
-        self.seed[slot].fill_(sub_stream(seed))
-        self.temperature[slot].fill_(
-            sampling.temperature if sampled and sampling is not None else 0.0
-        )
+        temperature = sampling.temperature if sampling is not None else 0.0
+        device = self.seed.device
+        self.seed[rows].copy_(upload([sub_stream(seed) for seed in seeds], device, torch.int64))
+        drawn = [temperature if draws else 0.0 for draws in sampled]
+        self.temperature[rows].copy_(upload(drawn, device, torch.float32))
 
     def complete(self, b: int, hidden, first, frame, active) -> None:
         """Slots 0..b-1's frames from the LM's final hidden states `hidden` `[b, H]` and
@@ -947,38 +954,52 @@ class StaticDecoder(DecoderCache):
 
     # --- requests in and out ----------------------------------------------------------------
     @torch.inference_mode()
-    def join(self, slot: int, state: dict, keys=None, values=None) -> None:
-        """Put a prefilled request in `slot`, before its first token (`first` samples it):
-        its per-slot state (`length`, `offset`, `temperature`, `top_k`, `top_p`,
-        `repetition_penalty`, `seed`, `seen`, a `[V]` bool mask or None, `min_tokens`) and,
-        unless `prefill` wrote them there, its keys and values `[layers, kv_heads, L,
-        head_dim]` into columns 0..L-1."""
-        if keys is not None:
+    def join(self, first: int, states: list[dict], kv: list | None = None) -> None:
+        """Put prefilled requests in slots `first`, `first` + 1, ..., before their first
+        tokens (`first` samples them): each one's per-slot state (`length`, `offset`,
+        `temperature`, `top_k`, `top_p`, `repetition_penalty`, `seed`, `seen`, a `[V]` bool
+        mask or None, `min_tokens`) and, unless `prefill` wrote them there, its keys and
+        values (`kv[i]`: two `[layers, kv_heads, L, head_dim]`) into columns 0..L-1.
+
+        The numbers go up in two host-to-device copies and land in a copy a buffer, whatever
+        the count: a burst of prompts joined one `fill_` a number and slot before, ~25
+        small launches a request on the host's path to its first token."""
+        rows = slice(first, first + len(states))
+        for slot, (keys, values) in enumerate(kv or (), start=first):
             filled = keys.shape[2]
             self.keys[:, slot, :, :filled].copy_(keys)
             self.values[:, slot, :, :filled].copy_(values)
-        top_p = state["top_p"]
-        numbers = {
-            self.length: state["length"],
-            self.offset: state["offset"],
-            self.last: 0,
-            self.step_count: 0,
-            self.temperature: state["temperature"],
-            self.top_k: state["top_k"],
-            self.top_p: top_p,
-            self.budget: 1 - top_p if top_p < 1 else 0.0,
-            self.penalty: state["repetition_penalty"],
-            self.seed: state["seed"],
-            self.min_tokens: state.get("min_tokens", 0),
-        }
-        for buffer, value in numbers.items():
-            buffer[slot].fill_(value)  # (`t[slot] = x` copies a host scalar, blocking)
-        if state.get("seen") is None:
-            self.seen[slot].fill_(False)
-        else:
-            self.seen[slot].copy_(state["seen"])
+        whole = [
+            (s["length"], s["offset"], s["top_k"], s["seed"], s.get("min_tokens", 0))
+            for s in states
+        ]
+        fractions = [
+            (s["temperature"], s["top_p"], _budget(s["top_p"]), s["repetition_penalty"])
+            for s in states
+        ]
+        whole = upload(whole, self.device, torch.int64)
+        fractions = upload(fractions, self.device, torch.float64)
+        # (`copy_` casts to each buffer's dtype as `fill_` with the Python number did)
+        for j, buffer in enumerate(
+            (self.length, self.offset, self.top_k, self.seed, self.min_tokens)
+        ):
+            buffer[rows].copy_(whole[:, j])
+        for j, buffer in enumerate((self.temperature, self.top_p, self.budget, self.penalty)):
+            buffer[rows].copy_(fractions[:, j])
+        self.last[rows].zero_()
+        self.step_count[rows].zero_()
+        self.seen[rows].fill_(False)
+        seen = [
+            (slot, s["seen"])
+            for slot, s in enumerate(states, start=first)
+            if s.get("seen") is not None
+        ]
+        if seen:
+            slots, masks = zip(*seen, strict=True)
+            self.seen.index_copy_(0, upload(list(slots), self.device), torch.stack(masks))
         if self.frames is not None:
-            self.frames.join(slot, state["seed"], state["temperature"] > 0)
+            seeds = [s["seed"] for s in states]
+            self.frames.join(first, seeds, [s["temperature"] > 0 for s in states])
 
     @torch.inference_mode()
     def move(self, source: int, target: int, filled: int) -> None:

@@ -954,7 +954,8 @@ class TransformersAR(Backend):
                 self.component.prompt_value(hidden[i, : s.length], p)
                 for i, (s, p) in enumerate(started)
             ]
-        last = torch.stack([hidden[i, s.length - 1] for i, s in enumerate(seqs)])
+        ends = upload([s.length - 1 for s in seqs], hidden.device)
+        last = hidden[torch.arange(len(seqs), device=hidden.device), ends]
         # (taken before any joins: the first row to join the dynamic path's empty batch takes
         # over the prefill's cache object)
         rows = [None if direct else _row_states(cache, i, s.length) for i, s in enumerate(seqs)]
@@ -968,9 +969,7 @@ class TransformersAR(Backend):
         # step's sampler gives the first tokens (and frames), queued like a step's: emitted
         # when they land (now, if they have), a finished one leaving again then.
         start = len(self.rows)
-        for seq, states in zip(seqs, rows, strict=True):
-            self._join_static(seq, states)
-            seq.first_ahead = True
+        self._join_static(seqs, rows)
         launched = self.static.first(start, last)
         slots = [seq.slot for seq in seqs]
         self.firsts.append(_Launch(seqs, slots, launched, None, self._order(), values))
@@ -1156,24 +1155,22 @@ class TransformersAR(Backend):
             mine.values = torch.cat([_left_pad(mine.values, width), _left_pad(values, width)])
         self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(own, width)])
 
-    def _join_static(
-        self, seq: Sequence, states: list[tuple[torch.Tensor, torch.Tensor]] | None
-    ) -> None:
-        """Put a prefilled request in the next free slot (its row), before its first token,
-        copying its keys and values (`states`) there unless its prefill wrote them into that
-        slot."""
-        seq.slot = len(self.rows)
-        self.rows.append(seq)
-        sampling = seq.sampling
-        kv = {}
-        if states is not None:
-            kv = {
-                "keys": torch.stack([keys[0] for keys, _ in states]),
-                "values": torch.stack([values[0] for _, values in states]),
-            }
-        self.static.join(
-            seq.slot,
-            {
+    def _join_static(self, seqs: list[Sequence], rows: list) -> None:
+        """Put prefilled requests in the next free slots (their rows), before their first
+        tokens, copying each one's keys and values (`rows[i]`: per layer) there unless
+        their prefill wrote them into those slots (`rows[i]` None)."""
+        start = len(self.rows)
+        self.rows.extend(seqs)
+        kv = [
+            (torch.stack([keys[0] for keys, _ in states]), torch.stack([v[0] for _, v in states]))
+            for states in rows
+            if states is not None
+        ]
+        states = []
+        for slot, seq in enumerate(seqs, start=start):
+            sampling = seq.sampling
+            seq.slot, seq.first_ahead = slot, True
+            states.append({
                 "length": seq.length,
                 "offset": seq.position_offset,
                 "temperature": sampling.temperature if seq.generator is not None else 0.0,
@@ -1183,10 +1180,9 @@ class TransformersAR(Backend):
                 "seed": seq.seed,
                 "seen": seq.seen,
                 "min_tokens": self.component.min_tokens,
-            },
-            **kv,
-        )
-        seq.seen = None  # from here on, the slot's seen mask (updated by the step)
+            })  # fmt: skip
+            seq.seen = None  # from here on, the slot's seen mask (updated by the step)
+        self.static.join(start, states, kv)
 
     def _evict(self, gone: list[Sequence]) -> None:
         if not gone:
