@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from omniflow.devices import Device, GiB, node_of, parse_devices
+from omniflow.devices import Device, GiB, human_bytes, node_of, parse_devices
 from omniflow.errors import PlacementError
 from omniflow.ir.graph import Graph, Node
 from omniflow.passes.common import PER_TOKEN_CHUNK, DisjointSets, Target, shares_gpu_process
@@ -57,6 +57,21 @@ def _need_text(node: Node) -> str:
         f"{gib(facts.need)} (weights {gib(cost.weight_bytes)} + KV cache {gib(cost.kv_cache_bytes)}"
         f" + activations {gib(cost.activation_bytes)}, batch {facts.batch})"
     )
+
+
+def _batch_that_fits(node: Node, missing: int) -> str:
+    """Where an `ar` stage lacks `missing` bytes of a device, the largest max_batch whose KV
+    cache would leave them ("at max_batch=N ... it fits there; "), else ""."""
+    facts = node.meta["cost"]
+    if node.op != "ar" or facts.cost is None or "memory" in node.params or facts.batch < 2:
+        return ""
+    per_request = facts.cost.kv_cache_bytes // facts.batch
+    if not per_request:
+        return ""
+    batch = facts.batch - -(-missing // per_request)  # the slots to give up, rounded up
+    if batch < 1:
+        return ""
+    return f"at max_batch={batch} (KV cache {human_bytes(per_request)} a request) it alone would fit there; "
 
 
 class _Placer:
@@ -198,14 +213,22 @@ class _Placer:
         verb = "holds" if len(there) == 1 else "hold"
         held = f"; {', '.join(there)} already {verb} {gib(self.used[roomiest])}" if there else ""
         who = group[0] if len(group) == 1 else None
-        need = _need_text(who) if who else gib(self._charge(group, roomiest))
+        charge = self._charge(group, roomiest)
+        need = _need_text(who) if who else gib(charge)
+        if who:  # what placing it there takes beside its estimate
+            context = self._processes(group, roomiest) * self.target.process_overhead
+            workspace = self._need(who, roomiest) - who.meta["cost"].need
+            beside = [f"{human_bytes(context)} for its process's CUDA context"] if context else []
+            beside += [f"{human_bytes(workspace)} for its stream's workspace"] if workspace else []
+            need += "".join(f" + {part}" for part in beside)
         name = (
             f"stage '{who.name}'" if who else f"colocated stages {', '.join(n.name for n in group)}"
         )
+        fits = _batch_that_fits(who, charge - free) if who else ""
         raise PlacementError(
             f"{name} needs {need}, but the roomiest device {roomiest} has {gib(free)} free "
-            f"(of {gib(self.capacity[roomiest])} usable{held}); add devices, lower max_batch/max_len, "
-            "or give the stage an explicit memory=... budget"
+            f"(of {gib(self.capacity[roomiest])} usable{held}); {fits}add devices, lower "
+            "max_batch/max_len, or give the stage an explicit memory=... budget"
         )
 
     def budgets(self) -> None:

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from omniflow.devices import GiB
@@ -68,6 +70,21 @@ def test_a_pipeline_that_cannot_fit_names_stage_and_bytes():
     message = str(err)
     assert "stage 'thinker' needs" in message and "weights 14.2 GiB" in message
     assert "cuda:0 has" in message and "GiB free" in message
+
+
+def test_a_stage_short_of_room_is_told_what_else_it_takes_and_the_batch_that_fits():
+    devices = "cuda:0=18GiB,cuda:1=18GiB"
+    with pytest.raises(PassError) as info:
+        run_until("place", two_lms(), devices=devices)
+    message = str(info.value.cause)
+    assert "stage 'a' needs" in message and "for its process's CUDA context" in message
+    batch = int(re.search(r"at max_batch=(\d+) \(KV cache [\d.]+ MiB a request\)", message)[1])
+    assert 1 <= batch < 8
+    run_until("place", two_lms().replace("max_batch=8", f"max_batch={batch}"), devices=devices)
+    with pytest.raises(PassError, match="stage 'a' needs"):
+        run_until(
+            "place", two_lms().replace("max_batch=8", f"max_batch={batch + 1}"), devices=devices
+        )
 
 
 def test_pin_to_a_missing_device_is_an_error():
