@@ -22,8 +22,8 @@ each stage's steps, as benchmarks/tts_serve.py does.
     python benchmarks/load.py --devices 1xH200 --scaled 1 --concurrency 1 10 32 64
     python benchmarks/load.py --graph graphs/qwen3_omni.omni --devices 1xH200 --scaled 1
 
-`--max-batch STAGE=N` and `--set STAGE.PARAM=VALUE` serve a copy of the graph with those
-stages' parameters changed (a smaller GPU's batches; `thinker.prefill_tokens=2560`).
+`--max-batch STAGE=N` and `--set STAGE.PARAM=VALUE` serve the graph with those stages'
+arguments set (`omniflow run --set`: a smaller GPU's batches; `thinker.prefill_tokens=2560`).
 
 `--scaled DEPTH` serves the graph on a random-weight build of its model at the real widths
 and DEPTH x its layers (`omniflow.checkpoints.scaled`, built once into the cache). Its
@@ -260,26 +260,6 @@ def on_models(source: str, scaled: float | None, tiny: bool, devices: str) -> tu
     return source, ["--tiny"] if tiny else []
 
 
-def with_stage_params(source: str, settings: list[str], flag: str = "--set") -> str:
-    """The graph's source with each `STAGE.PARAM=VALUE` of `settings` as that stage's
-    parameter (written in the stage's call as given: `8`, `"cuda"`), in place of the one it
-    has or added to it."""
-    for item in settings:
-        target, _, value = item.partition("=")
-        stage, _, param = target.partition(".")
-        call = re.search(rf"(stage {re.escape(stage)}\s*=\s*\w+\()([^)]*)\)", source)
-        if not (call and param and value):
-            raise SystemExit(
-                f"{flag} {item}: no stage '{stage}' in the graph, or not STAGE.PARAM=VALUE"
-            )
-        args = call.group(2)
-        args, found = re.subn(rf"\b{re.escape(param)}=[^,)]*", f"{param}={value}", args)
-        if not found:
-            args = f"{param}={value}, {args}" if args.strip() else f"{param}={value}"
-        source = source[: call.start(2)] + args + source[call.end(2) :]
-    return source
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), help="one of the peer's workloads")
@@ -311,14 +291,14 @@ def main() -> None:
                         "OMNIFLOW_SYNC_DEBUG=warn, the host syncs its stages' steps make")  # fmt: skip
     args = workload_args(parser.parse_args())
     source = Path(args.graph).read_text()
-    batches = [
+    settings = [
         f"{stage}.max_batch={batch}"
         for stage, _, batch in (b.partition("=") for b in args.max_batch)
-    ]
-    source = with_stage_params(source, batches, "--max-batch")
-    source = with_stage_params(source, args.set)
+    ] + args.set
     name = re.search(r"pipeline (\w+)", source).group(1)
     flags = ["--devices", args.devices, *args.server_args.split()]
+    if settings:  # the server compiles the graph with them (`omniflow run --set`)
+        flags += ["--set", *settings]
     workload = {
         "prompt": None,  # sized by the first server's count
         "max_tokens": args.max_tokens,

@@ -35,6 +35,7 @@ def _compile(args: argparse.Namespace) -> int:
             progress=True,
             on_pass=snapshots,
             model=args.model,
+            settings=args.set,
         )
     plan = lower(graph)
     if snapshots is not None:
@@ -75,16 +76,16 @@ def _for_this_machine(args: argparse.Namespace, path: str | None) -> Iterator[No
     except PassError as err:
         if not (detected and path is not None and isinstance(err.cause, PlacementError)):
             raise
-        raise OmniflowError(_does_not_fit(path, args.devices)) from err
+        raise OmniflowError(_does_not_fit(path, args.devices, args.set)) from err
 
 
-def _does_not_fit(path: str, here: str) -> str:
+def _does_not_fit(path: str, here: str, settings: list[str]) -> str:
     """One line for a graph too big for this machine: which flags would compile it."""
     from omniflow.compiler import SUGGESTED_INVENTORIES, flags_that_fit
 
     need = "needs a GPU" if here == "cpu" else f"needs more than {here}"
     hints = {"--tiny": "--tiny for the built-in tiny models"}
-    flags = [hints.get(flag, flag) for flag in flags_that_fit(path, here)]
+    flags = [hints.get(flag, flag) for flag in flags_that_fit(path, here, settings)]
     if not flags:
         tried = f"{SUGGESTED_INVENTORIES[0]} to {SUGGESTED_INVENTORIES[-1]}"
         return f"{path} does not fit this machine ({here}) nor {tried}; give --devices"
@@ -96,6 +97,11 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(
             "--model replaces the model line of one .omni pipeline: "
             "omniflow run PIPELINE.omni --model MODEL_ID (or: omniflow serve MODEL_ID)"
+        )
+    if args.set and (len(args.paths) != 1 or not args.paths[0].endswith(".omni")):
+        raise UsageError(
+            "--set sets the stage arguments of one .omni pipeline: "
+            "omniflow run PIPELINE.omni --set STAGE.KEY=VALUE"
         )
     if not (args.once or args.input or args.out is not None or args.profile is not None):
         # --input, --out and --profile imply --once
@@ -120,7 +126,12 @@ def _run(args: argparse.Namespace) -> int:
     params = {k: _param_value(v) for k, v in map(_key_value, args.param)}
     with _for_this_machine(args, args.paths[0]):
         plan = compile_file(
-            args.paths[0], devices=args.devices, tiny=args.tiny, progress=True, model=args.model
+            args.paths[0],
+            devices=args.devices,
+            tiny=args.tiny,
+            progress=True,
+            model=args.model,
+            settings=args.set,
         )
     backends = "standin" if args.standin else "auto"
     console = Console(stderr=True, highlight=False)
@@ -288,6 +299,15 @@ def make_parser() -> argparse.ArgumentParser:
         "--tiny", action="store_true", help="use the built-in tiny models of the same architectures"
     )
     comp.add_argument("--model", metavar="MODEL_ID", help=MODEL_HELP)
+    comp.add_argument(
+        "--set",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="STAGE.KEY=VALUE",
+        help="a stage's argument in place of the file's, written as there: --set "
+        "thinker.max_batch=8 talker.max_len=3072 (e.g. to fit a smaller GPU)",
+    )
     comp.add_argument("--timings", action="store_true", help="print how long each pass took")
     comp.add_argument(
         "--viz", metavar="OUT.html", help="also draw the graph after each pass into this HTML file"
@@ -392,6 +412,15 @@ def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = Tru
     )
     if with_model:
         parser.add_argument("--model", metavar="MODEL_ID", help=MODEL_HELP)
+    parser.add_argument(
+        "--set",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="STAGE.KEY=VALUE",
+        help="a stage's argument in place of the file's, written as there: --set "
+        "thinker.max_batch=8 talker.max_len=3072 (e.g. to fit a smaller GPU)",
+    )
     parser.add_argument(
         "--standin", action="store_true", help="deterministic stand-in stages instead of models"
     )

@@ -1,19 +1,32 @@
-"""The compiler's phases as named functions: parse -> build -> passes -> lower.
+"""The compiler's phases as named functions: parse -> settings -> build -> passes -> lower.
 
 compile_file("x.omni", devices="2xH200")    # -> Plan
 optimize_file("x.omni", devices="2xH200")   # -> Graph after the passes (str() shows the facts)
 load_graph("x.omni")                        # -> Graph (parsed and built, no passes)
+load_graph("x.omni", ["thinker.max_batch=8"])  # ... with a stage argument set (`--set`)
 flags_that_fit("x.omni", "cpu")             # -> ["--devices 2xH200", "--tiny"]
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 
 from omniflow.catalog.resolve import model_path, use_tiny_models
 from omniflow.devices import parse_devices
+from omniflow.dsl import ast
 from omniflow.dsl.parser import parse, parse_file
-from omniflow.errors import ModelConfigError, PassError, PlacementError
+from omniflow.errors import (
+    GraphError,
+    ModelConfigError,
+    PassError,
+    PlacementError,
+    SourceError,
+    Span,
+)
+from omniflow.hints import did_you_mean
 from omniflow.ir.from_ast import build
 from omniflow.ir.graph import Graph
 from omniflow.lower import lower
@@ -29,8 +42,56 @@ def graph_from_source(text: str, path: str = "<string>") -> Graph:
     return build(parse(text, path))
 
 
-def load_graph(path: str | Path) -> Graph:
-    return build(parse_file(path))
+def load_graph(path: str | Path, settings: Sequence[str] = ()) -> Graph:
+    """The file's graph, built with `settings` (`--set STAGE.KEY=VALUE`) in its stages."""
+    return build(with_settings(parse_file(path), settings))
+
+
+def with_settings(program: ast.Pipeline, settings: Sequence[str]) -> ast.Pipeline:
+    """`program` with each `STAGE.KEY=VALUE` of `settings` (`--set`) as that stage's argument,
+    in place of the one it has or added to it. VALUE is written as in the file (`8`,
+    `"cuda"`, `$max_tokens`) and checked by the build as if it were there; an error in a
+    setting points at the setting as given."""
+    if not settings:
+        return program
+    program = copy.deepcopy(program)
+    stages = {s.name: s for s in program.stages}
+    for setting in settings:
+        target, _, value = setting.partition("=")
+        name, _, key = target.partition(".")
+        whole = Span("--set", 1, 1, len(setting) + 1, setting)
+        if not (name and key and value):
+            raise GraphError(
+                "a setting is STAGE.KEY=VALUE", whole, hint="e.g. --set thinker.max_batch=8"
+            )
+        stage = stages.get(name)
+        if stage is None:
+            hint = did_you_mean(name, stages) or f"its stages: {', '.join(stages)}"
+            raise GraphError(f"pipeline '{program.name}' has no stage '{name}'", whole, hint=hint)
+        arg = _setting_arg(stage, name, key, value, setting)
+        stage.args = [a for a in stage.args if a.key != key] + [arg]
+    return program
+
+
+def _setting_arg(stage: ast.StageDecl, name: str, key: str, value: str, setting: str) -> ast.Attr:
+    """The argument `key=value` parsed as the file's stage declaration would parse it, its
+    spans moved onto `setting` as given."""
+    prefix = f"pipeline p {{ stage {name} = {stage.kind}("
+    shift = len(name) + 1 - len(prefix)  # a column of the snippet -> one of the setting
+
+    def moved(span: Span | None) -> Span | None:
+        if span is None:
+            return None
+        col = min(max(1, span.col + shift), len(setting))
+        end = min(max(col + 1, span.end_col + shift), len(setting) + 1)
+        return dataclasses.replace(span, path="--set", col=col, end_col=end, line_text=setting)
+
+    try:
+        arg = parse(f"{prefix}{key}={value}) }}", "--set").stages[0].args[0]
+    except SourceError as err:  # (its hint would speak of the snippet's brackets)
+        hint = 'VALUE is written as in the .omni file: 8, "cuda", $max_tokens'
+        raise type(err)(err.message, moved(err.span), hint) from None
+    return dataclasses.replace(arg, span=moved(arg.span), value_span=moved(arg.value_span))
 
 
 def optimize(graph: Graph, devices: str = "cpu", on_pass: PassHook | None = None) -> Graph:
@@ -53,11 +114,13 @@ def optimize_file(
     progress: bool = False,
     on_pass: PassHook | None = None,
     model: str | None = None,
+    settings: Sequence[str] = (),
 ) -> Graph:
     """The file's graph after the passes, what `lower` takes. `model`: serve it in place of
-    the file's model line (`--model`). `tiny`: swap every model for its built-in tiny
-    counterpart (same architecture), built on first use (`progress`: with a progress bar)."""
-    graph = load_graph(path)
+    the file's model line (`--model`). `settings`: stage arguments set (`--set`). `tiny`:
+    swap every model for its built-in tiny counterpart (same architecture), built on first
+    use (`progress`: with a progress bar)."""
+    graph = load_graph(path, settings)
     if model:
         graph = with_model(graph, model)
     if tiny:
@@ -68,16 +131,16 @@ def optimize_file(
 
 
 def compile_file(path: str | Path, devices: str = "cpu", **options) -> Plan:
-    """optimize_file's graph (`options`: its `tiny`, `progress`, `on_pass`, `model`) lowered
-    to a plan."""
+    """optimize_file's graph (`options`: its `tiny`, `progress`, `on_pass`, `model`,
+    `settings`) lowered to a plan."""
     return lower(optimize_file(path, devices, **options))
 
 
-def flags_that_fit(path: str | Path, here: str) -> list[str]:
-    """The `compile` flags under which a graph that does not fit `here` would: the smallest
-    suggested inventory that holds it (`--devices 2xH200`), and `--tiny` when its tiny models
-    fit `here`. Neither builds a checkpoint."""
-    graph = load_graph(path)
+def flags_that_fit(path: str | Path, here: str, settings: Sequence[str] = ()) -> list[str]:
+    """The `compile` flags under which a graph (with `settings`) that does not fit `here`
+    would: the smallest suggested inventory that holds it (`--devices 2xH200`), and `--tiny`
+    when its tiny models fit `here`. Neither builds a checkpoint."""
+    graph = load_graph(path, settings)
     fits = next((spec for spec in SUGGESTED_INVENTORIES if _places(graph, spec)), None)
     flags = [f"--devices {fits}"] if fits else []
     try:

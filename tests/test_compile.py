@@ -258,6 +258,60 @@ def test_placement_failure_exits_1_naming_the_stage(capsys):
     assert "pass 'place' failed: stage 'thinker' needs" in err
 
 
+def test_set_gives_a_stage_argument_in_place_of_the_files_or_beside_them():
+    settings = ["thinker.max_batch=8", "talker.max_len=3072", "talker.temperature=$temperature"]
+    graph = load_graph("graphs/omni_chat.omni", settings)
+    thinker, talker = graph.node("thinker").params, graph.node("talker").params
+    assert thinker["max_batch"] == 8 and talker["max_len"] == 3072
+    assert str(talker["temperature"]) == "$temperature"
+    assert load_graph("graphs/omni_chat.omni").node("thinker").params["max_batch"] == 32
+
+
+@pytest.mark.parametrize(
+    ("setting", "message", "caret", "hint"),
+    [
+        ("thinker.max_batch=abc", "'max_batch' must be int, not abc", "abc", None),
+        ("thinker.max_bach=8", "unknown parameter of ar 'max_bach'", "max_bach=8", "did you mean 'max_batch'?"),
+        ("thinkr.max_batch=8", "pipeline 'omni_chat' has no stage 'thinkr'", "thinkr.max_batch=8", "did you mean 'thinker'?"),
+        ("thinker.max_batch=", "a setting is STAGE.KEY=VALUE", "thinker.max_batch=", "e.g. --set thinker.max_batch=8"),
+        ("thinker.max_batch=8)", "unexpected ')'", ")", 'VALUE is written as in the .omni file'),
+    ],
+)  # fmt: skip
+def test_a_bad_setting_is_an_error_pointing_at_it(capsys, setting, message, caret, hint):
+    code, out, err = _cli(
+        capsys, "compile", "graphs/omni_chat.omni", "--devices", "2xH200", "--set", setting
+    )
+    assert code == 1 and out == ""
+    lines = err.splitlines()
+    assert lines[0].startswith("--set:1:") and message in lines[0]
+    assert lines[1].strip() == setting
+    start = lines[2].index("^")
+    assert lines[1][start : start + len(caret)] == caret and lines[2].count("^") == len(caret)
+    assert hint is None or lines[3].startswith(f"hint: {hint}")
+
+
+def test_a_gpu_too_small_is_told_the_batch_that_fits_and_set_makes_it_fit(capsys):
+    """Qwen3-Omni's graph does not fit one H100 as written: the placement error names the
+    thinker's batch that would fit beside what else it takes, and `--set` with smaller
+    batches and lengths (load.py's H100 example) compiles it."""
+    code, _, err = _cli(capsys, "compile", "graphs/qwen3_omni.omni", "--devices", "1xH100")
+    assert code == 1 and "for its process's CUDA context" in err
+    assert re.search(r"it alone would fit there \(--set thinker\.max_batch=\d+\)", err)
+    lowered = [f"{stage}.max_batch={n}" for stage, n in (("hearing", 2), ("vision", 2), ("thinker", 8), ("talker", 8), ("code2wav", 8))]  # fmt: skip
+    lowered += ["thinker.max_len=3072", "talker.max_len=3072"]
+    code, out, _ = _cli(
+        capsys, "compile", "graphs/qwen3_omni.omni", "--devices", "1xH100", "--set", *lowered
+    )
+    assert code == 0 and "thinker" in out
+
+
+def test_set_is_refused_beside_several_pipelines(capsys):
+    code, _, err = _cli(
+        capsys, "run", "graphs/tts.omni", "graphs/omni_chat.omni", "--set", "talker.max_batch=4"
+    )
+    assert code == 2 and "--set sets the stage arguments of one .omni pipeline" in err
+
+
 @pytest.mark.parametrize(
     "argv",
     [["compile"], ["compile", "missing.omni"], ["frobnicate"], [],

@@ -71,7 +71,10 @@ def _batch_that_fits(node: Node, missing: int) -> str:
     batch = facts.batch - -(-missing // per_request)  # the slots to give up, rounded up
     if batch < 1:
         return ""
-    return f"at max_batch={batch} (KV cache {human_bytes(per_request)} a request) it alone would fit there; "
+    return (
+        f"at max_batch={batch} (KV cache {human_bytes(per_request)} a request) it alone would "
+        f"fit there (--set {node.name}.max_batch={batch}); "
+    )
 
 
 class _Placer:

@@ -27,6 +27,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -79,8 +80,11 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def load_plan(path: str, devices: str, tiny: bool, model: str | None = None) -> Plan:
-    """A plan JSON as written, or a .omni file compiled (`model`: in place of its own)."""
+def load_plan(
+    path: str, devices: str, tiny: bool, model: str | None = None, settings: Sequence[str] = ()
+) -> Plan:
+    """A plan JSON as written, or a .omni file compiled (`model`: in place of its own;
+    `settings`: stage arguments set, `--set`)."""
     if path.endswith(".json"):
         try:
             return Plan.from_json(Path(path).read_bytes())
@@ -88,7 +92,9 @@ def load_plan(path: str, devices: str, tiny: bool, model: str | None = None) -> 
             raise ServeError(f"cannot read plan {path}: {err.strerror}") from None
     from omniflow.compiler import compile_file
 
-    return compile_file(path, devices=devices, tiny=tiny, progress=True, model=model)
+    return compile_file(
+        path, devices=devices, tiny=tiny, progress=True, model=model, settings=settings
+    )
 
 
 def param_defaults(items: list[str], plans: list[Plan], checks: dict) -> dict[str, dict]:
@@ -286,7 +292,7 @@ def serve(args) -> int:
     engines: dict = {}
     try:
         with _sigterm_interrupts():
-            plans = [load_plan(path, args.devices, tiny, args.model) for path in paths]
+            plans = [load_plan(path, args.devices, tiny, args.model, args.set) for path in paths]
             names = [p.pipeline for p in plans]
             twice = sorted({n for n in names if names.count(n) > 1})
             if twice:

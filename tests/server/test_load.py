@@ -237,6 +237,17 @@ def test_sigterm_drains_then_stops_leaving_nothing_behind(http, server):
     assert segments_of(pids) == []
 
 
+def test_set_serves_the_graph_with_a_stage_argument_changed(start_server):
+    """`omniflow run PIPELINE --set STAGE.KEY=VALUE` compiles the graph with it: the probe's
+    stage at max_batch 3 admits 3 at once (its 128 as written)."""
+    server = start_server(
+        str(HERE / "probe.omni"), "--mode", "inprocess", "--set", "talk.max_batch=3"
+    )
+    with server.client() as http:
+        (model,) = http.get("/v1/models").json()["data"]
+    assert model["id"] == "probe" and model["max_in_flight"] == 3
+
+
 def test_ctrl_c_in_a_terminal_drains_with_the_executors_alive(start_server):
     server = start_server(str(HERE / "probe.omni"), env={"OMNIFLOW_API_KEY": KEY})
     pids = server.pids()
