@@ -299,15 +299,7 @@ def make_parser() -> argparse.ArgumentParser:
         "--tiny", action="store_true", help="use the built-in tiny models of the same architectures"
     )
     comp.add_argument("--model", metavar="MODEL_ID", help=MODEL_HELP)
-    comp.add_argument(
-        "--set",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="STAGE.KEY=VALUE",
-        help="a stage's argument in place of the file's, written as there: --set "
-        "thinker.max_batch=8 talker.max_len=3072 (e.g. to fit a smaller GPU)",
-    )
+    _add_set_option(comp)
     comp.add_argument("--timings", action="store_true", help="print how long each pass took")
     comp.add_argument(
         "--viz", metavar="OUT.html", help="also draw the graph after each pass into this HTML file"
@@ -398,6 +390,19 @@ def make_parser() -> argparse.ArgumentParser:
 EXIT_BROKEN_PIPE = 141
 
 
+def _add_set_option(parser: argparse.ArgumentParser) -> None:
+    """`--set STAGE.KEY=VALUE ...` (`compile`, `run`, `serve`): stage arguments for the graph."""
+    parser.add_argument(
+        "--set",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="STAGE.KEY=VALUE",
+        help="a stage's argument in place of the file's, written as there: --set "
+        "thinker.max_batch=8 talker.max_len=3072 (e.g. to fit a smaller GPU)",
+    )
+
+
 def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
     """The flags of `run` and `serve`: devices, models, serving limits, --once."""
     parser.add_argument(
@@ -412,15 +417,7 @@ def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = Tru
     )
     if with_model:
         parser.add_argument("--model", metavar="MODEL_ID", help=MODEL_HELP)
-    parser.add_argument(
-        "--set",
-        action="extend",
-        nargs="+",
-        default=[],
-        metavar="STAGE.KEY=VALUE",
-        help="a stage's argument in place of the file's, written as there: --set "
-        "thinker.max_batch=8 talker.max_len=3072 (e.g. to fit a smaller GPU)",
-    )
+    _add_set_option(parser)
     parser.add_argument(
         "--standin", action="store_true", help="deterministic stand-in stages instead of models"
     )
