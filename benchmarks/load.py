@@ -298,7 +298,7 @@ def main() -> None:
     name = re.search(r"pipeline (\w+)", source).group(1)
     flags = ["--devices", args.devices, *args.server_args.split()]
     if settings:  # the server compiles the graph with them (`omniflow run --set`)
-        flags += ["--set", *settings]
+        flags += [arg for setting in settings for arg in ("--set", setting)]
     workload = {
         "prompt": None,  # sized by the first server's count
         "max_tokens": args.max_tokens,

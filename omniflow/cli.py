@@ -394,12 +394,11 @@ def _add_set_option(parser: argparse.ArgumentParser) -> None:
     """`--set STAGE.KEY=VALUE ...` (`compile`, `run`, `serve`): stage arguments for the graph."""
     parser.add_argument(
         "--set",
-        action="extend",
-        nargs="+",
+        action="append",
         default=[],
         metavar="STAGE.KEY=VALUE",
         help="a stage's argument in place of the file's, written as there: --set "
-        "thinker.max_batch=8 talker.max_len=3072 (e.g. to fit a smaller GPU)",
+        "thinker.max_batch=8 --set talker.max_len=3072 (e.g. to fit a smaller GPU)",
     )
 
 

@@ -299,9 +299,8 @@ def test_a_gpu_too_small_is_told_the_batch_that_fits_and_set_makes_it_fit(capsys
     assert re.search(r"it alone would fit there \(--set thinker\.max_batch=\d+\)", err)
     lowered = [f"{stage}.max_batch={n}" for stage, n in (("hearing", 2), ("vision", 2), ("thinker", 8), ("talker", 8), ("code2wav", 8))]  # fmt: skip
     lowered += ["thinker.max_len=3072", "talker.max_len=3072"]
-    code, out, _ = _cli(
-        capsys, "compile", "graphs/qwen3_omni.omni", "--devices", "1xH100", "--set", *lowered
-    )
+    flags = [arg for setting in lowered for arg in ("--set", setting)]
+    code, out, _ = _cli(capsys, "compile", "graphs/qwen3_omni.omni", "--devices", "1xH100", *flags)
     assert code == 0 and "thinker" in out
 
 
