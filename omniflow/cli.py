@@ -391,7 +391,7 @@ EXIT_BROKEN_PIPE = 141
 
 
 def _add_set_option(parser: argparse.ArgumentParser) -> None:
-    """`--set STAGE.KEY=VALUE ...` (`compile`, `run`, `serve`): stage arguments for the graph."""
+    """`--set STAGE.KEY=VALUE`, once a setting (`compile`, `run`, `serve`): stage arguments."""
     parser.add_argument(
         "--set",
         action="append",
