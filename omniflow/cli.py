@@ -98,8 +98,8 @@ def _run(args: argparse.Namespace) -> int:
             "--model replaces the model line of one .omni pipeline: "
             "omniflow run PIPELINE.omni --model MODEL_ID (or: omniflow serve MODEL_ID)"
         )
-    if args.set and (len(args.paths) != 1 or not args.paths[0].endswith(".omni")):
-        raise UsageError(
+    if args.set and (len(args.paths) > 1 or any(not p.endswith(".omni") for p in args.paths)):
+        raise UsageError(  # (no path: the default pipeline, one .omni file)
             "--set sets the stage arguments of one .omni pipeline: "
             "omniflow run PIPELINE.omni --set STAGE.KEY=VALUE"
         )

@@ -304,11 +304,14 @@ def test_a_gpu_too_small_is_told_the_batch_that_fits_and_set_makes_it_fit(capsys
     assert code == 0 and "thinker" in out
 
 
-def test_set_is_refused_beside_several_pipelines(capsys):
+def test_set_is_refused_beside_several_pipelines_and_applies_to_the_default_one(capsys):
     code, _, err = _cli(
         capsys, "run", "graphs/tts.omni", "graphs/omni_chat.omni", "--set", "talker.max_batch=4"
     )
     assert code == 2 and "--set sets the stage arguments of one .omni pipeline" in err
+    # With no pipeline the default one is served, and the setting is checked against it.
+    code, _, err = _cli(capsys, "run", "--port", "0", "--set", "thinkr.max_batch=4")
+    assert code == 1 and "pipeline 'omni_chat' has no stage 'thinkr'" in err
 
 
 @pytest.mark.parametrize(
