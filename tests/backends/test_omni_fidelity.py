@@ -195,8 +195,8 @@ def test_a_thinker_prompt_at_max_len_fits_the_talkers_cache():
     from transformers import AutoTokenizer
 
     prompt = "Tell me a short story."
-    length = omni_prompt_ids(AutoTokenizer.from_pretrained(build_tiny("qwen2.5-omni")), prompt)
-    length = length.shape[1]
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny("qwen2.5-omni"))
+    length = omni_prompt_ids(tokenizer, prompt).shape[1]
     talker_tokens = COLUMN_QUANTUM - length  # max_len + max_tokens: one quantum exactly
     source = SOURCE.replace("max_batch=4,", f"max_batch=4, max_len={length},")
     source = source.replace(f"max_tokens={TALKER_MAX_TOKENS}", f"max_tokens={talker_tokens}")
