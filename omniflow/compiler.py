@@ -38,8 +38,8 @@ from omniflow.plan import Plan
 SUGGESTED_INVENTORIES = ("1xH200", "2xH200", "4xH200", "8xH200")
 
 
-def graph_from_source(text: str, path: str = "<string>") -> Graph:
-    return build(parse(text, path))
+def graph_from_source(text: str, path: str = "<string>", settings: Sequence[str] = ()) -> Graph:
+    return build(with_settings(parse(text, path), settings))
 
 
 def load_graph(path: str | Path, settings: Sequence[str] = ()) -> Graph:
@@ -103,8 +103,10 @@ def compile_graph(graph: Graph, devices: str = "cpu", on_pass: PassHook | None =
     return lower(optimize(graph, devices, on_pass))
 
 
-def compile_source(text: str, path: str = "<string>", devices: str = "cpu") -> Plan:
-    return compile_graph(graph_from_source(text, path), devices)
+def compile_source(
+    text: str, path: str = "<string>", devices: str = "cpu", settings: Sequence[str] = ()
+) -> Plan:
+    return compile_graph(graph_from_source(text, path, settings), devices)
 
 
 def optimize_file(

@@ -51,9 +51,10 @@ class FamilyCode:
 class StagePlan:
     """One stage. `params`: the per-request template (its references resolve at admission);
     `settings`: what its backend loads with, every parameter of its kind resolved to its
-    compiled value (the program's, else the kind's default); `added_positions`: positions
-    an `ar` stage's prompt may hold beyond `max_len` (its family's rows after the prompt it
-    is built from); `family`: its model's family (None: no family knows the model, or the
+    compiled value (the program's, else the kind's default); `cache_positions`: what one
+    request's KV cache holds in an `ar` stage, as its cost counted it (its prompt up to
+    `max_len`, the rows its family adds to a prompt built from another stage's, and
+    `max_tokens`); `family`: its model's family (None: no family knows the model, or the
     stage runs none)."""
 
     name: str
@@ -71,7 +72,7 @@ class StagePlan:
     flops_per_item: float = 0.0
     batch: int = 1
     settings: dict = field(default_factory=dict)
-    added_positions: int = 0
+    cache_positions: int = 0
     placed: list[str] = field(default_factory=list)  # per replica: "device: why there"
     family: FamilyCode | None = None
 

@@ -1214,15 +1214,12 @@ class TransformersAR(Backend):
 
 
 def cache_columns(plan, bytes_per_token: int) -> int:
-    """Columns (positions) of the static cache per request: what one request may fill, its
-    prompt (up to the stage's `max_len`, and the positions its family adds to a prompt
-    built from another stage's) plus its `max_tokens`, rounded up to the length quantum;
-    fewer where the stage's budget, less its weights and activations, cannot hold that for
-    `max_batch` requests (no fewer than one quantum)."""
-    settings = plan.settings
+    """Columns (positions) of the static cache per request: what one request may fill (the
+    plan's `cache_positions`, its cost's), rounded up to the length quantum; fewer where the
+    stage's budget, less its weights and activations, cannot hold that for `max_batch`
+    requests (no fewer than one quantum)."""
     quantum = static_decode.COLUMN_QUANTUM
-    wanted = settings["max_len"] + plan.added_positions + settings["max_tokens"]
-    columns = -(-wanted // quantum) * quantum
+    columns = -(-plan.cache_positions // quantum) * quantum
     room = plan.budget_bytes - plan.weight_bytes - plan.activation_bytes
     if plan.budget_bytes > 0:
         fits = room // (max(1, plan.batch) * bytes_per_token) // quantum * quantum

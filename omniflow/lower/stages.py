@@ -15,7 +15,7 @@ _MODEL_KEYS = ("model", "component")
 
 
 def lower_stage(graph: Graph, node: Node) -> StagePlan:
-    facts, placement, model = node.meta["cost"], node.meta["placement"], node.meta.get("model")
+    facts, placement = node.meta["cost"], node.meta["placement"]
     cost = facts.cost
     return StagePlan(
         node.name,
@@ -33,7 +33,7 @@ def lower_stage(graph: Graph, node: Node) -> StagePlan:
         flops_per_item=cost.flops_per_item if cost else 0.0,
         batch=facts.batch,
         settings=load_settings(graph, node),
-        added_positions=model.config.added_positions if model is not None else 0,
+        cache_positions=facts.cache_positions,
         placed=list(placement.placed),
         family=family_code(node),
     )

@@ -46,13 +46,13 @@ def _sequence_length(graph: Graph, node: Node) -> int:
     return graph.param_value(node, "max_len") + condition_image_tokens(graph, node)
 
 
-def _cache_length(graph: Graph, node: Node) -> int | None:
-    """Positions one request's KV cache holds in an `ar` stage: its prompt (up to max_len,
-    and the positions its family adds to a prompt built from another stage's) and the
-    max_tokens it generates after it (the static cache's columns a slot:
-    transformers_ar.cache_columns)."""
+def _cache_length(graph: Graph, node: Node) -> int:
+    """Positions one request's KV cache holds in an `ar` stage (0 elsewhere): its prompt (up
+    to max_len, and the positions its family adds to a prompt built from another stage's)
+    and the max_tokens it generates after it (the plan carries it to the backend, whose
+    static cache is that many columns a slot: transformers_ar.cache_columns)."""
     if node.op != "ar":
-        return None
+        return 0
     added = node.meta["model"].config.added_positions
     return _sequence_length(graph, node) + added + graph.param_value(node, "max_tokens")
 
@@ -112,12 +112,14 @@ def estimate_costs(graph: Graph, target: Target) -> Graph:
             dtype=stage_dtype(graph, node),
             prefill_tokens=graph.param_value(node, "prefill_tokens") if node.op == "ar" else None,
             context_len=_text_tokens(graph, node),
-            cache_len=_cache_length(graph, node),
+            cache_len=_cache_length(graph, node) or None,
         )
         if node.meta["model"].image_encoder is not None:
             cost = with_encoder(cost, _image_encoder_cost(graph, node))
         for expert in node.meta["model"].experts:  # loaded beside it, run at other steps
             cost = with_encoder(cost, _expert_cost(graph, node, expert, batch))
         need = parse_size(explicit) if explicit else cost.total_bytes
-        node.meta["cost"] = CostFacts(cost, need, batch, doubled.get(node.name))
+        node.meta["cost"] = CostFacts(
+            cost, need, batch, doubled.get(node.name), _cache_length(graph, node)
+        )
     return graph

@@ -107,12 +107,15 @@ class EdgeItem:
 class CostFacts:
     """A stage's estimate at its effective batch (doubled on the path of a classifier-free
     guidance companion, `cfg_input`), and the bytes its budget must cover (`need`: the
-    estimate's total, or the program's explicit `memory=`). `cost` is None for python stages."""
+    estimate's total, or the program's explicit `memory=`). `cost` is None for python stages.
+    `cache_positions`: what one request's KV cache holds in an `ar` stage, which its cost
+    counts (0 elsewhere)."""
 
     cost: StageCost | None
     need: int
     batch: int = 1
     cfg_input: str | None = None
+    cache_positions: int = 0
 
     def __str__(self) -> str:
         text = f"needs {human_bytes(self.need)} at batch {self.batch}"

@@ -658,7 +658,8 @@ def test_the_static_path_takes_routed_moe_blocks_and_refuses_other_routers(plan)
 
 
 def test_the_static_cache_is_sized_from_the_plan_and_refuses_what_cannot_fit(plan):
-    backend = make_backend(plan, "static", max_len=16)  # 16 + 12 columns: one quantum
+    short_plan = compile_source(SOURCE, devices="cpu", settings=["lm.max_len=16"])
+    backend = make_backend(short_plan, "static")  # 16 + 12 columns: one quantum
     assert backend.static.columns == 128 and backend.static.length_buckets == [128]
     # A lone prompt's prefill widths: powers of two from 16, within the columns, to 1024.
     assert static_decode.prefill_widths(128) == [16, 32, 64, 128]
