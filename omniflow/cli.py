@@ -98,9 +98,9 @@ def _run(args: argparse.Namespace) -> int:
             "--model replaces the model line of one .omni pipeline: "
             "omniflow run PIPELINE.omni --model MODEL_ID (or: omniflow serve MODEL_ID)"
         )
-    if args.set and (len(args.paths) > 1 or any(not p.endswith(".omni") for p in args.paths)):
+    if args.set and any(not p.endswith(".omni") for p in args.paths):
         raise UsageError(  # (no path: the default pipeline, one .omni file)
-            "--set sets the stage arguments of one .omni pipeline: "
+            "--set sets the stage arguments of .omni pipelines (a plan JSON is compiled): "
             "omniflow run PIPELINE.omni --set STAGE.KEY=VALUE"
         )
     if not (args.once or args.input or args.out is not None or args.profile is not None):
@@ -391,14 +391,17 @@ EXIT_BROKEN_PIPE = 141
 
 
 def _add_set_option(parser: argparse.ArgumentParser) -> None:
-    """`--set STAGE.KEY=VALUE`, once a setting (`compile`, `run`, `serve`): stage arguments."""
+    """`--set [PIPELINE.]STAGE.KEY=VALUE`, once a setting (`compile`, `run`, `serve`): stage
+    arguments."""
     parser.add_argument(
         "--set",
         action="append",
         default=[],
-        metavar="STAGE.KEY=VALUE",
+        metavar="[PIPELINE.]STAGE.KEY=VALUE",
         help="a stage's argument in place of the file's, written as there: --set "
-        "thinker.max_batch=8 --set talker.max_len=3072 (e.g. to fit a smaller GPU)",
+        "thinker.max_batch=8 --set talker.max_len=3072 (e.g. to fit a smaller GPU); "
+        "with several pipelines served, STAGE.KEY=VALUE sets every one with that stage, "
+        "PIPELINE.STAGE.KEY=VALUE one of them",
     )
 
 

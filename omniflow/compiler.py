@@ -4,6 +4,7 @@ compile_file("x.omni", devices="2xH200")    # -> Plan
 optimize_file("x.omni", devices="2xH200")   # -> Graph after the passes (str() shows the facts)
 load_graph("x.omni")                        # -> Graph (parsed and built, no passes)
 load_graph("x.omni", ["thinker.max_batch=8"])  # ... with a stage argument set (`--set`)
+settings_by_pipeline(programs, settings)    # -> each served pipeline's settings
 flags_that_fit("x.omni", "cpu")             # -> ["--devices 2xH200", "--tiny"]
 """
 
@@ -48,36 +49,87 @@ def load_graph(path: str | Path, settings: Sequence[str] = ()) -> Graph:
 
 
 def with_settings(program: ast.Pipeline, settings: Sequence[str]) -> ast.Pipeline:
-    """`program` with each `STAGE.KEY=VALUE` of `settings` (`--set`) as that stage's argument,
-    in place of the one it has or added to it. VALUE is written as in the file (`8`,
-    `"cuda"`, `$max_tokens`) and checked by the build as if it were there; an error in a
-    setting points at the setting as given."""
+    """`program` with each `[PIPELINE.]STAGE.KEY=VALUE` of `settings` (`--set`) as that
+    stage's argument, in place of the one it has or added to it. VALUE is written as in the
+    file (`8`, `"cuda"`, `$max_tokens`) and checked by the build as if it were there; an
+    error in a setting points at the setting as given. A setting that names a pipeline must
+    name this one (`settings_by_pipeline` sorts those of several)."""
     if not settings:
         return program
     program = copy.deepcopy(program)
     stages = {s.name: s for s in program.stages}
     for setting in settings:
-        target, _, value = setting.partition("=")
-        name, _, key = target.partition(".")
-        whole = Span("--set", 1, 1, len(setting) + 1, setting)
-        if not (name and key and value):
+        pipeline, name, key, value = _split_setting(setting)
+        if pipeline not in (None, program.name):
             raise GraphError(
-                "a setting is STAGE.KEY=VALUE", whole, hint="e.g. --set thinker.max_batch=8"
+                f"this pipeline is '{program.name}', not '{pipeline}'",
+                _whole(setting),
+                hint=f"--set {program.name}.{name}.{key}={value}, or --set {name}.{key}={value}",
             )
         stage = stages.get(name)
         if stage is None:
             hint = did_you_mean(name, stages) or f"its stages: {', '.join(stages)}"
-            raise GraphError(f"pipeline '{program.name}' has no stage '{name}'", whole, hint=hint)
+            raise GraphError(
+                f"pipeline '{program.name}' has no stage '{name}'", _whole(setting), hint=hint
+            )
         arg = _setting_arg(stage, name, key, value, setting)
         stage.args = [a for a in stage.args if a.key != key] + [arg]
     return program
+
+
+def settings_by_pipeline(
+    programs: Sequence[ast.Pipeline], settings: Sequence[str]
+) -> list[list[str]]:
+    """`settings` of pipelines served together, sorted: each program's (in their order). A
+    setting naming its pipeline (`PIPELINE.STAGE.KEY=VALUE`) goes to that one; one without
+    (`STAGE.KEY=VALUE`) to every pipeline with that stage. A setting that fits none of them
+    is an error pointing at it."""
+    if len(programs) == 1:
+        return [list(settings)]  # (`with_settings` checks them against it)
+    names = {p.name: {s.name for s in p.stages} for p in programs}
+    by_program: list[list[str]] = [[] for _ in programs]
+    for setting in settings:
+        pipeline, name, _, _ = _split_setting(setting)
+        if pipeline is not None and pipeline not in names:
+            hint = did_you_mean(pipeline, names) or f"served: {', '.join(names)}"
+            raise GraphError(f"no served pipeline is '{pipeline}'", _whole(setting), hint=hint)
+        takers = [
+            i for i, p in enumerate(programs)
+            if p.name == pipeline or (pipeline is None and name in names[p.name])
+        ]  # fmt: skip
+        if pipeline is None and not takers:
+            every = {stage for stages in names.values() for stage in stages}
+            hint = did_you_mean(name, every) or "name its pipeline: PIPELINE.STAGE.KEY=VALUE"
+            raise GraphError(f"no served pipeline has a stage '{name}'", _whole(setting), hint=hint)
+        for i in takers:
+            by_program[i].append(setting)
+    return by_program
+
+
+def _split_setting(setting: str) -> tuple[str | None, str, str, str]:
+    """(pipeline or None, stage, key, value) of `[PIPELINE.]STAGE.KEY=VALUE`."""
+    target, _, value = setting.partition("=")
+    parts = target.split(".")
+    if len(parts) not in (2, 3) or not (all(parts) and value):
+        raise GraphError(
+            "a setting is [PIPELINE.]STAGE.KEY=VALUE",
+            _whole(setting),
+            hint="e.g. --set thinker.max_batch=8",
+        )
+    pipeline = parts[0] if len(parts) == 3 else None
+    return pipeline, parts[-2], parts[-1], value
+
+
+def _whole(setting: str) -> Span:
+    return Span("--set", 1, 1, len(setting) + 1, setting)
 
 
 def _setting_arg(stage: ast.StageDecl, name: str, key: str, value: str, setting: str) -> ast.Attr:
     """The argument `key=value` parsed as the file's stage declaration would parse it, its
     spans moved onto `setting` as given."""
     prefix = f"pipeline p {{ stage {name} = {stage.kind}("
-    shift = len(name) + 1 - len(prefix)  # a column of the snippet -> one of the setting
+    # A column of the snippet -> one of the setting, where `key=value` ends both.
+    shift = len(setting) - len(f"{key}={value}") - len(prefix)
 
     def moved(span: Span | None) -> Span | None:
         if span is None:

@@ -14,8 +14,16 @@ import pytest
 from rich.console import Console
 
 from omniflow.cli import EXIT_BROKEN_PIPE, main
-from omniflow.compiler import compile_file, compile_source, load_graph, optimize_file
+from omniflow.compiler import (
+    compile_file,
+    compile_source,
+    load_graph,
+    optimize_file,
+    settings_by_pipeline,
+)
 from omniflow.devices import human_bytes, this_machine
+from omniflow.dsl.parser import parse_file
+from omniflow.errors import GraphError
 from omniflow.passes import facts
 from omniflow.plan import PLAN_VERSION, Plan
 from omniflow.report import render_plan
@@ -273,7 +281,7 @@ def test_set_gives_a_stage_argument_in_place_of_the_files_or_beside_them():
         ("thinker.max_batch=abc", "'max_batch' must be int, not abc", "abc", None),
         ("thinker.max_bach=8", "unknown parameter of ar 'max_bach'", "max_bach=8", "did you mean 'max_batch'?"),
         ("thinkr.max_batch=8", "pipeline 'omni_chat' has no stage 'thinkr'", "thinkr.max_batch=8", "did you mean 'thinker'?"),
-        ("thinker.max_batch=", "a setting is STAGE.KEY=VALUE", "thinker.max_batch=", "e.g. --set thinker.max_batch=8"),
+        ("thinker.max_batch=", "a setting is [PIPELINE.]STAGE.KEY=VALUE", "thinker.max_batch=", "e.g. --set thinker.max_batch=8"),
         ("thinker.max_batch=8)", "unexpected ')'", ")", 'VALUE is written as in the .omni file'),
     ],
 )  # fmt: skip
@@ -304,11 +312,36 @@ def test_a_gpu_too_small_is_told_the_batch_that_fits_and_set_makes_it_fit(capsys
     assert code == 0 and "thinker" in out
 
 
-def test_set_is_refused_beside_several_pipelines_and_applies_to_the_default_one(capsys):
+def test_settings_of_several_pipelines_go_to_the_ones_they_name(capsys, tmp_path):
+    """Served together, a setting naming its pipeline goes to it and one naming a stage alone
+    to every pipeline with that stage; one that fits none is an error pointing at it (as is
+    one naming another pipeline than a lone file's), and a plan JSON takes none."""
+    tts, chat = (parse_file(f"graphs/{name}.omni") for name in ("tts", "omni_chat"))
+    settings = ["omni_chat.talker.max_batch=4", "tts.codec_lm.max_batch=2"]
+    settings += ["talker.max_len=512", "codec_lm.max_len=256"]
+    assert settings_by_pipeline([tts, chat], settings) == [
+        ["tts.codec_lm.max_batch=2", "codec_lm.max_len=256"],
+        ["omni_chat.talker.max_batch=4", "talker.max_len=512"],
+    ]
+    graph = load_graph("graphs/omni_chat.omni", settings_by_pipeline([tts, chat], settings)[1])
+    assert graph.node("talker").params["max_batch"] == 4
+    assert graph.node("talker").params["max_len"] == 512
+    for setting, message in (
+        ("omni_chta.talker.max_batch=4", "no served pipeline is 'omni_chta'"),
+        ("talkr.max_batch=4", "no served pipeline has a stage 'talkr'"),
+        ("a.b.c.d=4", "a setting is [PIPELINE.]STAGE.KEY=VALUE"),
+    ):
+        with pytest.raises(GraphError, match=re.escape(message)) as caught:
+            settings_by_pipeline([tts, chat], [setting])
+        assert caught.value.span.line_text == setting
     code, _, err = _cli(
-        capsys, "run", "graphs/tts.omni", "graphs/omni_chat.omni", "--set", "talker.max_batch=4"
+        capsys, "compile", "graphs/tts.omni", "--set", "omni_chat.talker.max_batch=4"
     )
-    assert code == 2 and "--set sets the stage arguments of one .omni pipeline" in err
+    assert code == 1 and "this pipeline is 'tts', not 'omni_chat'" in err
+    plan = tmp_path / "plan.json"
+    plan.write_text(compile_file("graphs/tts.omni").to_json())
+    code, _, err = _cli(capsys, "run", str(plan), "--set", "codec_lm.max_batch=4")
+    assert code == 2 and "a plan JSON is compiled" in err
     # With no pipeline the default one is served, and the setting is checked against it.
     code, _, err = _cli(capsys, "run", "--port", "0", "--set", "thinkr.max_batch=4")
     assert code == 1 and "pipeline 'omni_chat' has no stage 'thinkr'" in err

@@ -97,6 +97,17 @@ def load_plan(
     )
 
 
+def pipeline_settings(paths: list[str], settings: Sequence[str]) -> list[list[str]]:
+    """Each served .omni file's `--set [PIPELINE.]STAGE.KEY=VALUE` settings (the CLI has
+    refused them beside a plan JSON)."""
+    if not settings:
+        return [[] for _ in paths]
+    from omniflow.compiler import settings_by_pipeline
+    from omniflow.dsl.parser import parse_file
+
+    return settings_by_pipeline([parse_file(path) for path in paths], settings)
+
+
 def param_defaults(items: list[str], plans: list[Plan], checks: dict) -> dict[str, dict]:
     """`--param [PIPELINE.]NAME=VALUE`: the values a pipeline's requests start from (JSON,
     else the text). Without a pipeline prefix it applies to every served pipeline that
@@ -292,7 +303,11 @@ def serve(args) -> int:
     engines: dict = {}
     try:
         with _sigterm_interrupts():
-            plans = [load_plan(path, args.devices, tiny, args.model, args.set) for path in paths]
+            settings = pipeline_settings(paths, args.set)
+            plans = [
+                load_plan(path, args.devices, tiny, args.model, own)
+                for path, own in zip(paths, settings, strict=True)
+            ]
             names = [p.pipeline for p in plans]
             twice = sorted({n for n in names if names.count(n) > 1})
             if twice:

@@ -248,6 +248,18 @@ def test_set_serves_the_graph_with_a_stage_argument_changed(start_server):
     assert model["id"] == "probe" and model["max_in_flight"] == 3
 
 
+def test_set_names_its_pipeline_among_several_served(start_server):
+    """Served beside others, `--set PIPELINE.STAGE.KEY=VALUE` sets that pipeline's stage
+    alone; `STAGE.KEY=VALUE` every pipeline with that stage."""
+    server = start_server(
+        str(HERE / "probe.omni"), str(HERE / "listen.omni"), "--mode", "inprocess",
+        "--set", "probe.talk.max_batch=3", "--set", "ear.max_batch=5",
+    )  # fmt: skip
+    with server.client() as http:
+        models = {m["id"]: m["max_in_flight"] for m in http.get("/v1/models").json()["data"]}
+    assert models == {"probe": 3, "listen": 5}
+
+
 def test_ctrl_c_in_a_terminal_drains_with_the_executors_alive(start_server):
     server = start_server(str(HERE / "probe.omni"), env={"OMNIFLOW_API_KEY": KEY})
     pids = server.pids()
