@@ -23,7 +23,9 @@ from omniflow.ir.values import PlanValue
 # pointwise kernels are structs.
 # 5: the stages of a GPU share its executor, each on a CUDA stream of the priority its
 # program gives (`Program.stream_priorities`).
-PLAN_VERSION = 5
+# 6: an `ar` stage carries its KV cache's positions a request (`StagePlan.cache_positions`),
+# which its backend sizes the static cache by (a version-5 plan has none).
+PLAN_VERSION = 6
 # The program that holds the pipeline's inputs and outputs: the engine's own.
 FRONTEND = "frontend"
 

@@ -105,6 +105,7 @@ def estimate_costs(graph: Graph, target: Target) -> Graph:
             node.meta["cost"] = CostFacts(None, parse_size(explicit) if explicit else 0)
             continue
         batch = graph.param_value(node, "max_batch") * (2 if node.name in doubled else 1)
+        cache = _cache_length(graph, node)
         cost = estimate_cost(
             node.meta["model"].config,
             max_batch=batch,
@@ -112,14 +113,12 @@ def estimate_costs(graph: Graph, target: Target) -> Graph:
             dtype=stage_dtype(graph, node),
             prefill_tokens=graph.param_value(node, "prefill_tokens") if node.op == "ar" else None,
             context_len=_text_tokens(graph, node),
-            cache_len=_cache_length(graph, node) or None,
+            cache_len=cache or None,
         )
         if node.meta["model"].image_encoder is not None:
             cost = with_encoder(cost, _image_encoder_cost(graph, node))
         for expert in node.meta["model"].experts:  # loaded beside it, run at other steps
             cost = with_encoder(cost, _expert_cost(graph, node, expert, batch))
         need = parse_size(explicit) if explicit else cost.total_bytes
-        node.meta["cost"] = CostFacts(
-            cost, need, batch, doubled.get(node.name), _cache_length(graph, node)
-        )
+        node.meta["cost"] = CostFacts(cost, need, batch, doubled.get(node.name), cache)
     return graph
