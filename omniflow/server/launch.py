@@ -99,9 +99,10 @@ def load_plan(
 
 def pipeline_settings(paths: list[str], settings: Sequence[str]) -> list[list[str]]:
     """Each served .omni file's `--set [PIPELINE.]STAGE.KEY=VALUE` settings (the CLI has
-    refused them beside a plan JSON)."""
-    if not settings:
-        return [[] for _ in paths]
+    refused them beside a plan JSON). A lone file's go to it as given: its compile checks
+    them, so it is not parsed here too."""
+    if not settings or len(paths) == 1:
+        return [list(settings) for _ in paths]
     from omniflow.compiler import settings_by_pipeline
     from omniflow.dsl.parser import parse_file
 
