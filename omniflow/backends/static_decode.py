@@ -958,14 +958,18 @@ class StaticDecoder(DecoderCache):
         """Put prefilled requests in slots `first`, `first` + 1, ..., before their first
         tokens (`first` samples them): each one's per-slot state (`length`, `offset`,
         `temperature`, `top_k`, `top_p`, `repetition_penalty`, `seed`, `seen`, a `[V]` bool
-        mask or None, `min_tokens`) and, unless `prefill` wrote them there, its keys and
-        values (`kv[i]`: two `[layers, kv_heads, L, head_dim]`) into columns 0..L-1.
+        mask or None, `min_tokens`) and, unless `prefill` wrote them there (`kv` None, or
+        `kv[i]` None), its keys and values (`kv[i]`: two `[layers, kv_heads, L, head_dim]`)
+        into columns 0..L-1.
 
         The numbers go up in two host-to-device copies and land in a copy a buffer, whatever
         the count: a burst of prompts joined one `fill_` a number and slot before, ~25
         small launches a request on the host's path to its first token."""
         rows = slice(first, first + len(states))
-        for slot, (keys, values) in enumerate(kv or (), start=first):
+        for slot, pair in enumerate(kv or (), start=first):
+            if pair is None:
+                continue
+            keys, values = pair
             filled = keys.shape[2]
             self.keys[:, slot, :, :filled].copy_(keys)
             self.values[:, slot, :, :filled].copy_(values)

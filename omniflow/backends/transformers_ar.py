@@ -1162,9 +1162,10 @@ class TransformersAR(Backend):
         start = len(self.rows)
         self.rows.extend(seqs)
         kv = [
-            (torch.stack([keys[0] for keys, _ in states]), torch.stack([v[0] for _, v in states]))
+            None
+            if states is None
+            else (torch.stack([k[0] for k, _ in states]), torch.stack([v[0] for _, v in states]))
             for states in rows
-            if states is not None
         ]
         states = []
         for slot, seq in enumerate(seqs, start=start):
