@@ -110,7 +110,10 @@ def decode_audio(data: bytes, max_seconds: float | None = None) -> tuple[torch.T
         most = None if max_seconds is None else int(max_seconds * rate)
         parts, count = [], 0
         try:
-            for block in sound.blocks(AUDIO_BLOCK // channels, dtype="float32", always_2d=True):
+            # `read` (not `blocks`, which leaves the unread tail of its last block as it was
+            # allocated, uninitialized): what the file holds, however many frames its header
+            # declares (an MP3's count is an estimate, a little over what it decodes).
+            while len(block := sound.read(AUDIO_BLOCK // channels, "float32", always_2d=True)):
                 parts.append(block.mean(axis=1))
                 count += len(block)
                 if most is not None and count > most:
@@ -118,7 +121,15 @@ def decode_audio(data: bytes, max_seconds: float | None = None) -> tuple[torch.T
         except (RuntimeError, soundfile.LibsndfileError) as err:
             raise MediaError(f"{NOT_AUDIO}: {err}") from err
     samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    return torch.from_numpy(np.ascontiguousarray(samples)), rate
+    return _finite(torch.from_numpy(np.ascontiguousarray(samples))), rate
+
+
+def _finite(samples: torch.Tensor) -> torch.Tensor:
+    """Decoded samples, if every one is a number (a float file can hold NaN or infinity,
+    which no model should see: MediaError)."""
+    if not bool(torch.isfinite(samples).all()):
+        raise MediaError("the audio holds samples that are NaN or infinite")
+    return samples
 
 
 NOT_AUDIO = "not an audio file (WAV, FLAC, MP3, Ogg, AAC, ... as FFmpeg reads them)"
@@ -171,7 +182,7 @@ def _decode_with_av(data: bytes, max_seconds: float | None) -> tuple[torch.Tenso
         raise MediaError(f"{NOT_AUDIO}: {reason}") from err
     if not parts or not rate:
         raise MediaError(f"{NOT_AUDIO}: it has no samples")
-    return torch.from_numpy(np.concatenate(parts).astype(np.float32)), rate
+    return _finite(torch.from_numpy(np.concatenate(parts).astype(np.float32))), rate
 
 
 def _declared_seconds(container, stream) -> float:

@@ -54,9 +54,9 @@ def reference_clip(seconds: float = 1.5) -> np.ndarray:
     return (0.3 * np.sin(2 * np.pi * (180 + 120 * t) * t) + 0.05 * noise).astype(np.float32)
 
 
-def wav_file(samples: np.ndarray) -> bytes:
+def wav_file(samples: np.ndarray, subtype: str = "PCM_16") -> bytes:
     buffer = io.BytesIO()
-    soundfile.write(buffer, samples, RATE, format="WAV", subtype="PCM_16")
+    soundfile.write(buffer, samples, RATE, format="WAV", subtype=subtype)
     return buffer.getvalue()
 
 
@@ -390,6 +390,8 @@ def test_the_suggested_requests_speak_and_clone(custom, clone, clone_http, tmp_p
         ({"ref_audio": "data:audio/wav;base64," + base64.b64encode(wav_file(np.zeros(0, np.float32))).decode()},
          "ref_audio", "no samples"),
         ({"ref_audio": "https://example.com/a.wav"}, "ref_audio", "remote URLs are off"),
+        ({"ref_audio": "data:audio/wav;base64," + base64.b64encode(wav_file(np.full(RATE, np.nan, np.float32), "FLOAT")).decode()},
+         "ref_audio", "NaN or infinite"),
     ],
 )  # fmt: skip
 def test_a_bad_clone_is_a_400_naming_its_field(clone_http, body, param, message):
