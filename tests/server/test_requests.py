@@ -93,6 +93,8 @@ MISTAKES = [
     (CHAT, {"model": "probe", "messages": HI, "extra_body": {"max_tokens": 3}, "max_tokens": 4},
      400, "different values", "extra_body.max_tokens"),
     (CHAT, {"model": "probe", "messages": HI, "seed": -1}, 400, "must be at least 0", "seed"),
+    (CHAT, {"model": "probe", "messages": HI, "seed": 1 << 63}, 400,
+     "must be at most 9223372036854775807, not 9223372036854775808", "seed"),
     ("/v1/audio/speech", {"model": "tts", "input": "hi", "response_format": "ogg"}, 400,
      "use one of wav, pcm, flac, mp3, opus, aac", "response_format"),
     ("/v1/audio/speech", {"model": "tts", "input": "hi", "speed": 8.0}, 400,
