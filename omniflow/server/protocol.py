@@ -10,6 +10,7 @@ them. Nested objects (messages, parts, `audio`, `stream_options`) forbid unknown
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -171,7 +172,46 @@ def parse_json(body: bytes) -> dict:
         raise bad_request(
             f"the body must be a JSON object, not {type(value).__name__}", code="invalid_json"
         )
+    check_unicode(body, value)
     return value
+
+
+# A JSON escape of a UTF-16 surrogate: where a body may hold one that pairs with nothing.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+_SURROGATE_ESCAPE_BYTES = re.compile(_SURROGATE_ESCAPE.pattern.encode())
+
+
+def check_unicode(raw: bytes | str, value) -> None:
+    """A 400 naming the field if decoded JSON `value` holds a lone surrogate (`\\ud800`,
+    which JSON's escapes allow and no UTF-8 text can hold: a tokenizer or a reply would
+    fail on it); `raw`, its text, is searched first for such an escape."""
+    escape = _SURROGATE_ESCAPE_BYTES if isinstance(raw, bytes) else _SURROGATE_ESCAPE
+    if escape.search(raw) is None:
+        return
+    pending = [("", value)]
+    while pending:
+        path, item = pending.pop()
+        if isinstance(item, dict):
+            for key, inner in item.items():
+                where = f"{path}.{key}" if path else key
+                pending += [(where, key), (where, inner)]
+        elif isinstance(item, list):
+            pending.extend((f"{path}[{i}]", inner) for i, inner in enumerate(item))
+        elif isinstance(item, str) and not _encodes(item):
+            where = path.encode("utf-8", "backslashreplace").decode()  # (a key may hold it)
+            raise bad_request(
+                f"'{where}' is not valid Unicode: it holds a lone surrogate (a \\ud800-"
+                "\\udfff escape that is not one half of a pair)",
+                param=where,
+            )
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")

@@ -16,6 +16,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from omniflow.server.auth import bearer_matches, token_matches
 from omniflow.server.errors import APIError, bad_request, busy
+from omniflow.server.protocol import check_unicode
 
 CLOSE_BAD_REQUEST, CLOSE_FAILED, CLOSE_BUSY = 1008, 1011, 1013
 
@@ -119,6 +120,7 @@ def client_message(message: dict, max_chars: int, what: str = "message") -> dict
         raise bad_request(f"a {what} is not valid JSON: {err}", param="type") from None
     if not isinstance(body, dict) or not isinstance(body.get("type"), str):
         raise bad_request(f"each {what} is a JSON object with a 'type'", param="type")
+    check_unicode(text, body)
     return body
 
 

@@ -485,6 +485,32 @@ def test_a_deeply_nested_body_is_a_400(target):
     outcome.assert_harmless()
 
 
+LONE_SURROGATE = '"\\ud800 hi"'  # a JSON string no UTF-8 text can hold
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (CHAT, '{"model": "omni_chat", "messages": [{"role": "user", "content": %s}]}',
+         "messages[0].content"),
+        (SPEECH, '{"model": "qwen3_tts", "input": "Hi.", "instructions": %s}', "instructions"),
+    ],
+    ids=["chat", "speech"],
+)  # fmt: skip
+def test_a_lone_surrogate_is_a_400_naming_its_field(target, path, body, param):
+    async def attack() -> httpx.Response:
+        async with httpx.AsyncClient(base_url=target.base, headers=AUTH, timeout=60) as client:
+            raw = (body % LONE_SURROGATE).encode()
+            return await client.post(
+                path, content=raw, headers={"content-type": "application/json"}
+            )
+
+    outcome = under_attack(target, attack)
+    error = error_of(outcome.result)
+    assert error["param"] == param and "lone surrogate" in error["message"], error
+    outcome.assert_harmless()
+
+
 def test_an_unreadable_image_names_no_object_address(http):
     url = "data:image/png;base64," + base64.b64encode(b"not a png").decode()
     messages = [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
@@ -545,9 +571,11 @@ def text_frame(text: str) -> str:
         ([start_frame(), "x" * (speech_stream.MAX_MESSAGE_CHARS + 1)], "too_large", "at most"),
         ([start_frame(instructions="word " * 5000)], "context_length_exceeded",
          "at most 4096 tokens"),
+        ([start_frame(), f'{{"type": "input.text", "text": {LONE_SURROGATE}}}'],
+         "invalid_request_error", "lone surrogate"),
     ],
     ids=["nested", "over the text bound", "tiny sentences", "many messages", "huge frame",
-         "long instructions"],
+         "long instructions", "lone surrogate"],
 )  # fmt: skip
 def test_a_hostile_speech_session_gets_an_error_event_and_a_close(target, http, frames, code, says):
     outcome = under_attack(target, lambda: speech_session(target, frames))
