@@ -18,6 +18,10 @@ from omniflow.errors import OmniflowError
 # The parameters with a default (the knob's neutral value, which a model's generation
 # config may override); `seed` and `stop` have none.
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens")
+# Temperatures below this decode greedily, as vLLM's do: the logits divided by one overflow
+# float32 (at 1e-45 to infinities whose softmax is NaN), and a draw at it is the argmax but
+# for logits within ~1e-4 of the best.
+GREEDY_BELOW = 1e-5
 
 
 def neutral_defaults() -> dict:
@@ -29,7 +33,7 @@ def neutral_defaults() -> dict:
 class Sampling:
     """One request's sampling parameters, checked."""
 
-    temperature: float  # 0: greedy
+    temperature: float  # 0: greedy (also what a request's below GREEDY_BELOW becomes)
     top_p: float
     top_k: int  # -1: no limit
     repetition_penalty: float
@@ -55,8 +59,9 @@ class Sampling:
         if problems:
             raise error(f"bad sampling parameters: {'; '.join(problems)}")
         top_k = int(value["top_k"])
+        temperature = float(value["temperature"])
         chosen = cls(
-            float(value["temperature"]),
+            0.0 if temperature < GREEDY_BELOW else temperature,
             float(value["top_p"]),
             -1 if top_k == 0 else top_k,  # 0 and -1 both mean no limit
             float(value["repetition_penalty"]),

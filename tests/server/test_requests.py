@@ -167,6 +167,19 @@ def test_neutral_values_of_fields_the_pipeline_lacks_are_accepted(http):
     assert reply.status_code == 200, reply.text
 
 
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(http):
+    """(1e-45 divided the logits into infinities, and the draw failed on NaN: a 500.)"""
+
+    def text(temperature: float) -> str:
+        body = {"model": "omni_chat", "messages": HI, "max_tokens": 8, "modalities": ["text"],
+                "temperature": temperature}  # fmt: skip
+        reply = http.post(CHAT, json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["choices"][0]["message"]["content"]
+
+    assert text(1e-45) == text(5e-324) == text(0.0)
+
+
 def test_stop_strings_cut_the_text_and_end_the_request(http, served):
     def ask(stop):
         return http.post(
