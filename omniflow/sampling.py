@@ -60,7 +60,8 @@ KNOBS: dict[str, Knob] = {
         Knob("temperature", _FLOAT, 1.0, low=0, high=100),
         Knob("top_p", _FLOAT, 1.0, low=0, high=1, low_open=True),
         Knob("top_k", (int,), -1, low=1, also=(-1, 0)),
-        Knob("repetition_penalty", _FLOAT, 1.0, low=0, high=100, low_open=True),
+        # (from 0.01: a smaller one divides the logits past float32, and the draw fails)
+        Knob("repetition_penalty", _FLOAT, 1.0, low=0.01, high=100),
         Knob("max_tokens", (int,), 2048, low=1),
     )
 }
