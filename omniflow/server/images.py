@@ -2,10 +2,10 @@
 in OpenAI's DALL-E format: `{"created", "data": [{"b64_json"}]}`.
 
 `size` "WxH" sets the pipeline's `width` and `height`; `n` images are `n` requests with
-seeds `seed`, `seed + 1`, ... (admitted together or not at all); the diffusion fields
-reach the pipeline's parameters (params.py). A multipart edit sends every field as a
-string (`"True"`, `"50"`, `"7.5"`): each is parsed as the type the field has, or for a
-pipeline parameter the type of its default.
+seeds `seed`, `seed + 1`, ... (admitted together or not at all, so at most as many as the
+pipeline runs at once); the diffusion fields reach the pipeline's parameters (params.py).
+A multipart edit sends every field as a string (`"True"`, `"50"`, `"7.5"`): each is
+parsed as the type the field has, or for a pipeline parameter the type of its default.
 """
 
 from __future__ import annotations
@@ -127,8 +127,15 @@ def _job(served, fields: dict, inputs: dict) -> ImageJob:
     inputs[served.prompt_input.name] = fields.pop("prompt")
     n = fields.pop("n", None)
     n = 1 if n is None else n
-    if not 1 <= n <= MAX_IMAGES:
-        raise bad_request(f"'n' must be 1 to {MAX_IMAGES}, not {n}", param="n")
+    most = min(MAX_IMAGES, served.limit)
+    if not 1 <= n <= most:
+        why = ""
+        if most < MAX_IMAGES:  # (more would wait in the queue for ever, and all behind them)
+            why = (
+                f": pipeline '{served.name}' runs {served.limit} requests at once, and n "
+                "images are n requests admitted together"
+            )
+        raise bad_request(f"'n' must be 1 to {most}{why}, not {n}", param="n")
     fmt = fields.pop("output_format", None) or "png"
     if fmt not in IMAGE_FORMATS:
         raise bad_request(
