@@ -496,8 +496,11 @@ def create_app(server: Server) -> FastAPI:
         return Response(data, media_type=VIDEO_MIME, headers=headers)
 
     async def videos_list(request: Request, context) -> Response:
-        data = [await server.videos.describe(job) for job in server.videos.list()]
-        return JSONResponse({"object": "list", "data": data})
+        jobs, more = server.videos.page(request.query_params)
+        data = [await server.videos.describe(job) for job in jobs]
+        first, last = (data[0]["id"], data[-1]["id"]) if data else (None, None)
+        page = {"data": data, "first_id": first, "last_id": last, "has_more": more}
+        return JSONResponse({"object": "list", **page})
 
     async def videos_get(request: Request, context) -> Response:
         job = server.videos.get(request.path_params["video_id"])

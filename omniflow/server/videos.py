@@ -222,6 +222,38 @@ def _no_image(server, served) -> str:
 
 
 # --- the store -------------------------------------------------------------------------------
+# `GET /v1/videos`'s page size: by default, and at most (OpenAI's list endpoints' bounds).
+PAGE_SIZE, MOST_PAGED = 20, 100
+
+
+def page_of(ids: list[str], query) -> tuple[list[str], bool]:
+    """The page of job `ids` (oldest first) that list `query` (a mapping) asks for, as
+    OpenAI's cursor pages are read: `order` desc (newest first, the default) or asc, at
+    most `limit` (1 to MOST_PAGED, PAGE_SIZE by default), after the job `after`; and
+    whether more follow. A 400 naming a bad or unknown query parameter."""
+    unknown = sorted(set(query) - {"after", "limit", "order"})
+    if unknown:
+        raise bad_request(
+            f"unknown query parameter '{unknown[0]}': GET /v1/videos takes after, limit and order",
+            param=unknown[0],
+        )
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise bad_request(f"'order' must be asc or desc, not {order!r}", param="order")
+    limit = query.get("limit", str(PAGE_SIZE))
+    if not (limit.isdigit() and 1 <= int(limit) <= MOST_PAGED):
+        raise bad_request(f"'limit' must be 1 to {MOST_PAGED}, not {limit!r}", param="limit")
+    ordered = ids if order == "asc" else ids[::-1]
+    if "after" in query:
+        if query["after"] not in ordered:
+            raise bad_request(
+                f"'after': no video job '{query['after']}' is held (unknown, deleted or expired)",
+                param="after",
+            )
+        ordered = ordered[ordered.index(query["after"]) + 1 :]
+    return ordered[: int(limit)], len(ordered) > int(limit)
+
+
 class VideoJobs:
     """The server's video jobs: bounded, each run by a task of the server's loop, kept until
     it expires."""
@@ -285,9 +317,12 @@ class VideoJobs:
             await asyncio.gather(job.task, return_exceptions=True)
         return {"id": job_id, "object": "video.deleted", "deleted": True}
 
-    def list(self) -> list[VideoJob]:
+    def page(self, query) -> tuple[list[VideoJob], bool]:
+        """`GET /v1/videos`'s page of the jobs held (`page_of` reads the query)."""
         self._sweep()
-        return sorted(self.jobs.values(), key=lambda j: j.created_at)
+        held = sorted(self.jobs.values(), key=lambda j: j.created_at)
+        ids, more = page_of([job.id for job in held], query)
+        return [self.jobs[i] for i in ids], more
 
     async def close(self) -> None:
         """The server stops: every job still queued or running is cancelled."""

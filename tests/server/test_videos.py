@@ -18,9 +18,12 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from openai import OpenAI
 from PIL import Image
 
 from omniflow.media import decode_video
+from omniflow.server.errors import APIError
+from omniflow.server.videos import page_of
 from tests.server.conftest import GRAPHS, HERE, wait_until
 
 TTL_S = 3.0
@@ -104,7 +107,7 @@ def finished(http, job_id: str, timeout: float = 60.0) -> dict:
     raise AssertionError(f"job {job_id} did not finish: {seen[-3:]}")
 
 
-def test_a_peer_text_to_video_job_completes_with_an_h264_mp4(http):
+def test_a_peer_text_to_video_job_completes_with_an_h264_mp4(server, http):
     reply = create(http)
     assert reply.status_code == 200, reply.text
     job = reply.json()
@@ -122,9 +125,26 @@ def test_a_peer_text_to_video_job_completes_with_an_h264_mp4(http):
     assert frames.float().std() > 1
     listed = http.get("/v1/videos").json()["data"]
     assert job["id"] in [j["id"] for j in listed]
+    paged = OpenAI(base_url=server.url, api_key="unused", max_retries=0).videos.list(limit=1)
+    assert [video.id for video in paged] == [j["id"] for j in listed]  # a page at a time
     deleted = http.delete(f"/v1/videos/{job['id']}")
     assert deleted.json() == {"id": job["id"], "object": "video.deleted", "deleted": True}
     assert http.get(f"/v1/videos/{job['id']}").status_code == 404
+
+
+def test_a_list_page_is_read_as_openais_cursor_pages():
+    ids = [f"video_{i}" for i in range(5)]  # oldest first
+    assert page_of(ids, {}) == (ids[::-1], False)  # newest first
+    assert page_of(ids, {"limit": "2"}) == (["video_4", "video_3"], True)
+    assert page_of(ids, {"limit": "2", "after": "video_3"}) == (["video_2", "video_1"], True)
+    after = {"order": "asc", "limit": "3", "after": "video_1"}
+    assert page_of(ids, after) == (["video_2", "video_3", "video_4"], False)
+    for query, param in [({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"),
+                         ({"limit": "101"}, "limit"), ({"order": "up"}, "order"),
+                         ({"after": "video_9"}, "after"), ({"limt": "2"}, "limt")]:  # fmt: skip
+        with pytest.raises(APIError) as refused:
+            page_of(ids, query)
+        assert refused.value.status == 400 and refused.value.param == param
 
 
 def test_progress_moves_through_the_vae_decode_frame_by_frame(http):
