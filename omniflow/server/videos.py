@@ -142,6 +142,8 @@ async def _form_fields(server, form) -> tuple[dict, dict]:
                     f"'{name}': the only file a video request takes is '{IMAGE_FIELD}'",
                     param=name,
                 )
+            if IMAGE_FIELD in files:
+                raise bad_request(f"'{name}': one image per request", param=name)
             files[IMAGE_FIELD] = await uploaded_image(server, name, value)
             continue
         if name in fields:

@@ -211,6 +211,10 @@ def test_input_reference_makes_it_image_to_video(http):
     assert refused.status_code == 400 and "image to video: image_to_video" in refused.text
     missing = create(http, "image_to_video")
     assert missing.status_code == 400 and "input_reference" in missing.json()["error"]["param"]
+    data = {"model": "image_to_video", "prompt": "A cat", **PEER}
+    two = [("input_reference", ("a.png", png(), "image/png"))] * 2
+    twice = http.post("/v1/videos", data=data, files=two)
+    assert twice.status_code == 400 and "one image per request" in twice.text
 
 
 def test_a_job_outlives_its_client(server):
