@@ -80,6 +80,12 @@ def unpack_image(hidden: torch.Tensor, merge_size: int) -> tuple[torch.Tensor, t
     return hidden[0, 1:].clone(), grid[None]
 
 
+# How an image processor is told that `read_image`'s arrays are [H, W, C]: left to guess, it
+# takes an image one or three pixels high for channels first (a 201 x 1 picture read as a
+# grey one of 3 x 201, its aspect ratio misjudged and its pixels scrambled).
+CHANNELS_LAST = {"input_data_format": "channels_last"}
+
+
 def read_image(value):
     """A request's image as the image processor takes it: a path is opened with PIL (as
     RGB), a uint8 `[H, W, 3]` tensor becomes an array."""
@@ -192,7 +198,9 @@ class VisionEncoder(Backend):
         """The processor's pixel patches and grid of one request's image."""
         image = read_image(value)
         try:
-            return self.processor(images=[image], size=self.size, return_tensors="pt")
+            return self.processor(
+                images=[image], size=self.size, return_tensors="pt", **CHANNELS_LAST
+            )
         except ValueError as err:  # e.g. an aspect ratio above 200
             raise VisionBackendError(f"the image processor refuses the image: {err}") from err
 

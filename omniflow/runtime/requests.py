@@ -111,8 +111,9 @@ class FamilyCheck:
     (`Family.admission`: a task the checkpoint does not do, a language it does not speak),
     made at admission like the plan's own. `check_stage(params, inputs)` sees the stage's
     parameters for the request and the values of its input ports that pipeline inputs
-    feed (`feeds`: port -> input); the StageRequestError it raises names a stage parameter
-    or port, which the error names as the request's parameter or input that set it."""
+    feed (`feeds`: port -> input; an optional input the request leaves out is not there);
+    the StageRequestError it raises names a stage parameter or port, which the error names
+    as the request's parameter or input that set it."""
 
     stage: StagePlan
     feeds: dict[str, str]
@@ -120,7 +121,9 @@ class FamilyCheck:
 
     def check(self, admitted: Admitted) -> None:
         params = stage_params(self.stage, admitted)
-        inputs = {port: admitted.inputs[src] for port, src in self.feeds.items()}
+        inputs = {
+            p: admitted.inputs[src] for p, src in self.feeds.items() if src in admitted.inputs
+        }
         try:
             self.check_stage(params, inputs)
         except StageRequestError as err:

@@ -234,6 +234,21 @@ def test_audio_features_are_the_processors(path, seconds):
     torch.testing.assert_close(features, out["input_features"][0][:, kept], atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("height, width", [(3, 60), (1, 150), (60, 3)])
+def test_an_image_one_or_three_pixels_high_is_read_as_it_is(path, height, width):
+    """(Left to guess, the image processor took a `[3, W, 3]` array for channels first: the
+    picture's grid and pixels came out transposed.) The tower's patches of an image tensor
+    are the processor's of the same picture as PIL reads it."""
+    from PIL import Image
+
+    tower = towers.load(str(path), "visual", torch.float32)
+    image = media.image(7, height, width)
+    prepared = tower.prepare("image", image)
+    want = tower.images(images=[Image.fromarray(image.numpy())], return_tensors="pt")
+    assert list(prepared.meta[1:]) == want["image_grid_thw"][0].tolist()
+    torch.testing.assert_close(prepared.features, want["pixel_values"])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("seconds", [0.03, 5.0, 31.0])
 def test_audio_features_on_the_gpu_are_the_cpus(path, seconds):

@@ -328,6 +328,21 @@ def test_an_image_size_off_the_patch_is_a_400(watch):
     assert "multiple of 16" in message
 
 
+def test_a_picture_past_the_processors_aspect_ratio_is_a_400(watch):
+    """Qwen2-VL's image processor takes up to 200:1 (what it refused in the vision stage
+    was a 500); an image of 1 x 201 pixels is refused at admission, one of 1 x 200 runs."""
+
+    def part(width: int, height: int) -> dict:
+        buffer = io.BytesIO()
+        Image.new("RGB", (width, height), (90, 20, 200)).save(buffer, "PNG")
+        return {"type": "image_url", "image_url": {"url": data_uri("image/png", buffer.getvalue())}}
+
+    for width, height in ((201, 1), (1, 201)):
+        message = watch.refused("POST", CHAT, "image", **chat(part(width, height)))
+        assert f"{width} x {height} pixels" in message and "up to 200:1" in message
+    assert watch.http.post(CHAT, **chat(part(200, 1))).status_code == 200
+
+
 def test_a_video_width_off_the_patch_is_a_400_at_submission(watch, http):
     before = http.get("/v1/videos").json()["data"]
     fields = {"model": "text_to_video", "prompt": "x", "width": "33"}

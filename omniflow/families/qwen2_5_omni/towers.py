@@ -38,7 +38,7 @@ import torch
 
 from omniflow.backends.cuda_graphs import Graphs
 from omniflow.backends.static_decode import batch_buckets
-from omniflow.backends.vision import MediaItem, VisionBackendError, read_image
+from omniflow.backends.vision import CHANNELS_LAST, MediaItem, VisionBackendError, read_image
 
 SAMPLE_RATE = 16000
 # What Qwen2.5-Omni's processor and qwen-omni-utils assume of a video: 2 frames a second,
@@ -233,7 +233,7 @@ class VisionTower:
     def prepare(self, kind: str, value) -> Prepared:
         if kind == "image":
             try:
-                out = self.images(images=[read_image(value)], return_tensors="pt")
+                out = self.images(images=[read_image(value)], return_tensors="pt", **CHANNELS_LAST)
             except ValueError as err:
                 raise VisionBackendError(f"the image processor refuses the image: {err}") from err
             grid = out["image_grid_thw"][0]

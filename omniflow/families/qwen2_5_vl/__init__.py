@@ -11,6 +11,34 @@ from __future__ import annotations
 from omniflow.families.family import Family, Part, TinyModel
 
 _HERE = __name__
+# Qwen2-VL's image processor (its `smart_resize`, which Qwen2.5-VL's, Qwen2.5-Omni's and
+# Qwen3-Omni's processors share, for images and video frames) refuses a picture whose long
+# side is more than this many times its short one.
+MAX_ASPECT_RATIO = 200
+
+
+def image_admission(stage, path: str):
+    """`Family.admission` of a stage that sees pictures through that processor (a vision
+    tower, `component="visual"`): each image's and video's aspect ratio at most
+    MAX_ASPECT_RATIO, a 400 at admission rather than the processor's refusal in the stage."""
+    if stage.kind != "encoder" or stage.component != "visual":
+        return None
+    return _check_aspect_ratios
+
+
+def _check_aspect_ratios(params: dict, inputs: dict) -> None:
+    from omniflow.runtime.requests import StageRequestError
+
+    for port, value in inputs.items():
+        for picture in value if isinstance(value, list) else [value]:
+            shape = getattr(picture, "shape", ())  # an image [H, W, C], a video [T, H, W, C]
+            if len(shape) in (3, 4) and max(shape[-3:-1]) > MAX_ASPECT_RATIO * min(shape[-3:-1]):
+                raise StageRequestError(
+                    f"input '{port}': a picture of {shape[-2]} x {shape[-3]} pixels; this "
+                    f"model's image processor takes aspect ratios up to {MAX_ASPECT_RATIO}:1",
+                    port,
+                )
+
 
 FAMILY = Family(
     name="qwen2_5_vl",
@@ -20,6 +48,7 @@ FAMILY = Family(
         "visual": Part("vision_encoder", ("vision_config",), weights=("visual.", "model.visual.")),
         "language_model": Part("decoder_lm", ("text_config?",), class_level=0),
     },
+    admission=f"{_HERE}:image_admission",
     runtime={
         ("ar", "transformers"): f"{_HERE}.language_model:load",
         ("encoder", "transformers"): f"{_HERE}.vision_tower:load",
