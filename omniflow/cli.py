@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -405,6 +406,45 @@ def _add_set_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least `low`."""
+
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected at least {low}, not {value}")
+        return value
+
+    return whole
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port (0: any free one)."""
+    value = _at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port, 0 to 65535, not {value}")
+    return value
+
+
+def _seconds(zero: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number of seconds above 0 (`zero`: from 0)."""
+
+    def seconds(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected seconds, not {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            least = "0 or more" if zero else "above 0"
+            raise argparse.ArgumentTypeError(f"expected finite seconds {least}, not {text}")
+        return value
+
+    return seconds
+
+
 def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
     """The flags of `run` and `serve`: devices, models, serving limits, --once."""
     parser.add_argument(
@@ -450,7 +490,7 @@ def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = Tru
     serving = parser.add_argument_group("serving")
     serving.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serving.add_argument(
-        "--port", type=int, default=8091, help="port to listen on (default 8091; 0: any free one)"
+        "--port", type=_port, default=8091, help="port to listen on (default 8091; 0: any free one)"
     )
     serving.add_argument(
         "--api-key",
@@ -476,20 +516,20 @@ def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = Tru
     )
     serving.add_argument(
         "--max-queue-wait",
-        type=float,
+        type=_seconds(),
         default=600.0,
         metavar="SECONDS",
         help="longest a request waits for a slot before a 503 (default 600)",
     )
     serving.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=_at_least(1),
         default=32 << 20,
         help="largest request body (default 32 MiB); beyond it: 413",
     )
     serving.add_argument(
         "--max-voices",
-        type=int,
+        type=_at_least(0),
         default=64,
         help="uploaded voices kept at once, all pipelines (default 64); beyond it: 400",
     )
@@ -508,47 +548,47 @@ def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = Tru
     )
     serving.add_argument(
         "--max-image-pixels",
-        type=int,
+        type=_at_least(1),
         metavar="N",
         help="largest image a request may send, width x height, checked before decoding "
         "(default 8192 x 8192); beyond it: 400",
     )
     serving.add_argument(
         "--max-audio-seconds",
-        type=float,
+        type=_seconds(),
         metavar="SECONDS",
         help="longest audio a request may send, checked before decoding (default 600; "
         "voice references: 60); beyond it: 400",
     )
     serving.add_argument(
         "--max-video-pixels",
-        type=int,
+        type=_at_least(1),
         metavar="N",
         help="largest video a request may send, frames x width x height, checked before "
         "decoding (default: two minutes of 720p at 30 fps); beyond it: 400",
     )
     serving.add_argument(
         "--drain-timeout",
-        type=float,
+        type=_seconds(zero=True),
         default=30.0,
         help="on SIGINT/SIGTERM, seconds to wait for requests in flight (default 30)",
     )
     serving.add_argument(
         "--max-video-jobs",
-        type=int,
+        type=_at_least(1),
         default=32,
         help="video jobs held at once, queued, running or finished and kept (default 32); "
         "beyond it: 429",
     )
     serving.add_argument(
         "--video-ttl",
-        type=float,
+        type=_seconds(),
         default=3600.0,
         help="seconds a finished video job and its MP4 are kept (default 3600)",
     )
     serving.add_argument(
         "--max-realtime-sessions",
-        type=int,
+        type=_at_least(1),
         default=64,
         metavar="N",
         help="/v1/realtime sessions open at once (default 64); beyond it a new one gets an "
@@ -556,7 +596,7 @@ def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = Tru
     )
     serving.add_argument(
         "--max-realtime-text",
-        type=int,
+        type=_at_least(1),
         default=256 << 10,
         metavar="CHARS",
         help="characters of text a realtime session holds, its instructions and items "
@@ -564,7 +604,7 @@ def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = Tru
     )
     serving.add_argument(
         "--realtime-idle-timeout",
-        type=float,
+        type=_seconds(),
         default=600.0,
         metavar="SECONDS",
         help="a realtime session with no client event and no response running for this "
@@ -572,7 +612,7 @@ def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = Tru
     )
     serving.add_argument(
         "--max-speech-sessions",
-        type=int,
+        type=_at_least(1),
         default=64,
         metavar="N",
         help="/v1/audio/speech/stream sessions open at once (default 64); beyond it a new "
@@ -580,7 +620,7 @@ def _add_serving_options(parser: argparse.ArgumentParser, with_model: bool = Tru
     )
     serving.add_argument(
         "--speech-idle-timeout",
-        type=float,
+        type=_seconds(),
         default=600.0,
         metavar="SECONDS",
         help="a speech stream session with no client message and nothing being spoken for "

@@ -90,6 +90,27 @@ def test_a_mistake_is_one_line_before_any_work_and_writes_nothing(argv, message,
     assert time.perf_counter() - start < 30  # no executor started: seconds, not a model load
 
 
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("--port", "70000", "expected a port, 0 to 65535, not 70000"),  # (it wrapped to 4464)
+        ("--max-body-bytes", "-5", "expected at least 1, not -5"),  # (every request a 413)
+        ("--max-queue-wait", "nan", "expected finite seconds above 0, not nan"),
+        ("--drain-timeout", "-1", "expected finite seconds 0 or more, not -1"),
+        ("--max-image-pixels", "lots", "expected a whole number, not 'lots'"),
+        ("--max-image-pixels", "0", "expected at least 1, not 0"),
+        ("--max-speech-sessions", "0", "expected at least 1, not 0"),
+    ],
+)
+def test_a_serving_flag_out_of_its_range_is_refused_as_the_command_line_is_read(
+    flag, value, says, capsys
+):
+    with pytest.raises(SystemExit) as refused:
+        main(["run", str(GRAPHS / "tts.omni"), "--tiny", flag, value])
+    assert refused.value.code == 2
+    assert f"error: argument {flag}: {says}" in capsys.readouterr().err
+
+
 def test_param_values_are_json_else_text(tmp_path, capsys):
     # In process: executor processes would map the 2xH200 plan's gigabytes of rings.
     code, out, _ = run(capsys, "run", "--once", str(GRAPHS / "omni_chat.omni"), "--standin", "--devices", "2xH200",

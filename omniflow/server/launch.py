@@ -269,10 +269,7 @@ def media_limits(args) -> dict:
     except media_in.MediaDirError as err:
         raise ServeError(str(err)) from None
     for name in ("max_image_pixels", "max_audio_seconds", "max_video_pixels"):
-        value = getattr(args, name)
-        if value is not None:
-            if not value > 0:
-                raise ServeError(f"--{name.replace('_', '-')} must be above 0")
+        if (value := getattr(args, name)) is not None:  # (each above 0: the parser's types)
             limits[name] = value
     return limits
 
@@ -315,15 +312,6 @@ def serve(args) -> int:
                 raise ServeError(
                     f"pipeline name {', '.join(twice)} is served twice; each is served under "
                     "its name, so rename one"
-                )
-            if args.max_video_jobs < 1 or not args.video_ttl > 0:
-                raise ServeError("--max-video-jobs must be at least 1 and --video-ttl above 0")
-            counts = (args.max_realtime_sessions, args.max_realtime_text, args.max_speech_sessions)
-            if min(counts) < 1 or not min(args.realtime_idle_timeout, args.speech_idle_timeout) > 0:
-                raise ServeError(
-                    "--max-realtime-sessions, --max-realtime-text and --max-speech-sessions "
-                    "must be at least 1 and --realtime-idle-timeout and --speech-idle-timeout "
-                    "above 0"
                 )
             backends = "standin" if args.standin else "auto"
             checks = {p.pipeline: () if args.standin else _preflight(p) for p in plans}

@@ -36,7 +36,6 @@ MISTAKES = [
     ([PROBE, "--host", "no.such.host.invalid"], 1, "--host no.such.host.invalid"),
     ([PROBE, "--allowed-media-dir", "/no/such/dir"], 1, "--allowed-media-dir /no/such/dir: not a directory"),
     ([PROBE, "--allowed-media-dir", "/proc/self"], 1, "is in a pseudo filesystem"),
-    ([PROBE, "--max-image-pixels", "0"], 1, "--max-image-pixels must be above 0"),
 ]  # fmt: skip
 
 
