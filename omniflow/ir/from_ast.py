@@ -32,6 +32,7 @@ from omniflow.ir.kinds import (
     SEED,
     SEED_PARAM,
     ParamSpec,
+    number_text,
     parse_port_list,
 )
 from omniflow.ir.types import PORT_TYPES, TENSOR_TYPES
@@ -44,11 +45,12 @@ _DEVICE = re.compile(r"^(cpu|cuda)(:\d+)?$")
 
 def bounds_text(spec: ParamSpec) -> str:
     """`between 1 and 1048576`, `at least 0`: a number's bounds in words."""
+    low, high = number_text(spec.low), number_text(spec.high)
     if spec.high == math.inf:
-        return f"at least {spec.low:g}"
+        return f"at least {low}"
     if spec.low == -math.inf:
-        return f"at most {spec.high:g}"
-    return f"between {spec.low:g} and {spec.high:g}"
+        return f"at most {high}"
+    return f"between {low} and {high}"
 
 
 class _GraphBuilder:

@@ -56,10 +56,17 @@ _INT = (int,)
 _FLOAT = (float, int)
 _STR = (str,)
 
+
+def number_text(value: float) -> str:
+    """A bound as a message says it: whole numbers in full (2^20 as 1048576, a seed's
+    2^63 - 1 whole, where `:g` writes 1.04858e+06 and 9.22337e+18), others as `:g` does."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
 COMMON_PARAMS: dict[str, ParamSpec] = {
     "model": ParamSpec(_STR),
     "component": ParamSpec(_STR),
-    "max_batch": ParamSpec(_INT, 8),
+    "max_batch": ParamSpec(_INT, 8, low=1),
     # Unset: the checkpoint's own dtype (what the compiler sizes the stage with).
     "dtype": ParamSpec(_STR, choices=STAGE_DTYPES),
     "backend": ParamSpec(

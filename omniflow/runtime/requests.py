@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from omniflow.errors import OmniflowError
-from omniflow.ir.kinds import SEED_BITS, SEED_PARAM
+from omniflow.ir.kinds import SEED_BITS, SEED_PARAM, number_text
 from omniflow.ir.values import InputRef, Param, StageSeed
 from omniflow.plan import Plan, StagePlan
 from omniflow.runtime.port_values import MEDIA_TYPES, encode
@@ -302,28 +302,22 @@ def _check_limit(plan: Plan, name: str, value) -> None:
         raise RequestError(f"parameter '{name}' must be a number, not NaN", name)
     if limit.low is not None and value < limit.low:
         raise RequestError(
-            f"parameter '{name}' must be at least {_bound(limit.low)}, not {value!r}", name
+            f"parameter '{name}' must be at least {number_text(limit.low)}, not {value!r}", name
         )
     if limit.high is not None and value > limit.high:
         if limit.why:
             raise RequestError(
-                f"parameter '{name}' = {value!r} is above {_bound(limit.high)}: {limit.why} and its "
+                f"parameter '{name}' = {value!r} is above {number_text(limit.high)}: {limit.why} and its "
                 f"memory and buffers were sized for that; recompile with a larger default "
                 f"(`param {name} = {value!r}`)",
                 name,
             )
         raise RequestError(
-            f"parameter '{name}' must be at most {_bound(limit.high)}, not {value!r}", name
+            f"parameter '{name}' must be at most {number_text(limit.high)}, not {value!r}", name
         )
     for knob in limit.knobs:
         if problem := KNOBS[knob].problem(value):
             raise RequestError(f"parameter '{name}' is out of its domain: {problem}", name)
-
-
-def _bound(limit: float) -> str:
-    """A limit as a message says it: whole numbers in full (a seed's 2^63 - 1, which `:g`
-    would round to 9.22337e+18), others as `:g` writes them."""
-    return str(int(limit)) if float(limit).is_integer() else f"{limit:g}"
 
 
 def stage_seed(seed: int, stage: str) -> int:

@@ -52,6 +52,20 @@ CASES = [
         None,
     ),
     (
+        "  stage lm = ar(max_batch=0)\n  input prompt: chat -> lm\n  lm.text -> output t\n",
+        4,
+        27,
+        "'max_batch' must be at least 1, not 0",  # (was a failed cost pass, no place)
+        None,
+    ),
+    (
+        "  stage lm = ar(max_len=0)\n  input prompt: chat -> lm\n  lm.text -> output t\n",
+        4,
+        25,
+        "'max_len' must be between 1 and 1048576, not 0",  # (was 1.04858e+06)
+        None,
+    ),
+    (
         "  stage lm = ar(max_tokens=$m)\n  input prompt: chat -> lm\n  lm.text -> output t\n",
         4,
         28,
