@@ -96,6 +96,8 @@ ADVERSARIAL = {
     "cjk marks": sized("。！"),
     "brackets": sized("["),
     "reprs": sized("<a at 0x1 "),
+    # (JSON-escaped as surrogate pairs, 12 characters each: the lone-surrogate check walks)
+    "emoji": sized("😀", LIMIT // 2),
 }
 
 
