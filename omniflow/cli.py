@@ -263,10 +263,16 @@ MODEL_HELP = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, a mistake on the command line said in one line with a pointer to `-h`, as
+    every other start-up mistake is (not the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} -h` for its options)\n")
+
+
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="omniflow", description="Compile and serve .omni pipelines."
-    )
+    parser = _Parser(prog="omniflow", description="Compile and serve .omni pipelines.")
     parser.add_argument(
         "--debug", action="store_true", help="show Python tracebacks (also: OMNIFLOW_DEBUG=1)"
     )

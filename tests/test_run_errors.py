@@ -108,7 +108,9 @@ def test_a_serving_flag_out_of_its_range_is_refused_as_the_command_line_is_read(
     with pytest.raises(SystemExit) as refused:
         main(["run", str(GRAPHS / "tts.omni"), "--tiny", flag, value])
     assert refused.value.code == 2
-    assert f"error: argument {flag}: {says}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(f"omniflow run: error: argument {flag}: {says}")
+    assert err.count("\n") == 1 and "omniflow run -h" in err  # one line, not the usage
 
 
 def test_param_values_are_json_else_text(tmp_path, capsys):
