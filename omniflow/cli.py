@@ -77,11 +77,13 @@ def _for_this_machine(args: argparse.Namespace, path: str | None) -> Iterator[No
     except PassError as err:
         if not (detected and path is not None and isinstance(err.cause, PlacementError)):
             raise
-        raise OmniflowError(_does_not_fit(path, args.devices, args.set)) from err
+        raise OmniflowError(_does_not_fit(path, args.devices, args.set, err.cause)) from err
 
 
-def _does_not_fit(path: str, here: str, settings: list[str]) -> str:
-    """One line for a graph too big for this machine: which flags would compile it."""
+def _does_not_fit(path: str, here: str, settings: list[str], cause: Exception) -> str:
+    """One line for a graph too big for this machine: which flags would compile it, else
+    why it fits none (the placement's own reason here: the stage, what it needs, the
+    `max_batch` at which it would fit)."""
     from omniflow.compiler import SUGGESTED_INVENTORIES, flags_that_fit
 
     need = "needs a GPU" if here == "cpu" else f"needs more than {here}"
@@ -89,7 +91,7 @@ def _does_not_fit(path: str, here: str, settings: list[str]) -> str:
     flags = [hints.get(flag, flag) for flag in flags_that_fit(path, here, settings)]
     if not flags:
         tried = f"{SUGGESTED_INVENTORIES[0]} to {SUGGESTED_INVENTORIES[-1]}"
-        return f"{path} does not fit this machine ({here}) nor {tried}; give --devices"
+        return f"{path} does not fit this machine ({here}) nor {tried}; give --devices. {cause}"
     return f"{path} does not fit this machine ({here}): {need}: try {', or '.join(flags)}"
 
 
