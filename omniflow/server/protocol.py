@@ -188,17 +188,16 @@ def check_unicode(raw: bytes | str, value) -> None:
     escape = _SURROGATE_ESCAPE_BYTES if isinstance(raw, bytes) else _SURROGATE_ESCAPE
     if escape.search(raw) is None:
         return
-    pending = [("", value)]
+    pending = [((), value)]
     while pending:
-        path, item = pending.pop()
+        loc, item = pending.pop()
         if isinstance(item, dict):
             for key, inner in item.items():
-                where = f"{path}.{key}" if path else key
-                pending += [(where, key), (where, inner)]
+                pending += [((*loc, key), key), ((*loc, key), inner)]
         elif isinstance(item, list):
-            pending.extend((f"{path}[{i}]", inner) for i, inner in enumerate(item))
+            pending.extend(((*loc, i), inner) for i, inner in enumerate(item))
         elif isinstance(item, str) and not _encodes(item):
-            where = path.encode("utf-8", "backslashreplace").decode()  # (a key may hold it)
+            where = _path(loc).encode("utf-8", "backslashreplace").decode()  # (a key may hold it)
             raise bad_request(
                 f"'{where}' is not valid Unicode: it holds a lone surrogate (a \\ud800-"
                 "\\udfff escape that is not one half of a pair)",
@@ -274,12 +273,18 @@ def validation_error(errors) -> Exception:
 
 
 def _location(loc) -> str:
-    parts = [p for p in loc if p not in ("body",)]
+    """A pydantic error location as the field's path (`_path`), without its `body` and
+    union-member tags."""
+    return _path(p for p in loc if p != "body" and not _is_variant_tag(p))
+
+
+def _path(parts) -> str:
+    """`messages[0].content`: a field's path from its keys and list indexes."""
     text = ""
     for part in parts:
         if isinstance(part, int):
             text += f"[{part}]"
-        elif not _is_variant_tag(part):
+        else:
             text += f".{part}" if text else str(part)
     return text
 
