@@ -103,6 +103,7 @@ def test_sampling_fields_reach_the_pipeline(client, fields):
         ("top_p", 1.5, "top_p 1.5 (in (0, 1])"),
         ("top_k", -2, "top_k -2 (-1 or 0 or >= 1)"),
         ("repetition_penalty", 0, "repetition_penalty 0 (in [0.01, 100])"),
+        ("repetition_penalty", -1.0, "repetition_penalty -1 (in [0.01, 100])"),
         ("repetition_penalty", 1e-45, "repetition_penalty 1e-45 (in [0.01, 100])"),
         ("temperature", -0.5, "temperature -0.5 (in [0, 100])"),
         ("audio_top_p", 0, "top_p 0 (in (0, 1])"),

@@ -276,7 +276,7 @@ def test_edit_string_values_parse_as_the_fields_types(http):
         ({"prompt": "x", "vae_use_tiling": "maybe"}, {}, "a boolean (True or False)", "vae_use_tiling"),
         ({"prompt": "x", "lora": "{bad"}, {}, "a JSON dict", "lora"),
         ({"prompt": "x", "colour": "red"}, {}, "unknown field 'colour'", "colour"),
-        ({"prompt": "x", "n": "0"}, {}, "'n' must be 1 to", "n"),
+        ({"prompt": "x", "n": "0"}, {}, "'n' must be 1 to 8: pipeline 'edit' runs 8 requests at once", "n"),
         ({}, {}, "'prompt' is missing", "prompt"),
         ({"prompt": "x"}, {"mask": ("mask.png", b"x", "image/png")}, "takes no image named 'mask'", "mask"),
     ],
