@@ -136,10 +136,17 @@ async def _messages(server, served, request: ChatCompletionRequest, inputs: dict
                 param=f"{where}.audio",
             )
         content = message.content
+        if content is None and message.refusal is None:
+            raise bad_request(
+                f"'{where}.content': required: a string or a list of parts",
+                param=f"{where}.content",
+            )
+        if content is None:  # an assistant's earlier turn that refused: what it said
+            content = message.refusal
         if isinstance(content, list):
             content = await _parts(server, content, where, images, audios, videos, in_video)
         entry = {"role": "system" if message.role == "developer" else message.role}
-        entry["content"] = "" if content is None else content
+        entry["content"] = content
         if message.name is not None:
             entry["name"] = message.name
         chat.append(entry)
