@@ -150,7 +150,13 @@ class Served:
     async def acquire(self, count: int = 1) -> Slot:
         """`count` admission slots: at once where free and nobody waits before this request,
         else once those queued before it have theirs and enough have freed; 503 (with
-        Retry-After) when the queue is full or the wait passes `max_wait_s`."""
+        Retry-After) when the queue is full or the wait passes `max_wait_s`. A caller
+        checks `count` against `limit` first (as a 400 naming its field): more could never
+        be granted, and would hold up the queue behind it until the wait's 503."""
+        if not 1 <= count <= self.limit:
+            raise ValueError(
+                f"{count} slots asked of pipeline '{self.name}', which has {self.limit}"
+            )
         if self.draining:
             raise busy("the server is shutting down and admits no new requests", retry_after=5)
         began = time.perf_counter()

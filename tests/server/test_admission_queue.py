@@ -86,3 +86,15 @@ def test_a_waiter_that_goes_away_takes_no_slot():
         assert pipe.inflight == 0
 
     asyncio.run(scenario())
+
+
+def test_more_slots_than_the_pipeline_has_are_refused_not_queued_for_ever():
+    async def scenario():
+        pipe = served(limit=2)
+        for count in (3, 0):
+            with pytest.raises(ValueError, match=f"{count} slots asked of pipeline 'p'"):
+                await pipe.acquire(count)
+        assert not pipe.waiting and pipe.inflight == 0
+        (await pipe.acquire(2)).release()
+
+    asyncio.run(scenario())
