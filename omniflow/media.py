@@ -474,6 +474,15 @@ def probe_video(data: bytes, max_pixels: int | None = None) -> VideoInfo:
     return VideoInfo(frames, info.width, info.height, info.rate, info.codec)
 
 
+def video_size(data: bytes) -> tuple[int, int]:
+    """(width, height) a video file declares: its header only, nothing decoded."""
+    import av
+
+    with _not_video_errors(), av.open(io.BytesIO(data)) as container:
+        info = _video_info(container)
+    return info.width, info.height
+
+
 @contextlib.contextmanager
 def _not_video_errors():
     """What PyAV raises on a file that is not a readable video, as a MediaError."""

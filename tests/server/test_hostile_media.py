@@ -341,6 +341,11 @@ def test_a_picture_past_the_processors_aspect_ratio_is_a_400(watch):
         message = watch.refused("POST", CHAT, "image", **chat(part(width, height)))
         assert f"{width} x {height} pixels" in message and "up to 200:1" in message
     assert watch.http.post(CHAT, **chat(part(200, 1))).status_code == 200
+    # A video goes on as its file: its header's size is what is checked.
+    frames = torch.zeros(4, 2, 404, 3, dtype=torch.uint8)
+    video = {"type": "video_url", "video_url": {"url": data_uri("video/mp4", mp4_bytes(frames, 8))}}
+    message = watch.refused("POST", CHAT, "video", **chat(video))
+    assert "404 x 2 pixels" in message and "up to 200:1" in message
 
 
 def test_a_video_width_off_the_patch_is_a_400_at_submission(watch, http):

@@ -31,13 +31,31 @@ def _check_aspect_ratios(params: dict, inputs: dict) -> None:
 
     for port, value in inputs.items():
         for picture in value if isinstance(value, list) else [value]:
-            shape = getattr(picture, "shape", ())  # an image [H, W, C], a video [T, H, W, C]
-            if len(shape) in (3, 4) and max(shape[-3:-1]) > MAX_ASPECT_RATIO * min(shape[-3:-1]):
+            size = _picture_size(picture)
+            if size is not None and max(size) > MAX_ASPECT_RATIO * min(size):
                 raise StageRequestError(
-                    f"input '{port}': a picture of {shape[-2]} x {shape[-3]} pixels; this "
+                    f"input '{port}': a picture of {size[0]} x {size[1]} pixels; this "
                     f"model's image processor takes aspect ratios up to {MAX_ASPECT_RATIO}:1",
                     port,
                 )
+
+
+def _picture_size(picture) -> tuple[int, int] | None:
+    """(width, height) of an image `[H, W, C]`, decoded video frames `[T, H, W, C]` or a
+    video file's bytes (uint8 `[N]`, as chat passes it on: its header's), else None."""
+    import torch
+
+    from omniflow import media
+
+    shape = getattr(picture, "shape", ())
+    if len(shape) in (3, 4):
+        return shape[-2], shape[-3]
+    if len(shape) == 1 and picture.dtype == torch.uint8:
+        try:
+            return media.video_size(picture.numpy().tobytes())
+        except media.MediaError:  # (what reads no header is the stage's to refuse)
+            return None
+    return None
 
 
 FAMILY = Family(
