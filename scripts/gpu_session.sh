@@ -15,9 +15,9 @@
 # ALSO_DEVICES=1xH200, and STREAMING_ARGS added to the benchmark's, e.g. "--breakdown
 # --lookahead 24 12"; windows: WINDOW_KERNELS=N adds each replay's N costliest kernels;
 # load: LOAD_ARGS, e.g. "--graph graphs/qwen3_omni.omni --scaled 0.5"; diffusion:
-# DIFFUSION_ARGS; SPY=1 runs load and tts under py-spy, every process of the run sampled into
-# $OUT/<part>.spy.gz: `python scripts/spy_summary.py FILE` reads it). Logs go to $OUT (or
-# /tmp/out). Wheels: scripts/gpu_wheels.sh downloads them here, .whl/ (what the GPU image
+# DIFFUSION_ARGS; SPY=1 runs load and tts under py-spy, every process of the run sampled
+# SPY_RATE times a second, default 40, into $OUT/<part>.spy.gz: `python
+# scripts/spy_summary.py FILE` reads it). Logs go to $OUT (or /tmp/out). Wheels: scripts/gpu_wheels.sh downloads them here, .whl/ (what the GPU image
 # lacks, and the transformers this tree is tested with), .whl-serve/ (the server's and
 # diffusers') and .whl-tools/ (py-spy): carry all three; .whl-av/ (PyAV) goes in a call of
 # its own, `av`, before the parts that need it (wan-serve).
@@ -53,7 +53,7 @@ omni_cache() {
 }
 OMNI_CACHE=$(omni_cache)
 spied() {  # PART: with SPY set, the command after it runs under py-spy into $OUT/PART.spy
-  [ -n "${SPY:-}" ] && echo /tmp/tools/bin/py-spy record --subprocesses --idle --rate 40 \
+  [ -n "${SPY:-}" ] && echo /tmp/tools/bin/py-spy record --subprocesses --idle --rate ${SPY_RATE:-40} \
     --format raw -o "$OUT/$1.spy" --
 }
 set_up() {
