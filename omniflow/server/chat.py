@@ -36,7 +36,7 @@ from omniflow.media import (
 from omniflow.runtime.port_values import concat
 from omniflow.server import media_in
 from omniflow.server.errors import APIError, bad_request
-from omniflow.server.params import Params, is_no_op
+from omniflow.server.params import Params, is_no_op, parse_form_value
 from omniflow.server.protocol import (
     AudioURLPart,
     ChatCompletionRequest,
@@ -122,7 +122,7 @@ def _text_field(name: str, value) -> str:
 
 async def _messages(server, served, request: ChatCompletionRequest, inputs: dict) -> None:
     chat, images, audios, videos = [], [], [], []
-    in_video = bool((request.mm_processor_kwargs or {}).get("use_audio_in_video"))
+    in_video = _audio_in_video(request)
     for i, message in enumerate(request.messages):
         where = f"messages[{i}]"
         if message.tool_calls or message.role == "tool":
@@ -154,6 +154,26 @@ async def _messages(server, served, request: ChatCompletionRequest, inputs: dict
     _media_input(server, served, inputs, images, "image", "image_url")
     _media_input(server, served, inputs, audios, "audio", "input_audio")
     _media_input(server, served, inputs, videos, "video", "video_url")
+
+
+def _audio_in_video(request: ChatCompletionRequest) -> bool:
+    """Whether a video's audio track goes in beside it: `use_audio_in_video`, in
+    `mm_processor_kwargs` (vLLM's place) or at the top level, read as the pipeline's
+    parameter of that name reads it (a boolean, or "false", "0", "no" ... as text), so that
+    the two agree."""
+    fields = (
+        ("mm_processor_kwargs.use_audio_in_video", request.mm_processor_kwargs or {}),
+        ("use_audio_in_video", request.model_extra or {}),
+    )
+    for where, values in fields:
+        value = values.get("use_audio_in_video")
+        if isinstance(value, str):
+            value = parse_form_value(where, value, bool)
+        if value is not None and not isinstance(value, bool):
+            raise bad_request(f"'{where}' must be a boolean, not {value!r}", param=where)
+        if value is not None:
+            return value
+    return False
 
 
 async def _parts(server, parts, where: str, images, audios, videos, in_video: bool):

@@ -109,13 +109,32 @@ def test_a_corrupt_part_is_a_400_naming_it(client, part, field):
     assert info.value.body["param"] == f"messages[0].content[0].{field}"
 
 
-def test_use_audio_in_video_needs_the_videos_audio_track(client):
+@pytest.mark.parametrize(
+    "options",
+    [{"mm_processor_kwargs": {"use_audio_in_video": True}},
+     {"mm_processor_kwargs": {"use_audio_in_video": "yes"}},
+     {"use_audio_in_video": True}],  # (the top level: `_ask` puts these in extra_body)
+)  # fmt: skip
+def test_use_audio_in_video_needs_the_videos_audio_track(client, options):
+    """Wherever it is set and however a true value is spelled, the video's audio goes in:
+    this one has none."""
     data = mp4_bytes(media.frames(4), fps=2)  # no audio stream
     content = [{"type": "video_url", "video_url": {"url": media.data_uri("video/mp4", data)}}]
     with pytest.raises(openai.BadRequestError) as info:
-        _ask(client, content, mm_processor_kwargs={"use_audio_in_video": True})
+        _ask(client, content, **options)
     assert info.value.body["param"] == "messages[0].content[0].video_url"
     assert "audio track" in info.value.body["message"]
+
+
+def test_use_audio_in_video_reads_as_the_pipelines_parameter_does(client):
+    """ "no" is false, as the pipeline's parameter reads it (it once turned the video's
+    audio on), and a value that is no boolean is a 400 naming it."""
+    data = mp4_bytes(media.frames(4), fps=2)
+    content = [{"type": "video_url", "video_url": {"url": media.data_uri("video/mp4", data)}}]
+    assert isinstance(_ask(client, content, mm_processor_kwargs={"use_audio_in_video": "no"}), str)
+    with pytest.raises(openai.BadRequestError) as info:
+        _ask(client, content, mm_processor_kwargs={"use_audio_in_video": 5})
+    assert info.value.body["param"] == "mm_processor_kwargs.use_audio_in_video"
 
 
 def test_an_unknown_processor_option_is_a_400(client):
