@@ -136,9 +136,9 @@ async def _messages(server, served, request: ChatCompletionRequest, inputs: dict
                 param=f"{where}.audio",
             )
         content = message.content
-        if content is None and message.refusal is None:
+        if (content is None and message.refusal is None) or content == []:
             raise bad_request(
-                f"'{where}.content': required: a string or a list of parts",
+                f"'{where}.content': required: a string or a list of parts (at least one)",
                 param=f"{where}.content",
             )
         if content is None:  # an assistant's earlier turn that refused: what it said

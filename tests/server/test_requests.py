@@ -51,6 +51,8 @@ MISTAKES = [
      "required: a string or a list of parts", "messages[0].content"),
     (CHAT, {"model": "probe", "messages": [{"role": "user"}]}, 400,
      "required: a string or a list of parts", "messages[0].content"),
+    (CHAT, {"model": "probe", "messages": [*HI, {"role": "user", "content": []}]}, 400,
+     "a list of parts (at least one)", "messages[1].content"),
     (CHAT, {"model": "probe", "messages": [{"role": "tool", "content": "4", "tool_call_id": "c1"}, *HI]}, 400,
      "tool calls are not supported", "messages[0]"),
     (CHAT, {"model": "probe", "messages": [{"role": "assistant", "audio": {"id": "a1"}}, *HI]},
