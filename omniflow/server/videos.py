@@ -199,15 +199,33 @@ def parse(server, served, fields: dict, files: dict) -> VideoRequest:
 
 
 def _frames(served, values: dict) -> int:
-    """The frames the request's video will have: its diffusion stage's `frames`."""
+    """The frames the request's video will have: its diffusion stage's `frames`, as its VAE
+    decodes them (`_decoded_frames`)."""
     for stage in served.plan.stages:
         frames = stage.params.get("frames")
         if frames is not None:
             name = getattr(frames, "name", None)
-            if name is None:
-                return int(frames)
-            return int(values.get(name, served.plan.params.get(name, 1)))
+            if name is not None:
+                frames = values.get(name, served.plan.params.get(name, 1))
+            return _decoded_frames(served.plan, stage.name, int(frames))
     return 1
+
+
+def _decoded_frames(plan, stage: str, frames: int) -> int:
+    """A video of `frames` frames asked of diffusion stage `stage`, as its VAE decodes it: a
+    first frame, then `t` frames a latent frame, so `frames` becomes one more than a multiple
+    of `t` (as diffusers' video pipelines make it: `frames // t * t + 1`, 6 asked make 5, 8
+    make 9). `t` is read from the plan: the stage's latents and the video they decode to, at
+    its default frames."""
+    into_vae = next((c for c in plan.channels if c.src == stage and c.dst_port == "latents"), None)
+    video = next((c for c in plan.channels if into_vae and c.src == into_vae.dst), None)
+    if into_vae is None or video is None or len(into_vae.item_shape) < 4:
+        return frames
+    latent, made = into_vae.item_shape[1], video.item_shape[0]
+    if latent < 2:  # (one latent frame: the default is a single picture; nothing to read)
+        return frames
+    t = (made - 1) // (latent - 1)
+    return frames // t * t + 1
 
 
 def _no_image(server, served) -> str:

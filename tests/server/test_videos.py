@@ -132,6 +132,19 @@ def test_a_peer_text_to_video_job_completes_with_an_h264_mp4(server, http):
     assert http.get(f"/v1/videos/{job['id']}").status_code == 404
 
 
+@pytest.mark.parametrize("asked, made", [(8, 9), (6, 5), (3, 1)])
+def test_a_job_reports_the_frames_its_video_has(http, asked, made):
+    """Wan's VAE decodes a first frame and four a latent frame: 8 frames asked make 9, 6
+    make 5 and 3 make 1, as diffusers' pipeline makes them; the job says so from the start
+    (it said 8, and 0.875 s), and the MP4 has them."""
+    job = create(http, num_frames=str(asked)).json()
+    assert job["num_frames"] == made and job["seconds"] == f"{(made - 1) / 8:g}"
+    assert finished(http, job["id"])["status"] == "completed"
+    frames, _, _ = decode_video(http.get(f"/v1/videos/{job['id']}/content").content)
+    assert frames.shape[0] == made
+    assert http.delete(f"/v1/videos/{job['id']}").status_code == 200  # the store holds 3
+
+
 def test_a_list_page_is_read_as_openais_cursor_pages():
     ids = [f"video_{i}" for i in range(5)]  # oldest first
     assert page_of(ids, {}) == (ids[::-1], False)  # newest first
