@@ -427,6 +427,15 @@ def create_app(server: Server) -> FastAPI:
                     "ref_text and model",
                     param=unknown[0],
                 )
+            given = [key for key, _ in form.multi_items()]
+            twice = sorted({key for key in given if given.count(key) > 1})
+            if twice or {"audio", "file"} <= set(given):
+                where = twice[0] if twice else "file"
+                raise bad_request(
+                    f"'{where}' is given twice: an upload is one clip ('audio' or 'file'), "
+                    "one name and one transcript",
+                    param=where,
+                )
             name = voices.check_name(form.get("name"))
             if name.lower() in (n.lower() for n in served.speakers):
                 raise bad_request(

@@ -420,3 +420,14 @@ def test_a_chunked_body_over_the_limit_is_a_413_with_its_reason(watch):
 def test_a_voice_name_with_a_control_character_is_a_400(watch, name):
     upload = {"audio": ("ref.wav", wav(1.0), "audio/wav")}
     watch.refused("POST", VOICES, "name", data={"name": name, "model": CLONE}, files=upload)
+
+
+@pytest.mark.parametrize("fields", [("audio", "audio"), ("audio", "file")])
+def test_a_voice_upload_of_two_clips_is_a_400(watch, http, fields):
+    """One clip an upload: of two, the last was taken without a word."""
+    files = [(field, (f"{i}.wav", wav(1.0), "audio/wav")) for i, field in enumerate(fields)]
+    message = watch.refused(
+        "POST", VOICES, fields[1], data={"name": "twice", "model": CLONE}, files=files
+    )
+    assert "given twice" in message
+    assert "twice" not in [v["name"] for v in http.get(VOICES).json()["data"]]
