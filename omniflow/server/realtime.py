@@ -406,8 +406,25 @@ class RealtimeSession:
                     where,
                 )
         added = self._add_item({"type": "message", "role": role, "content": content},
-                               item_id=item.get("id"))  # fmt: skip
+                               item_id=item.get("id"), at=self._after(event))  # fmt: skip
         self._announce(added)
+
+    def _after(self, event: dict) -> int | None:
+        """Where `conversation.item.create`'s `previous_item_id` puts the item: after that
+        item, first for "root", last (None) without one; an item the conversation does not
+        have is an error naming it."""
+        previous = event.get("previous_item_id")
+        if previous is None:
+            return None
+        if previous == "root":
+            return 0
+        ids = [i["id"] for i in self.items]
+        if previous not in ids:
+            raise _invalid(
+                f"the conversation has no item {previous!r} to put the item after",
+                "previous_item_id",
+            )
+        return ids.index(previous) + 1
 
     async def _item_delete(self, event: dict) -> None:
         """What keeps a long conversation within its bounds: the client drops old items."""
@@ -440,7 +457,8 @@ class RealtimeSession:
             raise _invalid(f"'{where}.audio' is 16-bit PCM, not empty", f"{where}.audio")
         return torch.frombuffer(bytearray(data), dtype=torch.int16)
 
-    def _add_item(self, item: dict, item_id=None) -> dict:
+    def _add_item(self, item: dict, item_id=None, at: int | None = None) -> dict:
+        """`item` into the conversation, at index `at` (None: last)."""
         # A running response's reply has its place kept: it joins when the response ends.
         if len(self.items) + (self.response is not None) >= MAX_ITEMS:
             raise _invalid(
@@ -462,10 +480,11 @@ class RealtimeSession:
             raise _invalid("'item.id' is a string", "item.id")
         if item_id is not None and any(i["id"] == item_id for i in self.items):
             raise _invalid(f"the conversation has an item {item_id!r} already", "item.id")
-        previous = self.items[-1]["id"] if self.items else None
+        at = len(self.items) if at is None else at
+        previous = self.items[at - 1]["id"] if at else None
         item = {"id": item_id or _id("item"), "object": "realtime.item", "status": "completed",
                 **item}  # fmt: skip
-        self.items.append(item)
+        self.items.insert(at, item)
         self.audio_bytes += held
         return {"previous": previous, "item": item}
 

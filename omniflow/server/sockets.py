@@ -105,7 +105,8 @@ def client_message(message: dict, max_chars: int, what: str = "message") -> dict
     JSON, nested deeper than the parser goes, or not such an object."""
     text = message.get("text")
     if text is None:
-        raise bad_request(f"a {what} is a JSON text frame", param="type")
+        article = "an" if what[0] in "aeiou" else "a"
+        raise bad_request(f"{article} {what} is a JSON text frame", param="type")
     if len(text) > max_chars:
         raise bad_request(
             f"a {what} is at most {max_chars} characters, not {len(text)}",

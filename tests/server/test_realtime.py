@@ -295,6 +295,7 @@ MISTAKES = [
     (json.dumps({"type": "input_audio_buffer.append", "audio": "%%%"}), "audio", None),
     (json.dumps({"type": "input_audio_buffer.append", "audio": b64(b"abc")}), "audio", None),
     (json.dumps({"type": "input_audio_buffer.commit"}), "type", "input_audio_buffer_empty"),
+    (json.dumps({**user_text("hi"), "previous_item_id": "nope"}), "previous_item_id", None),
     (json.dumps({"type": "conversation.item.create", "item": {"role": "robot", "content": []}}),
      "item.role", None),
     (json.dumps({"type": "response.create"}), "type", None),
@@ -342,6 +343,26 @@ def test_each_mistaken_event_is_an_error_event_and_the_session_goes_on(server):
         for i, (text, _, _) in enumerate(MISTAKES)
     ]
     assert updated["session"]["instructions"] == "fine"
+
+
+def test_an_item_goes_where_its_previous_item_id_says(server):
+    """OpenAI's placing: after the item named, first for "root", last without one (the id
+    was ignored: every item went last)."""
+
+    async def run():
+        session = await opened(server, "listen")
+        previous = []
+        for text, after in (("a", None), ("b", "root"), ("c", "a"), ("d", None)):
+            event = {**user_text(text), "previous_item_id": after} if after else user_text(text)
+            event["item"]["id"] = text
+            await session.send_event(event)
+            created, _ = await session.until("conversation.item.created")
+            previous.append(created["previous_item_id"])
+        await session.ws.close()
+        return previous
+
+    # The conversation runs b, a, c, d.
+    assert run_async(run) == [None, None, "a", "c"]
 
 
 def test_settings_are_checked_when_set_and_named_as_the_clients_fields(server):
