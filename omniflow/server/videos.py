@@ -218,7 +218,10 @@ def _decoded_frames(plan, stage: str, frames: int) -> int:
     make 9). `t` is read from the plan: the stage's latents and the video they decode to, at
     its default frames."""
     into_vae = next((c for c in plan.channels if c.src == stage and c.dst_port == "latents"), None)
-    video = next((c for c in plan.channels if into_vae and c.src == into_vae.dst), None)
+    video = next(
+        (c for c in plan.channels if into_vae and (c.src, c.src_port) == (into_vae.dst, "video")),
+        None,
+    )
     if into_vae is None or video is None or len(into_vae.item_shape) < 4:
         return frames
     latent, made = into_vae.item_shape[1], video.item_shape[0]
