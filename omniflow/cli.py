@@ -719,6 +719,8 @@ def _existing_file(name: str) -> str:
 
 def _one_message(err: Exception) -> str:
     """What a user reads instead of a traceback."""
+    if isinstance(err, PassError) and isinstance(err.cause, SourceError) and err.cause.span:
+        err = err.cause  # a pass's finding in the file: where it is, not which pass found it
     if isinstance(err, SourceError):
         return str(err)  # already `file:line:col: error: ...` with the line and a caret
     if isinstance(err, OmniflowError):

@@ -69,6 +69,10 @@ class ModelConfigError(OmniflowError):
     """A model's configuration could not be found or understood."""
 
 
+class UnknownComponent(ModelConfigError):
+    """A model has no component of the name a stage gives."""
+
+
 class PassError(OmniflowError):
     """A compiler pass failed; the message names the pass."""
 

@@ -260,6 +260,19 @@ def test_compile_error_exits_1_with_location_caret_and_hint(tmp_path, capsys):
     assert lines[3] == "hint: did you mean 'talker'?"
 
 
+def test_an_unknown_model_exits_1_at_its_line_not_naming_the_pass(capsys, tmp_path):
+    bad = tmp_path / "bad.omni"
+    text = (ROOT / "graphs" / "tts.omni").read_text().replace('"tiny:tts"', '"tiny:ttz"')
+    bad.write_text(text)
+    code, out, err = _cli(capsys, "compile", str(bad))
+    assert code == 1 and out == ""
+    line_no = next(i for i, ln in enumerate(text.splitlines(), 1) if "tiny:ttz" in ln)
+    lines = err.splitlines()
+    assert lines[0].startswith(f"{bad}:{line_no}:3: error: unknown tiny model 'ttz'")
+    assert lines[1].strip() == 'model "tiny:ttz"' and lines[2].strip().startswith("^")
+    assert "pass '" not in err
+
+
 def test_placement_failure_exits_1_naming_the_stage(capsys):
     code, _, err = _cli(capsys, "compile", "graphs/omni_chat.omni", "--devices", "cuda:0=8GiB")
     assert code == 1

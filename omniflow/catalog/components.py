@@ -46,7 +46,7 @@ from typing import Any
 from omniflow import families
 from omniflow.catalog.resolve import TINY_SCHEME, model_path
 from omniflow.dtypes import STAGE_DTYPES, canonical_dtype
-from omniflow.errors import ModelConfigError
+from omniflow.errors import ModelConfigError, UnknownComponent
 from omniflow.families import Part
 from omniflow.hints import did_you_mean
 
@@ -473,7 +473,7 @@ def _load(model: str, component: str | None, files: _Files, source: str) -> Comp
     if not parts:
         root = _normalised(root)
         if component is not None:
-            raise ModelConfigError(
+            raise UnknownComponent(
                 f"model '{model}' is a single-part model; it has no component '{component}' "
                 "(leave component unset to use the whole model)"
             )
@@ -644,7 +644,7 @@ def _require_component(model: str, component: str | None, available: list[str]) 
             f"model '{model}' has several components; name one of: {', '.join(available)}"
         )
     if component not in available:
-        raise ModelConfigError(
+        raise UnknownComponent(
             _hinted(
                 f"model '{model}' has no component '{component}'; its components are: "
                 f"{', '.join(available)}",

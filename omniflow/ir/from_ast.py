@@ -135,6 +135,7 @@ class _GraphBuilder:
                 'give per-stage models with `model="..."` in the stage',
             )
         self.graph.model = self.models[0].model if self.models else None
+        self.graph.model_span = self.models[0].span if self.models else None
         for p in self.program.params:
             if p.name in self.graph.params:
                 raise GraphError(f"parameter '{p.name}' is declared twice", p.span)
@@ -193,7 +194,8 @@ class _GraphBuilder:
             raise GraphError(
                 f"unknown device '{s.device}'", s.device_span or s.span, "use cpu, cuda or cuda:N"
             )
-        self.graph.add_node(Node(s.name, s.kind, params, s.device, s.span))
+        spans = {key: span for (stage, key), span in self.arg_spans.items() if stage == s.name}
+        self.graph.add_node(Node(s.name, s.kind, params, s.device, s.span, arg_spans=spans))
 
     def input(self, i: ast.InputDecl) -> None:
         self._claim_name(i.name, i.span)

@@ -48,6 +48,8 @@ class Node:
     device: str | None = None
     span: Span | None = None
     meta: dict = field(default_factory=dict)
+    # Where a `.omni` file gives each of `params` (its value), for errors found later.
+    arg_spans: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def is_stage(self) -> bool:
@@ -129,6 +131,7 @@ class Graph:
     def __init__(self, name: str, model: str | None = None, params: dict | None = None):
         self.name = name
         self.model = model
+        self.model_span: Span | None = None  # where a `.omni` file declares `model`
         self.params: dict[str, object] = dict(params or {})
         self.constraints: list[Constraint] = []
         self.meta: dict = {}
@@ -153,6 +156,7 @@ class Graph:
         mutating their input. Values inside meta are shared, so passes replace them, never
         change them in place."""
         other = Graph(self.name, self.model, self.params)
+        other.model_span = self.model_span
         other.constraints = list(self.constraints)
         other.meta = dict(self.meta)
         for node in self.nodes:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from omniflow import families
 from omniflow.catalog.components import ComponentConfig, load_component_config
-from omniflow.errors import GraphError
+from omniflow.errors import GraphError, ModelConfigError, UnknownComponent
 from omniflow.ir.graph import Graph, Node
 from omniflow.ir.kinds import KINDS
 from omniflow.passes.common import Target, takes_image
@@ -26,13 +26,28 @@ def resolve_models(graph: Graph, target: Target) -> Graph:
         if node.op == "python":
             continue
         model = node.params.get("model", graph.model)
-        config = load_component_config(model, node.params.get("component"))
-        encodes = node.op == "diffusion" and takes_image(graph, node)
-        encoder = load_component_config(model, "vae") if encodes else None
-        experts = tuple(load_component_config(model, c) for c in config.config.get("experts", ()))
+        try:
+            config = load_component_config(model, node.params.get("component"))
+            encodes = node.op == "diffusion" and takes_image(graph, node)
+            encoder = load_component_config(model, "vae") if encodes else None
+            experts = tuple(
+                load_component_config(model, c) for c in config.config.get("experts", ())
+            )
+        except ModelConfigError as err:
+            raise GraphError(str(err), _span_of(graph, node, err)) from err
         _check_family_additions(graph, node, config)
         node.meta["model"] = ModelFacts(config, encoder, experts)
     return graph
+
+
+def _span_of(graph: Graph, node: Node, err: ModelConfigError):
+    """Where in the `.omni` file what `err` is about is given: the stage's `component`, or
+    its model (the stage's `model=`, else the pipeline's `model` line); else the stage."""
+    if isinstance(err, UnknownComponent) and "component" in node.arg_spans:
+        return node.arg_spans["component"]
+    if "model" in node.params:
+        return node.arg_spans.get("model", node.span)
+    return graph.model_span or node.span
 
 
 def _check_family_additions(graph: Graph, node: Node, config: ComponentConfig) -> None:
