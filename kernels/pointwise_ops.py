@@ -17,12 +17,15 @@ class PointwiseOp:
     expr: str  # over `x` and the argument names; evaluated in float32
     out_dtype: str | None = None  # None keeps float32 within the chain
     doc: str = ""
+    ordered: tuple[str, ...] = ()  # arguments a program must give in non-decreasing order
 
 
 OPS: dict[str, PointwiseOp] = {
     "gain": PointwiseOp(("k",), "x * k", doc="multiply by k"),
     "offset": PointwiseOp(("b",), "x + b", doc="add b"),
-    "clamp": PointwiseOp(("lo", "hi"), "minimum(maximum(x, lo), hi)", doc="clip to [lo, hi]"),
+    "clamp": PointwiseOp(
+        ("lo", "hi"), "minimum(maximum(x, lo), hi)", doc="clip to [lo, hi]", ordered=("lo", "hi")
+    ),
     "abs": PointwiseOp((), "abs(x)", doc="absolute value"),
     "relu": PointwiseOp((), "maximum(x, 0.0)", doc="max(x, 0)"),
     "sigmoid": PointwiseOp((), "1.0 / (1.0 + exp(-x))", doc="logistic function"),

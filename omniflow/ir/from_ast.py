@@ -306,6 +306,13 @@ class _GraphBuilder:
             for arg in op.args:
                 if isinstance(arg, bool) or not isinstance(arg, (int, float)):
                     raise GraphError(f"'{op.name}' arguments must be numbers, not {arg!r}", op.span)
+            given = dict(zip(want, op.args, strict=True))
+            ordered = [given[name] for name in OPS[op.name].ordered]
+            if ordered != sorted(ordered):
+                names = " <= ".join(OPS[op.name].ordered)
+                raise GraphError(
+                    f"'{op.name}' needs {names}, not {', '.join(map(str, ordered))}", op.span
+                )
             result.append(MapOp(op.name, tuple(op.args)))
         return tuple(result)
 

@@ -136,6 +136,13 @@ CASES = [
         None,
     ),
     (
+        "  stage lm = ar()\n  input prompt: chat -> lm\n  lm.hidden -> map(clamp(1, -1)) -> output t\n",
+        6,
+        20,
+        "'clamp' needs lo <= hi, not 1, -1",
+        None,
+    ),
+    (
         "  stage lm = ar()\n  input prompt: chat -> lm\n  lm.text -> map(gain(2)) -> output t\n",
         6,
         3,
