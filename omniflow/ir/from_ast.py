@@ -61,7 +61,6 @@ class _GraphBuilder:
         self.models = program.models
         self.graph = Graph(program.name)
         self.param_names = {p.name for p in program.params} | {SEED_PARAM}
-        self.arg_spans: dict[tuple[str, str], Span] = {}
 
     # --- values ----------------------------------------------------------------------
     def value(self, v, span: Span):
@@ -164,12 +163,12 @@ class _GraphBuilder:
         # against the stage's model).
         specs = {**kind.params}
         specs.update((k, v) for k, v in families.extra_params(s.kind).items() if k not in specs)
-        params = {}
+        params, spans = {}, {}
         for attr in s.args:
             if attr.key in params:
                 raise GraphError(f"parameter '{attr.key}' given twice", attr.span)
             params[attr.key] = self.checked(attr, specs, f"parameter of {s.kind}")
-            self.arg_spans[s.name, attr.key] = attr.value_span or attr.span
+            spans[attr.key] = attr.value_span or attr.span
         for key, spec in kind.params.items():
             if spec.required and key not in params:
                 raise GraphError(
@@ -194,7 +193,6 @@ class _GraphBuilder:
             raise GraphError(
                 f"unknown device '{s.device}'", s.device_span or s.span, "use cpu, cuda or cuda:N"
             )
-        spans = {key: span for (stage, key), span in self.arg_spans.items() if stage == s.name}
         self.graph.add_node(Node(s.name, s.kind, params, s.device, s.span, arg_spans=spans))
 
     def input(self, i: ast.InputDecl) -> None:
@@ -450,7 +448,7 @@ class _GraphBuilder:
         if name not in g or g.node(name).op != INPUT:
             raise GraphError(
                 f"cfg names '{name}', which is not an input",
-                self.arg_spans[stage.name, "cfg"],
+                stage.arg_spans["cfg"],
                 suggest(name, inputs, "inputs"),
             )
         companion = g.node(name)
