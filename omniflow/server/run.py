@@ -204,7 +204,9 @@ class Run:
                                 self.timeline.first_audio = now
                             self.timeline.audio_samples += samples
                             self.timeline.playback.arrived(now, samples / self.timeline.rate)
-                        if value != "":
+                        # (an empty text is the stop scanner holding it back; comparing a
+                        # tensor with "" would be a torch call a chunk)
+                        if not isinstance(value, str) or value:
                             yield chunk.output, value
                         if self.stopped:
                             break
