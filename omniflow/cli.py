@@ -676,10 +676,11 @@ class UsageError(OmniflowError):
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     # A pipeline's python stages and adapters import from the working directory too, after
-    # installed packages (`python -P -m omniflow.cli` keeps it off sys.path, where a folder
-    # named as an installed package would shadow that package).
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
+    # installed packages, where `python -m omniflow.cli` puts it first: there a folder named
+    # as an installed package shadows it (this repository's own kernels/, PyPI's `kernels`
+    # that transformers imports), in this process and in the executors, which take its path.
+    cwd = os.getcwd()
+    sys.path[:] = [*(p for p in sys.path if p not in ("", cwd)), cwd]
     debug = args.debug or os.environ.get("OMNIFLOW_DEBUG", "") not in ("", "0")
     try:  # a bare example name (`qwen3_tts`) is that example graph, here or installed
         if getattr(args, "path", None):

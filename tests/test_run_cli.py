@@ -4,6 +4,8 @@ import io
 import json
 import re
 import shlex
+import subprocess
+import sys
 import time
 import wave
 from pathlib import Path
@@ -148,3 +150,18 @@ def test_profile_gpu_without_cuda_says_so_before_running(tmp_path, capsys):
     assert code == 1
     assert "--profile-gpu needs CUDA" in capsys.readouterr().err
     assert not (tmp_path / "prof" / "trace.json").exists()
+
+
+def test_run_from_a_checkout_without_safe_path(tmp_path):
+    """`python -m omniflow.cli` in this repository puts its root first on sys.path, where its
+    kernels/ would shadow PyPI's `kernels` (which transformers imports) in the executors,
+    which take the CLI's path: the CLI moves the working directory after installed packages."""
+    root = Path(__file__).parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "omniflow.cli", "run", "graphs/qwen3_tts.omni", "--tiny", "--once",
+         "--input", "text=Hi", "--param", "max_tokens=4", "--out", str(tmp_path)],
+        cwd=root, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    with wave.open(str(tmp_path / "audio.wav")) as audio:
+        assert audio.getnframes() > 0
