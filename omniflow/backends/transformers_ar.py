@@ -118,6 +118,9 @@ class Prompt:
     positions: torch.Tensor | None = None  # the prefill's position ids, [1, L] or [3, 1, L]
     position_offset: int = 0  # decode position = cache length + this
     prefill: Any = None  # the component's own, read by its `prefill_inputs`
+    # Placeholder tokens per media kind, from a model that puts media into its prompt (every
+    # kind it takes, 0 included): what a reply's usage reports of them.
+    media: dict[str, int] = field(default_factory=dict)
 
 
 class Component(ABC):
@@ -147,11 +150,18 @@ class Component(ABC):
     # go out as it starts, before its prefill.
     frame_spec: static_decode.FrameSpec | None = None
     defaults: dict  # sampling defaults of the model (subset of SAMPLING_KEYS)
+    # The placeholder token of each media kind a model puts into its prompt (an image's rows
+    # go where its tokens are): `media_counts` counts them for `Prompt.media`.
+    media_ids: dict[str, int] = {}
 
     def new_cache(self):
         from transformers import DynamicCache
 
         return DynamicCache(config=self.model.config)
+
+    def media_counts(self, ids: list[int]) -> dict[str, int]:
+        """The placeholder tokens of each media kind in prompt `ids` (`Prompt.media`)."""
+        return {kind: ids.count(token) for kind, token in self.media_ids.items()}
 
     def project(self, embeds: torch.Tensor) -> torch.Tensor:
         """Input embeddings -> what the decoder stack takes."""
@@ -301,7 +311,8 @@ class CausalLM(Component):
     def prompt(self, call: Call) -> Prompt:
         stream = call.inputs["prompt"]
         ids = prompt_ids(self.tokenizer, stream.take(), stream.type, self.head.out_features)
-        return Prompt(self.embed(upload(ids, self.embed.weight.device)), ids)
+        embeds = self.embed(upload(ids, self.embed.weight.device))
+        return Prompt(embeds, ids, media=self.media_counts(ids))
 
 
 def _or_error(build: Callable[[Call], Prompt], call: Call) -> Prompt | OmniflowError:
@@ -606,6 +617,7 @@ class Sequence:
     length: int = 0  # its positions in the KV cache
     position_offset: int = 0  # its next position id minus `length`
     prompt_tokens: int = 0  # its prompt's positions
+    media: dict[str, int] = field(default_factory=dict)  # its prompt's (`Prompt.media`)
     generated: int = 0
     last: int = -1  # the id sampled last
     seed: int = 0  # the GPU sampler's stream: (seed, generated) picks each draw
@@ -902,6 +914,7 @@ class TransformersAR(Backend):
             length,
             position_offset=prompt.position_offset,
             prompt_tokens=length,
+            media=prompt.media,
             seed=seed,
         )
         call.state[_STATE] = seq
@@ -1136,7 +1149,7 @@ class TransformersAR(Backend):
                 call.emit("text", piece)
         if stopped or seq.generated >= sampling.max_tokens:
             reason = "stop" if stopped else "length"
-            call.finish(Ending(reason, seq.prompt_tokens, seq.generated))
+            call.finish(Ending(reason, seq.prompt_tokens, seq.generated, seq.media))
 
     # --- the batched cache -------------------------------------------------------------------------
     def _join(self, seq: Sequence, states: list[tuple[torch.Tensor, torch.Tensor]], cache) -> None:

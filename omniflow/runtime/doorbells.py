@@ -14,11 +14,14 @@ import msgspec
 class Ending(msgspec.Struct, frozen=True, array_like=True):
     """Why a stage ended a request's outputs and what the request cost it, sent with the end
     of each of its output streams: `reason` ("stop": an end or stop token or a stop string;
-    "length": its token limit), the prompt's tokens and the tokens it generated."""
+    "length": its token limit), the prompt's tokens, the tokens it generated, and where the
+    stage puts media into its prompt, the prompt's placeholder tokens of each media kind it
+    takes (`{"audio": n, "image": n, "video": n}`, part of `prompt_tokens`)."""
 
     reason: str
     prompt_tokens: int = 0
     tokens: int = 0
+    media: dict[str, int] = {}
 
 
 class ChunkMeta(msgspec.Struct, frozen=True, array_like=True):

@@ -51,7 +51,8 @@ class RequestCancelled(OmniflowError):
 @dataclass(frozen=True)
 class Chunk:
     """One piece of one output of a request, in order; `end` marks the output's end, and
-    `ending` says why its producing stage ended it and what it cost (if it says)."""
+    `ending` says why its producing stage ended it and what it cost (if it says; one that
+    says nothing passes on its input's: `Call.finish`)."""
 
     request_id: str
     output: str

@@ -123,14 +123,15 @@ class StageRunner:
             if self.recorder is not None:
                 self.recorder.add(events.START, self.name, request_id, time.monotonic_ns())
 
-    def feed(self, request_id: str, port: str, value, end: bool, release=None) -> bool:
-        """Queue a chunk on the request's input; True if the request still lacks its Start."""
+    def feed(self, request_id: str, port: str, value, end: bool, release=None, ending=None) -> bool:
+        """Queue a chunk on the request's input (with the end, its producer's `ending`, if
+        it said); True if the request still lacks its Start."""
         call = self._call(request_id)
         if call is None:
             if release is not None:
                 release()
             return False
-        call.inputs[port].push(value, end, release)
+        call.inputs[port].push(value, end, release, ending)
         self.maybe_ready = True
         if self.tallies is not None and value is not None:
             self.tallies.fed(request_id, self.name, steps(self.spec.inputs[port], value))
@@ -329,7 +330,7 @@ class ProgramLoop:
 
             def hand_off(rid: str, index: int, value, end: bool, ending) -> None:
                 producer.hand_off(value, runner.stream)
-                runner.feed(rid, channel.dst_port, arrive(value), end)
+                runner.feed(rid, channel.dst_port, arrive(value), end, ending=ending)
 
             return hand_off
         return lambda rid, index, value, end, ending: self.sink(
@@ -430,7 +431,7 @@ class ProgramLoop:
                 owned = value.clone() if hasattr(value, "clone") else value
                 release()
                 self.sink(rid, inbound.channel.dst, owned, end, meta.ending)
-            elif runner.feed(rid, inbound.channel.dst_port, value, end, release):
+            elif runner.feed(rid, inbound.channel.dst_port, value, end, release, meta.ending):
                 unstarted.add(rid)
         return chunks
 

@@ -78,13 +78,15 @@ class InputStream:
     releases: list = field(default_factory=list)
     spent: list = field(default_factory=list)
     ended: bool = False
+    ending: Ending | None = None  # what the producer said with the end, if it said
 
-    def push(self, value, end: bool, release=None) -> None:
+    def push(self, value, end: bool, release=None, ending: Ending | None = None) -> None:
         if value is not None:
             self.chunks.append(value)
         if release is not None:
             self.releases.append(release)
         self.ended = self.ended or end
+        self.ending = self.ending or ending
 
     def available(self) -> bool:
         return bool(self.chunks)
@@ -133,9 +135,13 @@ class Call:
 
     def finish(self, ending: Ending | None = None) -> None:
         """This stage is done with the request: every output stream ends, telling the
-        consumers why and what it cost (`ending`) if the stage says."""
+        consumers why and what it cost (`ending`) if the stage says. A stage that says
+        nothing (a vocoder, which counts no tokens) passes on what the one input whose
+        producer said something said, so that a talker's count reaches the pipeline's audio
+        output; with several such inputs it could not tell whose to pass, and says nothing."""
+        said = [s.ending for s in self.inputs.values() if s.ending is not None]
         self.finished = True
-        self.ending = ending
+        self.ending = ending if ending is not None or len(said) != 1 else said[0]
 
     def fail(self, error: BaseException) -> None:
         """This request failed here; the runtime reports it with the stage's name."""

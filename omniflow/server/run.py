@@ -9,7 +9,8 @@ request in every stage (`engine.submit_stream`'s contract). It keeps the request
 for the metrics and `--log-stats`: time to first token and first audio packet, end to end,
 tokens, seconds of audio; and what the stage that made its text said when it ended it
 (`Ending`: why, its prompt's and its generated tokens), which the reply's `finish_reason`
-and `usage` report.
+and `usage` report, and what came with the end of its audio (the talker's `Ending`, passed
+on by the vocoder: the codec tokens it generated), which `usage` reports beside them.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ class Run:
             self.began, rate=int(rates[0]) if rates and rates[0] else DEFAULT_RATE
         )
         self.ending: Ending | None = None  # the text's producing stage's, when it ended it
+        self.audio_ending: Ending | None = None  # what came with the end of its audio
         self.stopped = False  # the server cut the text at one of `stops`
         self.error: APIError | None = None  # how a streamed reply ended, if not well
         self._stream: ChunkStream | None = None
@@ -118,14 +120,24 @@ class Run:
     def usage(self) -> dict:
         """The tokens the text's stage counted; where it said none (the server cut the text
         at a stop string and cancelled the request, or a stage that does not count), the
-        text chunks that arrived."""
+        text chunks that arrived. The prompt's media placeholders, where the stage counted
+        them, are `prompt_tokens_details` (part of `prompt_tokens`, as OpenAI's are); the
+        audio's codec tokens, where its end said how many, are
+        `completion_tokens_details.audio_tokens` and no part of `completion_tokens`, which
+        a peer's client reads as the text's tokens (docs/server.md, "Chat")."""
         prompt = self.ending.prompt_tokens if self.ending is not None else 0
         completion = self.timeline.text_tokens
-        return {
+        usage = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
+        if self.ending is not None and self.ending.media:
+            media = self.ending.media
+            usage["prompt_tokens_details"] = {f"{kind}_tokens": n for kind, n in media.items()}
+        if self.audio_ending is not None:
+            usage["completion_tokens_details"] = {"audio_tokens": self.audio_ending.tokens}
+        return usage
 
     def start(self) -> None:
         """Submit the request now, before the reply's headers are sent (its first chunk is
@@ -183,12 +195,11 @@ class Run:
                 self._stream = self._submit()
             async with aclosing(self._stream) as chunks:
                 async for chunk in chunks:
-                    if (
-                        chunk.end
-                        and chunk.ending is not None
-                        and self.types[chunk.output] == "text"
-                    ):
-                        self.ending = chunk.ending
+                    if chunk.end and chunk.ending is not None:
+                        if self.types[chunk.output] == "text":
+                            self.ending = chunk.ending
+                        elif self.types[chunk.output] == "audio" and chunk.output in self.outputs:
+                            self.audio_ending = chunk.ending
                     if chunk.output not in open_outputs:
                         continue
                     if chunk.value is not None:

@@ -4,7 +4,8 @@ multimodal RoPE positions) gives exactly what the unsplit
 `Qwen2_5_VLForConditionalGeneration.generate` gives with greedy decoding on the same image
 and prompt: the same tokens and text, under the reference interpreter and the engine in
 both modes, one request at a time and several at once (images of different sizes batched
-in one tower forward and in one decode batch).
+in one tower forward and in one decode batch); its end counts the image's placeholder
+tokens in the prompt.
 
 The plan is the example graph on its tiny counterpart with the language model's tokens
 as an extra output, so tokens compare one by one."""
@@ -127,6 +128,19 @@ def test_engine_matches_generate(plan, cases, references, mode):
             with pytest.raises(RequestFailed, match="stage 'vision' failed.*uint8 tensor"):
                 failing.result()
             assert_matches(good.result(), references[1])
+
+
+def test_the_language_models_ending_counts_the_images_placeholder_tokens(plan, cases, references):
+    """What a reply's usage reports of the image: its `<|image_pad|>` tokens in the prompt,
+    one per merged patch of the processor's grid."""
+    from transformers import AutoConfig
+
+    merge = AutoConfig.from_pretrained(build_tiny("qwen2.5-vl")).vision_config.spatial_merge_size
+    with Engine(plan, "inprocess") as engine:
+        for (inputs, _), ref in zip(cases, references, strict=True):
+            chunks = engine.stream_sync(inputs, {"max_tokens": MAX_TOKENS})
+            (ending,) = [c.ending for c in chunks if c.end and c.output == "text"]
+            assert ending.media == {"image": int(ref.image_grid_thw.prod()) // merge**2}
 
 
 def _image_call(value) -> Call:

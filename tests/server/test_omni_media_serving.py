@@ -1,8 +1,9 @@
 """Omni input over HTTP: the official `openai` client sends Qwen2.5-Omni chats with media
 parts (`image_url`, `input_audio`, `video_url`) to `omniflow run graphs/omni_chat.omni
 --tiny`, its stages in executor processes; the text is the unsplit thinker's own `generate`
-on the same processed inputs (tests/families/test_omni_media.py's reference). Corrupt parts
-are a 400 naming the field, before any stage runs."""
+on the same processed inputs (tests/families/test_omni_media.py's reference), and the usage
+counts the prompt and its media placeholders as the processor makes them. Corrupt parts are
+a 400 naming the field, before any stage runs."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import base64
 import openai
 import pytest
 import torch
+from transformers import AutoConfig
 
 from omniflow.checkpoints.tiny import build_tiny
 from omniflow.families.qwen2_5_omni import towers
+from omniflow.hf_logging import quiet
 from omniflow.media import audio_bytes, decode_audio, mp4_bytes
 from tests.families import media_inputs as media
-from tests.families.test_omni_media import MAX_TOKENS, reference
+from tests.families.test_omni_media import MAX_TOKENS, processed, reference
 from tests.server.conftest import GRAPHS, ServerProcess
 
 torch.set_num_threads(1)
@@ -57,7 +60,9 @@ def _text(ids):
     )
 
 
-def test_image_and_audio_parts_in_one_message(client):
+def _image_and_audio():
+    """A message with an image part and an audio part: its content as a client sends it,
+    and the chat and media the processor takes for it."""
     image = media.image(3, 56, 84)
     wav = audio_bytes(media.audio(1.2, 330.0), 16000, "wav")
     heard = decode_audio(wav)[0]  # what the server hears: the clip as 16-bit PCM
@@ -68,8 +73,36 @@ def test_image_and_audio_parts_in_one_message(client):
         {"type": "text", "text": "What is in there?"},
     ]  # fmt: skip
     chat = media.user({"type": "image"}, {"type": "text", "text": "and"}, {"type": "audio"})
-    want = reference(build_tiny("qwen2.5-omni"), chat, {"image": image, "input_audio": heard})
+    return content, chat, {"image": image, "input_audio": heard}
+
+
+def test_image_and_audio_parts_in_one_message(client):
+    content, chat, items = _image_and_audio()
+    want = reference(build_tiny("qwen2.5-omni"), chat, items)
     assert _ask(client, content) == _text(want)
+
+
+def test_the_usage_counts_the_media_placeholders_the_processor_puts_in_the_prompt(client):
+    content, chat, items = _image_and_audio()
+    usage = client.chat.completions.create(
+        model="omni_chat",
+        messages=[{"role": "user", "content": content}],
+        modalities=["text"],
+        seed=1,
+    ).usage
+    path = build_tiny("qwen2.5-omni")
+    ids, _ = processed(path, chat, items)
+    with quiet():
+        config = AutoConfig.from_pretrained(path).thinker_config
+    placeholders = {
+        kind: int((ids == getattr(config, f"{kind}_token_id")).sum())
+        for kind in ("audio", "image", "video")
+    }
+    assert placeholders["audio"] and placeholders["image"] and not placeholders["video"]
+    assert usage.prompt_tokens == ids.shape[1]
+    details = usage.prompt_tokens_details
+    got = {kind: getattr(details, f"{kind}_tokens") for kind in placeholders}
+    assert got == placeholders
 
 
 def test_a_video_file_is_sampled_as_the_processor_does(client):

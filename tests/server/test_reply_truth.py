@@ -1,5 +1,6 @@
 """What the server reports is what the pipeline did: finish reasons and usage as the stage
-that made the text counted them, the OpenAI and vLLM sampling fields reaching the
+that made the text counted them (and the audio's codec tokens as the talker counted them,
+beside), the OpenAI and vLLM sampling fields reaching the
 pipeline's parameters or refused with a 400 naming them at their domains' edges, a prompt
 too long for the compiled context refused before any stage runs, and audio deltas without
 an empty transcript. Driven with the `openai` client and httpx against the shared server
@@ -7,6 +8,7 @@ an empty transcript. Driven with the `openai` client and httpx against the share
 
 from __future__ import annotations
 
+import base64
 import json
 
 import httpx
@@ -14,6 +16,7 @@ import pytest
 from openai import BadRequestError, OpenAI
 from transformers import AutoTokenizer
 
+from omniflow.catalog import load_component_config
 from omniflow.catalog.resolve import model_path
 from omniflow.hf_logging import quiet
 
@@ -75,6 +78,49 @@ def test_the_streamed_usage_chunk_is_the_replys_usage(client):
     ]
     assert finish == ["length"]
     (usage,) = [c.usage for c in chunks if c.usage is not None]
+    assert usage.model_dump() == whole.usage.model_dump()
+
+
+def spoken(client, max_audio_tokens: int, **fields):
+    """A reply in text and audio (16-bit PCM) whose talker makes at most `max_audio_tokens`."""
+    return client.chat.completions.create(
+        model="omni_chat",
+        messages=MESSAGES,
+        modalities=["text", "audio"],
+        audio={"voice": "Chelsie", "format": "pcm16"},
+        seed=3,  # a seed whose talker ends itself after 4 codes
+        max_tokens=6,
+        extra_body={"max_audio_tokens": max_audio_tokens},
+        **fields,
+    )
+
+
+def test_the_audio_usage_is_the_codec_tokens_the_talker_made(client):
+    # Every code the talker made became `per_code` samples of the reply's audio, so the
+    # audio says how many codes there were.
+    per_code = load_component_config("tiny:qwen2.5-omni", "token2wav").samples_per_frame
+
+    def codes(reply) -> int:
+        samples = len(base64.b64decode(reply.choices[0].message.audio.data)) // 2
+        assert samples % per_code == 0
+        return samples // per_code
+
+    cut, free = spoken(client, 4), spoken(client, 60)
+    assert codes(cut) == codes(free) == 4  # the seed draws the same codes either way
+    # The talker's own count: at its limit, its codes; ending itself, its end token too,
+    # as the thinker's count has the text's end token.
+    assert cut.usage.completion_tokens_details.audio_tokens == 4
+    assert free.usage.completion_tokens_details.audio_tokens == 5
+    for reply in (cut, free):  # beside the text's tokens, which the peer's clients read
+        assert reply.usage.completion_tokens == 6
+        assert reply.usage.total_tokens == reply.usage.prompt_tokens + 6
+
+
+def test_the_streamed_usage_chunk_counts_the_audio_too(client):
+    whole = spoken(client, 60)
+    stream = spoken(client, 60, stream=True, stream_options={"include_usage": True})
+    (usage,) = [c.usage for c in stream if c.usage is not None]
+    assert usage.completion_tokens_details.audio_tokens == 5
     assert usage.model_dump() == whole.usage.model_dump()
 
 

@@ -95,6 +95,7 @@ class QwenVLLanguageModel(CausalLM):
     def __init__(self, model, tokenizer):
         super().__init__(model, tokenizer)
         self.image_id = model.config.image_token_id
+        self.media_ids = {"image": self.image_id}
         self.image_token = tokenizer.convert_ids_to_tokens(self.image_id)
         self.merge_size = model.config.vision_config.spatial_merge_size
         self.rope_index = model.model.get_rope_index
@@ -124,8 +125,9 @@ class QwenVLLanguageModel(CausalLM):
         host_ids = torch.tensor(self.tokenizer(text).input_ids)
         ids = host_ids.to(device)
         embeds = self.embed(ids)
+        listed = host_ids.tolist()
         if not images:
-            return Prompt(embeds, host_ids.tolist())
+            return Prompt(embeds, listed, media=self.media_counts(listed))
         image_rows = ids == self.image_id
         pixels = torch.cat([e for e, _ in images]).to(device, embeds.dtype)
         embeds = embeds.masked_scatter(image_rows[:, None], pixels)
@@ -136,4 +138,5 @@ class QwenVLLanguageModel(CausalLM):
             mm_token_type_ids=torch.where(host_rows, _IMAGE, _TEXT)[None],
             image_grid_thw=torch.cat([grid for _, grid in images]).cpu(),
         )
-        return Prompt(embeds, host_ids.tolist(), positions.to(device), int(delta))
+        media = self.media_counts(listed)
+        return Prompt(embeds, listed, positions.to(device), int(delta), media=media)
