@@ -77,7 +77,7 @@ from stage_steps import matmul_rate
 
 from omniflow.backends.diffusion import DiffusionSteps, load_pipeline, pack_prompts, pipeline_code
 from omniflow.backends.dit_blocks import modules_forward
-from omniflow.catalog.components import load_component_config
+from omniflow.catalog.components import load_component_config, video_frames
 from omniflow.catalog.costs import estimate_cost
 from omniflow.catalog.resolve import model_path
 from omniflow.checkpoints.scaled import scaled_checkpoint
@@ -126,7 +126,8 @@ def graph_text(
 
 
 def frames_of(frames: int) -> int:
-    return (frames - 1) // 4 * 4 + 1
+    """The frames a Wan2.2 video asked for with `frames` is made with (its VAE: 4 a latent)."""
+    return video_frames(frames, 4)
 
 
 def request_of(model: str, args, seed: int = 0, **more) -> tuple[dict, dict]:

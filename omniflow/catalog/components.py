@@ -208,8 +208,10 @@ class ComponentConfig:
         return patch[0] if isinstance(patch, (list, tuple)) else 1
 
     def latent_frames(self, frames: int) -> int:
-        """Latent frames of a `frames`-frame video (1 for an image)."""
-        return (max(frames, 1) - 1) // self.vae_temporal_factor + 1
+        """Latent frames of a video asked for with `frames` frames (1 for an image): those
+        of the frames it is made with (`video_frames`)."""
+        t = self.vae_temporal_factor
+        return (video_frames(frames, t) - 1) // t + 1
 
     def image_tokens(self, height: int, width: int, frames: int = 1) -> int:
         """Image tokens a DiT processes for one height x width image, or for each of a
@@ -276,6 +278,16 @@ def vae_temporal_factor(config: Mapping[str, Any]) -> int:
     if "scale_factor_temporal" in config:
         return config["scale_factor_temporal"]
     return 2 ** sum(bool(t) for t in config.get("temperal_downsample", ()))
+
+
+def video_frames(frames: int, t: int) -> int:
+    """The frames a video asked for with `frames` is made with, its VAE compressing `t`
+    frames into each latent frame after the first: diffusers' video pipelines make
+    `frames // t * t + 1` of a count that is not one more than a multiple of `t` already
+    (80 make 81, 82 make 81), and what the compiler sizes, the denoiser makes and the
+    server reports must be the same. No VAE compression (`t` 1): every frame asked."""
+    frames = max(frames, 1)
+    return frames // t * t + 1 if t > 1 else frames
 
 
 def known_models() -> list[str]:

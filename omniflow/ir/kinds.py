@@ -165,7 +165,8 @@ KINDS: dict[str, StageKind] = {
                 "cfg": ParamSpec((Ref,)),  # the input whose value is the unconditional companion
                 "height": ParamSpec(_INT, 1024, **_PIXELS),
                 "width": ParamSpec(_INT, 1024, **_PIXELS),
-                # Frames of a video (1: an image); the latents hold (frames - 1) / the VAE's
+                # Frames of a video (1: an image); it is made with `video_frames` of them
+                # (omniflow.catalog.components), whose latents hold (made - 1) / the VAE's
                 # temporal scale + 1 latent frames.
                 "frames": ParamSpec(_INT, 1, **_LENGTH),
                 "seed": SEED,

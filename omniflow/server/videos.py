@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import anyio
 from starlette.datastructures import UploadFile
 
+from omniflow.catalog.components import video_frames
 from omniflow.media import mp4_bytes
 from omniflow.server.errors import APIError, bad_request, busy
 from omniflow.server.images import take_fields, uploaded_image
@@ -213,10 +214,9 @@ def _frames(served, values: dict) -> int:
 
 def _decoded_frames(plan, stage: str, frames: int) -> int:
     """A video of `frames` frames asked of diffusion stage `stage`, as its VAE decodes it: a
-    first frame, then `t` frames a latent frame, so `frames` becomes one more than a multiple
-    of `t` (as diffusers' video pipelines make it: `frames // t * t + 1`, 6 asked make 5, 8
-    make 9). `t` is read from the plan: the stage's latents and the video they decode to, at
-    its default frames."""
+    first frame, then `t` frames a latent frame (`video_frames`: 6 asked make 5, 8 make 9).
+    `t` is read from the plan: the stage's latents and the video they decode to, at its
+    default frames."""
     into_vae = next((c for c in plan.channels if c.src == stage and c.dst_port == "latents"), None)
     video = next(
         (c for c in plan.channels if into_vae and (c.src, c.src_port) == (into_vae.dst, "video")),
@@ -227,8 +227,7 @@ def _decoded_frames(plan, stage: str, frames: int) -> int:
     latent, made = into_vae.item_shape[1], video.item_shape[0]
     if latent < 2:  # (one latent frame: the default is a single picture; nothing to read)
         return frames
-    t = (made - 1) // (latent - 1)
-    return frames // t * t + 1
+    return video_frames(frames, (made - 1) // (latent - 1))
 
 
 def _no_image(server, served) -> str:

@@ -3,7 +3,8 @@ diffusers' `WanPipeline.__call__` and `WanImageToVideoPipeline.__call__` give fo
 prompt, image, seed and knobs — latents within 1e-5, frames within one level — for the
 A14B two-expert DiT across its boundary (text and image to video) and for TI2V-5B's
 per-token timesteps (text and image to video); requests on either expert share one step;
-the knobs are per request; the compiler sizes the two experts and a video's latents."""
+the knobs are per request; the compiler sizes the two experts and a video's latents, as
+many as the denoiser makes for any count of frames."""
 
 from pathlib import Path
 
@@ -249,6 +250,20 @@ def test_the_compiler_sizes_both_experts_and_a_video():
     assert vae.weight_bytes > 0
     out = next(o for o in plan.outputs if o.name == "video")
     assert out.attrs.get("fps") == 16
+
+
+@pytest.mark.parametrize("frames", [80, 82])
+def test_the_compiler_sizes_the_latents_the_denoiser_makes(frames):
+    """A count of frames that is not 4k + 1 is made `frames // 4 * 4 + 1` (80 make 81, 82
+    make 81): the plan's latents and video are those the denoiser makes and decodes."""
+    sizes = {"frames": frames, "height": SMALL["height"], "width": SMALL["width"]}
+    plan = compile_file(T2V, tiny=True, settings=[f"dit.{k}={v}" for k, v in sizes.items()])
+    request = ({"prompt": "a cat"}, {**SMALL, "steps": 1})
+    latents = denoise(Stages(Interpreter(plan)), {"r": request}, [["r"]])
+    planned = next(c for c in plan.channels if c.src == "dit").item_shape
+    assert [*latents["r"].shape[1:]] == planned
+    video = next(c for c in plan.channels if c.src == "vae").item_shape
+    assert video[0] == frames // 4 * 4 + 1 == (planned[1] - 1) * 4 + 1
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,8 @@ What `WanPipeline.__call__` (and the image-to-video pipeline's) decides, as it d
   The request's `boundary_ratio` and `flow_shift` replace the checkpoint's (the pipeline's
   config, the scheduler's) for that request alone: each request has its own scheduler.
 - sizes: height and width multiples of the VAE's spatial scale x the patch (16; 32 for the
-  Wan2.2 VAE), `num_frames` rounded down to 4k + 1 as `__call__` rounds it.
+  Wan2.2 VAE), `num_frames` made `num_frames // 4 * 4 + 1` as `__call__` makes it
+  (`omniflow.catalog.components.video_frames`, which the compiler sizes the latents by).
 - latents float32 (`prepare_latents(..., torch.float32)`), the transformer's input cast
   to its dtype; image-to-video (A14B): the input image resized to the output size, VAE
   encoded as the first of `num_frames` (the rest zeros), normalised, with a 4-channel
@@ -52,6 +53,7 @@ from omniflow.backends.diffusion import (
     timesteps_on,
 )
 from omniflow.backends.step_cache import CacheLayout
+from omniflow.catalog.components import video_frames
 from omniflow.families.wan.fused_blocks import fuse_blocks
 from omniflow.runtime.readback import upload
 
@@ -166,10 +168,7 @@ class WanPipelines:
         transformer = pipe.transformer or pipe.transformer_2
         patch = transformer.config.patch_size
         check_sizes(pipe.vae_scale_factor_spatial * patch[1], height=height, width=width)
-        frames, t = knobs.get("frames", 1), pipe.vae_scale_factor_temporal
-        if frames % t != 1:  # as `__call__` rounds it
-            frames = frames // t * t + 1
-        frames = max(frames, 1)
+        frames = video_frames(knobs.get("frames", 1), pipe.vae_scale_factor_temporal)
         scales, boundary = self._experts(pipe, knobs)
         shift = knobs.get("flow_shift")
         config = dict(pipe.scheduler.config)
