@@ -697,14 +697,25 @@ class RealtimeSession:
             "status": status,
             "status_details": details,
             "output": list(output),
-            "usage": None
-            if usage is None
-            else {
-                "total_tokens": usage["total_tokens"],
-                "input_tokens": usage["prompt_tokens"],
-                "output_tokens": usage["completion_tokens"],
-            },
+            "usage": None if usage is None else _usage(usage),
         }
+
+
+def _usage(usage: dict) -> dict:
+    """A chat reply's usage as a realtime response's: its tokens, and their kinds where they
+    are known (the prompt's media placeholders; the talker's codec tokens, beside the
+    text's `output_tokens` as chat completions report them: docs/server.md)."""
+    told = {
+        "total_tokens": usage["total_tokens"],
+        "input_tokens": usage["prompt_tokens"],
+        "output_tokens": usage["completion_tokens"],
+    }
+    if media := usage.get("prompt_tokens_details"):
+        text = usage["prompt_tokens"] - sum(media.values())
+        told["input_token_details"] = {"text_tokens": text, **media}
+    if audio := usage.get("completion_tokens_details"):
+        told["output_token_details"] = {"text_tokens": usage["completion_tokens"], **audio}
+    return told
 
 
 def _internal(err: Exception) -> APIError:

@@ -37,6 +37,7 @@ from openai.types.realtime import (
 )
 
 from dsl.parser import parse_file
+from omniflow.catalog import load_component_config
 from tests.server.conftest import GRAPHS, HERE, ServerProcess, idle, metric, run_async, wait_until
 
 KEY = "realtime-key"
@@ -161,10 +162,20 @@ def test_a_text_turn_streams_its_transcript_and_audio_and_reports_true_usage(ser
         "model": "omni_chat", "modalities": ["text"],
         "messages": [{"role": "user", "content": "Hello! Who are you?"}]}).json()  # fmt: skip
     assert reply["choices"][0]["message"]["content"] == transcript
-    usage = reply["usage"]
-    assert response["usage"] == {"total_tokens": usage["total_tokens"],
-                                 "input_tokens": usage["prompt_tokens"],
-                                 "output_tokens": usage["completion_tokens"]}  # fmt: skip
+    usage, told = reply["usage"], response["usage"]
+    assert (told["total_tokens"], told["input_tokens"], told["output_tokens"]) == (
+        usage["total_tokens"], usage["prompt_tokens"], usage["completion_tokens"])  # fmt: skip
+    # A text prompt: no media among its tokens.
+    assert told["input_token_details"] == {"text_tokens": usage["prompt_tokens"],
+                                           "audio_tokens": 0, "image_tokens": 0,
+                                           "video_tokens": 0}  # fmt: skip
+    # The talker's codes, each `per_code` samples of the audio heard (its end token counted
+    # too where it ended itself).
+    per_code = load_component_config("tiny:qwen2.5-omni", "token2wav").samples_per_frame
+    spoken = told["output_token_details"]
+    assert spoken["text_tokens"] == told["output_tokens"]
+    assert len(audio) // 2 % per_code == 0
+    assert len(audio) // 2 // per_code in (spoken["audio_tokens"], spoken["audio_tokens"] - 1)
     expected = "incomplete" if reply["choices"][0]["finish_reason"] == "length" else "completed"
     assert response["status"] == expected
 
