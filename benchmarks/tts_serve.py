@@ -49,6 +49,11 @@ prefill and first frame). Unless `--no-clone`, the voice clone pipeline too, int
 `-clone` sibling: `--trace-requests` clones at c = 1 with the reference inline, then as many
 naming an uploaded voice.
 
+The timed requests go out through aiohttp, as the peer's speech benchmark client sends them:
+httpx's client adds ~1 ms to each request's first bytes at c=1 and several at c=16, on
+the client's side of the wire (`python benchmarks/http_clients.py` shows both side by
+side against a server that answers at once).
+
 The server is `omniflow run` on graphs/qwen3_tts.omni and graphs/qwen3_tts_clone.omni
 (their copies for the scaled folders, the CustomVoice one with `max_batch` raised to the
 largest level so that no request is refused, the clone one as written; `--as-shipped`
@@ -74,6 +79,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
 import numpy as np
 
@@ -129,14 +135,23 @@ GOALS = {  # (level, metric) -> (bound, "<=" or ">="): issue 37's
 
 
 # --- requests -------------------------------------------------------------------------------
-async def speak(client: httpx.AsyncClient, body: dict) -> dict:
+def session(base: str, connections: int | None) -> aiohttp.ClientSession:
+    """The timed requests' client (`connections` at most, None: any number)."""
+    return aiohttp.ClientSession(
+        base_url=base,
+        connector=aiohttp.TCPConnector(limit=connections or 0),
+        timeout=aiohttp.ClientTimeout(total=1800),
+    )
+
+
+async def speak(client: aiohttp.ClientSession, body: dict) -> dict:
     """One streamed PCM request, timed as the peer times it."""
     began, sent = time.perf_counter(), time.monotonic()  # (monotonic: the server's trace clock)
     first, audio_s, playback = None, 0.0, Playback()
-    async with client.stream("POST", "/v1/audio/speech", json=body) as reply:
-        if reply.status_code != 200:
-            raise RuntimeError(f"{reply.status_code}: {(await reply.aread())[:300]!r}")
-        async for data in reply.aiter_raw():
+    async with client.post("/v1/audio/speech", json=body) as reply:
+        if reply.status != 200:
+            raise RuntimeError(f"{reply.status}: {(await reply.read())[:300]!r}")
+        async for data in reply.content.iter_any():
             if data:
                 now, seconds = time.perf_counter(), len(data) / 2 / RATE
                 first = first or now
@@ -160,8 +175,7 @@ async def level(base: str, body: dict, concurrency: int, total: int) -> tuple[li
     for i in range(total):
         queue.put_nowait(i)
     results: list[dict] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base, timeout=1800, limits=limits) as client:
+    async with session(base, concurrency) as client:
 
         async def worker() -> None:
             while not queue.empty():
@@ -192,8 +206,7 @@ async def open_loop(base: str, body: dict, rate: float, duration: float, seed: i
     times = arrivals(rate, duration, rng)
     sentences = rng.integers(len(SENTENCES), size=len(times))
     late: list[float] = []
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=base, timeout=1800, limits=limits) as client:
+    async with session(base, None) as client:
         began = time.perf_counter()
 
         async def arrive(i: int, at: float) -> dict:
@@ -202,7 +215,7 @@ async def open_loop(base: str, body: dict, rate: float, duration: float, seed: i
             request = {**body, "input": SENTENCES[sentences[i]], "seed": seed * 100_000 + i}
             try:
                 return await speak(client, request)
-            except (RuntimeError, httpx.HTTPError) as err:
+            except (RuntimeError, aiohttp.ClientError) as err:
                 return {"error": f"{type(err).__name__}: {err}"}
 
         results = await asyncio.gather(*(arrive(i, at) for i, at in enumerate(times)))
