@@ -102,22 +102,23 @@ def test_the_defaults_on_cpu_are_float32_and_eager(eager):
 
 def test_static_windows_follow_the_edge_grid(static):
     decoder = static.decoder
-    # One block kept (12 codes) with two of lookahead; then two blocks with the one block of
-    # context there is; then four, and sixteen with two of context from then on.
-    assert static.grid_lengths() == [36, 60, 96, 240]
+    # One block kept (12 codes) with one of lookahead (the shipped graph's lookahead=12);
+    # then two blocks with the one block of context there is; then four, and sixteen with two
+    # of context from then on, each with its block of lookahead.
+    assert static.grid_lengths() == [24, 48, 84, 228]
     # Buckets as the AR stages pad batches, up to GRAPH_BATCH (the stage's max_batch is 64).
     assert decoder.batch_buckets == [1, 2, 4, 8]
     # Windows are captured while they are launch-bound: up to 768 codes a batch.
     # A window's solve is three graphs: its begin, one RK4 step (replayed for each) and its end.
     assert sorted(decoder.graphs.keys()) == [
         (frames, batch, DEFAULT_STEPS, phase)
-        for frames in (36, 60, 96, 240)
+        for frames in (24, 48, 84, 228)
         for batch in (1, 2, 4, 8)
         if batch == 1 or batch * frames <= 768
         for phase in ("begin", "end", "step")
     ]
     assert [decoder.batch_bucket(n) for n in (1, 3, 5, 8)] == [1, 4, 8, 8]
-    assert [decoder.window_frames(n) for n in (20, 36, 37, 97, 241)] == [36, 36, 60, 240, 241]
+    assert [decoder.window_frames(n) for n in (20, 24, 25, 85, 229)] == [24, 24, 48, 228, 229]
     # Nothing is captured off CUDA: the same buffers are solved eagerly.
     assert decoder.graphs.captures == 0
 
@@ -133,11 +134,11 @@ def test_static_windows_decode_what_eager_decodes(eager, static):
     # is padded on the left up to a grid length: its 24 codes of context cover BigVGAN's
     # reach of 9. Only the 9-code utterance, too short to pad, runs at its own length.
     assert 38 in eager_lengths and 38 not in static_lengths
-    assert set(static_lengths) <= {36, 60, 96, 240, 9}
+    assert set(static_lengths) <= {24, 48, 84, 228, 9}
     # One request alone at grid lengths is bit-exact: the same shapes, the same arithmetic.
-    codes = batch[0][0][:36]
+    codes = batch[0][0][:24]
     (alone_static,), (alone_eager,) = (
-        run(b, [(codes, [36], {"seed": 4})]) for b in (static, eager)
+        run(b, [(codes, [24], {"seed": 4})]) for b in (static, eager)
     )
     assert torch.equal(alone_static, alone_eager)
 
@@ -297,7 +298,7 @@ def test_cuda_stage_defaults_to_bf16_graphs_within_tolerance_of_float32(omni_pla
     fast = vocoder(omni_plan, "cuda")
     assert (fast.decode_mode, fast.decoder.precision) == ("graphs", "bfloat16")
     captured = fast.decoder.graphs.captures
-    assert captured == 3 * 14  # 36, 60 and 96 codes at batches 1, 2, 4, 8; 240 at 1 and 2
+    assert captured == 3 * 14  # 24, 48 and 84 codes at batches 1, 2, 4, 8; 228 at 1 and 2
     exact = vocoder(omni_plan, "cuda", decode="eager", precision="float32")
     batch = requests()
     for a, b in zip(run(fast, batch), run(exact, batch), strict=True):

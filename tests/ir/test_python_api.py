@@ -59,6 +59,7 @@ def omni_chat():
         component="token2wav",
         max_batch=64,
         speaker=speaker,
+        lookahead=12,
     )
     p.flow(p.input("prompt", "chat"), thinker)
     p.flow(p.input("input_audio", "audio", optional=True), hearing)

@@ -69,7 +69,7 @@ def test_priorities_are_by_graph_distance_not_by_name():
 def test_a_stage_that_asks_to_be_isolated_gets_a_process_of_its_own():
     source = (GRAPHS / "omni_chat.omni").read_text()
     source = source.replace(
-        "max_batch=64, speaker=$speaker)", "max_batch=64, speaker=$speaker, isolate=true)"
+        "speaker=$speaker, lookahead=12)", "speaker=$speaker, lookahead=12, isolate=true)"
     )
     graph = run_until("fuse_stages", source, devices="1xH200")
     executors = _executors(graph)
