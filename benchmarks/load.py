@@ -57,7 +57,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+import aiohttp
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
@@ -67,6 +67,7 @@ from benchmarks.serve import (  # noqa: E402
     chat_deltas,
     percentile,
     print_profile,
+    session,
 )
 from omniflow.server.playback import Playback  # noqa: E402
 
@@ -125,15 +126,15 @@ def prompt_of(words: int) -> str:
     return " ".join(vocabulary[i % len(vocabulary)] for i in range(words))
 
 
-async def prompt_tokens(client: httpx.AsyncClient, body: dict) -> int:
+async def prompt_tokens(client: aiohttp.ClientSession, body: dict) -> int:
     """The prompt tokens the server counts for a chat request `body` (its `usage`; one token
     answered)."""
-    reply = await client.post("/v1/chat/completions", json={**body, "max_tokens": 1})
-    reply.raise_for_status()
-    return reply.json()["usage"]["prompt_tokens"]
+    async with client.post("/v1/chat/completions", json={**body, "max_tokens": 1}) as reply:
+        reply.raise_for_status()
+        return (await reply.json())["usage"]["prompt_tokens"]
 
 
-async def sized_prompt(client: httpx.AsyncClient, model: str, tokens: int) -> str:
+async def sized_prompt(client: aiohttp.ClientSession, model: str, tokens: int) -> str:
     """The shortest user turn of `prompt_of` words with at least `tokens` prompt tokens by the
     server's count (the chat template's included): a word is one token or more, and more
     under a random-weight build's small tokenizer than under the real model's. Each count
@@ -148,7 +149,7 @@ async def sized_prompt(client: httpx.AsyncClient, model: str, tokens: int) -> st
     return prompt_of(low)
 
 
-async def chat(client: httpx.AsyncClient, model: str, seed: int, workload: dict) -> dict:
+async def chat(client: aiohttp.ClientSession, model: str, seed: int, workload: dict) -> dict:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": workload["prompt"]}],
@@ -162,12 +163,12 @@ async def chat(client: httpx.AsyncClient, model: str, seed: int, workload: dict)
     began = time.perf_counter()
     first_text = first_audio = None
     playback, audio_s = Playback(), 0.0
-    async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
-        if reply.status_code == 503:
-            await reply.aread()
+    async with client.post("/v1/chat/completions", json=body) as reply:
+        if reply.status == 503:
+            await reply.read()
             return {"refused": True, "failed": None}
-        if reply.is_error:  # the workload itself is refused: no figure to measure
-            raise SystemExit(f"{reply.status_code}: {(await reply.aread()).decode()[:500]}")
+        if not reply.ok:  # the workload itself is refused: no figure to measure
+            raise SystemExit(f"{reply.status}: {(await reply.read()).decode()[:500]}")
         try:
             async for now, text, audio in chat_deltas(reply):
                 if text and first_text is None:
@@ -194,8 +195,7 @@ async def chat(client: httpx.AsyncClient, model: str, seed: int, workload: dict)
 
 async def level(base: str, model: str, workload: dict, clients: int, rounds: int):
     """`clients` closed-loop clients, `rounds` requests each: (results, wall seconds)."""
-    limits = httpx.Limits(max_connections=clients)
-    async with httpx.AsyncClient(base_url=base, timeout=1800, limits=limits) as client:
+    async with session(base, clients) as client:
 
         async def one_client(k: int) -> list[dict]:
             return [
@@ -209,7 +209,7 @@ async def level(base: str, model: str, workload: dict, clients: int, rounds: int
 
 async def sized(base: str, model: str, tokens: int) -> str:
     """`sized_prompt` on the server at `base`, said."""
-    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+    async with session(base, None, timeout=600) as client:
         prompt = await sized_prompt(client, model, tokens)
     print(f"prompt: {len(prompt.split())} words, {tokens} prompt tokens or just over", flush=True)
     return prompt

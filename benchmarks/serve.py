@@ -43,9 +43,13 @@ import time
 from functools import partial
 from pathlib import Path
 
+import aiohttp
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+# The probe pipeline's python stages live in tests.server.stages: its executors import them
+# from the engine's sys.path (after installed packages: the root's kernels/ would shadow).
+sys.path.append(str(ROOT))
 GRAPHS = ROOT / "graphs"
 PROBE = ROOT / "tests" / "server" / "probe.omni"
 RATE = 24000
@@ -227,14 +231,25 @@ def omni_chat_variants(folder: Path, whole: bool, model: str | None) -> list[Pat
 
 
 # --- one request over HTTP -------------------------------------------------------------------
-async def chat_request(client: httpx.AsyncClient, model: str, seed: int, extra: dict) -> dict:
+def session(base: str, connections: int | None, timeout: float = 1800) -> aiohttp.ClientSession:
+    """The timed requests' client: aiohttp, as the peer's benchmark clients send (httpx's
+    client adds ~0.5 ms to a first packet at c=1 and ~9 at c=16 on a 2-core machine:
+    benchmarks/http_clients.py); `connections` at most (None: any number)."""
+    return aiohttp.ClientSession(
+        base_url=base,
+        connector=aiohttp.TCPConnector(limit=connections or 0),
+        timeout=aiohttp.ClientTimeout(total=timeout),
+    )
+
+
+async def chat_request(client: aiohttp.ClientSession, model: str, seed: int, extra: dict) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": "Tell me about the sea."}],
             "modalities": ["text", "audio"], "audio": {"format": "pcm16"}, "stream": True,
             "seed": seed, **extra}  # fmt: skip
     began = time.perf_counter()
     first_text = first_audio = None
     audio_bytes = 0
-    async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
+    async with client.post("/v1/chat/completions", json=body) as reply:
         reply.raise_for_status()
         async for now, text, audio in chat_deltas(reply):
             if text and first_text is None:
@@ -249,10 +264,11 @@ class StreamFailed(RuntimeError):
     """A streamed reply ended with the server's error event (its message)."""
 
 
-async def chat_deltas(reply: httpx.Response):
+async def chat_deltas(reply: aiohttp.ClientResponse):
     """A streamed chat reply's deltas as they arrive: (time, text, audio bytes) each; an
     error event raises `StreamFailed`."""
-    async for line in reply.aiter_lines():
+    async for raw in reply.content:  # (line by line)
+        line = raw.decode()
         if not line.startswith("data: {"):
             continue
         event = json.loads(line[6:])
@@ -265,15 +281,15 @@ async def chat_deltas(reply: httpx.Response):
         yield now, delta.get("content"), base64.b64decode(audio) if audio else b""
 
 
-async def speech_request(client: httpx.AsyncClient, model: str, seed: int, extra: dict) -> dict:
+async def speech_request(client: aiohttp.ClientSession, model: str, seed: int, extra: dict) -> dict:
     body = {"model": model, "input": "Good morning, and welcome to the show.",
             "response_format": "pcm", "stream": True, "seed": seed, **extra}  # fmt: skip
     began = time.perf_counter()
     first_audio = None
     audio_bytes = 0
-    async with client.stream("POST", "/v1/audio/speech", json=body) as reply:
+    async with client.post("/v1/audio/speech", json=body) as reply:
         reply.raise_for_status()
-        async for data in reply.aiter_raw():
+        async for data in reply.content.iter_any():
             if data:
                 first_audio = first_audio or time.perf_counter()
                 audio_bytes += len(data)
@@ -297,8 +313,7 @@ async def load(base: str, request, model: str, extra: dict, concurrency: int, to
     queue: asyncio.Queue = asyncio.Queue()
     for i in range(total):
         queue.put_nowait(i)
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as client:
+    async with session(base, concurrency, timeout=600) as client:
 
         async def worker():
             while not queue.empty():
@@ -347,20 +362,19 @@ def overhead(requests: int, levels: tuple[int, ...]) -> None:
                 first = time.perf_counter()
         return (first - began) * 1e3, (time.perf_counter() - began) * 1e3
 
-    async def over_http(client: httpx.AsyncClient) -> tuple[float, float]:
+    async def over_http(client: aiohttp.ClientSession) -> tuple[float, float]:
         began = time.perf_counter()
         first = None
-        async with client.stream("POST", "/v1/chat/completions", json=body) as reply:
-            async for line in reply.aiter_lines():
-                if first is None and '"content": "w' in line:
+        async with client.post("/v1/chat/completions", json=body) as reply:
+            async for line in reply.content:
+                if first is None and b'"content": "w' in line:
                     first = time.perf_counter()
         return (first - began) * 1e3, (time.perf_counter() - began) * 1e3
 
     async def alternate(engine, base: str, concurrency: int) -> tuple[list, list]:
         here, http = [], []
         rounds = max(4, requests // concurrency)
-        limits = httpx.Limits(max_connections=concurrency)
-        async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits) as client:
+        async with session(base, concurrency, timeout=60) as client:
             for i in range(rounds + 4):  # the first 4 rounds of each warm up
                 a = await asyncio.gather(*(in_process(engine) for _ in range(concurrency)))
                 b = await asyncio.gather(*(over_http(client) for _ in range(concurrency)))

@@ -85,7 +85,7 @@ import numpy as np
 
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serve import Server, percentile, print_profile  # noqa: E402
+from benchmarks.serve import Server, percentile, print_profile, session  # noqa: E402
 from omniflow.server.playback import Playback  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,15 +135,6 @@ GOALS = {  # (level, metric) -> (bound, "<=" or ">="): issue 37's
 
 
 # --- requests -------------------------------------------------------------------------------
-def session(base: str, connections: int | None) -> aiohttp.ClientSession:
-    """The timed requests' client (`connections` at most, None: any number)."""
-    return aiohttp.ClientSession(
-        base_url=base,
-        connector=aiohttp.TCPConnector(limit=connections or 0),
-        timeout=aiohttp.ClientTimeout(total=1800),
-    )
-
-
 async def speak(client: aiohttp.ClientSession, body: dict) -> dict:
     """One streamed PCM request, timed as the peer times it."""
     began, sent = time.perf_counter(), time.monotonic()  # (monotonic: the server's trace clock)
