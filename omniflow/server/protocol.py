@@ -239,6 +239,14 @@ def merge_extra_body(body: dict) -> dict:
         return body
     if not isinstance(extra, dict):
         raise bad_request("'extra_body' must be an object", param="extra_body")
+    if "extra_body" in extra:
+        # Merged, it would become the request's `extra_body` field again and be read by no
+        # one: every field in it silently dropped. The SDK never nests it.
+        raise bad_request(
+            "'extra_body.extra_body': extra_body is merged into the request once; put its "
+            "fields in 'extra_body' itself",
+            param="extra_body.extra_body",
+        )
     merged = {k: v for k, v in body.items() if k != "extra_body"}
     for key, value in extra.items():
         if key in merged and merged[key] != value:
