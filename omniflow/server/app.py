@@ -528,21 +528,36 @@ def create_app(server: Server) -> FastAPI:
         return JSONResponse(await server.videos.delete(request.path_params["video_id"]))
 
     # --- GET endpoints -------------------------------------------------------------------------
+    def model_entry(s: Served) -> dict:
+        return {
+            "id": s.name,
+            "object": "model",
+            "created": int(server.started),
+            "owned_by": "omniflow",
+            "root": s.plan.model,
+            "endpoints": [ENDPOINTS[c] for c in s.capabilities],
+            "max_in_flight": s.limit,
+        }
+
     async def list_models(request: Request, context) -> Response:
-        created = int(server.started)
-        data = [
-            {
-                "id": s.name,
-                "object": "model",
-                "created": created,
-                "owned_by": "omniflow",
-                "root": s.plan.model,
-                "endpoints": [ENDPOINTS[c] for c in s.capabilities],
-                "max_in_flight": s.limit,
-            }
-            for s in server.served.values()
-        ]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse(
+            {"object": "list", "data": [model_entry(s) for s in server.served.values()]}
+        )
+
+    async def get_model(request: Request, context) -> Response:
+        """OpenAI's `models.retrieve`: one entry of the list, or a 404 naming `model`."""
+        model = request.path_params["model"]
+        if model == "":  # `/v1/models/`: the list, as before this route took the slash
+            return await list_models(request, context)
+        if model not in server.served:
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; served: {', '.join(server.served)}",
+                param="model",
+                code="model_not_found",
+            )
+        context["model"] = model
+        return JSONResponse(model_entry(server.served[model]))
 
     async def health(request: Request, context) -> Response:
         if server.draining:
@@ -616,6 +631,9 @@ def create_app(server: Server) -> FastAPI:
     for path, method, handler in video_paths:
         app.add_api_route(path, observed(path, handler), methods=[method])
     app.add_api_route("/v1/models", observed("/v1/models", list_models), methods=["GET"])
+    # `:path`: a served name may be a checkpoint's path, slashes and all.
+    model_path = "/v1/models/{model:path}"
+    app.add_api_route(model_path, observed(model_path, get_model), methods=["GET"])
     voices_path = "/v1/audio/voices"
     app.add_api_route(voices_path, observed(voices_path, list_voices), methods=["GET"])
     app.add_api_route(

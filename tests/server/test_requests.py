@@ -159,6 +159,18 @@ def test_malformed_bodies_are_400(http, body, message):
     assert message in error_of(reply, 400)["message"]
 
 
+def test_one_model_is_retrieved_by_its_id_as_the_list_has_it(http):
+    """OpenAI's `models.retrieve`: a served name is its list entry, any other a 404 naming
+    `model` (not "no route"); `/v1/models/` is still the list."""
+    listed = {m["id"]: m for m in http.get("/v1/models").json()["data"]}
+    reply = http.get("/v1/models/probe")
+    assert reply.status_code == 200 and reply.json() == listed["probe"]
+    for odd in ("nope", "probe/x", "..%2F..", "%00", "probe%20"):
+        error = error_of(http.get(f"/v1/models/{odd}"), 404)
+        assert error["param"] == "model" and error["code"] == "model_not_found"
+    assert http.get("/v1/models/", follow_redirects=True).json()["data"] == list(listed.values())
+
+
 def test_unknown_routes_and_methods_answer_in_openai_s_schema(http):
     assert "no route /v1/nothing" in error_of(http.post("/v1/nothing", json={}), 404)["message"]
     error_of(http.get(CHAT), 405)
