@@ -355,6 +355,8 @@ def create_app(server: Server) -> FastAPI:
             context["began"],
         )  # fmt: skip
         headers = {"x-omniflow-seed": str(run.seed), "x-request-id": run.request_id}
+        if job.sse:
+            headers["Cache-Control"] = "no-cache"
         if job.stream:
             return held(context, slot, ENDPOINTS["speech"],
                         _ended_on_error(run, speech.streamed(job, run)), job.media_type, headers)  # fmt: skip

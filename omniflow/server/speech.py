@@ -9,13 +9,16 @@ names), `ref_audio` (a voice clone's reference, fetched and checked here, encode
 the voice prompt its model takes by the plan's voice encoder stage:
 `omniflow.server.voices`), `speed` (the pipeline's `speed`
 parameter if it has one, else the audio is time-stretched here, pitch kept), `stream`,
-`response_format`. Every field is checked before admission; a bad one is a 400 naming it.
+`response_format`, `stream_format` (`audio`: the bytes themselves; `sse`: OpenAI's
+Server-Sent Events, `speech.audio.delta` with the bytes in base64, then `speech.audio.done`
+with the usage). Every field is checked before admission; a bad one is a 400 naming it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
 
 import torch
 
@@ -31,7 +34,7 @@ from omniflow.media import (
 from omniflow.runtime.port_values import concat
 from omniflow.server import media_in, voices
 from omniflow.server.chat import set_voice
-from omniflow.server.errors import bad_request
+from omniflow.server.errors import APIError, bad_request
 from omniflow.server.params import Params
 from omniflow.server.protocol import SpeechRequest, merge_extra_body, validate
 from omniflow.server.run import Run
@@ -42,6 +45,7 @@ STREAM_FORMATS = ("wav", "pcm", *ENCODED_AUDIO)
 TEXT_FIELDS = ("instructions", "ref_text")
 # Fields that reach parameters (the stage parameter they mean, where named otherwise).
 PARAM_FIELDS = ("task_type", "language", "x_vector_only_mode", "max_new_tokens", "seed")
+STREAM_KINDS = ("audio", "sse")  # `stream_format`: the bytes, or OpenAI's events
 
 
 class SpeechJob:
@@ -51,12 +55,13 @@ class SpeechJob:
         self.params = params
         self.format = fmt
         self.stream = stream
+        self.sse = False  # streamed as OpenAI's speech events (`stream_format: "sse"`)
         self.speed: float | None = None  # time-stretched here (the pipeline has no speed)
         self.audio_port = served.outputs_of("audio")[0]
 
     @property
     def media_type(self) -> str:
-        return AUDIO_MIME[self.format]
+        return "text/event-stream" if self.sse else AUDIO_MIME[self.format]
 
 
 def check_format(fmt: str | None, stream: bool, allowed=SPEECH_FORMATS) -> str:
@@ -78,17 +83,22 @@ async def parse(server, served, body: dict) -> SpeechJob:
     request = validate(SpeechRequest, merge_extra_body(body))
     if not request.input.strip():
         raise bad_request("'input' must not be empty: it is what is spoken", param="input")
-    stream = bool(request.stream)
+    extras = dict(request.model_extra or {})
+    kind = extras.pop("stream_format", None) or "audio"
+    if kind not in STREAM_KINDS:
+        raise bad_request(
+            f"'stream_format' {kind!r} is not supported; use one of {', '.join(STREAM_KINDS)}",
+            param="stream_format",
+        )
+    stream = bool(request.stream) or kind == "sse"  # (events are a stream, whatever `stream`)
     fmt = check_format(request.response_format, stream)
     params = Params(served)
     params.input_fields[served.speech_input.name] = "input"
     job = SpeechJob(served, {served.speech_input.name: request.input}, params, fmt, stream)
+    job.sse = kind == "sse"
     fields = request.model_dump(include=set(TEXT_FIELDS) | set(PARAM_FIELDS), exclude_none=True)
-    extras = dict(request.model_extra or {})
     await apply_voice(server, job, request.voice, request.ref_audio, fields.get("ref_text"))
     job.speed = take_speed(job, request.speed)
-    if extras.get("stream_format") in ("audio", None):
-        extras.pop("stream_format", None)
     take_fields(job, {**fields, **extras})
     return job
 
@@ -208,9 +218,38 @@ def _encode_whole(job: SpeechJob, parts: list[torch.Tensor], rate: int) -> bytes
 
 async def streamed(job: SpeechJob, run: Run):
     """Audio bytes as produced; a stage failure ends the stream early (the status is sent)."""
+    if job.sse:
+        async for event in _events(job, run):
+            yield event
+        return
     out = AudioOut(job, run.timeline.rate)
     async for _, value in run.chunks():
         if data := out.feed(value):
             yield data
     if data := out.close():
         yield data
+
+
+async def _events(job: SpeechJob, run: Run):
+    """OpenAI's speech events: `speech.audio.delta` as the audio is made, then
+    `speech.audio.done` with the usage (the talker's prompt and codec tokens, where its end
+    said them); a failure once the stream has begun is its last event."""
+
+    def event(kind: str, **fields) -> bytes:
+        return b"data: " + json.dumps({"type": kind, **fields}).encode() + b"\n\n"
+
+    out = AudioOut(job, run.timeline.rate)
+    try:
+        async for _, value in run.chunks():
+            if data := out.feed(value):
+                yield event("speech.audio.delta", audio=base64.b64encode(data).decode())
+    except APIError as err:
+        run.error = err
+        yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+        return
+    if data := out.close():
+        yield event("speech.audio.delta", audio=base64.b64encode(data).decode())
+    said = run.audio_ending
+    prompt, codes = (said.prompt_tokens, said.tokens) if said is not None else (0, 0)
+    usage = {"input_tokens": prompt, "output_tokens": codes, "total_tokens": prompt + codes}
+    yield event("speech.audio.done", usage=usage)

@@ -211,6 +211,8 @@ def test_speed_stretches_the_audio_keeping_its_length_right(http):
         ({"speed": 5.0}, "speed", "'speed' must be in 0.25 .. 4"),
         ({"response_format": "ogg"}, "response_format", "wav, pcm, flac, mp3, opus, aac"),
         ({"stream": True, "response_format": "flac"}, "response_format", "streamed speech"),
+        ({"stream_format": "sse", "response_format": "flac"}, "response_format", "streamed"),
+        ({"stream_format": "json"}, "stream_format", "use one of audio, sse"),
         ({"input": " "}, "input", "must not be empty"),
         ({"temperature": 0.5}, "temperature", "unknown field 'temperature'"),
     ],
@@ -238,6 +240,31 @@ def test_the_openai_client(custom):
     ) as streamed:
         data = b"".join(streamed.iter_bytes())
     assert data and len(data) % (2 * FRAME) == 0
+
+
+def test_openai_speech_events_carry_the_audio_the_stream_does(custom, http):
+    """`stream_format: "sse"` (OpenAI's client sends it): `speech.audio.delta` events whose
+    audio, joined, is the bytes the same request streams raw, then `speech.audio.done`
+    with the talker's counts: its codes are the audio's frames (one more where the talker
+    ended itself: its end token)."""
+    client = OpenAI(base_url=custom.url, api_key="unused", max_retries=0, timeout=60)
+    asked = {"model": "qwen3_tts", "voice": "vivian", "input": "Good morning.",
+             "response_format": "pcm"}  # fmt: skip
+    with client.audio.speech.with_streaming_response.create(
+        **asked, stream_format="sse", extra_body={"seed": 4}
+    ) as streamed:
+        assert streamed.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line]
+    *deltas, done = events
+    assert {e["type"] for e in deltas} == {"speech.audio.delta"} and deltas
+    audio = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    with http.stream("POST", SPEECH, json={**asked, "stream": True, "seed": 4}) as reply:
+        assert audio == b"".join(reply.iter_bytes())
+    usage = done["usage"]
+    assert done["type"] == "speech.audio.done"
+    assert usage["input_tokens"] > 0 and usage["output_tokens"] > 0
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
+    assert len(audio) // 2 // FRAME in (usage["output_tokens"], usage["output_tokens"] - 1)
 
 
 def test_requests_batch_across_users_in_every_stage(http):
