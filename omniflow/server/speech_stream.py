@@ -268,6 +268,11 @@ class SpeechSession:
                     f"'{name}': a WebSocket session takes its text as input.text messages",
                     param=name,
                 )
+        if "stream_format" in body:
+            raise bad_request(
+                "'stream_format': a WebSocket session sends its audio as binary messages",
+                param="stream_format",
+            )
         served = self.server.route(body.get("model"), "speech")
         self.format = speech.check_format(
             body.pop("response_format", None) or "pcm", False, STREAM_FORMATS

@@ -648,6 +648,7 @@ def test_a_client_that_drops_the_socket_frees_every_stage(custom, http):
         ({"task_type": "VoiceDesign"}, [], "task_type"),
         ({"response_format": "mp3"}, [], "response_format"),
         ({"input": "Hi"}, [], "input"),
+        ({"stream_format": "sse"}, [], "stream_format"),
         ({}, [{"type": "input.text", "text": 7}], "text"),
         ({}, [{"type": "shout"}], "type"),
         ({}, [{"type": "input.text", "text": "Hi.", "lang": "en"}], "text"),
