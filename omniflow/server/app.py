@@ -461,6 +461,7 @@ def create_app(server: Server) -> FastAPI:
                 param="model",
                 code="unsupported",
             )
+        server.voices.check_room(served.name, name)  # before any stage encodes the clip
         samples, rate = await speech.decode_reference(server, data, field)
         clip = "data:;base64," + base64.b64encode(data).decode("ascii")
         inputs = await entry.encode(clip, ref_text, field)

@@ -155,12 +155,14 @@ class VoiceStore:
     def of(self, pipeline: str) -> list[UploadedVoice]:
         return [v for (p, _), v in self.voices.items() if p == pipeline]
 
-    def add(self, voice: UploadedVoice) -> None:
-        key = (voice.pipeline, voice.name.lower())
-        if key in self.voices:
+    def check_room(self, pipeline: str, name: str) -> None:
+        """A 400 naming `name` if the store could not keep a voice of that name for
+        `pipeline`: asked before its clip is encoded, and again as it is kept (another
+        upload of the name may have been kept while this one encoded)."""
+        if (pipeline, name.lower()) in self.voices:
             raise bad_request(
-                f"'name': pipeline '{voice.pipeline}' has a voice '{voice.name}' already; "
-                f"DELETE /v1/audio/voices/{voice.name} first",
+                f"'name': pipeline '{pipeline}' has a voice '{name}' already; "
+                f"DELETE /v1/audio/voices/{name} first",
                 param="name",
                 code="voice_exists",
             )
@@ -171,7 +173,10 @@ class VoiceStore:
                 param="name",
                 code="voice_store_full",
             )
-        self.voices[key] = voice
+
+    def add(self, voice: UploadedVoice) -> None:
+        self.check_room(voice.pipeline, voice.name)
+        self.voices[(voice.pipeline, voice.name.lower())] = voice
 
     def remove(self, pipeline: str, name: str) -> UploadedVoice | None:
         return self.voices.pop((pipeline, name.lower()), None)

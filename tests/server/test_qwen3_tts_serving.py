@@ -440,9 +440,12 @@ def test_the_voice_store_is_bounded_and_checks_its_uploads(clone_http):
     names = ["v1", "v2", "v3"]
     for name in names:
         assert post(name).status_code == 201
+    # Refused before the clip goes to the voice encoder stage: nothing encoded for them.
+    encodes = metric(clone_http, "omniflow_voice_encodes_total", model="qwen3_tts_clone")
     assert post("v1").json()["error"]["code"] == "voice_exists"
     full = post("v4")
     assert full.status_code == 400 and full.json()["error"]["code"] == "voice_store_full"
+    assert metric(clone_http, "omniflow_voice_encodes_total", model="qwen3_tts_clone") == encodes
     for name in names:
         assert clone_http.delete(f"/v1/audio/voices/{name}").status_code == 200
     assert clone_http.delete("/v1/audio/voices/v1").status_code == 404
