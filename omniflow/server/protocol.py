@@ -269,7 +269,10 @@ def validate(model: type[BaseModel], body: dict):
 
 
 def validation_error(errors) -> Exception:
-    first = errors[0]
+    # The deepest error first: a value a union takes in one of its forms fails every other
+    # form too (`content` as a list of parts is also "not a valid string"), and the error
+    # inside the form it was given says what is wrong.
+    first = max(errors, key=lambda e: len(_fields(e.get("loc", ()))))
     where = _location(first.get("loc", ()))
     message = first.get("msg", "invalid")
     if first.get("type") == "extra_forbidden":
@@ -281,9 +284,22 @@ def validation_error(errors) -> Exception:
 
 
 def _location(loc) -> str:
-    """A pydantic error location as the field's path (`_path`), without its `body` and
-    union-member tags."""
-    return _path(p for p in loc if p != "body" and not _is_variant_tag(p))
+    """A pydantic error location as the field's path (`_path`)."""
+    return _path(_fields(loc))
+
+
+def _fields(loc) -> list:
+    """A pydantic error location's keys and indexes, without its `body` and union-member
+    tags (a tagged union's member goes by its tag's value: the key after the union's)."""
+    fields, tagged = [], False
+    for part in loc:
+        if part == "body" or _is_variant_tag(part):
+            tagged = tagged or "tagged-union[" in str(part)
+        elif tagged and not isinstance(part, int):
+            tagged = False
+        else:
+            fields.append(part)
+    return fields
 
 
 def _path(parts) -> str:

@@ -53,6 +53,11 @@ MISTAKES = [
      "required: a string or a list of parts", "messages[0].content"),
     (CHAT, {"model": "probe", "messages": [*HI, {"role": "user", "content": []}]}, 400,
      "a list of parts (at least one)", "messages[1].content"),
+    # A part that is wrong inside the list is named, not the string `content` might have been.
+    (CHAT, {"model": "probe", "messages": [{"role": "user", "content": [{"type": "file"}]}]}, 400,
+     "'file' found using 'type' does not match", "messages[0].content[0]"),
+    (CHAT, {"model": "probe", "messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400,
+     "required field is missing", "messages[0].content[0].text"),
     (CHAT, {"model": "probe", "messages": [{"role": "tool", "content": "4", "tool_call_id": "c1"}, *HI]}, 400,
      "tool calls are not supported", "messages[0]"),
     (CHAT, {"model": "probe", "messages": [{"role": "assistant", "audio": {"id": "a1"}}, *HI]},
