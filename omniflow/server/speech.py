@@ -217,11 +217,14 @@ def _encode_whole(job: SpeechJob, parts: list[torch.Tensor], rate: int) -> bytes
 
 
 async def streamed(job: SpeechJob, run: Run):
-    """Audio bytes as produced; a stage failure ends the stream early (the status is sent)."""
-    if job.sse:
-        async for event in _events(job, run):
-            yield event
-        return
+    """Audio bytes as produced, or with `stream_format: "sse"` OpenAI's events carrying them;
+    a stage failure ends the stream early (the status is sent)."""
+    audio = _audio(job, run)
+    async for data in _events(audio, run) if job.sse else audio:
+        yield data
+
+
+async def _audio(job: SpeechJob, run: Run):
     out = AudioOut(job, run.timeline.rate)
     async for _, value in run.chunks():
         if data := out.feed(value):
@@ -230,25 +233,21 @@ async def streamed(job: SpeechJob, run: Run):
         yield data
 
 
-async def _events(job: SpeechJob, run: Run):
-    """OpenAI's speech events: `speech.audio.delta` as the audio is made, then
+async def _events(audio, run: Run):
+    """OpenAI's speech events: `speech.audio.delta` for each piece of `audio`, then
     `speech.audio.done` with the usage (the talker's prompt and codec tokens, where its end
     said them); a failure once the stream has begun is its last event."""
 
     def event(kind: str, **fields) -> bytes:
         return b"data: " + json.dumps({"type": kind, **fields}).encode() + b"\n\n"
 
-    out = AudioOut(job, run.timeline.rate)
     try:
-        async for _, value in run.chunks():
-            if data := out.feed(value):
-                yield event("speech.audio.delta", audio=base64.b64encode(data).decode())
+        async for data in audio:
+            yield event("speech.audio.delta", audio=base64.b64encode(data).decode())
     except APIError as err:
         run.error = err
         yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
         return
-    if data := out.close():
-        yield event("speech.audio.delta", audio=base64.b64encode(data).decode())
     said = run.audio_ending
     prompt, codes = (said.prompt_tokens, said.tokens) if said is not None else (0, 0)
     usage = {"input_tokens": prompt, "output_tokens": codes, "total_tokens": prompt + codes}
