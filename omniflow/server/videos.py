@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import anyio
 from starlette.datastructures import UploadFile
 
-from omniflow.catalog.components import video_frames
+from omniflow.catalog.components import load_component_config, video_frames
 from omniflow.media import mp4_bytes
 from omniflow.server.errors import APIError, bad_request, busy
 from omniflow.server.images import take_fields, uploaded_image
@@ -201,33 +201,17 @@ def parse(server, served, fields: dict, files: dict) -> VideoRequest:
 
 def _frames(served, values: dict) -> int:
     """The frames the request's video will have: its diffusion stage's `frames`, as its VAE
-    decodes them (`_decoded_frames`)."""
+    decodes them (`video_frames`, by the temporal factor the compiler sizes its latents by:
+    6 asked make 5, 8 make 9)."""
     for stage in served.plan.stages:
         frames = stage.params.get("frames")
         if frames is not None:
             name = getattr(frames, "name", None)
             if name is not None:
                 frames = values.get(name, served.plan.params.get(name, 1))
-            return _decoded_frames(served.plan, stage.name, int(frames))
+            config = load_component_config(stage.model, stage.component)
+            return video_frames(int(frames), config.vae_temporal_factor)
     return 1
-
-
-def _decoded_frames(plan, stage: str, frames: int) -> int:
-    """A video of `frames` frames asked of diffusion stage `stage`, as its VAE decodes it: a
-    first frame, then `t` frames a latent frame (`video_frames`: 6 asked make 5, 8 make 9).
-    `t` is read from the plan: the stage's latents and the video they decode to, at its
-    default frames."""
-    into_vae = next((c for c in plan.channels if c.src == stage and c.dst_port == "latents"), None)
-    video = next(
-        (c for c in plan.channels if into_vae and (c.src, c.src_port) == (into_vae.dst, "video")),
-        None,
-    )
-    if into_vae is None or video is None or len(into_vae.item_shape) < 4:
-        return frames
-    latent, made = into_vae.item_shape[1], video.item_shape[0]
-    if latent < 2:  # (one latent frame: the default is a single picture; nothing to read)
-        return frames
-    return video_frames(frames, (made - 1) // (latent - 1))
 
 
 def _no_image(server, served) -> str:
