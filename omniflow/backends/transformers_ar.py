@@ -118,9 +118,6 @@ class Prompt:
     positions: torch.Tensor | None = None  # the prefill's position ids, [1, L] or [3, 1, L]
     position_offset: int = 0  # decode position = cache length + this
     prefill: Any = None  # the component's own, read by its `prefill_inputs`
-    # Placeholder tokens per media kind, from a model that puts media into its prompt (every
-    # kind it takes, 0 included): what a reply's usage reports of them.
-    media: dict[str, int] = field(default_factory=dict)
 
 
 class Component(ABC):
@@ -151,7 +148,7 @@ class Component(ABC):
     frame_spec: static_decode.FrameSpec | None = None
     defaults: dict  # sampling defaults of the model (subset of SAMPLING_KEYS)
     # The placeholder token of each media kind a model puts into its prompt (an image's rows
-    # go where its tokens are): `media_counts` counts them for `Prompt.media`.
+    # go where its tokens are): `media_counts` counts them in its prompt for the usage.
     media_ids: dict[str, int] = {}
 
     def new_cache(self):
@@ -160,7 +157,8 @@ class Component(ABC):
         return DynamicCache(config=self.model.config)
 
     def media_counts(self, ids: list[int]) -> dict[str, int]:
-        """The placeholder tokens of each media kind in prompt `ids` (`Prompt.media`)."""
+        """The placeholder tokens of each media kind in prompt `ids` (every kind it takes, 0
+        included): what a reply's usage reports of them."""
         return {kind: ids.count(token) for kind, token in self.media_ids.items()}
 
     def project(self, embeds: torch.Tensor) -> torch.Tensor:
@@ -311,8 +309,7 @@ class CausalLM(Component):
     def prompt(self, call: Call) -> Prompt:
         stream = call.inputs["prompt"]
         ids = prompt_ids(self.tokenizer, stream.take(), stream.type, self.head.out_features)
-        embeds = self.embed(upload(ids, self.embed.weight.device))
-        return Prompt(embeds, ids, media=self.media_counts(ids))
+        return Prompt(self.embed(upload(ids, self.embed.weight.device)), ids)
 
 
 def _or_error(build: Callable[[Call], Prompt], call: Call) -> Prompt | OmniflowError:
@@ -617,7 +614,7 @@ class Sequence:
     length: int = 0  # its positions in the KV cache
     position_offset: int = 0  # its next position id minus `length`
     prompt_tokens: int = 0  # its prompt's positions
-    media: dict[str, int] = field(default_factory=dict)  # its prompt's (`Prompt.media`)
+    media: dict[str, int] = field(default_factory=dict)  # its prompt's (`media_counts`)
     generated: int = 0
     last: int = -1  # the id sampled last
     seed: int = 0  # the GPU sampler's stream: (seed, generated) picks each draw
@@ -914,7 +911,7 @@ class TransformersAR(Backend):
             length,
             position_offset=prompt.position_offset,
             prompt_tokens=length,
-            media=prompt.media,
+            media=component.media_counts(prompt.context),
             seed=seed,
         )
         call.state[_STATE] = seq

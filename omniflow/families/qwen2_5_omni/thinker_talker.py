@@ -322,9 +322,7 @@ class MediaThinker(CausalLM):
             per_grid,
         )
         positions = upload(positions, ids.device)
-        listed = host_ids.tolist()
-        offset = int(delta.reshape(-1)[0])
-        return Prompt(embeds, listed, positions, offset, prefill, self.media_counts(listed))
+        return Prompt(embeds, host_ids.tolist(), positions, int(delta.reshape(-1)[0]), prefill)
 
     def merge_media(self, ids: torch.Tensor, embeds: torch.Tensor, media: dict):
         """The prompt's input embeddings with each kind's item rows in place of its

@@ -125,9 +125,8 @@ class QwenVLLanguageModel(CausalLM):
         host_ids = torch.tensor(self.tokenizer(text).input_ids)
         ids = host_ids.to(device)
         embeds = self.embed(ids)
-        listed = host_ids.tolist()
         if not images:
-            return Prompt(embeds, listed, media=self.media_counts(listed))
+            return Prompt(embeds, host_ids.tolist())
         image_rows = ids == self.image_id
         pixels = torch.cat([e for e, _ in images]).to(device, embeds.dtype)
         embeds = embeds.masked_scatter(image_rows[:, None], pixels)
@@ -138,5 +137,4 @@ class QwenVLLanguageModel(CausalLM):
             mm_token_type_ids=torch.where(host_rows, _IMAGE, _TEXT)[None],
             image_grid_thw=torch.cat([grid for _, grid in images]).cpu(),
         )
-        media = self.media_counts(listed)
-        return Prompt(embeds, listed, positions.to(device), int(delta), media=media)
+        return Prompt(embeds, host_ids.tolist(), positions.to(device), int(delta))
