@@ -85,10 +85,16 @@ def feed_forward(ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
     epilogue = isinstance(act, GELU) and act.approximate == "tanh" and act.proj.bias is not None
     if not (x.is_cuda and epilogue and x.dim() == 2):
         return ff(x)
-    hidden = torch._addmm_activation(act.proj.bias, x, act.proj.weight.t(), use_gelu=True)
+    hidden = linear_gelu(act.proj, x)
     for layer in ff.net[1:]:  # dropout (none at inference) and the second product
         hidden = layer(hidden)
     return hidden
+
+
+def linear_gelu(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """tanh-GELU(`linear`(`x`)) for CUDA rows `x` `[N, D]`, the bias and the GELU in the
+    product's cuBLAS epilogue (whose CUDA GELU is the tanh approximation)."""
+    return torch._addmm_activation(linear.bias, x, linear.weight.t(), use_gelu=True)
 
 
 def fuse(blocks: nn.ModuleList, make: Callable[[nn.Module], Callable]) -> None:

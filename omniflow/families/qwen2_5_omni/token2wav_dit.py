@@ -2,12 +2,12 @@
 its final norm on CUDA (`omniflow.families.qwen2_5_omni.token2wav`), in place of
 transformers' `DiTDecoderLayer`s, computing the same function.
 
-A block becomes ten launches instead of some forty-seven: one q/k/v product, the first
+A block becomes nine launches instead of some forty-seven: one q/k/v product, the first
 head's rotary in place (`omniflow.kernels.dit_rope`), attention, the output product, a
 gated residual add fused with the next adaptive norm (`omniflow.kernels.ada_norm`), and the
-MLP's two products and GELU. Every block's adaLN modulation (and the final norm's) depends
-on the pass's time point alone (the same for every row): one product gives a whole solve's
-(`modulations`), at its start.
+MLP's two products (the GELU in the first's epilogue). Every block's adaLN modulation (and
+the final norm's) depends on the pass's time point alone (the same for every row): one
+product gives a whole solve's (`modulations`), at its start.
 
 Attention is block-local (`omniflow.kernels.block_attention`): a block sees its own 24-frame
 block and, in three layers, one block back or ahead, so each query tile reads only the keys
@@ -27,7 +27,7 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniToken2WavDiTModel,
 )
 
-from omniflow.backends.dit_blocks import stack_linears
+from omniflow.backends.dit_blocks import linear_gelu, stack_linears
 from omniflow.kernels.ada_norm import ada_norm
 from omniflow.kernels.block_attention import block_attention
 from omniflow.kernels.dit_rope import rope_first_head
@@ -84,5 +84,15 @@ class FusedDiT:
             after = parts[6 * index + 6 : 6 * index + 8]
             # The next block's attention norm, or the final norm (its chunks: scale, shift).
             shift, scale = after if index + 1 < len(self.blocks) else after[::-1]
-            norm, h = ada_norm(h, shift, scale, block.ff(norm), gate_mlp, eps=self.eps)
+            norm, h = ada_norm(h, shift, scale, _mlp(block.ff, norm), gate_mlp, eps=self.eps)
         return norm.view(rows, length, width)
+
+
+def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+    """A block's `DiTMLP` (its first product, tanh-GELU, dropout, second product) on rows
+    `x`; on CUDA the GELU in the first product's epilogue (no pass of its own: 792 launches
+    of a window's ~8,600 on an H100)."""
+    first, act, _, second = mlp.ff
+    if not (x.is_cuda and act.approximate == "tanh"):
+        return mlp(x)
+    return second(linear_gelu(first, x))
