@@ -13,7 +13,7 @@ import json
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from omniflow.server.errors import APIError, bad_request
 
@@ -112,6 +112,14 @@ class ChatCompletionRequest(_Top):
     # vLLM's: the model processor's options, each the pipeline parameter of its name
     # (`use_audio_in_video`).
     mm_processor_kwargs: dict | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _streamed_only(cls, value: StreamOptions | None, info: ValidationInfo):
+        # Asked for a usage chunk that a reply in one piece never sends (vLLM refuses it too).
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options are for streamed replies: set stream to true")
+        return value
 
 
 class SpeechRequest(_Top):

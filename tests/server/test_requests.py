@@ -83,6 +83,8 @@ MISTAKES = [
     (CHAT, {"model": "omni_chat", "messages": HI, "stream": True, "audio": {"format": "flac"}},
      400, "streamed audio is wav or pcm16", "audio.format"),
     (CHAT, {"model": "omni_chat", "messages": HI, "n": 2}, 400, "'n' must be 1", "n"),
+    (CHAT, {"model": "probe", "messages": HI, "stream_options": {"include_usage": True}}, 400,
+     "stream_options are for streamed replies: set stream to true", "stream_options"),
     (CHAT, {"model": "image_understanding", "messages": HI, "modalities": ["audio"]}, 400,
      "pipeline 'image_understanding' serves /v1/chat/completions; its outputs: text (text)",
      "modalities"),
