@@ -185,6 +185,9 @@ class _Core:
                 request.awaiting_stats.discard(executor)
                 self.maybe_done(request)
         elif isinstance(message, control.Failed):
+            # What the stage sent before it failed is in the rings already (sent before
+            # this message): it reaches the request before the failure does.
+            self.frontend.pump()
             self.cancel(
                 message.request_id,
                 RequestFailed(f"stage '{message.stage}' failed: {message.error}"),

@@ -5,7 +5,8 @@ containing `crash` kills its executor, `fail` fails its request, `many N` emits 
 one every 5 ms (a request that lasts until it is cancelled), `wait S` answers `done` after
 S seconds. Waiting yields (other requests take their turns), it never sleeps the loop.
 `edit` inverts an image; `hear` says how much audio it was given and how long the chat is;
-`reel` makes four grey frames of a video, or fails when its prompt says `fail`.
+`reel` makes four grey frames of a video, or fails when its prompt says `fail`; `speak`
+says 10 ms of silence a word, and fails after its first word's when its text says `fail`.
 """
 
 import os
@@ -45,6 +46,17 @@ def words(call):
 def _pause(seconds: float):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
+        yield
+
+
+def speak(call):
+    """A text -> 10 ms of silence a word (int16 samples at 24 kHz, the default rate of a
+    pipeline's audio); a text with `fail` fails after its first word's audio."""
+    text = yield from call.read_all("text")
+    for index, _ in enumerate(text.split()):
+        if index and "fail" in text:
+            raise ValueError("failing as asked")
+        call.emit("audio", torch.zeros(1, 240, dtype=torch.int16))  # one step of 240
         yield
 
 

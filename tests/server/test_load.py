@@ -3,6 +3,7 @@ burst beyond the admission limit and its queue, 100 clients going away mid-strea
 crashes, draining on SIGTERM, Ctrl-C from a terminal. Nothing hangs, nothing leaks."""
 
 import asyncio
+import base64
 import json
 import os
 import signal
@@ -19,6 +20,7 @@ LIMIT = 100
 QUEUE = 50
 AUTH = {"Authorization": f"Bearer {KEY}"}
 CHAT = "/v1/chat/completions"
+SPEECH = "/v1/audio/speech"
 
 
 def ask(text: str, **extra) -> dict:
@@ -149,6 +151,41 @@ def test_a_failing_stage_is_a_500_naming_it_and_the_server_goes_on(http):
     assert reply.status_code == 500
     assert "stage 'talk' failed: ValueError: failing as asked" in reply.json()["error"]["message"]
     assert http.post(CHAT, json=ask("fine")).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def mouth():
+    """A server of one speech pipeline of a python stage in an executor process."""
+    from tests.server.conftest import ServerProcess
+
+    server = ServerProcess([str(HERE / "mouth.omni")])
+    with server.client() as client:
+        yield client
+    server.stop_cleanly()
+
+
+def test_a_speech_stream_that_fails_midway_ends_with_an_error_event(mouth):
+    """OpenAI's speech events (`stream_format: "sse"`): the audio the stage sent before it
+    failed, then an error event naming it, and no `speech.audio.done`; whole, a 500 naming
+    it; the next request is whole again."""
+    http = mouth
+
+    def events(text: str) -> list[dict]:
+        body = {"model": "mouth", "input": text, "stream_format": "sse", "response_format": "pcm"}
+        with http.stream("POST", SPEECH, json=body) as reply:
+            assert reply.status_code == 200
+            return [
+                json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: ")
+            ]
+
+    failed = events("one two fail")
+    assert [e.get("type") for e in failed[:-1]] == ["speech.audio.delta"]  # the first word
+    assert "stage 'mouth' failed: ValueError: failing as asked" in failed[-1]["error"]["message"]
+    whole = http.post(SPEECH, json={"model": "mouth", "input": "one two fail"})
+    assert whole.status_code == 500 and "failing as asked" in whole.json()["error"]["message"]
+    fine = events("one two three")
+    assert [e["type"] for e in fine] == [*["speech.audio.delta"] * 3, "speech.audio.done"]
+    assert sum(len(base64.b64decode(e["audio"])) for e in fine[:-1]) == 3 * 240 * 2
 
 
 def test_an_executor_crash_ends_its_requests_clearly_and_the_next_succeeds(http):
