@@ -266,6 +266,8 @@ class Inspection(msgspec.Struct, tag=True):
     handoffs: dict[str, HandoffTotals] = {}
     # stage -> request -> (done, total) steps, for calls whose backend says (`progress`).
     progress: dict[str, dict[str, list[int]]] = {}
+    # Objects its process froze out of the garbage collector's walks (heap.py; 0: none).
+    heap_frozen: int = 0
 
 
 Message = (

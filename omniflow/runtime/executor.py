@@ -33,6 +33,7 @@ from omniflow.errors import OmniflowError
 from omniflow.plan import Program
 from omniflow.runtime import control, events
 from omniflow.runtime.budgets import memory_after_load
+from omniflow.runtime.heap import freeze_startup_heap
 from omniflow.runtime.loop import ProgramLoop
 from omniflow.runtime.shm_ring import (
     SEGMENT_PREFIX,
@@ -290,6 +291,7 @@ def start_loop(config: dict, end: ControlEnd, began: float | None = None) -> Pro
     for report in memory_after_load(program):
         end.send(report)
     set_torch_threads(threads.serve)
+    freeze_startup_heap()
     end.send(control.Hello(loop.name, loop.links.create_rings(program.inbound)))
     return loop
 

@@ -22,6 +22,7 @@ reaches the loop (control.py), so a request that goes well wakes a loop once per
 
 from __future__ import annotations
 
+import gc
 import select
 import sys
 import time
@@ -594,6 +595,7 @@ class ProgramLoop:
             by_channel,
             self.handoffs,
             progress,
+            gc.get_freeze_count(),
         )
 
     def poll_fds(self) -> list[tuple[int, int]]:

@@ -35,6 +35,7 @@ from rich.console import Console
 from omniflow.errors import OmniflowError
 from omniflow.examples import DEFAULT_GRAPH, find_pipeline
 from omniflow.plan import Plan
+from omniflow.runtime.heap import freeze_startup_heap
 from omniflow.server import media_in
 from omniflow.server.app import Server, ServerConfig, create_app
 from omniflow.server.log_stats import StatsLog
@@ -345,6 +346,7 @@ def serve(args) -> int:
         server = Server(served, config, metrics, stats_log, VoiceStore(args.max_voices))
         app = create_app(server)
         port = sock.getsockname()[1]
+        freeze_startup_heap()
         _print_ready(console, server, args.host, port)
         _run_uvicorn(app, server, sock, console, access_log=args.access_log)
     finally:

@@ -188,6 +188,14 @@ def test_a_speech_stream_that_fails_midway_ends_with_an_error_event(mouth):
     assert sum(len(base64.b64decode(e["audio"])) for e in fine[:-1]) == 3 * 240 * 2
 
 
+def test_the_api_process_and_every_executor_froze_their_start_up_heaps(http):
+    """What start-up made is frozen out of the garbage collector's walks (heap.py): the API
+    process's (its frontend loop's entry) and each executor process's."""
+    executors = inspect(http)["executors"]
+    assert len(executors) >= 2  # the frontend and the probe's executor
+    assert all(state["heap_frozen"] > 10_000 for state in executors.values()), executors
+
+
 def test_an_executor_crash_ends_its_requests_clearly_and_the_next_succeeds(http):
     pids = set(inspect(http)["executors"])
     reply = http.post(CHAT, json=ask("crash now"))
