@@ -4,7 +4,7 @@ start-up is done it is frozen out of every later collection (`freeze_startup_hea
 Otherwise each full collection walks all of it while every thread of the process waits:
 an API process serving Qwen3-TTS (tiny, the 2-core machine) paused 164-295 ms in each full
 collection under bursts of 16 streams, where every stream's chunks and every request's
-admission wait on it (docs/benchmarks-log.md, "The four parts one at a time, ...")."""
+admission wait on it (docs/benchmarks-log.md, "The API process's garbage collector: ...")."""
 
 from __future__ import annotations
 
