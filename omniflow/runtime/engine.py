@@ -185,9 +185,11 @@ class _Core:
                 request.awaiting_stats.discard(executor)
                 self.maybe_done(request)
         elif isinstance(message, control.Failed):
-            # What the stage sent before it failed is in the rings already (sent before
-            # this message): it reaches the request before the failure does.
-            self.frontend.pump()
+            # What an executor's stage sent before it failed is in the rings already (sent
+            # before this message): it reaches the request before the failure does. (The
+            # frontend's own stages report from inside its pump, their chunks delivered.)
+            if executor != FRONTEND:
+                self.frontend.pump()
             self.cancel(
                 message.request_id,
                 RequestFailed(f"stage '{message.stage}' failed: {message.error}"),
