@@ -375,6 +375,11 @@ async def answer(job: ChatJob, run: Run) -> dict:
     }
 
 
+def sse(body: dict) -> bytes:
+    """One Server-Sent Event: `body` as JSON on a `data:` line."""
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
 async def events(job: ChatJob, run: Run):
     """The reply as Server-Sent Events (`data: {...}` lines, then `data: [DONE]`)."""
     created = int(time.time())
@@ -390,7 +395,7 @@ async def events(job: ChatJob, run: Run):
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
             **extra,
         }
-        return b"data: " + json.dumps(body).encode() + b"\n\n"
+        return sse(body)
 
     yield chunk({"role": "assistant", "content": ""})
     try:
@@ -405,7 +410,7 @@ async def events(job: ChatJob, run: Run):
             yield chunk({"audio": {"id": audio_id, "data": base64.b64encode(data).decode()}})
     except APIError as err:  # the stream has begun: the error is its last event
         run.error = err
-        yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+        yield sse(err.body())
         yield b"data: [DONE]\n\n"
         return
     final: dict = {}
@@ -426,7 +431,7 @@ async def events(job: ChatJob, run: Run):
             "choices": [],
             "usage": run.usage,
         }
-        yield b"data: " + json.dumps(body).encode() + b"\n\n"
+        yield sse(body)
     yield b"data: [DONE]\n\n"
 
 

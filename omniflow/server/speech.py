@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 
 import torch
 
@@ -33,7 +32,7 @@ from omniflow.media import (
 )
 from omniflow.runtime.port_values import concat
 from omniflow.server import media_in, voices
-from omniflow.server.chat import set_voice
+from omniflow.server.chat import set_voice, sse
 from omniflow.server.errors import APIError, bad_request
 from omniflow.server.params import Params
 from omniflow.server.protocol import SpeechRequest, merge_extra_body, validate
@@ -238,17 +237,14 @@ async def _events(audio, run: Run):
     `speech.audio.done` with the usage (the talker's prompt and codec tokens, where its end
     said them); a failure once the stream has begun is its last event."""
 
-    def event(kind: str, **fields) -> bytes:
-        return b"data: " + json.dumps({"type": kind, **fields}).encode() + b"\n\n"
-
     try:
         async for data in audio:
-            yield event("speech.audio.delta", audio=base64.b64encode(data).decode())
+            yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
     except APIError as err:
         run.error = err
-        yield b"data: " + json.dumps(err.body()).encode() + b"\n\n"
+        yield sse(err.body())
         return
     said = run.audio_ending
     prompt, codes = (said.prompt_tokens, said.tokens) if said is not None else (0, 0)
     usage = {"input_tokens": prompt, "output_tokens": codes, "total_tokens": prompt + codes}
-    yield event("speech.audio.done", usage=usage)
+    yield sse({"type": "speech.audio.done", "usage": usage})
