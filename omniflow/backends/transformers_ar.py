@@ -790,8 +790,11 @@ class TransformersAR(Backend):
         return seq.next_step < seq.sampling.max_tokens and self.component.can_step(seq)
 
     def _waits(self, seq: Sequence) -> bool:
-        """Whether the row's next step waits for a first packet on the device (slack.py):
-        one whose own first frame is on its way, or whose listener can wait."""
+        """Whether the row's next step waits for work on the device (slack.py): its own
+        request's window that a later stage holds its makers for; or a first packet, where
+        the row's own first frame is on its way or its listener can wait."""
+        if seq.call.request_id in self.held_requests:
+            return True
         if not self.first_packets_first or self.plays_s is None:
             return False
         return seq.first_ahead or can_wait(seq.playback.runs_out(self.plays_s), time.monotonic())

@@ -97,7 +97,14 @@ from omniflow.catalog.resolve import model_path
 from omniflow.errors import OmniflowError
 from omniflow.runtime.edges import chunk_end
 from omniflow.runtime.readback import IN_FLIGHT, HostCopies, HostCopy, upload
-from omniflow.runtime.slack import Playback, StepTimer, can_wait, cut_short, urgent_first
+from omniflow.runtime.slack import (
+    Playback,
+    StepTimer,
+    can_wait,
+    cut_short,
+    makers_can_wait,
+    urgent_first,
+)
 from omniflow.runtime.stage import Backend, Call, StageSpec
 
 
@@ -512,6 +519,42 @@ class Vocoder(Backend):
             "stream" in call.state and w.stream.first_sent is None and w.keep_end > w.keep_start
             for d in self.reading
             for w, call in zip(d.windows, d.calls, strict=True)
+        )
+
+    def makers_wait_for(self) -> set[str]:
+        """The live requests with a window on the device here that their makers wait for
+        (slack.py): a first window, or a later one its listener needs before it could play
+        through and can spare the pause for. Only where this stage orders by slack."""
+        if self.frame_s is None:
+            return set()
+        now = time.monotonic()
+        return {
+            call.request_id
+            for decoded in self.reading
+            for window, call in zip(decoded.windows, decoded.calls, strict=True)
+            if "stream" in call.state
+            and window.keep_end > window.keep_start
+            and self._makers_can_wait(window, now)
+        }
+
+    def _makers_can_wait(self, window: Window, now: float) -> bool:
+        stream = window.stream
+        if stream.first_sent is None:
+            return True
+        frame_s = self.frame_s
+        played = Playback(stream.opened, stream.first_sent, window.keep_end - stream.context)
+        # The frames the stream's next window needs past those it has: up to the grid's next
+        # end (or one more frame), and the lookahead after it.
+        after = window.keep_end - stream.context
+        next_end = stream.context + (after + 1 if self.grid_end is None else self.grid_end(after))
+        missing = max(0, next_end + max(stream.lookahead, self.lag) - stream.arrived)
+        return makers_can_wait(
+            stream.runs_out(frame_s),
+            (window.keep_end - window.keep_start) * frame_s,
+            played.runs_out(frame_s),
+            now,
+            missing,
+            stream.producer.step_s,
         )
 
     def _waits(self, stream: _Stream) -> bool:

@@ -368,7 +368,8 @@ class ProgramLoop:
         """One turn: receive every chunk that has arrived, put the chunks that waited for
         credits, then step every stage once, in topological order (a stage downstream of a
         local channel sees its upstream's output in the same turn), the streams that can
-        wait held back while a first packet is on the device (slack.py). True if another
+        wait held back while a first packet is on the device, and a request's own makers
+        while its window they wait for is (slack.py). True if another
         turn could do more: a stage may have a request ready."""
         self.receive()
         for name, outbound in list(self.links.outbound.items()):
@@ -380,8 +381,12 @@ class ProgramLoop:
         # A first packet on the device anywhere here goes before the streams that can wait.
         wanted = any(r.backend.first_packet_in_flight() for r in self.runners.values())
         first = self.hold.hold(wanted, time.monotonic())
+        # A request's own makers wait while a stage has work of its on the device that its
+        # listener needs first (outside the hold budget: only that request waits).
+        held = frozenset().union(*(r.backend.makers_wait_for() for r in self.runners.values()))
         for runner in self.runners.values():
             runner.backend.first_packets_first = first
+            runner.backend.held_requests = held
         for runner in self.runners.values():
             if not self.congested(runner):
                 with runner.stream.active():

@@ -182,6 +182,10 @@ class Backend(ABC):
     # on the device (`first_packet_in_flight`). A stage that makes audio then launches
     # nothing for the streams that can wait (slack.py), and says they are not `ready`.
     first_packets_first = False
+    # Set by the loop before each turn's steps: the requests whose makers some stage of the
+    # program holds (`makers_wait_for`). A stage that makes such a request's inputs (a
+    # thinker, a talker) launches nothing for it and says it is not `ready`.
+    held_requests: frozenset[str] = frozenset()
 
     def __init__(self, spec: StageSpec, device: str):
         self.spec = spec
@@ -215,6 +219,12 @@ class Backend(ABC):
         or frame, a vocoder's first window, queued and not emitted yet): while a stage of
         the program says so, the loop sets every stage's `first_packets_first`."""
         return False
+
+    def makers_wait_for(self) -> set[str]:
+        """The requests whose work on the device here their own makers' next steps wait for
+        (a vocoder's window that its listener needs before the frames after it: slack.py);
+        by default none."""
+        return set()
 
     def urgent_first(self, calls: list[Call]) -> list[Call]:
         """The ready `calls` in the order they should be stepped when not all fit a step

@@ -441,6 +441,36 @@ def test_while_a_first_packet_is_on_the_device_streams_that_can_wait_launch_noth
     runner.drop_all()
 
 
+@pytest.mark.parametrize("decode", ["eager", "static"])
+def test_the_rows_of_a_request_whose_makers_are_held_launch_nothing_while_others_step(plan, decode):
+    """A request whose window a later stage has on the device and holds its makers for
+    (`held_requests`, the loop's: slack.py) launches no step and is not ready, in a stage
+    whose steps play for no known time too (a thinker); the other rows step; once it is let
+    go, it goes on."""
+    spec = StageSpec.from_channels(with_decode(plan, decode), plan.channels)
+    backend = TransformersAR(spec, "cpu")
+    runner = StageRunner(backend.spec, backend, max_batch=4)
+    for request_id in ("held", "other"):
+        runner.start(request_id, {"max_tokens": 12, "temperature": 0.0})
+        runner.feed(request_id, "prompt", [{"role": "user", "content": PROMPTS[0]}], True)
+    held, other = runner.calls["held"], runner.calls["other"]
+
+    def launched(call) -> int:
+        return call.state[transformers_ar._STATE].next_step
+
+    for _ in range(2):
+        runner.step()
+    assert launched(held) == launched(other) == 2
+    backend.held_requests = frozenset({"held"})
+    for _ in range(2):
+        runner.step()
+    assert launched(held) == 2 and launched(other) == 4 and not backend.ready(held)
+    backend.held_requests = frozenset()
+    runner.step()
+    assert launched(held) == 3 and launched(other) == 5
+    runner.drop_all()
+
+
 @contextlib.contextmanager
 def forward_shapes(decoder):
     """The (rows, positions) of each decoder forward while the block runs."""

@@ -310,6 +310,45 @@ def test_while_a_first_packet_is_on_the_device_a_stream_ahead_of_its_listener_wa
     assert r0.emitted
 
 
+@pytest.mark.parametrize("order", ["slack", "arrival"])
+def test_a_requests_makers_wait_for_its_first_window_and_a_later_one_its_listener_needs(
+    tts_plan, order, monkeypatch
+):
+    """While r0's first window is on the device (its audio landing three polls late,
+    injected), the stage says r0's makers wait for it (`makers_wait_for`: the loop hands it
+    to every stage, whose rows for r0 launch nothing); once it is out, not. A later window
+    holds them while its listener would be played out before it could play through and
+    their pace spares the pause: a long window after the first, not a short one behind it.
+    By arrival order, never."""
+    vocoder = ordered(tts_plan, order)
+    monkeypatch.setattr(vocoder, "grid_end", None)  # every ready frame in one window
+    land_late(monkeypatch)
+    codes = torch.randint(0, 128, (200, 1), generator=torch.Generator().manual_seed(4))
+    r0 = Call("r0", {}, {"codes": InputStream("codes")})
+    pushed = 0
+
+    def window(frames: int) -> set[str]:
+        """r0's next window of `frames` kept frames on the device: who waits for it."""
+        nonlocal pushed
+        r0.inputs["codes"].push(codes[pushed : pushed + frames], False)
+        pushed += frames
+        r0.emitted.clear()
+        vocoder.step([r0])
+        waiting = vocoder.makers_wait_for()
+        for _ in range(5):
+            if r0.emitted:
+                break
+            vocoder.step([r0])
+        assert r0.emitted and not vocoder.makers_wait_for()
+        return waiting
+
+    slack = order == "slack"
+    lookahead = vocoder.lookahead
+    assert window(lookahead + 4) == ({"r0"} if slack else set())  # the first: 4 frames
+    assert window(60) == ({"r0"} if slack else set())  # 60 frames: its listener has 4
+    assert window(1) == set()  # 1 frame: its listener has 64
+
+
 def test_bad_codes_fail_their_request_alone(dac):
     good = torch.randint(0, 128, (12, 1))
     requests = [

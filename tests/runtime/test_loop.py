@@ -193,18 +193,25 @@ def test_request_stats_reach_the_caller_before_its_last_chunk(mode):
         assert row["in_flight_time_ms"] >= 0 and "rx_decode_time_ms" in row
 
 
-@pytest.mark.parametrize("hold", [True, False], ids=["first-packets-first", "no-hold"])
+@pytest.mark.parametrize(
+    "budget, order, held",
+    [(True, "arrival", True), (False, "slack", True), (False, "arrival", False)],
+    ids=["first-packets-first", "own-makers-wait", "no-hold"],
+)
 def test_while_a_first_packet_is_on_the_device_the_talker_launches_no_next_frame(
-    hold, monkeypatch, tmp_path
+    budget, order, held, monkeypatch, tmp_path
 ):
     """Qwen3-TTS (tiny) in one program, its talker on the static path, the device's latency
     injected (a step's tokens and a window's audio land three polls late): the loop holds the
     talker's next frame until code2wav's first audio is out, so the frame after the first
-    comes after it; with the hold's budget spent (`no-hold`), the talker runs ahead and its
-    second frame lands first. (The budget is raised for the CPU's slow steps.)"""
+    comes after it: within the hold's budget (raised for the CPU's slow steps); and with the
+    budget spent, where code2wav orders by slack, as the request's own makers wait for its
+    first window (`makers_wait_for`). With neither (`no-hold`) the talker runs ahead and its
+    second frame lands first."""
     graph = tmp_path / "qwen3_tts.omni"
     source = (GRAPHS / "qwen3_tts.omni").read_text()
     source = source.replace('(component="talker",', '(component="talker", decode="static",')
+    source = source.replace('(component="code2wav",', f'(component="code2wav", order="{order}",')
     # A frame a chunk: off GPUs a per-token stream is what puts two stages in one program.
     graph.write_text(
         source.replace(
@@ -220,7 +227,7 @@ def test_while_a_first_packet_is_on_the_device_the_talker_launches_no_next_frame
     for channel in [*plan.channels, *program.local]:
         if channel.dst == "code2wav":
             channel.plays_s = 0.08
-    spell = 60.0 if hold else 0.0
+    spell = 60.0 if budget else 0.0
     monkeypatch.setattr(slack, "HOLD_SPELL_S", spell)
     monkeypatch.setattr(loop, "HoldBudget", lambda: slack.HoldBudget(left=spell))
     land_late(monkeypatch, static_decode.Launched)
@@ -237,4 +244,4 @@ def test_while_a_first_packet_is_on_the_device_the_talker_launches_no_next_frame
                 emitted[recorded.names[what]].append(t)
     talker, code2wav = sorted(emitted["talker"]), sorted(emitted["code2wav"])
     assert len(talker) >= 2 and code2wav
-    assert (talker[1] > code2wav[0]) == hold
+    assert (talker[1] > code2wav[0]) == held

@@ -24,6 +24,7 @@ from omniflow.runtime.slack import (
     StepTimer,
     can_wait,
     cut_short,
+    makers_can_wait,
     urgent_first,
 )
 
@@ -62,6 +63,21 @@ def test_a_stream_lets_a_first_packet_by_while_its_listener_has_audio_to_spare()
     playback.send(1, now=1.0)  # one 80 ms frame, above HOLD_S
     assert can_wait(playback.runs_out(0.08), now=1.0)
     assert not can_wait(playback.runs_out(0.08), now=1.08 - HOLD_S + 0.001)
+
+
+def test_makers_wait_for_a_later_window_only_where_its_listener_needs_it_and_can_spare_them():
+    """Omni chat at one stream (token2wav's 20 ms codes, its makers ~6.5 ms a code): the
+    second window (24 codes, 480 ms) goes on the device 84 ms before the listener has
+    played the first's 240 ms; the third window needs 24 codes more."""
+    now, step_s = 0.404, 0.0065
+    runs_out, window_s = 0.488, 24 * 0.02
+    after = runs_out + window_s
+    assert makers_can_wait(runs_out, window_s, after, now, 24, step_s)
+    # A stream a window ahead of its listener needs no hold (Qwen3-TTS, 20x real time).
+    assert not makers_can_wait(now + window_s, window_s, after + window_s, now, 24, step_s)
+    # Nor one whose next window's codes would then come too late, nor one of unknown pace.
+    assert not makers_can_wait(runs_out, window_s, after, now, 24, step_s=0.025)
+    assert not makers_can_wait(runs_out, window_s, after, now, 24, step_s=None)
 
 
 def test_first_packets_hold_the_running_streams_for_a_share_of_the_time_at_most():
