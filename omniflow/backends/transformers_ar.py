@@ -791,9 +791,13 @@ class TransformersAR(Backend):
 
     def _waits(self, seq: Sequence) -> bool:
         """Whether the row's next step waits for work on the device (slack.py): its own
-        request's window that a later stage holds its makers for; or a first packet, where
-        the row's own first frame is on its way or its listener can wait."""
-        if seq.call.request_id in self.held_requests:
+        request's window that a later stage holds its makers for, where every row is held;
+        or a first packet, where the row's own first frame is on its way or its listener
+        can wait."""
+        held = self.held_requests
+        # Held only where no other row steps: a step that runs anyway costs no more with
+        # this row in it (its weights are read for the others).
+        if seq.call.request_id in held and all(r.call.request_id in held for r in self.rows):
             return True
         if not self.first_packets_first or self.plays_s is None:
             return False

@@ -25,7 +25,8 @@ that make audio put the stream that runs dry first first:
   first window always (its listener has not started, and the frames after the window are
   needed only once it plays), a later one where the listener would otherwise be played
   out before it and can spare the pause. Only that request's rows wait, outside the
-  `HoldBudget`. Omni chat's token2wav window beside its own thinker's and talker's steps
+  `HoldBudget`, and only where their stage would then launch nothing (a batched step that
+  runs for other rows costs no more with them). Omni chat's token2wav window beside its own thinker's and talker's steps
   took 168 ms on an H100 where alone it takes 43; its first packet came 379 -> 248 ms
   sooner with the makers held (docs/benchmarks-log.md, "The four parts one at a time, ...").
 

@@ -184,7 +184,8 @@ class Backend(ABC):
     first_packets_first = False
     # Set by the loop before each turn's steps: the requests whose makers some stage of the
     # program holds (`makers_wait_for`). A stage that makes such a request's inputs (a
-    # thinker, a talker) launches nothing for it and says it is not `ready`.
+    # thinker, a talker) launches nothing for it and says it is not `ready`, where it would
+    # launch nothing else (a step that runs for other rows costs no more with it).
     held_requests: frozenset[str] = frozenset()
 
     def __init__(self, spec: StageSpec, device: str):

@@ -444,9 +444,10 @@ def test_while_a_first_packet_is_on_the_device_streams_that_can_wait_launch_noth
 @pytest.mark.parametrize("decode", ["eager", "static"])
 def test_the_rows_of_a_request_whose_makers_are_held_launch_nothing_while_others_step(plan, decode):
     """A request whose window a later stage has on the device and holds its makers for
-    (`held_requests`, the loop's: slack.py) launches no step and is not ready, in a stage
-    whose steps play for no known time too (a thinker); the other rows step; once it is let
-    go, it goes on."""
+    (`held_requests`, the loop's: slack.py) launches no step and is not ready where no
+    other row steps, in a stage whose steps play for no known time too (a thinker); where
+    another row steps, the held one steps with it (the step costs no more); once let go,
+    it goes on."""
     spec = StageSpec.from_channels(with_decode(plan, decode), plan.channels)
     backend = TransformersAR(spec, "cpu")
     runner = StageRunner(backend.spec, backend, max_batch=4)
@@ -462,12 +463,15 @@ def test_the_rows_of_a_request_whose_makers_are_held_launch_nothing_while_others
         runner.step()
     assert launched(held) == launched(other) == 2
     backend.held_requests = frozenset({"held"})
+    runner.step()
+    assert launched(held) == launched(other) == 3  # "other" steps: "held" goes along
+    backend.held_requests = frozenset({"held", "other"})
     for _ in range(2):
         runner.step()
-    assert launched(held) == 2 and launched(other) == 4 and not backend.ready(held)
-    backend.held_requests = frozenset()
+    assert launched(held) == launched(other) == 3 and not backend.ready(held)
+    backend.held_requests = frozenset({"other"})
     runner.step()
-    assert launched(held) == 3 and launched(other) == 5
+    assert launched(held) == launched(other) == 4
     runner.drop_all()
 
 
