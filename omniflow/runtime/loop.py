@@ -369,8 +369,8 @@ class ProgramLoop:
         credits, then step every stage once, in topological order (a stage downstream of a
         local channel sees its upstream's output in the same turn), the streams that can
         wait held back while a first packet is on the device, and a request's own makers
-        while its window they wait for is (slack.py). True if another
-        turn could do more: a stage may have a request ready."""
+        while its window they wait for is (slack.py). True if another turn could do more: a
+        stage may have a request ready."""
         self.receive()
         for name, outbound in list(self.links.outbound.items()):
             try:

@@ -26,9 +26,10 @@ that make audio put the stream that runs dry first first:
   needed only once it plays), a later one where the listener would otherwise be played
   out before it and can spare the pause. Only that request's rows wait, outside the
   `HoldBudget`, and only where their stage would then launch nothing (a batched step that
-  runs for other rows costs no more with them). Omni chat's token2wav window beside its own thinker's and talker's steps
-  took 168 ms on an H100 where alone it takes 43; its first packet came 379 -> 248 ms
-  sooner with the makers held (docs/benchmarks-log.md, "The four parts one at a time, ...").
+  runs for other rows costs no more with them). Omni chat's token2wav window beside its
+  own thinker's and talker's steps took 168 ms on an H100 where alone it takes 43; with
+  the makers waiting its first packet came at 247 ms, not 362, with no gap
+  (docs/benchmarks-log.md, "A request's own makers wait for its window, ...").
 
 Without a known duration a step (text, or a codec of unknown rate) every stream counts as
 having sent nothing: arrival order, the schedule as planned.
