@@ -542,10 +542,10 @@ class Vocoder(Backend):
         if stream.first_sent is None:
             return True
         frame_s = self.frame_s
-        played = Playback(stream.opened, stream.first_sent, window.keep_end - stream.context)
+        after = window.keep_end - stream.context  # the frames played once the window is sent
+        played = Playback(stream.opened, stream.first_sent, after)
         # The frames the stream's next window needs past those it has: up to the grid's next
         # end (or one more frame), and the lookahead after it.
-        after = window.keep_end - stream.context
         next_end = stream.context + (after + 1 if self.grid_end is None else self.grid_end(after))
         missing = max(0, next_end + max(stream.lookahead, self.lag) - stream.arrived)
         return makers_can_wait(
