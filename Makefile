@@ -31,10 +31,14 @@ plan: setup
 	$(VENV)/bin/omniflow compile graphs/omni_chat.omni --devices $(DEVICES)
 
 # -P: the working directory (this repository) stays off the front of sys.path, where its
-# top-level kernels/ would shadow PyPI's `kernels`, which transformers imports. The slowest
-# tests are listed at the end, so a suite drifting toward its time limit shows where.
+# top-level kernels/ would shadow PyPI's `kernels`, which transformers imports. Two workers,
+# a test file each (a module's server or interpreted jobs stay in one): much of a test's
+# time is its processes starting or waiting on each other, so two cores take ~14 minutes
+# where one worker took ~19. The slowest tests are listed at the end, so a suite drifting
+# toward its time limit shows where.
+TEST_WORKERS ?= 2
 test: setup
-	$(PY) -P -m pytest -q --durations=20
+	$(PY) -P -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

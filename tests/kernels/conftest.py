@@ -9,13 +9,14 @@ subprocess with the variable set (`python -P` on this process's sys.path: see
 tests/conftest.py), and returns its result. Arguments and results travel by
 `torch.save` (tensors, numbers, None, and lists, tuples and dicts of them). Each call costs
 a Python start (about a second): run all of a file's kernel cases in one job, unless that
-job takes a large share of the 120 s limit (over ~20 s on an idle 2-core machine: a loaded
-one runs it two or three times slower); then split it, a job per test.
+job takes a large share of the 240 s limit (over ~20 s on an idle 2-core machine: a loaded
+one, such as `make test`'s two workers make it, runs it two or three times slower); then
+split it, a job per test.
 
 A file of several jobs starts them together as it begins, `interpret_ahead(request,
 {test: [(job, *args), ...]})` in a module fixture: those of the tests this session runs, a
 job that several tests share once. They run side by side, `WORKERS` at a time (each an
-interpreter thread, under its own 120 s from its own start), while this process runs the
+interpreter thread, under its own 240 s from its own start), while this process runs the
 tests; a test's `interpret(job, *args)` then takes its started job's result.
 
 A file's GPU tests take the operands its interpreted test takes (its `cases()`, or the same
@@ -50,7 +51,9 @@ torch.save(getattr(module, name)(*torch.load(args)), result)
 # Jobs at once: each is one interpreter thread (the jobs set torch's threads to 1), so a
 # 2-core machine runs two side by side in about the time of one.
 WORKERS = max(1, min(4, os.cpu_count() or 1))
-TIMEOUT_S = 120
+# The longest job took 57 s under `make test`'s two workers on the 2-core machine; within
+# pytest-timeout's 300 s a test.
+TIMEOUT_S = 240
 
 
 class Interpret:

@@ -128,7 +128,7 @@ def prefilled_each(fused: bool) -> list[dict]:
 
 
 # Each test interprets its own job (a process of its own): one job for the whole file took
-# ~40 s of the interpreter's 120 s limit on an idle 2-core machine, too near it when loaded.
+# ~40 s of the interpreter's limit (then 120 s) on an idle 2-core machine, too near it when loaded.
 # They start together as the file begins, and run side by side (kernels/conftest.py).
 
 

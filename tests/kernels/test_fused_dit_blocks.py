@@ -45,7 +45,7 @@ def run_blocks(model: str) -> dict:
 MODELS = [*((style, 3) for style in STYLES), ("qwen", 2)]
 
 
-# A job per model: all in one took ~22 s of the interpreter's 120 s limit on an idle 2-core
+# A job per model: all in one took ~22 s of the interpreter's limit (then 120 s) on an idle 2-core
 # machine, both Wan styles in one ~19 s (kernels/conftest.py). They start together as the file
 # begins, and run side by side.
 @pytest.fixture(scope="module", autouse=True)
