@@ -523,8 +523,9 @@ class Vocoder(Backend):
 
     def makers_wait_for(self) -> set[str]:
         """The live requests with a window on the device here that their makers wait for
-        (slack.py): a first window, or a later one its listener needs before it could play
-        through and can spare the pause for. Only where this stage orders by slack."""
+        (slack.py): a first window, or (but for a carried-state stream) a later one its
+        listener needs before it could play through and can spare the pause for. Only where
+        this stage orders by slack."""
         if self.frame_s is None:
             return set()
         now = time.monotonic()
@@ -541,6 +542,12 @@ class Vocoder(Backend):
         stream = window.stream
         if stream.first_sent is None:
             return True
+        if self.stateful:
+            # Its edge keeps it fed: a chunk goes out short where the listener would run dry
+            # (`_cut_short`), so a later window is a few frames at most, soon out. Pausing
+            # the makers for them cost Qwen3-TTS at 16 streams an eighth of its throughput
+            # and gained nothing at one (docs/benchmarks-log.md, "A request's own makers").
+            return False
         frame_s = self.frame_s
         after = window.keep_end - stream.context  # the frames played once the window is sent
         played = Playback(stream.opened, stream.first_sent, after)

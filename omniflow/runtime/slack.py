@@ -24,7 +24,8 @@ that make audio put the stream that runs dry first first:
 - a request's own makers wait for its window on the device (`makers_can_wait`): a vocoder's
   first window always (its listener has not started, and the frames after the window are
   needed only once it plays), a later one where the listener would otherwise be played
-  out before it and can spare the pause. Only that request's rows wait, outside the
+  out before it and can spare the pause (but for a carried-state stream, which its edge
+  keeps fed by cutting chunks short). Only that request's rows wait, outside the
   `HoldBudget`, and only where their stage would then launch nothing (a batched step that
   runs for other rows costs no more with them). Omni chat's token2wav window beside its
   own thinker's and talker's steps took 168 ms on an H100 where alone it takes 43; with

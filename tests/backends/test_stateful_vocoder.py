@@ -206,6 +206,23 @@ def test_carried_state_streams_the_whole_decode(plan, schedule, decode):
             )
 
 
+def land_late(driver: Driver, rounds: int) -> None:
+    """Each forward's audio lands on the host `rounds` rounds after it was decoded (as on a
+    busy GPU), not at once as off CUDA."""
+    copy = driver.vocoder.host_copies.copy
+
+    @dataclasses.dataclass
+    class Held(HostCopy):
+        due: int = 0
+
+        def landed(self) -> bool:
+            return driver.round >= self.due
+
+    driver.vocoder.host_copies.copy = lambda audio: Held(
+        copy(audio).value, due=driver.round + rounds
+    )
+
+
 def test_audio_still_on_its_way_to_the_host_is_polled_for_not_waited_for(plan):
     """A forward's audio is read back without waiting for the device: held back here for
     three rounds (as a busy GPU would), the stage decodes the next forward meanwhile (at
@@ -215,16 +232,7 @@ def test_audio_still_on_its_way_to_the_host_is_polled_for_not_waited_for(plan):
     vocoder = code2wav(plan, [1, 2, 4])
     codes = request_codes()
     driver = Driver(vocoder, codes)
-    copy = vocoder.host_copies.copy
-
-    @dataclasses.dataclass
-    class Held(HostCopy):
-        due: int = 0
-
-        def landed(self) -> bool:
-            return driver.round >= self.due
-
-    vocoder.host_copies.copy = lambda audio: Held(copy(audio).value, due=driver.round + 3)
+    land_late(driver, 3)
     full, polled = 0, 0
     while driver.runner.calls and driver.round < 1000:
         before = len(driver.forwards)
@@ -272,6 +280,34 @@ def test_a_paced_stream_whose_listener_runs_dry_decodes_what_it_has(plan):
     assert any(w < 8 for w in windows[1:-1])  # cut short of the grid, not just at the end
     got, want = torch.cat(driver.audio["r0"]), whole(vocoder, codes[0])
     assert got.shape == want.shape and float((got - want).abs().max()) < TOLERANCE
+
+
+def test_a_streams_makers_wait_for_its_first_window_alone(plan):
+    """Ordered by slack on a paced edge, a stream's makers wait for its first window on the
+    device (`makers_wait_for`, slack.py), not for a later one, even one longer than what its
+    listener has left: the edge keeps a carried-state stream fed (a chunk goes out short
+    where the listener would run dry), and the pause would hold up the other streams'
+    frames."""
+    vocoder = code2wav(plan, [1, 8], order="slack")
+    vocoder.spec = dataclasses.replace(vocoder.spec, paced={"codes": 0.08})
+    driver = Driver(vocoder, request_codes()[:1], delays=[0])
+    land_late(driver, 2)
+    firsts, laters = 0, 0
+    while driver.runner.calls and driver.round < 1000:
+        driver.round_()
+        now = time.monotonic()
+        for decoded in vocoder.reading:
+            for window in decoded.windows:
+                if window.stream.first_sent is None:
+                    firsts += 1
+                    assert vocoder.makers_wait_for() == {"r0"}
+                else:
+                    audio_s = (window.keep_end - window.keep_start) * 0.08
+                    laters += window.stream.runs_out(0.08) - now < audio_s
+                    assert vocoder.makers_wait_for() == set()
+        time.sleep(0.05)  # a frame every 50 ms: 8-frame windows once the stream is ahead
+    del vocoder.decoder.step
+    assert firsts and laters
 
 
 def test_a_window_without_its_state_is_far_off(plan):
