@@ -121,23 +121,25 @@ def decode_audio(data: bytes, max_seconds: float | None = None) -> tuple[torch.T
         except (RuntimeError, soundfile.LibsndfileError) as err:
             raise MediaError(f"{NOT_AUDIO}: {err}") from err
     samples = np.concatenate(parts) if parts else np.zeros(0, np.float32)
-    return _finite(torch.from_numpy(np.ascontiguousarray(samples))), rate
+    return _playable(torch.from_numpy(np.ascontiguousarray(samples))), rate
 
 
-def _finite(samples: torch.Tensor) -> torch.Tensor:
-    """Decoded samples, if every one is a number (a float file can hold NaN or infinity,
-    which no model should see: MediaError)."""
+def _playable(samples: torch.Tensor) -> torch.Tensor:
+    """Decoded samples as they play: a float file can hold NaN or infinity, which no model
+    should see (MediaError), and values past full scale (a float WAV's may reach 1e30,
+    which overflows a mel spectrogram), which are clipped to [-1, 1] as a player clips
+    them."""
     if not bool(torch.isfinite(samples).all()):
         raise MediaError("the audio holds samples that are NaN or infinite")
-    return samples
+    return samples.clamp_(-1.0, 1.0)
 
 
 NOT_AUDIO = "not an audio file (WAV, FLAC, MP3, Ogg, AAC, ... as FFmpeg reads them)"
 # Samples (all channels) decoded at a time: what decoding holds beside the mono result.
 AUDIO_BLOCK = 1 << 18
-# The most channels and the highest rate a file may declare (7.1 and studio rates pass).
+# The most channels and the rates a file may declare (7.1, telephony and studio rates pass).
 MAX_CHANNELS = 16
-MAX_RATE = 384000
+MIN_RATE, MAX_RATE = 1000, 384000
 
 
 def _check_audio(seconds: float, channels: int, rate: int, max_seconds: float | None) -> None:
@@ -145,8 +147,10 @@ def _check_audio(seconds: float, channels: int, rate: int, max_seconds: float | 
     than a clip of `max_seconds` may be."""
     if not 0 < channels <= MAX_CHANNELS:
         raise MediaError(f"{NOT_AUDIO}: it declares {channels} channels (at most {MAX_CHANNELS})")
-    if not 0 < rate <= MAX_RATE:
-        raise MediaError(f"{NOT_AUDIO}: it declares a rate of {rate} Hz (at most {MAX_RATE})")
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise MediaError(
+            f"{NOT_AUDIO}: it declares a rate of {rate} Hz ({MIN_RATE} to {MAX_RATE} are taken)"
+        )
     if max_seconds is not None and seconds > max_seconds:
         raise MediaError(_too_long(seconds, max_seconds))
 
@@ -182,7 +186,7 @@ def _decode_with_av(data: bytes, max_seconds: float | None) -> tuple[torch.Tenso
         raise MediaError(f"{NOT_AUDIO}: {reason}") from err
     if not parts or not rate:
         raise MediaError(f"{NOT_AUDIO}: it has no samples")
-    return _finite(torch.from_numpy(np.concatenate(parts).astype(np.float32))), rate
+    return _playable(torch.from_numpy(np.concatenate(parts).astype(np.float32))), rate
 
 
 def _declared_seconds(container, stream) -> float:
@@ -210,6 +214,8 @@ def resample(samples: torch.Tensor, rate: int, to: int) -> torch.Tensor:
     resampler = av.AudioResampler(format="flt", layout="mono", rate=to)
     parts = [out.to_ndarray().reshape(-1) for out in resampler.resample(frame)]
     parts += [out.to_ndarray().reshape(-1) for out in resampler.resample(None)]
+    if not parts:  # (too few samples to make one at the new rate)
+        return torch.zeros(0)
     return torch.from_numpy(np.concatenate(parts).astype(np.float32))
 
 
@@ -536,6 +542,8 @@ NOT_VIDEO = "not a video file PyAV can read"
 
 
 def _video_info(container) -> VideoInfo:
+    if not container.streams.video:
+        raise MediaError(f"{NOT_VIDEO}: it has no video stream")
     stream = container.streams.video[0]
     rate = float(stream.average_rate or 0)
     frames = int(stream.frames or 0) or round(_declared_seconds(container, stream) * rate)

@@ -163,7 +163,13 @@ def admit(
                 f"the pipeline has {', '.join(sorted(known))}"
             )
         scope = plan.upstream(outputs)
-        needed = {c.src for c in plan.channels if c.dst in scope | outputs}
+        needed = {c.src for c in plan.channels if c.dst in scope | outputs} | {
+            v.input  # a guidance companion: an input a stage's parameter names
+            for s in plan.stages
+            if s.name in scope
+            for v in s.params.values()
+            if isinstance(v, InputRef)
+        }
     values = _check_params(plan, dict(params or {}))
     given, wire = _prepare_inputs(plan, inputs, needed)
     # Left out: optional inputs not given; in a scoped request, every input it does not read.

@@ -149,9 +149,11 @@ class Server:
             raise bad_request(f"{served.describe()}{hint}", param="model", code="unsupported")
         return served
 
-    def admit(self, served: Served, inputs: dict, params) -> object:
+    def admit(self, served: Served, inputs: dict, params, outputs: set[str]) -> object:
         """The request checked against the plan (`engine.admit`): a 400 naming what does not
-        fit; `param` names the request field that set the parameter, where one did."""
+        fit; `param` names the request field that set the parameter, where one did. It runs
+        only the stages its `outputs` depend on: a chat asking for text alone starts no
+        talker and no vocoder."""
         for port in served.inputs_of("text"):
             if inputs.get(port.name) == "":  # the runtime cannot send an empty text
                 if port.default is None:
@@ -160,8 +162,14 @@ class Server:
                         param=port.name,
                     )
                 inputs[port.name] = port.default
+        # Scoped only where it asks for some of the outputs: one for all of them is admitted
+        # unscoped, as before.
+        asked = frozenset(outputs)
+        every = frozenset(o.name for o in served.plan.outputs)
         try:
-            admitted = served.engine.admit(inputs, params.result())
+            admitted = served.engine.admit(
+                inputs, params.result(), asked if asked < every else None
+            )
         except RequestError as err:
             chat = served.chat_input
             field = "messages" if chat is not None and err.field == chat.name else err.field
@@ -331,7 +339,7 @@ def create_app(server: Server) -> FastAPI:
         served = server.route(body.get("model"), capability)
         context["model"] = served.name
         job = await parse(server, served, body)
-        admitted = server.admit(served, job.inputs, job.params)
+        admitted = server.admit(served, job.inputs, job.params, job.outputs)
         slot = await until_disconnect(request, served.acquire())
         return served, job, admitted, slot
 
@@ -351,7 +359,7 @@ def create_app(server: Server) -> FastAPI:
     async def audio_speech(request: Request, context) -> Response:
         served, job, admitted, slot = await admit_json(request, context, "speech", speech.parse)
         run = context["run"] = Run(
-            served, admitted, chat.new_id().replace("chatcmpl", "speech"), {job.audio_port.name},
+            served, admitted, chat.new_id().replace("chatcmpl", "speech"), job.outputs,
             context["began"],
         )  # fmt: skip
         headers = {"x-omniflow-seed": str(run.seed), "x-request-id": run.request_id}
@@ -367,7 +375,8 @@ def create_app(server: Server) -> FastAPI:
     async def image_reply(request: Request, context, served, job) -> Response:
         asked = job.requests()
         admitted = [
-            server.admit(served, inputs, _Fixed(params, job.params)) for inputs, params in asked
+            server.admit(served, inputs, _Fixed(params, job.params), {job.image_port.name})
+            for inputs, params in asked
         ]
         slot = await until_disconnect(request, served.acquire(len(admitted)))
         prefix = chat.new_id().replace("chatcmpl", "img")

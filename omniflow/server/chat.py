@@ -210,7 +210,13 @@ async def _parts(server, parts, where: str, images, audios, videos, in_video: bo
             data = await server.fetch_media(url, field)
             # A video that does not decode is the request's fault: a 400 now, not in a stage
             # (decoded in a worker thread, its frames not kept: the stage samples them).
-            await media_in.decoded(probe_video, data, field, limits.max_video_pixels)
+            video = await media_in.decoded(probe_video, data, field, limits.max_video_pixels)
+            if video.frames < MIN_VIDEO_FRAMES:
+                raise bad_request(
+                    f"'{field}': the video has {video.frames} frame; a video has at least "
+                    f"{MIN_VIDEO_FRAMES} (a still picture goes in an image_url part)",
+                    param=field,
+                )
             if in_video:  # its audio track goes in as the next audio item
                 note = " (use_audio_in_video needs its audio track)"
                 audios.append(
@@ -227,6 +233,10 @@ async def _parts(server, parts, where: str, images, audios, videos, in_video: bo
     return out
 
 
+# The fewest frames a chat's video may have: video towers take frames in pairs (Qwen2-VL's
+# processor and those after it: temporal patches of 2), and one frame is a picture.
+MIN_VIDEO_FRAMES = 2
+
 # What a chat's audio becomes before it reaches a pipeline's audio input: mono float32 at
 # the rate speech encoders take (16 kHz: Whisper's front end, the omni models' processors).
 SPEECH_RATE = 16000
@@ -235,9 +245,10 @@ SPEECH_RATE = 16000
 def speech_clip(data: bytes, max_seconds: float) -> tuple[torch.Tensor, int]:
     """An audio file as a chat's audio item: decoded (at most `max_seconds`) and resampled."""
     samples, rate = decode_audio(data, max_seconds)
-    if not len(samples):
-        raise MediaError("the audio has no samples")
-    return resample(samples, rate, SPEECH_RATE), SPEECH_RATE
+    clip = resample(samples, rate, SPEECH_RATE) if len(samples) else samples
+    if not len(clip):
+        raise MediaError(f"the audio has {len(samples)} samples at {rate} Hz: none to hear")
+    return clip, SPEECH_RATE
 
 
 def _media_input(server, served, inputs: dict, values: list, port_type: str, part: str) -> None:

@@ -270,7 +270,7 @@ class RealtimeSession:
         body, _ = self._chat_body(config, [{"id": "probe", "role": "user", "content": content}])
         try:
             job = await chat.parse(self.server, self.served, body)
-            self.server.admit(self.served, job.inputs, job.params)
+            self.server.admit(self.served, job.inputs, job.params, job.outputs)
         except APIError as err:
             if err.code == "context_length_exceeded":  # the instructions alone are too long
                 raise _invalid(f"'session.instructions': {err.message}", "session.instructions",
@@ -429,6 +429,8 @@ class RealtimeSession:
     async def _item_delete(self, event: dict) -> None:
         """What keeps a long conversation within its bounds: the client drops old items."""
         item_id = event.get("item_id")
+        if not isinstance(item_id, str):
+            raise _invalid(f"'item_id' must be an item's id, not {item_id!r}", "item_id")
         found = [item for item in self.items if item["id"] == item_id]
         if not found:
             raise _invalid(f"the conversation has no item {item_id!r}", "item_id", "item_not_found")
@@ -535,7 +537,7 @@ class RealtimeSession:
         body, sources = self._chat_body(config, self.items)
         try:  # checked now: a bad item fails before any work starts
             job = await chat.parse(self.server, self.served, body)
-            admitted = self.server.admit(self.served, job.inputs, job.params)
+            admitted = self.server.admit(self.served, job.inputs, job.params, job.outputs)
         except APIError as err:
             raise _about_items(_about_settings(err, options), sources) from None
         response_id = _id("resp")

@@ -59,6 +59,10 @@ class SpeechJob:
         self.audio_port = served.outputs_of("audio")[0]
 
     @property
+    def outputs(self) -> set[str]:
+        return {self.audio_port.name}
+
+    @property
     def media_type(self) -> str:
         return "text/event-stream" if self.sse else AUDIO_MIME[self.format]
 

@@ -279,7 +279,7 @@ class SpeechSession:
         )
         # The session's fields, checked (and the voice resolved, a reference encoded) once.
         job = await speech.parse(self.server, served, {**body, "input": "."})
-        self.server.admit(served, dict(job.inputs), job.params)
+        self.server.admit(served, dict(job.inputs), job.params, job.outputs)
         self.served, self.job = served, job
         self.server.metrics.websocket_sessions.labels(served.name, PATH).inc()
         self.speaker = asyncio.ensure_future(self._speak_loop())
@@ -326,10 +326,10 @@ class SpeechSession:
         try:
             async with self.ahead:
                 inputs = {**job.inputs, served.speech_input.name: segment.text}
-                admitted = self.server.admit(served, inputs, job.params)
+                admitted = self.server.admit(served, inputs, job.params, job.outputs)
                 slot = await served.acquire()  # queued like any request while it is full
                 request_id = chat.new_id().replace("chatcmpl", f"speech-ws{segment.index}")
-                run = segment.run = Run(served, admitted, request_id, {job.audio_port.name}, began)
+                run = segment.run = Run(served, admitted, request_id, job.outputs, began)
                 async for _, value in run.chunks():
                     segment.queue.put_nowait(value)
             segment.queue.put_nowait(_END)

@@ -191,7 +191,7 @@ def parse(server, served, fields: dict, files: dict) -> VideoRequest:
             raise bad_request(f"'seconds' must be above 0, not {seconds!r}", param="seconds")
         typed.setdefault("num_frames", int(round(seconds * fps)) + 1)
     take_fields(served, typed, inputs, params)
-    admitted = server.admit(served, inputs, params)
+    admitted = server.admit(served, inputs, params, {served.video_port.name})
     values = {**served.plan.params, **params.result()}
     frames = _frames(served, params.result())
     width, height = values.get("width"), values.get("height")

@@ -21,7 +21,8 @@ from omniflow.families.qwen_image.pipeline import load_processor
 from omniflow.hf_logging import quiet
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
-from omniflow.runtime.requests import admit, stage_params
+from omniflow.runtime.preflight import preflight
+from omniflow.runtime.requests import RequestError, admit, stage_params
 from omniflow.runtime.stage import Call, InputStream
 from tests.backends.test_diffusion import assert_close_pixels, step_when_ready, to_uint8
 
@@ -165,6 +166,18 @@ def stage_call(plan, stage: str, name: str, values: dict, request: tuple) -> Cal
         streams[channel.dst_port].push(values[channel.dst_port], end=True)
     resolved = stage_params(plan.stage(stage), admit(plan, inputs, params))
     return Call(name, resolved, streams)
+
+
+def test_an_input_image_past_the_processors_aspect_ratio_is_refused_at_admission(plan, requests):
+    """What the encoder stage would fail (Qwen2.5-VL's processor takes up to 200:1) is a
+    RequestError naming the image before any stage runs; 200:1 passes."""
+    inputs, params = requests[0]
+    checks = preflight(plan)
+    for height, width in ((4, 4000), (300, 1)):
+        with pytest.raises(RequestError, match="up to 200:1") as info:
+            admit(plan, {**inputs, "image": pixels(height, width, 2)}, params, checks)
+        assert info.value.field == "image"
+    admit(plan, {**inputs, "image": pixels(1, 200, 2)}, params, checks)
 
 
 def test_edits_at_different_steps_share_one_forward_and_bad_images_fail_alone(

@@ -11,7 +11,7 @@ import torch
 from omniflow.compiler import compile_file, compile_source
 from omniflow.runtime.engine import Engine
 from omniflow.runtime.interpreter import Interpreter
-from omniflow.runtime.requests import RequestError
+from omniflow.runtime.requests import RequestError, admit
 
 GRAPHS = Path(__file__).parents[2] / "graphs"
 IMAGE_FILE = str(GRAPHS / "image_understanding.omni")
@@ -172,6 +172,14 @@ SCOPED = """pipeline scoped {
   up.out -> output loud
   join.out -> output sentence
 }"""
+
+
+def test_a_scoped_request_takes_the_inputs_its_stages_parameters_name():
+    """A guidance companion (`cfg=negative_prompt`) is read by a stage's parameter, not an
+    edge: a request scoped to the image still takes it, its default where not given."""
+    plan = compile_file(str(GRAPHS / "text_to_image.omni"), devices="cpu", tiny=True)
+    scoped = admit(plan, {"prompt": "a cat"}, outputs=frozenset({"image"}))
+    assert scoped.inputs == {"prompt": "a cat", "negative_prompt": ""}
 
 
 @pytest.mark.parametrize("mode", ["inprocess", "process"])

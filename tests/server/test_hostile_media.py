@@ -348,6 +348,35 @@ def test_a_picture_past_the_processors_aspect_ratio_is_a_400(watch):
     assert "404 x 2 pixels" in message and "up to 200:1" in message
 
 
+def test_chat_media_a_stage_would_fail_on_are_a_400(watch, http):
+    """What reached a stage and failed there as a 500: a video of one frame, a clip whose
+    rate leaves no sample at 16 kHz, a WAV sent as a video. A float clip far past full
+    scale is clipped as a player would, not an overflow in the hearing stage."""
+
+    def part(kind: str, data: bytes) -> dict:
+        if kind == "input_audio":
+            return {"type": kind, kind: {"data": base64.b64encode(data).decode(), "format": "wav"}}
+        return {"type": kind, kind: {"url": data_uri("video/mp4", data)}}
+
+    def float_wav(samples: np.ndarray, rate: int) -> bytes:
+        buffer = io.BytesIO()
+        soundfile.write(buffer, samples.astype(np.float32), rate, format="WAV", subtype="FLOAT")
+        return buffer.getvalue()
+
+    video, audio = "messages[0].content[0].video_url", "messages[0].content[0].input_audio"
+    one_frame = mp4_bytes(torch.zeros(1, 32, 32, 3, dtype=torch.uint8), 8)
+    message = watch.refused("POST", CHAT, video, **chat(part("video_url", one_frame)))
+    assert "1 frame" in message and "image_url" in message
+    message = watch.refused(
+        "POST", CHAT, audio, **chat(part("input_audio", float_wav(np.zeros(10), 1)))
+    )
+    assert "1 Hz" in message
+    message = watch.refused("POST", CHAT, video, **chat(part("video_url", wav(1.0))))
+    assert "no video stream" in message
+    loud = float_wav(np.full(16000, 1e30), 16000)
+    assert http.post(CHAT, **chat(part("input_audio", loud))).status_code == 200
+
+
 def test_a_video_width_off_the_patch_is_a_400_at_submission(watch, http):
     before = http.get("/v1/videos").json()["data"]
     fields = {"model": "text_to_video", "prompt": "x", "width": "33"}

@@ -13,6 +13,7 @@ from omniflow.runtime.control import RequestStats
 from omniflow.server.log_stats import StatsLog
 from omniflow.server.metrics import PipelineStats
 from omniflow.server.run import Timeline
+from tests.server.conftest import idle, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,24 @@ def test_stage_and_edge_series_come_from_the_engine(http):
     edge = "code2wav.audio->audio.in"
     assert value(found, "omniflow_edge_bytes_total", model="omni_chat", edge=edge) > 0
     assert value(found, "omniflow_edge_chunks_total", model="omni_chat", edge=edge) > 0
+
+
+def test_a_chat_asking_for_text_alone_runs_no_talker_and_no_vocoder(http):
+    """`modalities: ["text"]` admits the request for the text output alone: the thinker
+    steps for it, the talker and code2wav never see it."""
+    wait_until(lambda: idle(http, "omni_chat"))
+    before = samples(http.get("/metrics").text)
+    chat = {"model": "omni_chat", "messages": [{"role": "user", "content": "hi"}],
+            "modalities": ["text"], "max_tokens": 6}  # fmt: skip
+    reply = http.post("/v1/chat/completions", json=chat)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"]
+    after = samples(http.get("/metrics").text)
+    steps = {
+        stage: value(after, "omniflow_stage_batch_size_count", model="omni_chat", stage=stage)
+        - value(before, "omniflow_stage_batch_size_count", model="omni_chat", stage=stage)
+        for stage in ("thinker", "talker", "code2wav")
+    }
+    assert steps["thinker"] > 0 and steps["talker"] == steps["code2wav"] == 0, steps
 
 
 def histogram(found: dict, name: str, **labels) -> dict[str, float]:

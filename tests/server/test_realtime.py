@@ -320,6 +320,7 @@ MISTAKES = [
      "session.max_response_output_tokens", None),
     (json.dumps({"type": "conversation.item.delete", "item_id": "nope"}), "item_id",
      "item_not_found"),
+    (json.dumps({"type": "conversation.item.delete"}), "item_id", "invalid_value"),
     (json.dumps({"type": "session.update", "session": {"modalities": [{}]}}),
      "session.modalities", None),
     ('{"deep": ' + "[" * 100000 + "]" * 100000 + ', "type": "x"}', "type", None),

@@ -23,10 +23,12 @@ def image_admission(stage, path: str):
     MAX_ASPECT_RATIO, a 400 at admission rather than the processor's refusal in the stage."""
     if stage.kind != "encoder" or stage.component != "visual":
         return None
-    return _check_aspect_ratios
+    return check_aspect_ratios
 
 
-def _check_aspect_ratios(params: dict, inputs: dict) -> None:
+def check_aspect_ratios(params: dict, inputs: dict) -> None:
+    """A stage's pictures (any input port's images and videos) checked against the
+    processor's MAX_ASPECT_RATIO: a StageRequestError naming the port."""
     from omniflow.runtime.requests import StageRequestError
 
     for port, value in inputs.items():

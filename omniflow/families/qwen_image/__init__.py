@@ -20,8 +20,15 @@ _HERE = __name__
 def admission(stage, path: str):
     """`Family.admission`: the denoiser's height and width, multiples of the VAE's scale
     (2 per temporal downsampling stage, as `QwenImagePipeline.vae_scale_factor`) x the
-    transformer's patch, which the latents are packed by."""
+    transformer's patch, which the latents are packed by; an edit pipeline's input image,
+    which its text encoder sees through Qwen2.5-VL's processor, within that processor's
+    aspect ratio."""
     from omniflow.families.denoiser_sizes import component_config, patch_width, size_check
+
+    if stage.kind == "encoder":
+        from omniflow.families.qwen2_5_vl import check_aspect_ratios
+
+        return check_aspect_ratios
 
     scale = 2 ** len(component_config(path, "vae").get("temperal_downsample", (0, 0, 0)))
     return size_check(stage, scale * patch_width(component_config(path, "transformer")))
