@@ -546,7 +546,8 @@ class Vocoder(Backend):
             # Its edge keeps it fed: a chunk goes out short where the listener would run dry
             # (`_cut_short`), so a later window is a few frames at most, soon out. Pausing
             # the makers for them cost Qwen3-TTS at 16 streams an eighth of its throughput
-            # and gained nothing at one (docs/benchmarks-log.md, "A request's own makers").
+            # and gained nothing at one (docs/benchmarks-log.md, "Held rows only where
+            # their stage would launch nothing").
             return False
         frame_s = self.frame_s
         after = window.keep_end - stream.context  # the frames played once the window is sent
