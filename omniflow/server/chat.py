@@ -240,14 +240,21 @@ MIN_VIDEO_FRAMES = 2
 # What a chat's audio becomes before it reaches a pipeline's audio input: mono float32 at
 # the rate speech encoders take (16 kHz: Whisper's front end, the omni models' processors).
 SPEECH_RATE = 16000
+# The shortest clip: one analysis window of that front end (Whisper's n_fft, 400 samples),
+# which its STFT's reflect padding needs (a shorter one failed the hearing stage).
+MIN_CLIP_SAMPLES = 400
 
 
 def speech_clip(data: bytes, max_seconds: float) -> tuple[torch.Tensor, int]:
     """An audio file as a chat's audio item: decoded (at most `max_seconds`) and resampled."""
     samples, rate = decode_audio(data, max_seconds)
     clip = resample(samples, rate, SPEECH_RATE) if len(samples) else samples
-    if not len(clip):
-        raise MediaError(f"the audio has {len(samples)} samples at {rate} Hz: none to hear")
+    if len(clip) < MIN_CLIP_SAMPLES:
+        raise MediaError(
+            f"the audio is {len(samples) / rate * 1000:.1f} ms long; a clip is at least "
+            f"{MIN_CLIP_SAMPLES / SPEECH_RATE * 1000:g} ms (one window of the speech encoders' "
+            "front end)"
+        )
     return clip, SPEECH_RATE
 
 

@@ -49,6 +49,8 @@ VIDEO_FIELDS = {
     "vae_use_tiling": bool, "lora": dict, "extra_body": dict, "user": str,
 }  # fmt: skip
 IMAGE_FIELD = "input_reference"
+# The longest video `seconds` may ask for (its frames are then checked against the plan's).
+MAX_SECONDS = 600
 DEFAULT_FPS = 16
 STATUSES = ("queued", "in_progress", "completed", "failed")
 # How long a job's live progress is reused before the engine is inspected again.
@@ -177,6 +179,8 @@ def parse(server, served, fields: dict, files: dict) -> VideoRequest:
             param=IMAGE_FIELD,
         )
     inputs = dict(files and {"image": files[IMAGE_FIELD]})
+    if files:  # a refusal of the image names the field it came in
+        params.input_fields["image"] = IMAGE_FIELD
     prompt = served.prompt_input
     if "prompt" not in typed:
         raise bad_request("'prompt' is missing", param="prompt")
@@ -187,8 +191,15 @@ def parse(server, served, fields: dict, files: dict) -> VideoRequest:
         raise bad_request(f"'fps' must be 1 to 240, not {fps!r}", param="fps")
     seconds = typed.pop("seconds", None)
     if seconds is not None:
-        if not isinstance(seconds, (int, float)) or not 0 < seconds <= 600:
-            raise bad_request(f"'seconds' must be above 0, not {seconds!r}", param="seconds")
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not (0 < seconds <= MAX_SECONDS)
+        ):
+            raise bad_request(
+                f"'seconds' must be above 0 and at most {MAX_SECONDS}, not {seconds!r}",
+                param="seconds",
+            )
         typed.setdefault("num_frames", int(round(seconds * fps)) + 1)
     take_fields(served, typed, inputs, params)
     admitted = server.admit(served, inputs, params, {served.video_port.name})

@@ -373,6 +373,8 @@ def test_chat_media_a_stage_would_fail_on_are_a_400(watch, http):
     assert "1 Hz" in message
     message = watch.refused("POST", CHAT, video, **chat(part("video_url", wav(1.0))))
     assert "no video stream" in message
+    message = watch.refused("POST", CHAT, audio, **chat(part("input_audio", wav(0.01))))
+    assert "at least 25 ms" in message
     loud = float_wav(np.full(16000, 1e30), 16000)
     assert http.post(CHAT, **chat(part("input_audio", loud))).status_code == 200
 

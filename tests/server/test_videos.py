@@ -228,6 +228,11 @@ def test_input_reference_makes_it_image_to_video(http):
     two = [("input_reference", ("a.png", png(), "image/png"))] * 2
     twice = http.post("/v1/videos", data=data, files=two)
     assert twice.status_code == 400 and "one image per request" in twice.text
+    # An image past the plan's buffer is refused naming the field it came in.
+    large = create(http, "image_to_video", image=png(2048, 1024))
+    assert large.status_code == 400 and large.json()["error"]["param"] == "input_reference"
+    far = create(http, seconds="1e9")
+    assert far.status_code == 400 and "at most 600" in far.json()["error"]["message"]
 
 
 def test_a_job_outlives_its_client(server):
