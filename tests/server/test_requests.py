@@ -15,7 +15,7 @@ from omniflow.media import audio_bytes
 
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
-WAV = base64.b64encode(audio_bytes(torch.zeros(160), 16000, "wav")).decode()
+WAV = base64.b64encode(audio_bytes(torch.zeros(1600), 16000, "wav")).decode()
 
 
 @pytest.fixture(scope="module")
