@@ -288,8 +288,9 @@ def test_a_streams_makers_wait_for_its_first_window_alone(plan):
     listener has left: the edge keeps a carried-state stream fed (a chunk goes out short
     where the listener would run dry), and the pause would hold up the other streams'
     frames."""
+    frame_s = 0.08
     vocoder = code2wav(plan, [1, 8], order="slack")
-    vocoder.spec = dataclasses.replace(vocoder.spec, paced={"codes": 0.08})
+    vocoder.spec = dataclasses.replace(vocoder.spec, paced={"codes": frame_s})
     driver = Driver(vocoder, request_codes()[:1], delays=[0])
     land_late(driver, 2)
     firsts, laters = 0, 0
@@ -302,8 +303,8 @@ def test_a_streams_makers_wait_for_its_first_window_alone(plan):
                     firsts += 1
                     assert vocoder.makers_wait_for() == {"r0"}
                 else:
-                    audio_s = (window.keep_end - window.keep_start) * 0.08
-                    laters += window.stream.runs_out(0.08) - now < audio_s
+                    audio_s = (window.keep_end - window.keep_start) * frame_s
+                    laters += window.stream.runs_out(frame_s) - now < audio_s
                     assert vocoder.makers_wait_for() == set()
         time.sleep(0.05)  # a frame every 50 ms: 8-frame windows once the stream is ahead
     del vocoder.decoder.step

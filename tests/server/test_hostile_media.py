@@ -349,9 +349,9 @@ def test_a_picture_past_the_processors_aspect_ratio_is_a_400(watch):
 
 
 def test_chat_media_a_stage_would_fail_on_are_a_400(watch, http):
-    """What reached a stage and failed there as a 500: a video of one frame, a clip whose
-    rate leaves no sample at 16 kHz, a WAV sent as a video. A float clip far past full
-    scale is clipped as a player would, not an overflow in the hearing stage."""
+    """What reached a stage and failed there as a 500, or was refused in another's words: a
+    video of one frame, a clip at 1 Hz, a WAV sent as a video, a clip of 10 ms. A float
+    clip far past full scale is clipped as a player would, not an overflow in the talker."""
 
     def part(kind: str, data: bytes) -> dict:
         if kind == "input_audio":
