@@ -480,13 +480,13 @@ def probe_video(data: bytes, max_pixels: int | None = None) -> VideoInfo:
     return VideoInfo(frames, info.width, info.height, info.rate, info.codec)
 
 
-def video_size(data: bytes) -> tuple[int, int]:
-    """(width, height) a video file declares: its header only, nothing decoded."""
+def video_header(data: bytes) -> VideoInfo:
+    """What a video file's header declares (its frames too: 0 where it does not say),
+    nothing decoded."""
     import av
 
     with _not_video_errors(), av.open(io.BytesIO(data)) as container:
-        info = _video_info(container)
-    return info.width, info.height
+        return _video_info(container)
 
 
 @contextlib.contextmanager

@@ -36,8 +36,9 @@ class FamilyCode:
     executor imports when it loads the stage: `name` the family, `code` its code by backend
     name (what each is called with is that backend's contract: docs/backends.md),
     `speakers` the reader of a checkpoint's speakers, `admission` the family's checks of a
-    request against its checkpoint, `voices` its encoder of reference clips into voice
-    prompts ("" where it has none: docs/models.md, "Adding a model family");
+    request against its checkpoint, `media_tokens` its count of a request's media,
+    `voices` its encoder of reference clips into voice prompts ("" where it has none:
+    docs/models.md, "Adding a model family");
     `prompt_inputs` the input ports beside `prompt` whose text the stage puts into its
     prompt (admission counts them against its length)."""
 
@@ -45,6 +46,7 @@ class FamilyCode:
     code: dict[str, str] = field(default_factory=dict)
     speakers: str = ""
     admission: str = ""
+    media_tokens: str = ""
     voices: str = ""
     prompt_inputs: list[str] = field(default_factory=list)
 

@@ -168,7 +168,7 @@ def knowing(architectures: Sequence[str]) -> list[Family]:
 def stage_code(architectures: Sequence[str], kind: str) -> FamilyCode | None:
     """What the families that know a component's `architectures` (outermost first) give a
     stage of `kind`: their code by backend (an outer family's first), the speaker reader,
-    admission checks and voice encoder, named after the outermost, and every input port
+    admission checks, media count and voice encoder, named after the outermost, and every input port
     they put into its prompt; None when no family knows any of them."""
     known = knowing(architectures)
     if not known:
@@ -178,7 +178,7 @@ def stage_code(architectures: Sequence[str], kind: str) -> FamilyCode | None:
         code |= {backend: path for (k, backend), path in family.runtime.items() if k == kind}
     first = {
         what: next((getattr(f, what) for f in known if getattr(f, what)), "")
-        for what in ("speakers", "admission", "voices")
+        for what in ("speakers", "admission", "media_tokens", "voices")
     }
     prompt = [port for f in known for port in f.prompt_inputs.get(kind, ())]
     return FamilyCode(known[0].name, code, **first, prompt_inputs=list(dict.fromkeys(prompt)))

@@ -132,6 +132,12 @@ class Family:
       language it does not speak): a function of (the stage's parameters, its inputs
       from the pipeline's) that raises `omniflow.runtime.requests.StageRequestError`
       naming the parameter or input port; None where it has none for that stage;
+    - `media_tokens`: "module:function(stage, path)", the embeddings each media item gives
+      a stage (an encoder's tower) of a local checkpoint, from the item's size alone: a
+      function of (kind: "audio", "image" or "video"; the item as the stage takes it) that
+      returns a count, 0 where it cannot tell; None for a stage it does not count.
+      Admission counts a request's media with it against that stage's `max_len`, and
+      against the `max_len` of an `ar` stage whose prompt holds their embeddings;
     - `voices`: "module:function(path)", torch-free: whether the checkpoint at `path`
       clones voices (a stage of the plan encodes their reference clips; the server asks
       before it sends an upload there, `omniflow.server.voices`);
@@ -169,6 +175,7 @@ class Family:
     adapters: Mapping[str, AdapterSpec] = field(default_factory=dict)
     speakers: str | None = None
     admission: str | None = None
+    media_tokens: str | None = None
     voices: str | None = None
     stage_params: Mapping[str, Mapping[str, ParamSpec]] = field(default_factory=dict)
     stage_inputs: Mapping[str, Mapping[str, tuple[str, ...]]] = field(default_factory=dict)

@@ -174,3 +174,37 @@ def test_an_unknown_processor_option_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as info:
         _ask(client, "hi", mm_processor_kwargs={"fps": 3})
     assert info.value.body["param"] == "mm_processor_kwargs.fps"
+
+
+def test_media_past_the_plans_lengths_are_a_400_before_any_stage_runs(client):
+    """Media are counted at admission from their sizes (`Family.media_tokens`): a video of
+    more embeddings than the vision stage was compiled for (max_len 4096), and a video and
+    a clip within their towers' lengths but past the thinker's 4096 prompt tokens together,
+    are a 400 `context_length_exceeded` naming the input that brings the most (both failed
+    in their stage as a 500)."""
+
+    def video(frames: int) -> dict:  # 448 x 448 px at 2 fps: 256 embeddings a pair of frames
+        data = mp4_bytes(torch.zeros(frames, 448, 448, 3, dtype=torch.uint8), fps=2)
+        return {"type": "video_url", "video_url": {"url": media.data_uri("video/mp4", data)}}
+
+    wav = audio_bytes(media.audio(20.0, 330.0), 16000, "wav")  # 500 embeddings
+    clip = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}  # fmt: skip
+    ask = {"type": "text", "text": "What is in there?"}
+    for content, stage, most in (
+        (
+            [video(36), ask],
+            "stage 'vision'",
+            "'video' is media of 4609 embedding rows",
+        ),  # 18 x 256 + 1
+        (
+            [video(30), clip, ask],
+            "stage 'thinker'",
+            "'video' brings 3840 tokens to a prompt of at least 4",
+        ),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            _ask(client, content)
+        body = info.value.body
+        assert body["code"] == "context_length_exceeded" and body["param"] == "video", body
+        assert stage in body["message"] and most in body["message"], body["message"]
+    assert _ask(client, [video(30), ask])  # alone, within both

@@ -60,10 +60,11 @@ def thinker_parts(kind: str, **visual) -> dict[str, Part]:
 def omni_stages(family: str, vocoder: str) -> dict[str, Any]:
     """What a Qwen omni family's `Family` says of its stages, its modules in the package
     `family` (`thinker_talker`, `towers` and the `vocoder`'s): the loaders of its run-time
-    half and the thinker's media inputs, and the vision tower's check of its pictures
-    (its processor is Qwen2-VL's)."""
+    half and the thinker's media inputs, the vision tower's check of its pictures (its
+    processor is Qwen2-VL's) and the towers' count of a request's media."""
     return {
         "admission": "omniflow.families.qwen2_5_vl:image_admission",
+        "media_tokens": f"{family}.towers:media_tokens",
         "runtime": {
             ("ar", "transformers"): f"{family}.thinker_talker:load",
             ("vocoder", "transformers"): f"{family}.{vocoder}:load",

@@ -69,13 +69,31 @@ def load(path: str, component: str | None, dtype):
     return load_tower(path, component, dtype, (AudioTower, VisionTower), "Qwen2.5-Omni")
 
 
-def load_tower(path: str, component: str | None, dtype, classes: tuple[type, type], model: str):
-    """The tower `component` of the `model` checkpoint at `path` (a Qwen omni one, or its
-    thinker's alone), by its class in `classes`: the audio tower's and the vision tower's."""
+def media_tokens(stage, path: str):
+    """`Family.media_tokens`: the `MediaCount` of a stage running one of the towers."""
+    return count_tokens(stage, path, MediaCount)
+
+
+def count_tokens(stage, path: str, counting: type):
+    """A tower stage's `counting` (a `MediaCount` class) of the checkpoint at `path`; None
+    for any other stage."""
+    if stage.kind != "encoder" or stage.component not in ("audio_tower", "visual"):
+        return None
+    return counting(path, thinker_config(path))
+
+
+def thinker_config(path: str):
+    """The thinker's config of the Qwen omni checkpoint at `path` (or of a thinker alone)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
-    thinker = getattr(config, "thinker_config", config)
+    return getattr(config, "thinker_config", config)
+
+
+def load_tower(path: str, component: str | None, dtype, classes: tuple[type, type], model: str):
+    """The tower `component` of the `model` checkpoint at `path` (a Qwen omni one, or its
+    thinker's alone), by its class in `classes`: the audio tower's and the vision tower's."""
+    thinker = thinker_config(path)
     audio, vision = classes
     if component == "audio_tower":
         return audio(path, thinker, dtype)
@@ -119,14 +137,14 @@ class AudioTower:
     encoder = ("qwen2_5_omni", "Qwen2_5OmniAudioEncoder")  # its transformers class
     # Qwen2_5OmniProcessor's audio kwargs: every clip padded to the extractor's 30 s window.
     feature_options = {"padding": "max_length"}
+    counting: type[MediaCount]  # (set below: its class)
 
     def __init__(self, path: str, thinker, dtype):
-        from transformers import WhisperFeatureExtractor
-
         self.model = tower_from_pretrained(
             self.encoder, path, thinker.audio_config, self.prefix, dtype
         )
-        self.extractor = WhisperFeatureExtractor.from_pretrained(path)
+        self.count = self.counting(path, thinker)
+        self.extractor = self.count.extractor
         self.width = thinker.audio_config.output_dim
         self.dtype = self.model.dtype
         self.graphs: Graphs | None = None
@@ -144,16 +162,11 @@ class AudioTower:
         """The CUDA graphs `encode` replays (`clip_graphs`), captured once on the GPU."""
         return clip_graphs(self.model, capture=True)
 
-    def tokens(self, length: int) -> int:
-        """The embeddings a clip of `length` feature frames gives."""
-        _, tokens = self.model._get_feat_extract_output_lengths(torch.tensor(length))
-        return int(tokens)
-
     def prepare(self, kind: str, value) -> Prepared:
         features, length = audio_features(
             self.extractor, value, device=self.feature_device, **self.feature_options
         )
-        tokens = self.tokens(length)
+        tokens = self.count.audio_tokens(length)
         return Prepared(tokens, features, (tokens, length))
 
     def forward(self, kind: str, prepared: list[Prepared]) -> list[MediaItem]:
@@ -209,21 +222,15 @@ class VisionTower:
     kinds = frozenset({"image", "video"})
     prefix = "thinker.visual"
     encoder = ("qwen2_5_omni", "Qwen2_5OmniVisionEncoder")  # its transformers class
-    video_defaults = VIDEO_DEFAULTS
+    counting: type[MediaCount]  # (set below: its class)
 
     def __init__(self, path: str, thinker, dtype):
-        from transformers import AutoImageProcessor
-
         self.model = tower_from_pretrained(
             self.encoder, path, thinker.vision_config, self.prefix, dtype
         )
-        # The PIL backend whatever is installed: `video_patches` takes the frames through its
-        # numpy steps, which the torchvision backend (transformers' default where
-        # torchvision is installed) does not take.
-        self.images = AutoImageProcessor.from_pretrained(path, backend="pil")
-        self.video = video_settings(path, self.video_defaults)
-        self.merge = thinker.vision_config.spatial_merge_size
-        self.temporal = thinker.vision_config.temporal_patch_size
+        count = self.counting(path, thinker)
+        self.images, self.video = count.images, count.video
+        self.merge, self.temporal = count.merge, count.temporal
         self.width = thinker.vision_config.out_hidden_size
         self.dtype = self.model.dtype
 
@@ -255,6 +262,80 @@ class VisionTower:
     def encode(self, pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
         """The items' patches, concatenated, to their rows `[sum(tokens), width]`."""
         return self.model(pixels, grid_thw=grids).pooler_output
+
+
+class MediaCount:
+    """The embeddings each media item gives the towers of the checkpoint at `path`, from its
+    size alone (a clip's samples; a picture's width and height; a video's too, with its
+    frames as its header declares them), by the towers' own arithmetic, which their
+    `prepare` counts with: what admission counts against the stages' `max_len` before any
+    stage runs. It loads the processors' settings and no weights, and decodes nothing.
+    (A subclass for another model's towers gives its video defaults and its audio
+    arithmetic.)"""
+
+    video_defaults = VIDEO_DEFAULTS
+
+    def __init__(self, path: str, thinker):
+        from transformers import AutoImageProcessor, WhisperFeatureExtractor
+
+        self.extractor = WhisperFeatureExtractor.from_pretrained(path)
+        # The PIL backend whatever is installed: `video_patches` takes the frames through its
+        # numpy steps, which the torchvision backend (transformers' default where
+        # torchvision is installed) does not take.
+        self.images = AutoImageProcessor.from_pretrained(path, backend="pil")
+        self.video = video_settings(path, self.video_defaults)
+        self.merge = thinker.vision_config.spatial_merge_size
+        self.temporal = thinker.vision_config.temporal_patch_size
+
+    def __call__(self, kind: str, value) -> int:
+        """One item's embeddings: an audio clip's (float samples `[n]`), an image's (`[H,
+        W, C]`), a video's (its file's bytes, uint8 `[N]`, or frames `[F, H, W, 3]`); 0 where
+        its size cannot be read or is one its stage refuses (the stage says why)."""
+        shape = tuple(getattr(value, "shape", ()))
+        try:
+            if kind == "audio" and len(shape) == 1:
+                return self.audio_tokens(self.audio_length(shape[0]))
+            if kind == "image" and len(shape) == 3:
+                return self.image_tokens(*shape[:2])
+            if kind == "video" and len(shape) == 4:
+                return self.video_tokens(*shape[:3])
+            if kind == "video" and len(shape) == 1:
+                from omniflow.media import video_header
+
+                info = video_header(value.numpy().tobytes())
+                frames = sample_indices(info.frames, info.rate, self.video, self.temporal)
+                return self.video_tokens(len(frames), info.height, info.width)
+        except (VisionBackendError, ValueError):  # (a MediaError is a ValueError)
+            pass
+        return 0
+
+    def audio_length(self, samples: int) -> int:
+        """The feature frames `audio_features` keeps of a clip of `samples`: those the
+        extractor's attention mask marks, one a hop begun within its 30 s window."""
+        within = min(samples, self.extractor.n_samples)
+        return -(-within // self.extractor.hop_length)
+
+    def audio_tokens(self, length: int) -> int:
+        """The embeddings a clip of `length` feature frames gives."""
+        from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import (
+            _get_feat_extract_output_lengths,
+        )
+
+        return int(_get_feat_extract_output_lengths(length))
+
+    def image_tokens(self, height: int, width: int) -> int:
+        patches = self.images.get_number_of_image_patches(height, width, {})
+        return patches // self.merge**2
+
+    def video_tokens(self, frames: int, height: int, width: int) -> int:
+        """A video's embeddings, of `frames` sampled frames (the last repeated to a whole
+        temporal patch, as `video_patches` does)."""
+        h, w = video_resize(height, width, self.images, self.video, self.merge)
+        patch = self.images.patch_size * self.merge
+        return -(-frames // self.temporal) * (h // patch) * (w // patch)
+
+
+AudioTower.counting = VisionTower.counting = MediaCount
 
 
 def video_settings(path: str | Path, defaults: dict = VIDEO_DEFAULTS) -> dict:
@@ -302,23 +383,28 @@ def sample_indices(total: int, rate: float, settings: dict, temporal: int) -> li
     return torch.arange(0, total, total / count).int().tolist()
 
 
-def video_patches(frames: torch.Tensor, images, settings: dict, temporal: int, merge: int):
-    """`Qwen2VLVideoProcessor`'s pixel patches `[t*h*w, C*T*P*P]` and grid (t, h, w) of
-    sampled frames, each frame resized and normalised by the image processor's own steps."""
+def video_resize(height: int, width: int, images, settings: dict, merge: int) -> tuple[int, int]:
+    """The (height, width) `Qwen2VLVideoProcessor` resizes a video's frames to: `smart_resize`
+    within its pixel bounds, to multiples of the image processor's merged patch."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    patch = images.patch_size
-    height, width = frames.shape[1:3]
     try:
-        h, w = smart_resize(
+        return smart_resize(
             height,
             width,
-            factor=patch * merge,
+            factor=images.patch_size * merge,
             min_pixels=settings["size"]["shortest_edge"],
             max_pixels=settings["size"]["longest_edge"],
         )
     except ValueError as err:
         raise VisionBackendError(f"the video processor refuses the video: {err}") from err
+
+
+def video_patches(frames: torch.Tensor, images, settings: dict, temporal: int, merge: int):
+    """`Qwen2VLVideoProcessor`'s pixel patches `[t*h*w, C*T*P*P]` and grid (t, h, w) of
+    sampled frames, each frame resized and normalised by the image processor's own steps."""
+    patch = images.patch_size
+    h, w = video_resize(*frames.shape[1:3], images, settings, merge)
     done = []
     for frame in frames.numpy():
         chw = np.ascontiguousarray(frame.transpose(2, 0, 1))

@@ -54,9 +54,10 @@ def _picture_size(picture) -> tuple[int, int] | None:
         return shape[-2], shape[-3]
     if len(shape) == 1 and picture.dtype == torch.uint8:
         try:
-            return media.video_size(picture.numpy().tobytes())
+            info = media.video_header(picture.numpy().tobytes())
         except media.MediaError:  # (what reads no header is the stage's to refuse)
             return None
+        return info.width, info.height
     return None
 
 

@@ -54,21 +54,37 @@ def load(path: str, component: str | None, dtype):
     return towers.load_tower(path, component, dtype, (AudioTower, VisionTower), "Qwen3-Omni")
 
 
+def media_tokens(stage, path: str):
+    """`Family.media_tokens`: the `MediaCount` of a stage running one of the towers."""
+    return towers.count_tokens(stage, path, MediaCount)
+
+
+class MediaCount(towers.MediaCount):
+    """The embeddings each media item gives Qwen3-Omni's towers, from its size alone."""
+
+    video_defaults = VIDEO_DEFAULTS
+
+    def __init__(self, path: str, thinker):
+        super().__init__(path, thinker)
+        self.n_window = thinker.audio_config.n_window
+
+    def audio_length(self, samples: int) -> int:
+        """Every whole hop of the clip: its features uncut and unpadded (FEATURE_OPTIONS)."""
+        return samples // self.extractor.hop_length
+
+    def audio_tokens(self, length: int) -> int:
+        output_lengths = towers.transformers_class(
+            "qwen3_omni_moe", "_get_feat_extract_output_lengths"
+        )
+        return int(output_lengths(torch.tensor(length), self.n_window))
+
+
 class AudioTower(towers.AudioTower):
     """The thinker's audio tower (AuT) on 16 kHz clips."""
 
     feature_options = FEATURE_OPTIONS
     encoder = ("qwen3_omni_moe", "Qwen3OmniMoeAudioEncoder")
-
-    def __init__(self, path: str, thinker, dtype):
-        super().__init__(path, thinker, dtype)
-        self.n_window = thinker.audio_config.n_window
-
-    def tokens(self, length: int) -> int:
-        output_lengths = towers.transformers_class(
-            "qwen3_omni_moe", "_get_feat_extract_output_lengths"
-        )
-        return int(output_lengths(torch.tensor(length), self.n_window))
+    counting = MediaCount
 
     def forward(self, kind: str, prepared: list[towers.Prepared]) -> list[MediaItem]:
         """One forward per group of clips whose chunks the encoder pads alike: it pads every
@@ -78,7 +94,7 @@ class AudioTower(towers.AudioTower):
         frames; a shorter one: its length)."""
         groups: dict[int, list[int]] = {}
         for i, p in enumerate(prepared):
-            groups.setdefault(min(p.meta[1], 2 * self.n_window), []).append(i)
+            groups.setdefault(min(p.meta[1], 2 * self.count.n_window), []).append(i)
         out: list[MediaItem | None] = [None] * len(prepared)
         for members in groups.values():
             done = super().forward(kind, [prepared[i] for i in members])
@@ -100,8 +116,8 @@ class VisionTower(towers.VisionTower):
     """The thinker's vision tower on images and videos: each item's embeddings with its
     deepstack features beside them."""
 
-    video_defaults = VIDEO_DEFAULTS
     encoder = ("qwen3_omni_moe", "Qwen3OmniMoeVisionEncoder")
+    counting = MediaCount
 
     def __init__(self, path: str, thinker, dtype):
         super().__init__(path, thinker, dtype)
