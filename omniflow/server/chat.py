@@ -84,7 +84,7 @@ async def parse(server, served, body: dict) -> ChatJob:
     request = validate(ChatCompletionRequest, body)
     params = Params(served)
     inputs: dict = {}
-    await _messages(server, served, request, inputs)
+    await _messages(server, served, request, inputs, params.input_fields)
     job = ChatJob(served, inputs, params, request)
     _modalities(job)
     _audio_options(job)
@@ -120,7 +120,12 @@ def _text_field(name: str, value) -> str:
     return value
 
 
-async def _messages(server, served, request: ChatCompletionRequest, inputs: dict) -> None:
+async def _messages(
+    server, served, request: ChatCompletionRequest, inputs: dict, input_fields: dict
+) -> None:
+    """The chat's messages into the pipeline's chat input, and their media parts into its
+    media inputs; `input_fields` names the part a media input's one item came from (a
+    refusal of that input names it), or `messages` where it holds several."""
     chat, images, audios, videos = [], [], [], []
     in_video = _audio_in_video(request)
     for i, message in enumerate(request.messages):
@@ -151,9 +156,12 @@ async def _messages(server, served, request: ChatCompletionRequest, inputs: dict
             entry["name"] = message.name
         chat.append(entry)
     inputs[served.chat_input.name] = chat
-    _media_input(server, served, inputs, images, "image", "image_url")
-    _media_input(server, served, inputs, audios, "audio", "input_audio")
-    _media_input(server, served, inputs, videos, "video", "video_url")
+    for items, port_type, part in (
+        (images, "image", "image_url"),
+        (audios, "audio", "input_audio"),
+        (videos, "video", "video_url"),
+    ):
+        _media_input(server, served, inputs, input_fields, items, port_type, part)
 
 
 def _audio_in_video(request: ChatCompletionRequest) -> bool:
@@ -186,9 +194,8 @@ async def _parts(server, parts, where: str, images, audios, videos, in_video: bo
             url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
             field = f"{at}.image_url"
             data = await server.fetch_media(url, field)
-            images.append(
-                await media_in.decoded(decode_image, data, field, limits.max_image_pixels)
-            )
+            image = await media_in.decoded(decode_image, data, field, limits.max_image_pixels)
+            images.append((field, image))
             out.append({"type": "image"})
         elif isinstance(part, (InputAudioPart, AudioURLPart)):
             if isinstance(part, InputAudioPart):
@@ -200,9 +207,8 @@ async def _parts(server, parts, where: str, images, audios, videos, in_video: bo
                 url = part.audio_url if isinstance(part.audio_url, str) else part.audio_url.url
                 field = f"{at}.audio_url"
                 data = await server.fetch_media(url, field)
-            audios.append(
-                await media_in.decoded(speech_clip, data, field, limits.max_audio_seconds)
-            )
+            clip = await media_in.decoded(speech_clip, data, field, limits.max_audio_seconds)
+            audios.append((field, clip))
             out.append({"type": "audio"})
         elif isinstance(part, VideoURLPart):
             url = part.video_url if isinstance(part.video_url, str) else part.video_url.url
@@ -219,12 +225,11 @@ async def _parts(server, parts, where: str, images, audios, videos, in_video: bo
                 )
             if in_video:  # its audio track goes in as the next audio item
                 note = " (use_audio_in_video needs its audio track)"
-                audios.append(
-                    await media_in.decoded(
-                        speech_clip, data, field, limits.max_audio_seconds, note=note
-                    )
+                track = await media_in.decoded(
+                    speech_clip, data, field, limits.max_audio_seconds, note=note
                 )
-            videos.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                audios.append((field, track))
+            videos.append((field, torch.frombuffer(bytearray(data), dtype=torch.uint8)))
             out.append({"type": "video"})
         else:
             raise bad_request(f"'{at}': unsupported part", param=at)
@@ -258,8 +263,12 @@ def speech_clip(data: bytes, max_seconds: float) -> tuple[torch.Tensor, int]:
     return clip, SPEECH_RATE
 
 
-def _media_input(server, served, inputs: dict, values: list, port_type: str, part: str) -> None:
-    if not values:
+def _media_input(
+    server, served, inputs: dict, input_fields: dict, items: list, port_type: str, part: str
+) -> None:
+    """The chat's media `items` ((the part's field, its value)) of one type into the
+    pipeline's inputs of that type."""
+    if not items:
         return
     ports = served.inputs_of(port_type)
     if not ports:
@@ -275,9 +284,11 @@ def _media_input(server, served, inputs: dict, values: list, port_type: str, par
             f"message cannot carry {part} parts{hint}",
             param="messages",
         )
-    values = [v[0] if port_type == "audio" else v for v in values]
+    fields = [field for field, _ in items]
+    values = [v[0] if port_type == "audio" else v for _, v in items]
     if len(ports) == 1 and ports[0].optional:  # several items of one request, in chat order
         inputs[ports[0].name] = values if len(values) > 1 else values[0]
+        input_fields[ports[0].name] = fields[0] if len(fields) == 1 else "messages"
         return
     if len(values) > len(ports):
         raise bad_request(
@@ -285,8 +296,9 @@ def _media_input(server, served, inputs: dict, values: list, port_type: str, par
             f"messages carry {len(values)}",
             param="messages",
         )
-    for port, value in zip(ports, values, strict=False):
+    for port, value, field in zip(ports, values, fields, strict=False):
         inputs[port.name] = value
+        input_fields[port.name] = field
 
 
 def _modalities(job: ChatJob) -> None:

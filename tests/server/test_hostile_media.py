@@ -338,13 +338,15 @@ def test_a_picture_past_the_processors_aspect_ratio_is_a_400(watch):
         return {"type": "image_url", "image_url": {"url": data_uri("image/png", buffer.getvalue())}}
 
     for width, height in ((201, 1), (1, 201)):
-        message = watch.refused("POST", CHAT, "image", **chat(part(width, height)))
+        message = watch.refused(
+            "POST", CHAT, "messages[0].content[0].image_url", **chat(part(width, height))
+        )
         assert f"{width} x {height} pixels" in message and "up to 200:1" in message
     assert watch.http.post(CHAT, **chat(part(200, 1))).status_code == 200
     # A video goes on as its file: its header's size is what is checked.
     frames = torch.zeros(4, 2, 404, 3, dtype=torch.uint8)
     video = {"type": "video_url", "video_url": {"url": data_uri("video/mp4", mp4_bytes(frames, 8))}}
-    message = watch.refused("POST", CHAT, "video", **chat(video))
+    message = watch.refused("POST", CHAT, "messages[0].content[0].video_url", **chat(video))
     assert "404 x 2 pixels" in message and "up to 200:1" in message
 
 

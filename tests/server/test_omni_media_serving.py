@@ -178,10 +178,11 @@ def test_an_unknown_processor_option_is_a_400(client):
 
 def test_media_past_the_plans_lengths_are_a_400_before_any_stage_runs(client):
     """Media are counted at admission from their sizes (`Family.media_tokens`): a video of
-    more embeddings than the vision stage was compiled for (max_len 4096), and a video and
-    a clip within their towers' lengths but past the thinker's 4096 prompt tokens together,
-    are a 400 `context_length_exceeded` naming the input that brings the most (both failed
-    in their stage as a 500)."""
+    more embeddings than the vision stage was compiled for (max_len 4096), two videos within
+    it alone but past it together, and a video and a clip within their towers' lengths but
+    past the thinker's 4096 prompt tokens together, are a 400 `context_length_exceeded`
+    naming the input that brings the most by its part (`messages` where it has several;
+    they failed in their stage as a 500)."""
 
     def video(frames: int) -> dict:  # 448 x 448 px at 2 fps: 256 embeddings a pair of frames
         data = mp4_bytes(torch.zeros(frames, 448, 448, 3, dtype=torch.uint8), fps=2)
@@ -190,21 +191,16 @@ def test_media_past_the_plans_lengths_are_a_400_before_any_stage_runs(client):
     wav = audio_bytes(media.audio(20.0, 330.0), 16000, "wav")  # 500 embeddings
     clip = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}  # fmt: skip
     ask = {"type": "text", "text": "What is in there?"}
-    for content, stage, most in (
-        (
-            [video(36), ask],
-            "stage 'vision'",
-            "'video' is media of 4609 embedding rows",
-        ),  # 18 x 256 + 1
-        (
-            [video(30), clip, ask],
-            "stage 'thinker'",
-            "'video' brings 3840 tokens to a prompt of at least 4",
-        ),
-    ):
+    first = "messages[0].content[0].video_url"
+    refused = [
+        ([video(36), ask], first, "'video' is media of 4609 embedding rows; stage 'vision'"),
+        ([video(20), video(20), ask], "messages", "of 5122 embedding rows; stage 'vision'"),
+        ([video(30), clip, ask], first, "'video' brings 3840 tokens to a prompt of at least 4"),
+    ]  # (18 x 256 + a header row; 2 x (10 x 256 + 1); 15 x 256 beside 500 and the text)
+    for content, param, says in refused:
         with pytest.raises(openai.BadRequestError) as info:
             _ask(client, content)
         body = info.value.body
-        assert body["code"] == "context_length_exceeded" and body["param"] == "video", body
-        assert stage in body["message"] and most in body["message"], body["message"]
+        assert body["code"] == "context_length_exceeded" and body["param"] == param, body
+        assert says in body["message"], body["message"]
     assert _ask(client, [video(30), ask])  # alone, within both
