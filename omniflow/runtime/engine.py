@@ -552,6 +552,14 @@ class Engine:
 
     # --- lifetime --------------------------------------------------------------------------------------
     @property
+    def stopped(self) -> str | None:
+        """Why the engine no longer takes requests (its I/O loop failed, or it was closed),
+        or None while it runs."""
+        if not self._core.closed:
+            return None
+        return self._core.failure or "the engine is closed"
+
+    @property
     def executor_pids(self) -> dict[str, int]:
         return self._core.transport.pids
 

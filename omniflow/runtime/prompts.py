@@ -38,11 +38,11 @@ from omniflow.catalog.components import cached_snapshot
 from omniflow.catalog.resolve import TINY_SCHEME, model_path
 from omniflow.hf_logging import quiet
 from omniflow.plan import Plan, StagePlan
+from omniflow.runtime.port_values import MEDIA_TYPES
 from omniflow.runtime.python_backend import import_function
 from omniflow.runtime.requests import Admitted, RequestError
 
 PROMPT_TYPES = ("chat", "text", "tokens")
-MEDIA_TYPES = ("audio", "image", "video")
 # A family's count of one media item's embeddings: (kind, the item) -> tokens.
 MediaCounter = Callable[[str, object], int]
 
@@ -211,7 +211,7 @@ def prompt_limits(plan: Plan) -> tuple[PromptLimit | MediaLimit, ...]:
         }
         if "prompt" not in fed:
             continue
-        tokenizer = _local_tokenizer(stage.model)
+        tokenizer = _local_tokenizer(stage.model, stage.component)
         if tokenizer is None:
             continue
         # Counting a prompt past the checkpoint's own context is this check's job: no
@@ -259,16 +259,24 @@ def _local_path(model: str | None) -> str | None:
     return None if snapshot is None else str(snapshot[1])
 
 
-def _local_tokenizer(model: str | None):
-    """The tokenizer of `model`'s checkpoint if it is on this machine, else None."""
+def _local_tokenizer(model: str | None, component: str | None = None):
+    """The tokenizer of `model`'s checkpoint if it is on this machine, else None: at its
+    root, else in the folder of the stage's `component` (a multi-part checkpoint whose
+    language model keeps its tokenizer beside it: without it such a stage went uncounted,
+    and a megabyte of text held its executor for minutes)."""
     with _IMPORTING:
         from transformers import AutoTokenizer
 
     path = _local_path(model)
     if path is None:
         return None
-    try:
-        with quiet():
-            return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, KeyError):
-        return None
+    folders = [Path(path)]
+    if component and (Path(path) / component).is_dir():
+        folders.append(Path(path) / component)
+    for folder in folders:
+        try:
+            with quiet():
+                return AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError, KeyError):
+            continue
+    return None

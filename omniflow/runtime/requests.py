@@ -33,6 +33,9 @@ from omniflow.plan import Plan, StagePlan
 from omniflow.runtime.port_values import MEDIA_TYPES, encode
 from omniflow.sampling import KNOBS
 
+# The integers a request may set (`_check_limit`): what a signed 64-bit integer holds.
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+
 
 class RequestError(OmniflowError):
     """A request does not fit the pipeline (unknown or missing input, bad parameter);
@@ -306,6 +309,11 @@ def _check_limit(plan: Plan, name: str, value) -> None:
     limit = plan.limits[name]
     if value != value:  # NaN, which every comparison lets through
         raise RequestError(f"parameter '{name}' must be a number, not NaN", name)
+    # An integer travels to the executors as a 64-bit one (control messages, the stages'
+    # tensors): one past that stopped the engine where it was sent.
+    if isinstance(value, int) and not INT64_MIN <= value <= INT64_MAX:
+        bound = f"at most {INT64_MAX}" if value > 0 else f"at least {INT64_MIN}"
+        raise RequestError(f"parameter '{name}' must be {bound} (64 bits), not {value}", name)
     if limit.low is not None and value < limit.low:
         raise RequestError(
             f"parameter '{name}' must be at least {number_text(limit.low)}, not {value!r}", name

@@ -577,7 +577,14 @@ def create_app(server: Server) -> FastAPI:
                 {"status": "draining"}, status_code=503, headers={"Retry-After": "5"}
             )
         key = server.config.api_key
-        if key and not bearer_matches(request.headers.get("authorization", ""), key):
+        holder = not key or bearer_matches(request.headers.get("authorization", ""), key)
+        # A pipeline whose engine stopped answers every request with a 503: the server is
+        # not healthy until it is restarted, and says which (to key holders) and why.
+        stopped = {n: s.engine.stopped for n, s in server.served.items() if s.engine.stopped}
+        if stopped:
+            body = {"status": "failed", "failed": stopped} if holder else {"status": "failed"}
+            return JSONResponse(body, status_code=503)
+        if not holder:
             return JSONResponse({"status": "ok"})  # what it serves is for key holders
         return JSONResponse({"status": "ok", "models": list(server.served)})
 

@@ -239,10 +239,11 @@ def test_an_objects_address_never_reaches_an_error():
 
 @pytest.fixture(scope="module")
 def limits():
-    """The prompt limits of the two graphs the servers below serve, on the tiny models (omni
-    chat's towers have media limits beside its thinker's)."""
+    """The prompt limits of the graphs the servers below serve, and graphs/tts.omni's (its
+    checkpoint keeps the tokenizer in its talker's folder), on the tiny models (omni chat's
+    towers have media limits beside its thinker's)."""
     found = {}
-    for name in ("qwen3_tts", "omni_chat"):
+    for name in ("qwen3_tts", "omni_chat", "tts"):
         plan = compile_file(str(GRAPHS / f"{name}.omni"), tiny=True)
         (limit,) = [limit for limit in prompt_limits(plan) if isinstance(limit, PromptLimit)]
         found[name] = (plan, limit)
@@ -257,6 +258,7 @@ def test_prompts_are_counted_fast_at_the_size_limit(limits, name):
     tts, chat = limits["qwen3_tts"], limits["omni_chat"]
     for (plan, limit), inputs in (
         (tts, {"text": text}),
+        (limits["tts"], {"text": text}),
         (tts, {"text": "Hi.", "instructions": text, "ref_text": text}),
         (
             chat,

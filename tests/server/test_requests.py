@@ -68,6 +68,9 @@ MISTAKES = [
      "unknown field 'temperature'", "temperature"),
     (CHAT, {"model": "omni_chat", "messages": HI, "max_tokens": 100000}, 400,
      "stage 'thinker' was compiled for max_tokens=2048", "max_tokens"),
+    # Past 64 bits: it stopped the engine when it was sent to the executors.
+    (CHAT, {"model": "omni_chat", "messages": HI, "top_k": 10**20}, 400,
+     "'top_k' must be at most 9223372036854775807 (64 bits)", "top_k"),
     (CHAT, {"model": "omni_chat", "messages": HI, "max_completion_tokens": 0}, 400,
      "must be at least 1", "max_completion_tokens"),
     (CHAT, {"model": "omni_chat", "messages": HI, "max_tokens": 3, "max_completion_tokens": 4},
