@@ -389,7 +389,9 @@ def decode_image(data: bytes, max_pixels: int | None = None) -> torch.Tensor:
     except Image.DecompressionBombError as err:  # over twice Pillow's own limit
         what = f"over {2 * Image.MAX_IMAGE_PIXELS}"
         raise MediaError(_too_many_pixels(what, max_pixels or Image.MAX_IMAGE_PIXELS)) from err
-    except (UnidentifiedImageError, OSError, ValueError) as err:
+    except UnidentifiedImageError as err:  # (its message names the buffer object)
+        raise MediaError("not an image file Pillow can read: no format it knows") from err
+    except (OSError, ValueError) as err:
         raise MediaError(f"not an image file Pillow can read: {err}") from err
     return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())
 

@@ -224,12 +224,24 @@ def _prepare_inputs(plan: Plan, inputs: dict, needed: set[str] | None) -> tuple[
         if channel.src in values and channel.kind != "local" and channel.type != "text":
             size = wire[channel.src].nbytes
             if size > channel.slot_bytes:
-                raise RequestError(
-                    f"input '{channel.src}' is {size} bytes; the plan's buffer for it holds "
-                    f"{channel.slot_bytes} bytes per message",
-                    channel.src,
-                )
+                raise RequestError(_past_buffer(channel, values[channel.src], size), channel.src)
     return values, wire
+
+
+def _past_buffer(channel, value, size: int) -> str:
+    """Why an input of `size` bytes does not fit its channel's buffer: in pixels for an
+    image (a photo's size says more to a client than its decoded bytes)."""
+    slot = channel.slot_bytes
+    if channel.type == "image" and getattr(value, "dim", lambda: 0)() == 3:
+        height, width = value.shape[:2]
+        return (
+            f"input '{channel.src}' is an image of {width} x {height} pixels; the plan's buffer "
+            f"for it holds {slot // 3} pixels (RGB, {slot} bytes): send a smaller image"
+        )
+    return (
+        f"input '{channel.src}' is {size} bytes; the plan's buffer for it holds {slot} bytes "
+        "per message"
+    )
 
 
 def _check_input(name: str, port_type: str, value):

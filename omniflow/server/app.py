@@ -125,6 +125,13 @@ class Server:
             # The one served pipeline, or the one that answers this endpoint.
             able = [s for s in self.served.values() if capability in (None, *s.capabilities)]
             candidates = list(self.served.values()) if len(self.served) == 1 else able
+            if not candidates:
+                raise bad_request(
+                    f"no pipeline served here answers {ENDPOINTS.get(capability, capability)} (served: "
+                    f"{names})",
+                    param="model",
+                    code="unsupported",
+                )
             if len(candidates) != 1:
                 which = ", ".join(s.name for s in candidates) or names
                 raise APIError(

@@ -174,11 +174,13 @@ def parse_json(body: bytes) -> dict:
 
     try:
         value = json.loads(body, parse_constant=no_constants)
-    except (ValueError, RecursionError) as err:
+    except RecursionError:  # nested past what Python's parser recurses through
+        raise bad_request("the body is JSON nested too deeply", code="invalid_json") from None
+    except ValueError as err:
         raise bad_request(f"the body is not valid JSON: {err}", code="invalid_json") from None
     if not isinstance(value, dict):
         raise bad_request(
-            f"the body must be a JSON object, not {type(value).__name__}", code="invalid_json"
+            f"the body must be a JSON object, not {json_kind(value)}", code="invalid_json"
         )
     check_unicode(body, value)
     return value
@@ -187,6 +189,16 @@ def parse_json(body: bytes) -> dict:
 # A JSON escape of a UTF-16 surrogate: where a body may hold one that pairs with nothing.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
 _SURROGATE_ESCAPE_BYTES = re.compile(_SURROGATE_ESCAPE.pattern.encode())
+
+
+def json_kind(value) -> str:
+    """What JSON calls the kind of a decoded value (a client's words, not Python's)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = {dict: "an object", list: "an array", str: "a string", int: "a number"}
+    return kinds.get(type(value), "a number")
 
 
 def check_unicode(raw: bytes | str, value) -> None:

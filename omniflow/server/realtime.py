@@ -107,6 +107,18 @@ def _about_settings(err: APIError, overridden=(), within: str = "session") -> AP
     return err
 
 
+def _long_enough(samples: int, where: str) -> None:
+    """A clip (PCM16 at INPUT_RATE) of at least one window of the speech encoders' front end
+    (`chat.MIN_CLIP_SAMPLES`), refused as the event that brings it: a shorter one failed
+    every response of the conversation later, in the chat request's words."""
+    if samples < chat.MIN_CLIP_SAMPLES:
+        raise _invalid(
+            f"'{where}' holds {samples / INPUT_RATE * 1000:.1f} ms of audio; a clip is at least "
+            f"{chat.MIN_CLIP_SAMPLES / INPUT_RATE * 1000:g} ms",
+            where,
+        )
+
+
 def _about_items(err: APIError, sources: list[str]) -> APIError:
     """A chat request's refusal, its `messages[i]...` field named as the item it came from
     (a refusal of the whole `messages`, as "takes no audio input", names every item with
@@ -357,6 +369,7 @@ class RealtimeSession:
     async def _commit(self, event: dict) -> None:
         if not self.buffer:
             raise _invalid("the input audio buffer is empty", "type", "input_audio_buffer_empty")
+        _long_enough(len(self.buffer) // 2, "input_audio_buffer")
         self._takes_audio("input_audio_buffer")
         wav = audio_bytes(
             torch.frombuffer(bytearray(self.buffer), dtype=torch.int16), INPUT_RATE, "wav"
@@ -457,6 +470,7 @@ class RealtimeSession:
             raise _invalid(f"'{where}.audio' is not valid base64", f"{where}.audio") from None
         if not data or len(data) % 2:
             raise _invalid(f"'{where}.audio' is 16-bit PCM, not empty", f"{where}.audio")
+        _long_enough(len(data) // 2, f"{where}.audio")
         return torch.frombuffer(bytearray(data), dtype=torch.int16)
 
     def _add_item(self, item: dict, item_id=None, at: int | None = None) -> dict:
@@ -534,7 +548,8 @@ class RealtimeSession:
             )
         options = self._beta(options, RESPONSE_FIELDS, "response")
         config = self._merged(options, RESPONSE_FIELDS, "response")
-        body, sources = self._chat_body(config, self.items)
+        within = "response" if "instructions" in options else "session"
+        body, sources = self._chat_body(config, self.items, f"{within}.instructions")
         try:  # checked now: a bad item fails before any work starts
             job = await chat.parse(self.server, self.served, body)
             admitted = self.server.admit(self.served, job.inputs, job.params, job.outputs)
@@ -545,15 +560,18 @@ class RealtimeSession:
         task = asyncio.ensure_future(self._respond(response_id, job, admitted, config))
         self.response = (response_id, task)
 
-    def _chat_body(self, config: dict, items: list[dict]) -> tuple[dict, list[str]]:
+    def _chat_body(
+        self, config: dict, items: list[dict], instructions: str = "session.instructions"
+    ) -> tuple[dict, list[str]]:
         """The chat request of a conversation (`items`), and what each of its messages came from
-        (`item ID`; with "+audio" where the item holds audio). A request carries as many
+        (`item ID`; with "+audio" where the item holds audio; the instructions' field
+        `instructions`: the session's, or the response's own). A request carries as many
         clips as the pipeline takes (`_clips_per_request`): the newest audio parts go as
         audio, earlier spoken turns are in the conversation through the replies to them."""
         messages, sources = [], []
         if config.get("instructions"):
             messages.append({"role": "system", "content": config["instructions"]})
-            sources.append("session.instructions")
+            sources.append(instructions)
         clips = sum(p["type"] == "input_audio" for item in items for p in item["content"])
         room = _clips_per_request(self.served)
         skip = 0 if room is None else max(0, clips - room)

@@ -104,21 +104,21 @@ def client_message(message: dict, max_chars: int, what: str = "message") -> dict
     or a 400 naming `type` that says why not: a binary frame, more than `max_chars`, not
     JSON, nested deeper than the parser goes, or not such an object."""
     text = message.get("text")
+    one = f"{'an' if what[0] in 'aeiou' else 'a'} {what}"
     if text is None:
-        article = "an" if what[0] in "aeiou" else "a"
-        raise bad_request(f"{article} {what} is a JSON text frame", param="type")
+        raise bad_request(f"{one} is a JSON text frame", param="type")
     if len(text) > max_chars:
         raise bad_request(
-            f"a {what} is at most {max_chars} characters, not {len(text)}",
+            f"{one} is at most {max_chars} characters, not {len(text)}",
             param="type",
             code="too_large",
         )
     try:
         body = json.loads(text)
     except RecursionError:  # nested past what Python's parser recurses through
-        raise bad_request(f"a {what} is JSON nested too deeply", param="type") from None
+        raise bad_request(f"{one} is JSON nested too deeply", param="type") from None
     except ValueError as err:
-        raise bad_request(f"a {what} is not valid JSON: {err}", param="type") from None
+        raise bad_request(f"{one} is not valid JSON: {err}", param="type") from None
     if not isinstance(body, dict) or not isinstance(body.get("type"), str):
         raise bad_request(f"each {what} is a JSON object with a 'type'", param="type")
     check_unicode(text, body)

@@ -200,7 +200,7 @@ def test_json_nested_past_the_parsers_depth_is_a_400():
     deep = "[" * 100000
     for parse, says in (
         (lambda: client_message({"text": deep}, len(deep)), "nested too deeply"),
-        (lambda: parse_json(deep.encode()), "not valid JSON"),
+        (lambda: parse_json(deep.encode()), "the body is JSON nested too deeply"),
         (lambda: parse_form_value("lora", deep, dict), "must be a JSON dict"),
     ):
         with pytest.raises(APIError) as refused:
@@ -704,19 +704,23 @@ def test_a_hostile_realtime_event_is_an_error_and_the_session_goes_on(target):
                 {"type": "session.update", "session": {"instructions": "x" * 65537}},
                 {"type": "session.update", "session": {"instructions": "word " * 5000}},
                 user_item("x" * 40000),
+                {"type": "response.create", "response": {"instructions": "word " * 5000}},
                 user_item("x" * 40000),
                 {"type": "session.update", "session": {"instructions": "Be brief."}},
             ])  # fmt: skip
             return answers, ws.close_code
 
     outcome = under_attack(target, attack)
-    (nested, too_much, too_long, item, item_too_much, fine), close = outcome.result
+    (nested, too_much, too_long, item, own, item_too_much, fine), close = outcome.result
     assert nested["error"]["param"] == "type" and "nested" in nested["error"]["message"]
     assert too_much["error"]["param"] == "session.instructions"
     assert too_much["error"]["code"] == "conversation_full"
     assert too_long["error"]["param"] == "session.instructions"
     assert too_long["error"]["code"] == "context_length_exceeded"
     assert item["type"] == "conversation.item.created"
+    # The response's own instructions, named as its field (not the session's, left empty).
+    assert own["error"]["code"] == "context_length_exceeded"
+    assert own["error"]["param"].startswith("response.instructions"), own
     assert item_too_much["error"]["code"] == "conversation_full"
     assert fine["type"] == "session.updated" and close is None  # still open
     outcome.assert_harmless(within=5 * FAST_S)
@@ -765,3 +769,14 @@ def test_a_client_gone_stops_the_talker_and_a_killed_server_leaves_nothing(tmp_p
     finally:  # the server's process group (its executors too), should a check have failed
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("path", ["/v1/videos", "/v1/images/generations"])
+def test_an_endpoint_no_served_pipeline_answers_says_so(http, path):
+    """Without a `model`, on a server of several pipelines none of which answers the
+    endpoint: a 400 saying so, not a 404 asking for a model that would not help."""
+    reply = http.post(path, json={"prompt": "a cat"})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "unsupported" and error["param"] == "model", error
+    assert f"no pipeline served here answers {path}" in error["message"], error

@@ -324,6 +324,9 @@ MISTAKES = [
     (json.dumps({"type": "session.update", "session": {"modalities": [{}]}}),
      "session.modalities", None),
     ('{"deep": ' + "[" * 100000 + "]" * 100000 + ', "type": "x"}', "type", None),
+    # A clip shorter than one window of the speech front end (it failed every response).
+    (json.dumps({"type": "conversation.item.create", "item": {"role": "user", "content": [
+        {"type": "input_audio", "audio": b64(bytes(20))}]}}), "item.content[0].audio", None),
 ]  # fmt: skip
 
 

@@ -118,7 +118,7 @@ MISTAKES = [
      400, "merged into the request once", "extra_body.extra_body"),
     (CHAT, {"model": "probe", "messages": HI, "seed": -1}, 400, "must be at least 0", "seed"),
     (CHAT, {"model": "probe", "messages": HI, "seed": 1 << 63}, 400,
-     "must be at most 9223372036854775807, not 9223372036854775808", "seed"),
+     "must be at most 9223372036854775807 (64 bits), not 9223372036854775808", "seed"),
     ("/v1/audio/speech", {"model": "tts", "input": "hi", "response_format": "ogg"}, 400,
      "use one of wav, pcm, flac, mp3, opus, aac", "response_format"),
     ("/v1/audio/speech", {"model": "tts", "input": "hi", "speed": 8.0}, 400,
@@ -158,7 +158,8 @@ def test_a_mistake_is_a_4xx_naming_the_field(http, path, body, status, message, 
     "body, message",
     [
         (b"{not json", "not valid JSON"),
-        (b"[1, 2]", "must be a JSON object"),
+        (b"[1, 2]", "must be a JSON object, not an array"),
+        (b"null", "must be a JSON object, not null"),
         (b'{"model": "probe", "messages": [], "x": NaN}', "NaN is not a JSON number"),
         (b"\xff\xfe", "not valid JSON"),
         (b"", "not valid JSON"),
@@ -342,3 +343,15 @@ def test_health_and_openapi(http):
     assert http.get("/health").json()["status"] == "ok"
     schema = http.get("/openapi.json").json()
     assert "ChatCompletionRequest" in schema["components"]["schemas"]
+
+
+def test_an_image_past_the_plans_buffer_is_refused_in_pixels(http):
+    """A photo larger than the plan's image buffer (1024 x 1024 RGB) is refused by its size in
+    pixels, naming its part, not by its decoded bytes."""
+    photo = base64.b64encode(png(np.full((1100, 1100, 3), 90, dtype=np.uint8))).decode()
+    part = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{photo}"}}
+    body = {"model": "omni_chat", "messages": [{"role": "user", "content": [part]}]}
+    error = error_of(http.post(CHAT, json=body), 400)
+    assert "an image of 1100 x 1100 pixels" in error["message"], error
+    assert "holds 1048576 pixels" in error["message"], error
+    assert error["param"] == "messages[0].content[0].image_url"
