@@ -258,7 +258,7 @@ def page_of(ids: list[str], query) -> tuple[list[str], bool]:
     if order not in ("asc", "desc"):
         raise bad_request(f"'order' must be asc or desc, not {order!r}", param="order")
     limit = query.get("limit", str(PAGE_SIZE))
-    if not (limit.isdigit() and 1 <= int(limit) <= MOST_PAGED):
+    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= MOST_PAGED):
         raise bad_request(f"'limit' must be 1 to {MOST_PAGED}, not {limit!r}", param="limit")
     ordered = ids if order == "asc" else ids[::-1]
     if "after" in query:

@@ -206,6 +206,8 @@ def test_speed_stretches_the_audio_keeping_its_length_right(http):
         ({"language": "Klingon"}, "language", "unknown language 'Klingon'; this model speaks Auto"),
         ({"voice": "Nobody"}, "voice", "unknown speaker 'Nobody'"),
         ({"ref_audio": "data:audio/wav;base64,AAAA"}, "ref_audio", "does not clone voices"),
+        ({"ref_text": "abc"}, "ref_text", "does not clone voices (ref_text given)"),
+        ({"x_vector_only_mode": True}, "x_vector_only_mode", "does not clone voices"),
         ({"x_vector_only_mode": "yes"}, "x_vector_only_mode", "valid boolean"),
         ({"max_new_tokens": 100000}, "max_new_tokens", "compiled for max_tokens=2048"),
         ({"speed": 5.0}, "speed", "'speed' must be in 0.25 .. 4"),

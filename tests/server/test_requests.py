@@ -131,6 +131,9 @@ MISTAKES = [
      "unknown field 'task_type'", "task_type"),
     ("/v1/images/generations", {"model": "text_to_image", "prompt": "x", "size": "big"}, 400,
      "WIDTHxHEIGHT", "size"),
+    # Another script's digits (which int() reads) are not a size.
+    ("/v1/images/generations", {"model": "text_to_image", "prompt": "x", "size": "\u0663\u0662x\u0663\u0662"},
+     400, "WIDTHxHEIGHT", "size"),
     ("/v1/images/generations", {"model": "text_to_image", "prompt": "x", "size": "99999x32"},
      400, "compiled for width=1024", "size"),
     ("/v1/images/generations", {"model": "text_to_image", "prompt": "x", "response_format": "url"},

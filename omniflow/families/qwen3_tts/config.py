@@ -292,6 +292,9 @@ def check_task_inputs(
             )
         if instructions:
             raise RequestProblem("voice cloning (Base) takes no instructions", "instructions")
-    elif ref_audio:
-        raise RequestProblem(f"a {task} model does not clone voices (ref_audio given)", "ref_audio")
+    else:  # what only a clone takes, given to a model that does not clone: not ignored
+        for given, field in ((ref_audio, "ref_audio"), (ref_text, "ref_text"),
+                             (x_vector_only, "x_vector_only_mode")):  # fmt: skip
+            if given:
+                raise RequestProblem(f"a {task} model does not clone voices ({field} given)", field)
     return task
