@@ -200,9 +200,10 @@ async def _parts(server, parts, where: str, images, audios, videos, in_video: bo
         elif isinstance(part, (InputAudioPart, AudioURLPart)):
             if isinstance(part, InputAudioPart):
                 field = f"{at}.input_audio"
-                data = media_in.base64_bytes(
-                    part.input_audio.data, f"{field}.data", limits.max_media_bytes
-                )
+                # Base64, as OpenAI sends it; a data: URI too, as some clients do.
+                text, where = part.input_audio.data, f"{field}.data"
+                read = media_in.data_uri if text.startswith("data:") else media_in.base64_bytes
+                data = read(text, where, limits.max_media_bytes)
             else:
                 url = part.audio_url if isinstance(part.audio_url, str) else part.audio_url.url
                 field = f"{at}.audio_url"

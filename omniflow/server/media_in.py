@@ -71,7 +71,7 @@ async def fetch(
     base64, a path or `file://` URL under one of the `allowed` directories, or an http(s)
     URL if `allow_remote`."""
     if url.startswith("data:"):
-        return _data_uri(url, where, max_bytes)
+        return data_uri(url, where, max_bytes)
     parts = urllib.parse.urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme in ("http", "https"):
@@ -94,7 +94,8 @@ async def fetch(
             "URL where the server allows them)",
             param=where,
         )
-    return base64_bytes(url, where, max_bytes)  # the peer sends bare base64 too
+    # The peer sends bare base64 too.
+    return base64_bytes(url, where, max_bytes, " (nor a data: URI, file path or URL)")
 
 
 async def decoded(decode: Callable[..., T], data: bytes, where: str, *limits, note: str = "") -> T:
@@ -108,7 +109,8 @@ async def decoded(decode: Callable[..., T], data: bytes, where: str, *limits, no
         raise bad_request(f"'{where}': {err}{note}", param=where) from None
 
 
-def _data_uri(url: str, where: str, max_bytes: int) -> bytes:
+def data_uri(url: str, where: str, max_bytes: int) -> bytes:
+    """A `data:` URI's bytes (base64 or percent-encoded), or a 400 naming `where`."""
     header, sep, payload = url.partition(",")
     if not sep:
         raise bad_request(f"'{where}': a data: URI needs a ',' before its data", param=where)
@@ -119,15 +121,14 @@ def _data_uri(url: str, where: str, max_bytes: int) -> bytes:
     return data
 
 
-def base64_bytes(text: str, where: str, max_bytes: int) -> bytes:
-    """Base64 `text` decoded (at most `max_bytes` of it), or a 400 naming `where`."""
+def base64_bytes(text: str, where: str, max_bytes: int, nor: str = "") -> bytes:
+    """Base64 `text` decoded (at most `max_bytes` of it), or a 400 naming `where` (`nor`:
+    what else the field could have been, for the message)."""
     _check_size(len(text) * 3 // 4, where, max_bytes)
     try:
         return base64.b64decode("".join(text.split()), validate=True)
     except (binascii.Error, ValueError):
-        raise bad_request(
-            f"'{where}': not valid base64 (nor a data: URI, file path or URL)", param=where
-        ) from None
+        raise bad_request(f"'{where}': not valid base64{nor}", param=where) from None
 
 
 def _no_file(where: str):

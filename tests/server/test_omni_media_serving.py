@@ -204,3 +204,16 @@ def test_media_past_the_plans_lengths_are_a_400_before_any_stage_runs(client):
         assert body["code"] == "context_length_exceeded" and body["param"] == param, body
         assert says in body["message"], body["message"]
     assert _ask(client, [video(30), ask])  # alone, within both
+
+
+def test_input_audio_takes_base64_or_a_data_uri(client):
+    """OpenAI's `input_audio.data` is base64; a data: URI (as some clients send) is heard the
+    same; neither is a 400 that says it is not base64 "nor a data: URI"."""
+    wav = base64.b64encode(audio_bytes(media.audio(1.0, 330.0), 16000, "wav")).decode()
+    for data in (wav, f"data:audio/wav;base64,{wav}"):
+        part = {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+        assert isinstance(_ask(client, [part, {"type": "text", "text": "hi"}]), str)
+    part = {"type": "input_audio", "input_audio": {"data": "%%%", "format": "wav"}}
+    with pytest.raises(openai.BadRequestError) as info:
+        _ask(client, [part, {"type": "text", "text": "hi"}])
+    assert info.value.body["message"].endswith("not valid base64"), info.value.body
