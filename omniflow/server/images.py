@@ -166,6 +166,8 @@ def take_fields(served, fields: dict, inputs: dict, params: Params) -> None:
     for name in list(fields):
         if served.input_named(name, "text") is not None:
             value = fields.pop(name)
+            if value is None:
+                continue  # null: the input's default, as null is for every other field
             if not isinstance(value, str):
                 raise bad_request(f"'{name}' must be a string", param=name)
             inputs[name] = value

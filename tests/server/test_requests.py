@@ -358,3 +358,14 @@ def test_an_image_past_the_plans_buffer_is_refused_in_pixels(http):
     assert "an image of 1100 x 1100 pixels" in error["message"], error
     assert "holds 1048576 pixels" in error["message"], error
     assert error["param"] == "messages[0].content[0].image_url"
+
+
+def test_a_null_text_field_is_its_default(http):
+    """`negative_prompt: null` is the input's default, as null is for every other field
+    (it was a 400 "must be a string"): the same image as without it."""
+    body = {"model": "text_to_image", "prompt": "a cat", "size": "16x16", "seed": 3,
+            "response_format": "b64_json"}  # fmt: skip
+    plain = http.post("/v1/images/generations", json=body)
+    null = http.post("/v1/images/generations", json={**body, "negative_prompt": None})
+    assert plain.status_code == null.status_code == 200, null.text
+    assert null.json()["data"] == plain.json()["data"]
