@@ -161,7 +161,7 @@ async def _messages(
         (audios, "audio", "input_audio"),
         (videos, "video", "video_url"),
     ):
-        _media_input(server, served, inputs, input_fields, items, port_type, part)
+        await _media_input(server, served, inputs, input_fields, items, port_type, part)
 
 
 def _audio_in_video(request: ChatCompletionRequest) -> bool:
@@ -264,11 +264,12 @@ def speech_clip(data: bytes, max_seconds: float) -> tuple[torch.Tensor, int]:
     return clip, SPEECH_RATE
 
 
-def _media_input(
+async def _media_input(
     server, served, inputs: dict, input_fields: dict, items: list, port_type: str, part: str
 ) -> None:
     """The chat's media `items` ((the part's field, its value)) of one type into the
-    pipeline's inputs of that type."""
+    pipeline's inputs of that type (images scaled down, where they must be, to fit the
+    plan's buffer for their input: `media_in.fit_images`)."""
     if not items:
         return
     ports = served.inputs_of(port_type)
@@ -288,6 +289,8 @@ def _media_input(
     fields = [field for field, _ in items]
     values = [v[0] if port_type == "audio" else v for _, v in items]
     if len(ports) == 1 and ports[0].optional:  # several items of one request, in chat order
+        if port_type == "image":
+            values = await _fitted(served, ports[0].name, values)
         inputs[ports[0].name] = values if len(values) > 1 else values[0]
         input_fields[ports[0].name] = fields[0] if len(fields) == 1 else "messages"
         return
@@ -298,8 +301,20 @@ def _media_input(
             param="messages",
         )
     for port, value, field in zip(ports, values, fields, strict=False):
+        if port_type == "image":
+            (value,) = await _fitted(served, port.name, [value])
         inputs[port.name] = value
         input_fields[port.name] = field
+
+
+async def _fitted(served, port: str, images: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`images` as the pipeline input `port` takes them together: scaled down to its
+    buffer's bytes where they are larger (in a worker thread: a photo's resize is tens of
+    milliseconds)."""
+    room = [c.slot_bytes for c in served.plan.channels if c.src == port]
+    if not room:
+        return images
+    return await asyncio.to_thread(media_in.fit_images, images, min(room))
 
 
 def _modalities(job: ChatJob) -> None:

@@ -10,7 +10,8 @@ rings); it is opened without following a link in its last component and without 
 size limit. Whatever the reason a path is refused (missing, outside, a link out, a pipe, a
 device, unreadable), the answer is the same text, so that it tells nothing about the
 server's files. A download has a deadline as a whole, not only per read, and follows
-redirects to http(s) alone: no read blocks a thread for ever.
+redirects to http(s) alone: no read blocks a thread for ever. Decoded images larger than the
+plan's buffer for them are scaled down to fit (`fit_images`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import math
 import os
 import stat
 import time
@@ -27,8 +29,12 @@ import urllib.request
 from collections.abc import Callable
 from typing import TypeVar
 
+import numpy as np
+import torch
+
 from omniflow.errors import OmniflowError
 from omniflow.media import MediaError
+from omniflow.runtime.port_values import encode
 from omniflow.server.errors import bad_request
 
 REMOTE_TIMEOUT_S = 10.0  # each network read, and (x3) a whole download
@@ -220,3 +226,27 @@ def _check_size(size: int, where: str, max_bytes: int) -> None:
             f"'{where}': the file is {size} bytes; this server takes at most {max_bytes}",
             param=where,
         )
+
+
+def fit_images(images: list[torch.Tensor], room: int) -> list[torch.Tensor]:
+    """Images (uint8 `[H, W, 3]`) that travel together as one value, scaled down alike (their
+    aspect ratios kept; bicubic, as the Qwen processors resize) until they fit `room` bytes
+    on the wire: a chat's photo larger than the plan's image buffer (omni chat's: 1024 x
+    1024) is seen at the size the plan holds, as clients' own helpers (qwen-omni-utils'
+    `fetch_image`) scale to a pixel bound, rather than refused. Images that fit are
+    returned as they are."""
+    from PIL import Image
+
+    for _ in range(8):  # each pass lands within the room but for rounding and the header
+        size = encode("image", images if len(images) > 1 else images[0]).nbytes
+        if size <= room:
+            return images
+        scale = math.sqrt(room / size) * 0.995
+        resized = []
+        for image in images:
+            height, width = image.shape[:2]
+            shape = (max(1, int(width * scale)), max(1, int(height * scale)))
+            picture = Image.fromarray(image.numpy()).resize(shape, Image.Resampling.BICUBIC)
+            resized.append(torch.from_numpy(np.asarray(picture, dtype=np.uint8).copy()))
+        images = resized
+    return images

@@ -348,16 +348,27 @@ def test_health_and_openapi(http):
     assert "ChatCompletionRequest" in schema["components"]["schemas"]
 
 
-def test_an_image_past_the_plans_buffer_is_refused_in_pixels(http):
-    """A photo larger than the plan's image buffer (1024 x 1024 RGB) is refused by its size in
-    pixels, naming its part, not by its decoded bytes."""
-    photo = base64.b64encode(png(np.full((1100, 1100, 3), 90, dtype=np.uint8))).decode()
-    part = {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{photo}"}}
-    body = {"model": "omni_chat", "messages": [{"role": "user", "content": [part]}]}
-    error = error_of(http.post(CHAT, json=body), 400)
-    assert "an image of 1100 x 1100 pixels" in error["message"], error
-    assert "holds 1048576 pixels" in error["message"], error
-    assert error["param"] == "messages[0].content[0].image_url"
+def test_a_photo_past_the_plans_buffer_is_scaled_down_to_fit(http):
+    """A photo larger than the plan's image buffer (omni chat's 1024 x 1024 RGB: a phone's
+    12 MP photo is past it) is seen scaled down to fit, its aspect kept, not refused; the
+    usage counts the image tokens of what the model saw: as many as the same picture sent
+    at that size, within a merged patch's row of rounding. Two photos share the buffer."""
+
+    def ask(*sides: tuple[int, int]) -> dict:
+        parts = [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(
+                png(np.full((h, w, 3), 90, dtype=np.uint8))).decode()}}
+            for w, h in sides
+        ] + [{"type": "text", "text": "what?"}]  # fmt: skip
+        body = {"model": "omni_chat", "max_tokens": 2, "modalities": ["text"],
+                "messages": [{"role": "user", "content": parts}]}  # fmt: skip
+        reply = http.post(CHAT, json=body)
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens_details"]
+
+    big, fitted = ask((2400, 1600))["image_tokens"], ask((1254, 836))["image_tokens"]
+    assert abs(big - fitted) <= 45, (big, fitted)  # 1254 x 836: 2400 x 1600 scaled to 1 MP
+    assert ask((2400, 1600), (1600, 2400))["image_tokens"] > 0
 
 
 def test_a_null_text_field_is_its_default(http):
