@@ -233,7 +233,11 @@ class _Core:
         while self.commands:
             command, arg = self.commands.popleft()
             if command == "submit":
-                self.submit(arg)
+                try:
+                    self.submit(arg)
+                except Exception as err:  # one request's own fault fails it, not the engine
+                    why = f"the request could not start: {type(err).__name__}: {err}"
+                    self.cancel(arg.id, RequestFailed(why))
             elif command == "cancel":
                 self.cancel(arg, RequestCancelled(f"request {arg} was cancelled"))
             elif command == "inspect":
