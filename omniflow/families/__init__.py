@@ -168,8 +168,8 @@ def knowing(architectures: Sequence[str]) -> list[Family]:
 def stage_code(architectures: Sequence[str], kind: str) -> FamilyCode | None:
     """What the families that know a component's `architectures` (outermost first) give a
     stage of `kind`: their code by backend (an outer family's first), the speaker reader,
-    admission checks, media count and voice encoder, named after the outermost, and every input port
-    they put into its prompt; None when no family knows any of them."""
+    admission checks, media count and voice encoder, named after the outermost, and every
+    input port they put into its prompt; None when no family knows any of them."""
     known = knowing(architectures)
     if not known:
         return None

@@ -58,14 +58,23 @@ def check_devices(plan: Plan) -> None:
         )
 
 
-def locate_model(model: str) -> str:
-    """Where `model` loads from: a tiny checkpoint (built on first use), a local folder, the
-    Hugging Face cache, or the hub when it can be reached (downloaded into the cache now)."""
+def local_checkpoint(model: str | None) -> str | None:
+    """Where `model`'s checkpoint is on this machine (a tiny one, built on first use, a
+    local folder, the Hugging Face cache), else None."""
+    if model is None:
+        return None
     if model.startswith(TINY_SCHEME) or Path(model).expanduser().is_dir():
         return model_path(model)
     snapshot = cached_snapshot(model)
-    if snapshot is not None:
-        return str(snapshot[1])
+    return None if snapshot is None else str(snapshot[1])
+
+
+def locate_model(model: str) -> str:
+    """Where `model` loads from: this machine (`local_checkpoint`), or the hub when it can
+    be reached (downloaded into the cache now)."""
+    local = local_checkpoint(model)
+    if local is not None:
+        return local
     reason = _hub_unreachable(model)
     if reason is None:
         return download(model)

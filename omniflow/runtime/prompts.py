@@ -34,11 +34,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omniflow.catalog.components import cached_snapshot
-from omniflow.catalog.resolve import TINY_SCHEME, model_path
 from omniflow.hf_logging import quiet
 from omniflow.plan import Plan, StagePlan
 from omniflow.runtime.port_values import MEDIA_TYPES
+from omniflow.runtime.preflight import local_checkpoint
 from omniflow.runtime.python_backend import import_function
 from omniflow.runtime.requests import Admitted, RequestError
 
@@ -237,7 +236,7 @@ def _media_counter(stage: StagePlan) -> MediaCounter | None:
     """The stage's family's count of its media (`Family.media_tokens`), where it has one and
     the checkpoint is on this machine."""
     hook = stage.family.media_tokens if stage.family is not None else None
-    path = _local_path(stage.model)
+    path = local_checkpoint(stage.model)
     if not hook or path is None:
         return None
     with _IMPORTING:  # (it loads processors' settings: transformers' lazy imports)
@@ -249,16 +248,6 @@ def _media_counter(stage: StagePlan) -> MediaCounter | None:
 _IMPORTING = threading.Lock()
 
 
-def _local_path(model: str | None) -> str | None:
-    """Where `model`'s checkpoint is on this machine, else None."""
-    if model is None:
-        return None
-    if model.startswith(TINY_SCHEME) or Path(model).expanduser().is_dir():
-        return model_path(model)
-    snapshot = cached_snapshot(model)
-    return None if snapshot is None else str(snapshot[1])
-
-
 def _local_tokenizer(model: str | None, component: str | None = None):
     """The tokenizer of `model`'s checkpoint if it is on this machine, else None: at its
     root, else in the folder of the stage's `component` (a multi-part checkpoint whose
@@ -267,7 +256,7 @@ def _local_tokenizer(model: str | None, component: str | None = None):
     with _IMPORTING:
         from transformers import AutoTokenizer
 
-    path = _local_path(model)
+    path = local_checkpoint(model)
     if path is None:
         return None
     folders = [Path(path)]

@@ -232,7 +232,7 @@ def _past_buffer(channel, value, size: int) -> str:
     """Why an input of `size` bytes does not fit its channel's buffer: in pixels for an
     image (a photo's size says more to a client than its decoded bytes)."""
     slot = channel.slot_bytes
-    if channel.type == "image" and getattr(value, "dim", lambda: 0)() == 3:
+    if channel.type == "image" and isinstance(value, torch.Tensor) and value.dim() == 3:
         height, width = value.shape[:2]
         return (
             f"input '{channel.src}' is an image of {width} x {height} pixels; the plan's buffer "

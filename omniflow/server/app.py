@@ -126,9 +126,9 @@ class Server:
             able = [s for s in self.served.values() if capability in (None, *s.capabilities)]
             candidates = list(self.served.values()) if len(self.served) == 1 else able
             if not candidates:
+                endpoint = ENDPOINTS.get(capability, capability)
                 raise bad_request(
-                    f"no pipeline served here answers {ENDPOINTS.get(capability, capability)} (served: "
-                    f"{names})",
+                    f"no pipeline served here answers {endpoint} (served: {names})",
                     param="model",
                     code="unsupported",
                 )
@@ -587,7 +587,7 @@ def create_app(server: Server) -> FastAPI:
         holder = not key or bearer_matches(request.headers.get("authorization", ""), key)
         # A pipeline whose engine stopped answers every request with a 503: the server is
         # not healthy until it is restarted, and says which (to key holders) and why.
-        stopped = {n: s.engine.stopped for n, s in server.served.items() if s.engine.stopped}
+        stopped = {n: why for n, s in server.served.items() if (why := s.engine.stopped)}
         if stopped:
             body = {"status": "failed", "failed": stopped} if holder else {"status": "failed"}
             return JSONResponse(body, status_code=503)

@@ -174,14 +174,14 @@ def take_fields(served, fields: dict, inputs: dict, params: Params) -> None:
     params.take_all(fields)
 
 
-def _decimal(text: str) -> bool:
+def ascii_digits(text: str) -> bool:
     """ASCII digits alone (`str.isdigit` takes every script's, which `int` reads too)."""
     return text.isascii() and text.isdigit()
 
 
 def _size(params: Params, size: str) -> None:
     width, sep, height = size.lower().partition("x")
-    if not (sep and _decimal(width) and _decimal(height)):
+    if not (sep and ascii_digits(width) and ascii_digits(height)):
         raise bad_request(f"'size' must be WIDTHxHEIGHT, e.g. 512x512, not {size!r}", param="size")
     for name, value in (("width", int(width)), ("height", int(height))):
         if not params.take(name, value, "size"):

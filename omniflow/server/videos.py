@@ -35,7 +35,7 @@ from starlette.datastructures import UploadFile
 from omniflow.catalog.components import load_component_config, video_frames
 from omniflow.media import mp4_bytes
 from omniflow.server.errors import APIError, bad_request, busy
-from omniflow.server.images import take_fields, uploaded_image
+from omniflow.server.images import ascii_digits, take_fields, uploaded_image
 from omniflow.server.params import Params, parse_form_value
 from omniflow.server.protocol import FORM_TYPES, merge_extra_body, parse_form, parse_json
 from omniflow.server.run import Run
@@ -258,7 +258,7 @@ def page_of(ids: list[str], query) -> tuple[list[str], bool]:
     if order not in ("asc", "desc"):
         raise bad_request(f"'order' must be asc or desc, not {order!r}", param="order")
     limit = query.get("limit", str(PAGE_SIZE))
-    if not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= MOST_PAGED):
+    if not (ascii_digits(limit) and 1 <= int(limit) <= MOST_PAGED):
         raise bad_request(f"'limit' must be 1 to {MOST_PAGED}, not {limit!r}", param="limit")
     ordered = ids if order == "asc" else ids[::-1]
     if "after" in query:

@@ -127,6 +127,77 @@ def tower_from_pretrained(encoder: tuple[str, str], path, config, prefix, dtype)
     return model.eval()
 
 
+class MediaCount:
+    """The embeddings each media item gives the towers of the checkpoint at `path`, from its
+    size alone (a clip's samples; a picture's width and height; a video's too, with its
+    frames as its header declares them), by the towers' own arithmetic, which their
+    `prepare` counts with: what admission counts against the stages' `max_len` before any
+    stage runs. It loads the processors' settings and no weights, and decodes nothing.
+    (A subclass for another model's towers gives its video defaults and its audio
+    arithmetic.)"""
+
+    video_defaults = VIDEO_DEFAULTS
+
+    def __init__(self, path: str, thinker):
+        from transformers import AutoImageProcessor, WhisperFeatureExtractor
+
+        self.extractor = WhisperFeatureExtractor.from_pretrained(path)
+        # The PIL backend whatever is installed: `video_patches` takes the frames through its
+        # numpy steps, which the torchvision backend (transformers' default where
+        # torchvision is installed) does not take.
+        self.images = AutoImageProcessor.from_pretrained(path, backend="pil")
+        self.video = video_settings(path, self.video_defaults)
+        self.merge = thinker.vision_config.spatial_merge_size
+        self.temporal = thinker.vision_config.temporal_patch_size
+
+    def __call__(self, kind: str, value) -> int:
+        """One item's embeddings: an audio clip's (float samples `[n]`), an image's (`[H,
+        W, C]`), a video's (its file's bytes, uint8 `[N]`, or frames `[F, H, W, 3]`); 0 where
+        its size cannot be read or is one its stage refuses (the stage says why)."""
+        shape = tuple(getattr(value, "shape", ()))
+        try:
+            if kind == "audio" and len(shape) == 1:
+                return self.audio_tokens(self.audio_length(shape[0]))
+            if kind == "image" and len(shape) == 3:
+                return self.image_tokens(*shape[:2])
+            if kind == "video" and len(shape) == 4:
+                return self.video_tokens(*shape[:3])
+            if kind == "video" and len(shape) == 1:
+                from omniflow.media import video_header
+
+                info = video_header(value.numpy().tobytes())
+                frames = sample_indices(info.frames, info.rate, self.video, self.temporal)
+                return self.video_tokens(len(frames), info.height, info.width)
+        except (VisionBackendError, ValueError):  # (a MediaError is a ValueError)
+            pass
+        return 0
+
+    def audio_length(self, samples: int) -> int:
+        """The feature frames `audio_features` keeps of a clip of `samples`: those the
+        extractor's attention mask marks, one a hop begun within its 30 s window."""
+        within = min(samples, self.extractor.n_samples)
+        return -(-within // self.extractor.hop_length)
+
+    def audio_tokens(self, length: int) -> int:
+        """The embeddings a clip of `length` feature frames gives."""
+        from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import (
+            _get_feat_extract_output_lengths,
+        )
+
+        return int(_get_feat_extract_output_lengths(length))
+
+    def image_tokens(self, height: int, width: int) -> int:
+        patches = self.images.get_number_of_image_patches(height, width, {})
+        return patches // self.merge**2
+
+    def video_tokens(self, frames: int, height: int, width: int) -> int:
+        """A video's embeddings, of `frames` sampled frames (the last repeated to a whole
+        temporal patch, as `video_patches` does)."""
+        h, w = video_resize(height, width, self.images, self.video, self.merge)
+        patch = self.images.patch_size * self.merge
+        return -(-frames // self.temporal) * (h // patch) * (w // patch)
+
+
 class AudioTower:
     """The thinker's audio tower on 16 kHz clips. (A subclass for another model's tower
     gives its class (`encoder`), its processor's feature options, its token count and its
@@ -137,7 +208,7 @@ class AudioTower:
     encoder = ("qwen2_5_omni", "Qwen2_5OmniAudioEncoder")  # its transformers class
     # Qwen2_5OmniProcessor's audio kwargs: every clip padded to the extractor's 30 s window.
     feature_options = {"padding": "max_length"}
-    counting: type[MediaCount]  # (set below: its class)
+    counting = MediaCount  # (a subclass for another model's towers)
 
     def __init__(self, path: str, thinker, dtype):
         self.model = tower_from_pretrained(
@@ -222,7 +293,7 @@ class VisionTower:
     kinds = frozenset({"image", "video"})
     prefix = "thinker.visual"
     encoder = ("qwen2_5_omni", "Qwen2_5OmniVisionEncoder")  # its transformers class
-    counting: type[MediaCount]  # (set below: its class)
+    counting = MediaCount  # (a subclass for another model's towers)
 
     def __init__(self, path: str, thinker, dtype):
         self.model = tower_from_pretrained(
@@ -262,80 +333,6 @@ class VisionTower:
     def encode(self, pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
         """The items' patches, concatenated, to their rows `[sum(tokens), width]`."""
         return self.model(pixels, grid_thw=grids).pooler_output
-
-
-class MediaCount:
-    """The embeddings each media item gives the towers of the checkpoint at `path`, from its
-    size alone (a clip's samples; a picture's width and height; a video's too, with its
-    frames as its header declares them), by the towers' own arithmetic, which their
-    `prepare` counts with: what admission counts against the stages' `max_len` before any
-    stage runs. It loads the processors' settings and no weights, and decodes nothing.
-    (A subclass for another model's towers gives its video defaults and its audio
-    arithmetic.)"""
-
-    video_defaults = VIDEO_DEFAULTS
-
-    def __init__(self, path: str, thinker):
-        from transformers import AutoImageProcessor, WhisperFeatureExtractor
-
-        self.extractor = WhisperFeatureExtractor.from_pretrained(path)
-        # The PIL backend whatever is installed: `video_patches` takes the frames through its
-        # numpy steps, which the torchvision backend (transformers' default where
-        # torchvision is installed) does not take.
-        self.images = AutoImageProcessor.from_pretrained(path, backend="pil")
-        self.video = video_settings(path, self.video_defaults)
-        self.merge = thinker.vision_config.spatial_merge_size
-        self.temporal = thinker.vision_config.temporal_patch_size
-
-    def __call__(self, kind: str, value) -> int:
-        """One item's embeddings: an audio clip's (float samples `[n]`), an image's (`[H,
-        W, C]`), a video's (its file's bytes, uint8 `[N]`, or frames `[F, H, W, 3]`); 0 where
-        its size cannot be read or is one its stage refuses (the stage says why)."""
-        shape = tuple(getattr(value, "shape", ()))
-        try:
-            if kind == "audio" and len(shape) == 1:
-                return self.audio_tokens(self.audio_length(shape[0]))
-            if kind == "image" and len(shape) == 3:
-                return self.image_tokens(*shape[:2])
-            if kind == "video" and len(shape) == 4:
-                return self.video_tokens(*shape[:3])
-            if kind == "video" and len(shape) == 1:
-                from omniflow.media import video_header
-
-                info = video_header(value.numpy().tobytes())
-                frames = sample_indices(info.frames, info.rate, self.video, self.temporal)
-                return self.video_tokens(len(frames), info.height, info.width)
-        except (VisionBackendError, ValueError):  # (a MediaError is a ValueError)
-            pass
-        return 0
-
-    def audio_length(self, samples: int) -> int:
-        """The feature frames `audio_features` keeps of a clip of `samples`: those the
-        extractor's attention mask marks, one a hop begun within its 30 s window."""
-        within = min(samples, self.extractor.n_samples)
-        return -(-within // self.extractor.hop_length)
-
-    def audio_tokens(self, length: int) -> int:
-        """The embeddings a clip of `length` feature frames gives."""
-        from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import (
-            _get_feat_extract_output_lengths,
-        )
-
-        return int(_get_feat_extract_output_lengths(length))
-
-    def image_tokens(self, height: int, width: int) -> int:
-        patches = self.images.get_number_of_image_patches(height, width, {})
-        return patches // self.merge**2
-
-    def video_tokens(self, frames: int, height: int, width: int) -> int:
-        """A video's embeddings, of `frames` sampled frames (the last repeated to a whole
-        temporal patch, as `video_patches` does)."""
-        h, w = video_resize(height, width, self.images, self.video, self.merge)
-        patch = self.images.patch_size * self.merge
-        return -(-frames // self.temporal) * (h // patch) * (w // patch)
-
-
-AudioTower.counting = VisionTower.counting = MediaCount
 
 
 def video_settings(path: str | Path, defaults: dict = VIDEO_DEFAULTS) -> dict:
